@@ -1,0 +1,89 @@
+"""The `kv-offload` command: a thin dispatcher over lazily imported subcommands.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; the module is imported only when its command runs, so
+``kv-offload sidecar`` never loads the operator runtime or kopf.
+Exit codes: 0 success, 1 a negative answer (e.g. ``diff`` found differences),
+2 bad input, with a one-line message on stderr that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "translate": ("kv_offload_operator.cli_translate",
+                  "vLLM serve arguments + the model's config.json -> OffloadingConfig JSON"),
+    "fingerprint": ("kv_offload_operator.cli_fingerprint", "print the fingerprint of a config file"),
+    "diff": ("kv_offload_operator.cli_diff", "compare the identity of two config files"),
+    "sidecar": ("kv_offload_sidecar.main", "run the per-pod sidecar"),
+    "operator": ("kv_offload_operator.main", "run the kopf operator and its webhook"),
+    "demo": ("kv_offload_sidecar.demo", "several sidecars and simulated engines sharing chunks"),
+}
+# bench name -> (module, one-line help)
+BENCHES: dict[str, tuple[str, str]] = {
+    "transport": ("kv_offload_sidecar.bench.transport", "data-plane throughput against raw sockets"),
+    "replay": ("kv_offload_sidecar.bench.replay", "hit ratios replaying a Mooncake-format trace"),
+    "chaos": ("kv_offload_sidecar.bench.chaos", "fault injection and fuzzing against live sidecars"),
+}
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, nothing on stdout
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _add_lazy(sub: argparse._SubParsersAction, name: str, module: str, help_: str,
+              wanted: str | None) -> None:
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.set_defaults(_module=module)
+    if wanted == name:  # only the chosen command imports its module
+        importlib.import_module(module).add_arguments(p)
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = _Parser(prog="kv-offload", description="Peer-to-peer sharing of vLLM's offloaded KV cache.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    wanted = argv[0] if argv else None
+    for name, (module, help_) in COMMANDS.items():
+        _add_lazy(sub, name, module, help_, wanted)
+    bench = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=_Parser)
+    wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
+    for name, (module, help_) in BENCHES.items():
+        _add_lazy(bench_sub, name, module, help_, wanted_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        module = getattr(args, "_module", None)
+        if module is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return int(importlib.import_module(module).run(args) or 0)
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("kv_offload"):
+            print(f"kv-offload: this command is not built yet ({exc.name})", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
