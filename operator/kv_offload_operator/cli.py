@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("kv_offload_sidecar.main", "run the per-pod sidecar"),
     "operator": ("kv_offload_operator.main", "run the kopf operator and its webhook"),
     "demo": ("kv_offload_sidecar.demo", "several sidecars and simulated engines sharing chunks"),
+    "install-tier": ("kv_offload_sidecar.install_tier", "copy the vLLM-side tier into a shared volume"),
 }
 # bench name -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {

@@ -1,0 +1,36 @@
+"""Per-chunk checksum: xxHash XXH3-64 over a buffer, read in place.
+
+The store computes it when a chunk is committed and the data plane verifies it
+before a received chunk becomes visible. ``xxhash`` reads the caller's buffer
+through the buffer protocol, so a ``memoryview`` over a shared-memory slot is
+hashed without copying it.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import xxhash
+
+# Width of a chunk checksum on the wire (bytes, unsigned big-endian).
+CHECKSUM_BYTES = 8
+
+# What chunk_checksum accepts (any C-contiguous buffer-protocol object works;
+# collections.abc.Buffer only exists from Python 3.12).
+BytesLike = bytes | bytearray | memoryview | mmap.mmap
+
+
+def chunk_checksum(buf: BytesLike) -> int:
+    """Return the XXH3-64 digest of ``buf`` as an unsigned 64-bit integer.
+
+    ``buf`` is any C-contiguous object exposing the buffer protocol
+    (``bytes``, ``bytearray``, ``memoryview``, ``mmap``, a numpy array).
+    Raises ``TypeError`` naming the type when ``buf`` is not such a buffer.
+    """
+    try:
+        return xxhash.xxh3_64_intdigest(buf)
+    except (TypeError, ValueError, BufferError) as exc:
+        raise TypeError(
+            f"chunk_checksum needs a C-contiguous bytes-like buffer, got {type(buf).__name__} "
+            f"({exc}); pass a memoryview of the chunk's contiguous bytes"
+        ) from exc
