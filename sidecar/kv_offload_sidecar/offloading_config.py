@@ -16,7 +16,10 @@ from typing import Any
 
 FINGERPRINT_HEX_LEN = 16
 NAMESPACE_DIGEST_HEX_LEN = 12
-# vLLM's CANONICAL_FORMAT_VERSION (canonical_mapping.py).
+# SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT (mmap.PAGESIZE on x86-64 / arm64 4K).
+HOST_PAGE_BYTES = 4096
+# vLLM's CANONICAL_FORMAT_VERSION (canonical_mapping.py) as SPEC section 3 fixes it:
+# vLLM main is at 2 (PCP recorded as a replica axis); the 0.33.0 wheel still says 1.
 CANONICAL_FORMAT_VERSION = 2
 # Legacy family spellings of vLLM's canonical_format_id.
 _CANONICAL_FAMILY = {"LBNHC": "nhd", "LBHNC": "hnd"}
@@ -129,6 +132,12 @@ class OffloadingConfig:
         workers = 1 if self.replicated_layout else self.parallel.world_size
         return self.worker_kv_bytes_per_block * self.cache.blocks_per_chunk * workers
 
+    @property
+    def host_chunk_stride_bytes(self) -> int:
+        """Bytes vLLM's CPU tier reserves per chunk: kv_bytes_per_chunk rounded
+        up to the 4 KiB page (CPUOffloadingSpec's aligned_kv_bytes_per_chunk)."""
+        return -(-self.kv_bytes_per_chunk // HOST_PAGE_BYTES) * HOST_PAGE_BYTES
+
     # ---- identity -------------------------------------------------------
 
     def run_config(self) -> dict[str, Any]:
@@ -201,35 +210,46 @@ class OffloadingConfig:
         """Load a config dict; a stated fingerprint must match the content."""
         if not isinstance(d, Mapping):
             raise ValueError(f"offloading config must be a JSON object, got {type(d).__name__}")
+        groups = _req(d, "groups")
+        if not isinstance(groups, list) or not groups:
+            raise ValueError("offloading config field 'groups' must be a non-empty list")
         try:
             cfg = cls(
                 groups=tuple(
                     OffloadingGroupConfig(
                         tokens_per_block=_int(g, "tokens_per_block"),
-                        layer_names=tuple(str(n) for n in _req(g, "layer_names")),
+                        layer_names=tuple(_str(n, "layer_names") for n in _list(g, "layer_names")),
                         group_id=_int(g, "group_id"),
                     )
-                    for g in _req(d, "groups")
+                    for g in groups
                 ),
                 worker_kv_bytes_per_block=_int(d, "worker_kv_bytes_per_block"),
-                enable_kv_cache_events=bool(_req(d, "enable_kv_cache_events")),
-                extra_config=_req(d, "extra_config") or {},
-                engine_id=str(_req(d, "engine_id")),
-                model=OffloadingModelConfig(**_sub(d, "model", ("name", "dtype"))),
+                enable_kv_cache_events=_bool(d, "enable_kv_cache_events"),
+                extra_config=_mapping(d, "extra_config"),
+                engine_id=_str(_req(d, "engine_id"), "engine_id"),
+                model=OffloadingModelConfig(
+                    name=_str(_req(_req(d, "model"), "name"), "model.name"),
+                    dtype=_str(_req(_req(d, "model"), "dtype"), "model.dtype"),
+                ),
                 cache=OffloadingCacheConfig(**{
                     k: _int(_req(d, "cache"), k) for k in ("tokens_per_hash", "blocks_per_chunk")}),
                 parallel=_parallel_from(_req(d, "parallel")),
-                replicated_layout=bool(d.get("replicated_layout", False)),
-                canonical_layout=bool(d.get("canonical_layout", False)),
-                kv_cache_layout=d.get("kv_cache_layout"),
+                replicated_layout=_bool(d, "replicated_layout", False),
+                canonical_layout=_bool(d, "canonical_layout", False),
+                kv_cache_layout=_optional_str(d, "kv_cache_layout"),
             )
         except (TypeError, AttributeError) as exc:
             raise ValueError(f"malformed offloading config: {exc}") from None
-        stated = d.get("fingerprint")
-        if stated is not None and stated != cfg.fingerprint:
-            raise ValueError(
-                f"offloading config states fingerprint {stated!r} but its fields hash to "
-                f"{cfg.fingerprint!r}: regenerate it with 'kv-offload translate'")
+        if cfg.cache.tokens_per_hash <= 0 or cfg.cache.blocks_per_chunk <= 0 or any(
+                g.tokens_per_block <= 0 for g in cfg.groups):
+            raise ValueError("offloading config tokens_per_block, tokens_per_hash and "
+                             "blocks_per_chunk must be greater than 0")
+        for key in ("fingerprint", "namespace_digest"):
+            stated = d.get(key)
+            if stated is not None and stated != getattr(cfg, key):
+                raise ValueError(
+                    f"offloading config states {key} {stated!r} but its fields hash to "
+                    f"{getattr(cfg, key)!r}: regenerate it with 'kv-offload translate'")
         return cfg
 
     @classmethod
@@ -264,7 +284,7 @@ def identity_diff(a: OffloadingConfig | Mapping[str, Any],
         rb = {**rb, "kv_bytes_per_chunk": b.kv_bytes_per_chunk}
     out: list[str] = []
     for key in sorted(set(ra) | set(rb)):
-        va, vb = ra.get(key, "<absent>"), rb.get(key, "<absent>")
+        va, vb = ra.get(key, _ABSENT), rb.get(key, _ABSENT)
         if key == "kv_cache_groups" and va != vb and isinstance(va, list) and isinstance(vb, list):
             out.extend(_group_diff(va, vb))
         elif va != vb:
@@ -293,7 +313,17 @@ def _abbrev(names: list | None) -> str:
     return f"[{names[0]!r} .. {names[-1]!r}]"
 
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT = _Absent()
+
+
 def _show(v: Any) -> str:
+    if v is _ABSENT:
+        return repr(v)
     return json.dumps(v) if isinstance(v, (str, bool)) or v is None else str(v)
 
 
@@ -310,9 +340,38 @@ def _int(d: Any, key: str) -> int:
     return v
 
 
-def _sub(d: Mapping[str, Any], key: str, names: tuple[str, ...]) -> dict[str, Any]:
-    sub = _req(d, key)
-    return {n: _req(sub, n) for n in names}
+def _str(v: Any, key: str) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"offloading config field {key!r} must be a string, got {v!r}")
+    return v
+
+
+def _optional_str(d: Mapping[str, Any], key: str) -> str | None:
+    v = d.get(key)
+    return None if v is None else _str(v, key)
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool | None = None) -> bool:
+    v = d.get(key, default) if default is not None else _req(d, key)
+    if not isinstance(v, bool):
+        raise ValueError(f"offloading config field {key!r} must be true or false, got {v!r}")
+    return v
+
+
+def _list(d: Any, key: str) -> list:
+    v = _req(d, key)
+    if not isinstance(v, list):
+        raise ValueError(f"offloading config field {key!r} must be a list, got {v!r}")
+    return v
+
+
+def _mapping(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    v = _req(d, key)
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ValueError(f"offloading config field {key!r} must be an object, got {v!r}")
+    return v
 
 
 def _parallel_from(p: Mapping[str, Any]) -> OffloadingParallelConfig:
@@ -321,8 +380,8 @@ def _parallel_from(p: Mapping[str, Any]) -> OffloadingParallelConfig:
     local = p.get("data_parallel_rank_local") if isinstance(p, Mapping) else None
     return OffloadingParallelConfig(
         **{k: _int(p, k) for k in ints},
-        data_parallel_rank_local=None if local is None else int(local),
-        is_parallelism_agnostic=bool(_req(p, "is_parallelism_agnostic")),
+        data_parallel_rank_local=None if local is None else _int(p, "data_parallel_rank_local"),
+        is_parallelism_agnostic=_bool(p, "is_parallelism_agnostic"),
     )
 
 

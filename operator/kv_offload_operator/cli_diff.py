@@ -1,0 +1,32 @@
+"""`kv-offload diff`: compare the identity of two OffloadingConfig files.
+
+Exit 0 when they share an identity (chunks are interchangeable), 1 when they
+differ (one `name: a != b` line per differing field on stdout), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", metavar="A", help="first offloading_config.json")
+    parser.add_argument("b", metavar="B", help="second offloading_config.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kv_offload_operator.cli_translate import fail
+    from kv_offload_sidecar.offloading_config import identity_diff, load_config_file
+
+    try:
+        a = load_config_file(args.a)
+        b = load_config_file(args.b)
+    except ValueError as exc:
+        return fail(f"kv-offload diff: {exc}")
+    lines = identity_diff(a, b)
+    if not lines:
+        print(f"same identity: fingerprint {a.fingerprint}")
+        return 0
+    for line in lines:
+        print(line)
+    return 1

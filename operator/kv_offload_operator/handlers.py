@@ -1,0 +1,342 @@
+"""The kopf handlers of the kv-offload operator: thin glue over pure builders.
+
+A ``KVOffloadPool`` becomes a ConfigMap (``offloading_config.json``), a
+pool-key Secret (created once, never rotated) and a headless peer Service,
+all owned by the pool; its status carries the fingerprint, the ready peer
+count and the ``Ready``/``Invalid`` conditions. The mutating webhook wires
+labelled pods into their pool. Translation lives in ``translate.py``, every
+object shape in ``resources.py``; this module only moves them through the
+API (kubernetes_asyncio) and kopf.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import secrets
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from . import resources as r
+from .translate import translate
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    """Command-line settings handed to the startup handler through ``memo.options``."""
+
+    # Sidecar image for pools that do not name one in spec.sidecar.image.
+    sidecar_image: str
+    # Webhook listening address ("0.0.0.0" = all interfaces).
+    webhook_addr: str = "0.0.0.0"
+    # Webhook HTTPS port.
+    webhook_port: int = 9443
+    # Host name put into the self-signed dev certificate and the logged URL; None = addr.
+    webhook_host: str | None = None
+    # Directory with tls.crt and tls.key (e.g. a cert-manager Secret); None = self-signed (dev).
+    webhook_cert_dir: str | None = None
+    # Extra SANs for the self-signed dev certificate.
+    webhook_sans: tuple[str, ...] = field(default_factory=tuple)
+
+
+class PoolSpecError(ValueError):
+    """A pool spec that can never work; its message says what to change."""
+
+
+# ---- settings ---------------------------------------------------------------
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo,
+                    logger: logging.Logger, **_: Any) -> None:
+    """All operator settings, the webhook server and the API client, in one place."""
+    options: OperatorOptions = memo.options
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=r.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=r.GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{r.GROUP}/finalizer"
+    # Only problems become Kubernetes Events (kubectl describe kvoffloadpool ...).
+    settings.posting.level = logging.WARNING
+    # One replica; no peering objects, no CRD scanning: least RBAC.
+    settings.peering.standalone = True
+    settings.peering.mandatory = False
+    settings.scanning.disabled = True
+    settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
+    settings.admission.server = _webhook_server(options, logger)
+    memo.api = await _api_client()
+    memo.ready_counts = {}
+
+
+@kopf.on.cleanup()
+async def close_api_client(memo: kopf.Memo, **_: Any) -> None:
+    """Close the API client's connections on shutdown."""
+    api = getattr(memo, "api", None)
+    if api is not None:
+        await api.close()
+
+
+async def _api_client() -> k8s.ApiClient:
+    cfg = k8s.Configuration()
+    try:
+        k8s_config.load_incluster_config(client_configuration=cfg)
+    except k8s_config.ConfigException:
+        await k8s_config.load_kube_config(client_configuration=cfg)
+    return k8s.ApiClient(cfg)
+
+
+def _webhook_server(options: OperatorOptions, logger: logging.Logger) -> kopf.WebhookServer:
+    if options.webhook_cert_dir:
+        cert_dir = Path(options.webhook_cert_dir)
+        certfile, keyfile = cert_dir / "tls.crt", cert_dir / "tls.key"
+        for f in (certfile, keyfile):
+            if not f.is_file():
+                raise kopf.PermanentError(f"--webhook-cert-dir {cert_dir}: {f.name} is missing")
+    else:
+        logger.warning("No --webhook-cert-dir: serving the webhook with a self-signed certificate (dev only).")
+        certfile, keyfile = _self_signed(options)
+    return kopf.WebhookServer(addr=options.webhook_addr, port=options.webhook_port,
+                              host=options.webhook_host, certfile=str(certfile), pkeyfile=str(keyfile))
+
+
+def _self_signed(options: OperatorOptions) -> tuple[Path, Path]:
+    """A throw-away certificate for development clusters (cryptography, not certbuilder)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    names = [n for n in (options.webhook_host, options.webhook_addr, "localhost", *options.webhook_sans) if n]
+    sans: list[x509.GeneralName] = []
+    for n in dict.fromkeys(names):
+        try:
+            ip = ipaddress.ip_address(n)
+        except ValueError:
+            sans.append(x509.DNSName(n))
+        else:
+            if not ip.is_unspecified:
+                sans.append(x509.IPAddress(ip))
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, options.webhook_host or "kv-offload-webhook")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .sign(key, hashes.SHA256()))
+    out = Path(tempfile.mkdtemp(prefix="kv-offload-webhook-"))
+    (out / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                     serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+    return out / "tls.crt", out / "tls.key"
+
+
+# ---- ready peers ------------------------------------------------------------
+
+def _pod_is_ready(status: Mapping[str, Any], **_: Any) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (status or {}).get("conditions") or [])
+
+
+@kopf.index("pods", labels={r.POOL_LABEL: kopf.PRESENT}, when=_pod_is_ready)
+def ready_pool_pods(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> dict[tuple[str, str], str]:
+    """Ready pool pods by (namespace, pool name)."""
+    return {(namespace, labels[r.POOL_LABEL]): name}
+
+
+@kopf.on.event("pods", labels={r.POOL_LABEL: kopf.PRESENT})
+async def count_ready_peers(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
+                            ready_pool_pods: kopf.Index, **_: Any) -> None:
+    """Write the pool's ``status.readyPeers`` whenever the count changes."""
+    pool = labels[r.POOL_LABEL]
+    key = (namespace, pool)
+    count = len(ready_pool_pods.get(key, []))
+    if memo.ready_counts.get(key) == count:
+        return
+    try:
+        await k8s.CustomObjectsApi(memo.api).patch_namespaced_custom_object_status(
+            r.GROUP, r.VERSION, namespace, r.PLURAL, pool, {"status": {"readyPeers": count}},
+            _content_type=MERGE_PATCH)
+    except ApiException as exc:
+        if exc.status == 404:
+            return  # a pod naming a pool that does not exist; the webhook denies new ones
+        raise
+    memo.ready_counts[key] = count
+
+
+# ---- the pool ---------------------------------------------------------------
+
+@kopf.on.resume(r.GROUP, r.VERSION, r.PLURAL)
+@kopf.on.create(r.GROUP, r.VERSION, r.PLURAL)
+@kopf.on.update(r.GROUP, r.VERSION, r.PLURAL, field="spec")
+async def reconcile_pool(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status,
+                         name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
+                         logger: logging.Logger, ready_pool_pods: kopf.Index, **_: Any) -> None:
+    """Translate the pool and write its ConfigMap, Secret, Service and status."""
+    api: k8s.ApiClient = memo.api
+    generation = meta.get("generation")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    pool = json.loads(json.dumps(dict(body)))
+    try:
+        model_config = await _model_config(api, namespace, pool["spec"])
+        config = translate(list(pool["spec"].get("vllmArgs") or []), model_config)
+        sidecar = r.SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
+    except ValueError as exc:  # TranslationError, PoolSpecError, bad sidecar values
+        message = str(exc)
+        patch.status["conditions"] = r.pool_conditions(
+            status.get("conditions"), invalid_message=message, generation=generation, now=now)
+        patch.status["observedGeneration"] = generation
+        raise kopf.PermanentError(message) from None
+
+    core = k8s.CoreV1Api(api)
+    await _ensure_configmap(core, r.configmap_for(pool, config))
+    await _ensure_pool_key(core, pool)
+    await _ensure_service(core, r.peers_service(pool, r.pool_ports(config, sidecar)))
+
+    count = len(ready_pool_pods.get((namespace, name), []))
+    memo.ready_counts[(namespace, name)] = count
+    patch.status["fingerprint"] = config.fingerprint
+    patch.status["namespaceDigest"] = config.namespace_digest
+    patch.status["configMap"] = r.configmap_name(name)
+    patch.status["readyPeers"] = count
+    patch.status["observedGeneration"] = generation
+    patch.status["conditions"] = r.pool_conditions(
+        status.get("conditions"), invalid_message=None, generation=generation, now=now)
+    logger.info(f"Pool {namespace}/{name}: fingerprint {config.fingerprint}, "
+                f"ConfigMap {r.configmap_name(name)} written.")
+
+
+async def _model_config(api: k8s.ApiClient, namespace: str, spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    if "modelConfig" in spec and "modelConfigRef" in spec:
+        raise PoolSpecError("set only one of spec.modelConfig or spec.modelConfigRef")
+    if "modelConfig" in spec:
+        return spec["modelConfig"]
+    ref = spec.get("modelConfigRef")
+    if not ref or not ref.get("name"):
+        raise PoolSpecError("set spec.modelConfig (the model's config.json) or spec.modelConfigRef.name")
+    key = ref.get("key") or "config.json"
+    try:
+        cm = await k8s.CoreV1Api(api).read_namespaced_config_map(ref["name"], namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise kopf.TemporaryError(f"ConfigMap {ref['name']!r} named by spec.modelConfigRef does not exist "
+                                      f"in namespace {namespace!r}; waiting for it", delay=30) from None
+        raise
+    text = (cm.data or {}).get(key)
+    if text is None:
+        raise PoolSpecError(f"ConfigMap {ref['name']!r} has no key {key!r} (spec.modelConfigRef.key)")
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PoolSpecError(f"ConfigMap {ref['name']!r} key {key!r} is not JSON: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise PoolSpecError(f"ConfigMap {ref['name']!r} key {key!r} must hold a JSON object (config.json)")
+    return loaded
+
+
+async def _read(reader: Any, name: str, namespace: str) -> Any | None:
+    try:
+        return await reader(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+async def _create(creator: Any, namespace: str, obj: Mapping[str, Any]) -> None:
+    try:
+        await creator(namespace, obj)
+    except ApiException as exc:
+        if exc.status != 409:  # created meanwhile (e.g. a restarted operator): keep it
+            raise
+
+
+async def _ensure_configmap(core: k8s.CoreV1Api, cm: Mapping[str, Any]) -> None:
+    meta = cm["metadata"]
+    current = await _read(core.read_namespaced_config_map, meta["name"], meta["namespace"])
+    if current is None:
+        await _create(core.create_namespaced_config_map, meta["namespace"], cm)
+    elif (current.data or {}) != cm["data"]:
+        await core.patch_namespaced_config_map(
+            meta["name"], meta["namespace"],
+            {"data": cm["data"], "metadata": {"ownerReferences": meta["ownerReferences"]}},
+            _content_type=MERGE_PATCH)
+
+
+async def _ensure_pool_key(core: k8s.CoreV1Api, pool: Mapping[str, Any]) -> None:
+    name, namespace = r.secret_name(pool["metadata"]["name"]), pool["metadata"]["namespace"]
+    current = await _read(core.read_namespaced_secret, name, namespace)
+    if current is None:
+        secret = r.pool_key_secret(pool, secrets.token_bytes(r.POOL_KEY_BYTES))
+        await _create(core.create_namespaced_secret, namespace, secret)
+    elif not (current.data or {}).get(r.POOL_KEY_KEY):
+        raise kopf.TemporaryError(f"Secret {name!r} exists without key {r.POOL_KEY_KEY!r}; the operator never "
+                                  f"rotates a pool key silently: delete the Secret to get a new one", delay=60)
+
+
+async def _ensure_service(core: k8s.CoreV1Api, svc: Mapping[str, Any]) -> None:
+    meta = svc["metadata"]
+    current = await _read(core.read_namespaced_service, meta["name"], meta["namespace"])
+    if current is None:
+        await _create(core.create_namespaced_service, meta["namespace"], svc)
+        return
+    have = core.api_client.sanitize_for_serialization(current.spec) or {}
+    want = svc["spec"]
+    have_ports = [{k: p.get(k) for k in ("name", "port", "targetPort")} for p in have.get("ports") or []]
+    want_ports = [{k: p.get(k) for k in ("name", "port", "targetPort")} for p in want["ports"]]
+    if have.get("selector") != want["selector"] or have_ports != want_ports:
+        await core.patch_namespaced_service(
+            meta["name"], meta["namespace"],
+            {"spec": {"selector": want["selector"], "ports": want["ports"]}}, _content_type=MERGE_PATCH)
+
+
+# ---- the webhook --------------------------------------------------------------
+
+@kopf.on.mutate("pods", labels={r.POOL_LABEL: kopf.PRESENT}, operation="CREATE")
+async def inject_sidecar(body: kopf.Body, labels: Mapping[str, str], namespace: str | None,
+                         patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """Wire a labelled pod into its pool; deny it when the pool is missing or Invalid."""
+    pool_name = labels[r.POOL_LABEL]
+    pod = json.loads(json.dumps(dict(body)))
+    namespace = namespace or "default"
+    if r.is_injected(pod):
+        return
+    try:
+        pool = await k8s.CustomObjectsApi(memo.api).get_namespaced_custom_object(
+            r.GROUP, r.VERSION, namespace, r.PLURAL, pool_name)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise kopf.AdmissionError(
+                f"KVOffloadPool {pool_name!r} does not exist in namespace {namespace!r}: create it, "
+                f"or fix the pod's label {r.POOL_LABEL}.", code=400) from None
+        raise
+    problem = r.invalid_message(pool)
+    if problem is not None:
+        raise kopf.AdmissionError(
+            f"KVOffloadPool {pool_name!r} in namespace {namespace!r} is Invalid ({problem}); "
+            f"fix the pool's spec before creating its pods.", code=400)
+    fingerprint = (pool.get("status") or {}).get("fingerprint")
+    if not fingerprint:
+        raise kopf.AdmissionError(
+            f"KVOffloadPool {pool_name!r} in namespace {namespace!r} has no translated config yet; "
+            f"retry once the operator has set its status.fingerprint.", code=503)
+    try:
+        sidecar = r.SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
+        ops = r.pod_patch(pod, pool, fingerprint=fingerprint, sidecar=sidecar)
+    except ValueError as exc:
+        raise kopf.AdmissionError(
+            f"The pod cannot join KVOffloadPool {pool_name!r}: {exc}.", code=400) from None
+    patch.fns.append(lambda raw: r.apply_patch(raw, ops))

@@ -1,0 +1,66 @@
+"""`kv-offload operator`: run the kopf operator and its admission webhook.
+
+Parses the flags into ``handlers.OperatorOptions`` and runs kopf's real
+runtime (``kopf.operator``) in asyncio; every kopf setting is applied by the
+single startup handler in ``handlers.py``. SIGTERM/SIGINT stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+DEFAULT_SIDECAR_IMAGE = os.environ.get("KV_OFFLOAD_SIDECAR_IMAGE", "ghcr.io/kv-offload/kv-offload:0.1.0")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; globs allowed)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    parser.add_argument("--webhook-port", type=int, default=9443, help="webhook HTTPS port (default 9443)")
+    parser.add_argument("--webhook-addr", default="0.0.0.0", help="webhook listening address (default all)")
+    parser.add_argument("--webhook-host", default=None,
+                        help="host name of the webhook (self-signed certificate's name, logged URL)")
+    parser.add_argument("--webhook-cert-dir", default=None,
+                        help="directory with tls.crt and tls.key; without it a self-signed "
+                             "certificate is generated (development only)")
+    parser.add_argument("--health-port", type=int, default=8080,
+                        help="liveness endpoint port, serving /healthz (default 8080)")
+    parser.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE,
+                        help="sidecar image for pools without spec.sidecar.image "
+                             "(default $KV_OFFLOAD_SIDECAR_IMAGE or %(default)s)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cli import UsageError
+
+    if not args.namespace and not args.all_namespaces:
+        raise UsageError("kv-offload operator: give --namespace NS (repeatable) or --all-namespaces")
+    for flag, port in (("--webhook-port", args.webhook_port), ("--health-port", args.health_port)):
+        if not 1 <= port <= 65535:
+            raise UsageError(f"kv-offload operator: {flag} {port} is not a port; use 1..65535")
+    if args.webhook_port == args.health_port:
+        raise UsageError("kv-offload operator: --webhook-port and --health-port must differ")
+
+    import kopf
+
+    from . import handlers  # registers the handlers in kopf's default registry
+
+    options = handlers.OperatorOptions(
+        sidecar_image=args.sidecar_image, webhook_addr=args.webhook_addr,
+        webhook_port=args.webhook_port, webhook_host=args.webhook_host,
+        webhook_cert_dir=args.webhook_cert_dir)
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    asyncio.run(kopf.operator(
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace,
+        standalone=True,
+        liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
+        memo=kopf.Memo(options=options),
+    ))
+    return 0

@@ -1,0 +1,420 @@
+"""Pure builders for every Kubernetes object the operator writes or injects.
+
+No kopf, no I/O: each function takes plain dicts (a ``KVOffloadPool`` body, a
+pod manifest) and returns plain dicts or RFC 6902 JSON-patch operations, so
+all of it is testable without a cluster. ``handlers.py`` calls these and only
+moves the results to and from the API server.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kv_offload_sidecar.offloading_config import OffloadingConfig
+from kv_offload_sidecar.vllm_args import parse_vllm_args
+
+GROUP = "kv-offload.io"
+VERSION = "v1alpha1"
+PLURAL = "kvoffloadpools"
+KIND = "KVOffloadPool"
+# Label that puts a pod into a pool; its value is the pool name.
+POOL_LABEL = "kv-offload.io/pool"
+# Set on injected pods; its value is the pool fingerprint at injection time.
+INJECTED_ANNOTATION = "kv-offload.io/injected"
+# Optional pod annotation naming the vLLM container when it cannot be guessed.
+VLLM_CONTAINER_ANNOTATION = "kv-offload.io/vllm-container"
+CONFIG_KEY = "offloading_config.json"
+POOL_KEY_KEY = "key"
+CONFIG_DIR = "/etc/kv-offload"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+POOL_KEY_PATH = f"{CONFIG_DIR}/pool-key/{POOL_KEY_KEY}"
+TIER_DIR = "/kv-offload-lib"
+SHM_DIR = "/dev/shm"
+SIDECAR_NAME = "kv-offload-sidecar"
+TIER_INIT_NAME = "kv-offload-install-tier"
+CONFIG_VOLUME = "kv-offload-config"
+SHM_VOLUME = "kv-offload-shm"
+TIER_VOLUME = "kv-offload-lib"
+DEFAULT_BASE_PORT = 5710
+DEFAULT_DATA_PORT = 5810
+DEFAULT_CAPACITY_BYTES = 4 << 30
+# Head room of the default /dev/shm limit above the chunk store (vLLM, NCCL).
+SHM_HEADROOM_BYTES = 1 << 30
+DEFAULT_TRANSPORT = "ucx"
+TRANSPORTS = ("ucx", "tcp")
+DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}}
+POOL_KEY_BYTES = 32
+_SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env")
+
+
+def configmap_name(pool_name: str) -> str:
+    """ConfigMap holding the pool's ``offloading_config.json``."""
+    return f"{pool_name}-offloading-config"
+
+
+def secret_name(pool_name: str) -> str:
+    """Secret holding the pool key (HMAC proof between peers)."""
+    return f"{pool_name}-pool-key"
+
+
+def service_name(pool_name: str) -> str:
+    """Headless Service whose DNS name lists the pool's pods."""
+    return f"{pool_name}-peers"
+
+
+def peers_dns(pool_name: str, namespace: str) -> str:
+    """Fully qualified DNS name of the pool's headless Service."""
+    return f"{service_name(pool_name)}.{namespace}.svc.cluster.local"
+
+
+@dataclass(frozen=True)
+class SidecarSpec:
+    """The defaulted ``spec.sidecar`` and ``spec.shmSizeLimit`` of one pool."""
+
+    # Sidecar image (spec.sidecar.image, else the operator's --sidecar-image).
+    image: str
+    # ResourceRequirements of the sidecar container.
+    resources: Mapping[str, Any]
+    # Host-memory chunk store size per pod in bytes (> 0).
+    capacity_bytes: int
+    # Data plane between peers: "ucx" or "tcp".
+    transport: str
+    # Control port of global DP rank 0; rank i uses base_port + i.
+    base_port: int
+    # Data-plane port of the TCP transport.
+    data_port: int
+    # sizeLimit of the shared /dev/shm emptyDir (quantity string or bytes).
+    shm_size_limit: str | int
+
+    @classmethod
+    def from_pool(cls, pool: Mapping[str, Any], *, default_image: str) -> "SidecarSpec":
+        """Read a pool body's spec; ValueError names the field and what to change."""
+        spec = pool.get("spec") or {}
+        sc = spec.get("sidecar") or {}
+        image = sc.get("image") or default_image
+        if not image:
+            raise ValueError("spec.sidecar.image is empty and the operator has no --sidecar-image; "
+                             "set spec.sidecar.image")
+        capacity = sc.get("capacityBytes", DEFAULT_CAPACITY_BYTES)
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ValueError(f"spec.sidecar.capacityBytes={capacity!r}: set a positive number of bytes")
+        transport = sc.get("transport", DEFAULT_TRANSPORT)
+        if transport not in TRANSPORTS:
+            raise ValueError(f"spec.sidecar.transport={transport!r}: use one of {list(TRANSPORTS)}")
+        base_port = sc.get("basePort", DEFAULT_BASE_PORT)
+        if not isinstance(base_port, int) or isinstance(base_port, bool) or not 1 <= base_port <= 65000:
+            raise ValueError(f"spec.sidecar.basePort={base_port!r}: use a port in [1, 65000]")
+        shm = spec.get("shmSizeLimit", capacity + SHM_HEADROOM_BYTES)
+        return cls(image=image, resources=sc.get("resources") or DEFAULT_SIDECAR_RESOURCES,
+                   capacity_bytes=capacity, transport=transport, base_port=base_port,
+                   data_port=DEFAULT_DATA_PORT, shm_size_limit=shm)
+
+
+def owner_reference(pool: Mapping[str, Any]) -> dict[str, Any]:
+    """The pool as controlling owner: its children are deleted with it."""
+    meta = pool["metadata"]
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
+            "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def _child_meta(pool: Mapping[str, Any], name: str) -> dict[str, Any]:
+    meta = pool["metadata"]
+    return {"name": name, "namespace": meta["namespace"],
+            "labels": {POOL_LABEL: meta["name"], "app.kubernetes.io/managed-by": "kv-offload"},
+            "ownerReferences": [owner_reference(pool)]}
+
+
+def configmap_for(pool: Mapping[str, Any], config: OffloadingConfig) -> dict[str, Any]:
+    """ConfigMap ``<pool>-offloading-config`` with key ``offloading_config.json``."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _child_meta(pool, configmap_name(pool["metadata"]["name"])),
+            "data": {CONFIG_KEY: config.to_json()}}
+
+
+def pool_key_secret(pool: Mapping[str, Any], key: bytes) -> dict[str, Any]:
+    """Secret ``<pool>-pool-key`` holding ``key`` (random bytes chosen by the caller)."""
+    if len(key) < 16:
+        raise ValueError("pool key must be at least 16 bytes")
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _child_meta(pool, secret_name(pool["metadata"]["name"])),
+            "data": {POOL_KEY_KEY: base64.b64encode(key).decode("ascii")}}
+
+
+def pool_ports(config: OffloadingConfig, sidecar: SidecarSpec) -> dict[str, int]:
+    """Port name -> number of every pool sidecar: one control port per DP rank + data."""
+    ports = {f"kvo-ctrl-{i}": sidecar.base_port + i
+             for i in range(max(1, config.parallel.data_parallel_size))}
+    ports["kvo-data"] = sidecar.data_port
+    return ports
+
+
+def peers_service(pool: Mapping[str, Any], ports: Mapping[str, int]) -> dict[str, Any]:
+    """Headless Service ``<pool>-peers`` selecting the pool's pods on ``ports``.
+
+    Not-ready addresses are published: peers find each other while vLLM is
+    still loading, and the handshake (not DNS) decides who may share.
+    """
+    name = pool["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _child_meta(pool, service_name(name)),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {POOL_LABEL: name},
+                     "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"}
+                               for n, p in ports.items()]}}
+
+
+# ---- the pod side -----------------------------------------------------------
+
+def container_argv(container: Mapping[str, Any]) -> list[str]:
+    """The command line a container runs; ``sh -c "..."`` scripts are split."""
+    argv = [str(a) for a in (container.get("command") or [])] + \
+           [str(a) for a in (container.get("args") or [])]
+    if argv and argv[0] in _SHELLS and "-c" in argv:
+        i = argv.index("-c")
+        if i + 1 < len(argv):
+            return shlex.split(argv[i + 1])
+    return argv
+
+
+def _runs_vllm(argv: Sequence[str]) -> bool:
+    return any(a == "vllm" or a.endswith("/vllm") or a.startswith("vllm.") for a in argv)
+
+
+def find_vllm_container(pod: Mapping[str, Any]) -> int:
+    """Index of the vLLM container in ``spec.containers``; ValueError says how to name it."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    wanted = ((pod.get("metadata") or {}).get("annotations") or {}).get(VLLM_CONTAINER_ANNOTATION)
+    if wanted:
+        for i, c in enumerate(containers):
+            if c.get("name") == wanted:
+                return i
+        raise ValueError(f"annotation {VLLM_CONTAINER_ANNOTATION}={wanted!r} names no container of the pod")
+    candidates = [i for i, c in enumerate(containers) if _runs_vllm(container_argv(c))]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates and len(containers) == 1:
+        return 0
+    raise ValueError(f"cannot tell which container runs vLLM ({len(candidates)} candidates); "
+                     f"set annotation {VLLM_CONTAINER_ANNOTATION}: <container name>")
+
+
+def pod_dp_indices(container: Mapping[str, Any]) -> tuple[int, ...]:
+    """Global data-parallel indices the vLLM container serves (from its args)."""
+    indices = tuple(parse_vllm_args(container_argv(container)).pod_dp_indices())
+    return indices or (0,)
+
+
+def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
+                      dp_indices: Sequence[int], shm_volume: str) -> dict[str, Any]:
+    """The native sidecar: an init container with ``restartPolicy: Always``."""
+    first = sidecar.base_port + dp_indices[0]
+    args = ["sidecar", "--config", CONFIG_PATH, "--pool-key-file", POOL_KEY_PATH,
+            "--peers-dns", peers_dns(pool_name, namespace),
+            "--base-port", str(sidecar.base_port), "--data-port", str(sidecar.data_port),
+            "--capacity-bytes", str(sidecar.capacity_bytes), "--transport", sidecar.transport,
+            "--dp-indices", ",".join(str(i) for i in dp_indices), "--shm-dir", SHM_DIR]
+    ports = [{"name": f"kvo-ctrl-{i}", "containerPort": sidecar.base_port + i, "protocol": "TCP"}
+             for i in dp_indices]
+    ports.append({"name": "kvo-data", "containerPort": sidecar.data_port, "protocol": "TCP"})
+
+    def probe(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": first}, "periodSeconds": period,
+                "timeoutSeconds": 2, "failureThreshold": failures}
+
+    return {
+        "name": SIDECAR_NAME,
+        "image": sidecar.image,
+        "command": ["kv-offload"],
+        "args": args,
+        "restartPolicy": "Always",
+        "env": side_channel_env(sidecar.base_port),
+        "ports": ports,
+        # vLLM starts only once the sidecar answers (native sidecar semantics).
+        "startupProbe": probe("/healthz", 1, 60),
+        "livenessProbe": probe("/healthz", 10, 3),
+        "readinessProbe": probe("/readyz", 5, 3),
+        "resources": copy.deepcopy(dict(sidecar.resources)),
+        "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
+                         {"name": shm_volume, "mountPath": SHM_DIR}],
+    }
+
+
+def tier_init_container(sidecar: SidecarSpec) -> dict[str, Any]:
+    """Copies the vLLM-side tier into the shared volume (same image as the sidecar)."""
+    return {"name": TIER_INIT_NAME, "image": sidecar.image,
+            "command": ["kv-offload"], "args": ["install-tier", TIER_DIR],
+            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+            "volumeMounts": [{"name": TIER_VOLUME, "mountPath": TIER_DIR}]}
+
+
+def side_channel_env(base_port: int) -> list[dict[str, Any]]:
+    """vLLM's side-channel variables: host = pod IP (downward API), port = base."""
+    return [{"name": "VLLM_P2P_SIDE_CHANNEL_HOST",
+             "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
+            {"name": "VLLM_P2P_SIDE_CHANNEL_PORT", "value": str(base_port)}]
+
+
+def pod_volumes(pool_name: str, sidecar: SidecarSpec, *, with_shm: bool) -> list[dict[str, Any]]:
+    """Config (ConfigMap + Secret projected together), shm and tier volumes."""
+    vols: list[dict[str, Any]] = [
+        {"name": CONFIG_VOLUME, "projected": {"sources": [
+            {"configMap": {"name": configmap_name(pool_name),
+                           "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}},
+            {"secret": {"name": secret_name(pool_name),
+                        "items": [{"key": POOL_KEY_KEY, "path": f"pool-key/{POOL_KEY_KEY}"}]}}]}},
+        {"name": TIER_VOLUME, "emptyDir": {}},
+    ]
+    if with_shm:
+        vols.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
+                                                      "sizeLimit": str(sidecar.shm_size_limit)}})
+    return vols
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def _existing_shm_volume(container: Mapping[str, Any]) -> str | None:
+    for m in container.get("volumeMounts") or []:
+        if m.get("mountPath", "").rstrip("/") == SHM_DIR:
+            return str(m["name"])
+    return None
+
+
+def _vllm_env(container: Mapping[str, Any], base_port: int) -> list[dict[str, Any]]:
+    ours = side_channel_env(base_port)
+    names = {e["name"] for e in ours} | {"PYTHONPATH"}
+    env = [copy.deepcopy(dict(e)) for e in container.get("env") or [] if e.get("name") not in names]
+    old_path = next((e for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
+    if old_path is not None and "valueFrom" in old_path:
+        raise ValueError("the vLLM container sets PYTHONPATH with valueFrom; "
+                         "set it as a plain value so the tier directory can be prepended")
+    path = TIER_DIR if not (old_path and old_path.get("value")) else f"{TIER_DIR}:{old_path['value']}"
+    return env + ours + [{"name": "PYTHONPATH", "value": path}]
+
+
+def is_injected(pod: Mapping[str, Any]) -> bool:
+    """True when the pod already carries the sidecar (annotation or container)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    inits = (pod.get("spec") or {}).get("initContainers") or []
+    return INJECTED_ANNOTATION in annotations or any(c.get("name") == SIDECAR_NAME for c in inits)
+
+
+def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: str,
+              sidecar: SidecarSpec) -> list[dict[str, Any]]:
+    """RFC 6902 operations that wire ``pod`` into ``pool``; [] when already injected.
+
+    Adds the tier-copy init container and the native sidecar, the config /
+    shm / tier volumes, the side-channel env, ``PYTHONPATH`` and mounts on the
+    vLLM container, and the ``kv-offload.io/injected`` annotation. A pod that
+    already mounts something at /dev/shm keeps that volume and shares it.
+    Raises ValueError (one sentence) when the pod cannot be wired.
+    """
+    if is_injected(pod):
+        return []
+    pool_name = pool["metadata"]["name"]
+    namespace = (pod.get("metadata") or {}).get("namespace") or pool["metadata"]["namespace"]
+    spec = pod.get("spec") or {}
+    index = find_vllm_container(pod)
+    vllm = spec["containers"][index]
+    try:
+        dp_indices = pod_dp_indices(vllm)
+    except ValueError as exc:
+        raise ValueError(f"the vLLM arguments of container {vllm.get('name')!r} do not parse: {exc}") from None
+    existing_shm = _existing_shm_volume(vllm)
+    shm_volume = existing_shm or SHM_VOLUME
+    ops: list[dict[str, Any]] = []
+    meta = pod.get("metadata") or {}
+    if "annotations" not in meta:
+        ops.append({"op": "add", "path": "/metadata/annotations", "value": {}})
+    ops.append({"op": "add", "path": f"/metadata/annotations/{_escape(INJECTED_ANNOTATION)}",
+                "value": fingerprint})
+
+    def append_all(path: str, present: bool, items: list[dict[str, Any]]) -> None:
+        if not present:
+            ops.append({"op": "add", "path": path, "value": items})
+        else:
+            ops.extend({"op": "add", "path": f"{path}/-", "value": item} for item in items)
+
+    inits = [tier_init_container(sidecar),
+             sidecar_container(pool_name=pool_name, namespace=namespace, sidecar=sidecar,
+                               dp_indices=dp_indices, shm_volume=shm_volume)]
+    append_all("/spec/initContainers", "initContainers" in spec, inits)
+    append_all("/spec/volumes", "volumes" in spec,
+               pod_volumes(pool_name, sidecar, with_shm=existing_shm is None))
+    base = f"/spec/containers/{index}"
+    ops.append({"op": "add", "path": f"{base}/env", "value": _vllm_env(vllm, sidecar.base_port)})
+    mounts = [{"name": TIER_VOLUME, "mountPath": TIER_DIR, "readOnly": True}]
+    if existing_shm is None:
+        mounts.append({"name": SHM_VOLUME, "mountPath": SHM_DIR})
+    append_all(f"{base}/volumeMounts", "volumeMounts" in vllm, mounts)
+    return ops
+
+
+def apply_patch(doc: dict[str, Any], ops: Sequence[Mapping[str, Any]]) -> None:
+    """Apply RFC 6902 ``add``/``replace``/``remove`` ops to ``doc`` in place.
+
+    Only the operations ``pod_patch`` emits; the webhook hands the result to
+    kopf's ``patch``, which re-derives the JSON patch it answers with.
+    """
+    for op in ops:
+        *parents, last = [t.replace("~1", "/").replace("~0", "~")
+                          for t in str(op["path"]).split("/")[1:]]
+        target: Any = doc
+        for token in parents:
+            target = target[int(token)] if isinstance(target, list) else target[token]
+        kind = op["op"]
+        if isinstance(target, list):
+            if kind == "add":
+                target.insert(len(target) if last == "-" else int(last), copy.deepcopy(op["value"]))
+            elif kind == "replace":
+                target[int(last)] = copy.deepcopy(op["value"])
+            elif kind == "remove":
+                del target[int(last)]
+            else:
+                raise ValueError(f"unsupported JSON-patch op {kind!r}")
+        elif kind in ("add", "replace"):
+            target[last] = copy.deepcopy(op["value"])
+        elif kind == "remove":
+            del target[last]
+        else:
+            raise ValueError(f"unsupported JSON-patch op {kind!r}")
+
+
+def pool_conditions(old: Sequence[Mapping[str, Any]] | None, *, invalid_message: str | None,
+                    generation: int | None, now: str) -> list[dict[str, Any]]:
+    """The pool's ``Ready`` and ``Invalid`` conditions after one reconciliation.
+
+    ``invalid_message`` None means the spec translated and the children are
+    written. ``lastTransitionTime`` only moves when a condition's status flips.
+    """
+    previous = {c.get("type"): c for c in old or []}
+    if invalid_message is None:
+        wanted = {"Ready": ("True", "ConfigWritten", "The offloading config, pool key and peer Service are in place."),
+                  "Invalid": ("False", "Translated", "The spec translates into an OffloadingConfig.")}
+    else:
+        wanted = {"Ready": ("False", "InvalidSpec", "The spec does not translate; the last good config is kept."),
+                  "Invalid": ("True", "TranslationFailed", invalid_message)}
+    result: list[dict[str, Any]] = []
+    for type_, (status, reason, message) in wanted.items():
+        before = previous.get(type_) or {}
+        since = before.get("lastTransitionTime") if before.get("status") == status else None
+        cond: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": message,
+                                "lastTransitionTime": since or now}
+        if generation is not None:
+            cond["observedGeneration"] = generation
+        result.append(cond)
+    return result
+
+
+def invalid_message(pool: Mapping[str, Any]) -> str | None:
+    """The message of a pool's ``Invalid=True`` condition, else None."""
+    for cond in (pool.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Invalid" and cond.get("status") == "True":
+            return str(cond.get("message") or "no message")
+    return None

@@ -1,0 +1,209 @@
+"""The sidecar's Prometheus metrics, all defined here on a registry passed in.
+
+Names follow SPEC section 6: namespace ``kv_offload``, base units in the name
+(``_seconds``, ``_bytes``), counters exposed with ``_total``. Every label takes
+its values from one of the small fixed tuples below and each allowed series is
+pre-created with ``.labels(...)`` so dashboards see zeros instead of gaps. No
+label ever carries a key, request id or peer address.
+
+Serve with ``metrics_handler(registry)`` on the control app's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+NAMESPACE = "kv_offload"
+
+# result label of chunk_lookups: where an engine lookup found a chunk.
+LOOKUP_RESULTS = ("local_hit", "peer_hit", "miss")
+# direction label of peer_bytes, seen from this sidecar.
+PEER_BYTES_DIRECTIONS = ("sent", "received")
+# result label of peer_fetches: how one fetch from a peer ended.
+FETCH_RESULTS = ("ok", "miss", "timeout", "error", "integrity")
+# result label of handshakes.
+HANDSHAKE_RESULTS = ("accepted", "rejected")
+# reason label of handshakes: "ok" for accepted ones, else why it was rejected.
+HANDSHAKE_REASONS = (
+    "ok",
+    "fingerprint_mismatch",
+    "hash_seed_mismatch",
+    "chunk_size_mismatch",
+    "wire_version_mismatch",
+    "bad_proof",
+    "malformed",
+    "replay",
+)
+# state label of peers: the lifecycle of a peer session.
+PEER_STATES = ("connecting", "connected", "backoff", "rejected")
+# reason label of protocol_errors (also ProtocolError.reason).
+PROTOCOL_ERROR_REASONS = (
+    "malformed",
+    "oversize",
+    "unknown_type",
+    "bad_key",
+    "bad_size",
+    "unauthenticated",
+)
+# Label names of the config_info series (one series per process).
+CONFIG_INFO_LABELS = ("fingerprint", "model", "dtype", "transport", "wire_version")
+
+# Histogram buckets for one peer fetch (seconds): 0.5 ms .. 10 s, covering a
+# shared-memory hop up to a multi-chunk fetch over a slow link.
+FETCH_DURATION_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+# Allowed values per label for every labelled metric, keyed by the exported
+# family name (without _total). Tests and reviewers check exposition against it.
+LABEL_VALUES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
+    f"{NAMESPACE}_chunk_lookups": {"result": LOOKUP_RESULTS},
+    f"{NAMESPACE}_peer_bytes": {"direction": PEER_BYTES_DIRECTIONS},
+    f"{NAMESPACE}_peer_fetches": {"result": FETCH_RESULTS},
+    f"{NAMESPACE}_handshakes": {"result": HANDSHAKE_RESULTS, "reason": HANDSHAKE_REASONS},
+    f"{NAMESPACE}_peers": {"state": PEER_STATES},
+    f"{NAMESPACE}_protocol_errors": {"reason": PROTOCOL_ERROR_REASONS},
+}
+
+
+class SidecarMetrics:
+    """Every metric of one sidecar process, registered on ``registry``.
+
+    Create one per registry (a fresh ``CollectorRegistry()`` per test); a second
+    instance on the same registry raises ``ValueError`` (duplicated timeseries).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        ns = NAMESPACE
+        self.chunk_lookups = Counter(
+            "chunk_lookups",
+            "Chunks looked up for the engine, by where they were found.",
+            ["result"], namespace=ns, registry=registry,
+        )
+        self.peer_bytes = Counter(
+            "peer_bytes",
+            "Chunk payload bytes exchanged with peer sidecars.",
+            ["direction"], unit="bytes", namespace=ns, registry=registry,
+        )
+        self.peer_fetch_duration = Histogram(
+            "peer_fetch_duration",
+            "Duration of one fetch of chunks from a peer, request to last verified byte.",
+            unit="seconds", namespace=ns, registry=registry, buckets=FETCH_DURATION_BUCKETS,
+        )
+        self.peer_fetches = Counter(
+            "peer_fetches",
+            "Fetches of chunks from peers, by outcome.",
+            ["result"], namespace=ns, registry=registry,
+        )
+        self.handshakes = Counter(
+            "handshakes",
+            "Peer handshakes answered or made, by result and rejection reason.",
+            ["result", "reason"], namespace=ns, registry=registry,
+        )
+        self.peers = Gauge(
+            "peers",
+            "Known peer sidecars, by session state.",
+            ["state"], namespace=ns, registry=registry,
+        )
+        self.store_used_bytes = Gauge(
+            "store_used_bytes",
+            "Bytes of the chunk store's slots in use (visible chunks and writes in progress).",
+            namespace=ns, registry=registry,
+        )
+        self.store_capacity_bytes = Gauge(
+            "store_capacity_bytes",
+            "Bytes of chunk store slots preallocated in shared memory.",
+            namespace=ns, registry=registry,
+        )
+        self.store_chunks = Gauge(
+            "store_chunks",
+            "Chunks visible in the chunk store.",
+            namespace=ns, registry=registry,
+        )
+        self.evictions = Counter(
+            "evictions",
+            "Chunks evicted from the chunk store to make room.",
+            namespace=ns, registry=registry,
+        )
+        self.integrity_failures = Counter(
+            "integrity_failures",
+            "Chunks dropped because their checksum did not match.",
+            namespace=ns, registry=registry,
+        )
+        self.protocol_errors = Counter(
+            "protocol_errors",
+            "Malformed or refused frames and bodies from peers or clients, by reason.",
+            ["reason"], namespace=ns, registry=registry,
+        )
+        self.lookup_messages = Counter(
+            "lookup_messages",
+            "Messages sent to peers to answer engine lookups.",
+            namespace=ns, registry=registry,
+        )
+        self.config_info = Info(
+            "config",
+            "Identity of the pool configuration this sidecar serves.",
+            namespace=ns, registry=registry,
+        )
+        self._precreate()
+
+    def _precreate(self) -> None:
+        for result in LOOKUP_RESULTS:
+            self.chunk_lookups.labels(result=result)
+        for direction in PEER_BYTES_DIRECTIONS:
+            self.peer_bytes.labels(direction=direction)
+        for result in FETCH_RESULTS:
+            self.peer_fetches.labels(result=result)
+        self.handshakes.labels(result="accepted", reason="ok")
+        for reason in HANDSHAKE_REASONS[1:]:
+            self.handshakes.labels(result="rejected", reason=reason)
+        for state in PEER_STATES:
+            self.peers.labels(state=state)
+        for reason in PROTOCOL_ERROR_REASONS:
+            self.protocol_errors.labels(reason=reason)
+
+    def set_config_info(
+        self, *, fingerprint: str, model: str, dtype: str, transport: str, wire_version: str | int
+    ) -> None:
+        """Publish ``kv_offload_config_info{fingerprint,model,dtype,transport,wire_version} 1``."""
+        self.config_info.info(
+            {
+                "fingerprint": fingerprint,
+                "model": model,
+                "dtype": dtype,
+                "transport": transport,
+                "wire_version": str(wire_version),
+            }
+        )
+
+
+def exported_metric_names(registry: CollectorRegistry) -> set[str]:
+    """Every sample name ``registry`` exposes (``..._total``, ``..._bucket``, ...).
+
+    Used to check that dashboard PromQL only names series that exist.
+    """
+    return {sample.name for family in registry.collect() for sample in family.samples}
+
+
+def metrics_handler(registry: CollectorRegistry) -> Callable[..., Awaitable[object]]:
+    """An aiohttp handler serving ``registry`` in the Prometheus text format."""
+    try:
+        from prometheus_client.aiohttp import make_aiohttp_handler
+    except ImportError:  # prometheus-client older than 0.22
+        return _fallback_handler(registry)
+    return make_aiohttp_handler(registry=registry)
+
+
+def _fallback_handler(registry: CollectorRegistry) -> Callable[..., Awaitable[object]]:
+    from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    async def handle_metrics(request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    return handle_metrics

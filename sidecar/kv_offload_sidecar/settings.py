@@ -1,0 +1,125 @@
+"""Everything one sidecar process is configured with, in one frozen struct.
+
+``main.py`` builds a ``SidecarSettings`` from flags, the environment and the
+pool's ``OffloadingConfig``; the rest of the sidecar only reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from .offloading_config import OffloadingConfig
+
+# vLLM's well-known side-channel defaults (SPEC section 4).
+DEFAULT_HOST = "localhost"
+DEFAULT_BASE_PORT = 5710
+DEFAULT_DATA_PORT = 5810
+# Used as hash seed when neither the pool config nor PYTHONHASHSEED names one.
+DEFAULT_HASH_SEED = "0"
+# extra_config key through which a pool pins the hash seed explicitly.
+HASH_SEED_CONFIG_KEY = "hash_seed"
+TRANSPORTS = ("ucx", "tcp")
+
+
+def effective_hash_seed(config: OffloadingConfig, environ: dict[str, str] | None = None) -> str:
+    """The prefix-hash seed peers must share.
+
+    The pool config's ``extra_config["hash_seed"]`` wins; otherwise the
+    process's ``PYTHONHASHSEED``; otherwise ``DEFAULT_HASH_SEED``.
+    """
+    env = os.environ if environ is None else environ
+    stated = config.extra_config.get(HASH_SEED_CONFIG_KEY)
+    if stated is not None and str(stated) != "":
+        return str(stated)
+    seed = env.get("PYTHONHASHSEED", "")
+    return seed if seed != "" else DEFAULT_HASH_SEED
+
+
+def default_identity(base_port: int) -> str:
+    """Pod name (the hostname in Kubernetes) plus base port: unique per sidecar."""
+    return f"{socket.gethostname()}:{base_port}"
+
+
+@dataclass(frozen=True)
+class SidecarSettings:
+    # The pool's translated vLLM offloading config (fingerprint, chunk size).
+    config: OffloadingConfig
+    # Shared pool secret proving membership; never sent, never logged.
+    pool_key: bytes = field(repr=False)
+    # Address bound and advertised to peers (the routable pod IP in Kubernetes).
+    host: str = DEFAULT_HOST
+    # Control port of global DP index 0; DP index i listens on base_port + i.
+    base_port: int = DEFAULT_BASE_PORT
+    # Global data-parallel indices served by this pod, e.g. (0,) or (2, 3).
+    dp_indices: tuple[int, ...] = (0,)
+    # Data-plane port (TCP transport; 0 = any free port). UCX picks its own.
+    data_port: int = DEFAULT_DATA_PORT
+    # Byte budget of the host-memory chunk store (never exceeded).
+    capacity_bytes: int = 1 << 30
+    # Data plane: "ucx" (ucxx) or "tcp" (plain asyncio sockets).
+    transport: str = "tcp"
+    # Directory of the shared-memory store file and local channel sockets.
+    shm_dir: str = "/dev/shm"
+    # Name of this sidecar among its peers (unique in the pool), e.g. the pod name.
+    identity: str = ""
+    # Static peers as "host:port" control addresses of their DP ports.
+    static_peers: tuple[str, ...] = ()
+    # DNS name of the pool's headless Service; "" when unused.
+    peers_dns: str = ""
+    # Seconds between DNS re-resolutions of peers_dns.
+    dns_interval_seconds: float = 10.0
+    # Seconds between key-summary pulls from each connected peer.
+    summary_interval_seconds: float = 1.0
+    # Deadline of one peer lookup or fetch; late or failed means a miss.
+    fetch_deadline_seconds: float = 2.0
+    # Deadline of one handshake (both HTTP steps) with a peer.
+    handshake_timeout_seconds: float = 5.0
+    # First back-off delay after a peer failed; doubles up to backoff_max_seconds.
+    backoff_initial_seconds: float = 0.5
+    # Longest back-off delay of a failing or rejecting peer.
+    backoff_max_seconds: float = 30.0
+    # Bound on finishing in-flight work at shutdown (SIGTERM).
+    shutdown_grace_seconds: float = 3.0
+    # Prefix-hash seed compared in the handshake (see effective_hash_seed).
+    hash_seed: str = DEFAULT_HASH_SEED
+    # Largest accepted HTTP request body on the control ports, in bytes.
+    max_body_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.pool_key:
+            raise ValueError("pool_key is empty: point --pool-key-file at the pool's Secret key file")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r} is not one of {list(TRANSPORTS)}")
+        if not self.dp_indices or any(i < 0 for i in self.dp_indices):
+            raise ValueError(f"dp_indices {self.dp_indices!r} must be non-negative global DP indices")
+        if len(set(self.dp_indices)) != len(self.dp_indices):
+            raise ValueError(f"dp_indices {self.dp_indices!r} repeat an index")
+        if not 0 < self.base_port or self.base_port + max(self.dp_indices) > 65535:
+            raise ValueError(
+                f"base_port {self.base_port} + DP index {max(self.dp_indices)} is not a valid port")
+        if not 0 <= self.data_port <= 65535:
+            raise ValueError(f"data_port {self.data_port} is not a valid port (0-65535)")
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes {self.capacity_bytes} must be positive")
+        for name in ("summary_interval_seconds", "fetch_deadline_seconds",
+                     "handshake_timeout_seconds", "backoff_initial_seconds",
+                     "dns_interval_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.identity:
+            object.__setattr__(self, "identity", default_identity(self.base_port))
+
+    @property
+    def kv_bytes_per_chunk(self) -> int:
+        """Bytes of one chunk (the store's slot size and the wire chunk size)."""
+        return self.config.kv_bytes_per_chunk
+
+    def control_port(self, dp_index: int) -> int:
+        """The control port of a global DP index: base + index (SPEC section 4)."""
+        return self.base_port + dp_index
+
+    @property
+    def control_ports(self) -> tuple[int, ...]:
+        return tuple(self.control_port(i) for i in self.dp_indices)
