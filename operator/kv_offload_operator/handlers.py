@@ -90,7 +90,11 @@ async def _api_client() -> k8s.ApiClient:
     try:
         k8s_config.load_incluster_config(client_configuration=cfg)
     except k8s_config.ConfigException:
-        await k8s_config.load_kube_config(client_configuration=cfg)
+        try:
+            await k8s_config.load_kube_config(client_configuration=cfg)
+        except (k8s_config.ConfigException, OSError) as exc:
+            raise kopf.PermanentError(f"no Kubernetes credentials: neither in-cluster nor "
+                                      f"$KUBECONFIG/~/.kube/config work ({exc})") from None
     return k8s.ApiClient(cfg)
 
 
@@ -322,7 +326,10 @@ async def inject_sidecar(body: kopf.Body, labels: Mapping[str, str], namespace: 
             raise kopf.AdmissionError(
                 f"KVOffloadPool {pool_name!r} does not exist in namespace {namespace!r}: create it, "
                 f"or fix the pod's label {r.POOL_LABEL}.", code=400) from None
-        raise
+        raise kopf.AdmissionError(
+            f"The kv-offload operator could not read KVOffloadPool {pool_name!r} in namespace "
+            f"{namespace!r} (HTTP {exc.status} {exc.reason}); check the operator's RBAC and namespaces.",
+            code=500) from None
     problem = r.invalid_message(pool)
     if problem is not None:
         raise kopf.AdmissionError(
@@ -334,9 +341,25 @@ async def inject_sidecar(body: kopf.Body, labels: Mapping[str, str], namespace: 
             f"KVOffloadPool {pool_name!r} in namespace {namespace!r} has no translated config yet; "
             f"retry once the operator has set its status.fingerprint.", code=503)
     try:
+        model_config = await _model_config(memo.api, namespace, pool["spec"])
+        pool_config = translate(list(pool["spec"].get("vllmArgs") or []), model_config)
+    except (ValueError, kopf.TemporaryError) as exc:
+        raise kopf.AdmissionError(
+            f"KVOffloadPool {pool_name!r} in namespace {namespace!r} cannot be read back ({exc}); "
+            f"retry once the operator has reconciled it.", code=503) from None
+    if pool_config.fingerprint != fingerprint:
+        raise kopf.AdmissionError(
+            f"KVOffloadPool {pool_name!r} in namespace {namespace!r} is being updated (its spec gives "
+            f"fingerprint {pool_config.fingerprint}, its status still {fingerprint}); retry in a moment.",
+            code=503)
+    try:
+        problem = r.pod_identity_problem(pod, pool_config, model_config)
         sidecar = r.SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
         ops = r.pod_patch(pod, pool, fingerprint=fingerprint, sidecar=sidecar)
     except ValueError as exc:
+        problem = str(exc)
+    if problem is not None:
         raise kopf.AdmissionError(
-            f"The pod cannot join KVOffloadPool {pool_name!r}: {exc}.", code=400) from None
+            f"The pod cannot join KVOffloadPool {pool_name!r} in namespace {namespace!r}: {problem}.",
+            code=400)
     patch.fns.append(lambda raw: r.apply_patch(raw, ops))

@@ -250,11 +250,16 @@ def kv_cache_geometry(
     cfg = model_config
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, Sequence) and archs and isinstance(archs[0], str) else ""
-    if any(k in cfg for k in _HYBRID_SSM_KEYS) or "mamba" in str(cfg.get("model_type", "")):
-        missing = "num_attention_heads" if "num_attention_heads" not in cfg else "attention-only layers"
+    name = arch or str(cfg.get("model_type") or "this model")
+    if "num_attention_heads" not in cfg and "kv_lora_rank" not in cfg:
         raise GeometryError(
-            f"model {arch or cfg.get('model_type')!r} has Mamba/linear-attention layers "
-            f"({missing} missing): kv-offload supports attention-only models")
+            f"model config has no 'num_attention_heads' ({name} has no attention layers, e.g. "
+            "a Mamba model): kv-offload supports attention models only")
+    ssm_key = next((k for k in _HYBRID_SSM_KEYS if k in cfg), None)
+    if ssm_key is not None or "mamba" in str(cfg.get("model_type", "")):
+        raise GeometryError(
+            f"model config has '{ssm_key or 'model_type'}': {name} mixes Mamba/linear-attention "
+            "layers with attention, and kv-offload supports attention-only models")
     num_layers = _positive(cfg, "num_hidden_layers")
     assert num_layers is not None
     model_dtype = resolve_model_dtype(cfg, dtype)

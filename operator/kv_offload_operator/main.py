@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
 DEFAULT_SIDECAR_IMAGE = os.environ.get("KV_OFFLOAD_SIDECAR_IMAGE", "ghcr.io/kv-offload/kv-offload:0.1.0")
 
@@ -18,7 +19,7 @@ DEFAULT_SIDECAR_IMAGE = os.environ.get("KV_OFFLOAD_SIDECAR_IMAGE", "ghcr.io/kv-o
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
-                       help="watch this namespace (repeatable; globs allowed)")
+                       help="watch this namespace (repeatable, exact names)")
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     parser.add_argument("--webhook-port", type=int, default=9443, help="webhook HTTPS port (default 9443)")
     parser.add_argument("--webhook-addr", default="0.0.0.0", help="webhook listening address (default all)")
@@ -56,11 +57,18 @@ def run(args: argparse.Namespace) -> int:
         webhook_cert_dir=args.webhook_cert_dir)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    asyncio.run(kopf.operator(
-        clusterwide=args.all_namespaces,
-        namespaces=args.namespace,
-        standalone=True,
-        liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
-        memo=kopf.Memo(options=options),
-    ))
+    # Its debug log prints response bodies, pool-key Secrets included: never below INFO.
+    logging.getLogger("kubernetes_asyncio").setLevel(logging.INFO)
+    try:
+        asyncio.run(kopf.operator(
+            clusterwide=args.all_namespaces,
+            namespaces=args.namespace,
+            standalone=True,
+            liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
+            memo=kopf.Memo(options=options),
+        ))
+    except Exception as exc:  # kopf's ActivityError wraps the startup handler's PermanentError
+        cause = exc.__cause__ or exc
+        print(f"kv-offload operator: {' '.join(str(cause).split())}", file=sys.stderr)
+        return 1
     return 0

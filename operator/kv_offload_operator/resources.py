@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv_offload_sidecar.offloading_config import OffloadingConfig
+from kv_offload_sidecar.offloading_config import OffloadingConfig, identity_diff
 from kv_offload_sidecar.vllm_args import parse_vllm_args
+
+from .translate import translate
 
 GROUP = "kv-offload.io"
 VERSION = "v1alpha1"
@@ -50,6 +52,18 @@ TRANSPORTS = ("ucx", "tcp")
 DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 POOL_KEY_BYTES = 32
 _SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env")
+
+# Every API verb the operator uses, by (apiGroup, resource). The chart's RBAC
+# grants exactly this; tests check the operator's requests stay inside it.
+OPERATOR_RBAC: Mapping[tuple[str, str], tuple[str, ...]] = {
+    (GROUP, PLURAL): ("get", "list", "watch", "patch"),
+    (GROUP, f"{PLURAL}/status"): ("patch",),
+    ("", "configmaps"): ("get", "create", "patch"),
+    ("", "secrets"): ("get", "create"),
+    ("", "services"): ("get", "create", "patch"),
+    ("", "pods"): ("list", "watch"),
+    ("", "events"): ("create",),
+}
 
 
 def configmap_name(pool_name: str) -> str:
@@ -296,6 +310,26 @@ def _vllm_env(container: Mapping[str, Any], base_port: int) -> list[dict[str, An
                          "set it as a plain value so the tier directory can be prepended")
     path = TIER_DIR if not (old_path and old_path.get("value")) else f"{TIER_DIR}:{old_path['value']}"
     return env + ours + [{"name": "PYTHONPATH", "value": path}]
+
+
+def pod_identity_problem(pod: Mapping[str, Any], pool_config: OffloadingConfig,
+                         model_config: Mapping[str, Any]) -> str | None:
+    """None when the pod's vLLM container translates to the pool's fingerprint.
+
+    Otherwise a clause naming both fingerprints and every identity field that
+    differs: such a pod would never share with its pool, so it is refused at
+    admission rather than failing closed at every handshake. Raises ValueError
+    (the translator's message) when the pod's arguments do not translate.
+    """
+    container = ((pod.get("spec") or {}).get("containers") or [])[find_vllm_container(pod)]
+    env = {str(e["name"]): str(e["value"]) for e in container.get("env") or [] if "value" in e}
+    pod_config = translate(container_argv(container), model_config, env=env)
+    if pod_config.fingerprint == pool_config.fingerprint:
+        return None
+    diff = "; ".join(identity_diff(pool_config, pod_config)) or "no field diff"
+    return (f"its vLLM arguments give fingerprint {pod_config.fingerprint} but the pool's is "
+            f"{pool_config.fingerprint} (pool != pod: {diff}); make the container's vllm serve "
+            f"arguments match the pool's spec.vllmArgs")
 
 
 def is_injected(pod: Mapping[str, Any]) -> bool:

@@ -12,6 +12,7 @@ what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -235,7 +236,7 @@ def translate(vllm_args: Sequence[str] | str | VllmServeArgs, model_config: Mapp
     except ValueError as exc:
         raise TranslationError(str(exc)) from None
     if env:
-        args = VllmServeArgs(**{**args.__dict__, "env": {**args.env, **env}})
+        args = dataclasses.replace(args, env={**args.env, **env})
     if not args.model:
         raise TranslationError("the vLLM args name no model: give 'vllm serve MODEL ...' or --model MODEL")
     ktc = _connector_config(args)

@@ -69,6 +69,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if exc.content_type == "application/json":  # ours, already a JSON error
+            return web.Response(status=exc.status, text=exc.text, content_type="application/json")
         return json_error(exc.status, f"{request.method} {request.path}: {exc.reason}")
 
 

@@ -43,8 +43,10 @@ NONCE_BYTES = 16
 SESSION_ID_BYTES = 16
 REASONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
            "wire_version_mismatch", "bad_proof", "malformed", "replay")
-# Longest accepted string field of a hello (identity, addresses, seed).
+# Longest accepted string field of a hello (identity, control address, seed).
 MAX_FIELD_CHARS = 4096
+# Longest accepted data address (a UCX worker address in base64 can be long).
+MAX_DATA_ADDRESS_CHARS = 96 * 1024
 _TRANSCRIPT_LABEL = b"kv-offload handshake v1\x00"
 
 
@@ -141,8 +143,9 @@ class HelloMessage:
             v = getattr(self, name)
             if not isinstance(v, str):
                 raise HandshakeError("malformed", f"hello field {name!r} must be a string, got {type(v).__name__}")
-            if len(v) > MAX_FIELD_CHARS:
-                raise HandshakeError("malformed", f"hello field {name!r} is longer than {MAX_FIELD_CHARS} characters")
+            limit = MAX_DATA_ADDRESS_CHARS if name == "data_address" else MAX_FIELD_CHARS
+            if len(v) > limit:
+                raise HandshakeError("malformed", f"hello field {name!r} is longer than {limit} characters")
         if _wire_major(self.wire_version) is None:
             raise HandshakeError("malformed", f"hello wire_version {self.wire_version!r} is not 'major.minor'")
         k = self.kv_bytes_per_chunk

@@ -75,8 +75,6 @@ class PeerLink:
     retry_at: float = 0.0
     # Set by the engine path when the data plane failed: the link loop resets.
     failed: asyncio.Event = field(default_factory=asyncio.Event)
-    # Serialises requests on the data client.
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The link's task.
     task: asyncio.Task[None] | None = None
 
@@ -263,7 +261,7 @@ class PeerManager:
         await self._post(url, step2)
         self._metrics.handshakes.labels(result="accepted", reason="ok").inc()
         link.data = await data_connect(remote.data_address, session.session_id, session.session_key,
-                                       timeout=s.handshake_timeout_seconds)
+                                       timeout=s.handshake_timeout_seconds, metrics=self._metrics)
         link.session = session
 
     async def _post(self, url: str, body: dict[str, Any], *, count: bool = True) -> Any:

@@ -34,7 +34,7 @@ from .discovery import Discovery, format_peer
 from .handshake import REASONS, WIRE_VERSION, HandshakeError, HandshakeResponder, HelloMessage, Session, make_hello
 from .location import PeerSummaries, SummaryLog
 from .metrics import SidecarMetrics
-from .peers import PeerLink, PeerManager
+from .peers import PeerManager
 from .settings import SidecarSettings
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,11 @@ class Sidecar:
         return [store.begin_write(k) for k in keys]
 
     async def _peer_call(self, op: str, keys: list[bytes], timeout: float) -> int:
-        """One lookup/fetch to the summary-chosen peer; any failure is 0 (a miss)."""
+        """One lookup/fetch to the summary-chosen peer; any failure is 0 (a miss).
+
+        The transport counts ``peer_fetches``, ``peer_fetch_duration`` and
+        received ``peer_bytes``; a failing peer is reported for back-off.
+        """
         from .transport import TransportError
 
         keys = keys[:MAX_PEER_KEYS]
@@ -266,55 +270,21 @@ class Sidecar:
         if identity is None:
             return 0
         link = self.peers.connected(identity)
-        if link is None:
+        if link is None or link.data is None or link.data.closed:
             return 0
         deadline = min(timeout, self.settings.fetch_deadline_seconds)
-        loop = asyncio.get_running_loop()
-        end = loop.time() + deadline
         self.metrics.lookup_messages.inc()
-        started = time.perf_counter()
         try:
-            await asyncio.wait_for(link.lock.acquire(), deadline)
-        except asyncio.TimeoutError:
-            self._count_fetch(op, "timeout")
-            return 0
-        try:
-            remaining = end - loop.time()
-            if remaining <= 0 or link.data is None:
-                self._count_fetch(op, "timeout")
-                return 0
             if op == "lookup":
-                coro = link.data.lookup(keys, remaining)
+                coro = link.data.lookup(keys, deadline)
             else:
-                coro = link.data.fetch(keys, self._require_store(), remaining)
-            n = int(await asyncio.wait_for(coro, remaining + 0.25))
-        except (asyncio.TimeoutError, TimeoutError) as exc:
-            self._peer_failed(link, op, "timeout", exc)
+                coro = link.data.fetch(keys, self._require_store(), deadline)
+            # The transport enforces the deadline; this bound only guards against a hang.
+            return int(await asyncio.wait_for(coro, deadline + 1.0))
+        except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            log.warning("peer %s %s failed: %s; a miss, backing the peer off", identity, op, exc)
+            self.peers.report_failure(link, f"{op}: {exc}")
             return 0
-        except TransportError as exc:
-            result = "timeout" if "deadline" in str(exc).lower() or "timed out" in str(exc).lower() else "error"
-            self._peer_failed(link, op, result, exc)
-            return 0
-        except (OSError, ConnectionError, EOFError, ValueError) as exc:
-            self._peer_failed(link, op, "error", exc)
-            return 0
-        finally:
-            link.lock.release()
-        if op == "fetch":
-            self.metrics.peer_fetch_duration.observe(time.perf_counter() - started)
-            self.metrics.peer_bytes.labels(direction="received").inc(n * self.settings.kv_bytes_per_chunk)
-            self._count_fetch(op, "ok" if n else "miss")
-        return n
-
-    def _count_fetch(self, op: str, result: str) -> None:
-        if op == "fetch":
-            self.metrics.peer_fetches.labels(result=result).inc()
-
-    def _peer_failed(self, link: PeerLink, op: str, result: str, exc: BaseException) -> None:
-        self._count_fetch(op, result)
-        log.warning("peer %s %s failed (%s): %s; treating as a miss and backing off",
-                    link.identity, op, result, exc)
-        self.peers.report_failure(link, f"{op} {result}: {exc}")
 
     # ---- views ------------------------------------------------------------------
 

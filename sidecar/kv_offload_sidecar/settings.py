@@ -85,7 +85,7 @@ class SidecarSettings:
     # Prefix-hash seed compared in the handshake (see effective_hash_seed).
     hash_seed: str = DEFAULT_HASH_SEED
     # Largest accepted HTTP request body on the control ports, in bytes.
-    max_body_bytes: int = 64 * 1024
+    max_body_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         if not self.pool_key:

@@ -246,10 +246,10 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._lookup_timeout = float(lookup_timeout_seconds)
         self._load_timeout = float(load_timeout_seconds)
         self.address = sidecar_address(offloading_spec, host, port)
-        if client is None:
-            from .client import EngineClient
-            client = EngineClient(*self.address)
+        # Connected lazily by the worker threads, so vLLM starts even before its sidecar.
         self._client = client
+        self._client_lock = threading.Lock()
+        self._next_connect = 0.0
         self.stats = TierStats()
 
         # Scheduler-thread state (no lock: only the scheduler thread touches it).
@@ -359,9 +359,10 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._transfer_q.put(_STOP)
         for t in self._threads:
             t.join(timeout=self._load_timeout + 1.0)
-        close = getattr(self._client, "close", None)
-        if close is not None:
-            close()
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     stop_executor = shutdown
 
@@ -408,7 +409,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 self.stats.lookup_timeouts += 1
             return  # the scheduler side already answers these keys MISS
         try:
-            reply = self._client.lookup(list(keys), timeout=remaining)
+            reply = self._connected().lookup(list(keys), timeout=remaining)
         except Exception as exc:  # sidecar down, slow or refusing: every key is a miss
             logger.warning("kv-offload lookup of %d keys failed: %s", len(keys), exc)
             with self._stats_lock:
@@ -422,6 +423,21 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             self.stats.peer_hits += total - local
             self.stats.misses += len(keys) - total
         self._lookup_results.put([(k, i < total) for i, k in enumerate(keys)])
+
+    def _connected(self) -> Any:
+        """The EngineClient, connecting at most once per second while the sidecar is away."""
+        with self._client_lock:
+            if self._client is None:
+                if time.monotonic() < self._next_connect:
+                    raise ConnectionError("kv-offload sidecar not reachable yet")
+                from .client import EngineClient
+                try:
+                    self._client = EngineClient.connect(*self.address,
+                                                        timeout=self._load_timeout)
+                except Exception:
+                    self._next_connect = time.monotonic() + 1.0
+                    raise
+            return self._client
 
     def _transfer_worker(self) -> None:
         while True:
@@ -447,25 +463,32 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
 
     def _load(self, keys: list[bytes], rows: list[int]) -> bool:
         def read(i: int, slot: memoryview) -> None:
-            self._row(rows[i])[:] = slot.cast("B")[:self._chunk_bytes]
+            self._row(rows[i])[:] = slot if slot.nbytes == self._chunk_bytes else \
+                slot.cast("B")[:self._chunk_bytes]
 
-        loaded = self._client.load(keys, read, timeout=self._load_timeout)
+        loaded = self._connected().load(keys, read, timeout=self._load_timeout)
         with self._stats_lock:
             self.stats.bytes_loaded += loaded * self._chunk_bytes
         return loaded == len(keys)
 
     def _store(self, keys: list[bytes], rows: list[int]) -> bool:
         def write(i: int, slot: memoryview) -> None:
-            slot.cast("B")[:self._chunk_bytes] = self._row(rows[i])
+            if slot.nbytes == self._chunk_bytes:
+                slot[:] = self._row(rows[i])
+            else:
+                slot.cast("B")[:self._chunk_bytes] = self._row(rows[i])
 
-        stored = self._client.store(keys, write)
+        stored = self._connected().store(keys, write)
         with self._stats_lock:
             self.stats.bytes_stored += stored * self._chunk_bytes
         return True
 
 
 def _hit_prefix(reply: Any, n: int) -> tuple[int, int]:
-    """(leading keys held locally, leading keys held locally or by a peer) of a LookupReply."""
-    local = min(int(reply.local), n)
-    total = min(max(local, int(reply.peer)), n)
+    """(leading keys held locally, leading keys held locally or by a peer) of a LookupReply.
+
+    ``reply.local`` keys are in this pod's store and the next ``reply.peer`` on a peer.
+    """
+    local = max(0, min(int(reply.local), n))
+    total = max(local, min(local + int(reply.peer), n))
     return local, total

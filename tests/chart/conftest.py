@@ -7,6 +7,7 @@ chart's values.schema.json exactly as at install time.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,12 +35,21 @@ def render(helm: Callable[..., HelmResult], tmp_path_factory: pytest.TempPathFac
            ) -> Callable[..., list[dict[str, Any]]]:
     """`helm template` the chart with values (dicts and/or example file names); returns the objects.
 
-    Fails the test with helm's message when rendering fails.
+    Fails the test with helm's message when rendering fails. Each distinct set of
+    values is rendered once per session (the same self-managed certificate then
+    appears in every test that renders the defaults).
     """
     tmp = tmp_path_factory.mktemp("values")
     counter = [0]
+    cache: dict[str, str] = {}
 
     def _render(*values: dict[str, Any] | str, show_only: Sequence[str] = ()) -> list[dict[str, Any]]:
+        key = json.dumps([values, list(show_only)], sort_keys=True)
+        if key not in cache:
+            cache[key] = _template(values, show_only)
+        return load_documents(cache[key])  # fresh objects: tests may not alter each other's
+
+    def _template(values: tuple[dict[str, Any] | str, ...], show_only: Sequence[str]) -> str:
         args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
         for item in values:
             if isinstance(item, str):
@@ -54,7 +64,7 @@ def render(helm: Callable[..., HelmResult], tmp_path_factory: pytest.TempPathFac
         result = helm(*args)
         if result.returncode != 0:
             pytest.fail(f"helm template failed: {result.stderr.strip()}")
-        return load_documents(result.stdout)
+        return result.stdout
 
     return _render
 

@@ -1,0 +1,237 @@
+"""A TCP proxy that damages data-plane traffic on purpose (chaos bench and tests).
+
+``FaultProxy(target_host, target_port)`` listens on 127.0.0.1 and forwards
+every accepted connection to the target. Bytes going the ``downstream`` way
+(target -> client, where chunks travel) pass untouched until
+``FaultPlan.after_bytes`` of them went through on that connection; then the
+plan's fault applies:
+
+- ``flip``: XOR one byte with ``0xFF`` every ``flip_every`` bytes (headers,
+  keys, checksums or chunk bytes, wherever they fall);
+- ``truncate``: forward nothing more and close both sides (a peer that dies
+  half-way through a chunk);
+- ``delay``: hold every later read for ``delay_seconds`` before forwarding
+  (a slow link or a peer past the fetch deadline);
+- ``stall``: forward nothing more but keep the connection open (a hung peer);
+- ``pass``: no fault.
+
+``on_fault`` (optional) is called once per connection when its fault starts, so
+a bench can act at an exact byte offset (e.g. SIGKILL the serving peer
+mid-chunk). ``reset_all()`` drops every open connection at once (a reconnect
+storm). The plan can be changed at any time; a connection takes the plan in
+force when it was accepted. Counters in ``stats`` say what was done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+# Fault kinds a plan may name.
+FAULT_MODES = ("pass", "flip", "truncate", "delay", "stall")
+# Bytes read from a socket per forwarding step.
+READ_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """What the proxy does to the downstream bytes of each new connection."""
+
+    # One of FAULT_MODES.
+    mode: str = "pass"
+    # Downstream bytes forwarded untouched before the fault starts (per connection).
+    after_bytes: int = 0
+    # flip: distance in bytes between flipped bytes (1 = every byte).
+    flip_every: int = 4096
+    # delay: seconds each later read is held back.
+    delay_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in FAULT_MODES:
+            raise ValueError(f"fault mode {self.mode!r} is unknown; use one of {list(FAULT_MODES)}")
+        if self.after_bytes < 0:
+            raise ValueError(f"after_bytes={self.after_bytes} must be >= 0")
+        if self.flip_every < 1:
+            raise ValueError(f"flip_every={self.flip_every} must be >= 1")
+        if self.delay_seconds < 0:
+            raise ValueError(f"delay_seconds={self.delay_seconds} must be >= 0")
+
+
+@dataclass
+class ProxyStats:
+    """Running totals of one proxy."""
+
+    # Connections accepted.
+    connections: int = 0
+    # Connections whose fault started.
+    faults_started: int = 0
+    # Bytes forwarded client -> target.
+    bytes_upstream: int = 0
+    # Bytes forwarded target -> client.
+    bytes_downstream: int = 0
+    # Bytes flipped.
+    bytes_flipped: int = 0
+    # Connections cut by truncate.
+    truncated: int = 0
+    # Reads held back by delay.
+    delayed_reads: int = 0
+    # Connections dropped by reset_all.
+    resets: int = 0
+    # Per-mode count of connections whose fault started.
+    by_mode: dict[str, int] = field(default_factory=dict)
+
+
+class FaultProxy:
+    """Forwards 127.0.0.1 connections to ``target`` and injects ``plan``'s fault."""
+
+    def __init__(self, target_host: str, target_port: int, *, host: str = "127.0.0.1",
+                 port: int = 0, plan: FaultPlan | None = None,
+                 on_fault: Callable[[FaultPlan], None] | None = None) -> None:
+        self.target = (target_host, target_port)
+        self._bind = (host, port)
+        self.plan = plan or FaultPlan()
+        self.on_fault = on_fault
+        self.stats = ProxyStats()
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.host = host
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        """``tcp://host:port`` of the listening side."""
+        return f"tcp://{self.host}:{self.port}"
+
+    def retarget(self, host: str, port: int) -> None:
+        """Forward new connections to another target (a restarted peer)."""
+        self.target = (host, port)
+
+    async def start(self) -> str:
+        """Listen; returns ``tcp://host:port``."""
+        self._server = await asyncio.start_server(self._accept, *self._bind)
+        self.host, self.port = self._server.sockets[0].getsockname()[:2]
+        return self.address
+
+    async def stop(self) -> None:
+        """Stop listening and drop every connection."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self.reset_all(count=False)
+        for t in list(self._conns):
+            t.cancel()
+        if self._conns:
+            await asyncio.gather(*self._conns, return_exceptions=True)
+
+    def reset_all(self, *, count: bool = True) -> int:
+        """Abort every open connection (both sides see a reset); returns how many."""
+        n = 0
+        for w in list(self._writers):
+            transport = w.transport
+            if not transport.is_closing():
+                transport.abort()
+                n += 1
+        if count:
+            self.stats.resets += n // 2
+        return n // 2
+
+    async def __aenter__(self) -> FaultProxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _accept(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        self.stats.connections += 1
+        plan = self.plan
+        try:
+            try:
+                t_reader, t_writer = await asyncio.open_connection(*self.target)
+            except OSError as exc:
+                log.debug("fault proxy: target %s:%d unreachable: %s", *self.target, exc)
+                return
+            self._writers.update((c_writer, t_writer))
+            up = asyncio.create_task(self._pump_up(c_reader, t_writer))
+            down = asyncio.create_task(self._pump_down(t_reader, c_writer, plan))
+            try:
+                await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (up, down):
+                    t.cancel()
+                await asyncio.gather(up, down, return_exceptions=True)
+                self._writers.discard(t_writer)
+                _close(t_writer)
+        except asyncio.CancelledError:
+            pass  # stop(): this connection task ends quietly
+        finally:
+            self._writers.discard(c_writer)
+            _close(c_writer)
+            self._conns.discard(task)
+
+    async def _pump_up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(READ_BYTES):
+                self.stats.bytes_upstream += len(data)
+                writer.write(data)
+                await writer.drain()
+
+    async def _pump_down(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         plan: FaultPlan) -> None:
+        passed = 0  # downstream bytes forwarded on this connection
+        started = plan.mode == "pass"
+        next_flip = plan.after_bytes
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(READ_BYTES):
+                if not started and passed + len(data) > plan.after_bytes:
+                    started = True
+                    keep = plan.after_bytes - passed
+                    if keep:
+                        writer.write(data[:keep])
+                        await writer.drain()
+                        passed += keep
+                        self.stats.bytes_downstream += keep
+                        data = data[keep:]
+                    self._fault_started(plan)
+                    if plan.mode == "truncate":
+                        self.stats.truncated += 1
+                        return
+                    if plan.mode == "stall":
+                        await asyncio.Event().wait()  # until cancelled or reset
+                if started and plan.mode == "flip":
+                    buf = bytearray(data)
+                    while next_flip < passed + len(buf):
+                        buf[next_flip - passed] ^= 0xFF
+                        self.stats.bytes_flipped += 1
+                        next_flip += plan.flip_every
+                    data = bytes(buf)
+                elif started and plan.mode == "delay" and plan.delay_seconds:
+                    self.stats.delayed_reads += 1
+                    await asyncio.sleep(plan.delay_seconds)
+                writer.write(data)
+                await writer.drain()
+                passed += len(data)
+                self.stats.bytes_downstream += len(data)
+
+    def _fault_started(self, plan: FaultPlan) -> None:
+        self.stats.faults_started += 1
+        self.stats.by_mode[plan.mode] = self.stats.by_mode.get(plan.mode, 0) + 1
+        if self.on_fault is not None:
+            try:
+                self.on_fault(plan)
+            except Exception:  # a bench hook must not break forwarding
+                log.exception("fault proxy: on_fault hook failed")
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(Exception):
+        writer.close()

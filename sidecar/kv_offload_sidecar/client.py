@@ -1,0 +1,348 @@
+"""EngineClient: the engine side of the pod's sidecar (runs inside vLLM).
+
+Standard library only. Blocking sockets with timeouts, thread-safe (a pool
+of local-channel connections, one per concurrent call). The client asks the
+sidecar's control port once (``GET /v1/local``) where the local channel
+socket and the shared-memory store file are, maps the store file with
+``ChunkStoreView`` and from then on moves chunk bytes without sockets:
+
+- ``lookup(keys, timeout) -> LookupReply(local, peer)``: hit prefix lengths.
+- ``store(keys, write_fn) -> int``: the sidecar reserves slots,
+  ``write_fn(i, slot_view)`` copies chunk ``i`` into its slot, the sidecar
+  commits (checksums) them; returns the number of chunks written. Keys the
+  sidecar already holds (or has no room for) are skipped.
+- ``load(keys, read_fn, timeout) -> int``: the sidecar makes the leading keys
+  local (fetching from peers into its slots) and pins them; ``read_fn(i,
+  slot_view)`` copies chunk ``i`` out; the pins are released; returns the
+  number of leading chunks read.
+
+A late answer (past ``timeout``), a failed or unreachable sidecar is a miss
+(``LookupReply(0, 0)`` / 0) and counted in ``timeouts`` / ``errors``; it
+never raises into the engine. Exceptions from ``write_fn``/``read_fn``
+propagate after the reservation/pin is given back.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .chunk_store import ChunkStoreView
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!I")
+# Largest reply frame accepted from the sidecar (bytes).
+MAX_REPLY_BYTES = 16 << 20
+# Extra seconds the client waits beyond an operation's timeout for the answer
+# to travel back over the local socket.
+REPLY_GRACE_SECONDS = 0.5
+# Timeout of the bookkeeping requests of store (reserve/commit) and release.
+CONTROL_TIMEOUT_SECONDS = 5.0
+DEFAULT_HOST = "localhost"
+DEFAULT_BASE_PORT = 5710
+
+WriteFn = Callable[[int, memoryview], None]
+ReadFn = Callable[[int, memoryview], None]
+
+
+class SidecarUnavailable(ConnectionError):
+    """The sidecar's control port or local channel cannot be reached."""
+
+
+class _Late(Exception):
+    """The sidecar did not answer in time."""
+
+
+# What turns a call into a miss (never raised into the engine).
+_FAILURES = (_Late, OSError, ValueError, KeyError, TypeError)
+
+
+@dataclass(frozen=True)
+class LookupReply:
+    """Hit prefix of a lookup: ``local`` chunks in the pod's store, then ``peer`` more on a peer."""
+
+    # Leading keys held by this pod's sidecar.
+    local: int
+    # Keys after those that a peer holds (loaded on ``load``).
+    peer: int
+
+    @property
+    def hits(self) -> int:
+        return self.local + self.peer
+
+
+class _Conn:
+    """One local-channel connection (used by one thread at a time)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
+
+    def call(self, req: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        data = json.dumps(req, separators=(",", ":")).encode()
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.sendall(_LENGTH.pack(len(data)) + data)
+            (n,) = _LENGTH.unpack(self._recv_exact(_LENGTH.size))
+            if n > MAX_REPLY_BYTES:
+                raise ConnectionError(f"sidecar reply of {n} bytes exceeds {MAX_REPLY_BYTES}")
+            reply = json.loads(self._recv_exact(n))
+        except socket.timeout:
+            raise _Late() from None
+        if not isinstance(reply, dict):
+            raise ConnectionError("sidecar reply is not a JSON object")
+        return reply
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("sidecar closed the local channel")
+            got += k
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class EngineClient:
+    """Blocking, thread-safe client of one DP rank's sidecar port."""
+
+    def __init__(self, socket_path: str, store_path: str, slot_bytes: int, num_slots: int,
+                 slot_stride: int, *, timeout: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.view = ChunkStoreView.attach(store_path, slot_bytes, num_slots, slot_stride)
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._timeout = timeout
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        # Answers that came too late (counted as misses).
+        self.timeouts = 0
+        # Failed calls (sidecar gone, bad reply), counted as misses.
+        self.errors = 0
+        # Verify the channel answers now, so a wrong path fails at connect time.
+        with self._connection() as conn:
+            reply = conn.call({"op": "info"}, timeout)
+        if not reply.get("ok"):
+            raise SidecarUnavailable(f"sidecar local channel refused info: {reply.get('error')}")
+
+    # ---- construction ---------------------------------------------------------
+
+    @classmethod
+    def connect(cls, host: str = DEFAULT_HOST, port: int = DEFAULT_BASE_PORT,
+                timeout: float = 5.0) -> "EngineClient":
+        """Ask the sidecar control port ``host:port`` (one DP rank's port) for its local channel."""
+        try:
+            http_conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                http_conn.request("GET", "/v1/local")
+                resp = http_conn.getresponse()
+                body = resp.read(1 << 20)
+            finally:
+                http_conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            raise SidecarUnavailable(
+                f"cannot reach the kv-offload sidecar at {host}:{port} ({exc}); check "
+                f"VLLM_P2P_SIDE_CHANNEL_HOST/PORT and that the sidecar container runs") from None
+        try:
+            info = json.loads(body)
+        except ValueError:
+            info = None
+        if resp.status != 200 or not isinstance(info, dict):
+            raise SidecarUnavailable(f"sidecar at {host}:{port} answered /v1/local with HTTP {resp.status}: "
+                                     f"{body[:200]!r}")
+        st = info["store"]
+        return cls(info["socket"], st["path"], int(st["slot_bytes"]), int(st["num_slots"]),
+                   int(st["slot_stride"]), timeout=timeout)
+
+    @classmethod
+    def from_env(cls, dp_index: int = 0, timeout: float = 5.0,
+                 environ: Mapping[str, str] | None = None) -> "EngineClient":
+        """Connect to ``VLLM_P2P_SIDE_CHANNEL_HOST``:(``VLLM_P2P_SIDE_CHANNEL_PORT`` + global DP index)."""
+        env = os.environ if environ is None else environ
+        host = env.get("VLLM_P2P_SIDE_CHANNEL_HOST") or DEFAULT_HOST
+        port_s = env.get("VLLM_P2P_SIDE_CHANNEL_PORT") or str(DEFAULT_BASE_PORT)
+        if not port_s.isdigit():
+            raise ValueError(f"VLLM_P2P_SIDE_CHANNEL_PORT={port_s!r} is not a port number")
+        return cls.connect(host, int(port_s) + dp_index, timeout)
+
+    # ---- connections -------------------------------------------------------------
+
+    @contextmanager
+    def _connection(self) -> Iterator[_Conn]:
+        with self._lock:
+            if self._closed:
+                raise SidecarUnavailable("EngineClient is closed")
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            try:
+                conn = _Conn(self.socket_path, self._timeout)
+            except OSError as exc:
+                raise SidecarUnavailable(f"cannot connect to the sidecar local channel "
+                                         f"{self.socket_path!r}: {exc}") from None
+        ok = False
+        try:
+            yield conn
+            ok = True
+        finally:
+            if ok:
+                with self._lock:
+                    if not self._closed:
+                        self._idle.append(conn)
+                        conn = None  # type: ignore[assignment]
+            if conn is not None:
+                conn.close()  # state unknown after an error: never reuse
+
+    def _miss(self, what: str, exc: BaseException) -> None:
+        if isinstance(exc, _Late):
+            self.timeouts += 1
+            log.debug("kv-offload sidecar %s answered late: a miss", what)
+        else:
+            self.errors += 1
+            log.warning("kv-offload sidecar %s failed (%s): a miss", what, exc)
+
+    # ---- operations ----------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """The sidecar's local info (identity, fingerprint, store geometry)."""
+        with self._connection() as conn:
+            return conn.call({"op": "info"}, self._timeout)
+
+    def lookup(self, keys: Sequence[bytes], timeout: float = 2.0) -> LookupReply:
+        """Hit prefix of ``keys`` (local, then on a peer). Late or failed: (0, 0)."""
+        if not keys:
+            return LookupReply(0, 0)
+        try:
+            with self._connection() as conn:
+                reply = conn.call({"op": "lookup", "keys": [k.hex() for k in keys], "timeout": timeout},
+                                  timeout + REPLY_GRACE_SECONDS)
+        except _FAILURES as exc:
+            self._miss("lookup", exc)
+            return LookupReply(0, 0)
+        if not reply.get("ok"):
+            self._miss("lookup", ConnectionError(str(reply.get("error"))))
+            return LookupReply(0, 0)
+        try:
+            return LookupReply(int(reply["local"]), int(reply["peer"]))
+        except _FAILURES as exc:
+            self._miss("lookup", exc)
+            return LookupReply(0, 0)
+
+    def store(self, keys: Sequence[bytes], write_fn: WriteFn) -> int:
+        """Write chunks into the sidecar's store; returns how many were written.
+
+        ``write_fn(i, view)`` must fill ``view`` (exactly ``slot_bytes``) with
+        chunk ``keys[i]``; it is not called for keys that are skipped.
+        """
+        if not keys:
+            return 0
+        user_exc: BaseException | None = None
+        try:
+            with self._connection() as conn:
+                reply = conn.call({"op": "reserve", "keys": [k.hex() for k in keys]}, CONTROL_TIMEOUT_SECONDS)
+                if not reply.get("ok"):
+                    raise ConnectionError(str(reply.get("error")))
+                rid, slots = reply["id"], reply["slots"]
+                for i, slot in enumerate(slots):
+                    if slot is not None:
+                        try:
+                            self._with_slot(slot, lambda v, i=i: write_fn(i, v))
+                        except BaseException as exc:  # the engine's own error: give back, re-raise
+                            user_exc = exc
+                            break
+                if user_exc is not None:
+                    conn.call({"op": "abort", "id": rid}, CONTROL_TIMEOUT_SECONDS)
+                    written = 0
+                else:
+                    reply = conn.call({"op": "commit", "id": rid}, CONTROL_TIMEOUT_SECONDS)
+                    if not reply.get("ok"):
+                        raise ConnectionError(str(reply.get("error")))
+                    written = int(reply["committed"])
+        except _FAILURES as exc:
+            self._miss("store", exc)
+            written = 0
+        if user_exc is not None:
+            raise user_exc
+        return written
+
+    def load(self, keys: Sequence[bytes], read_fn: ReadFn, timeout: float = 2.0) -> int:
+        """Read the leading held chunks of ``keys``; returns how many were read.
+
+        ``read_fn(i, view)`` copies chunk ``keys[i]`` out of ``view`` (valid
+        only during the call). Late or failed: 0.
+        """
+        if not keys:
+            return 0
+        user_exc: BaseException | None = None
+        try:
+            with self._connection() as conn:
+                reply = conn.call({"op": "load", "keys": [k.hex() for k in keys], "timeout": timeout},
+                                  timeout + REPLY_GRACE_SECONDS)
+                if not reply.get("ok"):
+                    raise ConnectionError(str(reply.get("error")))
+                pid, slots = reply["id"], reply["slots"]
+                for i, slot in enumerate(slots):
+                    try:
+                        self._with_slot(slot, lambda v, i=i: read_fn(i, v))
+                    except BaseException as exc:  # the engine's own error: release, re-raise
+                        user_exc = exc
+                        break
+                conn.call({"op": "release", "id": pid}, CONTROL_TIMEOUT_SECONDS)
+                read = len(slots)
+        except _FAILURES as exc:
+            self._miss("load", exc)
+            read = 0
+        if user_exc is not None:
+            raise user_exc
+        return read
+
+    def _with_slot(self, slot: int, fn: Callable[[memoryview], None]) -> None:
+        view = self.view.slot_view(slot)
+        try:
+            fn(view)
+        finally:
+            try:
+                view.release()
+            except BufferError:  # the callback kept a derived view
+                pass
+
+    def close(self) -> None:
+        """Close connections and unmap the store (the sidecar keeps its file)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+        try:
+            self.view.close()
+        except BufferError:
+            pass
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,776 @@
+"""The UCX data plane: ``ucxx`` tag messages between worker addresses.
+
+Why this shape (measured on a CPU-only host, see the README's Performance part):
+UCX's shared-memory transports (``UCX_TLS=sm``, CMA rendezvous) only work with
+peer error handling off, and ucxx's listener (sockaddr) path refuses them, so
+endpoints are made from *worker addresses* exchanged out of band: the server's
+address is what ``start()`` returns (``ucx://<base64 worker address>``), advertised
+in the control-plane handshake; the client sends its own in ``UCX_ATTACH``.
+Progress runs in ``blocking`` mode on the asyncio loop (the default progress
+thread costs 2-3x on 2 cores). Call ``configure_ucx_env`` before ``ucxx`` is
+imported (UCX reads its environment once).
+
+Tags (64 bits): the high 32 bits are the connection id the client picked, the
+low 32 bits say what travels: 0 client->server frames, 1 server->client frames,
+``0x80000000 | request id`` the bytes of one chunk. Tag 0 (connection id 0) is the
+server's attach tag. UCX matches tags per worker, not per endpoint, so the
+connection id is how the server tells its clients apart; it is only used after
+the client proved its session (the attach MAC, then the nonce challenge).
+
+A CHUNK reply is two messages: the header frame (header + key + checksum, the
+header's length still counting the chunk bytes) on the server->client tag, then the
+chunk bytes alone on the chunk's tag, sent from the pinned slot and received
+straight into the reserved slot (rendezvous: the receiver pulls the bytes).
+
+Limits: one UCX server and one asyncio loop per process (ucxx keeps one global
+worker bound to the loop that first used it). Without peer error handling a dead
+peer is noticed by deadlines only: every wait here has one, and a connection that
+misses one is aborted (its posted receives are cancelled) before any reservation
+is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as proto
+from .base import (
+    DEFAULT_AUTH_TIMEOUT,
+    DEFAULT_SEND_TIMEOUT,
+    DEFAULT_WINDOW,
+    Authorize,
+    DataPlaneServer,
+    PeerDataClient,
+    PendingChunk,
+    StoreLike,
+    TransportError,
+    auth_proof,
+    check_auth,
+    commit_received,
+    count_protocol_error,
+    make_nonce,
+    run_fetch,
+)
+
+if TYPE_CHECKING:
+    from ..metrics import SidecarMetrics
+
+log = logging.getLogger(__name__)
+
+# Tag of UCX_ATTACH messages (connection id 0 is reserved for it).
+ATTACH_TAG = 0
+# Low tag bits: client -> server frames.
+TAG_C2S = 0
+# Low tag bits: server -> client frames.
+TAG_S2C = 1
+# Low tag bit marking a chunk's bytes; the other 31 bits are its request id.
+TAG_DATA = 0x8000_0000
+# Request ids of UCX clients wrap at 2**31 (they are part of a data tag).
+UCX_REQUEST_ID_MOD = 1 << 31
+# Receive buffer of one control frame (header + the largest control payload).
+CONTROL_BUFFER_BYTES = proto.HEADER_BYTES + proto.MAX_CONTROL_PAYLOAD
+# Receive buffer of UCX_ATTACH messages.
+ATTACH_BUFFER_BYTES = (proto.HEADER_BYTES + 4 + 2 + proto.MAX_SESSION_ID_BYTES + proto.PROOF_BYTES
+                       + proto.MAX_WORKER_ADDRESS_BYTES)
+# Connections one server accepts at a time.
+MAX_SERVER_CONNECTIONS = 1024
+# Chunk sends one server connection keeps in flight.
+SERVER_SENDS_IN_FLIGHT = 16
+
+# UCX settings configure_ucx_env writes, besides UCX_TLS.
+_UCX_DEFAULTS = {
+    # Only for code that uses ucxx's own asyncio layer; this transport drives the worker itself.
+    "UCXPY_PROGRESS_MODE": "blocking",
+    # UCX over TCP assumes a slow link and uses 8 KiB segments; 1 MiB is 2-4x faster.
+    "UCX_TCP_TX_SEG_SIZE": "1m",
+    "UCX_TCP_RX_SEG_SIZE": "1m",
+    # ucxx sets UCX_MEMTYPE_CACHE which this UCX build does not know; keep logs quiet.
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+_state: dict[str, Any] = {"runtime": None, "server": None}
+
+
+def configure_ucx_env(tls: str = "sm,self", *, net_devices: str | None = None,
+                      override: bool = True) -> dict[str, str]:
+    """Set UCX's environment for this process; must run before ``ucxx`` is imported.
+
+    ``tls``: ``"sm,self"`` (same host, shared memory) or ``"tcp,self"``;
+    ``net_devices``: e.g. ``"lo"`` for loopback tests. With ``override=False``
+    variables already set in the environment win. Returns the values in effect.
+    Raises RuntimeError when ucxx is already imported with other settings.
+    """
+    wanted = dict(_UCX_DEFAULTS, UCX_TLS=tls)
+    if net_devices:
+        wanted["UCX_NET_DEVICES"] = net_devices
+    if "ucxx" in sys.modules:
+        differ = [f"{k}={os.environ.get(k)!r} (wanted {v!r})" for k, v in wanted.items()
+                  if os.environ.get(k) != v and (override or k not in os.environ)]
+        if differ:
+            raise RuntimeError("ucxx is already imported, so UCX settings can no longer change: "
+                               + ", ".join(differ) + "; call configure_ucx_env() first thing")
+        return {k: os.environ[k] for k in wanted}
+    for key, value in wanted.items():
+        if override or key not in os.environ:
+            os.environ[key] = value
+    return {k: os.environ[k] for k in wanted}
+
+
+class UcxRuntime:
+    """This process's UCX worker, progressed from the asyncio loop without busy waiting.
+
+    ucxx's own asyncio layer waits on requests by polling them every loop
+    iteration (100% CPU while anything is posted, and slow when a progress task
+    is starved), so the transport drives the worker itself: progress until idle,
+    complete the futures of finished requests, keep polling (once per loop
+    iteration, so woken tasks run in between) for ``SPIN_SECONDS`` after a
+    completion so round trips stay short, then ``arm`` the worker and sleep
+    until its epoll descriptor fires. A slow timer guards against a
+    missed wake-up.
+    """
+
+    # Seconds to keep progressing after a completion before arming the worker.
+    SPIN_SECONDS = 50e-6
+    # Seconds between safety progress calls while requests are pending.
+    SAFETY_SECONDS = 0.1
+    # Nanoseconds an endpoint close may wait to cancel its requests.
+    CLOSE_PERIOD_NS = 100_000_000
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        if "ucxx" not in sys.modules:
+            configure_ucx_env(os.environ.get("UCX_TLS", "sm,self"), override=False)
+        import ucxx  # noqa: F401  (loads libucx and sets ucxx's env defaults)
+        from ucxx._lib import libucxx as api
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
+
+        self._api, self._Array, self._Tag, self._mask = api, Array, Tag, TagMaskFull
+        self.loop = loop
+        self.context = api.UCXContext({}, feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
+        self.worker = api.UCXWorker(self.context, enable_delayed_submission=False,
+                                    enable_python_future=False)
+        self.worker.init_blocking_progress_mode()
+        self.address = bytes(self.worker.address)
+        self._pending: list[tuple[Any, asyncio.Future[None]]] = []
+        self._scheduled = False
+        self._hot_until = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        loop.add_reader(self.worker.epoll_file_descriptor, self._kick)
+
+    @classmethod
+    def get(cls) -> UcxRuntime:
+        """The process's runtime, created on the running loop at first use."""
+        loop = asyncio.get_running_loop()
+        rt = _state["runtime"]
+        if rt is None:
+            rt = _state["runtime"] = cls(loop)
+        elif rt.loop is not loop:
+            raise RuntimeError("the UCX transport is bound to the first asyncio loop that used it; "
+                               "run one event loop per process")
+        return rt
+
+    def endpoint(self, worker_address: bytes) -> Any:
+        """An endpoint to ``worker_address`` with peer error handling off (so sm works)."""
+        address = self._api.UCXAddress.create_from_buffer(worker_address)
+        return self._api.UCXEndpoint.create_from_worker_address(self.worker, address, False)
+
+    async def send(self, ep: Any, buf: Any, tag: int) -> None:
+        """Tag-send ``buf`` (any contiguous buffer, not copied) and wait for completion."""
+        await self._wait(ep.tag_send(self._Array(buf), self._Tag(tag)))
+
+    async def recv(self, ep: Any | None, buf: Any, tag: int) -> None:
+        """Receive the next message tagged ``tag`` into ``buf`` (on the worker when ep is None)."""
+        src = self.worker if ep is None else ep
+        await self._wait(src.tag_recv(self._Array(buf), self._Tag(tag), self._mask))
+
+    def abort(self, ep: Any) -> None:
+        """Close ``ep`` at once, cancelling its posted receives and sends."""
+        try:
+            ep.close_blocking(period=self.CLOSE_PERIOD_NS, max_attempts=1)
+        except Exception as exc:
+            log.debug("UCX endpoint close: %s", exc)
+        self._kick()
+
+    def _wait(self, req: Any) -> asyncio.Future[None]:
+        fut = self.loop.create_future()
+        self._pending.append((req, fut))
+        self._kick()
+        return fut
+
+    def _kick(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._progress)
+
+    def _progress(self) -> None:
+        self._scheduled = False
+        worker = self.worker
+        while worker.progress_once():
+            pass
+        now = time.perf_counter()
+        if any(req.completed for req, _ in self._pending):
+            still = []
+            for req, fut in self._pending:
+                if not req.completed:
+                    still.append((req, fut))
+                elif not fut.done():
+                    try:
+                        req.check_error()
+                    except Exception as exc:
+                        fut.set_exception(exc)
+                    else:
+                        fut.set_result(None)
+            self._pending = still
+            self._hot_until = now + self.SPIN_SECONDS
+        if self._pending and now < self._hot_until:
+            self._kick()  # keep polling for a moment, letting the woken tasks run in between
+        elif not worker.arm():
+            self._kick()  # events arrived meanwhile: progress again first
+        elif self._pending and self._timer is None:
+            self._timer = self.loop.call_later(self.SAFETY_SECONDS, self._safety)
+
+    def _safety(self) -> None:
+        self._timer = None
+        self._kick()
+
+
+def _tag(connection_id: int, low: int) -> int:
+    return (connection_id << 32) | low
+
+
+def _data_tag(connection_id: int, request_id: int) -> int:
+    return _tag(connection_id, TAG_DATA | (request_id % UCX_REQUEST_ID_MOD))
+
+
+def _buf(parts: list) -> bytearray:
+    """A control frame as one contiguous message."""
+    return bytearray(proto.join(parts))
+
+
+def encode_address(worker_address: bytes) -> str:
+    """``ucx://<base64 worker address>``."""
+    return "ucx://" + base64.urlsafe_b64encode(worker_address).decode("ascii")
+
+
+def decode_address(address: str) -> bytes:
+    """The worker address inside ``ucx://...``; ValueError when it is not one."""
+    rest = address.removeprefix("ucx://")
+    try:
+        raw = base64.urlsafe_b64decode(rest.encode("ascii"))
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise ValueError(f"UCX data address {address[:40]!r}... is not ucx://<base64>") from exc
+    if not raw or len(raw) > proto.MAX_WORKER_ADDRESS_BYTES:
+        raise ValueError(f"UCX data address carries {len(raw)} bytes; expected a worker address")
+    return raw
+
+
+def attach_mac(session_key: bytes, connection_id: int, worker_address: bytes) -> bytes:
+    """MAC of a UCX_ATTACH message."""
+    return hmac.new(session_key, proto.ucx_attach_signed_bytes(connection_id, worker_address),
+                    hashlib.sha256).digest()
+
+
+def _parse_frame(buf: bytearray, chunk_bytes: int | None) -> tuple[proto.Header, memoryview]:
+    """Header and the payload part present in this message (CHUNK: the prefix only)."""
+    header = proto.decode_header(memoryview(buf)[:proto.HEADER_BYTES], chunk_bytes)
+    end = proto.HEADER_BYTES + header.length
+    if header.type is proto.MessageType.CHUNK:
+        end = min(end, len(buf))
+    elif end > len(buf):
+        raise proto.ProtocolError("oversize", f"{header.type.name} of {header.length} bytes "
+                                  f"exceeds the {len(buf)}-byte message buffer")
+    return header, memoryview(buf)[proto.HEADER_BYTES:end]
+
+
+def _zero(buf: bytearray, header: proto.Header | None) -> None:
+    """Clear what the last frame left, so a short message never reads stale bytes."""
+    n = proto.HEADER_BYTES
+    if header is not None:
+        n += min(header.length, 2 + proto.MAX_KEY_BYTES + 8) if header.type is proto.MessageType.CHUNK \
+            else header.length
+    n = min(n, len(buf))
+    buf[:n] = bytes(n)
+
+
+def _is_truncated(exc: BaseException) -> bool:
+    return "Truncated" in type(exc).__name__
+
+
+class UcxDataPlaneServer(DataPlaneServer):
+    """Serves chunks from ``store`` over UCX tag messages (one per process)."""
+
+    def __init__(
+        self,
+        store: StoreLike,
+        authorize: Authorize,
+        metrics: SidecarMetrics | None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        chunk_bytes: int,
+        auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
+    ) -> None:
+        if chunk_bytes != store.slot_bytes:
+            raise ValueError(f"chunk_bytes={chunk_bytes} differs from the store's slot_bytes="
+                             f"{store.slot_bytes}; pass the pool's kv_bytes_per_chunk to both")
+        del host, port  # UCX endpoints come from worker addresses, not a port
+        self._store = store
+        self._authorize = authorize
+        self._metrics = metrics
+        self._chunk_bytes = chunk_bytes
+        self._auth_timeout = auth_timeout
+        self._send_timeout = send_timeout
+        self._accept_task: asyncio.Task[None] | None = None
+        self._conns: dict[int, asyncio.Task[None]] = {}
+        # Kept for the process lifetime: a receive posted on the worker may still target it.
+        self._attach_buf = bytearray(ATTACH_BUFFER_BYTES)
+        self.address = ""
+
+    async def start(self) -> str:
+        """Initialise UCX and return ``ucx://<base64 worker address>``."""
+        rt = UcxRuntime.get()
+        if _state["server"] is not None:
+            raise RuntimeError("a UCX data-plane server already runs in this process; "
+                               "start one per sidecar process")
+        _state["server"] = self
+        self.address = encode_address(rt.address)
+        self._accept_task = asyncio.create_task(self._accept_loop(rt), name="ucx-data-accept")
+        return self.address
+
+    async def stop(self, grace_seconds: float = 1.0) -> None:
+        """Stop accepting; give connections ``grace_seconds``, then abort them."""
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._accept_task
+        conns = list(self._conns.values())
+        if conns:
+            _, still = await asyncio.wait(conns, timeout=grace_seconds)
+            for t in still:
+                t.cancel()
+            if still:
+                await asyncio.wait(still)
+        if _state["server"] is self:
+            _state["server"] = None
+
+    async def _accept_loop(self, rt: UcxRuntime) -> None:
+        buf = self._attach_buf
+        header: proto.Header | None = None
+        while True:
+            _zero(buf, header)
+            header = None
+            try:
+                await rt.recv(None, buf, ATTACH_TAG)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reason = "oversize" if _is_truncated(exc) else "malformed"
+                count_protocol_error(self._metrics, reason)
+                log.warning("UCX data plane: dropped an attach message: %s", exc)
+                continue
+            try:
+                header, payload = _parse_frame(buf, None)
+                if header.type is not proto.MessageType.UCX_ATTACH:
+                    raise proto.ProtocolError("unauthenticated", f"{header.type.name} before UCX_ATTACH")
+                attach = proto.decode_ucx_attach(payload)
+                key = self._authorize(attach.session_id)
+                mac = attach_mac(key, attach.connection_id, attach.worker_address) if key else b""
+                if not key or not hmac.compare_digest(mac, attach.mac):
+                    raise proto.ProtocolError("unauthenticated",
+                                              "UCX_ATTACH with an unknown session or a wrong MAC")
+                if attach.connection_id in self._conns:
+                    raise proto.ProtocolError("malformed", "UCX_ATTACH reuses a live connection id")
+                if len(self._conns) >= MAX_SERVER_CONNECTIONS:
+                    raise proto.ProtocolError("oversize", "too many UCX data connections")
+            except proto.ProtocolError as exc:
+                count_protocol_error(self._metrics, exc.reason)
+                log.warning("UCX data plane: refused an attach: %s", exc)
+                continue
+            except Exception:  # a broken authorize callback must not stop the server
+                count_protocol_error(self._metrics, "unauthenticated")
+                log.exception("UCX data plane: attach check failed")
+                continue
+            cid = attach.connection_id
+            task = asyncio.create_task(self._serve(rt, attach), name="ucx-data-conn")
+            self._conns[cid] = task
+            task.add_done_callback(lambda _t, cid=cid: self._conns.pop(cid, None))
+
+    async def _serve(self, rt: UcxRuntime, attach: proto.UcxAttach) -> None:
+        try:
+            ep = rt.endpoint(attach.worker_address)
+        except Exception as exc:  # an unusable address: nothing to answer on
+            count_protocol_error(self._metrics, "malformed")
+            log.warning("UCX data plane: cannot reach an attaching client: %s", exc)
+            return
+        conn = _ServerConnection(self, rt, ep, attach.connection_id)
+        try:
+            await conn.run()
+        finally:
+            conn.abort()
+
+
+class _ServerConnection:
+    """One client of the UCX server: reads its frames, sends its chunks."""
+
+    def __init__(self, server: UcxDataPlaneServer, rt: UcxRuntime, ep: Any, cid: int) -> None:
+        self.server = server
+        self.rt = rt
+        self.ep = ep
+        self.cid = cid
+        self.c2s = _tag(cid, TAG_C2S)
+        self.s2c = _tag(cid, TAG_S2C)
+        self.sends: set[asyncio.Task[None]] = set()
+        self.window = asyncio.Semaphore(SERVER_SENDS_IN_FLIGHT)
+        self.failed: BaseException | None = None
+        self.aborted = False
+
+    async def run(self) -> None:
+        srv, rt = self.server, self.rt
+        buf = bytearray(CONTROL_BUFFER_BYTES)
+        header: proto.Header | None = None
+        try:
+            nonce = make_nonce()
+            async with asyncio.timeout(srv._auth_timeout):
+                await rt.send(self.ep, _buf(proto.encode_auth_challenge(nonce)), self.s2c)
+                await rt.recv(self.ep, buf, self.c2s)
+                header, payload = _parse_frame(buf, srv._chunk_bytes)
+                if header.type is not proto.MessageType.AUTH_RESPONSE:
+                    raise proto.ProtocolError("unauthenticated", f"{header.type.name} before AUTH_RESPONSE")
+                check_auth(srv._authorize, nonce, proto.decode_auth_response(payload))
+                await rt.send(self.ep, _buf(proto.encode_auth_ok()), self.s2c)
+            while self.failed is None:
+                _zero(buf, header)
+                header = None
+                await rt.recv(self.ep, buf, self.c2s)
+                header, payload = _parse_frame(buf, srv._chunk_bytes)
+                mtype = header.type
+                if mtype is proto.MessageType.LOOKUP:
+                    hits = srv._store.lookup_prefix(proto.decode_keys(payload))
+                    await rt.send(self.ep, _buf(proto.encode_lookup_reply(header.request_id, hits)),
+                                  self.s2c)
+                elif mtype is proto.MessageType.FETCH:
+                    for i, key in enumerate(proto.decode_keys(payload)):
+                        await self.window.acquire()
+                        t = asyncio.create_task(self.send_chunk(header.request_id + i, key))
+                        self.sends.add(t)
+                        t.add_done_callback(self.sends.discard)
+                elif mtype is proto.MessageType.CLOSE:
+                    break
+                else:
+                    raise proto.ProtocolError("malformed", f"a client may not send {mtype.name}")
+            if self.sends:
+                await asyncio.wait(self.sends)
+        except proto.ProtocolError as exc:
+            count_protocol_error(srv._metrics, exc.reason)
+            log.warning("UCX data plane: closing a connection: %s", exc)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await rt.send(self.ep, _buf(proto.encode_error(0, exc.reason, exc.message)), self.s2c)
+        except TimeoutError:
+            count_protocol_error(srv._metrics, "unauthenticated")
+            log.warning("UCX data plane: a client did not authenticate within %.3gs", srv._auth_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if _is_truncated(exc):
+                count_protocol_error(srv._metrics, "oversize")
+                log.warning("UCX data plane: closing a connection that sent a frame over %d bytes",
+                            len(buf))
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await rt.send(self.ep, _buf(proto.encode_error(
+                            0, "oversize", f"frame over {len(buf)} bytes")), self.s2c)
+            else:
+                log.info("UCX data plane: connection ended: %s", exc)
+        finally:
+            for t in list(self.sends):
+                t.cancel()
+
+    async def send_chunk(self, request_id: int, key: bytes) -> None:
+        srv, rt = self.server, self.rt
+        try:
+            pin = srv._store.pin(key)
+            if pin is None:
+                await rt.send(self.ep, _buf(proto.encode_chunk_missing(request_id, key)), self.s2c)
+                return
+            try:
+                prefix = proto.encode_chunk_prefix(key, pin.checksum)
+                head = proto.encode_header(proto.MessageType.CHUNK, request_id,
+                                           len(prefix) + srv._chunk_bytes)
+                async with asyncio.timeout(srv._send_timeout):
+                    await rt.send(self.ep, bytearray(head + prefix), self.s2c)
+                    await rt.send(self.ep, pin.view, _data_tag(self.cid, request_id))
+                if srv._metrics is not None:
+                    srv._metrics.peer_bytes.labels(direction="sent").inc(srv._chunk_bytes)
+            except BaseException as exc:
+                self.fail(exc)  # abort the endpoint before the slot can be reused
+                raise
+            finally:
+                pin.release()
+        except (asyncio.CancelledError, TimeoutError):
+            pass
+        except Exception as exc:
+            log.info("UCX data plane: chunk send failed: %s", exc)
+        finally:
+            self.window.release()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = exc
+        self.abort()
+
+    def abort(self) -> None:
+        if not self.aborted:
+            self.aborted = True
+            self.rt.abort(self.ep)
+
+
+class UcxPeerDataClient(PeerDataClient):
+    """An authenticated UCX connection to one peer's data plane."""
+
+    def __init__(self, rt: UcxRuntime, ep: Any, cid: int, metrics: SidecarMetrics | None,
+                 window: int) -> None:
+        self._rt = rt
+        self._ep = ep
+        self._cid = cid
+        self._c2s = _tag(cid, TAG_C2S)
+        self._s2c = _tag(cid, TAG_S2C)
+        self._metrics = metrics
+        self._window = window
+        self._next_rid = 1
+        self._chunks: dict[int, PendingChunk] = {}
+        self._lookups: dict[int, tuple[asyncio.Future[int], int]] = {}
+        self._receives: set[asyncio.Task[None]] = set()
+        self._reader: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
+                      timeout: float, metrics: SidecarMetrics | None = None,
+                      window: int = DEFAULT_WINDOW) -> UcxPeerDataClient:
+        """Attach to the server at ``ucx://...`` and authenticate; TransportError on failure."""
+        server_address = decode_address(address)
+        rt = UcxRuntime.get()
+        cid = _new_connection_id()
+        ep = None
+        try:
+            async with asyncio.timeout(timeout):
+                ep = rt.endpoint(server_address)
+                mac = attach_mac(session_key, cid, rt.address)
+                await rt.send(ep, _buf(proto.encode_ucx_attach(cid, session_id, mac, rt.address)),
+                              ATTACH_TAG)
+                buf = bytearray(CONTROL_BUFFER_BYTES)
+                s2c, c2s = _tag(cid, TAG_S2C), _tag(cid, TAG_C2S)
+                await rt.recv(ep, buf, s2c)
+                header, payload = _parse_frame(buf, None)
+                _raise_if_error(header, payload)
+                if header.type is not proto.MessageType.AUTH_CHALLENGE:
+                    raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
+                nonce = proto.decode_auth_challenge(payload)
+                await rt.send(ep, _buf(proto.encode_auth_response(session_id, auth_proof(session_key, nonce))),
+                              c2s)
+                _zero(buf, header)
+                await rt.recv(ep, buf, s2c)
+                header, payload = _parse_frame(buf, None)
+                _raise_if_error(header, payload)
+                if header.type is not proto.MessageType.AUTH_OK:
+                    raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
+                proto.decode_auth_ok(payload)
+        except BaseException as exc:
+            _release_connection_id(cid)
+            if ep is not None:
+                rt.abort(ep)
+            if isinstance(exc, TimeoutError):
+                raise TransportError(f"connecting to the UCX peer missed its {timeout:.3g}s deadline "
+                                     "(a refused session gets no answer over UCX)") from None
+            if isinstance(exc, TransportError):
+                raise
+            if isinstance(exc, Exception):
+                raise TransportError(f"connecting to the UCX peer failed: {exc}") from exc
+            raise
+        client = cls(rt, ep, cid, metrics, window)
+        client._reader = asyncio.create_task(client._read_loop(), name="ucx-data-reader")
+        return client
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    def _rids(self, n: int) -> int:
+        if self._next_rid + n > UCX_REQUEST_ID_MOD:  # keep a batch's ids contiguous
+            self._next_rid = 1
+        first = self._next_rid
+        self._next_rid += n
+        return first
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise TransportError(f"data connection is closed: {self._error}")
+
+    async def _send(self, frame: list) -> None:
+        await self._rt.send(self._ep, _buf(frame), self._c2s)
+
+    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
+        """Number of leading ``keys`` the peer holds (one LOOKUP round trip)."""
+        self._check_open()
+        keys = list(keys)
+        if not keys:
+            return 0
+        rid = self._rids(1)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._lookups[rid] = (fut, len(keys))
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(proto.encode_lookup(rid, keys))
+                return await fut
+        except TimeoutError:
+            exc = TransportError(f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline")
+            self._fail(exc)
+            raise exc from None
+        except TransportError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            raise TransportError(f"lookup failed: {exc}") from exc
+        finally:
+            self._lookups.pop(rid, None)
+
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
+        """Receive chunks straight into ``store`` slots; leading keys now visible."""
+        self._check_open()
+        return await run_fetch(keys, store, timeout, window=self._window,
+                               send_requests=self._request_chunks, fail=self._fail,
+                               metrics=self._metrics)
+
+    async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
+        self._check_open()
+        rid = self._rids(len(batch))
+        for j, (_, p) in enumerate(batch):
+            self._chunks[rid + j] = p
+        await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
+
+    async def close(self) -> None:
+        """Send CLOSE (best effort) and close the endpoint."""
+        if self._error is not None:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(0.5):
+                await self._send(proto.encode_close())
+        self._fail(TransportError("closed by this side"))
+        if self._reader is not None:
+            with contextlib.suppress(BaseException):
+                await self._reader
+
+    def _fail(self, exc: BaseException) -> None:
+        """Close the endpoint (cancelling receives into slots) and fail everything in flight."""
+        if self._error is None:
+            self._error = exc
+            self._rt.abort(self._ep)  # cancels posted receives: no byte lands in a slot after this
+            _release_connection_id(self._cid)
+        err = exc if isinstance(exc, TransportError) else TransportError(f"data connection failed: {exc}")
+        for p in self._chunks.values():
+            if not p.done.done():
+                p.done.set_exception(err)
+        self._chunks.clear()
+        for fut, _ in self._lookups.values():
+            if not fut.done():
+                fut.set_exception(err)
+        current = asyncio.current_task()
+        for t in [self._reader, *self._receives]:
+            if t is not None and t is not current and not t.done():
+                t.cancel()
+
+    async def _read_loop(self) -> None:
+        buf = bytearray(CONTROL_BUFFER_BYTES)
+        header: proto.Header | None = None
+        try:
+            while True:
+                _zero(buf, header)
+                header = None
+                await self._rt.recv(self._ep, buf, self._s2c)
+                header, payload = _parse_frame(buf, None)
+                mtype = header.type
+                if mtype is proto.MessageType.CHUNK:
+                    self._start_chunk(header, payload)
+                elif mtype is proto.MessageType.LOOKUP_REPLY:
+                    entry = self._lookups.pop(header.request_id, None)
+                    if entry is None:
+                        continue
+                    fut, asked = entry
+                    count = proto.decode_lookup_reply(payload, asked)
+                    if not fut.done():
+                        fut.set_result(count)
+                elif mtype is proto.MessageType.CHUNK_MISSING:
+                    key = proto.decode_chunk_missing(payload)
+                    p = self._chunks.pop(header.request_id, None)
+                    if p is None or p.key != key:
+                        raise proto.ProtocolError("bad_key", "CHUNK_MISSING for a key not requested")
+                    p.reservation.abort()
+                    if not p.done.done():
+                        p.done.set_result(False)
+                else:
+                    _raise_if_error(header, payload)
+                    raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, proto.ProtocolError):
+                count_protocol_error(self._metrics, exc.reason)
+                log.warning("UCX data client: closing the connection: %s", exc)
+            self._fail(exc if isinstance(exc, TransportError) else TransportError(str(exc)))
+
+    def _start_chunk(self, header: proto.Header, payload: memoryview) -> None:
+        prefix = proto.decode_chunk_prefix(payload)
+        p = self._chunks.get(header.request_id)
+        if p is None or p.key != prefix.key:
+            raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
+                                      f"under request id {header.request_id}")
+        proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
+        t = asyncio.create_task(self._receive_chunk(header.request_id, p, prefix.checksum))
+        self._receives.add(t)
+        t.add_done_callback(self._receives.discard)
+
+    async def _receive_chunk(self, request_id: int, p: PendingChunk, checksum: int) -> None:
+        try:
+            await self._rt.recv(self._ep, p.reservation.view, _data_tag(self._cid, request_id))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            return
+        if self._chunks.pop(request_id, None) is p:
+            commit_received(p, checksum, self._metrics)
+
+
+_client_cids: set[int] = set()
+
+
+def _new_connection_id() -> int:
+    while True:
+        cid = secrets.randbits(32)
+        if cid and cid not in _client_cids:
+            _client_cids.add(cid)
+            return cid
+
+
+def _release_connection_id(cid: int) -> None:
+    _client_cids.discard(cid)
+
+
+def _raise_if_error(header: proto.Header, payload: memoryview) -> None:
+    if header.type is proto.MessageType.ERROR:
+        raise TransportError(f"peer refused: {proto.decode_error(payload)}")
+    if header.type is proto.MessageType.CLOSE:
+        raise TransportError("peer closed the data connection")

@@ -1,0 +1,232 @@
+"""kopf's real runtime runs `kv-offload operator` against kmock's KubernetesEmulator over HTTP."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import pytest
+
+from kv_offload_sidecar.offloading_config import OffloadingConfig
+from operator_harness import (
+    KTC,
+    LLAMA_ARGS,
+    NAMESPACE,
+    POOLS,
+    POOLS_URL,
+    OperatorProcess,
+    assert_within_rbac,
+    create,
+    emulate_cluster,
+    llama_config,
+    merge_patch,
+    obj,
+    pool_body,
+    requests_to,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def operator_stays_within_its_rbac(kmock: kmock.KubernetesEmulator) -> Iterator[None]:
+    """After each scenario: the operator used only the verbs the chart grants."""
+    yield
+    assert_within_rbac(kmock)
+
+
+def cli_translate(tmp_path: Path, vllm_args: list[str]) -> tuple[int, str, str]:
+    """Run the real `kv-offload translate` CLI; returns (exit code, stdout, stderr)."""
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(llama_config()))
+    done = subprocess.run(
+        [sys.executable, "-m", "kv_offload_operator.cli", "translate", "--model-config", str(model),
+         "--vllm-args", shlex.join(vllm_args)], capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout, done.stderr
+
+
+def cli_fingerprint(tmp_path: Path, vllm_args: list[str]) -> str:
+    code, out, err = cli_translate(tmp_path, vllm_args)
+    assert code == 0, err
+    return OffloadingConfig.from_json(out).fingerprint
+
+
+def status_of(k: kmock.KubernetesEmulator, name: str) -> dict[str, Any]:
+    return (obj(k, POOLS, name) or {}).get("status") or {}
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+async def test_creating_a_pool_writes_configmap_secret_service_and_the_cli_fingerprint(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    expected = cli_fingerprint(tmp_path, LLAMA_ARGS)
+    async with OperatorProcess(tmp_path, str(kmock.url)) as operator:
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        status = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{operator.health_port}/healthz") as resp:
+                assert resp.status == 200
+
+        st = status_of(kmock, "llama")
+        assert status == expected
+        assert st["namespaceDigest"] == expected[:12]
+        assert st["configMap"] == "llama-offloading-config"
+        assert st["observedGeneration"] == 1
+        assert st["readyPeers"] == 0
+        assert condition(st, "Ready")["status"] == "True"
+        assert condition(st, "Invalid")["status"] == "False"
+
+        cm = obj(kmock, "v1/configmaps", "llama-offloading-config")
+        assert cm is not None
+        config = OffloadingConfig.from_json(cm["data"]["offloading_config.json"])
+        assert config.fingerprint == expected
+        owner = cm["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == \
+            ("KVOffloadPool", "llama", "uid-llama", True)
+
+        secret = obj(kmock, "v1/secrets", "llama-pool-key")
+        assert secret is not None
+        assert len(base64.b64decode(secret["data"]["key"])) == 32
+
+        svc = obj(kmock, "v1/services", "llama-peers")
+        assert svc is not None
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"] == {"kv-offload.io/pool": "llama"}
+        assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"kvo-ctrl-0": 5710, "kvo-data": 5810}
+
+
+async def test_an_update_changes_fingerprint_configmap_and_service_but_never_the_pool_key(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    new_args = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "32",
+                "--data-parallel-size", "2", "--kv-transfer-config", KTC]
+    old_fp, new_fp = cli_fingerprint(tmp_path, LLAMA_ARGS), cli_fingerprint(tmp_path, new_args)
+    assert old_fp != new_fp
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        await wait_for("the first fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == old_fp)
+        key_before = obj(kmock, "v1/secrets", "llama-pool-key")["data"]["key"]
+
+        await merge_patch(kmock, f"{POOLS_URL}/llama",
+                          {"metadata": {"generation": 2}, "spec": {"vllmArgs": new_args}})
+        await wait_for("the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == new_fp)
+
+        st = status_of(kmock, "llama")
+        assert st["observedGeneration"] == 2
+        cm = obj(kmock, "v1/configmaps", "llama-offloading-config")
+        assert OffloadingConfig.from_json(cm["data"]["offloading_config.json"]).fingerprint == new_fp
+        svc = obj(kmock, "v1/services", "llama-peers")
+        assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == \
+            {"kvo-ctrl-0": 5710, "kvo-ctrl-1": 5711, "kvo-data": 5810}
+        assert obj(kmock, "v1/secrets", "llama-pool-key")["data"]["key"] == key_before
+
+
+async def test_an_invalid_spec_sets_the_invalid_condition_with_the_translator_message_and_keeps_the_configmap(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    bad_args = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]  # no offloading
+    code, out, err = cli_translate(tmp_path, bad_args)
+    assert code == 2 and out == ""
+    translator_message = err.strip()
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        good_fp = await wait_for("the good fingerprint", lambda: status_of(kmock, "llama").get("fingerprint"))
+        good_cm = obj(kmock, "v1/configmaps", "llama-offloading-config")
+
+        await merge_patch(kmock, f"{POOLS_URL}/llama",
+                          {"metadata": {"generation": 2}, "spec": {"vllmArgs": bad_args}})
+        invalid = await wait_for("the Invalid condition",
+                                 lambda: condition(status_of(kmock, "llama"), "Invalid").get("status") == "True"
+                                 and condition(status_of(kmock, "llama"), "Invalid"))
+
+        assert invalid["message"] in translator_message  # the CLI may prefix its own name
+        assert invalid["message"].startswith("the vLLM args configure no KV offloading connector")
+        st = status_of(kmock, "llama")
+        assert condition(st, "Ready")["status"] == "False"
+        assert st["observedGeneration"] == 2
+        assert st["fingerprint"] == good_fp  # the last good config is still what pods use
+        assert obj(kmock, "v1/configmaps", "llama-offloading-config") == good_cm
+
+
+async def test_restarting_the_operator_midway_creates_no_duplicates_and_keeps_the_pool_key(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    operator = OperatorProcess(tmp_path, str(kmock.url))
+    await operator.start()
+    try:
+        await create(kmock, POOLS_URL, pool_body("first"))
+        await wait_for("the first pool", lambda: status_of(kmock, "first").get("fingerprint"))
+        key = obj(kmock, "v1/secrets", "first-pool-key")["data"]["key"]
+        await operator.stop(signal.SIGKILL)  # a crash, not a clean shutdown
+
+        await create(kmock, POOLS_URL, pool_body("second"))  # arrives while the operator is down
+        await operator.start()
+        await wait_for("the second pool", lambda: status_of(kmock, "second").get("fingerprint"))
+        await wait_for("the resumed first pool",
+                       lambda: f"Pool {NAMESPACE}/first: fingerprint" in operator.log())
+    finally:
+        await operator.stop()
+
+    assert obj(kmock, "v1/secrets", "first-pool-key")["data"]["key"] == key
+    creations = [(r.resource.plural, (r.data or {}).get("metadata", {}).get("name"))
+                 for r in requests_to(kmock, "POST") if r.resource is not None]
+    children = [c for c in creations if c[0] in ("configmaps", "secrets", "services")]
+    assert sorted(children) == sorted(set(children))  # each child created exactly once
+    assert {name for _, name in children} == {
+        "first-offloading-config", "first-pool-key", "first-peers",
+        "second-offloading-config", "second-pool-key", "second-peers"}
+
+
+async def test_ready_pool_pods_are_counted_into_ready_peers(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    pods_url = f"/api/v1/namespaces/{NAMESPACE}/pods"
+
+    def pod(name: str, ready: bool, pool: str = "llama") -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}",
+                             "labels": {"kv-offload.io/pool": pool}},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+                "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        await create(kmock, pods_url, pod("a", True))
+        await create(kmock, pods_url, pod("b", False))
+        await create(kmock, pods_url, pod("other", True, pool="elsewhere"))
+        await wait_for("one ready peer", lambda: status_of(kmock, "llama").get("readyPeers") == 1)
+        await merge_patch(kmock, f"{pods_url}/b", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+        await wait_for("two ready peers", lambda: status_of(kmock, "llama").get("readyPeers") == 2)
+        resp = await kmock.delete(f"{pods_url}/a")
+        assert resp.status == 200
+        await wait_for("one ready peer again", lambda: status_of(kmock, "llama").get("readyPeers") == 1)
+
+
+async def test_model_config_ref_reads_the_model_config_from_a_configmap(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    expected = cli_fingerprint(tmp_path, LLAMA_ARGS)
+    await create(kmock, f"/api/v1/namespaces/{NAMESPACE}/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "llama-model", "namespace": NAMESPACE},
+        "data": {"config.json": json.dumps(llama_config())}})
+    body = pool_body("llama")
+    del body["spec"]["modelConfig"]
+    body["spec"]["modelConfigRef"] = {"name": "llama-model", "key": "config.json"}
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, body)
+        fingerprint = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+    assert fingerprint == expected

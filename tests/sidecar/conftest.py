@@ -1,0 +1,40 @@
+"""Fixtures of the sidecar tests: short shm work dirs and in-process sidecar settings."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kv_offload_sidecar.local_pool import example_config, free_port_block
+from kv_offload_sidecar.settings import SidecarSettings
+
+POOL_KEY = b"test-pool-key"
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A short directory (Unix socket paths are limited) in /dev/shm when possible."""
+    parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    path = tempfile.mkdtemp(prefix="kvo-t-", dir=parent)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def make_settings(shm_dir: str) -> Callable[..., SidecarSettings]:
+    """SidecarSettings for an in-process sidecar on 127.0.0.1 (tcp data plane, free ports)."""
+
+    def build(**changes: object) -> SidecarSettings:
+        fields: dict[str, object] = dict(
+            config=example_config(), pool_key=POOL_KEY, host="127.0.0.1",
+            base_port=free_port_block(1), dp_indices=(0,), data_port=0, capacity_bytes=1 << 20,
+            transport="tcp", shm_dir=shm_dir, identity="test-sidecar",
+            summary_interval_seconds=0.1, fetch_deadline_seconds=1.0, shutdown_grace_seconds=0.5)
+        fields.update(changes)
+        return SidecarSettings(**fields)  # type: ignore[arg-type]
+
+    return build

@@ -1,0 +1,289 @@
+"""Issue 3's "Must show", with real sidecar processes on 127.0.0.1.
+
+Three sidecars share chunks over tcp and ucx; mismatching peers are rejected and
+get nothing; bad bodies and frames are refused while service continues; a peer
+killed mid-fetch is a miss; the store stays within budget.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from kv_offload_sidecar.client import EngineClient, LookupReply
+from kv_offload_sidecar.handshake import make_hello
+from kv_offload_sidecar.local_pool import LocalPool, SidecarOverride, example_config
+
+CHUNK = example_config().kv_bytes_per_chunk
+HANDSHAKES = "kv_offload_handshakes_total"
+
+
+def new_keys(n: int) -> list[bytes]:
+    return [os.urandom(32) + (0).to_bytes(4, "big") for _ in range(n)]
+
+
+def store(client: EngineClient, keys: list[bytes]) -> dict[bytes, bytes]:
+    data = {k: os.urandom(client.slot_bytes) for k in keys}
+
+    def write(i: int, view: memoryview) -> None:
+        view[:] = data[keys[i]]
+
+    assert client.store(keys, write) == len(keys)
+    return data
+
+
+def load(client: EngineClient, keys: list[bytes], timeout: float = 5.0) -> list[bytes]:
+    out: dict[int, bytes] = {}
+
+    def read(i: int, view: memoryview) -> None:
+        out[i] = bytes(view)
+
+    n = client.load(keys, read, timeout)
+    return [out[i] for i in range(n)]
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    # 256 slots of 16 KiB per sidecar.
+    with LocalPool(3, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as p:
+        yield p
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport):
+    with LocalPool(3, transport=transport, capacity_bytes=256 * CHUNK) as pool:
+        a, c = pool.client(0), pool.client(2)
+        keys = new_keys(8)
+        data = store(a, keys)
+        pool.wait_summaries()
+        messages_before = pool[2].metric("kv_offload_lookup_messages_total")
+        assert c.lookup(keys) == LookupReply(local=0, peer=8)
+        assert load(c, keys) == [data[k] for k in keys]
+        # Now local at C, and one peer message per engine request, not per peer.
+        assert c.lookup(keys) == LookupReply(local=8, peer=0)
+        assert pool[2].metric("kv_offload_lookup_messages_total") - messages_before == 2
+        assert pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == 8 * CHUNK
+        assert pool[2].metric("kv_offload_peer_bytes_total", direction="received") == 8 * CHUNK
+        assert pool[1].metric("kv_offload_peer_bytes_total", direction="sent") == 0
+        assert pool[2].metric("kv_offload_chunk_lookups_total", result="peer_hit") == 8
+        assert pool[2].metric("kv_offload_chunk_lookups_total", result="local_hit") == 8
+        assert pool[2].metric("kv_offload_peer_fetch_duration_seconds_count") >= 1
+        assert pool[2].status()["transport"] == transport
+        a.close()
+        c.close()
+        codes = pool.stop()
+    assert set(codes.values()) == {0}  # SIGTERM is a graceful exit
+
+
+@pytest.mark.parametrize("override, reason", [
+    (SidecarOverride(config=example_config(tokens_per_hash=32)), "fingerprint_mismatch"),
+    (SidecarOverride(pool_key=b"another-pool-key"), "bad_proof"),
+    (SidecarOverride(hash_seed="12345"), "hash_seed_mismatch"),
+    (SidecarOverride(config=example_config(worker_kv_bytes_per_block=8192)), "chunk_size_mismatch"),
+], ids=["fingerprint", "pool-key", "hash-seed", "chunk-size"])
+def test_mismatching_peer_is_rejected_and_gets_no_chunk(pool, override, reason):
+    a = pool.client(0)
+    keys = new_keys(4)
+    store(a, keys)
+    pool.wait_summaries()
+    before = [s.metric(HANDSHAKES, result="rejected", reason=reason) for s in pool.members()]
+    sent_before = pool[0].metric("kv_offload_peer_bytes_total", direction="sent")
+    intruder = pool.add(override)
+    try:
+        # Every member rejects it with that reason, and so does the intruder itself.
+        for s, b in zip(pool.members(), before):
+            wait_for(lambda s=s, b=b: s.metric(HANDSHAKES, result="rejected", reason=reason) > b,
+                     what=f"{s.identity} to count a {reason} rejection")
+        wait_for(lambda: intruder.metric(HANDSHAKES, result="rejected") >= 3, what="intruder rejections")
+        peers = intruder.peers()
+        assert peers and all(p["state"] == "rejected" for p in peers)
+        assert intruder.metric(HANDSHAKES, result="accepted") == 0
+        assert all(intruder.identity not in {p["identity"] for p in s.peers()} for s in pool.members())
+        # It receives no chunk byte: its engine sees misses, nothing arrives.
+        d = intruder.client()
+        try:
+            if d.slot_bytes == a.slot_bytes:
+                assert d.lookup(keys) == LookupReply(0, 0)
+                assert load(d, keys) == []
+        finally:
+            d.close()
+        assert intruder.metric("kv_offload_peer_bytes_total", direction="received") == 0
+        assert intruder.status()["store"]["chunks"] == 0
+        assert pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == sent_before
+    finally:
+        intruder.terminate()
+        a.close()
+
+
+@pytest.mark.parametrize("fingerprint", ["", None], ids=["empty", "missing"])
+def test_empty_or_missing_fingerprint_is_rejected(pool, fingerprint):
+    cfg = example_config()
+    hello = make_hello(fingerprint=fingerprint or "", hash_seed="0", kv_bytes_per_chunk=CHUNK,
+                       identity="intruder", control_address="127.0.0.1:1",
+                       data_address="tcp://127.0.0.1:1", transport="tcp", run_config=cfg.run_config()).to_dict()
+    if fingerprint is None:
+        del hello["fingerprint"]
+    before = pool[0].metric(HANDSHAKES, result="rejected", reason="fingerprint_mismatch")
+    code, body = pool[0].post("/v1/handshake", {"step": "hello", "hello": hello})
+    assert code == 403
+    assert body["reason"] == "fingerprint_mismatch" and "fingerprint" in body["fields"]
+    assert "proof" not in body
+    assert pool[0].metric(HANDSHAKES, result="rejected", reason="fingerprint_mismatch") == before + 1
+
+
+def _http_raw(port: int, request: bytes, close_early: bool = False) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(request)
+        if close_early:
+            return b""
+        chunks = []
+        while True:
+            try:
+                part = s.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not part:
+                break
+            chunks.append(part)
+        return b"".join(chunks)
+
+
+def test_bad_bodies_get_clear_errors_and_sidecar_keeps_serving(pool):
+    sc = pool[0]
+    code, body = sc.post("/v1/handshake", b"{\"step\": \"hello\", \"hello\": ")
+    assert code == 400 and "not valid JSON" in body["error"]
+    code, body = sc.post("/v1/handshake", b"x" * (1 << 20))
+    assert code == 413 and "exceeds" in body["error"]
+    code, body = sc.post("/v1/lookup", {"keys": ["not-hex"]})
+    assert code == 400 and "keys[0]" in body["error"]
+    # A body shorter than its Content-Length, then the client goes away.
+    _http_raw(sc.port, b"POST /v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000\r\n\r\n{\"step\":", close_early=True)
+    # A request line that is not HTTP.
+    reply = _http_raw(sc.port, b"\x00\x01\x02 garbage\r\n\r\n")
+    assert reply.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request")
+    _still_serves(pool)
+
+
+def _data_port(sc) -> int:
+    address = sc.status()["data_address"]
+    assert address.startswith("tcp://")
+    return int(address.rsplit(":", 1)[1])
+
+
+def _frames_reply(port: int, payload: bytes) -> bytes:
+    """Send bytes to a data port; return everything until the sidecar closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        challenge = s.recv(16 + 16)  # AUTH_CHALLENGE header + nonce (may arrive in parts)
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        out = bytearray(challenge)
+        while True:
+            try:
+                part = s.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not part:
+                break
+            out += part
+        return bytes(out)
+
+
+@pytest.mark.parametrize("payload, phrase, counted", [
+    (b"XX" + b"\0" * 14, b"malformed", True),
+    (struct.pack("!2sBBIQ", b"KO", 1, 2, 0, 1 << 40), b"oversize", True),
+    (struct.pack("!2sBBIQ", b"KO", 1, 250, 0, 0), b"unknown_type", True),
+    (struct.pack("!2sBBIQ", b"KO", 1, 4, 0, 0), b"", True),  # a request before authenticating
+    (b"KO\x01", b"", False),  # a truncated header, then the peer hangs up
+], ids=["bad-magic", "oversize-length", "unknown-type", "unauthenticated", "truncated"])
+def test_malformed_data_frames_are_refused_and_sidecar_keeps_serving(pool, payload, phrase, counted):
+    sc = pool[0]
+    errors_before = sc.metric("kv_offload_protocol_errors_total")
+    reply = _frames_reply(_data_port(sc), payload)
+    assert reply[:2] == b"KO"  # the challenge came first
+    assert phrase in reply
+    if counted:
+        wait_for(lambda: sc.metric("kv_offload_protocol_errors_total") > errors_before,
+                 what="the protocol error to be counted")
+    _still_serves(pool)
+
+
+def _still_serves(pool):
+    a, c = pool.client(0), pool.client(2)
+    try:
+        keys = new_keys(2)
+        data = store(a, keys)
+        pool.wait_summaries()
+        assert load(c, keys) == [data[k] for k in keys]
+    finally:
+        a.close()
+        c.close()
+
+
+def test_store_stays_within_budget_under_sustained_writes(pool):
+    sc = pool[1]
+    b = pool.client(1)
+    try:
+        capacity = sc.metric("kv_offload_store_capacity_bytes")
+        slots = sc.status()["store"]["num_slots"]
+        assert 0 < capacity <= pool.capacity_bytes
+        path = sc.status()["store"]["path"]
+        size = os.path.getsize(path)
+        last: dict[bytes, bytes] = {}
+        for _ in range(5):  # five times the store's size
+            for _ in range(slots // 64):
+                keys = new_keys(64)
+                last = store(b, keys)
+                assert sc.metric("kv_offload_store_used_bytes") <= capacity
+        assert sc.metric("kv_offload_store_chunks") <= slots
+        assert sc.metric("kv_offload_evictions_total") >= 4 * slots - 64
+        assert os.path.getsize(path) == size <= pool.capacity_bytes
+        keys = list(last)
+        assert load(b, keys) == [last[k] for k in keys]  # the newest chunks are whole
+    finally:
+        b.close()
+
+
+def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
+    with LocalPool(3, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as pool:
+        a, b, c = pool.client(0), pool.client(1), pool.client(2)
+        keys_a, keys_b = new_keys(32), new_keys(4)
+        store(a, keys_a)
+        data_b = store(b, keys_b)
+        pool.wait_summaries()
+        assert c.lookup(keys_a) == LookupReply(0, 32)
+        victim = pool[0].proc
+        os.kill(victim.pid, signal.SIGSTOP)  # the fetch request will be in flight when it dies
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(c.load(keys_a, lambda i, v: None, timeout=3.0)))
+        t.start()
+        time.sleep(0.5)
+        victim.kill()
+        t.join(20)
+        assert result == [0]
+        assert c.timeouts == 0 and c.errors == 0  # the sidecar answered the miss itself, in time
+        status = pool[2].status()
+        assert status["store"]["chunks"] == 0 and status["store"]["used_bytes"] == 0
+        assert c.lookup(keys_a) == LookupReply(0, 0)
+        assert pool[2].metric("kv_offload_peer_fetches_total", result="ok") == 0
+        # The pool keeps serving: B's chunks still reach C.
+        assert load(c, keys_b) == [data_b[k] for k in keys_b]
+        for cl in (a, b, c):
+            cl.close()
