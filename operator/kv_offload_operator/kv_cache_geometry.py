@@ -177,7 +177,7 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[tuple[str, int
         raise GeometryError(
             f"model config 'layer_types' must list one type per layer ({num_layers}), "
             f"got {layer_types!r:.80}")
-    kinds = []
+    kinds: list[tuple[str, int | None]] = []
     for i, kind in enumerate(layer_types):
         if kind == FULL or (kind == SLIDING and window is None):
             kinds.append((FULL, None))
@@ -251,7 +251,7 @@ def kv_cache_geometry(
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, Sequence) and archs and isinstance(archs[0], str) else ""
     name = arch or str(cfg.get("model_type") or "this model")
-    if "num_attention_heads" not in cfg and "kv_lora_rank" not in cfg:
+    if "num_attention_heads" not in cfg:
         raise GeometryError(
             f"model config has no 'num_attention_heads' ({name} has no attention layers, e.g. "
             "a Mamba model): kv-offload supports attention models only")
@@ -266,18 +266,20 @@ def kv_cache_geometry(
     cache_dtype, dtype_bytes = resolve_cache_dtype(cfg, kv_cache_dtype, model_dtype)
     use_mla = cfg.get("kv_lora_rank") is not None
     tp = tensor_parallel_size
+    num_heads = _positive(cfg, "num_attention_heads")
+    assert num_heads is not None
+    if num_heads % tp:
+        raise GeometryError(
+            f"Total number of attention heads ({num_heads}) must be divisible by tensor "
+            f"parallel size ({tp}): change --tensor-parallel-size")
     if use_mla:
         kv_lora_rank = _positive(cfg, "kv_lora_rank")
         rope = _positive(cfg, "qk_rope_head_dim")
         assert kv_lora_rank is not None and rope is not None
-        total_kv_heads = _positive(cfg, "num_key_value_heads", required=False) or \
-            _positive(cfg, "num_attention_heads")
-        assert total_kv_heads is not None
+        total_kv_heads = _positive(cfg, "num_key_value_heads", required=False) or num_heads
         base = LayerSpec(MLA, block_size, 1, kv_lora_rank + rope, 0, dtype_bytes)
-        kinds = [(MLA, None)] * num_layers
+        kinds: list[tuple[str, int | None]] = [(MLA, None)] * num_layers
     else:
-        num_heads = _positive(cfg, "num_attention_heads")
-        assert num_heads is not None
         total_kv_heads = _positive(cfg, "num_key_value_heads", required=False) or num_heads
         head_dim = _positive(cfg, "head_dim", required=False)
         if head_dim is None:

@@ -46,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"kv-offload operator: {flag} {port} is not a port; use 1..65535")
     if args.webhook_port == args.health_port:
         raise UsageError("kv-offload operator: --webhook-port and --health-port must differ")
+    if args.webhook_cert_dir:
+        missing = [f for f in ("tls.crt", "tls.key") if not os.path.isfile(os.path.join(args.webhook_cert_dir, f))]
+        if missing:
+            raise UsageError(f"kv-offload operator: --webhook-cert-dir {args.webhook_cert_dir} has no "
+                             f"{' or '.join(missing)}; mount the webhook's TLS Secret there")
 
     import kopf
 

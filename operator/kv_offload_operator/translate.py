@@ -218,6 +218,44 @@ def _certifiable(geometry: KVCacheGeometry, tp: int) -> bool:
     return any(group.layer_names for group in geometry.groups)
 
 
+def _layout_flags(args: VllmServeArgs, geometry: KVCacheGeometry,
+                  canonical_layout: bool) -> tuple[bool, bool]:
+    """(is_parallelism_agnostic, replicated_layout) as build_offloading_config decides them."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    dcp, pcp = args.decode_context_parallel_size, args.prefill_context_parallel_size
+    world_size = pp * tp * pcp
+    backend = args.distributed_executor_backend or "mp"
+    nnodes_within_dp = _nnodes_within_dp(args)
+    single = geometry.groups[0].spec if len(geometry.groups) == 1 else None
+    # MLA latents are identical on every TP rank unless DCP shards their tokens.
+    kv_tp_replicas = tp if geometry.use_mla and dcp == 1 else 1
+    replicated_layout = (
+        geometry.use_mla and tp > 1 and kv_tp_replicas == tp
+        and geometry.worker_kv_bytes_per_block > 0
+        and pp == 1 and pcp == 1 and dcp == 1 and world_size == tp
+        and backend == "mp" and nnodes_within_dp == 1
+    )
+    # Only one head-sharded full-attention group on the V1 runner is portable as is.
+    is_parallelism_agnostic = (
+        not _use_v2_model_runner(args)
+        and single is not None and single.kind == FULL
+        and single.num_kv_heads * tp == geometry.total_num_kv_heads
+        and dcp == 1 and pcp == 1
+    )
+    if canonical_layout and not is_parallelism_agnostic:
+        # Canonical pages are topology-free: certify layer by layer instead.
+        is_parallelism_agnostic = (
+            _certifiable(geometry, tp) and dcp == 1 and pcp == 1 and world_size == tp)
+    if canonical_layout:
+        replicated_layout = (
+            is_parallelism_agnostic
+            and all(g.spec.kind == MLA for g in geometry.groups)
+            and nnodes_within_dp == 1
+            and (world_size == 1 or backend == "mp")
+        )
+    return is_parallelism_agnostic, replicated_layout
+
+
 def translate(vllm_args: Sequence[str] | str | VllmServeArgs, model_config: Mapping[str, Any], *,
               rank: int = 0, data_parallel_index: int | None = None,
               env: Mapping[str, str] | None = None) -> OffloadingConfig:
@@ -237,6 +275,8 @@ def translate(vllm_args: Sequence[str] | str | VllmServeArgs, model_config: Mapp
         raise TranslationError(str(exc)) from None
     if env:
         args = dataclasses.replace(args, env={**args.env, **env})
+    if not isinstance(model_config, Mapping):
+        raise TranslationError("the model config must be a JSON object (the model's config.json)")
     if not args.model:
         raise TranslationError("the vLLM args name no model: give 'vllm serve MODEL ...' or --model MODEL")
     ktc = _connector_config(args)
@@ -296,33 +336,8 @@ def translate(vllm_args: Sequence[str] | str | VllmServeArgs, model_config: Mapp
     )
     worker_bytes = geometry.worker_kv_bytes_per_block
 
-    backend = args.distributed_executor_backend or "mp"
-    nnodes_within_dp = _nnodes_within_dp(args)
-    single = geometry.groups[0].spec if len(geometry.groups) == 1 else None
-    # MLA latents are identical on every TP rank unless DCP shards their tokens.
-    kv_tp_replicas = tp if geometry.use_mla and dcp == 1 else 1
-    replicated_layout = (
-        geometry.use_mla and tp > 1 and kv_tp_replicas == tp and worker_bytes > 0
-        and pp == 1 and pcp == 1 and dcp == 1 and world_size == tp
-        and backend == "mp" and nnodes_within_dp == 1
-    )
     canonical_layout = bool(extra.get("canonical_layout", False))
-    is_parallelism_agnostic = (
-        not _use_v2_model_runner(args)
-        and single is not None and single.kind == FULL
-        and single.num_kv_heads * tp == geometry.total_num_kv_heads
-        and dcp == 1 and pcp == 1
-    )
-    if canonical_layout and not is_parallelism_agnostic:
-        is_parallelism_agnostic = (
-            _certifiable(geometry, tp) and dcp == 1 and pcp == 1 and world_size == tp)
-    if canonical_layout:
-        replicated_layout = (
-            is_parallelism_agnostic
-            and all(g.spec.kind == MLA for g in geometry.groups)
-            and nnodes_within_dp == 1
-            and (world_size == 1 or backend == "mp")
-        )
+    is_parallelism_agnostic, replicated_layout = _layout_flags(args, geometry, canonical_layout)
 
     engine_id = ktc.get("engine_id") or _default_engine_id(args.model)
     if dp > 1 or data_parallel_index > 0:

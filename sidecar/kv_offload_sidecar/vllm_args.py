@@ -197,6 +197,8 @@ _UNKNOWN_BOOLEAN_FLAGS = frozenset({
 _BOOLEAN_PREFIXES = ("--enable-", "--disable-", "--no-")
 _ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _NEGATIVE_NUMBER = re.compile(r"^-\d+(\.\d+)?$")
+# -O3 / -O.mode=x: the compilation level with its value attached.
+_ATTACHED_VALUE = re.compile(r"^-O[\d.]")
 _SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server")
 _CLI_MODULES = ("vllm.entrypoints.cli.main", "vllm")
 
@@ -308,7 +310,8 @@ def parse_vllm_args(argv: Sequence[str] | str) -> VllmServeArgs:
             continue
         takes_value = (name in _VALUE_FLAGS or (dot and base in _VALUE_FLAGS)
                        or (name not in _UNKNOWN_BOOLEAN_FLAGS
-                           and not name.startswith(_BOOLEAN_PREFIXES)))
+                           and not name.startswith(_BOOLEAN_PREFIXES)
+                           and not _ATTACHED_VALUE.match(name)))
         if has_inline:
             value: str | None = inline
         elif takes_value and i < len(words) and not _is_flag(words[i]):

@@ -101,7 +101,7 @@ def requests_to(k: kmock.KubernetesEmulator, method: str) -> list[kmock.Request]
     return [r for r in list(k) if str(r.method.value).upper() == method.upper()]
 
 
-async def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0) -> Any:
+async def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60.0) -> Any:
     """Poll ``probe`` until it returns something truthy; fail naming ``what``."""
     deadline = time.monotonic() + timeout
     while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from operator_harness import (
     assert_within_rbac,
     create,
     emulate_cluster,
+    free_port,
     llama_config,
     merge_patch,
     obj,
@@ -160,6 +162,16 @@ async def test_an_invalid_spec_sets_the_invalid_condition_with_the_translator_me
         assert st["fingerprint"] == good_fp  # the last good config is still what pods use
         assert obj(kmock, "v1/configmaps", "llama-offloading-config") == good_cm
 
+        # A pool that is invalid from the start gets the condition and no children at all.
+        await create(kmock, POOLS_URL, pool_body("broken", vllm_args=bad_args))
+        await wait_for("the broken pool's Invalid condition",
+                       lambda: condition(status_of(kmock, "broken"), "Invalid").get("status") == "True")
+        assert condition(status_of(kmock, "broken"), "Invalid")["message"] == invalid["message"]
+        assert "fingerprint" not in status_of(kmock, "broken")
+        for resource, name in (("v1/configmaps", "broken-offloading-config"),
+                               ("v1/secrets", "broken-pool-key"), ("v1/services", "broken-peers")):
+            assert obj(kmock, resource, name) is None
+
 
 async def test_restarting_the_operator_midway_creates_no_duplicates_and_keeps_the_pool_key(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
@@ -230,3 +242,24 @@ async def test_model_config_ref_reads_the_model_config_from_a_configmap(
         await create(kmock, POOLS_URL, body)
         fingerprint = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
     assert fingerprint == expected
+
+
+def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tmp_path: Path) -> None:
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kv_offload_operator.cli", "operator", *args],
+                              capture_output=True, text=True, timeout=60, env=env)
+
+    no_scope = run()
+    assert (no_scope.returncode, no_scope.stdout) == (2, "")
+    assert no_scope.stderr.strip() == "kv-offload operator: give --namespace NS (repeatable) or --all-namespaces"
+    no_certs = run("-n", "ns1", "--webhook-cert-dir", str(tmp_path))
+    assert no_certs.returncode == 2
+    assert "has no tls.crt or tls.key" in no_certs.stderr and len(no_certs.stderr.strip().splitlines()) == 1
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env.update(KUBECONFIG=str(tmp_path / "absent"), HOME=str(tmp_path))
+    no_credentials = run("-n", "ns1", "--health-port", str(free_port()), "--webhook-port", str(free_port()),
+                         env=env)
+    assert no_credentials.returncode == 1
+    assert no_credentials.stderr.strip().splitlines()[-1].startswith(
+        "kv-offload operator: no Kubernetes credentials")

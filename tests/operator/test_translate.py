@@ -350,14 +350,14 @@ def test_kv_events_config_enables_events():
 # ---- errors ----------------------------------------------------------------
 
 @pytest.mark.parametrize("cmd, model, message", [
-    (f"vllm serve m " + ktc({"block_size": 64, "blocks_per_chunk": 4}), LLAMA,
+    ("vllm serve m " + ktc({"block_size": 64, "blocks_per_chunk": 4}), LLAMA,
      "Specify only one of 'block_size' or 'blocks_per_chunk' in kv_connector_extra_config."),
-    (f"vllm serve m --block-size 16 " + ktc({"block_size": 60}), LLAMA,
+    ("vllm serve m --block-size 16 " + ktc({"block_size": 60}), LLAMA,
      "'block_size'=60 in kv_connector_extra_config must be a multiple of the GPU KV cache block "
      "size (16 tokens). Use 64 instead, or set 'blocks_per_chunk' to express the chunk size in blocks."),
-    (f"vllm serve m -tp 4 -dcp 2 " + ktc({"block_size": 48}), LLAMA, "(32 tokens). Use 64 instead"),
-    (f"vllm serve m " + ktc({"blocks_per_chunk": 0}), LLAMA, "'blocks_per_chunk' must be greater than 0."),
-    (f"vllm serve m " + ktc({"blocks_per_chunk": "two"}), LLAMA,
+    ("vllm serve m -tp 4 -dcp 2 " + ktc({"block_size": 48}), LLAMA, "(32 tokens). Use 64 instead"),
+    ("vllm serve m " + ktc({"blocks_per_chunk": 0}), LLAMA, "'blocks_per_chunk' must be greater than 0."),
+    ("vllm serve m " + ktc({"blocks_per_chunk": "two"}), LLAMA,
      "'blocks_per_chunk' in kv_connector_extra_config must be an integer, got 'two'"),
     ("vllm serve m -tp 2", LLAMA, "add --kv-transfer-config"),
     ("vllm serve m --kv-transfer-config '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'",
@@ -385,6 +385,8 @@ def test_kv_events_config_enables_events():
     ("vllm serve m --kv-offloading-size 1 --prefix-match-unit 8", LLAMA,
      "Invalid prefix_match_unit=8; with a single KV cache group"),
     ("vllm serve m --kv-offloading-size 1 -tp two", LLAMA, "--tensor-parallel-size must be an integer"),
+    ("vllm serve m --kv-offloading-size 1 -tp 3", LLAMA,
+     "Total number of attention heads (32) must be divisible by tensor parallel size (3)"),
     ("VLLM_KV_CACHE_LAYOUT=XYZ vllm serve m --kv-offloading-size 1", LLAMA,
      "VLLM_KV_CACHE_LAYOUT=XYZ is not a KV cache layout"),
 ])

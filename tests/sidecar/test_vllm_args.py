@@ -64,6 +64,10 @@ def test_unknown_flags_are_skipped_with_their_values():
     assert args.tensor_parallel_size == 2
 
 
+def test_attached_compilation_level_does_not_swallow_the_model():
+    assert parse_vllm_args("vllm serve -O3 org/m -tp 2").model == "org/m"
+
+
 def test_unknown_flag_value_is_not_taken_as_the_model():
     args = parse_vllm_args("vllm serve --host 0.0.0.0 --port 8000 --model org/m")
     assert args.model == "org/m"

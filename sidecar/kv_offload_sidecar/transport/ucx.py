@@ -12,10 +12,13 @@ imported (UCX reads its environment once).
 
 Tags (64 bits): the high 32 bits are the connection id the client picked, the
 low 32 bits say what travels: 0 client->server frames, 1 server->client frames,
-``0x80000000 | request id`` the bytes of one chunk. Tag 0 (connection id 0) is the
-server's attach tag. UCX matches tags per worker, not per endpoint, so the
+``0x80000000 | request id`` the bytes of one chunk. ``ATTACH_TAG`` is the server's
+attach tag. UCX matches tags per worker, not per endpoint, so the
 connection id is how the server tells its clients apart; it is only used after
 the client proved its session (the attach MAC, then the nonce challenge).
+Control frames are received with ``tag_probe`` first, so their exact length is
+known (UCX itself reports no received length) and a short, long or oversized
+frame is refused as such.
 
 A CHUNK reply is two messages: the header frame (header + key + checksum, the
 header's length still counting the chunk bytes) on the server->client tag, then the
@@ -68,8 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Tag of UCX_ATTACH messages (connection id 0 is reserved for it).
-ATTACH_TAG = 0
+# Tag of UCX_ATTACH messages ("KO" .. "ATTC"); its low half is no connection's tag kind.
+ATTACH_TAG = 0x4B4F_0000_4154_5443
 # Low tag bits: client -> server frames.
 TAG_C2S = 0
 # Low tag bits: server -> client frames.
@@ -103,15 +106,20 @@ _state: dict[str, Any] = {"runtime": None, "server": None}
 
 
 def configure_ucx_env(tls: str = "sm,self", *, net_devices: str | None = None,
-                      override: bool = True) -> dict[str, str]:
+                      rndv_scheme: str = "put_zcopy", override: bool = True) -> dict[str, str]:
     """Set UCX's environment for this process; must run before ``ucxx`` is imported.
 
     ``tls``: ``"sm,self"`` (same host, shared memory) or ``"tcp,self"``;
-    ``net_devices``: e.g. ``"lo"`` for loopback tests. With ``override=False``
+    ``net_devices``: e.g. ``"lo"`` for loopback tests. ``rndv_scheme``: how large
+    messages move; ``put_zcopy`` (the holder writes into the fetcher's slot) keeps
+    the *fetching* process alive when the holder dies mid-transfer, which
+    ``get_zcopy`` (the fetcher reads the holder's memory, slightly faster) does not:
+    without peer error handling UCX aborts a process whose CMA copy hits a dead
+    peer. With ``override=False``
     variables already set in the environment win. Returns the values in effect.
     Raises RuntimeError when ucxx is already imported with other settings.
     """
-    wanted = dict(_UCX_DEFAULTS, UCX_TLS=tls)
+    wanted = dict(_UCX_DEFAULTS, UCX_TLS=tls, UCX_RNDV_SCHEME=rndv_scheme)
     if net_devices:
         wanted["UCX_NET_DEVICES"] = net_devices
     if "ucxx" in sys.modules:
@@ -163,6 +171,7 @@ class UcxRuntime:
         self.worker.init_blocking_progress_mode()
         self.address = bytes(self.worker.address)
         self._pending: list[tuple[Any, asyncio.Future[None]]] = []
+        self._probes: list[tuple[int, asyncio.Future[Any]]] = []
         self._scheduled = False
         self._hot_until = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -194,10 +203,37 @@ class UcxRuntime:
         src = self.worker if ep is None else ep
         await self._wait(src.tag_recv(self._Array(buf), self._Tag(tag), self._mask))
 
-    def abort(self, ep: Any) -> None:
-        """Close ``ep`` at once, cancelling its posted receives and sends."""
+    async def recv_frame(self, tag: int, limit: int) -> bytearray:
+        """Receive the next message tagged ``tag`` as a buffer of exactly its length.
+
+        The message is found with ``tag_probe`` (UCX tells its length, so a short
+        or long frame is seen as such) and received into a fresh buffer. A message
+        over ``limit`` bytes is consumed and refused with ``ProtocolError('oversize')``.
+        """
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        self._probes.append((tag, fut))
+        self._kick()
+        probe = await fut
+        n = probe.length
+        buf = bytearray(min(n, limit) or 1)
         try:
-            ep.close_blocking(period=self.CLOSE_PERIOD_NS, max_attempts=1)
+            await self._wait(self.worker.tag_recv_with_handle(self._Array(buf), probe))
+        except Exception as exc:
+            if n > limit or _is_truncated(exc):
+                raise proto.ProtocolError("oversize", f"frame of {n} bytes exceeds {limit}") from exc
+            raise
+        if n > limit:
+            raise proto.ProtocolError("oversize", f"frame of {n} bytes exceeds {limit}")
+        return buf if n else bytearray()
+
+    def abort(self, ep: Any, *, wait: bool = True) -> None:
+        """Close ``ep``; with ``wait`` (whenever receives into slots may be posted)
+        block until its posted receives and sends are cancelled."""
+        try:
+            if wait:
+                ep.close_blocking(period=self.CLOSE_PERIOD_NS, max_attempts=1)
+            else:
+                ep.close()
         except Exception as exc:
             log.debug("UCX endpoint close: %s", exc)
         self._kick()
@@ -219,6 +255,18 @@ class UcxRuntime:
         while worker.progress_once():
             pass
         now = time.perf_counter()
+        if self._probes:
+            waiting = []
+            for tag, fut in self._probes:
+                if fut.done():
+                    continue
+                probe = worker.tag_probe(self._Tag(tag), self._mask, remove=True)
+                if probe.matched:
+                    fut.set_result(probe)
+                    self._hot_until = now + self.SPIN_SECONDS
+                else:
+                    waiting.append((tag, fut))
+            self._probes = waiting
         if any(req.completed for req, _ in self._pending):
             still = []
             for req, fut in self._pending:
@@ -233,11 +281,12 @@ class UcxRuntime:
                         fut.set_result(None)
             self._pending = still
             self._hot_until = now + self.SPIN_SECONDS
-        if self._pending and now < self._hot_until:
+        busy = self._pending or self._probes
+        if busy and now < self._hot_until:
             self._kick()  # keep polling for a moment, letting the woken tasks run in between
         elif not worker.arm():
             self._kick()  # events arrived meanwhile: progress again first
-        elif self._pending and self._timer is None:
+        elif busy and self._timer is None:
             self._timer = self.loop.call_later(self.SAFETY_SECONDS, self._safety)
 
     def _safety(self) -> None:
@@ -282,25 +331,24 @@ def attach_mac(session_key: bytes, connection_id: int, worker_address: bytes) ->
 
 
 def _parse_frame(buf: bytearray, chunk_bytes: int | None) -> tuple[proto.Header, memoryview]:
-    """Header and the payload part present in this message (CHUNK: the prefix only)."""
+    """Validate one received message: header, then a payload of exactly the announced size.
+
+    A CHUNK message carries only the prefix (key + checksum); its header's length
+    still counts the chunk bytes, which follow as their own message.
+    """
+    if len(buf) < proto.HEADER_BYTES:
+        raise proto.ProtocolError("malformed", f"message of {len(buf)} bytes is shorter than a header")
     header = proto.decode_header(memoryview(buf)[:proto.HEADER_BYTES], chunk_bytes)
-    end = proto.HEADER_BYTES + header.length
+    payload = memoryview(buf)[proto.HEADER_BYTES:]
     if header.type is proto.MessageType.CHUNK:
-        end = min(end, len(buf))
-    elif end > len(buf):
-        raise proto.ProtocolError("oversize", f"{header.type.name} of {header.length} bytes "
-                                  f"exceeds the {len(buf)}-byte message buffer")
-    return header, memoryview(buf)[proto.HEADER_BYTES:end]
-
-
-def _zero(buf: bytearray, header: proto.Header | None) -> None:
-    """Clear what the last frame left, so a short message never reads stale bytes."""
-    n = proto.HEADER_BYTES
-    if header is not None:
-        n += min(header.length, 2 + proto.MAX_KEY_BYTES + 8) if header.type is proto.MessageType.CHUNK \
-            else header.length
-    n = min(n, len(buf))
-    buf[:n] = bytes(n)
+        prefix = proto.decode_chunk_prefix(payload)
+        if prefix.size != len(payload):
+            raise proto.ProtocolError("malformed", f"CHUNK message carries {len(payload)} bytes "
+                                      f"after its header, its prefix is {prefix.size}")
+    elif len(payload) != header.length:
+        raise proto.ProtocolError("malformed", f"{header.type.name} message carries {len(payload)} "
+                                  f"payload bytes, its header says {header.length}")
+    return header, payload
 
 
 def _is_truncated(exc: BaseException) -> bool:
@@ -334,8 +382,6 @@ class UcxDataPlaneServer(DataPlaneServer):
         self._send_timeout = send_timeout
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: dict[int, asyncio.Task[None]] = {}
-        # Kept for the process lifetime: a receive posted on the worker may still target it.
-        self._attach_buf = bytearray(ATTACH_BUFFER_BYTES)
         self.address = ""
 
     async def start(self) -> str:
@@ -366,21 +412,9 @@ class UcxDataPlaneServer(DataPlaneServer):
             _state["server"] = None
 
     async def _accept_loop(self, rt: UcxRuntime) -> None:
-        buf = self._attach_buf
-        header: proto.Header | None = None
         while True:
-            _zero(buf, header)
-            header = None
             try:
-                await rt.recv(None, buf, ATTACH_TAG)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                reason = "oversize" if _is_truncated(exc) else "malformed"
-                count_protocol_error(self._metrics, reason)
-                log.warning("UCX data plane: dropped an attach message: %s", exc)
-                continue
-            try:
+                buf = await rt.recv_frame(ATTACH_TAG, ATTACH_BUFFER_BYTES)
                 header, payload = _parse_frame(buf, None)
                 if header.type is not proto.MessageType.UCX_ATTACH:
                     raise proto.ProtocolError("unauthenticated", f"{header.type.name} before UCX_ATTACH")
@@ -438,22 +472,18 @@ class _ServerConnection:
 
     async def run(self) -> None:
         srv, rt = self.server, self.rt
-        buf = bytearray(CONTROL_BUFFER_BYTES)
-        header: proto.Header | None = None
         try:
             nonce = make_nonce()
             async with asyncio.timeout(srv._auth_timeout):
                 await rt.send(self.ep, _buf(proto.encode_auth_challenge(nonce)), self.s2c)
-                await rt.recv(self.ep, buf, self.c2s)
+                buf = await rt.recv_frame(self.c2s, CONTROL_BUFFER_BYTES)
                 header, payload = _parse_frame(buf, srv._chunk_bytes)
                 if header.type is not proto.MessageType.AUTH_RESPONSE:
                     raise proto.ProtocolError("unauthenticated", f"{header.type.name} before AUTH_RESPONSE")
                 check_auth(srv._authorize, nonce, proto.decode_auth_response(payload))
                 await rt.send(self.ep, _buf(proto.encode_auth_ok()), self.s2c)
             while self.failed is None:
-                _zero(buf, header)
-                header = None
-                await rt.recv(self.ep, buf, self.c2s)
+                buf = await rt.recv_frame(self.c2s, CONTROL_BUFFER_BYTES)
                 header, payload = _parse_frame(buf, srv._chunk_bytes)
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP:
@@ -484,16 +514,7 @@ class _ServerConnection:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if _is_truncated(exc):
-                count_protocol_error(srv._metrics, "oversize")
-                log.warning("UCX data plane: closing a connection that sent a frame over %d bytes",
-                            len(buf))
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(1.0):
-                        await rt.send(self.ep, _buf(proto.encode_error(
-                            0, "oversize", f"frame over {len(buf)} bytes")), self.s2c)
-            else:
-                log.info("UCX data plane: connection ended: %s", exc)
+            log.info("UCX data plane: connection ended: %s", exc)
         finally:
             for t in list(self.sends):
                 t.cancel()
@@ -571,9 +592,8 @@ class UcxPeerDataClient(PeerDataClient):
                 mac = attach_mac(session_key, cid, rt.address)
                 await rt.send(ep, _buf(proto.encode_ucx_attach(cid, session_id, mac, rt.address)),
                               ATTACH_TAG)
-                buf = bytearray(CONTROL_BUFFER_BYTES)
                 s2c, c2s = _tag(cid, TAG_S2C), _tag(cid, TAG_C2S)
-                await rt.recv(ep, buf, s2c)
+                buf = await rt.recv_frame(s2c, CONTROL_BUFFER_BYTES)
                 header, payload = _parse_frame(buf, None)
                 _raise_if_error(header, payload)
                 if header.type is not proto.MessageType.AUTH_CHALLENGE:
@@ -581,8 +601,7 @@ class UcxPeerDataClient(PeerDataClient):
                 nonce = proto.decode_auth_challenge(payload)
                 await rt.send(ep, _buf(proto.encode_auth_response(session_id, auth_proof(session_key, nonce))),
                               c2s)
-                _zero(buf, header)
-                await rt.recv(ep, buf, s2c)
+                buf = await rt.recv_frame(s2c, CONTROL_BUFFER_BYTES)
                 header, payload = _parse_frame(buf, None)
                 _raise_if_error(header, payload)
                 if header.type is not proto.MessageType.AUTH_OK:
@@ -591,7 +610,7 @@ class UcxPeerDataClient(PeerDataClient):
         except BaseException as exc:
             _release_connection_id(cid)
             if ep is not None:
-                rt.abort(ep)
+                rt.abort(ep, wait=False)  # nothing of ours is posted into a store slot yet
             if isinstance(exc, TimeoutError):
                 raise TransportError(f"connecting to the UCX peer missed its {timeout:.3g}s deadline "
                                      "(a refused session gets no answer over UCX)") from None
@@ -693,13 +712,9 @@ class UcxPeerDataClient(PeerDataClient):
                 t.cancel()
 
     async def _read_loop(self) -> None:
-        buf = bytearray(CONTROL_BUFFER_BYTES)
-        header: proto.Header | None = None
         try:
             while True:
-                _zero(buf, header)
-                header = None
-                await self._rt.recv(self._ep, buf, self._s2c)
+                buf = await self._rt.recv_frame(self._s2c, CONTROL_BUFFER_BYTES)
                 header, payload = _parse_frame(buf, None)
                 mtype = header.type
                 if mtype is proto.MessageType.CHUNK:
