@@ -204,10 +204,21 @@ async def reconcile_pool(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, stat
             status.get("conditions"), invalid_message=message, generation=generation, now=now)
         patch.status["observedGeneration"] = generation
         raise kopf.PermanentError(message) from None
+    except kopf.TemporaryError as exc:  # e.g. the modelConfigRef ConfigMap does not exist yet
+        patch.status["conditions"] = r.pool_conditions(
+            status.get("conditions"), invalid_message=None, waiting_message=str(exc),
+            generation=generation, now=now)
+        raise
 
     core = k8s.CoreV1Api(api)
     await _ensure_configmap(core, r.configmap_for(pool, config))
-    await _ensure_pool_key(core, pool)
+    try:
+        await _ensure_pool_key(core, pool)
+    except kopf.TemporaryError as exc:
+        patch.status["conditions"] = r.pool_conditions(
+            status.get("conditions"), invalid_message=None, waiting_message=str(exc),
+            generation=generation, now=now)
+        raise
     await _ensure_service(core, r.peers_service(pool, r.pool_ports(config, sidecar)))
 
     count = len(ready_pool_pods.get((namespace, name), []))

@@ -37,20 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import UsageError
-
-    if not args.namespace and not args.all_namespaces:
-        raise UsageError("kv-offload operator: give --namespace NS (repeatable) or --all-namespaces")
-    for flag, port in (("--webhook-port", args.webhook_port), ("--health-port", args.health_port)):
-        if not 1 <= port <= 65535:
-            raise UsageError(f"kv-offload operator: {flag} {port} is not a port; use 1..65535")
-    if args.webhook_port == args.health_port:
-        raise UsageError("kv-offload operator: --webhook-port and --health-port must differ")
-    if args.webhook_cert_dir:
-        missing = [f for f in ("tls.crt", "tls.key") if not os.path.isfile(os.path.join(args.webhook_cert_dir, f))]
-        if missing:
-            raise UsageError(f"kv-offload operator: --webhook-cert-dir {args.webhook_cert_dir} has no "
-                             f"{' or '.join(missing)}; mount the webhook's TLS Secret there")
+    problem = _flag_problem(args)
+    if problem:
+        print(f"kv-offload operator: {problem}", file=sys.stderr)
+        return 2
 
     import kopf
 
@@ -77,3 +67,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"kv-offload operator: {' '.join(str(cause).split())}", file=sys.stderr)
         return 1
     return 0
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """One line saying what to change, or None when the flags are usable."""
+    if not args.namespace and not args.all_namespaces:
+        return "give --namespace NS (repeatable) or --all-namespaces"
+    for flag, port in (("--webhook-port", args.webhook_port), ("--health-port", args.health_port)):
+        if not 1 <= port <= 65535:
+            return f"{flag} {port} is not a port; use 1..65535"
+    if args.webhook_port == args.health_port:
+        return "--webhook-port and --health-port must differ"
+    if args.webhook_cert_dir:
+        missing = [f for f in ("tls.crt", "tls.key") if not os.path.isfile(os.path.join(args.webhook_cert_dir, f))]
+        if missing:
+            return (f"--webhook-cert-dir {args.webhook_cert_dir} has no {' or '.join(missing)}; "
+                    f"mount the webhook's TLS Secret there")
+    return None

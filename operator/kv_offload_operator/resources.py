@@ -51,6 +51,10 @@ DEFAULT_TRANSPORT = "ucx"
 TRANSPORTS = ("ucx", "tcp")
 DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 POOL_KEY_BYTES = 32
+# Both injected containers run as the image's non-root user, PSA "restricted"-compatible.
+CONTAINER_SECURITY: Mapping[str, Any] = {
+    "runAsNonRoot": True, "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 _SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env")
 
 # Every API verb the operator uses, by (apiGroup, resource). The chart's RBAC
@@ -253,6 +257,7 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         "livenessProbe": probe("/healthz", 10, 3),
         "readinessProbe": probe("/readyz", 5, 3),
         "resources": copy.deepcopy(dict(sidecar.resources)),
+        "securityContext": copy.deepcopy(dict(CONTAINER_SECURITY)),
         "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": shm_volume, "mountPath": SHM_DIR}],
     }
@@ -263,6 +268,7 @@ def tier_init_container(sidecar: SidecarSpec) -> dict[str, Any]:
     return {"name": TIER_INIT_NAME, "image": sidecar.image,
             "command": ["kv-offload"], "args": ["install-tier", TIER_DIR],
             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+            "securityContext": copy.deepcopy(dict(CONTAINER_SECURITY)),
             "volumeMounts": [{"name": TIER_VOLUME, "mountPath": TIER_DIR}]}
 
 
@@ -421,19 +427,25 @@ def apply_patch(doc: dict[str, Any], ops: Sequence[Mapping[str, Any]]) -> None:
 
 
 def pool_conditions(old: Sequence[Mapping[str, Any]] | None, *, invalid_message: str | None,
-                    generation: int | None, now: str) -> list[dict[str, Any]]:
+                    generation: int | None, now: str,
+                    waiting_message: str | None = None) -> list[dict[str, Any]]:
     """The pool's ``Ready`` and ``Invalid`` conditions after one reconciliation.
 
-    ``invalid_message`` None means the spec translated and the children are
-    written. ``lastTransitionTime`` only moves when a condition's status flips.
+    ``invalid_message``: the spec does not translate (Invalid=True).
+    ``waiting_message``: something outside the spec is missing and is retried
+    (Ready=False, Invalid=Unknown). Neither: the children are written.
+    ``lastTransitionTime`` only moves when a condition's status flips.
     """
     previous = {c.get("type"): c for c in old or []}
-    if invalid_message is None:
-        wanted = {"Ready": ("True", "ConfigWritten", "The offloading config, pool key and peer Service are in place."),
-                  "Invalid": ("False", "Translated", "The spec translates into an OffloadingConfig.")}
-    else:
+    if invalid_message is not None:
         wanted = {"Ready": ("False", "InvalidSpec", "The spec does not translate; the last good config is kept."),
                   "Invalid": ("True", "TranslationFailed", invalid_message)}
+    elif waiting_message is not None:
+        wanted = {"Ready": ("False", "Waiting", waiting_message),
+                  "Invalid": ("Unknown", "Waiting", "Not translated yet.")}
+    else:
+        wanted = {"Ready": ("True", "ConfigWritten", "The offloading config, pool key and peer Service are in place."),
+                  "Invalid": ("False", "Translated", "The spec translates into an OffloadingConfig.")}
     result: list[dict[str, Any]] = []
     for type_, (status, reason, message) in wanted.items():
         before = previous.get(type_) or {}

@@ -31,6 +31,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ MAX_REPLY_BYTES = 16 << 20
 REPLY_GRACE_SECONDS = 0.5
 # Timeout of the bookkeeping requests of store (reserve/commit) and release.
 CONTROL_TIMEOUT_SECONDS = 5.0
+# Shortest pause between attempts to re-attach to a restarted sidecar.
+REATTACH_INTERVAL_SECONDS = 0.5
 DEFAULT_HOST = "localhost"
 DEFAULT_BASE_PORT = 5710
 
@@ -126,28 +129,46 @@ class _Conn:
             pass
 
 
-class EngineClient:
-    """Blocking, thread-safe client of one DP rank's sidecar port."""
+class _Attachment:
+    """The mapped store of one sidecar instance."""
 
-    def __init__(self, socket_path: str, store_path: str, slot_bytes: int, num_slots: int,
-                 slot_stride: int, *, timeout: float = 5.0) -> None:
+    def __init__(self, info: Mapping[str, Any]) -> None:
+        st = info["store"]
+        self.instance = str(info["instance"])
+        self.view = ChunkStoreView.attach(str(st["path"]), int(st["slot_bytes"]), int(st["num_slots"]),
+                                          int(st["slot_stride"]))
+
+    def close(self) -> None:
+        try:
+            self.view.close()
+        except BufferError:  # a callback still holds a view: the mapping goes with it
+            pass
+
+
+class EngineClient:
+    """Blocking, thread-safe client of one DP rank's sidecar.
+
+    Every request that hands out slots names the sidecar instance whose store
+    file this client mapped; a restarted sidecar (new instance, new file at the
+    same path) refuses it, and the client re-attaches (at most every
+    ``REATTACH_INTERVAL_SECONDS``) instead of writing into the old mapping.
+    """
+
+    def __init__(self, socket_path: str, *, timeout: float = 5.0) -> None:
         self.socket_path = socket_path
-        self.view = ChunkStoreView.attach(store_path, slot_bytes, num_slots, slot_stride)
-        self.slot_bytes = slot_bytes
-        self.num_slots = num_slots
         self._timeout = timeout
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._stale = False
+        self._next_reattach = 0.0
         # Answers that came too late (counted as misses).
         self.timeouts = 0
         # Failed calls (sidecar gone, bad reply), counted as misses.
         self.errors = 0
-        # Verify the channel answers now, so a wrong path fails at connect time.
-        with self._connection() as conn:
-            reply = conn.call({"op": "info"}, timeout)
-        if not reply.get("ok"):
-            raise SidecarUnavailable(f"sidecar local channel refused info: {reply.get('error')}")
+        # Times the client re-mapped the store of a restarted sidecar.
+        self.reattaches = 0
+        self._att = _Attachment(self._info())
 
     # ---- construction ---------------------------------------------------------
 
@@ -171,12 +192,10 @@ class EngineClient:
             info = json.loads(body)
         except ValueError:
             info = None
-        if resp.status != 200 or not isinstance(info, dict):
+        if resp.status != 200 or not isinstance(info, dict) or not isinstance(info.get("socket"), str):
             raise SidecarUnavailable(f"sidecar at {host}:{port} answered /v1/local with HTTP {resp.status}: "
                                      f"{body[:200]!r}")
-        st = info["store"]
-        return cls(info["socket"], st["path"], int(st["slot_bytes"]), int(st["num_slots"]),
-                   int(st["slot_stride"]), timeout=timeout)
+        return cls(info["socket"], timeout=timeout)
 
     @classmethod
     def from_env(cls, dp_index: int = 0, timeout: float = 5.0,
@@ -189,7 +208,49 @@ class EngineClient:
             raise ValueError(f"VLLM_P2P_SIDE_CHANNEL_PORT={port_s!r} is not a port number")
         return cls.connect(host, int(port_s) + dp_index, timeout)
 
+    # ---- geometry -----------------------------------------------------------------
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one chunk slot (the pool's kv_bytes_per_chunk)."""
+        return self._att.view.slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self._att.view.num_slots
+
+    @property
+    def instance(self) -> str:
+        """The sidecar instance whose store this client maps."""
+        return self._att.instance
+
     # ---- connections -------------------------------------------------------------
+
+    def _info(self) -> dict[str, Any]:
+        with self._connection() as conn:
+            reply = conn.call({"op": "info"}, self._timeout)
+        if not reply.get("ok") or not isinstance(reply.get("store"), dict) or "instance" not in reply:
+            raise SidecarUnavailable(f"sidecar local channel {self.socket_path!r} refused info: "
+                                     f"{reply.get('error')}")
+        return reply
+
+    def _attachment(self) -> _Attachment:
+        """The current mapping; re-attaches first when the sidecar seems to have restarted."""
+        if self._stale and time.monotonic() >= self._next_reattach:
+            with self._lock:
+                self._next_reattach = time.monotonic() + REATTACH_INTERVAL_SECONDS
+            try:
+                info = self._info()
+                if str(info["instance"]) != self._att.instance:
+                    old, self._att = self._att, _Attachment(info)
+                    self.reattaches += 1
+                    old.close()
+                    log.info("kv-offload sidecar restarted; re-attached its store %s",
+                             info["store"]["path"])
+                self._stale = False
+            except _FAILURES as exc:
+                log.debug("kv-offload sidecar re-attach failed: %s", exc)
+        return self._att
 
     @contextmanager
     def _connection(self) -> Iterator[_Conn]:
@@ -201,6 +262,7 @@ class EngineClient:
             try:
                 conn = _Conn(self.socket_path, self._timeout)
             except OSError as exc:
+                self._stale = True
                 raise SidecarUnavailable(f"cannot connect to the sidecar local channel "
                                          f"{self.socket_path!r}: {exc}") from None
         ok = False
@@ -216,36 +278,40 @@ class EngineClient:
             if conn is not None:
                 conn.close()  # state unknown after an error: never reuse
 
+    def _call(self, conn: _Conn, att: _Attachment, req: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request naming ``att``'s instance; a refused reply raises ConnectionError."""
+        reply = conn.call({**req, "instance": att.instance}, timeout)
+        if not reply.get("ok"):
+            if reply.get("stale"):
+                self._stale = True
+            raise ConnectionError(str(reply.get("error")))
+        return reply
+
     def _miss(self, what: str, exc: BaseException) -> None:
         if isinstance(exc, _Late):
             self.timeouts += 1
             log.debug("kv-offload sidecar %s answered late: a miss", what)
         else:
             self.errors += 1
+            if isinstance(exc, OSError):
+                self._stale = True  # the sidecar may have restarted: re-attach on the next call
             log.warning("kv-offload sidecar %s failed (%s): a miss", what, exc)
 
     # ---- operations ----------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        """The sidecar's local info (identity, fingerprint, store geometry)."""
-        with self._connection() as conn:
-            return conn.call({"op": "info"}, self._timeout)
+        """The sidecar's local info (identity, fingerprint, instance, store geometry)."""
+        return self._info()
 
     def lookup(self, keys: Sequence[bytes], timeout: float = 2.0) -> LookupReply:
         """Hit prefix of ``keys`` (local, then on a peer). Late or failed: (0, 0)."""
         if not keys:
             return LookupReply(0, 0)
         try:
+            att = self._attachment()
             with self._connection() as conn:
-                reply = conn.call({"op": "lookup", "keys": [k.hex() for k in keys], "timeout": timeout},
-                                  timeout + REPLY_GRACE_SECONDS)
-        except _FAILURES as exc:
-            self._miss("lookup", exc)
-            return LookupReply(0, 0)
-        if not reply.get("ok"):
-            self._miss("lookup", ConnectionError(str(reply.get("error"))))
-            return LookupReply(0, 0)
-        try:
+                reply = self._call(conn, att, {"op": "lookup", "keys": [k.hex() for k in keys],
+                                               "timeout": timeout}, timeout + REPLY_GRACE_SECONDS)
             return LookupReply(int(reply["local"]), int(reply["peer"]))
         except _FAILURES as exc:
             self._miss("lookup", exc)
@@ -255,31 +321,30 @@ class EngineClient:
         """Write chunks into the sidecar's store; returns how many were written.
 
         ``write_fn(i, view)`` must fill ``view`` (exactly ``slot_bytes``) with
-        chunk ``keys[i]``; it is not called for keys that are skipped.
+        chunk ``keys[i]``; it is not called for keys that are skipped (held
+        already, being written, or no free slot).
         """
         if not keys:
             return 0
         user_exc: BaseException | None = None
+        written = 0
         try:
+            att = self._attachment()
             with self._connection() as conn:
-                reply = conn.call({"op": "reserve", "keys": [k.hex() for k in keys]}, CONTROL_TIMEOUT_SECONDS)
-                if not reply.get("ok"):
-                    raise ConnectionError(str(reply.get("error")))
+                reply = self._call(conn, att, {"op": "reserve", "keys": [k.hex() for k in keys]},
+                                   CONTROL_TIMEOUT_SECONDS)
                 rid, slots = reply["id"], reply["slots"]
                 for i, slot in enumerate(slots):
                     if slot is not None:
                         try:
-                            self._with_slot(slot, lambda v, i=i: write_fn(i, v))
+                            self._with_slot(att, slot, lambda v, i=i: write_fn(i, v))
                         except BaseException as exc:  # the engine's own error: give back, re-raise
                             user_exc = exc
                             break
                 if user_exc is not None:
-                    conn.call({"op": "abort", "id": rid}, CONTROL_TIMEOUT_SECONDS)
-                    written = 0
+                    self._call(conn, att, {"op": "abort", "id": rid}, CONTROL_TIMEOUT_SECONDS)
                 else:
-                    reply = conn.call({"op": "commit", "id": rid}, CONTROL_TIMEOUT_SECONDS)
-                    if not reply.get("ok"):
-                        raise ConnectionError(str(reply.get("error")))
+                    reply = self._call(conn, att, {"op": "commit", "id": rid}, CONTROL_TIMEOUT_SECONDS)
                     written = int(reply["committed"])
         except _FAILURES as exc:
             self._miss("store", exc)
@@ -297,21 +362,21 @@ class EngineClient:
         if not keys:
             return 0
         user_exc: BaseException | None = None
+        read = 0
         try:
+            att = self._attachment()
             with self._connection() as conn:
-                reply = conn.call({"op": "load", "keys": [k.hex() for k in keys], "timeout": timeout},
-                                  timeout + REPLY_GRACE_SECONDS)
-                if not reply.get("ok"):
-                    raise ConnectionError(str(reply.get("error")))
+                reply = self._call(conn, att, {"op": "load", "keys": [k.hex() for k in keys],
+                                               "timeout": timeout}, timeout + REPLY_GRACE_SECONDS)
                 pid, slots = reply["id"], reply["slots"]
                 for i, slot in enumerate(slots):
                     try:
-                        self._with_slot(slot, lambda v, i=i: read_fn(i, v))
+                        self._with_slot(att, slot, lambda v, i=i: read_fn(i, v))
                     except BaseException as exc:  # the engine's own error: release, re-raise
                         user_exc = exc
                         break
-                conn.call({"op": "release", "id": pid}, CONTROL_TIMEOUT_SECONDS)
-                read = len(slots)
+                self._call(conn, att, {"op": "release", "id": pid}, CONTROL_TIMEOUT_SECONDS)
+                read = len(slots) if user_exc is None else 0
         except _FAILURES as exc:
             self._miss("load", exc)
             read = 0
@@ -319,8 +384,9 @@ class EngineClient:
             raise user_exc
         return read
 
-    def _with_slot(self, slot: int, fn: Callable[[memoryview], None]) -> None:
-        view = self.view.slot_view(slot)
+    @staticmethod
+    def _with_slot(att: _Attachment, slot: int, fn: Callable[[memoryview], None]) -> None:
+        view = att.view.slot_view(slot)
         try:
             fn(view)
         finally:
@@ -336,10 +402,7 @@ class EngineClient:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
-        try:
-            self.view.close()
-        except BufferError:
-            pass
+        self._att.close()
 
     def __enter__(self) -> "EngineClient":
         return self

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from . import scrape
 from .engine_sim import RequestResult, SimulatedEngine, trace_tokens
-from .local_pool import DEFAULT_HASH_SEED, LocalPool, example_config
+from .local_pool import DEFAULT_HASH_SEED, LocalPool, SidecarOverride, example_config
 
 TRACE_SAMPLE = Path(__file__).resolve().parent / "data" / "mooncake_trace_sample.jsonl"
 
@@ -88,8 +88,12 @@ def load_trace(path: str | Path) -> list[list[int]]:
 
 def run_demo(pods: int = 3, requests: int | None = None, transport: str = "tcp",
              seconds: float = 90.0, trace: str | Path = TRACE_SAMPLE,
-             progress=None) -> DemoReport:
-    """Run the demo; ``progress(line)`` receives live status lines."""
+             progress=None, intruder: bool = False) -> DemoReport:
+    """Run the demo; ``progress(line)`` receives live status lines.
+
+    ``intruder`` adds one more sidecar hashing prefixes with another seed: the
+    pods must reject its handshakes (fail closed) and share nothing with it.
+    """
     config = example_config(engine_id="kv-offload-demo")
     trace_ids = load_trace(trace)
     if requests is not None:
@@ -97,6 +101,11 @@ def run_demo(pods: int = 3, requests: int | None = None, transport: str = "tcp",
     start = time.monotonic()
     with LocalPool(pods, transport=transport, config=config, capacity_bytes=64 << 20,
                    summary_interval_seconds=0.1) as pool:
+        if intruder:
+            pool.add(SidecarOverride(hash_seed="4242"), wait_connected=False)
+            if progress:
+                progress("[demo] added an intruder sidecar with another hash seed; "
+                         "the pods must reject it")
         engines = [SimulatedEngine(config, hash_seed=DEFAULT_HASH_SEED, host="127.0.0.1",
                                    port=pool[i].port, name=f"pod-{i}") for i in range(pods)]
         reports = [PodReport(f"pod-{i}", f"{pool[i].url}/metrics") for i in range(pods)]
@@ -212,6 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop dispatching requests after this many seconds (default 90)")
     parser.add_argument("--trace", default=str(TRACE_SAMPLE),
                         help="Mooncake-format JSONL trace (default: the shipped sample)")
+    parser.add_argument("--intruder", action="store_true",
+                        help="also start a sidecar with another hash seed, which the pods reject")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
           f"vLLM engines; trace {args.trace}", file=sys.stderr, flush=True)
     try:
         report = run_demo(args.pods, args.requests, args.transport, args.seconds, args.trace,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+                          progress=lambda line: print(line, file=sys.stderr, flush=True),
+                          intruder=args.intruder)
     except ValueError as exc:
         print(f"kv-offload demo: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,10 @@ maps the store file (``/v1/local`` and ``info`` give its path and geometry)
 and reads/writes the slots this channel hands out.
 
 Ops:
-- ``info`` -> ``{"store": {path, slot_bytes, slot_stride, num_slots}, ...}``
+- ``info`` -> ``{"instance", "store": {path, slot_bytes, slot_stride, num_slots}, ...}``
+- Every other request may carry ``"instance"``; a request naming another
+  instance (the sidecar restarted and the engine still maps the old store
+  file) is refused with ``"stale": true`` so nothing lands in the wrong file.
 - ``lookup {keys: [hex], timeout}`` -> ``{local, peer}``
 - ``reserve {keys}`` -> ``{id, slots: [int|null]}`` (null: already held, being
   written, or no free slot); then the engine writes the slots and sends
@@ -52,10 +55,13 @@ MAX_TIMEOUT_SECONDS = 600.0
 class ChannelError(Exception):
     """A bad request: answered with its message; ``fatal`` closes the connection."""
 
-    def __init__(self, message: str, *, fatal: bool = False, reason: str = "malformed") -> None:
+    def __init__(self, message: str, *, fatal: bool = False, reason: str = "malformed",
+                 stale: bool = False) -> None:
         super().__init__(message)
         self.fatal = fatal
         self.reason = reason
+        # True when the request names another sidecar instance (the engine must re-attach).
+        self.stale = stale
 
 
 def _keys(req: dict[str, Any]) -> list[bytes]:
@@ -118,6 +124,11 @@ class _Connection:
         sidecar = self.sidecar
         if op == "info":
             return {"ok": True, **sidecar.local_info(self.dp_index)}
+        instance = req.get("instance")
+        if instance is not None and instance != sidecar.instance:
+            raise ChannelError(f"request names sidecar instance {instance!r} but this is "
+                               f"{sidecar.instance!r} (the sidecar restarted): re-attach the store",
+                               stale=True)
         if op == "lookup":
             keys = _keys(req)
             local, peer = await sidecar.lookup(keys, _timeout(req, sidecar.settings.fetch_deadline_seconds))
@@ -224,8 +235,9 @@ class LocalChannelServer:
                 try:
                     reply = await conn.handle(req)
                 except ChannelError as exc:
-                    metrics.protocol_errors.labels(reason=exc.reason).inc()
-                    await _send(writer, {"ok": False, "error": str(exc)})
+                    if not exc.stale:
+                        metrics.protocol_errors.labels(reason=exc.reason).inc()
+                    await _send(writer, {"ok": False, "error": str(exc), "stale": exc.stale})
                     if exc.fatal:
                         return
                     continue

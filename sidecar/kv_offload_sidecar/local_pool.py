@@ -141,7 +141,7 @@ class SidecarProcess:
 
     def __init__(self, index: int, identity: str, base_port: int, dp_indices: tuple[int, ...],
                  transport: str, workdir: str, proc: subprocess.Popen[bytes], log_path: str,
-                 expect_connect: bool) -> None:
+                 expect_connect: bool, argv: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         # Position in the pool (0-based).
         self.index = index
         # --identity of the sidecar.
@@ -158,6 +158,18 @@ class SidecarProcess:
         self.log_path = log_path
         # False for sidecars built to be rejected by the others.
         self.expect_connect = expect_connect
+        self._term_sent = False
+        self._argv = list(argv)
+        self._env = dict(env or {})
+
+    def respawn(self) -> None:
+        """Start the same command again (same identity, ports, files) after it exited."""
+        if self.alive():
+            raise RuntimeError(f"{self.identity} is still running; stop or kill it first")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
+        self._term_sent = False
 
     @property
     def port(self) -> int:
@@ -223,13 +235,14 @@ class SidecarProcess:
         self.proc.wait(10)
 
     def terminate(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
-        if self.alive():
+        """SIGTERM (once), then SIGKILL after ``timeout``; returns the exit code."""
+        if self.alive() and not self._term_sent:
+            self._term_sent = True
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
         return self.proc.wait(10)
 
 
@@ -327,7 +340,7 @@ class LocalPool:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
         return SidecarProcess(index, identity, base_port, self.dp_indices, transport, self.workdir,
-                              proc, log_path, expect_connect=override is None)
+                              proc, log_path, expect_connect=override is None, argv=argv, env=env)
 
     def start(self, timeout: float = 60.0) -> "LocalPool":
         """Start the N sidecars and wait until all are ready and connected."""
@@ -357,6 +370,20 @@ class LocalPool:
         self.sidecars.append(sc)
         self._wait_ready_one(sc, time.monotonic() + timeout)
         if wait_connected if wait_connected is not None else override is None:
+            self.wait_connected(timeout)
+        return sc
+
+    def restart(self, index: int, *, kill: bool = False, timeout: float = 60.0) -> SidecarProcess:
+        """Stop sidecar ``index`` (SIGTERM, or SIGKILL with ``kill``), start it again with the
+        same identity and ports, and wait until it is ready (and connected, for members)."""
+        sc = self.sidecars[index]
+        if kill:
+            sc.kill()
+        else:
+            sc.terminate()
+        sc.respawn()
+        self._wait_ready_one(sc, time.monotonic() + timeout)
+        if sc.expect_connect:
             self.wait_connected(timeout)
         return sc
 
@@ -428,7 +455,8 @@ class LocalPool:
     def stop(self, timeout: float = 10.0) -> dict[str, int]:
         """SIGTERM every sidecar (SIGKILL after ``timeout``); returns exit codes by identity."""
         for sc in self.sidecars:
-            if sc.alive():
+            if sc.alive() and not sc._term_sent:
+                sc._term_sent = True
                 sc.proc.send_signal(signal.SIGTERM)
         codes = {}
         for sc in self.sidecars:

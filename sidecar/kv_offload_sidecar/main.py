@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -76,6 +77,9 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
             raise ValueError(f"--dp-indices {args.dp_indices!r} must be comma-separated integers") from None
     else:
         dp_indices = (config.parallel.data_parallel_index,)
+    if not os.path.isdir(args.shm_dir):
+        raise ValueError(f"--shm-dir {args.shm_dir!r} is not a directory: mount the pod's /dev/shm "
+                         f"(or a memory-backed emptyDir) there or pass another directory")
     return SidecarSettings(
         config=config, pool_key=pool_key, host=host, base_port=base_port, dp_indices=dp_indices,
         data_port=args.data_port, capacity_bytes=args.capacity_bytes, transport=args.transport,
@@ -101,6 +105,8 @@ async def _serve(settings: SidecarSettings) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` prints every thread's stack to stderr (diagnosing a stuck sidecar).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         settings = build_settings(args)
     except ValueError as exc:

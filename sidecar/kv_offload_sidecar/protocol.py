@@ -225,14 +225,22 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     """Pack a key list (u32 count + u16-length-prefixed keys)."""
     if len(keys) > MAX_KEYS:
         raise ProtocolError("oversize", f"{len(keys)} keys in one message; at most {MAX_KEYS}")
-    out = bytearray(_U32.pack(len(keys)))
-    for key in keys:
-        _check_key(key)
-        out += _U16.pack(len(key))
-        out += key
+    sizes = {len(k) for k in keys}
+    if len(sizes) == 1 and all(isinstance(k, bytes) for k in keys):  # the usual case: one key size
+        (size,) = sizes
+        if not 1 <= size <= MAX_KEY_BYTES:
+            raise ProtocolError("bad_key", f"chunk key of {size} bytes; keys take 1..{MAX_KEY_BYTES} bytes")
+        prefix = _U16.pack(size)
+        out = _U32.pack(len(keys)) + prefix + prefix.join(keys)
+    else:
+        parts = [_U32.pack(len(keys))]
+        for key in keys:
+            _check_key(key)
+            parts += (_U16.pack(len(key)), bytes(key))
+        out = b"".join(parts)
     if len(out) > MAX_CONTROL_PAYLOAD:
         raise ProtocolError("oversize", f"key list of {len(out)} bytes exceeds {MAX_CONTROL_PAYLOAD}")
-    return bytes(out)
+    return out
 
 
 def decode_keys(payload: bytes | bytearray | memoryview) -> list[bytes]:
@@ -244,6 +252,13 @@ def decode_keys(payload: bytes | bytearray | memoryview) -> list[bytes]:
     if count > MAX_KEYS:
         raise ProtocolError("oversize", f"{count} keys in one message; at most {MAX_KEYS}")
     pos = _U32.size
+    if count and len(mv) >= pos + _U16.size:  # fast path: every key of the first key's size
+        (size,) = _U16.unpack_from(mv, pos)
+        stride = _U16.size + size
+        if 1 <= size <= MAX_KEY_BYTES and len(mv) == pos + count * stride:
+            body = bytes(mv[pos:])
+            if body[0::stride] == body[0:1] * count and body[1::stride] == body[1:2] * count:
+                return [body[j + _U16.size:j + stride] for j in range(0, count * stride, stride)]
     keys: list[bytes] = []
     for i in range(count):
         if pos + _U16.size > len(mv):

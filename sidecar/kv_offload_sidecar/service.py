@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -73,6 +74,8 @@ class Sidecar:
             own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
         self.peers = PeerManager(settings, self.metrics, self.discovery, self.summaries, self.local_hello)
         self.name = store_name(settings.identity)
+        # Random per process: names this sidecar's store mapping to the engine clients.
+        self.instance = secrets.token_hex(8)
         self.store: ChunkStore | None = None
         self.data_server: Any = None
         self.data_address = ""
@@ -187,7 +190,8 @@ class Sidecar:
                 await site.start()
             await stop.wait()
         finally:
-            log.info("sidecar %s shutting down", s.identity)
+            if self.ready:
+                log.info("sidecar %s shutting down", s.identity)
             self.ready = False
             for runner in reversed(runners):
                 await runner.cleanup()
@@ -332,6 +336,7 @@ class Sidecar:
             "socket": self.local_socket_path(dp_index),
             "dp_index": dp_index,
             "identity": self.settings.identity,
+            "instance": self.instance,
             "fingerprint": self.settings.config.fingerprint,
             "store": {"path": store.path, "slot_bytes": store.slot_bytes,
                       "slot_stride": store.slot_stride, "num_slots": store.num_slots},

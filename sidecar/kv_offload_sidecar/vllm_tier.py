@@ -41,7 +41,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,8 +172,8 @@ class TierStats:
     # Load / store jobs that failed.
     failed_loads: int = 0
     failed_stores: int = 0
-    # Seconds from submit_load to its result, one entry per load job.
-    load_seconds: list[float] = field(default_factory=list)
+    # Seconds from submit_load to its result, for the latest load jobs (bounded).
+    load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
 
 
 @dataclass

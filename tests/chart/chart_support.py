@@ -17,6 +17,8 @@ RELEASE = "kvo"
 NAMESPACE = "kv-offload-system"
 # Every object the chart renders is prefixed with this ("<release>-<chart>").
 FULLNAME = f"{RELEASE}-kv-offload"
+# The webhook Service's DNS name, which the serving certificate must carry.
+WEBHOOK_DNS = f"{FULLNAME}.{NAMESPACE}.svc"
 
 
 def tool_path(name: str) -> str:

@@ -7,7 +7,8 @@ import urllib.parse
 
 import kopf
 import pytest
-from chart_support import find
+import yaml
+from chart_support import CHART, find
 from kv_offload_operator import main as operator_main
 from kv_offload_operator import resources
 
@@ -64,9 +65,6 @@ def test_pod_monitor_scrapes_a_port_the_webhook_names(render):
 
 
 def test_chart_port_defaults_are_the_operator_defaults():
-    import yaml
-    from chart_support import CHART
-
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["sidecar"]["controlPort"] == resources.DEFAULT_BASE_PORT
     assert values["sidecar"]["dataPort"] == resources.DEFAULT_DATA_PORT

@@ -32,6 +32,8 @@ KTC = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
 LLAMA_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16",
               "--kv-transfer-config", KTC]
 SIDECAR_IMAGE = "registry.example/kv-offload:test"
+# The installed console script, exactly what a container runs.
+KV_OFFLOAD = str(Path(sys.executable).with_name("kv-offload"))
 
 
 def llama_config() -> dict[str, Any]:
@@ -134,7 +136,7 @@ class OperatorProcess:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
         log = open(self.log_path, "wb")
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kv_offload_operator.cli", "operator", "--namespace", NAMESPACE,
+            KV_OFFLOAD, "operator", "--namespace", NAMESPACE,
             "--health-port", str(self.health_port), "--webhook-port", str(self.webhook_port),
             "--webhook-addr", "127.0.0.1", "--sidecar-image", SIDECAR_IMAGE, "--verbose",
             *self.extra_args, env=env, stdout=log, stderr=log, start_new_session=True)

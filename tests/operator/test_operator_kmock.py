@@ -8,7 +8,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 from kv_offload_sidecar.offloading_config import OffloadingConfig
 from operator_harness import (
     KTC,
+    KV_OFFLOAD,
     LLAMA_ARGS,
     NAMESPACE,
     POOLS,
@@ -52,7 +52,7 @@ def cli_translate(tmp_path: Path, vllm_args: list[str]) -> tuple[int, str, str]:
     model = tmp_path / "config.json"
     model.write_text(json.dumps(llama_config()))
     done = subprocess.run(
-        [sys.executable, "-m", "kv_offload_operator.cli", "translate", "--model-config", str(model),
+        [KV_OFFLOAD, "translate", "--model-config", str(model),
          "--vllm-args", shlex.join(vllm_args)], capture_output=True, text=True, timeout=60)
     return done.returncode, done.stdout, done.stderr
 
@@ -246,7 +246,7 @@ async def test_model_config_ref_reads_the_model_config_from_a_configmap(
 
 def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tmp_path: Path) -> None:
     def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "kv_offload_operator.cli", "operator", *args],
+        return subprocess.run([KV_OFFLOAD, "operator", *args],
                               capture_output=True, text=True, timeout=60, env=env)
 
     no_scope = run()
@@ -263,3 +263,27 @@ def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tm
     assert no_credentials.returncode == 1
     assert no_credentials.stderr.strip().splitlines()[-1].startswith(
         "kv-offload operator: no Kubernetes credentials")
+
+
+async def test_a_missing_model_config_map_or_keyless_pool_secret_shows_as_waiting_not_ready(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    body = pool_body("llama")
+    del body["spec"]["modelConfig"]
+    body["spec"]["modelConfigRef"] = {"name": "not-there"}
+    await create(kmock, f"/api/v1/namespaces/{NAMESPACE}/secrets", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keyless-pool-key", "namespace": NAMESPACE},
+        "data": {"other": "eA=="}})
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, body)
+        await create(kmock, POOLS_URL, pool_body("keyless"))
+        ready = await wait_for("the waiting condition",
+                               lambda: condition(status_of(kmock, "llama"), "Ready").get("reason") == "Waiting"
+                               and condition(status_of(kmock, "llama"), "Ready"))
+        assert ready["status"] == "False"
+        assert "ConfigMap 'not-there' named by spec.modelConfigRef does not exist" in ready["message"]
+        keyless = await wait_for("the keyless pool's waiting condition",
+                                 lambda: condition(status_of(kmock, "keyless"), "Ready").get("reason") == "Waiting"
+                                 and condition(status_of(kmock, "keyless"), "Ready"))
+        assert "never rotates a pool key silently" in keyless["message"]
+        assert obj(kmock, "v1/secrets", "keyless-pool-key")["data"] == {"other": "eA=="}

@@ -294,3 +294,19 @@ async def test_a_pod_whose_vllm_args_give_another_fingerprint_is_denied_with_the
         assert "match the pool's spec.vllmArgs" in message
     finally:
         await operator.stop()
+
+
+async def test_without_a_cert_dir_the_webhook_serves_https_with_a_self_signed_certificate(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    async with OperatorProcess(tmp_path, str(kmock.url)) as operator:
+        webhook = Webhook(operator.webhook_port, make_tls(tmp_path / "unrelated-ca"))
+        await webhook.wait_listening()
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await webhook.admit(vllm_pod(None))  # not signed by a CA we trust
+        webhook.ssl = ssl.create_default_context()
+        webhook.ssl.check_hostname = False
+        webhook.ssl.verify_mode = ssl.CERT_NONE
+        response = await webhook.admit(vllm_pod(None))
+        assert response["allowed"] is True
+        assert "self-signed certificate (dev only)" in operator.log()

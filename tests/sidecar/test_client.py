@@ -8,6 +8,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -219,3 +220,42 @@ def test_dead_sidecar_makes_calls_misses_not_crashes():
         assert c.load(keys, lambda i, v: None) == 0
         assert c.errors == 3
         c.close()
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
+def test_client_reattaches_to_a_restarted_sidecar_without_writing_into_the_old_store(kill):
+    with LocalPool(1) as p:
+        c = p.client(0)
+        old_instance = c.instance
+        keys = new_keys(2)
+        write_chunks(c, keys)
+        p.restart(0, kill=kill)
+        # The first call after the restart fails (a miss) and flags the client stale.
+        c.lookup(keys)
+        deadline = time.monotonic() + 10
+        while c.instance == old_instance and time.monotonic() < deadline:
+            time.sleep(0.1)
+            c.lookup(keys)
+        assert c.instance != old_instance and c.reattaches == 1
+        fresh = new_keys(3)
+        data = write_chunks(c, fresh)
+        other = p.client(0)
+        try:
+            assert read_chunks(other, fresh) == [data[k] for k in fresh]
+        finally:
+            other.close()
+        c.close()
+
+
+def test_request_naming_another_instance_is_refused_as_stale(client):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(client.socket_path)
+    try:
+        data = json.dumps({"op": "reserve", "keys": [new_keys(1)[0].hex()], "instance": "old"}).encode()
+        s.sendall(struct.pack("!I", len(data)) + data)
+        (n,) = struct.unpack("!I", s.recv(4))
+        reply = json.loads(s.recv(n))
+        assert reply["ok"] is False and reply["stale"] is True and "re-attach" in reply["error"]
+    finally:
+        s.close()

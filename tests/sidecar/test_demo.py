@@ -33,12 +33,16 @@ def test_short_demo_shares_chunks_between_pods_with_zero_mismatched_bytes():
     assert "peer hits" in table and "total" in table and report.pods[0].metrics_url in table
 
 
-def test_demo_command_prints_the_table_and_exits_zero():
-    out = _cli("--pods", "2", "--requests", "40")
+def test_demo_command_prints_the_table_and_rejects_an_intruder():
+    out = _cli("--pods", "2", "--requests", "40", "--intruder")
     assert out.returncode == 0, out.stderr
     assert "[demo] 40/40 requests" in out.stderr
-    assert re.search(r"^total\s+40\s", out.stdout, re.M), out.stdout
-    assert "mismatched bytes 0" in out.stdout
+    total = re.search(r"^total\s+40\s.*$", out.stdout, re.M)
+    assert total, out.stdout
+    columns = total.group(0).split()
+    # total requests lookups local peer misses ratio bytes unit p50 p99 rejections mismatched
+    assert int(columns[11]) >= 2, out.stdout  # each pod rejected the other hash seed
+    assert columns[12] == "0" and "mismatched bytes 0" in out.stdout
 
 
 def test_demo_command_rejects_bad_input_with_one_line():

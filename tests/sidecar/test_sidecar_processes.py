@@ -287,3 +287,25 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
         assert load(c, keys_b) == [data_b[k] for k in keys_b]
         for cl in (a, b, c):
             cl.close()
+
+
+def test_peer_joining_at_runtime_is_dialled_back_and_a_leaving_peer_is_a_miss():
+    with LocalPool(2, capacity_bytes=256 * CHUNK) as pool:
+        newcomer = pool.add()  # only it knows the others; they learn of it from its handshake
+        joined = newcomer.client()
+        a = pool.client(0)
+        keys = new_keys(4)
+        data = store(joined, keys)
+        pool.wait_summaries()
+        assert load(a, keys) == [data[k] for k in keys]
+        later = new_keys(2)
+        store(joined, later)
+        pool.wait_summaries()
+        joined.close()
+        assert newcomer.terminate() == 0
+        wait_for(lambda: all(p["state"] != "connected" for p in pool[0].peers()
+                             if p["identity"] == newcomer.identity), what="the leaver to be dropped")
+        assert a.lookup(later) == LookupReply(0, 0)
+        assert pool[0].metric("kv_offload_peers", state="connected") == 1
+        assert a.timeouts == 0
+        a.close()

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kv-offload bench ...`: each prints ratios measured within one run."""

@@ -2,7 +2,8 @@
 
 Fault run: real ``kv-offload sidecar`` processes on 127.0.0.1 (chaos_faults.py)
 while engines store and load verified chunks: SIGKILL of a serving peer
-mid-fetch (``--kills`` times), SIGSTOP past the fetch deadline, flipped,
+mid-fetch (``--kills`` engine loads cut short, plus ``--wire-kills`` kills at a
+chosen byte of a fetch), SIGSTOP past the fetch deadline, flipped,
 truncated and delayed bytes on the wire (fault_proxy.py), reconnect storms,
 peers leaving and rejoining, a sidecar restarting under its engine, and writes
 at ten times the store budget. Prints one table row per fault class (or JSON
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="bound on the SIGKILL loop (the longest part of a fault run), seconds")
     p.add_argument("--kills", type=int, default=100,
                    help="SIGKILLs of a serving peer that must land while a fetch is in flight")
+    p.add_argument("--wire-kills", type=int, default=20,
+                   help="SIGKILLs of a serving peer at a chosen byte of a fetch (through the fault proxy)")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of SIGSTOP, reconnect storm, leave/rejoin and restart-under-engine")
     p.add_argument("--wire-rounds", type=int, default=40,
@@ -53,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     from kv_offload_operator.cli import UsageError
 
-    for name, low in (("kills", 1), ("rounds", 1), ("wire_rounds", 1), ("servers", 1),
+    for name, low in (("kills", 1), ("wire_kills", 1), ("rounds", 1), ("wire_rounds", 1), ("servers", 1),
                       ("fuzz_cases", 6), ("rss_bound_mib", 1)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}")
@@ -75,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- faults
 
 
-def run_faults(settings: BenchSettings, *, kills: int, seconds: float, rounds: int, wire_rounds: int,
-               progress: Any) -> list[FaultResult]:
+def run_faults(settings: BenchSettings, *, kills: int, wire_kills: int, seconds: float, rounds: int,
+               wire_rounds: int, progress: Any) -> list[FaultResult]:
     """Every fault class once, in an order that leaves the pool usable for the next."""
     with ChaosBench(settings, progress) as bench:
         results = [
@@ -85,6 +88,7 @@ def run_faults(settings: BenchSettings, *, kills: int, seconds: float, rounds: i
             bench.wire_faults("delay", max(1, wire_rounds // 4)),
             bench.sigstop_past_deadline(rounds),
             bench.sigkill_mid_fetch(kills, seconds),
+            bench.sigkill_on_wire(wire_kills),
             bench.reconnect_storm(rounds),
             bench.discovery_churn(rounds),
             bench.restart_under_engine(rounds),
@@ -96,7 +100,8 @@ def run_faults(settings: BenchSettings, *, kills: int, seconds: float, rounds: i
 def _run_faults(args: argparse.Namespace, progress: Any) -> int:
     settings = BenchSettings(chunk_bytes=args.chunk_bytes, servers=args.servers, seed=args.seed)
     started = time.monotonic()
-    results = run_faults(settings, kills=args.kills, seconds=args.seconds, rounds=args.rounds,
+    results = run_faults(settings, kills=args.kills, wire_kills=args.wire_kills, seconds=args.seconds,
+                         rounds=args.rounds,
                          wire_rounds=args.wire_rounds, progress=progress)
     elapsed = time.monotonic() - started
     ok = all(r.ok for r in results)

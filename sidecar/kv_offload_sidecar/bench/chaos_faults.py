@@ -363,9 +363,44 @@ class ChaosBench:
         """Flip, truncate or delay the bytes of fetches from a server through ``FaultProxy``."""
         return asyncio.run(self._wire_faults(mode, rounds))
 
-    async def _wire_faults(self, mode: str, rounds: int) -> FaultResult:
+    async def _probe_fetch(self, sc: SidecarProcess, keys: list[bytes], plan: FaultPlan, tag: str,
+                           on_fault: Callable[[FaultPlan], None] | None = None
+                           ) -> tuple[int, float, int, int]:
+        """One fetch by a hand-driven peer through the proxy into its own store.
+
+        Returns (leading chunks fetched or -1 on error, seconds, visible chunks with
+        wrong bytes, chunks refused by checksum).
+        """
         from ..transport import TransportError, connect
 
+        deadline = self.s.fetch_deadline_seconds
+        probe = await asyncio.to_thread(probe_handshake, sc.control_address, self.pool.pool_key,
+                                        self.pool.local_hello(identity=f"probe-{tag}"))
+        host, _, port = probe.server_hello.data_address.removeprefix("tcp://").rpartition(":")
+        store = ChunkStore(self.s.chunk_bytes, (len(keys) + 1) * self.s.chunk_bytes,
+                           directory=self.pool.shm_dir, name=f"probe-{tag}")
+        try:
+            async with FaultProxy(host, int(port), plan=plan, on_fault=on_fault) as proxy:
+                client = await connect(proxy.address, probe.session.session_id,
+                                       probe.session.session_key, timeout=deadline)
+                t0 = time.monotonic()
+                try:
+                    got = await client.fetch(keys, store, deadline)
+                except TransportError:
+                    got = -1
+                took = time.monotonic() - t0
+                await client.close()
+            bad = 0
+            for key in store.keys():  # every chunk that became visible must be right
+                pin = store.pin(key)
+                if pin is not None:
+                    with pin:
+                        bad += pin.view != chunk_content(key, self.s.chunk_bytes)
+            return got, took, bad, int(store.stats().get("integrity_failures", 0))
+        finally:
+            store.close()
+
+    async def _wire_faults(self, mode: str, rounds: int) -> FaultResult:
         result = FaultResult(f"wire_{mode}")
         started = time.monotonic()
         name = self.server_names[0]
@@ -382,39 +417,17 @@ class ChaosBench:
             else:
                 plan = FaultPlan("delay", after_bytes=self.rng.randrange(0, total // 2),
                                  delay_seconds=deadline / 4)
-            probe = await asyncio.to_thread(probe_handshake, sc.control_address, self.pool.pool_key,
-                                            self.pool.local_hello(identity=f"probe-{mode}-{r}"))
-            host, _, port = probe.server_hello.data_address.removeprefix("tcp://").rpartition(":")
-            store = ChunkStore(self.s.chunk_bytes, total + self.s.chunk_bytes,
-                               directory=self.pool.shm_dir, name=f"probe-{mode}-{r}")
-            try:
-                async with FaultProxy(host, int(port), plan=plan) as proxy:
-                    client = await connect(proxy.address, probe.session.session_id,
-                                           probe.session.session_key, timeout=deadline)
-                    result.injected += 1
-                    result.in_flight += 1
-                    t0 = time.monotonic()
-                    try:
-                        got = await client.fetch(keys, store, deadline)
-                    except TransportError:
-                        got = -1
-                    took = time.monotonic() - t0
-                    await client.close()
-                result.loads += 1
-                if got < len(keys):
-                    result.loads_missed += 1
-                    result.give_up(took)
-                bad = 0
-                for key in store.keys():  # every chunk that became visible must be right
-                    with store.pin(key) as pin:  # type: ignore[union-attr]
-                        bad += pin.view != chunk_content(key, self.s.chunk_bytes)
-                result.corrupt_delivered += bad
-                result.integrity_rejected += int(store.stats().get("integrity_failures", 0))
-                alive = sc.alive
-                if bad == 0 and alive and took <= deadline + GIVE_UP_SLACK_SECONDS:
-                    result.survived += 1
-            finally:
-                store.close()
+            got, took, bad, refused = await self._probe_fetch(sc, keys, plan, f"{mode}-{r}")
+            result.injected += 1
+            result.in_flight += 1
+            result.loads += 1
+            if got < len(keys):
+                result.loads_missed += 1
+                result.give_up(took)
+            result.corrupt_delivered += bad
+            result.integrity_rejected += refused
+            if bad == 0 and sc.alive and took <= deadline + GIVE_UP_SLACK_SECONDS:
+                result.survived += 1
         hub_bad_before = result.corrupt_delivered
         await asyncio.to_thread(self.check_durable, result)
         if result.corrupt_delivered != hub_bad_before or result.lost:
@@ -422,6 +435,50 @@ class ChaosBench:
         result.seconds = round(time.monotonic() - started, 2)
         self.progress(f"wire_{mode}: {result.injected} faults, {result.integrity_rejected} chunks "
                       f"refused by checksum, {result.corrupt_delivered} corrupt")
+        return result
+
+    def sigkill_on_wire(self, rounds: int) -> FaultResult:
+        """SIGKILL a server at an exact byte of a fetch from it (the proxy cuts the wire there too)."""
+        return asyncio.run(self._sigkill_on_wire(rounds))
+
+    async def _sigkill_on_wire(self, rounds: int) -> FaultResult:
+        result = FaultResult("sigkill_at_byte")
+        started = time.monotonic()
+        for r in range(rounds):
+            name = self.server_names[r % len(self.server_names)]
+            sc = self.pool[name]
+            keys = self.fresh_keys()
+            await asyncio.to_thread(self.put_on, name, keys)
+            total = len(keys) * self.s.chunk_bytes
+            plan = FaultPlan("truncate", after_bytes=self.rng.randrange(self.s.chunk_bytes // 2,
+                                                                         total - self.s.chunk_bytes))
+
+            def kill(_: FaultPlan, sc: SidecarProcess = sc) -> None:
+                sc.send(signal.SIGKILL)
+
+            got, took, bad, _ = await self._probe_fetch(sc, keys, plan, f"kill-{r}", on_fault=kill)
+            result.injected += 1
+            result.loads += 1
+            result.corrupt_delivered += bad
+            if got < len(keys):
+                result.in_flight += 1
+                result.loads_missed += 1
+                result.give_up(took)
+            await asyncio.to_thread(self.restart, name)
+            try:
+                await asyncio.to_thread(self.wait_fetchable, name, RECOVERY_SECONDS)
+                recovered = True
+            except TimeoutError as exc:
+                recovered = False
+                result.notes.append(str(exc))
+            bad_before = result.corrupt_delivered
+            await asyncio.to_thread(self.check_durable, result)
+            if recovered and bad == 0 and result.corrupt_delivered == bad_before and result.lost == 0 \
+                    and took <= self.s.fetch_deadline_seconds + GIVE_UP_SLACK_SECONDS:
+                result.survived += 1
+        result.seconds = round(time.monotonic() - started, 2)
+        self.progress(f"sigkill_at_byte: {result.injected} kills at a random byte of a fetch, "
+                      f"{result.corrupt_delivered} corrupt")
         return result
 
     def reconnect_storm(self, rounds: int, probes: int = 16) -> FaultResult:

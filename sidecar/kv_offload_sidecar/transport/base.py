@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 # Returns the session key of an authenticated session id, or None.
 Authorize = Callable[[bytes], "bytes | None"]
 
-# Chunks requested but not yet received per peer connection.
+# Chunks requested but not yet received per fetch (at least).
 DEFAULT_WINDOW = 8
+# Bytes requested but not yet received per fetch: small chunks get a deeper window.
+WINDOW_BYTES = 16 << 20
 # Seconds a new connection has to authenticate.
 DEFAULT_AUTH_TIMEOUT = 5.0
 # Seconds the server waits for one chunk to leave before giving up on a client.
@@ -198,15 +200,17 @@ async def run_fetch(
 ) -> int:
     """The client side of a fetch, shared by the transports.
 
-    Keeps up to ``window`` chunks in flight: reserves a slot per key, asks the
+    Keeps up to ``max(window, WINDOW_BYTES / chunk)`` chunks in flight: reserves a slot per key, asks the
     transport to request a batch (``send_requests`` gets ``(index, pending)`` pairs,
     awaitable), and waits for the receiver to resolve each ``pending.done``.
     Keys already visible are not requested. Stops requesting at the first key
-    that is missing at the peer or cannot get a slot. On any failure or deadline
+    that is missing at the peer, or that cannot get a slot even with nothing in
+    flight. Returns the leading keys visible at the end. On any failure or deadline
     calls ``fail(exc)`` (the transport closes the connection, so nothing writes
     into the slots any more) and aborts every open reservation.
     """
     plan = FetchPlan(list(keys))
+    window = max(window, WINDOW_BYTES // max(store.slot_bytes, 1))
     started = time.monotonic()
     next_index = 0
     stop_at = len(plan.keys)
@@ -223,8 +227,9 @@ async def run_fetch(
                             plan.results[next_index] = True
                             next_index += 1
                             continue
-                        stop_at = next_index  # no slot: stop here
-                        break
+                        if not (plan.pending or batch):
+                            stop_at = next_index  # no slot even with nothing in flight: stop here
+                        break  # else retry once a chunk in flight lands (it becomes evictable)
                     fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
                     batch.append((next_index, PendingChunk(key, res, fut, store.slot_bytes)))
                     next_index += 1
@@ -239,8 +244,8 @@ async def run_fetch(
                 for i, p in list(plan.pending.items()):
                     if not p.done.done():
                         continue
+                    ok = p.done.result()  # raises the receiver's error (p stays pending: aborted)
                     del plan.pending[i]
-                    ok = p.done.result()  # raises the receiver's error
                     plan.results[i] = ok
                     if not ok:
                         stop_at = min(stop_at, i + 1)
@@ -263,6 +268,8 @@ async def run_fetch(
             raise
         raise TransportError(f"fetch failed: {err}") from err
     n = plan.prefix()
+    while n and not all(store.contains(k) for k in plan.keys[:n]):  # a small store evicted some
+        n -= 1
     _observe(metrics, "ok" if n == len(plan.keys) else "miss", started)
     return n
 

@@ -21,9 +21,11 @@ known (UCX itself reports no received length) and a short, long or oversized
 frame is refused as such.
 
 A CHUNK reply is two messages: the header frame (header + key + checksum, the
-header's length still counting the chunk bytes) on the server->client tag, then the
-chunk bytes alone on the chunk's tag, sent from the pinned slot and received
-straight into the reserved slot (rendezvous: the receiver pulls the bytes).
+header's length still counting the chunk bytes) on the server->client tag, and the
+chunk bytes alone on the chunk's tag, sent from the pinned slot straight into the
+reserved slot. The client posts that receive *before* it sends the FETCH, so the
+bytes never wait in UCX's unexpected queue; a key the server lacks is answered
+with CHUNK_MISSING plus a 1-byte message that completes the posted receive.
 
 Limits: one UCX server and one asyncio loop per process (ucxx keeps one global
 worker bound to the loop that first used it). Without peer error handling a dead
@@ -45,6 +47,7 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as proto
@@ -89,7 +92,7 @@ ATTACH_BUFFER_BYTES = (proto.HEADER_BYTES + 4 + 2 + proto.MAX_SESSION_ID_BYTES +
 # Connections one server accepts at a time.
 MAX_SERVER_CONNECTIONS = 1024
 # Chunk sends one server connection keeps in flight.
-SERVER_SENDS_IN_FLIGHT = 16
+SERVER_SENDS_IN_FLIGHT = 64
 
 # UCX settings configure_ucx_env writes, besides UCX_TLS.
 _UCX_DEFAULTS = {
@@ -170,7 +173,8 @@ class UcxRuntime:
                                     enable_python_future=False)
         self.worker.init_blocking_progress_mode()
         self.address = bytes(self.worker.address)
-        self._pending: list[tuple[Any, asyncio.Future[None]]] = []
+        # Posted requests: (request, its future, the buffer it uses, kept alive until done).
+        self._pending: list[tuple[Any, asyncio.Future[None], Any]] = []
         self._probes: list[tuple[int, asyncio.Future[Any]]] = []
         self._scheduled = False
         self._hot_until = 0.0
@@ -194,14 +198,25 @@ class UcxRuntime:
         address = self._api.UCXAddress.create_from_buffer(worker_address)
         return self._api.UCXEndpoint.create_from_worker_address(self.worker, address, False)
 
+    def post_send(self, ep: Any, buf: Any, tag: int) -> asyncio.Future[None]:
+        """Tag-send ``buf`` now (not copied; kept alive until done); the future completes with it."""
+        array = self._Array(buf)
+        return self._wait(ep.tag_send(array, self._Tag(tag)), array)
+
+    def post_recv(self, ep: Any | None, buf: Any, tag: int) -> asyncio.Future[None]:
+        """Post a receive of the next message tagged ``tag`` into ``buf`` now (on the worker
+        when ep is None); the future completes when the bytes are in ``buf``."""
+        src = self.worker if ep is None else ep
+        array = self._Array(buf)
+        return self._wait(src.tag_recv(array, self._Tag(tag), self._mask), array)
+
     async def send(self, ep: Any, buf: Any, tag: int) -> None:
-        """Tag-send ``buf`` (any contiguous buffer, not copied) and wait for completion."""
-        await self._wait(ep.tag_send(self._Array(buf), self._Tag(tag)))
+        """Tag-send ``buf`` and wait for completion."""
+        await self.post_send(ep, buf, tag)
 
     async def recv(self, ep: Any | None, buf: Any, tag: int) -> None:
-        """Receive the next message tagged ``tag`` into ``buf`` (on the worker when ep is None)."""
-        src = self.worker if ep is None else ep
-        await self._wait(src.tag_recv(self._Array(buf), self._Tag(tag), self._mask))
+        """Receive the next message tagged ``tag`` into ``buf``."""
+        await self.post_recv(ep, buf, tag)
 
     async def recv_frame(self, tag: int, limit: int) -> bytearray:
         """Receive the next message tagged ``tag`` as a buffer of exactly its length.
@@ -217,7 +232,8 @@ class UcxRuntime:
         n = probe.length
         buf = bytearray(min(n, limit) or 1)
         try:
-            await self._wait(self.worker.tag_recv_with_handle(self._Array(buf), probe))
+            array = self._Array(buf)
+            await self._wait(self.worker.tag_recv_with_handle(array, probe), array)
         except Exception as exc:
             if n > limit or _is_truncated(exc):
                 raise proto.ProtocolError("oversize", f"frame of {n} bytes exceeds {limit}") from exc
@@ -238,9 +254,9 @@ class UcxRuntime:
             log.debug("UCX endpoint close: %s", exc)
         self._kick()
 
-    def _wait(self, req: Any) -> asyncio.Future[None]:
+    def _wait(self, req: Any, keep: Any = None) -> asyncio.Future[None]:
         fut = self.loop.create_future()
-        self._pending.append((req, fut))
+        self._pending.append((req, fut, keep))
         self._kick()
         return fut
 
@@ -267,16 +283,18 @@ class UcxRuntime:
                 else:
                     waiting.append((tag, fut))
             self._probes = waiting
-        if any(req.completed for req, _ in self._pending):
+        if any(entry[0].completed for entry in self._pending):
             still = []
-            for req, fut in self._pending:
+            for entry in self._pending:
+                req, fut, _ = entry
                 if not req.completed:
-                    still.append((req, fut))
+                    still.append(entry)
                 elif not fut.done():
                     try:
                         req.check_error()
                     except Exception as exc:
                         fut.set_exception(exc)
+                        fut.exception()  # a waiter that gave up must not log "never retrieved"
                     else:
                         fut.set_result(None)
             self._pending = still
@@ -523,16 +541,19 @@ class _ServerConnection:
         srv, rt = self.server, self.rt
         try:
             pin = srv._store.pin(key)
-            if pin is None:
-                await rt.send(self.ep, _buf(proto.encode_chunk_missing(request_id, key)), self.s2c)
+            if pin is None:  # the client posted a receive for the bytes: complete it with 1 byte
+                async with asyncio.timeout(srv._send_timeout):
+                    await asyncio.gather(
+                        rt.send(self.ep, _buf(proto.encode_chunk_missing(request_id, key)), self.s2c),
+                        rt.send(self.ep, bytearray(1), _data_tag(self.cid, request_id)))
                 return
             try:
                 prefix = proto.encode_chunk_prefix(key, pin.checksum)
                 head = proto.encode_header(proto.MessageType.CHUNK, request_id,
                                            len(prefix) + srv._chunk_bytes)
                 async with asyncio.timeout(srv._send_timeout):
-                    await rt.send(self.ep, bytearray(head + prefix), self.s2c)
-                    await rt.send(self.ep, pin.view, _data_tag(self.cid, request_id))
+                    await asyncio.gather(rt.post_send(self.ep, bytearray(head + prefix), self.s2c),
+                                         rt.post_send(self.ep, pin.view, _data_tag(self.cid, request_id)))
                 if srv._metrics is not None:
                     srv._metrics.peer_bytes.labels(direction="sent").inc(srv._chunk_bytes)
             except BaseException as exc:
@@ -571,9 +592,8 @@ class UcxPeerDataClient(PeerDataClient):
         self._metrics = metrics
         self._window = window
         self._next_rid = 1
-        self._chunks: dict[int, PendingChunk] = {}
+        self._chunks: dict[int, _UcxChunk] = {}
         self._lookups: dict[int, tuple[asyncio.Future[int], int]] = {}
-        self._receives: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
 
@@ -674,11 +694,36 @@ class UcxPeerDataClient(PeerDataClient):
                                metrics=self._metrics)
 
     async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
+        """Post the receive into each reserved slot, then ask for the chunks."""
         self._check_open()
         rid = self._rids(len(batch))
         for j, (_, p) in enumerate(batch):
-            self._chunks[rid + j] = p
+            data = self._rt.post_recv(self._ep, p.reservation.view, _data_tag(self._cid, rid + j))
+            self._chunks[rid + j] = _UcxChunk(p, data)
+            data.add_done_callback(lambda _f, r=rid + j: self._data_arrived(r))
         await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
+
+    def _data_arrived(self, request_id: int) -> None:
+        st = self._chunks.get(request_id)
+        if st is None or st.data.cancelled():
+            return
+        exc = st.data.exception()
+        if exc is not None:
+            self._fail(exc)
+            return
+        self._finish(request_id, st)
+
+    def _finish(self, request_id: int, st: _UcxChunk) -> None:
+        """Both the reply frame and the bytes are in: commit (or abort a miss)."""
+        if not (st.replied and st.data.done()):
+            return
+        del self._chunks[request_id]
+        if st.checksum is None:
+            st.p.reservation.abort()
+            if not st.p.done.done():
+                st.p.done.set_result(False)
+        else:
+            commit_received(st.p, st.checksum, self._metrics)
 
     async def close(self) -> None:
         """Send CLOSE (best effort) and close the endpoint."""
@@ -699,17 +744,16 @@ class UcxPeerDataClient(PeerDataClient):
             self._rt.abort(self._ep)  # cancels posted receives: no byte lands in a slot after this
             _release_connection_id(self._cid)
         err = exc if isinstance(exc, TransportError) else TransportError(f"data connection failed: {exc}")
-        for p in self._chunks.values():
-            if not p.done.done():
-                p.done.set_exception(err)
+        for st in self._chunks.values():
+            if not st.p.done.done():
+                st.p.done.set_exception(err)
         self._chunks.clear()
         for fut, _ in self._lookups.values():
             if not fut.done():
                 fut.set_exception(err)
-        current = asyncio.current_task()
-        for t in [self._reader, *self._receives]:
-            if t is not None and t is not current and not t.done():
-                t.cancel()
+        reader = self._reader
+        if reader is not None and reader is not asyncio.current_task() and not reader.done():
+            reader.cancel()
 
     async def _read_loop(self) -> None:
         try:
@@ -718,7 +762,7 @@ class UcxPeerDataClient(PeerDataClient):
                 header, payload = _parse_frame(buf, None)
                 mtype = header.type
                 if mtype is proto.MessageType.CHUNK:
-                    self._start_chunk(header, payload)
+                    self._chunk_reply(header, payload)
                 elif mtype is proto.MessageType.LOOKUP_REPLY:
                     entry = self._lookups.pop(header.request_id, None)
                     if entry is None:
@@ -729,12 +773,11 @@ class UcxPeerDataClient(PeerDataClient):
                         fut.set_result(count)
                 elif mtype is proto.MessageType.CHUNK_MISSING:
                     key = proto.decode_chunk_missing(payload)
-                    p = self._chunks.pop(header.request_id, None)
-                    if p is None or p.key != key:
+                    st = self._chunks.get(header.request_id)
+                    if st is None or st.replied or st.p.key != key:
                         raise proto.ProtocolError("bad_key", "CHUNK_MISSING for a key not requested")
-                    p.reservation.abort()
-                    if not p.done.done():
-                        p.done.set_result(False)
+                    st.replied = True
+                    self._finish(header.request_id, st)
                 else:
                     _raise_if_error(header, payload)
                     raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
@@ -746,27 +789,29 @@ class UcxPeerDataClient(PeerDataClient):
                 log.warning("UCX data client: closing the connection: %s", exc)
             self._fail(exc if isinstance(exc, TransportError) else TransportError(str(exc)))
 
-    def _start_chunk(self, header: proto.Header, payload: memoryview) -> None:
+    def _chunk_reply(self, header: proto.Header, payload: memoryview) -> None:
         prefix = proto.decode_chunk_prefix(payload)
-        p = self._chunks.get(header.request_id)
-        if p is None or p.key != prefix.key:
+        st = self._chunks.get(header.request_id)
+        if st is None or st.replied or st.p.key != prefix.key:
             raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
                                       f"under request id {header.request_id}")
-        proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
-        t = asyncio.create_task(self._receive_chunk(header.request_id, p, prefix.checksum))
-        self._receives.add(t)
-        t.add_done_callback(self._receives.discard)
+        proto.check_chunk_payload(header.length, prefix.size, st.p.nbytes)
+        st.replied, st.checksum = True, prefix.checksum
+        self._finish(header.request_id, st)
 
-    async def _receive_chunk(self, request_id: int, p: PendingChunk, checksum: int) -> None:
-        try:
-            await self._rt.recv(self._ep, p.reservation.view, _data_tag(self._cid, request_id))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._fail(exc)
-            return
-        if self._chunks.pop(request_id, None) is p:
-            commit_received(p, checksum, self._metrics)
+
+@dataclass
+class _UcxChunk:
+    """A requested chunk on a UCX connection: its receive is posted before the request."""
+
+    # The fetch's bookkeeping (reservation, result future).
+    p: PendingChunk
+    # Completes when the chunk's message is in the slot (1 byte when the peer lacks it).
+    data: asyncio.Future[None]
+    # True once CHUNK or CHUNK_MISSING arrived.
+    replied: bool = False
+    # The holder's checksum (None: CHUNK_MISSING).
+    checksum: int | None = None
 
 
 _client_cids: set[int] = set()

@@ -49,7 +49,8 @@ async def test_sigterm_lets_an_in_flight_fetch_finish_and_unlinks_the_store(chao
         assert store_chunks(engine, keys, CHUNK) == len(keys)
     status = server.status()
     store_path, data_address = status["store"]["path"], status["data_address"]
-    socket_path = server.engine().socket_path
+    with server.engine() as engine:
+        socket_path = engine.socket_path
     probe = probe_handshake(server.control_address, chaos_pool.pool_key, chaos_pool.local_hello())
     host, _, port = data_address.removeprefix("tcp://").rpartition(":")
     # A slow link: the fetch of 6.4 MB takes about a second, so SIGTERM lands in the middle.

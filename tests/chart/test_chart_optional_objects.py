@@ -1,0 +1,113 @@
+"""Monitoring, dashboard, NetworkPolicy, NOTES and the `helm test` pod."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from chart_support import CHART, NAMESPACE, WEBHOOK_DNS, find, kinds
+
+
+def test_pod_monitor_scrapes_every_pool_pod_and_keeps_the_pool_label(render):
+    objects = render({"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}})
+    monitor = find(objects, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["spec"]["selector"] == {"matchExpressions": [{"key": "kv-offload.io/pool",
+                                                                  "operator": "Exists"}]}
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["podTargetLabels"] == ["kv-offload.io/pool"]
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "kvo-ctrl-0", "path": "/metrics",
+                                                       "interval": "30s"}]
+    assert "PodMonitor" not in kinds(render())
+
+
+def test_service_monitor_scrapes_the_operator_service(render):
+    objects = render({"monitoring": {"serviceMonitor": {"enabled": True}}})
+    monitor = find(objects, "ServiceMonitor")
+    service = find(objects, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_dashboard_config_map_carries_the_chart_dashboard_file(render):
+    objects = render({"grafana": {"dashboards": {"enabled": True, "namespace": "monitoring"}}})
+    config_map = find(objects, "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    shipped = json.loads((CHART / "dashboards" / "kv-offload.json").read_text())
+    assert json.loads(config_map["data"]["kv-offload.json"]) == shipped
+    assert "ConfigMap" not in kinds(render())
+
+
+def test_network_policy_opens_sidecar_ports_to_pool_pods_and_metrics_to_monitoring(render):
+    objects = render({"networkPolicy": {"enabled": True, "namespaces": ["a", "b"],
+                                        "openAllPortsBetweenPoolPods": False}})
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["a", "b"]
+    pool_pods = {"matchExpressions": [{"key": "kv-offload.io/pool", "operator": "Exists"}]}
+    spec = policies[0]["spec"]
+    assert spec["podSelector"] == pool_pods and spec["policyTypes"] == ["Ingress"]
+    peers, monitoring, serving = spec["ingress"]
+    assert peers["from"] == [{"podSelector": pool_pods}]
+    assert peers["ports"] == [{"protocol": "TCP", "port": 5710, "endPort": 5717},
+                              {"protocol": "TCP", "port": 5810}]
+    assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    assert monitoring["ports"] == [{"protocol": "TCP", "port": 5710, "endPort": 5717}]
+    assert serving == {"ports": [{"protocol": "TCP", "port": 8000}]}
+    default_ns = render({"networkPolicy": {"enabled": True}})
+    assert find(default_ns, "NetworkPolicy")["metadata"]["namespace"] == NAMESPACE
+    # The default admits every port between pool pods (UCX picks its own ports), from pool pods only.
+    all_ports = find(default_ns, "NetworkPolicy")["spec"]["ingress"][0]
+    assert all_ports == {"from": [{"podSelector": pool_pods}]}
+
+
+def test_notes_put_warnings_first_then_one_success_line_then_the_next_step(helm):
+    result = helm("install", "kvo", str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+                  "--set", "webhook.failurePolicy=Ignore")
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1].strip().splitlines()
+    assert notes[0].startswith("WARNING: webhook.failurePolicy is Ignore")
+    success = [line for line in notes if " is installed in namespace " in line]
+    assert len(success) == 1 and notes.index(success[0]) == 1
+    assert any(line.startswith("Next:") for line in notes[2:])
+    assert any("kv-offload.io/pool" in line for line in notes)
+    plain = helm("install", "kvo", str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    assert "WARNING" not in plain.stdout.split("NOTES:", 1)[1]
+
+
+def test_helm_test_pod_checks_the_operator_health_endpoint(render):
+    objects = render()
+    pod = find(objects, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == find(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    script = container["command"][-1]
+    assert f"http://{WEBHOOK_DNS}:8080/healthz" in script
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert "Pod" not in kinds(render({"tests": {"enabled": False}}))
+
+
+@pytest.mark.parametrize("status, exit_code", [(200, 0), (503, 1)])
+def test_helm_test_script_passes_only_when_healthz_answers_200(render, status, exit_code):
+    """Run the test pod's own script against a local /healthz (its cluster URL pointed at 127.0.0.1)."""
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            self.send_response(status if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    script = find(render(), "Pod")["spec"]["containers"][0]["command"][-1]
+    with ThreadingHTTPServer(("127.0.0.1", 0), Health) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        local = script.replace(f"http://{WEBHOOK_DNS}:8080", f"http://127.0.0.1:{server.server_port}")
+        assert local != script
+        proc = subprocess.run([sys.executable, "-c", local], capture_output=True, text=True, timeout=30)
+        server.shutdown()
+    assert proc.returncode == exit_code, proc.stderr

@@ -1,0 +1,153 @@
+"""The operator, started with the chart's own arguments and certificate, answers like in a cluster.
+
+`kv-offload operator` runs as a process with the flags the chart's Deployment
+renders and the key pair from the chart's webhook Secret, against kmock's
+Kubernetes emulator on 127.0.0.1. Then, as the kubelet, `helm test` and the
+API server would: /healthz answers 200 (and the helm test pod's script exits 0),
+and an AdmissionReview posted over HTTPS to the chart's webhook path, trusting
+only the chart's caBundle and naming the chart's Service, gets the operator's
+answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import socket
+import ssl
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import pytest
+from chart_support import FULLNAME, NAMESPACE, find
+
+pytestmark = pytest.mark.timeout(120)
+
+WEBHOOK_DNS = f"{FULLNAME}.{NAMESPACE}.svc"
+KV_OFFLOAD = str(Path(sys.executable).with_name("kv-offload"))
+POD_NAMESPACE = "inference"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def emulate_cluster(k: kmock.KubernetesEmulator) -> None:
+    """Discovery for what the operator watches and writes."""
+    verbs = {"list", "watch", "get", "patch", "create", "delete"}
+    k.resources["kv-offload.io/v1alpha1/kvoffloadpools"] = kmock.ResourceInfo(
+        kind="KVOffloadPool", namespaced=True, verbs=verbs, subresources={"status"})
+    for plural, kind in (("pods", "Pod"), ("configmaps", "ConfigMap"), ("secrets", "Secret"),
+                         ("services", "Service"), ("events", "Event")):
+        k.resources[f"v1/{plural}"] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=verbs)
+
+
+def chart_operator_argv(objects: list[dict[str, Any]], cert_dir: Path, webhook_port: int,
+                        health_port: int) -> list[str]:
+    """The Deployment's args with the pod-local paths and ports moved to this host."""
+    (container,) = find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    moved = {"--webhook-cert-dir": str(cert_dir), "--webhook-port": str(webhook_port),
+             "--health-port": str(health_port)}
+    argv = []
+    for arg in container["args"]:
+        flag, eq, _ = arg.partition("=")
+        argv.append(f"{flag}={moved[flag]}" if eq and flag in moved else arg)
+    return [KV_OFFLOAD, *argv, "--webhook-addr", "127.0.0.1"]
+
+
+async def wait_healthy(url: str, proc: asyncio.subprocess.Process, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                pytest.fail(f"operator exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as reply:
+                    if reply.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.2)
+    pytest.fail(f"operator /healthz not up in 60s:\n{log.read_text()[-4000:]}")
+
+
+def admission_review(pod: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": str(uuid.uuid4()), "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+        "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+        "namespace": POD_NAMESPACE, "operation": "CREATE", "object": pod, "oldObject": None,
+        "dryRun": False, "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+        "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}}}
+
+
+async def test_operator_answers_health_and_webhook_with_the_chart_arguments_and_certificate(
+        kmock: kmock.KubernetesEmulator, render, tmp_path: Path) -> None:
+    objects = render()
+    secret = find(objects, "Secret", f"{FULLNAME}-webhook-tls")
+    (hook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
+    cert_dir = tmp_path / "webhook-tls"
+    cert_dir.mkdir()
+    for key in ("tls.crt", "tls.key"):
+        (cert_dir / key).write_bytes(base64.b64decode(secret["data"][key]))
+    emulate_cluster(kmock)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: emulator, cluster: {{server: '{str(kmock.url).rstrip('/')}'}}}}]\n"
+        "users: [{name: tester, user: {token: test-token}}]\n"
+        "contexts: [{name: emulator, context: {cluster: emulator, user: tester}}]\n"
+        "current-context: emulator\n")
+    webhook_port, health_port = free_port(), free_port()
+    log = tmp_path / "operator.log"
+    with open(log, "wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *chart_operator_argv(objects, cert_dir, webhook_port, health_port),
+            env=dict(os.environ, KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1"),
+            stdout=out, stderr=out, start_new_session=True)
+    try:
+        await wait_healthy(f"http://127.0.0.1:{health_port}/healthz", proc, log)
+
+        # The helm test pod's own script, its Service URL pointed at this host.
+        script = find(objects, "Pod")["spec"]["containers"][0]["command"][-1]
+        local = script.replace(f"http://{WEBHOOK_DNS}:8080", f"http://127.0.0.1:{health_port}")
+        test_pod = await asyncio.create_subprocess_exec(sys.executable, "-c", local)
+        assert await asyncio.wait_for(test_pod.wait(), 30) == 0
+
+        # The API server's call: HTTPS to service/path, trusting the caBundle only.
+        trust = ssl.create_default_context(cadata=base64.b64decode(hook["clientConfig"]["caBundle"]).decode())
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"generateName": "llama-", "namespace": POD_NAMESPACE,
+                            "labels": {"kv-offload.io/pool": "no-such-pool"}},
+               "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
+                                        "args": ["vllm", "serve", "meta-llama/Llama-3.1-8B"]}]}}
+        review = admission_review(pod)
+        url = f"https://127.0.0.1:{webhook_port}{hook['clientConfig']['service']['path']}"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json=review, ssl=trust, server_hostname=WEBHOOK_DNS,
+                                    timeout=aiohttp.ClientTimeout(total=hook["timeoutSeconds"])) as reply:
+                assert reply.status == 200, await reply.text()
+                answer = await reply.json()
+        response = answer["response"]
+        assert answer["kind"] == "AdmissionReview" and response["uid"] == review["request"]["uid"]
+        # The operator's verdict for a pod whose pool does not exist: refused, with a sentence.
+        assert response["allowed"] is False
+        assert "no-such-pool" in response["status"]["message"]
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
