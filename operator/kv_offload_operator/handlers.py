@@ -15,9 +15,10 @@ import datetime
 import json
 import logging
 import secrets
+import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,6 @@ class OperatorOptions:
     webhook_host: str | None = None
     # Directory with tls.crt and tls.key (e.g. a cert-manager Secret); None = self-signed (dev).
     webhook_cert_dir: str | None = None
-    # Extra SANs for the self-signed dev certificate.
-    webhook_sans: tuple[str, ...] = field(default_factory=tuple)
 
 
 class PoolSpecError(ValueError):
@@ -72,17 +71,20 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo,
     settings.peering.mandatory = False
     settings.scanning.disabled = True
     settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
-    settings.admission.server = _webhook_server(options, logger)
+    settings.admission.server = _webhook_server(options, memo, logger)
     memo.api = await _api_client()
     memo.ready_counts = {}
 
 
 @kopf.on.cleanup()
-async def close_api_client(memo: kopf.Memo, **_: Any) -> None:
-    """Close the API client's connections on shutdown."""
+async def shut_down(memo: kopf.Memo, **_: Any) -> None:
+    """Close the API client and delete a self-signed dev key."""
     api = getattr(memo, "api", None)
     if api is not None:
         await api.close()
+    self_signed = getattr(memo, "self_signed_dir", None)
+    if self_signed is not None:
+        shutil.rmtree(self_signed, ignore_errors=True)
 
 
 async def _api_client() -> k8s.ApiClient:
@@ -98,7 +100,7 @@ async def _api_client() -> k8s.ApiClient:
     return k8s.ApiClient(cfg)
 
 
-def _webhook_server(options: OperatorOptions, logger: logging.Logger) -> kopf.WebhookServer:
+def _webhook_server(options: OperatorOptions, memo: kopf.Memo, logger: logging.Logger) -> kopf.WebhookServer:
     if options.webhook_cert_dir:
         cert_dir = Path(options.webhook_cert_dir)
         certfile, keyfile = cert_dir / "tls.crt", cert_dir / "tls.key"
@@ -108,6 +110,7 @@ def _webhook_server(options: OperatorOptions, logger: logging.Logger) -> kopf.We
     else:
         logger.warning("No --webhook-cert-dir: serving the webhook with a self-signed certificate (dev only).")
         certfile, keyfile = _self_signed(options)
+        memo.self_signed_dir = certfile.parent
     return kopf.WebhookServer(addr=options.webhook_addr, port=options.webhook_port,
                               host=options.webhook_host, certfile=str(certfile), pkeyfile=str(keyfile))
 
@@ -121,7 +124,7 @@ def _self_signed(options: OperatorOptions) -> tuple[Path, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    names = [n for n in (options.webhook_host, options.webhook_addr, "localhost", *options.webhook_sans) if n]
+    names = [n for n in (options.webhook_host, options.webhook_addr, "localhost") if n]
     sans: list[x509.GeneralName] = []
     for n in dict.fromkeys(names):
         try:

@@ -194,11 +194,11 @@ class LocalChannelServer:
         os.chmod(self.path, 0o600)
 
     async def stop(self, grace: float) -> None:
+        """Stop accepting, let in-flight requests finish within ``grace``, drop connections."""
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), grace)
             self._server = None
+        await self.sidecar.wait_idle(grace)
         for t in list(self._conns):
             t.cancel()
         with contextlib.suppress(FileNotFoundError):

@@ -12,6 +12,7 @@ transport, for rejection tests; such a sidecar is not expected to connect.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -242,6 +243,10 @@ class SidecarProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            # Stuck: have it print its thread stacks into its log, then kill it.
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)
             self.proc.kill()
         return self.proc.wait(10)
 
@@ -461,6 +466,9 @@ class LocalPool:
         codes = {}
         for sc in self.sidecars:
             codes[sc.identity] = sc.terminate(timeout)
+            if codes[sc.identity] == -signal.SIGKILL and sc._term_sent:
+                print(f"LocalPool: {sc.identity} ignored SIGTERM for {timeout}s; its log ends:\n"
+                      f"{sc.log_tail(60)}", file=sys.stderr)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return codes

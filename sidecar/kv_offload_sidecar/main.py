@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from .discovery import parse_peer_list
 from .handshake import load_pool_key
@@ -97,9 +98,29 @@ async def _serve(settings: SidecarSettings) -> None:
     sidecar = Sidecar(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            _start_shutdown_watchdog(settings.shutdown_grace_seconds)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await sidecar.serve(stop)
+
+
+def _start_shutdown_watchdog(grace: float) -> None:
+    """Bound the whole shutdown: a stuck one dumps its stacks and exits 1."""
+    bound = 2 * grace + 5.0
+
+    def expire() -> None:
+        log.error("shutdown took longer than %.1fs; thread stacks follow, exiting", bound)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+    timer = threading.Timer(bound, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -156,8 +156,7 @@ class Sidecar:
         """Graceful stop: in-flight engine work gets the grace bound, then close all."""
         grace = self.settings.shutdown_grace_seconds
         self.ready = False
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), grace)
+        await self.wait_idle(grace)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -172,6 +171,14 @@ class Sidecar:
             self.store.close(unlink=True)
             self.store = None
         log.info("sidecar %s stopped", self.settings.identity)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until no engine lookup/load is in flight."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Run the control ports until ``stop`` is set, then shut down."""

@@ -8,7 +8,8 @@ import sys
 from typing import Any
 
 import pytest
-from chart_support import CHART, FOREIGN_CRD_KINDS, kinds, load_documents, schema_errors
+from chart_support import (CHART, FOREIGN_CRD_KINDS, NAMESPACE, RELEASE, kinds, load_documents,
+                           schema_errors)
 
 # Oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schema on disk.
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
@@ -23,8 +24,13 @@ def test_helm_lint_strict_passes_with_defaults_and_every_example(helm):
         assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout
 
 
-@pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("values", [None, *EXAMPLES], ids=["defaults", *EXAMPLES])
+# Every example against the newest schemas; defaults and all features also against the oldest.
+VALIDATIONS = [(values, KUBERNETES_VERSIONS[-1]) for values in (None, *EXAMPLES)] + [
+    (values, KUBERNETES_VERSIONS[0]) for values in (None, ALL_FEATURES)]
+
+
+@pytest.mark.parametrize("values, kubernetes_version", VALIDATIONS,
+                         ids=[f"{v or 'defaults'}-{k}" for v, k in VALIDATIONS])
 def test_rendered_objects_validate_against_kubernetes_schemas(render, values, kubernetes_version):
     objects = render(*([values] if values else []))
     assert objects
@@ -123,3 +129,16 @@ def test_invalid_combination_fails_with_a_sentence(render_error, values, sentenc
     assert sentence in error
     line = next(text for text in error.splitlines() if sentence in text)
     assert line.rstrip().endswith(".")
+
+
+def test_packaged_chart_renders_the_same_objects(helm, render, tmp_path):
+    packaged = helm("package", str(CHART), "--destination", str(tmp_path))
+    assert packaged.returncode == 0, packaged.stderr
+    (archive,) = tmp_path.glob("kv-offload-*.tgz")
+    values = ["--set", "grafana.dashboards.enabled=true", "--set", "webhook.certManager.enabled=true"]
+    result = helm("template", RELEASE, str(archive), "--namespace", NAMESPACE, *values)
+    assert result.returncode == 0, result.stderr
+    from_archive = load_documents(result.stdout)
+    from_tree = render({"grafana": {"dashboards": {"enabled": True}},
+                       "webhook": {"certManager": {"enabled": True}}})
+    assert from_archive == from_tree

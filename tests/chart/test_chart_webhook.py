@@ -103,22 +103,28 @@ def _accept_and_try(listener: socket.socket, ctx: ssl.SSLContext) -> None:
         conn.close()
 
 
-def test_cert_manager_mode_issues_a_certificate_and_injects_its_ca(render):
+def test_cert_manager_mode_issues_a_certificate_from_its_own_ca_and_injects_the_ca(render):
     objects = render({"webhook": {"certManager": {"enabled": True}}})
     assert f"{FULLNAME}-webhook-tls" not in {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
-    certificate = find(objects, "Certificate")
-    issuer = find(objects, "Issuer")
-    assert issuer["spec"] == {"selfSigned": {}}
-    assert certificate["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer",
-                                                "group": "cert-manager.io"}
-    assert WEBHOOK_DNS in certificate["spec"]["dnsNames"]
+    certificates = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Certificate"}
+    issuers = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Issuer"}
+    serving = certificates[f"{FULLNAME}-webhook"]
+    ca = certificates[f"{FULLNAME}-ca"]
+    # Chain: self-signed Issuer -> CA Certificate -> CA Issuer -> serving Certificate.
+    assert ca["spec"]["isCA"] is True
+    assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+    ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    assert ca_issuer["spec"] == {"ca": {"secretName": ca["spec"]["secretName"]}}
+    assert serving["spec"]["issuerRef"]["kind"] == "Issuer"
+    assert "isCA" not in serving["spec"] and "server auth" in serving["spec"]["usages"]
+    assert WEBHOOK_DNS in serving["spec"]["dnsNames"]
     webhook = find(objects, "MutatingWebhookConfiguration")
     assert webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
-        f"{NAMESPACE}/{certificate['metadata']['name']}"
+        f"{NAMESPACE}/{serving['metadata']['name']}"
     assert "caBundle" not in webhook["webhooks"][0]["clientConfig"]
     volumes = find(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
     tls = next(v for v in volumes if v["name"] == "webhook-tls")
-    assert tls["secret"]["secretName"] == certificate["spec"]["secretName"]
+    assert tls["secret"]["secretName"] == serving["spec"]["secretName"]
 
 
 def test_cert_manager_can_use_an_existing_cluster_issuer(render):

@@ -43,6 +43,8 @@ RESULTS = ("local_hit", "peer_hit", "miss")
 TARGET_LABELS = {"namespace": GRAFANA_VARIABLES["namespace"],
                  "kv_offload_io_pool": GRAFANA_VARIABLES["pool"]}
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# Seconds an engine lookup or load may take on a loaded test machine.
+DEADLINE = 15.0
 
 
 class Prometheus:
@@ -143,7 +145,8 @@ def fill(i: int, view: memoryview) -> None:
 def scraped_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPool, Prometheus]]:
     """Three sidecars, scraped by a real Prometheus from before their first lookup."""
     workdir = tmp_path_factory.mktemp("prometheus")
-    with LocalPool(3) as pool:
+    # Generous deadlines: a late lookup or fetch is a miss, which would change the counts.
+    with LocalPool(3, fetch_deadline_seconds=20.0) as pool:
         prometheus = Prometheus(workdir, {sc.identity: sc.address for sc in pool.sidecars})
         try:
             prometheus.wait_ready()
@@ -166,11 +169,11 @@ def exchange_chunks(pool: LocalPool) -> None:
     serving = pool.client(1)
     assert serving.store(own, fill) == 3
     pool.wait_summaries()
-    assert serving.lookup(shared_a + [chunk("x", 0)]).peer == 6
-    assert serving.load(shared_a, lambda i, view: None) == 6  # fetched from pod 0
-    reply = serving.lookup(own + shared_b + [chunk("x", 1), chunk("x", 2)])
+    assert serving.lookup(shared_a + [chunk("x", 0)], timeout=DEADLINE).peer == 6
+    assert serving.load(shared_a, lambda i, view: None, timeout=DEADLINE) == 6  # fetched from pod 0
+    reply = serving.lookup(own + shared_b + [chunk("x", 1), chunk("x", 2)], timeout=DEADLINE)
     assert (reply.local, reply.peer) == (3, 4)
-    assert serving.lookup(shared_a[:3]).local == 3  # now held locally after the load
+    assert serving.lookup(shared_a[:3], timeout=DEADLINE).local == 3  # held locally after the load
 
 
 def sidecar_counters(pool: LocalPool) -> dict[str, dict[str, float]]:

@@ -1,4 +1,8 @@
-"""Real AdmissionReview posts over HTTPS to the running operator's webhook."""
+"""Real AdmissionReview posts over HTTPS to the running operator's webhook.
+
+One emulated cluster (kmock) with three pools and one `kv-offload operator`
+process serve the whole module; each test posts its own pods.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import json
 import ssl
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +23,7 @@ import jsonpatch
 import kmock
 import kubernetes_validate
 import pytest
+import pytest_asyncio
 
 from operator_harness import (
     KTC,
@@ -29,20 +35,15 @@ from operator_harness import (
     create,
     emulate_cluster,
     make_tls,
-    merge_patch,
     obj,
     pool_body,
     wait_for,
 )
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def operator_stays_within_its_rbac(kmock: kmock.KubernetesEmulator) -> Iterator[None]:
-    """After each scenario: the operator used only the verbs the chart grants."""
-    yield
-    assert_within_rbac(kmock)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+DP_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16",
+           "--data-parallel-size", "4", "--kv-transfer-config", KTC]
+BAD_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]  # no offloading
 KUBERNETES_VERSION = "1.33.0"  # native sidecars (initContainers[].restartPolicy) are GA since 1.33
 WEBHOOK_PATH = "/inject_sidecar"  # kopf serves each admission handler at /<handler id>
 
@@ -104,6 +105,7 @@ class Webhook:
     """An HTTPS client of the operator's webhook that trusts only the test CA."""
 
     def __init__(self, port: int, ca: Path) -> None:
+        self.port = port
         self.url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
         self.ssl = ssl.create_default_context(cafile=str(ca))
 
@@ -121,7 +123,7 @@ class Webhook:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", int(self.url.split(":")[2].split("/")[0]))
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
                 writer.close()
                 await writer.wait_closed()
                 return
@@ -138,164 +140,143 @@ def patched(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
     return jsonpatch.JsonPatch(ops).apply(copy.deepcopy(pod))
 
 
-async def start(kmock_: kmock.KubernetesEmulator, tmp_path: Path, *pools: dict[str, Any]
-                ) -> tuple[OperatorProcess, Webhook]:
-    emulate_cluster(kmock_)
-    ca = make_tls(tmp_path / "certs")
-    operator = OperatorProcess(tmp_path, str(kmock_.url),
-                               extra_args=["--webhook-cert-dir", str(tmp_path / "certs")])
-    await operator.start()
-    for pool in pools:
-        await create(kmock_, POOLS_URL, pool)
-        name = pool["metadata"]["name"]
-        await wait_for(f"pool {name} processed", lambda: (obj(kmock_, POOLS, name) or {}).get("status"))
-    webhook = Webhook(operator.webhook_port, ca)
-    await webhook.wait_listening()
-    return operator, webhook
-
-
 def container(pod: dict[str, Any], name: str, init: bool = False) -> dict[str, Any]:
     key = "initContainers" if init else "containers"
     return next(c for c in pod["spec"].get(key, []) if c["name"] == name)
-
-
-async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admission_adds_nothing(
-        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    operator, webhook = await start(kmock, tmp_path, pool_body("llama", sidecar={"capacityBytes": 8 << 30}))
-    try:
-        pod = vllm_pod(shm_volume=False)
-        response = await webhook.admit(pod)
-        assert response["allowed"] is True
-        result = patched(pod, response)
-        kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
-
-        fingerprint = obj(kmock, POOLS, "llama")["status"]["fingerprint"]
-        assert result["metadata"]["annotations"]["kv-offload.io/injected"] == fingerprint
-        copy_tier, sidecar = result["spec"]["initContainers"]
-        assert copy_tier["args"] == ["install-tier", "/kv-offload-lib"] and copy_tier["image"] == SIDECAR_IMAGE
-        assert sidecar["restartPolicy"] == "Always"
-        assert sidecar["args"][:1] == ["sidecar"]
-        argv = sidecar["args"]
-        assert dict(zip(argv[1::2], argv[2::2])) == {
-            "--config": "/etc/kv-offload/offloading_config.json",
-            "--pool-key-file": "/etc/kv-offload/pool-key/key",
-            "--peers-dns": "llama-peers.ns1.svc.cluster.local",
-            "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
-            "--transport": "ucx", "--dp-indices": "0", "--shm-dir": "/dev/shm"}
-        assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-ctrl-0", 5710), ("kvo-data", 5810)]
-        assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 5710}
-        assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 5710}
-
-        volumes = {v["name"]: v for v in result["spec"]["volumes"]}
-        assert volumes["kv-offload-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": str((8 << 30) + (1 << 30))}
-        sources = volumes["kv-offload-config"]["projected"]["sources"]
-        assert sources[0]["configMap"]["name"] == "llama-offloading-config"
-        assert sources[1]["secret"]["name"] == "llama-pool-key"
-
-        vllm = container(result, "vllm")
-        env = {e["name"]: e for e in vllm["env"]}
-        assert env["VLLM_P2P_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        assert env["VLLM_P2P_SIDE_CHANNEL_PORT"]["value"] == "5710"
-        assert env["PYTHONPATH"]["value"] == "/kv-offload-lib"
-        assert "HF_TOKEN" in env  # the user's env is kept
-        mounts = {m["mountPath"]: m["name"] for m in vllm["volumeMounts"]}
-        assert mounts["/dev/shm"] == mounts_of(sidecar)["/dev/shm"] == "kv-offload-shm"
-        assert mounts["/kv-offload-lib"] == "kv-offload-lib"
-
-        again = await webhook.admit(result)
-        assert again["allowed"] is True
-        assert "patch" not in again
-    finally:
-        await operator.stop()
 
 
 def mounts_of(c: dict[str, Any]) -> dict[str, str]:
     return {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
 
 
+@dataclass
+class Cluster:
+    """The emulated API server, the operator process and a client of its webhook."""
+
+    api: kmock.KubernetesEmulator
+    operator: OperatorProcess
+    webhook: Webhook
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    tmp_path = tmp_path_factory.mktemp("webhook")
+    async with kmock.KubernetesEmulator() as api, kmock.Server(api):
+        emulate_cluster(api)
+        ca = make_tls(tmp_path / "certs")
+        async with OperatorProcess(tmp_path, str(api.url),
+                                   extra_args=["--webhook-cert-dir", str(tmp_path / "certs")]) as operator:
+            for body in (pool_body("llama", sidecar={"capacityBytes": 8 << 30}),
+                         pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS)):
+                await create(api, POOLS_URL, body)
+            for name in ("llama", "dp", "broken"):
+                await wait_for(f"pool {name} processed",
+                               lambda: (obj(api, POOLS, name) or {}).get("status", {}).get("conditions"))
+            webhook = Webhook(operator.webhook_port, ca)
+            await webhook.wait_listening()
+            yield Cluster(api, operator, webhook)
+        assert_within_rbac(api)  # the operator used only the verbs the chart grants
+
+
+async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admission_adds_nothing(
+        cluster: Cluster) -> None:
+    pod = vllm_pod(shm_volume=False)
+    response = await cluster.webhook.admit(pod)
+    assert response["allowed"] is True
+    result = patched(pod, response)
+    kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
+
+    fingerprint = obj(cluster.api, POOLS, "llama")["status"]["fingerprint"]
+    assert result["metadata"]["annotations"]["kv-offload.io/injected"] == fingerprint
+    copy_tier, sidecar = result["spec"]["initContainers"]
+    assert copy_tier["args"] == ["install-tier", "/kv-offload-lib"] and copy_tier["image"] == SIDECAR_IMAGE
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["args"][:1] == ["sidecar"]
+    argv = sidecar["args"]
+    assert dict(zip(argv[1::2], argv[2::2])) == {
+        "--config": "/etc/kv-offload/offloading_config.json",
+        "--pool-key-file": "/etc/kv-offload/pool-key/key",
+        "--peers-dns": "llama-peers.ns1.svc.cluster.local",
+        "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
+        "--transport": "ucx", "--dp-indices": "0", "--shm-dir": "/dev/shm"}
+    assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-ctrl-0", 5710), ("kvo-data", 5810)]
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 5710}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 5710}
+
+    volumes = {v["name"]: v for v in result["spec"]["volumes"]}
+    assert volumes["kv-offload-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": str((8 << 30) + (1 << 30))}
+    sources = volumes["kv-offload-config"]["projected"]["sources"]
+    assert sources[0]["configMap"]["name"] == "llama-offloading-config"
+    assert sources[1]["secret"]["name"] == "llama-pool-key"
+
+    vllm = container(result, "vllm")
+    env = {e["name"]: e for e in vllm["env"]}
+    assert env["VLLM_P2P_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["VLLM_P2P_SIDE_CHANNEL_PORT"]["value"] == "5710"
+    assert env["PYTHONPATH"]["value"] == "/kv-offload-lib"
+    assert "HF_TOKEN" in env  # the user's env is kept
+    assert mounts_of(vllm)["/dev/shm"] == mounts_of(sidecar)["/dev/shm"] == "kv-offload-shm"
+    assert mounts_of(vllm)["/kv-offload-lib"] == "kv-offload-lib"
+
+    again = await cluster.webhook.admit(result)
+    assert again["allowed"] is True
+    assert "patch" not in again
+
+
 async def test_a_data_parallel_pod_gets_one_port_per_global_rank_and_shares_its_own_dev_shm(
-        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    dp_args = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16",
-               "--data-parallel-size", "4", "--kv-transfer-config", KTC]
-    operator, webhook = await start(kmock, tmp_path, pool_body("llama", vllm_args=dp_args))
-    try:
-        pod = vllm_pod(script="vllm serve meta-llama/Llama-3.1-8B --block-size 16 --data-parallel-size 4 "
-                              "--data-parallel-size-local 2 --data-parallel-start-rank 2 "
-                              f"--kv-transfer-config '{KTC}'")
-        response = await webhook.admit(pod)
-        assert response["allowed"] is True
-        result = patched(pod, response)
-        kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
-        sidecar = container(result, "kv-offload-sidecar", init=True)
-        assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == \
-            [("kvo-ctrl-2", 5712), ("kvo-ctrl-3", 5713), ("kvo-data", 5810)]
-        assert sidecar["args"][sidecar["args"].index("--dp-indices") + 1] == "2,3"
-        # The pod's own /dev/shm volume is shared with the sidecar; no second one is added.
-        assert mounts_of(sidecar)["/dev/shm"] == "dshm"
-        assert "kv-offload-shm" not in {v["name"] for v in result["spec"]["volumes"]}
-        assert [m["mountPath"] for m in container(result, "vllm")["volumeMounts"]].count("/dev/shm") == 1
-    finally:
-        await operator.stop()
+        cluster: Cluster) -> None:
+    pod = vllm_pod("dp", script="vllm serve meta-llama/Llama-3.1-8B --block-size 16 --data-parallel-size 4 "
+                                "--data-parallel-size-local 2 --data-parallel-start-rank 2 "
+                                f"--kv-transfer-config '{KTC}'")
+    response = await cluster.webhook.admit(pod)
+    assert response["allowed"] is True
+    result = patched(pod, response)
+    kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
+    sidecar = container(result, "kv-offload-sidecar", init=True)
+    assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == \
+        [("kvo-ctrl-2", 5712), ("kvo-ctrl-3", 5713), ("kvo-data", 5810)]
+    assert sidecar["args"][sidecar["args"].index("--dp-indices") + 1] == "2,3"
+    # The pod's own /dev/shm volume is shared with the sidecar; no second one is added.
+    assert mounts_of(sidecar)["/dev/shm"] == "dshm"
+    assert "kv-offload-shm" not in {v["name"] for v in result["spec"]["volumes"]}
+    assert [m["mountPath"] for m in container(result, "vllm")["volumeMounts"]].count("/dev/shm") == 1
 
 
-async def test_a_pod_naming_an_unknown_pool_is_denied_with_a_sentence(
-        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    operator, webhook = await start(kmock, tmp_path, pool_body("llama"))
-    try:
-        response = await webhook.admit(vllm_pod("no-such-pool"))
-        assert response["allowed"] is False
-        assert "patch" not in response
-        message = response["status"]["message"]
-        assert "KVOffloadPool 'no-such-pool' does not exist in namespace 'ns1'" in message
-        assert message.endswith(".")
-    finally:
-        await operator.stop()
+async def test_a_pod_naming_an_unknown_pool_is_denied_with_a_sentence(cluster: Cluster) -> None:
+    response = await cluster.webhook.admit(vllm_pod("no-such-pool"))
+    assert response["allowed"] is False
+    assert "patch" not in response
+    message = response["status"]["message"]
+    assert "KVOffloadPool 'no-such-pool' does not exist in namespace 'ns1'" in message
+    assert message.endswith(".")
 
 
-async def test_a_pod_of_an_invalid_pool_is_denied_with_the_translator_message(
-        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    operator, webhook = await start(kmock, tmp_path, pool_body("llama"))
-    try:
-        await merge_patch(kmock, f"{POOLS_URL}/llama", {"metadata": {"generation": 2}, "spec": {
-            "vllmArgs": ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]}})
-        await wait_for("the Invalid condition", lambda: any(
-            c["type"] == "Invalid" and c["status"] == "True"
-            for c in obj(kmock, POOLS, "llama")["status"]["conditions"]))
-        response = await webhook.admit(vllm_pod("llama"))
-        assert response["allowed"] is False
-        message = response["status"]["message"]
-        assert "KVOffloadPool 'llama' in namespace 'ns1' is Invalid" in message
-        assert "configure no KV offloading connector" in message
-    finally:
-        await operator.stop()
+async def test_a_pod_of_an_invalid_pool_is_denied_with_the_translator_message(cluster: Cluster) -> None:
+    response = await cluster.webhook.admit(vllm_pod("broken"))
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert "KVOffloadPool 'broken' in namespace 'ns1' is Invalid" in message
+    assert "configure no KV offloading connector" in message
 
 
-async def test_a_pod_without_the_pool_label_is_left_alone(
-        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    operator, webhook = await start(kmock, tmp_path, pool_body("llama"))
-    try:
-        response = await webhook.admit(vllm_pod(None))
-        assert response["allowed"] is True
-        assert "patch" not in response
-    finally:
-        await operator.stop()
+async def test_a_pod_without_the_pool_label_is_left_alone(cluster: Cluster) -> None:
+    response = await cluster.webhook.admit(vllm_pod(None))
+    assert response["allowed"] is True
+    assert "patch" not in response
 
 
 async def test_a_pod_whose_vllm_args_give_another_fingerprint_is_denied_with_the_field_diff(
-        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    operator, webhook = await start(kmock, tmp_path, pool_body("llama"))
-    try:
-        pod = vllm_pod(script=f"vllm serve meta-llama/Llama-3.1-8B --block-size 32 --kv-transfer-config '{KTC}'")
-        response = await webhook.admit(pod)
-        assert response["allowed"] is False
-        message = response["status"]["message"]
-        assert message.startswith("The pod cannot join KVOffloadPool 'llama' in namespace 'ns1': ")
-        assert "tokens_per_block" in message
-        assert "match the pool's spec.vllmArgs" in message
-    finally:
-        await operator.stop()
+        cluster: Cluster) -> None:
+    pod = vllm_pod(script=f"vllm serve meta-llama/Llama-3.1-8B --block-size 32 --kv-transfer-config '{KTC}'")
+    response = await cluster.webhook.admit(pod)
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert message.startswith("The pod cannot join KVOffloadPool 'llama' in namespace 'ns1': ")
+    assert "tokens_per_block" in message
+    assert "match the pool's spec.vllmArgs" in message
 
 
+@pytest.mark.asyncio(loop_scope="function")
 async def test_without_a_cert_dir_the_webhook_serves_https_with_a_self_signed_certificate(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
     emulate_cluster(kmock)

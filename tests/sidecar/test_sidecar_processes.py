@@ -309,3 +309,27 @@ def test_peer_joining_at_runtime_is_dialled_back_and_a_leaving_peer_is_a_miss():
         assert pool[0].metric("kv_offload_peers", state="connected") == 1
         assert a.timeouts == 0
         a.close()
+
+
+def test_sigterm_lets_an_in_flight_load_finish_then_exits_cleanly():
+    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=1.0,
+                   shutdown_grace_seconds=4.0) as pool:
+        a, b = pool.client(0), pool.client(1)
+        keys = new_keys(4)
+        store(a, keys)
+        pool.wait_summaries()
+        holder = pool[0].proc
+        os.kill(holder.pid, signal.SIGSTOP)  # B's fetch will wait for its deadline
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(b.load(keys, lambda i, v: None, timeout=5.0)))
+        t.start()
+        time.sleep(0.3)
+        store_path = pool[1].status()["store"]["path"]
+        pool[1].proc.send_signal(signal.SIGTERM)
+        t.join(20)
+        os.kill(holder.pid, signal.SIGCONT)
+        assert result == [0] and b.errors == 0 and b.timeouts == 0  # answered, not cut off
+        assert pool[1].proc.wait(20) == 0
+        assert not os.path.exists(store_path)
+        a.close()
+        b.close()

@@ -138,6 +138,8 @@ class ChaosBench:
         self.pool = ChaosPool(chunk_bytes=settings.chunk_bytes, capacity_bytes=settings.capacity_bytes,
                               fetch_deadline_seconds=settings.fetch_deadline_seconds)
         self.engines: dict[str, EngineClient] = {}
+        # Start count of the sidecar each engine client was made for (a restart needs a new client).
+        self._engine_starts: dict[str, int] = {}
         self.batch = 0
         self.durable: list[bytes] = []
         self.server_names = [f"server-{i}" for i in range(settings.servers)]
@@ -178,12 +180,12 @@ class ChaosBench:
         """The engine client of a sidecar, re-created after the sidecar restarted."""
         sc = self.pool[name]
         engine = self.engines.get(name)
-        if engine is None or getattr(engine, "_chaos_starts", None) != sc.starts:
+        if engine is None or self._engine_starts.get(name) != sc.starts:
             if engine is not None:
                 with contextlib.suppress(Exception):
                     engine.close()
             engine = sc.engine()
-            engine._chaos_starts = sc.starts  # type: ignore[attr-defined]
+            self._engine_starts[name] = sc.starts
             self.engines[name] = engine
         return engine
 
@@ -444,8 +446,11 @@ class ChaosBench:
     async def _sigkill_on_wire(self, rounds: int) -> FaultResult:
         result = FaultResult("sigkill_at_byte")
         started = time.monotonic()
+        restarting: dict[str, asyncio.Task[None]] = {}
         for r in range(rounds):
             name = self.server_names[r % len(self.server_names)]
+            if name in restarting:
+                await restarting.pop(name)
             sc = self.pool[name]
             keys = self.fresh_keys()
             await asyncio.to_thread(self.put_on, name, keys)
@@ -464,18 +469,22 @@ class ChaosBench:
                 result.in_flight += 1
                 result.loads_missed += 1
                 result.give_up(took)
-            await asyncio.to_thread(self.restart, name)
+            if bad == 0 and took <= self.s.fetch_deadline_seconds + GIVE_UP_SLACK_SECONDS:
+                result.survived += 1
+            restarting[name] = asyncio.create_task(asyncio.to_thread(self.restart, name))
+            if (r + 1) % 5 == 0:
+                self.progress(f"sigkill_at_byte: {r + 1}/{rounds} kills, {result.corrupt_delivered} corrupt")
+        for name, task in restarting.items():  # every killed server comes back and serves the hub
+            await task
             try:
                 await asyncio.to_thread(self.wait_fetchable, name, RECOVERY_SECONDS)
-                recovered = True
             except TimeoutError as exc:
-                recovered = False
+                result.survived = 0
                 result.notes.append(str(exc))
-            bad_before = result.corrupt_delivered
-            await asyncio.to_thread(self.check_durable, result)
-            if recovered and bad == 0 and result.corrupt_delivered == bad_before and result.lost == 0 \
-                    and took <= self.s.fetch_deadline_seconds + GIVE_UP_SLACK_SECONDS:
-                result.survived += 1
+        bad_before = result.corrupt_delivered
+        await asyncio.to_thread(self.check_durable, result)
+        if result.corrupt_delivered != bad_before or result.lost:
+            result.survived = 0
         result.seconds = round(time.monotonic() - started, 2)
         self.progress(f"sigkill_at_byte: {result.injected} kills at a random byte of a fetch, "
                       f"{result.corrupt_delivered} corrupt")
@@ -595,7 +604,7 @@ class ChaosBench:
             result.loads += 1
             result.corrupt_delivered += bad
             self.engines[name] = engine
-            engine._chaos_starts = -1  # type: ignore[attr-defined]  # re-created on next use
+            self._engine_starts[name] = -1  # re-created on next use
             with contextlib.suppress(TimeoutError):
                 self.wait_fetchable(name, RECOVERY_SECONDS)
             self.check_durable(result)

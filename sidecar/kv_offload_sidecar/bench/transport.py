@@ -204,7 +204,10 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
                     servers[m] = _spawn("server", m, size, chunks, args, session_key)
             addresses = {m: w.read()["address"] for m, w in servers.items()}
             for m in methods:
-                clients[m] = _spawn("client", m, size, chunks, args, session_key, addresses.get(m, ""))
+                address = addresses.get(m, "")
+                if m in ("tcp", "ucx_sm", "ucx_tcp"):  # lookups alternate with raw round trips
+                    address += "|" + addresses["raw_tcp"]
+                clients[m] = _spawn("client", m, size, chunks, args, session_key, address)
             for m, w in clients.items():
                 w.read()  # ready (connected, warmed up)
             for r in range(args.rounds):
@@ -242,25 +245,30 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
 
 def _measure_lookups(args: argparse.Namespace, clients: dict[str, _Worker],
                      methods: list[str]) -> dict[str, Any]:
-    """32-key lookups on each transport's connection, interleaved with raw 64-byte round trips."""
+    """32-key lookups on each transport's connection, each alternating sample by sample
+    with a raw 64-byte TCP round trip from the same process (same CPU conditions)."""
     transports = [m for m in ("tcp", "ucx_sm", "ucx_tcp") if m in methods]
-    samples: dict[str, list[float]] = {m: [] for m in ["raw_tcp", *transports]}
+    lookups: dict[str, list[float]] = {m: [] for m in transports}
+    raws: dict[str, list[float]] = {m: [] for m in transports}
     for r in range(max(args.rounds, 1)):
-        for m in samples:
+        for m in transports:
             out = clients[m].ask({"cmd": "rtt", "seconds": min(args.seconds, 1.0)})
-            samples[m].extend(out["us"])
+            lookups[m].extend(out["us"])
+            raws[m].extend(out["raw_us"])
         _progress(f"lookup round {r + 1}: " + ", ".join(
-            f"{m} p50 {statistics.median(v):.0f} us" for m, v in samples.items()))
-    raw = _percentiles(samples["raw_tcp"])
-    by = {m: _percentiles(samples[m]) for m in transports}
-    for m, p in by.items():
-        p["ratio_to_raw_rtt"] = p["p50_us"] / raw["p50_us"]
-    best = min(by, key=lambda m: by[m]["p50_us"]) if by else None
-    out: dict[str, Any] = {"keys": LOOKUP_KEYS, "raw_rtt_p50_us": raw["p50_us"],
-                           "raw_rtt_p99_us": raw["p99_us"], "by_transport": by}
-    if best is not None:
-        out.update(transport=best, **by[best])
-    return out
+            f"{m} p50 {statistics.median(lookups[m]):.0f} us (raw {statistics.median(raws[m]):.0f} us)"
+            for m in transports))
+    if not transports:
+        return {}
+    by = {}
+    for m in transports:
+        p = _percentiles(lookups[m])
+        raw = _percentiles(raws[m])
+        p.update(raw_rtt_p50_us=raw["p50_us"], raw_rtt_p99_us=raw["p99_us"],
+                 ratio_to_raw_rtt=p["p50_us"] / raw["p50_us"])
+        by[m] = p
+    main = "tcp" if "tcp" in by else transports[0]  # the transport every deployment has
+    return {"keys": LOOKUP_KEYS, "transport": main, **by[main], "by_transport": by}
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -301,11 +309,10 @@ def _table(report: dict[str, Any]) -> str:
     lk = report.get("lookup") or {}
     if lk:
         lines.append("")
-        lines.append(f"raw 64-byte TCP round trip: p50 {lk['raw_rtt_p50_us']:.0f} us, "
-                     f"p99 {lk['raw_rtt_p99_us']:.0f} us")
         for m, p in lk.get("by_transport", {}).items():
-            lines.append(f"{LOOKUP_KEYS}-key lookup over {m:<8}: p50 {p['p50_us']:.0f} us, "
-                         f"p99 {p['p99_us']:.0f} us ({p['ratio_to_raw_rtt']:.2f}x raw)")
+            lines.append(f"{LOOKUP_KEYS}-key lookup over {m:<8}: p50 {p['p50_us']:6.0f} us, "
+                         f"p99 {p['p99_us']:6.0f} us; raw 64-byte TCP round trip alongside: "
+                         f"p50 {p['raw_rtt_p50_us']:4.0f} us -> {p['ratio_to_raw_rtt']:.2f}x")
     if report.get("targets"):
         lines.append("")
         for t in report["targets"]:
@@ -524,7 +531,8 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
                 ok = fetcher.digests(s) == expected[s * n:(s + 1) * n]
                 _emit({"gbps": moved / elapsed / 1e9, "identical": ok})
             elif cmd["cmd"] == "rtt":
-                _emit({"us": await fetcher.round_trips(cmd["seconds"])})
+                lookup_us, raw_us = await fetcher.round_trips(cmd["seconds"])
+                _emit({"us": lookup_us, "raw_us": raw_us})
     except Exception as exc:
         _emit({"error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -543,6 +551,20 @@ async def _make_fetcher(method: str, args: argparse.Namespace, size: int, n: int
     f2 = _TransportFetcher(args, size, n)
     await f2.open()
     return f2
+
+
+def _echo_once(sock: socket.socket) -> float:
+    """One raw 64-byte round trip (microseconds) to the raw server's echo."""
+    buf = bytearray(64)
+    t0 = time.perf_counter()
+    sock.sendall(bytes(64))
+    got = 0
+    while got < 64:
+        k = sock.recv_into(memoryview(buf)[got:])
+        if not k:
+            raise ConnectionError("raw echo server closed")
+        got += k
+    return (time.perf_counter() - t0) * 1e6
 
 
 class _RawFetcher:
@@ -574,18 +596,8 @@ class _RawFetcher:
 
         return [xxhash.xxh3_64_intdigest(v) for v in self.views]
 
-    async def round_trips(self, seconds: float) -> list[float]:
-        msg = bytes(64)
-        out, t_end = [], time.perf_counter() + seconds
-        while time.perf_counter() < t_end or len(out) < 20:
-            t0 = time.perf_counter()
-            self.sock.sendall(msg)
-            got = 0
-            buf = bytearray(64)
-            while got < 64:
-                got += self.sock.recv_into(memoryview(buf)[got:])
-            out.append((time.perf_counter() - t0) * 1e6)
-        return out
+    async def round_trips(self, seconds: float) -> tuple[list[float], list[float]]:
+        return [], []
 
     async def close(self) -> None:
         self.sock.close()
@@ -611,8 +623,8 @@ class _MemcpyFetcher:
 
         return [xxhash.xxh3_64_intdigest(self.dst[i]) for i in range(self.n)]
 
-    async def round_trips(self, seconds: float) -> list[float]:
-        return []
+    async def round_trips(self, seconds: float) -> tuple[list[float], list[float]]:
+        return [], []
 
     async def close(self) -> None:
         pass
@@ -648,7 +660,10 @@ class _TransportFetcher(_StoreFetcher):
 
     def __init__(self, args: argparse.Namespace, size: int, n: int) -> None:
         super().__init__(args, size, n)
-        self.address = args.address
+        self.address, raw_address = args.address.split("|")
+        host, port = raw_address.rsplit(":", 1)
+        self.raw = socket.create_connection((host, int(port)))
+        self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.session_key = bytes.fromhex(args.session_key)
         self.client: Any = None
 
@@ -663,18 +678,23 @@ class _TransportFetcher(_StoreFetcher):
         if got != len(keys):
             raise RuntimeError(f"fetched {got} of {len(keys)} chunks")
 
-    async def round_trips(self, seconds: float) -> list[float]:
+    async def round_trips(self, seconds: float) -> tuple[list[float], list[float]]:
+        """32-key lookups, each followed by a raw 64-byte echo on a plain socket."""
         keys = self.keys[:LOOKUP_KEYS]
-        out, t_end = [], time.perf_counter() + seconds
-        while time.perf_counter() < t_end or len(out) < 20:
+        lookups: list[float] = []
+        raws: list[float] = []
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end or len(lookups) < 20:
             t0 = time.perf_counter()
             await self.client.lookup(keys, timeout=10)
-            out.append((time.perf_counter() - t0) * 1e6)
-        return out
+            lookups.append((time.perf_counter() - t0) * 1e6)
+            raws.append(_echo_once(self.raw))
+        return lookups, raws
 
     async def close(self) -> None:
         if self.client is not None:
             await self.client.close()
+        self.raw.close()
         self.store.close()
 
 
@@ -704,8 +724,8 @@ class _AiohttpFetcher(_StoreFetcher):
             if not res.commit(checksum):
                 raise RuntimeError(f"chunk {key.hex()} failed its checksum")
 
-    async def round_trips(self, seconds: float) -> list[float]:
-        return []
+    async def round_trips(self, seconds: float) -> tuple[list[float], list[float]]:
+        return [], []
 
     async def close(self) -> None:
         if self.session is not None:

@@ -6,7 +6,7 @@ connection sends replies in order with ``sendmsg([header, prefix, slot view])``
 Client: one reader task per connection receives every reply; chunk bytes go with
 ``loop.sock_recv_into`` straight into the reserved slot, then are committed with
 the sender's checksum. Several chunks are requested ahead (the fetch window) so
-the socket never idles between chunks. TCP_NODELAY and large socket buffers.
+the socket never idles between chunks. TCP_NODELAY; socket buffers autotuned by the kernel.
 
 Address: ``tcp://host:port``.
 """
@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Socket buffer size asked for on data connections (the kernel caps it at net.core.*mem_max).
-SOCKET_BUFFER_BYTES = 4 << 20
+# Socket buffer size asked for on data connections; 0 leaves Linux's autotuning on,
+# which grows the buffers past net.core.*mem_max (a fixed size would cap them there).
+SOCKET_BUFFER_BYTES = 0
 # Request frames a server connection queues for its writer before it stops reading.
 SERVER_QUEUE_FRAMES = 64
 # Seconds a lookup with nothing else in flight polls for its reply before sleeping.
@@ -55,7 +56,7 @@ LOOKUP_SPIN_SECONDS = 200e-6
 
 
 def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
-    """Non-blocking, no Nagle delay, large buffers."""
+    """Non-blocking, no Nagle delay; fixed buffer sizes only when asked."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buffer_bytes:
@@ -102,13 +103,14 @@ async def send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, buffers
             v.release()
 
 
-def _send_now(sock: socket.socket, frame: list) -> bool:
-    """Send a small frame right away if the socket takes it whole (no writer hop)."""
+def _send_now(sock: socket.socket, frame: list) -> list:
+    """Send a small frame right away (no writer hop); returns what the socket did not take."""
     data = proto.join(frame)
     try:
-        return sock.send(data) == len(data)
+        sent = sock.send(data)
     except (BlockingIOError, InterruptedError):
-        return False
+        sent = 0
+    return [data[sent:]] if sent < len(data) else []
 
 
 def _poll_readable(sock: socket.socket, seconds: float) -> None:
@@ -262,15 +264,17 @@ class TcpDataPlaneServer(DataPlaneServer):
                         "answer the nonce with AUTH_RESPONSE first")
                 check_auth(self._authorize, nonce, proto.decode_auth_response(payload))
                 await send_all(loop, conn, proto.encode_auth_ok())
-            writer = asyncio.create_task(self._write_loop(conn, queue), name="tcp-data-writer")
+            busy = [False]  # True while the writer works on an item
+            writer = asyncio.create_task(self._write_loop(conn, queue, busy), name="tcp-data-writer")
             while not self._stopping:
                 header, payload = await read_frame(loop, conn, header_buf, self._chunk_bytes)
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP and payload is not None:
                     keys = proto.decode_keys(payload)
                     reply = proto.encode_lookup_reply(header.request_id, self._store.lookup_prefix(keys))
-                    if not (queue.empty() and queue._unfinished_tasks == 0  # type: ignore[attr-defined]
-                            and _send_now(conn, reply)):
+                    if queue.empty() and not busy[0]:  # writer idle: answer without its hop
+                        reply = _send_now(conn, reply)
+                    if reply:
                         await queue.put(reply)  # behind the chunks being sent
                 elif mtype is proto.MessageType.FETCH and payload is not None:
                     await queue.put((header.request_id, proto.decode_keys(payload)))
@@ -307,17 +311,19 @@ class TcpDataPlaneServer(DataPlaneServer):
                 conn.shutdown(socket.SHUT_RDWR)
             conn.close()
 
-    async def _write_loop(self, conn: socket.socket, queue: asyncio.Queue) -> None:
+    async def _write_loop(self, conn: socket.socket, queue: asyncio.Queue, busy: list[bool]) -> None:
         loop = asyncio.get_running_loop()
         try:
             while True:
                 item = await queue.get()
+                busy[0] = True
                 try:
                     if isinstance(item, list):
                         await send_all(loop, conn, item)
                     else:
                         await self._send_chunks(loop, conn, *item)
                 finally:
+                    busy[0] = False
                     queue.task_done()
         except (ConnectionError, OSError, TimeoutError) as exc:
             log.info("TCP data plane: dropping a client that stopped reading: %s", exc)

@@ -1,0 +1,49 @@
+"""`kv-offload bench transport`: a tiny bounded run; the JSON shape and byte-identical moves.
+
+No speed is asserted here: the numbers are the benchmark's output, not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kv_offload_sidecar.bench.transport import METHODS
+
+CLI = [sys.executable, "-m", "kv_offload_operator.cli", "bench", "transport"]
+
+
+def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, shm_dir: str) -> None:
+    plot = tmp_path / "transport.png"
+    done = subprocess.run(
+        [*CLI, "--chunk-bytes", "65536", "--seconds", "0.05", "--rounds", "1",
+         "--set-bytes", str(1 << 20), "--json", "--plot", str(plot), "--shm-dir", shm_dir],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    results = {r["method"]: r for r in report["results"]}
+    assert set(results) == set(METHODS)
+    for method, r in results.items():
+        assert r["chunk_bytes"] == 65536
+        assert r["gbps_median"] > 0 and r["gbps_min"] <= r["gbps_median"] <= r["gbps_max"]
+        assert r["identical"], f"{method} moved bytes that differ from the source"
+        assert r["ratio_to_raw_tcp"] > 0
+    assert results["raw_tcp"]["ratio_to_raw_tcp"] == 1.0
+    lookup = report["lookup"]
+    assert lookup["p50_us"] > 0 and lookup["p99_us"] >= lookup["p50_us"]
+    assert lookup["ratio_to_raw_rtt"] > 0 and lookup["keys"] == 32
+    assert set(lookup["by_transport"]) == {"tcp", "ucx_sm", "ucx_tcp"}
+    assert all("met" in t for t in report["targets"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[bench transport]" in done.stderr  # progress while running
+
+
+def test_bad_chunk_size_is_one_line_and_exit_2() -> None:
+    done = subprocess.run([*CLI, "--chunk-bytes", "2MiB"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--chunk-bytes" in lines[0] and "integers" in lines[0]
