@@ -66,6 +66,10 @@ class _Late(Exception):
     """The sidecar did not answer in time."""
 
 
+class _Dropped(Exception):
+    """The channel broke after the work was done (the connection must not be reused)."""
+
+
 # What turns a call into a miss (never raised into the engine).
 _FAILURES = (_Late, OSError, ValueError, KeyError, TypeError)
 
@@ -375,8 +379,16 @@ class EngineClient:
                     except BaseException as exc:  # the engine's own error: release, re-raise
                         user_exc = exc
                         break
-                self._call(conn, att, {"op": "release", "id": pid}, CONTROL_TIMEOUT_SECONDS)
                 read = len(slots) if user_exc is None else 0
+                if slots:
+                    try:
+                        self._call(conn, att, {"op": "release", "id": pid}, CONTROL_TIMEOUT_SECONDS)
+                    except _FAILURES as exc:
+                        # The copies were made while pinned; a lost channel releases the pins.
+                        log.debug("kv-offload release after load failed: %s", exc)
+                        raise _Dropped() from exc
+        except _Dropped:
+            pass  # read stays what was copied
         except _FAILURES as exc:
             self._miss("load", exc)
             read = 0

@@ -64,7 +64,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPRequestEntityTooLarge as exc:
         sidecar = request.app[SIDECAR_KEY]
         sidecar.metrics.protocol_errors.labels(reason="oversize").inc()
-        return json_error(413, f"request body exceeds {request.app._client_max_size} bytes: "
+        return json_error(413, f"request body exceeds {sidecar.settings.max_body_bytes} bytes: "
                           f"send a smaller body ({exc.text})")
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -16,7 +16,8 @@ Ops:
   written, or no free slot); then the engine writes the slots and sends
   ``commit {id, written: [bool]}`` -> ``{committed}`` (or ``abort {id}``).
 - ``load {keys, timeout}`` -> ``{id, slots}`` for the hit prefix, made local
-  (fetched from a peer when needed) and pinned until ``release {id}``.
+  (fetched from a peer when needed) and pinned until ``release {id}`` (no
+  release is needed when ``slots`` is empty).
 
 Reservations and pins belong to the connection: when it closes they are
 aborted / released, so a crashed engine leaves nothing half-written or pinned.
@@ -161,7 +162,8 @@ class _Connection:
             keys = _keys(req)
             pins = await sidecar.load(keys, _timeout(req, sidecar.settings.fetch_deadline_seconds))
             pid = next(self._ids)
-            self.pins[pid] = pins
+            if pins:
+                self.pins[pid] = pins
             return {"ok": True, "id": pid, "slots": [p.slot for p in pins]}
         if op == "release":
             pins = self.pins.pop(_id(req), None)

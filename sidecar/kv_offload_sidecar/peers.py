@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from .handshake import HandshakeError, HandshakeInitiator, HelloMessage, Session
+from .handshake import REASONS, HandshakeError, HandshakeInitiator, HelloMessage, Session
 from .location import PeerSummaries, SummaryDelta
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-KV-Offload-Session"
 AUTH_HEADER = "X-KV-Offload-Auth"
+# States counted in the peers{state} gauge (metrics.PEER_STATES); "alias" and "self"
+# links (another DP port of a connected peer, or ourselves) are not counted.
 PEER_STATES = ("connecting", "connected", "backoff", "rejected")
 # Largest summary reply read from a peer (bytes): 1M digests in base64 plus slack.
 MAX_SUMMARY_REPLY_BYTES = 12 << 20
@@ -283,15 +285,10 @@ class PeerManager:
             return data
 
     def _count_rejection(self, exc: HandshakeError, where: str) -> None:
-        reason = exc.reason if exc.reason in self._metrics_reasons() else "malformed"
+        reason = exc.reason if exc.reason in REASONS else "malformed"
         self._metrics.handshakes.labels(result="rejected", reason=reason).inc()
         log.warning("handshake with %s rejected (%s): %s%s", where, reason, exc,
                     "".join(f"\n  {line}" for line in exc.diff))
-
-    @staticmethod
-    def _metrics_reasons() -> tuple[str, ...]:
-        from .handshake import REASONS
-        return REASONS
 
     async def _pull_loop(self, link: PeerLink) -> None:
         s = self._settings

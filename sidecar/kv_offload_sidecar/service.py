@@ -24,7 +24,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -206,7 +206,7 @@ class Sidecar:
     # ---- engine operations ------------------------------------------------------
 
     @contextlib.contextmanager
-    def _engine_op(self):  # type: ignore[no-untyped-def]
+    def _engine_op(self) -> Iterator[None]:
         self._inflight += 1
         self._idle.clear()
         try:

@@ -91,9 +91,10 @@ async def merge_patch(k: kmock.KubernetesEmulator, url: str, body: Mapping[str, 
     assert resp.status == 200, await resp.text()
 
 
-def obj(k: kmock.KubernetesEmulator, resource: str, name: str) -> dict[str, Any] | None:
+def obj(k: kmock.KubernetesEmulator, resource: str, name: str,
+        namespace: str = NAMESPACE) -> dict[str, Any] | None:
     """The stored object as a plain dict, or None."""
-    key = (kmock.resource(resource), NAMESPACE, name)
+    key = (kmock.resource(resource), namespace, name)
     if key not in k.objects or k.objects[key].deleted:
         return None
     return json.loads(json.dumps(dict(k.objects[key].raw)))
@@ -118,12 +119,14 @@ async def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60.0) -
 class OperatorProcess:
     """``kv-offload operator`` in its own process, talking to kmock through a kubeconfig."""
 
-    def __init__(self, workdir: Path, server: str, *, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, workdir: Path, server: str, *, extra_args: Sequence[str] = (),
+                 scope: Sequence[str] = ("--namespace", NAMESPACE)) -> None:
         self.workdir = workdir
         self.kubeconfig = write_kubeconfig(workdir / "kubeconfig", server)
         self.health_port = free_port()
         self.webhook_port = free_port()
         self.extra_args = list(extra_args)
+        self.scope = list(scope)
         self.proc: asyncio.subprocess.Process | None = None
         self.runs = 0
 
@@ -136,7 +139,7 @@ class OperatorProcess:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
         log = open(self.log_path, "wb")
         self.proc = await asyncio.create_subprocess_exec(
-            KV_OFFLOAD, "operator", "--namespace", NAMESPACE,
+            KV_OFFLOAD, "operator", *self.scope,
             "--health-port", str(self.health_port), "--webhook-port", str(self.webhook_port),
             "--webhook-addr", "127.0.0.1", "--sidecar-image", SIDECAR_IMAGE, "--verbose",
             *self.extra_args, env=env, stdout=log, stderr=log, start_new_session=True)

@@ -287,3 +287,20 @@ async def test_a_missing_model_config_map_or_keyless_pool_secret_shows_as_waitin
                                  and condition(status_of(kmock, "keyless"), "Ready"))
         assert "never rotates a pool key silently" in keyless["message"]
         assert obj(kmock, "v1/secrets", "keyless-pool-key")["data"] == {"other": "eA=="}
+
+
+async def test_with_all_namespaces_pools_in_every_namespace_are_reconciled(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    expected = cli_fingerprint(tmp_path, LLAMA_ARGS)
+    async with OperatorProcess(tmp_path, str(kmock.url), scope=["--all-namespaces"]):
+        for ns in ("team-a", "team-b"):
+            body = pool_body("llama")
+            body["metadata"].update(namespace=ns, uid=f"uid-{ns}")
+            await create(kmock, f"/apis/kv-offload.io/v1alpha1/namespaces/{ns}/kvoffloadpools", body)
+        for ns in ("team-a", "team-b"):
+            fingerprint = await wait_for(f"the pool in {ns}", lambda: (
+                obj(kmock, POOLS, "llama", ns) or {}).get("status", {}).get("fingerprint"))
+            assert fingerprint == expected
+            assert obj(kmock, "v1/configmaps", "llama-offloading-config", ns) is not None
+            assert obj(kmock, "v1/services", "llama-peers", ns)["metadata"]["namespace"] == ns

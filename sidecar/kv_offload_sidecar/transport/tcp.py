@@ -138,14 +138,25 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
 
 
 async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, header_buf: bytearray,
-                     chunk_bytes: int | None = None) -> tuple[proto.Header, bytearray | None]:
-    """Read one header and, unless it is a CHUNK, its (size-checked) payload."""
+                     chunk_bytes: int | None = None,
+                     payload_timeout: float | None = None) -> tuple[proto.Header, bytearray | None]:
+    """Read one header and, unless it is a CHUNK, its (size-checked) payload.
+
+    ``payload_timeout``: seconds the payload may take once its header arrived
+    (a peer that stops mid-frame is refused as ``malformed``).
+    """
     await recv_exactly(loop, sock, header_buf)
     header = proto.decode_header(header_buf, chunk_bytes)
     if header.type is proto.MessageType.CHUNK:
         return header, None
     payload = bytearray(header.length)
-    await recv_exactly(loop, sock, payload)
+    try:
+        async with asyncio.timeout(payload_timeout):
+            await recv_exactly(loop, sock, payload)
+    except TimeoutError:
+        raise proto.ProtocolError("malformed", f"{header.type.name} frame stalled: its "
+                                  f"{header.length}-byte payload did not arrive within "
+                                  f"{payload_timeout:.3g}s") from None
     return header, payload
 
 
@@ -267,7 +278,8 @@ class TcpDataPlaneServer(DataPlaneServer):
             busy = [False]  # True while the writer works on an item
             writer = asyncio.create_task(self._write_loop(conn, queue, busy), name="tcp-data-writer")
             while not self._stopping:
-                header, payload = await read_frame(loop, conn, header_buf, self._chunk_bytes)
+                header, payload = await read_frame(loop, conn, header_buf, self._chunk_bytes,
+                                                   payload_timeout=self._auth_timeout)
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP and payload is not None:
                     keys = proto.decode_keys(payload)

@@ -61,15 +61,16 @@ def ucx_env(tls: str) -> dict[str, str]:
 
 @pytest.fixture
 def start_peer(shm_dir: str) -> Iterator[Callable[..., PeerProcess]]:
-    """Start a chunk server process: ``start_peer(kind="tcp", chunks=16, chunk_bytes=..., corrupt="")``."""
+    """Start a chunk server process: ``start_peer(kind="tcp", chunks=16, chunk_bytes=..., corrupt="",
+    auth_timeout=5.0)`` (auth_timeout also bounds a frame stalled mid-payload)."""
     started: list[PeerProcess] = []
 
     def start(kind: str = "tcp", *, tls: str = "sm,self", chunks: int = 16,
-              chunk_bytes: int = 256 * 1024, corrupt: str = "") -> PeerProcess:
+              chunk_bytes: int = 256 * 1024, corrupt: str = "", auth_timeout: float = 5.0) -> PeerProcess:
         proc = subprocess.Popen(
             [sys.executable, PEERS_SCRIPT, "serve", "--kind", kind, "--tls", tls,
              "--chunks", str(chunks), "--chunk-bytes", str(chunk_bytes), "--corrupt", corrupt,
-             "--shm-dir", shm_dir],
+             "--shm-dir", shm_dir, "--auth-timeout", str(auth_timeout)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env=ucx_env(tls) if kind == "ucx" else None,
         )

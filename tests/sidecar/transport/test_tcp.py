@@ -235,6 +235,22 @@ async def test_bad_frames_get_clear_errors_and_the_server_keeps_serving_others(
     assert peer.alive()
 
 
+async def test_frame_stalled_mid_payload_is_refused_and_others_still_served(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
+    peer = start_peer("tcp", chunks=2, chunk_bytes=CHUNK, auth_timeout=1.0)
+    sock = raw_authenticated(peer.address)
+    sock.sendall(proto.encode_header(proto.MessageType.LOOKUP, 1, 100) + b"\x00\x00")  # then silence
+    text = error_text(read_until_closed(sock))
+    sock.close()
+    assert text.startswith("malformed:") and "stalled" in text
+    store = make_store()
+    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
+    try:
+        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
+    finally:
+        await client.close()
+
+
 async def test_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_partial(
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     big = 1 << 20

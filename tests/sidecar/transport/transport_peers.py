@@ -80,7 +80,7 @@ async def serve(args: argparse.Namespace) -> None:
         return SESSION_KEY if session_id == SESSION_ID else None
 
     server = make_server(args.kind, store, authorize, metrics, host="127.0.0.1", port=0,
-                         chunk_bytes=args.chunk_bytes)
+                         chunk_bytes=args.chunk_bytes, auth_timeout=args.auth_timeout)
     address = await server.start()
     print(json.dumps({"address": address, "pid": os.getpid()}), flush=True)
     loop = asyncio.get_running_loop()
@@ -247,6 +247,7 @@ def main() -> None:
     parser.add_argument("--address", default="")
     parser.add_argument("--scenario", default="fetch")
     parser.add_argument("--server-pid", type=int, default=0)
+    parser.add_argument("--auth-timeout", type=float, default=5.0)
     args = parser.parse_args()
     if args.kind == "ucx" or args.mode == "ucx-client":
         _configure_ucx(args.tls)
