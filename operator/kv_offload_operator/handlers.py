@@ -323,7 +323,7 @@ async def _ensure_service(core: k8s.CoreV1Api, svc: Mapping[str, Any]) -> None:
 
 # ---- the webhook --------------------------------------------------------------
 
-@kopf.on.mutate("pods", labels={r.POOL_LABEL: kopf.PRESENT}, operation="CREATE")
+@kopf.on.mutate("pods", labels={r.POOL_LABEL: kopf.PRESENT}, operations={"CREATE"})
 async def inject_sidecar(body: kopf.Body, labels: Mapping[str, str], namespace: str | None,
                          patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Wire a labelled pod into its pool; deny it when the pool is missing or Invalid."""
