@@ -191,6 +191,8 @@ async def handle_summary(request: web.Request) -> web.StreamResponse:
 
 async def handle_lookup(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
+    if not sidecar.ready:
+        return json_error(503, "not ready: the sidecar is starting or shutting down")
     body = await read_json(request)
     if not isinstance(body, dict):
         raise _bad("body must be an object {\"keys\": [hex, ...]}")

@@ -248,7 +248,7 @@ def plot_fuzz(result: Any, path: str) -> None:
     ax.set_ylabel("cases")
     ax.set_title(f"{result.cases} fuzz cases by outcome")
     ax.tick_params(axis="x", rotation=30)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8)
     ax = axes[1]
     if result.rss_series:
         xs, rss = zip(*result.rss_series)

@@ -200,6 +200,10 @@ class Http:
         for attempt in range(2):
             if self.conn is None:
                 self.conn = http.client.HTTPConnection(self.host, self.port, timeout=REPLY_TIMEOUT)
+                self.conn.connect()
+                # http.client sends headers and body in two writes: without this, Nagle and
+                # delayed ACKs add ~40 ms to every request.
+                self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 self.conn.request(method, path, body=body,
                                   headers={"Content-Type": "application/json", **(headers or {})})

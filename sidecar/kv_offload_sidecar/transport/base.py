@@ -215,6 +215,15 @@ async def run_fetch(
     next_index = 0
     stop_at = len(plan.keys)
     result = "ok"
+    landed: list[int] = []  # indices whose future completed, in completion order
+    wake = asyncio.Event()
+
+    def on_done(i: int) -> Callable[[asyncio.Future[bool]], None]:
+        def callback(_f: asyncio.Future[bool]) -> None:
+            landed.append(i)
+            wake.set()
+        return callback
+
     try:
         async with asyncio.timeout(timeout):
             while True:
@@ -236,14 +245,16 @@ async def run_fetch(
                 if batch:
                     for i, p in batch:
                         plan.pending[i] = p
+                        p.done.add_done_callback(on_done(i))
                     await send_requests(batch)  # type: ignore[misc]
                 if not plan.pending:
                     break
-                done, _ = await asyncio.wait([p.done for p in plan.pending.values()],
-                                             return_when=asyncio.FIRST_COMPLETED)
-                for i, p in list(plan.pending.items()):
-                    if not p.done.done():
-                        continue
+                while not landed:
+                    wake.clear()
+                    await wake.wait()
+                while landed:
+                    i = landed.pop(0)
+                    p = plan.pending[i]
                     ok = p.done.result()  # raises the receiver's error (p stays pending: aborted)
                     del plan.pending[i]
                     plan.results[i] = ok
@@ -268,8 +279,10 @@ async def run_fetch(
             raise
         raise TransportError(f"fetch failed: {err}") from err
     n = plan.prefix()
-    while n and not all(store.contains(k) for k in plan.keys[:n]):  # a small store evicted some
-        n -= 1
+    for i, key in enumerate(plan.keys[:n]):  # a store smaller than the fetch may have evicted some
+        if not store.contains(key):
+            n = i
+            break
     _observe(metrics, "ok" if n == len(plan.keys) else "miss", started)
     return n
 

@@ -42,46 +42,54 @@ def _wait_connected(pool: ChaosPool, identity: str, peer: str, timeout: float = 
     raise AssertionError(f"{identity} did not connect to {peer}: {pool[identity].status()['peers']}")
 
 
-async def test_sigterm_lets_an_in_flight_fetch_finish_and_unlinks_the_store(chaos_pool: ChaosPool) -> None:
-    server = chaos_pool.add("server", capacity_bytes=16 << 20)
-    keys = chunk_keys("shutdown", 400)
-    with server.engine() as engine:
-        assert store_chunks(engine, keys, CHUNK) == len(keys)
-    status = server.status()
-    store_path, data_address = status["store"]["path"], status["data_address"]
-    with server.engine() as engine:
-        socket_path = engine.socket_path
-    probe = probe_handshake(server.control_address, chaos_pool.pool_key, chaos_pool.local_hello())
-    host, _, port = data_address.removeprefix("tcp://").rpartition(":")
-    # A slow link: the fetch of 6.4 MB takes about a second, so SIGTERM lands in the middle.
-    async with FaultProxy(host, int(port), plan=FaultPlan("delay", delay_seconds=0.01)) as proxy:
-        client = await connect(proxy.address, probe.session.session_id, probe.session.session_key,
-                               timeout=5.0)
-        store = ChunkStore(CHUNK, 8 << 20, directory=chaos_pool.shm_dir, name="probe")
-        try:
-            fetch = asyncio.create_task(client.fetch(keys, store, 20.0))
-            while proxy.stats.bytes_downstream < 64 * CHUNK:
-                await asyncio.sleep(0.01)
-            assert not fetch.done()
-            server.send(15)  # SIGTERM
-            sent_at = time.monotonic()
-            # It stops accepting at once (control and data ports) while the fetch goes on.
-            while not (_refused(server.control_address) and _refused(data_address)):
-                assert time.monotonic() - sent_at < 5.0, "still accepting 5 s after SIGTERM"
-                await asyncio.sleep(0.05)
-            got = await fetch
-            assert got == len(keys), f"in-flight fetch cut short: {got} of {len(keys)} chunks"
-            for key in keys:  # every chunk whole and right
-                with store.pin(key) as pin:
-                    assert pin.view == chunk_content(key, CHUNK)
-            await client.close()
-        finally:
-            store.close()
-    code = await asyncio.to_thread(server.proc.wait, 15)  # type: ignore[union-attr]
-    assert code == 0, server.log_tail()
-    assert time.monotonic() - sent_at < chaos_pool.shutdown_grace_seconds + 5.0
-    assert not os.path.exists(store_path)
-    assert not os.path.exists(socket_path)
+async def test_sigterm_lets_an_in_flight_fetch_finish_and_unlinks_the_store() -> None:
+    # 1 MiB chunks: a 48-chunk fetch is larger than the client's request window (16 MiB), so
+    # the peer keeps asking for chunks after the SIGTERM; all of them must still arrive.
+    big = 1 << 20
+    pool = ChaosPool(chunk_bytes=big, capacity_bytes=64 << 20, shutdown_grace_seconds=10.0)
+    try:
+        server = pool.add("server")
+        keys = chunk_keys("shutdown", 48)
+        with server.engine() as engine:
+            assert store_chunks(engine, keys, big) == len(keys)
+            socket_path = engine.socket_path
+        status = server.status()
+        store_path, data_address = status["store"]["path"], status["data_address"]
+        probe = probe_handshake(server.control_address, pool.pool_key, pool.local_hello())
+        host, _, port = data_address.removeprefix("tcp://").rpartition(":")
+        # A slow link: the fetch of 48 MiB takes a few seconds, so SIGTERM lands in the middle.
+        async with FaultProxy(host, int(port), plan=FaultPlan("delay", delay_seconds=0.002)) as proxy:
+            client = await connect(proxy.address, probe.session.session_id, probe.session.session_key,
+                                   timeout=5.0)
+            store = ChunkStore(big, 64 << 20, directory=pool.shm_dir, name="probe")
+            try:
+                fetch = asyncio.create_task(client.fetch(keys, store, 60.0))
+                while proxy.stats.bytes_downstream < 8 * big:
+                    await asyncio.sleep(0.01)
+                assert not fetch.done()
+                server.send(15)  # SIGTERM
+                sent_at = time.monotonic()
+                # It stops accepting at once (control and data ports) while the fetch goes on.
+                while not (_refused(server.control_address) and _refused(data_address)):
+                    assert time.monotonic() - sent_at < 5.0, "still accepting 5 s after SIGTERM"
+                    await asyncio.sleep(0.05)
+                got = await fetch
+                assert got == len(keys), f"in-flight fetch cut short: {got} of {len(keys)} chunks"
+                for key in keys:  # every chunk whole and right
+                    pin = store.pin(key)
+                    assert pin is not None
+                    with pin:
+                        assert pin.view == chunk_content(key, big)
+                await client.close()
+            finally:
+                store.close()
+        code = await asyncio.to_thread(server.proc.wait, 30)  # type: ignore[union-attr]
+        assert code == 0, server.log_tail()
+        assert time.monotonic() - sent_at < pool.shutdown_grace_seconds + 10.0
+        assert not os.path.exists(store_path)
+        assert not os.path.exists(socket_path)
+    finally:
+        pool.close()
 
 
 def test_sigterm_during_engine_loads_gives_whole_chunks_or_misses(chaos_pool: ChaosPool) -> None:
