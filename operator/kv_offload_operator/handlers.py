@@ -11,13 +11,19 @@ API (kubernetes_asyncio) and kopf.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import datetime
+import hashlib
 import json
 import logging
+import os
+import re
 import secrets
 import shutil
+import ssl
 import tempfile
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +53,8 @@ class OperatorOptions:
     webhook_host: str | None = None
     # Directory with tls.crt and tls.key (e.g. a cert-manager Secret); None = self-signed (dev).
     webhook_cert_dir: str | None = None
+    # Seconds between checks of tls.crt/tls.key for a renewed pair (> 0).
+    webhook_cert_check_seconds: float = 10.0
 
 
 class PoolSpecError(ValueError):
@@ -111,8 +119,98 @@ def _webhook_server(options: OperatorOptions, memo: kopf.Memo, logger: logging.L
         logger.warning("No --webhook-cert-dir: serving the webhook with a self-signed certificate (dev only).")
         certfile, keyfile = _self_signed(options)
         memo.self_signed_dir = certfile.parent
-    return kopf.WebhookServer(addr=options.webhook_addr, port=options.webhook_port,
-                              host=options.webhook_host, certfile=str(certfile), pkeyfile=str(keyfile))
+    return CertFollowingWebhookServer(addr=options.webhook_addr, port=options.webhook_port,
+                                      host=options.webhook_host, certfile=str(certfile), pkeyfile=str(keyfile),
+                                      check_seconds=options.webhook_cert_check_seconds)
+
+
+# kopf's own file check would restart the listener (and fail on a half-written pair); never let it.
+_KOPF_FILE_CHECK_SECONDS = 365 * 24 * 3600.0
+
+
+class CertFollowingWebhookServer(kopf.WebhookServer):
+    """kopf's HTTPS webhook server whose certificate follows tls.crt/tls.key on disk.
+
+    cert-manager and the kubelet renew the mounted Secret in place. Every
+    ``check_seconds`` the pair is re-read; a changed pair is first loaded into
+    a scratch SSL context (so a half-written pair, whose key does not match its
+    certificate, is skipped until it is whole) and then into the live context:
+    new connections get the new certificate, the listener never restarts.
+    """
+
+    def __init__(self, *, certfile: str, pkeyfile: str, check_seconds: float, **kwargs: Any) -> None:
+        if not check_seconds > 0:
+            raise ValueError(f"check_seconds={check_seconds!r} must be positive")
+        super().__init__(certfile=certfile, pkeyfile=pkeyfile,
+                         context=ssl.create_default_context(purpose=ssl.Purpose.CLIENT_AUTH),
+                         file_check_interval=_KOPF_FILE_CHECK_SECONDS, **kwargs)
+        self.check_seconds = check_seconds
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        serving = asyncio.current_task()
+        follower = asyncio.create_task(self._follow_cert_files(), name="webhook-cert-follower")
+
+        def stop_serving_if_failed(task: asyncio.Task[None]) -> None:
+            if serving is not None and not task.cancelled() and task.exception() is not None:
+                serving.cancel()  # below, the cancellation becomes the follower's error
+
+        follower.add_done_callback(stop_serving_if_failed)
+        try:
+            async for client_config in super().__call__(fn):
+                yield client_config
+        except asyncio.CancelledError:
+            failure = follower.exception() if follower.done() and not follower.cancelled() else None
+            if failure is None:
+                raise
+            # The live context may hold a half-loaded pair: stop the operator (exit 1, restarted).
+            raise RuntimeError(f"the webhook certificate could not be loaded into the live TLS context "
+                               f"({failure}); exiting so that the operator is restarted") from failure
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+
+    def _read_pair(self) -> tuple[bytes, bytes]:
+        with open(str(self.certfile), "rb") as cert, open(str(self.pkeyfile), "rb") as key:
+            return cert.read(), key.read()
+
+    async def _follow_cert_files(self) -> None:
+        logger = logging.getLogger("kv_offload_operator.webhook")
+        loaded: tuple[bytes, bytes] | None = None  # None: reload once, whatever kopf read at start
+        while True:
+            await asyncio.sleep(self.check_seconds)
+            try:
+                pair = self._read_pair()
+                if pair == loaded:
+                    continue
+                _load_pem_pair(ssl.create_default_context(purpose=ssl.Purpose.CLIENT_AUTH), *pair)
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                logger.warning(f"Webhook certificate {self.certfile} not (re)loaded yet: {exc}; retrying.")
+                continue
+            assert self.context is not None
+            _load_pem_pair(self.context, *pair)
+            loaded = pair
+            logger.info(f"Webhook certificate loaded from {self.certfile}: sha256:{_cert_sha256(pair[0])}.")
+
+
+def _cert_sha256(pem: bytes) -> str:
+    """SHA-256 of the first certificate's DER (as `openssl x509 -fingerprint -sha256`)."""
+    found = re.search(rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", pem, re.S)
+    return hashlib.sha256(base64.b64decode(found.group(1))).hexdigest() if found else "unknown"
+
+
+def _load_pem_pair(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    """Load PEM bytes into ``context`` through memory files: exactly the bytes
+    that were checked, and the key never touches a (read-only) disk."""
+    fds = [os.memfd_create("kv-offload-webhook-tls", os.MFD_CLOEXEC) for _ in range(2)]
+    try:
+        for fd, data in zip(fds, (cert, key)):
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        context.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _self_signed(options: OperatorOptions) -> tuple[Path, Path]:
@@ -201,6 +299,9 @@ async def reconcile_pool(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, stat
         model_config = await _model_config(api, namespace, pool["spec"])
         config = translate(list(pool["spec"].get("vllmArgs") or []), model_config)
         sidecar = r.SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
+        seed_problem = r.pool_hash_seed_problem(config, sidecar.hash_seed)
+        if seed_problem is not None:
+            raise PoolSpecError(seed_problem)
     except ValueError as exc:  # TranslationError, PoolSpecError, bad sidecar values
         message = str(exc)
         patch.status["conditions"] = r.pool_conditions(

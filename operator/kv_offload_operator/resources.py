@@ -49,6 +49,24 @@ DEFAULT_CAPACITY_BYTES = 4 << 30
 SHM_HEADROOM_BYTES = 1 << 30
 DEFAULT_TRANSPORT = "ucx"
 TRANSPORTS = ("ucx", "tcp")
+# Name of the sidecar's first control port on every pod, whatever its DP start
+# rank: the PodMonitor scrapes /metrics there. Other control ports: kvo-ctrl-<i>.
+METRICS_PORT_NAME = "kvo-metrics"
+# Pool-wide PYTHONHASHSEED (spec.hashSeed): vLLM seeds its prefix hash chain
+# (NONE_HASH) with it, randomly per process when it is unset.
+HASH_SEED_ENV = "PYTHONHASHSEED"
+DEFAULT_HASH_SEED = "0"
+# Largest PYTHONHASHSEED Python accepts (it refuses to start above it).
+MAX_HASH_SEED = 4294967295
+# UCX settings of an injected ucx sidecar unless spec.sidecar.env overrides
+# them: TCP reaches peers on other nodes, sm/self serve peers on the same host;
+# 1 MiB TCP segments instead of UCX's 8 KiB ones.
+UCX_SIDECAR_ENV: Mapping[str, str] = {
+    "UCX_TLS": "tcp,sm,self", "UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+# Variables the operator owns on the sidecar; spec.sidecar.env may not set them.
+_OPERATOR_SIDECAR_ENV = {"VLLM_P2P_SIDE_CHANNEL_HOST": "spec.sidecar.basePort",
+                         "VLLM_P2P_SIDE_CHANNEL_PORT": "spec.sidecar.basePort",
+                         HASH_SEED_ENV: "spec.hashSeed"}
 DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 POOL_KEY_BYTES = 32
 # Both injected containers run as the image's non-root user, PSA "restricted"-compatible.
@@ -92,7 +110,7 @@ def peers_dns(pool_name: str, namespace: str) -> str:
 
 @dataclass(frozen=True)
 class SidecarSpec:
-    """The defaulted ``spec.sidecar`` and ``spec.shmSizeLimit`` of one pool."""
+    """The defaulted ``spec.sidecar``, ``spec.shmSizeLimit`` and ``spec.hashSeed`` of one pool."""
 
     # Sidecar image (spec.sidecar.image, else the operator's --sidecar-image).
     image: str
@@ -108,6 +126,10 @@ class SidecarSpec:
     data_port: int
     # sizeLimit of the shared /dev/shm emptyDir (quantity string or bytes).
     shm_size_limit: str | int
+    # PYTHONHASHSEED of every vLLM and sidecar container of the pool, e.g. "0".
+    hash_seed: str = DEFAULT_HASH_SEED
+    # Extra sidecar EnvVars (spec.sidecar.env); they override UCX_SIDECAR_ENV.
+    env: tuple[Mapping[str, Any], ...] = ()
 
     @classmethod
     def from_pool(cls, pool: Mapping[str, Any], *, default_image: str) -> "SidecarSpec":
@@ -130,7 +152,53 @@ class SidecarSpec:
         shm = spec.get("shmSizeLimit", capacity + SHM_HEADROOM_BYTES)
         return cls(image=image, resources=sc.get("resources") or DEFAULT_SIDECAR_RESOURCES,
                    capacity_bytes=capacity, transport=transport, base_port=base_port,
-                   data_port=DEFAULT_DATA_PORT, shm_size_limit=shm)
+                   data_port=DEFAULT_DATA_PORT, shm_size_limit=shm,
+                   hash_seed=_hash_seed(spec.get("hashSeed", DEFAULT_HASH_SEED)),
+                   env=_sidecar_env_spec(sc.get("env") or []))
+
+
+def _hash_seed(value: Any) -> str:
+    """spec.hashSeed as PYTHONHASHSEED accepts it: a decimal in [0, 4294967295]."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    if not (text.isascii() and text.isdigit() and int(text) <= MAX_HASH_SEED):
+        raise ValueError(f"spec.hashSeed={value!r}: use a decimal integer in [0, {MAX_HASH_SEED}] "
+                         f"as a string, e.g. \"0\" (it becomes PYTHONHASHSEED)")
+    return text
+
+
+def _sidecar_env_spec(env: Any) -> tuple[Mapping[str, Any], ...]:
+    """spec.sidecar.env checked entry by entry; ValueError names the entry."""
+    if not isinstance(env, list):
+        raise ValueError("spec.sidecar.env must be a list of EnvVars ({name, value} or {name, valueFrom})")
+    names: set[str] = set()
+    for i, item in enumerate(env):
+        name = item.get("name") if isinstance(item, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"spec.sidecar.env[{i}] has no name: give each entry a name and a value")
+        if name in _OPERATOR_SIDECAR_ENV:
+            raise ValueError(f"spec.sidecar.env[{i}] sets {name}, which the operator sets itself: "
+                             f"remove it and use {_OPERATOR_SIDECAR_ENV[name]} instead")
+        if name in names:
+            raise ValueError(f"spec.sidecar.env[{i}] repeats {name}: keep one entry per name")
+        names.add(name)
+        if ("value" in item) == ("valueFrom" in item) or not isinstance(item.get("value", ""), str):
+            raise ValueError(f"spec.sidecar.env[{i}] ({name}) needs exactly one of a string value or valueFrom")
+    return tuple(copy.deepcopy(dict(item)) for item in env)
+
+
+def pool_hash_seed_problem(config: OffloadingConfig, hash_seed: str) -> str | None:
+    """None unless the pool's kv_connector_extra_config names another hash seed.
+
+    Sidecars state ``extra_config["hash_seed"]`` in the handshake before their
+    ``PYTHONHASHSEED``, but vLLM seeds its prefix hashes with PYTHONHASHSEED
+    (= spec.hashSeed), so a different stated seed would be a false claim.
+    """
+    stated = config.extra_config.get("hash_seed")
+    if stated is None or str(stated) in ("", hash_seed):
+        return None
+    return (f"kv_connector_extra_config.hash_seed={stated!r} differs from spec.hashSeed {hash_seed!r}, the "
+            f"PYTHONHASHSEED vLLM really seeds its prefix hashes with; remove hash_seed from "
+            f"kv_connector_extra_config or set spec.hashSeed: {str(stated)!r}")
 
 
 def owner_reference(pool: Mapping[str, Any]) -> dict[str, Any]:
@@ -164,7 +232,11 @@ def pool_key_secret(pool: Mapping[str, Any], key: bytes) -> dict[str, Any]:
 
 
 def pool_ports(config: OffloadingConfig, sidecar: SidecarSpec) -> dict[str, int]:
-    """Port name -> number of every pool sidecar: one control port per DP rank + data."""
+    """Port name -> number of every pool sidecar: one control port per DP rank + data.
+
+    These are the peer Service's port names; each pod names its own first
+    control port ``kvo-metrics`` instead (see ``sidecar_ports``).
+    """
     ports = {f"kvo-ctrl-{i}": sidecar.base_port + i
              for i in range(max(1, config.parallel.data_parallel_size))}
     ports["kvo-data"] = sidecar.data_port
@@ -236,9 +308,7 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
             "--base-port", str(sidecar.base_port), "--data-port", str(sidecar.data_port),
             "--capacity-bytes", str(sidecar.capacity_bytes), "--transport", sidecar.transport,
             "--dp-indices", ",".join(str(i) for i in dp_indices), "--shm-dir", SHM_DIR]
-    ports = [{"name": f"kvo-ctrl-{i}", "containerPort": sidecar.base_port + i, "protocol": "TCP"}
-             for i in dp_indices]
-    ports.append({"name": "kvo-data", "containerPort": sidecar.data_port, "protocol": "TCP"})
+    ports = sidecar_ports(sidecar, dp_indices)
 
     def probe(path: str, period: int, failures: int) -> dict[str, Any]:
         return {"httpGet": {"path": path, "port": first}, "periodSeconds": period,
@@ -250,7 +320,7 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         "command": ["kv-offload"],
         "args": args,
         "restartPolicy": "Always",
-        "env": side_channel_env(sidecar.base_port),
+        "env": sidecar_env(sidecar),
         "ports": ports,
         # vLLM starts only once the sidecar answers (native sidecar semantics).
         "startupProbe": probe("/healthz", 1, 60),
@@ -261,6 +331,28 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": shm_volume, "mountPath": SHM_DIR}],
     }
+
+
+def sidecar_ports(sidecar: SidecarSpec, dp_indices: Sequence[int]) -> list[dict[str, Any]]:
+    """Container ports: the first control port is ``kvo-metrics`` on every pod
+    (one stable name to scrape, whatever the pod's DP start rank), the other
+    control ports ``kvo-ctrl-<global DP index>``, then ``kvo-data``."""
+    ports = [{"name": METRICS_PORT_NAME if n == 0 else f"kvo-ctrl-{i}",
+              "containerPort": sidecar.base_port + i, "protocol": "TCP"}
+             for n, i in enumerate(dp_indices)]
+    ports.append({"name": "kvo-data", "containerPort": sidecar.data_port, "protocol": "TCP"})
+    return ports
+
+
+def sidecar_env(sidecar: SidecarSpec) -> list[dict[str, Any]]:
+    """The sidecar's env: side channel, the pool's PYTHONHASHSEED (the hash seed
+    it states in the handshake), UCX defaults (ucx transport), then
+    ``spec.sidecar.env``, which replaces a UCX default of the same name."""
+    env = side_channel_env(sidecar.base_port) + [{"name": HASH_SEED_ENV, "value": sidecar.hash_seed}]
+    user = {str(e["name"]) for e in sidecar.env}
+    if sidecar.transport == "ucx":
+        env += [{"name": k, "value": v} for k, v in UCX_SIDECAR_ENV.items() if k not in user]
+    return env + [copy.deepcopy(dict(e)) for e in sidecar.env]
 
 
 def tier_init_container(sidecar: SidecarSpec) -> dict[str, Any]:
@@ -306,8 +398,35 @@ def _existing_shm_volume(container: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _vllm_env(container: Mapping[str, Any], base_port: int) -> list[dict[str, Any]]:
-    ours = side_channel_env(base_port)
+def _check_vllm_hash_seed(container: Mapping[str, Any], seed: str) -> None:
+    """ValueError unless every PYTHONHASHSEED the vLLM container sets equals ``seed``.
+
+    Looks at ``env`` and at ``NAME=value`` words leading its command line (a
+    shell script's ``PYTHONHASHSEED=5 vllm serve ...`` wins over ``env``).
+    """
+    for e in container.get("env") or []:
+        if e.get("name") != HASH_SEED_ENV:
+            continue
+        if "valueFrom" in e:
+            raise ValueError(f"the vLLM container sets {HASH_SEED_ENV} with valueFrom, so it cannot be checked "
+                             f"against the pool's spec.hashSeed {seed!r}; remove {HASH_SEED_ENV} from the "
+                             f"container (the webhook sets it) or set it as a plain value equal to spec.hashSeed")
+        value = str(e.get("value", ""))
+        if value != seed:
+            raise ValueError(f"the vLLM container sets {HASH_SEED_ENV}={value!r} but the pool's spec.hashSeed is "
+                             f"{seed!r}, and pods with different seeds never share chunks; remove {HASH_SEED_ENV} "
+                             f"from the container (the webhook sets it), or set spec.hashSeed: {value!r} on the pool")
+    value = parse_vllm_args(container_argv(container)).env.get(HASH_SEED_ENV)
+    if value is not None and value != seed:
+        raise ValueError(f"the vLLM container's command line sets {HASH_SEED_ENV}={value!r} but the pool's "
+                         f"spec.hashSeed is {seed!r}, and pods with different seeds never share chunks; remove "
+                         f"{HASH_SEED_ENV} from the command line (the webhook sets it), or set "
+                         f"spec.hashSeed: {value!r} on the pool")
+
+
+def _vllm_env(container: Mapping[str, Any], sidecar: SidecarSpec) -> list[dict[str, Any]]:
+    _check_vllm_hash_seed(container, sidecar.hash_seed)
+    ours = side_channel_env(sidecar.base_port) + [{"name": HASH_SEED_ENV, "value": sidecar.hash_seed}]
     names = {e["name"] for e in ours} | {"PYTHONPATH"}
     env = [copy.deepcopy(dict(e)) for e in container.get("env") or [] if e.get("name") not in names]
     old_path = next((e for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
@@ -350,8 +469,10 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
     """RFC 6902 operations that wire ``pod`` into ``pool``; [] when already injected.
 
     Adds the tier-copy init container and the native sidecar, the config /
-    shm / tier volumes, the side-channel env, ``PYTHONPATH`` and mounts on the
-    vLLM container, and the ``kv-offload.io/injected`` annotation. A pod that
+    shm / tier volumes, the side-channel env, the pool's ``PYTHONHASHSEED``,
+    ``PYTHONPATH`` and mounts on the vLLM container, and the
+    ``kv-offload.io/injected`` annotation. A vLLM container that sets another
+    ``PYTHONHASHSEED`` than the pool's ``spec.hashSeed`` is refused. A pod that
     already mounts something at /dev/shm keeps that volume and shares it.
     Raises ValueError (one sentence) when the pod cannot be wired.
     """
@@ -388,7 +509,7 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
     append_all("/spec/volumes", "volumes" in spec,
                pod_volumes(pool_name, sidecar, with_shm=existing_shm is None))
     base = f"/spec/containers/{index}"
-    ops.append({"op": "add", "path": f"{base}/env", "value": _vllm_env(vllm, sidecar.base_port)})
+    ops.append({"op": "add", "path": f"{base}/env", "value": _vllm_env(vllm, sidecar)})
     mounts = [{"name": TIER_VOLUME, "mountPath": TIER_DIR, "readOnly": True}]
     if existing_shm is None:
         mounts.append({"name": SHM_VOLUME, "mountPath": SHM_DIR})

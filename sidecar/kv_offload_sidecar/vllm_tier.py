@@ -49,19 +49,23 @@ from typing import Any
 import numpy as np
 
 try:  # vLLM's own contract when running inside vLLM.
-    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
-        LookupResult,
-        ReqContext,
-        RequestOffloadingContext,
-    )
-    from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found]
-        JobResult,
-        SecondaryTierManager,
-    )
-    try:
-        from vllm.v1.kv_offload.tiering.base import TransferJob  # type: ignore[import-not-found]
-    except ImportError:  # releases that still call it JobMetadata
-        from vllm.v1.kv_offload.tiering.base import JobMetadata as TransferJob  # type: ignore
+    import vllm.v1.kv_offload.base as _vbase  # type: ignore[import-not-found]
+    import vllm.v1.kv_offload.tiering.base as _vtier  # type: ignore[import-not-found]
+
+    def _vllm(name: str, *alternatives: str) -> Any:
+        """A vLLM class from the tiering or the core module (it moved between releases)."""
+        for mod in (_vtier, _vbase):
+            for n in (name, *alternatives):
+                if hasattr(mod, n):
+                    return getattr(mod, n)
+        raise ImportError(f"vLLM has no {name}")
+
+    SecondaryTierManager = _vllm("SecondaryTierManager")
+    JobResult = _vllm("JobResult")
+    TransferJob = _vllm("TransferJob", "JobMetadata")  # JobMetadata before the rename
+    LookupResult = _vllm("LookupResult")
+    ReqContext = _vllm("ReqContext")
+    RequestOffloadingContext = _vllm("RequestOffloadingContext")
     VLLM_AVAILABLE = True
 except ImportError:
     VLLM_AVAILABLE = False
@@ -169,8 +173,9 @@ class TierStats:
     bytes_loaded: int = 0
     # Bytes copied from primary-tier rows into the sidecar.
     bytes_stored: int = 0
-    # Load / store jobs that failed.
+    # Load jobs that failed (vLLM recomputes those chunks).
     failed_loads: int = 0
+    # Store jobs that failed (the chunks stay only in vLLM's primary tier).
     failed_stores: int = 0
     # Seconds from submit_load to its result, for the latest load jobs (bounded).
     load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))

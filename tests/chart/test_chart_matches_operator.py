@@ -55,16 +55,33 @@ def test_network_policy_admits_every_port_the_webhook_gives_the_sidecar(render, 
     assert wanted <= admitted
 
 
-def test_pod_monitor_scrapes_a_port_the_webhook_names(render):
+@pytest.mark.parametrize("dp_indices", [(0,), (2, 3), (5,), (4, 5, 6, 7)])
+def test_pod_monitor_scrapes_one_control_port_of_every_pod_whatever_its_dp_start_rank(render, dp_indices):
     spec = resources.SidecarSpec.from_pool({"spec": {}}, default_image="kv-offload:test")
     container = resources.sidecar_container(pool_name="demo", namespace="inference", sidecar=spec,
-                                            dp_indices=(0,), shm_volume=resources.SHM_VOLUME)
+                                            dp_indices=dp_indices, shm_volume=resources.SHM_VOLUME)
     monitor = find(render({"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint["port"] in {p["name"] for p in container["ports"]}
+    (scraped,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
+    assert scraped["containerPort"] == spec.base_port + dp_indices[0]  # a control port, serving /metrics
 
 
 def test_chart_port_defaults_are_the_operator_defaults():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["sidecar"]["controlPort"] == resources.DEFAULT_BASE_PORT
     assert values["sidecar"]["dataPort"] == resources.DEFAULT_DATA_PORT
+
+
+def test_readme_states_the_hash_seed_and_the_ucx_settings_the_webhook_injects():
+    readme = " ".join((CHART / "README.md").read_text().split())
+    assert "spec.hashSeed" in readme and f'default `"{resources.DEFAULT_HASH_SEED}"`' in readme
+    assert "PYTHONHASHSEED" in readme and "spec.sidecar.env" in readme
+    for name, value in resources.UCX_SIDECAR_ENV.items():
+        assert f"{name}={value}" in readme
+    assert resources.METRICS_PORT_NAME in readme
+
+
+def test_pod_monitor_default_port_is_the_webhooks_metrics_port_name():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["monitoring"]["podMonitor"]["portName"] == resources.METRICS_PORT_NAME
+

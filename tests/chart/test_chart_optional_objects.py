@@ -20,7 +20,7 @@ def test_pod_monitor_scrapes_every_pool_pod_and_keeps_the_pool_label(render):
                                                                   "operator": "Exists"}]}
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     assert monitor["spec"]["podTargetLabels"] == ["kv-offload.io/pool"]
-    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "kvo-ctrl-0", "path": "/metrics",
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "kvo-metrics", "path": "/metrics",
                                                        "interval": "30s"}]
     assert "PodMonitor" not in kinds(render())
 

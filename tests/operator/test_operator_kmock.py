@@ -244,6 +244,26 @@ async def test_model_config_ref_reads_the_model_config_from_a_configmap(
     assert fingerprint == expected
 
 
+async def test_a_pool_whose_hash_seed_cannot_work_is_invalid_saying_what_to_change(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    random_seed = pool_body("random-seed")
+    random_seed["spec"]["hashSeed"] = "random"
+    ktc = json.loads(KTC)
+    ktc["kv_connector_extra_config"]["hash_seed"] = "9"
+    stated_seed = pool_body("stated-seed", vllm_args=[*LLAMA_ARGS[:-1], json.dumps(ktc)])
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        for body in (random_seed, stated_seed):
+            await create(kmock, POOLS_URL, body)
+        for name, said in (("random-seed", "spec.hashSeed='random': use a decimal integer"),
+                           ("stated-seed", "kv_connector_extra_config.hash_seed='9' differs from spec.hashSeed '0'")):
+            message = await wait_for(f"{name}'s Invalid condition",
+                                     lambda n=name: condition(status_of(kmock, n), "Invalid").get("status")
+                                     == "True" and condition(status_of(kmock, n), "Invalid")["message"])
+            assert message.startswith(said), message
+            assert obj(kmock, "v1/configmaps", f"{name}-offloading-config") is None
+
+
 def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tmp_path: Path) -> None:
     def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run([KV_OFFLOAD, "operator", *args],
@@ -255,6 +275,9 @@ def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tm
     no_certs = run("-n", "ns1", "--webhook-cert-dir", str(tmp_path))
     assert no_certs.returncode == 2
     assert "has no tls.crt or tls.key" in no_certs.stderr and len(no_certs.stderr.strip().splitlines()) == 1
+    no_interval = run("-n", "ns1", "--webhook-cert-check-seconds", "0")
+    assert (no_interval.returncode, no_interval.stderr.strip()) == (
+        2, "kv-offload operator: --webhook-cert-check-seconds 0.0 must be positive")
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(tmp_path / "absent"), HOME=str(tmp_path))

@@ -223,3 +223,166 @@ def test_a_pod_translating_to_another_fingerprint_is_named_with_its_field_diff(c
     assert problem is not None and config.fingerprint in problem and "tokens_per_block" in problem
     with pytest.raises(ValueError, match="no KV offloading connector"):
         r.pod_identity_problem(pod(vllm(["serve", "meta-llama/Llama-3.1-8B"])), config, llama_config())
+
+
+# ---- hash seed, UCX settings, metrics port ---------------------------------------
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    names = [e["name"] for e in c.get("env") or []]
+    assert len(names) == len(set(names)), f"repeated env names: {names}"
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env") or []}
+
+
+def hash_seed_pool(seed: Any = None, **sidecar: Any) -> dict[str, Any]:
+    body = pool(**sidecar)
+    if seed is not None:
+        body["spec"]["hashSeed"] = seed
+    return body
+
+
+def inject_into(body: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
+    spec = r.SidecarSpec.from_pool(body, default_image="img:1")
+    return jsonpatch.JsonPatch(r.pod_patch(p, body, fingerprint="f" * 16, sidecar=spec)).apply(copy.deepcopy(p))
+
+
+@pytest.mark.parametrize("seed", [None, "1234"])
+def test_vllm_and_sidecar_get_the_pools_hash_seed_which_the_sidecar_states_in_its_handshake(seed: str | None) -> None:
+    from kv_offload_sidecar.settings import effective_hash_seed
+
+    out = inject_into(hash_seed_pool(seed), pod(vllm()))
+    wanted = seed or "0"
+    vllm_env = env_of(out["spec"]["containers"][0])
+    sidecar_env = env_of(out["spec"]["initContainers"][1])
+    assert vllm_env["PYTHONHASHSEED"] == sidecar_env["PYTHONHASHSEED"] == wanted
+    # What the sidecar process derives from that environment and the pool's config.
+    config = translate(LLAMA_ARGS, llama_config())
+    assert effective_hash_seed(config, {k: v for k, v in sidecar_env.items() if isinstance(v, str)}) == wanted
+    kubernetes_validate.validate(out, K8S, strict=True)
+
+
+def test_a_vllm_container_already_setting_the_pools_seed_keeps_one_entry() -> None:
+    out = inject_into(hash_seed_pool("42"), pod(vllm(env=[{"name": "PYTHONHASHSEED", "value": "42"}])))
+    assert env_of(out["spec"]["containers"][0])["PYTHONHASHSEED"] == "42"
+    script = f"PYTHONHASHSEED=42 vllm serve meta-llama/Llama-3.1-8B --kv-transfer-config '{KTC}'"
+    out = inject_into(hash_seed_pool("42"), pod(vllm(command=["/bin/sh", "-c"], args=[script])))
+    assert env_of(out["spec"]["containers"][0])["PYTHONHASHSEED"] == "42"
+
+
+@pytest.mark.parametrize("container, said", [
+    (vllm(env=[{"name": "PYTHONHASHSEED", "value": "7"}]), "sets PYTHONHASHSEED='7'"),
+    (vllm(command=["/bin/sh", "-c"], args=[
+        f"PYTHONHASHSEED=7 vllm serve meta-llama/Llama-3.1-8B --kv-transfer-config '{KTC}'"]),
+     "command line sets PYTHONHASHSEED='7'"),
+])
+def test_a_vllm_container_with_another_hash_seed_is_refused_saying_how_to_fix_it(
+        container: dict[str, Any], said: str) -> None:
+    with pytest.raises(ValueError) as info:
+        inject_into(hash_seed_pool(), pod(container))
+    message = str(info.value)
+    assert said in message and "spec.hashSeed is '0'" in message
+    assert "remove PYTHONHASHSEED" in message and "spec.hashSeed: '7'" in message
+
+
+def test_a_hash_seed_from_value_from_is_refused_because_it_cannot_be_checked() -> None:
+    container = vllm(env=[{"name": "PYTHONHASHSEED", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}}])
+    with pytest.raises(ValueError, match="PYTHONHASHSEED with valueFrom"):
+        inject_into(hash_seed_pool(), pod(container))
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", "4294967296", "", " 1", True, 1.5, "random"])
+def test_hash_seed_must_be_a_seed_python_accepts(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"spec\.hashSeed=.*decimal integer in \[0, 4294967295\]"):
+        r.SidecarSpec.from_pool(hash_seed_pool(bad), default_image="img:1")
+    assert r.SidecarSpec.from_pool(hash_seed_pool("4294967295"), default_image="img:1").hash_seed == "4294967295"
+
+
+def test_a_pool_whose_connector_config_names_another_hash_seed_is_a_problem() -> None:
+    ktc = json.loads(KTC)
+    ktc["kv_connector_extra_config"]["hash_seed"] = "9"
+    stated = translate(["vllm", "serve", "meta-llama/Llama-3.1-8B", "--kv-transfer-config", json.dumps(ktc)],
+                       llama_config())
+    problem = r.pool_hash_seed_problem(stated, "0")
+    assert problem is not None and "spec.hashSeed: '9'" in problem
+    assert r.pool_hash_seed_problem(stated, "9") is None
+    assert r.pool_hash_seed_problem(translate(LLAMA_ARGS, llama_config()), "0") is None
+
+
+def test_a_ucx_sidecar_gets_cross_node_ucx_settings_and_sidecar_env_overrides_them() -> None:
+    ucx = env_of(inject_into(hash_seed_pool(), pod(vllm()))["spec"]["initContainers"][1])
+    assert (ucx["UCX_TLS"], ucx["UCX_TCP_TX_SEG_SIZE"], ucx["UCX_TCP_RX_SEG_SIZE"]) == ("tcp,sm,self", "1m", "1m")
+    tcp = env_of(inject_into(hash_seed_pool(transport="tcp"), pod(vllm()))["spec"]["initContainers"][1])
+    assert not {k for k in tcp if k.startswith("UCX_")}
+
+    own = [{"name": "UCX_TLS", "value": "rc,sm,self"}, {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"},
+           {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    out = inject_into(hash_seed_pool(env=own), pod(vllm()))
+    env = env_of(out["spec"]["initContainers"][1])
+    assert env["UCX_TLS"] == "rc,sm,self" and env["UCX_NET_DEVICES"] == "mlx5_0:1"
+    assert env["UCX_TCP_TX_SEG_SIZE"] == "1m" and env["NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert "UCX_TLS" not in env_of(out["spec"]["containers"][0])  # only the sidecar speaks UCX
+    kubernetes_validate.validate(out, K8S, strict=True)
+
+
+@pytest.mark.parametrize("env, said", [
+    ([{"name": "PYTHONHASHSEED", "value": "1"}], r"spec\.sidecar\.env\[0\] sets PYTHONHASHSEED.*spec\.hashSeed"),
+    ([{"name": "VLLM_P2P_SIDE_CHANNEL_PORT", "value": "1"}], r"env\[0\] sets VLLM_P2P_SIDE_CHANNEL_PORT"),
+    ([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], r"env\[1\] repeats A"),
+    ([{"value": "1"}], r"env\[0\] has no name"),
+    ([{"name": "A"}], r"env\[0\] \(A\) needs exactly one of"),
+    ("UCX_TLS=tcp", r"spec\.sidecar\.env must be a list"),
+])
+def test_bad_sidecar_env_is_refused_naming_the_entry(env: Any, said: str) -> None:
+    with pytest.raises(ValueError, match=said):
+        r.SidecarSpec.from_pool(hash_seed_pool(env=env), default_image="img:1")
+
+
+@pytest.mark.parametrize("dp_indices", [(0,), (2, 3), (5,), (4, 5, 6, 7)])
+def test_the_first_control_port_is_kvo_metrics_whatever_the_dp_start_rank(dp_indices: tuple[int, ...]) -> None:
+    container = r.sidecar_container(pool_name="llama", namespace="ns1", sidecar=sidecar_spec(),
+                                    dp_indices=dp_indices, shm_volume=r.SHM_VOLUME)
+    ports = [(p["name"], p["containerPort"]) for p in container["ports"]]
+    assert ports == [("kvo-metrics", 5710 + dp_indices[0])] + \
+        [(f"kvo-ctrl-{i}", 5710 + i) for i in dp_indices[1:]] + [("kvo-data", 5810)]
+    assert container["readinessProbe"]["httpGet"]["port"] == 5710 + dp_indices[0]
+
+
+def test_crd_schema_defaults_hash_seed_to_0_and_accepts_sidecar_env(crd: dict[str, Any]) -> None:
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec_props = schema["properties"]["spec"]["properties"]
+    assert spec_props["hashSeed"]["default"] == r.DEFAULT_HASH_SEED
+    assert "PYTHONHASHSEED" in spec_props["hashSeed"]["description"]
+    assert "UCX_TLS=tcp,sm,self" in spec_props["sidecar"]["properties"]["env"]["description"]
+    good = hash_seed_pool("17", env=[{"name": "UCX_TLS", "value": "tcp,self"},
+                                     {"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}])
+    jsonschema.validate(good, schema)
+    for bad_seed in ("seventeen", 17, "12345678901"):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(hash_seed_pool(bad_seed), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(hash_seed_pool(env=[{"value": "no name"}]), schema)
+
+
+@pytest.mark.timeout(120)
+def test_real_ucx_sidecars_run_with_the_injected_env_and_share_chunks() -> None:
+    """The env sidecar_env builds (UCX_TLS=tcp,sm,self, the pool's PYTHONHASHSEED) in real processes."""
+    import os
+
+    from kv_offload_sidecar.local_pool import LocalPool, example_config
+
+    spec = r.SidecarSpec.from_pool(hash_seed_pool("4321"), default_image="img:1")
+    injected = {e["name"]: e["value"] for e in r.sidecar_env(spec) if "value" in e
+                and not e["name"].startswith("VLLM_P2P_")}  # LocalPool passes host and ports as flags
+    assert injected["UCX_TLS"] == "tcp,sm,self" and injected["PYTHONHASHSEED"] == "4321"
+    chunk = example_config().kv_bytes_per_chunk
+    keys = [os.urandom(32) + bytes(4) for _ in range(4)]
+    data = {k: os.urandom(chunk) for k in keys}
+    with LocalPool(2, transport="ucx", capacity_bytes=64 * chunk, env=injected) as pool:
+        a, b = pool.client(0), pool.client(1)
+        assert a.store(keys, lambda i, view: view.__setitem__(slice(None), data[keys[i]])) == 4
+        pool.wait_summaries()
+        got: dict[int, bytes] = {}
+        assert b.load(keys, lambda i, view: got.__setitem__(i, bytes(view)), 10.0) == 4
+        assert [got[i] for i in range(4)] == [data[k] for k in keys]
+        assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 4 * chunk
+        a.close()
+        b.close()

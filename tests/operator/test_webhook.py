@@ -1,6 +1,6 @@
 """Real AdmissionReview posts over HTTPS to the running operator's webhook.
 
-One emulated cluster (kmock) with three pools and one `kv-offload operator`
+One emulated cluster (kmock) with four pools and one `kv-offload operator`
 process serve the whole module; each test posts its own pods.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import hashlib
 import json
 import ssl
 import time
@@ -166,10 +167,12 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
         ca = make_tls(tmp_path / "certs")
         async with OperatorProcess(tmp_path, str(api.url),
                                    extra_args=["--webhook-cert-dir", str(tmp_path / "certs")]) as operator:
+            seeded = pool_body("seeded")
+            seeded["spec"]["hashSeed"] = "1234"
             for body in (pool_body("llama", sidecar={"capacityBytes": 8 << 30}),
-                         pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS)):
+                         pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS), seeded):
                 await create(api, POOLS_URL, body)
-            for name in ("llama", "dp", "broken"):
+            for name in ("llama", "dp", "broken", "seeded"):
                 await wait_for(f"pool {name} processed",
                                lambda: (obj(api, POOLS, name) or {}).get("status", {}).get("conditions"))
             webhook = Webhook(operator.webhook_port, ca)
@@ -199,7 +202,7 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
         "--peers-dns": "llama-peers.ns1.svc.cluster.local",
         "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
         "--transport": "ucx", "--dp-indices": "0", "--shm-dir": "/dev/shm"}
-    assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-ctrl-0", 5710), ("kvo-data", 5810)]
+    assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-metrics", 5710), ("kvo-data", 5810)]
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 5710}
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 5710}
 
@@ -215,6 +218,10 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
     assert env["VLLM_P2P_SIDE_CHANNEL_PORT"]["value"] == "5710"
     assert env["PYTHONPATH"]["value"] == "/kv-offload-lib"
     assert "HF_TOKEN" in env  # the user's env is kept
+    # One pool-wide prefix-hash seed on vLLM and on the sidecar that states it to peers.
+    sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["PYTHONHASHSEED"]["value"] == sidecar_env["PYTHONHASHSEED"] == "0"
+    assert sidecar_env["UCX_TLS"] == "tcp,sm,self"
     assert mounts_of(vllm)["/dev/shm"] == mounts_of(sidecar)["/dev/shm"] == "kv-offload-shm"
     assert mounts_of(vllm)["/kv-offload-lib"] == "kv-offload-lib"
 
@@ -234,7 +241,7 @@ async def test_a_data_parallel_pod_gets_one_port_per_global_rank_and_shares_its_
     kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
     sidecar = container(result, "kv-offload-sidecar", init=True)
     assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == \
-        [("kvo-ctrl-2", 5712), ("kvo-ctrl-3", 5713), ("kvo-data", 5810)]
+        [("kvo-metrics", 5712), ("kvo-ctrl-3", 5713), ("kvo-data", 5810)]
     assert sidecar["args"][sidecar["args"].index("--dp-indices") + 1] == "2,3"
     # The pod's own /dev/shm volume is shared with the sidecar; no second one is added.
     assert mounts_of(sidecar)["/dev/shm"] == "dshm"
@@ -276,6 +283,28 @@ async def test_a_pod_whose_vllm_args_give_another_fingerprint_is_denied_with_the
     assert "match the pool's spec.vllmArgs" in message
 
 
+async def test_a_pod_whose_vllm_sets_another_hash_seed_is_denied_saying_to_remove_it_or_set_hash_seed(
+        cluster: Cluster) -> None:
+    pod = vllm_pod()
+    pod["spec"]["containers"][0]["env"].append({"name": "PYTHONHASHSEED", "value": "1234"})
+    response = await cluster.webhook.admit(pod)
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert message.startswith("The pod cannot join KVOffloadPool 'llama' in namespace 'ns1': ")
+    assert "PYTHONHASHSEED='1234'" in message and "spec.hashSeed is '0'" in message
+    assert "remove PYTHONHASHSEED from the container" in message and "spec.hashSeed: '1234'" in message
+    assert message.endswith(".")
+
+    seeded = vllm_pod("seeded")
+    seeded["spec"]["containers"][0]["env"].append({"name": "PYTHONHASHSEED", "value": "1234"})
+    response = await cluster.webhook.admit(seeded)
+    assert response["allowed"] is True
+    result = patched(seeded, response)
+    sidecar = container(result, "kv-offload-sidecar", init=True)
+    assert [e for e in container(result, "vllm")["env"] if e["name"] == "PYTHONHASHSEED"] == \
+        [e for e in sidecar["env"] if e["name"] == "PYTHONHASHSEED"] == [{"name": "PYTHONHASHSEED", "value": "1234"}]
+
+
 @pytest.mark.asyncio(loop_scope="function")
 async def test_without_a_cert_dir_the_webhook_serves_https_with_a_self_signed_certificate(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
@@ -291,3 +320,58 @@ async def test_without_a_cert_dir_the_webhook_serves_https_with_a_self_signed_ce
         response = await webhook.admit(vllm_pod(None))
         assert response["allowed"] is True
         assert "self-signed certificate (dev only)" in operator.log()
+
+
+async def served_certificate(port: int) -> bytes:
+    """DER of the certificate the server presents to a new TLS connection."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+    der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except (ssl.SSLError, ConnectionError):
+        pass
+    return bytes(der)
+
+
+def pem_to_der(path: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(path.read_text())
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_renewed_certificate_is_served_without_a_restart_and_a_half_written_pair_is_not(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    certs, renewed = tmp_path / "certs", tmp_path / "renewed"
+    old_ca = make_tls(certs)
+    async with OperatorProcess(tmp_path, str(kmock.url), extra_args=[
+            "--webhook-cert-dir", str(certs), "--webhook-cert-check-seconds", "0.2"]) as operator:
+        webhook = Webhook(operator.webhook_port, old_ca)
+        await webhook.wait_listening()
+        assert (await webhook.admit(vllm_pod(None)))["allowed"] is True
+        old_der = pem_to_der(certs / "tls.crt")
+        assert await served_certificate(operator.webhook_port) == old_der
+
+        # A renewal caught half-way: the new certificate next to the old key.
+        new_ca = make_tls(renewed)
+        (certs / "tls.crt").write_bytes((renewed / "tls.crt").read_bytes())
+        await wait_for("the half-written pair to be noticed", lambda: "not (re)loaded yet" in operator.log(), 30)
+        assert await served_certificate(operator.webhook_port) == old_der
+        assert operator.proc is not None and operator.proc.returncode is None
+
+        # The key arrives: new connections get the new certificate, from the same process.
+        (certs / "tls.key").write_bytes((renewed / "tls.key").read_bytes())
+        new_der = pem_to_der(renewed / "tls.crt")
+        deadline = time.monotonic() + 30
+        while await served_certificate(operator.webhook_port) != new_der:
+            assert time.monotonic() < deadline, "the renewed certificate was not served within 30s"
+            await asyncio.sleep(0.1)
+        assert (await Webhook(operator.webhook_port, new_ca).admit(vllm_pod(None)))["allowed"] is True
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await webhook.admit(vllm_pod(None))  # the old CA no longer vouches for the server
+        assert operator.proc.returncode is None and operator.runs == 1
+        assert f"sha256:{hashlib.sha256(new_der).hexdigest()}" in operator.log()
+

@@ -165,3 +165,88 @@ def test_tier_module_imports_only_what_install_tier_ships():
     assert ours <= set(TIER_MODULES), sorted(ours - set(TIER_MODULES))
     for heavy in ("torch", "aiohttp", "prometheus_client", "kopf", "kv_offload_operator"):
         assert heavy not in mods
+
+
+# The abstract interface of vLLM's tiering/base.py (as read from vLLM), for the import test.
+_VLLM_BASE = '''
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+class LookupResult(enum.Enum):
+    MISS = 1
+    HIT = 2
+    HIT_PENDING = 3
+    RETRY = 4
+@dataclass
+class ReqContext:
+    req_id: str
+    kv_transfer_params: Any = None
+@dataclass
+class RequestOffloadingContext:
+    policy: str = "chunk_level"
+'''
+_VLLM_TIERING_BASE = '''
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext
+@dataclass
+class TransferJob:
+    job_id: int
+    keys: Any
+    chunk_ids: Any
+    is_promotion: bool
+    req_context: ReqContext
+@dataclass
+class JobResult:
+    job_id: int
+    success: bool
+class SecondaryTierManager(ABC):
+    def __init__(self, offloading_spec, primary_kv_view, tier_type):
+        self.offloading_spec = offloading_spec
+        self.primary_kv_view = primary_kv_view
+        self.tier_type = tier_type
+    @abstractmethod
+    def on_new_request(self, req_context): ...
+    @abstractmethod
+    def lookup(self, key, req_context): ...
+    @abstractmethod
+    def submit_store(self, job): ...
+    @abstractmethod
+    def submit_load(self, job): ...
+    @abstractmethod
+    def get_finished_jobs(self): ...
+    @abstractmethod
+    def drain_jobs(self): ...
+    @abstractmethod
+    def has_pending_work(self): ...
+'''
+
+
+def test_tier_subclasses_vllms_own_classes_when_vllm_is_importable(tmp_path):
+    pkg = tmp_path / "vllm" / "v1" / "kv_offload" / "tiering"
+    pkg.mkdir(parents=True)
+    for d in (tmp_path / "vllm", tmp_path / "vllm" / "v1", pkg.parent, pkg):
+        (d / "__init__.py").write_text("")
+    (pkg.parent / "base.py").write_text(_VLLM_BASE)
+    (pkg / "base.py").write_text(_VLLM_TIERING_BASE)
+    code = """
+import numpy as np
+import vllm.v1.kv_offload.tiering.base as vt, vllm.v1.kv_offload.base as vb
+from kv_offload_sidecar import vllm_tier
+from kv_offload_sidecar.local_pool import example_config
+from kv_offload_sidecar.engine_sim import SimulatedSpec
+assert vllm_tier.VLLM_AVAILABLE
+assert issubclass(vllm_tier.KVOffloadSecondaryTier, vt.SecondaryTierManager)
+assert vllm_tier.LookupResult is vb.LookupResult and vllm_tier.TransferJob is vt.TransferJob
+tier = vllm_tier.KVOffloadSecondaryTier(SimulatedSpec(example_config()),
+                                        memoryview(np.zeros((2, 16384), np.uint8)), port=1)
+ctx = vb.ReqContext(req_id="r")
+assert tier.lookup(b"k" * 36, ctx) is vb.LookupResult.RETRY
+tier.shutdown()
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -149,6 +149,8 @@ _leaf = (st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70)
 json_values = st.recursive(
     _leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12)
+# Strings of digits, including ones str.isdigit() accepts but int() does not ("²").
+odd_digits = st.text(alphabet="0123456789.-²¹³٣", max_size=8)
 fuzz_keys = st.binary(min_size=0, max_size=40).filter(
     lambda k: not k.startswith(HELD_PREFIX) and not k.startswith(ABSENT_PREFIX))
 
@@ -279,7 +281,8 @@ def handshake_cases(draw: st.DrawFn) -> tuple[str, Any]:
             st.sampled_from(["wire_version", "fingerprint", "hash_seed", "kv_bytes_per_chunk", "identity",
                              "control_address", "data_address", "transport", "nonce", "run_config", "extra"]),
             st.sampled_from(["drop", "json", "text", "int", "long"]),
-            json_values, st.text(max_size=30), st.integers(-(2 ** 65), 2 ** 65)), max_size=3))
+            json_values, st.one_of(st.text(max_size=30), odd_digits), st.integers(-(2 ** 65), 2 ** 65)),
+            max_size=3))
         nonce = draw(st.binary(min_size=16, max_size=16)).hex()
         step = draw(st.one_of(st.just("hello"), st.just("hello"), st.sampled_from(["proof", "", "HELLO"]),
                               json_values))
@@ -354,8 +357,8 @@ def _expected_hello_outcome(ctx: FuzzContext, body: dict[str, Any], hello: dict[
         remote = HelloMessage.from_dict(hello)
     except (HandshakeError, TypeError):
         return "malformed"
-    except Exception as exc:  # the oracle itself must not be fooled by odd values
-        raise FuzzFailure(f"oracle could not parse the hello: {exc!r}") from exc
+    except Exception:  # a value the parser itself trips on: the server must still refuse it cleanly
+        return "malformed-step"
     local = ctx.pool.local_hello(identity=ctx.sidecar.identity)
     try:
         verdict = compare_hello(local, remote)
@@ -374,7 +377,7 @@ def _expected_hello_outcome(ctx: FuzzContext, body: dict[str, Any], hello: dict[
 
 
 summary_cases = st.tuples(
-    st.one_of(st.integers(-5, 2 ** 70).map(str), st.text(max_size=25)),
+    st.one_of(st.integers(-5, 2 ** 70).map(str), st.text(max_size=25), odd_digits),
     st.text(max_size=70),
     st.one_of(st.none(), st.text(max_size=40), st.binary(min_size=16, max_size=16).map(bytes.hex)),
     st.one_of(st.none(), st.text(max_size=70)))

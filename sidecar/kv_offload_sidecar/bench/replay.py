@@ -74,6 +74,8 @@ class RunResult:
     total_chunks: int = 0
     local_hits: int = 0
     peer_hits: int = 0
+    # Requests that loaded at least one chunk from a peer.
+    peer_hit_requests: int = 0
     mismatched_chunks: int = 0
     lookup_messages: float = 0.0
     bytes_moved: float = 0.0
@@ -97,6 +99,7 @@ class ReplayReport:
     pooled_lru_hit_ratio: float
     ideal_hit_ratio: float
     lookup_messages_per_request: float
+    lookup_messages_per_peer_hit_request: float
     bytes_moved: int
     p2p_local_hits: int
     p2p_peer_hits: int
@@ -256,6 +259,7 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
             result.hit_chunks += loaded
             result.local_hits += min(reply.local, loaded)
             result.peer_hits += loaded - min(reply.local, loaded)
+            result.peer_hit_requests += loaded > reply.local
             result.total_chunks += len(req)
             now = time.monotonic()
             if progress and (now - last >= 2.0 or r + 1 == len(keys)):
@@ -297,6 +301,7 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
         p2p_hit_ratio=p2p.hit_ratio, local_only_hit_ratio=local.hit_ratio,
         pooled_lru_hit_ratio=pooled, ideal_hit_ratio=ideal,
         lookup_messages_per_request=p2p.lookup_messages / len(keys),
+        lookup_messages_per_peer_hit_request=_per(p2p.lookup_messages, p2p.peer_hit_requests),
         bytes_moved=int(p2p.bytes_moved), p2p_local_hits=p2p.local_hits,
         p2p_peer_hits=p2p.peer_hits, mismatched_chunks=p2p.mismatched_chunks + local.mismatched_chunks,
         seconds=0.0)
@@ -312,11 +317,17 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
             "local_only_hit_ratio_simulated": simulate_lru(keys, m_routes, m, cap),
             "pooled_lru_hit_ratio": simulate_lru(keys, [0] * len(keys), 1, m * cap),
             "lookup_messages_per_request": run.lookup_messages / len(keys),
+            "lookup_messages_per_peer_hit_request": _per(run.lookup_messages,
+                                                         run.peer_hit_requests),
             "bytes_moved": int(run.bytes_moved)})
     report.seconds = time.monotonic() - started
     if plot:
         report.plot = write_plot(plot, report, keys, routes)
     return report
+
+
+def _per(count: float, requests: int) -> float:
+    return count / requests if requests else 0.0
 
 
 def write_plot(path: str, report: ReplayReport, keys, routes) -> str:
@@ -341,7 +352,7 @@ def write_plot(path: str, report: ReplayReport, keys, routes) -> str:
     ax.set_ylabel("chunk hit ratio")
     ax.set_title(f"{n} replicas, {report.routing}, {report.requests} requests")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     if report.sweep:
         ax2 = axes[0][1]
         xs = [s["replicas"] for s in report.sweep]
@@ -357,11 +368,13 @@ def write_plot(path: str, report: ReplayReport, keys, routes) -> str:
         ax2.set_xticks(xs)
         twin = ax2.twinx()
         twin.plot(xs, [s["lookup_messages_per_request"] for s in report.sweep], "g^:",
-                  label="lookup messages / request")
+                  label="peer messages / request (measured)")
+        twin.plot(xs, [x - 1 for x in xs], color="grey", ls="-.", lw=1,
+                  label="asking every peer (N - 1)")
         twin.set_ylabel("peer lookup messages per request", color="g")
-        twin.set_ylim(0, max(2.5, max(s["lookup_messages_per_request"] for s in report.sweep) * 1.3))
-        ax2.legend(fontsize=8, loc="lower left")
-        twin.legend(fontsize=8, loc="lower right")
+        twin.set_ylim(0, max(xs) * 1.05)
+        ax2.legend(fontsize=8, loc="upper left")
+        twin.legend(fontsize=8, loc="upper right")
         ax2.set_title("hit ratio and lookup cost against replicas")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -377,6 +390,8 @@ def format_table(report: ReplayReport) -> str:
             ("p2p / pooled LRU", f"{report.p2p_hit_ratio / report.pooled_lru_hit_ratio:.3f}"
              if report.pooled_lru_hit_ratio else "-"),
             ("lookup_messages_per_request", f"{report.lookup_messages_per_request:.3f}"),
+            ("lookup_messages_per_peer_hit_request",
+             f"{report.lookup_messages_per_peer_hit_request:.3f}"),
             ("bytes_moved", f"{report.bytes_moved}"),
             ("mismatched chunks", f"{report.mismatched_chunks}")]
     w = max(len(r[0]) for r in rows)
@@ -385,12 +400,13 @@ def format_table(report: ReplayReport) -> str:
             f"{report.routing}")
     lines = [head] + [f"  {a.ljust(w)}  {b}" for a, b in rows]
     if report.sweep:
-        lines.append("  replicas  p2p     pooled  local(sim)  msgs/request")
+        lines.append("  replicas  p2p     pooled  local(sim)  msgs/request  msgs/peer-hit request")
         for s in report.sweep:
             lines.append(f"  {s['replicas']:<8}  {s['p2p_hit_ratio']:.4f}  "
                          f"{s['pooled_lru_hit_ratio']:.4f}  "
                          f"{s['local_only_hit_ratio_simulated']:.4f}      "
-                         f"{s['lookup_messages_per_request']:.3f}")
+                         f"{s['lookup_messages_per_request']:.3f}         "
+                         f"{s.get('lookup_messages_per_peer_hit_request', 0.0):.3f}")
     if report.plot:
         lines.append(f"  plot: {report.plot}")
     return "\n".join(lines)

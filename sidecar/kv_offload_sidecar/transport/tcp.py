@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 SOCKET_BUFFER_BYTES = 0
 # Request frames a server connection queues for its writer before it stops reading.
 SERVER_QUEUE_FRAMES = 64
+# Chunk bytes the client lets arrive before the loop wakes up to take them (SO_RCVLOWAT).
+RECV_BATCH_BYTES = 512 << 10
 # Chunks one sendmsg call carries (each is three buffers; IOV_MAX is 1024).
 SEND_GROUP = 16
 # Seconds a lookup with nothing else in flight polls for its reply before sleeping.
@@ -68,16 +70,32 @@ def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) ->
 
 
 async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                       view: memoryview | bytearray) -> None:
-    """Fill ``view`` completely from ``sock``; ConnectionError on EOF."""
+                       view: memoryview | bytearray, *, batch_bytes: int = 0) -> None:
+    """Fill ``view`` completely from ``sock``; ConnectionError on EOF.
+
+    ``batch_bytes``: for a large read, ask the kernel (SO_RCVLOWAT) to wake the loop
+    only once that much has arrived, so a chunk costs a few event-loop wake-ups
+    instead of one per segment burst.
+    """
     with memoryview(view) as mv:
         got, n = 0, len(mv)
-        while got < n:
-            with mv[got:] as rest:
-                k = await loop.sock_recv_into(sock, rest)
-            if k == 0:
-                raise ConnectionError(f"connection closed after {got} of {n} bytes")
-            got += k
+        lowat = 1
+        try:
+            while got < n:
+                if batch_bytes:
+                    want = max(1, min(n - got, batch_bytes))
+                    if want != lowat:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                        lowat = want
+                with mv[got:] as rest:
+                    k = await loop.sock_recv_into(sock, rest)
+                if k == 0:
+                    raise ConnectionError(f"connection closed after {got} of {n} bytes")
+                got += k
+        finally:
+            if lowat != 1:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 async def send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, buffers: Sequence) -> None:
@@ -576,7 +594,7 @@ class TcpPeerDataClient(PeerDataClient):
             raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
                                       f"under request id {header.request_id}")
         proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
-        await recv_exactly(loop, sock, p.reservation.view)
+        await recv_exactly(loop, sock, p.reservation.view, batch_bytes=RECV_BATCH_BYTES)
         del self._chunks[header.request_id]
         commit_received(p, prefix.checksum, self._metrics)
 

@@ -31,7 +31,12 @@ Limits: one UCX server and one asyncio loop per process (ucxx keeps one global
 worker bound to the loop that first used it). Without peer error handling a dead
 peer is noticed by deadlines only: every wait here has one, and a connection that
 misses one is aborted (its posted receives are cancelled) before any reservation
-is released.
+is released. Known gap: over ``sm`` large messages move by CMA
+(``process_vm_writev``), and UCX treats a CMA copy into a process that died as
+fatal when error handling is off. With ``UCX_RNDV_SCHEME=put_zcopy`` the holder
+does the copy, so a *fetcher* survives a holder killed mid-transfer (tested), but a
+*holder* whose fetcher is killed in the middle of a transfer is aborted by UCX.
+The TCP transport has no such gap; isolating UCX in a helper process is the fix.
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ MAX_SERVER_CONNECTIONS = 1024
 # Chunk sends one server connection keeps in flight.
 SERVER_SENDS_IN_FLIGHT = 64
 
+# UCX transports when nothing else is configured: shared memory to same-host peers, TCP across nodes.
+DEFAULT_TLS = "sm,tcp,self"
 # UCX settings configure_ucx_env writes, besides UCX_TLS.
 _UCX_DEFAULTS = {
     # Only for code that uses ucxx's own asyncio layer; this transport drives the worker itself.
@@ -108,11 +115,13 @@ _UCX_DEFAULTS = {
 _state: dict[str, Any] = {"runtime": None, "server": None}
 
 
-def configure_ucx_env(tls: str = "sm,self", *, net_devices: str | None = None,
+def configure_ucx_env(tls: str = DEFAULT_TLS, *, net_devices: str | None = None,
                       rndv_scheme: str = "put_zcopy", override: bool = True) -> dict[str, str]:
     """Set UCX's environment for this process; must run before ``ucxx`` is imported.
 
-    ``tls``: ``"sm,self"`` (same host, shared memory) or ``"tcp,self"``;
+    ``tls``: ``"sm,self"`` (same host, shared memory), ``"tcp,self"``, or the
+    default ``"sm,tcp,self"`` (UCX picks shared memory for a peer on the same host,
+    TCP for one on another node);
     ``net_devices``: e.g. ``"lo"`` for loopback tests. ``rndv_scheme``: how large
     messages move; ``put_zcopy`` (the holder writes into the fetcher's slot) keeps
     the *fetching* process alive when the holder dies mid-transfer, which
@@ -160,7 +169,7 @@ class UcxRuntime:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         if "ucxx" not in sys.modules:
-            configure_ucx_env(os.environ.get("UCX_TLS", "sm,self"), override=False)
+            configure_ucx_env(os.environ.get("UCX_TLS", DEFAULT_TLS), override=False)
         import ucxx  # noqa: F401  (loads libucx and sets ucxx's env defaults)
         from ucxx._lib import libucxx as api
         from ucxx._lib.arr import Array
@@ -177,6 +186,7 @@ class UcxRuntime:
         self._pending: list[tuple[Any, asyncio.Future[None], Any]] = []
         self._probes: list[tuple[int, asyncio.Future[Any]]] = []
         self._scheduled = False
+        self._posted = False  # a request or probe was added since the last progress pass
         self._hot_until = 0.0
         self._timer: asyncio.TimerHandle | None = None
         loop.add_reader(self.worker.epoll_file_descriptor, self._kick)
@@ -227,6 +237,7 @@ class UcxRuntime:
         """
         fut: asyncio.Future[Any] = self.loop.create_future()
         self._probes.append((tag, fut))
+        self._posted = True  # the message may already be queued
         self._kick()
         probe = await fut
         n = probe.length
@@ -257,6 +268,7 @@ class UcxRuntime:
     def _wait(self, req: Any, keep: Any = None) -> asyncio.Future[None]:
         fut = self.loop.create_future()
         self._pending.append((req, fut, keep))
+        self._posted = True
         self._kick()
         return fut
 
@@ -268,10 +280,12 @@ class UcxRuntime:
     def _progress(self) -> None:
         self._scheduled = False
         worker = self.worker
+        events = self._posted  # a request may complete inside its own submission
+        self._posted = False
         while worker.progress_once():
-            pass
+            events = True
         now = time.perf_counter()
-        if self._probes:
+        if self._probes and events:
             waiting = []
             for tag, fut in self._probes:
                 if fut.done():
@@ -283,7 +297,7 @@ class UcxRuntime:
                 else:
                     waiting.append((tag, fut))
             self._probes = waiting
-        if any(entry[0].completed for entry in self._pending):
+        if events and any(entry[0].completed for entry in self._pending):
             still = []
             for entry in self._pending:
                 req, fut, _ = entry
@@ -309,6 +323,7 @@ class UcxRuntime:
 
     def _safety(self) -> None:
         self._timer = None
+        self._posted = True  # look at everything once
         self._kick()
 
 

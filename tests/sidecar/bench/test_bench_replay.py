@@ -38,6 +38,8 @@ def test_replay_json_reports_consistent_hit_ratios_from_real_sidecars(tmp_path):
     assert report["p2p_hit_ratio"] <= report["ideal_hit_ratio"] + 1e-9
     assert report["p2p_peer_hits"] > 0 and report["bytes_moved"] >= report["p2p_peer_hits"] * 4096
     assert report["lookup_messages_per_request"] > 0
+    # Every request that loaded from a peer sent at least its fetch message.
+    assert 1.0 <= report["lookup_messages_per_peer_hit_request"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[replay p2p x3] 150/150 requests" in out.stderr
 

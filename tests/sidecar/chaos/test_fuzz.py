@@ -21,7 +21,7 @@ from kv_offload_sidecar.bench.chaos_fuzz import (
 )
 from kv_offload_sidecar.bench.chaos_support import ChaosPool
 
-EXAMPLES = 60
+EXAMPLES = 120
 
 
 @pytest.fixture(scope="module")
