@@ -900,13 +900,19 @@ def run_target(ctx: FuzzContext, target: FuzzTarget, examples: int, result: Fuzz
         stats.cases += 1
         case_index[0] += 1
         try:
-            outcome = target.run(ctx, value)
-        except FuzzFailure:
+            try:
+                outcome = target.run(ctx, value)
+            except FuzzFailure:
+                raise
+            except Exception as exc:  # a reset, a reply the decoders refuse, ...
+                raise FuzzFailure(f"{target.name}: {type(exc).__name__}: {exc}") from exc
+        except FuzzFailure as exc:
             stats.failures += 1
-            raise
-        except Exception as exc:  # a reset, a reply the decoders refuse, ...
-            stats.failures += 1
-            raise FuzzFailure(f"{target.name}: {type(exc).__name__}: {exc}") from exc
+            if raise_failures:
+                raise
+            # The bench counts every failure and goes on; the first is kept for the report.
+            stats.first_failure = stats.first_failure or f"{exc} (case {value!r})"[:600]
+            return
         stats.answers += outcome == "answer"
         stats.errors += outcome == "error"
         stats.incomplete += outcome == "incomplete"

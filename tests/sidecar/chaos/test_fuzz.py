@@ -8,6 +8,7 @@ no reservation beyond its visible chunks.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from urllib.parse import urlencode
 
 import pytest
 
@@ -19,7 +20,7 @@ from kv_offload_sidecar.bench.chaos_fuzz import (
     run_target,
     start_fuzz_sidecar,
 )
-from kv_offload_sidecar.bench.chaos_support import ChaosPool
+from kv_offload_sidecar.bench.chaos_support import ChaosPool, http_json
 
 EXAMPLES = 120
 
@@ -47,3 +48,24 @@ def test_fuzzed_sidecar_is_alive_and_small_after_every_target(fuzzed: FuzzContex
     assert fuzzed.sidecar.rss_bytes() < 512 << 20
     status = fuzzed.sidecar.status()
     assert status["store"]["used_bytes"] == status["store"]["chunks"] * status["store"]["slot_stride"]
+
+
+# Regressions found by the fuzzer: digits that str.isdigit() accepts but int() refuses.
+
+
+@pytest.mark.parametrize("since", ["²", "¹²", "1²"], ids=["sup2", "sup1sup2", "1sup2"])
+def test_summary_with_a_superscript_since_gets_a_clear_error(fuzzed: FuzzContext, since: str) -> None:
+    status, body = http_json(fuzzed.sidecar.control_address, "GET",
+                             "/v1/summary?" + urlencode({"since": since, "epoch": ""}))
+    assert status in (400, 401), body
+    assert isinstance(body, dict) and body["error"]
+
+
+@pytest.mark.parametrize("wire_version", ["².0", "1.²"], ids=["sup2.0", "1.sup2"])
+def test_hello_with_a_superscript_wire_version_is_refused_as_malformed(fuzzed: FuzzContext,
+                                                                       wire_version: str) -> None:
+    hello = dict(fuzzed.pool.local_hello(identity="odd-digits").to_dict(), wire_version=wire_version)
+    status, body = http_json(fuzzed.sidecar.control_address, "POST", "/v1/handshake",
+                             {"step": "hello", "hello": hello})
+    assert status == 400, body
+    assert isinstance(body, dict) and body["reason"] == "malformed"
