@@ -369,6 +369,8 @@ def write_plot(path: str, report: ReplayReport, keys, routes) -> str:
         twin = ax2.twinx()
         twin.plot(xs, [s["lookup_messages_per_request"] for s in report.sweep], "g^:",
                   label="peer messages / request (measured)")
+        twin.plot(xs, [s.get("lookup_messages_per_peer_hit_request", 0.0) for s in report.sweep],
+                  "gv-", label="peer messages / peer-hit request (measured)")
         twin.plot(xs, [x - 1 for x in xs], color="grey", ls="-.", lw=1,
                   label="asking every peer (N - 1)")
         twin.set_ylabel("peer lookup messages per request", color="g")

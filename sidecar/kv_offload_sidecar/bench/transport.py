@@ -574,7 +574,7 @@ def _echo_once(sock: socket.socket) -> float:
 
 
 class _RawFetcher:
-    """Blocking recv_into a preallocated pool (run in a thread so the loop stays free)."""
+    """The limit: blocking ``recv_into`` a preallocated pool, no checksum, no bookkeeping."""
 
     def __init__(self, address: str, size: int, n: int) -> None:
         host, port = address.rsplit(":", 1)
