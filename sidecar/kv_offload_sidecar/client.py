@@ -208,7 +208,7 @@ class EngineClient:
         env = os.environ if environ is None else environ
         host = env.get("VLLM_P2P_SIDE_CHANNEL_HOST") or DEFAULT_HOST
         port_s = env.get("VLLM_P2P_SIDE_CHANNEL_PORT") or str(DEFAULT_BASE_PORT)
-        if not port_s.isdigit():
+        if not (port_s.isascii() and port_s.isdigit()):
             raise ValueError(f"VLLM_P2P_SIDE_CHANNEL_PORT={port_s!r} is not a port number")
         return cls.connect(host, int(port_s) + dp_index, timeout)
 

@@ -172,7 +172,7 @@ async def handle_summary(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
     since_s = request.query.get("since", "")
     epoch = request.query.get("epoch", "")
-    if not since_s.isdigit() or len(since_s) > 20 or len(epoch) > 64:
+    if not (since_s.isascii() and since_s.isdigit()) or len(since_s) > 20 or len(epoch) > 64:
         sidecar.metrics.protocol_errors.labels(reason="malformed").inc()
         return json_error(400, "query must be since=<non-negative integer>&epoch=<epoch or empty>")
     since = int(since_s)

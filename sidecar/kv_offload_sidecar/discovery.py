@@ -31,7 +31,7 @@ def parse_peer(addr: str) -> tuple[str, int]:
     """Parse ``host:port`` or ``[v6]:port``; ValueError says what to write."""
     text = addr.strip()
     host, sep, port_s = text.rpartition(":")
-    if not sep or not host or not port_s.isdigit():
+    if not sep or not host or not (port_s.isascii() and port_s.isdigit()):
         raise ValueError(f"peer address {addr!r} is not host:port (e.g. 10.0.0.7:5710)")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -181,7 +181,7 @@ class HelloMessage:
 
 def _wire_major(version: str) -> int | None:
     parts = version.split(".")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
         return None
     return int(parts[0])
 

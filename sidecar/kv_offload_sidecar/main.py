@@ -68,7 +68,7 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
         base_port = args.base_port
     else:
         env_port = os.environ.get("VLLM_P2P_SIDE_CHANNEL_PORT", "")
-        if env_port and not env_port.isdigit():
+        if env_port and not (env_port.isascii() and env_port.isdigit()):
             raise ValueError(f"VLLM_P2P_SIDE_CHANNEL_PORT={env_port!r} is not a port number")
         base_port = int(env_port) if env_port else DEFAULT_BASE_PORT
     if args.dp_indices:
