@@ -221,8 +221,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop dispatching requests after this many seconds (default 90)")
     parser.add_argument("--trace", default=str(TRACE_SAMPLE),
                         help="Mooncake-format JSONL trace (default: the shipped sample)")
-    parser.add_argument("--intruder", action="store_true",
-                        help="also start a sidecar with another hash seed, which the pods reject")
+    parser.add_argument("--intruder", action=argparse.BooleanOptionalAction, default=True,
+                        help="also start a sidecar with another hash seed, which the pods "
+                             "reject, to show the fail-closed check (default on)")
 
 
 def run(args: argparse.Namespace) -> int:
