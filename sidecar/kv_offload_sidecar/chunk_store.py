@@ -240,6 +240,23 @@ class ChunkStore:
                 self._visible.move_to_end(key)
             return hits
 
+    def demote(self, keys: Iterable[bytes]) -> int:
+        """Move the visible ``keys`` to the cold end of the LRU; returns how many.
+
+        Used for chunks copied from a peer: the pool already holds them, so
+        this store evicts its copy first and keeps room for chunks only it has.
+        The last key ends coldest, so a prefix keeps its head longest.
+        """
+        checked = [_check_key(k) for k in keys]
+        moved = 0
+        with self._lock:
+            self._check_open()
+            for key in checked:
+                if key in self._visible:
+                    self._visible.move_to_end(key, last=False)
+                    moved += 1
+        return moved
+
     def checksum_of(self, key: bytes) -> int | None:
         """Checksum of the visible chunk ``key``, or None when it is not visible."""
         key = _check_key(key)

@@ -246,9 +246,12 @@ class Sidecar:
             pins: list[PinnedChunk] = []
             try:
                 self._pin_prefix(store, keys, pins)
-                if len(pins) < len(keys):
-                    await self._peer_call("fetch", list(keys[len(pins):]), timeout)
+                local = len(pins)
+                if local < len(keys):
+                    await self._peer_call("fetch", list(keys[local:]), timeout)
                     self._pin_prefix(store, keys, pins)
+                    # Peer copies go to the cold end: the pool keeps them elsewhere.
+                    store.demote(keys[local:len(pins)])
             except BaseException:
                 for p in pins:
                     p.release()

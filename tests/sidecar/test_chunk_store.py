@@ -658,3 +658,20 @@ def test_commit_after_the_caller_released_the_view_frees_the_slot(shm_dir: str) 
         assert not res.commit()
         assert not store.contains(key(1)) and store.used_bytes == 0
         assert write(store, 1)
+
+
+def test_demoted_chunks_are_evicted_before_older_ones(tmp_path):
+    store = ChunkStore(4096, 3 * 4096, directory=str(tmp_path), name="demote")
+    try:
+        for key in (b"a", b"b", b"c"):
+            with store.begin_write(key) as res:
+                res.view[:] = key * 4096
+                assert res.commit()
+        assert store.demote([b"c", b"zz"]) == 1
+        with store.begin_write(b"d") as res:
+            res.view[:] = b"d" * 4096
+            assert res.commit()
+        assert not store.contains(b"c")
+        assert all(store.contains(k) for k in (b"a", b"b", b"d"))
+    finally:
+        store.close()
