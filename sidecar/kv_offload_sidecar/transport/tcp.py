@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 SOCKET_BUFFER_BYTES = 0
 # Request frames a server connection queues for its writer before it stops reading.
 SERVER_QUEUE_FRAMES = 64
+# Seconds without a request or reply after which a stopping server closes a connection.
+IDLE_CLOSE_SECONDS = 0.25
 # Chunk bytes the client lets arrive before the loop wakes up to take them (SO_RCVLOWAT).
 RECV_BATCH_BYTES = 512 << 10
 # Chunks one sendmsg call carries (each is three buffers; IOV_MAX is 1024).
@@ -188,6 +190,21 @@ def split_host_port(rest: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _ConnState:
+    """What stop() needs to know about one server connection."""
+
+    def __init__(self, queue: asyncio.Queue) -> None:
+        # Replies waiting for the writer.
+        self.queue = queue
+        # [True] while the writer sends an item.
+        self.busy = [False]
+        # Monotonic time of the last frame read or reply sent.
+        self.last = time.monotonic()
+
+    def idle(self, now: float) -> bool:
+        return self.queue.empty() and not self.busy[0] and now - self.last >= IDLE_CLOSE_SECONDS
+
+
 class TcpDataPlaneServer(DataPlaneServer):
     """Serves chunks from ``store`` to authenticated peers over TCP."""
 
@@ -221,6 +238,7 @@ class TcpDataPlaneServer(DataPlaneServer):
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._states: dict[int, _ConnState] = {}
         self._stopping = False
         self.address = ""
 
@@ -249,7 +267,9 @@ class TcpDataPlaneServer(DataPlaneServer):
         return self.address
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
-        """Stop accepting; give connections ``grace_seconds`` to finish, then close them."""
+        """Stop accepting at once; keep serving open connections (a fetch in flight keeps
+        asking for chunks) until each has been idle ``IDLE_CLOSE_SECONDS`` or
+        ``grace_seconds`` pass, then close them."""
         self._stopping = True
         if self._accept_task is not None:
             self._accept_task.cancel()
@@ -257,12 +277,17 @@ class TcpDataPlaneServer(DataPlaneServer):
                 await self._accept_task
         if self._listener is not None:
             self._listener.close()
-        if self._conns:
-            _, still = await asyncio.wait(self._conns, timeout=grace_seconds)
-            for t in still:
-                t.cancel()
-            if still:
-                await asyncio.wait(still)
+        deadline = time.monotonic() + grace_seconds
+        while self._conns and time.monotonic() < deadline:
+            now = time.monotonic()
+            if all(st.idle(now) for st in self._states.values()):
+                break
+            await asyncio.sleep(0.05)
+        still = list(self._conns)
+        for t in still:
+            t.cancel()
+        if still:
+            await asyncio.wait(still)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -283,6 +308,7 @@ class TcpDataPlaneServer(DataPlaneServer):
         loop = asyncio.get_running_loop()
         header_buf = bytearray(proto.HEADER_BYTES)
         queue: asyncio.Queue[tuple[int, list[bytes]] | list] = asyncio.Queue(SERVER_QUEUE_FRAMES)
+        state = self._states[id(conn)] = _ConnState(queue)
         writer: asyncio.Task[None] | None = None
         try:
             nonce = make_nonce()
@@ -295,11 +321,12 @@ class TcpDataPlaneServer(DataPlaneServer):
                         "answer the nonce with AUTH_RESPONSE first")
                 check_auth(self._authorize, nonce, proto.decode_auth_response(payload))
                 await send_all(loop, conn, proto.encode_auth_ok())
-            busy = [False]  # True while the writer works on an item
+            busy = state.busy
             writer = asyncio.create_task(self._write_loop(conn, queue, busy), name="tcp-data-writer")
-            while not self._stopping:
+            while True:
                 header, payload = await read_frame(loop, conn, header_buf, self._chunk_bytes,
                                                    payload_timeout=self._auth_timeout)
+                state.last = time.monotonic()
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP and payload is not None:
                     keys = proto.decode_keys(payload)
@@ -335,6 +362,7 @@ class TcpDataPlaneServer(DataPlaneServer):
         except (ConnectionError, OSError) as exc:
             log.debug("TCP data plane: connection ended: %s", exc)
         finally:
+            self._states.pop(id(conn), None)
             if writer is not None and not writer.done():
                 writer.cancel()
                 with contextlib.suppress(BaseException):
@@ -357,6 +385,9 @@ class TcpDataPlaneServer(DataPlaneServer):
                 finally:
                     busy[0] = False
                     queue.task_done()
+                    state = self._states.get(id(conn))
+                    if state is not None:
+                        state.last = time.monotonic()
         except (ConnectionError, OSError, TimeoutError) as exc:
             log.info("TCP data plane: dropping a client that stopped reading: %s", exc)
             with contextlib.suppress(OSError):
@@ -481,6 +512,9 @@ class TcpPeerDataClient(PeerDataClient):
                 await self._send(proto.encode_lookup(rid, keys))
                 if len(self._lookups) == 1 and not self._chunks:
                     _poll_readable(self._sock, min(LOOKUP_SPIN_SECONDS, timeout))
+                    count = self._take_lookup_reply(rid, len(keys))
+                    if count is not None:
+                        return count
                 return await fut
         except TimeoutError:
             exc = TransportError(f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline")
@@ -491,6 +525,27 @@ class TcpPeerDataClient(PeerDataClient):
             raise TransportError(f"lookup failed: {exc}") from exc
         finally:
             self._lookups.pop(rid, None)
+
+    def _take_lookup_reply(self, rid: int, asked: int) -> int | None:
+        """With nothing else in flight, take this lookup's reply straight off the socket
+        when it is already there whole (peeked first: anything else, or a partial frame,
+        is left to the reader task). Saves the reader task's hops on the hot path."""
+        n = proto.HEADER_BYTES + 4
+        try:
+            head = self._sock.recv(n, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return None
+        if len(head) < n:
+            return None
+        try:
+            header = proto.decode_header(head[:proto.HEADER_BYTES])
+        except proto.ProtocolError:
+            return None  # the reader task reports it
+        if (header.type is not proto.MessageType.LOOKUP_REPLY or header.request_id != rid
+                or header.length != 4):
+            return None
+        data = self._sock.recv(n)  # the n bytes peeked above; nobody else reads meanwhile
+        return proto.decode_lookup_reply(data[proto.HEADER_BYTES:], asked)
 
     async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
         """Receive chunks straight into ``store`` slots; leading keys now visible."""

@@ -98,6 +98,8 @@ ATTACH_BUFFER_BYTES = (proto.HEADER_BYTES + 4 + 2 + proto.MAX_SESSION_ID_BYTES +
 MAX_SERVER_CONNECTIONS = 1024
 # Chunk sends one server connection keeps in flight.
 SERVER_SENDS_IN_FLIGHT = 64
+# Seconds without a request or send after which a stopping server closes a connection.
+IDLE_CLOSE_SECONDS = 0.25
 
 # UCX transports when nothing else is configured: shared memory to same-host peers, TCP across nodes.
 DEFAULT_TLS = "sm,tcp,self"
@@ -415,6 +417,7 @@ class UcxDataPlaneServer(DataPlaneServer):
         self._send_timeout = send_timeout
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: dict[int, asyncio.Task[None]] = {}
+        self._connections: dict[int, _ServerConnection] = {}
         self.address = ""
 
     async def start(self) -> str:
@@ -429,18 +432,23 @@ class UcxDataPlaneServer(DataPlaneServer):
         return self.address
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
-        """Stop accepting; give connections ``grace_seconds``, then abort them."""
+        """Stop accepting at once; keep serving open connections until each has been idle
+        ``IDLE_CLOSE_SECONDS`` or ``grace_seconds`` pass, then abort them."""
         if self._accept_task is not None:
             self._accept_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._accept_task
-        conns = list(self._conns.values())
-        if conns:
-            _, still = await asyncio.wait(conns, timeout=grace_seconds)
-            for t in still:
-                t.cancel()
-            if still:
-                await asyncio.wait(still)
+        deadline = time.monotonic() + grace_seconds
+        while self._conns and time.monotonic() < deadline:
+            now = time.monotonic()
+            if all(c.idle(now) for c in self._connections.values()):
+                break
+            await asyncio.sleep(0.05)
+        still = list(self._conns.values())
+        for t in still:
+            t.cancel()
+        if still:
+            await asyncio.wait(still)
         if _state["server"] is self:
             _state["server"] = None
 
@@ -482,9 +490,11 @@ class UcxDataPlaneServer(DataPlaneServer):
             log.warning("UCX data plane: cannot reach an attaching client: %s", exc)
             return
         conn = _ServerConnection(self, rt, ep, attach.connection_id)
+        self._connections[attach.connection_id] = conn
         try:
             await conn.run()
         finally:
+            self._connections.pop(attach.connection_id, None)
             conn.abort()
 
 
@@ -502,6 +512,11 @@ class _ServerConnection:
         self.window = asyncio.Semaphore(SERVER_SENDS_IN_FLIGHT)
         self.failed: BaseException | None = None
         self.aborted = False
+        # Monotonic time of the last frame received or chunk sent.
+        self.last = time.monotonic()
+
+    def idle(self, now: float) -> bool:
+        return not self.sends and now - self.last >= IDLE_CLOSE_SECONDS
 
     async def run(self) -> None:
         srv, rt = self.server, self.rt
@@ -517,6 +532,7 @@ class _ServerConnection:
                 await rt.send(self.ep, _buf(proto.encode_auth_ok()), self.s2c)
             while self.failed is None:
                 buf = await rt.recv_frame(self.c2s, CONTROL_BUFFER_BYTES)
+                self.last = time.monotonic()
                 header, payload = _parse_frame(buf, srv._chunk_bytes)
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP:
@@ -581,6 +597,7 @@ class _ServerConnection:
         except Exception as exc:
             log.info("UCX data plane: chunk send failed: %s", exc)
         finally:
+            self.last = time.monotonic()
             self.window.release()
 
     def fail(self, exc: BaseException) -> None:
