@@ -5,7 +5,12 @@ test. It writes an offloading config and a pool key into a fresh work
 directory (under /dev/shm when available, which also holds the store files and
 local sockets), starts N sidecars on free ports with each other as static
 peers, waits until every one is ready and connected to all others, and stops
-them with SIGTERM (then SIGKILL). Per-sidecar ``SidecarOverride``s give one
+them with SIGTERM (then SIGKILL), removing the work directory. Every sidecar
+runs with ``--parent-pid`` of this process, so it shuts down (and unlinks its
+store) when this process dies without stopping the pool (SIGKILL, a killed
+bench); the work directory's name carries this process's id, and the next
+LocalPool on the machine removes directories whose owner is gone
+(``sweep_stale_workdirs``). Per-sidecar ``SidecarOverride``s give one
 sidecar another config (fingerprint, chunk size), pool key, hash seed or
 transport, for rejection tests; such a sidecar is not expected to connect.
 """
@@ -76,6 +81,56 @@ class SidecarOverride:
     extra_args: tuple[str, ...] = ()
     # Extra environment variables for this sidecar.
     env: Mapping[str, str] = field(default_factory=dict)
+
+
+# Prefix of LocalPool work directories: "{prefix}{owner pid}-{random}".
+WORKDIR_PREFIX = "kvo-"
+_OWNED_DIR = re.compile(r"^(?P<prefix>[a-z-]+?-)(?P<pid>\d+)-[A-Za-z0-9_]+$")
+
+
+def shm_parent() -> str | None:
+    """/dev/shm when writable (store files and sockets belong in memory), else the temp dir."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_workdirs(prefix: str = WORKDIR_PREFIX, parent: str | None = None) -> list[str]:
+    """Remove ``{prefix}{pid}-*`` directories under ``parent`` whose owning process is gone.
+
+    They are left behind when the process that made them was killed before it
+    could stop its pool. Returns the removed paths.
+    """
+    parent = parent or shm_parent() or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = _OWNED_DIR.match(name)
+        if not m or m.group("prefix") != prefix or _pid_alive(int(m.group("pid"))):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def make_workdir(prefix: str = WORKDIR_PREFIX, parent: str | None = None) -> str:
+    """A fresh ``{prefix}{this pid}-*`` directory (after sweeping dead owners' ones)."""
+    parent = parent or shm_parent()
+    sweep_stale_workdirs(prefix, parent)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
 
 
 def free_port_block(count: int = 1, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -282,9 +337,8 @@ class LocalPool:
         self.env = dict(env or {})
         self.extra_args = tuple(extra_args)
         self.log_level = log_level
-        parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self._own_workdir = workdir is None
-        self.workdir = workdir or tempfile.mkdtemp(prefix="kvo-", dir=parent)
+        self.workdir = workdir or make_workdir()
         self.sidecars: list[SidecarProcess] = []
         self._files: dict[str, str] = {}
 
@@ -327,7 +381,7 @@ class LocalPool:
                 "--fetch-deadline-seconds", str(self.fetch_deadline_seconds),
                 "--summary-interval-seconds", str(self.summary_interval_seconds),
                 "--shutdown-grace-seconds", str(self.shutdown_grace_seconds),
-                "--log-level", self.log_level,
+                "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
                 *self.extra_args, *o.extra_args]
         if peers:
             argv += ["--peers", ",".join(peers)]

@@ -2,7 +2,11 @@
 
 Bad flags, config or key file: one line on stderr, exit 2. SIGTERM/SIGINT:
 stop accepting, let in-flight work finish within ``--shutdown-grace-seconds``,
-unlink the shared-memory store, exit 0.
+unlink the shared-memory store, exit 0. With ``--parent-pid P`` (or
+``KV_OFFLOAD_PARENT_PID``) the sidecar shuts down the same way once process P
+is gone, so sidecars started by a test or bench die with it. With
+``--transport ucx``, UCX's environment is set (``configure_ucx_env``) before
+anything imports ``ucxx``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from .discovery import parse_peer_list
 from .handshake import load_pool_key
@@ -23,6 +28,11 @@ from .settings import (DEFAULT_BASE_PORT, DEFAULT_DATA_PORT, DEFAULT_HOST, TRANS
                        effective_hash_seed)
 
 log = logging.getLogger("kv_offload_sidecar")
+
+# Environment variable naming the process whose death stops the sidecar (tests, benches).
+PARENT_PID_ENV = "KV_OFFLOAD_PARENT_PID"
+# Seconds between checks that the --parent-pid process still lives.
+PARENT_POLL_SECONDS = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds between re-resolutions of --peers-dns")
     p.add_argument("--shutdown-grace-seconds", type=float, default=3.0,
                    help="bound on finishing in-flight work at SIGTERM")
+    p.add_argument("--ucx-tls", default=None, metavar="TLS",
+                   help="UCX transports with --transport ucx, e.g. sm,tcp,self "
+                        "(default $UCX_TLS, else the ucx transport's default)")
+    p.add_argument("--hash-seed", default=None, metavar="S",
+                   help="prefix-hash seed shared by the pool (default: the config's extra_config "
+                        "hash_seed, else $PYTHONHASHSEED, else 0)")
+    p.add_argument("--parent-pid", default=None, metavar="PID",
+                   help=f"shut down gracefully once this process is gone (default ${PARENT_PID_ENV}; "
+                        "0: never)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -78,6 +97,8 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
             raise ValueError(f"--dp-indices {args.dp_indices!r} must be comma-separated integers") from None
     else:
         dp_indices = (config.parallel.data_parallel_index,)
+    if args.hash_seed is not None and args.hash_seed == "":
+        raise ValueError("--hash-seed is empty: give the pool's seed (e.g. 0) or leave the flag out")
     if not os.path.isdir(args.shm_dir):
         raise ValueError(f"--shm-dir {args.shm_dir!r} is not a directory: mount the pod's /dev/shm "
                          f"(or a memory-backed emptyDir) there or pass another directory")
@@ -89,10 +110,78 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
         summary_interval_seconds=args.summary_interval_seconds,
         fetch_deadline_seconds=args.fetch_deadline_seconds,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
-        hash_seed=effective_hash_seed(config))
+        hash_seed=effective_hash_seed(config, flag=args.hash_seed))
 
 
-async def _serve(settings: SidecarSettings) -> None:
+def parent_pid(args: argparse.Namespace) -> int:
+    """The --parent-pid (else $KV_OFFLOAD_PARENT_PID) to outlive, 0 for none; ValueError if malformed."""
+    if args.parent_pid is not None:
+        raw, name = args.parent_pid, "--parent-pid"
+    else:
+        raw, name = os.environ.get(PARENT_PID_ENV, ""), PARENT_PID_ENV
+    if raw == "":
+        return 0
+    if not (raw.isascii() and raw.isdigit()):
+        raise ValueError(f"{name} {raw!r} is not a process id (a non-negative integer; 0 turns it off)")
+    return int(raw)
+
+
+def ucx_tls(args: argparse.Namespace) -> str:
+    """--ucx-tls, else $UCX_TLS, else the ucx transport's default; ValueError when empty."""
+    from .transport.ucx import DEFAULT_TLS
+
+    tls = args.ucx_tls if args.ucx_tls is not None else os.environ.get("UCX_TLS") or DEFAULT_TLS
+    if not tls.strip():
+        raise ValueError("--ucx-tls is empty: give UCX transports such as sm,tcp,self")
+    return tls
+
+
+def configure_ucx(tls: str) -> dict[str, str]:
+    """Set UCX's environment for this process (before ``ucxx`` is imported).
+
+    The chosen ``tls`` always wins; other UCX variables already in the
+    environment (e.g. the pod's ``UCX_TCP_TX_SEG_SIZE``) are kept. UCX's own
+    log goes to stderr unless ``UCX_LOG_FILE`` says otherwise.
+    """
+    from .transport.ucx import configure_ucx_env
+
+    os.environ["UCX_TLS"] = tls
+    # UCX logs to stdout by default; a sidecar's stdout stays clean.
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    return configure_ucx_env(tls, override=False)
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an exited process nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+async def _watch_parent(pid: int, on_gone: Callable[[], None]) -> None:
+    """Call ``on_gone`` once process ``pid`` is gone.
+
+    When ``pid`` is this process's parent, being re-parented is the sign (no
+    confusion with a reused pid); otherwise the process must no longer exist.
+    """
+    direct = os.getppid() == pid
+    while (os.getppid() == pid) if direct else process_alive(pid):
+        await asyncio.sleep(PARENT_POLL_SECONDS)
+    log.warning("parent process %d is gone; shutting down", pid)
+    on_gone()
+
+
+async def _serve(settings: SidecarSettings, parent: int = 0) -> None:
     from .service import Sidecar
 
     sidecar = Sidecar(settings)
@@ -106,7 +195,12 @@ async def _serve(settings: SidecarSettings) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    await sidecar.serve(stop)
+    watcher = asyncio.create_task(_watch_parent(parent, on_signal)) if parent else None
+    try:
+        await sidecar.serve(stop)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
 def _start_shutdown_watchdog(grace: float) -> None:
@@ -130,15 +224,29 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         settings = build_settings(args)
-    except ValueError as exc:
+        parent = parent_pid(args)
+        if settings.transport == "ucx":
+            configure_ucx(ucx_tls(args))
+    except (ValueError, RuntimeError) as exc:
         print(f"kv-offload sidecar: {exc}", file=sys.stderr)
         return 2
+    if parent and os.getppid() != parent and not process_alive(parent):
+        print(f"kv-offload sidecar: parent process {parent} is already gone", file=sys.stderr)
+        return 1
     try:
-        asyncio.run(_serve(settings))
+        asyncio.run(_serve(settings, parent))
     except ValueError as exc:  # e.g. store geometry from the config and flags
         print(f"kv-offload sidecar: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # port in use, shm not writable
         print(f"kv-offload sidecar: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if settings.transport == "ucx" and type(exc).__module__.startswith("ucxx"):
+            # e.g. UCXXNoDeviceError: none of the transports in UCX_TLS is usable here.
+            print(f"kv-offload sidecar: UCX could not start with UCX_TLS={os.environ.get('UCX_TLS')!r}: "
+                  f"{type(exc).__name__}: {exc}; pick usable transports with --ucx-tls "
+                  f"(e.g. tcp,self or sm,tcp,self)", file=sys.stderr)
+            return 1
+        raise
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .offloading_config import OffloadingConfig
@@ -23,12 +24,16 @@ HASH_SEED_CONFIG_KEY = "hash_seed"
 TRANSPORTS = ("ucx", "tcp")
 
 
-def effective_hash_seed(config: OffloadingConfig, environ: dict[str, str] | None = None) -> str:
+def effective_hash_seed(config: OffloadingConfig, environ: Mapping[str, str] | None = None, *,
+                        flag: str | None = None) -> str:
     """The prefix-hash seed peers must share.
 
-    The pool config's ``extra_config["hash_seed"]`` wins; otherwise the
-    process's ``PYTHONHASHSEED``; otherwise ``DEFAULT_HASH_SEED``.
+    An explicit ``flag`` (``--hash-seed``) wins; then the pool config's
+    ``extra_config["hash_seed"]``; then the process's ``PYTHONHASHSEED``;
+    otherwise ``DEFAULT_HASH_SEED``.
     """
+    if flag is not None and flag != "":
+        return flag
     env = os.environ if environ is None else environ
     stated = config.extra_config.get(HASH_SEED_CONFIG_KEY)
     if stated is not None and str(stated) != "":

@@ -94,6 +94,40 @@ def test_lookup_prefix_counts_only_leading_visible_keys(shm_dir: str) -> None:
         assert store.lookup_prefix([]) == 0
 
 
+def test_lookup_prefix_accepts_any_key_buffers_and_rejects_bad_keys_anywhere(shm_dir: str) -> None:
+    with make_store(shm_dir, 8) as store:
+        for i in range(3):
+            assert write(store, i)
+        assert store.lookup_prefix(iter([key(0), bytearray(key(1)), memoryview(key(2)), key(5)])) == 3
+        assert store.lookup_prefix((key(0), key(1))) == 2
+        # A bad key fails the whole call, even after the first miss.
+        with pytest.raises(ValueError, match="key length 0"):
+            store.lookup_prefix([key(0), key(9), b""])
+        with pytest.raises(ValueError, match="key length 4097"):
+            store.lookup_prefix([key(0), b"x" * 4097])
+        with pytest.raises(TypeError, match="must be bytes, got str"):
+            store.lookup_prefix([key(0), "k"])  # type: ignore[list-item]
+
+
+def resident_bytes_of_mapping(path: str) -> int:
+    """Rss of this process's mapping of ``path``, from /proc/self/smaps."""
+    found = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            if line.rstrip().endswith(" " + path):
+                found = True
+            elif found and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"{path} is not mapped")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_new_store_is_prefaulted_so_first_writes_take_no_page_faults(shm_dir: str) -> None:
+    with make_store(shm_dir, 64) as store:
+        # Every page is mapped into this process already, before any chunk was written.
+        assert resident_bytes_of_mapping(store.path) == 64 * STRIDE
+
+
 def test_full_store_evicts_least_recently_used_chunk_first(shm_dir: str) -> None:
     changes: list[tuple[bytes, bool]] = []
     with make_store(shm_dir, 3, on_change=lambda k, present: changes.append((k, present))) as store:

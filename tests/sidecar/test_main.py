@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import time
 
 import pytest
 
-from kv_offload_sidecar.local_pool import LocalPool, example_config, sidecar_command
+from kv_offload_sidecar.local_pool import LocalPool, example_config, free_port_block, http_json, sidecar_command
 from kv_offload_sidecar.main import add_arguments, build_settings
 
 
@@ -92,3 +93,88 @@ def test_sigterm_exits_0_and_unlinks_shared_memory():
         assert leftovers == []
     finally:
         pool.stop()
+
+
+def test_hash_seed_flag_wins_over_config_and_pythonhashseed(files, monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONHASHSEED", "99")
+    pinned = tmp_path / "pinned.json"
+    pinned.write_text(example_config(extra_config={"hash_seed": "1234"}).to_json())
+    for config in (files[0], str(pinned)):
+        s = build_settings(parse(["--config", config, "--pool-key-file", files[1], "--hash-seed", "s33d"]))
+        assert s.hash_seed == "s33d"
+    monkeypatch.delenv("PYTHONHASHSEED")
+    assert build_settings(parse(["--config", files[0], "--pool-key-file", files[1]])).hash_seed == "0"
+
+
+def test_empty_hash_seed_flag_exits_2_with_one_line(files):
+    proc = run_cli(["--config", files[0], "--pool-key-file", files[1], "--hash-seed", ""])
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "kv-offload sidecar: --hash-seed is empty: give the pool's seed (e.g. 0) or leave the flag out"]
+
+
+@pytest.mark.parametrize("flag, env", [(["--ucx-tls", "bogus_tl"], "tcp,self"), ([], "bogus_tl")],
+                         ids=["flag", "env"])
+def test_unusable_ucx_tls_from_flag_or_env_stops_ucx_sidecar_with_one_line(files, flag, env):
+    argv = ["--config", files[0], "--pool-key-file", files[1], "--transport", "ucx", "--host", "127.0.0.1",
+            "--base-port", str(free_port_block(1)), "--data-port", "0", *flag]
+    proc = run_cli(argv, env={"UCX_TLS": env})
+    assert proc.returncode == 1 and proc.stdout == ""
+    # UCX logs its own complaint (to stderr); ours is one line naming the setting to change.
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("kv-offload sidecar:")]
+    assert len(ours) == 1 and "UCX_TLS='bogus_tl'" in ours[0] and "--ucx-tls" in ours[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_ucx_tls_flag_wins_over_env():
+    with LocalPool(2, transport="ucx", env={"UCX_TLS": "bogus_tl"},
+                   extra_args=("--ucx-tls", "tcp,self")) as pool:
+        assert [s.status()["transport"] for s in pool.sidecars] == ["ucx", "ucx"]
+
+
+def test_sidecar_shuts_down_when_its_parent_pid_is_gone(files, shm_dir):
+    gone = subprocess.Popen(["true"])
+    gone.wait(10)
+    argv = ["--config", files[0], "--pool-key-file", files[1], "--host", "127.0.0.1", "--shm-dir", shm_dir,
+            "--base-port", str(free_port_block(1)), "--data-port", "0", "--parent-pid", str(gone.pid)]
+    proc = run_cli(argv)
+    assert proc.returncode == 1 and f"parent process {gone.pid} is already gone" in proc.stderr
+    bad = run_cli([*argv[:-1], "abc"])
+    assert bad.returncode == 2 and "--parent-pid 'abc' is not a process id" in bad.stderr
+
+
+def test_sidecar_stops_gracefully_when_a_watched_non_parent_process_exits(files, shm_dir):
+    watched = subprocess.Popen(["sleep", "600"])
+    port = free_port_block(1)
+    argv = [*sidecar_command(), "sidecar", "--config", files[0], "--pool-key-file", files[1],
+            "--host", "127.0.0.1", "--shm-dir", shm_dir, "--base-port", str(port), "--data-port", "0",
+            "--capacity-bytes", str(1 << 20), "--identity", "watcher"]
+    sidecar = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "KV_OFFLOAD_PARENT_PID": str(watched.pid)})
+    try:
+        wait_ready(sidecar, port)
+        assert os.path.exists(os.path.join(shm_dir, "kv-offload-watcher.slots"))
+        watched.kill()
+        watched.wait(10)
+        assert sidecar.wait(30) == 0
+        assert f"parent process {watched.pid} is gone" in sidecar.stderr.read()
+        assert not os.path.exists(os.path.join(shm_dir, "kv-offload-watcher.slots"))
+    finally:
+        for proc in (watched, sidecar):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def wait_ready(proc: subprocess.Popen[str], port: int, timeout: float = 30.0) -> None:
+    """Until the sidecar on ``port`` answers /readyz with 200 (fails if it exits first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"sidecar exited with {proc.returncode}: {proc.stderr.read()}"
+        try:
+            if http_json(f"http://127.0.0.1:{port}/readyz", timeout=1.0)[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "sidecar did not get ready"
+        time.sleep(0.1)

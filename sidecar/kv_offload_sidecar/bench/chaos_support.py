@@ -36,7 +36,7 @@ import numpy as np
 from .. import protocol as proto
 from ..client import EngineClient
 from ..handshake import HandshakeError, HandshakeInitiator, HelloMessage, Session, make_hello
-from ..local_pool import example_config
+from ..local_pool import example_config, make_workdir
 from ..offloading_config import OffloadingConfig
 from ..settings import effective_hash_seed
 from ..transport.base import auth_proof
@@ -248,8 +248,10 @@ class ChaosPool:
     def __post_init__(self) -> None:
         if self.chunk_bytes % 4:
             raise ValueError(f"chunk_bytes={self.chunk_bytes} must be a multiple of 4")
-        self.workdir = self.workdir or tempfile.mkdtemp(prefix="kv-offload-chaos-")
-        self.shm_dir = tempfile.mkdtemp(prefix="kvc-", dir="/dev/shm")
+        # Both named after this process, so a later pool removes them if this one is killed.
+        self._own_workdir = not self.workdir
+        self.workdir = self.workdir or make_workdir("kv-offload-chaos-", tempfile.gettempdir())
+        self.shm_dir = make_workdir("kvc-")
         self.config: OffloadingConfig = example_config(
             worker_kv_bytes_per_block=self.chunk_bytes // 4, blocks_per_chunk=4,
             extra_config={"hash_seed": CHAOS_HASH_SEED})
@@ -276,7 +278,7 @@ class ChaosPool:
                 "--fetch-deadline-seconds", str(self.fetch_deadline_seconds),
                 "--summary-interval-seconds", str(self.summary_interval_seconds),
                 "--shutdown-grace-seconds", str(self.shutdown_grace_seconds),
-                "--log-level", "WARNING", *extra]
+                "--log-level", "WARNING", "--parent-pid", str(os.getpid()), *extra]
         peer_addrs = [self.sidecars[p].control_address for p in peers]
         if peer_addrs:
             argv += ["--peers", ",".join(peer_addrs)]
@@ -306,7 +308,8 @@ class ChaosPool:
             sc.send(signal.SIGCONT)
             sc.kill()
         shutil.rmtree(self.shm_dir, ignore_errors=True)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> ChaosPool:
         return self

@@ -13,7 +13,9 @@ interleaved rounds so each ratio compares numbers taken moments apart:
 Plus the round trip of a 32-key peer lookup on the transports' persistent
 connection against a raw 64-byte TCP round trip. Prints a table (median GB/s,
 min-max, ratio to raw TCP in the same round), the targets of issue 7, writes a
-PNG plot; ``--json`` prints one JSON object instead of the table.
+PNG plot; ``--json`` prints one JSON object instead of the table (with the UCX
+settings each UCX client ran with). ``--ucx-env KEY=VALUE,...`` tries UCX knobs
+(e.g. ``UCX_RNDV_SCHEME=get_zcopy``) in the UCX methods' processes only.
 
 Each method runs as a server process and a client process started by this
 command (``--role`` is internal); they talk JSON lines over stdin/stdout.
@@ -76,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shm-dir", default="/dev/shm",
                         help="directory of the benchmark's chunk stores (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    parser.add_argument("--ucx-env", default="",
+                        help="extra UCX settings for the UCX methods' processes, comma-separated "
+                             "KEY=VALUE (e.g. UCX_RNDV_THRESH=64k), applied over the transport's own")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -99,11 +104,25 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[str]]:
         raise _usage(f"--methods {args.methods!r}: unknown {unknown}; choose from {','.join(METHODS)}")
     if "raw_tcp" not in methods:
         methods.insert(0, "raw_tcp")  # every ratio needs the limit measured in the same round
+    _ucx_env(args.ucx_env)
     if args.seconds <= 0 or args.rounds < 1:
         raise _usage("--seconds must be > 0 and --rounds >= 1")
     if not os.path.isdir(args.shm_dir):
         raise _usage(f"--shm-dir {args.shm_dir!r} is not a directory")
     return sizes, [m for m in METHODS if m in methods]
+
+
+def _ucx_env(text: str) -> dict[str, str]:
+    """``--ucx-env`` as a dict; ValueError naming the item that is not ``UCX_...=value``."""
+    out = {}
+    for item in (x.strip() for x in str(text or "").split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith(("UCX_", "UCXPY_")):
+            raise _usage(f"--ucx-env item {item!r} must be UCX_NAME=value")
+        out[key] = value
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,7 +197,8 @@ def _spawn(role: str, method: str, chunk_bytes: int, chunks: int, args: argparse
             del env[key]
     cmd = [sys.executable, "-m", "kv_offload_sidecar.bench.transport", "--role", role,
            "--method", method, "--chunk-bytes", str(chunk_bytes), "--set-bytes", str(chunks * chunk_bytes),
-           "--shm-dir", args.shm_dir, "--session-key", session_key, "--address", address]
+           "--shm-dir", args.shm_dir, "--session-key", session_key, "--address", address,
+           f"--ucx-env={args.ucx_env}"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     return _Worker(proc, f"{role}:{method}:{chunk_bytes}")
 
@@ -193,6 +213,7 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
     ratios: dict[tuple[str, int], list[float]] = {}
     identical: dict[tuple[str, int], bool] = {}
     lookup: dict[str, Any] = {}
+    ucx_settings: dict[str, dict[str, str]] = {}  # UCX environment each UCX client ran with
     for size in sizes:
         chunks = max(2, args.set_bytes // size)
         _progress(f"starting peers for {_fmt_size(size)} chunks ({chunks} per fetch)")
@@ -209,7 +230,9 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
                     address += "|" + addresses["raw_tcp"]
                 clients[m] = _spawn("client", m, size, chunks, args, session_key, address)
             for m, w in clients.items():
-                w.read()  # ready (connected, warmed up)
+                ready = w.read()  # ready (connected, warmed up)
+                if ready.get("ucx"):
+                    ucx_settings[m] = ready["ucx"]
             for r in range(args.rounds):
                 round_gbps: dict[str, float] = {}
                 for m in methods:
@@ -237,7 +260,8 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
                 "ratio_to_raw_tcp": statistics.median(ratios[(m, size)]),
                 "rounds": len(values), "identical": identical[(m, size)],
             })
-    report = {"results": results, "lookup": lookup, "rounds": args.rounds,
+    report = {"results": results, "lookup": lookup, "ucx_settings": ucx_settings,
+              "rounds": args.rounds,
               "seconds_per_measurement": args.seconds, "cpus": os.cpu_count()}
     report["targets"] = _targets(report)
     return report
@@ -388,6 +412,7 @@ def _worker_main(args: argparse.Namespace) -> int:
 
         tls = _UCX_TLS[method]
         configure_ucx_env(tls, net_devices="lo" if tls.startswith("tcp") else None)
+        os.environ.update(_ucx_env(args.ucx_env))
     size = int(args.chunk_bytes)
     chunks = int(args.set_bytes) // size  # the orchestrator passes a whole number of chunks
     try:
@@ -523,7 +548,9 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
     try:
         for s in (0, 1):  # warm up: connect, fault every slot in
             await fetcher.fetch_set(s)
-        _emit({"ready": True})
+        ucx = ({k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
+               if method in _UCX_TLS else {})
+        _emit({"ready": True, "ucx": ucx})
         async for cmd in _acommands():
             if cmd["cmd"] == "fetch":
                 moved, t0 = 0, time.perf_counter()

@@ -53,6 +53,8 @@ SOCKET_BUFFER_BYTES = 0
 SERVER_QUEUE_FRAMES = 64
 # Seconds without a request or reply after which a stopping server closes a connection.
 IDLE_CLOSE_SECONDS = 0.25
+# Bound of each goodbye step of a stopping server (sending CLOSE; draining until the client closes).
+GOODBYE_DRAIN_SECONDS = 0.25
 # Chunk bytes the client lets arrive before the loop wakes up to take them (SO_RCVLOWAT).
 RECV_BATCH_BYTES = 512 << 10
 # Chunks one sendmsg call carries (each is three buffers; IOV_MAX is 1024).
@@ -200,9 +202,31 @@ class _ConnState:
         self.busy = [False]
         # Monotonic time of the last frame read or reply sent.
         self.last = time.monotonic()
+        # Set by stop(): the connection ends with a goodbye (CLOSE, SHUT_WR, drain).
+        self.closing = False
 
     def idle(self, now: float) -> bool:
         return self.queue.empty() and not self.busy[0] and now - self.last >= IDLE_CLOSE_SECONDS
+
+
+async def _goodbye(loop: asyncio.AbstractEventLoop, conn: socket.socket, *, send_close: bool) -> None:
+    """End a connection a stopping server still holds, without a reset.
+
+    CLOSE (skipped when a chunk frame was cut short: the client then sees the
+    stream end mid-frame, a failed fetch), ``SHUT_WR`` so the client reads EOF
+    after it, then discard what the client still sends until it closes or
+    ``GOODBYE_DRAIN_SECONDS`` pass (closing with unread bytes would send RST).
+    """
+    if send_close:
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(GOODBYE_DRAIN_SECONDS):
+                await send_all(loop, conn, proto.encode_close())
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(GOODBYE_DRAIN_SECONDS):
+            while await loop.sock_recv(conn, 65536):
+                pass
 
 
 class TcpDataPlaneServer(DataPlaneServer):
@@ -269,7 +293,9 @@ class TcpDataPlaneServer(DataPlaneServer):
     async def stop(self, grace_seconds: float = 1.0) -> None:
         """Stop accepting at once; keep serving open connections (a fetch in flight keeps
         asking for chunks) until each has been idle ``IDLE_CLOSE_SECONDS`` or
-        ``grace_seconds`` pass, then close them."""
+        ``grace_seconds`` pass, then close them cleanly: a CLOSE frame (when no chunk
+        is half sent), ``shutdown(SHUT_WR)``, up to ``GOODBYE_DRAIN_SECONDS`` reading
+        until the client closes too, then ``close``."""
         self._stopping = True
         if self._accept_task is not None:
             self._accept_task.cancel()
@@ -283,6 +309,10 @@ class TcpDataPlaneServer(DataPlaneServer):
             if all(st.idle(now) for st in self._states.values()):
                 break
             await asyncio.sleep(0.05)
+        # Whatever is still open says goodbye: CLOSE (unless a chunk is half sent), SHUT_WR,
+        # a brief drain of what the client still sends, then close (no reset).
+        for st in self._states.values():
+            st.closing = True
         still = list(self._conns)
         for t in still:
             t.cancel()
@@ -363,12 +393,17 @@ class TcpDataPlaneServer(DataPlaneServer):
             log.debug("TCP data plane: connection ended: %s", exc)
         finally:
             self._states.pop(id(conn), None)
+            half_sent = state.busy[0]
             if writer is not None and not writer.done():
                 writer.cancel()
                 with contextlib.suppress(BaseException):
                     await writer
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+            if state.closing:
+                with contextlib.suppress(BaseException):
+                    await _goodbye(loop, conn, send_close=not half_sent)
+            else:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
             conn.close()
 
     async def _write_loop(self, conn: socket.socket, queue: asyncio.Queue, busy: list[bool]) -> None:

@@ -37,6 +37,14 @@ fatal when error handling is off. With ``UCX_RNDV_SCHEME=put_zcopy`` the holder
 does the copy, so a *fetcher* survives a holder killed mid-transfer (tested), but a
 *holder* whose fetcher is killed in the middle of a transfer is aborted by UCX.
 The TCP transport has no such gap; isolating UCX in a helper process is the fix.
+Error handling cannot close it either: with UCX 1.21 an endpoint with peer error
+handling (even with ``UCX_MM_ERROR_HANDLING=y``) gets only ``sysv`` for tags, no
+CMA, about 0.05 GB/s on the benchmark host.
+
+Speed (``kv-offload bench transport``): a chunk moves by one CMA copy in the
+holder (``put_zcopy``), about 3 GB/s per core on the benchmark host, so the holder's
+core is the limit; the fetcher keeps ``UCX_WINDOW`` chunks in flight so it
+verifies chunk i while the holder copies the next ones.
 """
 
 from __future__ import annotations
@@ -59,7 +67,6 @@ from .. import protocol as proto
 from .base import (
     DEFAULT_AUTH_TIMEOUT,
     DEFAULT_SEND_TIMEOUT,
-    DEFAULT_WINDOW,
     Authorize,
     DataPlaneServer,
     PeerDataClient,
@@ -98,6 +105,10 @@ ATTACH_BUFFER_BYTES = (proto.HEADER_BYTES + 4 + 2 + proto.MAX_SESSION_ID_BYTES +
 MAX_SERVER_CONNECTIONS = 1024
 # Chunk sends one server connection keeps in flight.
 SERVER_SENDS_IN_FLIGHT = 64
+# Chunks a UCX client keeps in flight per fetch by default (UCX moves a chunk while the
+# fetcher verifies the previous ones; deeper than TCP's window because every chunk waits
+# for a rendezvous round trip between the two processes).
+UCX_WINDOW = 32
 # Seconds without a request or send after which a stopping server closes a connection.
 IDLE_CLOSE_SECONDS = 0.25
 
@@ -632,7 +643,7 @@ class UcxPeerDataClient(PeerDataClient):
     @classmethod
     async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
                       timeout: float, metrics: SidecarMetrics | None = None,
-                      window: int = DEFAULT_WINDOW) -> UcxPeerDataClient:
+                      window: int = UCX_WINDOW) -> UcxPeerDataClient:
         """Attach to the server at ``ucx://...`` and authenticate; TransportError on failure."""
         server_address = decode_address(address)
         rt = UcxRuntime.get()

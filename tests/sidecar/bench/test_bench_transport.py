@@ -47,3 +47,28 @@ def test_bad_chunk_size_is_one_line_and_exit_2() -> None:
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--chunk-bytes" in lines[0] and "integers" in lines[0]
+
+
+def test_ucx_env_reaches_the_ucx_processes_and_is_reported(tmp_path: Path, shm_dir: str) -> None:
+    done = subprocess.run(
+        [*CLI, "--chunk-bytes", "65536", "--seconds", "0.05", "--rounds", "1", "--methods", "ucx_sm",
+         "--set-bytes", str(1 << 20), "--json", "--plot", "", "--shm-dir", shm_dir,
+         "--ucx-env", "UCX_RNDV_SCHEME=get_zcopy,UCX_CMA_SEG_SIZE=1m"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert {r["method"] for r in report["results"]} == {"raw_tcp", "ucx_sm"}
+    assert all(r["identical"] for r in report["results"])
+    settings = report["ucx_settings"]["ucx_sm"]
+    assert settings["UCX_RNDV_SCHEME"] == "get_zcopy"  # overrides the transport's put_zcopy
+    assert settings["UCX_CMA_SEG_SIZE"] == "1m" and settings["UCX_TLS"] == "sm,self"
+
+
+def test_bad_ucx_env_item_is_one_line_and_exit_2() -> None:
+    done = subprocess.run([*CLI, "--ucx-env", "RNDV_SCHEME=get_zcopy"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--ucx-env" in lines[0] and "'RNDV_SCHEME=get_zcopy'" in lines[0]

@@ -8,8 +8,10 @@ import socket
 import threading
 import time
 
+from kv_offload_sidecar import protocol as proto
 from kv_offload_sidecar.bench.chaos_support import (
     ChaosPool,
+    RawDataConnection,
     chunk_content,
     chunk_keys,
     load_and_verify,
@@ -137,3 +139,18 @@ def test_restarted_sidecar_rejoins_its_pool_and_serves_again(chaos_pool: ChaosPo
             time.sleep(0.1)
         assert load_and_verify(e_first, keys, CHUNK) == (len(keys), 0)
     assert first.status()["store"]["chunks"] == len(keys)
+
+
+def test_sigterm_says_goodbye_on_an_open_data_connection(chaos_pool: ChaosPool) -> None:
+    server = chaos_pool.add("server")
+    data_address = server.status()["data_address"]
+    probe = probe_handshake(server.control_address, chaos_pool.pool_key, chaos_pool.local_hello())
+    with RawDataConnection(data_address) as conn:
+        conn.authenticate(probe.session)
+        server.send(15)  # SIGTERM with this connection open and idle
+        conn.sock.settimeout(20.0)
+        # One CLOSE frame, then an orderly end of stream (not a reset).
+        header, payload = conn.read_frame()
+        assert header.type is proto.MessageType.CLOSE and payload == b""
+        assert conn.sock.recv(1) == b""
+    assert server.proc is not None and server.proc.wait(20) == 0, server.log_tail()
