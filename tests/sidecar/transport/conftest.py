@@ -56,6 +56,8 @@ def ucx_env(tls: str) -> dict[str, str]:
         if key.startswith("UCX_") or key.startswith("UCXPY_"):
             del env[key]
     env["UCX_TLS"] = tls
+    # UCX's own warnings go to stderr: the tests read the peers' JSON on stdout.
+    env["UCX_LOG_FILE"] = "stderr"
     return env
 
 
