@@ -189,6 +189,18 @@ class ChaosBench:
             self.engines[name] = engine
         return engine
 
+    def stage_on(self, name: str, result: FaultResult) -> list[bytes] | None:
+        """Store fresh chunks on server ``name`` and wait until the hub's summaries show them.
+
+        None (noted in ``result``) when the summary does not arrive in 5 s.
+        """
+        keys = self.fresh_keys()
+        self.put_on(name, keys)
+        if not self.wait_visible(keys, 5.0):
+            result.notes.append(f"{name}: summary not seen in 5 s; skipped")
+            return None
+        return keys
+
     def fresh_keys(self, n: int | None = None) -> list[bytes]:
         self.batch += 1
         return chunk_keys(f"batch-{self.batch}", n or self.s.chunks_per_load)
@@ -274,10 +286,8 @@ class ChaosBench:
                 t.join()
                 with contextlib.suppress(TimeoutError):
                     self.wait_fetchable(name, RECOVERY_SECONDS)
-            keys = self.fresh_keys()
-            self.put_on(name, keys)
-            if not self.wait_visible(keys, 5.0):
-                result.notes.append(f"{name}: summary not seen in 5 s; skipped")
+            keys = self.stage_on(name, result)
+            if keys is None:
                 continue
             if len(durations) < 3:  # calibrate: how long an undisturbed fetch takes (no verification)
                 t0 = time.monotonic()
@@ -332,10 +342,8 @@ class ChaosBench:
         started = time.monotonic()
         for r in range(rounds):
             name = self.server_names[r % len(self.server_names)]
-            keys = self.fresh_keys()
-            self.put_on(name, keys)
-            if not self.wait_visible(keys, 5.0):
-                result.notes.append(f"{name}: summary not seen in 5 s; skipped")
+            keys = self.stage_on(name, result)
+            if keys is None:
                 continue
             sc = self.pool[name]
             sc.send(signal.SIGSTOP)
@@ -552,10 +560,8 @@ class ChaosBench:
         started = time.monotonic()
         for r in range(rounds):
             name = self.server_names[r % len(self.server_names)]
-            keys = self.fresh_keys()
-            self.put_on(name, keys)
-            if not self.wait_visible(keys, 5.0):
-                result.notes.append(f"{name}: summary not seen in 5 s; skipped")
+            keys = self.stage_on(name, result)
+            if keys is None:
                 continue
             sc = self.pool[name]
             result.injected += 1
