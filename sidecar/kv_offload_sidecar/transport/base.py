@@ -147,10 +147,17 @@ class PeerDataClient(abc.ABC):
     async def close(self) -> None:
         """Say goodbye and close; idempotent."""
 
+    # The error that ended the connection; None while it is usable.
+    _error: BaseException | None = None
+
     @property
-    @abc.abstractmethod
     def closed(self) -> bool:
         """True once the connection is gone (after an error, a deadline or close())."""
+        return self._error is not None
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise TransportError(f"data connection is closed: {self._error}")
 
 
 @dataclass

@@ -516,18 +516,10 @@ class TcpPeerDataClient(PeerDataClient):
             raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
         proto.decode_auth_ok(payload)
 
-    @property
-    def closed(self) -> bool:
-        return self._error is not None
-
     def _rids(self, n: int) -> int:
         first = self._next_rid
         self._next_rid = (self._next_rid + n) % proto.REQUEST_ID_MOD
         return first
-
-    def _check_open(self) -> None:
-        if self._error is not None:
-            raise TransportError(f"data connection is closed: {self._error}")
 
     async def _send(self, frame: list) -> None:
         async with self._send_lock:

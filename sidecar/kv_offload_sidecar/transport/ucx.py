@@ -686,20 +686,12 @@ class UcxPeerDataClient(PeerDataClient):
         client._reader = asyncio.create_task(client._read_loop(), name="ucx-data-reader")
         return client
 
-    @property
-    def closed(self) -> bool:
-        return self._error is not None
-
     def _rids(self, n: int) -> int:
         if self._next_rid + n > UCX_REQUEST_ID_MOD:  # keep a batch's ids contiguous
             self._next_rid = 1
         first = self._next_rid
         self._next_rid += n
         return first
-
-    def _check_open(self) -> None:
-        if self._error is not None:
-            raise TransportError(f"data connection is closed: {self._error}")
 
     async def _send(self, frame: list) -> None:
         await self._rt.send(self._ep, _buf(frame), self._c2s)
