@@ -7,7 +7,10 @@ interleaved rounds so each ratio compares numbers taken moments apart:
 - ``raw_tcp``: the limit: blocking ``sendall`` / ``recv_into`` a preallocated buffer.
 - ``memcpy``: one core copying (``numpy.copyto``), in one process.
 - ``tcp``: the sidecar's TCP transport, a peer fetch into store slots, checksums verified.
-- ``ucx_sm`` / ``ucx_tcp``: the sidecar's UCX transport with ``UCX_TLS=sm,self`` / ``tcp,self``.
+- ``ucx_sm`` / ``ucx_tcp``: the sidecar's UCX transport with ``UCX_TLS=sm,self`` / ``tcp,self``
+  (one lane: the holder copies every chunk, the default).
+- ``ucx_sm_2lanes``: the UCX transport over ``sm`` with two lanes (``--ucx-lanes 2``: every
+  third chunk is copied by the fetcher, so both processes' cores copy).
 - ``aiohttp_get``: the naive baseline, one HTTP GET per chunk, copied into a slot, verified.
 
 Plus the round trip of a 32-key peer lookup on the transports' persistent
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Methods measured, in the order of the table.
-METHODS = ("raw_tcp", "memcpy", "tcp", "ucx_sm", "ucx_tcp", "aiohttp_get")
+METHODS = ("raw_tcp", "memcpy", "tcp", "ucx_sm", "ucx_sm_2lanes", "ucx_tcp", "aiohttp_get")
 # Chunk sizes measured by default (bytes).
 DEFAULT_CHUNK_BYTES = (262144, 2097152, 16777216)
 # Keys per lookup request.
@@ -48,11 +51,16 @@ LOOKUP_KEYS = 32
 # Session of the benchmark's data connections.
 _SESSION_ID = b"bench"
 # What each method needs in its process environment (UCX reads it once per process).
-_UCX_TLS = {"ucx_sm": "sm,self", "ucx_tcp": "tcp,self"}
+_UCX_TLS = {"ucx_sm": "sm,self", "ucx_sm_2lanes": "sm,self", "ucx_tcp": "tcp,self"}
+# UCX lanes of each UCX method's client (see transport.ucx.configure_ucx_env).
+_UCX_LANES = {"ucx_sm_2lanes": 2}
+# Methods whose clients also time peer lookups.
+_LOOKUP_METHODS = ("tcp", "ucx_sm", "ucx_tcp")
 # Targets of issue 7: (description, method, chunk sizes, baseline, minimum ratio).
 TARGETS = (
     ("TCP transport >= 0.8x raw TCP", "tcp", (2097152, 16777216), "raw_tcp", 0.8),
     ("UCX sm >= 2.0x raw TCP", "ucx_sm", (2097152, 16777216), "raw_tcp", 2.0),
+    ("UCX sm, two lanes >= 2.0x raw TCP", "ucx_sm_2lanes", (2097152, 16777216), "raw_tcp", 2.0),
     ("UCX sm >= 3x one-GET-per-chunk aiohttp", "ucx_sm", (2097152,), "aiohttp_get", 3.0),
     ("TCP transport >= 1.5x one-GET-per-chunk aiohttp", "tcp", (2097152,), "aiohttp_get", 1.5),
 )
@@ -226,7 +234,7 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
             addresses = {m: w.read()["address"] for m, w in servers.items()}
             for m in methods:
                 address = addresses.get(m, "")
-                if m in ("tcp", "ucx_sm", "ucx_tcp"):  # lookups alternate with raw round trips
+                if m == "tcp" or m in _UCX_TLS:  # lookups alternate with raw round trips
                     address += "|" + addresses["raw_tcp"]
                 clients[m] = _spawn("client", m, size, chunks, args, session_key, address)
             for m, w in clients.items():
@@ -271,7 +279,7 @@ def _measure_lookups(args: argparse.Namespace, clients: dict[str, _Worker],
                      methods: list[str]) -> dict[str, Any]:
     """32-key lookups on each transport's connection, each alternating sample by sample
     with a raw 64-byte TCP round trip from the same process (same CPU conditions)."""
-    transports = [m for m in ("tcp", "ucx_sm", "ucx_tcp") if m in methods]
+    transports = [m for m in _LOOKUP_METHODS if m in methods]
     lookups: dict[str, list[float]] = {m: [] for m in transports}
     raws: dict[str, list[float]] = {m: [] for m in transports}
     for r in range(max(args.rounds, 1)):
@@ -411,7 +419,8 @@ def _worker_main(args: argparse.Namespace) -> int:
         from ..transport.ucx import configure_ucx_env
 
         tls = _UCX_TLS[method]
-        configure_ucx_env(tls, net_devices="lo" if tls.startswith("tcp") else None)
+        configure_ucx_env(tls, net_devices="lo" if tls.startswith("tcp") else None,
+                          lanes=_UCX_LANES.get(method, 1))
         os.environ.update(_ucx_env(args.ucx_env))
     size = int(args.chunk_bytes)
     chunks = int(args.set_bytes) // size  # the orchestrator passes a whole number of chunks
