@@ -31,6 +31,8 @@ log = logging.getLogger("kv_offload_sidecar")
 
 # Environment variable naming the process whose death stops the sidecar (tests, benches).
 PARENT_PID_ENV = "KV_OFFLOAD_PARENT_PID"
+# Environment variable with the UCX lane count when --ucx-lanes is not given.
+UCX_LANES_ENV = "KV_OFFLOAD_UCX_LANES"
 # Seconds between checks that the --parent-pid process still lives.
 PARENT_POLL_SECONDS = 0.5
 
@@ -69,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-tls", default=None, metavar="TLS",
                    help="UCX transports with --transport ucx, e.g. sm,tcp,self "
                         "(default $UCX_TLS, else the ucx transport's default)")
+    p.add_argument("--ucx-lanes", default=None, metavar="N",
+                   help="UCX connections per peer with --transport ucx: 1 (the holder copies each "
+                        "chunk) or 2 (the fetcher copies every third, faster between same-host "
+                        f"peers; a holder killed mid-transfer can then abort this sidecar too) "
+                        f"(default ${UCX_LANES_ENV}, else 1)")
     p.add_argument("--hash-seed", default=None, metavar="S",
                    help="prefix-hash seed shared by the pool (default: the config's extra_config "
                         "hash_seed, else $PYTHONHASHSEED, else 0)")
@@ -136,7 +143,17 @@ def ucx_tls(args: argparse.Namespace) -> str:
     return tls
 
 
-def configure_ucx(tls: str) -> dict[str, str]:
+def ucx_lanes(args: argparse.Namespace) -> int:
+    """--ucx-lanes, else $KV_OFFLOAD_UCX_LANES, else 1; ValueError naming the choices."""
+    raw = args.ucx_lanes if args.ucx_lanes is not None else os.environ.get(UCX_LANES_ENV) or "1"
+    name = "--ucx-lanes" if args.ucx_lanes is not None else UCX_LANES_ENV
+    if raw.strip() not in ("1", "2"):
+        raise ValueError(f"{name} {raw!r} is not a lane count; use 1 (the holder copies every "
+                         "chunk) or 2 (the fetcher copies every third chunk too)")
+    return int(raw)
+
+
+def configure_ucx(tls: str, lanes: int = 1) -> dict[str, str]:
     """Set UCX's environment for this process (before ``ucxx`` is imported).
 
     The chosen ``tls`` always wins; other UCX variables already in the
@@ -148,7 +165,7 @@ def configure_ucx(tls: str) -> dict[str, str]:
     os.environ["UCX_TLS"] = tls
     # UCX logs to stdout by default; a sidecar's stdout stays clean.
     os.environ.setdefault("UCX_LOG_FILE", "stderr")
-    return configure_ucx_env(tls, override=False)
+    return configure_ucx_env(tls, lanes=lanes, override=False)
 
 
 def process_alive(pid: int) -> bool:
@@ -226,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         settings = build_settings(args)
         parent = parent_pid(args)
         if settings.transport == "ucx":
-            configure_ucx(ucx_tls(args))
+            configure_ucx(ucx_tls(args), ucx_lanes(args))
     except (ValueError, RuntimeError) as exc:
         print(f"kv-offload sidecar: {exc}", file=sys.stderr)
         return 2

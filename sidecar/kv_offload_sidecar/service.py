@@ -313,6 +313,10 @@ class Sidecar:
     def status(self) -> dict[str, Any]:
         s = self.settings
         store = self.store
+        ucx: dict[str, int] = {}
+        if s.transport == "ucx":
+            from .transport.ucx import configured_lanes
+            ucx["ucx_lanes"] = configured_lanes()
         states: dict[str, int] = {}
         for link in self.peers.links():
             states[link.state] = states.get(link.state, 0) + 1
@@ -324,6 +328,7 @@ class Sidecar:
             "kv_bytes_per_chunk": s.kv_bytes_per_chunk,
             "wire_version": WIRE_VERSION,
             "transport": s.transport,
+            **ucx,
             "control_ports": list(s.control_ports),
             "dp_indices": list(s.dp_indices),
             "data_address": self.data_address,

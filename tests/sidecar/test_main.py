@@ -126,6 +126,19 @@ def test_unusable_ucx_tls_from_flag_or_env_stops_ucx_sidecar_with_one_line(files
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("flag, env, named", [(["--ucx-lanes", "3"], None, "--ucx-lanes '3'"),
+                                              ([], {"KV_OFFLOAD_UCX_LANES": "two"},
+                                               "KV_OFFLOAD_UCX_LANES 'two'")], ids=["flag", "env"])
+def test_bad_ucx_lane_count_exits_2_with_one_line_naming_the_choices(files, flag, env, named):
+    argv = ["--config", files[0], "--pool-key-file", files[1], "--transport", "ucx", "--host", "127.0.0.1",
+            "--base-port", str(free_port_block(1)), "--data-port", "0", *flag]
+    proc = run_cli(argv, env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"kv-offload sidecar: {named} is not a lane count; use 1 (the holder copies every chunk) "
+        "or 2 (the fetcher copies every third chunk too)"]
+
+
 def test_ucx_tls_flag_wins_over_env():
     with LocalPool(2, transport="ucx", env={"UCX_TLS": "bogus_tl"},
                    extra_args=("--ucx-tls", "tcp,self")) as pool:

@@ -66,9 +66,11 @@ def pool():
         yield p
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ucx"])
-def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport):
-    with LocalPool(3, transport=transport, capacity_bytes=256 * CHUNK) as pool:
+@pytest.mark.parametrize("transport, lanes", [("tcp", None), ("ucx", 1), ("ucx", 2)],
+                         ids=["tcp", "ucx", "ucx-2-lanes"])
+def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lanes):
+    extra = () if lanes is None else ("--ucx-lanes", str(lanes))
+    with LocalPool(3, transport=transport, capacity_bytes=256 * CHUNK, extra_args=extra) as pool:
         a, c = pool.client(0), pool.client(2)
         keys = new_keys(8)
         data = store(a, keys)
@@ -86,6 +88,7 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport):
         assert pool[2].metric("kv_offload_chunk_lookups_total", result="local_hit") == 8
         assert pool[2].metric("kv_offload_peer_fetch_duration_seconds_count") >= 1
         assert pool[2].status()["transport"] == transport
+        assert pool[2].status().get("ucx_lanes") == lanes
         a.close()
         c.close()
         codes = pool.stop()

@@ -164,7 +164,6 @@ def configure_ucx_env(tls: str = DEFAULT_TLS, *, net_devices: str | None = None,
     if lanes not in (1, 2):
         raise ValueError(f"UCX lanes={lanes!r} is not supported; use 1 (holder copies) or 2 "
                          "(holder and fetcher copy)")
-    _state["lanes"] = lanes
     wanted = dict(_UCX_DEFAULTS, UCX_TLS=tls, UCX_RNDV_SCHEME=rndv_scheme)
     if net_devices:
         wanted["UCX_NET_DEVICES"] = net_devices
@@ -174,11 +173,18 @@ def configure_ucx_env(tls: str = DEFAULT_TLS, *, net_devices: str | None = None,
         if differ:
             raise RuntimeError("ucxx is already imported, so UCX settings can no longer change: "
                                + ", ".join(differ) + "; call configure_ucx_env() first thing")
+        _state["lanes"] = lanes
         return {k: os.environ[k] for k in wanted}
     for key, value in wanted.items():
         if override or key not in os.environ:
             os.environ[key] = value
+    _state["lanes"] = lanes
     return {k: os.environ[k] for k in wanted}
+
+
+def configured_lanes() -> int:
+    """UCX lanes new clients of this process open per peer (see configure_ucx_env)."""
+    return int(_state["lanes"])
 
 
 class UcxRuntime:
@@ -206,7 +212,8 @@ class UcxRuntime:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, config: dict[str, str] | None = None) -> None:
         if "ucxx" not in sys.modules:
-            configure_ucx_env(os.environ.get("UCX_TLS", DEFAULT_TLS), override=False)
+            configure_ucx_env(os.environ.get("UCX_TLS", DEFAULT_TLS), lanes=_state["lanes"],
+                              override=False)
         import ucxx  # noqa: F401  (loads libucx and sets ucxx's env defaults)
         from ucxx._lib import libucxx as api
         from ucxx._lib.arr import Array
@@ -702,6 +709,7 @@ class UcxPeerDataClient(PeerDataClient):
         self._error: BaseException | None = None
         self._partner: UcxPeerDataClient | None = None
         self._turn = 0  # chunks requested so far, modulo GET_LANE_EVERY
+        self._requested = 0  # chunks requested over this connection
 
     @classmethod
     async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
@@ -733,6 +741,11 @@ class UcxPeerDataClient(PeerDataClient):
     def lanes(self) -> int:
         """UCX connections this client fetches over (1 or 2)."""
         return 1 if self._partner is None else 2
+
+    @property
+    def lane_chunks(self) -> tuple[int, int]:
+        """Chunks requested so far over the holder-copied and the fetcher-copied lane."""
+        return self._requested, 0 if self._partner is None else self._partner._requested
 
     @classmethod
     async def _attach(cls, rt: UcxRuntime, server_address: bytes, session_id: bytes,
@@ -838,6 +851,7 @@ class UcxPeerDataClient(PeerDataClient):
     async def _request_lane(self, batch: list[tuple[int, PendingChunk]]) -> None:
         """Post the receive into each reserved slot, then ask for the chunks."""
         self._check_open()
+        self._requested += len(batch)
         rid = self._rids(len(batch))
         for j, (_, p) in enumerate(batch):
             data = self._rt.post_recv(self._ep, p.reservation.view, _data_tag(self._cid, rid + j))

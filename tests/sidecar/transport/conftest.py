@@ -92,12 +92,15 @@ def start_peer(shm_dir: str) -> Iterator[Callable[..., PeerProcess]]:
 
 
 def run_ucx_client(peer: PeerProcess, scenario: str, *, tls: str, shm_dir: str, chunks: int,
-                   chunk_bytes: int, timeout: float = 60) -> dict[str, Any]:
-    """Run one UCX client scenario in its own process; its JSON outcome."""
+                   chunk_bytes: int, timeout: float = 60, lanes: int = 1,
+                   corrupt: str = "") -> dict[str, Any]:
+    """Run one UCX client scenario in its own process (``lanes`` UCX lanes; ``corrupt``: the
+    chunk indices the server corrupted); its JSON outcome."""
     done = subprocess.run(
         [sys.executable, PEERS_SCRIPT, "ucx-client", "--tls", tls, "--scenario", scenario,
          "--address", peer.address, "--server-pid", str(peer.pid), "--chunks", str(chunks),
-         "--chunk-bytes", str(chunk_bytes), "--shm-dir", shm_dir],
+         "--chunk-bytes", str(chunk_bytes), "--shm-dir", shm_dir, "--lanes", str(lanes),
+         "--corrupt", corrupt],
         capture_output=True, text=True, timeout=timeout, env=ucx_env(tls),
     )
     lines = done.stdout.strip().splitlines()

@@ -33,6 +33,40 @@ def test_fetch_moves_chunks_byte_identical_and_lookup_returns_the_prefix(
 
 
 @pytest.mark.parametrize("tls", TLS)
+def test_two_lanes_split_a_fetch_one_chunk_in_three_to_the_fetcher_copied_lane(
+        tls: str, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
+    peer = start_peer("ucx", tls=tls, chunks=16, chunk_bytes=CHUNK)
+    out = run_ucx_client(peer, "fetch", tls=tls, shm_dir=shm_dir, chunks=16, chunk_bytes=CHUNK,
+                         lanes=2)
+    assert out["fetched"] == 16 and out["identical"]
+    assert out["lookup_all"] == 16 and out["lookup_gap"] == 3 and out["fetch_missing"] == 0
+    holder_copied, fetcher_copied = out["lane_chunks"]
+    # 16 chunks + the missing key's request: every third goes to the fetcher-copied lane.
+    assert (holder_copied, fetcher_copied) == (12, 5)
+    assert out["visible_intact"] and out["slots_in_use"] == 16
+    assert peer.metrics()["peer_bytes_sent"] == 16 * CHUNK
+
+
+def test_one_lane_sends_every_chunk_over_the_holder_copied_lane(
+        start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
+    peer = start_peer("ucx", tls="sm,self", chunks=16, chunk_bytes=CHUNK)
+    out = run_ucx_client(peer, "fetch", tls="sm,self", shm_dir=shm_dir, chunks=16, chunk_bytes=CHUNK)
+    assert out["fetched"] == 16 and out["identical"]
+    assert out["lane_chunks"] == [17, 0]
+
+
+@pytest.mark.parametrize("corrupt", ["1", "2"])  # chunk 2 travels the fetcher-copied lane
+def test_corrupted_chunk_on_either_of_two_lanes_fails_its_checksum_and_is_not_stored(
+        corrupt: str, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
+    peer = start_peer("ucx", tls="sm,self", chunks=4, chunk_bytes=CHUNK, corrupt=corrupt)
+    out = run_ucx_client(peer, "corrupt", tls="sm,self", shm_dir=shm_dir, chunks=4,
+                         chunk_bytes=CHUNK, lanes=2, corrupt=corrupt)
+    assert out["error"].startswith("integrity:")
+    assert not out["corrupt_visible"]
+    assert out["visible_intact"] and out["slots_in_use"] == out["visible"]
+
+
+@pytest.mark.parametrize("tls", TLS)
 def test_wrong_session_key_gets_no_connection_and_no_chunk(
         tls: str, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
     peer = start_peer("ucx", tls=tls, chunks=4, chunk_bytes=CHUNK)
@@ -61,7 +95,8 @@ def test_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_partial(
 def test_corrupted_chunk_fails_its_checksum_and_is_not_stored(
         tls: str, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
     peer = start_peer("ucx", tls=tls, chunks=4, chunk_bytes=CHUNK, corrupt="1")
-    out = run_ucx_client(peer, "corrupt", tls=tls, shm_dir=shm_dir, chunks=4, chunk_bytes=CHUNK)
+    out = run_ucx_client(peer, "corrupt", tls=tls, shm_dir=shm_dir, chunks=4, chunk_bytes=CHUNK,
+                         corrupt="1")
     assert out["error"].startswith("integrity:")
     assert not out["corrupt_visible"]
     assert out["visible_intact"] and out["slots_in_use"] == out["visible"]
@@ -98,3 +133,10 @@ def test_ucx_settings_are_refused_once_ucxx_is_imported() -> None:
                           env=ucx_env("tcp,self"))
     assert done.returncode == 0, done.stderr
     assert "refused: ucxx is already imported" in done.stdout and "UCX_TLS" in done.stdout
+
+
+def test_a_lane_count_other_than_one_or_two_is_refused_naming_the_choices() -> None:
+    from kv_offload_sidecar.transport.ucx import configure_ucx_env
+
+    with pytest.raises(ValueError, match=r"lanes=3 is not supported; use 1 .* or 2"):
+        configure_ucx_env("sm,self", lanes=3)

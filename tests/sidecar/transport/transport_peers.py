@@ -38,10 +38,10 @@ def content_of(i: int, size: int) -> bytes:
     return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def _configure_ucx(tls: str) -> None:
+def _configure_ucx(tls: str, lanes: int) -> None:
     from kv_offload_sidecar.transport.ucx import configure_ucx_env
 
-    configure_ucx_env(tls, net_devices="lo" if "tcp" in tls else None)
+    configure_ucx_env(tls, net_devices="lo" if "tcp" in tls else None, lanes=lanes)
 
 
 def _metrics_snapshot(metrics: Any) -> dict[str, Any]:
@@ -123,6 +123,7 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
             out["identical"] = all(_slot_bytes(store, k) == content_of(i, args.chunk_bytes)
                                    for i, k in enumerate(keys))
             out["fetch_missing"] = await client.fetch([key_of(10_000)], store, timeout=5)
+            out["lane_chunks"] = list(client.lane_chunks)
             await client.close()
         elif args.scenario == "bad_auth":
             t0 = time.monotonic()
@@ -151,7 +152,7 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
                 out["error"] = "integrity: " + str(exc)
             except TransportError as exc:
                 out["error"] = str(exc)
-            out["corrupt_visible"] = store.contains(keys[1])
+            out["corrupt_visible"] = any(store.contains(keys[int(i)]) for i in args.corrupt.split(","))
         elif args.scenario == "garbage":
             out.update(await _garbage(args, keys, store))
         else:
@@ -248,9 +249,10 @@ def main() -> None:
     parser.add_argument("--scenario", default="fetch")
     parser.add_argument("--server-pid", type=int, default=0)
     parser.add_argument("--auth-timeout", type=float, default=5.0)
+    parser.add_argument("--lanes", type=int, default=1)
     args = parser.parse_args()
     if args.kind == "ucx" or args.mode == "ucx-client":
-        _configure_ucx(args.tls)
+        _configure_ucx(args.tls, args.lanes)
     if args.mode == "serve":
         asyncio.run(serve(args))
     else:
