@@ -11,6 +11,9 @@ interleaved rounds so each ratio compares numbers taken moments apart:
   (one lane: the holder copies every chunk, the default).
 - ``ucx_sm_2lanes``: the UCX transport over ``sm`` with two lanes (``--ucx-lanes 2``: every
   third chunk is copied by the fetcher, so both processes' cores copy).
+- ``ucx_sm_limit``: bare ucxx between busy-polling processes, two lanes, every chunk
+  hashed on arrival (``bench/ucx_limit.py``): what any ucxx data plane that verifies
+  its chunks can reach here; the gap to ``ucx_sm_2lanes`` is the transport's overhead.
 - ``aiohttp_get``: the naive baseline, one HTTP GET per chunk, copied into a slot, verified.
 
 Plus the round trip of a 32-key peer lookup on the transports' persistent
@@ -43,7 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # Methods measured, in the order of the table.
-METHODS = ("raw_tcp", "memcpy", "tcp", "ucx_sm", "ucx_sm_2lanes", "ucx_tcp", "aiohttp_get")
+METHODS = ("raw_tcp", "memcpy", "tcp", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_tcp",
+           "aiohttp_get")
 # Chunk sizes measured by default (bytes).
 DEFAULT_CHUNK_BYTES = (262144, 2097152, 16777216)
 # Keys per lookup request.
@@ -51,7 +55,8 @@ LOOKUP_KEYS = 32
 # Session of the benchmark's data connections.
 _SESSION_ID = b"bench"
 # What each method needs in its process environment (UCX reads it once per process).
-_UCX_TLS = {"ucx_sm": "sm,self", "ucx_sm_2lanes": "sm,self", "ucx_tcp": "tcp,self"}
+_UCX_TLS = {"ucx_sm": "sm,self", "ucx_sm_2lanes": "sm,self", "ucx_sm_limit": "sm,self",
+            "ucx_tcp": "tcp,self"}
 # UCX lanes of each UCX method's client (see transport.ucx.configure_ucx_env).
 _UCX_LANES = {"ucx_sm_2lanes": 2}
 # Methods whose clients also time peer lookups.
@@ -430,6 +435,8 @@ def _worker_main(args: argparse.Namespace) -> int:
                 _raw_server(size, chunks)
             elif method == "aiohttp_get":
                 asyncio.run(_aiohttp_server(args, size, chunks))
+            elif method == "ucx_sm_limit":
+                _ucx_limit_server(args, size, chunks)
             else:
                 asyncio.run(_transport_server(args, size, chunks))
         else:
@@ -503,6 +510,18 @@ def _raw_server(size: int, n: int) -> None:
         pass
 
 
+def _ucx_limit_server(args: argparse.Namespace, size: int, n: int) -> None:
+    from .ucx_limit import run_server
+
+    store = _source_store(args, size, n)
+    pins = [store.pin(_key(i)) for i in range(2 * n)]
+    run_server([p.view for p in pins if p is not None], _commands(), _emit)
+    for p in pins:
+        if p is not None:
+            p.release()
+    store.close()
+
+
 async def _transport_server(args: argparse.Namespace, size: int, n: int) -> None:
     from ..transport import make_server
 
@@ -553,7 +572,7 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
 
     method = args.method
     expected = [xxhash.xxh3_64_intdigest(_content(i, size)) for i in range(2 * n)]
-    fetcher = await _make_fetcher(method, args, size, n)
+    fetcher = await _make_fetcher(method, args, size, n, expected)
     try:
         for s in (0, 1):  # warm up: connect, fault every slot in
             await fetcher.fetch_set(s)
@@ -581,9 +600,14 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
         await fetcher.close()
 
 
-async def _make_fetcher(method: str, args: argparse.Namespace, size: int, n: int) -> Any:
+async def _make_fetcher(method: str, args: argparse.Namespace, size: int, n: int,
+                        expected: list[int]) -> Any:
     if method == "raw_tcp":
         return _RawFetcher(args.address, size, n)
+    if method == "ucx_sm_limit":
+        from .ucx_limit import UcxLimitFetcher
+
+        return UcxLimitFetcher(args, size, n, expected)
     if method == "memcpy":
         return _MemcpyFetcher(size, n)
     if method == "aiohttp_get":

@@ -34,17 +34,25 @@ misses one is aborted (its posted receives are cancelled) before any reservation
 is released. Known gap: over ``sm`` large messages move by CMA
 (``process_vm_writev``), and UCX treats a CMA copy into a process that died as
 fatal when error handling is off. With ``UCX_RNDV_SCHEME=put_zcopy`` the holder
-does the copy, so a *fetcher* survives a holder killed mid-transfer (tested), but a
-*holder* whose fetcher is killed in the middle of a transfer is aborted by UCX.
+does the copy, so a *fetcher* survives a holder killed mid-transfer (tested, one
+lane), but a *holder* whose fetcher is killed in the middle of a transfer is aborted
+by UCX (and with two lanes so can the fetcher, whose lane reads by CMA).
 The TCP transport has no such gap; isolating UCX in a helper process is the fix.
 Error handling cannot close it either: with UCX 1.21 an endpoint with peer error
 handling (even with ``UCX_MM_ERROR_HANDLING=y``) gets only ``sysv`` for tags, no
 CMA, about 0.05 GB/s on the benchmark host.
 
-Speed (``kv-offload bench transport``): a chunk moves by one CMA copy in the
-holder (``put_zcopy``), about 3 GB/s per core on the benchmark host, so the holder's
-core is the limit; the fetcher keeps ``UCX_WINDOW`` chunks in flight so it
-verifies chunk i while the holder copies the next ones.
+Speed (``kv-offload bench transport``): with one lane (the default) a chunk moves
+by one CMA copy in the holder (``put_zcopy``, 16 MiB segments), about 3.5-4 GB/s per
+core on the benchmark host, so the holder's core is the limit; the fetcher keeps
+``UCX_WINDOW`` chunks in flight and verifies chunk i while the holder copies the next
+ones. With two lanes (``configure_ucx_env(lanes=2)``, ``--ucx-lanes 2``) the client
+opens a second connection from a ``get_zcopy`` worker and sends every
+``GET_LANE_EVERY``-th chunk over it, so the fetcher's core copies those while the
+holder copies the rest; a progress pass then stops after ``PROGRESS_BUDGET`` so one
+lane's copies do not starve the other lane's requests or the verification. The price:
+a holder killed mid-transfer can abort the fetcher too (the kill test saw it in 2 of
+14 runs), hence off by default.
 """
 
 from __future__ import annotations
