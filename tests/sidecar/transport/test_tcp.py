@@ -19,7 +19,7 @@ from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.transport import IntegrityError, TransportError, connect, make_server
 from kv_offload_sidecar.transport.base import auth_proof
 
-from conftest import PeerProcess
+from peer_processes import PeerProcess
 from transport_peers import SESSION_ID, SESSION_KEY, content_of, key_of
 
 CHUNK = 256 * 1024

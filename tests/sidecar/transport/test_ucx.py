@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import PeerProcess, run_ucx_client, ucx_env
+from peer_processes import PeerProcess, run_ucx_client, ucx_env
 
 TLS = ["sm,self", "tcp,self"]
 CHUNK = 256 * 1024
