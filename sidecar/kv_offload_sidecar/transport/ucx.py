@@ -163,7 +163,7 @@ def configure_ucx_env(tls: str = DEFAULT_TLS, *, net_devices: str | None = None,
     peer. ``lanes``: UCX connections a client opens per peer: 1 (the holder copies
     every chunk) or 2 (a second worker with ``get_zcopy`` rendezvous carries every
     ``GET_LANE_EVERY``-th chunk, copied by the fetcher, so both processes' cores copy;
-    about 1.3-1.4x the bandwidth of one lane between same-host peers, at the price that
+    about 1.1-1.3x the bandwidth of one lane between same-host peers, at the price that
     a holder killed mid-transfer can abort the fetcher too). With ``override=False``
     variables already set in the environment win. Returns the values in effect.
     Raises RuntimeError when ucxx is already imported with other settings, and
