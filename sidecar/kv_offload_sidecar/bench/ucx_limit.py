@@ -110,14 +110,14 @@ def serve(views: list[memoryview], ready: threading.Event, address_out: list[byt
 
 def run_server(source_views: list[memoryview], commands: Any, emit: Any) -> None:
     """Serve ``source_views`` from a thread, print the address, return at the ``quit`` command."""
-    import base64
+    from ..transport.ucx import encode_address
 
     ready, address = threading.Event(), []  # type: ignore[var-annotated]
     thread = threading.Thread(target=serve, args=(source_views, ready, address), daemon=True)
     thread.start()
     if not ready.wait(60) or not address:
         raise RuntimeError("the UCX limit holder did not start (see its error above)")
-    emit({"address": base64.b64encode(address[0]).decode("ascii")})
+    emit({"address": encode_address(address[0])})
     for _ in commands:
         pass
 
@@ -126,9 +126,9 @@ class UcxLimitFetcher:
     """The fetcher of the limit: two workers, busy-polled, each chunk hashed as it lands."""
 
     def __init__(self, args: argparse.Namespace, size: int, n: int, expected: list[int]) -> None:
-        import base64
-
         import numpy as np
+
+        from ..transport.ucx import decode_address
 
         api, Array, Tag, mask = _ucx()
         self.np, self.Array, self.Tag, self.mask = np, Array, Tag, mask
@@ -144,7 +144,7 @@ class UcxLimitFetcher:
         self.pool[:] = 0  # fault every page in
         self.slots = [self.pool[i * size:(i + 1) * size] for i in range(n)]
         self.workers = [_worker(api, {}), _worker(api, {"RNDV_SCHEME": "get_zcopy"})]
-        holder = base64.b64decode(args.address.split("|")[0])
+        holder = decode_address(args.address.split("|")[0])
         self.ep = _endpoint(api, self.workers[0], holder)
         _endpoint(api, self.workers[1], holder)  # wires the lane up with the holder
         _wait(self.workers[0], [self.ep.tag_send(Array(bytearray(w.address)), Tag(t))

@@ -746,11 +746,6 @@ class UcxPeerDataClient(PeerDataClient):
         return client
 
     @property
-    def lanes(self) -> int:
-        """UCX connections this client fetches over (1 or 2)."""
-        return 1 if self._partner is None else 2
-
-    @property
     def lane_chunks(self) -> tuple[int, int]:
         """Chunks requested so far over the holder-copied and the fetcher-copied lane."""
         return self._requested, 0 if self._partner is None else self._partner._requested
