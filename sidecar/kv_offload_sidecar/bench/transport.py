@@ -14,6 +14,8 @@ interleaved rounds so each ratio compares numbers taken moments apart:
 - ``ucx_sm_limit``: bare ucxx between busy-polling processes, two lanes, every chunk
   hashed on arrival (``bench/ucx_limit.py``): what any ucxx data plane that verifies
   its chunks can reach here; the gap to ``ucx_sm_2lanes`` is the transport's overhead.
+- ``ucx_sm_tagsend``: bare ucxx, one lane, nothing verified: plain UCX tag send/recv over
+  CMA, the reference issue 7 set its UCX targets by (then 2.7x raw TCP).
 - ``aiohttp_get``: the naive baseline, one HTTP GET per chunk, copied into a slot, verified.
 
 Plus the round trip of a 32-key peer lookup on the transports' persistent
@@ -46,8 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # Methods measured, in the order of the table.
-METHODS = ("raw_tcp", "memcpy", "tcp", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_tcp",
-           "aiohttp_get")
+METHODS = ("raw_tcp", "memcpy", "tcp", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
+           "ucx_tcp", "aiohttp_get")
 # Chunk sizes measured by default (bytes).
 DEFAULT_CHUNK_BYTES = (262144, 2097152, 16777216)
 # Keys per lookup request.
@@ -56,7 +58,9 @@ LOOKUP_KEYS = 32
 _SESSION_ID = b"bench"
 # What each method needs in its process environment (UCX reads it once per process).
 _UCX_TLS = {"ucx_sm": "sm,self", "ucx_sm_2lanes": "sm,self", "ucx_sm_limit": "sm,self",
-            "ucx_tcp": "tcp,self"}
+            "ucx_sm_tagsend": "sm,self", "ucx_tcp": "tcp,self"}
+# Bare-ucxx methods (bench/ucx_limit.py): method -> (lanes, chunks hashed on arrival).
+_UCX_BARE = {"ucx_sm_limit": (2, True), "ucx_sm_tagsend": (1, False)}
 # UCX lanes of each UCX method's client (see transport.ucx.configure_ucx_env).
 _UCX_LANES = {"ucx_sm_2lanes": 2}
 # Methods whose clients also time peer lookups.
@@ -435,7 +439,7 @@ def _worker_main(args: argparse.Namespace) -> int:
                 _raw_server(size, chunks)
             elif method == "aiohttp_get":
                 asyncio.run(_aiohttp_server(args, size, chunks))
-            elif method == "ucx_sm_limit":
+            elif method in _UCX_BARE:
                 _ucx_limit_server(args, size, chunks)
             else:
                 asyncio.run(_transport_server(args, size, chunks))
@@ -604,10 +608,11 @@ async def _make_fetcher(method: str, args: argparse.Namespace, size: int, n: int
                         expected: list[int]) -> Any:
     if method == "raw_tcp":
         return _RawFetcher(args.address, size, n)
-    if method == "ucx_sm_limit":
+    if method in _UCX_BARE:
         from .ucx_limit import UcxLimitFetcher
 
-        return UcxLimitFetcher(args, size, n, expected)
+        lanes, verify = _UCX_BARE[method]
+        return UcxLimitFetcher(args, size, n, expected, lanes=lanes, verify=verify)
     if method == "memcpy":
         return _MemcpyFetcher(size, n)
     if method == "aiohttp_get":

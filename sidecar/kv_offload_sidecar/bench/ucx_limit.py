@@ -1,4 +1,5 @@
-"""The ``ucx_sm_limit`` method of ``kv-offload bench transport``: bare ucxx, no transport.
+"""The ``ucx_sm_limit`` and ``ucx_sm_tagsend`` methods of ``kv-offload bench transport``:
+bare ucxx, no transport.
 
 What any data plane built on ucxx can reach on this machine while the receiver
 verifies every chunk, measured beside the sidecar's own UCX transport so the
@@ -13,9 +14,13 @@ gap between them is overhead and the gap to raw TCP is the machine:
 - the fetcher hashes each chunk (xxh3-64, as the transport does) as soon as it
   lands and compares it with the holder's checksum.
 
+``ucx_sm_tagsend`` is the same with one lane (the holder copies every chunk) and no
+hashing: plain UCX tag send/recv over CMA, the reference issue 7 measured its
+targets against ("UCX tag send/recv with UCX_TLS=sm 2.7x raw TCP").
+
 Wire: the fetcher sends its two worker addresses (tags ``_TAG_LANE0``/``_TAG_LANE1``),
-then per set a 16-byte request (set index, chunk count) on ``_TAG_REQUEST``; the
-holder answers with the set's chunks, one message each, on ``_TAG_DATA + lane``.
+then per set a 24-byte request (set index, chunk count, lanes) on ``_TAG_REQUEST``;
+the holder answers with the set's chunks, one message each, on ``_TAG_DATA + lane``.
 A request with a negative count ends the holder's loop.
 """
 
@@ -91,19 +96,19 @@ def serve(views: list[memoryview], ready: threading.Event, address_out: list[byt
         ready.set()
     lanes = [_endpoint(api, worker, _recv_sized(worker, t, Array, Tag, mask))
              for t in (_TAG_LANE0, _TAG_LANE1)]
-    request = np.zeros(2, dtype=np.int64)
+    request = np.zeros(3, dtype=np.int64)
     sources = [np.frombuffer(v, dtype=np.uint8) for v in views]
     while True:
         req = worker.tag_recv(Array(request), Tag(_TAG_REQUEST), mask)
         while not req.completed:
             worker.progress_worker_event(_IDLE_WAIT_MS)
         req.check_error()
-        s, n = int(request[0]), int(request[1])
+        s, n, two = int(request[0]), int(request[1]), int(request[2]) == 2
         if n < 0:
             return
         sends = []
         for i in range(n):
-            lane = 1 if (i + 1) % GET_LANE_EVERY == 0 else 0
+            lane = 1 if two and (i + 1) % GET_LANE_EVERY == 0 else 0
             sends.append(lanes[lane].tag_send(Array(sources[s * n + i]), Tag(_TAG_DATA + lane)))
         _wait(worker, sends)
 
@@ -123,9 +128,11 @@ def run_server(source_views: list[memoryview], commands: Any, emit: Any) -> None
 
 
 class UcxLimitFetcher:
-    """The fetcher of the limit: two workers, busy-polled, each chunk hashed as it lands."""
+    """The fetcher of the limit: two workers, busy-polled, each chunk hashed as it lands
+    (``lanes=1, verify=False``: one worker, nothing hashed)."""
 
-    def __init__(self, args: argparse.Namespace, size: int, n: int, expected: list[int]) -> None:
+    def __init__(self, args: argparse.Namespace, size: int, n: int, expected: list[int], *,
+                 lanes: int = 2, verify: bool = True) -> None:
         import numpy as np
 
         from ..transport.ucx import decode_address
@@ -133,6 +140,7 @@ class UcxLimitFetcher:
         api, Array, Tag, mask = _ucx()
         self.np, self.Array, self.Tag, self.mask = np, Array, Tag, mask
         self.size, self.n, self.expected = size, n, expected
+        self.lanes, self.verify = lanes, verify
         fd = os.open(os.path.join(args.shm_dir, f"bench-limit-{os.getpid()}"), os.O_CREAT | os.O_RDWR, 0o600)
         try:
             os.unlink(os.path.join(args.shm_dir, f"bench-limit-{os.getpid()}"))
@@ -157,9 +165,9 @@ class UcxLimitFetcher:
         np, Array, Tag, mask = self.np, self.Array, self.Tag, self.mask
         recvs = []
         for i in range(self.n):
-            lane = 1 if (i + 1) % GET_LANE_EVERY == 0 else 0
+            lane = 1 if self.lanes == 2 and (i + 1) % GET_LANE_EVERY == 0 else 0
             recvs.append((i, self.workers[lane].tag_recv(Array(self.slots[i]), Tag(_TAG_DATA + lane), mask)))
-        _wait(self.workers[0], [self.ep.tag_send(Array(np.array([s, self.n], dtype=np.int64)),
+        _wait(self.workers[0], [self.ep.tag_send(Array(np.array([s, self.n, self.lanes], dtype=np.int64)),
                                                  Tag(_TAG_REQUEST))])
         ok = True
         w0, w1 = self.workers
@@ -170,7 +178,8 @@ class UcxLimitFetcher:
             for i, r in recvs:
                 if r.completed:
                     r.check_error()
-                    ok &= xxhash.xxh3_64_intdigest(self.slots[i]) == self.expected[s * self.n + i]
+                    if self.verify:
+                        ok &= xxhash.xxh3_64_intdigest(self.slots[i]) == self.expected[s * self.n + i]
                 else:
                     still.append((i, r))
             recvs = still
@@ -189,7 +198,7 @@ class UcxLimitFetcher:
     async def close(self) -> None:
         import numpy as np
 
-        req = self.ep.tag_send(self.Array(np.array([0, -1], dtype=np.int64)), self.Tag(_TAG_REQUEST))
+        req = self.ep.tag_send(self.Array(np.array([0, -1, 0], dtype=np.int64)), self.Tag(_TAG_REQUEST))
         for _ in range(100_000):  # best effort: the holder also ends at the quit command
             if req.completed:
                 break

@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
@@ -379,7 +380,7 @@ class UcxRuntime:
                 else:
                     waiting.append((tag, fut))
             self._probes = waiting
-        if events and any(entry[0].completed for entry in self._pending):
+        if events and self._pending:
             still = []
             for entry in self._pending:
                 req, fut, _ = entry
@@ -393,8 +394,9 @@ class UcxRuntime:
                         fut.exception()  # a waiter that gave up must not log "never retrieved"
                     else:
                         fut.set_result(None)
-            self._pending = still
-            self._hot_until = now + self.SPIN_SECONDS
+            if len(still) != len(self._pending):
+                self._pending = still
+                self._hot_until = now + self.SPIN_SECONDS
         busy = self._pending or self._probes
         if more or (busy and now < self._hot_until):
             self._kick()  # keep polling for a moment, letting the woken tasks run in between
@@ -464,6 +466,34 @@ def _parse_frame(buf: bytearray, chunk_bytes: int | None) -> tuple[proto.Header,
         raise proto.ProtocolError("malformed", f"{header.type.name} message carries {len(payload)} "
                                   f"payload bytes, its header says {header.length}")
     return header, payload
+
+
+def _split_frames(buf: bytearray) -> list[tuple[proto.Header, memoryview]]:
+    """The frames of one server->client message, back to back (a batch of CHUNK and
+    CHUNK_MISSING frames answering a FETCH, or one frame). A CHUNK frame carries its
+    prefix only (its bytes follow on their own tag); any other frame exactly the
+    payload its header announces. A frame cut short is refused as malformed."""
+    mv = memoryview(buf)
+    if len(mv) < proto.HEADER_BYTES:
+        raise proto.ProtocolError("malformed", f"message of {len(mv)} bytes is shorter than a header")
+    frames = []
+    pos = 0
+    while pos < len(mv):
+        if len(mv) - pos < proto.HEADER_BYTES:
+            raise proto.ProtocolError("malformed", f"{len(mv) - pos} bytes after the last frame of a "
+                                      "message are shorter than a header")
+        header = proto.decode_header(mv[pos:pos + proto.HEADER_BYTES], None)
+        body = mv[pos + proto.HEADER_BYTES:]
+        if header.type is proto.MessageType.CHUNK:
+            size = proto.decode_chunk_prefix(body).size
+        else:
+            size = header.length
+            if size > len(body):
+                raise proto.ProtocolError("malformed", f"{header.type.name} frame announces {size} "
+                                          f"payload bytes, the message holds {len(body)}")
+        frames.append((header, body[:size]))
+        pos += proto.HEADER_BYTES + size
+    return frames
 
 
 def _is_truncated(exc: BaseException) -> bool:
@@ -579,7 +609,15 @@ class UcxDataPlaneServer(DataPlaneServer):
 
 
 class _ServerConnection:
-    """One client of the UCX server: reads its frames, sends its chunks."""
+    """One client of the UCX server: reads its frames, sends its chunks.
+
+    A FETCH is answered in batches of as many chunks as the send window admits: the
+    chunks are pinned, one message tells the client every chunk's checksum (the
+    batch's CHUNK and CHUNK_MISSING frames back to back), then each chunk's bytes go
+    out from its pinned slot. Completions are callbacks, not a task per chunk: a
+    chunk's pin is released when its send is done, or after the endpoint was
+    aborted (so a slot is never reused while UCX may still read it).
+    """
 
     def __init__(self, server: UcxDataPlaneServer, rt: UcxRuntime, ep: Any, cid: int) -> None:
         self.server = server
@@ -588,7 +626,11 @@ class _ServerConnection:
         self.cid = cid
         self.c2s = _tag(cid, TAG_C2S)
         self.s2c = _tag(cid, TAG_S2C)
-        self.sends: set[asyncio.Task[None]] = set()
+        # Chunk sends in flight: token -> (its pin or None for a missing chunk, its batch).
+        self.outstanding: dict[int, tuple[Any, _SendBatch]] = {}
+        self._tokens = 0
+        self.drained = asyncio.Event()
+        self.drained.set()
         self.window = asyncio.Semaphore(SERVER_SENDS_IN_FLIGHT)
         self.failed: BaseException | None = None
         self.aborted = False
@@ -596,7 +638,7 @@ class _ServerConnection:
         self.last = time.monotonic()
 
     def idle(self, now: float) -> bool:
-        return not self.sends and now - self.last >= IDLE_CLOSE_SECONDS
+        return not self.outstanding and now - self.last >= IDLE_CLOSE_SECONDS
 
     async def run(self) -> None:
         srv, rt = self.server, self.rt
@@ -620,17 +662,12 @@ class _ServerConnection:
                     await rt.send(self.ep, _buf(proto.encode_lookup_reply(header.request_id, hits)),
                                   self.s2c)
                 elif mtype is proto.MessageType.FETCH:
-                    for i, key in enumerate(proto.decode_keys(payload)):
-                        await self.window.acquire()
-                        t = asyncio.create_task(self.send_chunk(header.request_id + i, key))
-                        self.sends.add(t)
-                        t.add_done_callback(self.sends.discard)
+                    await self.send_chunks(header.request_id, proto.decode_keys(payload))
                 elif mtype is proto.MessageType.CLOSE:
                     break
                 else:
                     raise proto.ProtocolError("malformed", f"a client may not send {mtype.name}")
-            if self.sends:
-                await asyncio.wait(self.sends)
+            await self.drained.wait()
         except proto.ProtocolError as exc:
             count_protocol_error(srv._metrics, exc.reason)
             log.warning("UCX data plane: closing a connection: %s", exc)
@@ -645,50 +682,130 @@ class _ServerConnection:
         except Exception as exc:
             log.info("UCX data plane: connection ended: %s", exc)
         finally:
-            for t in list(self.sends):
-                t.cancel()
+            if self.outstanding:
+                self.fail(TransportError("connection ended with chunk sends in flight"))
 
-    async def send_chunk(self, request_id: int, key: bytes) -> None:
+    async def send_chunks(self, first_id: int, keys: list[bytes]) -> None:
+        """Answer one FETCH in batches of what the send window admits."""
+        i = 0
+        while i < len(keys) and self.failed is None:
+            await self.window.acquire()  # waits only when SERVER_SENDS_IN_FLIGHT are out
+            batch = [(first_id + i, keys[i])]
+            i += 1
+            while i < len(keys) and not self.window.locked():
+                await self.window.acquire()  # free: returns at once
+                batch.append((first_id + i, keys[i]))
+                i += 1
+            if self.failed is not None:  # failed while waiting: nothing more goes out
+                for _ in batch:
+                    self.window.release()
+                return
+            self._post_batch(batch)
+
+    def _post_batch(self, batch: list[tuple[int, bytes]]) -> None:
+        """Pin the batch's chunks, send their CHUNK / CHUNK_MISSING frames as one message
+        (or several when they exceed a control frame), then post each chunk's bytes."""
         srv, rt = self.server, self.rt
-        try:
+        frames: list[bytes] = []
+        sends: list[tuple[int, Any]] = []
+        for request_id, key in batch:
             pin = srv._store.pin(key)
             if pin is None:  # the client posted a receive for the bytes: complete it with 1 byte
-                async with asyncio.timeout(srv._send_timeout):
-                    await asyncio.gather(
-                        rt.send(self.ep, _buf(proto.encode_chunk_missing(request_id, key)), self.s2c),
-                        rt.send(self.ep, bytearray(1), _data_tag(self.cid, request_id)))
-                return
-            try:
+                frames.append(proto.join(proto.encode_chunk_missing(request_id, key)))
+            else:
                 prefix = proto.encode_chunk_prefix(key, pin.checksum)
-                head = proto.encode_header(proto.MessageType.CHUNK, request_id,
-                                           len(prefix) + srv._chunk_bytes)
-                async with asyncio.timeout(srv._send_timeout):
-                    await asyncio.gather(rt.post_send(self.ep, bytearray(head + prefix), self.s2c),
-                                         rt.post_send(self.ep, pin.view, _data_tag(self.cid, request_id)))
-                if srv._metrics is not None:
-                    srv._metrics.peer_bytes.labels(direction="sent").inc(srv._chunk_bytes)
-            except BaseException as exc:
-                self.fail(exc)  # abort the endpoint before the slot can be reused
-                raise
-            finally:
-                pin.release()
-        except (asyncio.CancelledError, TimeoutError):
-            pass
-        except Exception as exc:
+                frames.append(proto.encode_header(proto.MessageType.CHUNK, request_id,
+                                                  len(prefix) + srv._chunk_bytes) + prefix)
+            sends.append((request_id, pin))
+        tracker = _SendBatch(len(sends))
+        tracker.timer = rt.loop.call_later(srv._send_timeout, self._deadline, tracker)
+        for message in _pack_frames(frames, CONTROL_BUFFER_BYTES):
+            rt.post_send(self.ep, message, self.s2c).add_done_callback(self._control_sent)
+        for request_id, pin in sends:
+            self._tokens += 1
+            token = self._tokens
+            self.outstanding[token] = (pin, tracker)
+            data = pin.view if pin is not None else bytearray(1)
+            rt.post_send(self.ep, data, _data_tag(self.cid, request_id)).add_done_callback(
+                functools.partial(self._chunk_sent, token))
+        self.drained.clear()
+
+    def _control_sent(self, fut: asyncio.Future[None]) -> None:
+        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if exc is not None:
+            self.fail(exc)
+
+    def _chunk_sent(self, token: int, fut: asyncio.Future[None]) -> None:
+        entry = self.outstanding.get(token)
+        if entry is None:  # released when the connection failed
+            return
+        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if exc is not None:
             log.info("UCX data plane: chunk send failed: %s", exc)
-        finally:
-            self.last = time.monotonic()
-            self.window.release()
+            self.fail(exc)  # aborts the endpoint, then releases every pin
+            return
+        pin, tracker = self.outstanding.pop(token)
+        self.last = time.monotonic()
+        if pin is not None:
+            pin.release()
+            if self.server._metrics is not None:
+                self.server._metrics.peer_bytes.labels(direction="sent").inc(self.server._chunk_bytes)
+        self.window.release()
+        tracker.left -= 1
+        if tracker.left == 0 and tracker.timer is not None:
+            tracker.timer.cancel()
+        if not self.outstanding:
+            self.drained.set()
+
+    def _deadline(self, tracker: _SendBatch) -> None:
+        if tracker.left and self.failed is None:
+            log.info("UCX data plane: %d chunk sends missed their %.3gs deadline",
+                     tracker.left, self.server._send_timeout)
+            self.fail(TimeoutError("chunk sends missed their deadline"))
 
     def fail(self, exc: BaseException) -> None:
+        """End the connection: abort the endpoint (its sends are cancelled), then release
+        every pin still out."""
         if self.failed is None:
             self.failed = exc
         self.abort()
+        outstanding, self.outstanding = self.outstanding, {}
+        for pin, tracker in outstanding.values():
+            if pin is not None:
+                pin.release()
+            self.window.release()
+            if tracker.timer is not None:
+                tracker.timer.cancel()
+        self.drained.set()
 
     def abort(self) -> None:
         if not self.aborted:
             self.aborted = True
             self.rt.abort(self.ep)
+
+
+@dataclass
+class _SendBatch:
+    """The chunk sends of one batch of a FETCH, under one deadline."""
+
+    # Sends not yet completed.
+    left: int
+    # Fires when the batch misses the server's send timeout.
+    timer: asyncio.TimerHandle | None = None
+
+
+def _pack_frames(frames: list[bytes], limit: int) -> list[bytearray]:
+    """Frames joined into as few messages of at most ``limit`` bytes as they fit."""
+    messages: list[bytearray] = []
+    current = bytearray()
+    for frame in frames:
+        if current and len(current) + len(frame) > limit:
+            messages.append(current)
+            current = bytearray()
+        current += frame
+    if current:
+        messages.append(current)
+    return messages
 
 
 class UcxPeerDataClient(PeerDataClient):
@@ -718,6 +835,7 @@ class UcxPeerDataClient(PeerDataClient):
         self._partner: UcxPeerDataClient | None = None
         self._turn = 0  # chunks requested so far, modulo GET_LANE_EVERY
         self._requested = 0  # chunks requested over this connection
+        self._replies = [0, 0]  # messages carrying chunk replies, CHUNK/CHUNK_MISSING frames in them
 
     @classmethod
     async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
@@ -749,6 +867,12 @@ class UcxPeerDataClient(PeerDataClient):
     def lane_chunks(self) -> tuple[int, int]:
         """Chunks requested so far over the holder-copied and the fetcher-copied lane."""
         return self._requested, 0 if self._partner is None else self._partner._requested
+
+    @property
+    def chunk_replies(self) -> tuple[int, int]:
+        """Server messages that carried chunk replies on this connection, and the CHUNK /
+        CHUNK_MISSING frames in them (a FETCH is answered with one message per batch)."""
+        return self._replies[0], self._replies[1]
 
     @classmethod
     async def _attach(cls, rt: UcxRuntime, server_address: bytes, session_id: bytes,
@@ -926,28 +1050,12 @@ class UcxPeerDataClient(PeerDataClient):
         try:
             while True:
                 buf = await self._rt.recv_frame(self._s2c, CONTROL_BUFFER_BYTES)
-                header, payload = _parse_frame(buf, None)
-                mtype = header.type
-                if mtype is proto.MessageType.CHUNK:
-                    self._chunk_reply(header, payload)
-                elif mtype is proto.MessageType.LOOKUP_REPLY:
-                    entry = self._lookups.pop(header.request_id, None)
-                    if entry is None:
-                        continue
-                    fut, asked = entry
-                    count = proto.decode_lookup_reply(payload, asked)
-                    if not fut.done():
-                        fut.set_result(count)
-                elif mtype is proto.MessageType.CHUNK_MISSING:
-                    key = proto.decode_chunk_missing(payload)
-                    st = self._chunks.get(header.request_id)
-                    if st is None or st.replied or st.p.key != key:
-                        raise proto.ProtocolError("bad_key", "CHUNK_MISSING for a key not requested")
-                    st.replied = True
-                    self._finish(header.request_id, st)
-                else:
-                    _raise_if_error(header, payload)
-                    raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
+                frames = _split_frames(buf)
+                for header, payload in frames:
+                    self._on_frame(header, payload)
+                if frames and frames[0][0].type in _CHUNK_REPLIES:
+                    self._replies[0] += 1
+                    self._replies[1] += len(frames)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -955,6 +1063,29 @@ class UcxPeerDataClient(PeerDataClient):
                 count_protocol_error(self._metrics, exc.reason)
                 log.warning("UCX data client: closing the connection: %s", exc)
             self._fail(exc if isinstance(exc, TransportError) else TransportError(str(exc)))
+
+    def _on_frame(self, header: proto.Header, payload: memoryview) -> None:
+        mtype = header.type
+        if mtype is proto.MessageType.CHUNK:
+            self._chunk_reply(header, payload)
+        elif mtype is proto.MessageType.LOOKUP_REPLY:
+            entry = self._lookups.pop(header.request_id, None)
+            if entry is None:
+                return
+            fut, asked = entry
+            count = proto.decode_lookup_reply(payload, asked)
+            if not fut.done():
+                fut.set_result(count)
+        elif mtype is proto.MessageType.CHUNK_MISSING:
+            key = proto.decode_chunk_missing(payload)
+            st = self._chunks.get(header.request_id)
+            if st is None or st.replied or st.p.key != key:
+                raise proto.ProtocolError("bad_key", "CHUNK_MISSING for a key not requested")
+            st.replied = True
+            self._finish(header.request_id, st)
+        else:
+            _raise_if_error(header, payload)
+            raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
 
     def _chunk_reply(self, header: proto.Header, payload: memoryview) -> None:
         prefix = proto.decode_chunk_prefix(payload)
@@ -980,6 +1111,9 @@ class _UcxChunk:
     # The holder's checksum (None: CHUNK_MISSING).
     checksum: int | None = None
 
+
+# Frame types that answer a FETCH.
+_CHUNK_REPLIES = (proto.MessageType.CHUNK, proto.MessageType.CHUNK_MISSING)
 
 _client_cids: set[int] = set()
 

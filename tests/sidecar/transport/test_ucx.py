@@ -28,8 +28,25 @@ def test_fetch_moves_chunks_byte_identical_and_lookup_returns_the_prefix(
     assert out["lookup_gap"] == 3
     assert out["fetched"] == 16 and out["identical"]
     assert out["fetch_missing"] == 0
+    # each FETCH is answered with one message of CHUNK / CHUNK_MISSING frames
+    assert out["chunk_replies"] == [2, 17]
     assert out["visible_intact"] and out["slots_in_use"] == 16
     assert peer.metrics()["peer_bytes_sent"] == 16 * CHUNK
+
+
+def test_a_fetch_larger_than_the_servers_send_window_is_answered_in_several_batches(
+        start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
+    from kv_offload_sidecar.transport.ucx import SERVER_SENDS_IN_FLIGHT
+
+    small, n = 64 * 1024, 150  # the client asks for all 150 in one FETCH (a 16 MiB window)
+    peer = start_peer("ucx", tls="sm,self", chunks=n, chunk_bytes=small)
+    out = run_ucx_client(peer, "fetch", tls="sm,self", shm_dir=shm_dir, chunks=n, chunk_bytes=small)
+    assert out["fetched"] == n and out["identical"]
+    messages, frames = out["chunk_replies"]
+    assert frames == n + 1
+    assert messages >= -(-n // SERVER_SENDS_IN_FLIGHT) + 1
+    assert out["visible_intact"] and out["slots_in_use"] == n
+    assert peer.metrics()["peer_bytes_sent"] == n * small
 
 
 @pytest.mark.parametrize("tls", TLS)

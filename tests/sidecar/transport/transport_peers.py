@@ -124,6 +124,7 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
                                    for i, k in enumerate(keys))
             out["fetch_missing"] = await client.fetch([key_of(10_000)], store, timeout=5)
             out["lane_chunks"] = list(client.lane_chunks)
+            out["chunk_replies"] = list(client.chunk_replies)
             await client.close()
         elif args.scenario == "bad_auth":
             t0 = time.monotonic()
