@@ -334,6 +334,17 @@ class UcxRuntime:
 
     def _wait(self, req: Any, keep: Any = None) -> asyncio.Future[None]:
         fut = self.loop.create_future()
+        if req.completed:  # e.g. a small (eager) send, or a receive of a message already here
+            try:
+                req.check_error()
+            except Exception as exc:
+                fut.set_exception(exc)
+                fut.exception()  # a waiter that gave up must not log "never retrieved"
+            else:
+                fut.set_result(None)
+            self._hot_until = time.perf_counter() + self.SPIN_SECONDS  # an answer may follow
+            self._kick()
+            return fut
         self._pending.append((req, fut, keep))
         self._posted = True
         self._kick()
