@@ -38,6 +38,8 @@ from .translate import translate
 
 MERGE_PATCH = "application/merge-patch+json"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class OperatorOptions:
@@ -55,6 +57,8 @@ class OperatorOptions:
     webhook_cert_dir: str | None = None
     # Seconds between checks of tls.crt/tls.key for a renewed pair (> 0).
     webhook_cert_check_seconds: float = 10.0
+    # Seconds between re-reads of each pool's modelConfigRef ConfigMap (> 0).
+    model_config_check_seconds: float = 60.0
 
 
 class PoolSpecError(ValueError):
@@ -82,11 +86,17 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo,
     settings.admission.server = _webhook_server(options, memo, logger)
     memo.api = await _api_client()
     memo.ready_counts = {}
+    memo.model_config_refs = {}
+    memo.model_config_follower = asyncio.create_task(_follow_model_configs(memo), name="model-config-follower")
 
 
 @kopf.on.cleanup()
 async def shut_down(memo: kopf.Memo, **_: Any) -> None:
-    """Close the API client and delete a self-signed dev key."""
+    """Stop following model ConfigMaps, close the API client, delete a self-signed dev key."""
+    follower = getattr(memo, "model_config_follower", None)
+    if follower is not None:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
     api = getattr(memo, "api", None)
     if api is not None:
         await api.close()
@@ -287,16 +297,96 @@ async def count_ready_peers(namespace: str, labels: Mapping[str, str], memo: kop
 @kopf.on.resume(r.GROUP, r.VERSION, r.PLURAL)
 @kopf.on.create(r.GROUP, r.VERSION, r.PLURAL)
 @kopf.on.update(r.GROUP, r.VERSION, r.PLURAL, field="spec")
-async def reconcile_pool(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status,
+async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, status: kopf.Status,
                          name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
                          logger: logging.Logger, ready_pool_pods: kopf.Index, **_: Any) -> None:
     """Translate the pool and write its ConfigMap, Secret, Service and status."""
+    await _reconcile(body, meta, status, name, namespace, patch, memo, logger,
+                     len(ready_pool_pods.get((namespace, name), [])))
+
+
+# ---- model ConfigMaps named by pools ---------------------------------------------
+
+@kopf.on.event(r.GROUP, r.VERSION, r.PLURAL)
+async def track_model_config_refs(event: kopf.RawEvent, namespace: str, name: str, spec: kopf.Spec,
+                                  memo: kopf.Memo, **_: Any) -> None:
+    """Remember which pools read their model config from a ConfigMap (for the follower)."""
+    key = (namespace, name)
+    if event.get("type") == "DELETED" or not spec.get("modelConfigRef"):
+        memo.model_config_refs.pop(key, None)
+    else:
+        memo.model_config_refs[key] = True
+
+
+async def _follow_model_configs(memo: kopf.Memo) -> None:
+    """Every ``--model-config-check-seconds``, re-read the ConfigMap each pool's
+    ``spec.modelConfigRef`` names and translate the pool again when its content differs
+    from what was last translated (``status.modelConfigDigest``), so an edited model
+    config reaches the pool's ConfigMap and fingerprint without a spec change or an
+    operator restart. A task started at startup rather than a kopf timer (a timer would
+    put a finalizer on every pool) or a ConfigMap watch (cluster-wide list/watch on
+    ConfigMaps): it only ``get``s one ConfigMap and one pool per pool and interval."""
+    interval = memo.options.model_config_check_seconds
+    while True:
+        await asyncio.sleep(interval)
+        for namespace, name in list(memo.model_config_refs):
+            try:
+                await _recheck_model_config(memo, namespace, name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one pool's API trouble must not stop the others
+                log.exception(f"Pool {namespace}/{name}: re-reading its model config failed")
+
+
+async def _recheck_model_config(memo: kopf.Memo, namespace: str, name: str) -> None:
+    api: k8s.ApiClient = memo.api
+    objects = k8s.CustomObjectsApi(api)
+    try:
+        body = await objects.get_namespaced_custom_object(r.GROUP, r.VERSION, namespace, r.PLURAL, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            memo.model_config_refs.pop((namespace, name), None)
+            return
+        raise
+    spec, status = body.get("spec") or {}, body.get("status") or {}
+    if not spec.get("modelConfigRef"):
+        return
+    try:
+        text = await _model_config_text(api, namespace, spec)
+    except (ValueError, kopf.TemporaryError):
+        return  # gone or keyless: the pool keeps its last translation (running pods are unaffected)
+    if _digest(text) == status.get("modelConfigDigest"):
+        return
+    log.info(f"Pool {namespace}/{name}: its modelConfigRef ConfigMap changed; translating again.")
+    patch = kopf.Patch()
+    try:
+        await _reconcile(body, body.get("metadata") or {}, status, name, namespace, patch, memo, log,
+                         memo.ready_counts.get((namespace, name), 0))
+    except (kopf.PermanentError, kopf.TemporaryError) as exc:
+        log.warning(f"Pool {namespace}/{name}: {exc}")
+    if patch.status:
+        await objects.patch_namespaced_custom_object_status(
+            r.GROUP, r.VERSION, namespace, r.PLURAL, name, {"status": dict(patch.status)},
+            _content_type=MERGE_PATCH)
+
+
+def _digest(text: str) -> str:
+    """Short content digest of a model config as read (status.modelConfigDigest)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Mapping[str, Any],
+                     name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
+                     logger: logging.Logger | logging.LoggerAdapter, ready_count: int) -> None:
+    """Translate the pool and write its children; the status goes to ``patch.status``
+    (also when it raises: PermanentError for a spec that can never work, TemporaryError
+    while something it needs does not exist yet)."""
     api: k8s.ApiClient = memo.api
     generation = meta.get("generation")
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     pool = json.loads(json.dumps(dict(body)))
     try:
-        model_config = await _model_config(api, namespace, pool["spec"])
+        model_config = await _model_config(api, namespace, pool["spec"], patch)
         config = translate(list(pool["spec"].get("vllmArgs") or []), model_config)
         sidecar = r.SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
         seed_problem = r.pool_hash_seed_problem(config, sidecar.hash_seed)
@@ -325,7 +415,7 @@ async def reconcile_pool(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, stat
         raise
     await _ensure_service(core, r.peers_service(pool, r.pool_ports(config, sidecar)))
 
-    count = len(ready_pool_pods.get((namespace, name), []))
+    count = ready_count
     memo.ready_counts[(namespace, name)] = count
     patch.status["fingerprint"] = config.fingerprint
     patch.status["namespaceDigest"] = config.namespace_digest
@@ -338,11 +428,31 @@ async def reconcile_pool(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, stat
                 f"ConfigMap {r.configmap_name(name)} written.")
 
 
-async def _model_config(api: k8s.ApiClient, namespace: str, spec: Mapping[str, Any]) -> Mapping[str, Any]:
+async def _model_config(api: k8s.ApiClient, namespace: str, spec: Mapping[str, Any],
+                        patch: kopf.Patch | None = None) -> Mapping[str, Any]:
+    """The model's config.json, inline or from the modelConfigRef ConfigMap (whose content
+    digest goes to ``patch.status.modelConfigDigest``, valid or not, for the follower)."""
     if "modelConfig" in spec and "modelConfigRef" in spec:
         raise PoolSpecError("set only one of spec.modelConfig or spec.modelConfigRef")
     if "modelConfig" in spec:
         return spec["modelConfig"]
+    text = await _model_config_text(api, namespace, spec)
+    if patch is not None:
+        patch.status["modelConfigDigest"] = _digest(text)
+    ref = spec["modelConfigRef"]
+    key = ref.get("key") or "config.json"
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PoolSpecError(f"ConfigMap {ref['name']!r} key {key!r} is not JSON: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise PoolSpecError(f"ConfigMap {ref['name']!r} key {key!r} must hold a JSON object (config.json)")
+    return loaded
+
+
+async def _model_config_text(api: k8s.ApiClient, namespace: str, spec: Mapping[str, Any]) -> str:
+    """The text under the modelConfigRef ConfigMap's key; PoolSpecError / TemporaryError
+    (the ConfigMap does not exist yet) saying what to change."""
     ref = spec.get("modelConfigRef")
     if not ref or not ref.get("name"):
         raise PoolSpecError("set spec.modelConfig (the model's config.json) or spec.modelConfigRef.name")
@@ -357,13 +467,7 @@ async def _model_config(api: k8s.ApiClient, namespace: str, spec: Mapping[str, A
     text = (cm.data or {}).get(key)
     if text is None:
         raise PoolSpecError(f"ConfigMap {ref['name']!r} has no key {key!r} (spec.modelConfigRef.key)")
-    try:
-        loaded = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PoolSpecError(f"ConfigMap {ref['name']!r} key {key!r} is not JSON: {exc}") from None
-    if not isinstance(loaded, dict):
-        raise PoolSpecError(f"ConfigMap {ref['name']!r} key {key!r} must hold a JSON object (config.json)")
-    return loaded
+    return str(text)
 
 
 async def _read(reader: Any, name: str, namespace: str) -> Any | None:

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--webhook-cert-check-seconds", type=float, default=10.0, metavar="S",
                         help="seconds between checks of tls.crt/tls.key; a renewed pair is "
                              "served without a restart (default 10)")
+    parser.add_argument("--model-config-check-seconds", type=float, default=60.0, metavar="S",
+                        help="seconds between re-reads of each pool's modelConfigRef ConfigMap; "
+                             "an edited model config is translated again (default 60)")
     parser.add_argument("--health-port", type=int, default=8080,
                         help="liveness endpoint port, serving /healthz (default 8080)")
     parser.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE,
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     options = handlers.OperatorOptions(
         sidecar_image=args.sidecar_image, webhook_addr=args.webhook_addr,
         webhook_port=args.webhook_port, webhook_host=args.webhook_host,
-        webhook_cert_dir=args.webhook_cert_dir, webhook_cert_check_seconds=args.webhook_cert_check_seconds)
+        webhook_cert_dir=args.webhook_cert_dir, webhook_cert_check_seconds=args.webhook_cert_check_seconds,
+        model_config_check_seconds=args.model_config_check_seconds)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # Its debug log prints response bodies, pool-key Secrets included: never below INFO.
@@ -79,8 +83,10 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
     for flag, port in (("--webhook-port", args.webhook_port), ("--health-port", args.health_port)):
         if not 1 <= port <= 65535:
             return f"{flag} {port} is not a port; use 1..65535"
-    if not args.webhook_cert_check_seconds > 0:
-        return f"--webhook-cert-check-seconds {args.webhook_cert_check_seconds} must be positive"
+    for flag, seconds in (("--webhook-cert-check-seconds", args.webhook_cert_check_seconds),
+                          ("--model-config-check-seconds", args.model_config_check_seconds)):
+        if not seconds > 0:
+            return f"{flag} {seconds} must be positive"
     if args.webhook_port == args.health_port:
         return "--webhook-port and --health-port must differ"
     if args.webhook_cert_dir:

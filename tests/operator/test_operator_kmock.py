@@ -47,18 +47,21 @@ def operator_stays_within_its_rbac(kmock: kmock.KubernetesEmulator) -> Iterator[
     assert_within_rbac(kmock)
 
 
-def cli_translate(tmp_path: Path, vllm_args: list[str]) -> tuple[int, str, str]:
-    """Run the real `kv-offload translate` CLI; returns (exit code, stdout, stderr)."""
+def cli_translate(tmp_path: Path, vllm_args: list[str],
+                  model_config: dict[str, Any] | None = None) -> tuple[int, str, str]:
+    """Run the real `kv-offload translate` CLI (Llama-3.1-8B's config.json unless
+    ``model_config``); returns (exit code, stdout, stderr)."""
     model = tmp_path / "config.json"
-    model.write_text(json.dumps(llama_config()))
+    model.write_text(json.dumps(model_config or llama_config()))
     done = subprocess.run(
         [KV_OFFLOAD, "translate", "--model-config", str(model),
          "--vllm-args", shlex.join(vllm_args)], capture_output=True, text=True, timeout=60)
     return done.returncode, done.stdout, done.stderr
 
 
-def cli_fingerprint(tmp_path: Path, vllm_args: list[str]) -> str:
-    code, out, err = cli_translate(tmp_path, vllm_args)
+def cli_fingerprint(tmp_path: Path, vllm_args: list[str],
+                    model_config: dict[str, Any] | None = None) -> str:
+    code, out, err = cli_translate(tmp_path, vllm_args, model_config)
     assert code == 0, err
     return OffloadingConfig.from_json(out).fingerprint
 
@@ -244,6 +247,54 @@ async def test_model_config_ref_reads_the_model_config_from_a_configmap(
     assert fingerprint == expected
 
 
+async def test_an_edited_model_config_map_is_translated_again_without_a_spec_change(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    model_url = f"/api/v1/namespaces/{NAMESPACE}/configmaps"
+    narrower = dict(llama_config(), num_hidden_layers=16)  # other layer names: another fingerprint
+    before = cli_fingerprint(tmp_path, LLAMA_ARGS)
+    after = cli_fingerprint(tmp_path, LLAMA_ARGS, narrower)
+    assert before != after
+    await create(kmock, model_url, {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "llama-model", "namespace": NAMESPACE},
+        "data": {"config.json": json.dumps(llama_config())}})
+    body = pool_body("llama")
+    del body["spec"]["modelConfig"]
+    body["spec"]["modelConfigRef"] = {"name": "llama-model"}
+
+    def pool_config() -> OffloadingConfig:
+        cm = obj(kmock, "v1/configmaps", "llama-offloading-config")
+        return OffloadingConfig.from_json(cm["data"]["offloading_config.json"])
+
+    async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--model-config-check-seconds", "0.3"]):
+        await create(kmock, POOLS_URL, body)
+        await wait_for("the first fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == before)
+        first_digest = status_of(kmock, "llama")["modelConfigDigest"]
+
+        await merge_patch(kmock, f"{model_url}/llama-model", {"data": {"config.json": json.dumps(narrower)}})
+        await wait_for("the edited model's fingerprint",
+                       lambda: status_of(kmock, "llama").get("fingerprint") == after)
+        assert pool_config().fingerprint == after
+        assert status_of(kmock, "llama")["modelConfigDigest"] != first_digest
+        assert status_of(kmock, "llama")["observedGeneration"] == 1  # the spec did not change
+
+        # A broken edit says what is wrong and leaves the pool on its last good translation.
+        await merge_patch(kmock, f"{model_url}/llama-model", {"data": {"config.json": "{not json"}})
+        invalid = await wait_for("the Invalid condition",
+                                 lambda: condition(status_of(kmock, "llama"), "Invalid").get("status") == "True"
+                                 and condition(status_of(kmock, "llama"), "Invalid"))
+        assert invalid["message"].startswith("ConfigMap 'llama-model' key 'config.json' is not JSON")
+        assert pool_config().fingerprint == after
+        assert status_of(kmock, "llama")["fingerprint"] == after
+
+        # Fixing it makes the pool Ready again with the fixed config.
+        await merge_patch(kmock, f"{model_url}/llama-model", {"data": {"config.json": json.dumps(llama_config())}})
+        await wait_for("Ready with the original fingerprint again",
+                       lambda: status_of(kmock, "llama").get("fingerprint") == before
+                       and condition(status_of(kmock, "llama"), "Ready").get("status") == "True")
+        assert pool_config().fingerprint == before
+
+
 async def test_a_pool_whose_hash_seed_cannot_work_is_invalid_saying_what_to_change(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
     emulate_cluster(kmock)
@@ -278,6 +329,9 @@ def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tm
     no_interval = run("-n", "ns1", "--webhook-cert-check-seconds", "0")
     assert (no_interval.returncode, no_interval.stderr.strip()) == (
         2, "kv-offload operator: --webhook-cert-check-seconds 0.0 must be positive")
+    no_model_interval = run("-n", "ns1", "--model-config-check-seconds", "-1")
+    assert (no_model_interval.returncode, no_model_interval.stderr.strip()) == (
+        2, "kv-offload operator: --model-config-check-seconds -1.0 must be positive")
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(tmp_path / "absent"), HOME=str(tmp_path))
