@@ -313,6 +313,19 @@ def _observe(metrics: SidecarMetrics | None, result: str, started: float) -> Non
     metrics.peer_fetch_duration.observe(time.monotonic() - started)
 
 
+def answer_lookup(lookups: dict[int, tuple[asyncio.Future[int], int]], request_id: int,
+                  payload: memoryview | bytes | bytearray) -> None:
+    """Resolve the lookup waiting under ``request_id`` with the LOOKUP_REPLY ``payload``
+    (a reply whose caller gave up is ignored; a bad count raises ProtocolError)."""
+    entry = lookups.pop(request_id, None)
+    if entry is None:
+        return
+    fut, asked = entry
+    count = proto.decode_lookup_reply(payload, asked)
+    if not fut.done():
+        fut.set_result(count)
+
+
 def commit_received(p: PendingChunk, checksum: int, metrics: SidecarMetrics | None) -> None:
     """Verify and publish a fully received chunk, resolving its future."""
     ok = p.reservation.commit(checksum)

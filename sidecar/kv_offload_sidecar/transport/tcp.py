@@ -33,6 +33,7 @@ from .base import (
     PendingChunk,
     StoreLike,
     TransportError,
+    answer_lookup,
     auth_proof,
     check_auth,
     commit_received,
@@ -634,13 +635,7 @@ class TcpPeerDataClient(PeerDataClient):
                 payload = bytearray(header.length)
                 await recv_exactly(loop, sock, payload)
                 if mtype is proto.MessageType.LOOKUP_REPLY:
-                    entry = self._lookups.pop(header.request_id, None)
-                    if entry is None:
-                        continue  # the caller gave up; ignore
-                    fut, asked = entry
-                    count = proto.decode_lookup_reply(payload, asked)
-                    if not fut.done():
-                        fut.set_result(count)
+                    answer_lookup(self._lookups, header.request_id, payload)
                 elif mtype is proto.MessageType.CHUNK_MISSING:
                     key = proto.decode_chunk_missing(payload)
                     p = self._chunks.pop(header.request_id, None)

@@ -86,6 +86,7 @@ from .base import (
     PendingChunk,
     StoreLike,
     TransportError,
+    answer_lookup,
     auth_proof,
     check_auth,
     commit_received,
@@ -339,13 +340,7 @@ class UcxRuntime:
     def _wait(self, req: Any, keep: Any = None) -> asyncio.Future[None]:
         fut = self.loop.create_future()
         if req.completed:  # e.g. a small (eager) send, or a receive of a message already here
-            try:
-                req.check_error()
-            except Exception as exc:
-                fut.set_exception(exc)
-                fut.exception()  # a waiter that gave up must not log "never retrieved"
-            else:
-                fut.set_result(None)
+            _resolve(req, fut)
             self._hot_until = time.perf_counter() + self.SPIN_SECONDS  # an answer may follow
             self._kick()
             return fut
@@ -402,13 +397,7 @@ class UcxRuntime:
                 if not req.completed:
                     still.append(entry)
                 elif not fut.done():
-                    try:
-                        req.check_error()
-                    except Exception as exc:
-                        fut.set_exception(exc)
-                        fut.exception()  # a waiter that gave up must not log "never retrieved"
-                    else:
-                        fut.set_result(None)
+                    _resolve(req, fut)
             if len(still) != len(self._pending):
                 self._pending = still
                 self._hot_until = now + self.SPIN_SECONDS
@@ -424,6 +413,17 @@ class UcxRuntime:
         self._timer = None
         self._posted = True  # look at everything once
         self._kick()
+
+
+def _resolve(req: Any, fut: asyncio.Future[None]) -> None:
+    """Complete ``fut`` with the outcome of the finished UCX request ``req``."""
+    try:
+        req.check_error()
+    except Exception as exc:
+        fut.set_exception(exc)
+        fut.exception()  # a waiter that gave up must not log "never retrieved"
+    else:
+        fut.set_result(None)
 
 
 def _tag(connection_id: int, low: int) -> int:
@@ -1084,13 +1084,7 @@ class UcxPeerDataClient(PeerDataClient):
         if mtype is proto.MessageType.CHUNK:
             self._chunk_reply(header, payload)
         elif mtype is proto.MessageType.LOOKUP_REPLY:
-            entry = self._lookups.pop(header.request_id, None)
-            if entry is None:
-                return
-            fut, asked = entry
-            count = proto.decode_lookup_reply(payload, asked)
-            if not fut.done():
-                fut.set_result(count)
+            answer_lookup(self._lookups, header.request_id, payload)
         elif mtype is proto.MessageType.CHUNK_MISSING:
             key = proto.decode_chunk_missing(payload)
             st = self._chunks.get(header.request_id)
