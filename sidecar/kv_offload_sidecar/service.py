@@ -334,6 +334,7 @@ class Sidecar:
             "data_address": self.data_address,
             "peers": states,
             "inbound_sessions": len(self._inbound),
+            "engine_requests_in_flight": self._inflight,
             "store": None if store is None else {
                 "path": store.path, "num_slots": store.num_slots, "slot_bytes": store.slot_bytes,
                 "slot_stride": store.slot_stride, "capacity_bytes": store.capacity_bytes,

@@ -81,8 +81,11 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lane
         # Now local at C, and one peer message per engine request, not per peer.
         assert c.lookup(keys) == LookupReply(local=8, peer=0)
         assert pool[2].metric("kv_offload_lookup_messages_total") - messages_before == 2
-        assert pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == 8 * CHUNK
         assert pool[2].metric("kv_offload_peer_bytes_total", direction="received") == 8 * CHUNK
+        # The holder counts a chunk when its send completes, which it may learn just after the
+        # fetcher has the bytes (over UCX: after the fetcher's acknowledgement reaches it).
+        wait_for(lambda: pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == 8 * CHUNK,
+                 timeout=10, what="the holder to count the 8 chunks it sent")
         assert pool[1].metric("kv_offload_peer_bytes_total", direction="sent") == 0
         assert pool[2].metric("kv_offload_chunk_lookups_total", result="peer_hit") == 8
         assert pool[2].metric("kv_offload_chunk_lookups_total", result="local_hit") == 8
@@ -326,7 +329,8 @@ def test_sigterm_lets_an_in_flight_load_finish_then_exits_cleanly():
         result: list[int] = []
         t = threading.Thread(target=lambda: result.append(b.load(keys, lambda i, v: None, timeout=5.0)))
         t.start()
-        time.sleep(0.3)
+        wait_for(lambda: pool[1].status()["engine_requests_in_flight"] == 1, timeout=10,
+                 what="B to be loading from the stopped holder")
         store_path = pool[1].status()["store"]["path"]
         pool[1].proc.send_signal(signal.SIGTERM)
         t.join(20)

@@ -719,31 +719,32 @@ class _ServerConnection:
 
     def _post_batch(self, batch: list[tuple[int, bytes]]) -> None:
         """Pin the batch's chunks, send their CHUNK / CHUNK_MISSING frames as one message
-        (or several when they exceed a control frame), then post each chunk's bytes."""
+        (or several when they exceed a control frame), then post each chunk's bytes. Each
+        pin is in ``outstanding`` as soon as it is taken, so whatever fails later, fail()
+        releases it."""
         srv, rt = self.server, self.rt
+        tracker = _SendBatch(len(batch))
+        tracker.timer = rt.loop.call_later(srv._send_timeout, self._deadline, tracker)
+        self.drained.clear()
         frames: list[bytes] = []
-        sends: list[tuple[int, Any]] = []
+        sends: list[tuple[int, int, Any]] = []  # (token, request id, pin or None)
         for request_id, key in batch:
             pin = srv._store.pin(key)
+            self._tokens += 1
+            self.outstanding[self._tokens] = (pin, tracker)
+            sends.append((self._tokens, request_id, pin))
             if pin is None:  # the client posted a receive for the bytes: complete it with 1 byte
                 frames.append(proto.join(proto.encode_chunk_missing(request_id, key)))
             else:
                 prefix = proto.encode_chunk_prefix(key, pin.checksum)
                 frames.append(proto.encode_header(proto.MessageType.CHUNK, request_id,
                                                   len(prefix) + srv._chunk_bytes) + prefix)
-            sends.append((request_id, pin))
-        tracker = _SendBatch(len(sends))
-        tracker.timer = rt.loop.call_later(srv._send_timeout, self._deadline, tracker)
         for message in _pack_frames(frames, CONTROL_BUFFER_BYTES):
             rt.post_send(self.ep, message, self.s2c).add_done_callback(self._control_sent)
-        for request_id, pin in sends:
-            self._tokens += 1
-            token = self._tokens
-            self.outstanding[token] = (pin, tracker)
+        for token, request_id, pin in sends:
             data = pin.view if pin is not None else bytearray(1)
             rt.post_send(self.ep, data, _data_tag(self.cid, request_id)).add_done_callback(
                 functools.partial(self._chunk_sent, token))
-        self.drained.clear()
 
     def _control_sent(self, fut: asyncio.Future[None]) -> None:
         exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
