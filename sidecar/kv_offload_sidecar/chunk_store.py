@@ -627,7 +627,10 @@ class ChunkStoreView:
                     f"chunk store file {path!r} has {actual} bytes but num_slots={num_slots} "
                     f"x slot_stride={slot_stride} needs {size}; use the geometry the sidecar reports"
                 )
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE maps every (already allocated) page now, without touching a byte, so
+            # the engine's first load or store into a slot takes no page faults.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._mv = memoryview(self._mm)

@@ -403,6 +403,36 @@ def test_second_process_attaches_and_shares_slot_bytes_without_a_socket(shm_dir:
         chunk.release()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_engine_view_maps_every_page_at_attach_and_leaves_the_chunks_intact(shm_dir: str) -> None:
+    with make_store(shm_dir, 64, name="view-populate") as store:
+        for i in range(64):
+            assert write(store, i)
+        slots = {store.pin(key(i)).slot: i for i in range(64)}  # pins keep the slots put
+        code = (
+            "import sys\n"
+            "from kv_offload_sidecar.chunk_store import ChunkStoreView\n"
+            "from kv_offload_sidecar.checksum import chunk_checksum\n"
+            "path, slot_bytes, num_slots = sys.argv[1:]\n"
+            "view = ChunkStoreView.attach(path, int(slot_bytes), int(num_slots))\n"
+            "rss, found = None, False\n"
+            "for line in open('/proc/self/smaps'):\n"
+            "    if line.rstrip().endswith(' ' + path):\n"
+            "        found = True\n"
+            "    elif found and line.startswith('Rss:'):\n"
+            "        rss = int(line.split()[1]) * 1024\n"
+            "        break\n"
+            "print(rss)\n"
+            "print(' '.join(str(chunk_checksum(view.slot_view(s))) for s in range(int(num_slots))))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code, store.path, str(SLOT_BYTES), str(store.num_slots)],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split("\n")
+        # Mapped at attach, before the engine read a byte.
+        assert int(out[0]) == 64 * STRIDE
+        checksums = [int(c) for c in out[1].split()]
+        assert all(checksums[slot] == chunk_checksum(payload(i)) for slot, i in slots.items())
+
+
 def test_engine_view_rejects_missing_or_short_files_and_bad_geometry(shm_dir: str) -> None:
     with pytest.raises(ValueError, match="cannot open chunk store file"):
         ChunkStoreView.attach(os.path.join(shm_dir, "missing.slots"), SLOT_BYTES, 2)
