@@ -177,6 +177,7 @@ class SimulatedEngine:
             SimulatedSpec(config), self._view, "KVOffloadSecondaryTier", host=host, port=port,
             lookup_timeout_seconds=lookup_timeout_seconds,
             load_timeout_seconds=load_timeout_seconds, client=client)
+        self.tier.engine_hash_seed = hash_seed  # what this engine hashes with, not this process's env
         self._step = step_seconds
         self._job_ids = itertools.count()
         self._req_ids = itertools.count()

@@ -354,6 +354,7 @@ class Sidecar:
             "identity": self.settings.identity,
             "instance": self.instance,
             "fingerprint": self.settings.config.fingerprint,
+            "hash_seed": self.settings.hash_seed,
             "store": {"path": store.path, "slot_bytes": store.slot_bytes,
                       "slot_stride": store.slot_stride, "num_slots": store.num_slots},
         }

@@ -21,7 +21,9 @@ port; default ``VLLM_P2P_SIDE_CHANNEL_HOST`` / ``VLLM_P2P_SIDE_CHANNEL_PORT``,
 i.e. ``localhost:5710``; this engine's global data-parallel index is added to
 the port), ``lookup_timeout_seconds`` (a lookup unanswered by then is a miss),
 ``load_timeout_seconds`` (a load not finished by then fails; vLLM recomputes).
-Set ``PYTHONHASHSEED`` to the pool's hash seed so every pod hashes prefixes alike.
+Set ``PYTHONHASHSEED`` to the pool's hash seed so every pod hashes prefixes alike; the
+tier logs an error (and ``stats.hash_seed_problem`` says why) when it differs from the
+seed the sidecar states to its peers, or is unset.
 
 Threading: every SecondaryTierManager method runs on vLLM's scheduler thread
 and returns at once. Lookups are batched per scheduler step (flushed in
@@ -179,6 +181,8 @@ class TierStats:
     failed_stores: int = 0
     # Seconds from submit_load to its result, for the latest load jobs (bounded).
     load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    # Why this engine's chunk keys cannot match its peers' (see hash_seed_problem), or None.
+    hash_seed_problem: str | None = None
 
 
 @dataclass
@@ -211,6 +215,28 @@ def sidecar_address(offloading_spec: Any, host: str | None = None,
         raise ValueError(f"kv-offload tier: port {base} + DP index {dp_index} is not a valid "
                          f"port; set the tier's 'port' or {ENV_PORT}")
     return host, base + dp_index
+
+
+def hash_seed_problem(engine_seed: str | None, sidecar_seed: str | None) -> str | None:
+    """Why chunk keys this engine computes cannot match the pool's, or None.
+
+    vLLM seeds its prefix hashes from ``PYTHONHASHSEED`` (at random when it is unset);
+    the sidecar states the pool's hash seed to its peers. When the two differ, every
+    key this engine offloads is unique to it: the pool stays correct (keys are hashes,
+    nothing is confused) but this pod never gets a peer hit, silently. ``sidecar_seed``
+    None (a sidecar that does not report it) is not a problem.
+    """
+    if sidecar_seed is None:
+        return None
+    if engine_seed is None:
+        return (f"PYTHONHASHSEED is not set in this vLLM process, so vLLM seeds its prefix hashes "
+                f"at random and no chunk it offloads can match another pod's; set "
+                f"PYTHONHASHSEED={sidecar_seed} (the hash seed the sidecar states to its peers)")
+    if engine_seed != sidecar_seed:
+        return (f"PYTHONHASHSEED={engine_seed} in this vLLM process but the sidecar states hash seed "
+                f"{sidecar_seed} to its peers, so this engine's chunk keys match none of theirs; set "
+                f"PYTHONHASHSEED={sidecar_seed} here (or the sidecar's --hash-seed to {engine_seed})")
+    return None
 
 
 def chunk_bytes_of(offloading_spec: Any) -> int:
@@ -251,6 +277,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._lookup_timeout = float(lookup_timeout_seconds)
         self._load_timeout = float(load_timeout_seconds)
         self.address = sidecar_address(offloading_spec, host, port)
+        # The seed vLLM hashes prefixes with in this process (the simulated engine sets its own).
+        self.engine_hash_seed: str | None = os.environ.get("PYTHONHASHSEED")
         # Connected lazily by the worker threads, so vLLM starts even before its sidecar.
         self._client = client
         self._client_lock = threading.Lock()
@@ -442,7 +470,16 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 except Exception:
                     self._next_connect = time.monotonic() + 1.0
                     raise
+                self._check_hash_seed(self._client.info())
             return self._client
+
+    def _check_hash_seed(self, info: dict[str, Any]) -> None:
+        """Say loudly, at each (re)connection, when this engine's keys cannot match the pool's."""
+        problem = hash_seed_problem(self.engine_hash_seed, info.get("hash_seed"))
+        with self._stats_lock:
+            self.stats.hash_seed_problem = problem
+        if problem is not None:
+            logger.error("kv-offload tier: %s", problem)
 
     def _transfer_worker(self) -> None:
         while True:

@@ -16,7 +16,7 @@ from kv_offload_sidecar.engine_sim import SimulatedEngine, SimulatedSpec, trace_
 from kv_offload_sidecar.install_tier import TIER_MODULES
 from kv_offload_sidecar.local_pool import LocalPool, example_config
 from kv_offload_sidecar.vllm_tier import (KVOffloadSecondaryTier, LookupResult, ReqContext,
-                                          TransferJob, sidecar_address)
+                                          TransferJob, hash_seed_problem, sidecar_address)
 
 CONFIG = example_config()
 
@@ -135,6 +135,40 @@ def test_tier_is_built_the_way_vllms_factory_builds_out_of_tree_tiers(pool):
         assert not tier.has_pending_work()
     finally:
         tier.shutdown()
+
+
+def test_an_engine_hashing_with_another_seed_than_its_sidecar_states_is_told_why(pool, caplog):
+    client = pool.client(0)
+    try:
+        assert client.info()["hash_seed"] == "0"  # what LocalPool's sidecars state to peers
+    finally:
+        client.close()
+    same, other = _engine(pool, 0), SimulatedEngine(CONFIG, hash_seed="7", host="127.0.0.1",
+                                                    port=pool[0].port, name="engine-seed-7")
+    try:
+        tokens = trace_tokens([61, 62], same.layout.tokens_per_chunk)
+        assert same.run_request(tokens).stored_chunks == 2
+        assert same.tier.stats.hash_seed_problem is None
+        with caplog.at_level("ERROR", logger="kv_offload_sidecar.vllm_tier"):
+            result = other.run_request(tokens)
+        # Same tokens, another seed: other keys, so no hit, and the tier says why.
+        assert result.hit_chunks == 0 and result.stored_chunks == 2
+        problem = other.tier.stats.hash_seed_problem
+        assert problem is not None and "PYTHONHASHSEED=7" in problem and "hash seed 0" in problem
+        assert any(problem in r.getMessage() for r in caplog.records)
+    finally:
+        same.close()
+        other.close()
+
+
+def test_hash_seed_problem_names_the_unset_or_differing_seed_and_the_fix():
+    assert hash_seed_problem("0", "0") is None
+    assert hash_seed_problem("5", None) is None  # a sidecar that does not report its seed
+    unset = hash_seed_problem(None, "0")
+    assert unset.startswith("PYTHONHASHSEED is not set") and "set PYTHONHASHSEED=0" in unset
+    differ = hash_seed_problem("5", "0")
+    assert "PYTHONHASHSEED=5" in differ and "set PYTHONHASHSEED=0 here" in differ
+    assert "--hash-seed to 5" in differ
 
 
 def test_unknown_tier_key_is_named_in_the_error():
