@@ -281,6 +281,7 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
               "rounds": args.rounds,
               "seconds_per_measurement": args.seconds, "cpus": os.cpu_count()}
     report["targets"] = _targets(report)
+    report["ceilings"] = _ceilings(report)
     return report
 
 
@@ -341,6 +342,22 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+# Rows that bound what any data plane can reach here, printed beside the targets.
+CEILING_METHODS = ("memcpy", "ucx_sm_limit", "ucx_sm_tagsend")
+
+
+def _ceilings(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per chunk size, the ratios to raw TCP of the rows that bound the UCX targets: one
+    core's memcpy, bare ucxx with both cores copying and verifying, bare tag send/recv."""
+    out = []
+    for size in sorted({r["chunk_bytes"] for r in report["results"]}):
+        ratios = {r["method"]: r["ratio_to_raw_tcp"] for r in report["results"]
+                  if r["chunk_bytes"] == size and r["method"] in CEILING_METHODS}
+        if ratios:
+            out.append({"chunk_bytes": size, "ratios": ratios})
+    return out
+
+
 def _fmt_size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KiB"
 
@@ -365,6 +382,9 @@ def _table(report: dict[str, Any]) -> str:
         for t in report["targets"]:
             lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['ratio']:.2f}x "
                          f"(required {t['required']:g}x)")
+    for c in report.get("ceilings", []):
+        parts = ", ".join(f"{m} {c['ratios'][m]:.2f}x" for m in CEILING_METHODS if m in c["ratios"])
+        lines.append(f"[ceiling] at {_fmt_size(c['chunk_bytes'])} the machine allows: {parts} raw TCP")
     if report.get("plot"):
         lines.append(f"\nplot: {report['plot']}")
     return "\n".join(lines)

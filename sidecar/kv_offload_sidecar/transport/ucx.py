@@ -249,7 +249,7 @@ class UcxRuntime:
         self._posted = False  # a request or probe was added since the last progress pass
         self._hot_until = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        loop.add_reader(self.worker.epoll_file_descriptor, self._kick)
+        loop.add_reader(self.worker.epoll_file_descriptor, self._on_wakeup)
 
     @classmethod
     def get(cls) -> UcxRuntime:
@@ -358,6 +358,12 @@ class UcxRuntime:
         server = _state["server"]
         return (self._is_lane or _state["lane"] is not None
                 or (server is not None and len(server._conns) > 1))
+
+    def _on_wakeup(self) -> None:
+        """The worker's event descriptor fired: progress now, not one loop pass later (on a
+        round trip each side saves a pass), unless a pass is already queued."""
+        if not self._scheduled:
+            self._progress()
 
     def _kick(self) -> None:
         if not self._scheduled:

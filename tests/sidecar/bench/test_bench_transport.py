@@ -37,6 +37,10 @@ def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, s
     assert lookup["ratio_to_raw_rtt"] > 0 and lookup["keys"] == 32
     assert set(lookup["by_transport"]) == {"tcp", "ucx_sm", "ucx_tcp"}
     assert all("met" in t for t in report["targets"])
+    (ceiling,) = report["ceilings"]
+    assert ceiling["chunk_bytes"] == 65536
+    assert set(ceiling["ratios"]) == {"memcpy", "ucx_sm_limit", "ucx_sm_tagsend"}
+    assert ceiling["ratios"]["memcpy"] == results["memcpy"]["ratio_to_raw_tcp"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[bench transport]" in done.stderr  # progress while running
 
