@@ -399,7 +399,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
     sizes = sorted({r["chunk_bytes"] for r in report["results"]})
     methods = [m for m in METHODS if any(r["method"] == m for r in report["results"])]
     by = {(r["method"], r["chunk_bytes"]): r for r in report["results"]}
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5))
     width = 0.8 / len(methods)
     for j, m in enumerate(methods):
         xs, ys, lo, hi = [], [], [], []
@@ -415,7 +415,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
     ax.set_ylabel("GB/s (median, min-max)")
     ax.set_title(f"kv-offload data plane, {report['rounds']} interleaved rounds, "
                  f"{report['cpus']} CPUs")
-    ax.legend(fontsize=8, ncol=3)
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # clear of the bars
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
