@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .client import EngineClient
+from .main import process_alive
 from .offloading_config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
                                 OffloadingModelConfig, OffloadingParallelConfig)
 
@@ -93,16 +94,6 @@ def shm_parent() -> str | None:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale_workdirs(prefix: str = WORKDIR_PREFIX, parent: str | None = None) -> list[str]:
     """Remove ``{prefix}{pid}-*`` directories under ``parent`` whose owning process is gone.
 
@@ -117,7 +108,7 @@ def sweep_stale_workdirs(prefix: str = WORKDIR_PREFIX, parent: str | None = None
         return removed
     for name in names:
         m = _OWNED_DIR.match(name)
-        if not m or m.group("prefix") != prefix or _pid_alive(int(m.group("pid"))):
+        if not m or m.group("prefix") != prefix or process_alive(int(m.group("pid"))):
             continue
         path = os.path.join(parent, name)
         if os.path.isdir(path) and not os.path.islink(path):

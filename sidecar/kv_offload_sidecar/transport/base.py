@@ -22,9 +22,9 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import protocol as proto
 
@@ -82,6 +82,17 @@ class StoreLike(Protocol):
     def lookup_prefix(self, keys: Sequence[bytes]) -> int: ...
     def begin_write(self, key: bytes) -> ReservationLike | None: ...
     def pin(self, key: bytes) -> PinLike | None: ...
+
+
+async def wait_until_idle(tasks: Sized, connections: Mapping[Any, Any], grace_seconds: float) -> None:
+    """A stopping server's grace: while ``tasks`` (connections being served) remain, wait
+    until every one of ``connections`` says ``idle(now)``, for at most ``grace_seconds``."""
+    deadline = time.monotonic() + grace_seconds
+    while tasks and time.monotonic() < deadline:
+        now = time.monotonic()
+        if all(c.idle(now) for c in connections.values()):
+            return
+        await asyncio.sleep(0.05)
 
 
 def make_nonce() -> bytes:

@@ -40,6 +40,7 @@ from .base import (
     count_protocol_error,
     make_nonce,
     run_fetch,
+    wait_until_idle,
 )
 
 if TYPE_CHECKING:
@@ -304,12 +305,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                 await self._accept_task
         if self._listener is not None:
             self._listener.close()
-        deadline = time.monotonic() + grace_seconds
-        while self._conns and time.monotonic() < deadline:
-            now = time.monotonic()
-            if all(st.idle(now) for st in self._states.values()):
-                break
-            await asyncio.sleep(0.05)
+        await wait_until_idle(self._conns, self._states, grace_seconds)
         # Whatever is still open says goodbye: CLOSE (unless a chunk is half sent), SHUT_WR,
         # a brief drain of what the client still sends, then close (no reset).
         for st in self._states.values():

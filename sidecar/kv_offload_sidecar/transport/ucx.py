@@ -93,6 +93,7 @@ from .base import (
     count_protocol_error,
     make_nonce,
     run_fetch,
+    wait_until_idle,
 )
 
 if TYPE_CHECKING:
@@ -569,12 +570,7 @@ class UcxDataPlaneServer(DataPlaneServer):
             self._accept_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._accept_task
-        deadline = time.monotonic() + grace_seconds
-        while self._conns and time.monotonic() < deadline:
-            now = time.monotonic()
-            if all(c.idle(now) for c in self._connections.values()):
-                break
-            await asyncio.sleep(0.05)
+        await wait_until_idle(self._conns, self._connections, grace_seconds)
         still = list(self._conns.values())
         for t in still:
             t.cancel()
