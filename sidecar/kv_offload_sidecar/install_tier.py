@@ -20,6 +20,8 @@ PACKAGE = "kv_offload_sidecar"
 TIER_MODULES = (
     "__init__.py",
     "vllm_tier.py",
+    "vllm_contract.py",
+    "sidecar_match.py",
     "client.py",
     "prefix_hash.py",
     "offloading_config.py",

@@ -354,6 +354,9 @@ class Sidecar:
             "identity": self.settings.identity,
             "instance": self.instance,
             "fingerprint": self.settings.config.fingerprint,
+            # The identity fields behind the fingerprint, so an engine can name what differs.
+            "run_config": self.settings.config.run_config(),
+            "kv_bytes_per_chunk": self.settings.config.kv_bytes_per_chunk,
             "hash_seed": self.settings.hash_seed,
             "store": {"path": store.path, "slot_bytes": store.slot_bytes,
                       "slot_stride": store.slot_stride, "num_slots": store.num_slots},

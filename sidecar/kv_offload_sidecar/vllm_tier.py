@@ -16,135 +16,56 @@ Add to ``vllm serve`` (``cpu_bytes_to_use`` is the primary tier's size)::
         "secondary_tiers":[{"type":"KVOffloadSecondaryTier",
                             "module_path":"kv_offload_sidecar.vllm_tier"}]}}'
 
-Optional tier keys: ``host`` and ``port`` (the sidecar's control host and base
-port; default ``VLLM_P2P_SIDE_CHANNEL_HOST`` / ``VLLM_P2P_SIDE_CHANNEL_PORT``,
+Tier keys (all optional): ``host`` and ``port`` (the sidecar's control host and
+base port; default ``VLLM_P2P_SIDE_CHANNEL_HOST`` / ``VLLM_P2P_SIDE_CHANNEL_PORT``,
 i.e. ``localhost:5710``; this engine's global data-parallel index is added to
 the port), ``lookup_timeout_seconds`` (a lookup unanswered by then is a miss),
-``load_timeout_seconds`` (a load not finished by then fails; vLLM recomputes).
-Set ``PYTHONHASHSEED`` to the pool's hash seed so every pod hashes prefixes alike; the
-tier logs an error (and ``stats.hash_seed_problem`` says why) when it differs from the
-seed the sidecar states to its peers, or is unset.
+``load_timeout_seconds`` (a load not finished by then fails; vLLM recomputes),
+``locality`` (``REMOTE``, the default, or ``LOCAL``), ``enable_kv_events``, and
+vLLM's own ``backpressure`` (handled by vLLM, honoured through the base class).
 
-Threading: every SecondaryTierManager method runs on vLLM's scheduler thread
+Fail closed: at each (re)connection the tier compares the sidecar's
+fingerprint, chunk size and hash seed with the config vLLM handed it; on any
+difference it logs one error line naming the fields, answers every lookup
+MISS and stores nothing until a sidecar that matches is back.
+
+Threading: every SecondaryTierManager method runs under vLLM's manager lock
 and returns at once. Lookups are batched per scheduler step (flushed in
 ``on_schedule_end``) and answered by a lookup thread; transfers run on a
-transfer thread; results come back through queues drained by the scheduler
-thread. Imports: the standard library, numpy, this package's ``client``, and
-vLLM's own classes when vLLM is importable (stand-ins with the same names and
-fields otherwise, for tests and the simulated engine).
+transfer thread; results come back through queues drained by the caller.
+Imports: the standard library, numpy, and this package's tier modules.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import queue
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-import numpy as np
-
-try:  # vLLM's own contract when running inside vLLM.
-    import vllm.v1.kv_offload.base as _vbase  # type: ignore[import-not-found]
-    import vllm.v1.kv_offload.tiering.base as _vtier  # type: ignore[import-not-found]
-
-    def _vllm(name: str, *alternatives: str) -> Any:
-        """A vLLM class from the tiering or the core module (it moved between releases)."""
-        for mod in (_vtier, _vbase):
-            for n in (name, *alternatives):
-                if hasattr(mod, n):
-                    return getattr(mod, n)
-        raise ImportError(f"vLLM has no {name}")
-
-    SecondaryTierManager = _vllm("SecondaryTierManager")
-    JobResult = _vllm("JobResult")
-    TransferJob = _vllm("TransferJob", "JobMetadata")  # JobMetadata before the rename
-    LookupResult = _vllm("LookupResult")
-    ReqContext = _vllm("ReqContext")
-    RequestOffloadingContext = _vllm("RequestOffloadingContext")
-    VLLM_AVAILABLE = True
-except ImportError:
-    VLLM_AVAILABLE = False
-
-    class LookupResult(enum.Enum):  # type: ignore[no-redef]
-        """Stand-in for vLLM's LookupResult."""
-
-        MISS = enum.auto()
-        HIT = enum.auto()
-        HIT_PENDING = enum.auto()
-        RETRY = enum.auto()
-
-    class OffloadPolicy(enum.Enum):
-        """Stand-in for vLLM's OffloadPolicy."""
-
-        CHUNK_LEVEL = "chunk_level"
-        REQUEST_LEVEL = "request_level"
-
-    @dataclass
-    class RequestOffloadingContext:  # type: ignore[no-redef]
-        """Stand-in for vLLM's RequestOffloadingContext."""
-
-        policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL
-
-    @dataclass
-    class ReqContext:  # type: ignore[no-redef]
-        """Stand-in for vLLM's ReqContext."""
-
-        req_id: str
-        kv_transfer_params: dict[str, Any] | None = None
-
-    @dataclass
-    class TransferJob:  # type: ignore[no-redef]
-        """Stand-in for vLLM's TransferJob: chunk_ids are primary-tier rows."""
-
-        job_id: int
-        keys: Collection[bytes]
-        chunk_ids: np.ndarray
-        is_promotion: bool
-        req_context: ReqContext
-
-    @dataclass
-    class JobResult:  # type: ignore[no-redef]
-        """Stand-in for vLLM's JobResult."""
-
-        job_id: int
-        success: bool
-
-    class SecondaryTierManager(ABC):  # type: ignore[no-redef]
-        """Stand-in for vLLM's SecondaryTierManager (same constructor)."""
-
-        def __init__(self, offloading_spec: Any, primary_kv_view: memoryview,
-                     tier_type: str) -> None:
-            self._offloading_spec = offloading_spec
-            self._primary_kv_view = primary_kv_view
-            self.tier_type = tier_type
-
-        @abstractmethod
-        def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext: ...
-
-        @abstractmethod
-        def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult: ...
-
-        @abstractmethod
-        def submit_store(self, job: TransferJob) -> None: ...
-
-        @abstractmethod
-        def submit_load(self, job: TransferJob) -> None: ...
-
-        @abstractmethod
-        def get_finished_jobs(self) -> Iterable[JobResult]: ...
-
-        @abstractmethod
-        def drain_jobs(self) -> None: ...
-
-        def shutdown(self) -> None:
-            return None
+from .sidecar_match import engine_config, mismatches, refusal_message
+from .vllm_contract import (
+    VLLM_AVAILABLE,
+    CacheHitSource,
+    JobResult,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    ReqContext,
+    RequestOffloadingContext,
+    SecondaryTierManager,
+    TransferJob,
+    connector_stats,
+    vllm_hash_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +73,24 @@ ENV_HOST = "VLLM_P2P_SIDE_CHANNEL_HOST"
 ENV_PORT = "VLLM_P2P_SIDE_CHANNEL_PORT"
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5710
-# Tier-entry keys vLLM may pass to any tier; accepted and unused here.
-_GENERIC_TIER_KEYS = frozenset({"enable_kv_events", "locality", "name"})
+# Tier-entry keys vLLM may pass to any tier and this tier does not use.
+_GENERIC_TIER_KEYS = frozenset({"name"})
+_VALID_KEYS = ("host, port, lookup_timeout_seconds, load_timeout_seconds, locality, "
+               "enable_kv_events, backpressure")
+# Seconds between repeated warnings about failing loads.
+_LOAD_WARNING_INTERVAL = 10.0
+# Seconds between checks of a refused sidecar.
+RECHECK_SECONDS = 2.0
 _STOP = object()
+
+# vLLM metric names this tier reports through get_stats().
+METRIC_LOOKUPS = "vllm:kv_offload_sidecar_chunk_lookups"
+METRIC_REFUSED = "vllm:kv_offload_sidecar_refused"
 
 
 @dataclass
 class TierStats:
-    """Chunk-level counters of one tier, read by the simulated engine and the demo."""
+    """Chunk-level counters of one tier, read by vLLM's metrics, the simulated engine and the demo."""
 
     # Chunk keys whose lookup the sidecar answered.
     lookups: int = 0
@@ -167,7 +98,7 @@ class TierStats:
     local_hits: int = 0
     # Keys answered as present on a peer pod.
     peer_hits: int = 0
-    # Keys answered as absent, or unanswered by the lookup deadline.
+    # Keys answered as absent, unanswered by the lookup deadline, or refused.
     misses: int = 0
     # Lookup batches that failed or ran past the deadline.
     lookup_timeouts: int = 0
@@ -175,22 +106,31 @@ class TierStats:
     bytes_loaded: int = 0
     # Bytes copied from primary-tier rows into the sidecar.
     bytes_stored: int = 0
-    # Load jobs that failed (vLLM recomputes those chunks).
+    # Load jobs that failed in whole or part (vLLM recomputes the failed chunks).
     failed_loads: int = 0
     # Store jobs that failed (the chunks stay only in vLLM's primary tier).
     failed_stores: int = 0
     # Seconds from submit_load to its result, for the latest load jobs (bounded).
     load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
-    # Why this engine's chunk keys cannot match its peers' (see hash_seed_problem), or None.
-    hash_seed_problem: str | None = None
+    # Why the tier refuses its sidecar (the differing fields), or None while they match.
+    refused: str | None = None
 
 
 @dataclass
 class _KeyState:
     submitted: float
-    # None while unanswered, then True (present) or False (absent).
+    # None while unanswered, then True (present) or False (absent, failed or refused).
     result: bool | None = None
     request_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Job:
+    kind: str  # "load" or "store"
+    job_id: int
+    keys: list[bytes]
+    rows: list[int]
+    submitted: float
 
 
 def sidecar_address(offloading_spec: Any, host: str | None = None,
@@ -217,28 +157,6 @@ def sidecar_address(offloading_spec: Any, host: str | None = None,
     return host, base + dp_index
 
 
-def hash_seed_problem(engine_seed: str | None, sidecar_seed: str | None) -> str | None:
-    """Why chunk keys this engine computes cannot match the pool's, or None.
-
-    vLLM seeds its prefix hashes from ``PYTHONHASHSEED`` (at random when it is unset);
-    the sidecar states the pool's hash seed to its peers. When the two differ, every
-    key this engine offloads is unique to it: the pool stays correct (keys are hashes,
-    nothing is confused) but this pod never gets a peer hit, silently. ``sidecar_seed``
-    None (a sidecar that does not report it) is not a problem.
-    """
-    if sidecar_seed is None:
-        return None
-    if engine_seed is None:
-        return (f"PYTHONHASHSEED is not set in this vLLM process, so vLLM seeds its prefix hashes "
-                f"at random and no chunk it offloads can match another pod's; set "
-                f"PYTHONHASHSEED={sidecar_seed} (the hash seed the sidecar states to its peers)")
-    if engine_seed != sidecar_seed:
-        return (f"PYTHONHASHSEED={engine_seed} in this vLLM process but the sidecar states hash seed "
-                f"{sidecar_seed} to its peers, so this engine's chunk keys match none of theirs; set "
-                f"PYTHONHASHSEED={sidecar_seed} here (or the sidecar's --hash-seed to {engine_seed})")
-    return None
-
-
 def chunk_bytes_of(offloading_spec: Any) -> int:
     """kv_bytes_per_chunk of vLLM's OffloadingConfig: bytes of one row's worker slots."""
     config = getattr(offloading_spec, "config", offloading_spec)
@@ -246,50 +164,73 @@ def chunk_bytes_of(offloading_spec: Any) -> int:
     return int(config.worker_kv_bytes_per_block) * int(config.cache.blocks_per_chunk) * int(workers)
 
 
+def _locality(value: Any) -> Locality:
+    try:
+        return value if isinstance(value, Locality) else Locality(str(value).upper())
+    except ValueError:
+        raise ValueError(f"kv-offload tier: locality {value!r} is not one of "
+                         f"{[m.value for m in Locality]}") from None
+
+
 class KVOffloadSecondaryTier(SecondaryTierManager):
     """vLLM secondary tier backed by the pod's kv-offload sidecar."""
 
+    # Chunks live in the sidecar's host memory, on this pod or a peer's.
+    medium: ClassVar[Medium | None] = Medium.CPU
+    # vLLM reports the tokens this tier supplies as peer-to-peer cache hits.
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview,
-                 tier_type: str = "KVOffloadSecondaryTier", host: str | None = None,
+                 tier_type: str = "KVOffloadSecondaryTier",
+                 backpressure_detector: Any = None, host: str | None = None,
                  port: int | str | None = None, lookup_timeout_seconds: float = 0.5,
-                 load_timeout_seconds: float = 5.0, client: Any = None,
+                 load_timeout_seconds: float = 5.0, locality: Any = Locality.REMOTE,
+                 enable_kv_events: bool = False, client: Any = None,
                  **tier_kwargs: Any) -> None:
         unknown = sorted(set(tier_kwargs) - _GENERIC_TIER_KEYS)
         if unknown:
-            raise ValueError(
-                f"kv-offload tier: unknown key(s) {unknown} in the secondary_tiers entry; "
-                "valid keys: host, port, lookup_timeout_seconds, load_timeout_seconds")
+            raise ValueError(f"kv-offload tier: unknown key(s) {unknown} in the secondary_tiers "
+                             f"entry; valid keys: {_VALID_KEYS}")
         for name, value in (("lookup_timeout_seconds", lookup_timeout_seconds),
                             ("load_timeout_seconds", load_timeout_seconds)):
             if not float(value) > 0:
                 raise ValueError(f"kv-offload tier: {name} must be positive, got {value!r}")
-        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = _locality(locality)
+        self._engine_config = engine_config(offloading_spec)
         self._chunk_bytes = chunk_bytes_of(offloading_spec)
-        flat = primary_kv_view.cast("B") if primary_kv_view.format != "B" or \
-            primary_kv_view.ndim != 1 else primary_kv_view
-        self._rows = flat
         self._row_stride = (primary_kv_view.strides[0] if primary_kv_view.ndim >= 2
                             else self._chunk_bytes)
         if self._row_stride < self._chunk_bytes:
             raise ValueError(
                 f"kv-offload tier: primary rows are {self._row_stride} bytes but a chunk is "
                 f"{self._chunk_bytes} bytes; the tier and vLLM disagree on the chunk geometry")
+        # Our only view of vLLM's memory; released at shutdown so vLLM can close its region.
+        self._rows: memoryview | None = (
+            primary_kv_view.cast("B") if primary_kv_view.format != "B" or
+            primary_kv_view.ndim != 1 or not primary_kv_view.c_contiguous else primary_kv_view[:])
         self._lookup_timeout = float(lookup_timeout_seconds)
         self._load_timeout = float(load_timeout_seconds)
         self.address = sidecar_address(offloading_spec, host, port)
         # The seed vLLM hashes prefixes with in this process (the simulated engine sets its own).
-        self.engine_hash_seed: str | None = os.environ.get("PYTHONHASHSEED")
+        self.engine_hash_seed: str | None = vllm_hash_seed()
+        self._events: list[Any] | None = [] if enable_kv_events else None
         # Connected lazily by the worker threads, so vLLM starts even before its sidecar.
         self._client = client
         self._client_lock = threading.Lock()
         self._next_connect = 0.0
+        self._refusal_logged: str | None = None
+        # The sidecar instance last compared with this engine (None: not yet).
+        self._checked_instance: str | None = None
+        self._last_load_warning = 0.0
         self.stats = TierStats()
+        self._reported: dict[tuple[str, str], int] = {}
 
-        # Scheduler-thread state (no lock: only the scheduler thread touches it).
+        # Caller-side state, touched only under vLLM's manager lock.
         self._keys: OrderedDict[bytes, _KeyState] = OrderedDict()
         self._req_keys: dict[str, set[bytes]] = {}
         self._batch: dict[str, list[bytes]] = {}
-        self._in_flight = 0
+        self._jobs: dict[int, _Job] = {}
         # Thread hand-offs.
         self._lookup_q: queue.SimpleQueue = queue.SimpleQueue()
         self._lookup_results: queue.SimpleQueue = queue.SimpleQueue()
@@ -297,6 +238,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending_transfers = 0
+        self._draining = 0
         self._stats_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._lookup_worker, name="kv-offload-lookup", daemon=True),
@@ -306,20 +248,32 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         for t in self._threads:
             t.start()
 
-    # ---- SecondaryTierManager: scheduler thread -----------------------------
+    # ---- SecondaryTierManager --------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
-        """HIT / MISS once the sidecar answered; RETRY while asking; MISS past the deadline."""
+        """HIT / MISS once the sidecar answered; RETRY while asking; MISS past the deadline.
+
+        A key whose load failed stays MISS for the requests that asked for it,
+        so vLLM recomputes it at once instead of promoting it again.
+        """
         self._drain_lookup_results()
         key = bytes(key)
         state = self._keys.get(key)
         now = time.monotonic()
         if state is None:
             state = self._keys[key] = _KeyState(submitted=now)
-            self._batch.setdefault(req_context.req_id, []).append(key)
+            if self.stats.refused is not None:
+                state.result = False  # a refused sidecar's answers are not used
+                if now >= self._next_connect:  # the lookup thread checks it again (and counts)
+                    self._batch.setdefault(req_context.req_id, []).append(key)
+                else:
+                    with self._stats_lock:
+                        self.stats.misses += 1
+            else:
+                self._batch.setdefault(req_context.req_id, []).append(key)
         state.request_ids.add(req_context.req_id)
         self._req_keys.setdefault(req_context.req_id, set()).add(key)
         if state.result is None:
@@ -349,55 +303,113 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             if not state.request_ids:
                 del self._keys[key]
 
-    # vLLM releases before the on_request_finished rename call it request_finished.
-    request_finished = on_request_finished
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit("store", job_metadata)
 
-    def submit_store(self, job: TransferJob) -> None:
-        self._submit("store", job)
-
-    def submit_load(self, job: TransferJob) -> None:
-        self._submit("load", job)
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit("load", job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Finished jobs; the keys of a failed (or partly failed) load become MISS here."""
+        self._drain_lookup_results()
         out = []
         while True:
             try:
-                job_id, ok = self._finished.get_nowait()
+                job_id, moved_count, elapsed, ok = self._finished.get_nowait()
             except queue.Empty:
                 return out
-            self._in_flight -= 1
-            out.append(JobResult(job_id=job_id, success=ok))
+            job = self._jobs.pop(job_id)
+            moved = job.keys[:moved_count] if job.kind == "load" else job.keys
+            if job.kind == "load" and not ok:
+                for key in job.keys[moved_count:]:
+                    state = self._keys.get(key)
+                    if state is not None:
+                        state.result = False
+            elif job.kind == "store" and ok and self._events is not None and moved:
+                self._events.append(OffloadingEvent(keys=list(moved), medium=self.medium,
+                                                    removed=False, locality=self.locality))
+            partial = job.kind == "load" and not ok and moved_count > 0
+            out.append(JobResult(job_id=job_id, success=ok,
+                                 successful_keys=tuple(moved) if partial else None,
+                                 transfer_time=elapsed,
+                                 transfer_bytes=moved_count * self._chunk_bytes))
 
-    # vLLM releases before the get_finished_jobs rename poll get_finished.
-    get_finished = get_finished_jobs
+    def drain_jobs(self) -> None:
+        """Block until every submitted transfer has finished or failed.
 
-    def drain_jobs(self, timeout: float | None = None) -> None:
-        """Block until every submitted transfer has finished (bounded by the load timeout)."""
-        deadline = time.monotonic() + (timeout if timeout is not None
-                                       else self._load_timeout + 1.0)
+        Jobs not yet started fail at once (reported by get_finished_jobs); the
+        one in progress runs to its end, which the tier's deadlines bound
+        (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store).
+        """
         with self._idle:
-            while self._pending_transfers and time.monotonic() < deadline:
-                self._idle.wait(max(0.0, min(0.1, deadline - time.monotonic())))
+            self._draining += 1
+            try:
+                while self._pending_transfers:
+                    self._idle.wait(1.0)
+            finally:
+                self._draining -= 1
 
     def has_pending_work(self) -> bool:
-        return bool(self._in_flight or self._batch or any(
+        return bool(self._jobs or self._batch or any(
             s.result is None for s in self._keys.values()))
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         return None
 
+    def take_events(self) -> Iterable[Any]:
+        """OffloadingEvents for chunks stored to the sidecar (with ``enable_kv_events``)."""
+        if not self._events:
+            return ()
+        events, self._events = self._events, []
+        return events
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The metrics get_stats() reports, registered by vLLM under these names."""
+        return {
+            METRIC_LOOKUPS: OffloadingCounterMetadata(
+                documentation="Chunk lookups the kv-offload sidecar answered, by result "
+                              "(local_hit: this pod's sidecar, peer_hit: another pod's, miss).",
+                labelnames=("result",)),
+            METRIC_REFUSED: OffloadingGaugeMetadata(
+                documentation="1 while the tier refuses its kv-offload sidecar because its "
+                              "fingerprint, chunk size or hash seed differs from this engine's."),
+        }
+
+    def get_stats(self) -> Any:
+        """vLLM connector stats: lookup results since the last call and the refusal state."""
+        stats = connector_stats()
+        if stats is None:
+            return None
+        with self._stats_lock:
+            totals = {("lookups", "local_hit"): self.stats.local_hits,
+                      ("lookups", "peer_hit"): self.stats.peer_hits,
+                      ("lookups", "miss"): self.stats.misses}
+            refused = self.stats.refused is not None
+        for (metric, result), total in totals.items():
+            delta = total - self._reported.get((metric, result), 0)
+            if delta:
+                stats.increase_counter(METRIC_LOOKUPS, delta, (result,))
+                self._reported[(metric, result)] = total
+        stats.set_gauge(METRIC_REFUSED, int(refused))
+        return stats
+
     def shutdown(self) -> None:
+        """Finish or fail every job, stop the threads, close the sidecar client and release
+        this tier's view of vLLM's primary memory (vLLM then closes its region)."""
         self.drain_jobs()
         self._lookup_q.put(_STOP)
         self._transfer_q.put(_STOP)
         for t in self._threads:
-            t.join(timeout=self._load_timeout + 1.0)
+            t.join()
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
             client.close()
-
-    stop_executor = shutdown
+        rows, self._rows = self._rows, None
+        if rows is not None:
+            rows.release()
+        self._primary_kv_view = None  # type: ignore[assignment]
 
     # ---- internals ------------------------------------------------------------
 
@@ -405,11 +417,12 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         rows = getattr(job, "chunk_ids", None)
         if rows is None:  # older vLLM: JobMetadata.block_ids
             rows = job.block_ids
-        self._in_flight += 1
+        record = _Job(kind, int(job.job_id), [bytes(k) for k in job.keys],
+                      [int(r) for r in rows], time.monotonic())
+        self._jobs[record.job_id] = record
         with self._idle:
             self._pending_transfers += 1
-        self._transfer_q.put((kind, job.job_id, [bytes(k) for k in job.keys],
-                              [int(r) for r in rows], time.monotonic()))
+        self._transfer_q.put(record)
 
     def _drain_lookup_results(self) -> None:
         while True:
@@ -423,6 +436,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                     state.result = present
 
     def _row(self, row: int) -> memoryview:
+        assert self._rows is not None, "kv-offload tier used after shutdown"
         start = row * self._row_stride
         return self._rows[start:start + self._chunk_bytes]
 
@@ -440,13 +454,22 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         if remaining <= 0:
             with self._stats_lock:
                 self.stats.lookup_timeouts += 1
-            return  # the scheduler side already answers these keys MISS
+            return  # the caller's side already answers these keys MISS
         try:
-            reply = self._connected().lookup(list(keys), timeout=remaining)
+            client = self._connected()
+            if client is None:  # refused: every key is a miss
+                with self._stats_lock:
+                    self.stats.misses += len(keys)
+                self._lookup_results.put([(k, False) for k in keys])
+                return
+            reply = client.lookup(list(keys), timeout=remaining)
+            if not self._matches(client):
+                reply = _NO_HITS
         except Exception as exc:  # sidecar down, slow or refusing: every key is a miss
             logger.warning("kv-offload lookup of %d keys failed: %s", len(keys), exc)
             with self._stats_lock:
                 self.stats.lookup_timeouts += 1
+                self.stats.misses += len(keys)
             self._lookup_results.put([(k, False) for k in keys])
             return
         local, total = _hit_prefix(reply, len(keys))
@@ -458,10 +481,17 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._lookup_results.put([(k, i < total) for i, k in enumerate(keys)])
 
     def _connected(self) -> Any:
-        """The EngineClient, connecting at most once per second while the sidecar is away."""
+        """The EngineClient of a sidecar that matches this engine, or None while it is refused.
+
+        Connects at most once per second while the sidecar is away, and checks
+        every sidecar it attaches to; a refused one is dropped and checked
+        again every ``RECHECK_SECONDS`` (it may come back with the right config).
+        """
         with self._client_lock:
             if self._client is None:
                 if time.monotonic() < self._next_connect:
+                    if self.stats.refused is not None:
+                        return None
                     raise ConnectionError("kv-offload sidecar not reachable yet")
                 from .client import EngineClient
                 try:
@@ -470,60 +500,120 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 except Exception:
                     self._next_connect = time.monotonic() + 1.0
                     raise
-                self._check_hash_seed(self._client.info())
-            return self._client
+                self._checked_instance = None
+            return self._client if self._verify(self._client) else None
 
-    def _check_hash_seed(self, info: dict[str, Any]) -> None:
-        """Say loudly, at each (re)connection, when this engine's keys cannot match the pool's."""
-        problem = hash_seed_problem(self.engine_hash_seed, info.get("hash_seed"))
+    def _matches(self, client: Any) -> bool:
+        """Whether ``client`` is still attached to a sidecar instance that matches this engine.
+
+        The client re-attaches to a restarted sidecar at an operation's start,
+        so this runs after every operation too.
+        """
+        with self._client_lock:
+            return client is self._client and self._verify(client)
+
+    def _verify(self, client: Any) -> bool:
+        """Compare the sidecar's fingerprint, chunk size and hash seed with this engine's
+        (once per sidecar instance). Called with the client lock held."""
+        instance = getattr(client, "instance", None)
+        if instance is not None and instance == self._checked_instance:
+            return True
+        info = client.info()
+        differences = mismatches(self._engine_config, self.engine_hash_seed, info)
         with self._stats_lock:
-            self.stats.hash_seed_problem = problem
-        if problem is not None:
-            logger.error("kv-offload tier: %s", problem)
+            self.stats.refused = "; ".join(differences) if differences else None
+        if not differences:
+            self._checked_instance = instance
+            self._refusal_logged = None
+            logger.info("kv-offload tier: sidecar %s at %s:%d serves this engine's chunks "
+                        "(fingerprint %s, %d bytes per chunk)", info.get("identity"),
+                        self.address[0], self.address[1], info.get("fingerprint"),
+                        self._chunk_bytes)
+            return True
+        refusal = refusal_message(self.address, differences)
+        if refusal != self._refusal_logged:
+            logger.error("%s", refusal)
+            self._refusal_logged = refusal
+        self._client, self._checked_instance = None, None
+        self._next_connect = time.monotonic() + RECHECK_SECONDS
+        client.close()
+        return False
 
     def _transfer_worker(self) -> None:
         while True:
-            item = self._transfer_q.get()
-            if item is _STOP:
+            job = self._transfer_q.get()
+            if job is _STOP:
                 return
-            kind, job_id, keys, rows, submitted = item
-            try:
-                ok = self._load(keys, rows) if kind == "load" else self._store(keys, rows)
-            except Exception as exc:
-                logger.warning("kv-offload %s job %d failed: %s", kind, job_id, exc)
-                ok = False
-            with self._stats_lock:
-                if kind == "load":
-                    self.stats.load_seconds.append(time.monotonic() - submitted)
-                    self.stats.failed_loads += not ok
-                else:
-                    self.stats.failed_stores += not ok
-            self._finished.put((job_id, ok))
+            started = time.monotonic()
+            ok, moved = False, 0
+            if self._draining:
+                logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
+            else:
+                try:
+                    ok, moved = self._load(job) if job.kind == "load" else self._store(job)
+                except Exception as exc:
+                    logger.warning("kv-offload %s job %d failed: %s", job.kind, job.job_id, exc)
+            self._account(job, moved, ok)
+            self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
             with self._idle:
                 self._pending_transfers -= 1
                 self._idle.notify_all()
 
-    def _load(self, keys: list[bytes], rows: list[int]) -> bool:
+    def _account(self, job: _Job, moved: int, ok: bool) -> None:
+        with self._stats_lock:
+            if job.kind == "load":
+                self.stats.load_seconds.append(time.monotonic() - job.submitted)
+                self.stats.failed_loads += not ok
+                self.stats.bytes_loaded += moved * self._chunk_bytes
+            else:
+                self.stats.failed_stores += not ok
+                self.stats.bytes_stored += moved * self._chunk_bytes
+        if job.kind == "load" and not ok:
+            now = time.monotonic()
+            if now - self._last_load_warning >= _LOAD_WARNING_INTERVAL:
+                self._last_load_warning = now
+                logger.warning("kv-offload: loaded %d of %d chunks of job %d from the sidecar; "
+                               "vLLM recomputes the rest (%d failed loads so far)", moved,
+                               len(job.keys), job.job_id, self.stats.failed_loads)
+
+    def _load(self, job: _Job) -> tuple[bool, int]:
+        """(all loaded, leading chunks of ``job`` copied from the sidecar into their rows)."""
+        client = self._connected()
+        if client is None:
+            return False, 0
+
         def read(i: int, slot: memoryview) -> None:
-            self._row(rows[i])[:] = slot if slot.nbytes == self._chunk_bytes else \
+            self._row(job.rows[i])[:] = slot if slot.nbytes == self._chunk_bytes else \
                 slot.cast("B")[:self._chunk_bytes]
 
-        loaded = self._connected().load(keys, read, timeout=self._load_timeout)
-        with self._stats_lock:
-            self.stats.bytes_loaded += loaded * self._chunk_bytes
-        return loaded == len(keys)
+        loaded = client.load(job.keys, read, timeout=self._load_timeout)
+        if not self._matches(client):
+            loaded = 0  # read from a sidecar that turned out not to match: none of it counts
+        return loaded == len(job.keys), loaded
 
-    def _store(self, keys: list[bytes], rows: list[int]) -> bool:
+    def _store(self, job: _Job) -> tuple[bool, int]:
+        """(stored, chunks written now); keys the sidecar holds already or has no room
+        for are skipped, which is not a failure."""
+        client = self._connected()
+        if client is None:
+            return False, 0
+
         def write(i: int, slot: memoryview) -> None:
             if slot.nbytes == self._chunk_bytes:
-                slot[:] = self._row(rows[i])
+                slot[:] = self._row(job.rows[i])
             else:
-                slot.cast("B")[:self._chunk_bytes] = self._row(rows[i])
+                slot.cast("B")[:self._chunk_bytes] = self._row(job.rows[i])
 
-        stored = self._connected().store(keys, write)
-        with self._stats_lock:
-            self.stats.bytes_stored += stored * self._chunk_bytes
-        return True
+        return True, client.store(job.keys, write)
+
+
+@dataclass(frozen=True)
+class _NoHits:
+    local: int = 0
+    peer: int = 0
+
+
+_NO_HITS = _NoHits()
 
 
 def _hit_prefix(reply: Any, n: int) -> tuple[int, int]:
@@ -534,3 +624,7 @@ def _hit_prefix(reply: Any, n: int) -> tuple[int, int]:
     local = max(0, min(int(reply.local), n))
     total = max(local, min(local + int(reply.peer), n))
     return local, total
+
+
+__all__ = ["KVOffloadSecondaryTier", "LookupResult", "ReqContext", "TransferJob", "JobResult",
+           "TierStats", "VLLM_AVAILABLE", "chunk_bytes_of", "sidecar_address"]

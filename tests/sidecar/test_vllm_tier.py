@@ -16,7 +16,7 @@ from kv_offload_sidecar.engine_sim import SimulatedEngine, SimulatedSpec, trace_
 from kv_offload_sidecar.install_tier import TIER_MODULES
 from kv_offload_sidecar.local_pool import LocalPool, example_config
 from kv_offload_sidecar.vllm_tier import (KVOffloadSecondaryTier, LookupResult, ReqContext,
-                                          TransferJob, hash_seed_problem, sidecar_address)
+                                          TransferJob, sidecar_address)
 
 CONFIG = example_config()
 
@@ -107,17 +107,19 @@ def test_lookup_the_sidecar_cannot_answer_in_time_becomes_a_miss(pool):
         engine.close()
 
 
-def test_tier_is_built_the_way_vllms_factory_builds_out_of_tree_tiers(pool):
+def test_tier_is_built_the_way_vllms_factory_builds_out_of_tree_tiers(pool, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # the pool's seed, as the webhook sets it
     # SecondaryTierFactory: getattr(import_module(module_path), type)(offloading_spec=...,
     # primary_kv_view=..., tier_type=type, **rest of the entry).
     entry = {"type": "KVOffloadSecondaryTier", "module_path": "kv_offload_sidecar.vllm_tier",
-             "host": "127.0.0.1", "port": pool[0].port, "enable_kv_events": False}
+             "host": "127.0.0.1", "port": pool[0].port, "enable_kv_events": True,
+             "locality": "REMOTE"}
     config = dict(entry)
     tier_type = config.pop("type")
     cls = getattr(importlib.import_module(config.pop("module_path")), tier_type)
     region = np.zeros((4, 16384), dtype=np.uint8)
     tier = cls(offloading_spec=SimulatedSpec(CONFIG), primary_kv_view=memoryview(region),
-               tier_type=tier_type, **config)
+               tier_type=tier_type, backpressure_detector=None, **config)
     try:
         assert tier.tier_type == "KVOffloadSecondaryTier"
         region[1, :] = np.arange(16384, dtype=np.uint32).astype(np.uint8)
@@ -125,56 +127,178 @@ def test_tier_is_built_the_way_vllms_factory_builds_out_of_tree_tiers(pool):
         ctx = ReqContext(req_id="factory")
         tier.submit_store(TransferJob(job_id=1, keys=[key], chunk_ids=np.array([1]),
                                       is_promotion=False, req_context=ctx))
-        tier.drain_jobs()
-        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+        assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(1, True)]
+        (event,) = tier.take_events()  # enable_kv_events: the stored chunk is announced
+        assert (event.keys, event.removed, event.locality.value) == ([key], False, "REMOTE")
         tier.submit_load(TransferJob(job_id=2, keys=[key], chunk_ids=np.array([3]),
                                      is_promotion=True, req_context=ctx))
-        tier.drain_jobs()
-        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(2, True)]
+        assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(2, True)]
         assert bytes(region[3]) == bytes(region[1])
         assert not tier.has_pending_work()
     finally:
         tier.shutdown()
 
 
-def test_an_engine_hashing_with_another_seed_than_its_sidecar_states_is_told_why(pool, caplog):
+def _refused_engine(pool, config, hash_seed, name):
+    engine = SimulatedEngine(config, hash_seed=hash_seed, host="127.0.0.1", port=pool[0].port,
+                             name=name)
+    return engine
+
+
+def test_an_engine_hashing_with_another_seed_than_its_sidecar_gets_only_misses(pool, caplog):
     client = pool.client(0)
     try:
         assert client.info()["hash_seed"] == "0"  # what LocalPool's sidecars state to peers
     finally:
         client.close()
-    same, other = _engine(pool, 0), SimulatedEngine(CONFIG, hash_seed="7", host="127.0.0.1",
-                                                    port=pool[0].port, name="engine-seed-7")
+    same, other = _engine(pool, 0), _refused_engine(pool, CONFIG, "7", "engine-seed-7")
     try:
         tokens = trace_tokens([61, 62], same.layout.tokens_per_chunk)
         assert same.run_request(tokens).stored_chunks == 2
-        assert same.tier.stats.hash_seed_problem is None
+        assert same.tier.stats.refused is None
+        stored_before = pool[0].metric("kv_offload_store_used_bytes")
         with caplog.at_level("ERROR", logger="kv_offload_sidecar.vllm_tier"):
-            result = other.run_request(tokens)
-        # Same tokens, another seed: other keys, so no hit, and the tier says why.
-        assert result.hit_chunks == 0 and result.stored_chunks == 2
-        problem = other.tier.stats.hash_seed_problem
-        assert problem is not None and "PYTHONHASHSEED=7" in problem and "hash seed 0" in problem
-        assert any(problem in r.getMessage() for r in caplog.records)
+            first = other.run_request(tokens)
+            second = other.run_request(trace_tokens([63], other.layout.tokens_per_chunk))
+        # Fail closed: no hit, nothing stored, and one error line naming the seed.
+        assert (first.hit_chunks, first.loaded_chunks, first.stored_chunks) == (0, 0, 0)
+        assert (second.hit_chunks, second.stored_chunks) == (0, 0)
+        assert other.tier.stats.refused == "hash_seed: '7' != '0'"
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "hash_seed: '7' != '0'" in errors[0]
+        assert "refusing the sidecar" in errors[0] and "PYTHONHASHSEED" in errors[0]
+        assert pool[0].metric("kv_offload_store_used_bytes") == stored_before
+        assert other.tier.stats.bytes_stored == 0 and other.tier.stats.failed_stores >= 1
     finally:
         same.close()
         other.close()
 
 
-def test_hash_seed_problem_names_the_unset_or_differing_seed_and_the_fix():
-    assert hash_seed_problem("0", "0") is None
-    assert hash_seed_problem("5", None) is None  # a sidecar that does not report its seed
-    unset = hash_seed_problem(None, "0")
-    assert unset.startswith("PYTHONHASHSEED is not set") and "set PYTHONHASHSEED=0" in unset
-    differ = hash_seed_problem("5", "0")
-    assert "PYTHONHASHSEED=5" in differ and "set PYTHONHASHSEED=0 here" in differ
-    assert "--hash-seed to 5" in differ
+def test_an_engine_whose_config_differs_from_its_sidecars_is_refused_with_a_field_diff(pool, caplog):
+    engine_cfg = example_config(model="another/model", tokens_per_hash=32)
+    engine = _refused_engine(pool, engine_cfg, "0", "engine-other-config")
+    try:
+        with caplog.at_level("ERROR", logger="kv_offload_sidecar.vllm_tier"):
+            result = engine.run_request(trace_tokens([71, 72], engine.layout.tokens_per_chunk))
+        assert (result.hit_chunks, result.stored_chunks) == (0, 0)
+        refused = engine.tier.stats.refused
+        assert 'model_name: "another/model" != "Qwen/Qwen3-0.6B"' in refused
+        assert "tokens_per_hash: 32 != 16" in refused and "hash_seed" not in refused
+        assert sum("refusing the sidecar" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        engine.close()
+
+
+def test_a_partly_failed_load_reports_what_loaded_and_turns_exactly_the_rest_into_misses(pool):
+    engine = _engine(pool, 0)
+    tier = engine.tier
+    try:
+        tokens = trace_tokens([81, 82, 83], engine.layout.tokens_per_chunk)
+        keys = engine.hasher.chunk_keys(tokens)
+        assert engine.run_request(tokens[:2 * engine.layout.tokens_per_chunk]).stored_chunks == 2
+        ctx = ReqContext(req_id="partial")
+        tier.on_new_request(ctx)
+        results = _lookup_all(tier, keys, ctx)
+        assert results == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+        # Say the pool had answered HIT for the third too and lost it before the load.
+        tier._keys[keys[2]].result = True
+        tier.submit_load(TransferJob(job_id=11, keys=keys, chunk_ids=np.array([5, 6, 7]),
+                                     is_promotion=True, req_context=ctx))
+        (result,) = _finished(tier, 1)
+        assert result.job_id == 11 and result.success is False
+        assert tuple(result.successful_keys) == tuple(keys[:2])
+        assert result.transfer_bytes == 2 * CONFIG.kv_bytes_per_chunk and result.transfer_time > 0
+        # vLLM looks the failed key up again: a miss now, so it recomputes instead of
+        # promoting it again; the keys that loaded are untouched.
+        assert tier.lookup(keys[2], ctx) is LookupResult.MISS
+        assert tier.lookup(keys[0], ctx) is LookupResult.HIT
+        tier.on_request_finished(ctx)
+    finally:
+        engine.close()
+
+
+def _finished(tier, count, deadline=10.0):
+    """The next ``count`` job results, polled as vLLM polls them."""
+    end = time.monotonic() + deadline
+    out = []
+    while len(out) < count:
+        assert time.monotonic() < end, f"only {len(out)} of {count} jobs finished"
+        out.extend(tier.get_finished_jobs())
+        time.sleep(0.01)
+    return out
+
+
+def _lookup_all(tier, keys, ctx, deadline=10.0):
+    end = time.monotonic() + deadline
+    while True:
+        results = [tier.lookup(k, ctx) for k in keys]
+        tier.on_schedule_end(None)
+        if LookupResult.RETRY not in results:
+            return results
+        assert time.monotonic() < end, "lookups never resolved"
+        time.sleep(0.02)
+
+
+def test_drain_jobs_returns_only_when_every_job_has_finished_or_failed(pool):
+    engine = _engine(pool, 1, load_timeout_seconds=0.5)
+    tier = engine.tier
+    tokens = trace_tokens([91], engine.layout.tokens_per_chunk)
+    try:
+        assert engine.run_request(tokens).stored_chunks == 1  # connected
+        key = engine.hasher.chunk_keys(tokens)[0]
+        ctx = ReqContext(req_id="drain")
+        pool[1].proc.send_signal(signal.SIGSTOP)
+        try:
+            for job_id in range(20, 25):
+                tier.submit_load(TransferJob(job_id=job_id, keys=[key], chunk_ids=np.array([1]),
+                                             is_promotion=True, req_context=ctx))
+            start = time.monotonic()
+            tier.drain_jobs()
+            elapsed = time.monotonic() - start
+        finally:
+            pool[1].proc.send_signal(signal.SIGCONT)
+        # Every job has its result now: the first ran into its deadline, the queued
+        # ones were cancelled instead of each waiting out its own.
+        results = {r.job_id: r.success for r in tier.get_finished_jobs()}
+        assert results == {job_id: False for job_id in range(20, 25)}
+        assert not tier.has_pending_work()
+        assert elapsed < 5 * 0.5, elapsed
+    finally:
+        engine.close()
+
+
+def test_shutdown_releases_every_view_of_the_primary_region_so_vllm_can_close_it(pool, tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    import mmap
+    path = tmp_path / "region"
+    path.write_bytes(b"\0" * (4 * 16384))
+    with open(path, "r+b") as fh:
+        region = mmap.mmap(fh.fileno(), 4 * 16384)
+    view = memoryview(np.frombuffer(region, dtype=np.uint8).reshape(4, 16384))
+    tier = KVOffloadSecondaryTier(SimulatedSpec(CONFIG), view, host="127.0.0.1", port=pool[0].port)
+    key = b"\x43" * 32 + b"\x00\x00\x00\x00"
+    ctx = ReqContext(req_id="views")
+    tier.submit_store(TransferJob(job_id=1, keys=[key], chunk_ids=np.array([0]),
+                                  is_promotion=False, req_context=ctx))
+    tier.submit_load(TransferJob(job_id=2, keys=[key], chunk_ids=np.array([1]),
+                                 is_promotion=True, req_context=ctx))
+    assert [(r.job_id, r.success) for r in _finished(tier, 2)] == [(1, True), (2, True)]
+    tier.shutdown()
+    # What vLLM does at its own shutdown: release its view, then close the mmap.
+    view.release()
+    import gc
+    gc.collect()
+    region.close()  # BufferError if the tier still held a view
+    assert region.closed
 
 
 def test_unknown_tier_key_is_named_in_the_error():
     region = np.zeros((2, 16384), dtype=np.uint8)
-    with pytest.raises(ValueError, match="lookup_timeout"):
+    with pytest.raises(ValueError, match=r"\['lookup_timout'\].*valid keys: host, port, lookup_timeout"):
         KVOffloadSecondaryTier(SimulatedSpec(CONFIG), memoryview(region), lookup_timout=1)
+    with pytest.raises(ValueError, match=r"locality 'NEARBY' is not one of \['LOCAL', 'REMOTE'\]"):
+        KVOffloadSecondaryTier(SimulatedSpec(CONFIG), memoryview(region), locality="NEARBY")
 
 
 def test_sidecar_address_adds_the_global_dp_index_and_prefers_tier_keys():
@@ -199,88 +323,3 @@ def test_tier_module_imports_only_what_install_tier_ships():
     assert ours <= set(TIER_MODULES), sorted(ours - set(TIER_MODULES))
     for heavy in ("torch", "aiohttp", "prometheus_client", "kopf", "kv_offload_operator"):
         assert heavy not in mods
-
-
-# The abstract interface of vLLM's tiering/base.py (as read from vLLM), for the import test.
-_VLLM_BASE = '''
-import enum
-from dataclasses import dataclass, field
-from typing import Any
-class LookupResult(enum.Enum):
-    MISS = 1
-    HIT = 2
-    HIT_PENDING = 3
-    RETRY = 4
-@dataclass
-class ReqContext:
-    req_id: str
-    kv_transfer_params: Any = None
-@dataclass
-class RequestOffloadingContext:
-    policy: str = "chunk_level"
-'''
-_VLLM_TIERING_BASE = '''
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
-from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext
-@dataclass
-class TransferJob:
-    job_id: int
-    keys: Any
-    chunk_ids: Any
-    is_promotion: bool
-    req_context: ReqContext
-@dataclass
-class JobResult:
-    job_id: int
-    success: bool
-class SecondaryTierManager(ABC):
-    def __init__(self, offloading_spec, primary_kv_view, tier_type):
-        self.offloading_spec = offloading_spec
-        self.primary_kv_view = primary_kv_view
-        self.tier_type = tier_type
-    @abstractmethod
-    def on_new_request(self, req_context): ...
-    @abstractmethod
-    def lookup(self, key, req_context): ...
-    @abstractmethod
-    def submit_store(self, job): ...
-    @abstractmethod
-    def submit_load(self, job): ...
-    @abstractmethod
-    def get_finished_jobs(self): ...
-    @abstractmethod
-    def drain_jobs(self): ...
-    @abstractmethod
-    def has_pending_work(self): ...
-'''
-
-
-def test_tier_subclasses_vllms_own_classes_when_vllm_is_importable(tmp_path):
-    pkg = tmp_path / "vllm" / "v1" / "kv_offload" / "tiering"
-    pkg.mkdir(parents=True)
-    for d in (tmp_path / "vllm", tmp_path / "vllm" / "v1", pkg.parent, pkg):
-        (d / "__init__.py").write_text("")
-    (pkg.parent / "base.py").write_text(_VLLM_BASE)
-    (pkg / "base.py").write_text(_VLLM_TIERING_BASE)
-    code = """
-import numpy as np
-import vllm.v1.kv_offload.tiering.base as vt, vllm.v1.kv_offload.base as vb
-from kv_offload_sidecar import vllm_tier
-from kv_offload_sidecar.local_pool import example_config
-from kv_offload_sidecar.engine_sim import SimulatedSpec
-assert vllm_tier.VLLM_AVAILABLE
-assert issubclass(vllm_tier.KVOffloadSecondaryTier, vt.SecondaryTierManager)
-assert vllm_tier.LookupResult is vb.LookupResult and vllm_tier.TransferJob is vt.TransferJob
-tier = vllm_tier.KVOffloadSecondaryTier(SimulatedSpec(example_config()),
-                                        memoryview(np.zeros((2, 16384), np.uint8)), port=1)
-ctx = vb.ReqContext(req_id="r")
-assert tier.lookup(b"k" * 36, ctx) is vb.LookupResult.RETRY
-tier.shutdown()
-print("ok")
-"""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
