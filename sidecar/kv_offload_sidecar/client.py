@@ -321,12 +321,14 @@ class EngineClient:
             self._miss("lookup", exc)
             return LookupReply(0, 0)
 
-    def store(self, keys: Sequence[bytes], write_fn: WriteFn) -> int:
+    def store(self, keys: Sequence[bytes], write_fn: WriteFn, *, strict: bool = False) -> int:
         """Write chunks into the sidecar's store; returns how many were written.
 
         ``write_fn(i, view)`` must fill ``view`` (exactly ``slot_bytes``) with
         chunk ``keys[i]``; it is not called for keys that are skipped (held
-        already, being written, or no free slot).
+        already, being written, or no free slot). A failed store is counted
+        and returns 0, or with ``strict`` raises ``SidecarUnavailable``, so a
+        caller can tell it from keys that were all skipped.
         """
         if not keys:
             return 0
@@ -352,6 +354,8 @@ class EngineClient:
                     written = int(reply["committed"])
         except _FAILURES as exc:
             self._miss("store", exc)
+            if strict and user_exc is None:
+                raise SidecarUnavailable(f"store of {len(keys)} chunks failed: {exc}") from None
             written = 0
         if user_exc is not None:
             raise user_exc

@@ -67,7 +67,8 @@ from .vllm_contract import (
     vllm_hash_seed,
 )
 
-logger = logging.getLogger(__name__)
+# Inside vLLM, a child of vLLM's logger: the tier's lines appear in vLLM's log, formatted as its own.
+logger = logging.getLogger(f"vllm.{__name__}" if VLLM_AVAILABLE else __name__)
 
 ENV_HOST = "VLLM_P2P_SIDE_CHANNEL_HOST"
 ENV_PORT = "VLLM_P2P_SIDE_CHANNEL_PORT"
@@ -212,8 +213,9 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._lookup_timeout = float(lookup_timeout_seconds)
         self._load_timeout = float(load_timeout_seconds)
         self.address = sidecar_address(offloading_spec, host, port)
-        # The seed vLLM hashes prefixes with in this process (the simulated engine sets its own).
-        self.engine_hash_seed: str | None = vllm_hash_seed()
+        # The seed this engine hashes prefixes with; None: ask vLLM at each check (vLLM
+        # resolves it after building the tiers). The simulated engine sets its own.
+        self.engine_hash_seed: str | None = None
         self._events: list[Any] | None = [] if enable_kv_events else None
         # Connected lazily by the worker threads, so vLLM starts even before its sidecar.
         self._client = client
@@ -488,20 +490,25 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         again every ``RECHECK_SECONDS`` (it may come back with the right config).
         """
         with self._client_lock:
-            if self._client is None:
-                if time.monotonic() < self._next_connect:
-                    if self.stats.refused is not None:
-                        return None
-                    raise ConnectionError("kv-offload sidecar not reachable yet")
-                from .client import EngineClient
-                try:
-                    self._client = EngineClient.connect(*self.address,
-                                                        timeout=self._load_timeout)
-                except Exception:
-                    self._next_connect = time.monotonic() + 1.0
-                    raise
-                self._checked_instance = None
-            return self._client if self._verify(self._client) else None
+            for _ in range(2):  # a second time after finding the sidecar restarted
+                if self._client is None:
+                    if time.monotonic() < self._next_connect:
+                        if self.stats.refused is not None:
+                            return None
+                        raise ConnectionError("kv-offload sidecar not reachable yet")
+                    from .client import EngineClient
+                    try:
+                        self._client = EngineClient.connect(*self.address,
+                                                            timeout=self._load_timeout)
+                    except Exception:
+                        self._next_connect = time.monotonic() + 1.0
+                        raise
+                    self._checked_instance = None
+                if self._verify(self._client):
+                    return self._client
+                if self.stats.refused is not None:
+                    return None
+            return None
 
     def _matches(self, client: Any) -> bool:
         """Whether ``client`` is still attached to a sidecar instance that matches this engine.
@@ -519,7 +526,13 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         if instance is not None and instance == self._checked_instance:
             return True
         info = client.info()
-        differences = mismatches(self._engine_config, self.engine_hash_seed, info)
+        if instance is not None and info.get("instance") != instance:
+            # The sidecar restarted under this client's mapping: start afresh (and check that one).
+            self._client, self._checked_instance, self._next_connect = None, None, 0.0
+            client.close()
+            return False
+        seed = self.engine_hash_seed if self.engine_hash_seed is not None else vllm_hash_seed()
+        differences = mismatches(self._engine_config, seed, info)
         with self._stats_lock:
             self.stats.refused = "; ".join(differences) if differences else None
         if not differences:
@@ -604,7 +617,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             else:
                 slot.cast("B")[:self._chunk_bytes] = self._row(job.rows[i])
 
-        return True, client.store(job.keys, write)
+        return True, client.store(job.keys, write, strict=True)
 
 
 @dataclass(frozen=True)

