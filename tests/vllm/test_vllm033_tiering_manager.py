@@ -143,7 +143,10 @@ def env(vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
         common = dict(python=str(python), pythonpath=[str(sources), str(tier_dest)],
                       extra_env={"PYTHONHASHSEED": DEFAULT_HASH_SEED})
         # Started together so the vLLM imports overlap.
-        for sidecar, name, extra in ((0, "a", {"enable_kv_events": True}), (1, "b", {})):
+        # A configures vLLM's own back-pressure detector for our tier.
+        backpressure = {"backpressure_cls": "EMABackpressureDetector"}
+        for sidecar, name, extra in ((0, "a", {"enable_kv_events": True,
+                                               "backpressure": backpressure}), (1, "b", {})):
             drivers.append(ManagerDriverProcess(spec=_spec(pool, sidecar, name, SEED_ORDER,
                                                            **extra), **common))
         for d in drivers:
@@ -289,7 +292,12 @@ def test_a_store_cascades_into_own_sidecar(env: Env):
     other_before = int(env.pool[1].status()["store"]["chunks"])
     used_before = env.pool[0].metric("kv_offload_store_used_bytes")
     env.a.take_events()
+    (bp_before,) = [t["backpressure"] for t in env.a.tier_state()["tiers"]]
+    assert bp_before["class"] == "EMABackpressureDetector"  # passed through to vLLM's base
     keys, r = store_on_a(env, "a")
+    (bp_after,) = [t["backpressure"] for t in env.a.tier_state()["tiers"]]
+    # vLLM fed the finished store (its submit time and our transfer_bytes) to the detector.
+    assert bp_after["completions"] == bp_before["completions"] + 1
     env.timings["a_store_s"] = r["elapsed_s"]
     (jobs,) = r["cascades"]
     assert jobs[0]["n_keys"] == N_KEYS and jobs[0]["result"]["transfer_bytes"] == N_KEYS * CHUNK

@@ -98,6 +98,16 @@ def _digest(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+def _detector_state(detector: Any) -> dict[str, Any] | None:
+    """The back-pressure detector vLLM built for a tier: its class and the store
+    completions it has been fed (vLLM feeds it each finished store job)."""
+    if detector is None:
+        return None
+    return {"class": type(detector).__name__,
+            "completions": getattr(detector, "_completions", None),
+            "under_pressure": bool(detector.is_under_pressure())}
+
+
 class _Recorder:
     """Wraps one tier instance's submit_load/submit_store/get_finished_jobs to
     count what vLLM's manager asks of it (observation only; calls go through)."""
@@ -541,7 +551,8 @@ class Driver:
                             "cache_hit_source": str(getattr(t.cache_hit_source, "value",
                                                             t.cache_hit_source)),
                             "locality": None if t.locality is None
-                            else getattr(t.locality, "value", str(t.locality))})
+                            else getattr(t.locality, "value", str(t.locality)),
+                            "backpressure": _detector_state(t.bp_detector)})
         return {"tiers": out, "stats": self.tier_stats()}
 
     def op_shutdown(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
