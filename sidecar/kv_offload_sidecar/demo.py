@@ -213,6 +213,9 @@ def _bytes(n: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pods", type=int, default=3, help="sidecars and engines (default 3)")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                        help="sim: simulated vLLM engines (fast, the default); vllm: real vLLM "
+                             "engines from .venv-vllm (./dev setup), a tiny random model")
     parser.add_argument("--requests", type=int, default=None,
                         help="replay at most this many trace requests (default: the whole sample)")
     parser.add_argument("--transport", choices=("tcp", "ucx"), default="tcp",
@@ -242,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.transport == "ucx":
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")  # CPU-only host
+    if args.engine == "vllm":
+        return _run_vllm(args)
     print(f"[demo] starting {args.pods} sidecars ({args.transport}) and {args.pods} simulated "
           f"vLLM engines; trace {args.trace}", file=sys.stderr, flush=True)
     try:
@@ -258,6 +263,39 @@ def run(args: argparse.Namespace) -> int:
           f"mismatched bytes {total.mismatched_bytes}")
     if total.mismatched_bytes:
         print("kv-offload demo: FAILED: loaded chunks differ from the KV the engines compute",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    """The demo with real vLLM engines (a tool outside the sidecar image)."""
+    try:
+        from kv_offload_tools.vllm_harness.deployment import VllmUnavailable
+        from kv_offload_tools.vllm_harness.vllm_demo import format_vllm_report, run_vllm_demo
+    except ImportError as exc:
+        print(f"kv-offload demo --engine vllm needs the kv-offload tools ({exc}); "
+              "run it from a checkout with ./dev demo --engine vllm", file=sys.stderr)
+        return 2
+    trace_ids = load_trace(args.trace)[:args.requests or 30]
+    print(f"[demo] {args.pods} sidecars and {args.pods} real vLLM engines; "
+          f"{len(trace_ids)} requests of {args.trace}", file=sys.stderr, flush=True)
+    try:
+        reports = run_vllm_demo(args.pods, trace_ids, intruder=args.intruder,
+                                progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except VllmUnavailable as exc:
+        print(f"kv-offload demo: {exc}", file=sys.stderr)
+        return 2
+    print(format_vllm_report(reports))
+    cached = sum(r.cached_tokens for r in reports)
+    tokens = sum(r.prompt_tokens for r in reports)
+    p2p = sum(r.p2p_tokens for r in reports)
+    bad = sum(r.differing_outputs for r in reports)
+    print(f"\n{sum(r.requests for r in reports)} requests; vLLM reported {cached} of {tokens} "
+          f"prompt tokens cached, {p2p} of them from peers; outputs differing from an engine "
+          f"without offloading: {bad}")
+    if bad:
+        print("kv-offload demo: FAILED: an engine's output differs from one without offloading",
               file=sys.stderr)
         return 1
     return 0

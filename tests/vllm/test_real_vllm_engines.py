@@ -19,7 +19,7 @@ import pytest
 
 from kv_offload_sidecar.local_pool import LocalPool, SidecarOverride
 from kv_offload_tools.vllm_harness.deployment import TIER_TYPE, VllmDeployment
-from kv_offload_tools.vllm_harness.driver_client import metric_value
+from kv_offload_tools.vllm_harness.driver_client import close_all, metric_value, start_all
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -72,12 +72,11 @@ def pool(deployment):
 def engines(deployment, pool):
     """Engine A beside sidecar 0, engine B beside sidecar 1, and a baseline without offloading,
     started side by side; the baseline's greedy outputs for every prompt are kept."""
-    started = []
+    tier_keys = {"load_timeout_seconds": 3.0}
+    started = start_all([lambda: deployment.start_engine("a", pool[0].port, tier_keys=tier_keys),
+                         lambda: deployment.start_engine("b", pool[1].port, tier_keys=tier_keys),
+                         deployment.start_baseline])
     try:
-        for name, port in (("a", pool[0].port), ("b", pool[1].port), ("baseline", None)):
-            started.append(deployment.start_baseline(name) if port is None
-                           else deployment.start_engine(name, port,
-                                                        tier_keys={"load_timeout_seconds": 3.0}))
         a, b, baseline = started
         expected = {k: out["token_ids"]
                     for k, out in zip(PROMPTS, baseline.generate(list(PROMPTS.values()),
@@ -85,8 +84,7 @@ def engines(deployment, pool):
         baseline.close()
         yield a, b, expected
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 def _holder_visible(pool, reader: int, chunks: int) -> bool:
@@ -155,14 +153,13 @@ def mismatched(deployment, pool, engines):
     other_model = deployment.copy_model("tiny-llama-copy")
     sidecar_c = pool.add(SidecarOverride(config=deployment.config_for(other_model)),
                          wait_connected=False)
-    started = []
+    started = start_all([
+        lambda: deployment.start_engine("c", sidecar_c.port, model_dir=other_model),
+        lambda: deployment.start_engine("d", sidecar_c.port)])
     try:
-        started.append(deployment.start_engine("c", sidecar_c.port, model_dir=other_model))
-        started.append(deployment.start_engine("d", sidecar_c.port))
         yield sidecar_c, started[0], started[1]
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 def test_a_pool_whose_fingerprint_differs_gets_no_chunk_from_the_pool(pool, engines, mismatched):

@@ -26,11 +26,12 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineDriverError", "EngineDriverProcess", "metric_value", "metric_samples"]
+__all__ = ["EngineDriverError", "EngineDriverProcess", "close_all", "metric_value",
+           "metric_samples", "start_all"]
 
 # .../sidecar (the directory holding the kv_offload_tools package)
 _SIDECAR_DIR = str(Path(__file__).resolve().parents[2])
@@ -283,3 +284,36 @@ def metric_value(metrics: Sequence[Mapping[str, Any]], name: str, **labels: str)
     return float(sum(
         m.get("value", m.get("count", 0)) for m in metric_samples(metrics, name, **labels)
     ))
+
+
+def close_all(engines: Sequence[EngineDriverProcess]) -> None:
+    """Close several engines side by side (each takes seconds to shut down)."""
+    threads = [threading.Thread(target=e.close, daemon=True) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def start_all(starters: Sequence[Callable[[], EngineDriverProcess]]) -> list[EngineDriverProcess]:
+    """Start several engines side by side (their imports and start-ups overlap); if one
+    fails, the others are closed and the first error is raised."""
+    results: list[EngineDriverProcess | BaseException | None] = [None] * len(starters)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = starters[i]()
+        except BaseException as exc:  # re-raised below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(starters))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    started = [r for r in results if isinstance(r, EngineDriverProcess)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        close_all(started)
+        raise errors[0]
+    return started
