@@ -4,7 +4,9 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; the module is imported only when its command runs, so
 ``kv-offload sidecar`` never loads the operator runtime or kopf.
 Exit codes: 0 success, 1 a negative answer (e.g. ``diff`` found differences),
-2 bad input, with a one-line message on stderr that says what to change.
+2 bad input, with a one-line message on stderr that says what to change: a
+subcommand reports bad input by raising ``UsageError`` (its message collapsed
+to one line here), never by printing it itself.
 """
 
 from __future__ import annotations
@@ -22,19 +24,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("kv_offload_operator.cli_diff", "compare the identity of two config files"),
     "sidecar": ("kv_offload_sidecar.main", "run the per-pod sidecar"),
     "operator": ("kv_offload_operator.main", "run the kopf operator and its webhook"),
-    "demo": ("kv_offload_sidecar.demo", "several sidecars and simulated engines sharing chunks"),
+    "demo": ("kv_offload_tools.demo", "several sidecars and simulated engines sharing chunks"),
     "install-tier": ("kv_offload_sidecar.install_tier", "copy the vLLM-side tier into a shared volume"),
 }
 # bench name -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
-    "transport": ("kv_offload_sidecar.bench.transport", "data-plane throughput against raw sockets"),
-    "replay": ("kv_offload_sidecar.bench.replay", "hit ratios replaying a Mooncake-format trace"),
-    "chaos": ("kv_offload_sidecar.bench.chaos", "fault injection and fuzzing against live sidecars"),
+    "transport": ("kv_offload_tools.bench.transport", "data-plane throughput against raw sockets"),
+    "replay": ("kv_offload_tools.bench.replay", "hit ratios replaying a Mooncake-format trace"),
+    "chaos": ("kv_offload_tools.bench.chaos", "fault injection and fuzzing against live sidecars"),
 }
 
 
 class UsageError(Exception):
-    """Bad input: printed as one line, exit code 2."""
+    """Bad input: printed as one line on stderr (nothing on stdout), exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,11 +77,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(importlib.import_module(module).run(args) or 0)
     except UsageError as exc:
-        print(str(exc), file=sys.stderr)
+        print(" ".join(str(exc).split()), file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("kv_offload"):
-            print(f"kv-offload: this command is not built yet ({exc.name})", file=sys.stderr)
+        if exc.name and exc.name.startswith("kv_offload_tools"):
+            print(f"kv-offload: this command is a tool outside the image ({exc.name} is not "
+                  f"installed): pip install 'kv-offload[tools]' from a checkout", file=sys.stderr)
             return 2
         raise
     except KeyboardInterrupt:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from kv_offload_operator.cli import UsageError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", metavar="A", help="first offloading_config.json")
@@ -15,14 +17,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kv_offload_operator.cli_translate import fail
-    from kv_offload_sidecar.offloading_config import identity_diff, load_config_file
+    from kv_offload_sidecar.engine.offloading_config import identity_diff, load_config_file
 
     try:
         a = load_config_file(args.a)
         b = load_config_file(args.b)
     except ValueError as exc:
-        return fail(f"kv-offload diff: {exc}")
+        raise UsageError(f"kv-offload diff: {exc}") from None
     lines = identity_diff(a, b)
     if not lines:
         print(f"same identity: fingerprint {a.fingerprint}")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
+
+from kv_offload_operator.cli import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,50 +24,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "e.g. VLLM_USE_V2_MODEL_RUNNER=0")
 
 
-class BadInput(Exception):
-    """Bad input for a subcommand: one line on stderr, exit code 2."""
-
-
-def one_line(message: str) -> str:
-    """Collapse a message to one line for stderr."""
-    return " ".join(str(message).split())
-
-
-def fail(message: str) -> int:
-    """Print one line on stderr and return the bad-input exit code."""
-    print(one_line(message), file=sys.stderr)
-    return 2
-
-
-def load_model_config(path: str) -> dict:
-    """Read a HF config.json; bad input raises BadInput naming the file."""
+def load_model_config(path: str) -> dict[str, Any]:
+    """Read a HF config.json; bad input raises UsageError naming the file."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except OSError as exc:
-        raise BadInput(f"kv-offload translate: cannot read --model-config {path!r}: {exc.strerror}") from None
+        raise UsageError(f"kv-offload translate: cannot read --model-config {path!r}: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadInput(f"kv-offload translate: --model-config {path!r} is not valid JSON: {exc}") from None
+        raise UsageError(f"kv-offload translate: --model-config {path!r} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise BadInput(f"kv-offload translate: --model-config {path!r} must hold a JSON object (config.json)")
+        raise UsageError(f"kv-offload translate: --model-config {path!r} must hold a JSON object (config.json)")
     return data
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except BadInput as exc:
-        return fail(str(exc))
-
-
-def _run(args: argparse.Namespace) -> int:
-    from kv_offload_operator.translate import translate
+    from kv_offload_operator.translation.translate import translate
 
     env = {}
     for item in args.env:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise BadInput(f"kv-offload translate: --env {item!r} must look like NAME=VALUE")
+            raise UsageError(f"kv-offload translate: --env {item!r} must look like NAME=VALUE")
         env[name] = value
     model_config = load_model_config(args.model_config)
     try:
@@ -72,6 +53,6 @@ def _run(args: argparse.Namespace) -> int:
                            data_parallel_index=args.data_parallel_index, env=env)
         text = config.to_json()
     except ValueError as exc:
-        raise BadInput(f"kv-offload translate: {exc}") from None
+        raise UsageError(f"kv-offload translate: {exc}") from None
     sys.stdout.write(text + "\n")
     return 0

@@ -1,8 +1,10 @@
 """`kv-offload operator`: run the kopf operator and its admission webhook.
 
-Parses the flags into ``handlers.OperatorOptions`` and runs kopf's real
-runtime (``kopf.operator``) in asyncio; every kopf setting is applied by the
-single startup handler in ``handlers.py``. SIGTERM/SIGINT stop it cleanly.
+Parses the flags into ``startup.OperatorOptions`` and runs kopf's real
+runtime (``kopf.operator``) in asyncio with the handlers ``handlers.py``
+registers; every kopf setting is applied by the single startup handler
+(``startup.configure``). SIGTERM/SIGINT stop it cleanly. Bad flags raise
+``cli.UsageError`` (exit 2); a failure to start exits 1 with one line.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import asyncio
 import logging
 import os
 import sys
+
+from .cli import UsageError
 
 DEFAULT_SIDECAR_IMAGE = os.environ.get("KV_OFFLOAD_SIDECAR_IMAGE", "ghcr.io/kv-offload/kv-offload:0.1.0")
 
@@ -45,14 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     problem = _flag_problem(args)
     if problem:
-        print(f"kv-offload operator: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(f"kv-offload operator: {problem}")
 
     import kopf
 
-    from . import handlers  # registers the handlers in kopf's default registry
+    from . import handlers  # noqa: F401 (registers the handlers in kopf's default registry)
+    from .startup import OperatorOptions
 
-    options = handlers.OperatorOptions(
+    options = OperatorOptions(
         sidecar_image=args.sidecar_image, webhook_addr=args.webhook_addr,
         webhook_port=args.webhook_port, webhook_host=args.webhook_host,
         webhook_cert_dir=args.webhook_cert_dir, webhook_cert_check_seconds=args.webhook_cert_check_seconds,

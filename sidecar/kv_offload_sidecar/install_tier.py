@@ -1,7 +1,7 @@
 """`kv-offload install-tier DEST`: copy the vLLM-side tier into a shared volume.
 
 The webhook runs this in an init container of the kv-offload image so the
-user's vLLM image can import ``kv_offload_sidecar.vllm_tier`` through
+user's vLLM image can import ``kv_offload_sidecar.engine.vllm_tier`` through
 ``PYTHONPATH=DEST`` without being rebuilt. Only the modules the tier needs at
 run time are copied (standard library + numpy code); the copy is written to a
 temporary folder and renamed into place, so a crashed copy is never half there.
@@ -16,30 +16,29 @@ import tempfile
 from pathlib import Path
 
 PACKAGE = "kv_offload_sidecar"
-# Modules the tier imports inside the vLLM process.
-TIER_MODULES = (
-    "__init__.py",
-    "vllm_tier.py",
-    "vllm_contract.py",
-    "sidecar_match.py",
-    "client.py",
-    "prefix_hash.py",
-    "offloading_config.py",
-    "chunk_store.py",
-    "checksum.py",
-)
+# The subpackage that runs inside vLLM (standard library + numpy only).
+ENGINE = "engine"
+
+
+def tier_files(src: Path | None = None) -> list[Path]:
+    """The files the tier needs inside vLLM, relative to the package: its root ``__init__``
+    and the ``engine`` subpackage."""
+    src = src or Path(__file__).resolve().parent
+    return [Path("__init__.py"),
+            *sorted(p.relative_to(src) for p in (src / ENGINE).glob("*.py"))]
 
 
 def install(dest: Path) -> Path:
-    """Copy the tier modules into ``dest/kv_offload_sidecar`` atomically."""
+    """Copy the tier's modules into ``dest/kv_offload_sidecar`` atomically."""
     src = Path(__file__).resolve().parent
-    missing = [m for m in TIER_MODULES if not (src / m).exists()]
-    if missing:
-        raise FileNotFoundError(f"kv-offload image is incomplete: missing {', '.join(missing)}")
+    files = tier_files(src)
+    if not (src / ENGINE / "vllm_tier.py").exists():
+        raise FileNotFoundError(f"kv-offload image is incomplete: missing {ENGINE}/vllm_tier.py")
     dest.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".kv-offload-tier-", dir=dest))
-    for name in TIER_MODULES:
-        shutil.copy2(src / name, staging / name)
+    for rel in files:
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, staging / rel)
     target = dest / PACKAGE
     if target.exists():
         shutil.rmtree(target)

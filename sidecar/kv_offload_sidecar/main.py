@@ -21,11 +21,16 @@ import sys
 import threading
 from collections.abc import Callable
 
-from .discovery import parse_peer_list
-from .handshake import load_pool_key
-from .offloading_config import load_config_file
-from .settings import (DEFAULT_BASE_PORT, DEFAULT_DATA_PORT, DEFAULT_HOST, TRANSPORTS, SidecarSettings,
-                       effective_hash_seed)
+from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.offloading_config import load_config_file
+from kv_offload_sidecar.peers.discovery import parse_peer_list
+from kv_offload_sidecar.peers.handshake import load_pool_key
+from kv_offload_sidecar.settings import (
+    DEFAULT_DATA_PORT,
+    TRANSPORTS,
+    SidecarSettings,
+    effective_hash_seed,
+)
 
 log = logging.getLogger("kv_offload_sidecar")
 
@@ -53,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--base-port", type=int, default=None,
                    help="control port of global DP index 0 (default $VLLM_P2P_SIDE_CHANNEL_PORT or 5710)")
     p.add_argument("--dp-indices", default="", metavar="I,...",
-                   help="global DP indices this pod serves (default: the config's data_parallel_index)")
+                   help="global DP indices this pod serves (default: 0)")
     p.add_argument("--data-port", type=int, default=DEFAULT_DATA_PORT,
                    help="TCP data-plane port (0: any free port)")
     p.add_argument("--capacity-bytes", type=int, default=1 << 30, help="chunk store byte budget")
@@ -89,21 +94,15 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
     """Flags + environment + config -> settings; ValueError is one line for the user."""
     config = load_config_file(args.config)
     pool_key = load_pool_key(args.pool_key_file)
-    host = args.host or os.environ.get("VLLM_P2P_SIDE_CHANNEL_HOST") or DEFAULT_HOST
-    if args.base_port is not None:
-        base_port = args.base_port
-    else:
-        env_port = os.environ.get("VLLM_P2P_SIDE_CHANNEL_PORT", "")
-        if env_port and not (env_port.isascii() and env_port.isdigit()):
-            raise ValueError(f"VLLM_P2P_SIDE_CHANNEL_PORT={env_port!r} is not a port number")
-        base_port = int(env_port) if env_port else DEFAULT_BASE_PORT
+    host = args.host or ports.env_host(os.environ)
+    base_port = args.base_port if args.base_port is not None else ports.env_base_port(os.environ)
     if args.dp_indices:
         try:
             dp_indices = tuple(int(x) for x in args.dp_indices.split(",") if x.strip())
         except ValueError:
             raise ValueError(f"--dp-indices {args.dp_indices!r} must be comma-separated integers") from None
     else:
-        dp_indices = (config.parallel.data_parallel_index,)
+        dp_indices = (0,)  # per-engine values come from the pod (the webhook sets the flag)
     if args.hash_seed is not None and args.hash_seed == "":
         raise ValueError("--hash-seed is empty: give the pool's seed (e.g. 0) or leave the flag out")
     if not os.path.isdir(args.shm_dir):
@@ -135,7 +134,7 @@ def parent_pid(args: argparse.Namespace) -> int:
 
 def ucx_tls(args: argparse.Namespace) -> str:
     """--ucx-tls, else $UCX_TLS, else the ucx transport's default; ValueError when empty."""
-    from .transport.ucx import DEFAULT_TLS
+    from kv_offload_sidecar.data.ucx.runtime import DEFAULT_TLS
 
     tls = args.ucx_tls if args.ucx_tls is not None else os.environ.get("UCX_TLS") or DEFAULT_TLS
     if not tls.strip():
@@ -160,7 +159,7 @@ def configure_ucx(tls: str, lanes: int = 1) -> dict[str, str]:
     environment (e.g. the pod's ``UCX_TCP_TX_SEG_SIZE``) are kept. UCX's own
     log goes to stderr unless ``UCX_LOG_FILE`` says otherwise.
     """
-    from .transport.ucx import configure_ucx_env
+    from kv_offload_sidecar.data.ucx.runtime import configure_ucx_env
 
     os.environ["UCX_TLS"] = tls
     # UCX logs to stdout by default; a sidecar's stdout stays clean.
@@ -199,7 +198,8 @@ async def _watch_parent(pid: int, on_gone: Callable[[], None]) -> None:
 
 
 async def _serve(settings: SidecarSettings, parent: int = 0) -> None:
-    from .service import Sidecar
+    from kv_offload_sidecar.lifecycle import serve
+    from kv_offload_sidecar.sidecar import Sidecar
 
     sidecar = Sidecar(settings)
     stop = asyncio.Event()
@@ -214,7 +214,7 @@ async def _serve(settings: SidecarSettings, parent: int = 0) -> None:
         loop.add_signal_handler(sig, on_signal)
     watcher = asyncio.create_task(_watch_parent(parent, on_signal)) if parent else None
     try:
-        await sidecar.serve(stop)
+        await serve(sidecar, stop)
     finally:
         if watcher is not None:
             watcher.cancel()

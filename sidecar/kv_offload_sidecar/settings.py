@@ -11,11 +11,10 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 
-# vLLM's well-known side-channel defaults (SPEC section 4).
-DEFAULT_HOST = "localhost"
-DEFAULT_BASE_PORT = 5710
+# The data plane's port when none is given.
 DEFAULT_DATA_PORT = 5810
 # Used as hash seed when neither the pool config nor PYTHONHASHSEED names one.
 DEFAULT_HASH_SEED = "0"
@@ -54,9 +53,9 @@ class SidecarSettings:
     # Shared pool secret proving membership; never sent, never logged.
     pool_key: bytes = field(repr=False)
     # Address bound and advertised to peers (the routable pod IP in Kubernetes).
-    host: str = DEFAULT_HOST
+    host: str = ports.DEFAULT_HOST
     # Control port of global DP index 0; DP index i listens on base_port + i.
-    base_port: int = DEFAULT_BASE_PORT
+    base_port: int = ports.DEFAULT_BASE_PORT
     # Global data-parallel indices served by this pod, e.g. (0,) or (2, 3).
     dp_indices: tuple[int, ...] = (0,)
     # Data-plane port (TCP transport; 0 = any free port). UCX picks its own.
@@ -122,8 +121,8 @@ class SidecarSettings:
         return self.config.kv_bytes_per_chunk
 
     def control_port(self, dp_index: int) -> int:
-        """The control port of a global DP index: base + index (SPEC section 4)."""
-        return self.base_port + dp_index
+        """The control port of a global DP index (``engine.ports.control_port``)."""
+        return ports.control_port(self.base_port, dp_index)
 
     @property
     def control_ports(self) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from chart_support import CHART, find
 from kv_offload_operator import main as operator_main
-from kv_offload_operator import resources
+from kv_offload_operator import pod_patch, pool_spec
 
 
 def test_operator_deployment_arguments_parse_with_the_operator_cli(render):
@@ -41,10 +41,10 @@ def test_webhook_path_is_the_operator_mutating_handler_id(render):
 
 @pytest.mark.parametrize("dp_indices", [(0,), (0, 1, 2, 3), (6, 7)])
 def test_network_policy_admits_every_port_the_webhook_gives_the_sidecar(render, dp_indices):
-    spec = resources.SidecarSpec.from_pool({"spec": {"sidecar": {"transport": "tcp"}}},
+    spec = pool_spec.SidecarSpec.from_pool({"spec": {"sidecar": {"transport": "tcp"}}},
                                            default_image="kv-offload:test")
-    container = resources.sidecar_container(pool_name="demo", namespace="inference", sidecar=spec,
-                                            dp_indices=dp_indices, shm_volume=resources.SHM_VOLUME)
+    container = pod_patch.sidecar_container(pool_name="demo", namespace="inference", sidecar=spec,
+                                            dp_indices=dp_indices, shm_volume=pod_patch.SHM_VOLUME)
     wanted = {p["containerPort"] for p in container["ports"]}
     policy = find(render({"networkPolicy": {"enabled": True, "openAllPortsBetweenPoolPods": False}}),
                   "NetworkPolicy")
@@ -57,9 +57,9 @@ def test_network_policy_admits_every_port_the_webhook_gives_the_sidecar(render, 
 
 @pytest.mark.parametrize("dp_indices", [(0,), (2, 3), (5,), (4, 5, 6, 7)])
 def test_pod_monitor_scrapes_one_control_port_of_every_pod_whatever_its_dp_start_rank(render, dp_indices):
-    spec = resources.SidecarSpec.from_pool({"spec": {}}, default_image="kv-offload:test")
-    container = resources.sidecar_container(pool_name="demo", namespace="inference", sidecar=spec,
-                                            dp_indices=dp_indices, shm_volume=resources.SHM_VOLUME)
+    spec = pool_spec.SidecarSpec.from_pool({"spec": {}}, default_image="kv-offload:test")
+    container = pod_patch.sidecar_container(pool_name="demo", namespace="inference", sidecar=spec,
+                                            dp_indices=dp_indices, shm_volume=pod_patch.SHM_VOLUME)
     monitor = find(render({"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     (scraped,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
@@ -68,20 +68,20 @@ def test_pod_monitor_scrapes_one_control_port_of_every_pod_whatever_its_dp_start
 
 def test_chart_port_defaults_are_the_operator_defaults():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["sidecar"]["controlPort"] == resources.DEFAULT_BASE_PORT
-    assert values["sidecar"]["dataPort"] == resources.DEFAULT_DATA_PORT
+    assert values["sidecar"]["controlPort"] == pool_spec.DEFAULT_BASE_PORT
+    assert values["sidecar"]["dataPort"] == pool_spec.DEFAULT_DATA_PORT
 
 
 def test_readme_states_the_hash_seed_and_the_ucx_settings_the_webhook_injects():
     readme = " ".join((CHART / "README.md").read_text().split())
-    assert "spec.hashSeed" in readme and f'default `"{resources.DEFAULT_HASH_SEED}"`' in readme
+    assert "spec.hashSeed" in readme and f'default `"{pool_spec.DEFAULT_HASH_SEED}"`' in readme
     assert "PYTHONHASHSEED" in readme and "spec.sidecar.env" in readme
-    for name, value in resources.UCX_SIDECAR_ENV.items():
+    for name, value in pod_patch.UCX_SIDECAR_ENV.items():
         assert f"{name}={value}" in readme
-    assert resources.METRICS_PORT_NAME in readme
+    assert pod_patch.METRICS_PORT_NAME in readme
 
 
 def test_pod_monitor_default_port_is_the_webhooks_metrics_port_name():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["monitoring"]["podMonitor"]["portName"] == resources.METRICS_PORT_NAME
+    assert values["monitoring"]["podMonitor"]["portName"] == pod_patch.METRICS_PORT_NAME
 

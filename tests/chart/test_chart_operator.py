@@ -9,8 +9,8 @@ from typing import Any
 import jsonschema
 import yaml
 from chart_support import CHART, NAMESPACE, REPO, WEBHOOK_DNS, find, kinds
-from kv_offload_operator.resources import OPERATOR_RBAC
-from kv_offload_operator.translate import translate
+from kv_offload_operator.rbac import OPERATOR_RBAC
+from kv_offload_operator.translation.translate import translate
 
 
 def test_crd_is_a_kept_template_behind_crds_enabled(render):

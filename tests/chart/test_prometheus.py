@@ -35,7 +35,7 @@ import yaml
 from chart_support import tool_path
 from dashboard_support import (GRAFANA_VARIABLES, dashboard_expressions, fill_variables,
                                load_dashboard, panels_in_reading_order)
-from kv_offload_sidecar.local_pool import LocalPool, parse_metrics
+from kv_offload_tools.local_pool import LocalPool, parse_metrics
 
 LOOKUPS = "kv_offload_chunk_lookups_total"
 RESULTS = ("local_hit", "peer_hit", "miss")

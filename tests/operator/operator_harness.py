@@ -204,8 +204,8 @@ def make_tls(directory: Path) -> Path:
 
 
 def assert_within_rbac(k: kmock.KubernetesEmulator) -> None:
-    """Every API request the operator made is allowed by resources.OPERATOR_RBAC."""
-    from kv_offload_operator.resources import OPERATOR_RBAC
+    """Every API request the operator made is allowed by rbac.OPERATOR_RBAC."""
+    from kv_offload_operator.rbac import OPERATOR_RBAC
 
     verbs = {"list": "list", "watch": "watch", "fetch": "get", "create": "create", "delete": "delete"}
     used: set[tuple[str, str, str]] = set()

@@ -16,7 +16,7 @@ import aiohttp
 import kmock
 import pytest
 
-from kv_offload_sidecar.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import (
     KTC,
     KV_OFFLOAD,
@@ -137,6 +137,34 @@ async def test_an_update_changes_fingerprint_configmap_and_service_but_never_the
         assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == \
             {"kvo-ctrl-0": 5710, "kvo-ctrl-1": 5711, "kvo-data": 5810}
         assert obj(kmock, "v1/secrets", "llama-pool-key")["data"]["key"] == key_before
+
+
+async def test_a_data_parallel_pools_configmap_holds_no_engines_own_values(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    """Every pod of the pool mounts the one ConfigMap, so it carries no engine's DP index or
+    engine id suffix; its fingerprint is every engine's (each pod's DP ranks come from the pod)."""
+    emulate_cluster(kmock)
+    ktc = json.loads(KTC)
+    ktc["engine_id"] = "llama-pool"
+    dp_args = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16", "-dp", "4", "-dpl", "2",
+               "-dpr", "2", "--kv-transfer-config", json.dumps(ktc)]
+    code, out, err = cli_translate(tmp_path, dp_args)
+    assert code == 0, err
+    engine = OffloadingConfig.from_json(out)  # what the CLI gives for this line's first engine
+    assert (engine.engine_id, engine.parallel.data_parallel_index) == ("llama-pool_dp2", 2)
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, pool_body("dp", vllm_args=dp_args))
+        fingerprint = await wait_for("the pool status", lambda: status_of(kmock, "dp").get("fingerprint"))
+        cm = obj(kmock, "v1/configmaps", "dp-offloading-config")
+        config = OffloadingConfig.from_json(cm["data"]["offloading_config.json"])
+        assert fingerprint == config.fingerprint == engine.fingerprint
+        assert config.engine_id == "llama-pool"
+        assert config.parallel.data_parallel_index == 0
+        assert config.parallel.data_parallel_rank_local is None
+        assert config.parallel.rank == 0 and config.parallel.data_parallel_size == 4
+        svc = obj(kmock, "v1/services", "dp-peers")
+        assert {p["name"] for p in svc["spec"]["ports"]} == \
+            {"kvo-ctrl-0", "kvo-ctrl-1", "kvo-ctrl-2", "kvo-ctrl-3", "kvo-data"}
 
 
 async def test_an_invalid_spec_sets_the_invalid_condition_with_the_translator_message_and_keeps_the_configmap(

@@ -6,20 +6,13 @@ process serve the whole module; each test posts its own pods.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import copy
-import hashlib
 import json
-import ssl
-import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import aiohttp
 import jsonpatch
 import kmock
 import kubernetes_validate
@@ -40,98 +33,14 @@ from operator_harness import (
     pool_body,
     wait_for,
 )
+from webhook_support import Webhook, vllm_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 DP_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16",
            "--data-parallel-size", "4", "--kv-transfer-config", KTC]
 BAD_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]  # no offloading
 KUBERNETES_VERSION = "1.33.0"  # native sidecars (initContainers[].restartPolicy) are GA since 1.33
-WEBHOOK_PATH = "/inject_sidecar"  # kopf serves each admission handler at /<handler id>
 
-
-def vllm_pod(pool: str | None = "llama", *, script: str | None = None,
-             shm_volume: bool = True) -> dict[str, Any]:
-    """A pod as a Deployment's ReplicaSet submits it, running vLLM like vLLM's own k8s guide."""
-    script = script or (
-        "vllm serve meta-llama/Llama-3.1-8B --port 8000 --block-size 16 "
-        f"--gpu-memory-utilization 0.9 --kv-transfer-config '{KTC}'")
-    labels = {"app": "llama", "pod-template-hash": "6d8b7c9f4"}
-    if pool is not None:
-        labels["kv-offload.io/pool"] = pool
-    pod: dict[str, Any] = {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {
-            "generateName": "llama-6d8b7c9f4-", "namespace": "ns1", "labels": labels,
-            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "llama-6d8b7c9f4",
-                                 "uid": "0b6a3a64-1111-4c55-9c1e-3f2d7b5a9e01", "controller": True,
-                                 "blockOwnerDeletion": True}]},
-        "spec": {
-            "containers": [{
-                "name": "vllm",
-                "image": "vllm/vllm-openai:v0.11.0",
-                "command": ["/bin/sh", "-c"],
-                "args": [script],
-                "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}],
-                "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
-                "resources": {"limits": {"nvidia.com/gpu": "1", "memory": "64Gi"},
-                              "requests": {"cpu": "4", "memory": "32Gi"}},
-                "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 5},
-                "volumeMounts": [{"name": "cache", "mountPath": "/root/.cache/huggingface"}],
-            }],
-            "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}}],
-            "restartPolicy": "Always",
-            "terminationGracePeriodSeconds": 30,
-        },
-    }
-    if shm_volume:
-        pod["spec"]["containers"][0]["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
-        pod["spec"]["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}})
-    return pod
-
-
-def review(pod: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": str(uuid.uuid4()),
-        "kind": {"group": "", "version": "v1", "kind": "Pod"},
-        "resource": {"group": "", "version": "v1", "resource": "pods"},
-        "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-        "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-        "namespace": "ns1", "operation": "CREATE",
-        "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
-        "object": pod, "oldObject": None, "dryRun": False,
-        "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}}}
-
-
-class Webhook:
-    """An HTTPS client of the operator's webhook that trusts only the test CA."""
-
-    def __init__(self, port: int, ca: Path) -> None:
-        self.port = port
-        self.url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
-        self.ssl = ssl.create_default_context(cafile=str(ca))
-
-    async def admit(self, pod: dict[str, Any]) -> dict[str, Any]:
-        request = review(pod)
-        async with aiohttp.ClientSession() as session:
-            async with session.post(self.url, json=request, ssl=self.ssl) as resp:
-                assert resp.status == 200, await resp.text()
-                answer = await resp.json()
-        assert answer["kind"] == "AdmissionReview"
-        assert answer["response"]["uid"] == request["request"]["uid"]
-        return answer["response"]
-
-    async def wait_listening(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                writer.close()
-                await writer.wait_closed()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError("the webhook server never listened") from None
-                await asyncio.sleep(0.1)
 
 
 def patched(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
@@ -303,75 +212,3 @@ async def test_a_pod_whose_vllm_sets_another_hash_seed_is_denied_saying_to_remov
     sidecar = container(result, "kv-offload-sidecar", init=True)
     assert [e for e in container(result, "vllm")["env"] if e["name"] == "PYTHONHASHSEED"] == \
         [e for e in sidecar["env"] if e["name"] == "PYTHONHASHSEED"] == [{"name": "PYTHONHASHSEED", "value": "1234"}]
-
-
-@pytest.mark.asyncio(loop_scope="function")
-async def test_without_a_cert_dir_the_webhook_serves_https_with_a_self_signed_certificate(
-        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    emulate_cluster(kmock)
-    async with OperatorProcess(tmp_path, str(kmock.url)) as operator:
-        webhook = Webhook(operator.webhook_port, make_tls(tmp_path / "unrelated-ca"))
-        await webhook.wait_listening()
-        with pytest.raises(aiohttp.ClientConnectorCertificateError):
-            await webhook.admit(vllm_pod(None))  # not signed by a CA we trust
-        webhook.ssl = ssl.create_default_context()
-        webhook.ssl.check_hostname = False
-        webhook.ssl.verify_mode = ssl.CERT_NONE
-        response = await webhook.admit(vllm_pod(None))
-        assert response["allowed"] is True
-        assert "self-signed certificate (dev only)" in operator.log()
-
-
-async def served_certificate(port: int) -> bytes:
-    """DER of the certificate the server presents to a new TLS connection."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
-    der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
-    writer.close()
-    try:
-        await writer.wait_closed()
-    except (ssl.SSLError, ConnectionError):
-        pass
-    return bytes(der)
-
-
-def pem_to_der(path: Path) -> bytes:
-    return ssl.PEM_cert_to_DER_cert(path.read_text())
-
-
-@pytest.mark.asyncio(loop_scope="function")
-async def test_a_renewed_certificate_is_served_without_a_restart_and_a_half_written_pair_is_not(
-        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    emulate_cluster(kmock)
-    certs, renewed = tmp_path / "certs", tmp_path / "renewed"
-    old_ca = make_tls(certs)
-    async with OperatorProcess(tmp_path, str(kmock.url), extra_args=[
-            "--webhook-cert-dir", str(certs), "--webhook-cert-check-seconds", "0.2"]) as operator:
-        webhook = Webhook(operator.webhook_port, old_ca)
-        await webhook.wait_listening()
-        assert (await webhook.admit(vllm_pod(None)))["allowed"] is True
-        old_der = pem_to_der(certs / "tls.crt")
-        assert await served_certificate(operator.webhook_port) == old_der
-
-        # A renewal caught half-way: the new certificate next to the old key.
-        new_ca = make_tls(renewed)
-        (certs / "tls.crt").write_bytes((renewed / "tls.crt").read_bytes())
-        await wait_for("the half-written pair to be noticed", lambda: "not (re)loaded yet" in operator.log(), 30)
-        assert await served_certificate(operator.webhook_port) == old_der
-        assert operator.proc is not None and operator.proc.returncode is None
-
-        # The key arrives: new connections get the new certificate, from the same process.
-        (certs / "tls.key").write_bytes((renewed / "tls.key").read_bytes())
-        new_der = pem_to_der(renewed / "tls.crt")
-        deadline = time.monotonic() + 30
-        while await served_certificate(operator.webhook_port) != new_der:
-            assert time.monotonic() < deadline, "the renewed certificate was not served within 30s"
-            await asyncio.sleep(0.1)
-        assert (await Webhook(operator.webhook_port, new_ca).admit(vllm_pod(None)))["allowed"] is True
-        with pytest.raises(aiohttp.ClientConnectorCertificateError):
-            await webhook.admit(vllm_pod(None))  # the old CA no longer vouches for the server
-        assert operator.proc.returncode is None and operator.runs == 1
-        assert f"sha256:{hashlib.sha256(new_der).hexdigest()}" in operator.log()
-

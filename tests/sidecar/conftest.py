@@ -1,27 +1,14 @@
-"""Fixtures of the sidecar tests: short shm work dirs and in-process sidecar settings."""
+"""Fixtures of the sidecar tests: in-process sidecar settings."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-
-from kv_offload_sidecar.local_pool import example_config, free_port_block
 from kv_offload_sidecar.settings import SidecarSettings
+from kv_offload_tools.local_pool import example_config, free_port_block
 
 POOL_KEY = b"test-pool-key"
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A short directory (Unix socket paths are limited) in /dev/shm when possible."""
-    parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix="kvo-t-", dir=parent)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

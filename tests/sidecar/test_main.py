@@ -8,9 +8,14 @@ import subprocess
 import time
 
 import pytest
-
-from kv_offload_sidecar.local_pool import LocalPool, example_config, free_port_block, http_json, sidecar_command
 from kv_offload_sidecar.main import add_arguments, build_settings
+from kv_offload_tools.local_pool import (
+    LocalPool,
+    example_config,
+    free_port_block,
+    http_json,
+    sidecar_command,
+)
 
 
 @pytest.fixture

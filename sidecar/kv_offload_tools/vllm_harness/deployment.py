@@ -5,7 +5,7 @@
 the vLLM-side tier installed into a folder exactly as ``kv-offload
 install-tier`` installs it into a pod's shared volume (and put first on the
 engine's ``PYTHONPATH``), and the sidecar config translated from the very
-``vllm serve`` line the engines run (``kv_offload_operator.translate``), so
+``vllm serve`` line the engines run (``kv_offload_operator.translation.translate``), so
 the fingerprint the tier computes from vLLM's own config must equal the one
 the sidecars state. ``start_engine`` starts one engine pointed at one sidecar.
 
@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kv_offload_operator.translate import translate
+from kv_offload_operator.translation.translate import translate
+from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.install_tier import install
-from kv_offload_sidecar.offloading_config import OffloadingConfig
 
 from .driver_client import EngineDriverProcess
 
@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
 VLLM_033_SOURCES = VLLM_VENV / "vllm-0.33.0"
 TIER_TYPE = "KVOffloadSecondaryTier"
-TIER_MODULE = "kv_offload_sidecar.vllm_tier"
+TIER_MODULE = "kv_offload_sidecar.engine.vllm_tier"
 CPU_SPEC = {"spec_name": "CPUTieringSpec",
             "spec_module_path": "kv_offload_tools.vllm_harness.cpu_spec"}
 _SIDECAR_DIR = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ environment, waits for its ready line, then calls ops over JSON lines::
         spec={"offloading_config": config.to_dict(), "engine_id": "mgr-a",
               "cpu_bytes_to_use": 1 << 20,
               "secondary_tiers": [{"type": "KVOffloadSecondaryTier",
-                                   "module_path": "kv_offload_sidecar.vllm_tier",
+                                   "module_path": "kv_offload_sidecar.engine.vllm_tier",
                                    "host": "127.0.0.1", "port": 5710}]},
         pythonpath=[vllm_sources, tier_dest], extra_env={"PYTHONHASHSEED": "0"})
     drv.wait_ready()

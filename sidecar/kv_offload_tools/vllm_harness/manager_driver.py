@@ -22,7 +22,7 @@ lookups followed by ``on_schedule_end(ScheduleEndContext(...))``.
      "engine_id": "mgr-a-1234",       # names /dev/shm/vllm_offload_<engine_id>.mmap
      "cpu_bytes_to_use": 1048576,
      "secondary_tiers": [{"type": "KVOffloadSecondaryTier",
-                          "module_path": "kv_offload_sidecar.vllm_tier", ...}],
+                          "module_path": "kv_offload_sidecar.engine.vllm_tier", ...}],
      "extra_config": {...},           # optional, more kv_connector_extra_config keys
      "init_none_hash": "after"}       # "after" (default) | "before" | "never"
 
@@ -165,16 +165,23 @@ class _Recorder:
 class Driver:
     def __init__(self, spec: Mapping[str, Any]) -> None:
         self.t_import0 = time.monotonic()
+        import vllm
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
         from vllm.v1.kv_offload.base import (
-            ReqContext, ScheduleEndContext, make_offload_key)
+            ReqContext,
+            ScheduleEndContext,
+            make_offload_key,
+        )
         from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-            OffloadingModelConfig, OffloadingParallelConfig)
+            OffloadingCacheConfig,
+            OffloadingConfig,
+            OffloadingGroupConfig,
+            OffloadingModelConfig,
+            OffloadingParallelConfig,
+        )
         from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-        from vllm.v1.core import kv_cache_utils
-        from vllm.utils.hashing import get_hash_fn_by_name
-        import vllm
         self.import_s = time.monotonic() - self.t_import0
 
         self.ReqContext = ReqContext
@@ -520,7 +527,8 @@ class Driver:
         if stats is not None and not stats.is_empty():
             if self.stats_total is None:
                 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-                    OffloadingConnectorStats)
+                    OffloadingConnectorStats,
+                )
                 self.stats_total = OffloadingConnectorStats()
             self.stats_total.aggregate(stats)
         return {"vllm": self._stats_dict(), "tiers": self.tier_stats(),

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kv_offload_sidecar import scrape
-from kv_offload_sidecar.engine_sim import trace_tokens
-from kv_offload_sidecar.local_pool import LocalPool, SidecarOverride
+from kv_offload_tools import scrape
+from kv_offload_tools.engine_sim import trace_tokens
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride
 
 from .deployment import VllmDeployment
 from .driver_client import EngineDriverProcess, close_all, metric_value, start_all

@@ -1,0 +1,348 @@
+"""The webhook's mutation: what a labelled pod needs to join its pool, as RFC 6902 operations.
+
+Pure (no kopf, no I/O). ``pod_patch`` adds the tier-copy init container, the
+native sidecar (its DP ranks read from the pod's own vLLM arguments, passed
+as ``--dp-indices``), the config / shm / tier volumes and the vLLM
+container's env and mounts; ``pod_identity_problem`` refuses a pod whose own
+vLLM arguments translate to another fingerprint than its pool's.
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, identity_diff
+
+from .pool_objects import CONFIG_KEY, POOL_KEY_KEY, configmap_name, peers_dns, secret_name
+from .pool_spec import HASH_SEED_ENV, SidecarSpec
+from .translation.translate import translate
+from .translation.vllm_args import parse_vllm_args
+
+# Set on injected pods; its value is the pool fingerprint at injection time.
+INJECTED_ANNOTATION = "kv-offload.io/injected"
+# Optional pod annotation naming the vLLM container when it cannot be guessed.
+VLLM_CONTAINER_ANNOTATION = "kv-offload.io/vllm-container"
+# Where the sidecar finds the config and pool key (one projected volume).
+CONFIG_DIR = "/etc/kv-offload"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+POOL_KEY_PATH = f"{CONFIG_DIR}/pool-key/{POOL_KEY_KEY}"
+# Shared volume holding the vLLM-side tier, first on vLLM's PYTHONPATH.
+TIER_DIR = "/kv-offload-lib"
+SHM_DIR = "/dev/shm"
+SIDECAR_NAME = "kv-offload-sidecar"
+TIER_INIT_NAME = "kv-offload-install-tier"
+CONFIG_VOLUME = "kv-offload-config"
+SHM_VOLUME = "kv-offload-shm"
+TIER_VOLUME = "kv-offload-lib"
+# Name of the sidecar's first control port on every pod, whatever its DP start
+# rank: the PodMonitor scrapes /metrics there. Other control ports: kvo-ctrl-<i>.
+METRICS_PORT_NAME = "kvo-metrics"
+# UCX settings of an injected ucx sidecar unless spec.sidecar.env overrides
+# them: TCP reaches peers on other nodes, sm/self serve peers on the same host;
+# 1 MiB TCP segments instead of UCX's 8 KiB ones.
+UCX_SIDECAR_ENV: Mapping[str, str] = {
+    "UCX_TLS": "tcp,sm,self", "UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+# Both injected containers run as the image's non-root user, PSA "restricted"-compatible.
+CONTAINER_SECURITY: Mapping[str, Any] = {
+    "runAsNonRoot": True, "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+_SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env")
+
+
+# ---- reading the pod ------------------------------------------------------------
+
+def container_argv(container: Mapping[str, Any]) -> list[str]:
+    """The command line a container runs; ``sh -c "..."`` scripts are split."""
+    argv = [str(a) for a in (container.get("command") or [])] + \
+           [str(a) for a in (container.get("args") or [])]
+    if argv and argv[0] in _SHELLS and "-c" in argv:
+        i = argv.index("-c")
+        if i + 1 < len(argv):
+            return shlex.split(argv[i + 1])
+    return argv
+
+
+def _runs_vllm(argv: Sequence[str]) -> bool:
+    return any(a == "vllm" or a.endswith("/vllm") or a.startswith("vllm.") for a in argv)
+
+
+def find_vllm_container(pod: Mapping[str, Any]) -> int:
+    """Index of the vLLM container in ``spec.containers``; ValueError says how to name it."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    wanted = ((pod.get("metadata") or {}).get("annotations") or {}).get(VLLM_CONTAINER_ANNOTATION)
+    if wanted:
+        for i, c in enumerate(containers):
+            if c.get("name") == wanted:
+                return i
+        raise ValueError(f"annotation {VLLM_CONTAINER_ANNOTATION}={wanted!r} names no container of the pod")
+    candidates = [i for i, c in enumerate(containers) if _runs_vllm(container_argv(c))]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates and len(containers) == 1:
+        return 0
+    raise ValueError(f"cannot tell which container runs vLLM ({len(candidates)} candidates); "
+                     f"set annotation {VLLM_CONTAINER_ANNOTATION}: <container name>")
+
+
+def pod_dp_indices(container: Mapping[str, Any]) -> tuple[int, ...]:
+    """Global data-parallel indices the vLLM container serves (from its args)."""
+    indices = tuple(parse_vllm_args(container_argv(container)).pod_dp_indices())
+    return indices or (0,)
+
+
+def is_injected(pod: Mapping[str, Any]) -> bool:
+    """True when the pod already carries the sidecar (annotation or container)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    inits = (pod.get("spec") or {}).get("initContainers") or []
+    return INJECTED_ANNOTATION in annotations or any(c.get("name") == SIDECAR_NAME for c in inits)
+
+
+def pod_identity_problem(pod: Mapping[str, Any], pool_config: OffloadingConfig,
+                         model_config: Mapping[str, Any]) -> str | None:
+    """None when the pod's vLLM container translates to the pool's fingerprint.
+
+    Otherwise a clause naming both fingerprints and every identity field that
+    differs: such a pod would never share with its pool, so it is refused at
+    admission rather than failing closed at every handshake. Raises ValueError
+    (the translator's message) when the pod's arguments do not translate.
+    """
+    container = ((pod.get("spec") or {}).get("containers") or [])[find_vllm_container(pod)]
+    env = {str(e["name"]): str(e["value"]) for e in container.get("env") or [] if "value" in e}
+    pod_config = translate(container_argv(container), model_config, env=env)
+    if pod_config.fingerprint == pool_config.fingerprint:
+        return None
+    diff = "; ".join(identity_diff(pool_config, pod_config)) or "no field diff"
+    return (f"its vLLM arguments give fingerprint {pod_config.fingerprint} but the pool's is "
+            f"{pool_config.fingerprint} (pool != pod: {diff}); make the container's vllm serve "
+            f"arguments match the pool's spec.vllmArgs")
+
+
+# ---- what is injected -------------------------------------------------------------
+
+def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
+                      dp_indices: Sequence[int], shm_volume: str) -> dict[str, Any]:
+    """The native sidecar: an init container with ``restartPolicy: Always``.
+
+    Its DP ranks are this pod's (``--dp-indices``), not the pool ConfigMap's.
+    """
+    first = sidecar.control_port(dp_indices[0])
+    args = ["sidecar", "--config", CONFIG_PATH, "--pool-key-file", POOL_KEY_PATH,
+            "--peers-dns", peers_dns(pool_name, namespace),
+            "--base-port", str(sidecar.base_port), "--data-port", str(sidecar.data_port),
+            "--capacity-bytes", str(sidecar.capacity_bytes), "--transport", sidecar.transport,
+            "--dp-indices", ",".join(str(i) for i in dp_indices), "--shm-dir", SHM_DIR]
+
+    def probe(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": first}, "periodSeconds": period,
+                "timeoutSeconds": 2, "failureThreshold": failures}
+
+    return {
+        "name": SIDECAR_NAME,
+        "image": sidecar.image,
+        "command": ["kv-offload"],
+        "args": args,
+        "restartPolicy": "Always",
+        "env": sidecar_env(sidecar),
+        "ports": sidecar_ports(sidecar, dp_indices),
+        # vLLM starts only once the sidecar answers (native sidecar semantics).
+        "startupProbe": probe("/healthz", 1, 60),
+        "livenessProbe": probe("/healthz", 10, 3),
+        "readinessProbe": probe("/readyz", 5, 3),
+        "resources": copy.deepcopy(dict(sidecar.resources)),
+        "securityContext": copy.deepcopy(dict(CONTAINER_SECURITY)),
+        "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
+                         {"name": shm_volume, "mountPath": SHM_DIR}],
+    }
+
+
+def sidecar_ports(sidecar: SidecarSpec, dp_indices: Sequence[int]) -> list[dict[str, Any]]:
+    """Container ports: the first control port is ``kvo-metrics`` on every pod
+    (one stable name to scrape, whatever the pod's DP start rank), the other
+    control ports ``kvo-ctrl-<global DP index>``, then ``kvo-data``."""
+    ports = [{"name": METRICS_PORT_NAME if n == 0 else f"kvo-ctrl-{i}",
+              "containerPort": sidecar.control_port(i), "protocol": "TCP"}
+             for n, i in enumerate(dp_indices)]
+    ports.append({"name": "kvo-data", "containerPort": sidecar.data_port, "protocol": "TCP"})
+    return ports
+
+
+def sidecar_env(sidecar: SidecarSpec) -> list[dict[str, Any]]:
+    """The sidecar's env: side channel, the pool's PYTHONHASHSEED (the hash seed
+    it states in the handshake), UCX defaults (ucx transport), then
+    ``spec.sidecar.env``, which replaces a UCX default of the same name."""
+    env = side_channel_env(sidecar.base_port) + [{"name": HASH_SEED_ENV, "value": sidecar.hash_seed}]
+    user = {str(e["name"]) for e in sidecar.env}
+    if sidecar.transport == "ucx":
+        env += [{"name": k, "value": v} for k, v in UCX_SIDECAR_ENV.items() if k not in user]
+    return env + [copy.deepcopy(dict(e)) for e in sidecar.env]
+
+
+def tier_init_container(sidecar: SidecarSpec) -> dict[str, Any]:
+    """Copies the vLLM-side tier into the shared volume (same image as the sidecar)."""
+    return {"name": TIER_INIT_NAME, "image": sidecar.image,
+            "command": ["kv-offload"], "args": ["install-tier", TIER_DIR],
+            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+            "securityContext": copy.deepcopy(dict(CONTAINER_SECURITY)),
+            "volumeMounts": [{"name": TIER_VOLUME, "mountPath": TIER_DIR}]}
+
+
+def side_channel_env(base_port: int) -> list[dict[str, Any]]:
+    """vLLM's side-channel variables: host = pod IP (downward API), port = base."""
+    return [{"name": ports.ENV_HOST,
+             "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
+            {"name": ports.ENV_PORT, "value": str(base_port)}]
+
+
+def pod_volumes(pool_name: str, sidecar: SidecarSpec, *, with_shm: bool) -> list[dict[str, Any]]:
+    """Config (ConfigMap + Secret projected together), shm and tier volumes."""
+    vols: list[dict[str, Any]] = [
+        {"name": CONFIG_VOLUME, "projected": {"sources": [
+            {"configMap": {"name": configmap_name(pool_name),
+                           "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}},
+            {"secret": {"name": secret_name(pool_name),
+                        "items": [{"key": POOL_KEY_KEY, "path": f"pool-key/{POOL_KEY_KEY}"}]}}]}},
+        {"name": TIER_VOLUME, "emptyDir": {}},
+    ]
+    if with_shm:
+        vols.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
+                                                      "sizeLimit": str(sidecar.shm_size_limit)}})
+    return vols
+
+
+def _existing_shm_volume(container: Mapping[str, Any]) -> str | None:
+    for m in container.get("volumeMounts") or []:
+        if m.get("mountPath", "").rstrip("/") == SHM_DIR:
+            return str(m["name"])
+    return None
+
+
+def _check_vllm_hash_seed(container: Mapping[str, Any], seed: str) -> None:
+    """ValueError unless every PYTHONHASHSEED the vLLM container sets equals ``seed``.
+
+    Looks at ``env`` and at ``NAME=value`` words leading its command line (a
+    shell script's ``PYTHONHASHSEED=5 vllm serve ...`` wins over ``env``).
+    """
+    for e in container.get("env") or []:
+        if e.get("name") != HASH_SEED_ENV:
+            continue
+        if "valueFrom" in e:
+            raise ValueError(f"the vLLM container sets {HASH_SEED_ENV} with valueFrom, so it cannot be checked "
+                             f"against the pool's spec.hashSeed {seed!r}; remove {HASH_SEED_ENV} from the "
+                             f"container (the webhook sets it) or set it as a plain value equal to spec.hashSeed")
+        value = str(e.get("value", ""))
+        if value != seed:
+            raise ValueError(f"the vLLM container sets {HASH_SEED_ENV}={value!r} but the pool's spec.hashSeed is "
+                             f"{seed!r}, and pods with different seeds never share chunks; remove {HASH_SEED_ENV} "
+                             f"from the container (the webhook sets it), or set spec.hashSeed: {value!r} on the pool")
+    value = parse_vllm_args(container_argv(container)).env.get(HASH_SEED_ENV)
+    if value is not None and value != seed:
+        raise ValueError(f"the vLLM container's command line sets {HASH_SEED_ENV}={value!r} but the pool's "
+                         f"spec.hashSeed is {seed!r}, and pods with different seeds never share chunks; remove "
+                         f"{HASH_SEED_ENV} from the command line (the webhook sets it), or set "
+                         f"spec.hashSeed: {value!r} on the pool")
+
+
+def _vllm_env(container: Mapping[str, Any], sidecar: SidecarSpec) -> list[dict[str, Any]]:
+    _check_vllm_hash_seed(container, sidecar.hash_seed)
+    ours = side_channel_env(sidecar.base_port) + [{"name": HASH_SEED_ENV, "value": sidecar.hash_seed}]
+    names = {e["name"] for e in ours} | {"PYTHONPATH"}
+    env = [copy.deepcopy(dict(e)) for e in container.get("env") or [] if e.get("name") not in names]
+    old_path = next((e for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
+    if old_path is not None and "valueFrom" in old_path:
+        raise ValueError("the vLLM container sets PYTHONPATH with valueFrom; "
+                         "set it as a plain value so the tier directory can be prepended")
+    path = TIER_DIR if not (old_path and old_path.get("value")) else f"{TIER_DIR}:{old_path['value']}"
+    return env + ours + [{"name": "PYTHONPATH", "value": path}]
+
+
+# ---- the patch ----------------------------------------------------------------------
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: str,
+              sidecar: SidecarSpec) -> list[dict[str, Any]]:
+    """RFC 6902 operations that wire ``pod`` into ``pool``; [] when already injected.
+
+    Adds the tier-copy init container and the native sidecar, the config /
+    shm / tier volumes, the side-channel env, the pool's ``PYTHONHASHSEED``,
+    ``PYTHONPATH`` and mounts on the vLLM container, and the
+    ``kv-offload.io/injected`` annotation. A vLLM container that sets another
+    ``PYTHONHASHSEED`` than the pool's ``spec.hashSeed`` is refused. A pod that
+    already mounts something at /dev/shm keeps that volume and shares it.
+    Raises ValueError (one sentence) when the pod cannot be wired.
+    """
+    if is_injected(pod):
+        return []
+    pool_name = pool["metadata"]["name"]
+    namespace = (pod.get("metadata") or {}).get("namespace") or pool["metadata"]["namespace"]
+    spec = pod.get("spec") or {}
+    index = find_vllm_container(pod)
+    vllm = spec["containers"][index]
+    try:
+        dp_indices = pod_dp_indices(vllm)
+    except ValueError as exc:
+        raise ValueError(f"the vLLM arguments of container {vllm.get('name')!r} do not parse: {exc}") from None
+    existing_shm = _existing_shm_volume(vllm)
+    shm_volume = existing_shm or SHM_VOLUME
+    ops: list[dict[str, Any]] = []
+    meta = pod.get("metadata") or {}
+    if "annotations" not in meta:
+        ops.append({"op": "add", "path": "/metadata/annotations", "value": {}})
+    ops.append({"op": "add", "path": f"/metadata/annotations/{_escape(INJECTED_ANNOTATION)}",
+                "value": fingerprint})
+
+    def append_all(path: str, present: bool, items: list[dict[str, Any]]) -> None:
+        if not present:
+            ops.append({"op": "add", "path": path, "value": items})
+        else:
+            ops.extend({"op": "add", "path": f"{path}/-", "value": item} for item in items)
+
+    inits = [tier_init_container(sidecar),
+             sidecar_container(pool_name=pool_name, namespace=namespace, sidecar=sidecar,
+                               dp_indices=dp_indices, shm_volume=shm_volume)]
+    append_all("/spec/initContainers", "initContainers" in spec, inits)
+    append_all("/spec/volumes", "volumes" in spec,
+               pod_volumes(pool_name, sidecar, with_shm=existing_shm is None))
+    base = f"/spec/containers/{index}"
+    ops.append({"op": "add", "path": f"{base}/env", "value": _vllm_env(vllm, sidecar)})
+    mounts = [{"name": TIER_VOLUME, "mountPath": TIER_DIR, "readOnly": True}]
+    if existing_shm is None:
+        mounts.append({"name": SHM_VOLUME, "mountPath": SHM_DIR})
+    append_all(f"{base}/volumeMounts", "volumeMounts" in vllm, mounts)
+    return ops
+
+
+def apply_patch(doc: dict[str, Any], ops: Sequence[Mapping[str, Any]]) -> None:
+    """Apply RFC 6902 ``add``/``replace``/``remove`` ops to ``doc`` in place.
+
+    Only the operations ``pod_patch`` emits; the webhook hands the result to
+    kopf's ``patch``, which re-derives the JSON patch it answers with.
+    """
+    for op in ops:
+        *parents, last = [t.replace("~1", "/").replace("~0", "~")
+                          for t in str(op["path"]).split("/")[1:]]
+        target: Any = doc
+        for token in parents:
+            target = target[int(token)] if isinstance(target, list) else target[token]
+        kind = op["op"]
+        if isinstance(target, list):
+            if kind == "add":
+                target.insert(len(target) if last == "-" else int(last), copy.deepcopy(op["value"]))
+            elif kind == "replace":
+                target[int(last)] = copy.deepcopy(op["value"])
+            elif kind == "remove":
+                del target[int(last)]
+            else:
+                raise ValueError(f"unsupported JSON-patch op {kind!r}")
+        elif kind in ("add", "replace"):
+            target[last] = copy.deepcopy(op["value"])
+        elif kind == "remove":
+            del target[last]
+        else:
+            raise ValueError(f"unsupported JSON-patch op {kind!r}")

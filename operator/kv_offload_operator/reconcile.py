@@ -1,0 +1,122 @@
+"""One pool reconciliation: translate the pool, write its ConfigMap, Secret and Service, set its status.
+
+The ConfigMap holds ``pool_config`` (the pool's OffloadingConfig, with no
+engine's own values: every pod mounts it); the Secret is created once and
+never rotated; the Service ports follow the pool's DP size. The status
+(fingerprint, namespace digest, ConfigMap name, ready peers, conditions)
+goes to ``patch.status`` also when the reconciliation fails, so a pool that
+can never work shows ``Invalid`` with the translator's message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from kubernetes_asyncio import client as k8s
+
+from . import pool_objects as objects
+from .kube_api import MERGE_PATCH, create_unless_exists, read_or_none
+from .model_config import model_config
+from .pool_spec import PoolSpecError, SidecarSpec, pool_hash_seed_problem
+from .translation.translate import pool_config
+
+
+async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Mapping[str, Any],
+                    name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
+                    logger: logging.Logger | logging.LoggerAdapter, ready_count: int) -> None:
+    """Translate the pool and write its children; the status goes to ``patch.status``
+    (also when it raises: PermanentError for a spec that can never work, TemporaryError
+    while something it needs does not exist yet)."""
+    api: k8s.ApiClient = memo.api
+    generation = meta.get("generation")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    pool = json.loads(json.dumps(dict(body)))
+
+    def waiting(exc: kopf.TemporaryError) -> None:
+        patch.status["conditions"] = objects.pool_conditions(
+            status.get("conditions"), invalid_message=None, waiting_message=str(exc),
+            generation=generation, now=now)
+
+    try:
+        model = await model_config(api, namespace, pool["spec"], patch)
+        config = pool_config(list(pool["spec"].get("vllmArgs") or []), model)
+        sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
+        seed_problem = pool_hash_seed_problem(config, sidecar.hash_seed)
+        if seed_problem is not None:
+            raise PoolSpecError(seed_problem)
+        ports = objects.pool_ports(config, sidecar)
+    except ValueError as exc:  # TranslationError, PoolSpecError, bad sidecar values or ports
+        message = str(exc)
+        patch.status["conditions"] = objects.pool_conditions(
+            status.get("conditions"), invalid_message=message, generation=generation, now=now)
+        patch.status["observedGeneration"] = generation
+        raise kopf.PermanentError(message) from None
+    except kopf.TemporaryError as exc:  # e.g. the modelConfigRef ConfigMap does not exist yet
+        waiting(exc)
+        raise
+
+    core = k8s.CoreV1Api(api)
+    await _ensure_configmap(core, objects.configmap_for(pool, config))
+    try:
+        await _ensure_pool_key(core, pool)
+    except kopf.TemporaryError as exc:
+        waiting(exc)
+        raise
+    await _ensure_service(core, objects.peers_service(pool, ports))
+
+    memo.ready_counts[(namespace, name)] = ready_count
+    patch.status["fingerprint"] = config.fingerprint
+    patch.status["namespaceDigest"] = config.namespace_digest
+    patch.status["configMap"] = objects.configmap_name(name)
+    patch.status["readyPeers"] = ready_count
+    patch.status["observedGeneration"] = generation
+    patch.status["conditions"] = objects.pool_conditions(
+        status.get("conditions"), invalid_message=None, generation=generation, now=now)
+    logger.info(f"Pool {namespace}/{name}: fingerprint {config.fingerprint}, "
+                f"ConfigMap {objects.configmap_name(name)} written.")
+
+
+async def _ensure_configmap(core: k8s.CoreV1Api, cm: Mapping[str, Any]) -> None:
+    meta = cm["metadata"]
+    current = await read_or_none(core.read_namespaced_config_map, meta["name"], meta["namespace"])
+    if current is None:
+        await create_unless_exists(core.create_namespaced_config_map, meta["namespace"], cm)
+    elif (current.data or {}) != cm["data"]:
+        await core.patch_namespaced_config_map(
+            meta["name"], meta["namespace"],
+            {"data": cm["data"], "metadata": {"ownerReferences": meta["ownerReferences"]}},
+            _content_type=MERGE_PATCH)
+
+
+async def _ensure_pool_key(core: k8s.CoreV1Api, pool: Mapping[str, Any]) -> None:
+    name, namespace = objects.secret_name(pool["metadata"]["name"]), pool["metadata"]["namespace"]
+    current = await read_or_none(core.read_namespaced_secret, name, namespace)
+    if current is None:
+        secret = objects.pool_key_secret(pool, secrets.token_bytes(objects.POOL_KEY_BYTES))
+        await create_unless_exists(core.create_namespaced_secret, namespace, secret)
+    elif not (current.data or {}).get(objects.POOL_KEY_KEY):
+        raise kopf.TemporaryError(f"Secret {name!r} exists without key {objects.POOL_KEY_KEY!r}; the operator "
+                                  f"never rotates a pool key silently: delete the Secret to get a new one",
+                                  delay=60)
+
+
+async def _ensure_service(core: k8s.CoreV1Api, svc: Mapping[str, Any]) -> None:
+    meta = svc["metadata"]
+    current = await read_or_none(core.read_namespaced_service, meta["name"], meta["namespace"])
+    if current is None:
+        await create_unless_exists(core.create_namespaced_service, meta["namespace"], svc)
+        return
+    have = core.api_client.sanitize_for_serialization(current.spec) or {}
+    want = svc["spec"]
+    have_ports = [{k: p.get(k) for k in ("name", "port", "targetPort")} for p in have.get("ports") or []]
+    want_ports = [{k: p.get(k) for k in ("name", "port", "targetPort")} for p in want["ports"]]
+    if have.get("selector") != want["selector"] or have_ports != want_ports:
+        await core.patch_namespaced_service(
+            meta["name"], meta["namespace"],
+            {"spec": {"selector": want["selector"], "ports": want["ports"]}}, _content_type=MERGE_PATCH)

@@ -1,0 +1,70 @@
+"""Admission of a labelled pod: the JSON patch that wires it into its pool, or a refusal.
+
+A pod is denied, with a sentence saying what to change, when its pool does
+not exist, is Invalid, has no translated config yet or is being updated, or
+when the pod itself cannot join (its vLLM arguments translate to another
+fingerprint, it sets another ``PYTHONHASHSEED``, its vLLM container cannot
+be found). The patch itself is built by ``pod_patch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from . import pod_patch as patches
+from .kube_api import get_pool
+from .model_config import model_config
+from .pool_objects import invalid_message
+from .pool_spec import POOL_LABEL, SidecarSpec
+from .translation.translate import pool_config
+
+
+async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo) -> list[dict[str, Any]]:
+    """RFC 6902 operations wiring ``pod`` into the pool ``pool_name`` ([] when already injected);
+    ``kopf.AdmissionError`` when the pod must be denied."""
+    if patches.is_injected(pod):
+        return []
+    where = f"KVOffloadPool {pool_name!r} in namespace {namespace!r}"
+    try:
+        pool = await get_pool(memo.api, namespace, pool_name)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise kopf.AdmissionError(
+                f"KVOffloadPool {pool_name!r} does not exist in namespace {namespace!r}: create it, "
+                f"or fix the pod's label {POOL_LABEL}.", code=400) from None
+        raise kopf.AdmissionError(
+            f"The kv-offload operator could not read {where} (HTTP {exc.status} {exc.reason}); "
+            f"check the operator's RBAC and namespaces.", code=500) from None
+    problem = invalid_message(pool)
+    if problem is not None:
+        raise kopf.AdmissionError(
+            f"{where} is Invalid ({problem}); fix the pool's spec before creating its pods.", code=400)
+    fingerprint = (pool.get("status") or {}).get("fingerprint")
+    if not fingerprint:
+        raise kopf.AdmissionError(
+            f"{where} has no translated config yet; retry once the operator has set its "
+            f"status.fingerprint.", code=503)
+    try:
+        model = await model_config(memo.api, namespace, pool["spec"])
+        config = pool_config(list(pool["spec"].get("vllmArgs") or []), model)
+    except (ValueError, kopf.TemporaryError) as exc:
+        raise kopf.AdmissionError(
+            f"{where} cannot be read back ({exc}); retry once the operator has reconciled it.",
+            code=503) from None
+    if config.fingerprint != fingerprint:
+        raise kopf.AdmissionError(
+            f"{where} is being updated (its spec gives fingerprint {config.fingerprint}, its status "
+            f"still {fingerprint}); retry in a moment.", code=503)
+    try:
+        problem = patches.pod_identity_problem(pod, config, model)
+        sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
+        ops = patches.pod_patch(pod, pool, fingerprint=fingerprint, sidecar=sidecar)
+    except ValueError as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise kopf.AdmissionError(f"The pod cannot join {where}: {problem}.", code=400)
+    return ops

@@ -1,0 +1,353 @@
+"""What every data-plane transport shares: the interfaces, auth and fetch bookkeeping.
+
+A data connection carries frames of ``kv_offload_sidecar.data.protocol``. It starts
+with the server's 16-byte nonce; the client answers with the session id it got
+from the control-plane handshake and HMAC-SHA256(session_key, nonce). Only then
+may it send LOOKUP and FETCH. A fetch reserves store slots first
+(``store.begin_write``), the transport receives the chunk bytes straight into
+``reservation.view`` and commits with the checksum the holder sent; any error,
+deadline or closed connection aborts every reservation still open, so a chunk is
+in the receiving store whole and verified or not at all.
+
+Connections are persistent and serve concurrent callers; a failed operation
+closes the client (raise ``TransportError``), the caller reconnects later.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence, Sized
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kv_offload_sidecar.data import protocol as proto
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
+
+log = logging.getLogger(__name__)
+
+# Returns the session key of an authenticated session id, or None.
+Authorize = Callable[[bytes], "bytes | None"]
+
+# Chunks requested but not yet received per fetch (at least).
+DEFAULT_WINDOW = 8
+# Bytes requested but not yet received per fetch: small chunks get a deeper window.
+WINDOW_BYTES = 16 << 20
+# Seconds a new connection has to authenticate.
+DEFAULT_AUTH_TIMEOUT = 5.0
+# Seconds the server waits for one chunk to leave before giving up on a client.
+DEFAULT_SEND_TIMEOUT = 30.0
+
+
+class TransportError(Exception):
+    """A lookup or fetch failed or missed its deadline; the client is closed."""
+
+
+class IntegrityError(TransportError):
+    """A received chunk did not match its checksum; it was not stored."""
+
+
+class ReservationLike(Protocol):
+    """``chunk_store.WriteReservation`` as the transports use it."""
+
+    key: bytes
+    view: memoryview
+
+    def commit(self, expected_checksum: int | None = None) -> bool: ...
+    def abort(self) -> None: ...
+
+
+class PinLike(Protocol):
+    """``chunk_store.PinnedChunk`` as the transports use it."""
+
+    view: memoryview
+    checksum: int
+
+    def release(self) -> None: ...
+
+
+class StoreLike(Protocol):
+    """``chunk_store.ChunkStore`` as the transports use it."""
+
+    @property
+    def slot_bytes(self) -> int: ...
+    def contains(self, key: bytes) -> bool: ...
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int: ...
+    def begin_write(self, key: bytes) -> ReservationLike | None: ...
+    def pin(self, key: bytes) -> PinLike | None: ...
+
+
+async def wait_until_idle(tasks: Sized, connections: Mapping[Any, Any], grace_seconds: float) -> None:
+    """A stopping server's grace: while ``tasks`` (connections being served) remain, wait
+    until every one of ``connections`` says ``idle(now)``, for at most ``grace_seconds``."""
+    deadline = time.monotonic() + grace_seconds
+    while tasks and time.monotonic() < deadline:
+        now = time.monotonic()
+        if all(c.idle(now) for c in connections.values()):
+            return
+        await asyncio.sleep(0.05)
+
+
+def make_nonce() -> bytes:
+    """A fresh server challenge."""
+    return secrets.token_bytes(proto.NONCE_BYTES)
+
+
+def auth_proof(session_key: bytes, nonce: bytes) -> bytes:
+    """HMAC-SHA256(session_key, nonce): the client's answer to the challenge."""
+    return hmac.new(session_key, nonce, hashlib.sha256).digest()
+
+
+def check_auth(authorize: Authorize, nonce: bytes, answer: proto.AuthResponse) -> None:
+    """Raise ``ProtocolError('unauthenticated')`` unless the answer proves the session."""
+    try:
+        key = authorize(answer.session_id)
+    except Exception as exc:  # a broken authorize callback must not crash the server
+        log.exception("data plane: authorize callback failed")
+        raise proto.ProtocolError("unauthenticated", "session check failed") from exc
+    if not key or not hmac.compare_digest(auth_proof(key, nonce), answer.proof):
+        raise proto.ProtocolError(
+            "unauthenticated", "unknown session or wrong proof; handshake again on the control port")
+
+
+def count_protocol_error(metrics: SidecarMetrics | None, reason: str) -> None:
+    """Count one refused frame by reason."""
+    if metrics is not None:
+        metrics.protocol_errors.labels(reason=reason).inc()
+
+
+def parse_address(address: str) -> tuple[str, str]:
+    """Split ``scheme://rest``; the scheme picks the transport."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in ("tcp", "ucx") or not rest:
+        raise ValueError(f"data address {address!r} is not tcp://host:port or ucx://<worker address>")
+    return scheme, rest
+
+
+class DataPlaneServer(abc.ABC):
+    """Serves this sidecar's chunks to authenticated peers."""
+
+    @abc.abstractmethod
+    async def start(self) -> str:
+        """Start serving; return the address to advertise in the handshake."""
+
+    @abc.abstractmethod
+    async def stop(self, grace_seconds: float = 1.0) -> None:
+        """Stop accepting, let sends in flight finish for up to ``grace_seconds``, close."""
+
+
+class PeerDataClient(abc.ABC):
+    """One authenticated connection to a peer's data plane."""
+
+    @abc.abstractmethod
+    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
+        """Number of leading ``keys`` the peer holds."""
+
+    @abc.abstractmethod
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
+        """Copy chunks into ``store``; return the number of leading keys now visible there."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Say goodbye and close; idempotent."""
+
+    # The error that ended the connection; None while it is usable.
+    _error: BaseException | None = None
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection is gone (after an error, a deadline or close())."""
+        return self._error is not None
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise TransportError(f"data connection is closed: {self._error}")
+
+
+@dataclass
+class PendingChunk:
+    """One requested chunk: its slot reservation and the future its receiver completes."""
+
+    # Requested key.
+    key: bytes
+    # Slot the bytes go to.
+    reservation: ReservationLike
+    # Resolves True (committed), False (peer does not hold it) or with an exception.
+    done: asyncio.Future[bool]
+    # Bytes of the chunk (the store's slot_bytes).
+    nbytes: int
+    # True once the reservation was committed.
+    committed: bool = False
+
+
+@dataclass
+class FetchPlan:
+    """Bookkeeping of one fetch call: which keys are present, requested or failed."""
+
+    # Keys asked for, in order.
+    keys: list[bytes]
+    # Index -> state: True present/committed, False missing; absent = not finished.
+    results: dict[int, bool] = field(default_factory=dict)
+    # Index -> pending chunk, for the requests in flight.
+    pending: dict[int, PendingChunk] = field(default_factory=dict)
+
+    def prefix(self) -> int:
+        """Leading keys present."""
+        n = 0
+        while self.results.get(n):
+            n += 1
+        return n
+
+
+async def run_fetch(
+    keys: Sequence[bytes],
+    store: StoreLike,
+    timeout: float,
+    *,
+    window: int,
+    send_requests: Callable[[list[tuple[int, PendingChunk]]], "asyncio.Future[None] | object"],
+    fail: Callable[[BaseException], "object"],
+    metrics: SidecarMetrics | None,
+) -> int:
+    """The client side of a fetch, shared by the transports.
+
+    Keeps up to ``max(window, WINDOW_BYTES / chunk)`` chunks in flight: reserves a slot per key, asks the
+    transport to request a batch (``send_requests`` gets ``(index, pending)`` pairs,
+    awaitable), and waits for the receiver to resolve each ``pending.done``.
+    Keys already visible are not requested. Stops requesting at the first key
+    that is missing at the peer, or that cannot get a slot even with nothing in
+    flight. Returns the leading keys visible at the end. On any failure or deadline
+    calls ``fail(exc)`` (the transport closes the connection, so nothing writes
+    into the slots any more) and aborts every open reservation.
+    """
+    plan = FetchPlan(list(keys))
+    window = max(window, WINDOW_BYTES // max(store.slot_bytes, 1))
+    started = time.monotonic()
+    next_index = 0
+    stop_at = len(plan.keys)
+    result = "ok"
+    landed: list[int] = []  # indices whose future completed, in completion order
+    wake = asyncio.Event()
+
+    def on_done(i: int) -> Callable[[asyncio.Future[bool]], None]:
+        def callback(_f: asyncio.Future[bool]) -> None:
+            landed.append(i)
+            wake.set()
+        return callback
+
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                batch: list[tuple[int, PendingChunk]] = []
+                while next_index < stop_at and len(plan.pending) + len(batch) < window:
+                    key = plan.keys[next_index]
+                    res = store.begin_write(key)
+                    if res is None:
+                        if store.contains(key):
+                            plan.results[next_index] = True
+                            next_index += 1
+                            continue
+                        if not (plan.pending or batch):
+                            stop_at = next_index  # no slot even with nothing in flight: stop here
+                        break  # else retry once a chunk in flight lands (it becomes evictable)
+                    fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+                    batch.append((next_index, PendingChunk(key, res, fut, store.slot_bytes)))
+                    next_index += 1
+                if batch:
+                    for i, p in batch:
+                        plan.pending[i] = p
+                        p.done.add_done_callback(on_done(i))
+                    await send_requests(batch)  # type: ignore[misc]
+                if not plan.pending:
+                    break
+                while not landed:
+                    wake.clear()
+                    await wake.wait()
+                while landed:
+                    i = landed.pop(0)
+                    p = plan.pending[i]
+                    ok = p.done.result()  # raises the receiver's error (p stays pending: aborted)
+                    del plan.pending[i]
+                    plan.results[i] = ok
+                    if not ok:
+                        stop_at = min(stop_at, i + 1)
+    except TimeoutError:
+        result = "timeout"
+        exc: BaseException = TransportError(
+            f"fetch of {len(plan.keys)} chunks missed its {timeout:.3g}s deadline "
+            f"({plan.prefix()} received)")
+        _fail_plan(plan, fail, exc)
+        _observe(metrics, result, started)
+        raise exc from None
+    except IntegrityError as err:
+        _fail_plan(plan, fail, err)
+        _observe(metrics, "integrity", started)
+        raise
+    except BaseException as err:
+        _fail_plan(plan, fail, err)
+        _observe(metrics, "error", started)
+        if isinstance(err, (TransportError, asyncio.CancelledError)):
+            raise
+        raise TransportError(f"fetch failed: {err}") from err
+    n = plan.prefix()
+    for i, key in enumerate(plan.keys[:n]):  # a store smaller than the fetch may have evicted some
+        if not store.contains(key):
+            n = i
+            break
+    _observe(metrics, "ok" if n == len(plan.keys) else "miss", started)
+    return n
+
+
+def _fail_plan(plan: FetchPlan, fail: Callable[[BaseException], object], exc: BaseException) -> None:
+    fail(exc)  # closes the connection first: nothing writes into the slots after this
+    for p in plan.pending.values():
+        if not p.committed:
+            p.reservation.abort()
+        if not p.done.done():
+            p.done.cancel()
+        elif not p.done.cancelled():
+            p.done.exception()  # mark retrieved
+    plan.pending.clear()
+
+
+def _observe(metrics: SidecarMetrics | None, result: str, started: float) -> None:
+    if metrics is None:
+        return
+    metrics.peer_fetches.labels(result=result).inc()
+    metrics.peer_fetch_duration.observe(time.monotonic() - started)
+
+
+def answer_lookup(lookups: dict[int, tuple[asyncio.Future[int], int]], request_id: int,
+                  payload: memoryview | bytes | bytearray) -> None:
+    """Resolve the lookup waiting under ``request_id`` with the LOOKUP_REPLY ``payload``
+    (a reply whose caller gave up is ignored; a bad count raises ProtocolError)."""
+    entry = lookups.pop(request_id, None)
+    if entry is None:
+        return
+    fut, asked = entry
+    count = proto.decode_lookup_reply(payload, asked)
+    if not fut.done():
+        fut.set_result(count)
+
+
+def commit_received(p: PendingChunk, checksum: int, metrics: SidecarMetrics | None) -> None:
+    """Verify and publish a fully received chunk, resolving its future."""
+    ok = p.reservation.commit(checksum)
+    if p.done.done():  # the fetch gave up meanwhile; the chunk is whole and verified anyway
+        return
+    if ok:
+        p.committed = True
+        if metrics is not None:
+            metrics.peer_bytes.labels(direction="received").inc(p.nbytes)
+        p.done.set_result(True)
+    else:
+        p.done.set_exception(IntegrityError(
+            f"chunk {p.key.hex()} failed its checksum; not stored (peer sent corrupt data)"))
+

@@ -1,0 +1,275 @@
+"""The TCP data-plane client: lookups and windowed fetches to one peer, chunk bytes
+received straight into reserved store slots and committed only once their checksum matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.base import (
+    DEFAULT_WINDOW,
+    PeerDataClient,
+    PendingChunk,
+    StoreLike,
+    TransportError,
+    answer_lookup,
+    auth_proof,
+    commit_received,
+    count_protocol_error,
+    run_fetch,
+)
+from kv_offload_sidecar.data.tcp.sockets import (
+    SOCKET_BUFFER_BYTES,
+    poll_readable,
+    read_frame,
+    recv_exactly,
+    send_all,
+    split_host_port,
+    tune_socket,
+)
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
+
+log = logging.getLogger(__name__)
+
+
+# Chunk bytes the client lets arrive before the loop wakes up to take them (SO_RCVLOWAT).
+RECV_BATCH_BYTES = 512 << 10
+
+
+
+
+# Seconds a lookup with nothing else in flight polls for its reply before sleeping.
+LOOKUP_SPIN_SECONDS = 200e-6
+
+
+class TcpPeerDataClient(PeerDataClient):
+    """An authenticated TCP connection to one peer's data plane."""
+
+    def __init__(self, sock: socket.socket, metrics: SidecarMetrics | None, window: int) -> None:
+        self._sock = sock
+        self._metrics = metrics
+        self._window = window
+        self._next_rid = 1
+        self._chunks: dict[int, PendingChunk] = {}
+        self._lookups: dict[int, tuple[asyncio.Future[int], int]] = {}
+        self._send_lock = asyncio.Lock()
+        self._reader: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
+                      timeout: float, metrics: SidecarMetrics | None = None,
+                      window: int = DEFAULT_WINDOW,
+                      socket_buffer_bytes: int = SOCKET_BUFFER_BYTES) -> TcpPeerDataClient:
+        """Connect to ``tcp://host:port`` and authenticate; TransportError on failure."""
+        rest = address.removeprefix("tcp://")
+        host, port = split_host_port(rest)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, _, _, _, sockaddr = infos[0]
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                try:
+                    tune_socket(sock, socket_buffer_bytes)
+                    await loop.sock_connect(sock, sockaddr)
+                    await cls._authenticate(loop, sock, session_id, session_key)
+                except BaseException:
+                    sock.close()
+                    raise
+        except TimeoutError:
+            raise TransportError(f"connecting to {address} missed its {timeout:.3g}s deadline") from None
+        except (OSError, proto.ProtocolError) as exc:
+            raise TransportError(f"connecting to {address} failed: {exc}") from exc
+        client = cls(sock, metrics, window)
+        client._reader = asyncio.create_task(client._read_loop(), name="tcp-data-reader")
+        return client
+
+    @staticmethod
+    async def _authenticate(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                            session_id: bytes, session_key: bytes) -> None:
+        header_buf = bytearray(proto.HEADER_BYTES)
+        header, payload = await read_frame(loop, sock, header_buf)
+        _raise_if_error(header, payload)
+        if header.type is not proto.MessageType.AUTH_CHALLENGE or payload is None:
+            raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
+        nonce = proto.decode_auth_challenge(payload)
+        await send_all(loop, sock, proto.encode_auth_response(session_id, auth_proof(session_key, nonce)))
+        header, payload = await read_frame(loop, sock, header_buf)
+        _raise_if_error(header, payload)
+        if header.type is not proto.MessageType.AUTH_OK or payload is None:
+            raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
+        proto.decode_auth_ok(payload)
+
+    def _rids(self, n: int) -> int:
+        first = self._next_rid
+        self._next_rid = (self._next_rid + n) % proto.REQUEST_ID_MOD
+        return first
+
+    async def _send(self, frame: list) -> None:
+        async with self._send_lock:
+            await send_all(asyncio.get_running_loop(), self._sock, frame)
+
+    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
+        """Number of leading ``keys`` the peer holds (one LOOKUP round trip)."""
+        self._check_open()
+        keys = list(keys)
+        if not keys:
+            return 0
+        rid = self._rids(1)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._lookups[rid] = (fut, len(keys))
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(proto.encode_lookup(rid, keys))
+                if len(self._lookups) == 1 and not self._chunks:
+                    poll_readable(self._sock, min(LOOKUP_SPIN_SECONDS, timeout))
+                    count = self._take_lookup_reply(rid, len(keys))
+                    if count is not None:
+                        return count
+                return await fut
+        except TimeoutError:
+            exc = TransportError(f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline")
+            self._fail(exc)
+            raise exc from None
+        except (OSError, proto.ProtocolError) as exc:
+            self._fail(exc)
+            raise TransportError(f"lookup failed: {exc}") from exc
+        finally:
+            self._lookups.pop(rid, None)
+
+    def _take_lookup_reply(self, rid: int, asked: int) -> int | None:
+        """With nothing else in flight, take this lookup's reply straight off the socket
+        when it is already there whole (peeked first: anything else, or a partial frame,
+        is left to the reader task). Saves the reader task's hops on the hot path."""
+        n = proto.HEADER_BYTES + 4
+        try:
+            head = self._sock.recv(n, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return None
+        if len(head) < n:
+            return None
+        try:
+            header = proto.decode_header(head[:proto.HEADER_BYTES])
+        except proto.ProtocolError:
+            return None  # the reader task reports it
+        if (header.type is not proto.MessageType.LOOKUP_REPLY or header.request_id != rid
+                or header.length != 4):
+            return None
+        data = self._sock.recv(n)  # the n bytes peeked above; nobody else reads meanwhile
+        return proto.decode_lookup_reply(data[proto.HEADER_BYTES:], asked)
+
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
+        """Receive chunks straight into ``store`` slots; leading keys now visible."""
+        self._check_open()
+        return await run_fetch(keys, store, timeout, window=self._window,
+                               send_requests=self._request_chunks, fail=self._fail,
+                               metrics=self._metrics)
+
+    async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
+        self._check_open()
+        rid = self._rids(len(batch))
+        for j, (_, p) in enumerate(batch):
+            self._chunks[(rid + j) % proto.REQUEST_ID_MOD] = p
+        await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
+
+    async def close(self) -> None:
+        """Send CLOSE (best effort) and close the socket."""
+        if self._error is not None:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(0.5):
+                await self._send(proto.encode_close())
+        self._fail(TransportError("closed by this side"))
+        if self._reader is not None:
+            with contextlib.suppress(BaseException):
+                await self._reader
+
+    def _fail(self, exc: BaseException) -> None:
+        """Close the connection and fail every request in flight (idempotent)."""
+        if self._error is None:
+            self._error = exc
+        err = exc if isinstance(exc, TransportError) else TransportError(f"data connection failed: {exc}")
+        for p in self._chunks.values():
+            if not p.done.done():
+                p.done.set_exception(err)
+        self._chunks.clear()
+        for fut, _ in self._lookups.values():
+            if not fut.done():
+                fut.set_exception(err)
+        reader = self._reader
+        if reader is not None and reader is not asyncio.current_task() and not reader.done():
+            reader.cancel()  # its finally closes the socket; no byte lands in a slot after this
+        elif reader is None or reader.done():
+            self._sock.close()
+
+    async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        sock = self._sock
+        header_buf = bytearray(proto.HEADER_BYTES)
+        prefix_buf = bytearray(2 + proto.MAX_KEY_BYTES + 8)
+        try:
+            while True:
+                await recv_exactly(loop, sock, header_buf)
+                header = proto.decode_header(header_buf)
+                mtype = header.type
+                if mtype is proto.MessageType.CHUNK:
+                    await self._read_chunk(loop, header, prefix_buf)
+                    continue
+                payload = bytearray(header.length)
+                await recv_exactly(loop, sock, payload)
+                if mtype is proto.MessageType.LOOKUP_REPLY:
+                    answer_lookup(self._lookups, header.request_id, payload)
+                elif mtype is proto.MessageType.CHUNK_MISSING:
+                    key = proto.decode_chunk_missing(payload)
+                    p = self._chunks.pop(header.request_id, None)
+                    if p is None or p.key != key:
+                        raise proto.ProtocolError("bad_key", "CHUNK_MISSING for a key not requested")
+                    p.reservation.abort()
+                    if not p.done.done():
+                        p.done.set_result(False)
+                else:
+                    _raise_if_error(header, payload)
+                    raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if not isinstance(exc, (TransportError, ConnectionError)):
+                log.warning("TCP data client: closing the connection: %s", exc)
+            if isinstance(exc, proto.ProtocolError):
+                count_protocol_error(self._metrics, exc.reason)
+            self._fail(exc if isinstance(exc, TransportError) else TransportError(str(exc)))
+        finally:
+            sock.close()
+
+    async def _read_chunk(self, loop: asyncio.AbstractEventLoop, header: proto.Header,
+                          prefix_buf: bytearray) -> None:
+        sock = self._sock
+        with memoryview(prefix_buf) as pv:
+            await recv_exactly(loop, sock, pv[:2])
+            size = proto.chunk_prefix_bytes_needed(pv[:2])
+            await recv_exactly(loop, sock, pv[2:size])
+            prefix = proto.decode_chunk_prefix(pv[:size])
+        p = self._chunks.get(header.request_id)
+        if p is None or p.key != prefix.key:
+            raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
+                                      f"under request id {header.request_id}")
+        proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
+        await recv_exactly(loop, sock, p.reservation.view, batch_bytes=RECV_BATCH_BYTES)
+        del self._chunks[header.request_id]
+        commit_received(p, prefix.checksum, self._metrics)
+
+
+def _raise_if_error(header: proto.Header, payload: bytearray | None) -> None:
+    if header.type is proto.MessageType.ERROR:
+        raise TransportError(f"peer refused: {proto.decode_error(payload or b'')}")
+    if header.type is proto.MessageType.CLOSE:
+        raise TransportError("peer closed the data connection")

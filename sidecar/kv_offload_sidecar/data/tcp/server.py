@@ -1,0 +1,313 @@
+"""The TCP data-plane server: authenticates a connection, then answers lookups and
+fetches from pinned slots, replies written in order by one writer task per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.base import (
+    DEFAULT_AUTH_TIMEOUT,
+    DEFAULT_SEND_TIMEOUT,
+    Authorize,
+    DataPlaneServer,
+    StoreLike,
+    check_auth,
+    count_protocol_error,
+    make_nonce,
+    wait_until_idle,
+)
+from kv_offload_sidecar.data.tcp.sockets import (
+    SOCKET_BUFFER_BYTES,
+    read_frame,
+    send_all,
+    send_now,
+    tune_socket,
+)
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
+
+log = logging.getLogger(__name__)
+
+
+# Request frames a server connection queues for its writer before it stops reading.
+SERVER_QUEUE_FRAMES = 64
+
+
+# Seconds without a request or reply after which a stopping server closes a connection.
+IDLE_CLOSE_SECONDS = 0.25
+
+
+# Bound of each goodbye step of a stopping server (sending CLOSE; draining until the client closes).
+GOODBYE_DRAIN_SECONDS = 0.25
+
+
+# Chunks one sendmsg call carries (each is three buffers; IOV_MAX is 1024).
+SEND_GROUP = 16
+
+
+class _ConnState:
+    """What stop() needs to know about one server connection."""
+
+    def __init__(self, queue: asyncio.Queue) -> None:
+        # Replies waiting for the writer.
+        self.queue = queue
+        # [True] while the writer sends an item.
+        self.busy = [False]
+        # Monotonic time of the last frame read or reply sent.
+        self.last = time.monotonic()
+        # Set by stop(): the connection ends with a goodbye (CLOSE, SHUT_WR, drain).
+        self.closing = False
+
+    def idle(self, now: float) -> bool:
+        return self.queue.empty() and not self.busy[0] and now - self.last >= IDLE_CLOSE_SECONDS
+
+
+async def _goodbye(loop: asyncio.AbstractEventLoop, conn: socket.socket, *, send_close: bool) -> None:
+    """End a connection a stopping server still holds, without a reset.
+
+    CLOSE (skipped when a chunk frame was cut short: the client then sees the
+    stream end mid-frame, a failed fetch), ``SHUT_WR`` so the client reads EOF
+    after it, then discard what the client still sends until it closes or
+    ``GOODBYE_DRAIN_SECONDS`` pass (closing with unread bytes would send RST).
+    """
+    if send_close:
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(GOODBYE_DRAIN_SECONDS):
+                await send_all(loop, conn, proto.encode_close())
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(GOODBYE_DRAIN_SECONDS):
+            while await loop.sock_recv(conn, 65536):
+                pass
+
+
+class TcpDataPlaneServer(DataPlaneServer):
+    """Serves chunks from ``store`` to authenticated peers over TCP."""
+
+    def __init__(
+        self,
+        store: StoreLike,
+        authorize: Authorize,
+        metrics: SidecarMetrics | None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        chunk_bytes: int,
+        advertise_host: str | None = None,
+        auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
+        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
+    ) -> None:
+        if chunk_bytes != store.slot_bytes:
+            raise ValueError(f"chunk_bytes={chunk_bytes} differs from the store's slot_bytes="
+                             f"{store.slot_bytes}; pass the pool's kv_bytes_per_chunk to both")
+        self._store = store
+        self._authorize = authorize
+        self._metrics = metrics
+        self._host = host
+        self._port = port
+        self._chunk_bytes = chunk_bytes
+        self._advertise_host = advertise_host
+        self._auth_timeout = auth_timeout
+        self._send_timeout = send_timeout
+        self._buffer_bytes = socket_buffer_bytes
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._states: dict[int, _ConnState] = {}
+        self._stopping = False
+        self.address = ""
+
+    async def start(self) -> str:
+        """Bind and listen; returns ``tcp://host:port`` with the port actually bound."""
+        infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        family, _, _, _, sockaddr = infos[0]
+        lsock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind(sockaddr)
+            lsock.listen(128)
+            lsock.setblocking(False)
+        except OSError as exc:
+            lsock.close()
+            raise OSError(exc.errno, f"cannot listen on {self._host}:{self._port} for the TCP "
+                          f"data plane ({exc.strerror}); pick another --data-port") from exc
+        self._listener = lsock
+        port = lsock.getsockname()[1]
+        host = self._advertise_host or self._host
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.gethostname()
+        self.address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self._accept_task = asyncio.create_task(self._accept_loop(), name="tcp-data-accept")
+        return self.address
+
+    async def stop(self, grace_seconds: float = 1.0) -> None:
+        """Stop accepting at once; keep serving open connections (a fetch in flight keeps
+        asking for chunks) until each has been idle ``IDLE_CLOSE_SECONDS`` or
+        ``grace_seconds`` pass, then close them cleanly: a CLOSE frame (when no chunk
+        is half sent), ``shutdown(SHUT_WR)``, up to ``GOODBYE_DRAIN_SECONDS`` reading
+        until the client closes too, then ``close``."""
+        self._stopping = True
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+        await wait_until_idle(self._conns, self._states, grace_seconds)
+        # Whatever is still open says goodbye: CLOSE (unless a chunk is half sent), SHUT_WR,
+        # a brief drain of what the client still sends, then close (no reset).
+        for st in self._states.values():
+            st.closing = True
+        still = list(self._conns)
+        for t in still:
+            t.cancel()
+        if still:
+            await asyncio.wait(still)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                log.warning("TCP data plane: accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            tune_socket(conn, self._buffer_bytes)
+            task = asyncio.create_task(self._serve(conn), name="tcp-data-conn")
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        header_buf = bytearray(proto.HEADER_BYTES)
+        queue: asyncio.Queue[tuple[int, list[bytes]] | list] = asyncio.Queue(SERVER_QUEUE_FRAMES)
+        state = self._states[id(conn)] = _ConnState(queue)
+        writer: asyncio.Task[None] | None = None
+        try:
+            nonce = make_nonce()
+            async with asyncio.timeout(self._auth_timeout):
+                await send_all(loop, conn, proto.encode_auth_challenge(nonce))
+                header, payload = await read_frame(loop, conn, header_buf, self._chunk_bytes)
+                if header.type is not proto.MessageType.AUTH_RESPONSE or payload is None:
+                    raise proto.ProtocolError(
+                        "unauthenticated", f"{header.type.name} before authentication; "
+                        "answer the nonce with AUTH_RESPONSE first")
+                check_auth(self._authorize, nonce, proto.decode_auth_response(payload))
+                await send_all(loop, conn, proto.encode_auth_ok())
+            busy = state.busy
+            writer = asyncio.create_task(self._write_loop(conn, queue, busy), name="tcp-data-writer")
+            while True:
+                header, payload = await read_frame(loop, conn, header_buf, self._chunk_bytes,
+                                                   payload_timeout=self._auth_timeout)
+                state.last = time.monotonic()
+                mtype = header.type
+                if mtype is proto.MessageType.LOOKUP and payload is not None:
+                    keys = proto.decode_keys(payload)
+                    reply = proto.encode_lookup_reply(header.request_id, self._store.lookup_prefix(keys))
+                    if queue.empty() and not busy[0]:  # writer idle: answer without its hop
+                        reply = send_now(conn, reply)
+                    if reply:
+                        await queue.put(reply)  # behind the chunks being sent
+                elif mtype is proto.MessageType.FETCH and payload is not None:
+                    await queue.put((header.request_id, proto.decode_keys(payload)))
+                elif mtype is proto.MessageType.CLOSE:
+                    break
+                else:
+                    raise proto.ProtocolError("malformed", f"a client may not send {mtype.name}")
+                if writer.done():
+                    break
+            if writer is not None and not writer.done():
+                await queue.join()
+        except proto.ProtocolError as exc:
+            count_protocol_error(self._metrics, exc.reason)
+            log.warning("TCP data plane: closing a connection: %s", exc)
+            if writer is not None:
+                writer.cancel()
+                with contextlib.suppress(BaseException):
+                    await writer
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await send_all(loop, conn, proto.encode_error(0, exc.reason, exc.message))
+        except TimeoutError:
+            count_protocol_error(self._metrics, "unauthenticated")
+            log.warning("TCP data plane: a connection did not authenticate within %.3gs",
+                        self._auth_timeout)
+        except (ConnectionError, OSError) as exc:
+            log.debug("TCP data plane: connection ended: %s", exc)
+        finally:
+            self._states.pop(id(conn), None)
+            half_sent = state.busy[0]
+            if writer is not None and not writer.done():
+                writer.cancel()
+                with contextlib.suppress(BaseException):
+                    await writer
+            if state.closing:
+                with contextlib.suppress(BaseException):
+                    await _goodbye(loop, conn, send_close=not half_sent)
+            else:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    async def _write_loop(self, conn: socket.socket, queue: asyncio.Queue, busy: list[bool]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                item = await queue.get()
+                busy[0] = True
+                try:
+                    if isinstance(item, list):
+                        await send_all(loop, conn, item)
+                    else:
+                        await self._send_chunks(loop, conn, *item)
+                finally:
+                    busy[0] = False
+                    queue.task_done()
+                    state = self._states.get(id(conn))
+                    if state is not None:
+                        state.last = time.monotonic()
+        except (ConnectionError, OSError, TimeoutError) as exc:
+            log.info("TCP data plane: dropping a client that stopped reading: %s", exc)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # ends the reader too
+            while not queue.empty():
+                queue.get_nowait()
+                queue.task_done()
+
+    async def _send_chunks(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                           request_id: int, keys: list[bytes]) -> None:
+        """Answer a FETCH: CHUNK (header, prefix, pinned slot view) or CHUNK_MISSING per key,
+        up to ``SEND_GROUP`` chunks per ``sendmsg`` so the kernel sees one long gather list."""
+        for start in range(0, len(keys), SEND_GROUP):
+            pins = []
+            buffers: list = []
+            try:
+                for i, key in enumerate(keys[start:start + SEND_GROUP], start):
+                    rid = (request_id + i) % proto.REQUEST_ID_MOD
+                    pin = self._store.pin(key)
+                    if pin is None:
+                        buffers += proto.encode_chunk_missing(rid, key)
+                    else:
+                        pins.append(pin)
+                        buffers += proto.encode_chunk(rid, key, pin.checksum, pin.view)
+                async with asyncio.timeout(self._send_timeout * max(1, len(pins))):
+                    await send_all(loop, conn, buffers)
+            finally:
+                buffers.clear()
+                for pin in pins:
+                    pin.release()
+            if self._metrics is not None and pins:
+                self._metrics.peer_bytes.labels(direction="sent").inc(self._chunk_bytes * len(pins))

@@ -1,0 +1,379 @@
+"""The UCX data-plane client: lookups and fetches to one peer, chunks received into store slots.
+
+The client posts each chunk's receive on its reserved slot *before* it sends
+the FETCH, so the bytes never wait in UCX's unexpected queue, keeps
+``UCX_WINDOW`` chunks in flight, and verifies each checksum before the chunk
+becomes visible. With two lanes every ``GET_LANE_EVERY``-th chunk goes over a
+second connection whose copies the fetcher's core makes; a failure of either
+fails both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.base import (
+    PeerDataClient,
+    PendingChunk,
+    StoreLike,
+    TransportError,
+    answer_lookup,
+    auth_proof,
+    commit_received,
+    count_protocol_error,
+    run_fetch,
+)
+from kv_offload_sidecar.data.ucx.frames import (
+    ATTACH_TAG,
+    CHUNK_REPLIES,
+    CONTROL_BUFFER_BYTES,
+    TAG_C2S,
+    TAG_S2C,
+    UCX_REQUEST_ID_MOD,
+    attach_mac,
+    data_tag,
+    decode_address,
+    join_parts,
+    parse_frame,
+    raise_if_error,
+    split_frames,
+    tag,
+)
+from kv_offload_sidecar.data.ucx.runtime import UcxRuntime, configured_lanes
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
+
+
+log = logging.getLogger(__name__)
+
+# for a rendezvous round trip between the two processes).
+UCX_WINDOW = 32
+
+# fetcher's core also verifies every chunk, so it takes the smaller share of the copying.
+GET_LANE_EVERY = 3
+
+
+class UcxPeerDataClient(PeerDataClient):
+    """An authenticated UCX connection to one peer's data plane.
+
+    With two lanes it has a partner: a second authenticated connection from this
+    process's ``get_zcopy`` worker (``UcxRuntime.get_lane``). A fetch sends every
+    ``GET_LANE_EVERY``-th chunk over the partner (the fetcher copies those) and the
+    rest over this connection (the holder copies those), so both cores copy at once.
+    Lookups use this connection; a failure of either connection fails both.
+    """
+
+    def __init__(self, rt: UcxRuntime, ep: Any, cid: int, metrics: SidecarMetrics | None,
+                 window: int) -> None:
+        self._rt = rt
+        self._ep = ep
+        self._cid = cid
+        self._c2s = tag(cid, TAG_C2S)
+        self._s2c = tag(cid, TAG_S2C)
+        self._metrics = metrics
+        self._window = window
+        self._next_rid = 1
+        self._chunks: dict[int, _UcxChunk] = {}
+        self._lookups: dict[int, tuple[asyncio.Future[int], int]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._partner: UcxPeerDataClient | None = None
+        self._turn = 0  # chunks requested so far, modulo GET_LANE_EVERY
+        self._requested = 0  # chunks requested over this connection
+        self._replies = [0, 0]  # messages carrying chunk replies, CHUNK/CHUNK_MISSING frames in them
+
+    @classmethod
+    async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
+                      timeout: float, metrics: SidecarMetrics | None = None,
+                      window: int = UCX_WINDOW, lanes: int | None = None) -> UcxPeerDataClient:
+        """Attach to the server at ``ucx://...`` and authenticate; TransportError on failure.
+
+        ``lanes``: 1 or 2 (see ``configure_ucx_env``); default: the configured count.
+        """
+        lanes = configured_lanes() if lanes is None else lanes
+        if lanes not in (1, 2):
+            raise ValueError(f"UCX lanes={lanes!r} is not supported; use 1 or 2")
+        server_address = decode_address(address)
+        deadline = time.monotonic() + timeout
+        client = await cls._attach(UcxRuntime.get(), server_address, session_id, session_key,
+                                   timeout, metrics, window)
+        if lanes == 2:
+            try:
+                lane = await cls._attach(UcxRuntime.get_lane(), server_address, session_id,
+                                         session_key, max(deadline - time.monotonic(), 1e-3),
+                                         metrics, window)
+            except BaseException:
+                await client.close()
+                raise
+            client._partner, lane._partner = lane, client
+        return client
+
+    @property
+    def lane_chunks(self) -> tuple[int, int]:
+        """Chunks requested so far over the holder-copied and the fetcher-copied lane."""
+        return self._requested, 0 if self._partner is None else self._partner._requested
+
+    @property
+    def chunk_replies(self) -> tuple[int, int]:
+        """Server messages that carried chunk replies on this connection, and the CHUNK /
+        CHUNK_MISSING frames in them (a FETCH is answered with one message per batch)."""
+        return self._replies[0], self._replies[1]
+
+    @classmethod
+    async def _attach(cls, rt: UcxRuntime, server_address: bytes, session_id: bytes,
+                      session_key: bytes, timeout: float, metrics: SidecarMetrics | None,
+                      window: int) -> UcxPeerDataClient:
+        """One authenticated connection from ``rt``'s worker; TransportError on failure."""
+        cid = _new_connection_id()
+        ep = None
+        try:
+            async with asyncio.timeout(timeout):
+                ep = rt.endpoint(server_address)
+                mac = attach_mac(session_key, cid, rt.address)
+                await rt.send(ep, join_parts(proto.encode_ucx_attach(cid, session_id, mac, rt.address)),
+                              ATTACH_TAG)
+                s2c, c2s = tag(cid, TAG_S2C), tag(cid, TAG_C2S)
+                buf = await rt.recv_frame(s2c, CONTROL_BUFFER_BYTES)
+                header, payload = parse_frame(buf, None)
+                raise_if_error(header, payload)
+                if header.type is not proto.MessageType.AUTH_CHALLENGE:
+                    raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
+                nonce = proto.decode_auth_challenge(payload)
+                await rt.send(ep, join_parts(proto.encode_auth_response(session_id, auth_proof(session_key, nonce))),
+                              c2s)
+                buf = await rt.recv_frame(s2c, CONTROL_BUFFER_BYTES)
+                header, payload = parse_frame(buf, None)
+                raise_if_error(header, payload)
+                if header.type is not proto.MessageType.AUTH_OK:
+                    raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
+                proto.decode_auth_ok(payload)
+        except BaseException as exc:
+            _release_connection_id(cid)
+            if ep is not None:
+                rt.abort(ep, wait=False)  # nothing of ours is posted into a store slot yet
+            if isinstance(exc, TimeoutError):
+                raise TransportError(f"connecting to the UCX peer missed its {timeout:.3g}s deadline "
+                                     "(a refused session gets no answer over UCX)") from None
+            if isinstance(exc, TransportError):
+                raise
+            if isinstance(exc, Exception):
+                raise TransportError(f"connecting to the UCX peer failed: {exc}") from exc
+            raise
+        client = cls(rt, ep, cid, metrics, window)
+        client._reader = asyncio.create_task(client._read_loop(), name="ucx-data-reader")
+        return client
+
+    def _rids(self, n: int) -> int:
+        if self._next_rid + n > UCX_REQUEST_ID_MOD:  # keep a batch's ids contiguous
+            self._next_rid = 1
+        first = self._next_rid
+        self._next_rid += n
+        return first
+
+    async def _send(self, frame: list) -> None:
+        await self._rt.send(self._ep, join_parts(frame), self._c2s)
+
+    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
+        """Number of leading ``keys`` the peer holds (one LOOKUP round trip)."""
+        self._check_open()
+        keys = list(keys)
+        if not keys:
+            return 0
+        rid = self._rids(1)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._lookups[rid] = (fut, len(keys))
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(proto.encode_lookup(rid, keys))
+                return await fut
+        except TimeoutError:
+            exc = TransportError(f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline")
+            self._fail(exc)
+            raise exc from None
+        except TransportError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            raise TransportError(f"lookup failed: {exc}") from exc
+        finally:
+            self._lookups.pop(rid, None)
+
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
+        """Receive chunks straight into ``store`` slots; leading keys now visible."""
+        self._check_open()
+        return await run_fetch(keys, store, timeout, window=self._window,
+                               send_requests=self._request_chunks, fail=self._fail,
+                               metrics=self._metrics)
+
+    async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
+        """Split the batch between the lanes, then ask each lane for its part."""
+        self._check_open()
+        partner = self._partner
+        if partner is None:
+            await self._request_lane(batch)
+            return
+        mine: list[tuple[int, PendingChunk]] = []
+        theirs: list[tuple[int, PendingChunk]] = []
+        for entry in batch:
+            self._turn = (self._turn + 1) % GET_LANE_EVERY
+            (theirs if self._turn == 0 else mine).append(entry)
+        await asyncio.gather(*(lane._request_lane(part) for lane, part
+                               in ((self, mine), (partner, theirs)) if part))
+
+    async def _request_lane(self, batch: list[tuple[int, PendingChunk]]) -> None:
+        """Post the receive into each reserved slot, then ask for the chunks."""
+        self._check_open()
+        self._requested += len(batch)
+        rid = self._rids(len(batch))
+        for j, (_, p) in enumerate(batch):
+            data = self._rt.post_recv(self._ep, p.reservation.view, data_tag(self._cid, rid + j))
+            self._chunks[rid + j] = _UcxChunk(p, data)
+            data.add_done_callback(lambda _f, r=rid + j: self._data_arrived(r))
+        await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
+
+    def _data_arrived(self, request_id: int) -> None:
+        st = self._chunks.get(request_id)
+        if st is None or st.data.cancelled():
+            return
+        exc = st.data.exception()
+        if exc is not None:
+            self._fail(exc)
+            return
+        self._finish(request_id, st)
+
+    def _finish(self, request_id: int, st: _UcxChunk) -> None:
+        """Both the reply frame and the bytes are in: commit (or abort a miss)."""
+        if not (st.replied and st.data.done()):
+            return
+        del self._chunks[request_id]
+        if st.checksum is None:
+            st.p.reservation.abort()
+            if not st.p.done.done():
+                st.p.done.set_result(False)
+        else:
+            commit_received(st.p, st.checksum, self._metrics)
+
+    async def close(self) -> None:
+        """Send CLOSE (best effort) and close the endpoint (and the partner's)."""
+        if self._error is not None:
+            return
+        partner = self._partner
+        if partner is not None:
+            self._partner = partner._partner = None
+            await partner.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(0.5):
+                await self._send(proto.encode_close())
+        self._fail(TransportError("closed by this side"))
+        if self._reader is not None:
+            with contextlib.suppress(BaseException):
+                await self._reader
+
+    def _fail(self, exc: BaseException) -> None:
+        """Close the endpoint (cancelling receives into slots) and fail everything in flight,
+        on the partner connection too."""
+        first = self._error is None
+        if first:
+            self._error = exc
+            self._rt.abort(self._ep)  # cancels posted receives: no byte lands in a slot after this
+            _release_connection_id(self._cid)
+        err = exc if isinstance(exc, TransportError) else TransportError(f"data connection failed: {exc}")
+        if first and self._partner is not None:
+            self._partner._fail(err)
+        for st in self._chunks.values():
+            if not st.p.done.done():
+                st.p.done.set_exception(err)
+        self._chunks.clear()
+        for fut, _ in self._lookups.values():
+            if not fut.done():
+                fut.set_exception(err)
+        reader = self._reader
+        if reader is not None and reader is not asyncio.current_task() and not reader.done():
+            reader.cancel()
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                buf = await self._rt.recv_frame(self._s2c, CONTROL_BUFFER_BYTES)
+                frames = split_frames(buf)
+                for header, payload in frames:
+                    self._on_frame(header, payload)
+                if frames and frames[0][0].type in CHUNK_REPLIES:
+                    self._replies[0] += 1
+                    self._replies[1] += len(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, proto.ProtocolError):
+                count_protocol_error(self._metrics, exc.reason)
+                log.warning("UCX data client: closing the connection: %s", exc)
+            self._fail(exc if isinstance(exc, TransportError) else TransportError(str(exc)))
+
+    def _on_frame(self, header: proto.Header, payload: memoryview) -> None:
+        mtype = header.type
+        if mtype is proto.MessageType.CHUNK:
+            self._chunk_reply(header, payload)
+        elif mtype is proto.MessageType.LOOKUP_REPLY:
+            answer_lookup(self._lookups, header.request_id, payload)
+        elif mtype is proto.MessageType.CHUNK_MISSING:
+            key = proto.decode_chunk_missing(payload)
+            st = self._chunks.get(header.request_id)
+            if st is None or st.replied or st.p.key != key:
+                raise proto.ProtocolError("bad_key", "CHUNK_MISSING for a key not requested")
+            st.replied = True
+            self._finish(header.request_id, st)
+        else:
+            raise_if_error(header, payload)
+            raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
+
+    def _chunk_reply(self, header: proto.Header, payload: memoryview) -> None:
+        prefix = proto.decode_chunk_prefix(payload)
+        st = self._chunks.get(header.request_id)
+        if st is None or st.replied or st.p.key != prefix.key:
+            raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
+                                      f"under request id {header.request_id}")
+        proto.check_chunk_payload(header.length, prefix.size, st.p.nbytes)
+        st.replied, st.checksum = True, prefix.checksum
+        self._finish(header.request_id, st)
+
+
+@dataclass
+class _UcxChunk:
+    """A requested chunk on a UCX connection: its receive is posted before the request."""
+
+    # The fetch's bookkeeping (reservation, result future).
+    p: PendingChunk
+    # Completes when the chunk's message is in the slot (1 byte when the peer lacks it).
+    data: asyncio.Future[None]
+    # True once CHUNK or CHUNK_MISSING arrived.
+    replied: bool = False
+    # The holder's checksum (None: CHUNK_MISSING).
+    checksum: int | None = None
+
+
+# Frame types that answer a FETCH.
+# Connection ids in use by this process's clients (a tag's high half).
+_client_cids: set[int] = set()
+
+
+def _new_connection_id() -> int:
+    while True:
+        cid = secrets.randbits(32)
+        if cid and cid not in _client_cids:
+            _client_cids.add(cid)
+            return cid
+
+
+def _release_connection_id(cid: int) -> None:
+    _client_cids.discard(cid)
+
+

@@ -1,0 +1,71 @@
+"""The local channel between the tier inside vLLM and its pod's sidecar, defined once for both sides.
+
+A Unix socket per DP port. Frames are a 4-byte big-endian length and a UTF-8
+JSON object (at most ``MAX_FRAME_BYTES``). Requests carry ``"op"`` (one of
+``OPS``); every reply has ``"ok"`` and, when false, ``"error"`` (and
+``"stale": true`` when the request named a sidecar instance that is gone).
+Chunk keys travel as hex strings. Chunk bytes never cross the socket: the
+engine maps the store file and copies into or out of the slots a reply names.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
+
+LENGTH = struct.Struct("!I")
+# Largest frame either way (bytes).
+MAX_FRAME_BYTES = 16 << 20
+# Most keys in one request.
+MAX_KEYS = 65536
+# Longest accepted timeout (seconds).
+MAX_TIMEOUT_SECONDS = 600.0
+OPS = ("info", "lookup", "reserve", "commit", "abort", "load", "release")
+
+
+def encode_frame(obj: Mapping[str, Any]) -> bytes:
+    """One frame: length prefix and compact JSON."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return LENGTH.pack(len(data)) + data
+
+
+def frame_length(head: bytes) -> int:
+    """The body length a 4-byte frame head announces; ValueError past ``MAX_FRAME_BYTES``."""
+    (n,) = LENGTH.unpack(head)
+    if n > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
+    return n
+
+
+def decode_body(body: bytes) -> Any:
+    """The JSON value of a frame body; ValueError naming what is wrong."""
+    try:
+        return json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"frame is not JSON: {exc}") from None
+
+
+def encode_keys(keys: list[bytes]) -> list[str]:
+    return [k.hex() for k in keys]
+
+
+def decode_keys(value: Any) -> list[bytes]:
+    """Keys of a request; ValueError naming the bad one (and whether it was too many)."""
+    if not isinstance(value, list):
+        raise ValueError("'keys' must be a list of hex strings")
+    if len(value) > MAX_KEYS:
+        raise OverflowError(f"'keys' holds {len(value)} keys; at most {MAX_KEYS}")
+    out = []
+    for i, item in enumerate(value):
+        try:
+            key = bytes.fromhex(item) if isinstance(item, str) else b""
+        except ValueError:
+            key = b""
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise KeyError(f"keys[{i}] must be hex of 1..{MAX_KEY_BYTES} bytes")
+        out.append(key)
+    return out

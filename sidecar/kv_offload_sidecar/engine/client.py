@@ -1,0 +1,420 @@
+"""EngineClient: the engine side of the pod's sidecar (runs inside vLLM).
+
+Standard library only. Blocking sockets with timeouts, thread-safe (a pool
+of local-channel connections, one per concurrent call). The client asks the
+sidecar's control port once (``GET /v1/local``) where the local channel
+socket and the shared-memory store file are, maps the store file with
+``ChunkStoreView`` and from then on moves chunk bytes without sockets:
+
+- ``lookup(keys, timeout) -> LookupReply(local, peer)``: hit prefix lengths.
+- ``store(keys, write_fn) -> int``: the sidecar reserves slots,
+  ``write_fn(i, slot_view)`` copies chunk ``i`` into its slot, the sidecar
+  commits (checksums) them; returns the number of chunks written. Keys the
+  sidecar already holds (or has no room for) are skipped.
+- ``load(keys, read_fn, timeout) -> int``: the sidecar makes the leading keys
+  local (fetching from peers into its slots) and pins them; ``read_fn(i,
+  slot_view)`` copies chunk ``i`` out; the pins are released; returns the
+  number of leading chunks read.
+
+A late answer (past ``timeout``), a failed or unreachable sidecar is a miss
+(``LookupReply(0, 0)`` / 0) and counted in ``timeouts`` / ``errors``; it
+never raises into the engine. Exceptions from ``write_fn``/``read_fn``
+propagate after the reservation/pin is given back.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from kv_offload_sidecar.engine import channel_protocol as cp
+from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.store_view import ChunkStoreView
+
+log = logging.getLogger(__name__)
+
+# Extra seconds the client waits beyond an operation's timeout for the answer
+# to travel back over the local socket.
+REPLY_GRACE_SECONDS = 0.5
+# Timeout of the bookkeeping requests of store (reserve/commit) and release.
+CONTROL_TIMEOUT_SECONDS = 5.0
+# Shortest pause between attempts to re-attach to a restarted sidecar.
+REATTACH_INTERVAL_SECONDS = 0.5
+
+WriteFn = Callable[[int, memoryview], None]
+ReadFn = Callable[[int, memoryview], None]
+
+
+class SidecarUnavailable(ConnectionError):
+    """The sidecar's control port or local channel cannot be reached."""
+
+
+class _Late(Exception):
+    """The sidecar did not answer in time."""
+
+
+class _Dropped(Exception):
+    """The channel broke after the work was done (the connection must not be reused)."""
+
+
+# What turns a call into a miss (never raised into the engine).
+_FAILURES = (_Late, OSError, ValueError, KeyError, TypeError)
+
+
+@dataclass(frozen=True)
+class LookupReply:
+    """Hit prefix of a lookup: ``local`` chunks in the pod's store, then ``peer`` more on a peer."""
+
+    # Leading keys held by this pod's sidecar.
+    local: int
+    # Keys after those that a peer holds (loaded on ``load``).
+    peer: int
+
+    @property
+    def hits(self) -> int:
+        return self.local + self.peer
+
+
+class _Conn:
+    """One local-channel connection (used by one thread at a time)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
+
+    def call(self, req: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.sendall(cp.encode_frame(req))
+            try:
+                n = cp.frame_length(self._recv_exact(cp.LENGTH.size))
+            except ValueError as exc:
+                raise ConnectionError(f"sidecar reply: {exc}") from None
+            reply = cp.decode_body(self._recv_exact(n))
+        except socket.timeout:
+            raise _Late() from None
+        if not isinstance(reply, dict):
+            raise ConnectionError("sidecar reply is not a JSON object")
+        return reply
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("sidecar closed the local channel")
+            got += k
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class _Attachment:
+    """The mapped store of one sidecar instance."""
+
+    def __init__(self, info: Mapping[str, Any]) -> None:
+        st = info["store"]
+        self.instance = str(info["instance"])
+        self.view = ChunkStoreView.attach(str(st["path"]), int(st["slot_bytes"]), int(st["num_slots"]),
+                                          int(st["slot_stride"]))
+
+    def close(self) -> None:
+        try:
+            self.view.close()
+        except BufferError:  # a callback still holds a view: the mapping goes with it
+            pass
+
+
+class EngineClient:
+    """Blocking, thread-safe client of one DP rank's sidecar.
+
+    Every request that hands out slots names the sidecar instance whose store
+    file this client mapped; a restarted sidecar (new instance, new file at the
+    same path) refuses it, and the client re-attaches (at most every
+    ``REATTACH_INTERVAL_SECONDS``) instead of writing into the old mapping.
+    """
+
+    def __init__(self, socket_path: str, *, timeout: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self._timeout = timeout
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stale = False
+        self._next_reattach = 0.0
+        # Answers that came too late (counted as misses).
+        self.timeouts = 0
+        # Failed calls (sidecar gone, bad reply), counted as misses.
+        self.errors = 0
+        # Times the client re-mapped the store of a restarted sidecar.
+        self.reattaches = 0
+        self._att = _Attachment(self._info())
+
+    # ---- construction ---------------------------------------------------------
+
+    @classmethod
+    def connect(cls, host: str = ports.DEFAULT_HOST, port: int = ports.DEFAULT_BASE_PORT,
+                timeout: float = 5.0) -> "EngineClient":
+        """Ask the sidecar control port ``host:port`` (one DP rank's port) for its local channel."""
+        try:
+            http_conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                http_conn.request("GET", "/v1/local")
+                resp = http_conn.getresponse()
+                body = resp.read(1 << 20)
+            finally:
+                http_conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            raise SidecarUnavailable(
+                f"cannot reach the kv-offload sidecar at {host}:{port} ({exc}); check "
+                f"VLLM_P2P_SIDE_CHANNEL_HOST/PORT and that the sidecar container runs") from None
+        try:
+            info = json.loads(body)
+        except ValueError:
+            info = None
+        if resp.status != 200 or not isinstance(info, dict) or not isinstance(info.get("socket"), str):
+            raise SidecarUnavailable(f"sidecar at {host}:{port} answered /v1/local with HTTP {resp.status}: "
+                                     f"{body[:200]!r}")
+        return cls(info["socket"], timeout=timeout)
+
+    @classmethod
+    def from_env(cls, dp_index: int = 0, timeout: float = 5.0,
+                 environ: Mapping[str, str] | None = None) -> "EngineClient":
+        """Connect to ``VLLM_P2P_SIDE_CHANNEL_HOST``:(``VLLM_P2P_SIDE_CHANNEL_PORT`` + global DP index)."""
+        env = os.environ if environ is None else environ
+        return cls.connect(ports.env_host(env), ports.control_port(ports.env_base_port(env), dp_index),
+                           timeout)
+
+    # ---- geometry -----------------------------------------------------------------
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one chunk slot (the pool's kv_bytes_per_chunk)."""
+        return self._att.view.slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self._att.view.num_slots
+
+    @property
+    def instance(self) -> str:
+        """The sidecar instance whose store this client maps."""
+        return self._att.instance
+
+    # ---- connections -------------------------------------------------------------
+
+    def _info(self) -> dict[str, Any]:
+        with self._connection() as conn:
+            reply = conn.call({"op": "info"}, self._timeout)
+        if not reply.get("ok") or not isinstance(reply.get("store"), dict) or "instance" not in reply:
+            raise SidecarUnavailable(f"sidecar local channel {self.socket_path!r} refused info: "
+                                     f"{reply.get('error')}")
+        return reply
+
+    def _attachment(self) -> _Attachment:
+        """The current mapping; re-attaches first when the sidecar seems to have restarted."""
+        if self._stale and time.monotonic() >= self._next_reattach:
+            with self._lock:
+                self._next_reattach = time.monotonic() + REATTACH_INTERVAL_SECONDS
+            try:
+                info = self._info()
+                if str(info["instance"]) != self._att.instance:
+                    old, self._att = self._att, _Attachment(info)
+                    self.reattaches += 1
+                    old.close()
+                    log.info("kv-offload sidecar restarted; re-attached its store %s",
+                             info["store"]["path"])
+                self._stale = False
+            except _FAILURES as exc:
+                log.debug("kv-offload sidecar re-attach failed: %s", exc)
+        return self._att
+
+    @contextmanager
+    def _connection(self) -> Iterator[_Conn]:
+        with self._lock:
+            if self._closed:
+                raise SidecarUnavailable("EngineClient is closed")
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            try:
+                conn = _Conn(self.socket_path, self._timeout)
+            except OSError as exc:
+                self._stale = True
+                raise SidecarUnavailable(f"cannot connect to the sidecar local channel "
+                                         f"{self.socket_path!r}: {exc}") from None
+        ok = False
+        try:
+            yield conn
+            ok = True
+        finally:
+            if ok:
+                with self._lock:
+                    if not self._closed:
+                        self._idle.append(conn)
+                        conn = None  # type: ignore[assignment]
+            if conn is not None:
+                conn.close()  # state unknown after an error: never reuse
+
+    def _call(self, conn: _Conn, att: _Attachment, req: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request naming ``att``'s instance; a refused reply raises ConnectionError."""
+        reply = conn.call({**req, "instance": att.instance}, timeout)
+        if not reply.get("ok"):
+            if reply.get("stale"):
+                self._stale = True
+            raise ConnectionError(str(reply.get("error")))
+        return reply
+
+    def _miss(self, what: str, exc: BaseException) -> None:
+        if isinstance(exc, _Late):
+            self.timeouts += 1
+            log.debug("kv-offload sidecar %s answered late: a miss", what)
+        else:
+            self.errors += 1
+            if isinstance(exc, OSError):
+                self._stale = True  # the sidecar may have restarted: re-attach on the next call
+            log.warning("kv-offload sidecar %s failed (%s): a miss", what, exc)
+
+    # ---- operations ----------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """The sidecar's local info (identity, fingerprint, instance, store geometry)."""
+        return self._info()
+
+    def lookup(self, keys: Sequence[bytes], timeout: float = 2.0) -> LookupReply:
+        """Hit prefix of ``keys`` (local, then on a peer). Late or failed: (0, 0)."""
+        if not keys:
+            return LookupReply(0, 0)
+        try:
+            att = self._attachment()
+            with self._connection() as conn:
+                reply = self._call(conn, att, {"op": "lookup", "keys": cp.encode_keys(keys),
+                                               "timeout": timeout}, timeout + REPLY_GRACE_SECONDS)
+            return LookupReply(int(reply["local"]), int(reply["peer"]))
+        except _FAILURES as exc:
+            self._miss("lookup", exc)
+            return LookupReply(0, 0)
+
+    def store(self, keys: Sequence[bytes], write_fn: WriteFn, *, strict: bool = False) -> int:
+        """Write chunks into the sidecar's store; returns how many were written.
+
+        ``write_fn(i, view)`` must fill ``view`` (exactly ``slot_bytes``) with
+        chunk ``keys[i]``; it is not called for keys that are skipped (held
+        already, being written, or no free slot). A failed store is counted
+        and returns 0, or with ``strict`` raises ``SidecarUnavailable``, so a
+        caller can tell it from keys that were all skipped.
+        """
+        if not keys:
+            return 0
+        user_exc: BaseException | None = None
+        written = 0
+        try:
+            att = self._attachment()
+            with self._connection() as conn:
+                reply = self._call(conn, att, {"op": "reserve", "keys": cp.encode_keys(keys)},
+                                   CONTROL_TIMEOUT_SECONDS)
+                rid, slots = reply["id"], reply["slots"]
+                for i, slot in enumerate(slots):
+                    if slot is not None:
+                        try:
+                            self._with_slot(att, slot, lambda v, i=i: write_fn(i, v))
+                        except BaseException as exc:  # the engine's own error: give back, re-raise
+                            user_exc = exc
+                            break
+                if user_exc is not None:
+                    self._call(conn, att, {"op": "abort", "id": rid}, CONTROL_TIMEOUT_SECONDS)
+                else:
+                    reply = self._call(conn, att, {"op": "commit", "id": rid}, CONTROL_TIMEOUT_SECONDS)
+                    written = int(reply["committed"])
+        except _FAILURES as exc:
+            self._miss("store", exc)
+            if strict and user_exc is None:
+                raise SidecarUnavailable(f"store of {len(keys)} chunks failed: {exc}") from None
+            written = 0
+        if user_exc is not None:
+            raise user_exc
+        return written
+
+    def load(self, keys: Sequence[bytes], read_fn: ReadFn, timeout: float = 2.0) -> int:
+        """Read the leading held chunks of ``keys``; returns how many were read.
+
+        ``read_fn(i, view)`` copies chunk ``keys[i]`` out of ``view`` (valid
+        only during the call). Late or failed: 0.
+        """
+        if not keys:
+            return 0
+        user_exc: BaseException | None = None
+        read = 0
+        try:
+            att = self._attachment()
+            with self._connection() as conn:
+                reply = self._call(conn, att, {"op": "load", "keys": cp.encode_keys(keys),
+                                               "timeout": timeout}, timeout + REPLY_GRACE_SECONDS)
+                pid, slots = reply["id"], reply["slots"]
+                for i, slot in enumerate(slots):
+                    try:
+                        self._with_slot(att, slot, lambda v, i=i: read_fn(i, v))
+                    except BaseException as exc:  # the engine's own error: release, re-raise
+                        user_exc = exc
+                        break
+                read = len(slots) if user_exc is None else 0
+                if slots:
+                    try:
+                        self._call(conn, att, {"op": "release", "id": pid}, CONTROL_TIMEOUT_SECONDS)
+                    except _FAILURES as exc:
+                        # The copies were made while pinned; a lost channel releases the pins.
+                        log.debug("kv-offload release after load failed: %s", exc)
+                        raise _Dropped() from exc
+        except _Dropped:
+            pass  # read stays what was copied
+        except _FAILURES as exc:
+            self._miss("load", exc)
+            read = 0
+        if user_exc is not None:
+            raise user_exc
+        return read
+
+    @staticmethod
+    def _with_slot(att: _Attachment, slot: int, fn: Callable[[memoryview], None]) -> None:
+        view = att.view.slot_view(slot)
+        try:
+            fn(view)
+        finally:
+            try:
+                view.release()
+            except BufferError:  # the callback kept a derived view
+                pass
+
+    def close(self) -> None:
+        """Close connections and unmap the store (the sidecar keeps its file)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+        self._att.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

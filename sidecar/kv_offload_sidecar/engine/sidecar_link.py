@@ -1,0 +1,157 @@
+"""The tier's link to its pod's sidecar: connect lazily, check the sidecar serves this engine, drop it if not.
+
+Fail closed: at each (re)attachment the link compares the sidecar's
+fingerprint, chunk size and hash seed (its local channel's ``info``) with the
+config vLLM handed the tier and the seed vLLM resolved; on any difference it
+logs one error line naming the fields, hands out no client (every lookup is a
+miss, nothing is stored) and checks again every ``RECHECK_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.sidecar_match import mismatches, refusal_message
+from kv_offload_sidecar.engine.vllm_contract import tier_logger, vllm_hash_seed
+
+logger = tier_logger(__name__)
+
+# Seconds between checks of a refused sidecar.
+RECHECK_SECONDS = 2.0
+# Seconds between attempts to reach a sidecar that is away.
+RECONNECT_SECONDS = 1.0
+
+
+def sidecar_address(offloading_spec: Any, host: str | None = None,
+                    port: int | str | None = None,
+                    environ: dict[str, str] | None = None) -> tuple[str, int]:
+    """The pod sidecar's control address for this engine's DP rank.
+
+    ``host``/``port`` from the tier entry win over ``VLLM_P2P_SIDE_CHANNEL_*``;
+    the engine's global ``parallel.data_parallel_index`` is added to the port.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        base = int(port) if port is not None else ports.env_base_port(env)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"kv-offload tier: port {port!r} is not an integer; set the tier's "
+                         f"'port' or {ports.ENV_PORT} to the sidecar's base control port"
+                         if port is not None else f"kv-offload tier: {exc}") from None
+    config = getattr(offloading_spec, "config", offloading_spec)
+    dp_index = int(getattr(getattr(config, "parallel", None), "data_parallel_index", 0) or 0)
+    try:
+        return host or ports.env_host(env), ports.control_port(base, dp_index)
+    except ValueError as exc:
+        raise ValueError(f"kv-offload tier: {exc}, or the tier's 'port'") from None
+
+
+class SidecarLink:
+    """The EngineClient of this engine's sidecar, handed out only while the sidecar matches."""
+
+    def __init__(self, address: tuple[str, int], engine: OffloadingConfig, chunk_bytes: int,
+                 timeout: float, on_refused: Callable[[str | None], None],
+                 client: Any = None) -> None:
+        self.address = address
+        self._engine = engine
+        self._chunk_bytes = chunk_bytes
+        self._timeout = timeout
+        self._on_refused = on_refused
+        # The seed this engine hashes prefixes with; None: ask vLLM at each check (vLLM
+        # resolves it after building the tiers). The simulated engine sets its own.
+        self.engine_hash_seed: str | None = None
+        # Why the sidecar is refused (the differing fields), or None.
+        self.refused: str | None = None
+        # Connected lazily, so vLLM starts even before its sidecar.
+        self._client = client
+        self._lock = threading.Lock()
+        self._next_connect = 0.0
+        self._refusal_logged: str | None = None
+        # The sidecar instance last found to match (None: not yet).
+        self._checked_instance: str | None = None
+
+    @property
+    def next_check(self) -> float:
+        """When (``time.monotonic()``) the link will next try to reach or check its sidecar."""
+        return self._next_connect
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def connected(self) -> Any:
+        """The EngineClient of a sidecar that matches this engine, or None while it is refused.
+
+        Connects at most once per second while the sidecar is away, and checks
+        every sidecar it attaches to; a refused one is dropped and checked
+        again every ``RECHECK_SECONDS`` (it may come back with the right config).
+        """
+        with self._lock:
+            for _ in range(2):  # a second time after finding the sidecar restarted
+                if self._client is None:
+                    if time.monotonic() < self._next_connect:
+                        if self.refused is not None:
+                            return None
+                        raise ConnectionError("kv-offload sidecar not reachable yet")
+                    from kv_offload_sidecar.engine.client import EngineClient
+                    try:
+                        self._client = EngineClient.connect(*self.address,
+                                                            timeout=self._timeout)
+                    except Exception:
+                        self._next_connect = time.monotonic() + RECONNECT_SECONDS
+                        raise
+                    self._checked_instance = None
+                if self._verify(self._client):
+                    return self._client
+                if self.refused is not None:
+                    return None
+            return None
+
+    def matches(self, client: Any) -> bool:
+        """Whether ``client`` is still attached to a sidecar instance that matches this engine.
+
+        The client re-attaches to a restarted sidecar at an operation's start,
+        so this runs after every operation too.
+        """
+        with self._lock:
+            return client is self._client and self._verify(client)
+
+    def _verify(self, client: Any) -> bool:
+        """Compare the sidecar's fingerprint, chunk size and hash seed with this engine's
+        (once per sidecar instance). Called with the client lock held."""
+        instance = getattr(client, "instance", None)
+        if instance is not None and instance == self._checked_instance:
+            return True
+        info = client.info()
+        if instance is not None and info.get("instance") != instance:
+            # The sidecar restarted under this client's mapping: start afresh (and check that one).
+            self._client, self._checked_instance, self._next_connect = None, None, 0.0
+            client.close()
+            return False
+        seed = self.engine_hash_seed if self.engine_hash_seed is not None else vllm_hash_seed()
+        differences = mismatches(self._engine, seed, info)
+        self.refused = "; ".join(differences) if differences else None
+        self._on_refused(self.refused)
+        if not differences:
+            self._checked_instance = instance
+            self._refusal_logged = None
+            logger.info("kv-offload tier: sidecar %s at %s:%d serves this engine's chunks "
+                        "(fingerprint %s, %d bytes per chunk)", info.get("identity"),
+                        self.address[0], self.address[1], info.get("fingerprint"),
+                        self._chunk_bytes)
+            return True
+        refusal = refusal_message(self.address, differences)
+        if refusal != self._refusal_logged:
+            logger.error("%s", refusal)
+            self._refusal_logged = refusal
+        self._client, self._checked_instance = None, None
+        self._next_connect = time.monotonic() + RECHECK_SECONDS
+        client.close()
+        return False

@@ -1,0 +1,482 @@
+"""kv-offload as a vLLM secondary tier: offloaded chunks flow through the pod's sidecar.
+
+vLLM's ``TieringOffloadingSpec`` keeps offloaded chunks in a CPU primary tier
+(one shared-memory row per chunk) and cascades them to secondary tiers. This
+module is such a tier, loaded from ``module_path``: stores copy rows into the
+sidecar's shared-memory slots, loads copy slots back into rows (the sidecar
+first fetches chunks it does not hold from a peer pod), and lookups ask the
+sidecar which chunks the pool holds. vLLM resolves an out-of-tree tier class
+as ``getattr(import_module(module_path), type)``, so ``type`` is the class name.
+
+Add to ``vllm serve`` (``cpu_bytes_to_use`` is the primary tier's size)::
+
+    --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"spec_name":"TieringOffloadingSpec",
+        "cpu_bytes_to_use":8589934592,"block_size":64,
+        "secondary_tiers":[{"type":"KVOffloadSecondaryTier",
+                            "module_path":"kv_offload_sidecar.engine.vllm_tier"}]}}'
+
+Tier keys (all optional): ``host`` and ``port`` (the sidecar's control host and
+base port; default ``VLLM_P2P_SIDE_CHANNEL_HOST`` / ``VLLM_P2P_SIDE_CHANNEL_PORT``,
+i.e. ``localhost:5710``; this engine's global data-parallel index is added to
+the port), ``lookup_timeout_seconds`` (a lookup unanswered by then is a miss),
+``load_timeout_seconds`` (a load not finished by then fails; vLLM recomputes),
+``locality`` (``REMOTE``, the default, or ``LOCAL``), ``enable_kv_events``, and
+vLLM's own ``backpressure`` (handled by vLLM, honoured through the base class).
+
+Fail closed: at each (re)connection the tier compares the sidecar's
+fingerprint, chunk size and hash seed with the config vLLM handed it; on any
+difference it logs one error line naming the fields, answers every lookup
+MISS and stores nothing until a sidecar that matches is back.
+
+Threading: every SecondaryTierManager method runs under vLLM's manager lock
+and returns at once. Lookups are batched per scheduler step (flushed in
+``on_schedule_end``) and answered by a lookup thread; transfers run on a
+transfer thread; results come back through queues drained by the caller.
+Imports: the standard library, numpy, and this package's tier modules.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kv_offload_sidecar.engine.sidecar_link import SidecarLink, sidecar_address
+from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of, engine_config
+from kv_offload_sidecar.engine.tier_stats import (
+    StatsReporter,
+    TierStats,
+    metric_definitions,
+)
+from kv_offload_sidecar.engine.vllm_contract import (
+    CacheHitSource,
+    JobResult,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+    RequestOffloadingContext,
+    SecondaryTierManager,
+    TransferJob,
+    tier_logger,
+)
+
+logger = tier_logger(__name__)
+
+# Tier-entry keys vLLM may pass to any tier and this tier does not use.
+_GENERIC_TIER_KEYS = frozenset({"name"})
+_VALID_KEYS = ("host, port, lookup_timeout_seconds, load_timeout_seconds, locality, "
+               "enable_kv_events, backpressure")
+# Seconds between repeated warnings about failing loads.
+_LOAD_WARNING_INTERVAL = 10.0
+_STOP = object()
+
+@dataclass
+class _KeyState:
+    submitted: float
+    # None while unanswered, then True (present) or False (absent, failed or refused).
+    result: bool | None = None
+    request_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Job:
+    kind: str  # "load" or "store"
+    job_id: int
+    keys: list[bytes]
+    rows: list[int]
+    submitted: float
+
+
+def _locality(value: Any) -> Locality:
+    try:
+        return value if isinstance(value, Locality) else Locality(str(value).upper())
+    except ValueError:
+        raise ValueError(f"kv-offload tier: locality {value!r} is not one of "
+                         f"{[m.value for m in Locality]}") from None
+
+
+class KVOffloadSecondaryTier(SecondaryTierManager):
+    """vLLM secondary tier backed by the pod's kv-offload sidecar."""
+
+    # Chunks live in the sidecar's host memory, on this pod or a peer's.
+    medium: ClassVar[Medium | None] = Medium.CPU
+    # vLLM reports the tokens this tier supplies as peer-to-peer cache hits.
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview,
+                 tier_type: str = "KVOffloadSecondaryTier",
+                 backpressure_detector: Any = None, host: str | None = None,
+                 port: int | str | None = None, lookup_timeout_seconds: float = 0.5,
+                 load_timeout_seconds: float = 5.0, locality: Any = Locality.REMOTE,
+                 enable_kv_events: bool = False, client: Any = None,
+                 **tier_kwargs: Any) -> None:
+        unknown = sorted(set(tier_kwargs) - _GENERIC_TIER_KEYS)
+        if unknown:
+            raise ValueError(f"kv-offload tier: unknown key(s) {unknown} in the secondary_tiers "
+                             f"entry; valid keys: {_VALID_KEYS}")
+        for name, value in (("lookup_timeout_seconds", lookup_timeout_seconds),
+                            ("load_timeout_seconds", load_timeout_seconds)):
+            if not float(value) > 0:
+                raise ValueError(f"kv-offload tier: {name} must be positive, got {value!r}")
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = _locality(locality)
+        self._chunk_bytes = chunk_bytes_of(offloading_spec)
+        self._row_stride = (primary_kv_view.strides[0] if primary_kv_view.ndim >= 2
+                            else self._chunk_bytes)
+        if self._row_stride < self._chunk_bytes:
+            raise ValueError(
+                f"kv-offload tier: primary rows are {self._row_stride} bytes but a chunk is "
+                f"{self._chunk_bytes} bytes; the tier and vLLM disagree on the chunk geometry")
+        # Our only view of vLLM's memory; released at shutdown so vLLM can close its region.
+        self._rows: memoryview | None = (
+            primary_kv_view.cast("B") if primary_kv_view.format != "B" or
+            primary_kv_view.ndim != 1 or not primary_kv_view.c_contiguous else primary_kv_view[:])
+        self._lookup_timeout = float(lookup_timeout_seconds)
+        self._load_timeout = float(load_timeout_seconds)
+        self._events: list[Any] | None = [] if enable_kv_events else None
+        self._last_load_warning = 0.0
+        self.stats = TierStats()
+        self._link = SidecarLink(sidecar_address(offloading_spec, host, port),
+                                 engine_config(offloading_spec), self._chunk_bytes,
+                                 self._load_timeout, self._set_refused, client)
+        self.address = self._link.address
+        self._reporter = StatsReporter()
+
+        # Caller-side state, touched only under vLLM's manager lock.
+        self._keys: OrderedDict[bytes, _KeyState] = OrderedDict()
+        self._req_keys: dict[str, set[bytes]] = {}
+        self._batch: dict[str, list[bytes]] = {}
+        self._jobs: dict[int, _Job] = {}
+        # Thread hand-offs.
+        self._lookup_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lookup_results: queue.SimpleQueue = queue.SimpleQueue()
+        self._transfer_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending_transfers = 0
+        self._draining = 0
+        self._stats_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._lookup_worker, name="kv-offload-lookup", daemon=True),
+            threading.Thread(target=self._transfer_worker, name="kv-offload-transfer",
+                             daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- SecondaryTierManager --------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        """HIT / MISS once the sidecar answered; RETRY while asking; MISS past the deadline.
+
+        A key whose load failed stays MISS for the requests that asked for it,
+        so vLLM recomputes it at once instead of promoting it again.
+        """
+        self._drain_lookup_results()
+        key = bytes(key)
+        state = self._keys.get(key)
+        now = time.monotonic()
+        if state is None:
+            state = self._keys[key] = _KeyState(submitted=now)
+            if self.stats.refused is not None:
+                state.result = False  # a refused sidecar's answers are not used
+                if now >= self._link.next_check:  # the lookup thread checks it again (and counts)
+                    self._batch.setdefault(req_context.req_id, []).append(key)
+                else:
+                    with self._stats_lock:
+                        self.stats.misses += 1
+            else:
+                self._batch.setdefault(req_context.req_id, []).append(key)
+        state.request_ids.add(req_context.req_id)
+        self._req_keys.setdefault(req_context.req_id, set()).add(key)
+        if state.result is None:
+            if now - state.submitted > self._lookup_timeout:
+                state.result = False  # unanswered in time: vLLM recomputes
+                with self._stats_lock:
+                    self.stats.misses += 1
+                return LookupResult.MISS
+            return LookupResult.RETRY
+        return LookupResult.HIT if state.result else LookupResult.MISS
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        """Send this step's lookups to the lookup thread as one batch."""
+        if self._batch:
+            self._lookup_q.put((time.monotonic(), self._batch))
+            self._batch = {}
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Forget lookup answers no live request needs (the pool changes over time)."""
+        req_id = req_context.req_id
+        self._batch.pop(req_id, None)
+        for key in self._req_keys.pop(req_id, ()):
+            state = self._keys.get(key)
+            if state is None:
+                continue
+            state.request_ids.discard(req_id)
+            if not state.request_ids:
+                del self._keys[key]
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit("store", job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit("load", job_metadata)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Finished jobs; the keys of a failed (or partly failed) load become MISS here."""
+        self._drain_lookup_results()
+        out = []
+        while True:
+            try:
+                job_id, moved_count, elapsed, ok = self._finished.get_nowait()
+            except queue.Empty:
+                return out
+            job = self._jobs.pop(job_id)
+            moved = job.keys[:moved_count] if job.kind == "load" else job.keys
+            if job.kind == "load" and not ok:
+                for key in job.keys[moved_count:]:
+                    state = self._keys.get(key)
+                    if state is not None:
+                        state.result = False
+            elif job.kind == "store" and ok and self._events is not None and moved:
+                self._events.append(OffloadingEvent(keys=list(moved), medium=self.medium,
+                                                    removed=False, locality=self.locality))
+            partial = job.kind == "load" and not ok and moved_count > 0
+            out.append(JobResult(job_id=job_id, success=ok,
+                                 successful_keys=tuple(moved) if partial else None,
+                                 transfer_time=elapsed,
+                                 transfer_bytes=moved_count * self._chunk_bytes))
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted transfer has finished or failed.
+
+        Jobs not yet started fail at once (reported by get_finished_jobs); the
+        one in progress runs to its end, which the tier's deadlines bound
+        (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store).
+        """
+        with self._idle:
+            self._draining += 1
+            try:
+                while self._pending_transfers:
+                    self._idle.wait(1.0)
+            finally:
+                self._draining -= 1
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._batch or any(
+            s.result is None for s in self._keys.values()))
+
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        return None
+
+    def take_events(self) -> Iterable[Any]:
+        """OffloadingEvents for chunks stored to the sidecar (with ``enable_kv_events``)."""
+        if not self._events:
+            return ()
+        events, self._events = self._events, []
+        return events
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The metrics get_stats() reports, registered by vLLM under these names."""
+        return metric_definitions()
+
+    def get_stats(self) -> Any:
+        """vLLM connector stats: lookup results since the last call and the refusal state."""
+        with self._stats_lock:
+            return self._reporter.report(self.stats)
+
+    def shutdown(self) -> None:
+        """Finish or fail every job, stop the threads, close the sidecar client and release
+        this tier's view of vLLM's primary memory (vLLM then closes its region)."""
+        self.drain_jobs()
+        self._lookup_q.put(_STOP)
+        self._transfer_q.put(_STOP)
+        for t in self._threads:
+            t.join()
+        self._link.close()
+        rows, self._rows = self._rows, None
+        if rows is not None:
+            rows.release()
+        self._primary_kv_view = None  # type: ignore[assignment]
+
+    # ---- internals ------------------------------------------------------------
+
+    def _submit(self, kind: str, job: TransferJob) -> None:
+        rows = getattr(job, "chunk_ids", None)
+        if rows is None:  # older vLLM: JobMetadata.block_ids
+            rows = job.block_ids
+        record = _Job(kind, int(job.job_id), [bytes(k) for k in job.keys],
+                      [int(r) for r in rows], time.monotonic())
+        self._jobs[record.job_id] = record
+        with self._idle:
+            self._pending_transfers += 1
+        self._transfer_q.put(record)
+
+    def _drain_lookup_results(self) -> None:
+        while True:
+            try:
+                answers = self._lookup_results.get_nowait()
+            except queue.Empty:
+                return
+            for key, present in answers:
+                state = self._keys.get(key)
+                if state is not None and state.result is None:
+                    state.result = present
+
+    def _row(self, row: int) -> memoryview:
+        assert self._rows is not None, "kv-offload tier used after shutdown"
+        start = row * self._row_stride
+        return self._rows[start:start + self._chunk_bytes]
+
+    def _lookup_worker(self) -> None:
+        while True:
+            item = self._lookup_q.get()
+            if item is _STOP:
+                return
+            submitted, batch = item
+            for keys in batch.values():
+                self._lookup_batch(keys, submitted)
+
+    def _lookup_batch(self, keys: Sequence[bytes], submitted: float) -> None:
+        remaining = self._lookup_timeout - (time.monotonic() - submitted)
+        if remaining <= 0:
+            with self._stats_lock:
+                self.stats.lookup_timeouts += 1
+            return  # the caller's side already answers these keys MISS
+        try:
+            client = self._link.connected()
+            if client is None:  # refused: every key is a miss
+                with self._stats_lock:
+                    self.stats.misses += len(keys)
+                self._lookup_results.put([(k, False) for k in keys])
+                return
+            reply = client.lookup(list(keys), timeout=remaining)
+            if not self._link.matches(client):
+                reply = _NO_HITS
+        except Exception as exc:  # sidecar down, slow or refusing: every key is a miss
+            logger.warning("kv-offload lookup of %d keys failed: %s", len(keys), exc)
+            with self._stats_lock:
+                self.stats.lookup_timeouts += 1
+                self.stats.misses += len(keys)
+            self._lookup_results.put([(k, False) for k in keys])
+            return
+        local, total = _hit_prefix(reply, len(keys))
+        with self._stats_lock:
+            self.stats.lookups += len(keys)
+            self.stats.local_hits += local
+            self.stats.peer_hits += total - local
+            self.stats.misses += len(keys) - total
+        self._lookup_results.put([(k, i < total) for i, k in enumerate(keys)])
+
+    @property
+    def engine_hash_seed(self) -> str | None:
+        """The seed this engine hashes prefixes with (None: the one vLLM resolved)."""
+        return self._link.engine_hash_seed
+
+    @engine_hash_seed.setter
+    def engine_hash_seed(self, seed: str | None) -> None:
+        self._link.engine_hash_seed = seed
+
+    def _set_refused(self, refused: str | None) -> None:
+        with self._stats_lock:
+            self.stats.refused = refused
+
+    def _transfer_worker(self) -> None:
+        while True:
+            job = self._transfer_q.get()
+            if job is _STOP:
+                return
+            started = time.monotonic()
+            ok, moved = False, 0
+            if self._draining:
+                logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
+            else:
+                try:
+                    ok, moved = self._load(job) if job.kind == "load" else self._store(job)
+                except Exception as exc:
+                    logger.warning("kv-offload %s job %d failed: %s", job.kind, job.job_id, exc)
+            self._account(job, moved, ok)
+            self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
+            with self._idle:
+                self._pending_transfers -= 1
+                self._idle.notify_all()
+
+    def _account(self, job: _Job, moved: int, ok: bool) -> None:
+        with self._stats_lock:
+            if job.kind == "load":
+                self.stats.load_seconds.append(time.monotonic() - job.submitted)
+                self.stats.failed_loads += not ok
+                self.stats.bytes_loaded += moved * self._chunk_bytes
+            else:
+                self.stats.failed_stores += not ok
+                self.stats.bytes_stored += moved * self._chunk_bytes
+        if job.kind == "load" and not ok:
+            now = time.monotonic()
+            if now - self._last_load_warning >= _LOAD_WARNING_INTERVAL:
+                self._last_load_warning = now
+                logger.warning("kv-offload: loaded %d of %d chunks of job %d from the sidecar; "
+                               "vLLM recomputes the rest (%d failed loads so far)", moved,
+                               len(job.keys), job.job_id, self.stats.failed_loads)
+
+    def _load(self, job: _Job) -> tuple[bool, int]:
+        """(all loaded, leading chunks of ``job`` copied from the sidecar into their rows)."""
+        client = self._link.connected()
+        if client is None:
+            return False, 0
+
+        def read(i: int, slot: memoryview) -> None:
+            self._row(job.rows[i])[:] = slot if slot.nbytes == self._chunk_bytes else \
+                slot.cast("B")[:self._chunk_bytes]
+
+        loaded = client.load(job.keys, read, timeout=self._load_timeout)
+        if not self._link.matches(client):
+            loaded = 0  # read from a sidecar that turned out not to match: none of it counts
+        return loaded == len(job.keys), loaded
+
+    def _store(self, job: _Job) -> tuple[bool, int]:
+        """(stored, chunks written now); keys the sidecar holds already or has no room
+        for are skipped, which is not a failure."""
+        client = self._link.connected()
+        if client is None:
+            return False, 0
+
+        def write(i: int, slot: memoryview) -> None:
+            if slot.nbytes == self._chunk_bytes:
+                slot[:] = self._row(job.rows[i])
+            else:
+                slot.cast("B")[:self._chunk_bytes] = self._row(job.rows[i])
+
+        return True, client.store(job.keys, write, strict=True)
+
+
+@dataclass(frozen=True)
+class _NoHits:
+    local: int = 0
+    peer: int = 0
+
+
+_NO_HITS = _NoHits()
+
+
+def _hit_prefix(reply: Any, n: int) -> tuple[int, int]:
+    """(leading keys held locally, leading keys held locally or by a peer) of a LookupReply.
+
+    ``reply.local`` keys are in this pod's store and the next ``reply.peer`` on a peer.
+    """
+    local = max(0, min(int(reply.local), n))
+    total = max(local, min(local + int(reply.peer), n))
+    return local, total
+
+
+__all__ = ["KVOffloadSecondaryTier"]

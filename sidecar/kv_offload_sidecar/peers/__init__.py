@@ -1,0 +1,1 @@
+"""Other pods: discovery, authenticated handshakes, links with back-off, and where chunks are."""

@@ -1,0 +1,347 @@
+"""The Sidecar: wires store, metrics, control apps, data plane, discovery, location, peers.
+
+One ``Sidecar`` per process, all on one asyncio loop. Engine operations
+(``lookup``, ``load``, ``reserve``) come from the local channel or
+``/v1/lookup``: the local store's prefix first, then for the remaining keys
+the peer that location's summaries name (one message; ``PeerDataClient``
+with ``fetch_deadline_seconds``). A failed or late peer answer is a miss and
+the peer is backed off. Metrics: ``chunk_lookups{result}`` per chunk key,
+``lookup_messages``, ``peer_bytes{received}``, ``peer_fetch_duration``,
+``peer_fetches{result}``.
+
+``start``/``stop`` open and close the store, the data plane, discovery and
+peer links; ``lifecycle.running`` adds the local channels and control ports
+around them and is the only caller of both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from kv_offload_sidecar.metrics import SidecarMetrics
+from kv_offload_sidecar.peers.discovery import Discovery, format_peer
+from kv_offload_sidecar.peers.handshake import (
+    REASONS,
+    WIRE_VERSION,
+    HandshakeError,
+    HandshakeResponder,
+    HelloMessage,
+    Session,
+    make_hello,
+)
+from kv_offload_sidecar.peers.links import PeerManager
+from kv_offload_sidecar.peers.location import PeerSummaries, SummaryLog
+from kv_offload_sidecar.settings import SidecarSettings
+from kv_offload_sidecar.store.chunk_store import ChunkStore
+from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
+
+log = logging.getLogger(__name__)
+
+# Inbound sessions kept (oldest dropped first); each peer keeps a few.
+MAX_INBOUND_SESSIONS = 4096
+# Keys asked of a peer in one lookup/fetch (protocol MAX_KEYS bound).
+MAX_PEER_KEYS = 65536
+
+
+def store_name(identity: str) -> str:
+    """A file-name-safe form of the identity for the store and socket files."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", identity).strip("-.") or "sidecar"
+    return name[:100]
+
+
+class Sidecar:
+    """One sidecar process's state and engine-facing operations."""
+
+    def __init__(self, settings: SidecarSettings, *, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = SidecarMetrics(self.registry)
+        cfg = settings.config
+        self.metrics.set_config_info(fingerprint=cfg.fingerprint, model=cfg.model.name,
+                                     dtype=cfg.model.dtype, transport=settings.transport,
+                                     wire_version=WIRE_VERSION)
+        self.summary_log = SummaryLog()
+        self.summaries = PeerSummaries()
+        self.responder = HandshakeResponder(settings.pool_key, self.local_hello,
+                                            ttl_seconds=max(10.0, 2 * settings.handshake_timeout_seconds))
+        self.discovery = Discovery(
+            static_peers=settings.static_peers, dns_name=settings.peers_dns,
+            base_port=settings.base_port, dp_size=cfg.parallel.data_parallel_size,
+            interval_seconds=settings.dns_interval_seconds,
+            own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
+        self.peers = PeerManager(settings, self.metrics, self.discovery, self.summaries, self.local_hello)
+        self.name = store_name(settings.identity)
+        # Random per process: names this sidecar's store mapping to the engine clients.
+        self.instance = secrets.token_hex(8)
+        self.store: ChunkStore | None = None
+        self.data_server: Any = None
+        self.data_address = ""
+        self.ready = False
+        self._inbound: OrderedDict[bytes, Session] = OrderedDict()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.started_at = time.time()
+
+    # ---- identity and sessions ---------------------------------------------------
+
+    @property
+    def control_address(self) -> str:
+        s = self.settings
+        return format_peer(s.host, s.control_port(s.dp_indices[0]))
+
+    def local_hello(self) -> HelloMessage:
+        """A fresh hello (new nonce) describing this sidecar."""
+        s = self.settings
+        return make_hello(fingerprint=s.config.fingerprint, hash_seed=s.hash_seed,
+                          kv_bytes_per_chunk=s.kv_bytes_per_chunk, identity=s.identity,
+                          control_address=self.control_address, data_address=self.data_address,
+                          transport=s.transport, run_config=s.config.run_config())
+
+    def accept_session(self, session: Session) -> None:
+        """A peer proved the pool key: authorise its data connections, dial it back."""
+        self._inbound[session.session_id] = session
+        while len(self._inbound) > MAX_INBOUND_SESSIONS:
+            self._inbound.popitem(last=False)
+        self.metrics.handshakes.labels(result="accepted", reason="ok").inc()
+        log.info("accepted peer %s (%s)", session.peer.identity, session.peer.control_address)
+        if session.peer.identity != self.settings.identity:
+            self.discovery.add_dynamic(session.peer.control_address)
+
+    def inbound_session(self, session_id: bytes) -> Session | None:
+        return self._inbound.get(session_id)
+
+    def authorize(self, session_id: bytes) -> bytes | None:
+        """Data-plane callback: the session key of an authenticated inbound session."""
+        session = self._inbound.get(bytes(session_id))
+        return session.session_key if session else None
+
+    def count_handshake_rejection(self, exc: HandshakeError, remote: str) -> None:
+        reason = exc.reason if exc.reason in REASONS else "malformed"
+        self.metrics.handshakes.labels(result="rejected", reason=reason).inc()
+        log.warning("rejected handshake from %s (%s): %s%s", remote, reason, exc,
+                    "".join(f"\n  {line}" for line in exc.diff))
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the store and the data plane, start discovery and peers."""
+        from kv_offload_sidecar.data import make_server
+
+        s = self.settings
+        self.store = ChunkStore(s.kv_bytes_per_chunk, s.capacity_bytes, directory=s.shm_dir,
+                                name=self.name, metrics=self.metrics,
+                                on_change=self.summary_log.record, replace_existing=True)
+        try:
+            self.data_server = make_server(s.transport, self.store, self.authorize, self.metrics,
+                                           host=s.host, port=s.data_port,
+                                           chunk_bytes=s.kv_bytes_per_chunk)
+            self.data_address = await self.data_server.start()
+        except BaseException:
+            self.store.close(unlink=True)
+            self.store = None
+            raise
+        self._tasks = [asyncio.create_task(self.discovery.run(), name="discovery"),
+                       asyncio.create_task(self.peers.run(), name="peers")]
+        self.ready = True
+        log.info("sidecar %s ready: control %s, data %s, store %s (%d slots of %d bytes)",
+                 s.identity, ",".join(map(str, s.control_ports)), self.data_address,
+                 self.store.path, self.store.num_slots, self.store.slot_bytes)
+
+    async def stop(self) -> None:
+        """Graceful stop: in-flight engine work gets the grace bound, then close all."""
+        grace = self.settings.shutdown_grace_seconds
+        self.ready = False
+        await self.wait_idle(grace)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        if self.data_server is not None:
+            with contextlib.suppress(Exception):
+                await self.data_server.stop(grace)
+            self.data_server = None
+        if self.store is not None:
+            self.store.close(unlink=True)
+            self.store = None
+        log.info("sidecar %s stopped", self.settings.identity)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until no engine lookup/load is in flight."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    # ---- engine operations ------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _engine_op(self) -> Iterator[None]:
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    def _require_store(self) -> ChunkStore:
+        if self.store is None:
+            raise RuntimeError("the sidecar is not running")
+        return self.store
+
+    async def lookup(self, keys: Sequence[bytes], timeout: float) -> tuple[int, int]:
+        """Hit prefix of ``keys``: ``(local, peer)`` lengths; counted per chunk key."""
+        with self._engine_op():
+            store = self._require_store()
+            local = store.lookup_prefix(keys)
+            peer = 0
+            if local < len(keys):
+                peer = await self._peer_call("lookup", list(keys[local:]), timeout)
+            m = self.metrics.chunk_lookups
+            m.labels(result="local_hit").inc(local)
+            m.labels(result="peer_hit").inc(peer)
+            m.labels(result="miss").inc(len(keys) - local - peer)
+            return local, peer
+
+    async def load(self, keys: Sequence[bytes], timeout: float) -> list[PinnedChunk]:
+        """Make the leading ``keys`` local (fetching from a peer) and pin them.
+
+        Returns pins for the hit prefix; the caller releases them. Local chunks
+        are pinned first, so incoming chunks cannot evict them.
+        """
+        with self._engine_op():
+            store = self._require_store()
+            pins: list[PinnedChunk] = []
+            try:
+                self._pin_prefix(store, keys, pins)
+                local = len(pins)
+                if local < len(keys):
+                    await self._peer_call("fetch", list(keys[local:]), timeout)
+                    self._pin_prefix(store, keys, pins)
+                    # Peer copies go to the cold end: the pool keeps them elsewhere.
+                    store.demote(keys[local:len(pins)])
+            except BaseException:
+                for p in pins:
+                    p.release()
+                raise
+            return pins
+
+    @staticmethod
+    def _pin_prefix(store: ChunkStore, keys: Sequence[bytes], pins: list[PinnedChunk]) -> None:
+        while len(pins) < len(keys):
+            pin = store.pin(keys[len(pins)])
+            if pin is None:
+                return
+            pins.append(pin)
+
+    def reserve(self, keys: Sequence[bytes]) -> list[WriteReservation | None]:
+        """Write reservations for ``keys`` (None where present, being written or full)."""
+        store = self._require_store()
+        return [store.begin_write(k) for k in keys]
+
+    async def _peer_call(self, op: str, keys: list[bytes], timeout: float) -> int:
+        """One lookup/fetch to the summary-chosen peer; any failure is 0 (a miss).
+
+        The transport counts ``peer_fetches``, ``peer_fetch_duration`` and
+        received ``peer_bytes``; a failing peer is reported for back-off.
+        """
+        from kv_offload_sidecar.data import TransportError
+
+        keys = keys[:MAX_PEER_KEYS]
+        identity, _claimed = self.summaries.choose(keys)
+        if identity is None:
+            return 0
+        link = self.peers.connected(identity)
+        if link is None or link.data is None or link.data.closed:
+            return 0
+        deadline = min(timeout, self.settings.fetch_deadline_seconds)
+        self.metrics.lookup_messages.inc()
+        try:
+            if op == "lookup":
+                coro = link.data.lookup(keys, deadline)
+            else:
+                coro = link.data.fetch(keys, self._require_store(), deadline)
+            # The transport enforces the deadline; this bound only guards against a hang.
+            return int(await asyncio.wait_for(coro, deadline + 1.0))
+        except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            log.warning("peer %s %s failed: %s; a miss, backing the peer off", identity, op, exc)
+            self.peers.report_failure(link, f"{op}: {exc}")
+            return 0
+
+    # ---- views ------------------------------------------------------------------
+
+    def peers_view(self) -> list[dict[str, Any]]:
+        out = []
+        for link in self.peers.links():
+            v = link.view()
+            v["summary_keys"] = self.summaries.size(link.identity) if link.identity else 0
+            out.append(v)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        s = self.settings
+        store = self.store
+        ucx: dict[str, int] = {}
+        if s.transport == "ucx":
+            from kv_offload_sidecar.data.ucx.runtime import configured_lanes
+            ucx["ucx_lanes"] = configured_lanes()
+        states: dict[str, int] = {}
+        for link in self.peers.links():
+            states[link.state] = states.get(link.state, 0) + 1
+        return {
+            "identity": s.identity,
+            "ready": self.ready,
+            "fingerprint": s.config.fingerprint,
+            "model": s.config.model.name,
+            "kv_bytes_per_chunk": s.kv_bytes_per_chunk,
+            "wire_version": WIRE_VERSION,
+            "transport": s.transport,
+            **ucx,
+            "control_ports": list(s.control_ports),
+            "dp_indices": list(s.dp_indices),
+            "data_address": self.data_address,
+            "peers": states,
+            "inbound_sessions": len(self._inbound),
+            "engine_requests_in_flight": self._inflight,
+            "store": None if store is None else {
+                "path": store.path, "num_slots": store.num_slots, "slot_bytes": store.slot_bytes,
+                "slot_stride": store.slot_stride, "capacity_bytes": store.capacity_bytes,
+                "used_bytes": store.used_bytes, "chunks": len(store)},
+            "summary": {"epoch": self.summary_log.epoch, "seq": self.summary_log.seq,
+                        "keys": len(self.summary_log)},
+        }
+
+    def local_socket_path(self, dp_index: int) -> str:
+        return f"{self.settings.shm_dir.rstrip('/')}/kv-offload-{self.name}-dp{dp_index}.sock"
+
+    def local_info(self, dp_index: int) -> dict[str, Any]:
+        store = self._require_store()
+        return {
+            "socket": self.local_socket_path(dp_index),
+            "dp_index": dp_index,
+            "identity": self.settings.identity,
+            "instance": self.instance,
+            "fingerprint": self.settings.config.fingerprint,
+            # The identity fields behind the fingerprint, so an engine can name what differs.
+            "run_config": self.settings.config.run_config(),
+            "kv_bytes_per_chunk": self.settings.config.kv_bytes_per_chunk,
+            "hash_seed": self.settings.hash_seed,
+            "store": {"path": store.path, "slot_bytes": store.slot_bytes,
+                      "slot_stride": store.slot_stride, "num_slots": store.num_slots},
+        }

@@ -1,0 +1,474 @@
+"""`kv-offload bench replay`: hit ratios of real sidecars replaying a Mooncake trace.
+
+Each trace line is one request: ``hash_ids`` name its prompt blocks in prefix
+order (equal ids at equal positions mean equal prefixes), one chunk each. The
+bench turns every request into vLLM-style chunk keys (the prefix hash chain
+over the ids), routes it to one of N replicas and does what the vLLM tier
+does against that replica's real sidecar process: ``lookup`` the keys,
+``load`` the hit prefix (the sidecar fetches from peers what it lacks), verify
+the bytes, ``store`` the rest. A request's hits are the longest prefix loaded.
+
+From one invocation it reports:
+- ``p2p_hit_ratio``: the N sidecars sharing chunks (measured);
+- ``local_only_hit_ratio``: the same sidecars without peers (measured, second run);
+- ``pooled_lru_hit_ratio``: one LRU cache of N x capacity chunks (simulated);
+- ``ideal_hit_ratio``: infinite capacity (simulated);
+- ``lookup_messages_per_request``: peer messages the sidecars sent to answer
+  engine lookups and loads (``kv_offload_lookup_messages_total``) per request;
+- ``bytes_moved``: chunk bytes received from peers (``kv_offload_peer_bytes_total``).
+It also writes a PNG: hit ratio against capacity (simulated curves and the
+measured points) and, with ``--sweep-replicas``, against the number of replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import mmap
+import os
+import random
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from kv_offload_tools import scrape
+from kv_offload_tools.local_pool import DEFAULT_HASH_SEED, LocalPool, example_config
+from kv_offload_tools.prefix_hash import make_offload_key, none_hash, sha256
+
+ROUTINGS = ("round-robin", "random", "prefix-aware")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    # Mooncake-format JSONL trace.
+    trace: str
+    # Number of vLLM replicas (one sidecar each).
+    replicas: int
+    # Chunk slots of each replica's sidecar store.
+    capacity_chunks: int
+    # Bytes of one chunk (the sidecars' kv_bytes_per_chunk).
+    chunk_bytes: int
+    # How requests are spread over replicas: round-robin, random or prefix-aware.
+    routing: str = "round-robin"
+    # Replay only the first N requests of the trace (None: all).
+    limit: int | None = None
+    # Data plane between sidecars: tcp or ucx.
+    transport: str = "tcp"
+    # Seconds between the sidecars' key-summary pulls (staleness of peer locations).
+    summary_interval_seconds: float = 0.05
+    # Deadline of one lookup or load (seconds); late means a miss.
+    timeout_seconds: float = 2.0
+    # Seed of the random routing.
+    seed: int = 0
+
+
+@dataclass
+class RunResult:
+    """One real replay over N sidecars."""
+
+    hit_chunks: int = 0
+    total_chunks: int = 0
+    local_hits: int = 0
+    peer_hits: int = 0
+    # Requests that loaded at least one chunk from a peer.
+    peer_hit_requests: int = 0
+    mismatched_chunks: int = 0
+    lookup_messages: float = 0.0
+    bytes_moved: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_chunks / self.total_chunks if self.total_chunks else 0.0
+
+
+@dataclass
+class ReplayReport:
+    replicas: int
+    capacity_chunks: int
+    chunk_bytes: int
+    routing: str
+    requests: int
+    chunks: int
+    p2p_hit_ratio: float
+    local_only_hit_ratio: float
+    pooled_lru_hit_ratio: float
+    ideal_hit_ratio: float
+    lookup_messages_per_request: float
+    lookup_messages_per_peer_hit_request: float
+    bytes_moved: int
+    p2p_local_hits: int
+    p2p_peer_hits: int
+    mismatched_chunks: int
+    seconds: float
+    plot: str | None = None
+    sweep: list[dict] = field(default_factory=list)
+
+
+# ---- trace and keys -------------------------------------------------------------
+
+def load_trace(path: str) -> list[list[int]]:
+    """The hash_ids of every request; a bad line names the file, line and field."""
+    out = []
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read trace {path!r}: {exc.strerror}; pass --trace FILE") from None
+    with fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                ids = rec["hash_ids"]
+                if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
+                    raise TypeError("hash_ids must be a list of integers")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: not a Mooncake trace line (timestamp, input_length, "
+                                 f"output_length, hash_ids): {exc}") from None
+            if ids:
+                out.append(ids)
+    if not out:
+        raise ValueError(f"trace {path!r} has no requests")
+    return out
+
+
+def request_keys(trace: Sequence[Sequence[int]], seed: str = DEFAULT_HASH_SEED) -> list[list[bytes]]:
+    """vLLM-style chunk keys: the prefix hash chain over the hash ids, group 0."""
+    root = none_hash(sha256, seed)
+    memo: dict[tuple[bytes, int], bytes] = {}
+    out = []
+    for ids in trace:
+        parent, keys = root, []
+        for h in ids:
+            link = memo.get((parent, h))
+            if link is None:
+                link = memo[(parent, h)] = sha256((parent, (h,), None))
+            parent = link
+            keys.append(make_offload_key(link, 0))
+        out.append(keys)
+    return out
+
+
+def route(trace: Sequence[Sequence[int]], replicas: int, routing: str, seed: int = 0) -> list[int]:
+    """Replica of every request. prefix-aware sends a request where its longest known
+    prefix went (round-robin for new prefixes)."""
+    if routing == "round-robin":
+        return [i % replicas for i in range(len(trace))]
+    if routing == "random":
+        rng = random.Random(seed)
+        return [rng.randrange(replicas) for _ in trace]
+    if routing == "prefix-aware":
+        owner: dict[tuple[int, int], int] = {}
+        out, rr = [], 0
+        for ids in trace:
+            pick = None
+            for pos in range(len(ids) - 1, -1, -1):
+                pick = owner.get((pos, ids[pos]))
+                if pick is not None:
+                    break
+            if pick is None:
+                pick, rr = rr % replicas, rr + 1
+            for pos, h in enumerate(ids):
+                owner[(pos, h)] = pick
+            out.append(pick)
+        return out
+    raise ValueError(f"routing {routing!r} is not one of {list(ROUTINGS)}")
+
+
+# ---- simulated caches -------------------------------------------------------------
+
+def simulate_lru(keys: Sequence[Sequence[bytes]], routes: Sequence[int], caches: int,
+                 capacity: float) -> float:
+    """Hit ratio of ``caches`` LRU caches of ``capacity`` chunks each (prefix hits;
+    a hit prefix is touched, the rest inserted). ``capacity`` may be math.inf."""
+    stores: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(caches)]
+    hits = total = 0
+    for req, c in zip(keys, routes):
+        store = stores[c]
+        n = 0
+        while n < len(req) and req[n] in store:
+            n += 1
+        for k in reversed(req[:n]):
+            store.move_to_end(k)
+        for k in req[n:]:
+            store[k] = None
+            if len(store) > capacity:
+                store.popitem(last=False)
+        hits += n
+        total += len(req)
+    return hits / total if total else 0.0
+
+
+# ---- real replay ------------------------------------------------------------------
+
+def _payload(key: bytes, size: int) -> bytes:
+    reps = -(-size // len(key))
+    return (key * reps)[:size]
+
+
+def sidecar_config(chunk_bytes: int):
+    """One 512-token block per chunk (Mooncake's block), chunk_bytes of KV each."""
+    return example_config(tokens_per_block=512, tokens_per_hash=512, blocks_per_chunk=1,
+                          num_layers=1, worker_kv_bytes_per_block=chunk_bytes,
+                          engine_id="kv-offload-replay")
+
+
+def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], routes: Sequence[int],
+                replicas: int, sharing: bool, progress: Progress | None = None) -> RunResult:
+    """Replay against real sidecars: one pool of ``replicas`` (sharing) or isolated ones."""
+    config = sidecar_config(settings.chunk_bytes)
+    stride = -(-settings.chunk_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    common = dict(transport=settings.transport, config=config,
+                  capacity_bytes=settings.capacity_chunks * stride,
+                  summary_interval_seconds=settings.summary_interval_seconds,
+                  fetch_deadline_seconds=settings.timeout_seconds, log_level="WARNING")
+    pools = [LocalPool(replicas, **common)] if sharing else \
+        [LocalPool(1, **common) for _ in range(replicas)]
+    result = RunResult()
+    label = "p2p" if sharing else "local-only"
+    try:
+        for p in pools:
+            p.start()
+        sidecars = [sc for p in pools for sc in p.sidecars]
+        clients = [sc.client(timeout=settings.timeout_seconds) for sc in sidecars]
+        start = last = time.monotonic()
+        size = settings.chunk_bytes
+        for r, (req, pod) in enumerate(zip(keys, routes)):
+            client = clients[pod]
+            reply = client.lookup(req, timeout=settings.timeout_seconds)
+            loaded = 0
+            if reply.hits:
+                bad = [0]
+
+                def check(i: int, view: memoryview, req=req, bad=bad) -> None:
+                    if view.tobytes() != _payload(req[i], size):
+                        bad[0] += 1
+
+                loaded = client.load(req[:reply.hits], check, timeout=settings.timeout_seconds)
+                result.mismatched_chunks += bad[0]
+
+            def fill(i: int, view: memoryview, todo=req[loaded:]) -> None:
+                view[:] = _payload(todo[i], size)
+
+            client.store(req[loaded:], fill)
+            result.hit_chunks += loaded
+            result.local_hits += min(reply.local, loaded)
+            result.peer_hits += loaded - min(reply.local, loaded)
+            result.peer_hit_requests += loaded > reply.local
+            result.total_chunks += len(req)
+            now = time.monotonic()
+            if progress and (now - last >= 2.0 or r + 1 == len(keys)):
+                last = now
+                progress(f"[replay {label} x{replicas}] {r + 1}/{len(keys)} requests  "
+                         f"hit ratio {result.hit_ratio:.3f}  ({now - start:.0f} s)")
+        result.seconds = time.monotonic() - start
+        for c in clients:
+            c.close()
+        samples = [scrape.scrape(f"{sc.url}/metrics") for sc in sidecars]
+        result.lookup_messages = scrape.total(samples, "kv_offload_lookup_messages_total")
+        result.bytes_moved = scrape.total(samples, "kv_offload_peer_bytes_total",
+                                          direction="received")
+    finally:
+        for p in pools:
+            p.stop()
+    return result
+
+
+# ---- report and plot ----------------------------------------------------------------
+
+def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
+               plot: str | None = None, progress: Progress | None = None) -> ReplayReport:
+    _validate(settings)
+    trace = load_trace(settings.trace)
+    if settings.limit is not None:
+        trace = trace[:settings.limit]
+    keys = request_keys(trace)
+    n, cap = settings.replicas, settings.capacity_chunks
+    routes = route(trace, n, settings.routing, settings.seed)
+    started = time.monotonic()
+    p2p = replay_real(settings, keys, routes, n, sharing=True, progress=progress)
+    local = replay_real(settings, keys, routes, n, sharing=False, progress=progress)
+    pooled = simulate_lru(keys, [0] * len(keys), 1, n * cap)
+    ideal = simulate_lru(keys, [0] * len(keys), 1, math.inf)
+    report = ReplayReport(
+        replicas=n, capacity_chunks=cap, chunk_bytes=settings.chunk_bytes,
+        routing=settings.routing, requests=len(keys), chunks=p2p.total_chunks,
+        p2p_hit_ratio=p2p.hit_ratio, local_only_hit_ratio=local.hit_ratio,
+        pooled_lru_hit_ratio=pooled, ideal_hit_ratio=ideal,
+        lookup_messages_per_request=p2p.lookup_messages / len(keys),
+        lookup_messages_per_peer_hit_request=_per(p2p.lookup_messages, p2p.peer_hit_requests),
+        bytes_moved=int(p2p.bytes_moved), p2p_local_hits=p2p.local_hits,
+        p2p_peer_hits=p2p.peer_hits, mismatched_chunks=p2p.mismatched_chunks + local.mismatched_chunks,
+        seconds=0.0)
+    for m in sweep_replicas:
+        if m == n:
+            run, m_routes = p2p, routes
+        else:
+            m_routes = route(trace, m, settings.routing, settings.seed)
+            run = replay_real(settings, keys, m_routes, m, sharing=True, progress=progress)
+            report.mismatched_chunks += run.mismatched_chunks
+        report.sweep.append({
+            "replicas": m, "p2p_hit_ratio": run.hit_ratio,
+            "local_only_hit_ratio_simulated": simulate_lru(keys, m_routes, m, cap),
+            "pooled_lru_hit_ratio": simulate_lru(keys, [0] * len(keys), 1, m * cap),
+            "lookup_messages_per_request": run.lookup_messages / len(keys),
+            "lookup_messages_per_peer_hit_request": _per(run.lookup_messages,
+                                                         run.peer_hit_requests),
+            "bytes_moved": int(run.bytes_moved)})
+    report.seconds = time.monotonic() - started
+    if plot:
+        report.plot = write_plot(plot, report, keys, routes)
+    return report
+
+
+def _per(count: float, requests: int) -> float:
+    return count / requests if requests else 0.0
+
+
+def write_plot(path: str, report: ReplayReport, keys, routes) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n, cap = report.replicas, report.capacity_chunks
+    caps = sorted({max(1, int(cap * f)) for f in (0.125, 0.25, 0.5, 1, 2, 4, 8)})
+    panels = 2 if report.sweep else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(caps, [simulate_lru(keys, [0] * len(keys), 1, n * c) for c in caps], "o-",
+            label=f"pooled LRU, {n} x capacity (simulated)")
+    ax.plot(caps, [simulate_lru(keys, routes, n, c) for c in caps], "s--",
+            label="local only (simulated)")
+    ax.axhline(report.ideal_hit_ratio, color="grey", ls=":", label="ideal (infinite capacity)")
+    ax.plot([cap], [report.p2p_hit_ratio], "r*", ms=14, label="kv-offload P2P (measured)")
+    ax.plot([cap], [report.local_only_hit_ratio], "kx", ms=10, label="local only (measured)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("capacity per replica (chunks)")
+    ax.set_ylabel("chunk hit ratio")
+    ax.set_title(f"{n} replicas, {report.routing}, {report.requests} requests")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8, loc="upper left")
+    if report.sweep:
+        ax2 = axes[0][1]
+        xs = [s["replicas"] for s in report.sweep]
+        ax2.plot(xs, [s["p2p_hit_ratio"] for s in report.sweep], "r*-", ms=10,
+                 label="kv-offload P2P (measured)")
+        ax2.plot(xs, [s["pooled_lru_hit_ratio"] for s in report.sweep], "o-",
+                 label="pooled LRU (simulated)")
+        ax2.plot(xs, [s["local_only_hit_ratio_simulated"] for s in report.sweep], "s--",
+                 label="local only (simulated)")
+        ax2.set_xlabel(f"replicas ({cap} chunks each)")
+        ax2.set_ylabel("chunk hit ratio")
+        ax2.set_ylim(0, 1)
+        ax2.set_xticks(xs)
+        twin = ax2.twinx()
+        twin.plot(xs, [s["lookup_messages_per_request"] for s in report.sweep], "g^:",
+                  label="peer messages / request (measured)")
+        twin.plot(xs, [s.get("lookup_messages_per_peer_hit_request", 0.0) for s in report.sweep],
+                  "gv-", label="peer messages / peer-hit request (measured)")
+        twin.plot(xs, [x - 1 for x in xs], color="grey", ls="-.", lw=1,
+                  label="asking every peer (N - 1)")
+        twin.set_ylabel("peer lookup messages per request", color="g")
+        twin.set_ylim(0, max(xs) * 1.05)
+        ax2.legend(fontsize=8, loc="upper left")
+        twin.legend(fontsize=8, loc="upper right")
+        ax2.set_title("hit ratio and lookup cost against replicas")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_table(report: ReplayReport) -> str:
+    rows = [("p2p_hit_ratio (measured)", f"{report.p2p_hit_ratio:.4f}"),
+            ("local_only_hit_ratio (measured)", f"{report.local_only_hit_ratio:.4f}"),
+            ("pooled_lru_hit_ratio (simulated)", f"{report.pooled_lru_hit_ratio:.4f}"),
+            ("ideal_hit_ratio", f"{report.ideal_hit_ratio:.4f}"),
+            ("p2p / pooled LRU", f"{report.p2p_hit_ratio / report.pooled_lru_hit_ratio:.3f}"
+             if report.pooled_lru_hit_ratio else "-"),
+            ("lookup_messages_per_request", f"{report.lookup_messages_per_request:.3f}"),
+            ("lookup_messages_per_peer_hit_request",
+             f"{report.lookup_messages_per_peer_hit_request:.3f}"),
+            ("bytes_moved", f"{report.bytes_moved}"),
+            ("mismatched chunks", f"{report.mismatched_chunks}")]
+    w = max(len(r[0]) for r in rows)
+    head = (f"replay: {report.requests} requests, {report.chunks} chunks, {report.replicas} "
+            f"replicas x {report.capacity_chunks} chunks of {report.chunk_bytes} B, "
+            f"{report.routing}")
+    lines = [head] + [f"  {a.ljust(w)}  {b}" for a, b in rows]
+    if report.sweep:
+        lines.append("  replicas  p2p     pooled  local(sim)  msgs/request  msgs/peer-hit request")
+        for s in report.sweep:
+            lines.append(f"  {s['replicas']:<8}  {s['p2p_hit_ratio']:.4f}  "
+                         f"{s['pooled_lru_hit_ratio']:.4f}  "
+                         f"{s['local_only_hit_ratio_simulated']:.4f}      "
+                         f"{s['lookup_messages_per_request']:.3f}         "
+                         f"{s.get('lookup_messages_per_peer_hit_request', 0.0):.3f}")
+    if report.plot:
+        lines.append(f"  plot: {report.plot}")
+    return "\n".join(lines)
+
+
+def _validate(s: ReplaySettings) -> None:
+    if s.replicas < 1:
+        raise ValueError(f"--replicas {s.replicas} must be at least 1")
+    if s.capacity_chunks < 1:
+        raise ValueError(f"--capacity-chunks {s.capacity_chunks} must be at least 1")
+    if not 64 <= s.chunk_bytes <= 64 << 20:
+        raise ValueError(f"--chunk-bytes {s.chunk_bytes} must be between 64 and {64 << 20}")
+    if s.routing not in ROUTINGS:
+        raise ValueError(f"--routing {s.routing!r} must be one of {', '.join(ROUTINGS)}")
+    if s.limit is not None and s.limit < 1:
+        raise ValueError(f"--limit {s.limit} must be at least 1")
+    if s.summary_interval_seconds <= 0:
+        raise ValueError("--summary-interval-seconds must be positive")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--replicas", type=int, required=True, help="vLLM replicas (sidecars)")
+    parser.add_argument("--capacity-chunks", type=int, required=True,
+                        help="chunk slots of each replica's sidecar store")
+    parser.add_argument("--chunk-bytes", type=int, default=4096,
+                        help="bytes of one chunk (default 4096)")
+    parser.add_argument("--routing", choices=ROUTINGS, default="round-robin")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", default="replay.png",
+                        help="PNG written with the hit-ratio plot ('' for none; default replay.png)")
+    parser.add_argument("--sweep-replicas", default="",
+                        help="also measure P2P at these replica counts, e.g. 4,8,16")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--transport", choices=("tcp", "ucx"), default="tcp")
+    parser.add_argument("--summary-interval-seconds", type=float, default=0.05,
+                        help="sidecars' key-summary pull interval (default 0.05)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sweep = [int(x) for x in args.sweep_replicas.split(",") if x.strip()]
+    except ValueError:
+        print(f"kv-offload bench replay: --sweep-replicas {args.sweep_replicas!r} must be "
+              "comma-separated integers, e.g. 4,8,16", file=sys.stderr)
+        return 2
+    if any(m < 1 for m in sweep):
+        print("kv-offload bench replay: --sweep-replicas values must be at least 1", file=sys.stderr)
+        return 2
+    settings = ReplaySettings(
+        trace=args.trace, replicas=args.replicas, capacity_chunks=args.capacity_chunks,
+        chunk_bytes=args.chunk_bytes, routing=args.routing, limit=args.limit,
+        transport=args.transport, summary_interval_seconds=args.summary_interval_seconds)
+    if settings.transport == "ucx":
+        os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    try:
+        report = run_replay(settings, sweep, args.plot or None,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as exc:
+        print(f"kv-offload bench replay: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(report)) if args.json else format_table(report))
+    return 1 if report.mismatched_chunks else 0

@@ -1,0 +1,197 @@
+"""The webhook's mutation of a pod (pod_patch.py), without a cluster."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+
+from kv_offload_operator import pod_patch as pods
+from kv_offload_operator import pool_spec
+from kv_offload_operator.translation.translate import pool_config
+from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from operator_harness import KTC, LLAMA_ARGS, llama_config
+from pool_support import K8S, env_of, hash_seed_pool, inject, inject_into, pod, pool, sidecar_spec, vllm
+
+
+@pytest.fixture(scope="module")
+def config() -> OffloadingConfig:
+    return pool_config(LLAMA_ARGS, llama_config())
+
+
+def test_injection_is_idempotent_and_marks_the_pod_with_the_fingerprint() -> None:
+    once = inject(pod(vllm()))
+    assert once["metadata"]["annotations"][pods.INJECTED_ANNOTATION] == "abcd" * 4
+    assert pods.pod_patch(once, pool(), fingerprint="ffff" * 4, sidecar=sidecar_spec()) == []
+    kubernetes_validate.validate(once, K8S, strict=True)
+
+
+def test_user_init_containers_env_and_pythonpath_are_kept() -> None:
+    user_init = {"name": "fetch-weights", "image": "busybox", "command": ["true"]}
+    p = pod(vllm(env=[{"name": "PYTHONPATH", "value": "/opt/extra"},
+                      {"name": "VLLM_P2P_SIDE_CHANNEL_PORT", "value": "1"}]))
+    p["spec"]["initContainers"] = [user_init]
+    out = inject(p)
+    assert [c["name"] for c in out["spec"]["initContainers"]] == \
+        ["fetch-weights", pods.TIER_INIT_NAME, pods.SIDECAR_NAME]
+    env = {e["name"]: e.get("value") for e in out["spec"]["containers"][0]["env"]}
+    assert env["PYTHONPATH"] == "/kv-offload-lib:/opt/extra"
+    assert env["VLLM_P2P_SIDE_CHANNEL_PORT"] == "5710"  # ours wins over a stale value
+    names = [e["name"] for e in out["spec"]["containers"][0]["env"]]
+    assert len(names) == len(set(names))
+
+
+def test_pythonpath_from_value_from_is_refused_with_what_to_change() -> None:
+    p = pod(vllm(env=[{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}}]))
+    with pytest.raises(ValueError, match="PYTHONPATH with valueFrom"):
+        inject(p)
+
+
+def test_the_vllm_container_is_found_among_others_or_named_by_annotation() -> None:
+    proxy = {"name": "proxy", "image": "envoy", "args": ["--config", "/etc/envoy.yaml"]}
+    api_server = {"name": "engine", "image": "vllm/vllm-openai:v0.11.0",
+                  "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+                  "args": ["--model", "meta-llama/Llama-3.1-8B", "--kv-transfer-config", KTC]}
+    out = inject(pod(proxy, api_server))
+    assert "env" not in out["spec"]["containers"][0]
+    assert {e["name"] for e in out["spec"]["containers"][1]["env"]} >= {"VLLM_P2P_SIDE_CHANNEL_HOST", "PYTHONPATH"}
+
+    two = pod(vllm(), dict(vllm(), name="vllm-2"))
+    with pytest.raises(ValueError, match=r"set annotation kv-offload.io/vllm-container"):
+        inject(two)
+    named = inject(dict(two, metadata=dict(two["metadata"], annotations={pods.VLLM_CONTAINER_ANNOTATION: "vllm-2"})))
+    assert "env" not in named["spec"]["containers"][0] and "env" in named["spec"]["containers"][1]
+
+
+def test_dp_ranks_come_from_the_pods_own_args() -> None:
+    args = ["serve", "m", "--data-parallel-size", "8", "--data-parallel-rank", "5", "--kv-transfer-config", KTC]
+    out = inject(pod(vllm(args)), basePort=7000)
+    sidecar = out["spec"]["initContainers"][1]
+    assert [p["containerPort"] for p in sidecar["ports"]] == [7005, 5810]
+    assert sidecar["readinessProbe"]["httpGet"]["port"] == 7005
+    env = {e["name"]: e.get("value") for e in out["spec"]["containers"][0]["env"]}
+    assert env["VLLM_P2P_SIDE_CHANNEL_PORT"] == "7000"  # base; the tier adds its DP index
+
+
+def test_unparsable_vllm_args_are_refused_naming_the_container() -> None:
+    with pytest.raises(ValueError, match=r"container 'vllm'.*--data-parallel-size"):
+        inject(pod(vllm(["serve", "m", "--data-parallel-size", "many"])))
+
+
+def test_apply_patch_agrees_with_an_independent_rfc6902_implementation() -> None:
+    p = pod(vllm(volumeMounts=[{"name": "dshm", "mountPath": "/dev/shm"}]))
+    p["spec"]["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    ops = pods.pod_patch(p, pool(), fingerprint="f" * 16, sidecar=sidecar_spec())
+    ours = copy.deepcopy(p)
+    pods.apply_patch(ours, ops)
+    assert ours == jsonpatch.JsonPatch(ops).apply(copy.deepcopy(p))
+
+
+def test_a_pod_translating_to_another_fingerprint_is_named_with_its_field_diff(config: OffloadingConfig) -> None:
+    same = pod(vllm(["serve", "meta-llama/Llama-3.1-8B", "--port", "8000", "--block-size", "16",
+                     "--kv-transfer-config", KTC]))
+    assert pods.pod_identity_problem(same, config, llama_config()) is None
+    other = pod(vllm(["serve", "meta-llama/Llama-3.1-8B", "--block-size", "32", "--kv-transfer-config", KTC]))
+    problem = pods.pod_identity_problem(other, config, llama_config())
+    assert problem is not None and config.fingerprint in problem and "tokens_per_block" in problem
+    with pytest.raises(ValueError, match="no KV offloading connector"):
+        pods.pod_identity_problem(pod(vllm(["serve", "meta-llama/Llama-3.1-8B"])), config, llama_config())
+
+
+@pytest.mark.parametrize("seed", [None, "1234"])
+def test_vllm_and_sidecar_get_the_pools_hash_seed_which_the_sidecar_states_in_its_handshake(seed: str | None) -> None:
+    from kv_offload_sidecar.settings import effective_hash_seed
+
+    out = inject_into(hash_seed_pool(seed), pod(vllm()))
+    wanted = seed or "0"
+    vllm_env = env_of(out["spec"]["containers"][0])
+    sidecar_env = env_of(out["spec"]["initContainers"][1])
+    assert vllm_env["PYTHONHASHSEED"] == sidecar_env["PYTHONHASHSEED"] == wanted
+    # What the sidecar process derives from that environment and the pool's config.
+    config = pool_config(LLAMA_ARGS, llama_config())
+    assert effective_hash_seed(config, {k: v for k, v in sidecar_env.items() if isinstance(v, str)}) == wanted
+    kubernetes_validate.validate(out, K8S, strict=True)
+
+
+def test_a_vllm_container_already_setting_the_pools_seed_keeps_one_entry() -> None:
+    out = inject_into(hash_seed_pool("42"), pod(vllm(env=[{"name": "PYTHONHASHSEED", "value": "42"}])))
+    assert env_of(out["spec"]["containers"][0])["PYTHONHASHSEED"] == "42"
+    script = f"PYTHONHASHSEED=42 vllm serve meta-llama/Llama-3.1-8B --kv-transfer-config '{KTC}'"
+    out = inject_into(hash_seed_pool("42"), pod(vllm(command=["/bin/sh", "-c"], args=[script])))
+    assert env_of(out["spec"]["containers"][0])["PYTHONHASHSEED"] == "42"
+
+
+@pytest.mark.parametrize("container, said", [
+    (vllm(env=[{"name": "PYTHONHASHSEED", "value": "7"}]), "sets PYTHONHASHSEED='7'"),
+    (vllm(command=["/bin/sh", "-c"], args=[
+        f"PYTHONHASHSEED=7 vllm serve meta-llama/Llama-3.1-8B --kv-transfer-config '{KTC}'"]),
+     "command line sets PYTHONHASHSEED='7'"),
+])
+def test_a_vllm_container_with_another_hash_seed_is_refused_saying_how_to_fix_it(
+        container: dict[str, Any], said: str) -> None:
+    with pytest.raises(ValueError) as info:
+        inject_into(hash_seed_pool(), pod(container))
+    message = str(info.value)
+    assert said in message and "spec.hashSeed is '0'" in message
+    assert "remove PYTHONHASHSEED" in message and "spec.hashSeed: '7'" in message
+
+
+def test_a_hash_seed_from_value_from_is_refused_because_it_cannot_be_checked() -> None:
+    container = vllm(env=[{"name": "PYTHONHASHSEED", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}}])
+    with pytest.raises(ValueError, match="PYTHONHASHSEED with valueFrom"):
+        inject_into(hash_seed_pool(), pod(container))
+
+
+def test_a_ucx_sidecar_gets_cross_node_ucx_settings_and_sidecar_env_overrides_them() -> None:
+    ucx = env_of(inject_into(hash_seed_pool(), pod(vllm()))["spec"]["initContainers"][1])
+    assert (ucx["UCX_TLS"], ucx["UCX_TCP_TX_SEG_SIZE"], ucx["UCX_TCP_RX_SEG_SIZE"]) == ("tcp,sm,self", "1m", "1m")
+    tcp = env_of(inject_into(hash_seed_pool(transport="tcp"), pod(vllm()))["spec"]["initContainers"][1])
+    assert not {k for k in tcp if k.startswith("UCX_")}
+
+    own = [{"name": "UCX_TLS", "value": "rc,sm,self"}, {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"},
+           {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    out = inject_into(hash_seed_pool(env=own), pod(vllm()))
+    env = env_of(out["spec"]["initContainers"][1])
+    assert env["UCX_TLS"] == "rc,sm,self" and env["UCX_NET_DEVICES"] == "mlx5_0:1"
+    assert env["UCX_TCP_TX_SEG_SIZE"] == "1m" and env["NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert "UCX_TLS" not in env_of(out["spec"]["containers"][0])  # only the sidecar speaks UCX
+    kubernetes_validate.validate(out, K8S, strict=True)
+
+
+@pytest.mark.parametrize("dp_indices", [(0,), (2, 3), (5,), (4, 5, 6, 7)])
+def test_the_first_control_port_is_kvo_metrics_whatever_the_dp_start_rank(dp_indices: tuple[int, ...]) -> None:
+    container = pods.sidecar_container(pool_name="llama", namespace="ns1", sidecar=sidecar_spec(),
+                                    dp_indices=dp_indices, shm_volume=pods.SHM_VOLUME)
+    ports = [(p["name"], p["containerPort"]) for p in container["ports"]]
+    assert ports == [("kvo-metrics", 5710 + dp_indices[0])] + \
+        [(f"kvo-ctrl-{i}", 5710 + i) for i in dp_indices[1:]] + [("kvo-data", 5810)]
+    assert container["readinessProbe"]["httpGet"]["port"] == 5710 + dp_indices[0]
+
+
+@pytest.mark.timeout(120)
+def test_real_ucx_sidecars_run_with_the_injected_env_and_share_chunks() -> None:
+    """The env sidecar_env builds (UCX_TLS=tcp,sm,self, the pool's PYTHONHASHSEED) in real processes."""
+    import os
+
+    from kv_offload_tools.local_pool import LocalPool, example_config
+
+    spec = pool_spec.SidecarSpec.from_pool(hash_seed_pool("4321"), default_image="img:1")
+    injected = {e["name"]: e["value"] for e in pods.sidecar_env(spec) if "value" in e
+                and not e["name"].startswith("VLLM_P2P_")}  # LocalPool passes host and ports as flags
+    assert injected["UCX_TLS"] == "tcp,sm,self" and injected["PYTHONHASHSEED"] == "4321"
+    chunk = example_config().kv_bytes_per_chunk
+    keys = [os.urandom(32) + bytes(4) for _ in range(4)]
+    data = {k: os.urandom(chunk) for k in keys}
+    with LocalPool(2, transport="ucx", capacity_bytes=64 * chunk, env=injected) as pool:
+        a, b = pool.client(0), pool.client(1)
+        assert a.store(keys, lambda i, view: view.__setitem__(slice(None), data[keys[i]])) == 4
+        pool.wait_summaries()
+        got: dict[int, bytes] = {}
+        assert b.load(keys, lambda i, view: got.__setitem__(i, bytes(view)), 10.0) == 4
+        assert [got[i] for i in range(4)] == [data[k] for k in keys]
+        assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 4 * chunk
+        a.close()
+        b.close()

@@ -1,0 +1,118 @@
+"""A pool's spec read and defaulted (pool_spec.py), and the CRD that admits it."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kv_offload_operator import pool_objects, pool_spec
+from kv_offload_operator.translation.translate import translate
+from operator_harness import KTC, LLAMA_ARGS, llama_config, pool_body
+from pool_support import K8S, hash_seed_pool, pool, sidecar_spec
+
+CRD_PATH = Path(__file__).parents[2] / "charts" / "kv-offload" / "files" / "crd-kvoffloadpools.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+def test_sidecar_spec_defaults_and_rejects_bad_values_naming_the_field() -> None:
+    s = pool_spec.SidecarSpec.from_pool(pool(), default_image="img:1")
+    assert (s.image, s.capacity_bytes, s.transport, s.base_port, s.data_port) == \
+        ("img:1", 4 << 30, "ucx", 5710, 5810)
+    assert s.shm_size_limit == (4 << 30) + (1 << 30)
+    with pytest.raises(ValueError, match=r"spec\.sidecar\.transport='rdma'"):
+        sidecar_spec(transport="rdma")
+    with pytest.raises(ValueError, match=r"spec\.sidecar\.capacityBytes=0"):
+        sidecar_spec(capacityBytes=0)
+    with pytest.raises(ValueError, match=r"spec\.sidecar\.image"):
+        pool_spec.SidecarSpec.from_pool(pool(), default_image="")
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", "4294967296", "", " 1", True, 1.5, "random"])
+def test_hash_seed_must_be_a_seed_python_accepts(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"spec\.hashSeed=.*decimal integer in \[0, 4294967295\]"):
+        pool_spec.SidecarSpec.from_pool(hash_seed_pool(bad), default_image="img:1")
+    assert pool_spec.SidecarSpec.from_pool(hash_seed_pool("4294967295"), default_image="img:1").hash_seed == "4294967295"
+
+
+@pytest.mark.parametrize("env, said", [
+    ([{"name": "PYTHONHASHSEED", "value": "1"}], r"spec\.sidecar\.env\[0\] sets PYTHONHASHSEED.*spec\.hashSeed"),
+    ([{"name": "VLLM_P2P_SIDE_CHANNEL_PORT", "value": "1"}], r"env\[0\] sets VLLM_P2P_SIDE_CHANNEL_PORT"),
+    ([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], r"env\[1\] repeats A"),
+    ([{"value": "1"}], r"env\[0\] has no name"),
+    ([{"name": "A"}], r"env\[0\] \(A\) needs exactly one of"),
+    ("UCX_TLS=tcp", r"spec\.sidecar\.env must be a list"),
+])
+def test_bad_sidecar_env_is_refused_naming_the_entry(env: Any, said: str) -> None:
+    with pytest.raises(ValueError, match=said):
+        pool_spec.SidecarSpec.from_pool(hash_seed_pool(env=env), default_image="img:1")
+
+
+def test_a_pool_whose_connector_config_names_another_hash_seed_is_a_problem() -> None:
+    ktc = json.loads(KTC)
+    ktc["kv_connector_extra_config"]["hash_seed"] = "9"
+    stated = translate(["vllm", "serve", "meta-llama/Llama-3.1-8B", "--kv-transfer-config", json.dumps(ktc)],
+                       llama_config())
+    problem = pool_spec.pool_hash_seed_problem(stated, "0")
+    assert problem is not None and "spec.hashSeed: '9'" in problem
+    assert pool_spec.pool_hash_seed_problem(stated, "9") is None
+    assert pool_spec.pool_hash_seed_problem(translate(LLAMA_ARGS, llama_config()), "0") is None
+
+
+def test_crd_is_a_valid_v1alpha1_namespaced_crd_with_status_and_printer_columns(crd: dict[str, Any]) -> None:
+    kubernetes_validate.validate(crd, K8S, strict=True)
+    assert crd["metadata"]["name"] == "kvoffloadpools.kv-offload.io"
+    assert crd["spec"]["scope"] == "Namespaced"
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert [c["jsonPath"] for c in version["additionalPrinterColumns"]] == \
+        [".status.fingerprint", ".status.readyPeers", ".metadata.creationTimestamp"]
+
+
+def test_crd_schema_accepts_a_real_pool_and_rejects_a_bad_transport(crd: dict[str, Any]) -> None:
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    good = pool_body("llama", sidecar={"transport": "tcp", "basePort": 5710, "capacityBytes": 1 << 30,
+                                       "resources": {"limits": {"memory": "2Gi"}}})
+    good["spec"]["shmSizeLimit"] = "4Gi"
+    good["status"] = {"fingerprint": "ab" * 8, "namespaceDigest": "ab" * 6, "configMap": "c", "readyPeers": 2,
+                      "observedGeneration": 1, "conditions": pool_objects.pool_conditions(
+                          None, invalid_message=None, generation=1, now="2026-01-01T00:00:00Z")}
+    jsonschema.validate(json.loads(json.dumps(good)), schema)
+    bad = copy.deepcopy(good)
+    bad["spec"]["sidecar"]["transport"] = "rdma"
+    with pytest.raises(jsonschema.ValidationError, match="rdma"):
+        jsonschema.validate(bad, schema)
+    assert schema["properties"]["spec"]["properties"]["sidecar"]["properties"]["basePort"]["default"] == 5710
+
+
+def test_crd_schema_defaults_hash_seed_to_0_and_accepts_sidecar_env(crd: dict[str, Any]) -> None:
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec_props = schema["properties"]["spec"]["properties"]
+    assert spec_props["hashSeed"]["default"] == pool_spec.DEFAULT_HASH_SEED
+    assert "PYTHONHASHSEED" in spec_props["hashSeed"]["description"]
+    assert "UCX_TLS=tcp,sm,self" in spec_props["sidecar"]["properties"]["env"]["description"]
+    good = hash_seed_pool("17", env=[{"name": "UCX_TLS", "value": "tcp,self"},
+                                     {"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}])
+    jsonschema.validate(good, schema)
+    for bad_seed in ("seventeen", 17, "12345678901"):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(hash_seed_pool(bad_seed), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(hash_seed_pool(env=[{"value": "no name"}]), schema)
+
+
+def test_control_ports_follow_the_sidecars_rule_and_a_port_above_65535_names_base_port() -> None:
+    spec = sidecar_spec(basePort=65000)
+    assert [spec.control_port(i) for i in (0, 1, 535)] == [65000, 65001, 65535]
+    with pytest.raises(ValueError, match=r"spec\.sidecar\.basePort=65000 \+ data-parallel index 536"):
+        spec.control_port(536)

@@ -1,0 +1,41 @@
+"""Data-plane fixtures: chunk servers in their own processes (see peer_processes.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+from peer_processes import PEERS_SCRIPT, PeerProcess, ucx_env
+
+
+@pytest.fixture
+def start_peer(shm_dir: str) -> Iterator[Callable[..., PeerProcess]]:
+    """Start a chunk server process: ``start_peer(kind="tcp", chunks=16, chunk_bytes=..., corrupt="",
+    auth_timeout=5.0)`` (auth_timeout also bounds a frame stalled mid-payload)."""
+    started: list[PeerProcess] = []
+
+    def start(kind: str = "tcp", *, tls: str = "sm,self", chunks: int = 16,
+              chunk_bytes: int = 256 * 1024, corrupt: str = "", auth_timeout: float = 5.0) -> PeerProcess:
+        proc = subprocess.Popen(
+            [sys.executable, PEERS_SCRIPT, "serve", "--kind", kind, "--tls", tls,
+             "--chunks", str(chunks), "--chunk-bytes", str(chunk_bytes), "--corrupt", corrupt,
+             "--shm-dir", shm_dir, "--auth-timeout", str(auth_timeout)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=ucx_env(tls) if kind == "ucx" else None,
+        )
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(10)
+            raise RuntimeError(f"chunk server exited with {proc.returncode} before advertising an address")
+        info = json.loads(line)
+        peer = PeerProcess(proc, info["address"], info["pid"])
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        peer.stop()

@@ -1,0 +1,266 @@
+"""Separate-process peers for the data-plane tests (run as a script, imported for helpers).
+
+``python transport_peers.py serve --kind tcp|ucx ...`` fills a chunk store with
+deterministic chunks, starts a data-plane server, prints one JSON line
+``{"address", "pid"}`` and then answers stdin commands: ``metrics`` prints the
+server's counters as one JSON line, ``quit`` stops it.
+
+``python transport_peers.py ucx-client --scenario NAME ...`` runs one UCX client
+scenario (UCX reads its environment once, so every UCX client is its own
+process) and prints its outcome as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+SESSION_ID = b"session-1"
+SESSION_KEY = b"k" * 32
+
+
+def key_of(i: int) -> bytes:
+    """vLLM-shaped chunk key: a 32-byte hash + the group index as 4 bytes."""
+    return hashlib.sha256(f"chunk-{i}".encode()).digest() + (i % 3).to_bytes(4, "big")
+
+
+def content_of(i: int, size: int) -> bytes:
+    """The deterministic bytes of chunk ``i``."""
+    import numpy as np
+
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _configure_ucx(tls: str, lanes: int) -> None:
+    from kv_offload_sidecar.data.ucx.runtime import configure_ucx_env
+
+    configure_ucx_env(tls, net_devices="lo" if "tcp" in tls else None, lanes=lanes)
+
+
+def _metrics_snapshot(metrics: Any) -> dict[str, Any]:
+    from kv_offload_sidecar.metrics import PROTOCOL_ERROR_REASONS
+
+    return {
+        "protocol_errors": {r: metrics.protocol_errors.labels(reason=r)._value.get()
+                            for r in PROTOCOL_ERROR_REASONS},
+        "peer_bytes_sent": metrics.peer_bytes.labels(direction="sent")._value.get(),
+    }
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from kv_offload_sidecar.data import make_server
+    from kv_offload_sidecar.engine.store_view import slot_stride_for
+    from kv_offload_sidecar.metrics import SidecarMetrics
+    from kv_offload_sidecar.store.chunk_store import ChunkStore
+    from prometheus_client import CollectorRegistry
+
+    metrics = SidecarMetrics(CollectorRegistry())
+    store = ChunkStore(args.chunk_bytes, (args.chunks + 1) * slot_stride_for(args.chunk_bytes),
+                       directory=args.shm_dir, name=f"srv-{os.getpid()}", metrics=metrics)
+    corrupt = {int(x) for x in args.corrupt.split(",") if x}
+    for i in range(args.chunks):
+        res = store.begin_write(key_of(i))
+        assert res is not None
+        res.view[:] = content_of(i, args.chunk_bytes)
+        res.commit()
+        if i in corrupt:  # flip bytes after the checksum was taken
+            pin = store.pin(key_of(i))
+            assert pin is not None
+            store.slot_view(pin.slot)[:8] = b"CORRUPT!"
+            pin.release()
+
+    def authorize(session_id: bytes) -> bytes | None:
+        return SESSION_KEY if session_id == SESSION_ID else None
+
+    server = make_server(args.kind, store, authorize, metrics, host="127.0.0.1", port=0,
+                         chunk_bytes=args.chunk_bytes, auth_timeout=args.auth_timeout)
+    address = await server.start()
+    print(json.dumps({"address": address, "pid": os.getpid()}), flush=True)
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            cmd = line.strip()
+            if cmd == "metrics":
+                print(json.dumps(_metrics_snapshot(metrics)), flush=True)
+            elif cmd in ("quit", ""):
+                break
+    finally:
+        await server.stop(0.5)
+        store.close()
+
+
+async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
+    from kv_offload_sidecar.data import IntegrityError, TransportError, connect
+    from kv_offload_sidecar.engine.store_view import slot_stride_for
+    from kv_offload_sidecar.store.chunk_store import ChunkStore
+
+    stride = slot_stride_for(args.chunk_bytes)
+    keys = [key_of(i) for i in range(args.chunks)]
+    out: dict[str, Any] = {"scenario": args.scenario}
+    server_pid = args.server_pid
+    killed = {"done": False}
+
+    def on_change(key: bytes, present: bool) -> None:
+        if args.scenario == "kill" and present and not killed["done"]:
+            killed["done"] = True
+            os.kill(server_pid, signal.SIGKILL)
+
+    store = ChunkStore(args.chunk_bytes, (args.chunks + 2) * stride, directory=args.shm_dir,
+                       name=f"cli-{os.getpid()}", on_change=on_change)
+    try:
+        if args.scenario == "fetch":
+            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
+            out["lookup_all"] = await client.lookup(keys + [key_of(10_000)], timeout=5)
+            out["lookup_gap"] = await client.lookup(keys[:3] + [key_of(10_000)] + keys[3:], timeout=5)
+            out["fetched"] = await client.fetch(keys, store, timeout=20)
+            out["identical"] = all(_slot_bytes(store, k) == content_of(i, args.chunk_bytes)
+                                   for i, k in enumerate(keys))
+            out["fetch_missing"] = await client.fetch([key_of(10_000)], store, timeout=5)
+            out["lane_chunks"] = list(client.lane_chunks)
+            out["chunk_replies"] = list(client.chunk_replies)
+            await client.close()
+        elif args.scenario == "bad_auth":
+            t0 = time.monotonic()
+            try:
+                await connect(args.address, SESSION_ID, b"wrong-key", timeout=2)
+                out["error"] = None
+            except TransportError as exc:
+                out["error"] = str(exc)
+            out["elapsed"] = time.monotonic() - t0
+        elif args.scenario == "kill":
+            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
+            t0 = time.monotonic()
+            try:
+                out["fetched"] = await client.fetch(keys, store, timeout=3)
+                out["error"] = None
+            except TransportError as exc:
+                out["error"] = str(exc)
+            out["elapsed"] = time.monotonic() - t0
+            out["killed"] = killed["done"]
+        elif args.scenario == "corrupt":
+            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
+            try:
+                out["fetched"] = await client.fetch(keys, store, timeout=20)
+                out["error"] = None
+            except IntegrityError as exc:
+                out["error"] = "integrity: " + str(exc)
+            except TransportError as exc:
+                out["error"] = str(exc)
+            out["corrupt_visible"] = any(store.contains(keys[int(i)]) for i in args.corrupt.split(","))
+        elif args.scenario == "garbage":
+            out.update(await _garbage(args, keys, store))
+        else:
+            raise SystemExit(f"unknown scenario {args.scenario!r}")
+        # What every scenario must leave: each visible chunk byte-identical, no slot held.
+        visible = store.keys()
+        out["visible"] = len(visible)
+        out["visible_intact"] = all(_slot_bytes(store, k) == content_of(keys.index(k), args.chunk_bytes)
+                                    for k in visible)
+        out["slots_in_use"] = store.used_bytes // stride
+    finally:
+        store.close()
+    return out
+
+
+async def _garbage(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:
+    """Bad UCX clients: junk on the attach tag, a wrong MAC, an oversized frame, an unknown type.
+
+    Afterwards a well-behaved client must still fetch everything.
+    """
+    from kv_offload_sidecar.data import connect
+    from kv_offload_sidecar.data import protocol as proto
+    from kv_offload_sidecar.data.ucx import frames as ucx
+    from kv_offload_sidecar.data.ucx.runtime import UcxRuntime
+
+    rt = UcxRuntime.get()
+    server = ucx.decode_address(args.address)
+    out: dict[str, Any] = {}
+    ep = rt.endpoint(server)
+    await rt.send(ep, bytearray(b"junk" * 10), ucx.ATTACH_TAG)
+    bad_mac = proto.encode_ucx_attach(777, SESSION_ID, bytes(32), rt.address)
+    await rt.send(ep, bytearray(proto.join(bad_mac)), ucx.ATTACH_TAG)
+
+    async def raw_session(cid: int) -> tuple[int, int]:
+        mac = ucx.attach_mac(SESSION_KEY, cid, rt.address)
+        await rt.send(ep, bytearray(proto.join(proto.encode_ucx_attach(cid, SESSION_ID, mac, rt.address))),
+                      ucx.ATTACH_TAG)
+        c2s, s2c = ucx.tag(cid, ucx.TAG_C2S), ucx.tag(cid, ucx.TAG_S2C)
+        buf = bytearray(ucx.CONTROL_BUFFER_BYTES)
+        await rt.recv(ep, buf, s2c)
+        nonce = bytes(buf[proto.HEADER_BYTES:proto.HEADER_BYTES + proto.NONCE_BYTES])
+        from kv_offload_sidecar.data.base import auth_proof
+
+        answer = proto.encode_auth_response(SESSION_ID, auth_proof(SESSION_KEY, nonce))
+        await rt.send(ep, bytearray(proto.join(answer)), c2s)
+        await rt.recv(ep, buf, s2c)
+        return c2s, s2c
+
+    async def error_reply(s2c: int) -> str:
+        buf = bytearray(ucx.CONTROL_BUFFER_BYTES)
+        async with asyncio.timeout(5):
+            await rt.recv(ep, buf, s2c)
+        header = proto.decode_header(buf[:proto.HEADER_BYTES])
+        return f"{header.type.name} " + proto.decode_error(
+            buf[proto.HEADER_BYTES:proto.HEADER_BYTES + header.length])
+
+    c2s, s2c = await raw_session(1001)
+    await rt.send(ep, bytearray(2 * ucx.CONTROL_BUFFER_BYTES), c2s)  # oversized frame
+    out["oversize_reply"] = await error_reply(s2c)
+    c2s, s2c = await raw_session(1002)
+    junk = bytearray(proto.HEADER.pack(proto.MAGIC, proto.WIRE_MAJOR, 99, 0, 0))
+    await rt.send(ep, junk, c2s)  # unknown message type
+    out["unknown_type_reply"] = await error_reply(s2c)
+    c2s, s2c = await raw_session(1003)
+    await rt.send(ep, bytearray(proto.join(proto.encode_fetch(1, [b"k"])))[:-1], c2s)  # truncated
+    out["truncated_reply"] = await error_reply(s2c)
+
+    client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
+    out["fetched_after"] = await client.fetch(keys, store, timeout=20)
+    out["identical_after"] = all(_slot_bytes(store, k) == content_of(i, args.chunk_bytes)
+                                 for i, k in enumerate(keys))
+    await client.close()
+    return out
+
+
+def _slot_bytes(store: Any, key: bytes) -> bytes:
+    pin = store.pin(key)
+    assert pin is not None, key.hex()
+    try:
+        return bytes(pin.view)
+    finally:
+        pin.release()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["serve", "ucx-client"])
+    parser.add_argument("--kind", default="tcp")
+    parser.add_argument("--tls", default="sm,self")
+    parser.add_argument("--chunk-bytes", type=int, default=256 * 1024)
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--corrupt", default="")
+    parser.add_argument("--shm-dir", default="/dev/shm")
+    parser.add_argument("--address", default="")
+    parser.add_argument("--scenario", default="fetch")
+    parser.add_argument("--server-pid", type=int, default=0)
+    parser.add_argument("--auth-timeout", type=float, default=5.0)
+    parser.add_argument("--lanes", type=int, default=1)
+    args = parser.parse_args()
+    if args.kind == "ucx" or args.mode == "ucx-client":
+        _configure_ucx(args.tls, args.lanes)
+    if args.mode == "serve":
+        asyncio.run(serve(args))
+    else:
+        print(json.dumps(asyncio.run(ucx_client(args))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

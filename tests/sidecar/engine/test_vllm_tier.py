@@ -1,0 +1,334 @@
+"""The vLLM secondary tier, driven through the calls vLLM makes, against real sidecars."""
+
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from kv_offload_sidecar.engine.sidecar_link import sidecar_address
+from kv_offload_sidecar.engine.vllm_contract import (
+    LookupResult,
+    ReqContext,
+    TransferJob,
+)
+from kv_offload_sidecar.engine.vllm_tier import KVOffloadSecondaryTier
+from kv_offload_sidecar.install_tier import tier_files
+from kv_offload_tools.engine_sim import SimulatedEngine, SimulatedSpec, trace_tokens
+from kv_offload_tools.local_pool import LocalPool, example_config
+
+CONFIG = example_config()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with LocalPool(2, config=CONFIG, summary_interval_seconds=0.05) as p:
+        yield p
+
+
+def _engine(pool, i, **kw):
+    return SimulatedEngine(CONFIG, hash_seed="0", host="127.0.0.1", port=pool[i].port,
+                           name=f"engine-{i}", **kw)
+
+
+def _wait_visible(pool, index, keys, deadline=10.0):
+    """Until sidecar ``index`` sees all ``keys`` somewhere in the pool (summaries are periodic)."""
+    client = pool.client(index)
+    try:
+        end = time.monotonic() + deadline
+        while client.lookup(keys, timeout=1.0).hits < len(keys):
+            assert time.monotonic() < end, "keys never became visible to the peer"
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def test_tier_round_trips_chunks_between_two_engines_through_two_sidecars(pool):
+    a, b = _engine(pool, 0), _engine(pool, 1)
+    try:
+        tokens = trace_tokens([11, 12, 13, 14, 15], a.layout.tokens_per_chunk)
+        first = a.run_request(tokens)
+        assert first.chunks == 5 and first.hit_chunks == 0 and first.stored_chunks == 5
+        _wait_visible(pool, 1, a.hasher.chunk_keys(tokens))
+        second = b.run_request(tokens)
+        assert second.hit_chunks == second.loaded_chunks == 5
+        assert second.mismatched_bytes == 0
+        # The bytes in engine b's rows are exactly what engine a computed and stored.
+        for i, key in enumerate(b.hasher.chunk_keys(tokens)):
+            assert bytes(b.region[i, :b.layout.chunk_bytes].numpy()) == \
+                bytes(a.expected_row(tokens, i, key).numpy())
+        assert b.tier.stats.peer_hits == 5 and b.tier.stats.bytes_loaded == 5 * CONFIG.kv_bytes_per_chunk
+        assert pool[1].metric("kv_offload_chunk_lookups_total", result="peer_hit") >= 5
+        # A request sharing only the first two chunks loads two and computes the rest.
+        third = b.run_request(trace_tokens([11, 12, 99], b.layout.tokens_per_chunk))
+        assert (third.hit_chunks, third.loaded_chunks, third.stored_chunks) == (2, 2, 1)
+        assert third.mismatched_bytes == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_lookup_the_sidecar_cannot_answer_in_time_becomes_a_miss(pool):
+    engine = _engine(pool, 0, lookup_timeout_seconds=0.3, load_timeout_seconds=0.5)
+    tier = engine.tier
+    tokens = trace_tokens([21, 22], engine.layout.tokens_per_chunk)
+    try:
+        assert engine.run_request(tokens).stored_chunks == 2  # connected, chunks stored
+        keys = engine.hasher.chunk_keys(tokens)
+        pool[0].proc.send_signal(signal.SIGSTOP)
+        try:
+            ctx = ReqContext(req_id="frozen")
+            tier.on_new_request(ctx)
+            seen = []
+            end = time.monotonic() + 10.0
+            while not seen or seen[-1] is LookupResult.RETRY:
+                assert time.monotonic() < end, "lookup never resolved"
+                seen.append(tier.lookup(keys[0], ctx))
+                tier.on_schedule_end(None)
+                time.sleep(0.02)
+            assert seen[0] is LookupResult.RETRY and seen[-1] is LookupResult.MISS
+            # A load from the frozen sidecar fails instead of hanging; vLLM recomputes.
+            rows = np.array([0], dtype=np.int64)
+            tier.submit_load(TransferJob(job_id=7, keys=[keys[0]], chunk_ids=rows,
+                                         is_promotion=True, req_context=ctx))
+            results = []
+            while not results:
+                assert time.monotonic() < end, "load never finished"
+                results = list(tier.get_finished_jobs())
+                time.sleep(0.02)
+            assert [(r.job_id, r.success) for r in results] == [(7, False)]
+            tier.on_request_finished(ctx)
+        finally:
+            pool[0].proc.send_signal(signal.SIGCONT)
+        # Once the sidecar answers again, the same prefix is a hit again.
+        assert engine.run_request(tokens).hit_chunks == 2
+    finally:
+        engine.close()
+
+
+def test_tier_is_built_the_way_vllms_factory_builds_out_of_tree_tiers(pool, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # the pool's seed, as the webhook sets it
+    # SecondaryTierFactory: getattr(import_module(module_path), type)(offloading_spec=...,
+    # primary_kv_view=..., tier_type=type, **rest of the entry).
+    entry = {"type": "KVOffloadSecondaryTier", "module_path": "kv_offload_sidecar.engine.vllm_tier",
+             "host": "127.0.0.1", "port": pool[0].port, "enable_kv_events": True,
+             "locality": "REMOTE"}
+    config = dict(entry)
+    tier_type = config.pop("type")
+    cls = getattr(importlib.import_module(config.pop("module_path")), tier_type)
+    region = np.zeros((4, 16384), dtype=np.uint8)
+    tier = cls(offloading_spec=SimulatedSpec(CONFIG), primary_kv_view=memoryview(region),
+               tier_type=tier_type, backpressure_detector=None, **config)
+    try:
+        assert tier.tier_type == "KVOffloadSecondaryTier"
+        region[1, :] = np.arange(16384, dtype=np.uint32).astype(np.uint8)
+        key = b"\x42" * 32 + b"\x00\x00\x00\x00"
+        ctx = ReqContext(req_id="factory")
+        tier.submit_store(TransferJob(job_id=1, keys=[key], chunk_ids=np.array([1]),
+                                      is_promotion=False, req_context=ctx))
+        assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(1, True)]
+        (event,) = tier.take_events()  # enable_kv_events: the stored chunk is announced
+        assert (event.keys, event.removed, event.locality.value) == ([key], False, "REMOTE")
+        tier.submit_load(TransferJob(job_id=2, keys=[key], chunk_ids=np.array([3]),
+                                     is_promotion=True, req_context=ctx))
+        assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(2, True)]
+        assert bytes(region[3]) == bytes(region[1])
+        assert not tier.has_pending_work()
+    finally:
+        tier.shutdown()
+
+
+def _refused_engine(pool, config, hash_seed, name):
+    engine = SimulatedEngine(config, hash_seed=hash_seed, host="127.0.0.1", port=pool[0].port,
+                             name=name)
+    return engine
+
+
+def test_an_engine_hashing_with_another_seed_than_its_sidecar_gets_only_misses(pool, caplog):
+    client = pool.client(0)
+    try:
+        assert client.info()["hash_seed"] == "0"  # what LocalPool's sidecars state to peers
+    finally:
+        client.close()
+    same, other = _engine(pool, 0), _refused_engine(pool, CONFIG, "7", "engine-seed-7")
+    try:
+        tokens = trace_tokens([61, 62], same.layout.tokens_per_chunk)
+        assert same.run_request(tokens).stored_chunks == 2
+        assert same.tier.stats.refused is None
+        stored_before = pool[0].metric("kv_offload_store_used_bytes")
+        with caplog.at_level("ERROR", logger="kv_offload_sidecar.engine.vllm_tier"):
+            first = other.run_request(tokens)
+            second = other.run_request(trace_tokens([63], other.layout.tokens_per_chunk))
+        # Fail closed: no hit, nothing stored, and one error line naming the seed.
+        assert (first.hit_chunks, first.loaded_chunks, first.stored_chunks) == (0, 0, 0)
+        assert (second.hit_chunks, second.stored_chunks) == (0, 0)
+        assert other.tier.stats.refused == "hash_seed: '7' != '0'"
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "hash_seed: '7' != '0'" in errors[0]
+        assert "refusing the sidecar" in errors[0] and "PYTHONHASHSEED" in errors[0]
+        assert pool[0].metric("kv_offload_store_used_bytes") == stored_before
+        assert other.tier.stats.bytes_stored == 0 and other.tier.stats.failed_stores >= 1
+    finally:
+        same.close()
+        other.close()
+
+
+def test_an_engine_whose_config_differs_from_its_sidecars_is_refused_with_a_field_diff(pool, caplog):
+    engine_cfg = example_config(model="another/model", tokens_per_hash=32)
+    engine = _refused_engine(pool, engine_cfg, "0", "engine-other-config")
+    try:
+        with caplog.at_level("ERROR", logger="kv_offload_sidecar.engine.vllm_tier"):
+            result = engine.run_request(trace_tokens([71, 72], engine.layout.tokens_per_chunk))
+        assert (result.hit_chunks, result.stored_chunks) == (0, 0)
+        refused = engine.tier.stats.refused
+        assert 'model_name: "another/model" != "Qwen/Qwen3-0.6B"' in refused
+        assert "tokens_per_hash: 32 != 16" in refused and "hash_seed" not in refused
+        assert sum("refusing the sidecar" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        engine.close()
+
+
+def test_a_partly_failed_load_reports_what_loaded_and_turns_exactly_the_rest_into_misses(pool):
+    engine = _engine(pool, 0)
+    tier = engine.tier
+    try:
+        tokens = trace_tokens([81, 82, 83], engine.layout.tokens_per_chunk)
+        keys = engine.hasher.chunk_keys(tokens)
+        assert engine.run_request(tokens[:2 * engine.layout.tokens_per_chunk]).stored_chunks == 2
+        ctx = ReqContext(req_id="partial")
+        tier.on_new_request(ctx)
+        results = _lookup_all(tier, keys, ctx)
+        assert results == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+        # Say the pool had answered HIT for the third too and lost it before the load.
+        tier._keys[keys[2]].result = True
+        tier.submit_load(TransferJob(job_id=11, keys=keys, chunk_ids=np.array([5, 6, 7]),
+                                     is_promotion=True, req_context=ctx))
+        (result,) = _finished(tier, 1)
+        assert result.job_id == 11 and result.success is False
+        assert tuple(result.successful_keys) == tuple(keys[:2])
+        assert result.transfer_bytes == 2 * CONFIG.kv_bytes_per_chunk and result.transfer_time > 0
+        # vLLM looks the failed key up again: a miss now, so it recomputes instead of
+        # promoting it again; the keys that loaded are untouched.
+        assert tier.lookup(keys[2], ctx) is LookupResult.MISS
+        assert tier.lookup(keys[0], ctx) is LookupResult.HIT
+        tier.on_request_finished(ctx)
+    finally:
+        engine.close()
+
+
+def _finished(tier, count, deadline=10.0):
+    """The next ``count`` job results, polled as vLLM polls them."""
+    end = time.monotonic() + deadline
+    out = []
+    while len(out) < count:
+        assert time.monotonic() < end, f"only {len(out)} of {count} jobs finished"
+        out.extend(tier.get_finished_jobs())
+        time.sleep(0.01)
+    return out
+
+
+def _lookup_all(tier, keys, ctx, deadline=10.0):
+    end = time.monotonic() + deadline
+    while True:
+        results = [tier.lookup(k, ctx) for k in keys]
+        tier.on_schedule_end(None)
+        if LookupResult.RETRY not in results:
+            return results
+        assert time.monotonic() < end, "lookups never resolved"
+        time.sleep(0.02)
+
+
+def test_drain_jobs_returns_only_when_every_job_has_finished_or_failed(pool):
+    engine = _engine(pool, 1, load_timeout_seconds=0.5)
+    tier = engine.tier
+    tokens = trace_tokens([91], engine.layout.tokens_per_chunk)
+    try:
+        assert engine.run_request(tokens).stored_chunks == 1  # connected
+        key = engine.hasher.chunk_keys(tokens)[0]
+        ctx = ReqContext(req_id="drain")
+        pool[1].proc.send_signal(signal.SIGSTOP)
+        try:
+            for job_id in range(20, 25):
+                tier.submit_load(TransferJob(job_id=job_id, keys=[key], chunk_ids=np.array([1]),
+                                             is_promotion=True, req_context=ctx))
+            start = time.monotonic()
+            tier.drain_jobs()
+            elapsed = time.monotonic() - start
+        finally:
+            pool[1].proc.send_signal(signal.SIGCONT)
+        # Every job has its result now: the first ran into its deadline, the queued
+        # ones were cancelled instead of each waiting out its own.
+        results = {r.job_id: r.success for r in tier.get_finished_jobs()}
+        assert results == {job_id: False for job_id in range(20, 25)}
+        assert not tier.has_pending_work()
+        assert elapsed < 5 * 0.5, elapsed
+    finally:
+        engine.close()
+
+
+def test_shutdown_releases_every_view_of_the_primary_region_so_vllm_can_close_it(pool, tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    import mmap
+    path = tmp_path / "region"
+    path.write_bytes(b"\0" * (4 * 16384))
+    with open(path, "r+b") as fh:
+        region = mmap.mmap(fh.fileno(), 4 * 16384)
+    view = memoryview(np.frombuffer(region, dtype=np.uint8).reshape(4, 16384))
+    tier = KVOffloadSecondaryTier(SimulatedSpec(CONFIG), view, host="127.0.0.1", port=pool[0].port)
+    key = b"\x43" * 32 + b"\x00\x00\x00\x00"
+    ctx = ReqContext(req_id="views")
+    tier.submit_store(TransferJob(job_id=1, keys=[key], chunk_ids=np.array([0]),
+                                  is_promotion=False, req_context=ctx))
+    tier.submit_load(TransferJob(job_id=2, keys=[key], chunk_ids=np.array([1]),
+                                 is_promotion=True, req_context=ctx))
+    assert [(r.job_id, r.success) for r in _finished(tier, 2)] == [(1, True), (2, True)]
+    tier.shutdown()
+    # What vLLM does at its own shutdown: release its view, then close the mmap.
+    view.release()
+    import gc
+    gc.collect()
+    region.close()  # BufferError if the tier still held a view
+    assert region.closed
+
+
+def test_unknown_tier_key_is_named_in_the_error():
+    region = np.zeros((2, 16384), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"\['lookup_timout'\].*valid keys: host, port, lookup_timeout"):
+        KVOffloadSecondaryTier(SimulatedSpec(CONFIG), memoryview(region), lookup_timout=1)
+    with pytest.raises(ValueError, match=r"locality 'NEARBY' is not one of \['LOCAL', 'REMOTE'\]"):
+        KVOffloadSecondaryTier(SimulatedSpec(CONFIG), memoryview(region), locality="NEARBY")
+
+
+def test_sidecar_address_adds_the_global_dp_index_and_prefers_tier_keys():
+    base = example_config(data_parallel_size=4)
+    dp3 = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel,
+                                                                 data_parallel_index=3))
+    env = {"VLLM_P2P_SIDE_CHANNEL_HOST": "10.0.0.7", "VLLM_P2P_SIDE_CHANNEL_PORT": "6000"}
+    assert sidecar_address(SimulatedSpec(dp3), environ=env) == ("10.0.0.7", 6003)
+    assert sidecar_address(SimulatedSpec(dp3), "127.0.0.1", 7000, environ=env) == ("127.0.0.1", 7003)
+    assert sidecar_address(SimulatedSpec(CONFIG), environ={}) == ("localhost", 5710)
+    with pytest.raises(ValueError, match="VLLM_P2P_SIDE_CHANNEL_PORT"):
+        sidecar_address(SimulatedSpec(CONFIG), environ={"VLLM_P2P_SIDE_CHANNEL_PORT": "x"})
+
+
+def test_tier_module_imports_only_what_install_tier_ships():
+    code = ("import sys, json, kv_offload_sidecar.engine.vllm_tier; "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    mods = json.loads(out.stdout)
+    # Modules of ours that got imported, as files (a package is its __init__.py).
+    ours = {m.replace(".", "/").removeprefix("kv_offload_sidecar/") + ".py"
+            for m in mods if m.startswith("kv_offload_sidecar.")}
+    ours = {"engine/__init__.py" if f == "engine.py" else f for f in ours}
+    shipped = {str(p) for p in tier_files()}
+    assert ours <= shipped, sorted(ours - shipped)
+    for heavy in ("torch", "aiohttp", "prometheus_client", "kopf", "kv_offload_operator",
+                  "xxhash", "kv_offload_tools"):
+        assert heavy not in mods

@@ -1,0 +1,125 @@
+"""The layout's rules, read from the source: who may import (or spawn) whom, and no import cycles.
+
+Reads every ``import`` statement of the runtime packages, at module top and
+inside functions (lazy imports count), and every string that names one of our
+modules (``python -m ...`` command lines count), so a boundary cannot be
+crossed by importing late or by spawning a process.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SIDECAR = REPO / "sidecar" / "kv_offload_sidecar"
+ENGINE = SIDECAR / "engine"
+OURS = ("kv_offload_sidecar", "kv_offload_operator", "kv_offload_tools")
+# Runtime files are kept small enough to read in one sitting.
+MAX_RUNTIME_LINES = 520
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO / ("sidecar" if "sidecar" in path.parts else "operator"))
+    parts = list(rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(dotted: str) -> bool:
+    top, *rest = dotted.split(".")
+    base = REPO / ("operator" if top == "kv_offload_operator" else "sidecar") / top
+    path = base.joinpath(*rest)
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported module, at module top) for every import in ``path``; TYPE_CHECKING blocks skipped."""
+    tree = ast.parse(path.read_text(), str(path))
+    out: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                out.extend((a.name, top) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                # "from pkg import mod" imports pkg.mod; "from mod import name" imports mod.
+                for a in child.names:
+                    sub = f"{child.module}.{a.name}"
+                    out.append((sub if is_module(sub) else child.module, top))
+            visit(child, top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(tree, True)
+    return out
+
+
+def module_strings(path: Path) -> list[str]:
+    """String constants naming one of our modules (e.g. a ``-m kv_offload_...`` argument)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and any(p + "." in n.value or n.value == p for p in OURS)]
+
+
+def runtime_files() -> list[Path]:
+    return sorted([*SIDECAR.rglob("*.py"), *(REPO / "operator").rglob("*.py")])
+
+
+def test_the_sidecar_never_imports_or_spawns_the_operator_or_the_tools():
+    bad = []
+    for path in SIDECAR.rglob("*.py"):
+        for name, _ in imports(path):
+            if name.split(".")[0] in ("kv_offload_operator", "kv_offload_tools", "kopf"):
+                bad.append(f"{path.relative_to(REPO)} imports {name}")
+        for text in module_strings(path):
+            if "kv_offload_operator" in text or "kv_offload_tools" in text:
+                bad.append(f"{path.relative_to(REPO)} names {text!r}")
+    assert bad == []
+
+
+def test_the_operator_never_imports_the_tools():
+    bad = [f"{p.relative_to(REPO)} imports {name}" for p in (REPO / "operator").rglob("*.py")
+           for name, _ in imports(p) if name.startswith("kv_offload_tools")]
+    assert bad == []
+
+
+def test_what_runs_inside_vllm_imports_only_the_standard_library_numpy_and_itself():
+    allowed = set(sys.stdlib_module_names) | {"numpy", "kv_offload_sidecar"}
+    bad = []
+    for path in ENGINE.rglob("*.py"):
+        for name, _ in imports(path):
+            root = name.split(".")[0]
+            if root == "vllm" and path.name == "vllm_contract.py":
+                continue  # vLLM's own classes, inside vLLM
+            inside = name == "kv_offload_sidecar" or name.startswith("kv_offload_sidecar.engine")
+            if root not in allowed or (root == "kv_offload_sidecar" and not inside):
+                bad.append(f"{path.relative_to(REPO)} imports {name}")
+    assert bad == []
+
+
+def test_no_import_cycles_between_modules_even_through_lazy_imports():
+    files = {module_name(p): p for p in runtime_files()}
+    graph = {m: {n for n, _ in imports(p)} & files.keys() - {m} for m, p in files.items()}
+    cycles = []
+    state: dict[str, int] = {}
+
+    def walk(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(" -> ".join(stack[stack.index(n):] + [n]) if n in stack else n)
+            elif n not in state:
+                walk(n, [*stack, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    assert cycles == []
+
+
+def test_runtime_modules_stay_small():
+    big = [f"{p.relative_to(REPO)}: {n} lines" for p in runtime_files()
+           if (n := len(p.read_text().splitlines())) > MAX_RUNTIME_LINES]
+    assert big == []

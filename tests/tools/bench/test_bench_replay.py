@@ -1,0 +1,86 @@
+"""`kv-offload bench replay`: a small bounded replay against real sidecars."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from kv_offload_tools.bench import replay
+from kv_offload_tools.demo import TRACE_SAMPLE
+
+FIELDS = ("p2p_hit_ratio", "local_only_hit_ratio", "pooled_lru_hit_ratio", "ideal_hit_ratio",
+          "lookup_messages_per_request", "bytes_moved")
+
+
+def _cli(*args, timeout=200):
+    exe = os.path.join(os.path.dirname(sys.executable), "kv-offload")
+    return subprocess.run([exe, "bench", "replay", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_replay_json_reports_consistent_hit_ratios_from_real_sidecars(tmp_path):
+    plot = tmp_path / "replay.png"
+    out = _cli("--trace", str(TRACE_SAMPLE), "--replicas", "3", "--capacity-chunks", "400",
+               "--chunk-bytes", "4096", "--routing", "round-robin", "--limit", "150",
+               "--plot", str(plot), "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    for name in FIELDS:
+        assert isinstance(report[name], (int, float)), name
+    assert report["requests"] == 150 and report["mismatched_chunks"] == 0
+    assert 1.0 >= report["ideal_hit_ratio"] >= report["pooled_lru_hit_ratio"] - 1e-9
+    assert report["pooled_lru_hit_ratio"] >= report["local_only_hit_ratio"] > 0
+    # Sharing beats isolated caches, and never beats one cache of the same total size.
+    assert report["p2p_hit_ratio"] > report["local_only_hit_ratio"]
+    assert report["p2p_hit_ratio"] <= report["ideal_hit_ratio"] + 1e-9
+    # Chunks moved between sidecars; a peer hit may find a kept local copy, so
+    # bytes_moved is at least one chunk but need not cover every peer hit.
+    assert report["p2p_peer_hits"] > 0 and report["bytes_moved"] >= 4096
+    assert report["lookup_messages_per_request"] > 0
+    # Every request that loaded from a peer sent at least its fetch message.
+    assert 1.0 <= report["lookup_messages_per_peer_hit_request"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[replay p2p x3] 150/150 requests" in out.stderr
+
+
+def test_simulated_lru_bounds_are_ordered():
+    trace = replay.load_trace(str(TRACE_SAMPLE))
+    keys = replay.request_keys(trace)
+    routes = replay.route(trace, 4, "round-robin")
+    ideal = replay.simulate_lru(keys, [0] * len(keys), 1, math.inf)
+    pooled = replay.simulate_lru(keys, [0] * len(keys), 1, 4 * 100)
+    local = replay.simulate_lru(keys, routes, 4, 100)
+    assert ideal >= pooled >= local > 0
+    assert replay.simulate_lru(keys, [0] * len(keys), 1, 1) <= pooled
+
+
+def test_chunk_keys_follow_the_prefix_chain_of_hash_ids():
+    keys = replay.request_keys([[1, 2, 3], [1, 2, 4], [9, 2, 3]])
+    assert keys[0][:2] == keys[1][:2] and keys[0][2] != keys[1][2]
+    assert not set(keys[0]) & set(keys[2])  # same ids after another first block differ
+    assert all(len(k) == 36 for k in keys[0])
+
+
+def test_prefix_aware_routing_keeps_a_prefix_on_one_replica():
+    trace = [[1, 2], [5, 6], [1, 2, 3], [7], [5, 6, 8]]
+    assert replay.route(trace, 3, "prefix-aware") == [0, 1, 0, 2, 1]
+    assert replay.route(trace, 3, "round-robin") == [0, 1, 2, 0, 1]
+    assert set(replay.route(trace, 3, "random")) <= {0, 1, 2}
+
+
+def test_bad_trace_line_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: .*hash_ids"):
+        replay.load_trace(str(bad))
+
+
+def test_bad_arguments_exit_2_with_one_line(tmp_path):
+    out = _cli("--trace", str(TRACE_SAMPLE), "--replicas", "0", "--capacity-chunks", "10")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "--replicas" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    missing = _cli("--trace", str(tmp_path / "nope.jsonl"), "--replicas", "2",
+                   "--capacity-chunks", "10")
+    assert missing.returncode == 2 and "nope.jsonl" in missing.stderr

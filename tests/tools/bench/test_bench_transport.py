@@ -1,0 +1,78 @@
+"""`kv-offload bench transport`: a tiny bounded run; the JSON shape and byte-identical moves.
+
+No speed is asserted here: the numbers are the benchmark's output, not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kv_offload_tools.bench.transport import METHODS
+
+CLI = [sys.executable, "-m", "kv_offload_operator.cli", "bench", "transport"]
+
+
+def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, shm_dir: str) -> None:
+    plot = tmp_path / "transport.png"
+    done = subprocess.run(
+        [*CLI, "--chunk-bytes", "65536", "--seconds", "0.05", "--rounds", "1",
+         "--set-bytes", str(1 << 20), "--json", "--plot", str(plot), "--shm-dir", shm_dir],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    results = {r["method"]: r for r in report["results"]}
+    assert set(results) == set(METHODS)
+    for method, r in results.items():
+        assert r["chunk_bytes"] == 65536
+        assert r["gbps_median"] > 0 and r["gbps_min"] <= r["gbps_median"] <= r["gbps_max"]
+        assert r["identical"], f"{method} moved bytes that differ from the source"
+        assert r["ratio_to_raw_tcp"] > 0
+    assert results["raw_tcp"]["ratio_to_raw_tcp"] == 1.0
+    lookup = report["lookup"]
+    assert lookup["p50_us"] > 0 and lookup["p99_us"] >= lookup["p50_us"]
+    assert lookup["ratio_to_raw_rtt"] > 0 and lookup["keys"] == 32
+    assert set(lookup["by_transport"]) == {"tcp", "ucx_sm", "ucx_tcp"}
+    assert all("met" in t for t in report["targets"])
+    (ceiling,) = report["ceilings"]
+    assert ceiling["chunk_bytes"] == 65536
+    assert set(ceiling["ratios"]) == {"memcpy", "ucx_sm_limit", "ucx_sm_tagsend"}
+    assert ceiling["ratios"]["memcpy"] == results["memcpy"]["ratio_to_raw_tcp"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[bench transport]" in done.stderr  # progress while running
+
+
+def test_bad_chunk_size_is_one_line_and_exit_2() -> None:
+    done = subprocess.run([*CLI, "--chunk-bytes", "2MiB"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--chunk-bytes" in lines[0] and "integers" in lines[0]
+
+
+def test_ucx_env_reaches_the_ucx_processes_and_is_reported(tmp_path: Path, shm_dir: str) -> None:
+    done = subprocess.run(
+        [*CLI, "--chunk-bytes", "65536", "--seconds", "0.05", "--rounds", "1", "--methods", "ucx_sm",
+         "--set-bytes", str(1 << 20), "--json", "--plot", "", "--shm-dir", shm_dir,
+         "--ucx-env", "UCX_RNDV_SCHEME=get_zcopy,UCX_CMA_SEG_SIZE=1m"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert {r["method"] for r in report["results"]} == {"raw_tcp", "ucx_sm"}
+    assert all(r["identical"] for r in report["results"])
+    settings = report["ucx_settings"]["ucx_sm"]
+    assert settings["UCX_RNDV_SCHEME"] == "get_zcopy"  # overrides the transport's put_zcopy
+    assert settings["UCX_CMA_SEG_SIZE"] == "1m" and settings["UCX_TLS"] == "sm,self"
+
+
+def test_bad_ucx_env_item_is_one_line_and_exit_2() -> None:
+    done = subprocess.run([*CLI, "--ucx-env", "RNDV_SCHEME=get_zcopy"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--ucx-env" in lines[0] and "'RNDV_SCHEME=get_zcopy'" in lines[0]

@@ -1,0 +1,188 @@
+"""Authentication under attack: no pool key, another pool's key, replays, skipped handshakes.
+
+Every attacker must get no chunk byte and store nothing; a sidecar without a
+readable pool key must not start.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.base import auth_proof
+from kv_offload_sidecar.peers.handshake import (
+    HandshakeError,
+    HandshakeInitiator,
+    Session,
+    derive_session,
+)
+from kv_offload_tools.bench.chaos_support import (
+    ChaosPool,
+    RawDataConnection,
+    chunk_keys,
+    http_json,
+    load_and_verify,
+    probe_handshake,
+    store_chunks,
+)
+
+CHUNK = 16 * 1024
+
+
+def _rejections(pool: ChaosPool, identity: str, reason: str) -> float:
+    return pool[identity].metrics().get(
+        f'kv_offload_handshakes_total{{reason="{reason}",result="rejected"}}', 0.0)
+
+
+def _no_chunk_frames(frames: list) -> bool:
+    return all(h is None or h.type not in (proto.MessageType.CHUNK, proto.MessageType.AUTH_OK,
+                                          proto.MessageType.LOOKUP_REPLY) for h, _ in frames)
+
+
+def _victim(pool: ChaosPool) -> tuple[list[bytes], str]:
+    victim = pool.add("victim")
+    keys = chunk_keys("victim-secret", 4)
+    with victim.engine() as engine:
+        assert store_chunks(engine, keys, CHUNK) == 4
+    return keys, victim.status()["data_address"]
+
+
+def _assert_data_plane_refuses(data_address: str, keys: list[bytes], session=None) -> None:
+    """FETCH on a data connection (authenticated with ``session`` if given) yields no chunk."""
+    with RawDataConnection(data_address) as conn:
+        conn.read_challenge()
+        if session is not None:
+            with pytest.raises(ConnectionError, match="authentication refused"):
+                conn.authenticate(session)
+        else:
+            conn.send(proto.encode_fetch(1, keys))
+            frames = conn.read_until_closed()
+            assert _no_chunk_frames(frames), frames
+            assert frames and frames[-1][0] is not None
+            assert frames[-1][0].type is proto.MessageType.ERROR
+            assert b"unauthenticated" in frames[-1][1]
+
+
+def test_peer_without_the_pool_key_is_rejected_and_gets_no_chunk(chaos_pool: ChaosPool) -> None:
+    keys, data_address = _victim(chaos_pool)
+    victim = chaos_pool["victim"]
+    before = victim.status()
+    hello = chaos_pool.local_hello(identity="intruder")
+    initiator = HandshakeInitiator(b"not-the-pool-key", hello)
+    status, reply1 = http_json(victim.control_address, "POST", "/v1/handshake", initiator.step1())
+    assert status == 200  # step 1 reveals nothing secret: the server proves itself first
+    with pytest.raises(HandshakeError) as err:
+        initiator.check_reply(reply1)  # the intruder cannot verify the server either
+    assert err.value.reason == "bad_proof"
+    status, reply = http_json(victim.control_address, "POST", "/v1/handshake", err.value.step2)
+    assert status == 403 and reply["reason"] == "bad_proof"
+    assert _rejections(chaos_pool, "victim", "bad_proof") == 1
+    # A session derived from the wrong key is unknown to the data plane.
+    sid, skey = derive_session(b"not-the-pool-key", hello.nonce_bytes,
+                               bytes.fromhex(reply1["hello"]["nonce"]))
+    _assert_data_plane_refuses(data_address, keys, Session(sid, skey, hello))
+    after = victim.status()
+    assert after["inbound_sessions"] == before["inbound_sessions"]
+    assert after["store"]["chunks"] == before["store"]["chunks"] == 4
+
+
+def test_sidecar_of_another_pool_gets_no_chunk_and_stores_none(chaos_pool: ChaosPool) -> None:
+    keys, _ = _victim(chaos_pool)
+    other_key = os.path.join(chaos_pool.workdir, "other-pool.key")
+    with open(other_key, "wb") as fh:
+        fh.write(b"another-pool-key-fedcba9876543210")
+    intruder = chaos_pool.add("intruder", peers=["victim"], start=False)
+    intruder.argv[intruder.argv.index(chaos_pool.key_path)] = other_key
+    intruder.start()
+    own = chunk_keys("intruder-own", 3)
+    with intruder.engine() as e_in, chaos_pool["victim"].engine() as e_vi:
+        assert store_chunks(e_in, own, CHUNK) == 3
+        deadline = time.monotonic() + 5
+        while _rejections(chaos_pool, "victim", "bad_proof") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _rejections(chaos_pool, "victim", "bad_proof") >= 1
+        time.sleep(0.5)  # several summary intervals: nothing may leak meanwhile
+        # Each side asks for the other's chunks: misses, nothing fetched, nothing stored.
+        assert e_in.lookup(keys).hits == 0
+        assert load_and_verify(e_in, keys, CHUNK) == (0, 0)
+        assert e_vi.lookup(own).hits == 0
+        assert load_and_verify(e_vi, own, CHUNK) == (0, 0)
+    assert intruder.status()["store"]["chunks"] == 3
+    assert chaos_pool["victim"].status()["store"]["chunks"] == 4
+    m = chaos_pool["victim"].metrics()
+    assert m['kv_offload_peer_bytes_total{direction="sent"}'] == 0
+    assert chaos_pool["intruder"].metrics()['kv_offload_peer_bytes_total{direction="received"}'] == 0
+
+
+def test_replayed_handshake_is_rejected_and_gets_no_session(chaos_pool: ChaosPool) -> None:
+    keys, data_address = _victim(chaos_pool)
+    victim = chaos_pool["victim"]
+    # A legitimate member handshakes; the attacker records both bodies and the data-plane answer.
+    captured = probe_handshake(victim.control_address, chaos_pool.pool_key,
+                               chaos_pool.local_hello(identity="member"))
+    with RawDataConnection(data_address) as conn:
+        conn.authenticate(captured.session)
+        recorded_auth = proto.encode_auth_response(
+            captured.session.session_id, auth_proof(captured.session.session_key, conn.nonce))
+    sessions = victim.status()["inbound_sessions"]
+    step1, step2 = captured.sent
+    status, reply = http_json(victim.control_address, "POST", "/v1/handshake", step2)
+    assert status == 403 and reply["reason"] == "replay"
+    status, reply = http_json(victim.control_address, "POST", "/v1/handshake", step1)
+    assert status == 403 and reply["reason"] == "replay"
+    assert _rejections(chaos_pool, "victim", "replay") == 2
+    assert victim.status()["inbound_sessions"] == sessions
+    # Replaying the recorded data-plane answer fails: every connection gets a fresh nonce.
+    with RawDataConnection(data_address) as conn:
+        conn.read_challenge()
+        conn.send(b"".join(recorded_auth))
+        conn.send(proto.encode_fetch(1, keys))
+        frames = conn.read_until_closed()
+    assert _no_chunk_frames(frames), frames
+    assert frames[-1][0] is not None and frames[-1][0].type is proto.MessageType.ERROR
+    assert victim.status()["store"]["chunks"] == 4
+
+
+def test_skipping_the_handshake_gets_an_error_and_no_chunk(chaos_pool: ChaosPool) -> None:
+    keys, data_address = _victim(chaos_pool)
+    before = chaos_pool["victim"].metrics()['kv_offload_protocol_errors_total{reason="unauthenticated"}']
+    _assert_data_plane_refuses(data_address, keys)  # FETCH right after the nonce
+    with RawDataConnection(data_address) as conn:  # LOOKUP straight away, never reading the nonce
+        conn.send(proto.encode_lookup(7, keys))
+        frames = conn.read_until_closed()
+    assert _no_chunk_frames(frames), frames
+    # Summaries are also closed to strangers.
+    status, body = http_json(chaos_pool["victim"].control_address, "GET", "/v1/summary?since=0&epoch=")
+    assert status == 401 and "handshake" in body["error"]
+    after = chaos_pool["victim"].metrics()['kv_offload_protocol_errors_total{reason="unauthenticated"}']
+    assert after >= before + 3
+    assert chaos_pool["victim"].status()["store"]["chunks"] == 4
+
+
+def _run_sidecar(pool: ChaosPool, key_path: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kv_offload_operator.cli", "sidecar", "--config", pool.config_path,
+         "--pool-key-file", key_path, "--host", "127.0.0.1", "--base-port", "1", "--data-port", "0",
+         "--shm-dir", pool.shm_dir],
+        capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("case", ["missing", "unreadable", "empty"])
+def test_sidecar_without_a_readable_pool_key_refuses_to_start(chaos_pool: ChaosPool, case: str) -> None:
+    path = os.path.join(chaos_pool.workdir, f"key-{case}")
+    if case == "unreadable":
+        os.mkdir(path)  # a directory cannot be read as a file, even by root
+    elif case == "empty":
+        open(path, "wb").close()
+    result = _run_sidecar(chaos_pool, path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert path in lines[0] and "pool key file" in lines[0]
+    assert {"missing": "does not exist", "unreadable": "unreadable", "empty": "empty"}[case] in lines[0]
+    assert os.listdir(chaos_pool.shm_dir) == []

@@ -1,0 +1,156 @@
+"""Graceful shutdown: SIGTERM stops accepting, lets in-flight fetches finish, leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+from kv_offload_sidecar.data import connect
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.store.chunk_store import ChunkStore
+from kv_offload_tools.bench.chaos_support import (
+    ChaosPool,
+    RawDataConnection,
+    chunk_content,
+    chunk_keys,
+    load_and_verify,
+    probe_handshake,
+    store_chunks,
+)
+from kv_offload_tools.bench.fault_proxy import FaultPlan, FaultProxy
+
+CHUNK = 16 * 1024
+
+
+def _refused(address: str) -> bool:
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return False
+    except OSError:
+        return True
+
+
+def _wait_connected(pool: ChaosPool, identity: str, peer: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        peers = pool[identity].status()["peers"]
+        if peers.get("connected", 0) >= 1:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{identity} did not connect to {peer}: {pool[identity].status()['peers']}")
+
+
+async def test_sigterm_lets_an_in_flight_fetch_finish_and_unlinks_the_store() -> None:
+    # 1 MiB chunks: a 48-chunk fetch is larger than the client's request window (16 MiB), so
+    # the peer keeps asking for chunks after the SIGTERM; all of them must still arrive.
+    big = 1 << 20
+    pool = ChaosPool(chunk_bytes=big, capacity_bytes=64 << 20, shutdown_grace_seconds=10.0)
+    try:
+        server = pool.add("server")
+        keys = chunk_keys("shutdown", 48)
+        with server.engine() as engine:
+            assert store_chunks(engine, keys, big) == len(keys)
+            socket_path = engine.socket_path
+        status = server.status()
+        store_path, data_address = status["store"]["path"], status["data_address"]
+        probe = probe_handshake(server.control_address, pool.pool_key, pool.local_hello())
+        host, _, port = data_address.removeprefix("tcp://").rpartition(":")
+        # A slow link: the fetch of 48 MiB takes a few seconds, so SIGTERM lands in the middle.
+        async with FaultProxy(host, int(port), plan=FaultPlan("delay", delay_seconds=0.002)) as proxy:
+            client = await connect(proxy.address, probe.session.session_id, probe.session.session_key,
+                                   timeout=5.0)
+            store = ChunkStore(big, 64 << 20, directory=pool.shm_dir, name="probe")
+            try:
+                fetch = asyncio.create_task(client.fetch(keys, store, 60.0))
+                while proxy.stats.bytes_downstream < 8 * big:
+                    await asyncio.sleep(0.01)
+                assert not fetch.done()
+                server.send(15)  # SIGTERM
+                sent_at = time.monotonic()
+                # It stops accepting at once (control and data ports) while the fetch goes on.
+                while not (_refused(server.control_address) and _refused(data_address)):
+                    assert time.monotonic() - sent_at < 5.0, "still accepting 5 s after SIGTERM"
+                    await asyncio.sleep(0.05)
+                got = await fetch
+                assert got == len(keys), f"in-flight fetch cut short: {got} of {len(keys)} chunks"
+                for key in keys:  # every chunk whole and right
+                    pin = store.pin(key)
+                    assert pin is not None
+                    with pin:
+                        assert pin.view == chunk_content(key, big)
+                await client.close()
+            finally:
+                store.close()
+        code = await asyncio.to_thread(server.proc.wait, 30)  # type: ignore[union-attr]
+        assert code == 0, server.log_tail()
+        assert time.monotonic() - sent_at < pool.shutdown_grace_seconds + 10.0
+        assert not os.path.exists(store_path)
+        assert not os.path.exists(socket_path)
+    finally:
+        pool.close()
+
+
+def test_sigterm_during_engine_loads_gives_whole_chunks_or_misses(chaos_pool: ChaosPool) -> None:
+    holder = chaos_pool.add("holder")
+    loader = chaos_pool.add("loader", peers=["holder"])
+    keys = chunk_keys("engine-load", 64)
+    with holder.engine() as e_holder:
+        assert store_chunks(e_holder, keys, CHUNK) == len(keys)
+    e_loader = loader.engine()
+    end = time.monotonic() + 10
+    while e_loader.lookup(keys).peer < len(keys) and time.monotonic() < end:
+        time.sleep(0.1)
+    results: list[tuple[int, int]] = []
+
+    def loads() -> None:
+        for _ in range(200):
+            results.append(load_and_verify(e_loader, keys, CHUNK))
+            if not loader.alive:
+                return
+
+    t = threading.Thread(target=loads)
+    t.start()
+    time.sleep(0.3)
+    loader.send(15)
+    t.join(30)
+    assert not t.is_alive()
+    assert loader.proc is not None and loader.proc.wait(15) == 0, loader.log_tail()
+    assert results and all(bad == 0 for _, bad in results), results
+    assert results[0][0] == len(keys)  # loads worked before SIGTERM
+    assert not [p for p in os.listdir(chaos_pool.shm_dir) if "loader" in p]  # store and socket gone
+    e_loader.close()
+
+
+def test_restarted_sidecar_rejoins_its_pool_and_serves_again(chaos_pool: ChaosPool) -> None:
+    first = chaos_pool.add("first")
+    second = chaos_pool.add("second", peers=["first"])
+    _wait_connected(chaos_pool, "second", "first")
+    assert second.terminate(20) == 0
+    second.start()
+    keys = chunk_keys("after-restart", 8)
+    with second.engine() as e_second, first.engine() as e_first:
+        assert store_chunks(e_second, keys, CHUNK) == len(keys)
+        end = time.monotonic() + 15
+        while e_first.lookup(keys).peer < len(keys) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert load_and_verify(e_first, keys, CHUNK) == (len(keys), 0)
+    assert first.status()["store"]["chunks"] == len(keys)
+
+
+def test_sigterm_says_goodbye_on_an_open_data_connection(chaos_pool: ChaosPool) -> None:
+    server = chaos_pool.add("server")
+    data_address = server.status()["data_address"]
+    probe = probe_handshake(server.control_address, chaos_pool.pool_key, chaos_pool.local_hello())
+    with RawDataConnection(data_address) as conn:
+        conn.authenticate(probe.session)
+        server.send(15)  # SIGTERM with this connection open and idle
+        conn.sock.settimeout(20.0)
+        # One CLOSE frame, then an orderly end of stream (not a reset).
+        header, payload = conn.read_frame()
+        assert header.type is proto.MessageType.CLOSE and payload == b""
+        assert conn.sock.recv(1) == b""
+    assert server.proc is not None and server.proc.wait(20) == 0, server.log_tail()

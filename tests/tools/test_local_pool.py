@@ -1,0 +1,90 @@
+"""LocalPool: its sidecars die with the process that started them, and no work directory outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kv_offload_tools.local_pool import LocalPool, make_workdir, sweep_stale_workdirs
+
+# Runs in a child process: start a pool, report its sidecars, then wait to be killed.
+OWNER_SCRIPT = """
+import json, sys, time
+from kv_offload_tools.local_pool import LocalPool
+pool = LocalPool(2).start()
+print(json.dumps({"pids": [s.proc.pid for s in pool.sidecars], "workdir": pool.workdir,
+                  "stores": [s.status()["store"]["path"] for s in pool.sidecars]}), flush=True)
+time.sleep(600)
+"""
+
+
+def pid_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_sidecars_exit_and_unlink_their_stores_when_the_pool_owner_is_sigkilled():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT], stdout=subprocess.PIPE, text=True)
+    info = None
+    try:
+        line = owner.stdout.readline()
+        assert line, f"the pool owner exited with {owner.wait(10)} before reporting its pool"
+        info = json.loads(line)
+        assert all(pid_running(p) for p in info["pids"])
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        # The sidecars notice their parent is gone and shut down gracefully.
+        wait_until(lambda: not any(pid_running(p) for p in info["pids"]), 30.0,
+                   f"sidecars {info['pids']} to exit after their parent was killed")
+        assert [p for p in info["stores"] if os.path.exists(p)] == []
+        # The owner's work directory is named after it; the next pool removes it.
+        assert os.path.isdir(info["workdir"])
+        pool = LocalPool(1)
+        try:
+            assert not os.path.exists(info["workdir"])
+        finally:
+            pool.stop()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        for pid in (info or {}).get("pids", []):
+            if pid_running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_removes_the_pool_work_directory():
+    pool = LocalPool(1).start()
+    workdir = pool.workdir
+    assert os.path.isdir(workdir) and os.path.basename(workdir).startswith(f"kvo-{os.getpid()}-")
+    pool.stop()
+    assert not os.path.exists(workdir)
+
+
+def test_sweep_keeps_directories_of_living_owners(tmp_path):
+    mine = make_workdir("kvo-", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    theirs = tmp_path / f"kvo-{dead.pid}-abc123"
+    theirs.mkdir()
+    (theirs / "sidecar-0.log").write_text("left behind")
+    unrelated = tmp_path / "kvo-notapid"
+    unrelated.mkdir()
+    assert sweep_stale_workdirs("kvo-", str(tmp_path)) == [str(theirs)]
+    assert os.path.isdir(mine) and os.path.isdir(unrelated) and not theirs.exists()
