@@ -1,7 +1,8 @@
 # The one kv-offload image: `kv-offload operator` (kopf operator and webhook)
 # and `kv-offload sidecar` (per-pod chunk store and UCX/TCP data plane).
 # Build: docker build -t kv-offload:0.1.0 .
-# torch is not installed: only the simulated engine and the tests need it.
+# The tools (sidecar/kv_offload_tools: demo, simulated engine, benches) and their
+# extra (torch, matplotlib, hypothesis) are not in the image.
 
 FROM python:3.11.14-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 \
@@ -10,12 +11,13 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/kv-offload
 COPY pyproject.toml README.md ./
-COPY sidecar/ sidecar/
+COPY sidecar/kv_offload_sidecar/ sidecar/kv_offload_sidecar/
 COPY operator/ operator/
 # A regular (non-editable) install of the project and its runtime
 # dependencies, ucxx-cu12 among them; no test extra.
 RUN /opt/kv-offload/bin/pip install --no-cache-dir /src \
-    && /opt/kv-offload/bin/python -c "import kv_offload_sidecar, kv_offload_operator, ucxx"
+    && /opt/kv-offload/bin/python -c "import kv_offload_sidecar, kv_offload_operator, ucxx" \
+    && ! /opt/kv-offload/bin/python -c "import kv_offload_tools" 2>/dev/null
 
 FROM python:3.11.14-slim-bookworm
 LABEL org.opencontainers.image.title="kv-offload" \

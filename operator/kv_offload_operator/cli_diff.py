@@ -17,7 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kv_offload_sidecar.engine.offloading_config import identity_diff, load_config_file
+    from kv_offload_sidecar.engine.offloading_config import (
+        identity_diff,
+        load_config_file,
+    )
 
     try:
         a = load_config_file(args.a)

@@ -17,7 +17,13 @@ from typing import Any
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, identity_diff
 
-from .pool_objects import CONFIG_KEY, POOL_KEY_KEY, configmap_name, peers_dns, secret_name
+from .pool_objects import (
+    CONFIG_KEY,
+    POOL_KEY_KEY,
+    configmap_name,
+    peers_dns,
+    secret_name,
+)
 from .pool_spec import HASH_SEED_ENV, SidecarSpec
 from .translation.translate import translate
 from .translation.vllm_args import parse_vllm_args

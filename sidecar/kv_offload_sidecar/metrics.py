@@ -1,6 +1,6 @@
 """The sidecar's Prometheus metrics, all defined here on a registry passed in.
 
-Names follow SPEC section 6: namespace ``kv_offload``, base units in the name
+Names are the product's metric contract: namespace ``kv_offload``, base units in the name
 (``_seconds``, ``_bytes``), counters exposed with ``_total``. Every label takes
 its values from one of the small fixed tuples below and each allowed series is
 pre-created with ``.labels(...)`` so dashboards see zeros instead of gaps. No

@@ -72,3 +72,40 @@ def test_image_installs_the_project_with_ucxx_and_without_torch_or_pip_cache():
     pyproject = (REPO / "pyproject.toml").read_text()
     runtime_deps = pyproject.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert "ucxx-cu12" in runtime_deps and "torch" not in runtime_deps
+
+
+def test_the_image_build_context_yields_a_wheel_without_the_tools_and_their_dependencies(tmp_path):
+    """Build the wheel from exactly what the Dockerfile copies: no kv_offload_tools inside,
+    and the runtime requirements name no torch, matplotlib or hypothesis (the tools extra)."""
+    import shutil
+    import sys
+    import zipfile
+
+    ctx = tmp_path / "ctx"
+    for word, args in instructions():
+        if word == "COPY" and not args.startswith("--from="):
+            *sources, dest = args.split()
+            for src in sources:
+                target = ctx / dest.strip("/") if src.rstrip("/") != src or dest.endswith("/") \
+                    else ctx / dest
+                path = REPO / src
+                if path.is_dir():
+                    shutil.copytree(path, ctx / dest.rstrip("/"), dirs_exist_ok=True)
+                else:
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(path, target / path.name)
+    assert (ctx / "sidecar" / "kv_offload_sidecar").is_dir()
+    assert not (ctx / "sidecar" / "kv_offload_tools").exists()
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                          "-q", "-w", str(tmp_path / "dist"), str(ctx)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "dist").glob("kv_offload-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        meta = zf.read(next(n for n in names if n.endswith("METADATA"))).decode()
+    assert any(n.startswith("kv_offload_sidecar/engine/vllm_tier.py") for n in names)
+    assert not any(n.startswith("kv_offload_tools") for n in names)
+    runtime = [line for line in meta.splitlines()
+               if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    assert runtime and not [r for r in runtime if re.search(r"torch|matplotlib|hypothesis", r)]

@@ -27,7 +27,13 @@ from kv_offload_sidecar.engine.offloading_config import (
     OffloadingParallelConfig,
 )
 
-from .kv_cache_geometry import FULL, MLA, GeometryError, KVCacheGeometry, kv_cache_geometry
+from .kv_cache_geometry import (
+    FULL,
+    MLA,
+    GeometryError,
+    KVCacheGeometry,
+    kv_cache_geometry,
+)
 from .vllm_args import VllmServeArgs, parse_vllm_args
 
 # CacheConfig.DEFAULT_BLOCK_SIZE: what FlashAttention runs with when --block-size is absent.

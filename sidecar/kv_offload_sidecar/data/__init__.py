@@ -25,11 +25,10 @@ from kv_offload_sidecar.data.base import (
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
 
-# Transport names accepted by make_server (and --transport).
-TRANSPORTS = ("ucx", "tcp")
+from kv_offload_sidecar.settings import TRANSPORTS
 
 __all__ = [
-    "TRANSPORTS", "Authorize", "DataPlaneServer", "IntegrityError", "PeerDataClient",
+    "Authorize", "DataPlaneServer", "IntegrityError", "PeerDataClient",
     "StoreLike", "TransportError", "connect", "make_server", "parse_address",
 ]
 

@@ -143,10 +143,6 @@ class UcxAttach:
     # The client's UCX worker address (opaque bytes).
     worker_address: bytes
 
-    def signed_bytes(self) -> bytes:
-        """What the MAC covers."""
-        return ucx_attach_signed_bytes(self.connection_id, self.worker_address)
-
 
 # Domain separation of the UCX_ATTACH MAC.
 UCX_ATTACH_CONTEXT = b"kv-offload ucx attach"

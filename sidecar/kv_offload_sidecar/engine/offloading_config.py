@@ -18,7 +18,7 @@ FINGERPRINT_HEX_LEN = 16
 NAMESPACE_DIGEST_HEX_LEN = 12
 # SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT (mmap.PAGESIZE on x86-64 / arm64 4K).
 HOST_PAGE_BYTES = 4096
-# vLLM's CANONICAL_FORMAT_VERSION (canonical_mapping.py) as SPEC section 3 fixes it:
+# vLLM's CANONICAL_FORMAT_VERSION (canonical_mapping.py), as the fingerprint records it:
 # vLLM main is at 2 (PCP recorded as a replica axis); the 0.33.0 wheel still says 1.
 CANONICAL_FORMAT_VERSION = 2
 # Legacy family spellings of vLLM's canonical_format_id.

@@ -121,10 +121,6 @@ class PeerManager:
                 return link
         return None
 
-    def connected_identities(self) -> list[str]:
-        return [link.identity for link in self._links.values()
-                if link.state == "connected" and link.identity]
-
     def report_failure(self, link: PeerLink, error: str) -> None:
         """The engine path saw this peer fail: reset and back it off."""
         link.last_error = error

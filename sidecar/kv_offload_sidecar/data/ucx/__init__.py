@@ -7,7 +7,7 @@ endpoints are made from *worker addresses* exchanged out of band: the server's
 address is what ``start()`` returns (``ucx://<base64 worker address>``), advertised
 in the control-plane handshake; the client sends its own in ``UCX_ATTACH``.
 Progress runs in ``blocking`` mode on the asyncio loop (the default progress
-thread costs 2-3x on 2 cores). Call ``configure_ucx_env`` before ``ucxx`` is
+thread is much slower on small hosts). Call ``configure_ucx_env`` before ``ucxx`` is
 imported (UCX reads its environment once).
 
 Tags (64 bits): the high 32 bits are the connection id the client picked, the
@@ -44,7 +44,6 @@ does the copy, so a *fetcher* survives a holder killed mid-transfer (tested, one
 lane), but a *holder* whose fetcher is killed in the middle of a transfer is aborted
 by UCX (and with two lanes so can the fetcher, whose lane reads by CMA).
 The TCP transport has no such gap; isolating UCX in a helper process is the fix.
-Error handling cannot close it either: with UCX 1.21 an endpoint with peer error
-handling (even with ``UCX_MM_ERROR_HANDLING=y``) gets only ``sysv`` for tags, no
-CMA, about 0.05 GB/s on the benchmark host.
+Error handling cannot close it either: an endpoint with peer error handling gets
+only ``sysv`` for tags, no CMA.
 """

@@ -32,11 +32,11 @@ DEFAULT_TLS = "sm,tcp,self"
 _UCX_DEFAULTS = {
     # Only for code that uses ucxx's own asyncio layer; this transport drives the worker itself.
     "UCXPY_PROGRESS_MODE": "blocking",
-    # UCX over TCP assumes a slow link and uses 8 KiB segments; 1 MiB is 2-4x faster.
+    # UCX over TCP assumes a slow link and uses 8 KiB segments; 1 MiB segments are much faster.
     "UCX_TCP_TX_SEG_SIZE": "1m",
     "UCX_TCP_RX_SEG_SIZE": "1m",
     # A CMA (sm) rendezvous copies in segments of this size, one per progress call; the
-    # default 512 KiB costs 5-10% at 2-16 MiB chunks.
+    # default 512 KiB is slower for MiB-sized chunks.
     "UCX_CMA_SEG_SIZE": "16m",
     # ucxx sets UCX_MEMTYPE_CACHE which this UCX build does not know; keep logs quiet.
     "UCX_WARN_UNUSED_ENV_VARS": "n",
