@@ -1,36 +1,36 @@
-"""LocalPool: several ``kv-offload sidecar`` OS processes on 127.0.0.1.
+"""LocalPool: ``kv-offload sidecar`` OS processes on 127.0.0.1 (tests, demo, benches, chaos).
 
-Used by the process-level tests, the demo, the benchmarks and the Prometheus
-test. It writes an offloading config and a pool key into a fresh work
-directory (under /dev/shm when available, which also holds the store files and
-local sockets), starts N sidecars on free ports with each other as static
+It writes an offloading config and a pool key into a fresh work directory
+(under /dev/shm when available, which also holds the store files, local
+sockets and logs), starts N sidecars on free ports with each other as static
 peers, waits until every one is ready and connected to all others, and stops
 them with SIGTERM (then SIGKILL), removing the work directory. Every sidecar
 runs with ``--parent-pid`` of this process, so it shuts down (and unlinks its
 store) when this process dies without stopping the pool (SIGKILL, a killed
 bench); the work directory's name carries this process's id, and the next
 LocalPool on the machine removes directories whose owner is gone
-(``sweep_stale_workdirs``). Per-sidecar ``SidecarOverride``s give one
-sidecar another config (fingerprint, chunk size), pool key, hash seed or
-transport, for rejection tests; such a sidecar is not expected to connect.
+(``sweep_stale_workdirs``).
+
+More sidecars join with ``add``: by default as members of the full mesh, or
+with an identity, peers and store budget of the caller's choosing (the chaos
+bench builds its hub and servers this way; ``LocalPool(0)`` starts empty).
+A ``SidecarOverride`` gives one sidecar another config (fingerprint, chunk
+size), pool key, hash seed or transport, for rejection tests; such a sidecar
+is not expected to connect. ``local_hello`` is the hello a member would send,
+for hand-driven peers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,9 +44,15 @@ from kv_offload_sidecar.engine.offloading_config import (
     OffloadingParallelConfig,
 )
 from kv_offload_sidecar.main import process_alive
+from kv_offload_sidecar.peers.handshake import HelloMessage, make_hello
+from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, effective_hash_seed
+
+# Re-exported: the tests import these helpers from here.
+from kv_offload_tools.http_client import http_json  # noqa: F401
+from kv_offload_tools.scrape import parse_metrics  # noqa: F401
+from kv_offload_tools.sidecar_process import SidecarProcess
 
 DEFAULT_POOL_KEY = b"local-pool-key-not-a-secret"
-DEFAULT_HASH_SEED = "0"
 
 
 def example_config(*, model: str = "Qwen/Qwen3-0.6B", dtype: str = "bfloat16",
@@ -152,156 +158,6 @@ def free_port_block(count: int = 1, host: str = "127.0.0.1", attempts: int = 200
     raise RuntimeError(f"found no block of {count} free ports on {host}")
 
 
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def http_json(url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
-    """(status, decoded JSON or text) of a GET (or POST when body is given)."""
-    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode("utf-8", "replace")
-
-
-_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
-
-
-def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """Prometheus text -> {(sample name, labels): value}."""
-    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-class SidecarProcess:
-    """One running ``kv-offload sidecar`` of a LocalPool."""
-
-    def __init__(self, index: int, identity: str, base_port: int, dp_indices: tuple[int, ...],
-                 transport: str, workdir: str, proc: subprocess.Popen[bytes], log_path: str,
-                 expect_connect: bool, argv: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        # Position in the pool (0-based).
-        self.index = index
-        # --identity of the sidecar.
-        self.identity = identity
-        # Control port of global DP index 0 (DP index i listens on base_port + i).
-        self.base_port = base_port
-        # Global DP indices it serves.
-        self.dp_indices = dp_indices
-        # Data-plane transport.
-        self.transport = transport
-        self.host = "127.0.0.1"
-        self.workdir = workdir
-        self.proc = proc
-        self.log_path = log_path
-        # False for sidecars built to be rejected by the others.
-        self.expect_connect = expect_connect
-        self._term_sent = False
-        self._argv = list(argv)
-        self._env = dict(env or {})
-
-    def respawn(self) -> None:
-        """Start the same command again (same identity, ports, files) after it exited."""
-        if self.alive():
-            raise RuntimeError(f"{self.identity} is still running; stop or kill it first")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
-        self._term_sent = False
-
-    @property
-    def port(self) -> int:
-        """Control port of its first DP index."""
-        return self.base_port + self.dp_indices[0]
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        """Base URL of its first control port, e.g. http://127.0.0.1:40123."""
-        return f"http://{self.host}:{self.port}"
-
-    def get(self, path: str, timeout: float = 5.0) -> tuple[int, Any]:
-        return http_json(self.url + path, timeout=timeout)
-
-    def post(self, path: str, body: Any, timeout: float = 5.0) -> tuple[int, Any]:
-        return http_json(self.url + path, body=body, timeout=timeout)
-
-    def status(self) -> dict[str, Any]:
-        code, body = self.get("/v1/status")
-        if code != 200:
-            raise RuntimeError(f"{self.identity}: /v1/status answered {code}: {body}")
-        return body
-
-    def peers(self) -> list[dict[str, Any]]:
-        return self.get("/v1/peers")[1]["peers"]
-
-    def metrics_text(self) -> str:
-        with _OPENER.open(self.url + "/metrics", timeout=5.0) as resp:
-            return resp.read().decode()
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Value of one sample (0.0 when absent), e.g. metric("kv_offload_handshakes_total", reason="replay")."""
-        want = set(labels.items())
-        total = 0.0
-        for (sample, lab), value in parse_metrics(self.metrics_text()).items():
-            if sample == name and want <= set(lab):
-                total += value
-        return total
-
-    def client(self, dp_index: int | None = None, timeout: float = 5.0) -> EngineClient:
-        """An EngineClient of one DP port (the first by default)."""
-        idx = self.dp_indices[0] if dp_index is None else dp_index
-        return EngineClient.connect(self.host, self.base_port + idx, timeout)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return "".join(fh.readlines()[-lines:])
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL, no cleanup (a crash)."""
-        if self.alive():
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def terminate(self, timeout: float = 10.0) -> int:
-        """SIGTERM (once), then SIGKILL after ``timeout``; returns the exit code."""
-        if self.alive() and not self._term_sent:
-            self._term_sent = True
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            # Stuck: have it print its thread stacks into its log, then kill it.
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGUSR1)
-            time.sleep(0.5)
-            self.proc.kill()
-        return self.proc.wait(10)
-
-
 def sidecar_command() -> list[str]:
     """argv prefix running ``kv-offload`` with this interpreter."""
     script = os.path.join(os.path.dirname(sys.executable), "kv-offload")
@@ -311,7 +167,7 @@ def sidecar_command() -> list[str]:
 
 
 class LocalPool:
-    """N sidecar processes on 127.0.0.1 sharing chunks; a context manager."""
+    """Sidecar processes on 127.0.0.1 sharing one config and pool key; a context manager."""
 
     def __init__(self, n: int = 3, *, transport: str = "tcp", config: OffloadingConfig | None = None,
                  pool_key: bytes = DEFAULT_POOL_KEY, capacity_bytes: int = 32 << 20,
@@ -320,23 +176,52 @@ class LocalPool:
                  overrides: Mapping[int, SidecarOverride] | None = None,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
                  workdir: str | None = None, log_level: str = "INFO") -> None:
+        # Sidecars start() launches (add() launches more).
         self.n = n
         self.transport = transport
         self.config = config or example_config()
         self.pool_key = pool_key
+        # Store budget of each sidecar unless add() is given another.
         self.capacity_bytes = capacity_bytes
         self.dp_indices = tuple(dp_indices)
         self.fetch_deadline_seconds = fetch_deadline_seconds
         self.summary_interval_seconds = summary_interval_seconds
         self.shutdown_grace_seconds = shutdown_grace_seconds
+        # Sidecar index -> how it differs, for the n sidecars of start().
         self.overrides = dict(overrides or {})
+        # Environment and flags of every sidecar (over this process's environment).
         self.env = dict(env or {})
         self.extra_args = tuple(extra_args)
         self.log_level = log_level
         self._own_workdir = workdir is None
+        # Config, key, logs, store files and local sockets (the sidecars' --shm-dir).
         self.workdir = workdir or make_workdir()
         self.sidecars: list[SidecarProcess] = []
         self._files: dict[str, str] = {}
+
+    # ---- what the pool shares -------------------------------------------------------
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk (the config's ``kv_bytes_per_chunk``)."""
+        return self.config.kv_bytes_per_chunk
+
+    @property
+    def hash_seed(self) -> str:
+        """The prefix-hash seed the sidecars compare: the config's, else their PYTHONHASHSEED."""
+        return effective_hash_seed(self.config, {"PYTHONHASHSEED": self._environment()["PYTHONHASHSEED"]})
+
+    @property
+    def config_path(self) -> str:
+        """The pool's config file (what ``--config`` of its sidecars names)."""
+        return self._config_file(self.config)
+
+    def local_hello(self, *, identity: str = "probe") -> HelloMessage:
+        """The hello a member of this pool sends, for a peer driven by hand (probes, attacks)."""
+        return make_hello(
+            fingerprint=self.config.fingerprint, hash_seed=self.hash_seed,
+            kv_bytes_per_chunk=self.chunk_bytes, identity=identity, control_address="127.0.0.1:9",
+            data_address="tcp://127.0.0.1:9", transport="tcp", run_config=self.config.run_config())
 
     # ---- files ----------------------------------------------------------------
 
@@ -348,10 +233,9 @@ class LocalPool:
         return path
 
     def _config_file(self, config: OffloadingConfig) -> str:
-        text = config.to_json()
         key = f"config-{config.fingerprint}-{config.kv_bytes_per_chunk}.json"
         if key not in self._files:
-            self._files[key] = self._file(key, text.encode())
+            self._files[key] = self._file(key, config.to_json().encode())
         return self._files[key]
 
     def _key_file(self, key: bytes) -> str:
@@ -362,25 +246,9 @@ class LocalPool:
 
     # ---- processes ------------------------------------------------------------
 
-    def _launch(self, index: int, base_port: int, peers: Sequence[str],
-                override: SidecarOverride | None) -> SidecarProcess:
+    def _environment(self, override: SidecarOverride | None = None) -> dict[str, str]:
+        """A sidecar's environment: this process's without proxies, the pool's, the override's."""
         o = override or SidecarOverride()
-        identity = f"sidecar-{index}"
-        transport = o.transport or self.transport
-        argv = [*sidecar_command(), "sidecar",
-                "--config", self._config_file(o.config or self.config),
-                "--pool-key-file", self._key_file(o.pool_key or self.pool_key),
-                "--host", "127.0.0.1", "--base-port", str(base_port),
-                "--dp-indices", ",".join(map(str, self.dp_indices)),
-                "--data-port", "0", "--capacity-bytes", str(self.capacity_bytes),
-                "--transport", transport, "--shm-dir", self.workdir, "--identity", identity,
-                "--fetch-deadline-seconds", str(self.fetch_deadline_seconds),
-                "--summary-interval-seconds", str(self.summary_interval_seconds),
-                "--shutdown-grace-seconds", str(self.shutdown_grace_seconds),
-                "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
-                *self.extra_args, *o.extra_args]
-        if peers:
-            argv += ["--peers", ",".join(peers)]
         env = dict(os.environ)
         for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
             env.pop(var, None)
@@ -390,12 +258,31 @@ class LocalPool:
         if o.hash_seed is not None:
             env["PYTHONHASHSEED"] = o.hash_seed
         env.update(o.env)
-        log_path = os.path.join(self.workdir, f"{identity}.log")
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
-        return SidecarProcess(index, identity, base_port, self.dp_indices, transport, self.workdir,
-                              proc, log_path, expect_connect=override is None, argv=argv, env=env)
+        return env
+
+    def _sidecar(self, identity: str, base_port: int, peers: Sequence[str],
+                 override: SidecarOverride | None, capacity_bytes: int | None,
+                 expect_connect: bool) -> SidecarProcess:
+        """A SidecarProcess (not started) whose static peers are the addresses ``peers``."""
+        o = override or SidecarOverride()
+        transport = o.transport or self.transport
+        argv = [*sidecar_command(), "sidecar",
+                "--config", self._config_file(o.config or self.config),
+                "--pool-key-file", self._key_file(o.pool_key or self.pool_key),
+                "--host", "127.0.0.1", "--base-port", str(base_port),
+                "--dp-indices", ",".join(map(str, self.dp_indices)),
+                "--data-port", "0", "--capacity-bytes", str(capacity_bytes or self.capacity_bytes),
+                "--transport", transport, "--shm-dir", self.workdir, "--identity", identity,
+                "--fetch-deadline-seconds", str(self.fetch_deadline_seconds),
+                "--summary-interval-seconds", str(self.summary_interval_seconds),
+                "--shutdown-grace-seconds", str(self.shutdown_grace_seconds),
+                "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
+                *self.extra_args, *o.extra_args]
+        if peers:
+            argv += ["--peers", ",".join(peers)]
+        return SidecarProcess(len(self.sidecars), identity, base_port, self.dp_indices, transport, argv,
+                              self._environment(override), os.path.join(self.workdir, f"{identity}.log"),
+                              expect_connect)
 
     def start(self, timeout: float = 60.0) -> "LocalPool":
         """Start the N sidecars and wait until all are ready and connected."""
@@ -404,7 +291,11 @@ class LocalPool:
             addrs = [f"127.0.0.1:{p + self.dp_indices[0]}" for p in ports]
             for i in range(self.n):
                 peers = [a for j, a in enumerate(addrs) if j != i]
-                self.sidecars.append(self._launch(i, ports[i], peers, self.overrides.get(i)))
+                override = self.overrides.get(i)
+                sc = self._sidecar(f"sidecar-{i}", ports[i], peers, override, None,
+                                   expect_connect=override is None)
+                self.sidecars.append(sc)
+                sc.start(wait=False)
             self.wait_ready(timeout)
             self.wait_connected(timeout)
         except BaseException:
@@ -412,19 +303,29 @@ class LocalPool:
             raise
         return self
 
-    def add(self, override: SidecarOverride | None = None, *, timeout: float = 60.0,
-            wait_connected: bool | None = None) -> SidecarProcess:
-        """Start one more sidecar with the pool's sidecars as its static peers.
+    def add(self, override: SidecarOverride | None = None, *, identity: str | None = None,
+            peers: Sequence[str] | None = None, capacity_bytes: int | None = None,
+            timeout: float = 60.0, wait_connected: bool | None = None) -> SidecarProcess:
+        """Start one more sidecar and wait until it is ready.
 
-        The others learn of it when it handshakes with them. Waits for its
-        readiness, and (unless it has an override) until all are connected.
+        Without ``peers`` it joins the full mesh: every running sidecar is its
+        static peer, the others learn of it when it handshakes with them, and
+        (unless it has an override) this waits until all members are connected.
+        ``peers`` names the identities it dials instead (possibly none); such a
+        sidecar is outside the mesh and nothing waits for its connections.
+        ``identity`` defaults to ``sidecar-<index>``; ``capacity_bytes`` to the pool's.
         """
-        base = free_port_block(max(self.dp_indices) + 1)
-        peers = [s.address for s in self.sidecars if s.alive()]
-        sc = self._launch(len(self.sidecars), base, peers, override)
+        identity = identity or f"sidecar-{len(self.sidecars)}"
+        if any(s.identity == identity for s in self.sidecars):
+            raise ValueError(f"the pool already has a sidecar called {identity!r}")
+        mesh = peers is None
+        addresses = [s.address for s in self.sidecars if s.alive()] if mesh \
+            else [self[p].address for p in peers]  # type: ignore[union-attr]
+        sc = self._sidecar(identity, free_port_block(max(self.dp_indices) + 1), addresses, override,
+                           capacity_bytes, expect_connect=mesh and override is None)
         self.sidecars.append(sc)
-        self._wait_ready_one(sc, time.monotonic() + timeout)
-        if wait_connected if wait_connected is not None else override is None:
+        sc.start(timeout=timeout)
+        if sc.expect_connect if wait_connected is None else wait_connected:
             self.wait_connected(timeout)
         return sc
 
@@ -436,32 +337,18 @@ class LocalPool:
             sc.kill()
         else:
             sc.terminate()
-        sc.respawn()
-        self._wait_ready_one(sc, time.monotonic() + timeout)
+        sc.start(timeout=timeout)
         if sc.expect_connect:
             self.wait_connected(timeout)
         return sc
 
-    def _wait_ready_one(self, sc: SidecarProcess, deadline: float) -> None:
-        while True:
-            if not sc.alive():
-                raise RuntimeError(f"{sc.identity} exited with code {sc.proc.returncode}:\n{sc.log_tail()}")
-            try:
-                if sc.get("/readyz", timeout=2.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{sc.identity} not ready in time:\n{sc.log_tail()}")
-            time.sleep(0.05)
-
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         for sc in self.sidecars:
-            self._wait_ready_one(sc, deadline)
+            sc.wait_ready(max(0.0, deadline - time.monotonic()))
 
     def members(self) -> list[SidecarProcess]:
-        """Running sidecars without overrides (the ones that should connect)."""
+        """Running sidecars of the full mesh (the ones that should connect to each other)."""
         return [s for s in self.sidecars if s.expect_connect and s.alive()]
 
     def wait_connected(self, timeout: float = 60.0) -> None:
@@ -504,21 +391,21 @@ class LocalPool:
     def client(self, index: int, dp_index: int | None = None, timeout: float = 5.0) -> EngineClient:
         return self.sidecars[index].client(dp_index, timeout)
 
-    def __getitem__(self, index: int) -> SidecarProcess:
-        return self.sidecars[index]
+    def __getitem__(self, key: int | str) -> SidecarProcess:
+        """A sidecar by position, or by identity."""
+        if isinstance(key, str):
+            for sc in self.sidecars:
+                if sc.identity == key:
+                    return sc
+            raise KeyError(f"the pool has no sidecar called {key!r}")
+        return self.sidecars[key]
 
     def stop(self, timeout: float = 10.0) -> dict[str, int]:
         """SIGTERM every sidecar (SIGKILL after ``timeout``); returns exit codes by identity."""
         for sc in self.sidecars:
-            if sc.alive() and not sc._term_sent:
-                sc._term_sent = True
-                sc.proc.send_signal(signal.SIGTERM)
-        codes = {}
-        for sc in self.sidecars:
-            codes[sc.identity] = sc.terminate(timeout)
-            if codes[sc.identity] == -signal.SIGKILL and sc._term_sent:
-                print(f"LocalPool: {sc.identity} ignored SIGTERM for {timeout}s; its log ends:\n"
-                      f"{sc.log_tail(60)}", file=sys.stderr)
+            sc.send(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            sc.sigterm()
+        codes = {sc.identity: sc.terminate(timeout) for sc in self.sidecars if sc.proc is not None}
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return codes

@@ -112,7 +112,7 @@ def tier_dest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = subprocess.run([*cli, "install-tier", str(dest)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert (dest / "kv_offload_sidecar" / "vllm_tier.py").is_file()
+    assert (dest / "kv_offload_sidecar" / "engine" / "vllm_tier.py").is_file()
     return dest
 
 
@@ -274,7 +274,7 @@ def test_drivers_run_vllm_033_with_the_installed_tier(env: Env, tier_dest: Path)
         (tier,) = ready["tiers"]
         assert tier["class"] == TIER_TYPE
         # Imported from the install-tier copy, never from the source tree.
-        assert tier["module_file"] == str(tier_dest / "kv_offload_sidecar" / "vllm_tier.py")
+        assert tier["module_file"] == str(tier_dest / "kv_offload_sidecar" / "engine" / "vllm_tier.py")
         assert tier["cache_hit_source"] == "p2p" and tier["locality"] == "REMOTE"
         assert ready["chunk_bytes"] == CHUNK and ready["row_stride"] == CHUNK
         assert ready["num_chunks"] == PRIMARY_CHUNKS

@@ -108,10 +108,6 @@ class FaultProxy:
         """``tcp://host:port`` of the listening side."""
         return f"tcp://{self.host}:{self.port}"
 
-    def retarget(self, host: str, port: int) -> None:
-        """Forward new connections to another target (a restarted peer)."""
-        self.target = (host, port)
-
     async def start(self) -> str:
         """Listen; returns ``tcp://host:port``."""
         self._server = await asyncio.start_server(self._accept, *self._bind)

@@ -1,0 +1,9 @@
+"""Fault injection and fuzzing against live sidecar processes (``kv-offload bench chaos``).
+
+- ``pool``: the LocalPool the chaos runs act on (its config and defaults);
+- ``chunks``: deterministic chunk contents, so every delivered chunk is checked byte for byte;
+- ``probes``: a hand-driven peer (handshake, raw data-plane frames);
+- ``fault_proxy``: a TCP proxy that damages data-plane bytes on purpose;
+- ``faults/``: the fault scenarios; ``fuzz/``: the fuzz targets and their runner;
+- ``report``: tables and plots of both runs.
+"""

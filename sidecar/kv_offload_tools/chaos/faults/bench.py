@@ -1,0 +1,259 @@
+"""The pool, engines and bookkeeping every fault scenario of ``kv-offload bench chaos`` uses.
+
+A ``ChaosBench`` runs one ``hub`` sidecar (its engine loads and verifies
+chunks and keeps a durable set of its own chunks that must never be lost),
+several ``server`` sidecars (their engines store the chunks the hub loads;
+they are the ones killed, stopped, cut off and restarted; each dials the hub)
+and one ``flood`` sidecar for the write-budget scenario, all real
+``kv-offload sidecar`` processes of one LocalPool. Every chunk's bytes are
+``chunk_content(key)``, so every delivered chunk is compared byte for byte.
+
+Each scenario (``process_faults``, ``wire_faults``) returns a ``FaultResult``:
+faults injected, faults survived (nothing wrong delivered, nothing lost, the
+pool recovered), loads turned into misses, corrupt chunks delivered (must be
+0), chunks lost that should have survived (must be 0), the longest an engine
+waited before a fetch gave up, and the store's peak bytes against its budget
+where that applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kv_offload_sidecar.engine.client import EngineClient
+
+from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
+from kv_offload_tools.chaos.pool import chaos_pool
+
+Progress = Callable[[str], None]
+# Seconds a restarted server has to be fetchable from the hub again.
+RECOVERY_SECONDS = 30.0
+# Seconds an engine load may take beyond the fetch deadline before it counts as a hang.
+GIVE_UP_SLACK_SECONDS = 1.5
+
+
+@dataclass
+class FaultResult:
+    """The figures of one fault class."""
+
+    # Fault class name.
+    fault: str
+    # Faults injected.
+    injected: int = 0
+    # Faults that struck an operation in flight (a kill during a load, a fault on a fetch).
+    in_flight: int = 0
+    # Faults after which nothing wrong was delivered, nothing lost and the pool recovered.
+    survived: int = 0
+    # Engine loads issued while faults were injected.
+    loads: int = 0
+    # Loads that returned fewer chunks than were held (recomputed by vLLM).
+    loads_missed: int = 0
+    # Chunks handed to an engine or made visible in a store with wrong bytes (must be 0).
+    corrupt_delivered: int = 0
+    # Chunks that should have survived the fault but were gone (must be 0).
+    lost: int = 0
+    # Chunks refused by their checksum before anyone saw them (expected under bit flips).
+    integrity_rejected: int = 0
+    # Longest time an engine load or peer fetch took to give up (seconds).
+    worst_give_up_seconds: float = 0.0
+    # Highest store bytes in use seen (flood scenario), 0 when not measured.
+    store_peak_bytes: int = 0
+    # The store's byte budget (--capacity-bytes), 0 when not measured.
+    store_budget_bytes: int = 0
+    # Wall-clock seconds of the scenario.
+    seconds: float = 0.0
+    # Free-form observations (one line each).
+    notes: list[str] = field(default_factory=list)
+    # Time series for the plot: (seconds since start, value) pairs by name.
+    series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """The invariants: nothing corrupt, nothing lost, store within budget, all survived."""
+        within = self.store_peak_bytes <= self.store_budget_bytes or not self.store_budget_bytes
+        return (self.corrupt_delivered == 0 and self.lost == 0 and within
+                and self.survived == self.injected)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("series")
+        d["ok"] = self.ok
+        return d
+
+    def give_up(self, seconds: float) -> None:
+        self.worst_give_up_seconds = max(self.worst_give_up_seconds, round(seconds, 4))
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Shape of one chaos run."""
+
+    # Bytes of one chunk.
+    chunk_bytes: int = 64 * 1024
+    # Chunks per engine load (one fetch from one server).
+    chunks_per_load: int = 48
+    # Server sidecars (killed and restarted in turn).
+    servers: int = 3
+    # Store budget of the hub and the servers (bytes).
+    capacity_bytes: int = 64 << 20
+    # Store budget of the flood sidecar (bytes); the flood writes 10x this.
+    flood_capacity_bytes: int = 8 << 20
+    # Chunks of the hub's own durable set (checked after every fault).
+    durable_chunks: int = 32
+    # Peer fetch deadline of every sidecar (seconds).
+    fetch_deadline_seconds: float = 1.0
+    # Random seed of kill timings and fault offsets.
+    seed: int = 1
+
+
+class ChaosBench:
+    """The pool and engines the scenarios act on."""
+
+    def __init__(self, settings: BenchSettings, progress: Progress | None = None) -> None:
+        self.s = settings
+        self.rng = random.Random(settings.seed)
+        self.progress = progress or (lambda line: None)
+        self.pool = chaos_pool(settings.chunk_bytes, settings.capacity_bytes,
+                               fetch_deadline_seconds=settings.fetch_deadline_seconds)
+        self.engines: dict[str, EngineClient] = {}
+        # Start count of the sidecar each engine client was made for (a restart needs a new client).
+        self._engine_starts: dict[str, int] = {}
+        self.batch = 0
+        self.durable: list[bytes] = []
+        self.server_names = [f"server-{i}" for i in range(settings.servers)]
+
+    # ---- set-up --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.progress(f"starting {len(self.server_names) + 2} sidecars")
+        self.pool.add(identity="hub", peers=[])
+        for name in self.server_names:
+            self.pool.add(identity=name, peers=["hub"])
+        self.pool.add(identity="flood", peers=[], capacity_bytes=self.s.flood_capacity_bytes)
+        self.engines["hub"] = self.pool["hub"].client()
+        self.durable = chunk_keys("hub-durable", self.s.durable_chunks)
+        written = store_chunks(self.engines["hub"], self.durable, self.s.chunk_bytes)
+        if written != len(self.durable):
+            raise RuntimeError(f"hub stored {written} of {len(self.durable)} durable chunks")
+        for name in self.server_names:
+            self.wait_fetchable(name, RECOVERY_SECONDS)
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            with contextlib.suppress(Exception):
+                engine.close()
+        self.engines.clear()
+        self.pool.stop()
+
+    def __enter__(self) -> ChaosBench:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers ---------------------------------------------------------------
+
+    def engine(self, name: str) -> EngineClient:
+        """The engine client of a sidecar, re-created after the sidecar restarted."""
+        sc = self.pool[name]
+        engine = self.engines.get(name)
+        if engine is None or self._engine_starts.get(name) != sc.starts:
+            if engine is not None:
+                with contextlib.suppress(Exception):
+                    engine.close()
+            engine = sc.client()
+            self._engine_starts[name] = sc.starts
+            self.engines[name] = engine
+        return engine
+
+    def stage_on(self, name: str, result: FaultResult) -> list[bytes] | None:
+        """Store fresh chunks on server ``name`` and wait until the hub's summaries show them.
+
+        None (noted in ``result``) when the summary does not arrive in 5 s.
+        """
+        keys = self.fresh_keys()
+        self.put_on(name, keys)
+        if not self.wait_visible(keys, 5.0):
+            result.notes.append(f"{name}: summary not seen in 5 s; skipped")
+            return None
+        return keys
+
+    def fresh_keys(self, n: int | None = None) -> list[bytes]:
+        self.batch += 1
+        return chunk_keys(f"batch-{self.batch}", n or self.s.chunks_per_load)
+
+    def put_on(self, name: str, keys: list[bytes]) -> None:
+        """Store ``keys`` on a server through its engine."""
+        n = store_chunks(self.engine(name), keys, self.s.chunk_bytes)
+        if n != len(keys):
+            raise RuntimeError(f"{name} stored {n} of {len(keys)} chunks")
+
+    def wait_visible(self, keys: list[bytes], timeout: float) -> bool:
+        """Until the hub's summaries say a peer holds all ``keys``."""
+        end = time.monotonic() + timeout
+        hub = self.engines["hub"]
+        while time.monotonic() < end:
+            reply = hub.lookup(keys, timeout=self.s.fetch_deadline_seconds)
+            if reply.hits >= len(keys):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def wait_fetchable(self, name: str, timeout: float) -> float:
+        """Store a probe batch on ``name`` and wait until the hub loads it; returns seconds."""
+        started = time.monotonic()
+        end = started + timeout
+        keys = self.fresh_keys(2)
+        while time.monotonic() < end:
+            with contextlib.suppress(Exception):
+                self.put_on(name, keys)
+                break
+            time.sleep(0.2)
+        while time.monotonic() < end:
+            if self.wait_visible(keys, min(2.0, max(0.1, end - time.monotonic()))):
+                n, bad = load_and_verify(self.engines["hub"], keys, self.s.chunk_bytes,
+                                         self.s.fetch_deadline_seconds)
+                if bad:
+                    raise AssertionError(f"hub read {bad} corrupt chunks from {name}")
+                if n == len(keys):
+                    return time.monotonic() - started
+            time.sleep(0.1)
+        raise TimeoutError(f"hub could not load from {name} within {timeout}s")
+
+    def check_durable(self, result: FaultResult) -> None:
+        """The hub's own chunks are all there and right (they had no reason to go)."""
+        n, bad = load_and_verify(self.engines["hub"], self.durable, self.s.chunk_bytes, 5.0)
+        result.lost += len(self.durable) - n
+        result.corrupt_delivered += bad
+
+    def timed_load(self, keys: list[bytes], result: FaultResult) -> tuple[int, float]:
+        """One hub load of ``keys`` with verification; returns (chunks read, seconds)."""
+        started = time.monotonic()
+        n, bad = load_and_verify(self.engines["hub"], keys, self.s.chunk_bytes,
+                                 self.s.fetch_deadline_seconds)
+        took = time.monotonic() - started
+        result.loads += 1
+        result.corrupt_delivered += bad
+        if n < len(keys):
+            result.loads_missed += 1
+            result.give_up(took)
+        return n, took
+
+    def retire_engine(self, name: str, engine: EngineClient) -> None:
+        """Hand back a client kept across a restart: it is closed and replaced on the next ``engine``."""
+        self.engines[name] = engine
+        self._engine_starts[name] = -1
+
+    def restart(self, name: str) -> None:
+        """SIGKILL server ``name`` (stopped or not) and start it again under its name."""
+        sc = self.pool[name]
+        sc.send(signal.SIGCONT)
+        sc.kill()
+        sc.start()
