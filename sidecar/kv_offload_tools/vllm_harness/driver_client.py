@@ -12,7 +12,8 @@ then talks JSON lines to it::
 
 The driver runs in its own session (process group); ``close`` asks it to exit,
 and after ``grace_s`` kills the whole group and removes the
-``/dev/shm/vllm_offload_<engine_id>*.mmap`` file a killed engine leaves.
+``/dev/shm/vllm_offload_<engine_id>*.mmap`` file a killed engine leaves
+(the process plumbing is ``json_lines_process``'s, shared with ``manager_client``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import queue
-import signal
-import subprocess
-import tempfile
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .json_lines_process import JsonLinesProcess, JsonLinesProcessError
 
 __all__ = ["EngineDriverError", "EngineDriverProcess", "close_all", "metric_value",
            "metric_samples", "start_all"]
@@ -37,12 +35,12 @@ __all__ = ["EngineDriverError", "EngineDriverProcess", "close_all", "metric_valu
 _SIDECAR_DIR = str(Path(__file__).resolve().parents[2])
 
 
-class EngineDriverError(RuntimeError):
+class EngineDriverError(JsonLinesProcessError):
     """The driver failed to start, died, timed out or answered with an error."""
 
 
-class EngineDriverProcess:
-    """One engine_driver subprocess.
+class EngineDriverProcess(JsonLinesProcess):
+    """One engine_driver subprocess, up once the constructor returns.
 
     Args:
         model_dir: model directory (``model.write_tiny_llama``).
@@ -57,6 +55,8 @@ class EngineDriverProcess:
             temporary file, removed on ``close`` unless the driver failed.
         shutdown_timeout_s: the driver's grace for vLLM's engine-core exit.
     """
+
+    error_type = EngineDriverError
 
     def __init__(
         self,
@@ -90,91 +90,10 @@ class EngineDriverProcess:
             cmd += ["--llm-kwargs", json.dumps(dict(llm_kwargs))]
         cmd += ["--shutdown-timeout", str(shutdown_timeout_s)]
         self.shutdown_timeout_s = shutdown_timeout_s
-
-        self._own_stderr = stderr_path is None
-        if stderr_path is None:
-            fd, stderr_path = tempfile.mkstemp(prefix="engine_driver_", suffix=".log")
-            os.close(fd)
-        self.stderr_path: str = stderr_path
-        self._stderr_file = open(stderr_path, "wb")
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._stderr_file, env=full_env, start_new_session=True,
-            text=True, bufsize=1,
-        )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
-        self._reader.start()
-        self._closed = False
+        # vLLM's engine id, from the ready line (None until then; close() reads it).
         self.engine_id: str | None = None
-        try:
-            self.ready: dict[str, Any] = self._read_reply(ready_timeout_s, "engine start")
-            if not self.ready.get("ready"):
-                tb = self.ready.get("traceback")
-                raise EngineDriverError(
-                    f"engine failed to start: {self.ready.get('error')}\n"
-                    + (f"--- driver traceback ---\n{tb}" if tb else "")
-                    + f"--- stderr tail ({self.stderr_path}) ---\n{self.stderr_tail()}"
-                )
-        except BaseException:
-            self._own_stderr = False  # keep the log for the post-mortem
-            self.close(grace_s=5.0)
-            raise
-        self.engine_id = self.ready.get("engine_id")
-        self.ready_s: float = time.monotonic() - self.started_at
-
-    # -- plumbing -------------------------------------------------------
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def stderr_tail(self, max_lines: int = 40) -> str:
-        """Last lines of the driver's stderr (vLLM's logs)."""
-        try:
-            with open(self.stderr_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 16384))
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError as exc:
-            return f"<cannot read {self.stderr_path}: {exc}>"
-        return "\n".join(lines[-max_lines:])
-
-    def _read_reply(self, timeout_s: float, what: str) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise EngineDriverError(
-                f"{what}: no reply within {timeout_s:.0f} s\n"
-                f"--- stderr tail ({self.stderr_path}) ---\n{self.stderr_tail()}"
-            ) from None
-        if line is None:
-            self._lines.put(None)  # keep reporting EOF
-            rc = self.proc.wait(timeout=10)
-            raise EngineDriverError(
-                f"{what}: driver exited (rc={rc})\n"
-                f"--- stderr tail ({self.stderr_path}) ---\n{self.stderr_tail()}"
-            )
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            raise EngineDriverError(f"{what}: non-protocol line on stdout: {line!r}") from None
-
-    def request(self, cmd: Mapping[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-        """Send one command and return its reply; raise on an error reply."""
-        if self._closed or self.proc.poll() is not None:
-            raise EngineDriverError("driver is not running")
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(dict(cmd)) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read_reply(timeout_s, f"op {cmd.get('op')!r}")
-        if "error" in reply:
-            raise EngineDriverError(
-                f"op {cmd.get('op')!r} failed: {reply['error']}\n{reply.get('traceback', '')}"
-            )
-        return reply
+        super().__init__(cmd, env=full_env, name="engine_driver", stderr_path=stderr_path)
+        self.engine_id = self.wait_ready(ready_timeout_s).get("engine_id")
 
     # -- operations -----------------------------------------------------
     def generate(
@@ -216,57 +135,13 @@ class EngineDriverProcess:
         Returns the exit reply (``ok``, ``rss``, ``shutdown_s``,
         ``removed_shm``) or None if the driver had to be killed.
         """
-        if self._closed:
-            return getattr(self, "exit_reply", None)
-        self._closed = True
-        result: dict[str, Any] | None = None
-        if grace_s is None:
-            grace_s = self.shutdown_timeout_s + 30.0
-        deadline = time.monotonic() + grace_s
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"op": "exit"}\n')
-                self.proc.stdin.close()
-                result = self._read_reply(grace_s, "exit")
-            except (OSError, EngineDriverError):
-                result = None
-            try:
-                self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                result = None
-        self._kill_group()
-        if result is None and self.engine_id:
-            for path in glob.glob(f"/dev/shm/vllm_offload_{glob.escape(self.engine_id)}*.mmap"):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        self._stderr_file.close()
-        if self._own_stderr and result is not None and result.get("ok"):
-            try:
-                os.unlink(self.stderr_path)
-            except OSError:
-                pass
-        self.exit_reply = result
-        return result
+        return super().close(self.shutdown_timeout_s + 30.0 if grace_s is None else grace_s)
 
-    def _kill_group(self) -> None:
-        """SIGKILL whatever is left of the driver's session (engine core included)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def __enter__(self) -> EngineDriverProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _leftover_glob(self, exited_cleanly: bool) -> str | None:
+        # A driver that exits cleanly removes its files itself (``removed_shm``).
+        if exited_cleanly or not self.engine_id:
+            return None
+        return f"/dev/shm/vllm_offload_{glob.escape(self.engine_id)}*.mmap"
 
 
 def metric_samples(

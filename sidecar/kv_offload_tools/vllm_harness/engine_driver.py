@@ -7,9 +7,10 @@ Run with vLLM's python, ``kv_offload_tools`` on ``PYTHONPATH``::
 
 Without ``--kv-transfer-config`` the engine runs without a KV connector
 (baseline). Protocol: one JSON command per stdin line, one JSON reply line per
-command on stdout; stdout carries nothing else (the real stdout is kept for the
-protocol and fd 1 is pointed at stderr before vLLM is imported, so vLLM's
-logging, its engine-core process and any C code write to stderr).
+command on stdout; stdout carries nothing else (``driver_protocol`` keeps the
+real stdout for the protocol and points fd 1 at stderr before vLLM is
+imported, so vLLM's logging, its engine-core process and any C code write to
+stderr).
 
 Lines on stdout:
   ``{"ready": true, "pid", "engine_id", "vllm_version", "import_s", "start_s", "rss"}``
@@ -52,17 +53,11 @@ import os
 import sys
 import time
 import traceback
-from typing import IO, Any
+from typing import Any
+
+from .driver_protocol import ProtocolStdout
 
 _T0 = time.monotonic()
-
-
-def _take_stdout_for_protocol() -> IO[str]:
-    """Return a writer on the real stdout and point fd 1 (and sys.stdout) at stderr."""
-    sys.stdout.flush()
-    proto_fd = os.dup(1)
-    os.dup2(2, 1)
-    return os.fdopen(proto_fd, "w", buffering=1, encoding="utf-8")
 
 
 def _rss_report() -> dict[str, Any]:
@@ -232,11 +227,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    proto = _take_stdout_for_protocol()
-
-    def reply(obj: dict[str, Any]) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
+    proto = ProtocolStdout()
+    reply = proto.reply
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Local model directories only: never let a typo turn into a hub download.

@@ -19,8 +19,10 @@ environment, waits for its ready line, then calls ops over JSON lines::
     drv.close()
 
 The driver runs in its own session; ``close`` asks it to shut the manager
-down and exit, and after ``grace_s`` kills it and removes the
-``/dev/shm/vllm_offload_<engine_id>*`` files a killed manager leaves.
+down (unless ``shutdown`` ran) and exit, and after ``grace_s`` kills it and
+removes the ``/dev/shm/vllm_offload_<engine_id>*`` files a killed manager
+leaves (the process plumbing is ``json_lines_process``'s, shared with
+``driver_client``).
 """
 
 from __future__ import annotations
@@ -28,26 +30,22 @@ from __future__ import annotations
 import glob
 import json
 import os
-import queue
-import signal
-import subprocess
-import tempfile
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .json_lines_process import JsonLinesProcess, JsonLinesProcessError
 
 __all__ = ["DRIVER_PATH", "ManagerDriverError", "ManagerDriverProcess"]
 
 DRIVER_PATH = str(Path(__file__).resolve().with_name("manager_driver.py"))
 
 
-class ManagerDriverError(RuntimeError):
+class ManagerDriverError(JsonLinesProcessError):
     """The driver failed to start, died, timed out or answered with an error."""
 
 
-class ManagerDriverProcess:
+class ManagerDriverProcess(JsonLinesProcess):
     """One ``manager_driver`` subprocess (one vLLM TieringOffloadingManager).
 
     Args:
@@ -63,6 +61,8 @@ class ManagerDriverProcess:
         wait: wait for the ready line in the constructor (else call
             ``wait_ready``; lets several drivers import vLLM concurrently).
     """
+
+    error_type = ManagerDriverError
 
     def __init__(self, *, python: str, spec: Mapping[str, Any],
                  pythonpath: Sequence[str] = (), env: Mapping[str, str] | None = None,
@@ -81,102 +81,15 @@ class ManagerDriverProcess:
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.spec = dict(spec)
         self.engine_id = str(self.spec.get("engine_id", ""))
-        self._own_stderr = stderr_path is None
-        if stderr_path is None:
-            fd, stderr_path = tempfile.mkstemp(prefix="manager_driver_", suffix=".log")
-            os.close(fd)
-        self.stderr_path = stderr_path
-        self._stderr_file = open(stderr_path, "wb")
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            [python, DRIVER_PATH, "--spec-json", json.dumps(self.spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr_file,
-            env=full_env, start_new_session=True, text=True, bufsize=1)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read_stdout, daemon=True,
-                                        name=f"manager-driver-{self.proc.pid}")
-        self._reader.start()
-        self._closed = False
-        self.ready: dict[str, Any] | None = None
-        self.exit_reply: dict[str, Any] | None = None
-        self.exit_code: int | None = None
+        super().__init__([python, DRIVER_PATH, "--spec-json", json.dumps(self.spec)],
+                         env=full_env, name="manager_driver", stderr_path=stderr_path)
         if wait:
             self.wait_ready(ready_timeout_s)
-
-    # ---- plumbing ---------------------------------------------------------------
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def stderr_tail(self, max_lines: int = 40) -> str:
-        """Last lines of the driver's stderr (vLLM's and the tier's logs)."""
-        try:
-            with open(self.stderr_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 32768))
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError as exc:
-            return f"<cannot read {self.stderr_path}: {exc}>"
-        return "\n".join(lines[-max_lines:])
-
-    def _read_reply(self, timeout_s: float, what: str) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise ManagerDriverError(f"{what}: no reply within {timeout_s:.0f} s\n--- stderr tail "
-                                     f"({self.stderr_path}) ---\n{self.stderr_tail()}") from None
-        if line is None:
-            self._lines.put(None)
-            rc = self.proc.wait(timeout=10)
-            raise ManagerDriverError(f"{what}: driver exited (rc={rc})\n--- stderr tail "
-                                     f"({self.stderr_path}) ---\n{self.stderr_tail()}")
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            raise ManagerDriverError(f"{what}: non-protocol line on stdout: {line!r}") from None
-
-    def wait_ready(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        """Wait for the ready line; raise with the driver's traceback if it failed."""
-        if self.ready is not None:
-            return self.ready
-        try:
-            ready = self._read_reply(timeout_s, "driver start")
-            if not ready.get("ready"):
-                raise ManagerDriverError(
-                    f"manager driver failed to start: {ready.get('error')}\n"
-                    f"{ready.get('traceback', '')}--- stderr tail ---\n{self.stderr_tail()}")
-        except BaseException:
-            self._own_stderr = False
-            self.close(grace_s=5.0)
-            raise
-        self.ready = ready
-        self.ready_s = time.monotonic() - self.started_at
-        return ready
 
     def call(self, op: str, reply_timeout_s: float = 60.0, **args: Any) -> dict[str, Any]:
         """Send one op with ``args``; return its reply; raise ManagerDriverError on an
         error reply, a driver that died, or no reply within ``reply_timeout_s``."""
-        if self.ready is None:
-            self.wait_ready()
-        if self._closed or self.proc.poll() is not None:
-            raise ManagerDriverError(f"driver is not running (rc={self.proc.poll()})\n"
-                                     f"{self.stderr_tail()}")
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read_reply(reply_timeout_s, f"op {op!r}")
-        if not reply.get("ok"):
-            raise ManagerDriverError(f"op {op!r} failed: {reply.get('error')}\n"
-                                     f"{reply.get('traceback', '')}\n--- stderr tail ---\n"
-                                     f"{self.stderr_tail()}")
-        return reply
+        return self.request({"op": op, **args}, reply_timeout_s)
 
     # ---- ops --------------------------------------------------------------------
 
@@ -221,59 +134,8 @@ class ManagerDriverProcess:
 
     # ---- lifecycle --------------------------------------------------------------
 
-    def close(self, grace_s: float = 30.0) -> dict[str, Any] | None:
-        """Ask the driver to exit (it shuts its manager down first unless ``shutdown``
-        ran); kill its session after ``grace_s``. Returns the exit reply, or None
-        if the driver had to be killed. ``exit_code`` holds its exit status."""
-        if self._closed:
-            return self.exit_reply
-        self._closed = True
-        result: dict[str, Any] | None = None
-        deadline = time.monotonic() + grace_s
-        if self.proc.poll() is None and self.ready is not None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"op": "exit"}\n')
-                self.proc.stdin.flush()
-                self.proc.stdin.close()
-                result = self._read_reply(grace_s, "exit")
-            except (OSError, ManagerDriverError):
-                result = None
-        try:
-            self.exit_code = self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            result = None
-        if self.proc.poll() is None or result is None:
-            self._kill_group()
-        if self.exit_code is None:
-            self.exit_code = self.proc.poll()
-        if self.engine_id:
-            for path in glob.glob(f"/dev/shm/vllm_offload_{glob.escape(self.engine_id)}.mmap*"):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        self._stderr_file.close()
-        if self._own_stderr and result is not None and result.get("ok"):
-            try:
-                os.unlink(self.stderr_path)
-            except OSError:
-                pass
-        self.exit_reply = result
-        return result
-
-    def _kill_group(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def __enter__(self) -> "ManagerDriverProcess":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _leftover_glob(self, exited_cleanly: bool) -> str | None:
+        # After a clean exit too, in case vLLM's shutdown failed to unlink it.
+        if not self.engine_id:
+            return None
+        return f"/dev/shm/vllm_offload_{glob.escape(self.engine_id)}.mmap*"

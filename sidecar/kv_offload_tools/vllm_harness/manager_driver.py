@@ -33,10 +33,11 @@ leaves it unresolved. The ready line reports the seed vLLM gives before
 (``seed_before_init``) and after (``seed_resolved``).
 
 Protocol: one JSON object per line on stdin, one JSON reply per line on
-stdout (vLLM's and the tier's logs go to stderr). The first line written is
-the ready line (``{"ready": true, ...}`` or ``{"ready": false, "error": ...}``).
-Replies carry ``"ok": true`` or ``"error"`` and ``"traceback"``. Keys are hex
-strings of vLLM ``OffloadKey``s (``make_offload_key(block_hash, group)``).
+stdout (vLLM's and the tier's logs go to stderr; see ``driver_protocol``). The
+first line written is the ready line (``{"ready": true, ...}`` or
+``{"ready": false, "error": ...}``). Replies carry ``"ok": true`` or
+``"error"`` and ``"traceback"``. Keys are hex strings of vLLM ``OffloadKey``s
+(``make_offload_key(block_hash, group)``).
 
 Ops: ping, keys, store, lookup, end_step, load, finish, reset_cache, stats,
 take_events, tier_state, shutdown, exit (see the ``op_*`` methods).
@@ -44,6 +45,7 @@ take_events, tier_state, shutdown, exit (see the ``op_*`` methods).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -53,11 +55,18 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or os.getcwd()) == _HERE:
     del sys.path[0]
 
+# driver_protocol is the one module of this folder the driver uses; it is loaded
+# by path so that the folder stays off sys.path.
+_spec = importlib.util.spec_from_file_location("driver_protocol",
+                                               os.path.join(_HERE, "driver_protocol.py"))
+assert _spec is not None and _spec.loader is not None
+driver_protocol = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(driver_protocol)
+
 # The protocol owns the real stdout; anything else printing (vLLM's logger
 # defaults to stdout) lands on stderr.
-_PROTOCOL = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
+_PROTOCOL = driver_protocol.ProtocolStdout(json_default=str)
+_reply = _PROTOCOL.reply
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 import argparse  # noqa: E402
@@ -77,11 +86,6 @@ log = logging.getLogger("manager_driver")
 # Seconds between scheduler steps while a lookup or cascade is pending (an
 # engine with nothing else to do steps about this often).
 DEFAULT_STEP_INTERVAL_S = 0.002
-
-
-def _reply(obj: Mapping[str, Any]) -> None:
-    _PROTOCOL.write(json.dumps(obj, default=str) + "\n")
-    _PROTOCOL.flush()
 
 
 def chunk_bytes_for(key: bytes, n: int) -> bytes:
@@ -655,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             drv.op_shutdown({})
         except BaseException:  # noqa: BLE001
             log.exception("manager shutdown at end of input failed")
-    _PROTOCOL.flush()
+    _PROTOCOL.close()
     return 0
 
 
