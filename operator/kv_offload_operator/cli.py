@@ -90,4 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's main, so subcommands raise the UsageError it catches
+    # (under -m this file is __main__, a second copy with its own UsageError class).
+    from kv_offload_operator.cli import main as _main
+
+    sys.exit(_main())

@@ -13,7 +13,6 @@ loaded byte differed; 0 otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,16 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kv_offload_operator.cli import UsageError
+from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, TRANSPORTS
+
 from kv_offload_tools import scrape
 from kv_offload_tools.engine_sim import RequestResult, SimulatedEngine, trace_tokens
-from kv_offload_tools.local_pool import (
-    DEFAULT_HASH_SEED,
-    LocalPool,
-    SidecarOverride,
-    example_config,
-)
-
-TRACE_SAMPLE = Path(__file__).resolve().parent / "data" / "mooncake_trace_sample.jsonl"
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
+from kv_offload_tools.mooncake_trace import TRACE_SAMPLE, load_trace
 
 
 @dataclass
@@ -73,22 +69,6 @@ class DemoReport:
                 setattr(t, name, getattr(t, name) + getattr(p, name))
             t.load_seconds.extend(p.load_seconds)
         return t
-
-
-def load_trace(path: str | Path) -> list[list[int]]:
-    """hash_ids of every request of a Mooncake-format JSONL trace."""
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["hash_ids"]
-                out.append([int(h) for h in ids])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{n}: not a Mooncake trace line with 'hash_ids' "
-                                 f"({exc})") from None
-    return out
 
 
 def run_demo(pods: int = 3, requests: int | None = None, transport: str = "tcp",
@@ -223,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "engines from .venv-vllm (./dev setup), a tiny random model")
     parser.add_argument("--requests", type=int, default=None,
                         help="replay at most this many trace requests (default: the whole sample)")
-    parser.add_argument("--transport", choices=("tcp", "ucx"), default="tcp",
+    parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="tcp",
                         help="data plane between the sidecars (default tcp)")
     parser.add_argument("--seconds", type=float, default=90.0,
                         help="stop dispatching requests after this many seconds (default 90)")
@@ -236,18 +216,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.pods < 2:
-        print("kv-offload demo: --pods must be at least 2 so pods can share chunks", file=sys.stderr)
-        return 2
+        raise UsageError("kv-offload demo: --pods must be at least 2 so pods can share chunks")
     if args.requests is not None and args.requests < 1:
-        print("kv-offload demo: --requests must be at least 1", file=sys.stderr)
-        return 2
+        raise UsageError("kv-offload demo: --requests must be at least 1")
     if args.seconds <= 0:
-        print("kv-offload demo: --seconds must be positive", file=sys.stderr)
-        return 2
+        raise UsageError("kv-offload demo: --seconds must be positive")
     if not os.path.exists(args.trace):
-        print(f"kv-offload demo: trace {args.trace!r} does not exist; pass --trace FILE",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"kv-offload demo: trace {args.trace!r} does not exist; pass --trace FILE")
     if args.transport == "ucx":
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")  # CPU-only host
     if args.engine == "vllm":
@@ -259,8 +234,7 @@ def run(args: argparse.Namespace) -> int:
                           progress=lambda line: print(line, file=sys.stderr, flush=True),
                           intruder=args.intruder)
     except ValueError as exc:
-        print(f"kv-offload demo: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"kv-offload demo: {exc}") from None
     print(format_report(report))
     total = report.total
     print(f"\n{report.requests} requests in {report.seconds:.1f} s; hit ratio "
@@ -282,18 +256,19 @@ def _run_vllm(args: argparse.Namespace) -> int:
             run_vllm_demo,
         )
     except ImportError as exc:
-        print(f"kv-offload demo --engine vllm needs the kv-offload tools ({exc}); "
-              "run it from a checkout with ./dev demo --engine vllm", file=sys.stderr)
-        return 2
-    trace_ids = load_trace(args.trace)[:args.requests or 30]
+        raise UsageError(f"kv-offload demo --engine vllm needs the kv-offload tools ({exc}); "
+                         "run it from a checkout with ./dev demo --engine vllm") from None
+    try:
+        trace_ids = load_trace(args.trace)[:args.requests or 30]
+    except ValueError as exc:
+        raise UsageError(f"kv-offload demo: {exc}") from None
     print(f"[demo] {args.pods} sidecars and {args.pods} real vLLM engines; "
           f"{len(trace_ids)} requests of {args.trace}", file=sys.stderr, flush=True)
     try:
         reports = run_vllm_demo(args.pods, trace_ids, intruder=args.intruder,
                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
     except VllmUnavailable as exc:
-        print(f"kv-offload demo: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"kv-offload demo: {exc}") from None
     print(format_vllm_report(reports))
     cached = sum(r.cached_tokens for r in reports)
     tokens = sum(r.prompt_tokens for r in reports)

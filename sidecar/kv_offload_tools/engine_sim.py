@@ -19,7 +19,6 @@ the per-layer pages ``[layer0 blocks | layer1 blocks | ...]``.
 from __future__ import annotations
 
 import itertools
-import mmap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of
+from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.engine.vllm_contract import (
     LookupResult,
     ReqContext,
@@ -71,7 +71,7 @@ class RowLayout:
                              f"is not a multiple of the {num_layers} layers")
         workers = 1 if config.replicated_layout else config.parallel.world_size
         chunk = chunk_bytes_of(config)
-        stride = -(-chunk // mmap.PAGESIZE) * mmap.PAGESIZE
+        stride = slot_stride_for(chunk)
         dtype = _DTYPES.get(str(config.model.dtype).removeprefix("torch."), torch.float16)
         return cls(workers=workers, num_layers=num_layers,
                    blocks_per_chunk=config.cache.blocks_per_chunk,

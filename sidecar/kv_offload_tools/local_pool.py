@@ -48,8 +48,6 @@ from kv_offload_sidecar.peers.handshake import HelloMessage, make_hello
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, effective_hash_seed
 
 # Re-exported: the tests import these helpers from here.
-from kv_offload_tools.http_client import http_json  # noqa: F401
-from kv_offload_tools.scrape import parse_metrics  # noqa: F401
 from kv_offload_tools.sidecar_process import SidecarProcess
 
 DEFAULT_POOL_KEY = b"local-pool-key-not-a-secret"

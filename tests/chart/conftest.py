@@ -14,7 +14,15 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_support import CHART, NAMESPACE, RELEASE, REPO, HelmResult, load_documents, tool_path
+from chart_support import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    REPO,
+    HelmResult,
+    load_documents,
+    tool_path,
+)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,15 @@ import sys
 from typing import Any
 
 import pytest
-from chart_support import (CHART, FOREIGN_CRD_KINDS, NAMESPACE, RELEASE, kinds, load_documents,
-                           schema_errors)
+from chart_support import (
+    CHART,
+    FOREIGN_CRD_KINDS,
+    NAMESPACE,
+    RELEASE,
+    kinds,
+    load_documents,
+    schema_errors,
+)
 
 # Oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schema on disk.
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")

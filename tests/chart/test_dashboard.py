@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 from chart_support import tool_path
-from dashboard_support import (dashboard_expressions, fill_variables, load_dashboard, metric_names,
-                               panels_in_reading_order)
+from dashboard_support import (
+    dashboard_expressions,
+    fill_variables,
+    load_dashboard,
+    metric_names,
+    panels_in_reading_order,
+)
 from kv_offload_sidecar.metrics import SidecarMetrics, exported_metric_names
 from prometheus_client import CollectorRegistry
 

@@ -33,9 +33,15 @@ from typing import Any
 import pytest
 import yaml
 from chart_support import tool_path
-from dashboard_support import (GRAFANA_VARIABLES, dashboard_expressions, fill_variables,
-                               load_dashboard, panels_in_reading_order)
-from kv_offload_tools.local_pool import LocalPool, parse_metrics
+from dashboard_support import (
+    GRAFANA_VARIABLES,
+    dashboard_expressions,
+    fill_variables,
+    load_dashboard,
+    panels_in_reading_order,
+)
+from kv_offload_tools.local_pool import LocalPool
+from kv_offload_tools.scrape import parse_metrics
 
 LOOKUPS = "kv_offload_chunk_lookups_total"
 RESULTS = ("local_hit", "peer_hit", "miss")

@@ -14,7 +14,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from chart_support import CHART, FULLNAME, NAMESPACE, RELEASE, find, load_documents, tool_path
+from chart_support import (
+    CHART,
+    FULLNAME,
+    NAMESPACE,
+    RELEASE,
+    find,
+    load_documents,
+    tool_path,
+)
 
 SECRET = f"{FULLNAME}-webhook-tls"
 SECRETS_URL = f"/api/v1/namespaces/{NAMESPACE}/secrets"

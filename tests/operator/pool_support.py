@@ -6,7 +6,6 @@ import copy
 from typing import Any
 
 import jsonpatch
-
 from kv_offload_operator import pod_patch as pods
 from kv_offload_operator import pool_spec
 from operator_harness import KTC, pool_body

@@ -15,7 +15,6 @@ from typing import Any
 import aiohttp
 import kmock
 import pytest
-
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import (
     KTC,

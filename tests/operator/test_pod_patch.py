@@ -8,13 +8,22 @@ from typing import Any
 import jsonpatch
 import kubernetes_validate
 import pytest
-
 from kv_offload_operator import pod_patch as pods
 from kv_offload_operator import pool_spec
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config
-from pool_support import K8S, env_of, hash_seed_pool, inject, inject_into, pod, pool, sidecar_spec, vllm
+from pool_support import (
+    K8S,
+    env_of,
+    hash_seed_pool,
+    inject,
+    inject_into,
+    pod,
+    pool,
+    sidecar_spec,
+    vllm,
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from kv_offload_operator import pool_objects, pool_spec
 from kv_offload_operator.translation.translate import translate
 from operator_harness import KTC, LLAMA_ARGS, llama_config, pool_body

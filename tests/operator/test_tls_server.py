@@ -15,7 +15,6 @@ from pathlib import Path
 import aiohttp
 import kmock
 import pytest
-
 from operator_harness import OperatorProcess, emulate_cluster, make_tls, wait_for
 from webhook_support import Webhook, vllm_pod
 

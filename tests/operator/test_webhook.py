@@ -18,7 +18,6 @@ import kmock
 import kubernetes_validate
 import pytest
 import pytest_asyncio
-
 from operator_harness import (
     KTC,
     POOLS,

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-
 from operator_harness import KTC
 
 WEBHOOK_PATH = "/inject_sidecar"  # kopf serves each admission handler at /<handler id>

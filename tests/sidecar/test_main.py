@@ -9,11 +9,11 @@ import time
 
 import pytest
 from kv_offload_sidecar.main import add_arguments, build_settings
+from kv_offload_tools.http_client import http_json
 from kv_offload_tools.local_pool import (
     LocalPool,
     example_config,
     free_port_block,
-    http_json,
     sidecar_command,
 )
 

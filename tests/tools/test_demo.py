@@ -5,18 +5,12 @@ import re
 import subprocess
 import sys
 
-from kv_offload_tools.demo import TRACE_SAMPLE, format_report, load_trace, run_demo
+from kv_offload_tools.demo import format_report, run_demo
 
 
 def _cli(*args, timeout=150):
     exe = os.path.join(os.path.dirname(sys.executable), "kv-offload")
     return subprocess.run([exe, "demo", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def test_shipped_trace_sample_is_a_mooncake_trace():
-    ids = load_trace(TRACE_SAMPLE)
-    assert len(ids) >= 100 and all(ids)
-    assert (TRACE_SAMPLE.parent / "NOTICE-mooncake-trace.md").exists()
 
 
 def test_short_demo_shares_chunks_between_pods_with_zero_mismatched_bytes():

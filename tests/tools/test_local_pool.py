@@ -1,4 +1,5 @@
-"""LocalPool: its sidecars die with the process that started them, and no work directory outlives it."""
+"""LocalPool: sidecars join by identity with the peers named; they die with the process that
+started them, and no work directory outlives it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from kv_offload_tools.local_pool import LocalPool, make_workdir, sweep_stale_workdirs
 
 # Runs in a child process: start a pool, report its sidecars, then wait to be killed.
@@ -88,3 +90,18 @@ def test_sweep_keeps_directories_of_living_owners(tmp_path):
     unrelated.mkdir()
     assert sweep_stale_workdirs("kvo-", str(tmp_path)) == [str(theirs)]
     assert os.path.isdir(mine) and os.path.isdir(unrelated) and not theirs.exists()
+
+
+def test_sidecars_added_by_identity_dial_only_the_peers_named():
+    with LocalPool(0) as pool:
+        a = pool.add(identity="a", peers=[])
+        b = pool.add(identity="b", peers=["a"], capacity_bytes=2 << 20)
+        assert pool["a"] is a and pool[1] is b
+        assert pool.members() == []  # outside the full mesh: nothing waits for their connections
+        # a learns of b from its handshake and dials it back.
+        wait_until(lambda: {p["identity"] for p in a.peers() if p["state"] == "connected"} == {"b"},
+                   30.0, "a to connect to b")
+        assert 0 < b.metric("kv_offload_store_capacity_bytes") <= 2 << 20
+        assert a.rss_bytes() > 0
+        with pytest.raises(ValueError, match="already has a sidecar called 'a'"):
+            pool.add(identity="a", peers=[])

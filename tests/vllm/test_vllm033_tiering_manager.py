@@ -46,7 +46,8 @@ from typing import Any
 
 import pytest
 from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS
-from kv_offload_tools.local_pool import DEFAULT_HASH_SEED, LocalPool, example_config
+from kv_offload_sidecar.settings import DEFAULT_HASH_SEED
+from kv_offload_tools.local_pool import LocalPool, example_config
 
 REPO = Path(__file__).resolve().parents[2]
 try:

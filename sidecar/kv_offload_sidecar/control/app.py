@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 from kv_offload_sidecar.metrics import metrics_handler
 from kv_offload_sidecar.peers.handshake import HandshakeError, diff_fields
@@ -121,8 +122,9 @@ def parse_keys(value: Any, sidecar: Sidecar) -> list[bytes]:
 def parse_timeout(value: Any, default: float) -> float:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 600:
-        raise _bad(f"'timeout' must be seconds in (0, 600], got {value!r}")
+    limit = MAX_TIMEOUT_SECONDS
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= limit:
+        raise _bad(f"'timeout' must be seconds in (0, {limit}], got {value!r}")
     return float(value)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import mmap
 import os
 import random
 import sys
@@ -34,8 +33,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from kv_offload_operator.cli import UsageError
+from kv_offload_sidecar.engine.store_view import slot_stride_for
+from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, TRANSPORTS
+
 from kv_offload_tools import scrape
-from kv_offload_tools.local_pool import DEFAULT_HASH_SEED, LocalPool, example_config
+from kv_offload_tools.local_pool import LocalPool, example_config
+from kv_offload_tools.mooncake_trace import load_trace
 from kv_offload_tools.prefix_hash import make_offload_key, none_hash, sha256
 
 ROUTINGS = ("round-robin", "random", "prefix-aware")
@@ -110,32 +114,6 @@ class ReplayReport:
 
 
 # ---- trace and keys -------------------------------------------------------------
-
-def load_trace(path: str) -> list[list[int]]:
-    """The hash_ids of every request; a bad line names the file, line and field."""
-    out = []
-    try:
-        fh = open(path, encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"cannot read trace {path!r}: {exc.strerror}; pass --trace FILE") from None
-    with fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ids = rec["hash_ids"]
-                if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
-                    raise TypeError("hash_ids must be a list of integers")
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{n}: not a Mooncake trace line (timestamp, input_length, "
-                                 f"output_length, hash_ids): {exc}") from None
-            if ids:
-                out.append(ids)
-    if not out:
-        raise ValueError(f"trace {path!r} has no requests")
-    return out
-
 
 def request_keys(trace: Sequence[Sequence[int]], seed: str = DEFAULT_HASH_SEED) -> list[list[bytes]]:
     """vLLM-style chunk keys: the prefix hash chain over the hash ids, group 0."""
@@ -222,9 +200,8 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
                 replicas: int, sharing: bool, progress: Progress | None = None) -> RunResult:
     """Replay against real sidecars: one pool of ``replicas`` (sharing) or isolated ones."""
     config = sidecar_config(settings.chunk_bytes)
-    stride = -(-settings.chunk_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
     common = dict(transport=settings.transport, config=config,
-                  capacity_bytes=settings.capacity_chunks * stride,
+                  capacity_bytes=settings.capacity_chunks * slot_stride_for(settings.chunk_bytes),
                   summary_interval_seconds=settings.summary_interval_seconds,
                   fetch_deadline_seconds=settings.timeout_seconds, log_level="WARNING")
     pools = [LocalPool(replicas, **common)] if sharing else \
@@ -443,7 +420,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-replicas", default="",
                         help="also measure P2P at these replica counts, e.g. 4,8,16")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    parser.add_argument("--transport", choices=("tcp", "ucx"), default="tcp")
+    parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="tcp")
     parser.add_argument("--summary-interval-seconds", type=float, default=0.05,
                         help="sidecars' key-summary pull interval (default 0.05)")
 
@@ -452,12 +429,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         sweep = [int(x) for x in args.sweep_replicas.split(",") if x.strip()]
     except ValueError:
-        print(f"kv-offload bench replay: --sweep-replicas {args.sweep_replicas!r} must be "
-              "comma-separated integers, e.g. 4,8,16", file=sys.stderr)
-        return 2
+        raise UsageError(f"kv-offload bench replay: --sweep-replicas {args.sweep_replicas!r} must be "
+                         "comma-separated integers, e.g. 4,8,16") from None
     if any(m < 1 for m in sweep):
-        print("kv-offload bench replay: --sweep-replicas values must be at least 1", file=sys.stderr)
-        return 2
+        raise UsageError("kv-offload bench replay: --sweep-replicas values must be at least 1")
     settings = ReplaySettings(
         trace=args.trace, replicas=args.replicas, capacity_chunks=args.capacity_chunks,
         chunk_bytes=args.chunk_bytes, routing=args.routing, limit=args.limit,
@@ -468,7 +443,6 @@ def run(args: argparse.Namespace) -> int:
         report = run_replay(settings, sweep, args.plot or None,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as exc:
-        print(f"kv-offload bench replay: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"kv-offload bench replay: {exc}") from None
     print(json.dumps(asdict(report)) if args.json else format_table(report))
     return 1 if report.mismatched_chunks else 0

@@ -15,8 +15,7 @@ gap between them is overhead and the gap to raw TCP is the machine:
   lands and compares it with the holder's checksum.
 
 ``ucx_sm_tagsend`` is the same with one lane (the holder copies every chunk) and no
-hashing: plain UCX tag send/recv over CMA, the reference issue 7 measured its
-targets against ("UCX tag send/recv with UCX_TLS=sm 2.7x raw TCP").
+hashing: plain UCX tag send/recv over CMA, the reference the UCX targets are set by.
 
 Wire: the fetcher sends its two worker addresses (tags ``_TAG_LANE0``/``_TAG_LANE1``),
 then per set a 24-byte request (set index, chunk count, lanes) on ``_TAG_REQUEST``;
@@ -32,10 +31,11 @@ import os
 import threading
 from typing import Any
 
+# Chunks of a set on the fetcher-copied lane: every GET_LANE_EVERY-th, as the transport.
+from kv_offload_sidecar.data.ucx.client import GET_LANE_EVERY
+
 # Tags of the limit's messages.
 _TAG_LANE0, _TAG_LANE1, _TAG_REQUEST, _TAG_DATA = 11, 12, 13, 100
-# Chunks of a set on the fetcher-copied lane: every GET_LANE_EVERY-th (as the transport).
-GET_LANE_EVERY = 3
 # Milliseconds the idle holder waits in epoll before looking again.
 _IDLE_WAIT_MS = 50
 # UCX contexts of this process's workers (a worker must not outlive its context).

@@ -12,14 +12,13 @@ plan's fault applies:
   half-way through a chunk);
 - ``delay``: hold every later read for ``delay_seconds`` before forwarding
   (a slow link or a peer past the fetch deadline);
-- ``stall``: forward nothing more but keep the connection open (a hung peer);
 - ``pass``: no fault.
 
 ``on_fault`` (optional) is called once per connection when its fault starts, so
 a bench can act at an exact byte offset (e.g. SIGKILL the serving peer
 mid-chunk). ``reset_all()`` drops every open connection at once (a reconnect
 storm). The plan can be changed at any time; a connection takes the plan in
-force when it was accepted. Counters in ``stats`` say what was done.
+force when it was accepted. ``bytes_downstream`` counts what went through.
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 # Fault kinds a plan may name.
-FAULT_MODES = ("pass", "flip", "truncate", "delay", "stall")
+FAULT_MODES = ("pass", "flip", "truncate", "delay")
 # Bytes read from a socket per forwarding step.
 READ_BYTES = 64 * 1024
 
@@ -62,30 +61,6 @@ class FaultPlan:
             raise ValueError(f"delay_seconds={self.delay_seconds} must be >= 0")
 
 
-@dataclass
-class ProxyStats:
-    """Running totals of one proxy."""
-
-    # Connections accepted.
-    connections: int = 0
-    # Connections whose fault started.
-    faults_started: int = 0
-    # Bytes forwarded client -> target.
-    bytes_upstream: int = 0
-    # Bytes forwarded target -> client.
-    bytes_downstream: int = 0
-    # Bytes flipped.
-    bytes_flipped: int = 0
-    # Connections cut by truncate.
-    truncated: int = 0
-    # Reads held back by delay.
-    delayed_reads: int = 0
-    # Connections dropped by reset_all.
-    resets: int = 0
-    # Per-mode count of connections whose fault started.
-    by_mode: dict[str, int] = field(default_factory=dict)
-
-
 class FaultProxy:
     """Forwards 127.0.0.1 connections to ``target`` and injects ``plan``'s fault."""
 
@@ -96,7 +71,8 @@ class FaultProxy:
         self._bind = (host, port)
         self.plan = plan or FaultPlan()
         self.on_fault = on_fault
-        self.stats = ProxyStats()
+        # Bytes forwarded target -> client, all connections together.
+        self.bytes_downstream = 0
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -119,23 +95,17 @@ class FaultProxy:
         if self._server is not None:
             self._server.close()
             self._server = None
-        self.reset_all(count=False)
+        self.reset_all()
         for t in list(self._conns):
             t.cancel()
         if self._conns:
             await asyncio.gather(*self._conns, return_exceptions=True)
 
-    def reset_all(self, *, count: bool = True) -> int:
-        """Abort every open connection (both sides see a reset); returns how many."""
-        n = 0
+    def reset_all(self) -> None:
+        """Abort every open connection (both sides see a reset)."""
         for w in list(self._writers):
-            transport = w.transport
-            if not transport.is_closing():
-                transport.abort()
-                n += 1
-        if count:
-            self.stats.resets += n // 2
-        return n // 2
+            if not w.transport.is_closing():
+                w.transport.abort()
 
     async def __aenter__(self) -> FaultProxy:
         await self.start()
@@ -148,7 +118,6 @@ class FaultProxy:
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
-        self.stats.connections += 1
         plan = self.plan
         try:
             try:
@@ -177,7 +146,6 @@ class FaultProxy:
     async def _pump_up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(READ_BYTES):
-                self.stats.bytes_upstream += len(data)
                 writer.write(data)
                 await writer.drain()
 
@@ -195,32 +163,25 @@ class FaultProxy:
                         writer.write(data[:keep])
                         await writer.drain()
                         passed += keep
-                        self.stats.bytes_downstream += keep
+                        self.bytes_downstream += keep
                         data = data[keep:]
                     self._fault_started(plan)
                     if plan.mode == "truncate":
-                        self.stats.truncated += 1
                         return
-                    if plan.mode == "stall":
-                        await asyncio.Event().wait()  # until cancelled or reset
                 if started and plan.mode == "flip":
                     buf = bytearray(data)
                     while next_flip < passed + len(buf):
                         buf[next_flip - passed] ^= 0xFF
-                        self.stats.bytes_flipped += 1
                         next_flip += plan.flip_every
                     data = bytes(buf)
                 elif started and plan.mode == "delay" and plan.delay_seconds:
-                    self.stats.delayed_reads += 1
                     await asyncio.sleep(plan.delay_seconds)
                 writer.write(data)
                 await writer.drain()
                 passed += len(data)
-                self.stats.bytes_downstream += len(data)
+                self.bytes_downstream += len(data)
 
     def _fault_started(self, plan: FaultPlan) -> None:
-        self.stats.faults_started += 1
-        self.stats.by_mode[plan.mode] = self.stats.by_mode.get(plan.mode, 0) + 1
         if self.on_fault is not None:
             try:
                 self.on_fault(plan)

@@ -13,8 +13,11 @@ import json
 from pathlib import Path
 
 import pytest
-
-from kv_offload_operator.translation.translate import TranslationError, pool_config, translate
+from kv_offload_operator.translation.translate import (
+    TranslationError,
+    pool_config,
+    translate,
+)
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 LLAMA = json.loads((FIXTURES / "llama-3.1-8b.json").read_text())

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from kv_offload_operator.translation.vllm_args import VllmArgsError, VllmServeArgs, parse_vllm_args
+from kv_offload_operator.translation.vllm_args import (
+    VllmArgsError,
+    VllmServeArgs,
+    parse_vllm_args,
+)
 
 KTC = '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"block_size":64}}'
 

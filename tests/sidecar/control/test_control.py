@@ -12,7 +12,8 @@ from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.handshake import HandshakeInitiator, make_hello
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER, summary_auth
 from kv_offload_sidecar.sidecar import Sidecar
-from kv_offload_tools.local_pool import example_config, parse_metrics
+from kv_offload_tools.local_pool import example_config
+from kv_offload_tools.scrape import parse_metrics
 
 # The key of the make_settings fixture (tests/sidecar/conftest.py).
 POOL_KEY = b"test-pool-key"

@@ -1,7 +1,6 @@
 """The local channel's framing and key encoding, shared by the engine's client and the sidecar."""
 
 import pytest
-
 from kv_offload_sidecar.engine import channel_protocol as cp
 
 

@@ -1,7 +1,6 @@
 """The DP port rule and vLLM's side-channel variables, as every component reads them."""
 
 import pytest
-
 from kv_offload_sidecar.engine import ports
 
 

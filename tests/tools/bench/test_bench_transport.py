@@ -6,13 +6,14 @@ No speed is asserted here: the numbers are the benchmark's output, not a test.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from kv_offload_tools.bench.transport import METHODS
 
-CLI = [sys.executable, "-m", "kv_offload_operator.cli", "bench", "transport"]
+CLI = [os.path.join(os.path.dirname(sys.executable), "kv-offload"), "bench", "transport"]
 
 
 def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, shm_dir: str) -> None:

@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kv_offload_tools.bench.chaos_support import ChaosPool
+from kv_offload_tools.chaos.pool import chaos_pool as make_chaos_pool
+from kv_offload_tools.local_pool import LocalPool
 
 
 @pytest.fixture
-def chaos_pool() -> Iterator[ChaosPool]:
-    """An empty pool (16 KiB chunks, 4 MiB stores); every process is killed at teardown."""
-    pool = ChaosPool(chunk_bytes=16 * 1024, capacity_bytes=4 << 20, fetch_deadline_seconds=1.0)
-    try:
+def chaos_pool() -> Iterator[LocalPool]:
+    """An empty pool (16 KiB chunks, 4 MiB stores); every sidecar is stopped at teardown."""
+    with make_chaos_pool(16 * 1024, 4 << 20, fetch_deadline_seconds=1.0) as pool:
         yield pool
-    finally:
-        pool.close()

@@ -22,7 +22,7 @@ import contextlib
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -185,6 +185,15 @@ class ChaosBench:
             return None
         return keys
 
+    def staged_rounds(self, rounds: int, result: FaultResult) -> Iterator[tuple[int, str, list[bytes]]]:
+        """(round, server, keys) per round: the servers in turn, each holding fresh chunks the
+        hub's summaries show (a round whose summary does not arrive is skipped, noted)."""
+        for r in range(rounds):
+            name = self.server_names[r % len(self.server_names)]
+            keys = self.stage_on(name, result)
+            if keys is not None:
+                yield r, name, keys
+
     def fresh_keys(self, n: int | None = None) -> list[bytes]:
         self.batch += 1
         return chunk_keys(f"batch-{self.batch}", n or self.s.chunks_per_load)
@@ -232,6 +241,12 @@ class ChaosBench:
         n, bad = load_and_verify(self.engines["hub"], self.durable, self.s.chunk_bytes, 5.0)
         result.lost += len(self.durable) - n
         result.corrupt_delivered += bad
+
+    def durable_intact(self, result: FaultResult) -> bool:
+        """``check_durable``, True when it found no wrong byte and nothing lost (so far)."""
+        bad_before = result.corrupt_delivered
+        self.check_durable(result)
+        return result.corrupt_delivered == bad_before and result.lost == 0
 
     def timed_load(self, keys: list[bytes], result: FaultResult) -> tuple[int, float]:
         """One hub load of ``keys`` with verification; returns (chunks read, seconds)."""

@@ -63,10 +63,8 @@ def sigkill_mid_fetch(bench: ChaosBench, kills: int, seconds: float) -> FaultRes
         loader.join(bench.s.fetch_deadline_seconds + 30)
         mid = bool(out) and out["t0"] <= killed_at <= out["t1"] and out["n"] < len(keys)
         landed += mid
-        bad_before = result.corrupt_delivered
         hung = not out or out["took"] > bench.s.fetch_deadline_seconds + GIVE_UP_SLACK_SECONDS + 5
-        bench.check_durable(result)
-        if not hung and result.corrupt_delivered == bad_before and result.lost == 0:
+        if bench.durable_intact(result) and not hung:
             result.survived += 1
         restarting[name] = threading.Thread(target=bench.restart, args=(name,))
         restarting[name].start()
@@ -93,27 +91,21 @@ def sigstop_past_deadline(bench: ChaosBench, rounds: int) -> FaultResult:
     """SIGSTOP the serving peer; the hub's load must give up at the deadline; SIGCONT; recover."""
     result = FaultResult("sigstop_past_deadline")
     started = time.monotonic()
-    for r in range(rounds):
-        name = bench.server_names[r % len(bench.server_names)]
-        keys = bench.stage_on(name, result)
-        if keys is None:
-            continue
+    for r, name, keys in bench.staged_rounds(rounds, result):
         sc = bench.pool[name]
         sc.send(signal.SIGSTOP)
         result.injected += 1
         result.in_flight += 1
         try:
-            n, took = bench.timed_load(keys, result)
+            _, took = bench.timed_load(keys, result)
             time.sleep(bench.s.fetch_deadline_seconds)  # stopped well past the deadline
         finally:
             sc.send(signal.SIGCONT)
-        bad_before = result.corrupt_delivered
-        bench.check_durable(result)
+        intact = bench.durable_intact(result)
         try:
             recovery = bench.wait_fetchable(name, RECOVERY_SECONDS)
             result.series.setdefault("recovery_seconds", []).append((float(r), recovery))
-            if took <= bench.s.fetch_deadline_seconds + GIVE_UP_SLACK_SECONDS and \
-                    result.corrupt_delivered == bad_before and result.lost == 0:
+            if intact and took <= bench.s.fetch_deadline_seconds + GIVE_UP_SLACK_SECONDS:
                 result.survived += 1
         except TimeoutError as exc:
             result.notes.append(str(exc))
@@ -127,24 +119,18 @@ def leave_and_rejoin(bench: ChaosBench, rounds: int) -> FaultResult:
     """A server leaves (SIGTERM) while the hub loads its chunks, then rejoins under its name."""
     result = FaultResult("leave_and_rejoin")
     started = time.monotonic()
-    for r in range(rounds):
-        name = bench.server_names[r % len(bench.server_names)]
-        keys = bench.stage_on(name, result)
-        if keys is None:
-            continue
+    for r, name, keys in bench.staged_rounds(rounds, result):
         sc = bench.pool[name]
         result.injected += 1
         code = sc.terminate(30)
         if code != 0:
             result.notes.append(f"{name} exited {code} on SIGTERM")
-        n, _ = bench.timed_load(keys, result)  # gone: a miss, promptly
-        bad_before = result.corrupt_delivered
+        bench.timed_load(keys, result)  # gone: a miss, promptly
         sc.start()
         try:
             recovery = bench.wait_fetchable(name, RECOVERY_SECONDS)
             result.series.setdefault("recovery_seconds", []).append((float(r), recovery))
-            bench.check_durable(result)
-            if code == 0 and result.corrupt_delivered == bad_before and result.lost == 0:
+            if bench.durable_intact(result) and code == 0:
                 result.survived += 1
         except TimeoutError as exc:
             result.notes.append(str(exc))

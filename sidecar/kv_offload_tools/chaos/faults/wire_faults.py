@@ -101,9 +101,7 @@ async def _damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResul
         result.integrity_rejected += refused
         if bad == 0 and sc.alive() and took <= deadline + GIVE_UP_SLACK_SECONDS:
             result.survived += 1
-    hub_bad_before = result.corrupt_delivered
-    await asyncio.to_thread(bench.check_durable, result)
-    if result.corrupt_delivered != hub_bad_before or result.lost:
+    if not await asyncio.to_thread(bench.durable_intact, result):
         result.survived = 0
     result.seconds = round(time.monotonic() - started, 2)
     bench.progress(f"wire_{mode}: {result.injected} faults, {result.integrity_rejected} chunks "
@@ -154,9 +152,7 @@ async def _sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:
         except TimeoutError as exc:
             result.survived = 0
             result.notes.append(str(exc))
-    bad_before = result.corrupt_delivered
-    await asyncio.to_thread(bench.check_durable, result)
-    if result.corrupt_delivered != bad_before or result.lost:
+    if not await asyncio.to_thread(bench.durable_intact, result):
         result.survived = 0
     result.seconds = round(time.monotonic() - started, 2)
     bench.progress(f"sigkill_at_byte: {result.injected} kills at a random byte of a fetch, "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -20,33 +19,26 @@ from kv_offload_sidecar.peers.handshake import (
     Session,
     derive_session,
 )
-from kv_offload_tools.bench.chaos_support import (
-    ChaosPool,
-    RawDataConnection,
-    chunk_keys,
-    http_json,
-    load_and_verify,
-    probe_handshake,
-    store_chunks,
-)
+from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
+from kv_offload_tools.chaos.probes import RawDataConnection, probe_handshake
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride, sidecar_command
 
 CHUNK = 16 * 1024
 
 
-def _rejections(pool: ChaosPool, identity: str, reason: str) -> float:
-    return pool[identity].metrics().get(
-        f'kv_offload_handshakes_total{{reason="{reason}",result="rejected"}}', 0.0)
+def _rejections(pool: LocalPool, identity: str, reason: str) -> float:
+    return pool[identity].metric("kv_offload_handshakes_total", reason=reason, result="rejected")
 
 
 def _no_chunk_frames(frames: list) -> bool:
     return all(h is None or h.type not in (proto.MessageType.CHUNK, proto.MessageType.AUTH_OK,
-                                          proto.MessageType.LOOKUP_REPLY) for h, _ in frames)
+                                           proto.MessageType.LOOKUP_REPLY) for h, _ in frames)
 
 
-def _victim(pool: ChaosPool) -> tuple[list[bytes], str]:
-    victim = pool.add("victim")
+def _victim(pool: LocalPool) -> tuple[list[bytes], str]:
+    victim = pool.add(identity="victim", peers=[])
     keys = chunk_keys("victim-secret", 4)
-    with victim.engine() as engine:
+    with victim.client() as engine:
         assert store_chunks(engine, keys, CHUNK) == 4
     return keys, victim.status()["data_address"]
 
@@ -67,18 +59,18 @@ def _assert_data_plane_refuses(data_address: str, keys: list[bytes], session=Non
             assert b"unauthenticated" in frames[-1][1]
 
 
-def test_peer_without_the_pool_key_is_rejected_and_gets_no_chunk(chaos_pool: ChaosPool) -> None:
+def test_peer_without_the_pool_key_is_rejected_and_gets_no_chunk(chaos_pool: LocalPool) -> None:
     keys, data_address = _victim(chaos_pool)
     victim = chaos_pool["victim"]
     before = victim.status()
     hello = chaos_pool.local_hello(identity="intruder")
     initiator = HandshakeInitiator(b"not-the-pool-key", hello)
-    status, reply1 = http_json(victim.control_address, "POST", "/v1/handshake", initiator.step1())
+    status, reply1 = victim.post("/v1/handshake", initiator.step1())
     assert status == 200  # step 1 reveals nothing secret: the server proves itself first
     with pytest.raises(HandshakeError) as err:
         initiator.check_reply(reply1)  # the intruder cannot verify the server either
     assert err.value.reason == "bad_proof"
-    status, reply = http_json(victim.control_address, "POST", "/v1/handshake", err.value.step2)
+    status, reply = victim.post("/v1/handshake", err.value.step2)
     assert status == 403 and reply["reason"] == "bad_proof"
     assert _rejections(chaos_pool, "victim", "bad_proof") == 1
     # A session derived from the wrong key is unknown to the data plane.
@@ -90,16 +82,12 @@ def test_peer_without_the_pool_key_is_rejected_and_gets_no_chunk(chaos_pool: Cha
     assert after["store"]["chunks"] == before["store"]["chunks"] == 4
 
 
-def test_sidecar_of_another_pool_gets_no_chunk_and_stores_none(chaos_pool: ChaosPool) -> None:
+def test_sidecar_of_another_pool_gets_no_chunk_and_stores_none(chaos_pool: LocalPool) -> None:
     keys, _ = _victim(chaos_pool)
-    other_key = os.path.join(chaos_pool.workdir, "other-pool.key")
-    with open(other_key, "wb") as fh:
-        fh.write(b"another-pool-key-fedcba9876543210")
-    intruder = chaos_pool.add("intruder", peers=["victim"], start=False)
-    intruder.argv[intruder.argv.index(chaos_pool.key_path)] = other_key
-    intruder.start()
+    intruder = chaos_pool.add(SidecarOverride(pool_key=b"another-pool-key-fedcba9876543210"),
+                              identity="intruder", peers=["victim"])
     own = chunk_keys("intruder-own", 3)
-    with intruder.engine() as e_in, chaos_pool["victim"].engine() as e_vi:
+    with intruder.client() as e_in, chaos_pool["victim"].client() as e_vi:
         assert store_chunks(e_in, own, CHUNK) == 3
         deadline = time.monotonic() + 5
         while _rejections(chaos_pool, "victim", "bad_proof") < 1 and time.monotonic() < deadline:
@@ -113,26 +101,24 @@ def test_sidecar_of_another_pool_gets_no_chunk_and_stores_none(chaos_pool: Chaos
         assert load_and_verify(e_vi, own, CHUNK) == (0, 0)
     assert intruder.status()["store"]["chunks"] == 3
     assert chaos_pool["victim"].status()["store"]["chunks"] == 4
-    m = chaos_pool["victim"].metrics()
-    assert m['kv_offload_peer_bytes_total{direction="sent"}'] == 0
-    assert chaos_pool["intruder"].metrics()['kv_offload_peer_bytes_total{direction="received"}'] == 0
+    assert chaos_pool["victim"].metric("kv_offload_peer_bytes_total", direction="sent") == 0
+    assert chaos_pool["intruder"].metric("kv_offload_peer_bytes_total", direction="received") == 0
 
 
-def test_replayed_handshake_is_rejected_and_gets_no_session(chaos_pool: ChaosPool) -> None:
+def test_replayed_handshake_is_rejected_and_gets_no_session(chaos_pool: LocalPool) -> None:
     keys, data_address = _victim(chaos_pool)
     victim = chaos_pool["victim"]
     # A legitimate member handshakes; the attacker records both bodies and the data-plane answer.
-    captured = probe_handshake(victim.control_address, chaos_pool.pool_key,
-                               chaos_pool.local_hello(identity="member"))
+    captured = probe_handshake(victim, chaos_pool.pool_key, chaos_pool.local_hello(identity="member"))
     with RawDataConnection(data_address) as conn:
         conn.authenticate(captured.session)
         recorded_auth = proto.encode_auth_response(
             captured.session.session_id, auth_proof(captured.session.session_key, conn.nonce))
     sessions = victim.status()["inbound_sessions"]
     step1, step2 = captured.sent
-    status, reply = http_json(victim.control_address, "POST", "/v1/handshake", step2)
+    status, reply = victim.post("/v1/handshake", step2)
     assert status == 403 and reply["reason"] == "replay"
-    status, reply = http_json(victim.control_address, "POST", "/v1/handshake", step1)
+    status, reply = victim.post("/v1/handshake", step1)
     assert status == 403 and reply["reason"] == "replay"
     assert _rejections(chaos_pool, "victim", "replay") == 2
     assert victim.status()["inbound_sessions"] == sessions
@@ -147,32 +133,36 @@ def test_replayed_handshake_is_rejected_and_gets_no_session(chaos_pool: ChaosPoo
     assert victim.status()["store"]["chunks"] == 4
 
 
-def test_skipping_the_handshake_gets_an_error_and_no_chunk(chaos_pool: ChaosPool) -> None:
+def test_skipping_the_handshake_gets_an_error_and_no_chunk(chaos_pool: LocalPool) -> None:
     keys, data_address = _victim(chaos_pool)
-    before = chaos_pool["victim"].metrics()['kv_offload_protocol_errors_total{reason="unauthenticated"}']
+    before = chaos_pool["victim"].metric("kv_offload_protocol_errors_total", reason="unauthenticated")
     _assert_data_plane_refuses(data_address, keys)  # FETCH right after the nonce
     with RawDataConnection(data_address) as conn:  # LOOKUP straight away, never reading the nonce
         conn.send(proto.encode_lookup(7, keys))
         frames = conn.read_until_closed()
     assert _no_chunk_frames(frames), frames
     # Summaries are also closed to strangers.
-    status, body = http_json(chaos_pool["victim"].control_address, "GET", "/v1/summary?since=0&epoch=")
+    status, body = chaos_pool["victim"].get("/v1/summary?since=0&epoch=")
     assert status == 401 and "handshake" in body["error"]
-    after = chaos_pool["victim"].metrics()['kv_offload_protocol_errors_total{reason="unauthenticated"}']
+    after = chaos_pool["victim"].metric("kv_offload_protocol_errors_total", reason="unauthenticated")
     assert after >= before + 3
     assert chaos_pool["victim"].status()["store"]["chunks"] == 4
 
 
-def _run_sidecar(pool: ChaosPool, key_path: str) -> subprocess.CompletedProcess[str]:
+def _run_sidecar(pool: LocalPool, key_path: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kv_offload_operator.cli", "sidecar", "--config", pool.config_path,
-         "--pool-key-file", key_path, "--host", "127.0.0.1", "--base-port", "1", "--data-port", "0",
-         "--shm-dir", pool.shm_dir],
+        [*sidecar_command(), "sidecar", "--config", pool.config_path, "--pool-key-file", key_path,
+         "--host", "127.0.0.1", "--base-port", "1", "--data-port", "0", "--shm-dir", pool.workdir],
         capture_output=True, text=True, timeout=60)
 
 
+def _store_files(directory: str) -> list[str]:
+    """Store files and local sockets in a sidecar's --shm-dir."""
+    return [f for f in os.listdir(directory) if f.endswith((".slots", ".sock"))]
+
+
 @pytest.mark.parametrize("case", ["missing", "unreadable", "empty"])
-def test_sidecar_without_a_readable_pool_key_refuses_to_start(chaos_pool: ChaosPool, case: str) -> None:
+def test_sidecar_without_a_readable_pool_key_refuses_to_start(chaos_pool: LocalPool, case: str) -> None:
     path = os.path.join(chaos_pool.workdir, f"key-{case}")
     if case == "unreadable":
         os.mkdir(path)  # a directory cannot be read as a file, even by root
@@ -185,4 +175,4 @@ def test_sidecar_without_a_readable_pool_key_refuses_to_start(chaos_pool: ChaosP
     assert len(lines) == 1, result.stderr
     assert path in lines[0] and "pool key file" in lines[0]
     assert {"missing": "does not exist", "unreadable": "unreadable", "empty": "empty"}[case] in lines[0]
-    assert os.listdir(chaos_pool.shm_dir) == []
+    assert _store_files(chaos_pool.workdir) == []

@@ -1,8 +1,8 @@
 """Hypothesis fuzzing of every message a live sidecar accepts (bounded; the bench runs 10,000+).
 
-Each case must end in a clear error or the correct answer (chaos_fuzz.py has
-the oracles); after each target the sidecar must still answer /healthz and hold
-no reservation beyond its visible chunks.
+Each case must end in a clear error or the correct answer (the targets'
+oracles); after each target the sidecar must still answer /healthz and hold no
+reservation beyond its visible chunks.
 """
 
 from __future__ import annotations
@@ -11,26 +11,23 @@ from collections.abc import Iterator
 from urllib.parse import urlencode
 
 import pytest
-from kv_offload_tools.bench.chaos_fuzz import (
+from kv_offload_tools.chaos.fuzz.context import FuzzContext
+from kv_offload_tools.chaos.fuzz.runner import (
     FUZZ_CHUNK_BYTES,
     TARGETS,
-    FuzzContext,
     FuzzResult,
     run_target,
     start_fuzz_sidecar,
 )
-from kv_offload_tools.bench.chaos_support import ChaosPool, http_json
+from kv_offload_tools.chaos.pool import chaos_pool
 
 EXAMPLES = 120
 
 
 @pytest.fixture(scope="module")
 def fuzzed() -> Iterator[FuzzContext]:
-    pool = ChaosPool(chunk_bytes=FUZZ_CHUNK_BYTES, capacity_bytes=32 << 20)
-    try:
+    with chaos_pool(FUZZ_CHUNK_BYTES, 32 << 20) as pool:
         yield start_fuzz_sidecar(pool)
-    finally:
-        pool.close()
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
@@ -43,7 +40,7 @@ def test_fuzzed_messages_get_a_clear_error_or_the_right_answer(fuzzed: FuzzConte
 
 
 def test_fuzzed_sidecar_is_alive_and_small_after_every_target(fuzzed: FuzzContext) -> None:
-    assert fuzzed.sidecar.alive
+    assert fuzzed.sidecar.alive()
     assert fuzzed.sidecar.rss_bytes() < 512 << 20
     status = fuzzed.sidecar.status()
     assert status["store"]["used_bytes"] == status["store"]["chunks"] * status["store"]["slot_stride"]
@@ -54,8 +51,7 @@ def test_fuzzed_sidecar_is_alive_and_small_after_every_target(fuzzed: FuzzContex
 
 @pytest.mark.parametrize("since", ["²", "¹²", "1²"], ids=["sup2", "sup1sup2", "1sup2"])
 def test_summary_with_a_superscript_since_gets_a_clear_error(fuzzed: FuzzContext, since: str) -> None:
-    status, body = http_json(fuzzed.sidecar.control_address, "GET",
-                             "/v1/summary?" + urlencode({"since": since, "epoch": ""}))
+    status, body = fuzzed.sidecar.get("/v1/summary?" + urlencode({"since": since, "epoch": ""}))
     assert status in (400, 401), body
     assert isinstance(body, dict) and body["error"]
 
@@ -64,7 +60,6 @@ def test_summary_with_a_superscript_since_gets_a_clear_error(fuzzed: FuzzContext
 def test_hello_with_a_superscript_wire_version_is_refused_as_malformed(fuzzed: FuzzContext,
                                                                        wire_version: str) -> None:
     hello = dict(fuzzed.pool.local_hello(identity="odd-digits").to_dict(), wire_version=wire_version)
-    status, body = http_json(fuzzed.sidecar.control_address, "POST", "/v1/handshake",
-                             {"step": "hello", "hello": hello})
+    status, body = fuzzed.sidecar.post("/v1/handshake", {"step": "hello", "hello": hello})
     assert status == 400, body
     assert isinstance(body, dict) and body["reason"] == "malformed"

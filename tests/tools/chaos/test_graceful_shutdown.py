@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import threading
 import time
@@ -11,16 +12,16 @@ import time
 from kv_offload_sidecar.data import connect
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.store.chunk_store import ChunkStore
-from kv_offload_tools.bench.chaos_support import (
-    ChaosPool,
-    RawDataConnection,
+from kv_offload_tools.chaos.chunks import (
     chunk_content,
     chunk_keys,
     load_and_verify,
-    probe_handshake,
     store_chunks,
 )
-from kv_offload_tools.bench.fault_proxy import FaultPlan, FaultProxy
+from kv_offload_tools.chaos.fault_proxy import FaultPlan, FaultProxy
+from kv_offload_tools.chaos.pool import chaos_pool as make_chaos_pool
+from kv_offload_tools.chaos.probes import RawDataConnection, probe_handshake
+from kv_offload_tools.local_pool import LocalPool
 
 CHUNK = 16 * 1024
 
@@ -34,7 +35,7 @@ def _refused(address: str) -> bool:
         return True
 
 
-def _wait_connected(pool: ChaosPool, identity: str, peer: str, timeout: float = 10.0) -> None:
+def _wait_connected(pool: LocalPool, identity: str, peer: str, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         peers = pool[identity].status()["peers"]
@@ -48,31 +49,31 @@ async def test_sigterm_lets_an_in_flight_fetch_finish_and_unlinks_the_store() ->
     # 1 MiB chunks: a 48-chunk fetch is larger than the client's request window (16 MiB), so
     # the peer keeps asking for chunks after the SIGTERM; all of them must still arrive.
     big = 1 << 20
-    pool = ChaosPool(chunk_bytes=big, capacity_bytes=64 << 20, shutdown_grace_seconds=10.0)
+    pool = make_chaos_pool(big, 64 << 20, shutdown_grace_seconds=10.0)
     try:
-        server = pool.add("server")
+        server = pool.add(identity="server", peers=[])
         keys = chunk_keys("shutdown", 48)
-        with server.engine() as engine:
+        with server.client() as engine:
             assert store_chunks(engine, keys, big) == len(keys)
             socket_path = engine.socket_path
         status = server.status()
         store_path, data_address = status["store"]["path"], status["data_address"]
-        probe = probe_handshake(server.control_address, pool.pool_key, pool.local_hello())
+        probe = probe_handshake(server, pool.pool_key, pool.local_hello())
         host, _, port = data_address.removeprefix("tcp://").rpartition(":")
         # A slow link: the fetch of 48 MiB takes a few seconds, so SIGTERM lands in the middle.
         async with FaultProxy(host, int(port), plan=FaultPlan("delay", delay_seconds=0.002)) as proxy:
             client = await connect(proxy.address, probe.session.session_id, probe.session.session_key,
                                    timeout=5.0)
-            store = ChunkStore(big, 64 << 20, directory=pool.shm_dir, name="probe")
+            store = ChunkStore(big, 64 << 20, directory=pool.workdir, name="probe")
             try:
                 fetch = asyncio.create_task(client.fetch(keys, store, 60.0))
-                while proxy.stats.bytes_downstream < 8 * big:
+                while proxy.bytes_downstream < 8 * big:
                     await asyncio.sleep(0.01)
                 assert not fetch.done()
-                server.send(15)  # SIGTERM
+                server.send(signal.SIGTERM)
                 sent_at = time.monotonic()
                 # It stops accepting at once (control and data ports) while the fetch goes on.
-                while not (_refused(server.control_address) and _refused(data_address)):
+                while not (_refused(server.address) and _refused(data_address)):
                     assert time.monotonic() - sent_at < 5.0, "still accepting 5 s after SIGTERM"
                     await asyncio.sleep(0.05)
                 got = await fetch
@@ -91,16 +92,16 @@ async def test_sigterm_lets_an_in_flight_fetch_finish_and_unlinks_the_store() ->
         assert not os.path.exists(store_path)
         assert not os.path.exists(socket_path)
     finally:
-        pool.close()
+        pool.stop()
 
 
-def test_sigterm_during_engine_loads_gives_whole_chunks_or_misses(chaos_pool: ChaosPool) -> None:
-    holder = chaos_pool.add("holder")
-    loader = chaos_pool.add("loader", peers=["holder"])
+def test_sigterm_during_engine_loads_gives_whole_chunks_or_misses(chaos_pool: LocalPool) -> None:
+    holder = chaos_pool.add(identity="holder", peers=[])
+    loader = chaos_pool.add(identity="loader", peers=["holder"])
     keys = chunk_keys("engine-load", 64)
-    with holder.engine() as e_holder:
+    with holder.client() as e_holder:
         assert store_chunks(e_holder, keys, CHUNK) == len(keys)
-    e_loader = loader.engine()
+    e_loader = loader.client()
     end = time.monotonic() + 10
     while e_loader.lookup(keys).peer < len(keys) and time.monotonic() < end:
         time.sleep(0.1)
@@ -109,30 +110,31 @@ def test_sigterm_during_engine_loads_gives_whole_chunks_or_misses(chaos_pool: Ch
     def loads() -> None:
         for _ in range(200):
             results.append(load_and_verify(e_loader, keys, CHUNK))
-            if not loader.alive:
+            if not loader.alive():
                 return
 
     t = threading.Thread(target=loads)
     t.start()
     time.sleep(0.3)
-    loader.send(15)
+    loader.send(signal.SIGTERM)
     t.join(30)
     assert not t.is_alive()
     assert loader.proc is not None and loader.proc.wait(15) == 0, loader.log_tail()
     assert results and all(bad == 0 for _, bad in results), results
     assert results[0][0] == len(keys)  # loads worked before SIGTERM
-    assert not [p for p in os.listdir(chaos_pool.shm_dir) if "loader" in p]  # store and socket gone
+    # Its store and socket are gone.
+    assert not [p for p in os.listdir(chaos_pool.workdir) if "loader" in p and p.endswith((".slots", ".sock"))]
     e_loader.close()
 
 
-def test_restarted_sidecar_rejoins_its_pool_and_serves_again(chaos_pool: ChaosPool) -> None:
-    first = chaos_pool.add("first")
-    second = chaos_pool.add("second", peers=["first"])
+def test_restarted_sidecar_rejoins_its_pool_and_serves_again(chaos_pool: LocalPool) -> None:
+    first = chaos_pool.add(identity="first", peers=[])
+    second = chaos_pool.add(identity="second", peers=["first"])
     _wait_connected(chaos_pool, "second", "first")
     assert second.terminate(20) == 0
     second.start()
     keys = chunk_keys("after-restart", 8)
-    with second.engine() as e_second, first.engine() as e_first:
+    with second.client() as e_second, first.client() as e_first:
         assert store_chunks(e_second, keys, CHUNK) == len(keys)
         end = time.monotonic() + 15
         while e_first.lookup(keys).peer < len(keys) and time.monotonic() < end:
@@ -141,13 +143,13 @@ def test_restarted_sidecar_rejoins_its_pool_and_serves_again(chaos_pool: ChaosPo
     assert first.status()["store"]["chunks"] == len(keys)
 
 
-def test_sigterm_says_goodbye_on_an_open_data_connection(chaos_pool: ChaosPool) -> None:
-    server = chaos_pool.add("server")
+def test_sigterm_says_goodbye_on_an_open_data_connection(chaos_pool: LocalPool) -> None:
+    server = chaos_pool.add(identity="server", peers=[])
     data_address = server.status()["data_address"]
-    probe = probe_handshake(server.control_address, chaos_pool.pool_key, chaos_pool.local_hello())
+    probe = probe_handshake(server, chaos_pool.pool_key, chaos_pool.local_hello())
     with RawDataConnection(data_address) as conn:
         conn.authenticate(probe.session)
-        server.send(15)  # SIGTERM with this connection open and idle
+        server.send(signal.SIGTERM)  # with this connection open and idle
         conn.sock.settimeout(20.0)
         # One CLOSE frame, then an orderly end of stream (not a reset).
         header, payload = conn.read_frame()

@@ -1,0 +1,495 @@
+"""The methods of ``kv-offload bench transport``, each a server process and a client process.
+
+``transport.py`` starts a server and a client per method and chunk size
+(``python -m kv_offload_tools.bench.transport_methods --role server|client``);
+they talk JSON lines over stdin/stdout. A server holds two sets of chunks
+and prints its address; a client connects, warms up, prints ``ready`` and
+then answers ``{"cmd": "fetch", "seconds"}`` with GB/s and whether the last
+set arrived byte-identical, and ``{"cmd": "rtt"}`` with lookup and raw round
+trips. The methods:
+
+- ``raw_tcp``: the limit: blocking ``sendall`` / ``recv_into`` a preallocated buffer.
+- ``memcpy``: one core copying (``numpy.copyto``), in one process.
+- ``tcp``: the sidecar's TCP transport, a peer fetch into store slots, checksums verified.
+- ``ucx_sm`` / ``ucx_tcp``: the sidecar's UCX transport with ``UCX_TLS=sm,self`` / ``tcp,self``
+  (one lane: the holder copies every chunk, the default).
+- ``ucx_sm_2lanes``: the UCX transport over ``sm`` with two lanes (``--ucx-lanes 2``: every
+  third chunk is copied by the fetcher, so both processes' cores copy).
+- ``ucx_sm_limit``: bare ucxx between busy-polling processes, two lanes, every chunk
+  hashed on arrival (``ucx_limit.py``): what any ucxx data plane that verifies its
+  chunks can reach here; the gap to ``ucx_sm_2lanes`` is the transport's overhead.
+- ``ucx_sm_tagsend``: bare ucxx, one lane, nothing verified: plain UCX tag send/recv over CMA.
+- ``aiohttp_get``: the naive baseline, one HTTP GET per chunk, copied into a slot, verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+# Methods measured, in the order of the table.
+METHODS = ("raw_tcp", "memcpy", "tcp", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
+           "ucx_tcp", "aiohttp_get")
+# Keys per lookup request.
+LOOKUP_KEYS = 32
+# Session of the benchmark's data connections.
+SESSION_ID = b"bench"
+# What each UCX method needs in its process environment (UCX reads it once per process).
+UCX_TLS = {"ucx_sm": "sm,self", "ucx_sm_2lanes": "sm,self", "ucx_sm_limit": "sm,self",
+           "ucx_sm_tagsend": "sm,self", "ucx_tcp": "tcp,self"}
+# Bare-ucxx methods (ucx_limit.py): method -> (lanes, chunks hashed on arrival).
+UCX_BARE = {"ucx_sm_limit": (2, True), "ucx_sm_tagsend": (1, False)}
+# UCX lanes of each UCX method's client (see data.ucx.runtime.configure_ucx_env).
+UCX_LANES = {"ucx_sm_2lanes": 2}
+# Methods whose clients also time peer lookups.
+LOOKUP_METHODS = ("tcp", "ucx_sm", "ucx_tcp")
+
+
+def parse_ucx_env(text: str) -> dict[str, str]:
+    """``--ucx-env`` as a dict; ValueError naming the item that is not ``UCX_...=value``."""
+    out = {}
+    for item in (x.strip() for x in str(text or "").split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith(("UCX_", "UCXPY_")):
+            raise ValueError(f"--ucx-env item {item!r} must be UCX_NAME=value")
+        out[key] = value
+    return out
+
+
+def worker_argv(role: str, method: str, chunk_bytes: int, set_bytes: int, shm_dir: str, session_key: str,
+                address: str, ucx_env: str) -> list[str]:
+    """The command line of one worker process."""
+    return [sys.executable, "-m", "kv_offload_tools.bench.transport_methods", "--role", role,
+            "--method", method, "--chunk-bytes", str(chunk_bytes), "--set-bytes", str(set_bytes),
+            "--shm-dir", shm_dir, "--session-key", session_key, "--address", address,
+            f"--ucx-env={ucx_env}"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One worker process (``python -m kv_offload_tools.bench.transport_methods``)."""
+    parser = argparse.ArgumentParser(prog="kv-offload bench transport worker")
+    parser.add_argument("--role", choices=("server", "client"), required=True)
+    parser.add_argument("--method", choices=METHODS, required=True)
+    parser.add_argument("--chunk-bytes", type=int, required=True)
+    parser.add_argument("--set-bytes", type=int, required=True, help="a whole number of chunks")
+    parser.add_argument("--shm-dir", required=True)
+    parser.add_argument("--session-key", required=True, help="hex")
+    parser.add_argument("--address", default="", help="the server's (client role)")
+    parser.add_argument("--ucx-env", default="")
+    return _worker_main(parser.parse_args(argv))
+
+
+def _content(i: int, size: int) -> bytes:
+    import numpy as np
+
+    return np.random.default_rng((i + 1) * 1_000_003 + size).bytes(size)
+
+
+def _key(i: int) -> bytes:
+    import hashlib
+
+    return hashlib.sha256(f"bench-{i}".encode()).digest() + (0).to_bytes(4, "big")
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _worker_main(args: argparse.Namespace) -> int:
+    method = args.method
+    if method in UCX_TLS:
+        from kv_offload_sidecar.data.ucx.runtime import configure_ucx_env
+
+        tls = UCX_TLS[method]
+        configure_ucx_env(tls, net_devices="lo" if tls.startswith("tcp") else None,
+                          lanes=UCX_LANES.get(method, 1))
+        os.environ.update(parse_ucx_env(args.ucx_env))
+    size = args.chunk_bytes
+    chunks = args.set_bytes // size
+    try:
+        if args.role == "server":
+            if method == "raw_tcp":
+                _raw_server(size, chunks)
+            elif method == "aiohttp_get":
+                asyncio.run(_aiohttp_server(args, size, chunks))
+            elif method in UCX_BARE:
+                _ucx_limit_server(args, size, chunks)
+            else:
+                asyncio.run(_transport_server(args, size, chunks))
+        else:
+            asyncio.run(_client(args, size, chunks))
+    except BrokenPipeError:
+        pass
+    return 0
+
+
+def _commands() -> Any:
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            return
+        yield cmd
+
+
+async def _acommands() -> Any:
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            return
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            return
+        yield cmd
+
+
+def _source_store(args: argparse.Namespace, size: int, n: int) -> Any:
+    """A store holding two sets of ``n`` chunks (fetches alternate between them)."""
+    from kv_offload_sidecar.engine.store_view import slot_stride_for
+    from kv_offload_sidecar.store.chunk_store import ChunkStore
+
+    store = ChunkStore(size, 2 * n * slot_stride_for(size), directory=args.shm_dir,
+                       name=f"bench-src-{os.getpid()}")
+    for i in range(2 * n):
+        res = store.begin_write(_key(i))
+        res.view[:] = _content(i, size)
+        res.commit()
+    return store
+
+
+def _raw_server(size: int, n: int) -> None:
+    """Blocking sockets: per request of k chunks, ``sendall`` k views of a preallocated buffer."""
+    pool = bytearray(b"".join(_content(i, size) for i in range(2 * n)))
+    views = [memoryview(pool)[i * size:(i + 1) * size] for i in range(2 * n)]
+    lsock = socket.create_server(("127.0.0.1", 0))
+    _emit({"address": f"{lsock.getsockname()[0]}:{lsock.getsockname()[1]}"})
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                req = conn.recv(64, socket.MSG_WAITALL)
+                if len(req) < 8:
+                    return
+                k, first = struct.unpack_from("!QQ", req)
+                if k == 0:  # echo: a 64-byte round trip
+                    conn.sendall(req)
+                    continue
+                for i in range(first, first + k):
+                    conn.sendall(views[i % (2 * n)])
+
+    def accept() -> None:
+        while True:
+            conn, _ = lsock.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    for _ in _commands():
+        pass
+
+
+def _ucx_limit_server(args: argparse.Namespace, size: int, n: int) -> None:
+    from kv_offload_tools.bench.ucx_limit import run_server
+
+    store = _source_store(args, size, n)
+    pins = [store.pin(_key(i)) for i in range(2 * n)]
+    run_server([p.view for p in pins if p is not None], _commands(), _emit)
+    for p in pins:
+        if p is not None:
+            p.release()
+    store.close()
+
+
+async def _transport_server(args: argparse.Namespace, size: int, n: int) -> None:
+    from kv_offload_sidecar.data import make_server
+
+    store = _source_store(args, size, n)
+    key = bytes.fromhex(args.session_key)
+    kind = "ucx" if args.method in UCX_TLS else "tcp"
+    server = make_server(kind, store, {SESSION_ID: key}.get, None, chunk_bytes=size)
+    _emit({"address": await server.start()})
+    async for _ in _acommands():
+        pass
+    await server.stop(0.5)
+    store.close()
+
+
+async def _aiohttp_server(args: argparse.Namespace, size: int, n: int) -> None:
+    from aiohttp import web
+
+    store = _source_store(args, size, n)
+
+    async def get_chunk(request: web.Request) -> web.StreamResponse:
+        pin = store.pin(bytes.fromhex(request.match_info["key"]))
+        if pin is None:
+            raise web.HTTPNotFound()
+        try:
+            body = bytes(pin.view)
+            checksum = pin.checksum
+        finally:
+            pin.release()
+        return web.Response(body=body, headers={"X-Checksum": str(checksum)})
+
+    app = web.Application()
+    app.router.add_get("/chunk/{key}", get_chunk)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    _emit({"address": f"http://127.0.0.1:{port}"})
+    async for _ in _acommands():
+        pass
+    await runner.cleanup()
+    store.close()
+
+
+async def _client(args: argparse.Namespace, size: int, n: int) -> None:
+    """Answers {"cmd": "fetch", "seconds"} with GB/s and {"cmd": "rtt"} with round trips."""
+    import xxhash
+
+    method = args.method
+    expected = [xxhash.xxh3_64_intdigest(_content(i, size)) for i in range(2 * n)]
+    fetcher = await _make_fetcher(method, args, size, n, expected)
+    try:
+        for s in (0, 1):  # warm up: connect, fault every slot in
+            await fetcher.fetch_set(s)
+        ucx = ({k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
+               if method in UCX_TLS else {})
+        _emit({"ready": True, "ucx": ucx})
+        async for cmd in _acommands():
+            if cmd["cmd"] == "fetch":
+                moved, t0 = 0, time.perf_counter()
+                while True:  # alternate sets: the store holds one, so every chunk is absent
+                    s ^= 1
+                    await fetcher.fetch_set(s)
+                    moved += n * size
+                    if time.perf_counter() - t0 >= cmd["seconds"]:
+                        break
+                elapsed = time.perf_counter() - t0
+                ok = fetcher.digests(s) == expected[s * n:(s + 1) * n]
+                _emit({"gbps": moved / elapsed / 1e9, "identical": ok})
+            elif cmd["cmd"] == "rtt":
+                lookup_us, raw_us = await fetcher.round_trips(cmd["seconds"])
+                _emit({"us": lookup_us, "raw_us": raw_us})
+    except Exception as exc:
+        _emit({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        await fetcher.close()
+
+
+async def _make_fetcher(method: str, args: argparse.Namespace, size: int, n: int,
+                        expected: list[int]) -> Any:
+    if method == "raw_tcp":
+        return _RawFetcher(args.address, size, n)
+    if method in UCX_BARE:
+        from kv_offload_tools.bench.ucx_limit import UcxLimitFetcher
+
+        lanes, verify = UCX_BARE[method]
+        return UcxLimitFetcher(args, size, n, expected, lanes=lanes, verify=verify)
+    if method == "memcpy":
+        return _MemcpyFetcher(size, n)
+    if method == "aiohttp_get":
+        f = _AiohttpFetcher(args, size, n)
+        await f.open()
+        return f
+    f2 = _TransportFetcher(args, size, n)
+    await f2.open()
+    return f2
+
+
+def _echo_once(sock: socket.socket) -> float:
+    """One raw 64-byte round trip (microseconds) to the raw server's echo."""
+    buf = bytearray(64)
+    t0 = time.perf_counter()
+    sock.sendall(bytes(64))
+    got = 0
+    while got < 64:
+        k = sock.recv_into(memoryview(buf)[got:])
+        if not k:
+            raise ConnectionError("raw echo server closed")
+        got += k
+    return (time.perf_counter() - t0) * 1e6
+
+
+class _RawFetcher:
+    """The limit: blocking ``recv_into`` a preallocated pool, no checksum, no bookkeeping."""
+
+    def __init__(self, address: str, size: int, n: int) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.size, self.n = size, n
+        self.pool = bytearray(size * n)
+        self.views = [memoryview(self.pool)[i * size:(i + 1) * size] for i in range(n)]
+
+    def _fetch(self, s: int) -> None:
+        self.sock.sendall(struct.pack("!QQ", self.n, s * self.n).ljust(64, b"\0"))
+        for v in self.views:
+            got = 0
+            while got < self.size:
+                k = self.sock.recv_into(v[got:], self.size - got)
+                if not k:
+                    raise ConnectionError("raw server closed")
+                got += k
+
+    async def fetch_set(self, s: int) -> None:
+        self._fetch(s)
+
+    def digests(self, s: int) -> list[int]:
+        import xxhash
+
+        return [xxhash.xxh3_64_intdigest(v) for v in self.views]
+
+    async def round_trips(self, seconds: float) -> tuple[list[float], list[float]]:
+        return [], []
+
+    async def close(self) -> None:
+        self.sock.close()
+
+
+class _MemcpyFetcher:
+    """One core copying chunk-sized buffers (numpy.copyto)."""
+
+    def __init__(self, size: int, n: int) -> None:
+        import numpy as np
+
+        self.np = np
+        self.size, self.n = size, n
+        self.src = [np.frombuffer(_content(i, size), dtype=np.uint8) for i in range(2 * n)]
+        self.dst = np.zeros((n, size), dtype=np.uint8)
+
+    async def fetch_set(self, s: int) -> None:
+        for i in range(self.n):
+            self.np.copyto(self.dst[i], self.src[s * self.n + i])
+
+    def digests(self, s: int) -> list[int]:
+        import xxhash
+
+        return [xxhash.xxh3_64_intdigest(self.dst[i]) for i in range(self.n)]
+
+    async def round_trips(self, seconds: float) -> tuple[list[float], list[float]]:
+        return [], []
+
+    async def close(self) -> None:
+        pass
+
+
+class _StoreFetcher:
+    """Shared part of the fetchers that land chunks in a real chunk store."""
+
+    def __init__(self, args: argparse.Namespace, size: int, n: int) -> None:
+        from kv_offload_sidecar.engine.store_view import slot_stride_for
+        from kv_offload_sidecar.store.chunk_store import ChunkStore
+
+        self.size, self.n = size, n
+        self.store = ChunkStore(size, n * slot_stride_for(size), directory=args.shm_dir,
+                                name=f"bench-dst-{os.getpid()}")
+        self.keys = [_key(i) for i in range(2 * n)]
+
+    def digests(self, s: int) -> list[int]:
+        out = []
+        for key in self.keys[s * self.n:(s + 1) * self.n]:
+            pin = self.store.pin(key)
+            if pin is None:
+                out.append(-1)
+                continue
+            import xxhash
+
+            out.append(xxhash.xxh3_64_intdigest(pin.view))
+            pin.release()
+        return out
+
+
+class _TransportFetcher(_StoreFetcher):
+    """The sidecar's own client: lookup and fetch over tcp or ucx."""
+
+    def __init__(self, args: argparse.Namespace, size: int, n: int) -> None:
+        super().__init__(args, size, n)
+        self.address, raw_address = args.address.split("|")
+        host, port = raw_address.rsplit(":", 1)
+        self.raw = socket.create_connection((host, int(port)))
+        self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.session_key = bytes.fromhex(args.session_key)
+        self.client: Any = None
+
+    async def open(self) -> None:
+        from kv_offload_sidecar.data import connect
+
+        self.client = await connect(self.address, SESSION_ID, self.session_key, timeout=30)
+
+    async def fetch_set(self, s: int) -> None:
+        keys = self.keys[s * self.n:(s + 1) * self.n]
+        got = await self.client.fetch(keys, self.store, timeout=120)
+        if got != len(keys):
+            raise RuntimeError(f"fetched {got} of {len(keys)} chunks")
+
+    async def round_trips(self, seconds: float) -> tuple[list[float], list[float]]:
+        """32-key lookups, each followed by a raw 64-byte echo on a plain socket."""
+        keys = self.keys[:LOOKUP_KEYS]
+        lookups: list[float] = []
+        raws: list[float] = []
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end or len(lookups) < 20:
+            t0 = time.perf_counter()
+            await self.client.lookup(keys, timeout=10)
+            lookups.append((time.perf_counter() - t0) * 1e6)
+            raws.append(_echo_once(self.raw))
+        return lookups, raws
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        self.raw.close()
+        self.store.close()
+
+
+class _AiohttpFetcher(_StoreFetcher):
+    """The naive baseline: one GET per chunk, body copied into a slot, checksum verified."""
+
+    def __init__(self, args: argparse.Namespace, size: int, n: int) -> None:
+        super().__init__(args, size, n)
+        self.address = args.address
+        self.session: Any = None
+
+    async def open(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession()
+
+    async def fetch_set(self, s: int) -> None:
+        for key in self.keys[s * self.n:(s + 1) * self.n]:
+            async with self.session.get(f"{self.address}/chunk/{key.hex()}") as resp:
+                resp.raise_for_status()
+                body = await resp.read()
+                checksum = int(resp.headers["X-Checksum"])
+            res = self.store.begin_write(key)
+            if res is None:
+                raise RuntimeError("no free slot for the aiohttp baseline")
+            res.view[:] = body
+            if not res.commit(checksum):
+                raise RuntimeError(f"chunk {key.hex()} failed its checksum")
+
+    async def round_trips(self, seconds: float) -> tuple[list[float], list[float]]:
+        return [], []
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        self.store.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

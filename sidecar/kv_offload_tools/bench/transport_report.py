@@ -1,0 +1,126 @@
+"""The report of ``kv-offload bench transport``: targets, ceilings, the table and the plot."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kv_offload_tools.bench.transport_methods import LOOKUP_KEYS, METHODS
+
+# Targets: (description, method, chunk sizes, baseline, minimum ratio of their GB/s).
+TARGETS = (
+    ("TCP transport >= 0.8x raw TCP", "tcp", (2097152, 16777216), "raw_tcp", 0.8),
+    ("UCX sm >= 2.0x raw TCP", "ucx_sm", (2097152, 16777216), "raw_tcp", 2.0),
+    ("UCX sm, two lanes >= 2.0x raw TCP", "ucx_sm_2lanes", (2097152, 16777216), "raw_tcp", 2.0),
+    ("UCX sm >= 3x one-GET-per-chunk aiohttp", "ucx_sm", (2097152,), "aiohttp_get", 3.0),
+    ("TCP transport >= 1.5x one-GET-per-chunk aiohttp", "tcp", (2097152,), "aiohttp_get", 1.5),
+)
+# Target of the lookup: p50 at most this many raw 64-byte TCP round trips.
+LOOKUP_TARGET_RATIO = 4.0
+# Rows that bound what any data plane can reach here, printed beside the targets.
+CEILING_METHODS = ("memcpy", "ucx_sm_limit", "ucx_sm_tagsend")
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50 and p99 (microseconds) of round-trip samples."""
+    values = sorted(values)
+    return {"p50_us": values[len(values) // 2],
+            "p99_us": values[min(len(values) - 1, int(len(values) * 0.99))], "samples": len(values)}
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target at each of its chunk sizes measured: the ratio, the one required, met or not."""
+    by = {(r["method"], r["chunk_bytes"]): r for r in report["results"]}
+    out = []
+    for text, method, sizes, base, need in TARGETS:
+        for size in sizes:
+            if (method, size) not in by or (base, size) not in by:
+                continue
+            ratio = by[(method, size)]["ratio_to_raw_tcp"] / by[(base, size)]["ratio_to_raw_tcp"]
+            out.append({"target": f"{text} at {fmt_size(size)}", "ratio": ratio, "required": need,
+                        "met": ratio >= need})
+    lk = report.get("lookup") or {}
+    if "ratio_to_raw_rtt" in lk:
+        out.append({"target": f"{LOOKUP_KEYS}-key lookup p50 <= {LOOKUP_TARGET_RATIO:g}x raw 64-byte "
+                              f"TCP round trip ({lk['transport']})",
+                    "ratio": lk["ratio_to_raw_rtt"], "required": LOOKUP_TARGET_RATIO,
+                    "met": lk["ratio_to_raw_rtt"] <= LOOKUP_TARGET_RATIO})
+    return out
+
+
+def ceilings(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per chunk size, the ratios to raw TCP of the rows that bound the UCX targets: one
+    core's memcpy, bare ucxx with both cores copying and verifying, bare tag send/recv."""
+    out = []
+    for size in sorted({r["chunk_bytes"] for r in report["results"]}):
+        ratios = {r["method"]: r["ratio_to_raw_tcp"] for r in report["results"]
+                  if r["chunk_bytes"] == size and r["method"] in CEILING_METHODS}
+        if ratios:
+            out.append({"chunk_bytes": size, "ratios": ratios})
+    return out
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KiB"
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as text: GB/s per method and size, lookups, targets, ceilings."""
+    lines = [f"{'chunk':>8}  {'method':<12} {'GB/s median':>11}  {'min-max':>13}  {'x raw TCP':>9}  bytes"]
+    for r in report["results"]:
+        lines.append(f"{fmt_size(r['chunk_bytes']):>8}  {r['method']:<12} {r['gbps_median']:>11.2f}  "
+                     f"{r['gbps_min']:>6.2f}-{r['gbps_max']:<6.2f}  {r['ratio_to_raw_tcp']:>8.2f}x  "
+                     f"{'identical' if r['identical'] else 'DIFFER'}")
+    lk = report.get("lookup") or {}
+    if lk:
+        lines.append("")
+        lines.append(f"raw 64-byte TCP round trip (alternating with the lookups): p50 "
+                     f"{lk['raw_rtt_p50_us']:.0f} us, p99 {lk['raw_rtt_p99_us']:.0f} us")
+        for m, p in lk.get("by_transport", {}).items():
+            lines.append(f"{LOOKUP_KEYS}-key lookup over {m:<8}: p50 {p['p50_us']:6.0f} us, "
+                         f"p99 {p['p99_us']:6.0f} us = {p['ratio_to_raw_rtt']:.2f}x raw "
+                         f"(raw in that process: {p['raw_rtt_p50_us_alongside']:.0f} us)")
+    if report.get("targets"):
+        lines.append("")
+        for t in report["targets"]:
+            lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['ratio']:.2f}x "
+                         f"(required {t['required']:g}x)")
+    for c in report.get("ceilings", []):
+        parts = ", ".join(f"{m} {c['ratios'][m]:.2f}x" for m in CEILING_METHODS if m in c["ratios"])
+        lines.append(f"[ceiling] at {fmt_size(c['chunk_bytes'])} the machine allows: {parts} raw TCP")
+    if report.get("plot"):
+        lines.append(f"\nplot: {report['plot']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """GB/s per method, grouped by chunk size, with the min-max of the rounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["chunk_bytes"] for r in report["results"]})
+    methods = [m for m in METHODS if any(r["method"] == m for r in report["results"])]
+    by = {(r["method"], r["chunk_bytes"]): r for r in report["results"]}
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        xs, ys, lo, hi = [], [], [], []
+        for i, s in enumerate(sizes):
+            r = by[(m, s)]
+            xs.append(i + j * width)
+            ys.append(r["gbps_median"])
+            lo.append(r["gbps_median"] - r["gbps_min"])
+            hi.append(r["gbps_max"] - r["gbps_median"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=m)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))], [fmt_size(s) for s in sizes])
+    ax.set_xlabel("chunk size")
+    ax.set_ylabel("GB/s (median, min-max)")
+    ax.set_title(f"kv-offload data plane, {report['rounds']} interleaved rounds, "
+                 f"{report['cpus']} CPUs")
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # clear of the bars
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
