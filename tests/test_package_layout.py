@@ -21,8 +21,7 @@ MAX_RUNTIME_LINES = 520
 
 
 def module_name(path: Path) -> str:
-    rel = path.relative_to(REPO / ("sidecar" if "sidecar" in path.parts else "operator"))
-    parts = list(rel.with_suffix("").parts)
+    parts = list(path.relative_to(REPO).with_suffix("").parts)[1:]  # drop sidecar/ or operator/
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 

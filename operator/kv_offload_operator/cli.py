@@ -16,6 +16,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kv_offload_sidecar.usage import UsageError
+
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "translate": ("kv_offload_operator.cli_translate",
@@ -35,8 +37,6 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-class UsageError(Exception):
-    """Bad input: printed as one line on stderr (nothing on stdout), exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,8 +90,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the importable module's main, so subcommands raise the UsageError it catches
-    # (under -m this file is __main__, a second copy with its own UsageError class).
-    from kv_offload_operator.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

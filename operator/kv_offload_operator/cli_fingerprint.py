@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kv_offload_operator.cli import UsageError
+from kv_offload_sidecar.usage import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

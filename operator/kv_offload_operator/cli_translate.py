@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kv_offload_operator.cli import UsageError
+from kv_offload_sidecar.usage import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

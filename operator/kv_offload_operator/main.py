@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from .cli import UsageError
+from kv_offload_sidecar.usage import UsageError
 
 DEFAULT_SIDECAR_IMAGE = os.environ.get("KV_OFFLOAD_SIDECAR_IMAGE", "ghcr.io/kv-offload/kv-offload:0.1.0")
 

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kv_offload_sidecar.usage import UsageError
+
 PACKAGE = "kv_offload_sidecar"
 # The subpackage that runs inside vLLM (standard library + numpy only).
 ENGINE = "engine"
@@ -54,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         target = install(args.dest)
     except (OSError, FileNotFoundError) as exc:
-        print(f"kv-offload install-tier: {exc}", file=__import__("sys").stderr)
-        return 2
+        raise UsageError(f"kv-offload install-tier: {exc}") from None
     print(f"installed the vLLM tier into {target}")
     return 0

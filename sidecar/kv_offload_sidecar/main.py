@@ -31,6 +31,7 @@ from kv_offload_sidecar.settings import (
     SidecarSettings,
     effective_hash_seed,
 )
+from kv_offload_sidecar.usage import UsageError
 
 log = logging.getLogger("kv_offload_sidecar")
 
@@ -245,16 +246,14 @@ def run(args: argparse.Namespace) -> int:
         if settings.transport == "ucx":
             configure_ucx(ucx_tls(args), ucx_lanes(args))
     except (ValueError, RuntimeError) as exc:
-        print(f"kv-offload sidecar: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"kv-offload sidecar: {exc}") from None
     if parent and os.getppid() != parent and not process_alive(parent):
         print(f"kv-offload sidecar: parent process {parent} is already gone", file=sys.stderr)
         return 1
     try:
         asyncio.run(_serve(settings, parent))
     except ValueError as exc:  # e.g. store geometry from the config and flags
-        print(f"kv-offload sidecar: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"kv-offload sidecar: {exc}") from None
     except OSError as exc:  # port in use, shm not writable
         print(f"kv-offload sidecar: {exc}", file=sys.stderr)
         return 1

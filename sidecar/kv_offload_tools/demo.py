@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kv_offload_operator.cli import UsageError
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, TRANSPORTS
+from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools import scrape
 from kv_offload_tools.engine_sim import RequestResult, SimulatedEngine, trace_tokens

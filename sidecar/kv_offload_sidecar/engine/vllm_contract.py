@@ -150,6 +150,10 @@ except ImportError:
             self._bp_detector = backpressure_detector
 
         @property
+        def block_size_bytes(self) -> int:
+            return self._block_size_bytes
+
+        @property
         def bp_detector(self) -> Any:
             return self._bp_detector
 

@@ -128,16 +128,13 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = _locality(locality)
         self._chunk_bytes = chunk_bytes_of(offloading_spec)
-        self._row_stride = (primary_kv_view.strides[0] if primary_kv_view.ndim >= 2
-                            else self._chunk_bytes)
+        self._row_stride = self.block_size_bytes  # vLLM's row stride (the base class reads it)
         if self._row_stride < self._chunk_bytes:
             raise ValueError(
                 f"kv-offload tier: primary rows are {self._row_stride} bytes but a chunk is "
                 f"{self._chunk_bytes} bytes; the tier and vLLM disagree on the chunk geometry")
         # Our only view of vLLM's memory; released at shutdown so vLLM can close its region.
-        self._rows: memoryview | None = (
-            primary_kv_view.cast("B") if primary_kv_view.format != "B" or
-            primary_kv_view.ndim != 1 or not primary_kv_view.c_contiguous else primary_kv_view[:])
+        self._rows: memoryview | None = primary_kv_view.cast("B")
         self._lookup_timeout = float(lookup_timeout_seconds)
         self._load_timeout = float(load_timeout_seconds)
         self._events: list[Any] | None = [] if enable_kv_events else None
@@ -234,7 +231,6 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Finished jobs; the keys of a failed (or partly failed) load become MISS here."""
-        self._drain_lookup_results()
         out = []
         while True:
             try:

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from kv_offload_operator.cli import UsageError
+from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools.chaos.faults.bench import BenchSettings, ChaosBench, FaultResult
 from kv_offload_tools.chaos.faults.engine_faults import (

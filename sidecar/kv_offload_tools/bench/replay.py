@@ -33,9 +33,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from kv_offload_operator.cli import UsageError
 from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, TRANSPORTS
+from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools import scrape
 from kv_offload_tools.local_pool import LocalPool, example_config

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kv_offload_operator.cli import UsageError
+from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools.bench.transport_methods import (
     LOOKUP_KEYS,

@@ -5,7 +5,7 @@
 the vLLM-side tier installed into a folder exactly as ``kv-offload
 install-tier`` installs it into a pod's shared volume (and put first on the
 engine's ``PYTHONPATH``), and the sidecar config translated from the very
-``vllm serve`` line the engines run (``kv_offload_operator.translation.translate``), so
+``vllm serve`` line the engines run (``kv_offload_operator.translation.translate.pool_config``), so
 the fingerprint the tier computes from vLLM's own config must equal the one
 the sidecars state. ``start_engine`` starts one engine pointed at one sidecar.
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kv_offload_operator.translation.translate import translate
+from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.install_tier import install
 
@@ -71,7 +71,7 @@ class VllmDeployment:
         install(self.tier_dir)
         with open(self.model_dir / "config.json", encoding="utf-8") as fh:
             self.model_config = json.load(fh)
-        self.config: OffloadingConfig = translate(self.vllm_serve_line(), self.model_config)
+        self.config: OffloadingConfig = self.config_for(self.model_dir)
 
     # ---- what the user writes -----------------------------------------------
 
@@ -86,7 +86,7 @@ class VllmDeployment:
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "engine_id": engine_id, "kv_connector_extra_config": self.extra_config(tier_keys)}
 
-    def vllm_serve_line(self) -> str:
+    def vllm_serve_line(self, model_dir: str | Path | None = None) -> str:
         """The ``vllm serve`` command the engines are equivalent to (what the operator translates).
 
         ``VLLM_USE_V2_MODEL_RUNNER=0``: without Triton vLLM runs the V1 model
@@ -94,7 +94,8 @@ class VllmDeployment:
         """
         ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": self.extra_config()}
-        return (f"VLLM_USE_V2_MODEL_RUNNER=0 vllm serve {shlex.quote(str(self.model_dir))} "
+        model = shlex.quote(str(model_dir or self.model_dir))
+        return (f"VLLM_USE_V2_MODEL_RUNNER=0 vllm serve {model} "
                 f"--block-size {self.block_size} --dtype float32 "
                 f"--kv-transfer-config {shlex.quote(json.dumps(ktc))}")
 
@@ -145,10 +146,8 @@ class VllmDeployment:
         return dest
 
     def config_for(self, model_dir: str | Path) -> OffloadingConfig:
-        """The sidecar config translated for engines serving ``model_dir``."""
-        line = self.vllm_serve_line().replace(shlex.quote(str(self.model_dir)),
-                                              shlex.quote(str(model_dir)), 1)
-        return translate(line, self.model_config)
+        """The pool config (what the operator writes) for engines serving ``model_dir``."""
+        return pool_config(self.vllm_serve_line(model_dir), self.model_config)
 
     def _write_model(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(_SIDECAR_DIR)}
