@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kv_offload_operator.main", "run the kopf operator and its webhook"),
     "demo": ("kv_offload_tools.demo", "several sidecars and simulated engines sharing chunks"),
     "install-tier": ("kv_offload_sidecar.install_tier", "copy the vLLM-side tier into a shared volume"),
+    "admin-token": ("kv_offload_sidecar.admin_token",
+                    "print the admin bearer token derived from a pool key file"),
 }
 # bench name -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {

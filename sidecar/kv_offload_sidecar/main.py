@@ -25,6 +25,7 @@ from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import load_config_file
 from kv_offload_sidecar.peers.discovery import parse_peer_list
 from kv_offload_sidecar.peers.handshake import load_pool_key
+from kv_offload_sidecar.peers.pool_keys import load_optional_key
 from kv_offload_sidecar.settings import (
     DEFAULT_DATA_PORT,
     TRANSPORTS,
@@ -48,7 +49,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, metavar="FILE",
                    help="offloading_config.json of the pool (the operator's ConfigMap)")
     p.add_argument("--pool-key-file", required=True, metavar="FILE",
-                   help="file holding the pool's secret key (the operator's Secret)")
+                   help="file holding the pool's secret key (the operator's Secret); re-read "
+                        "while running, so a rotated Secret takes effect without a restart")
+    p.add_argument("--previous-pool-key-file", default="", metavar="FILE",
+                   help="file of the pool's previous key, accepted while a key rotation rolls "
+                        "out (absent or empty: none)")
+    p.add_argument("--admin-token-file", default="", metavar="FILE",
+                   help="file of a bearer token for the admin endpoints (/v1/status, /v1/peers, "
+                        "/v1/lookup), besides the token derived from the pool key")
+    p.add_argument("--key-reload-seconds", type=float, default=2.0,
+                   help="seconds between re-reads of the key and token files")
+    p.add_argument("--tls-cert-file", default="", metavar="PEM",
+                   help="this sidecar's certificate: TLS on the tcp data plane (with --tls-key-file "
+                        "and --tls-ca-file)")
+    p.add_argument("--tls-key-file", default="", metavar="PEM", help="private key of --tls-cert-file")
+    p.add_argument("--tls-ca-file", default="", metavar="PEM",
+                   help="CA bundle that signs every pool member's certificate")
     peers = p.add_mutually_exclusive_group()
     peers.add_argument("--peers", default="", metavar="H:P,...",
                        help="static peer control addresses (one DP port per peer is enough)")
@@ -117,7 +133,13 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
         summary_interval_seconds=args.summary_interval_seconds,
         fetch_deadline_seconds=args.fetch_deadline_seconds,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
-        hash_seed=effective_hash_seed(config, flag=args.hash_seed))
+        hash_seed=effective_hash_seed(config, flag=args.hash_seed),
+        pool_key_file=args.pool_key_file,
+        previous_pool_key=load_optional_key(args.previous_pool_key_file),
+        previous_pool_key_file=args.previous_pool_key_file,
+        admin_token=load_optional_key(args.admin_token_file),
+        admin_token_file=args.admin_token_file, key_reload_seconds=args.key_reload_seconds,
+        tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, tls_ca_file=args.tls_ca_file)
 
 
 def parent_pid(args: argparse.Namespace) -> int:

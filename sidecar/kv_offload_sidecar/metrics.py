@@ -143,6 +143,11 @@ class SidecarMetrics:
             "Messages sent to peers to answer engine lookups.",
             namespace=ns, registry=registry,
         )
+        self.key_reloads = Counter(
+            "key_reloads",
+            "Changes of the pool keys picked up from the mounted Secret (rotations).",
+            namespace=ns, registry=registry,
+        )
         self.config_info = Info(
             "config",
             "Identity of the pool configuration this sidecar serves.",

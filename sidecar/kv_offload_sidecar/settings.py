@@ -90,6 +90,24 @@ class SidecarSettings:
     hash_seed: str = DEFAULT_HASH_SEED
     # Largest accepted HTTP request body on the control ports, in bytes.
     max_body_bytes: int = 256 * 1024
+    # File the pool key was read from, re-read every key_reload_seconds ("" = fixed key).
+    pool_key_file: str = ""
+    # The pool's previous key, accepted while a rotation rolls out (b"" = none).
+    previous_pool_key: bytes = field(default=b"", repr=False)
+    # File of the previous key; absent or empty means no rotation is under way.
+    previous_pool_key_file: str = ""
+    # Admin token for /v1/status, /v1/peers, /v1/lookup besides the pool-key token (b"" = none).
+    admin_token: bytes = field(default=b"", repr=False)
+    # File of the admin token, re-read with the keys ("" = none).
+    admin_token_file: str = ""
+    # Seconds between re-reads of the key and token files (Secret volumes update in place).
+    key_reload_seconds: float = 2.0
+    # PEM certificate of this sidecar for TLS on the TCP data plane ("" = plain TCP).
+    tls_cert_file: str = ""
+    # PEM private key of tls_cert_file.
+    tls_key_file: str = ""
+    # PEM CA bundle that signs every pool member's certificate (peers are verified with it).
+    tls_ca_file: str = ""
 
     def __post_init__(self) -> None:
         if not self.pool_key:
@@ -112,8 +130,24 @@ class SidecarSettings:
                      "dns_interval_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        if any(tls) and not all(tls):
+            raise ValueError("TLS needs all of --tls-cert-file, --tls-key-file and --tls-ca-file "
+                             f"(got cert={self.tls_cert_file!r}, key={self.tls_key_file!r}, "
+                             f"ca={self.tls_ca_file!r}): give all three or none")
+        if any(tls) and self.transport != "tcp":
+            raise ValueError(f"TLS encrypts the tcp data plane only, but transport is {self.transport!r}: "
+                             "use --transport tcp with TLS, or leave the --tls-* flags out "
+                             "(UCX traffic is not encrypted; protect it with the NetworkPolicy)")
+        if self.key_reload_seconds <= 0:
+            raise ValueError(f"key_reload_seconds must be positive, got {self.key_reload_seconds}")
         if not self.identity:
             object.__setattr__(self, "identity", default_identity(self.base_port))
+
+    @property
+    def tls_enabled(self) -> bool:
+        """The TCP data plane runs TLS (mutual, with the pool's CA)."""
+        return bool(self.tls_cert_file)
 
     @property
     def kv_bytes_per_chunk(self) -> int:

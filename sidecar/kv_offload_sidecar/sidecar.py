@@ -22,7 +22,6 @@ import logging
 import re
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,14 +40,14 @@ from kv_offload_sidecar.peers.handshake import (
 )
 from kv_offload_sidecar.peers.links import PeerManager
 from kv_offload_sidecar.peers.location import PeerSummaries, SummaryLog
+from kv_offload_sidecar.peers.pool_keys import PoolKeys
+from kv_offload_sidecar.peers.sessions import InboundSessions
 from kv_offload_sidecar.settings import SidecarSettings
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 
 log = logging.getLogger(__name__)
 
-# Inbound sessions kept (oldest dropped first); each peer keeps a few.
-MAX_INBOUND_SESSIONS = 4096
 # Keys asked of a peer in one lookup/fetch (protocol MAX_KEYS bound).
 MAX_PEER_KEYS = 65536
 
@@ -57,6 +56,22 @@ def store_name(identity: str) -> str:
     """A file-name-safe form of the identity for the store and socket files."""
     name = re.sub(r"[^A-Za-z0-9._-]", "-", identity).strip("-.") or "sidecar"
     return name[:100]
+
+
+def data_server_options(settings: SidecarSettings) -> dict[str, Any]:
+    """Options of the data-plane server: the TLS context when the pool encrypts TCP."""
+    if not settings.tls_enabled:
+        return {}
+    from kv_offload_sidecar.data.tls import server_context
+    return {"ssl": server_context(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)}
+
+
+def data_client_options(settings: SidecarSettings) -> dict[str, Any]:
+    """Options of data-plane connections to peers: the TLS context when the pool encrypts TCP."""
+    if not settings.tls_enabled:
+        return {}
+    from kv_offload_sidecar.data.tls import client_context
+    return {"ssl": client_context(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)}
 
 
 class Sidecar:
@@ -72,14 +87,19 @@ class Sidecar:
                                      wire_version=WIRE_VERSION)
         self.summary_log = SummaryLog()
         self.summaries = PeerSummaries()
-        self.responder = HandshakeResponder(settings.pool_key, self.local_hello,
+        self.keys = PoolKeys(settings.pool_key, settings.previous_pool_key, settings.admin_token,
+                             current_file=settings.pool_key_file,
+                             previous_file=settings.previous_pool_key_file,
+                             admin_file=settings.admin_token_file)
+        self.responder = HandshakeResponder(self.keys, self.local_hello,
                                             ttl_seconds=max(10.0, 2 * settings.handshake_timeout_seconds))
         self.discovery = Discovery(
             static_peers=settings.static_peers, dns_name=settings.peers_dns,
             base_port=settings.base_port, dp_size=cfg.parallel.data_parallel_size,
             interval_seconds=settings.dns_interval_seconds,
             own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
-        self.peers = PeerManager(settings, self.metrics, self.discovery, self.summaries, self.local_hello)
+        self.peers = PeerManager(settings, self.metrics, self.discovery, self.summaries, self.local_hello,
+                                 keys=self.keys, data_options=data_client_options(settings))
         self.name = store_name(settings.identity)
         # Random per process: names this sidecar's store mapping to the engine clients.
         self.instance = secrets.token_hex(8)
@@ -87,7 +107,7 @@ class Sidecar:
         self.data_server: Any = None
         self.data_address = ""
         self.ready = False
-        self._inbound: OrderedDict[bytes, Session] = OrderedDict()
+        self._inbound = InboundSessions()
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -111,9 +131,7 @@ class Sidecar:
 
     def accept_session(self, session: Session) -> None:
         """A peer proved the pool key: authorise its data connections, dial it back."""
-        self._inbound[session.session_id] = session
-        while len(self._inbound) > MAX_INBOUND_SESSIONS:
-            self._inbound.popitem(last=False)
+        self._inbound.add(session)
         self.metrics.handshakes.labels(result="accepted", reason="ok").inc()
         log.info("accepted peer %s (%s)", session.peer.identity, session.peer.control_address)
         if session.peer.identity != self.settings.identity:
@@ -126,6 +144,24 @@ class Sidecar:
         """Data-plane callback: the session key of an authenticated inbound session."""
         session = self._inbound.get(bytes(session_id))
         return session.session_key if session else None
+
+    def needs_rekey(self, session: Session) -> bool:
+        """The peer's session uses a key other than this sidecar's current one."""
+        return session.key_id != self.keys.offered_ids()[0]
+
+    async def _reload_keys(self) -> None:
+        """Follow the key files (a rotated Secret); retire sessions of keys that are gone."""
+        while True:
+            await asyncio.sleep(self.settings.key_reload_seconds)
+            before = self.keys.offered_ids()
+            gone = self.keys.reload()
+            if self.keys.offered_ids() == before:
+                continue
+            if gone:
+                self._inbound.retire(gone)
+            n = self.peers.keys_changed()
+            self.metrics.key_reloads.inc()
+            log.info("pool keys changed: %d key(s) retired, %d peer link(s) re-keying", len(gone), n)
 
     def count_handshake_rejection(self, exc: HandshakeError, remote: str) -> None:
         reason = exc.reason if exc.reason in REASONS else "malformed"
@@ -146,14 +182,16 @@ class Sidecar:
         try:
             self.data_server = make_server(s.transport, self.store, self.authorize, self.metrics,
                                            host=s.host, port=s.data_port,
-                                           chunk_bytes=s.kv_bytes_per_chunk)
+                                           chunk_bytes=s.kv_bytes_per_chunk,
+                                           **data_server_options(s))
             self.data_address = await self.data_server.start()
         except BaseException:
             self.store.close(unlink=True)
             self.store = None
             raise
         self._tasks = [asyncio.create_task(self.discovery.run(), name="discovery"),
-                       asyncio.create_task(self.peers.run(), name="peers")]
+                       asyncio.create_task(self.peers.run(), name="peers"),
+                       asyncio.create_task(self._reload_keys(), name="pool keys")]
         self.ready = True
         log.info("sidecar %s ready: control %s, data %s, store %s (%d slots of %d bytes)",
                  s.identity, ",".join(map(str, s.control_ports)), self.data_address,

@@ -14,14 +14,15 @@ from typing import Any
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def http_json(url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
+def http_json(url: str, body: Any = None, timeout: float = 5.0,
+              headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """(status, decoded JSON or text) of a GET, or of a POST when ``body`` is given.
 
     ``body`` is sent as JSON, or as it is when it is bytes (malformed input on purpose).
     """
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -133,13 +135,20 @@ def make_workdir(prefix: str = WORKDIR_PREFIX, parent: str | None = None) -> str
     return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
 
 
+# Ports handed out for control ports: below Linux's ephemeral range (32768-60999), so a
+# port reserved here and released cannot be taken meanwhile by another process's
+# outgoing connection or by a listener bound to port 0 (a data plane, UCX).
+RESERVED_PORT_RANGE = (20000, 32000)
+# Ports this process handed out already (two pools of one test never get the same one).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port_block(count: int = 1, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A port p such that p .. p+count-1 were all free just now."""
+    """A port p such that p .. p+count-1 were all free just now (outside the ephemeral range)."""
+    low, high = RESERVED_PORT_RANGE
     for _ in range(attempts):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + count - 1 > 65535:
+        base = random.randrange(low, high - count)
+        if _HANDED_OUT.intersection(range(base, base + count)):
             continue
         socks = []
         try:
@@ -147,6 +156,7 @@ def free_port_block(count: int = 1, host: str = "127.0.0.1", attempts: int = 200
                 t = socket.socket()
                 socks.append(t)
                 t.bind((host, p))
+            _HANDED_OUT.update(range(base, base + count))
             return base
         except OSError:
             continue
@@ -179,6 +189,8 @@ class LocalPool:
         self.transport = transport
         self.config = config or example_config()
         self.pool_key = pool_key
+        # Bearer token of every sidecar's admin endpoints (written to --admin-token-file).
+        self.admin_token = secrets.token_hex(16)
         # Store budget of each sidecar unless add() is given another.
         self.capacity_bytes = capacity_bytes
         self.dp_indices = tuple(dp_indices)
@@ -267,6 +279,7 @@ class LocalPool:
         argv = [*sidecar_command(), "sidecar",
                 "--config", self._config_file(o.config or self.config),
                 "--pool-key-file", self._key_file(o.pool_key or self.pool_key),
+                "--admin-token-file", self._file("admin-token", self.admin_token.encode()),
                 "--host", "127.0.0.1", "--base-port", str(base_port),
                 "--dp-indices", ",".join(map(str, self.dp_indices)),
                 "--data-port", "0", "--capacity-bytes", str(capacity_bytes or self.capacity_bytes),
@@ -280,7 +293,7 @@ class LocalPool:
             argv += ["--peers", ",".join(peers)]
         return SidecarProcess(len(self.sidecars), identity, base_port, self.dp_indices, transport, argv,
                               self._environment(override), os.path.join(self.workdir, f"{identity}.log"),
-                              expect_connect)
+                              expect_connect, admin_token=self.admin_token)
 
     def start(self, timeout: float = 60.0) -> "LocalPool":
         """Start the N sidecars and wait until all are ready and connected."""

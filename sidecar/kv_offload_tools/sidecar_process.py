@@ -2,7 +2,8 @@
 
 It keeps the command it was started with, so it can be started again after
 it exited (same identity, ports and files), and it speaks the sidecar's
-control API (``/v1/status``, ``/v1/peers``, ``/metrics``), hands out
+control API (``/v1/status``, ``/v1/peers`` with the pool's admin token,
+``/metrics``), hands out
 engine clients, sends signals and reads the process's memory from ``/proc``.
 """
 
@@ -27,7 +28,7 @@ class SidecarProcess:
 
     def __init__(self, index: int, identity: str, base_port: int, dp_indices: tuple[int, ...],
                  transport: str, argv: Sequence[str], env: Mapping[str, str], log_path: str,
-                 expect_connect: bool) -> None:
+                 expect_connect: bool, admin_token: str = "") -> None:
         # Position in the pool (0-based).
         self.index = index
         # --identity of the sidecar.
@@ -47,6 +48,8 @@ class SidecarProcess:
         # True for members of the pool's full mesh: every other member should connect to it.
         # False for a sidecar built to be rejected, or given its own peers.
         self.expect_connect = expect_connect
+        # Bearer token of its admin endpoints (/v1/status, /v1/peers, /v1/lookup); "" = none.
+        self.admin_token = admin_token
         # The running (or last) process; None before the first start.
         self.proc: subprocess.Popen[bytes] | None = None
         # Times started (an engine client made before a restart maps the old store).
@@ -151,11 +154,16 @@ class SidecarProcess:
         """Base URL of its first control port, e.g. http://127.0.0.1:40123."""
         return f"http://{self.host}:{self.port}"
 
-    def get(self, path: str, timeout: float = 5.0) -> tuple[int, Any]:
-        return http_json(self.url + path, timeout=timeout)
+    def _auth(self, auth: bool) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"} if auth and self.admin_token else {}
 
-    def post(self, path: str, body: Any, timeout: float = 5.0) -> tuple[int, Any]:
-        return http_json(self.url + path, body=body, timeout=timeout)
+    def get(self, path: str, timeout: float = 5.0, *, auth: bool = True) -> tuple[int, Any]:
+        """GET ``path``, with the admin token unless ``auth`` is False."""
+        return http_json(self.url + path, timeout=timeout, headers=self._auth(auth))
+
+    def post(self, path: str, body: Any, timeout: float = 5.0, *, auth: bool = True) -> tuple[int, Any]:
+        """POST ``body`` to ``path``, with the admin token unless ``auth`` is False."""
+        return http_json(self.url + path, body=body, timeout=timeout, headers=self._auth(auth))
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
         code, body = self.get("/v1/status", timeout=timeout)

@@ -16,7 +16,13 @@ import time
 
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, LookupReply
-from kv_offload_sidecar.peers.handshake import make_hello
+from kv_offload_sidecar.peers.handshake import (
+    HandshakeInitiator,
+    HelloMessage,
+    client_proof,
+    make_hello,
+    transcript,
+)
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
 
 CHUNK = example_config().kv_bytes_per_chunk
@@ -140,16 +146,23 @@ def test_mismatching_peer_is_rejected_and_gets_no_chunk(pool, override, reason):
 @pytest.mark.parametrize("fingerprint", ["", None], ids=["empty", "missing"])
 def test_empty_or_missing_fingerprint_is_rejected(pool, fingerprint):
     cfg = example_config()
-    hello = make_hello(fingerprint=fingerprint or "", hash_seed="0", kv_bytes_per_chunk=CHUNK,
+    hello = make_hello(fingerprint=fingerprint or "", hash_seed=pool.hash_seed, kv_bytes_per_chunk=CHUNK,
                        identity="intruder", control_address="127.0.0.1:1",
-                       data_address="tcp://127.0.0.1:1", transport="tcp", run_config=cfg.run_config()).to_dict()
-    if fingerprint is None:
-        del hello["fingerprint"]
+                       data_address="tcp://127.0.0.1:1", transport="tcp", run_config=cfg.run_config())
+    initiator = HandshakeInitiator(pool.pool_key, hello)
     before = pool[0].metric(HANDSHAKES, result="rejected", reason="fingerprint_mismatch")
-    code, body = pool[0].post("/v1/handshake", {"step": "hello", "hello": hello})
+    code, reply = pool[0].post("/v1/handshake", initiator.step1())
+    assert code == 200
+    step2 = initiator.step2(reply)
+    if fingerprint is None:  # re-prove the hello without the field, as a broken member would send it
+        del step2["hello"]["fingerprint"]
+        t = transcript(initiator.nonce, bytes.fromhex(step2["nonce_server"]), bytes.fromhex(reply["key_id"]),
+                       HelloMessage.from_dict(step2["hello"]))
+        step2["proof"] = client_proof(pool.pool_key, t)
+    code, body = pool[0].post("/v1/handshake", step2)
     assert code == 403
     assert body["reason"] == "fingerprint_mismatch" and "fingerprint" in body["fields"]
-    assert "proof" not in body
+    assert "proof" not in body and "hello" not in body
     assert pool[0].metric(HANDSHAKES, result="rejected", reason="fingerprint_mismatch") == before + 1
 
 

@@ -7,17 +7,24 @@ Endpoints (JSON unless noted; every error is ``{"error": "...", ...}`` with a
 - ``GET /healthz``: the process serves (200).
 - ``GET /readyz``: store, data plane and control ports are up (200) or not (503).
 - ``GET /metrics``: Prometheus text of the sidecar's own registry.
-- ``POST /v1/handshake``: ``{"step": "hello", "hello": {...}}`` then
-  ``{"step": "proof", ...}`` (handshake.py). A rejection is 403 with
+- ``POST /v1/handshake``: ``{"step": "hello", ...}`` then ``{"step": "proof",
+  ...}`` (peers/handshake.py). Nothing about the pool is said before the
+  peer proved the pool key; a key holder with another config gets 403 with
   ``reason``, the differing field names and the field diff (no secret).
 - ``GET /v1/summary?since=N&epoch=E``: key-summary deltas (location.py) for a
   peer with an inbound session; headers ``X-KV-Offload-Session`` and
   ``X-KV-Offload-Auth`` (peers.summary_auth). 401 otherwise.
-- ``POST /v1/lookup``: ``{"keys": [hex, ...], "timeout": s}`` -> ``{"local", "peer"}``
-  (admin/debug form of the engine lookup).
-- ``GET /v1/peers``, ``GET /v1/status``: what this sidecar knows and holds.
-- ``GET /v1/local``: the local channel socket path and the store's shm geometry
-  for the engine client of this DP rank.
+- Admin (``Authorization: Bearer <token>``: the pool's admin token or the one
+  derived from the pool key, ``kv-offload admin-token``; 401 otherwise, before
+  the body is read, so a refused caller learns nothing):
+  ``POST /v1/lookup`` ``{"keys": [hex, ...], "timeout": s}`` -> ``{"local",
+  "peer"}`` (the engine lookup, for debugging); ``GET /v1/peers``, ``GET
+  /v1/status``: what this sidecar knows and holds.
+- Pod-local (the caller's address is 127.0.0.1, ::1 or the address it dialled,
+  i.e. the pod's own network namespace; 403 otherwise): ``GET /v1/local``, the
+  local channel socket path and the store's shm geometry for the engine
+  client of this DP rank. Everything else the engine does goes over that
+  Unix socket.
 
 The apps hold no long-lived work: ``lifecycle.running`` starts and stops the
 sidecar and the local channels around them.
@@ -38,6 +45,7 @@ from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 from kv_offload_sidecar.metrics import metrics_handler
 from kv_offload_sidecar.peers.handshake import HandshakeError, diff_fields
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER, summary_auth
+from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.sidecar import Sidecar
@@ -50,6 +58,42 @@ DP_INDEX_KEY: web.AppKey[int] = web.AppKey("kv_offload_dp_index", int)
 MAX_LOOKUP_KEYS = 4096
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Source addresses of the pod's own network namespace besides the dialled address.
+LOOPBACK_SOURCES = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+ADMIN_HELP = ("send 'Authorization: Bearer <token>' with the pool's admin token (key 'admin-token' of "
+              "the pool Secret) or the token 'kv-offload admin-token --pool-key-file <key file>' prints")
+
+
+def admin_only(handler: Handler) -> Handler:
+    """401 unless the request carries a valid admin bearer token (checked before the body)."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        sidecar = request.app[SIDECAR_KEY]
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not sidecar.keys.admin_allowed(token.strip()):
+            sidecar.metrics.protocol_errors.labels(reason="unauthenticated").inc()
+            return web.json_response({"error": f"{request.method} {request.path} is an admin endpoint: "
+                                      f"{ADMIN_HELP}"}, status=401,
+                                     headers={"WWW-Authenticate": 'Bearer realm="kv-offload"'})
+        return await handler(request)
+
+    return guarded
+
+
+def pod_local(handler: Handler) -> Handler:
+    """403 unless the caller is inside the pod (loopback, or the same address it dialled)."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        sidecar = request.app[SIDECAR_KEY]
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        own = sockname[0] if sockname else None
+        if request.remote not in LOOPBACK_SOURCES and request.remote != own:
+            sidecar.metrics.protocol_errors.labels(reason="unauthenticated").inc()
+            return json_error(403, f"{request.method} {request.path} answers only inside the pod: the "
+                              f"engine dials 127.0.0.1 or the pod IP (VLLM_P2P_SIDE_CHANNEL_HOST)")
+        return await handler(request)
+
+    return guarded
 
 
 def json_error(status: int, message: str, **extra: Any) -> web.Response:
@@ -155,12 +199,11 @@ async def handle_handshake(request: web.Request) -> web.StreamResponse:
     step = body.get("step") if isinstance(body, dict) else None
     try:
         if step == "hello":
-            _, reply = sidecar.responder.hello(body)
-            return web.json_response(reply)
+            return web.json_response(sidecar.responder.hello(body))
         if step == "proof":
-            session = sidecar.responder.proof(body)
+            session, reply = sidecar.responder.proof(body)
             sidecar.accept_session(session)
-            return web.json_response({"status": "accepted", "identity": sidecar.settings.identity})
+            return web.json_response(reply)
         raise HandshakeError("malformed", f"'step' must be 'hello' or 'proof', got {step!r}")
     except HandshakeError as exc:
         sidecar.count_handshake_rejection(exc, request.remote or "?")
@@ -187,9 +230,11 @@ async def handle_summary(request: web.Request) -> web.StreamResponse:
         sidecar.metrics.protocol_errors.labels(reason="unauthenticated").inc()
         return json_error(401, "summary pulls need an authenticated session: handshake first")
     delta = sidecar.summary_log.delta_since(since, epoch or None)
-    return web.json_response(delta.to_dict())
+    headers = {REKEY_HEADER: "1"} if sidecar.needs_rekey(session) else None
+    return web.json_response(delta.to_dict(), headers=headers)
 
 
+@admin_only
 async def handle_lookup(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
     if not sidecar.ready:
@@ -203,16 +248,19 @@ async def handle_lookup(request: web.Request) -> web.StreamResponse:
     return web.json_response({"local": local, "peer": peer})
 
 
+@admin_only
 async def handle_peers(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
     return web.json_response({"peers": sidecar.peers_view()})
 
 
+@admin_only
 async def handle_status(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
     return web.json_response(sidecar.status())
 
 
+@pod_local
 async def handle_local(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
     if not sidecar.ready:

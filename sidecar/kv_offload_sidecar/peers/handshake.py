@@ -1,25 +1,32 @@
-"""The fail-closed peer handshake: pool key, hello messages, proofs, sessions.
+"""The fail-closed peer handshake: pool keys, hello messages, proofs, sessions.
 
-Two HTTP steps on ``POST /v1/handshake`` (the transport lives in control.py
-and peers.py; this module is pure logic):
+Two HTTP steps on ``POST /v1/handshake`` (the transport lives in control/app.py
+and peers/links.py; this module is pure logic). Nothing about the pool is said
+to anyone who has not proven the pool key first:
 
-1. client -> server ``{"step": "hello", "hello": H_c}``. The server compares
-   ``H_c`` with its own identity and rejects on any difference (wire major
-   version, fingerprint -- an empty or missing one is a difference -- hash
-   seed, kv_bytes_per_chunk). Otherwise it answers ``{"hello": H_s,
-   "proof": HMAC(key, "server" || T)}`` where ``T`` is the transcript of both
-   hellos (with their fresh 16-byte nonces).
-2. The client runs the same comparison on ``H_s`` and checks the server
-   proof, then sends ``{"step": "proof", "nonce_client", "nonce_server",
-   "proof": HMAC(key, "client" || T)}``. The server checks it and both sides
-   derive the session: ``session_key = HMAC(key, "kv-offload session" ||
-   nonce_c || nonce_s)``, ``session_id = sha256("kv-offload session id" ||
-   nonce_c || nonce_s)[:16]``.
+1. client -> server ``{"step": "hello", "wire_version", "nonce": N_c,
+   "key_ids": [...]}`` (ids of the keys it holds, current first;
+   ``pool_keys.key_id``). The server answers ``{"wire_version", "nonce": N_s,
+   "key_id"}``: the id of a key both hold (its current one when the client has
+   it). A client holding none of the server's keys is refused (``bad_proof``).
+2. client -> server ``{"step": "proof", "nonce_client", "nonce_server",
+   "hello": H_c, "proof": HMAC(K, "client" || T)}`` with ``T`` the transcript
+   of both nonces, the key id and ``H_c``. The server checks the proof first
+   (a bad one is ``bad_proof`` and learns nothing), then compares ``H_c`` with
+   its own hello and rejects on any difference (wire major version,
+   fingerprint -- an empty or missing one is a difference -- hash seed,
+   kv_bytes_per_chunk) with the field diff, which only a key holder sees.
+   Accepted: ``{"status": "accepted", "hello": H_s, "proof": HMAC(K, "server"
+   || T || H_s)}``; the client checks that proof and runs the same comparison.
 
+The hash seed never crosses the wire: a hello carries ``HMAC(K, nonces ||
+seed)`` (``seal``), equal on both sides only when the seeds are. Sessions:
+``session_key = HKDF(K, salt = N_c || N_s, info = "kv-offload session v2" ||
+key_id)``, ``session_id = sha256("kv-offload session id v2" || N_c || N_s)[:16]``.
 The pool key never crosses the wire. A captured handshake cannot be replayed:
-the server's nonce is fresh per step 1 and its pending entry is consumed by
-the first step 2 (a second use is ``replay``), and a client nonce is accepted
-once. Rejection reasons are the ``handshakes{reason}`` labels of metrics.py.
+the server's nonce is fresh per step 1 and its pending entry is consumed by the
+first step 2 (a second use is ``replay``), and a client nonce is accepted once.
+Rejection reasons are the ``handshakes{reason}`` labels of metrics.py.
 """
 
 from __future__ import annotations
@@ -31,23 +38,32 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kv_offload_sidecar.engine.offloading_config import identity_diff
+from kv_offload_sidecar.peers.pool_keys import (
+    KEY_ID_BYTES,
+    MAX_OFFERED_KEYS,
+    PoolKeys,
+    hkdf,
+)
 
-WIRE_MAJOR = 1
+WIRE_MAJOR = 2
 WIRE_MINOR = 0
 WIRE_VERSION = f"{WIRE_MAJOR}.{WIRE_MINOR}"
 NONCE_BYTES = 16
 SESSION_ID_BYTES = 16
 REASONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
            "wire_version_mismatch", "bad_proof", "malformed", "replay")
-# Longest accepted string field of a hello (identity, control address, seed).
+# Longest accepted string field of a hello (identity, control address, seed digest).
 MAX_FIELD_CHARS = 4096
 # Longest accepted data address (a UCX worker address in base64 can be long).
 MAX_DATA_ADDRESS_CHARS = 96 * 1024
-_TRANSCRIPT_LABEL = b"kv-offload handshake v1\x00"
+_TRANSCRIPT_LABEL = b"kv-offload handshake v2\x00"
+_SEED_LABEL = b"kv-offload hash seed v2\x00"
+_SESSION_INFO = b"kv-offload session v2\x00"
+_SESSION_ID_LABEL = b"kv-offload session id v2"
 
 
 class HandshakeError(Exception):
@@ -88,15 +104,21 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
+def seal_seed(key: bytes, nonce_client: bytes, nonce_server: bytes, seed: str) -> str:
+    """What a hello says about its hash seed: equal digests iff equal seeds (and keys)."""
+    return hmac.new(key, _SEED_LABEL + nonce_client + nonce_server + seed.encode("utf-8"),
+                    hashlib.sha256).hexdigest()
+
+
 @dataclass(frozen=True)
 class HelloMessage:
-    """What a sidecar says about itself before anything else is exchanged."""
+    """What a sidecar says about itself, to key holders only (handshake step 2)."""
 
     # Wire version "major.minor"; majors must be equal.
     wire_version: str
     # Pool fingerprint (16 hex); empty means unknown and is always rejected.
     fingerprint: str
-    # Effective prefix-hash seed (see settings.effective_hash_seed).
+    # The prefix-hash seed: plain in a local hello, sealed (seal_seed) on the wire.
     hash_seed: str
     # Bytes of one chunk; equal sizes are required.
     kv_bytes_per_chunk: int
@@ -104,12 +126,10 @@ class HelloMessage:
     identity: str
     # Sender's control address "host:port" (one of its DP ports).
     control_address: str
-    # Sender's data-plane address ("tcp://h:p" or "ucx://...").
+    # Sender's data-plane address ("tcp://h:p", "tls://h:p" or "ucx://...").
     data_address: str
     # Sender's data-plane kind: "tcp" or "ucx".
     transport: str
-    # Fresh random nonce, hex of 16 bytes.
-    nonce: str
     # Sender's run config (fingerprint input), so a receiver can log a field diff.
     run_config: Mapping[str, Any] | None = None
 
@@ -123,7 +143,7 @@ class HelloMessage:
             raise HandshakeError("malformed", f"hello must be a JSON object, got {type(d).__name__}")
         kwargs: dict[str, Any] = {}
         for name in ("wire_version", "hash_seed", "identity", "control_address",
-                     "data_address", "transport", "nonce"):
+                     "data_address", "transport"):
             if name not in d:
                 raise HandshakeError("malformed", f"hello is missing field {name!r}")
             kwargs[name] = d[name]
@@ -139,7 +159,7 @@ class HelloMessage:
     def validate(self) -> None:
         """Type and range checks; raises ``HandshakeError("malformed", ...)``."""
         for name in ("wire_version", "fingerprint", "hash_seed", "identity",
-                     "control_address", "data_address", "transport", "nonce"):
+                     "control_address", "data_address", "transport"):
             v = getattr(self, name)
             if not isinstance(v, str):
                 raise HandshakeError("malformed", f"hello field {name!r} must be a string, got {type(v).__name__}")
@@ -155,18 +175,12 @@ class HelloMessage:
             raise HandshakeError("malformed", "hello identity is empty")
         if self.transport not in ("tcp", "ucx"):
             raise HandshakeError("malformed", f"hello transport {self.transport!r} is not 'tcp' or 'ucx'")
-        try:
-            nonce = bytes.fromhex(self.nonce)
-        except ValueError:
-            nonce = b""
-        if len(nonce) != NONCE_BYTES:
-            raise HandshakeError("malformed", f"hello nonce must be {NONCE_BYTES} bytes of hex")
         if self.run_config is not None and not isinstance(self.run_config, Mapping):
             raise HandshakeError("malformed", "hello run_config must be an object or absent")
 
-    @property
-    def nonce_bytes(self) -> bytes:
-        return bytes.fromhex(self.nonce)
+    def sealed(self, key: bytes, nonce_client: bytes, nonce_server: bytes) -> "HelloMessage":
+        """This local hello as sent: its hash seed replaced by ``seal_seed``."""
+        return replace(self, hash_seed=seal_seed(key, nonce_client, nonce_server, self.hash_seed))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -179,15 +193,17 @@ class HelloMessage:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
 
-def _wire_major(version: str) -> int | None:
+def _wire_major(version: Any) -> int | None:
+    if not isinstance(version, str):
+        return None
     parts = version.split(".")
-    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) < 6 for p in parts):
         return None
     return int(parts[0])
 
 
 def compare_hello(local: HelloMessage, remote: HelloMessage) -> tuple[str, list[str]] | None:
-    """Fail-closed comparison. None when compatible, else ``(reason, diff_lines)``.
+    """Fail-closed comparison of two sealed hellos. None when compatible, else ``(reason, diff_lines)``.
 
     The reason is the first failing check in the order wire version,
     fingerprint, hash seed, chunk size; the diff lists every difference, with
@@ -203,9 +219,10 @@ def compare_hello(local: HelloMessage, remote: HelloMessage) -> tuple[str, list[
         diff.append(f"fingerprint: {local.fingerprint or '<empty>'} != {remote.fingerprint or '<empty>'}")
         if local.run_config is not None and remote.run_config is not None:
             diff.extend(identity_diff(local.run_config, remote.run_config))
-    if local.hash_seed != remote.hash_seed:
+    if not hmac.compare_digest(local.hash_seed, remote.hash_seed):
         reasons.append("hash_seed_mismatch")
-        diff.append("hash_seed: differs (set the same PYTHONHASHSEED or extra_config.hash_seed on every pod)")
+        diff.append("hash_seed: differs (every pod of a pool must get the pool's PYTHONHASHSEED; "
+                    "the seeds themselves are never sent)")
     if local.kv_bytes_per_chunk != remote.kv_bytes_per_chunk:
         reasons.append("chunk_size_mismatch")
         diff.append(f"kv_bytes_per_chunk: {local.kv_bytes_per_chunk} != {remote.kv_bytes_per_chunk}")
@@ -224,23 +241,24 @@ def diff_fields(diff: list[str]) -> list[str]:
     return out
 
 
-def transcript(hello_client: HelloMessage, hello_server: HelloMessage) -> bytes:
-    return _TRANSCRIPT_LABEL + hello_client.canonical() + b"\x00" + hello_server.canonical()
+def transcript(nonce_client: bytes, nonce_server: bytes, kid: bytes, hello_client: HelloMessage) -> bytes:
+    return _TRANSCRIPT_LABEL + nonce_client + nonce_server + kid + hello_client.canonical()
 
 
-def server_proof(pool_key: bytes, hello_client: HelloMessage, hello_server: HelloMessage) -> str:
-    return hmac.new(pool_key, b"server\x00" + transcript(hello_client, hello_server), hashlib.sha256).hexdigest()
+def client_proof(key: bytes, t: bytes) -> str:
+    return hmac.new(key, b"client\x00" + t, hashlib.sha256).hexdigest()
 
 
-def client_proof(pool_key: bytes, hello_client: HelloMessage, hello_server: HelloMessage) -> str:
-    return hmac.new(pool_key, b"client\x00" + transcript(hello_client, hello_server), hashlib.sha256).hexdigest()
+def server_proof(key: bytes, t: bytes, hello_server: HelloMessage) -> str:
+    return hmac.new(key, b"server\x00" + t + b"\x00" + hello_server.canonical(), hashlib.sha256).hexdigest()
 
 
-def derive_session(pool_key: bytes, nonce_client: bytes, nonce_server: bytes) -> tuple[bytes, bytes]:
-    """``(session_id, session_key)`` of the data connections of one handshake."""
-    key = hmac.new(pool_key, b"kv-offload session" + nonce_client + nonce_server, hashlib.sha256).digest()
-    sid = hashlib.sha256(b"kv-offload session id" + nonce_client + nonce_server).digest()[:SESSION_ID_BYTES]
-    return sid, key
+def derive_session(key: bytes, nonce_client: bytes, nonce_server: bytes,
+                   kid: bytes = b"") -> tuple[bytes, bytes]:
+    """``(session_id, session_key)`` of the data connections and summary pulls of one handshake."""
+    skey = hkdf(key, nonce_client + nonce_server, _SESSION_INFO + kid)
+    sid = hashlib.sha256(_SESSION_ID_LABEL + nonce_client + nonce_server).digest()[:SESSION_ID_BYTES]
+    return sid, skey
 
 
 @dataclass(frozen=True)
@@ -251,38 +269,56 @@ class Session:
     session_id: bytes
     # HMAC key of the session's data connections (secret).
     session_key: bytes = field(repr=False)
-    # The peer's validated hello.
+    # The peer's validated (sealed) hello.
     peer: HelloMessage = field(repr=False)
     # "inbound" (the peer dialled us) or "outbound" (we dialled it).
     direction: str = "outbound"
+    # Id of the pool key the session was made with (it ends when that key is retired).
+    key_id: bytes = b""
     # time.monotonic() at establishment.
     created: float = field(default_factory=time.monotonic)
 
 
 def _hex_field(body: Mapping[str, Any], name: str, nbytes: int) -> bytes:
     v = body.get(name)
-    if not isinstance(v, str):
-        raise HandshakeError("malformed", f"handshake field {name!r} must be a hex string")
+    if not isinstance(v, str) or len(v) != 2 * nbytes:
+        raise HandshakeError("malformed", f"handshake field {name!r} must be {nbytes} bytes of hex")
     try:
-        raw = bytes.fromhex(v)
+        return bytes.fromhex(v)
     except ValueError:
         raise HandshakeError("malformed", f"handshake field {name!r} is not hex") from None
-    if len(raw) != nbytes:
-        raise HandshakeError("malformed", f"handshake field {name!r} must be {nbytes} bytes")
-    return raw
+
+
+def _check_wire(body: Mapping[str, Any]) -> None:
+    """Step-1 version check (a wire 1 client sends its whole hello in step 1)."""
+    version = body.get("wire_version")
+    if version is None and isinstance(body.get("hello"), Mapping):
+        version = body["hello"].get("wire_version")
+    major = _wire_major(version)
+    if major is None:
+        raise HandshakeError("malformed", f"handshake 'wire_version' {version!r} is not 'major.minor'")
+    if major != WIRE_MAJOR:
+        raise HandshakeError("wire_version_mismatch",
+                             f"handshake rejected (wire_version_mismatch): wire {version} != {WIRE_VERSION}; "
+                             f"run the same kv-offload major version on every pod of the pool",
+                             [f"wire_version: {WIRE_VERSION} != {version}"])
+
+
+def _as_keys(keys: PoolKeys | bytes) -> PoolKeys:
+    return keys if isinstance(keys, PoolKeys) else PoolKeys(keys)
 
 
 class HandshakeResponder:
     """Server side of the two-step handshake (thread-unsafe; one event loop)."""
 
-    def __init__(self, pool_key: bytes, local_hello: Callable[[], HelloMessage],
+    def __init__(self, keys: PoolKeys | bytes, local_hello: Callable[[], HelloMessage],
                  *, ttl_seconds: float = 10.0, max_pending: int = 4096) -> None:
-        self._key = pool_key
+        self.keys = _as_keys(keys)
         self._local_hello = local_hello
         self._ttl = ttl_seconds
         self._max = max_pending
-        # nonce_server -> (hello_client, hello_server, expiry)
-        self._pending: OrderedDict[bytes, tuple[HelloMessage, HelloMessage, float]] = OrderedDict()
+        # nonce_server -> (nonce_client, key id, expiry)
+        self._pending: OrderedDict[bytes, tuple[bytes, bytes, float]] = OrderedDict()
         # consumed server nonces and seen client nonces -> expiry
         self._used: OrderedDict[bytes, float] = OrderedDict()
 
@@ -297,28 +333,30 @@ class HandshakeResponder:
                     break
                 table.popitem(last=False)
 
-    def hello(self, body: Any) -> tuple[HelloMessage, dict[str, Any]]:
-        """Step 1. Returns the client's hello and the reply; raises HandshakeError."""
+    def hello(self, body: Any) -> dict[str, Any]:
+        """Step 1: nonces and the key to use; raises HandshakeError. Says nothing about the pool."""
         self._expire()
         if not isinstance(body, Mapping):
             raise HandshakeError("malformed", "handshake body must be a JSON object")
-        remote = HelloMessage.from_dict(body.get("hello"))
-        local = self._local_hello()
-        verdict = compare_hello(local, remote)
-        if verdict is not None:
-            reason, diff = verdict
-            raise HandshakeError(reason, f"handshake rejected ({reason}): fields differ: "
-                                 + ", ".join(diff_fields(diff)), diff)
-        nonce_c = remote.nonce_bytes
+        _check_wire(body)
+        nonce_c = _hex_field(body, "nonce", NONCE_BYTES)
+        offered = body.get("key_ids")
+        if not isinstance(offered, list) or not 0 < len(offered) <= MAX_OFFERED_KEYS:
+            raise HandshakeError("malformed", f"handshake 'key_ids' must list 1..{MAX_OFFERED_KEYS} key ids")
+        ids = [_hex_field({"key_id": k}, "key_id", KEY_ID_BYTES) for k in offered]
+        kid = self.keys.choose(ids)
+        if kid is None:
+            raise HandshakeError("bad_proof", "handshake rejected (bad_proof): the peer holds none of "
+                                 "this pool's keys")
         if nonce_c in self._used:
             raise HandshakeError("replay", "handshake rejected (replay): client nonce already used")
         self._used[nonce_c] = time.monotonic() + max(self._ttl, 60.0)
-        self._pending[local.nonce_bytes] = (remote, local, time.monotonic() + self._ttl)
-        reply = {"hello": local.to_dict(), "proof": server_proof(self._key, remote, local)}
-        return remote, reply
+        nonce_s = new_nonce()
+        self._pending[nonce_s] = (nonce_c, kid, time.monotonic() + self._ttl)
+        return {"wire_version": WIRE_VERSION, "nonce": nonce_s.hex(), "key_id": kid.hex()}
 
-    def proof(self, body: Any) -> Session:
-        """Step 2. Returns the inbound session; raises HandshakeError."""
+    def proof(self, body: Any) -> tuple[Session, dict[str, Any]]:
+        """Step 2: the inbound session and the reply; raises HandshakeError."""
         self._expire()
         if not isinstance(body, Mapping):
             raise HandshakeError("malformed", "handshake body must be a JSON object")
@@ -331,65 +369,89 @@ class HandshakeResponder:
         if entry is None:
             raise HandshakeError("replay", "handshake rejected (replay): unknown, expired or used server nonce")
         self._used[nonce_s] = time.monotonic() + max(self._ttl, 60.0)
-        hello_c, hello_s, _ = entry
-        if hello_c.nonce_bytes != nonce_c:
+        expected_c, kid, _ = entry
+        if expected_c != nonce_c:
             raise HandshakeError("replay", "handshake rejected (replay): client nonce does not match step 1")
-        if not hmac.compare_digest(proof, client_proof(self._key, hello_c, hello_s)):
-            raise HandshakeError("bad_proof", "handshake rejected (bad_proof): the peer does not hold this pool's key")
-        sid, skey = derive_session(self._key, nonce_c, nonce_s)
-        return Session(sid, skey, hello_c, "inbound")
+        remote = HelloMessage.from_dict(body.get("hello"))
+        key = self.keys.key(kid)
+        t = transcript(nonce_c, nonce_s, kid, remote)
+        if key is None or not hmac.compare_digest(proof, client_proof(key, t)):
+            raise HandshakeError("bad_proof", "handshake rejected (bad_proof): the peer does not hold "
+                                 "this pool's key")
+        local = self._local_hello().sealed(key, nonce_c, nonce_s)
+        verdict = compare_hello(local, remote)
+        if verdict is not None:
+            reason, diff = verdict
+            raise HandshakeError(reason, f"handshake rejected ({reason}): fields differ: "
+                                 + ", ".join(diff_fields(diff)), diff)
+        sid, skey = derive_session(key, nonce_c, nonce_s, kid)
+        reply = {"status": "accepted", "hello": local.to_dict(), "proof": server_proof(key, t, local)}
+        return Session(sid, skey, remote, "inbound", kid), reply
 
 
 class HandshakeInitiator:
-    """Client side: builds step 1, checks the reply, builds step 2."""
+    """Client side: step 1, then step 2 from the server's nonce, then the server's answer."""
 
-    def __init__(self, pool_key: bytes, local_hello: HelloMessage) -> None:
-        self._key = pool_key
+    def __init__(self, keys: PoolKeys | bytes, local_hello: HelloMessage) -> None:
+        self.keys = _as_keys(keys)
         self.hello = local_hello
+        self.nonce = new_nonce()
+        self._state: tuple[bytes, bytes, bytes, bytes] | None = None  # key, kid, nonce_s, transcript
+        self._sealed: HelloMessage | None = None
 
     def step1(self) -> dict[str, Any]:
-        return {"step": "hello", "hello": self.hello.to_dict()}
+        return {"step": "hello", "wire_version": WIRE_VERSION, "nonce": self.nonce.hex(),
+                "key_ids": [k.hex() for k in self.keys.offered_ids()]}
 
-    def check_reply(self, reply: Any) -> tuple[HelloMessage, dict[str, Any], Session]:
-        """Validate the server's hello and proof.
+    def step2(self, reply: Any) -> dict[str, Any]:
+        """The proof step for the server's step-1 reply; raises HandshakeError."""
+        if not isinstance(reply, Mapping):
+            raise HandshakeError("malformed", "handshake reply must be an object with 'nonce' and 'key_id'")
+        _check_wire(reply)
+        nonce_s = _hex_field(reply, "nonce", NONCE_BYTES)
+        kid = _hex_field(reply, "key_id", KEY_ID_BYTES)
+        key = self.keys.key(kid)
+        if key is None:
+            raise HandshakeError("bad_proof", "peer chose a key this sidecar does not hold")
+        self._sealed = self.hello.sealed(key, self.nonce, nonce_s)
+        t = transcript(self.nonce, nonce_s, kid, self._sealed)
+        self._state = (key, kid, nonce_s, t)
+        return {"step": "proof", "nonce_client": self.nonce.hex(), "nonce_server": nonce_s.hex(),
+                "hello": self._sealed.to_dict(), "proof": client_proof(key, t)}
 
-        Returns ``(server_hello, step2_body, outbound_session)``. On a
-        mismatch raises HandshakeError; on a bad server proof too, but the
-        step-2 body is still attached as ``exc.step2`` so the caller can let
-        the server count the rejection.
-        """
+    def finish(self, reply: Any) -> tuple[HelloMessage, Session]:
+        """Check the server's acceptance: its proof, then the same fail-closed comparison."""
+        if self._state is None or self._sealed is None:
+            raise RuntimeError("finish() before step2()")
+        key, kid, nonce_s, t = self._state
         if not isinstance(reply, Mapping) or not isinstance(reply.get("proof"), str):
-            raise HandshakeError("malformed", "handshake reply must be an object with 'hello' and 'proof'")
+            raise HandshakeError("malformed", "handshake acceptance must be an object with 'hello' and 'proof'")
         remote = HelloMessage.from_dict(reply.get("hello"))
-        verdict = compare_hello(self.hello, remote)
+        if not hmac.compare_digest(reply["proof"], server_proof(key, t, remote)):
+            raise HandshakeError("bad_proof", f"peer {remote.identity!r} rejected (bad_proof): "
+                                 f"it does not hold this pool's key")
+        verdict = compare_hello(self._sealed, remote)
         if verdict is not None:
             reason, diff = verdict
             raise HandshakeError(reason, f"peer {remote.identity!r} rejected ({reason}): fields differ: "
                                  + ", ".join(diff_fields(diff)), diff)
-        step2 = {"step": "proof", "nonce_client": self.hello.nonce, "nonce_server": remote.nonce,
-                 "proof": client_proof(self._key, self.hello, remote)}
-        if not hmac.compare_digest(reply["proof"], server_proof(self._key, self.hello, remote)):
-            err = HandshakeError("bad_proof", f"peer {remote.identity!r} rejected (bad_proof): "
-                                 f"it does not hold this pool's key")
-            err.step2 = step2  # type: ignore[attr-defined]
-            raise err
-        sid, skey = derive_session(self._key, self.hello.nonce_bytes, remote.nonce_bytes)
-        return remote, step2, Session(sid, skey, remote, "outbound")
+        sid, skey = derive_session(key, self.nonce, nonce_s, kid)
+        return remote, Session(sid, skey, remote, "outbound", kid)
 
 
 def make_hello(*, fingerprint: str, hash_seed: str, kv_bytes_per_chunk: int, identity: str,
                control_address: str, data_address: str, transport: str,
-               run_config: Mapping[str, Any] | None = None, nonce: bytes | None = None) -> HelloMessage:
-    """A fresh local hello (new nonce unless one is given)."""
+               run_config: Mapping[str, Any] | None = None) -> HelloMessage:
+    """A local hello (its plain hash seed is sealed per handshake)."""
     return HelloMessage(
         wire_version=WIRE_VERSION, fingerprint=fingerprint, hash_seed=hash_seed,
         kv_bytes_per_chunk=kv_bytes_per_chunk, identity=identity,
         control_address=control_address, data_address=data_address, transport=transport,
-        nonce=(nonce or new_nonce()).hex(), run_config=run_config)
+        run_config=run_config)
 
 
 __all__ = [
     "HandshakeError", "HandshakeInitiator", "HandshakeResponder", "HelloMessage", "Session",
-    "compare_hello", "derive_session", "diff_fields", "load_pool_key", "make_hello",
+    "compare_hello", "derive_session", "diff_fields", "load_pool_key", "make_hello", "seal_seed",
     "REASONS", "WIRE_VERSION",
 ]

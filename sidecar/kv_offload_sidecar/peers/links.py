@@ -38,6 +38,8 @@ from kv_offload_sidecar.peers.handshake import (
     Session,
 )
 from kv_offload_sidecar.peers.location import PeerSummaries, SummaryDelta
+from kv_offload_sidecar.peers.pool_keys import PoolKeys
+from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
@@ -85,6 +87,8 @@ class PeerLink:
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     # The link's task.
     task: asyncio.Task[None] | None = None
+    # Re-key the session (make before break) at the next summary interval.
+    rekey: bool = False
 
     def view(self) -> dict[str, Any]:
         return {
@@ -100,8 +104,11 @@ class PeerManager:
     """Keeps one link per discovered address and exposes connected peers."""
 
     def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, discovery: Discovery,
-                 summaries: PeerSummaries, local_hello: Callable[[], HelloMessage]) -> None:
+                 summaries: PeerSummaries, local_hello: Callable[[], HelloMessage], *,
+                 keys: PoolKeys, data_options: dict[str, Any] | None = None) -> None:
         self._settings = settings
+        self._keys = keys
+        self._data_options = dict(data_options or {})
         self._metrics = metrics
         self._discovery = discovery
         self._summaries = summaries
@@ -238,37 +245,62 @@ class PeerManager:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(data.close(), 1.0)
 
-    async def _connect(self, link: PeerLink) -> None:
+    async def _establish(self, link: PeerLink) -> tuple[HelloMessage, Session, Any]:
+        """Handshake with the peer at ``link.address`` and open a data connection."""
         from kv_offload_sidecar.data import connect as data_connect
 
         s = self._settings
-        assert self._http is not None
-        local = self._local_hello()
-        initiator = HandshakeInitiator(s.pool_key, local)
+        initiator = HandshakeInitiator(self._keys, self._local_hello())
         url = f"http://{link.address}/v1/handshake"
-        reply = await self._post(url, initiator.step1())
+        step2 = initiator.step2(await self._post(url, initiator.step1()))
         try:
-            remote, step2, session = initiator.check_reply(reply)
+            remote, session = initiator.finish(await self._post(url, step2))
         except HandshakeError as exc:
-            step2 = getattr(exc, "step2", None)
-            if step2 is not None:  # let the peer count the bad proof too
-                with contextlib.suppress(Exception):
-                    await self._post(url, step2, count=False)
             self._count_rejection(exc, link.address)
             raise
         if remote.identity == s.identity:
             raise HandshakeError("self", "this address is ourselves")
-        link.identity = remote.identity
         other = self.connected(remote.identity)
         if other is not None and other is not link:
+            link.identity = remote.identity
             raise HandshakeError("alias", f"{remote.identity} already connected via {other.address}")
-        await self._post(url, step2)
         self._metrics.handshakes.labels(result="accepted", reason="ok").inc()
-        link.data = await data_connect(remote.data_address, session.session_id, session.session_key,
-                                       timeout=s.handshake_timeout_seconds, metrics=self._metrics)
-        link.session = session
+        data = await data_connect(remote.data_address, session.session_id, session.session_key,
+                                  timeout=s.handshake_timeout_seconds, metrics=self._metrics,
+                                  **self._data_options)
+        return remote, session, data
 
-    async def _post(self, url: str, body: dict[str, Any], *, count: bool = True) -> Any:
+    async def _connect(self, link: PeerLink) -> None:
+        remote, link.session, link.data = await self._establish(link)
+        link.identity = remote.identity
+
+    async def _rekey(self, link: PeerLink) -> None:
+        """Make before break: a new session with the current key, then the old one closes."""
+        link.rekey = False
+        try:
+            remote, session, data = await self._establish(link)
+        except Exception as exc:
+            log.info("peer %s (%s): re-key failed (%s); keeping the current session",
+                     link.address, link.identity, exc)
+            return
+        old, link.data, link.session = link.data, data, session
+        log.info("peer %s (%s): re-keyed with pool key %s", link.address, remote.identity,
+                 session.key_id.hex())
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(old.close(), 1.0)
+
+    def keys_changed(self) -> int:
+        """This sidecar's keys changed: links not on the current key re-key; returns how many."""
+        current = self._keys.offered_ids()[0]
+        n = 0
+        for link in self._links.values():
+            if link.session is not None and link.session.key_id != current:
+                link.rekey = True
+                n += 1
+        return n
+
+    async def _post(self, url: str, body: dict[str, Any]) -> Any:
         assert self._http is not None
         async with self._http.post(url, json=body) as resp:
             try:
@@ -278,8 +310,7 @@ class PeerManager:
             if resp.status == 403 and isinstance(data, dict) and data.get("reason"):
                 exc = HandshakeError(str(data["reason"]), f"peer rejected us: {data.get('error')}",
                                      [str(x) for x in data.get("diff", [])][:64])
-                if count:
-                    self._count_rejection(exc, url)
+                self._count_rejection(exc, url)
                 raise exc
             if resp.status != 200:
                 raise ConnectionError(f"handshake HTTP {resp.status}: "
@@ -295,6 +326,8 @@ class PeerManager:
     async def _pull_loop(self, link: PeerLink) -> None:
         s = self._settings
         while True:
+            if link.rekey:
+                await self._rekey(link)
             await self._pull_summary(link)
             try:
                 await asyncio.wait_for(link.failed.wait(), s.summary_interval_seconds)
@@ -314,6 +347,8 @@ class PeerManager:
                                   headers=headers, timeout=timeout) as resp:
             if resp.status != 200:
                 raise ConnectionError(f"summary pull HTTP {resp.status}")
+            if resp.headers.get(REKEY_HEADER) and link.session.key_id != self._keys.offered_ids()[0]:
+                link.rekey = True  # the peer moved on to a key we hold too
             body = await resp.content.read(MAX_SUMMARY_REPLY_BYTES + 1)
             if len(body) > MAX_SUMMARY_REPLY_BYTES:
                 raise ConnectionError("summary reply too large")

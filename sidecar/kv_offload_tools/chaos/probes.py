@@ -44,8 +44,8 @@ def probe_handshake(sidecar: SidecarProcess, pool_key: bytes, hello: HelloMessag
     """Both handshake steps against ``sidecar``; HandshakeError when refused either way."""
     initiator = HandshakeInitiator(pool_key, hello)
     step1 = initiator.step1()
-    server_hello, step2, session = initiator.check_reply(_step(sidecar, 1, step1, timeout))
-    _step(sidecar, 2, step2, timeout)
+    step2 = initiator.step2(_step(sidecar, 1, step1, timeout))
+    server_hello, session = initiator.finish(_step(sidecar, 2, step2, timeout))
     return ProbeSession(session, server_hello, (step1, step2))
 
 

@@ -11,6 +11,7 @@ from kv_offload_sidecar.control.app import create_app
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.handshake import HandshakeInitiator, make_hello
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER, summary_auth
+from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
 from kv_offload_tools.scrape import parse_metrics
@@ -45,12 +46,17 @@ async def metric(client, name: str, **labels: str) -> float:
     return sum(v for (n, lab), v in parse_metrics(text).items() if n == name and want <= set(lab))
 
 
+ADMIN = {"Authorization": f"Bearer {admin_token(POOL_KEY)}"}
+
+
 async def handshake(client, key: bytes = POOL_KEY, hello=None):
+    """Both steps; (step-2 response, step-2 body, session or None when step 2 was refused)."""
     initiator = HandshakeInitiator(key, hello or peer_hello())
     resp = await client.post("/v1/handshake", json=initiator.step1())
     assert resp.status == 200, await resp.text()
-    _, step2, session = initiator.check_reply(await resp.json())
+    step2 = initiator.step2(await resp.json())
     resp = await client.post("/v1/handshake", json=step2)
+    session = initiator.finish(await resp.json())[1] if resp.status == 200 else None
     return resp, step2, session
 
 
@@ -90,10 +96,10 @@ async def test_summary_without_valid_session_is_401(sidecar_client):
     ({"hash_seed": "7"}, "hash_seed_mismatch", "hash_seed"),
     ({"kv_bytes_per_chunk": 999}, "chunk_size_mismatch", "kv_bytes_per_chunk"),
 ])
-async def test_mismatching_peer_is_rejected_with_reason_and_fields(sidecar_client, changes, reason, field):
-    hello = peer_hello(**changes)
-    resp = await sidecar_client.post("/v1/handshake", json={"step": "hello", "hello": hello.to_dict()})
-    assert resp.status == 403
+async def test_mismatching_key_holder_is_rejected_with_reason_and_fields(sidecar_client, changes, reason,
+                                                                      field):
+    resp, _, session = await handshake(sidecar_client, hello=peer_hello(**changes))
+    assert resp.status == 403 and session is None
     body = await resp.json()
     assert body["reason"] == reason
     assert field in body["fields"]
@@ -102,14 +108,12 @@ async def test_mismatching_peer_is_rejected_with_reason_and_fields(sidecar_clien
     assert await metric(sidecar_client, "kv_offload_handshakes_total", result="rejected", reason=reason) == 1
 
 
-async def test_wrong_pool_key_is_rejected_as_bad_proof(sidecar_client):
+async def test_wrong_pool_key_is_rejected_as_bad_proof_at_step_1(sidecar_client):
     initiator = HandshakeInitiator(b"not-the-key", peer_hello())
     resp = await sidecar_client.post("/v1/handshake", json=initiator.step1())
-    reply = await resp.json()
-    with pytest.raises(Exception) as exc:
-        initiator.check_reply(reply)
-    resp = await sidecar_client.post("/v1/handshake", json=exc.value.step2)
-    assert resp.status == 403 and (await resp.json())["reason"] == "bad_proof"
+    body = await resp.json()
+    assert resp.status == 403 and body["reason"] == "bad_proof"
+    assert body["fields"] == [] and body["diff"] == [] and "hello" not in body
     assert await metric(sidecar_client, "kv_offload_handshakes_total", reason="bad_proof") == 1
 
 
@@ -125,7 +129,7 @@ async def test_replayed_handshake_is_rejected(sidecar_client):
     ("/v1/handshake", b"\xff\xfe", 400, "not valid JSON"),
     ("/v1/handshake", b"[]", 400, "'step'"),
     ("/v1/handshake", b'{"step": "dance"}', 400, "'step'"),
-    ("/v1/handshake", b'{"step": "hello", "hello": {"identity": 1}}', 400, "missing field"),
+    ("/v1/handshake", b'{"step": "hello", "hello": {"identity": 1}}', 400, "wire_version"),
     ("/v1/handshake", b'{"step": "proof", "nonce_client": 5}', 400, "nonce_client"),
     ("/v1/lookup", b'{"keys": "abc"}', 400, "list of hex"),
     ("/v1/lookup", b'{"keys": ["xyz"]}', 400, "keys[0]"),
@@ -135,7 +139,7 @@ async def test_replayed_handshake_is_rejected(sidecar_client):
     ("/v1/lookup", b'"keys"', 400, "object"),
 ])
 async def test_bad_bodies_get_clear_json_errors_and_service_continues(sidecar_client, path, data, status, phrase):
-    resp = await sidecar_client.post(path, data=data, headers={"Content-Type": "application/json"})
+    resp = await sidecar_client.post(path, data=data, headers={"Content-Type": "application/json", **ADMIN})
     assert resp.status == status
     body = await resp.json()
     assert phrase in body["error"]
@@ -159,7 +163,8 @@ async def test_unknown_path_and_method_get_json_errors(sidecar_client):
 
 
 async def test_lookup_counts_each_chunk_key(sidecar_client):
-    resp = await sidecar_client.post("/v1/lookup", json={"keys": [os.urandom(36).hex() for _ in range(3)]})
+    resp = await sidecar_client.post("/v1/lookup", json={"keys": [os.urandom(36).hex() for _ in range(3)]},
+                                     headers=ADMIN)
     assert await resp.json() == {"local": 0, "peer": 0}
     assert await metric(sidecar_client, "kv_offload_chunk_lookups_total", result="miss") == 3
     assert await metric(sidecar_client, "kv_offload_lookup_messages_total") == 0
@@ -174,11 +179,11 @@ async def test_local_view_names_socket_and_store_geometry(sidecar_client):
 
 
 async def test_status_and_peers_views(sidecar_client):
-    status = await (await sidecar_client.get("/v1/status")).json()
+    status = await (await sidecar_client.get("/v1/status", headers=ADMIN)).json()
     assert status["identity"] == "test-sidecar"
     assert status["data_address"].startswith("tcp://127.0.0.1:")
     assert status["store"]["capacity_bytes"] <= 1 << 20
-    assert (await (await sidecar_client.get("/v1/peers")).json()) == {"peers": []}
+    assert (await (await sidecar_client.get("/v1/peers", headers=ADMIN)).json()) == {"peers": []}
 
 
 async def test_inbound_peer_is_dialled_back(sidecar_client):
@@ -203,3 +208,38 @@ def test_create_app_keeps_state_under_typed_keys(make_settings):
     app = create_app(sidecar, 3)
     assert isinstance(app, web.Application)
     assert app[SIDECAR_KEY] is sidecar and app[DP_INDEX_KEY] == 3
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/lookup"), ("GET", "/v1/status"),
+                                          ("GET", "/v1/peers")])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Basic {admin_token(POOL_KEY)}",
+                                  f"Bearer {admin_token(b'another-pool-key')}"])
+async def test_admin_endpoints_need_the_admin_token(sidecar_client, method, path, auth):
+    headers = {"Authorization": auth} if auth else {}
+    resp = await sidecar_client.request(method, path, json={"keys": ["00"]}, headers=headers)
+    assert resp.status == 401
+    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+    assert "admin-token" in (await resp.json())["error"]
+
+
+async def test_a_configured_admin_token_opens_the_admin_endpoints(aiohttp_client, make_settings):
+    sidecar = Sidecar(make_settings(admin_token=b"ops-secret"))
+    async with running(sidecar, control_ports=False):
+        client = await aiohttp_client(create_app(sidecar, 0))
+        assert (await client.get("/v1/status", headers={"Authorization": "Bearer ops-secret"})).status == 200
+        assert (await client.get("/v1/status", headers=ADMIN)).status == 200
+        assert (await client.get("/v1/status", headers={"Authorization": "Bearer ops"})).status == 401
+        await client.close()
+
+
+async def test_summary_replies_ask_for_a_rekey_when_the_session_key_is_not_current(sidecar_client):
+    from kv_offload_sidecar.peers.pool_keys import PoolKeys
+    from kv_offload_sidecar.peers.sessions import REKEY_HEADER
+
+    _, _, session = await handshake(sidecar_client, key=PoolKeys(b"next-pool-key", POOL_KEY))
+    headers = {SESSION_HEADER: session.session_id.hex(), AUTH_HEADER: summary_auth(session.session_key, "", 0)}
+    resp = await sidecar_client.get("/v1/summary", params={"since": "0", "epoch": ""}, headers=headers)
+    assert resp.status == 200 and REKEY_HEADER not in resp.headers
+    sidecar_client.sidecar.keys._set(b"next-pool-key", POOL_KEY, b"")  # the Secret rotated here first
+    resp = await sidecar_client.get("/v1/summary", params={"since": "0", "epoch": ""}, headers=headers)
+    assert resp.status == 200 and resp.headers[REKEY_HEADER] == "1"

@@ -13,6 +13,7 @@ from kv_offload_sidecar.peers.handshake import (
     load_pool_key,
     make_hello,
 )
+from kv_offload_sidecar.peers.pool_keys import PoolKeys, hkdf, key_id
 from kv_offload_tools.local_pool import example_config
 
 KEY = b"pool-secret-key-0123456789"
@@ -27,14 +28,21 @@ def hello_for(config=None, **changes) -> HelloMessage:
     return make_hello(**fields)
 
 
-def full_handshake(client_key: bytes, server_key: bytes, client_hello: HelloMessage,
+def full_handshake(client_key, server_key, client_hello: HelloMessage,
                    server_hello_fn=lambda: hello_for(identity="b")):
     responder = HandshakeResponder(server_key, server_hello_fn)
     initiator = HandshakeInitiator(client_key, client_hello)
-    _, reply = responder.hello(initiator.step1())
-    _, step2, out_session = initiator.check_reply(reply)
-    in_session = responder.proof(step2)
+    step2 = initiator.step2(responder.hello(initiator.step1()))
+    in_session, accepted = responder.proof(step2)
+    _, out_session = initiator.finish(accepted)
     return responder, step2, in_session, out_session
+
+
+def rejection(responder, initiator) -> HandshakeError:
+    """The HandshakeError of a handshake the responder refuses (at either step)."""
+    with pytest.raises(HandshakeError) as exc:
+        responder.proof(initiator.step2(responder.hello(initiator.step1())))
+    return exc.value
 
 
 def test_load_pool_key_strips_whitespace(tmp_path):
@@ -66,21 +74,42 @@ def test_matching_peers_derive_the_same_session():
     assert inbound.session_key == outbound.session_key
     assert inbound.peer.identity == "a" and outbound.peer.identity == "b"
     assert KEY not in inbound.session_key and len(inbound.session_id) == 16
+    assert inbound.key_id == outbound.key_id == key_id(KEY)
 
 
-def test_session_key_depends_on_both_nonces():
-    a = derive_session(KEY, b"\1" * 16, b"\2" * 16)
-    b = derive_session(KEY, b"\1" * 16, b"\3" * 16)
-    assert a[0] != b[0] and a[1] != b[1]
+def test_session_key_is_hkdf_of_the_pool_key_and_both_nonces():
+    nc, ns = b"\1" * 16, b"\2" * 16
+    sid, skey = derive_session(KEY, nc, ns, key_id(KEY))
+    assert skey == hkdf(KEY, nc + ns, b"kv-offload session v2\x00" + key_id(KEY))
+    assert derive_session(KEY, nc, b"\3" * 16)[1] != derive_session(KEY, nc, ns)[1]
+    assert derive_session(KEY, b"\3" * 16, ns)[0] != sid
 
 
-def test_pool_key_never_appears_in_messages():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    initiator = HandshakeInitiator(KEY, hello_for())
-    _, reply = responder.hello(initiator.step1())
-    _, step2, _ = initiator.check_reply(reply)
-    wire = repr(initiator.step1()) + repr(reply) + repr(step2)
+def test_hkdf_matches_rfc5869_test_case_1():
+    ikm = bytes.fromhex("0b" * 22)
+    salt = bytes.fromhex("000102030405060708090a0b0c")
+    info = bytes.fromhex("f0f1f2f3f4f5f6f7f8f9")
+    okm = hkdf(ikm, salt, info, 42)
+    assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+                         "34007208d5b887185865")
+
+
+def test_pool_key_and_hash_seed_never_appear_in_messages():
+    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b", hash_seed="31337"))
+    initiator = HandshakeInitiator(KEY, hello_for(hash_seed="31337"))
+    step1 = initiator.step1()
+    reply1 = responder.hello(step1)
+    step2 = initiator.step2(reply1)
+    _, reply2 = responder.proof(step2)
+    wire = repr(step1) + repr(reply1) + repr(step2) + repr(reply2)
     assert KEY.decode() not in wire and KEY.hex() not in wire
+    assert "31337" not in wire
+
+
+def test_step1_reply_says_nothing_about_the_pool():
+    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    reply = responder.hello(HandshakeInitiator(KEY, hello_for()).step1())
+    assert set(reply) == {"wire_version", "nonce", "key_id"}
 
 
 @pytest.mark.parametrize("changes, reason", [
@@ -89,21 +118,36 @@ def test_pool_key_never_appears_in_messages():
     ({"hash_seed": "42"}, "hash_seed_mismatch"),
     ({"kv_bytes_per_chunk": 12345}, "chunk_size_mismatch"),
 ])
-def test_server_rejects_differing_peer_with_reason(changes, reason):
+def test_server_rejects_differing_key_holder_with_reason(changes, reason):
     responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    initiator = HandshakeInitiator(KEY, hello_for(**changes))
+    exc = rejection(responder, HandshakeInitiator(KEY, hello_for(**changes)))
+    assert exc.reason == reason
+    assert exc.diff
+
+
+def test_client_runs_the_same_comparison_on_the_servers_hello():
+    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    initiator = HandshakeInitiator(KEY, hello_for())
+    _, accepted = responder.proof(initiator.step2(responder.hello(initiator.step1())))
+    # a server that accepted but sent another chunk size (a bug or a forgery with the key)
+    tampered = {**accepted, "hello": {**accepted["hello"], "kv_bytes_per_chunk": 7}}
     with pytest.raises(HandshakeError) as exc:
-        responder.hello(initiator.step1())
-    assert exc.value.reason == reason
-    assert exc.value.diff
+        initiator.finish(tampered)
+    assert exc.value.reason == "bad_proof"  # the server proof covers its hello
 
 
 def test_missing_fingerprint_is_a_mismatch_not_accepted():
-    body = {"step": "hello", "hello": hello_for().to_dict()}
-    del body["hello"]["fingerprint"]
     responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    initiator = HandshakeInitiator(KEY, hello_for())
+    step2 = initiator.step2(responder.hello(initiator.step1()))
+    del step2["hello"]["fingerprint"]
+    initiator_hello = HelloMessage.from_dict(step2["hello"])
+    from kv_offload_sidecar.peers.handshake import client_proof, transcript
+    kid = bytes.fromhex(responder.keys.offered_ids()[0].hex())
+    step2["proof"] = client_proof(KEY, transcript(bytes.fromhex(step2["nonce_client"]),
+                                                  bytes.fromhex(step2["nonce_server"]), kid, initiator_hello))
     with pytest.raises(HandshakeError) as exc:
-        responder.hello(body)
+        responder.proof(step2)
     assert exc.value.reason == "fingerprint_mismatch"
 
 
@@ -113,10 +157,18 @@ def test_empty_local_fingerprint_rejects_everyone():
 
 def test_wire_major_mismatch_is_rejected_minor_is_not():
     local = hello_for()
-    other_major = HelloMessage(**{**local.to_dict(), "wire_version": "2.0"})
-    other_minor = HelloMessage(**{**local.to_dict(), "wire_version": "1.7"})
+    other_major = HelloMessage(**{**local.to_dict(), "wire_version": "3.0"})
+    other_minor = HelloMessage(**{**local.to_dict(), "wire_version": "2.7"})
     assert compare_hello(local, other_major)[0] == "wire_version_mismatch"
     assert compare_hello(local, other_minor) is None
+
+
+def test_a_wire_1_peer_is_refused_at_step_1_with_the_versions():
+    old = {"step": "hello", "hello": {**hello_for().to_dict(), "wire_version": "1.0", "nonce": "00" * 16}}
+    with pytest.raises(HandshakeError) as exc:
+        HandshakeResponder(KEY, lambda: hello_for(identity="b")).hello(old)
+    assert exc.value.reason == "wire_version_mismatch"
+    assert exc.value.diff == ["wire_version: 2.0 != 1.0"]
 
 
 def test_fingerprint_rejection_quotes_the_field_diff():
@@ -131,22 +183,54 @@ def test_fingerprint_rejection_quotes_the_field_diff():
 
 def test_rejection_message_names_fields_but_not_the_seed_value():
     responder = HandshakeResponder(KEY, lambda: hello_for(identity="b", hash_seed="s3cr3t-seed"))
-    with pytest.raises(HandshakeError) as exc:
-        responder.hello(HandshakeInitiator(KEY, hello_for(hash_seed="other")).step1())
-    assert "hash_seed" in str(exc.value)
-    assert "s3cr3t-seed" not in str(exc.value) and "s3cr3t-seed" not in " ".join(exc.value.diff)
+    exc = rejection(responder, HandshakeInitiator(KEY, hello_for(hash_seed="other")))
+    assert exc.reason == "hash_seed_mismatch"
+    assert "hash_seed" in str(exc)
+    assert "s3cr3t-seed" not in str(exc) and "s3cr3t-seed" not in " ".join(exc.diff)
 
 
-def test_wrong_pool_key_fails_on_both_sides_as_bad_proof():
+def test_a_stranger_learns_nothing_about_the_pool_config():
+    # no pool key: refused at step 1 before any hello is exchanged, whatever its config
     responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    initiator = HandshakeInitiator(b"another-key", hello_for())
-    _, reply = responder.hello(initiator.step1())
-    with pytest.raises(HandshakeError) as client_side:
-        initiator.check_reply(reply)
-    assert client_side.value.reason == "bad_proof"
-    with pytest.raises(HandshakeError) as server_side:
-        responder.proof(client_side.value.step2)
-    assert server_side.value.reason == "bad_proof"
+    answers = []
+    for changes in ({}, {"fingerprint": "0123456789abcdef"}, {"kv_bytes_per_chunk": 1}):
+        with pytest.raises(HandshakeError) as exc:
+            responder.hello(HandshakeInitiator(b"another-key", hello_for(**changes)).step1())
+        answers.append((exc.value.reason, str(exc.value), exc.value.diff))
+    assert answers[0][0] == "bad_proof" and answers[0][2] == []
+    assert answers[0] == answers[1] == answers[2]
+
+
+def test_a_forged_key_id_still_needs_the_proof():
+    # a stranger who copies a member's key id gets a nonce but cannot prove the key
+    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    stranger = HandshakeInitiator(b"another-key", hello_for())
+    step1 = {**stranger.step1(), "key_ids": [key_id(KEY).hex()]}
+    reply = responder.hello(step1)
+    forged = {"step": "proof", "nonce_client": step1["nonce"], "nonce_server": reply["nonce"],
+              "hello": hello_for().to_dict(), "proof": "00" * 32}
+    with pytest.raises(HandshakeError) as exc:
+        responder.proof(forged)
+    assert exc.value.reason == "bad_proof" and exc.value.diff == []
+
+
+def test_either_key_works_while_a_rotation_rolls_out():
+    old, new = b"old-pool-key-0123456789", b"new-pool-key-0123456789"
+    updated, not_yet = PoolKeys(new, old), PoolKeys(old)
+    # updated dials not-yet: they agree on the old key
+    _, _, inbound, outbound = full_handshake(updated, not_yet, hello_for())
+    assert inbound.key_id == outbound.key_id == key_id(old)
+    # not-yet dials updated: old key again
+    _, _, inbound, _ = full_handshake(not_yet, updated, hello_for())
+    assert inbound.key_id == key_id(old)
+    # both updated: the new key
+    _, _, inbound, _ = full_handshake(PoolKeys(new, old), updated, hello_for())
+    assert inbound.key_id == key_id(new)
+    # after the rotation, a pod that only has the new key refuses the old one
+    exc_holder = HandshakeResponder(PoolKeys(new), lambda: hello_for(identity="b"))
+    with pytest.raises(HandshakeError) as exc:
+        exc_holder.hello(HandshakeInitiator(PoolKeys(old), hello_for()).step1())
+    assert exc.value.reason == "bad_proof"
 
 
 def test_replayed_step2_is_rejected():
@@ -166,30 +250,46 @@ def test_replayed_step1_is_rejected():
 
 
 def test_captured_proof_does_not_open_a_new_handshake():
-    # An eavesdropper replays step 1 with a fresh client nonce would need a new proof;
-    # reusing the captured proof against a new server nonce fails.
+    # an eavesdropper replays a captured step 2 against a new server nonce: the proof fails
     responder, step2, _, _ = full_handshake(KEY, KEY, hello_for())
     attacker = HandshakeInitiator(b"guess", hello_for())
-    _, reply = responder.hello(attacker.step1())
-    forged = {**step2, "nonce_client": attacker.hello.nonce, "nonce_server": reply["hello"]["nonce"]}
+    step1 = {**attacker.step1(), "key_ids": [key_id(KEY).hex()]}
+    reply = responder.hello(step1)
+    forged = {**step2, "nonce_client": step1["nonce"], "nonce_server": reply["nonce"]}
     with pytest.raises(HandshakeError) as exc:
         responder.proof(forged)
     assert exc.value.reason == "bad_proof"
 
 
+def _step1(**changes):
+    return {**HandshakeInitiator(KEY, hello_for()).step1(), **changes}
+
+
 @pytest.mark.parametrize("body", [
     None, [], "x", {"hello": None}, {"hello": {"identity": "a"}},
-    {"hello": {**hello_for().to_dict(), "kv_bytes_per_chunk": "16"}},
-    {"hello": {**hello_for().to_dict(), "kv_bytes_per_chunk": True}},
-    {"hello": {**hello_for().to_dict(), "nonce": "zz"}},
-    {"hello": {**hello_for().to_dict(), "identity": 5}},
-    {"hello": {**hello_for().to_dict(), "transport": "carrier-pigeon"}},
-    {"hello": {**hello_for().to_dict(), "identity": "x" * 5000}},
+    _step1(nonce="zz"), _step1(nonce=5), _step1(key_ids=[]), _step1(key_ids="00"),
+    _step1(key_ids=["00"]), _step1(key_ids=["00" * 8] * 9), _step1(wire_version="two"),
+    _step1(wire_version=None),
 ])
-def test_malformed_hello_is_rejected_as_malformed(body):
+def test_malformed_step1_is_rejected_as_malformed(body):
     responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
     with pytest.raises(HandshakeError) as exc:
         responder.hello(body)
+    assert exc.value.reason == "malformed"
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h.update(kv_bytes_per_chunk="16"), lambda h: h.update(kv_bytes_per_chunk=True),
+    lambda h: h.update(identity=5), lambda h: h.update(transport="carrier-pigeon"),
+    lambda h: h.update(identity="x" * 5000), lambda h: h.pop("data_address"),
+])
+def test_malformed_hello_in_step2_is_rejected_as_malformed(edit):
+    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    initiator = HandshakeInitiator(KEY, hello_for())
+    step2 = initiator.step2(responder.hello(initiator.step1()))
+    edit(step2["hello"])
+    with pytest.raises(HandshakeError) as exc:
+        responder.proof(step2)
     assert exc.value.reason == "malformed"
 
 
