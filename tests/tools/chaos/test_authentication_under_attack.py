@@ -14,11 +14,11 @@ import pytest
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import auth_proof
 from kv_offload_sidecar.peers.handshake import (
-    HandshakeError,
     HandshakeInitiator,
     Session,
     derive_session,
 )
+from kv_offload_sidecar.peers.pool_keys import key_id
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
 from kv_offload_tools.chaos.probes import RawDataConnection, probe_handshake
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, sidecar_command
@@ -65,17 +65,23 @@ def test_peer_without_the_pool_key_is_rejected_and_gets_no_chunk(chaos_pool: Loc
     before = victim.status()
     hello = chaos_pool.local_hello(identity="intruder")
     initiator = HandshakeInitiator(b"not-the-pool-key", hello)
-    status, reply1 = victim.post("/v1/handshake", initiator.step1())
-    assert status == 200  # step 1 reveals nothing secret: the server proves itself first
-    with pytest.raises(HandshakeError) as err:
-        initiator.check_reply(reply1)  # the intruder cannot verify the server either
-    assert err.value.reason == "bad_proof"
-    status, reply = victim.post("/v1/handshake", err.value.step2)
+    status, reply = victim.post("/v1/handshake", initiator.step1())
+    # refused at step 1: no nonce, no hello, no field diff, nothing about the pool
     assert status == 403 and reply["reason"] == "bad_proof"
+    assert reply["diff"] == [] and reply["fields"] == [] and "hello" not in reply and "nonce" not in reply
     assert _rejections(chaos_pool, "victim", "bad_proof") == 1
+    # copying a member's key id gets a nonce, but the proof fails, again without a diff
+    step1 = {**initiator.step1(), "key_ids": [key_id(chaos_pool.pool_key).hex()]}
+    status, reply1 = victim.post("/v1/handshake", step1)
+    assert status == 200 and set(reply1) == {"wire_version", "nonce", "key_id"}
+    forged = {"step": "proof", "nonce_client": step1["nonce"], "nonce_server": reply1["nonce"],
+              "hello": hello.to_dict(), "proof": "ab" * 32}
+    status, reply = victim.post("/v1/handshake", forged)
+    assert status == 403 and reply["reason"] == "bad_proof" and reply["diff"] == []
+    assert _rejections(chaos_pool, "victim", "bad_proof") == 2
     # A session derived from the wrong key is unknown to the data plane.
-    sid, skey = derive_session(b"not-the-pool-key", hello.nonce_bytes,
-                               bytes.fromhex(reply1["hello"]["nonce"]))
+    sid, skey = derive_session(b"not-the-pool-key", bytes.fromhex(step1["nonce"]),
+                               bytes.fromhex(reply1["nonce"]))
     _assert_data_plane_refuses(data_address, keys, Session(sid, skey, hello))
     after = victim.status()
     assert after["inbound_sessions"] == before["inbound_sessions"]

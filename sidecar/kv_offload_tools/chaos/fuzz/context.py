@@ -124,6 +124,8 @@ class FuzzContext:
     session: Session
     # Slots of its store.
     num_slots: int
+    # The 401 body of a lookup without the admin token (every such lookup must get exactly it).
+    unauthenticated_lookup_answer: Any = None
     # Client nonces that got a 200 on step 1 -> when (a reuse within the server's
     # replay window must be refused as a replay).
     seen_nonces: dict[str, float] = field(default_factory=dict)

@@ -31,7 +31,9 @@ from kv_offload_tools.chaos.fuzz.control_targets import (
     run_handshake_case,
     run_lookup_case,
     run_summary_case,
+    run_summary_session_case,
     summary_cases,
+    summary_session_cases,
 )
 from kv_offload_tools.chaos.fuzz.data_targets import (
     data_streams,
@@ -133,12 +135,13 @@ class FuzzTarget:
 
 
 TARGETS = (
-    FuzzTarget("handshake", handshake_cases(), run_handshake_case, 0.2),
+    FuzzTarget("handshake", handshake_cases(), run_handshake_case, 0.18),
     FuzzTarget("summary", summary_cases, run_summary_case, 0.08),
+    FuzzTarget("summary_session", summary_session_cases, run_summary_session_case, 0.05),
     FuzzTarget("lookup", lookup_cases, run_lookup_case, 0.17),
     FuzzTarget("local", local_cases, run_local_case, 0.2),
     FuzzTarget("data_preauth", preauth_streams, run_preauth_case, 0.12),
-    FuzzTarget("data_frames", data_streams, run_data_case, 0.23),
+    FuzzTarget("data_frames", data_streams, run_data_case, 0.2),
 )
 
 
@@ -157,8 +160,11 @@ def start_fuzz_sidecar(pool: LocalPool) -> FuzzContext:
         engine.close()
     status = sc.status()
     probe = probe_handshake(sc, pool.pool_key, pool.local_hello(identity="fuzz-peer"))
+    code, refused = sc.post("/v1/lookup", {"keys": [held_keys()[0].hex()]}, auth=False)
+    if code != 401:
+        raise RuntimeError(f"a lookup without the admin token was answered with HTTP {code}: {refused!r}")
     return FuzzContext(pool, sc, Http(sc.address), socket_path, status["data_address"],
-                       probe.session, num_slots)
+                       probe.session, num_slots, unauthenticated_lookup_answer=refused)
 
 
 def check_alive(ctx: FuzzContext, result: FuzzResult) -> None:

@@ -57,9 +57,9 @@ def test_summary_with_a_superscript_since_gets_a_clear_error(fuzzed: FuzzContext
 
 
 @pytest.mark.parametrize("wire_version", ["².0", "1.²"], ids=["sup2.0", "1.sup2"])
-def test_hello_with_a_superscript_wire_version_is_refused_as_malformed(fuzzed: FuzzContext,
+def test_step1_with_a_superscript_wire_version_is_refused_as_malformed(fuzzed: FuzzContext,
                                                                        wire_version: str) -> None:
-    hello = dict(fuzzed.pool.local_hello(identity="odd-digits").to_dict(), wire_version=wire_version)
-    status, body = fuzzed.sidecar.post("/v1/handshake", {"step": "hello", "hello": hello})
+    status, body = fuzzed.sidecar.post("/v1/handshake", {"step": "hello", "wire_version": wire_version,
+                                                         "nonce": "00" * 16, "key_ids": ["00" * 8]})
     assert status == 400, body
     assert isinstance(body, dict) and body["reason"] == "malformed"
