@@ -22,7 +22,7 @@ for hand-driven peers.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import os
 import random
 import re
@@ -248,11 +248,29 @@ class LocalPool:
             self._files[key] = self._file(key, config.to_json().encode())
         return self._files[key]
 
-    def _key_file(self, key: bytes) -> str:
-        name = f"pool-key-{hashlib.sha256(key).hexdigest()[:12]}"
-        if name not in self._files:
-            self._files[name] = self._file(name, key)
-        return self._files[name]
+    def _secret_dir(self, identity: str, key: bytes) -> str:
+        """The sidecar's own copy of the pool Secret (``key``, ``previous-key``), as a pod mounts it."""
+        directory = os.path.join(self.workdir, f"{identity}-secret")
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=0o700)
+            self.write_keys(identity, key)
+        return directory
+
+    def write_keys(self, identity: str, current: bytes, previous: bytes | None = None) -> None:
+        """Replace a sidecar's key files the way kubelet updates a Secret volume (atomically);
+        the sidecar picks them up at its next ``--key-reload-seconds`` tick."""
+        directory = os.path.join(self.workdir, f"{identity}-secret")
+        for name, value in (("key", current), ("previous-key", previous)):
+            path = os.path.join(directory, name)
+            if value is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            tmp = f"{path}.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(value)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
 
     # ---- processes ------------------------------------------------------------
 
@@ -278,7 +296,8 @@ class LocalPool:
         transport = o.transport or self.transport
         argv = [*sidecar_command(), "sidecar",
                 "--config", self._config_file(o.config or self.config),
-                "--pool-key-file", self._key_file(o.pool_key or self.pool_key),
+                "--pool-key-file", os.path.join(self._secret_dir(identity, o.pool_key or self.pool_key), "key"),
+                "--previous-pool-key-file", os.path.join(self.workdir, f"{identity}-secret", "previous-key"),
                 "--admin-token-file", self._file("admin-token", self.admin_token.encode()),
                 "--host", "127.0.0.1", "--base-port", str(base_port),
                 "--dp-indices", ",".join(map(str, self.dp_indices)),

@@ -95,6 +95,7 @@ class PeerLink:
             "address": self.address, "identity": self.identity, "state": self.state,
             "failures": self.failures, "last_error": self.last_error,
             "data_address": self.session.peer.data_address if self.session else None,
+            "key_id": self.session.key_id.hex() if self.session else None,
             "retry_in_seconds": max(0.0, round(self.retry_at - time.monotonic(), 3))
             if self.state in ("backoff", "rejected") else 0.0,
         }
@@ -114,6 +115,8 @@ class PeerManager:
         self._summaries = summaries
         self._local_hello = local_hello
         self._links: dict[str, PeerLink] = {}
+        # Data clients replaced by a re-key, closed once their last request is over.
+        self._retiring: set[asyncio.Task[None]] = set()
         self._http: aiohttp.ClientSession | None = None
         self._closing = False
 
@@ -149,7 +152,7 @@ class PeerManager:
 
     async def close(self) -> None:
         self._closing = True
-        tasks = [link.task for link in self._links.values() if link.task]
+        tasks = [link.task for link in self._links.values() if link.task] + list(self._retiring)
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -286,9 +289,18 @@ class PeerManager:
         old, link.data, link.session = link.data, data, session
         log.info("peer %s (%s): re-keyed with pool key %s", link.address, remote.identity,
                  session.key_id.hex())
-        if old is not None:
+        if old is not None:  # requests still running on it finish first (they have a deadline)
+            task = asyncio.create_task(self._close_later(old, self._settings.fetch_deadline_seconds + 1.0))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    @staticmethod
+    async def _close_later(data: Any, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+        finally:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(old.close(), 1.0)
+                await asyncio.wait_for(data.close(), 1.0)
 
     def keys_changed(self) -> int:
         """This sidecar's keys changed: links not on the current key re-key; returns how many."""

@@ -1,0 +1,120 @@
+"""Pool-key rotation under load: a new key rolls out pod by pod, then the old one is removed.
+
+Three sidecar processes, each with its own copy of the pool Secret (rewritten
+atomically, as kubelet does, one pod at a time). While engines keep storing
+chunks on one sidecar and loading them through another, the key changes twice
+(new key + previous key, then previous removed). Nothing is lost: every chunk
+that had reached its peers' summaries loads, byte-identical, from the other
+sidecar; no handshake is rejected; every link ends on the new key.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kv_offload_sidecar.peers.pool_keys import admin_token, key_id
+from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
+from kv_offload_tools.http_client import http_json
+from kv_offload_tools.local_pool import DEFAULT_POOL_KEY, LocalPool
+
+CHUNK = 16 * 1024
+OLD = DEFAULT_POOL_KEY
+NEW = b"rotated-pool-key-0123456789abcdef"
+# A chunk is loaded through another sidecar once this long after it was stored (summaries
+# travel every 0.2 s).
+SETTLE_SECONDS = 1.0
+
+
+class Load(threading.Thread):
+    """Stores 2 chunks per round on sidecar r % 3, loads settled ones through the next sidecar."""
+
+    def __init__(self, pool: LocalPool) -> None:
+        super().__init__(daemon=True)
+        self.pool = pool
+        self.stop = threading.Event()
+        self.loaded = 0
+        self.missed: list[str] = []
+        self.corrupt = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        clients = [self.pool.client(i) for i in range(3)]
+        pending: list[tuple[float, int, list[bytes]]] = []
+        try:
+            r = 0
+            while not self.stop.is_set():
+                owner = r % 3
+                keys = chunk_keys(f"rotation/{r}", 2)
+                assert store_chunks(clients[owner], keys, CHUNK) == 2
+                pending.append((time.monotonic(), owner, keys))
+                while pending and time.monotonic() - pending[0][0] >= SETTLE_SECONDS:
+                    _, holder, ks = pending.pop(0)
+                    n, bad = load_and_verify(clients[(holder + 1) % 3], ks, CHUNK, timeout=3.0)
+                    self.loaded += n
+                    self.corrupt += bad
+                    if n != len(ks):
+                        self.missed.append(f"round keys of sidecar-{holder}: {n}/{len(ks)} at "
+                                           f"{time.strftime('%H:%M:%S')}")
+                r += 1
+                time.sleep(0.02)
+        except BaseException as exc:  # surfaced by the test
+            self.error = exc
+        finally:
+            for c in clients:
+                c.close()
+
+
+def link_keys(pool: LocalPool) -> set[str]:
+    return {p["key_id"] for sc in pool.members() for p in sc.peers() if p["state"] == "connected"}
+
+
+def wait_for(what: str, predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_rotating_the_pool_key_under_load_loses_nothing() -> None:
+    with LocalPool(3, capacity_bytes=512 * CHUNK, fetch_deadline_seconds=3.0,
+                   extra_args=("--key-reload-seconds", "0.2")) as pool:
+        assert link_keys(pool) == {key_id(OLD).hex()}
+        load = Load(pool)
+        load.start()
+        try:
+            time.sleep(1.5)
+            for sc in pool.sidecars:  # phase 1: the new key rolls out, the old one stays accepted
+                pool.write_keys(sc.identity, NEW, OLD)
+                time.sleep(0.7)
+            wait_for("every link to re-key to the new key", lambda: link_keys(pool) == {key_id(NEW).hex()})
+            time.sleep(1.0)
+            for sc in pool.sidecars:  # phase 2: the rotation is over, the old key goes
+                pool.write_keys(sc.identity, NEW)
+                time.sleep(0.7)
+            time.sleep(2.0)
+        finally:
+            load.stop.set()
+            load.join(30)
+        assert load.error is None, load.error
+        assert load.missed == [] and load.corrupt == 0
+        assert load.loaded >= 60
+        assert link_keys(pool) == {key_id(NEW).hex()}
+        for sc in pool.members():
+            assert sc.metric("kv_offload_handshakes_total", result="rejected") == 0
+            assert sc.metric("kv_offload_integrity_failures_total") == 0
+            assert sc.metric("kv_offload_key_reloads_total") == 2
+            assert len([p for p in sc.peers() if p["state"] == "connected"]) == 2
+        # a peer that still holds only the old key is now refused
+        intruder = pool.add(identity="stale-pod", peers=[pool[0].identity], wait_connected=False)
+        wait_for("the stale pod's rejection",
+                 lambda: pool[0].metric("kv_offload_handshakes_total", reason="bad_proof") >= 1)
+        assert all(p["state"] != "connected" for p in intruder.peers())
+        # the admin token derived from the old key no longer opens the admin endpoints
+        code, _ = pool[0].get("/v1/status", auth=False)
+        assert code == 401
+        assert http_json(pool[0].url + "/v1/status",
+                         headers={"Authorization": f"Bearer {admin_token(OLD)}"})[0] == 401
+        assert http_json(pool[0].url + "/v1/status",
+                         headers={"Authorization": f"Bearer {admin_token(NEW)}"})[0] == 200
