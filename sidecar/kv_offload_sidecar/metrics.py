@@ -143,6 +143,11 @@ class SidecarMetrics:
             "Messages sent to peers to answer engine lookups.",
             namespace=ns, registry=registry,
         )
+        self.peer_false_claims = Counter(
+            "peer_false_claims",
+            "Chunks a peer's summary claimed that its answer did not back (a liar is then left alone).",
+            namespace=ns, registry=registry,
+        )
         self.key_reloads = Counter(
             "key_reloads",
             "Changes of the pool keys picked up from the mounted Secret (rotations).",

@@ -28,6 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kv_offload_sidecar.metrics import SidecarMetrics
+from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.peers.discovery import Discovery, format_peer
 from kv_offload_sidecar.peers.handshake import (
     REASONS,
@@ -87,6 +88,7 @@ class Sidecar:
                                      wire_version=WIRE_VERSION)
         self.summary_log = SummaryLog()
         self.summaries = PeerSummaries()
+        self.claims = ClaimAudit(on_false_claims=self.metrics.peer_false_claims.inc)
         self.keys = PoolKeys(settings.pool_key, settings.previous_pool_key, settings.admin_token,
                              current_file=settings.pool_key_file,
                              previous_file=settings.previous_pool_key_file,
@@ -302,7 +304,7 @@ class Sidecar:
         from kv_offload_sidecar.data import TransportError
 
         keys = keys[:MAX_PEER_KEYS]
-        identity, _claimed = self.summaries.choose(keys)
+        identity, claimed = self.summaries.choose(keys, exclude=self.claims.distrusted())
         if identity is None:
             return 0
         link = self.peers.connected(identity)
@@ -316,11 +318,13 @@ class Sidecar:
             else:
                 coro = link.data.fetch(keys, self._require_store(), deadline)
             # The transport enforces the deadline; this bound only guards against a hang.
-            return int(await asyncio.wait_for(coro, deadline + 1.0))
+            got = int(await asyncio.wait_for(coro, deadline + 1.0))
         except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.warning("peer %s %s failed: %s; a miss, backing the peer off", identity, op, exc)
             self.peers.report_failure(link, f"{op}: {exc}")
             return 0
+        self.claims.record(identity, claimed, got)
+        return got
 
     # ---- views ------------------------------------------------------------------
 

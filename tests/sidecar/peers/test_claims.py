@@ -1,0 +1,82 @@
+"""False claims: a peer whose summary claims chunks it does not serve costs only misses, rate-limited."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from kv_offload_sidecar.lifecycle import running
+from kv_offload_sidecar.peers.claims import ClaimAudit
+from kv_offload_sidecar.sidecar import Sidecar
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_honest_peer_with_a_few_stale_claims_stays_trusted():
+    clock = Clock()
+    audit = ClaimAudit(min_false=32, clock=clock)
+    for _ in range(200):  # 200 requests of 8 chunks, one stale chunk in every 10th request
+        audit.record("honest", 8, 8)
+        clock.now += 0.01
+    for _ in range(20):
+        audit.record("honest", 8, 7)
+    assert audit.distrusted() == set()
+
+
+def test_a_peer_claiming_everything_is_left_alone_with_a_doubling_backoff():
+    clock = Clock()
+    false = []
+    audit = ClaimAudit(min_false=32, backoff_seconds=5.0, max_backoff_seconds=12.0, clock=clock,
+                       on_false_claims=false.append)
+    for _ in range(8):
+        audit.record("liar", 4, 0)
+    assert audit.distrusted() == {"liar"} and sum(false) == 32
+    clock.now += 5.1
+    assert audit.distrusted() == set()
+    for _ in range(8):
+        audit.record("liar", 4, 0)
+    assert audit.distrusted() == {"liar"}
+    clock.now += 5.1
+    assert audit.distrusted() == {"liar"}  # 10 s the second time
+    clock.now += 5.0
+    for _ in range(8):
+        audit.record("liar", 4, 0)
+    clock.now += 11.9
+    assert audit.distrusted() == {"liar"}  # capped at 12 s
+    clock.now += 0.2
+    assert audit.distrusted() == set()
+
+
+def _keys(n: int) -> list[bytes]:
+    return [hashlib.sha256(f"claimed/{i}".encode()).digest()[:16] + bytes(4) for i in range(n)]
+
+
+async def test_a_lying_member_costs_the_pool_only_misses_and_few_messages(make_settings):
+    """A compromised member (it holds the pool key) claims every key the victim asks for."""
+    liar_settings = make_settings(identity="liar")
+    victim_settings = make_settings(identity="victim", static_peers=(
+        f"127.0.0.1:{liar_settings.base_port}",))
+    liar, victim = Sidecar(liar_settings), Sidecar(victim_settings)
+    async with running(liar), running(victim):
+        keys = _keys(400)
+        for k in keys:  # the lie: its summary says it holds all of them, its store holds none
+            liar.summary_log.record(k, True)
+        for _ in range(200):
+            if victim.summaries.size("liar") == len(keys):
+                break
+            await asyncio.sleep(0.05)
+        assert victim.summaries.size("liar") == len(keys)
+        answers = [await victim.lookup(keys[i:i + 4], 1.0) for i in range(0, 400, 4)]
+        loads = [await victim.load(keys[i:i + 4], 1.0) for i in range(0, 40, 4)]
+        assert all(a == (0, 0) for a in answers) and all(p == [] for p in loads)  # only misses
+        messages = victim.metrics.lookup_messages._value.get()
+        assert messages <= 9, messages  # 32 false chunks, then it is not asked any more
+        assert victim.metrics.peer_false_claims._value.get() >= 32
+        assert victim.claims.distrusted() == {"liar"}
+        assert len(victim.store) == 0 and victim.metrics.integrity_failures._value.get() == 0
