@@ -43,7 +43,7 @@ from kv_offload_sidecar.peers.links import PeerManager
 from kv_offload_sidecar.peers.location import PeerSummaries, SummaryLog
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import InboundSessions
-from kv_offload_sidecar.settings import SidecarSettings
+from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, SidecarSettings
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 
@@ -195,6 +195,10 @@ class Sidecar:
                        asyncio.create_task(self.peers.run(), name="peers"),
                        asyncio.create_task(self._reload_keys(), name="pool keys")]
         self.ready = True
+        if s.hash_seed == DEFAULT_HASH_SEED:
+            log.warning("the prefix-hash seed is the public default %r: anyone who knows a prompt can "
+                        "compute its chunk keys; give the pool a secret seed (the operator generates one "
+                        "unless spec.hashSeed is set)", DEFAULT_HASH_SEED)
         log.info("sidecar %s ready: control %s, data %s, store %s (%d slots of %d bytes)",
                  s.identity, ",".join(map(str, s.control_ports)), self.data_address,
                  self.store.path, self.store.num_slots, self.store.slot_bytes)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kv_offload_sidecar.peers.location import (
     DIGEST_BYTES,
     PeerSummaries,
@@ -145,3 +149,28 @@ def test_malformed_digest_lists_are_refused(bad):
 def test_malformed_summary_replies_are_refused(bad):
     with pytest.raises(ValueError):
         SummaryDelta.from_dict(bad)
+
+
+# A peer's summary reply is input from another pod: whatever JSON it sends, the puller
+# either applies a valid delta or refuses it with a ValueError (the link then backs off).
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                 max_size=4), max_leaves=12)
+_field = st.one_of(_json, st.binary(max_size=40).map(lambda b: base64.b64encode(b).decode()),
+                   st.integers(-3, 2 ** 70), st.text(max_size=80))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_json, st.fixed_dictionaries({}, optional={k: _field for k in
+                                                            ("epoch", "seq", "reset", "added", "removed")})))
+def test_a_peers_summary_reply_is_applied_or_refused_with_a_value_error(reply):
+    try:
+        delta = SummaryDelta.from_dict(reply)
+    except ValueError:
+        return
+    summaries = PeerSummaries()
+    summaries.apply("peer", delta)
+    assert summaries.cursor("peer") == (delta.epoch, delta.seq)
+    assert all(len(d) == 8 for d in delta.added + delta.removed)
