@@ -5,7 +5,8 @@ handler's name is its id (in progress annotations, logs and the webhook
 path ``/inject_sidecar``), and each hands its work to the module named for it:
 ``startup`` (settings, webhook server, API client), ``ready_peers``,
 ``reconcile`` (a pool's ConfigMap, Secret, Service and status),
-``model_config_follower`` and ``webhook`` (admission of a pod).
+``model_config_follower``, ``pool_key`` (key rotation) and ``webhook``
+(admission of a pod).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import kopf
 
-from . import model_config_follower, ready_peers, startup, webhook
+from . import model_config_follower, pool_key, ready_peers, startup, webhook
 from .pod_patch import apply_patch
 from .pool_spec import GROUP, PLURAL, POOL_LABEL, VERSION
 from .reconcile import reconcile
@@ -32,7 +33,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo,
 
 @kopf.on.cleanup()
 async def shut_down(memo: kopf.Memo, **_: Any) -> None:
-    """Stop following model ConfigMaps, close the API client, delete a self-signed dev key."""
+    """Stop the followers, close the API client, delete a self-signed dev key."""
     await startup.shut_down(memo)
 
 
@@ -66,6 +67,13 @@ async def track_model_config_refs(event: kopf.RawEvent, namespace: str, name: st
                                   memo: kopf.Memo, **_: Any) -> None:
     """Remember which pools read their model config from a ConfigMap (for the follower)."""
     model_config_follower.track(memo, event.get("type"), namespace, name, spec)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def track_key_rotations(event: kopf.RawEvent, namespace: str, name: str, annotations: kopf.Annotations,
+                              status: kopf.Status, memo: kopf.Memo, **_: Any) -> None:
+    """Remember which pools ask for a pool key rotation or roll one out (for the follower)."""
+    pool_key.track(memo, event.get("type"), namespace, name, annotations, status)
 
 
 @kopf.on.mutate("pods", labels={POOL_LABEL: kopf.PRESENT}, operations={"CREATE"})

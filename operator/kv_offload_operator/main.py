@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config-check-seconds", type=float, default=60.0, metavar="S",
                         help="seconds between re-reads of each pool's modelConfigRef ConfigMap; "
                              "an edited model config is translated again (default 60)")
+    parser.add_argument("--key-rotation-check-seconds", type=float, default=10.0, metavar="S",
+                        help="seconds between checks of pools that ask for a pool key rotation "
+                             "(annotation kv-offload.io/rotate-pool-key) or roll one out (default 10)")
     parser.add_argument("--health-port", type=int, default=8080,
                         help="liveness endpoint port, serving /healthz (default 8080)")
     parser.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE,
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         sidecar_image=args.sidecar_image, webhook_addr=args.webhook_addr,
         webhook_port=args.webhook_port, webhook_host=args.webhook_host,
         webhook_cert_dir=args.webhook_cert_dir, webhook_cert_check_seconds=args.webhook_cert_check_seconds,
-        model_config_check_seconds=args.model_config_check_seconds)
+        model_config_check_seconds=args.model_config_check_seconds,
+        key_rotation_check_seconds=args.key_rotation_check_seconds)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # Its debug log prints response bodies, pool-key Secrets included: never below INFO.
@@ -88,7 +92,8 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         if not 1 <= port <= 65535:
             return f"{flag} {port} is not a port; use 1..65535"
     for flag, seconds in (("--webhook-cert-check-seconds", args.webhook_cert_check_seconds),
-                          ("--model-config-check-seconds", args.model_config_check_seconds)):
+                          ("--model-config-check-seconds", args.model_config_check_seconds),
+                          ("--key-rotation-check-seconds", args.key_rotation_check_seconds)):
         if not seconds > 0:
             return f"{flag} {seconds} must be positive"
     if args.webhook_port == args.health_port:

@@ -2,9 +2,12 @@
 
 Pure (no kopf, no I/O). ``pod_patch`` adds the tier-copy init container, the
 native sidecar (its DP ranks read from the pod's own vLLM arguments, passed
-as ``--dp-indices``), the config / shm / tier volumes and the vLLM
-container's env and mounts; ``pod_identity_problem`` refuses a pod whose own
-vLLM arguments translate to another fingerprint than its pool's.
+as ``--dp-indices``), the config / pool Secret / TLS / shm / tier volumes and
+the vLLM container's env and mounts; ``pod_identity_problem`` refuses a pod
+whose own vLLM arguments translate to another fingerprint than its pool's.
+The pool Secret is mounted whole, without ``subPath``, so a rotated key
+reaches the running sidecar (the kubelet updates the files in place) and
+``previous-key`` appears and goes with the Secret entry.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, identity_diff
 
 from .pool_objects import (
+    ADMIN_TOKEN_KEY,
     CONFIG_KEY,
+    HASH_SEED_KEY,
     POOL_KEY_KEY,
+    PREVIOUS_KEY_KEY,
     configmap_name,
     peers_dns,
     secret_name,
@@ -32,16 +38,24 @@ from .translation.vllm_args import parse_vllm_args
 INJECTED_ANNOTATION = "kv-offload.io/injected"
 # Optional pod annotation naming the vLLM container when it cannot be guessed.
 VLLM_CONTAINER_ANNOTATION = "kv-offload.io/vllm-container"
-# Where the sidecar finds the config and pool key (one projected volume).
+# Where the sidecar finds the pool's config.
 CONFIG_DIR = "/etc/kv-offload"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
-POOL_KEY_PATH = f"{CONFIG_DIR}/pool-key/{POOL_KEY_KEY}"
+# Where the sidecar finds the whole pool Secret (its own volume, files updated in place).
+POOL_SECRET_DIR = "/etc/kv-offload-pool-key"
+POOL_KEY_PATH = f"{POOL_SECRET_DIR}/{POOL_KEY_KEY}"
+PREVIOUS_KEY_PATH = f"{POOL_SECRET_DIR}/{PREVIOUS_KEY_KEY}"
+ADMIN_TOKEN_PATH = f"{POOL_SECRET_DIR}/{ADMIN_TOKEN_KEY}"
+# Where the sidecar finds spec.sidecar.tls.secretName (cert-manager's Secret layout).
+TLS_DIR = "/etc/kv-offload-tls"
 # Shared volume holding the vLLM-side tier, first on vLLM's PYTHONPATH.
 TIER_DIR = "/kv-offload-lib"
 SHM_DIR = "/dev/shm"
 SIDECAR_NAME = "kv-offload-sidecar"
 TIER_INIT_NAME = "kv-offload-install-tier"
 CONFIG_VOLUME = "kv-offload-config"
+POOL_SECRET_VOLUME = "kv-offload-pool-key"
+TLS_VOLUME = "kv-offload-tls"
 SHM_VOLUME = "kv-offload-shm"
 TIER_VOLUME = "kv-offload-lib"
 # Name of the sidecar's first control port on every pod, whatever its DP start
@@ -137,10 +151,18 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
     """
     first = sidecar.control_port(dp_indices[0])
     args = ["sidecar", "--config", CONFIG_PATH, "--pool-key-file", POOL_KEY_PATH,
+            "--previous-pool-key-file", PREVIOUS_KEY_PATH, "--admin-token-file", ADMIN_TOKEN_PATH,
             "--peers-dns", peers_dns(pool_name, namespace),
             "--base-port", str(sidecar.base_port), "--data-port", str(sidecar.data_port),
             "--capacity-bytes", str(sidecar.capacity_bytes), "--transport", sidecar.transport,
             "--dp-indices", ",".join(str(i) for i in dp_indices), "--shm-dir", SHM_DIR]
+    mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
+              {"name": POOL_SECRET_VOLUME, "mountPath": POOL_SECRET_DIR, "readOnly": True}]
+    if sidecar.tls_secret is not None:
+        args += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key",
+                 "--tls-ca-file", f"{TLS_DIR}/ca.crt"]
+        mounts.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
+    mounts.append({"name": shm_volume, "mountPath": SHM_DIR})
 
     def probe(path: str, period: int, failures: int) -> dict[str, Any]:
         return {"httpGet": {"path": path, "port": first}, "periodSeconds": period,
@@ -152,7 +174,7 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         "command": ["kv-offload"],
         "args": args,
         "restartPolicy": "Always",
-        "env": sidecar_env(sidecar),
+        "env": sidecar_env(sidecar, pool_name=pool_name),
         "ports": sidecar_ports(sidecar, dp_indices),
         # vLLM starts only once the sidecar answers (native sidecar semantics).
         "startupProbe": probe("/healthz", 1, 60),
@@ -160,8 +182,7 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         "readinessProbe": probe("/readyz", 5, 3),
         "resources": copy.deepcopy(dict(sidecar.resources)),
         "securityContext": copy.deepcopy(dict(CONTAINER_SECURITY)),
-        "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
-                         {"name": shm_volume, "mountPath": SHM_DIR}],
+        "volumeMounts": mounts,
     }
 
 
@@ -176,11 +197,11 @@ def sidecar_ports(sidecar: SidecarSpec, dp_indices: Sequence[int]) -> list[dict[
     return ports
 
 
-def sidecar_env(sidecar: SidecarSpec) -> list[dict[str, Any]]:
+def sidecar_env(sidecar: SidecarSpec, *, pool_name: str) -> list[dict[str, Any]]:
     """The sidecar's env: side channel, the pool's PYTHONHASHSEED (the hash seed
     it states in the handshake), UCX defaults (ucx transport), then
     ``spec.sidecar.env``, which replaces a UCX default of the same name."""
-    env = side_channel_env(sidecar.base_port) + [{"name": HASH_SEED_ENV, "value": sidecar.hash_seed}]
+    env = side_channel_env(sidecar.base_port) + [hash_seed_env(sidecar, pool_name)]
     user = {str(e["name"]) for e in sidecar.env}
     if sidecar.transport == "ucx":
         env += [{"name": k, "value": v} for k, v in UCX_SIDECAR_ENV.items() if k not in user]
@@ -196,6 +217,16 @@ def tier_init_container(sidecar: SidecarSpec) -> dict[str, Any]:
             "volumeMounts": [{"name": TIER_VOLUME, "mountPath": TIER_DIR}]}
 
 
+def hash_seed_env(sidecar: SidecarSpec, pool_name: str) -> dict[str, Any]:
+    """PYTHONHASHSEED of the pool's vLLM and sidecar containers: spec.hashSeed as a
+    plain value, else the pool's secret seed read from its Secret by the kubelet
+    (it never appears in the pod spec or the ConfigMap)."""
+    if sidecar.hash_seed is not None:
+        return {"name": HASH_SEED_ENV, "value": sidecar.hash_seed}
+    return {"name": HASH_SEED_ENV,
+            "valueFrom": {"secretKeyRef": {"name": secret_name(pool_name), "key": HASH_SEED_KEY}}}
+
+
 def side_channel_env(base_port: int) -> list[dict[str, Any]]:
     """vLLM's side-channel variables: host = pod IP (downward API), port = base."""
     return [{"name": ports.ENV_HOST,
@@ -204,15 +235,21 @@ def side_channel_env(base_port: int) -> list[dict[str, Any]]:
 
 
 def pod_volumes(pool_name: str, sidecar: SidecarSpec, *, with_shm: bool) -> list[dict[str, Any]]:
-    """Config (ConfigMap + Secret projected together), shm and tier volumes."""
+    """Config, pool Secret, TLS (spec.sidecar.tls), shm and tier volumes.
+
+    Both Secrets are mounted whole (no ``items``): every entry present is a
+    file, updated in place when the Secret changes, and an entry that is
+    absent (``previous-key`` outside a rotation) is simply no file.
+    """
     vols: list[dict[str, Any]] = [
         {"name": CONFIG_VOLUME, "projected": {"sources": [
             {"configMap": {"name": configmap_name(pool_name),
-                           "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}},
-            {"secret": {"name": secret_name(pool_name),
-                        "items": [{"key": POOL_KEY_KEY, "path": f"pool-key/{POOL_KEY_KEY}"}]}}]}},
+                           "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}}]}},
+        {"name": POOL_SECRET_VOLUME, "secret": {"secretName": secret_name(pool_name)}},
         {"name": TIER_VOLUME, "emptyDir": {}},
     ]
+    if sidecar.tls_secret is not None:
+        vols.append({"name": TLS_VOLUME, "secret": {"secretName": sidecar.tls_secret}})
     if with_shm:
         vols.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
                                                       "sizeLimit": str(sidecar.shm_size_limit)}})
@@ -226,12 +263,16 @@ def _existing_shm_volume(container: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _check_vllm_hash_seed(container: Mapping[str, Any], seed: str) -> None:
-    """ValueError unless every PYTHONHASHSEED the vLLM container sets equals ``seed``.
+def _check_vllm_hash_seed(container: Mapping[str, Any], seed: str | None, pool_name: str) -> None:
+    """ValueError unless every PYTHONHASHSEED the vLLM container sets equals ``seed``;
+    with a secret seed (``seed`` None) the container may set none at all.
 
     Looks at ``env`` and at ``NAME=value`` words leading its command line (a
     shell script's ``PYTHONHASHSEED=5 vllm serve ...`` wins over ``env``).
     """
+    if seed is None:
+        _check_no_vllm_hash_seed(container, pool_name)
+        return
     for e in container.get("env") or []:
         if e.get("name") != HASH_SEED_ENV:
             continue
@@ -252,9 +293,26 @@ def _check_vllm_hash_seed(container: Mapping[str, Any], seed: str) -> None:
                          f"spec.hashSeed: {value!r} on the pool")
 
 
-def _vllm_env(container: Mapping[str, Any], sidecar: SidecarSpec) -> list[dict[str, Any]]:
-    _check_vllm_hash_seed(container, sidecar.hash_seed)
-    ours = side_channel_env(sidecar.base_port) + [{"name": HASH_SEED_ENV, "value": sidecar.hash_seed}]
+def _check_no_vllm_hash_seed(container: Mapping[str, Any], pool_name: str) -> None:
+    """ValueError when the vLLM container sets PYTHONHASHSEED in a pool that uses its secret seed."""
+    where = None
+    for e in container.get("env") or []:
+        if e.get("name") == HASH_SEED_ENV:
+            where = f"sets {HASH_SEED_ENV} with valueFrom" if "valueFrom" in e else \
+                f"sets {HASH_SEED_ENV}={str(e.get('value', ''))!r}"
+    value = parse_vllm_args(container_argv(container)).env.get(HASH_SEED_ENV)
+    if value is not None:
+        where = f"command line sets {HASH_SEED_ENV}={value!r}"
+    if where is not None:
+        raise ValueError(f"the vLLM container {where} but the pool has no spec.hashSeed, so the webhook sets "
+                         f"{HASH_SEED_ENV} from the pool's secret seed (Secret {secret_name(pool_name)!r}, key "
+                         f"{HASH_SEED_KEY!r}); remove {HASH_SEED_ENV} from the container, or set spec.hashSeed "
+                         f"on the pool (a fixed seed: anyone who can guess it can compute chunk keys from prompts)")
+
+
+def _vllm_env(container: Mapping[str, Any], sidecar: SidecarSpec, pool_name: str) -> list[dict[str, Any]]:
+    _check_vllm_hash_seed(container, sidecar.hash_seed, pool_name)
+    ours = side_channel_env(sidecar.base_port) + [hash_seed_env(sidecar, pool_name)]
     names = {e["name"] for e in ours} | {"PYTHONPATH"}
     env = [copy.deepcopy(dict(e)) for e in container.get("env") or [] if e.get("name") not in names]
     old_path = next((e for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
@@ -276,11 +334,13 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
     """RFC 6902 operations that wire ``pod`` into ``pool``; [] when already injected.
 
     Adds the tier-copy init container and the native sidecar, the config /
-    shm / tier volumes, the side-channel env, the pool's ``PYTHONHASHSEED``,
-    ``PYTHONPATH`` and mounts on the vLLM container, and the
+    pool Secret / TLS / shm / tier volumes, the side-channel env, the pool's
+    ``PYTHONHASHSEED`` (spec.hashSeed, else a secretKeyRef to the pool's secret
+    seed), ``PYTHONPATH`` and mounts on the vLLM container, and the
     ``kv-offload.io/injected`` annotation. A vLLM container that sets another
-    ``PYTHONHASHSEED`` than the pool's ``spec.hashSeed`` is refused. A pod that
-    already mounts something at /dev/shm keeps that volume and shares it.
+    ``PYTHONHASHSEED`` than the pool's ``spec.hashSeed``, or any while the pool
+    uses its secret seed, is refused. A pod that already mounts something at
+    /dev/shm keeps that volume and shares it.
     Raises ValueError (one sentence) when the pod cannot be wired.
     """
     if is_injected(pod):
@@ -316,7 +376,7 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
     append_all("/spec/volumes", "volumes" in spec,
                pod_volumes(pool_name, sidecar, with_shm=existing_shm is None))
     base = f"/spec/containers/{index}"
-    ops.append({"op": "add", "path": f"{base}/env", "value": _vllm_env(vllm, sidecar)})
+    ops.append({"op": "add", "path": f"{base}/env", "value": _vllm_env(vllm, sidecar, pool_name)})
     mounts = [{"name": TIER_VOLUME, "mountPath": TIER_DIR, "readOnly": True}]
     if existing_shm is None:
         mounts.append({"name": SHM_VOLUME, "mountPath": SHM_DIR})

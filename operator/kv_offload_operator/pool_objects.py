@@ -2,8 +2,10 @@
 
 Pure builders (no kopf, no I/O): the ConfigMap ``<pool>-offloading-config``
 (the pool's ``OffloadingConfig``, the same for every pod, so it holds no
-engine's own values), the Secret ``<pool>-pool-key`` and the headless Service
-``<pool>-peers``, each owned by the pool so they go with it; and the
+engine's own values), the Secret ``<pool>-pool-key`` (pool key, secret hash
+seed, admin token; ``previous-key`` only during a key rotation, see
+``key_rotation``) and the headless Service ``<pool>-peers``, each owned by
+the pool so they go with it; and the
 ``Ready``/``Invalid`` conditions of its status (``invalid_message`` reads them
 back for the webhook). ``reconcile`` moves them through the API.
 """
@@ -11,19 +13,28 @@ back for the webhook). ``reconcile`` moves them through the API.
 from __future__ import annotations
 
 import base64
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 
-from .pool_spec import GROUP, KIND, POOL_LABEL, VERSION, SidecarSpec
+from .pool_spec import GROUP, KIND, MAX_HASH_SEED, POOL_LABEL, VERSION, SidecarSpec
 
 # Key of the ConfigMap (and file name in the pod) holding the OffloadingConfig JSON.
 CONFIG_KEY = "offloading_config.json"
-# Key of the Secret holding the pool key.
+# Keys of the pool Secret (and file names in the pod). The pool key: HMAC proof between peers.
 POOL_KEY_KEY = "key"
+# The pool key before the last rotation, present only while the rotation rolls out.
+PREVIOUS_KEY_KEY = "previous-key"
+# The pool's secret PYTHONHASHSEED (a decimal in [1, MAX_HASH_SEED]), used unless spec.hashSeed is set.
+HASH_SEED_KEY = "hash-seed"
+# Bearer token of the sidecars' admin endpoints (/v1/status, /v1/peers, /v1/lookup), hex.
+ADMIN_TOKEN_KEY = "admin-token"
 # Length of a new pool key (random bytes).
 POOL_KEY_BYTES = 32
+# Random bytes of a new admin token (hex-encoded in the Secret).
+ADMIN_TOKEN_BYTES = 32
 
 
 def configmap_name(pool_name: str) -> str:
@@ -72,13 +83,50 @@ def configmap_for(pool: Mapping[str, Any], config: OffloadingConfig) -> dict[str
             "data": {CONFIG_KEY: config.to_json()}}
 
 
-def pool_key_secret(pool: Mapping[str, Any], key: bytes) -> dict[str, Any]:
-    """Secret ``<pool>-pool-key`` holding ``key`` (random bytes chosen by the caller)."""
+def _b64(value: bytes) -> str:
+    return base64.b64encode(value).decode("ascii")
+
+
+def new_hash_seed() -> str:
+    """A random secret hash seed: a decimal in [1, MAX_HASH_SEED], as PYTHONHASHSEED accepts it."""
+    return str(secrets.randbelow(MAX_HASH_SEED) + 1)
+
+
+def new_admin_token() -> str:
+    """A random admin bearer token (hex)."""
+    return secrets.token_hex(ADMIN_TOKEN_BYTES)
+
+
+def pool_key_secret(pool: Mapping[str, Any], key: bytes, *, hash_seed: str | None = None,
+                    admin_token: str | None = None,
+                    annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Secret ``<pool>-pool-key`` holding ``key`` (random bytes chosen by the caller), the
+    secret hash seed and the admin token (new random ones unless given)."""
     if len(key) < 16:
         raise ValueError("pool key must be at least 16 bytes")
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _child_meta(pool, secret_name(pool["metadata"]["name"])),
-            "data": {POOL_KEY_KEY: base64.b64encode(key).decode("ascii")}}
+    meta = _child_meta(pool, secret_name(pool["metadata"]["name"]))
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta,
+            "data": {POOL_KEY_KEY: _b64(key),
+                     HASH_SEED_KEY: _b64((hash_seed or new_hash_seed()).encode("ascii")),
+                     ADMIN_TOKEN_KEY: _b64((admin_token or new_admin_token()).encode("ascii"))}}
+
+
+def missing_secret_data(data: Mapping[str, str] | None) -> dict[str, str]:
+    """The entries a pool Secret lacks, new and base64-encoded (``{}`` when complete).
+
+    A Secret written by an older operator holds only ``key``: it gets a hash
+    seed and an admin token; nothing present is ever replaced, and a missing
+    ``key`` is not made up here (the caller refuses that Secret).
+    """
+    have = data or {}
+    missing: dict[str, str] = {}
+    if not have.get(HASH_SEED_KEY):
+        missing[HASH_SEED_KEY] = _b64(new_hash_seed().encode("ascii"))
+    if not have.get(ADMIN_TOKEN_KEY):
+        missing[ADMIN_TOKEN_KEY] = _b64(new_admin_token().encode("ascii"))
+    return missing
 
 
 def pool_ports(config: OffloadingConfig, sidecar: SidecarSpec) -> dict[str, int]:
@@ -126,7 +174,7 @@ def pool_conditions(old: Sequence[Mapping[str, Any]] | None, *, invalid_message:
         wanted = {"Ready": ("False", "Waiting", waiting_message),
                   "Invalid": ("Unknown", "Waiting", "Not translated yet.")}
     else:
-        wanted = {"Ready": ("True", "ConfigWritten", "The offloading config, pool key and peer Service are in place."),
+        wanted = {"Ready": ("True", "ConfigWritten", "The offloading config, pool Secret and peer Service are in place."),
                   "Invalid": ("False", "Translated", "The spec translates into an OffloadingConfig.")}
     result: list[dict[str, Any]] = []
     for type_, (status, reason, message) in wanted.items():

@@ -5,6 +5,7 @@ Pure (no kopf, no I/O): ``SidecarSpec.from_pool`` turns a pool body's
 value with every default applied, and refuses a value that can never work
 with a ``ValueError`` naming the field and what to change. Both the pool's
 own objects (``pool_objects``) and the pod patch (``pod_patch``) read it.
+``key_rotation_grace_seconds`` reads ``spec.keyRotationGraceSeconds`` the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
-from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, DEFAULT_HASH_SEED, TRANSPORTS
+from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, TRANSPORTS
 
 GROUP = "kv-offload.io"
 VERSION = "v1alpha1"
@@ -24,15 +25,16 @@ PLURAL = "kvoffloadpools"
 KIND = "KVOffloadPool"
 # Label that puts a pod into a pool; its value is the pool name.
 POOL_LABEL = "kv-offload.io/pool"
-# The sidecar's own defaults (DEFAULT_DATA_PORT, DEFAULT_HASH_SEED and TRANSPORTS
-# too, imported above): a pool that sets nothing runs the sidecar's defaults.
+# The sidecar's own defaults (DEFAULT_DATA_PORT and TRANSPORTS too, imported
+# above): a pool that sets nothing runs the sidecar's defaults.
 DEFAULT_BASE_PORT = ports.DEFAULT_BASE_PORT
 DEFAULT_CAPACITY_BYTES = 4 << 30
 # Head room of the default /dev/shm limit above the chunk store (vLLM, NCCL).
 SHM_HEADROOM_BYTES = 1 << 30
 DEFAULT_TRANSPORT = "ucx"
-# Pool-wide PYTHONHASHSEED (spec.hashSeed): vLLM seeds its prefix hash chain
-# (NONE_HASH) with it, randomly per process when it is unset.
+# Pool-wide PYTHONHASHSEED: vLLM seeds its prefix hash chain (NONE_HASH) with it,
+# randomly per process when it is unset. spec.hashSeed fixes it; without it the
+# pool's secret seed (Secret <pool>-pool-key, key hash-seed) is used.
 HASH_SEED_ENV = "PYTHONHASHSEED"
 # Largest PYTHONHASHSEED Python accepts (it refuses to start above it).
 MAX_HASH_SEED = 4294967295
@@ -41,6 +43,8 @@ _OPERATOR_SIDECAR_ENV: Mapping[str, str] = {ports.ENV_HOST: "spec.sidecar.basePo
                                             ports.ENV_PORT: "spec.sidecar.basePort",
                                             HASH_SEED_ENV: "spec.hashSeed"}
 DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}}
+# Seconds a rotated-out pool key stays accepted (spec.keyRotationGraceSeconds).
+DEFAULT_KEY_ROTATION_GRACE_SECONDS = 600
 
 
 class PoolSpecError(ValueError):
@@ -65,10 +69,13 @@ class SidecarSpec:
     data_port: int
     # sizeLimit of the shared /dev/shm emptyDir (quantity string or bytes).
     shm_size_limit: str | int
-    # PYTHONHASHSEED of every vLLM and sidecar container of the pool, e.g. "0".
-    hash_seed: str = DEFAULT_HASH_SEED
+    # Fixed PYTHONHASHSEED of every vLLM and sidecar container (spec.hashSeed), e.g. "0";
+    # None: the pool's secret seed, read from its Secret by the containers.
+    hash_seed: str | None = None
     # Extra sidecar EnvVars (spec.sidecar.env); they override the UCX defaults.
     env: tuple[Mapping[str, Any], ...] = ()
+    # Secret with tls.crt, tls.key and ca.crt for the tcp data plane (spec.sidecar.tls.secretName); None: no TLS.
+    tls_secret: str | None = None
 
     @classmethod
     def from_pool(cls, pool: Mapping[str, Any], *, default_image: str) -> "SidecarSpec":
@@ -89,11 +96,13 @@ class SidecarSpec:
         if not isinstance(base_port, int) or isinstance(base_port, bool) or not 1 <= base_port <= 65000:
             raise ValueError(f"spec.sidecar.basePort={base_port!r}: use a port in [1, 65000]")
         shm = spec.get("shmSizeLimit", capacity + SHM_HEADROOM_BYTES)
+        seed = spec.get("hashSeed")
         return cls(image=image, resources=sc.get("resources") or DEFAULT_SIDECAR_RESOURCES,
                    capacity_bytes=capacity, transport=transport, base_port=base_port,
                    data_port=DEFAULT_DATA_PORT, shm_size_limit=shm,
-                   hash_seed=_hash_seed(spec.get("hashSeed", DEFAULT_HASH_SEED)),
-                   env=_sidecar_env_spec(sc.get("env") or []))
+                   hash_seed=None if seed is None else _hash_seed(seed),
+                   env=_sidecar_env_spec(sc.get("env") or []),
+                   tls_secret=_tls_secret(sc.get("tls"), transport))
 
     def control_port(self, dp_index: int) -> int:
         """The sidecar's control port of global data-parallel index ``dp_index`` (the sidecar's
@@ -112,6 +121,35 @@ def _hash_seed(value: Any) -> str:
         raise ValueError(f"spec.hashSeed={value!r}: use a decimal integer in [0, {MAX_HASH_SEED}] "
                          f"as a string, e.g. \"0\" (it becomes PYTHONHASHSEED)")
     return text
+
+
+def _tls_secret(tls: Any, transport: str) -> str | None:
+    """spec.sidecar.tls.secretName, refused with the UCX transport (which it cannot encrypt)."""
+    if tls is None:
+        return None
+    name = tls.get("secretName") if isinstance(tls, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"spec.sidecar.tls={tls!r} names no Secret: set spec.sidecar.tls.secretName to a Secret "
+                         f"with tls.crt, tls.key and ca.crt (a cert-manager Certificate's Secret), or remove "
+                         f"spec.sidecar.tls")
+    if transport != "tcp":
+        raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.transport is "
+                         f"{transport!r}: TLS applies to the tcp transport only and UCX traffic is not "
+                         f"encrypted; set spec.sidecar.transport: tcp, or remove spec.sidecar.tls and keep "
+                         f"UCX traffic inside the pool with the NetworkPolicy")
+    return name
+
+
+def key_rotation_grace_seconds(pool: Mapping[str, Any]) -> int:
+    """spec.keyRotationGraceSeconds: how long a rotated-out pool key stays accepted.
+
+    The operator only needs a positive number; the CRD asks for at least 60
+    (a mounted Secret reaches every pod within about a minute)."""
+    value = (pool.get("spec") or {}).get("keyRotationGraceSeconds", DEFAULT_KEY_ROTATION_GRACE_SECONDS)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"spec.keyRotationGraceSeconds={value!r}: use a whole number of seconds, at least 60 "
+                         f"(default {DEFAULT_KEY_ROTATION_GRACE_SECONDS})")
+    return value
 
 
 def _sidecar_env_spec(env: Any) -> tuple[Mapping[str, Any], ...]:
@@ -134,16 +172,23 @@ def _sidecar_env_spec(env: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(copy.deepcopy(dict(item)) for item in env)
 
 
-def pool_hash_seed_problem(config: OffloadingConfig, hash_seed: str) -> str | None:
-    """None unless the pool's kv_connector_extra_config names another hash seed.
+def pool_hash_seed_problem(config: OffloadingConfig, hash_seed: str | None) -> str | None:
+    """None unless the pool's kv_connector_extra_config names a hash seed vLLM does not use.
 
     Sidecars state ``extra_config["hash_seed"]`` in the handshake before their
-    ``PYTHONHASHSEED``, but vLLM seeds its prefix hashes with PYTHONHASHSEED
-    (= spec.hashSeed), so a different stated seed would be a false claim.
+    ``PYTHONHASHSEED`` (``settings.effective_hash_seed``), but vLLM seeds its
+    prefix hashes with PYTHONHASHSEED: spec.hashSeed, or the pool's secret
+    seed when ``hash_seed`` is None. A stated seed other than spec.hashSeed
+    would be a false claim, and any stated seed beside a secret one would be
+    false and would print the seed into the pool's ConfigMap.
     """
     stated = config.extra_config.get("hash_seed")
-    if stated is None or str(stated) in ("", hash_seed):
+    if stated is None or str(stated) == "" or str(stated) == hash_seed:
         return None
+    if hash_seed is None:
+        return (f"kv_connector_extra_config.hash_seed={stated!r} is set but spec.hashSeed is not, so vLLM seeds "
+                f"its prefix hashes with the pool's secret seed (Secret <pool>-pool-key, key hash-seed); remove "
+                f"hash_seed from kv_connector_extra_config, or set spec.hashSeed: {str(stated)!r} for a fixed seed")
     return (f"kv_connector_extra_config.hash_seed={stated!r} differs from spec.hashSeed {hash_seed!r}, the "
             f"PYTHONHASHSEED vLLM really seeds its prefix hashes with; remove hash_seed from "
             f"kv_connector_extra_config or set spec.hashSeed: {str(stated)!r}")

@@ -16,7 +16,8 @@ OPERATOR_RBAC: Mapping[tuple[str, str], tuple[str, ...]] = {
     (GROUP, PLURAL): ("get", "list", "watch", "patch"),
     (GROUP, f"{PLURAL}/status"): ("patch",),
     ("", "configmaps"): ("get", "create", "patch"),
-    ("", "secrets"): ("get", "create"),
+    # The pool Secret: completed and rotated by merge patches, never replaced or deleted.
+    ("", "secrets"): ("get", "create", "patch"),
     ("", "services"): ("get", "create", "patch"),
     ("", "pods"): ("list", "watch"),
     ("", "events"): ("create",),

@@ -2,10 +2,12 @@
 
 The ConfigMap holds ``pool_config`` (the pool's OffloadingConfig, with no
 engine's own values: every pod mounts it); the Secret is created once and
-never rotated; the Service ports follow the pool's DP size. The status
-(fingerprint, namespace digest, ConfigMap name, ready peers, conditions)
-goes to ``patch.status`` also when the reconciliation fails, so a pool that
-can never work shows ``Invalid`` with the translator's message.
+completed when an older operator wrote it (``pool_key.ensure``; only a
+requested rotation changes its key, ``pool_key.follow``); the Service ports
+follow the pool's DP size. The status (fingerprint, namespace digest,
+ConfigMap name, ready peers, conditions) goes to ``patch.status`` also when
+the reconciliation fails, so a pool that can never work shows ``Invalid``
+with the translator's message.
 """
 
 from __future__ import annotations
@@ -13,17 +15,22 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 from kubernetes_asyncio import client as k8s
 
+from . import pool_key
 from . import pool_objects as objects
 from .kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .model_config import model_config
-from .pool_spec import PoolSpecError, SidecarSpec, pool_hash_seed_problem
+from .pool_spec import (
+    PoolSpecError,
+    SidecarSpec,
+    key_rotation_grace_seconds,
+    pool_hash_seed_problem,
+)
 from .translation.translate import pool_config
 
 
@@ -50,8 +57,9 @@ async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Ma
         seed_problem = pool_hash_seed_problem(config, sidecar.hash_seed)
         if seed_problem is not None:
             raise PoolSpecError(seed_problem)
+        key_rotation_grace_seconds(pool)
         ports = objects.pool_ports(config, sidecar)
-    except ValueError as exc:  # TranslationError, PoolSpecError, bad sidecar values or ports
+    except ValueError as exc:  # TranslationError, PoolSpecError, bad sidecar values, ports or grace
         message = str(exc)
         patch.status["conditions"] = objects.pool_conditions(
             status.get("conditions"), invalid_message=message, generation=generation, now=now)
@@ -64,7 +72,7 @@ async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Ma
     core = k8s.CoreV1Api(api)
     await _ensure_configmap(core, objects.configmap_for(pool, config))
     try:
-        await _ensure_pool_key(core, pool)
+        await pool_key.ensure(memo, pool)
     except kopf.TemporaryError as exc:
         waiting(exc)
         raise
@@ -92,18 +100,6 @@ async def _ensure_configmap(core: k8s.CoreV1Api, cm: Mapping[str, Any]) -> None:
             meta["name"], meta["namespace"],
             {"data": cm["data"], "metadata": {"ownerReferences": meta["ownerReferences"]}},
             _content_type=MERGE_PATCH)
-
-
-async def _ensure_pool_key(core: k8s.CoreV1Api, pool: Mapping[str, Any]) -> None:
-    name, namespace = objects.secret_name(pool["metadata"]["name"]), pool["metadata"]["namespace"]
-    current = await read_or_none(core.read_namespaced_secret, name, namespace)
-    if current is None:
-        secret = objects.pool_key_secret(pool, secrets.token_bytes(objects.POOL_KEY_BYTES))
-        await create_unless_exists(core.create_namespaced_secret, namespace, secret)
-    elif not (current.data or {}).get(objects.POOL_KEY_KEY):
-        raise kopf.TemporaryError(f"Secret {name!r} exists without key {objects.POOL_KEY_KEY!r}; the operator "
-                                  f"never rotates a pool key silently: delete the Secret to get a new one",
-                                  delay=60)
 
 
 async def _ensure_service(core: k8s.CoreV1Api, svc: Mapping[str, Any]) -> None:

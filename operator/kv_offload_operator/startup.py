@@ -1,9 +1,11 @@
-"""Operator start and stop: every kopf setting, the webhook server, the API client, the follower.
+"""Operator start and stop: every kopf setting, the webhook server, the API client, the followers.
 
 ``OperatorOptions`` carries the command-line settings (``main.py``) to the
 startup handler through ``memo.options``; ``configure`` applies all of kopf's
-settings in one place and fills the memo the other handlers use
-(``api``, ``ready_counts``, ``model_config_refs``); ``shut_down`` undoes it.
+settings in one place, fills the memo the other handlers use (``api``,
+``ready_counts``, ``model_config_refs``, ``key_rotations``,
+``pool_key_locks``) and starts the model-config and key-rotation followers;
+``shut_down`` undoes it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import kopf
 
-from . import model_config_follower
+from . import model_config_follower, pool_key
 from .kube_api import api_client
 from .pool_spec import GROUP
 from .tls_server import webhook_server
@@ -39,6 +41,8 @@ class OperatorOptions:
     webhook_cert_check_seconds: float = 10.0
     # Seconds between re-reads of each pool's modelConfigRef ConfigMap (> 0).
     model_config_check_seconds: float = 60.0
+    # Seconds between steps of a pool key rotation: start on request, end at expiry (> 0).
+    key_rotation_check_seconds: float = 10.0
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger) -> None:
@@ -61,16 +65,20 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     memo.api = await api_client()
     memo.ready_counts = {}
     memo.model_config_refs = {}
+    memo.key_rotations = {}
+    memo.pool_key_locks = {}
     memo.model_config_follower = asyncio.create_task(model_config_follower.follow(memo),
                                                      name="model-config-follower")
+    memo.key_rotation_follower = asyncio.create_task(pool_key.follow(memo), name="key-rotation-follower")
 
 
 async def shut_down(memo: kopf.Memo) -> None:
-    """Stop following model ConfigMaps, close the API client, delete a self-signed dev pair."""
-    follower = getattr(memo, "model_config_follower", None)
-    if follower is not None:
-        follower.cancel()
-        await asyncio.gather(follower, return_exceptions=True)
+    """Stop the followers, close the API client, delete a self-signed dev pair."""
+    for task_name in ("model_config_follower", "key_rotation_follower"):
+        follower = getattr(memo, task_name, None)
+        if follower is not None:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
     api = getattr(memo, "api", None)
     if api is not None:
         await api.close()

@@ -111,6 +111,8 @@ def test_misspelled_key_is_rejected_by_helm(render_error, values, key):
 
 @pytest.mark.parametrize("values, words", [
     ({"webhook": {"failurePolicy": "Sometimes"}}, "failurePolicy"),
+    ({"networkPolicy": {"pools": [{"name": "Llama_8B"}]}}, "name"),
+    ({"networkPolicy": {"pools": [{"namespace": "inference"}]}}, "name"),
     ({"sidecar": {"controlPort": 70000}}, "controlPort"),
     ({"image": {"digest": "latest"}}, "digest"),
 ])
@@ -128,8 +130,12 @@ def test_value_of_the_wrong_shape_is_rejected_by_helm(render_error, values, word
      "the NetworkPolicy would block Prometheus"),
     ({"sidecar": {"dataPort": 5712}}, "sidecar.dataPort 5712 lies in the control port range 5710-5717"),
     ({"sidecar": {"controlPort": 65530}}, "is above 65535"),
-    ({"networkPolicy": {"enabled": True, "servingPorts": [8000, 5810]}},
+    ({"networkPolicy": {"enabled": True, "pools": [{"name": "llama"}], "servingPorts": [8000, 5810]}},
      "networkPolicy.servingPorts lists 5810, a sidecar port"),
+    ({"networkPolicy": {"enabled": True}},
+     "networkPolicy.enabled is true but networkPolicy.pools is empty"),
+    ({"networkPolicy": {"enabled": True, "pools": [{"name": "llama", "namespace": NAMESPACE}, {"name": "llama"}]}},
+     f"networkPolicy.pools lists pool {NAMESPACE}/llama twice"),
 ])
 def test_invalid_combination_fails_with_a_sentence(render_error, values, sentence):
     error = render_error(values)

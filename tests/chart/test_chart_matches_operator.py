@@ -10,7 +10,7 @@ import pytest
 import yaml
 from chart_support import CHART, find
 from kv_offload_operator import main as operator_main
-from kv_offload_operator import pod_patch, pool_spec
+from kv_offload_operator import pod_patch, pool_objects, pool_spec
 
 
 def test_operator_deployment_arguments_parse_with_the_operator_cli(render):
@@ -46,7 +46,8 @@ def test_network_policy_admits_every_port_the_webhook_gives_the_sidecar(render, 
     container = pod_patch.sidecar_container(pool_name="demo", namespace="inference", sidecar=spec,
                                             dp_indices=dp_indices, shm_volume=pod_patch.SHM_VOLUME)
     wanted = {p["containerPort"] for p in container["ports"]}
-    policy = find(render({"networkPolicy": {"enabled": True, "openAllPortsBetweenPoolPods": False}}),
+    policy = find(render({"networkPolicy": {"enabled": True, "openAllPortsBetweenPoolPods": False,
+                                             "pools": [{"name": "demo", "namespace": "inference"}]}}),
                   "NetworkPolicy")
     peer_rule = policy["spec"]["ingress"][0]
     admitted = set()
@@ -74,8 +75,9 @@ def test_chart_port_defaults_are_the_operator_defaults():
 
 def test_readme_states_the_hash_seed_and_the_ucx_settings_the_webhook_injects():
     readme = " ".join((CHART / "README.md").read_text().split())
-    assert "spec.hashSeed" in readme and f'default `"{pool_spec.DEFAULT_HASH_SEED}"`' in readme
-    assert "PYTHONHASHSEED" in readme and "spec.sidecar.env" in readme
+    assert "spec.hashSeed" in readme and "PYTHONHASHSEED" in readme and "spec.sidecar.env" in readme
+    # Unset by default: the secret seed, read by secretKeyRef from the pool Secret.
+    assert f"`{pool_objects.HASH_SEED_KEY}`" in readme and "secretKeyRef" in readme
     for name, value in pod_patch.UCX_SIDECAR_ENV.items():
         assert f"{name}={value}" in readme
     assert pod_patch.METRICS_PORT_NAME in readme

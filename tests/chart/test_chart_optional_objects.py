@@ -43,27 +43,35 @@ def test_dashboard_config_map_carries_the_chart_dashboard_file(render):
     assert "ConfigMap" not in kinds(render())
 
 
-def test_network_policy_opens_sidecar_ports_to_pool_pods_and_metrics_to_monitoring(render):
-    objects = render({"networkPolicy": {"enabled": True, "namespaces": ["a", "b"],
-                                        "openAllPortsBetweenPoolPods": False}})
-    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
-    assert sorted(p["metadata"]["namespace"] for p in policies) == ["a", "b"]
-    pool_pods = {"matchExpressions": [{"key": "kv-offload.io/pool", "operator": "Exists"}]}
-    spec = policies[0]["spec"]
-    assert spec["podSelector"] == pool_pods and spec["policyTypes"] == ["Ingress"]
-    peers, monitoring, serving = spec["ingress"]
-    assert peers["from"] == [{"podSelector": pool_pods}]
-    assert peers["ports"] == [{"protocol": "TCP", "port": 5710, "endPort": 5717},
-                              {"protocol": "TCP", "port": 5810}]
-    assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {
-        "kubernetes.io/metadata.name": "monitoring"}}}]
-    assert monitoring["ports"] == [{"protocol": "TCP", "port": 5710, "endPort": 5717}]
-    assert serving == {"ports": [{"protocol": "TCP", "port": 8000}]}
-    default_ns = render({"networkPolicy": {"enabled": True}})
-    assert find(default_ns, "NetworkPolicy")["metadata"]["namespace"] == NAMESPACE
-    # The default admits every port between pool pods (UCX picks its own ports), from pool pods only.
-    all_ports = find(default_ns, "NetworkPolicy")["spec"]["ingress"][0]
-    assert all_ports == {"from": [{"podSelector": pool_pods}]}
+def test_network_policy_opens_sidecar_ports_to_the_same_pools_pods_only_and_metrics_to_monitoring(render):
+    objects = render({"networkPolicy": {"enabled": True, "openAllPortsBetweenPoolPods": False, "pools": [
+        {"name": "llama", "namespace": "a"}, {"name": "mistral", "namespace": "a"}, {"name": "llama"}]}})
+    policies = {(p["metadata"]["namespace"], p["metadata"]["name"]): p
+                for p in objects if p["kind"] == "NetworkPolicy"}
+    assert sorted(policies) == [("a", "kvo-kv-offload-pool-llama"), ("a", "kvo-kv-offload-pool-mistral"),
+                                (NAMESPACE, "kvo-kv-offload-pool-llama")]
+    for (_, name), policy in policies.items():
+        pool = name.rsplit("-", 1)[1]
+        same_pool = {"matchLabels": {"kv-offload.io/pool": pool}}
+        spec = policy["spec"]
+        assert spec["podSelector"] == same_pool and spec["policyTypes"] == ["Ingress"]
+        peers, monitoring, serving = spec["ingress"]
+        # Only pods of the same pool (same namespace: no namespaceSelector) reach the sidecar ports.
+        assert peers["from"] == [{"podSelector": same_pool}]
+        assert peers["ports"] == [{"protocol": "TCP", "port": 5710, "endPort": 5717},
+                                  {"protocol": "TCP", "port": 5810}]
+        assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": "monitoring"}}}]
+        assert monitoring["ports"] == [{"protocol": "TCP", "port": 5710, "endPort": 5717}]
+        assert serving == {"ports": [{"protocol": "TCP", "port": 8000}]}
+        assert policy["metadata"]["labels"]["kv-offload.io/pool"] == pool
+    # No rule admits "any pool pod": a pod of one pool never reaches another pool's sidecar.
+    assert "Exists" not in json.dumps(list(policies.values()))
+    # The default admits every port between the pods of one pool (UCX picks its own ports).
+    default = find(render({"networkPolicy": {"enabled": True, "pools": [{"name": "llama"}]}}), "NetworkPolicy")
+    assert default["metadata"]["namespace"] == NAMESPACE
+    assert default["spec"]["ingress"][0] == {"from": [{"podSelector": {"matchLabels": {"kv-offload.io/pool": "llama"}}}]}
+    assert "NetworkPolicy" not in kinds(render())
 
 
 def test_notes_put_warnings_first_then_one_success_line_then_the_next_step(helm):

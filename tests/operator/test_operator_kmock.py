@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -334,7 +335,7 @@ async def test_a_pool_whose_hash_seed_cannot_work_is_invalid_saying_what_to_chan
         for body in (random_seed, stated_seed):
             await create(kmock, POOLS_URL, body)
         for name, said in (("random-seed", "spec.hashSeed='random': use a decimal integer"),
-                           ("stated-seed", "kv_connector_extra_config.hash_seed='9' differs from spec.hashSeed '0'")):
+                           ("stated-seed", "kv_connector_extra_config.hash_seed='9' is set but spec.hashSeed is not")):
             message = await wait_for(f"{name}'s Invalid condition",
                                      lambda n=name: condition(status_of(kmock, n), "Invalid").get("status")
                                      == "True" and condition(status_of(kmock, n), "Invalid")["message"])
@@ -359,6 +360,9 @@ def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tm
     no_model_interval = run("-n", "ns1", "--model-config-check-seconds", "-1")
     assert (no_model_interval.returncode, no_model_interval.stderr.strip()) == (
         2, "kv-offload operator: --model-config-check-seconds -1.0 must be positive")
+    no_rotation_interval = run("-n", "ns1", "--key-rotation-check-seconds", "0")
+    assert (no_rotation_interval.returncode, no_rotation_interval.stderr.strip()) == (
+        2, "kv-offload operator: --key-rotation-check-seconds 0.0 must be positive")
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(tmp_path / "absent"), HOME=str(tmp_path))
@@ -408,3 +412,106 @@ async def test_with_all_namespaces_pools_in_every_namespace_are_reconciled(
             assert fingerprint == expected
             assert obj(kmock, "v1/configmaps", "llama-offloading-config", ns) is not None
             assert obj(kmock, "v1/services", "llama-peers", ns)["metadata"]["namespace"] == ns
+
+
+def secret_entries(k: kmock.KubernetesEmulator, name: str) -> dict[str, bytes]:
+    secret = obj(k, "v1/secrets", name) or {}
+    return {key: base64.b64decode(value) for key, value in (secret.get("data") or {}).items()}
+
+
+async def test_the_pool_secret_holds_a_hash_seed_and_an_admin_token_and_an_older_secret_keeps_its_key(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    old_key = os.urandom(32)
+    await create(kmock, f"/api/v1/namespaces/{NAMESPACE}/secrets", {  # as the older operator wrote it
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": "old-pool-key", "namespace": NAMESPACE, "labels": {"kv-offload.io/pool": "old"}},
+        "data": {"key": base64.b64encode(old_key).decode()}})
+    async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--key-rotation-check-seconds", "0.2"]):
+        for name in ("llama", "old"):
+            await create(kmock, POOLS_URL, pool_body(name))
+        for name in ("llama", "old"):
+            await wait_for(f"pool {name}", lambda n=name: status_of(kmock, n).get("fingerprint"))
+        await wait_for("the completed old Secret", lambda: "admin-token" in secret_entries(kmock, "old-pool-key"))
+        fresh, completed = secret_entries(kmock, "llama-pool-key"), secret_entries(kmock, "old-pool-key")
+        for data in (fresh, completed):
+            assert set(data) == {"key", "hash-seed", "admin-token"}
+            assert data["hash-seed"].isdigit() and 1 <= int(data["hash-seed"]) <= 4294967295
+            assert len(bytes.fromhex(data["admin-token"].decode())) == 32
+        assert completed["key"] == old_key
+        assert fresh["hash-seed"] != completed["hash-seed"]  # one secret seed per pool
+
+        # Reconciling again (a spec change) rewrites none of them.
+        for name in ("llama", "old"):
+            await merge_patch(kmock, f"{POOLS_URL}/{name}", {"metadata": {"generation": 2},
+                                                              "spec": {"shmSizeLimit": "6Gi"}})
+        for name in ("llama", "old"):
+            await wait_for(f"pool {name} reconciled again",
+                           lambda n=name: status_of(kmock, n).get("observedGeneration") == 2)
+        assert secret_entries(kmock, "llama-pool-key") == fresh
+        assert secret_entries(kmock, "old-pool-key") == completed
+
+        # A pool created with a rotation request gets a fresh key made for it, not a rotation.
+        annotated = pool_body("annotated")
+        annotated["metadata"]["annotations"] = {"kv-offload.io/rotate-pool-key": "v1"}
+        await create(kmock, POOLS_URL, annotated)
+        shown = await wait_for("the annotated pool's keyRotation", lambda: (
+            status_of(kmock, "annotated").get("keyRotation")))
+        assert (shown["phase"], shown["requested"]) == ("Done", "v1")
+        assert set(secret_entries(kmock, "annotated-pool-key")) == {"key", "hash-seed", "admin-token"}
+        assert obj(kmock, "v1/secrets", "annotated-pool-key")["metadata"]["annotations"] == {
+            "kv-offload.io/rotated-for": "v1"}
+    secret_writes = [r for r in list(kmock) if r.resource is not None and r.resource.plural == "secrets"
+                     and str(r.method.value).upper() == "PATCH"]
+    assert [sorted((r.data or {}).get("data") or {}) for r in secret_writes] == [["admin-token", "hash-seed"]]
+
+
+async def test_rotating_the_pool_key_keeps_the_old_key_as_previous_key_until_the_grace_ends(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    body = pool_body("llama")
+    body["spec"]["keyRotationGraceSeconds"] = 2  # the CRD asks for 60 at least; kmock does not check
+    async with OperatorProcess(tmp_path, str(kmock.url),
+                               extra_args=["--key-rotation-check-seconds", "0.2"]) as operator:
+        await create(kmock, POOLS_URL, body)
+        await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        before = secret_entries(kmock, "llama-pool-key")
+        assert "previous-key" not in before
+
+        await merge_patch(kmock, f"{POOLS_URL}/llama",
+                          {"metadata": {"annotations": {"kv-offload.io/rotate-pool-key": "2026-03-01"}}})
+        rotating = await wait_for("the previous key", lambda: "previous-key" in secret_entries(kmock, "llama-pool-key")
+                                  and secret_entries(kmock, "llama-pool-key"))
+        assert rotating["previous-key"] == before["key"] and rotating["key"] != before["key"]
+        assert len(rotating["key"]) == 32
+        assert (rotating["hash-seed"], rotating["admin-token"]) == (before["hash-seed"], before["admin-token"])
+        notes = obj(kmock, "v1/secrets", "llama-pool-key")["metadata"]["annotations"]
+        assert notes["kv-offload.io/rotated-for"] == "2026-03-01"
+        shown = await wait_for("status.keyRotation Rotating", lambda: (
+            status_of(kmock, "llama").get("keyRotation") or {}).get("phase") == "Rotating"
+            and status_of(kmock, "llama")["keyRotation"])
+        assert shown["requested"] == "2026-03-01"
+        assert shown["previousKeyExpires"] == notes["kv-offload.io/previous-key-expires"]
+
+        done = await wait_for("the previous key removed after the grace", lambda: (
+            "previous-key" not in secret_entries(kmock, "llama-pool-key")
+            and (status_of(kmock, "llama").get("keyRotation") or {}).get("phase") == "Done"
+            and status_of(kmock, "llama")["keyRotation"]), timeout=20)
+        assert done["requested"] == "2026-03-01" and "previousKeyExpires" not in done
+        after = secret_entries(kmock, "llama-pool-key")
+        assert after == {"key": rotating["key"], "hash-seed": before["hash-seed"],
+                         "admin-token": before["admin-token"]}
+        assert "kv-offload.io/previous-key-expires" not in obj(kmock, "v1/secrets", "llama-pool-key")[
+            "metadata"]["annotations"]
+
+        # The same value again (the pool is written, the annotation stays) rotates nothing.
+        await merge_patch(kmock, f"{POOLS_URL}/llama",
+                          {"metadata": {"annotations": {"kv-offload.io/rotate-pool-key": "2026-03-01",
+                                                        "example.com/touched": "yes"}}})
+        await asyncio.sleep(1.5)
+        assert secret_entries(kmock, "llama-pool-key") == after
+        assert status_of(kmock, "llama")["keyRotation"] == done
+        log = operator.log()
+        assert "Pool ns1/llama: pool key rotated for '2026-03-01'" in log
+        assert "Pool ns1/llama: the previous pool key expired and was removed." in log
+        assert base64.b64encode(before["key"]).decode() not in log  # no key ever reaches the log

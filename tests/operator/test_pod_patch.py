@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 from typing import Any
 
@@ -9,7 +10,7 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 from kv_offload_operator import pod_patch as pods
-from kv_offload_operator import pool_spec
+from kv_offload_operator import pool_objects, pool_spec
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config
@@ -110,19 +111,60 @@ def test_a_pod_translating_to_another_fingerprint_is_named_with_its_field_diff(c
         pods.pod_identity_problem(pod(vllm(["serve", "meta-llama/Llama-3.1-8B"])), config, llama_config())
 
 
+def resolved_env(container: dict[str, Any], secret: dict[str, Any]) -> dict[str, str]:
+    """A container's env as the kubelet gives it: plain values, and secretKeyRefs into ``secret``."""
+    env: dict[str, str] = {}
+    for e in container.get("env") or []:
+        ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif ref is not None:
+            assert ref["name"] == secret["metadata"]["name"]
+            env[e["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+    return env
+
+
 @pytest.mark.parametrize("seed", [None, "1234"])
 def test_vllm_and_sidecar_get_the_pools_hash_seed_which_the_sidecar_states_in_its_handshake(seed: str | None) -> None:
     from kv_offload_sidecar.settings import effective_hash_seed
 
-    out = inject_into(hash_seed_pool(seed), pod(vllm()))
-    wanted = seed or "0"
-    vllm_env = env_of(out["spec"]["containers"][0])
-    sidecar_env = env_of(out["spec"]["initContainers"][1])
+    body = hash_seed_pool(seed)
+    out = inject_into(body, pod(vllm()))
+    secret = pool_objects.pool_key_secret(body, b"k" * 32)
+    wanted = seed or base64.b64decode(secret["data"]["hash-seed"]).decode()
+    vllm_env = resolved_env(out["spec"]["containers"][0], secret)
+    sidecar_env = resolved_env(out["spec"]["initContainers"][1], secret)
     assert vllm_env["PYTHONHASHSEED"] == sidecar_env["PYTHONHASHSEED"] == wanted
     # What the sidecar process derives from that environment and the pool's config.
     config = pool_config(LLAMA_ARGS, llama_config())
-    assert effective_hash_seed(config, {k: v for k, v in sidecar_env.items() if isinstance(v, str)}) == wanted
+    assert effective_hash_seed(config, sidecar_env) == wanted
     kubernetes_validate.validate(out, K8S, strict=True)
+
+
+def test_without_spec_hash_seed_the_seed_comes_from_the_pool_secret_and_is_nowhere_in_the_pod_spec() -> None:
+    out = inject_into(hash_seed_pool(), pod(vllm()))
+    ref = {"secretKeyRef": {"name": "llama-pool-key", "key": "hash-seed"}}
+    assert env_of(out["spec"]["containers"][0])["PYTHONHASHSEED"] == ref
+    assert env_of(out["spec"]["initContainers"][1])["PYTHONHASHSEED"] == ref
+    assert "--hash-seed" not in out["spec"]["initContainers"][1]["args"]
+
+
+@pytest.mark.parametrize("container, said", [
+    (vllm(env=[{"name": "PYTHONHASHSEED", "value": "0"}]), "sets PYTHONHASHSEED='0'"),
+    (vllm(env=[{"name": "PYTHONHASHSEED", "valueFrom": {"secretKeyRef": {"name": "x", "key": "y"}}}]),
+     "sets PYTHONHASHSEED with valueFrom"),
+    (vllm(command=["/bin/sh", "-c"], args=[
+        f"PYTHONHASHSEED=0 vllm serve meta-llama/Llama-3.1-8B --kv-transfer-config '{KTC}'"]),
+     "command line sets PYTHONHASHSEED='0'"),
+])
+def test_a_vllm_container_setting_any_hash_seed_in_a_secret_seed_pool_is_refused(
+        container: dict[str, Any], said: str) -> None:
+    with pytest.raises(ValueError) as info:
+        inject_into(hash_seed_pool(), pod(container))
+    message = str(info.value)
+    assert message.startswith(f"the vLLM container {said} but the pool has no spec.hashSeed")
+    assert "Secret 'llama-pool-key', key 'hash-seed'" in message
+    assert "remove PYTHONHASHSEED from the container, or set spec.hashSeed on the pool" in message
 
 
 def test_a_vllm_container_already_setting_the_pools_seed_keeps_one_entry() -> None:
@@ -142,7 +184,7 @@ def test_a_vllm_container_already_setting_the_pools_seed_keeps_one_entry() -> No
 def test_a_vllm_container_with_another_hash_seed_is_refused_saying_how_to_fix_it(
         container: dict[str, Any], said: str) -> None:
     with pytest.raises(ValueError) as info:
-        inject_into(hash_seed_pool(), pod(container))
+        inject_into(hash_seed_pool("0"), pod(container))
     message = str(info.value)
     assert said in message and "spec.hashSeed is '0'" in message
     assert "remove PYTHONHASHSEED" in message and "spec.hashSeed: '7'" in message
@@ -150,8 +192,8 @@ def test_a_vllm_container_with_another_hash_seed_is_refused_saying_how_to_fix_it
 
 def test_a_hash_seed_from_value_from_is_refused_because_it_cannot_be_checked() -> None:
     container = vllm(env=[{"name": "PYTHONHASHSEED", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}}])
-    with pytest.raises(ValueError, match="PYTHONHASHSEED with valueFrom"):
-        inject_into(hash_seed_pool(), pod(container))
+    with pytest.raises(ValueError, match="PYTHONHASHSEED with valueFrom, so it cannot be checked"):
+        inject_into(hash_seed_pool("0"), pod(container))
 
 
 def test_a_ucx_sidecar_gets_cross_node_ucx_settings_and_sidecar_env_overrides_them() -> None:
@@ -188,7 +230,7 @@ def test_real_ucx_sidecars_run_with_the_injected_env_and_share_chunks() -> None:
     from kv_offload_tools.local_pool import LocalPool, example_config
 
     spec = pool_spec.SidecarSpec.from_pool(hash_seed_pool("4321"), default_image="img:1")
-    injected = {e["name"]: e["value"] for e in pods.sidecar_env(spec) if "value" in e
+    injected = {e["name"]: e["value"] for e in pods.sidecar_env(spec, pool_name="llama") if "value" in e
                 and not e["name"].startswith("VLLM_P2P_")}  # LocalPool passes host and ports as flags
     assert injected["UCX_TLS"] == "tcp,sm,self" and injected["PYTHONHASHSEED"] == "4321"
     chunk = example_config().kv_bytes_per_chunk
@@ -204,3 +246,56 @@ def test_real_ucx_sidecars_run_with_the_injected_env_and_share_chunks() -> None:
         assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 4 * chunk
         a.close()
         b.close()
+
+
+def test_the_sidecar_reads_key_previous_key_and_admin_token_from_the_whole_pool_secret() -> None:
+    out = inject(pod(vllm()))
+    sidecar = out["spec"]["initContainers"][1]
+    argv = sidecar["args"]
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    assert (flags["--pool-key-file"], flags["--previous-pool-key-file"], flags["--admin-token-file"]) == (
+        "/etc/kv-offload-pool-key/key", "/etc/kv-offload-pool-key/previous-key",
+        "/etc/kv-offload-pool-key/admin-token")
+    volumes = {v["name"]: v for v in out["spec"]["volumes"]}
+    # The whole Secret, no items and no subPath: the kubelet updates every file in place, and
+    # previous-key is a file only while the Secret holds it (an absent entry breaks nothing).
+    assert volumes["kv-offload-pool-key"] == {"name": "kv-offload-pool-key",
+                                              "secret": {"secretName": "llama-pool-key"}}
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "kv-offload-pool-key")
+    assert mount == {"name": "kv-offload-pool-key", "mountPath": "/etc/kv-offload-pool-key", "readOnly": True}
+    assert all("subPath" not in m for c in out["spec"]["initContainers"] + out["spec"]["containers"]
+               for m in c.get("volumeMounts") or [])
+    # Only the sidecar sees the keys; vLLM gets nothing but the hash seed from the Secret.
+    assert "kv-offload-pool-key" not in {m["name"] for m in out["spec"]["containers"][0]["volumeMounts"]}
+    assert "--tls-cert-file" not in argv and "kv-offload-tls" not in volumes
+    kubernetes_validate.validate(out, K8S, strict=True)
+
+
+def test_a_tls_pool_mounts_its_certificate_secret_read_only_and_passes_the_tls_flags() -> None:
+    out = inject(pod(vllm()), transport="tcp", tls={"secretName": "llama-tls"})
+    sidecar = out["spec"]["initContainers"][1]
+    argv = sidecar["args"]
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    assert (flags["--tls-cert-file"], flags["--tls-key-file"], flags["--tls-ca-file"]) == (
+        "/etc/kv-offload-tls/tls.crt", "/etc/kv-offload-tls/tls.key", "/etc/kv-offload-tls/ca.crt")
+    assert flags["--transport"] == "tcp"
+    volumes = {v["name"]: v for v in out["spec"]["volumes"]}
+    assert volumes["kv-offload-tls"]["secret"] == {"secretName": "llama-tls"}
+    mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
+    assert mounts["kv-offload-tls"] == {"name": "kv-offload-tls", "mountPath": "/etc/kv-offload-tls",
+                                        "readOnly": True}
+    kubernetes_validate.validate(out, K8S, strict=True)
+
+
+def test_the_injected_sidecar_flags_parse_with_the_sidecars_own_cli() -> None:
+    import argparse
+
+    from kv_offload_sidecar import main as sidecar_main
+
+    out = inject(pod(vllm()), transport="tcp", tls={"secretName": "llama-tls"})
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    sidecar_main.add_arguments(parser)
+    args = parser.parse_args(out["spec"]["initContainers"][1]["args"][1:])
+    assert args.previous_pool_key_file == pods.PREVIOUS_KEY_PATH
+    assert args.admin_token_file == pods.ADMIN_TOKEN_PATH
+    assert args.tls_ca_file == "/etc/kv-offload-tls/ca.crt"

@@ -37,6 +37,39 @@ def test_pool_key_secret_carries_the_given_key_and_refuses_short_keys() -> None:
         pool_objects.pool_key_secret(pool(), b"short")
 
 
+def test_pool_key_secret_holds_a_secret_hash_seed_and_an_admin_token_but_no_previous_key() -> None:
+    data = {k: base64.b64decode(v).decode("latin-1") for k, v in
+            pool_objects.pool_key_secret(pool(), b"k" * 32)["data"].items()}
+    assert set(data) == {"key", "hash-seed", "admin-token"}
+    assert data["hash-seed"].isdigit() and 1 <= int(data["hash-seed"]) <= 4294967295
+    assert len(bytes.fromhex(data["admin-token"])) == 32
+    again = pool_objects.pool_key_secret(pool(), b"k" * 32)["data"]
+    assert base64.b64decode(again["admin-token"]).decode() != data["admin-token"]  # random per Secret
+
+
+def test_new_hash_seeds_are_decimals_python_accepts_as_pythonhashseed() -> None:
+    import subprocess
+    import sys
+
+    seeds = {pool_objects.new_hash_seed() for _ in range(2000)}
+    assert len(seeds) > 1990
+    assert all(s.isdigit() and not s.startswith("0") and 1 <= int(s) <= 4294967295 for s in seeds)
+    seed = max(seeds)
+    done = subprocess.run([sys.executable, "-c", "import sys; print(sys.flags.hash_randomization)"],
+                          env={"PYTHONHASHSEED": seed}, capture_output=True, text=True, timeout=30, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "1"), done.stderr
+
+
+def test_a_secret_from_the_older_operator_gets_only_the_entries_it_lacks() -> None:
+    old = {"key": base64.b64encode(b"k" * 32).decode()}
+    missing = pool_objects.missing_secret_data(old)
+    assert set(missing) == {"hash-seed", "admin-token"}
+    complete = {**old, **missing}
+    assert pool_objects.missing_secret_data(complete) == {}
+    assert pool_objects.missing_secret_data({**complete, "previous-key": old["key"]}) == {}
+    assert set(pool_objects.missing_secret_data({"hash-seed": missing["hash-seed"]})) == {"admin-token"}
+
+
 def test_peers_service_is_headless_and_lists_one_control_port_per_dp_rank_plus_data() -> None:
     dp4 = pool_config(["vllm", "serve", "m", "-dp", "4", "--kv-transfer-config", KTC], llama_config())
     ports = pool_objects.pool_ports(dp4, sidecar_spec(basePort=6000))

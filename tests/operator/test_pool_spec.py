@@ -66,6 +66,48 @@ def test_a_pool_whose_connector_config_names_another_hash_seed_is_a_problem() ->
     assert problem is not None and "spec.hashSeed: '9'" in problem
     assert pool_spec.pool_hash_seed_problem(stated, "9") is None
     assert pool_spec.pool_hash_seed_problem(translate(LLAMA_ARGS, llama_config()), "0") is None
+    # Beside the secret seed any stated seed is false (the sidecar would state it instead of
+    # its PYTHONHASHSEED) and would print a seed into the ConfigMap.
+    secret = pool_spec.pool_hash_seed_problem(stated, None)
+    assert secret is not None and secret.startswith("kv_connector_extra_config.hash_seed='9' is set but "
+                                                    "spec.hashSeed is not")
+    assert "remove hash_seed from kv_connector_extra_config, or set spec.hashSeed: '9'" in secret
+    assert pool_spec.pool_hash_seed_problem(translate(LLAMA_ARGS, llama_config()), None) is None
+
+
+def test_without_spec_hash_seed_the_pool_uses_its_secret_seed_which_the_sidecar_states() -> None:
+    """The sidecar states extra_config's seed, else its PYTHONHASHSEED: with a secret seed
+    (no spec.hashSeed, no stated seed) it states the PYTHONHASHSEED vLLM hashes with."""
+    from kv_offload_sidecar.settings import effective_hash_seed
+
+    assert pool_spec.SidecarSpec.from_pool(pool(), default_image="img:1").hash_seed is None
+    config = translate(LLAMA_ARGS, llama_config())
+    assert pool_spec.pool_hash_seed_problem(config, None) is None
+    assert effective_hash_seed(config, {"PYTHONHASHSEED": "3141592653"}) == "3141592653"
+
+
+def test_tls_needs_a_secret_name_and_the_tcp_transport() -> None:
+    assert sidecar_spec(transport="tcp", tls={"secretName": "pool-tls"}).tls_secret == "pool-tls"
+    assert sidecar_spec(transport="tcp").tls_secret is None
+    with pytest.raises(ValueError) as info:
+        sidecar_spec(tls={"secretName": "pool-tls"})  # transport defaults to ucx
+    message = str(info.value)
+    assert message.startswith("spec.sidecar.tls.secretName='pool-tls' is set but spec.sidecar.transport is 'ucx'")
+    assert "TLS applies to the tcp transport only and UCX traffic is not encrypted" in message
+    assert "set spec.sidecar.transport: tcp" in message
+    with pytest.raises(ValueError, match=r"spec\.sidecar\.tls=\{\} names no Secret: set spec\.sidecar\.tls\.secretName"):
+        sidecar_spec(transport="tcp", tls={})
+
+
+@pytest.mark.parametrize("bad", [0, -5, "600", 1.5, True])
+def test_key_rotation_grace_must_be_a_positive_whole_number_of_seconds(bad: Any) -> None:
+    body = pool()
+    assert pool_spec.key_rotation_grace_seconds(body) == pool_spec.DEFAULT_KEY_ROTATION_GRACE_SECONDS == 600
+    body["spec"]["keyRotationGraceSeconds"] = 90
+    assert pool_spec.key_rotation_grace_seconds(body) == 90
+    body["spec"]["keyRotationGraceSeconds"] = bad
+    with pytest.raises(ValueError, match=r"spec\.keyRotationGraceSeconds=.*use a whole number of seconds, at least 60"):
+        pool_spec.key_rotation_grace_seconds(body)
 
 
 def test_crd_is_a_valid_v1alpha1_namespaced_crd_with_status_and_printer_columns(crd: dict[str, Any]) -> None:
@@ -94,11 +136,13 @@ def test_crd_schema_accepts_a_real_pool_and_rejects_a_bad_transport(crd: dict[st
     assert schema["properties"]["spec"]["properties"]["sidecar"]["properties"]["basePort"]["default"] == 5710
 
 
-def test_crd_schema_defaults_hash_seed_to_0_and_accepts_sidecar_env(crd: dict[str, Any]) -> None:
+def test_crd_schema_leaves_hash_seed_unset_by_default_and_accepts_sidecar_env(crd: dict[str, Any]) -> None:
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     spec_props = schema["properties"]["spec"]["properties"]
-    assert spec_props["hashSeed"]["default"] == pool_spec.DEFAULT_HASH_SEED
-    assert "PYTHONHASHSEED" in spec_props["hashSeed"]["description"]
+    assert "default" not in spec_props["hashSeed"]  # unset means the pool's secret seed
+    description = " ".join(spec_props["hashSeed"]["description"].split())
+    assert "PYTHONHASHSEED" in description and "hash-seed" in description
+    assert "anyone who can guess a fixed seed can compute a pool's chunk keys from prompts" in description
     assert "UCX_TLS=tcp,sm,self" in spec_props["sidecar"]["properties"]["env"]["description"]
     good = hash_seed_pool("17", env=[{"name": "UCX_TLS", "value": "tcp,self"},
                                      {"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}])
@@ -115,3 +159,42 @@ def test_control_ports_follow_the_sidecars_rule_and_a_port_above_65535_names_bas
     assert [spec.control_port(i) for i in (0, 1, 535)] == [65000, 65001, 65535]
     with pytest.raises(ValueError, match=r"spec\.sidecar\.basePort=65000 \+ data-parallel index 536"):
         spec.control_port(536)
+
+
+def test_crd_schema_admits_tls_and_the_rotation_grace_and_refuses_a_short_grace(crd: dict[str, Any]) -> None:
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec_props = schema["properties"]["spec"]["properties"]
+    grace = spec_props["keyRotationGraceSeconds"]
+    assert (grace["default"], grace["minimum"]) == (pool_spec.DEFAULT_KEY_ROTATION_GRACE_SECONDS, 60)
+    good = pool_body("llama", sidecar={"transport": "tcp", "tls": {"secretName": "llama-tls"}})
+    good["spec"]["keyRotationGraceSeconds"] = 120
+    jsonschema.validate(good, schema)
+    for bad_grace in (59, "600"):
+        bad = copy.deepcopy(good)
+        bad["spec"]["keyRotationGraceSeconds"] = bad_grace
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    for bad_tls in ({}, {"secretName": ""}):
+        bad = copy.deepcopy(good)
+        bad["spec"]["sidecar"]["tls"] = bad_tls
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    # The API server refuses TLS with UCX itself (a CEL rule jsonschema does not run).
+    (rule,) = spec_props["sidecar"]["x-kubernetes-validations"]
+    assert rule["rule"] == "!has(self.tls) || (has(self.transport) && self.transport == 'tcp')"
+    assert "tcp transport only and UCX traffic is not encrypted" in " ".join(rule["message"].split())
+
+
+def test_crd_status_schema_keeps_the_key_rotation_the_operator_writes(crd: dict[str, Any]) -> None:
+    """A structural schema prunes undeclared status fields: keyRotation must be declared."""
+    from kv_offload_operator import key_rotation
+
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    declared = schema["properties"]["status"]["properties"]["keyRotation"]["properties"]
+    body = pool()
+    for phase in (key_rotation.ROTATING, key_rotation.DONE):
+        status = {"requested": "2026-01", "phase": phase, "since": "2026-01-01T00:00:00Z",
+                  "previousKeyExpires": "2026-01-01T00:10:00Z"}
+        assert set(status) <= set(declared)
+        body["status"] = {"keyRotation": status}
+        jsonschema.validate(body, schema)

@@ -1,6 +1,6 @@
 """Real AdmissionReview posts over HTTPS to the running operator's webhook.
 
-One emulated cluster (kmock) with four pools and one `kv-offload operator`
+One emulated cluster (kmock) with six pools and one `kv-offload operator`
 process serve the whole module; each test posts its own pods.
 """
 
@@ -78,9 +78,11 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
             seeded = pool_body("seeded")
             seeded["spec"]["hashSeed"] = "1234"
             for body in (pool_body("llama", sidecar={"capacityBytes": 8 << 30}),
-                         pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS), seeded):
+                         pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS), seeded,
+                         pool_body("tls", sidecar={"transport": "tcp", "tls": {"secretName": "tls-pool-cert"}}),
+                         pool_body("tls-ucx", sidecar={"tls": {"secretName": "tls-pool-cert"}})):
                 await create(api, POOLS_URL, body)
-            for name in ("llama", "dp", "broken", "seeded"):
+            for name in ("llama", "dp", "broken", "seeded", "tls", "tls-ucx"):
                 await wait_for(f"pool {name} processed",
                                lambda: (obj(api, POOLS, name) or {}).get("status", {}).get("conditions"))
             webhook = Webhook(operator.webhook_port, ca)
@@ -106,7 +108,9 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
     argv = sidecar["args"]
     assert dict(zip(argv[1::2], argv[2::2])) == {
         "--config": "/etc/kv-offload/offloading_config.json",
-        "--pool-key-file": "/etc/kv-offload/pool-key/key",
+        "--pool-key-file": "/etc/kv-offload-pool-key/key",
+        "--previous-pool-key-file": "/etc/kv-offload-pool-key/previous-key",
+        "--admin-token-file": "/etc/kv-offload-pool-key/admin-token",
         "--peers-dns": "llama-peers.ns1.svc.cluster.local",
         "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
         "--transport": "ucx", "--dp-indices": "0", "--shm-dir": "/dev/shm"}
@@ -117,8 +121,9 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
     volumes = {v["name"]: v for v in result["spec"]["volumes"]}
     assert volumes["kv-offload-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": str((8 << 30) + (1 << 30))}
     sources = volumes["kv-offload-config"]["projected"]["sources"]
-    assert sources[0]["configMap"]["name"] == "llama-offloading-config"
-    assert sources[1]["secret"]["name"] == "llama-pool-key"
+    assert [s["configMap"]["name"] for s in sources] == ["llama-offloading-config"]
+    assert volumes["kv-offload-pool-key"]["secret"] == {"secretName": "llama-pool-key"}  # whole, no items
+    assert mounts_of(sidecar)["/etc/kv-offload-pool-key"] == "kv-offload-pool-key"
 
     vllm = container(result, "vllm")
     env = {e["name"]: e for e in vllm["env"]}
@@ -126,10 +131,15 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
     assert env["VLLM_P2P_SIDE_CHANNEL_PORT"]["value"] == "5710"
     assert env["PYTHONPATH"]["value"] == "/kv-offload-lib"
     assert "HF_TOKEN" in env  # the user's env is kept
-    # One pool-wide prefix-hash seed on vLLM and on the sidecar that states it to peers.
-    sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
-    assert env["PYTHONHASHSEED"]["value"] == sidecar_env["PYTHONHASHSEED"] == "0"
-    assert sidecar_env["UCX_TLS"] == "tcp,sm,self"
+    # One pool-wide prefix-hash seed on vLLM and on the sidecar that states it to peers: the
+    # pool's secret seed (no spec.hashSeed), which the kubelet reads from the pool Secret.
+    sidecar_env = {e["name"]: e for e in sidecar["env"]}
+    seed_ref = {"secretKeyRef": {"name": "llama-pool-key", "key": "hash-seed"}}
+    assert env["PYTHONHASHSEED"] == sidecar_env["PYTHONHASHSEED"] == {"name": "PYTHONHASHSEED",
+                                                                     "valueFrom": seed_ref}
+    secret = obj(cluster.api, "v1/secrets", "llama-pool-key")
+    assert base64.b64decode(secret["data"]["hash-seed"]).isdigit()
+    assert sidecar_env["UCX_TLS"]["value"] == "tcp,sm,self"
     assert mounts_of(vllm)["/dev/shm"] == mounts_of(sidecar)["/dev/shm"] == "kv-offload-shm"
     assert mounts_of(vllm)["/kv-offload-lib"] == "kv-offload-lib"
 
@@ -193,15 +203,25 @@ async def test_a_pod_whose_vllm_args_give_another_fingerprint_is_denied_with_the
 
 async def test_a_pod_whose_vllm_sets_another_hash_seed_is_denied_saying_to_remove_it_or_set_hash_seed(
         cluster: Cluster) -> None:
-    pod = vllm_pod()
-    pod["spec"]["containers"][0]["env"].append({"name": "PYTHONHASHSEED", "value": "1234"})
+    pod = vllm_pod("seeded")
+    pod["spec"]["containers"][0]["env"].append({"name": "PYTHONHASHSEED", "value": "7"})
     response = await cluster.webhook.admit(pod)
     assert response["allowed"] is False
     message = response["status"]["message"]
-    assert message.startswith("The pod cannot join KVOffloadPool 'llama' in namespace 'ns1': ")
-    assert "PYTHONHASHSEED='1234'" in message and "spec.hashSeed is '0'" in message
-    assert "remove PYTHONHASHSEED from the container" in message and "spec.hashSeed: '1234'" in message
+    assert message.startswith("The pod cannot join KVOffloadPool 'seeded' in namespace 'ns1': ")
+    assert "PYTHONHASHSEED='7'" in message and "spec.hashSeed is '1234'" in message
+    assert "remove PYTHONHASHSEED from the container" in message and "spec.hashSeed: '7'" in message
     assert message.endswith(".")
+
+    # A pool without spec.hashSeed uses its secret seed: the container may set none at all.
+    secret_seeded = vllm_pod()
+    secret_seeded["spec"]["containers"][0]["env"].append({"name": "PYTHONHASHSEED", "value": "1234"})
+    response = await cluster.webhook.admit(secret_seeded)
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert message.startswith("The pod cannot join KVOffloadPool 'llama' in namespace 'ns1': the vLLM container "
+                              "sets PYTHONHASHSEED='1234' but the pool has no spec.hashSeed")
+    assert "remove PYTHONHASHSEED from the container, or set spec.hashSeed on the pool" in message
 
     seeded = vllm_pod("seeded")
     seeded["spec"]["containers"][0]["env"].append({"name": "PYTHONHASHSEED", "value": "1234"})
@@ -211,3 +231,28 @@ async def test_a_pod_whose_vllm_sets_another_hash_seed_is_denied_saying_to_remov
     sidecar = container(result, "kv-offload-sidecar", init=True)
     assert [e for e in container(result, "vllm")["env"] if e["name"] == "PYTHONHASHSEED"] == \
         [e for e in sidecar["env"] if e["name"] == "PYTHONHASHSEED"] == [{"name": "PYTHONHASHSEED", "value": "1234"}]
+
+
+async def test_a_tls_pod_gets_the_certificate_secret_mounted_and_the_tls_flags(cluster: Cluster) -> None:
+    pod = vllm_pod("tls")
+    response = await cluster.webhook.admit(pod)
+    assert response["allowed"] is True, response.get("status")
+    result = patched(pod, response)
+    kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
+    sidecar = container(result, "kv-offload-sidecar", init=True)
+    argv = sidecar["args"]
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    assert flags["--transport"] == "tcp"
+    assert (flags["--tls-cert-file"], flags["--tls-key-file"], flags["--tls-ca-file"]) == (
+        "/etc/kv-offload-tls/tls.crt", "/etc/kv-offload-tls/tls.key", "/etc/kv-offload-tls/ca.crt")
+    volumes = {v["name"]: v for v in result["spec"]["volumes"]}
+    assert volumes["kv-offload-tls"]["secret"] == {"secretName": "tls-pool-cert"}
+    assert mounts_of(sidecar)["/etc/kv-offload-tls"] == "kv-offload-tls"
+
+
+async def test_a_pod_of_a_tls_pool_on_ucx_is_denied_because_ucx_is_not_encrypted(cluster: Cluster) -> None:
+    response = await cluster.webhook.admit(vllm_pod("tls-ucx"))
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert "KVOffloadPool 'tls-ucx' in namespace 'ns1' is Invalid" in message
+    assert "TLS applies to the tcp transport only and UCX traffic is not encrypted" in message

@@ -116,6 +116,17 @@ kv-offload.io/pool
 {{- fail (printf "sidecar.dataPort %d lies in the control port range %d-%d: move sidecar.dataPort out of it or lower sidecar.controlPortCount." $data $first $last) -}}
 {{- end -}}
 {{- if .Values.networkPolicy.enabled -}}
+{{- if not .Values.networkPolicy.pools -}}
+{{- fail "networkPolicy.enabled is true but networkPolicy.pools is empty: list each pool as {name, namespace} so that its sidecar ports admit only its own pods." -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- range .Values.networkPolicy.pools -}}
+{{- $key := printf "%s/%s" (.namespace | default $.Release.Namespace) .name -}}
+{{- if hasKey $seen $key -}}
+{{- fail (printf "networkPolicy.pools lists pool %s twice: keep one entry per pool." $key) -}}
+{{- end -}}
+{{- $_ := set $seen $key true -}}
+{{- end -}}
 {{- range .Values.networkPolicy.servingPorts -}}
 {{- if or (eq (int .) $data) (and (ge (int .) $first) (le (int .) $last)) -}}
 {{- fail (printf "networkPolicy.servingPorts lists %d, a sidecar port: opening it to everyone would bypass the pool-only rule; remove it from networkPolicy.servingPorts." (int .)) -}}
