@@ -98,14 +98,25 @@ class EngineDriverProcess(JsonLinesProcess):
     # -- operations -----------------------------------------------------
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 16,
-        ignore_eos: bool = True, timeout_s: float = 120.0,
+        ignore_eos: bool = True, timeout_s: float = 120.0, *,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[dict[str, Any]]:
-        """Greedy generation; per prompt ``{"token_ids", "num_cached_tokens", "finish_reason"}``."""
-        reply = self.request(
-            {"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
-             "max_tokens": max_tokens, "ignore_eos": ignore_eos},
-            timeout_s,
-        )
+        """Greedy generation; per prompt ``{"token_ids", "num_cached_tokens",
+        "finish_reason", "cache_salt"}``.
+
+        ``cache_salt``: vLLM's per-request cache salt, one for every prompt (a
+        string) or one per prompt (a sequence, None for no salt). Prompts with
+        different salts share no block hash, hence no offloaded chunk.
+        """
+        cmd: dict[str, Any] = {"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
+                               "max_tokens": max_tokens, "ignore_eos": ignore_eos}
+        if cache_salt is not None:
+            salts = ([cache_salt] * len(prompts) if isinstance(cache_salt, str)
+                     else list(cache_salt))
+            if len(salts) != len(prompts):
+                raise ValueError(f"{len(salts)} cache salts for {len(prompts)} prompts")
+            cmd["cache_salts"] = salts
+        reply = self.request(cmd, timeout_s)
         self.last_generate_s: float = reply.get("elapsed_s", 0.0)
         return reply["outputs"]
 

@@ -18,10 +18,17 @@ Lines on stdout:
 Commands (a reply carrying ``"error"`` means the command failed, the driver
 stays up):
   ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": N,
-     "ignore_eos": true}`` -> ``{"outputs": [{"token_ids", "num_cached_tokens",
-     "finish_reason"}, ...], "elapsed_s"}``; greedy (temperature 0). The tiny
-     random model's eos id (2) would end some outputs early, so ``ignore_eos``
-     defaults to true.
+     "ignore_eos": true, "cache_salts": [salt | null, ...]}`` -> ``{"outputs":
+     [{"token_ids", "num_cached_tokens", "finish_reason", "cache_salt"}, ...],
+     "elapsed_s"}``; greedy (temperature 0). The tiny random model's eos id (2)
+     would end some outputs early, so ``ignore_eos`` defaults to true.
+     ``cache_salts`` (optional, one entry per prompt, null for none) is vLLM's
+     per-request ``cache_salt``, passed as the prompt's ``cache_salt`` field
+     (``TokensPrompt(prompt_token_ids=..., cache_salt=...)``, as vLLM's OpenAI
+     server does with a request's ``cache_salt``): vLLM mixes it into the
+     first block's hash, so every block hash of the prompt, hence every
+     offloaded chunk key, differs per salt. A salt must be a non-empty string
+     (vLLM silently ignores an empty one); each output echoes its salt.
   ``{"op": "metrics"}`` -> ``{"metrics": [...], "samples": [...],
      "pumped_steps"}``: every ``vllm:*`` metric of ``LLM.get_metrics()`` as
      ``{"name", "type", "labels", "value"}`` (histograms: ``"count", "sum",
@@ -139,17 +146,27 @@ class _Driver:
         prompts = cmd["prompts"]
         if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
             raise ValueError("prompts must be a list of token-id lists")
+        salts = cmd.get("cache_salts")
+        if salts is None:
+            salts = [None] * len(prompts)
+        if not isinstance(salts, list) or len(salts) != len(prompts):
+            raise ValueError("cache_salts must be a list with one entry per prompt")
+        for salt in salts:
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise ValueError(f"a cache_salt must be a non-empty string or null, not {salt!r}")
         params = SamplingParams(
             temperature=0.0,
             max_tokens=int(cmd.get("max_tokens", 16)),
             ignore_eos=bool(cmd.get("ignore_eos", True)),
         )
         t0 = time.monotonic()
-        results = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
-            params,
-            use_tqdm=False,
-        )
+        inputs = []
+        for p, salt in zip(prompts, salts):
+            prompt = TokensPrompt(prompt_token_ids=[int(t) for t in p])
+            if salt is not None:
+                prompt["cache_salt"] = salt
+            inputs.append(prompt)
+        results = self.llm.generate(inputs, params, use_tqdm=False)
         elapsed = time.monotonic() - t0
         return {
             "outputs": [
@@ -157,8 +174,9 @@ class _Driver:
                     "token_ids": list(r.outputs[0].token_ids),
                     "num_cached_tokens": r.num_cached_tokens,
                     "finish_reason": r.outputs[0].finish_reason,
+                    "cache_salt": salt,
                 }
-                for r in results
+                for r, salt in zip(results, salts)
             ],
             "elapsed_s": round(elapsed, 4),
         }
