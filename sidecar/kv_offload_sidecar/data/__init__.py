@@ -4,8 +4,12 @@ Two transports behind one interface (``base.DataPlaneServer`` /
 ``base.PeerDataClient``): ``tcp`` (asyncio sockets) and ``ucx`` (``ucxx`` tag
 messages, shared memory or TCP underneath). ``make_server(kind, ...)`` picks one by
 config, ``connect(address, ...)`` by the scheme of the address the peer advertised
-in its handshake (``tcp://host:port`` or ``ucx://<base64 worker address>``).
+in its handshake (``tcp://host:port``, ``tls://host:port`` or ``ucx://<base64 worker address>``).
 ``ucxx`` is imported only when the UCX transport is used.
+
+TCP may run under mutual TLS (``tls.server_context`` / ``tls.client_context``, passed
+as ``ssl=``): the server then advertises ``tls://``, and a client with a context
+connects only to ``tls://`` peers, one without only to ``tcp://`` ones.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from kv_offload_sidecar.data.base import (
     PeerDataClient,
     StoreLike,
     TransportError,
+    check_tls_policy,
     parse_address,
 )
 
 if TYPE_CHECKING:
+    from ssl import SSLContext
+
     from kv_offload_sidecar.metrics import SidecarMetrics
 
 from kv_offload_sidecar.settings import TRANSPORTS
@@ -42,14 +49,19 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 0,
     chunk_bytes: int,
+    ssl: SSLContext | None = None,
     **options: Any,
 ) -> DataPlaneServer:
-    """Build (not start) the data-plane server of transport ``kind``."""
+    """Build (not start) the data-plane server of transport ``kind``; with ``ssl``
+    (``tls.server_context``) the TCP one runs mutual TLS and advertises ``tls://``."""
     if kind == "tcp":
         from kv_offload_sidecar.data.tcp.server import TcpDataPlaneServer
 
         return TcpDataPlaneServer(store, authorize, metrics, host=host, port=port,
-                                  chunk_bytes=chunk_bytes, **options)
+                                  chunk_bytes=chunk_bytes, ssl=ssl, **options)
+    if ssl is not None and kind in TRANSPORTS:
+        raise ValueError(f"TLS encrypts the tcp data plane only, not {kind!r}: "
+                         "use transport tcp with TLS, or leave the TLS context out")
     if kind == "ucx":
         from kv_offload_sidecar.data.ucx.server import UcxDataPlaneServer
 
@@ -65,19 +77,24 @@ async def connect(
     *,
     timeout: float,
     metrics: SidecarMetrics | None = None,
+    ssl: SSLContext | None = None,
     **options: Any,
 ) -> PeerDataClient:
     """Open an authenticated data connection to the peer at ``address``.
 
-    Raises ``TransportError`` when it cannot connect or authenticate in ``timeout``
-    seconds, ``ValueError`` for an address that is neither tcp:// nor ucx://.
+    ``ssl`` (``tls.client_context``): this pod requires TLS; only a ``tls://`` peer is
+    accepted then, and only without it a ``tcp://`` or ``ucx://`` one. Raises
+    ``TransportError`` when it cannot connect, complete TLS or authenticate in
+    ``timeout`` seconds, or when ``ssl`` and the peer's scheme disagree;
+    ``ValueError`` for an address that is not tcp://, tls:// or ucx://.
     """
     scheme, _ = parse_address(address)
-    if scheme == "tcp":
+    if scheme in ("tcp", "tls"):
         from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient
 
-        return await TcpPeerDataClient.connect(address, session_id, session_key,
-                                               timeout=timeout, metrics=metrics, **options)
+        return await TcpPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
+                                               metrics=metrics, ssl=ssl, **options)
+    check_tls_policy(address, scheme, ssl)
     from kv_offload_sidecar.data.ucx.client import UcxPeerDataClient
 
     return await UcxPeerDataClient.connect(address, session_id, session_key,

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kv_offload_sidecar.data import protocol as proto
 
 if TYPE_CHECKING:
+    from ssl import SSLContext
+
     from kv_offload_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
@@ -123,12 +125,29 @@ def count_protocol_error(metrics: SidecarMetrics | None, reason: str) -> None:
         metrics.protocol_errors.labels(reason=reason).inc()
 
 
+# Schemes of data addresses: plain TCP, TCP under TLS, UCX.
+ADDRESS_SCHEMES = ("tcp", "tls", "ucx")
+
+
 def parse_address(address: str) -> tuple[str, str]:
-    """Split ``scheme://rest``; the scheme picks the transport."""
+    """Split ``scheme://rest``; the scheme picks the transport (``tls`` is the TCP one, encrypted)."""
     scheme, sep, rest = address.partition("://")
-    if not sep or scheme not in ("tcp", "ucx") or not rest:
-        raise ValueError(f"data address {address!r} is not tcp://host:port or ucx://<worker address>")
+    if not sep or scheme not in ADDRESS_SCHEMES or not rest:
+        raise ValueError(f"data address {address!r} is not tcp://host:port, tls://host:port "
+                         "or ucx://<worker address>")
     return scheme, rest
+
+
+def check_tls_policy(address: str, scheme: str, ssl: SSLContext | None) -> None:
+    """TransportError unless this pod's TLS setting (``ssl``) and the peer's scheme agree."""
+    if scheme == "tls" and ssl is None:
+        raise TransportError(f"peer {address} encrypts its data plane (TLS) and this pod does not: "
+                             "give this sidecar --tls-cert-file, --tls-key-file and --tls-ca-file "
+                             "(a certificate of the pool's CA)")
+    if scheme != "tls" and ssl is not None:
+        serves = "plain TCP" if scheme == "tcp" else "UCX, which is not encrypted"
+        raise TransportError(f"this pod requires TLS; peer {address} serves {serves} on its data plane "
+                             "and is not dialled: give every pool member the --tls-* flags (and --transport tcp)")
 
 
 class DataPlaneServer(abc.ABC):

@@ -1,13 +1,14 @@
 """`kv-offload bench transport`: the data plane against the machine's limits, in one run.
 
-Every method (``transport_methods.py``: raw TCP, memcpy, the sidecar's TCP and
-UCX transports, bare ucxx, one aiohttp GET per chunk) moves the same chunks
-between two separate processes, pull model (request -> last byte in the
-fetcher's own preallocated memory), side by side in interleaved rounds so
-each ratio compares numbers taken moments apart. Plus the round trip of a
-32-key peer lookup on the transports' persistent connection against a raw
-64-byte TCP round trip. Prints a table (median GB/s, min-max, ratio to raw TCP
-in the same round), the targets and the ceilings (``transport_report.py``),
+Every method (``transport_methods.py``: raw TCP, memcpy, the sidecar's TCP
+transport plain and under TLS, its UCX transport, bare ucxx, one aiohttp GET per
+chunk) moves the same chunks between two separate processes, pull model (request
+-> last byte in the fetcher's own preallocated memory), side by side in
+interleaved rounds so each ratio compares numbers taken moments apart. Plus the
+round trip of a 32-key peer lookup on the transports' persistent connection
+against a raw 64-byte TCP round trip. Prints a table (median GB/s, min-max, ratio
+to raw TCP in the same round, CPU-seconds per GB of both processes), the targets,
+the ceilings and what TLS costs against plain TCP (``transport_report.py``),
 writes a PNG plot; ``--json`` prints one JSON object instead of the table
 (with the UCX settings each UCX client ran with). ``--ucx-env KEY=VALUE,...``
 tries UCX knobs (e.g. ``UCX_RNDV_SCHEME=get_zcopy``) in the UCX methods'
@@ -23,6 +24,7 @@ import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,8 @@ from kv_offload_tools.bench.transport_methods import (
     LOOKUP_KEYS,
     LOOKUP_METHODS,
     METHODS,
+    PLAIN_TWIN,
+    TCP_METHODS,
     UCX_TLS,
     parse_ucx_env,
     worker_argv,
@@ -44,6 +48,7 @@ from kv_offload_tools.bench.transport_report import (
     plot,
     table,
     targets,
+    tls_overhead,
 )
 
 # Chunk sizes measured by default (bytes).
@@ -90,6 +95,7 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[str]]:
         raise _usage(f"--methods {args.methods!r}: unknown {unknown}; choose from {','.join(METHODS)}")
     if "raw_tcp" not in methods:
         methods.insert(0, "raw_tcp")  # every ratio needs the limit measured in the same round
+    methods += [PLAIN_TWIN[m] for m in methods if m in PLAIN_TWIN and PLAIN_TWIN[m] not in methods]
     try:
         parse_ucx_env(args.ucx_env)
     except ValueError as exc:
@@ -160,13 +166,13 @@ class _Worker:
 
 
 def _spawn(role: str, method: str, chunk_bytes: int, chunks: int, args: argparse.Namespace,
-           session_key: str, address: str = "") -> _Worker:
+           session_key: str, address: str = "", tls_dir: str = "") -> _Worker:
     env = dict(os.environ)
     for key in list(env):
         if key.startswith(("UCX_", "UCXPY_")):
             del env[key]
     cmd = worker_argv(role, method, chunk_bytes, chunks * chunk_bytes, args.shm_dir, session_key, address,
-                      args.ucx_env)
+                      args.ucx_env, tls_dir)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     return _Worker(proc, f"{role}:{method}:{chunk_bytes}")
 
@@ -176,9 +182,21 @@ def _progress(message: str) -> None:
 
 
 def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kv-offload-bench-tls-") as tls_dir:
+        if any(m in PLAIN_TWIN for m in methods):
+            from kv_offload_tools.certs import pool_certificates
+
+            pool_certificates(tls_dir, ["server", "client"])  # a throw-away pool CA for tcp+tls
+        return _run_rounds(args, sizes, methods, tls_dir)
+
+
+def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
+                tls_dir: str) -> dict[str, Any]:
     session_key = secrets.token_hex(32)
     gbps: dict[tuple[str, int], list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}  # CPU-seconds per GB, both processes
     ratios: dict[tuple[str, int], list[float]] = {}
+    twin_ratios: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (GB/s, CPU s/GB) vs the twin
     identical: dict[tuple[str, int], bool] = {}
     lookup: dict[str, Any] = {}
     ucx_settings: dict[str, dict[str, str]] = {}  # UCX environment each UCX client ran with
@@ -190,28 +208,39 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
         try:
             for m in methods:
                 if m != "memcpy":
-                    servers[m] = _spawn("server", m, size, chunks, args, session_key)
+                    servers[m] = _spawn("server", m, size, chunks, args, session_key, tls_dir=tls_dir)
             addresses = {m: w.read()["address"] for m, w in servers.items()}
             for m in methods:
                 address = addresses.get(m, "")
-                if m == "tcp" or m in UCX_TLS:  # lookups alternate with raw round trips
+                if m in TCP_METHODS or m in UCX_TLS:  # lookups alternate with raw round trips
                     address += "|" + addresses["raw_tcp"]
-                clients[m] = _spawn("client", m, size, chunks, args, session_key, address)
+                clients[m] = _spawn("client", m, size, chunks, args, session_key, address, tls_dir)
             for m, w in clients.items():
                 ready = w.read()  # ready (connected, warmed up)
                 if ready.get("ucx"):
                     ucx_settings[m] = ready["ucx"]
             for r in range(args.rounds):
                 round_gbps: dict[str, float] = {}
+                round_cpu: dict[str, float] = {}
                 for m in methods:
+                    server = servers.get(m)
+                    before = server.ask({"cmd": "cpu"})["cpu_seconds"] if server else 0.0
                     out = clients[m].ask({"cmd": "fetch", "seconds": args.seconds})
+                    after = server.ask({"cmd": "cpu"})["cpu_seconds"] if server else 0.0
                     round_gbps[m] = out["gbps"]
+                    round_cpu[m] = (out["cpu_seconds"] + after - before) / (out["bytes"] / 1e9)
                     gbps.setdefault((m, size), []).append(out["gbps"])
+                    cpu.setdefault((m, size), []).append(round_cpu[m])
                     identical[(m, size)] = identical.get((m, size), True) and out["identical"]
                     _progress(f"round {r + 1}/{args.rounds} {fmt_size(size):>7} {m:<12} "
-                              f"{out['gbps']:6.2f} GB/s{'' if out['identical'] else '  BYTES DIFFER'}")
+                              f"{out['gbps']:6.2f} GB/s {round_cpu[m]:5.2f} CPU s/GB"
+                              f"{'' if out['identical'] else '  BYTES DIFFER'}")
                 for m in methods:
                     ratios.setdefault((m, size), []).append(round_gbps[m] / round_gbps["raw_tcp"])
+                    if m in PLAIN_TWIN:
+                        twin = PLAIN_TWIN[m]
+                        twin_ratios.setdefault((m, size), []).append(
+                            (round_gbps[m] / round_gbps[twin], round_cpu[m] / round_cpu[twin]))
             if size == sizes[0]:
                 lookup = _measure_lookups(args, clients, methods)
         finally:
@@ -221,18 +250,26 @@ def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str])
     for size in sizes:
         for m in methods:
             values = gbps[(m, size)]
-            results.append({
+            row = {
                 "method": m, "chunk_bytes": size,
                 "gbps_median": statistics.median(values), "gbps_min": min(values),
                 "gbps_max": max(values),
                 "ratio_to_raw_tcp": statistics.median(ratios[(m, size)]),
+                "cpu_seconds_per_gb": statistics.median(cpu[(m, size)]),
                 "rounds": len(values), "identical": identical[(m, size)],
-            })
+            }
+            if m in PLAIN_TWIN:
+                pairs = twin_ratios[(m, size)]
+                row.update(compared_to=PLAIN_TWIN[m],
+                           ratio_to_twin=statistics.median(p[0] for p in pairs),
+                           cpu_ratio_to_twin=statistics.median(p[1] for p in pairs))
+            results.append(row)
     report = {"results": results, "lookup": lookup, "ucx_settings": ucx_settings,
               "rounds": args.rounds,
               "seconds_per_measurement": args.seconds, "cpus": os.cpu_count()}
     report["targets"] = targets(report)
     report["ceilings"] = ceilings(report)
+    report["tls"] = tls_overhead(report)
     return report
 
 

@@ -4,13 +4,16 @@
 (``python -m kv_offload_tools.bench.transport_methods --role server|client``);
 they talk JSON lines over stdin/stdout. A server holds two sets of chunks
 and prints its address; a client connects, warms up, prints ``ready`` and
-then answers ``{"cmd": "fetch", "seconds"}`` with GB/s and whether the last
-set arrived byte-identical, and ``{"cmd": "rtt"}`` with lookup and raw round
-trips. The methods:
+then answers ``{"cmd": "fetch", "seconds"}`` with GB/s, the bytes moved, its
+CPU-seconds and whether the last set arrived byte-identical, and ``{"cmd": "rtt"}``
+with lookup and raw round trips. Every worker answers ``{"cmd": "cpu"}`` with the
+CPU-seconds its process has used (all threads). The methods:
 
 - ``raw_tcp``: the limit: blocking ``sendall`` / ``recv_into`` a preallocated buffer.
 - ``memcpy``: one core copying (``numpy.copyto``), in one process.
 - ``tcp``: the sidecar's TCP transport, a peer fetch into store slots, checksums verified.
+- ``tcp+tls``: the same over mutual TLS 1.3 (``--tls-dir`` holds a throw-away pool CA,
+  ``server.crt``/``.key`` and ``client.crt``/``.key``; ``kv_offload_tools.certs``).
 - ``ucx_sm`` / ``ucx_tcp``: the sidecar's UCX transport with ``UCX_TLS=sm,self`` / ``tcp,self``
   (one lane: the holder copies every chunk, the default).
 - ``ucx_sm_2lanes``: the UCX transport over ``sm`` with two lanes (``--ucx-lanes 2``: every
@@ -37,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 # Methods measured, in the order of the table.
-METHODS = ("raw_tcp", "memcpy", "tcp", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
+METHODS = ("raw_tcp", "memcpy", "tcp", "tcp+tls", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
            "ucx_tcp", "aiohttp_get")
 # Keys per lookup request.
 LOOKUP_KEYS = 32
@@ -51,7 +54,11 @@ UCX_BARE = {"ucx_sm_limit": (2, True), "ucx_sm_tagsend": (1, False)}
 # UCX lanes of each UCX method's client (see data.ucx.runtime.configure_ucx_env).
 UCX_LANES = {"ucx_sm_2lanes": 2}
 # Methods whose clients also time peer lookups.
-LOOKUP_METHODS = ("tcp", "ucx_sm", "ucx_tcp")
+LOOKUP_METHODS = ("tcp", "tcp+tls", "ucx_sm", "ucx_tcp")
+# The sidecar's TCP transport, plain and under TLS.
+TCP_METHODS = ("tcp", "tcp+tls")
+# Rows measured against another row of the same round besides raw TCP: method -> its plain twin.
+PLAIN_TWIN = {"tcp+tls": "tcp"}
 
 
 def parse_ucx_env(text: str) -> dict[str, str]:
@@ -68,12 +75,12 @@ def parse_ucx_env(text: str) -> dict[str, str]:
 
 
 def worker_argv(role: str, method: str, chunk_bytes: int, set_bytes: int, shm_dir: str, session_key: str,
-                address: str, ucx_env: str) -> list[str]:
+                address: str, ucx_env: str, tls_dir: str = "") -> list[str]:
     """The command line of one worker process."""
     return [sys.executable, "-m", "kv_offload_tools.bench.transport_methods", "--role", role,
             "--method", method, "--chunk-bytes", str(chunk_bytes), "--set-bytes", str(set_bytes),
             "--shm-dir", shm_dir, "--session-key", session_key, "--address", address,
-            f"--ucx-env={ucx_env}"]
+            f"--ucx-env={ucx_env}", f"--tls-dir={tls_dir}"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--session-key", required=True, help="hex")
     parser.add_argument("--address", default="", help="the server's (client role)")
     parser.add_argument("--ucx-env", default="")
+    parser.add_argument("--tls-dir", default="", help="certs.pool_certificates(dir, ['server', 'client'])")
     return _worker_main(parser.parse_args(argv))
 
 
@@ -136,14 +144,19 @@ def _worker_main(args: argparse.Namespace) -> int:
 
 
 def _commands() -> Any:
+    """Commands until ``quit``; ``cpu`` is answered here, for every kind of worker."""
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("cmd") == "quit":
             return
+        if cmd.get("cmd") == "cpu":
+            _emit({"cpu_seconds": time.process_time()})
+            continue
         yield cmd
 
 
 async def _acommands() -> Any:
+    """``_commands`` for workers running an event loop."""
     loop = asyncio.get_running_loop()
     while True:
         line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -152,7 +165,21 @@ async def _acommands() -> Any:
         cmd = json.loads(line)
         if cmd.get("cmd") == "quit":
             return
+        if cmd.get("cmd") == "cpu":
+            _emit({"cpu_seconds": time.process_time()})
+            continue
         yield cmd
+
+
+def _tls_context(args: argparse.Namespace, role: str) -> Any:
+    """The worker's TLS context (``tcp+tls``), else None."""
+    if args.method != "tcp+tls":
+        return None
+    from kv_offload_sidecar.data import tls
+
+    make = tls.server_context if role == "server" else tls.client_context
+    base = os.path.join(args.tls_dir, role)
+    return make(base + ".crt", base + ".key", os.path.join(args.tls_dir, "ca.crt"))
 
 
 def _source_store(args: argparse.Namespace, size: int, n: int) -> Any:
@@ -218,7 +245,8 @@ async def _transport_server(args: argparse.Namespace, size: int, n: int) -> None
     store = _source_store(args, size, n)
     key = bytes.fromhex(args.session_key)
     kind = "ucx" if args.method in UCX_TLS else "tcp"
-    server = make_server(kind, store, {SESSION_ID: key}.get, None, chunk_bytes=size)
+    server = make_server(kind, store, {SESSION_ID: key}.get, None, chunk_bytes=size,
+                         ssl=_tls_context(args, "server"))
     _emit({"address": await server.start()})
     async for _ in _acommands():
         pass
@@ -271,16 +299,16 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
         _emit({"ready": True, "ucx": ucx})
         async for cmd in _acommands():
             if cmd["cmd"] == "fetch":
-                moved, t0 = 0, time.perf_counter()
+                moved, t0, cpu0 = 0, time.perf_counter(), time.process_time()
                 while True:  # alternate sets: the store holds one, so every chunk is absent
                     s ^= 1
                     await fetcher.fetch_set(s)
                     moved += n * size
                     if time.perf_counter() - t0 >= cmd["seconds"]:
                         break
-                elapsed = time.perf_counter() - t0
+                elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
                 ok = fetcher.digests(s) == expected[s * n:(s + 1) * n]
-                _emit({"gbps": moved / elapsed / 1e9, "identical": ok})
+                _emit({"gbps": moved / elapsed / 1e9, "bytes": moved, "cpu_seconds": cpu, "identical": ok})
             elif cmd["cmd"] == "rtt":
                 lookup_us, raw_us = await fetcher.round_trips(cmd["seconds"])
                 _emit({"us": lookup_us, "raw_us": raw_us})
@@ -414,7 +442,7 @@ class _StoreFetcher:
 
 
 class _TransportFetcher(_StoreFetcher):
-    """The sidecar's own client: lookup and fetch over tcp or ucx."""
+    """The sidecar's own client: lookup and fetch over tcp (plain or TLS) or ucx."""
 
     def __init__(self, args: argparse.Namespace, size: int, n: int) -> None:
         super().__init__(args, size, n)
@@ -423,12 +451,13 @@ class _TransportFetcher(_StoreFetcher):
         self.raw = socket.create_connection((host, int(port)))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.session_key = bytes.fromhex(args.session_key)
+        self.ssl = _tls_context(args, "client")
         self.client: Any = None
 
     async def open(self) -> None:
         from kv_offload_sidecar.data import connect
 
-        self.client = await connect(self.address, SESSION_ID, self.session_key, timeout=30)
+        self.client = await connect(self.address, SESSION_ID, self.session_key, timeout=30, ssl=self.ssl)
 
     async def fetch_set(self, s: int) -> None:
         keys = self.keys[s * self.n:(s + 1) * self.n]

@@ -1,4 +1,4 @@
-"""The report of ``kv-offload bench transport``: targets, ceilings, the table and the plot."""
+"""The report of ``kv-offload bench transport``: targets, ceilings, TLS's cost, the table and the plot."""
 
 from __future__ import annotations
 
@@ -60,17 +60,26 @@ def ceilings(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def tls_overhead(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per chunk size, each row measured against its plain twin (``tcp+tls`` against ``tcp``):
+    the median of the per-round ratios of GB/s and of CPU-seconds per GB."""
+    return [{"method": r["method"], "compared_to": r["compared_to"], "chunk_bytes": r["chunk_bytes"],
+             "throughput_ratio": r["ratio_to_twin"], "cpu_ratio": r["cpu_ratio_to_twin"]}
+            for r in report["results"] if "compared_to" in r]
+
+
 def fmt_size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KiB"
 
 
 def table(report: dict[str, Any]) -> str:
     """The report as text: GB/s per method and size, lookups, targets, ceilings."""
-    lines = [f"{'chunk':>8}  {'method':<12} {'GB/s median':>11}  {'min-max':>13}  {'x raw TCP':>9}  bytes"]
+    lines = [f"{'chunk':>8}  {'method':<12} {'GB/s median':>11}  {'min-max':>13}  {'x raw TCP':>9}  "
+             + f"{'CPU s/GB':>8}  bytes"]
     for r in report["results"]:
         lines.append(f"{fmt_size(r['chunk_bytes']):>8}  {r['method']:<12} {r['gbps_median']:>11.2f}  "
                      f"{r['gbps_min']:>6.2f}-{r['gbps_max']:<6.2f}  {r['ratio_to_raw_tcp']:>8.2f}x  "
-                     f"{'identical' if r['identical'] else 'DIFFER'}")
+                     f"{r['cpu_seconds_per_gb']:>8.2f}  {'identical' if r['identical'] else 'DIFFER'}")
     lk = report.get("lookup") or {}
     if lk:
         lines.append("")
@@ -88,6 +97,9 @@ def table(report: dict[str, Any]) -> str:
     for c in report.get("ceilings", []):
         parts = ", ".join(f"{m} {c['ratios'][m]:.2f}x" for m in CEILING_METHODS if m in c["ratios"])
         lines.append(f"[ceiling] at {fmt_size(c['chunk_bytes'])} the machine allows: {parts} raw TCP")
+    for t in report.get("tls", []):
+        lines.append(f"[tls] at {fmt_size(t['chunk_bytes'])}: {t['method']} moves {t['throughput_ratio']:.2f}x "
+                     f"the GB/s of {t['compared_to']} at {t['cpu_ratio']:.2f}x its CPU-seconds per GB")
     if report.get("plot"):
         lines.append(f"\nplot: {report['plot']}")
     return "\n".join(lines)

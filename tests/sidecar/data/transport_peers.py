@@ -1,7 +1,8 @@
 """Separate-process peers for the data-plane tests (run as a script, imported for helpers).
 
 ``python transport_peers.py serve --kind tcp|ucx ...`` fills a chunk store with
-deterministic chunks, starts a data-plane server, prints one JSON line
+deterministic chunks, starts a data-plane server (TCP under TLS with ``--tls-cert-file``,
+``--tls-key-file`` and ``--tls-ca-file``), prints one JSON line
 ``{"address", "pid"}`` and then answers stdin commands: ``metrics`` prints the
 server's counters as one JSON line, ``quit`` stops it.
 
@@ -79,8 +80,13 @@ async def serve(args: argparse.Namespace) -> None:
     def authorize(session_id: bytes) -> bytes | None:
         return SESSION_KEY if session_id == SESSION_ID else None
 
+    context = None
+    if args.tls_cert_file:
+        from kv_offload_sidecar.data.tls import server_context
+
+        context = server_context(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
     server = make_server(args.kind, store, authorize, metrics, host="127.0.0.1", port=0,
-                         chunk_bytes=args.chunk_bytes, auth_timeout=args.auth_timeout)
+                         chunk_bytes=args.chunk_bytes, auth_timeout=args.auth_timeout, ssl=context)
     address = await server.start()
     print(json.dumps({"address": address, "pid": os.getpid()}), flush=True)
     loop = asyncio.get_running_loop()
@@ -253,6 +259,9 @@ def main() -> None:
     parser.add_argument("--server-pid", type=int, default=0)
     parser.add_argument("--auth-timeout", type=float, default=5.0)
     parser.add_argument("--lanes", type=int, default=1)
+    parser.add_argument("--tls-cert-file", default="")
+    parser.add_argument("--tls-key-file", default="")
+    parser.add_argument("--tls-ca-file", default="")
     args = parser.parse_args()
     if args.kind == "ucx" or args.mode == "ucx-client":
         _configure_ucx(args.tls, args.lanes)

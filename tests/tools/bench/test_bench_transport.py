@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,11 +33,16 @@ def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, s
         assert r["gbps_median"] > 0 and r["gbps_min"] <= r["gbps_median"] <= r["gbps_max"]
         assert r["identical"], f"{method} moved bytes that differ from the source"
         assert r["ratio_to_raw_tcp"] > 0
+        assert r["cpu_seconds_per_gb"] > 0
     assert results["raw_tcp"]["ratio_to_raw_tcp"] == 1.0
+    tls = results["tcp+tls"]
+    assert tls["compared_to"] == "tcp" and tls["ratio_to_twin"] > 0 and tls["cpu_ratio_to_twin"] > 0
+    assert report["tls"] == [{"method": "tcp+tls", "compared_to": "tcp", "chunk_bytes": 65536,
+                              "throughput_ratio": tls["ratio_to_twin"], "cpu_ratio": tls["cpu_ratio_to_twin"]}]
     lookup = report["lookup"]
     assert lookup["p50_us"] > 0 and lookup["p99_us"] >= lookup["p50_us"]
     assert lookup["ratio_to_raw_rtt"] > 0 and lookup["keys"] == 32
-    assert set(lookup["by_transport"]) == {"tcp", "ucx_sm", "ucx_tcp"}
+    assert set(lookup["by_transport"]) == {"tcp", "tcp+tls", "ucx_sm", "ucx_tcp"}
     assert all("met" in t for t in report["targets"])
     (ceiling,) = report["ceilings"]
     assert ceiling["chunk_bytes"] == 65536
@@ -44,6 +50,22 @@ def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, s
     assert ceiling["ratios"]["memcpy"] == results["memcpy"]["ratio_to_raw_tcp"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[bench transport]" in done.stderr  # progress while running
+
+
+def test_tls_row_is_measured_beside_plain_tcp_with_its_ratios(shm_dir: str) -> None:
+    done = subprocess.run(
+        [*CLI, "--chunk-bytes", "65536,262144", "--seconds", "0.05", "--rounds", "1", "--methods", "tcp+tls",
+         "--set-bytes", str(1 << 20), "--plot", "", "--shm-dir", shm_dir],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if "identical" in line or "DIFFER" in line]
+    assert [(r[0] + " " + r[1], r[2]) for r in rows] == [
+        (size, method) for size in ("64 KiB", "256 KiB") for method in ("raw_tcp", "tcp", "tcp+tls")]
+    assert all(r[-1] == "identical" for r in rows)  # the plain twin comes along; every byte checked
+    for size in ("64 KiB", "256 KiB"):
+        assert re.search(rf"^\[tls\] at {size}: tcp\+tls moves \d+\.\d\dx the GB/s of tcp at "
+                         r"\d+\.\d\dx its CPU-seconds per GB$", done.stdout, re.MULTILINE), done.stdout
 
 
 def test_bad_chunk_size_is_one_line_and_exit_2() -> None:

@@ -1,5 +1,9 @@
 """The TCP data-plane client: lookups and windowed fetches to one peer, chunk bytes
 received straight into reserved store slots and committed only once their checksum matches.
+
+A ``tls://`` address takes an ``ssl`` client context (mutual TLS, then the same session
+HMAC inside); a pod with a context refuses ``tcp://`` peers, so a TLS pool never sends KV
+in the clear.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl as ssl_module
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -20,21 +25,26 @@ from kv_offload_sidecar.data.base import (
     TransportError,
     answer_lookup,
     auth_proof,
+    check_tls_policy,
     commit_received,
     count_protocol_error,
+    parse_address,
     run_fetch,
 )
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
+    DataStream,
+    SocketStream,
     poll_readable,
     read_frame,
-    recv_exactly,
-    send_all,
     split_host_port,
     tune_socket,
 )
+from kv_offload_sidecar.data.tcp.tls_stream import open_tls
 
 if TYPE_CHECKING:
+    from ssl import SSLContext
+
     from kv_offload_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
@@ -44,8 +54,6 @@ log = logging.getLogger(__name__)
 RECV_BATCH_BYTES = 512 << 10
 
 
-
-
 # Seconds a lookup with nothing else in flight polls for its reply before sleeping.
 LOOKUP_SPIN_SECONDS = 200e-6
 
@@ -53,8 +61,8 @@ LOOKUP_SPIN_SECONDS = 200e-6
 class TcpPeerDataClient(PeerDataClient):
     """An authenticated TCP connection to one peer's data plane."""
 
-    def __init__(self, sock: socket.socket, metrics: SidecarMetrics | None, window: int) -> None:
-        self._sock = sock
+    def __init__(self, stream: DataStream, metrics: SidecarMetrics | None, window: int) -> None:
+        self._stream = stream
         self._metrics = metrics
         self._window = window
         self._next_rid = 1
@@ -68,42 +76,69 @@ class TcpPeerDataClient(PeerDataClient):
     async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
                       timeout: float, metrics: SidecarMetrics | None = None,
                       window: int = DEFAULT_WINDOW,
-                      socket_buffer_bytes: int = SOCKET_BUFFER_BYTES) -> TcpPeerDataClient:
-        """Connect to ``tcp://host:port`` and authenticate; TransportError on failure."""
-        rest = address.removeprefix("tcp://")
+                      socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
+                      ssl: SSLContext | None = None) -> TcpPeerDataClient:
+        """Connect to ``tcp://host:port`` (``tls://`` with ``ssl``) and authenticate;
+        TransportError on failure, and when the address and ``ssl`` disagree."""
+        scheme, rest = parse_address(address)
+        check_tls_policy(address, scheme, ssl)
         host, port = split_host_port(rest)
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
             async with asyncio.timeout(timeout):
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
                 family, _, _, _, sockaddr = infos[0]
                 sock = socket.socket(family, socket.SOCK_STREAM)
+                stream: DataStream | None = None
                 try:
                     tune_socket(sock, socket_buffer_bytes)
                     await loop.sock_connect(sock, sockaddr)
-                    await cls._authenticate(loop, sock, session_id, session_key)
+                    if ssl is None:
+                        stream = SocketStream(sock)
+                    else:
+                        stream = await open_tls(sock, ssl, server_side=False, server_hostname=host,
+                                                timeout=deadline - loop.time())
+                    await cls._authenticate(stream, session_id, session_key, address)
                 except BaseException:
+                    if stream is not None:
+                        stream.abort()
                     sock.close()
                     raise
         except TimeoutError:
             raise TransportError(f"connecting to {address} missed its {timeout:.3g}s deadline") from None
+        except ssl_module.SSLCertVerificationError as exc:
+            raise TransportError(f"TLS with {address} failed: the peer's certificate is not signed by this "
+                                 f"pod's --tls-ca-file ({exc.verify_message}); every pool member needs a "
+                                 "certificate of the same pool CA") from exc
+        except ssl_module.SSLError as exc:
+            hint = "; the peer does not speak TLS there" if exc.reason == "WRONG_VERSION_NUMBER" else ""
+            raise TransportError(f"TLS with {address} failed: {exc}{hint}") from exc
         except (OSError, proto.ProtocolError) as exc:
             raise TransportError(f"connecting to {address} failed: {exc}") from exc
-        client = cls(sock, metrics, window)
+        client = cls(stream, metrics, window)
         client._reader = asyncio.create_task(client._read_loop(), name="tcp-data-reader")
         return client
 
     @staticmethod
-    async def _authenticate(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                            session_id: bytes, session_key: bytes) -> None:
+    async def _authenticate(stream: DataStream, session_id: bytes, session_key: bytes, address: str) -> None:
         header_buf = bytearray(proto.HEADER_BYTES)
-        header, payload = await read_frame(loop, sock, header_buf)
+        try:
+            header, payload = await read_frame(stream, header_buf)
+        except ConnectionError as exc:
+            if stream.sock is not None:
+                raise
+            # asyncio closes a refused TLS connection without sending the alert: this is all we see.
+            raise TransportError(
+                f"TLS with {address} failed: the peer closed the connection before its session "
+                "challenge, so it most likely refused this pod's certificate: --tls-cert-file must be "
+                "signed by the CA the peer trusts (--tls-ca-file) and be valid now") from exc
         _raise_if_error(header, payload)
         if header.type is not proto.MessageType.AUTH_CHALLENGE or payload is None:
             raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
         nonce = proto.decode_auth_challenge(payload)
-        await send_all(loop, sock, proto.encode_auth_response(session_id, auth_proof(session_key, nonce)))
-        header, payload = await read_frame(loop, sock, header_buf)
+        await stream.send(proto.encode_auth_response(session_id, auth_proof(session_key, nonce)))
+        header, payload = await read_frame(stream, header_buf)
         _raise_if_error(header, payload)
         if header.type is not proto.MessageType.AUTH_OK or payload is None:
             raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
@@ -116,7 +151,7 @@ class TcpPeerDataClient(PeerDataClient):
 
     async def _send(self, frame: list) -> None:
         async with self._send_lock:
-            await send_all(asyncio.get_running_loop(), self._sock, frame)
+            await self._stream.send(frame)
 
     async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
         """Number of leading ``keys`` the peer holds (one LOOKUP round trip)."""
@@ -130,9 +165,10 @@ class TcpPeerDataClient(PeerDataClient):
         try:
             async with asyncio.timeout(timeout):
                 await self._send(proto.encode_lookup(rid, keys))
-                if len(self._lookups) == 1 and not self._chunks:
-                    poll_readable(self._sock, min(LOOKUP_SPIN_SECONDS, timeout))
-                    count = self._take_lookup_reply(rid, len(keys))
+                sock = self._stream.sock  # None under TLS: the socket holds ciphertext
+                if sock is not None and len(self._lookups) == 1 and not self._chunks:
+                    poll_readable(sock, min(LOOKUP_SPIN_SECONDS, timeout))
+                    count = self._take_lookup_reply(sock, rid, len(keys))
                     if count is not None:
                         return count
                 return await fut
@@ -146,13 +182,13 @@ class TcpPeerDataClient(PeerDataClient):
         finally:
             self._lookups.pop(rid, None)
 
-    def _take_lookup_reply(self, rid: int, asked: int) -> int | None:
+    def _take_lookup_reply(self, sock: socket.socket, rid: int, asked: int) -> int | None:
         """With nothing else in flight, take this lookup's reply straight off the socket
         when it is already there whole (peeked first: anything else, or a partial frame,
         is left to the reader task). Saves the reader task's hops on the hot path."""
         n = proto.HEADER_BYTES + 4
         try:
-            head = self._sock.recv(n, socket.MSG_PEEK)
+            head = sock.recv(n, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
             return None
         if len(head) < n:
@@ -164,7 +200,7 @@ class TcpPeerDataClient(PeerDataClient):
         if (header.type is not proto.MessageType.LOOKUP_REPLY or header.request_id != rid
                 or header.length != 4):
             return None
-        data = self._sock.recv(n)  # the n bytes peeked above; nobody else reads meanwhile
+        data = sock.recv(n)  # the n bytes peeked above; nobody else reads meanwhile
         return proto.decode_lookup_reply(data[proto.HEADER_BYTES:], asked)
 
     async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
@@ -182,7 +218,7 @@ class TcpPeerDataClient(PeerDataClient):
         await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
 
     async def close(self) -> None:
-        """Send CLOSE (best effort) and close the socket."""
+        """Send CLOSE (best effort) and close the connection."""
         if self._error is not None:
             return
         with contextlib.suppress(Exception):
@@ -209,23 +245,22 @@ class TcpPeerDataClient(PeerDataClient):
         if reader is not None and reader is not asyncio.current_task() and not reader.done():
             reader.cancel()  # its finally closes the socket; no byte lands in a slot after this
         elif reader is None or reader.done():
-            self._sock.close()
+            self._stream.close()
 
     async def _read_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        sock = self._sock
+        stream = self._stream
         header_buf = bytearray(proto.HEADER_BYTES)
         prefix_buf = bytearray(2 + proto.MAX_KEY_BYTES + 8)
         try:
             while True:
-                await recv_exactly(loop, sock, header_buf)
+                await stream.recv_into(header_buf)
                 header = proto.decode_header(header_buf)
                 mtype = header.type
                 if mtype is proto.MessageType.CHUNK:
-                    await self._read_chunk(loop, header, prefix_buf)
+                    await self._read_chunk(header, prefix_buf)
                     continue
                 payload = bytearray(header.length)
-                await recv_exactly(loop, sock, payload)
+                await stream.recv_into(payload)
                 if mtype is proto.MessageType.LOOKUP_REPLY:
                     answer_lookup(self._lookups, header.request_id, payload)
                 elif mtype is proto.MessageType.CHUNK_MISSING:
@@ -248,22 +283,21 @@ class TcpPeerDataClient(PeerDataClient):
                 count_protocol_error(self._metrics, exc.reason)
             self._fail(exc if isinstance(exc, TransportError) else TransportError(str(exc)))
         finally:
-            sock.close()
+            stream.close()
 
-    async def _read_chunk(self, loop: asyncio.AbstractEventLoop, header: proto.Header,
-                          prefix_buf: bytearray) -> None:
-        sock = self._sock
+    async def _read_chunk(self, header: proto.Header, prefix_buf: bytearray) -> None:
+        stream = self._stream
         with memoryview(prefix_buf) as pv:
-            await recv_exactly(loop, sock, pv[:2])
+            await stream.recv_into(pv[:2])
             size = proto.chunk_prefix_bytes_needed(pv[:2])
-            await recv_exactly(loop, sock, pv[2:size])
+            await stream.recv_into(pv[2:size])
             prefix = proto.decode_chunk_prefix(pv[:size])
         p = self._chunks.get(header.request_id)
         if p is None or p.key != prefix.key:
             raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
                                       f"under request id {header.request_id}")
         proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
-        await recv_exactly(loop, sock, p.reservation.view, batch_bytes=RECV_BATCH_BYTES)
+        await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES)
         del self._chunks[header.request_id]
         commit_received(p, prefix.checksum, self._metrics)
 

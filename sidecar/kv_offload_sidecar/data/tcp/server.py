@@ -1,5 +1,9 @@
 """The TCP data-plane server: authenticates a connection, then answers lookups and
 fetches from pinned slots, replies written in order by one writer task per connection.
+
+With an ``ssl`` context every accepted connection first completes a mutual TLS handshake
+(a failed one is counted as ``unauthenticated`` and closed; the server keeps serving)
+and the server advertises ``tls://host:port``.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ from kv_offload_sidecar.data.base import (
 )
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
+    DataStream,
+    SocketStream,
     read_frame,
-    send_all,
-    send_now,
     tune_socket,
 )
+from kv_offload_sidecar.data.tcp.tls_stream import open_tls
 
 if TYPE_CHECKING:
+    from ssl import SSLContext
+
     from kv_offload_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
@@ -70,28 +77,8 @@ class _ConnState:
         return self.queue.empty() and not self.busy[0] and now - self.last >= IDLE_CLOSE_SECONDS
 
 
-async def _goodbye(loop: asyncio.AbstractEventLoop, conn: socket.socket, *, send_close: bool) -> None:
-    """End a connection a stopping server still holds, without a reset.
-
-    CLOSE (skipped when a chunk frame was cut short: the client then sees the
-    stream end mid-frame, a failed fetch), ``SHUT_WR`` so the client reads EOF
-    after it, then discard what the client still sends until it closes or
-    ``GOODBYE_DRAIN_SECONDS`` pass (closing with unread bytes would send RST).
-    """
-    if send_close:
-        with contextlib.suppress(OSError, TimeoutError):
-            async with asyncio.timeout(GOODBYE_DRAIN_SECONDS):
-                await send_all(loop, conn, proto.encode_close())
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_WR)
-    with contextlib.suppress(OSError, TimeoutError):
-        async with asyncio.timeout(GOODBYE_DRAIN_SECONDS):
-            while await loop.sock_recv(conn, 65536):
-                pass
-
-
 class TcpDataPlaneServer(DataPlaneServer):
-    """Serves chunks from ``store`` to authenticated peers over TCP."""
+    """Serves chunks from ``store`` to authenticated peers over TCP (TLS with ``ssl``)."""
 
     def __init__(
         self,
@@ -106,6 +93,7 @@ class TcpDataPlaneServer(DataPlaneServer):
         auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
+        ssl: SSLContext | None = None,
     ) -> None:
         if chunk_bytes != store.slot_bytes:
             raise ValueError(f"chunk_bytes={chunk_bytes} differs from the store's slot_bytes="
@@ -120,6 +108,7 @@ class TcpDataPlaneServer(DataPlaneServer):
         self._auth_timeout = auth_timeout
         self._send_timeout = send_timeout
         self._buffer_bytes = socket_buffer_bytes
+        self._ssl = ssl
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -128,7 +117,7 @@ class TcpDataPlaneServer(DataPlaneServer):
         self.address = ""
 
     async def start(self) -> str:
-        """Bind and listen; returns ``tcp://host:port`` with the port actually bound."""
+        """Bind and listen; returns ``tcp://host:port`` (``tls://`` with TLS), the port actually bound."""
         infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
         family, _, _, _, sockaddr = infos[0]
@@ -147,7 +136,8 @@ class TcpDataPlaneServer(DataPlaneServer):
         host = self._advertise_host or self._host
         if host in ("", "0.0.0.0", "::"):
             host = socket.gethostname()
-        self.address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        scheme = "tls" if self._ssl is not None else "tcp"
+        self.address = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         self._accept_task = asyncio.create_task(self._accept_loop(), name="tcp-data-accept")
         return self.address
 
@@ -190,8 +180,30 @@ class TcpDataPlaneServer(DataPlaneServer):
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
+    async def _open_stream(self, conn: socket.socket) -> DataStream | None:
+        """The connection's stream; None (counted, logged, closed) when its TLS handshake fails."""
+        if self._ssl is None:
+            return SocketStream(conn)
+        try:
+            peer = conn.getpeername()
+        except OSError:
+            peer = "?"
+        try:
+            return await open_tls(conn, self._ssl, server_side=True, timeout=self._auth_timeout)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            count_protocol_error(self._metrics, "unauthenticated")
+            log.warning("TCP data plane: TLS handshake with %s failed (a client without a certificate "
+                        "of the pool's CA?): %s", peer, str(exc) or type(exc).__name__)
+            conn.close()
+            return None
+        except BaseException:
+            conn.close()
+            raise
+
     async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+        stream = await self._open_stream(conn)
+        if stream is None:
+            return
         header_buf = bytearray(proto.HEADER_BYTES)
         queue: asyncio.Queue[tuple[int, list[bytes]] | list] = asyncio.Queue(SERVER_QUEUE_FRAMES)
         state = self._states[id(conn)] = _ConnState(queue)
@@ -199,18 +211,19 @@ class TcpDataPlaneServer(DataPlaneServer):
         try:
             nonce = make_nonce()
             async with asyncio.timeout(self._auth_timeout):
-                await send_all(loop, conn, proto.encode_auth_challenge(nonce))
-                header, payload = await read_frame(loop, conn, header_buf, self._chunk_bytes)
+                await stream.send(proto.encode_auth_challenge(nonce))
+                header, payload = await read_frame(stream, header_buf, self._chunk_bytes)
                 if header.type is not proto.MessageType.AUTH_RESPONSE or payload is None:
                     raise proto.ProtocolError(
                         "unauthenticated", f"{header.type.name} before authentication; "
                         "answer the nonce with AUTH_RESPONSE first")
                 check_auth(self._authorize, nonce, proto.decode_auth_response(payload))
-                await send_all(loop, conn, proto.encode_auth_ok())
+                await stream.send(proto.encode_auth_ok())
             busy = state.busy
-            writer = asyncio.create_task(self._write_loop(conn, queue, busy), name="tcp-data-writer")
+            writer = asyncio.create_task(self._write_loop(stream, id(conn), queue, busy),
+                                         name="tcp-data-writer")
             while True:
-                header, payload = await read_frame(loop, conn, header_buf, self._chunk_bytes,
+                header, payload = await read_frame(stream, header_buf, self._chunk_bytes,
                                                    payload_timeout=self._auth_timeout)
                 state.last = time.monotonic()
                 mtype = header.type
@@ -218,7 +231,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                     keys = proto.decode_keys(payload)
                     reply = proto.encode_lookup_reply(header.request_id, self._store.lookup_prefix(keys))
                     if queue.empty() and not busy[0]:  # writer idle: answer without its hop
-                        reply = send_now(conn, reply)
+                        reply = stream.send_now(reply)
                     if reply:
                         await queue.put(reply)  # behind the chunks being sent
                 elif mtype is proto.MessageType.FETCH and payload is not None:
@@ -240,7 +253,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                     await writer
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
-                    await send_all(loop, conn, proto.encode_error(0, exc.reason, exc.message))
+                    await stream.send(proto.encode_error(0, exc.reason, exc.message))
         except TimeoutError:
             count_protocol_error(self._metrics, "unauthenticated")
             log.warning("TCP data plane: a connection did not authenticate within %.3gs",
@@ -254,41 +267,36 @@ class TcpDataPlaneServer(DataPlaneServer):
                 writer.cancel()
                 with contextlib.suppress(BaseException):
                     await writer
-            if state.closing:
+            if state.closing:  # stop(): CLOSE (unless a chunk is half sent), wait for the client
                 with contextlib.suppress(BaseException):
-                    await _goodbye(loop, conn, send_close=not half_sent)
-            else:
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
+                    await stream.goodbye(send_close=not half_sent, seconds=GOODBYE_DRAIN_SECONDS)
+            stream.close()
 
-    async def _write_loop(self, conn: socket.socket, queue: asyncio.Queue, busy: list[bool]) -> None:
-        loop = asyncio.get_running_loop()
+    async def _write_loop(self, stream: DataStream, conn_id: int, queue: asyncio.Queue,
+                          busy: list[bool]) -> None:
         try:
             while True:
                 item = await queue.get()
                 busy[0] = True
                 try:
                     if isinstance(item, list):
-                        await send_all(loop, conn, item)
+                        await stream.send(item)
                     else:
-                        await self._send_chunks(loop, conn, *item)
+                        await self._send_chunks(stream, *item)
                 finally:
                     busy[0] = False
                     queue.task_done()
-                    state = self._states.get(id(conn))
+                    state = self._states.get(conn_id)
                     if state is not None:
                         state.last = time.monotonic()
         except (ConnectionError, OSError, TimeoutError) as exc:
             log.info("TCP data plane: dropping a client that stopped reading: %s", exc)
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # ends the reader too
+            stream.abort()  # ends the reader too
             while not queue.empty():
                 queue.get_nowait()
                 queue.task_done()
 
-    async def _send_chunks(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                           request_id: int, keys: list[bytes]) -> None:
+    async def _send_chunks(self, stream: DataStream, request_id: int, keys: list[bytes]) -> None:
         """Answer a FETCH: CHUNK (header, prefix, pinned slot view) or CHUNK_MISSING per key,
         up to ``SEND_GROUP`` chunks per ``sendmsg`` so the kernel sees one long gather list."""
         for start in range(0, len(keys), SEND_GROUP):
@@ -304,7 +312,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                         pins.append(pin)
                         buffers += proto.encode_chunk(rid, key, pin.checksum, pin.view)
                 async with asyncio.timeout(self._send_timeout * max(1, len(pins))):
-                    await send_all(loop, conn, buffers)
+                    await stream.send(buffers)
             finally:
                 buffers.clear()
                 for pin in pins:

@@ -1,5 +1,10 @@
 """Non-blocking socket primitives of the TCP data plane: exact receives into buffers,
 scatter-gather sends, frame reads and the ``tcp://host:port`` address.
+
+``SocketStream`` is a plain connection as the server and client use it; ``tls_stream.TlsStream``
+has the same methods over TLS. Both: ``recv_into`` (fill a buffer exactly), ``send`` (buffers
+in order), ``send_now`` (a small frame without awaiting), ``goodbye``, ``abort``, ``close``;
+``sock`` is the socket only on a plain connection (its peek and poll tricks need cleartext).
 """
 
 from __future__ import annotations
@@ -11,13 +16,9 @@ import select
 import socket
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kv_offload_sidecar.data import protocol as proto
-
-if TYPE_CHECKING:
-    pass
-
 
 log = logging.getLogger(__name__)
 
@@ -125,22 +126,21 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_writer(fd)
 
 
-async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, header_buf: bytearray,
-                     chunk_bytes: int | None = None,
+async def read_frame(stream: DataStream, header_buf: bytearray, chunk_bytes: int | None = None,
                      payload_timeout: float | None = None) -> tuple[proto.Header, bytearray | None]:
     """Read one header and, unless it is a CHUNK, its (size-checked) payload.
 
     ``payload_timeout``: seconds the payload may take once its header arrived
     (a peer that stops mid-frame is refused as ``malformed``).
     """
-    await recv_exactly(loop, sock, header_buf)
+    await stream.recv_into(header_buf)
     header = proto.decode_header(header_buf, chunk_bytes)
     if header.type is proto.MessageType.CHUNK:
         return header, None
     payload = bytearray(header.length)
     try:
         async with asyncio.timeout(payload_timeout):
-            await recv_exactly(loop, sock, payload)
+            await stream.recv_into(payload)
     except TimeoutError:
         raise proto.ProtocolError("malformed", f"{header.type.name} frame stalled: its "
                                   f"{header.length}-byte payload did not arrive within "
@@ -154,3 +154,72 @@ def split_host_port(rest: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"TCP data address {rest!r} is not host:port")
     return host.strip("[]"), int(port)
+
+
+class DataStream(Protocol):
+    """One data connection's bytes, plain (``SocketStream``) or TLS (``tls_stream.TlsStream``)."""
+
+    # The socket when the connection is plain; None under TLS.
+    sock: socket.socket | None
+
+    async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0) -> None:
+        """Fill ``view`` completely; ConnectionError on EOF."""
+
+    async def send(self, buffers: Sequence) -> None:
+        """Send ``buffers`` in order; once it returns, they may be reused or released."""
+
+    def send_now(self, frame: list) -> list:
+        """Send a small frame without awaiting; returns what is left for ``send``."""
+
+    async def goodbye(self, *, send_close: bool, seconds: float) -> None:
+        """End the connection without a reset: CLOSE (when ``send_close``), then wait up to
+        ``seconds`` per step for the peer to close too."""
+
+    def abort(self) -> None:
+        """Stop both directions now (a reader blocked on this stream gets ConnectionError)."""
+
+    def close(self) -> None:
+        """Close; idempotent."""
+
+
+class SocketStream:
+    """A plain connection: the non-blocking socket, zero-copy both ways."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock: socket.socket | None = sock
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+
+    async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0) -> None:
+        await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes)
+
+    async def send(self, buffers: Sequence) -> None:
+        await send_all(self._loop, self._sock, buffers)
+
+    def send_now(self, frame: list) -> list:
+        return send_now(self._sock, frame)
+
+    async def goodbye(self, *, send_close: bool, seconds: float) -> None:
+        """CLOSE (skipped when a chunk frame was cut short: the client then sees the
+        stream end mid-frame, a failed fetch), ``SHUT_WR`` so the client reads EOF
+        after it, then discard what the client still sends until it closes or
+        ``seconds`` pass (closing with unread bytes would send RST)."""
+        if send_close:
+            with contextlib.suppress(OSError, TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await self.send(proto.encode_close())
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(seconds):
+                while await self._loop.sock_recv(self._sock, 65536):
+                    pass
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        if self._sock.fileno() != -1:
+            self.abort()
+        self._sock.close()

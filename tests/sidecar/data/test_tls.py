@@ -1,0 +1,360 @@
+"""The TCP data plane under mutual TLS: real servers and clients, throw-away pool CAs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kv_offload_sidecar.data import TransportError, connect, make_server
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.tcp.tls_stream import (
+    DIRECT_READ_BYTES,
+    STAGING_BYTES,
+    open_tls,
+)
+from kv_offload_sidecar.data.tls import client_context, server_context
+from kv_offload_sidecar.engine.store_view import slot_stride_for
+from kv_offload_sidecar.metrics import SidecarMetrics
+from kv_offload_sidecar.store.chunk_store import ChunkStore
+from kv_offload_tools.certs import CertFiles, pool_certificates
+from peer_processes import PeerProcess
+from prometheus_client import CollectorRegistry
+from transport_peers import SESSION_ID, SESSION_KEY, content_of, key_of
+
+CHUNK = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CertFiles]:
+    """The pool's CA and a certificate each for a server and a client."""
+    return pool_certificates(tmp_path_factory.mktemp("pool"), ["server", "client"])
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CertFiles]:
+    """Another CA's certificates: valid TLS material the pool does not trust."""
+    return pool_certificates(tmp_path_factory.mktemp("foreign"), ["server", "client"])
+
+
+def client_ctx(files: CertFiles) -> ssl.SSLContext:
+    return client_context(files.cert_file, files.key_file, files.ca_file)
+
+
+def unchecked_client_ctx(cert_file: str | None, key_file: str | None, ca_file: str) -> ssl.SSLContext:
+    """A client context client_context would refuse to build (a peer that is not one of ours)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(ca_file)
+    if cert_file:
+        ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
+@pytest.fixture
+def make_store(shm_dir: str) -> Iterator[Callable[..., ChunkStore]]:
+    stores: list[ChunkStore] = []
+
+    def make(slots: int = 20, chunk_bytes: int = CHUNK) -> ChunkStore:
+        store = ChunkStore(chunk_bytes, slots * slot_stride_for(chunk_bytes), directory=shm_dir,
+                           name=f"tls{len(stores)}-{os.getpid()}")
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def slot_bytes(store: ChunkStore, key: bytes) -> bytes:
+    pin = store.pin(key)
+    assert pin is not None, f"{key.hex()} is not visible"
+    try:
+        return bytes(pin.view)
+    finally:
+        pin.release()
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
+    return host, int(port)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while True:
+        try:
+            part = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            return data
+        if not part:
+            return data
+        data += part
+
+
+# ------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize(("chunk_bytes", "chunks"), [(CHUNK, 16), (2 << 20, 8), (16 << 20, 3)])
+async def test_tls_fetch_moves_chunks_byte_identical(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore],
+        pool: dict[str, CertFiles], chunk_bytes: int, chunks: int) -> None:
+    peer = start_peer("tcp", chunks=chunks, chunk_bytes=chunk_bytes, certs=pool["server"])
+    assert peer.address.startswith("tls://127.0.0.1:")
+    metrics = SidecarMetrics(CollectorRegistry())
+    store = make_store(slots=chunks + 1, chunk_bytes=chunk_bytes)
+    keys = [key_of(i) for i in range(chunks)]
+    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=10, metrics=metrics,
+                           ssl=client_ctx(pool["client"]))
+    try:
+        assert await client.lookup(keys + [key_of(999)], timeout=5) == chunks
+        lookups = await asyncio.gather(*(client.lookup(keys[:n], timeout=5) for n in range(1, chunks + 1)))
+        assert lookups == list(range(1, chunks + 1))
+        assert await client.fetch(keys, store, timeout=30) == chunks
+        assert await client.fetch([key_of(999)], store, timeout=5) == 0  # a miss keeps the connection
+        assert not client.closed
+    finally:
+        await client.close()
+    for i, key in enumerate(keys):
+        assert slot_bytes(store, key) == content_of(i, chunk_bytes)
+    assert metrics.peer_bytes.labels(direction="received")._value.get() == chunks * chunk_bytes
+    assert peer.metrics()["peer_bytes_sent"] == chunks * chunk_bytes
+
+
+async def test_in_process_tls_server_advertises_tls_and_says_goodbye_on_stop(
+        make_store: Callable[..., ChunkStore], pool: dict[str, CertFiles]) -> None:
+    source = make_store()
+    for i in range(3):
+        res = source.begin_write(key_of(i))
+        assert res is not None
+        res.view[:] = content_of(i, CHUNK)
+        res.commit()
+    p = pool["server"]
+    server = make_server("tcp", source, {SESSION_ID: SESSION_KEY}.get, None, chunk_bytes=CHUNK,
+                         ssl=server_context(p.cert_file, p.key_file, p.ca_file))
+    address = await server.start()
+    assert address.startswith("tls://127.0.0.1:")
+    dest = make_store()
+    client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
+    try:
+        assert await client.fetch([key_of(i) for i in range(3)], dest, timeout=5) == 3
+        started = time.monotonic()
+        await server.stop(0.5)
+        assert time.monotonic() - started < 3
+        with pytest.raises(TransportError):
+            await client.lookup([key_of(0)], timeout=2)
+        assert client.closed
+    finally:
+        await client.close()
+    assert [slot_bytes(dest, key_of(i)) for i in range(3)] == [content_of(i, CHUNK) for i in range(3)]
+
+
+async def test_tls_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_partial(
+        start_peer: Callable[..., PeerProcess], shm_dir: str, pool: dict[str, CertFiles]) -> None:
+    big = 1 << 20
+    peer = start_peer("tcp", chunks=48, chunk_bytes=big, certs=pool["server"])
+    killed: list[bool] = []
+
+    def kill_on_first_chunk(key: bytes, present: bool) -> None:
+        if present and not killed:
+            killed.append(True)
+            os.kill(peer.pid, signal.SIGKILL)
+
+    store = ChunkStore(big, 50 * slot_stride_for(big), directory=shm_dir, name=f"tls-kill-{os.getpid()}",
+                       on_change=kill_on_first_chunk)
+    try:
+        client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
+        started = time.monotonic()
+        with pytest.raises(TransportError):
+            await client.fetch([key_of(i) for i in range(48)], store, timeout=5)
+        assert time.monotonic() - started < 5 + 2
+        assert killed and client.closed
+        assert 1 <= len(store) < 48
+        for key in store.keys():
+            assert slot_bytes(store, key) == content_of([key_of(i) for i in range(48)].index(key), big)
+        assert store.used_bytes == len(store) * store.slot_stride
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------ refusals
+
+
+async def test_client_certificate_of_another_ca_is_refused_and_the_server_keeps_serving(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore],
+        pool: dict[str, CertFiles], foreign: dict[str, CertFiles]) -> None:
+    peer = start_peer("tcp", chunks=2, certs=pool["server"])
+    # Trusts the pool's server, but presents a certificate of another CA.
+    outsider = unchecked_client_ctx(foreign["client"].cert_file, foreign["client"].key_file,
+                                    pool["client"].ca_file)
+    with pytest.raises(TransportError, match="most likely refused this pod's certificate"):
+        await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=outsider)
+    # A client without any certificate gets no further.
+    bare = unchecked_client_ctx(None, None, pool["client"].ca_file)
+    with pytest.raises(TransportError):
+        await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=bare)
+    store = make_store()
+    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
+    try:
+        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
+    finally:
+        await client.close()
+    assert peer.metrics()["protocol_errors"]["unauthenticated"] == 2
+    assert peer.alive()
+
+
+async def test_server_certificate_of_another_ca_is_refused_by_the_client(
+        start_peer: Callable[..., PeerProcess], pool: dict[str, CertFiles],
+        foreign: dict[str, CertFiles]) -> None:
+    peer = start_peer("tcp", chunks=1, certs=foreign["server"])
+    with pytest.raises(TransportError, match="certificate is not signed by this pod's --tls-ca-file"):
+        await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
+
+
+async def test_client_without_tls_to_a_tls_server_fails_cleanly(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore],
+        pool: dict[str, CertFiles]) -> None:
+    peer = start_peer("tcp", chunks=2, certs=pool["server"], auth_timeout=1.0)
+    with pytest.raises(TransportError, match="encrypts its data plane.*--tls-cert-file"):
+        await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
+    # Dialled as plain TCP anyway (a stale address): no cleartext nonce, a deadline, no crash.
+    plain = "tcp://" + peer.address.removeprefix("tls://")
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="deadline"):
+        await connect(plain, SESSION_ID, SESSION_KEY, timeout=0.5)
+    assert time.monotonic() - started < 2
+    # Cleartext protocol bytes are refused in the handshake; the server never answers in clear.
+    sock = socket.create_connection(host_port(peer.address), timeout=5)
+    sock.sendall(proto.join(proto.encode_auth_response(SESSION_ID, bytes(32))) * 4)
+    reply = read_until_closed(sock)
+    sock.close()
+    assert proto.MAGIC not in reply
+    store = make_store()
+    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
+    try:
+        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
+    finally:
+        await client.close()
+    assert peer.metrics()["protocol_errors"]["unauthenticated"] >= 1
+    assert peer.alive()
+
+
+async def test_tls_client_to_a_plain_server_fails_cleanly(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore],
+        pool: dict[str, CertFiles]) -> None:
+    peer = start_peer("tcp", chunks=2)
+    assert peer.address.startswith("tcp://")
+    ctx = client_ctx(pool["client"])
+    with pytest.raises(TransportError, match="this pod requires TLS; peer .* serves plain TCP"):
+        await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=ctx)
+    # Dialled as TLS anyway: the handshake meets a cleartext nonce and fails, within the deadline.
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="TLS with tls://.*does not speak TLS there"):
+        await connect("tls://" + peer.address.removeprefix("tcp://"), SESSION_ID, SESSION_KEY,
+                      timeout=5, ssl=ctx)
+    assert time.monotonic() - started < 5
+    store = make_store()
+    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
+    try:
+        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
+    finally:
+        await client.close()
+    assert peer.alive()
+
+
+async def test_tls_pod_refuses_a_ucx_peer_and_tls_is_tcp_only(pool: dict[str, CertFiles]) -> None:
+    with pytest.raises(TransportError, match="serves UCX, which is not encrypted"):
+        await connect("ucx://AAAA", SESSION_ID, SESSION_KEY, timeout=1, ssl=client_ctx(pool["client"]))
+    p = pool["server"]
+    with pytest.raises(ValueError, match="tcp data plane only"):
+        make_server("ucx", None, lambda s: None, None, chunk_bytes=1,  # type: ignore[arg-type]
+                    ssl=server_context(p.cert_file, p.key_file, p.ca_file))
+
+
+# ------------------------------------------------------------------ the stream
+
+
+async def test_tls_stream_reads_exactly_across_records_staging_and_direct_reads(
+        pool: dict[str, CertFiles]) -> None:
+    """Odd-sized reads, reads that straddle staged and direct bytes, and a writer far ahead of
+    the reader (the staging buffer fills, reading pauses, nothing is lost or reordered)."""
+    s, c = pool["server"], pool["client"]
+    payload = os.urandom(3 * STAGING_BYTES + 12345)
+    a, b = socket.socketpair()
+    for sock in (a, b):
+        sock.setblocking(False)
+    server_task = asyncio.create_task(open_tls(a, server_context(s.cert_file, s.key_file, s.ca_file),
+                                               server_side=True, timeout=5))
+    client = await open_tls(b, client_ctx(c), server_side=False, timeout=5)
+    server = await server_task
+    try:
+        await server.send([payload[:7], memoryview(payload)[7:]])  # all of it, before any read
+        await asyncio.sleep(0.1)
+        sizes = [16, 2, 3, DIRECT_READ_BYTES - 1, DIRECT_READ_BYTES, 1, 2 * STAGING_BYTES]
+        got = bytearray()
+        for n in sizes:
+            buf = bytearray(n)
+            await client.recv_into(buf)
+            got += buf
+        rest = bytearray(len(payload) - len(got))
+        await client.recv_into(memoryview(rest))
+        got += rest
+        assert bytes(got) == payload
+        server.close()
+        with pytest.raises(ConnectionError, match="after 0 of 10 bytes"):
+            await client.recv_into(bytearray(10))
+    finally:
+        client.close()
+        server.close()
+
+
+# ------------------------------------------------------------------ loading
+
+
+def test_bad_tls_files_name_the_file_and_the_fix(tmp_path: Path, pool: dict[str, CertFiles],
+                                                 foreign: dict[str, CertFiles]) -> None:
+    p = pool["server"]
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    for make in (server_context, client_context):
+        with pytest.raises(ValueError, match=f"--tls-cert-file {tmp_path}/missing.crt: no such file"):
+            make(str(tmp_path / "missing.crt"), p.key_file, p.ca_file)
+        with pytest.raises(ValueError, match=f"--tls-key-file {tmp_path}/missing.key: no such file"):
+            make(p.cert_file, str(tmp_path / "missing.key"), p.ca_file)
+        with pytest.raises(ValueError, match=f"--tls-ca-file {junk}: not the pool's CA certificate in PEM"):
+            make(p.cert_file, p.key_file, str(junk))
+        with pytest.raises(ValueError, match=f"--tls-cert-file {junk}: not this sidecar's certificate in PEM"):
+            make(str(junk), p.key_file, p.ca_file)
+        with pytest.raises(ValueError, match=f"--tls-key-file {p.cert_file}: not the private key"):
+            make(p.cert_file, p.cert_file, p.ca_file)
+        with pytest.raises(ValueError, match=f"--tls-key-file {foreign['server'].key_file} does not match "
+                                             f"--tls-cert-file {p.cert_file}"):
+            make(p.cert_file, foreign["server"].key_file, p.ca_file)
+
+
+def test_a_certificate_the_peers_would_refuse_fails_at_load(
+        tmp_path: Path, pool: dict[str, CertFiles], foreign: dict[str, CertFiles]) -> None:
+    server_only = pool_certificates(tmp_path, ["member"], usages=["server auth"])["member"]
+    for make in (server_context, client_context):
+        with pytest.raises(ValueError, match=f"--tls-cert-file {server_only.cert_file} would be refused by "
+                                             r"the pool's peers \(unsuitable certificate purpose\): it must "
+                                             "allow both server auth and client auth"):
+            make(server_only.cert_file, server_only.key_file, server_only.ca_file)
+        other = foreign["client"]
+        with pytest.raises(ValueError, match=f"--tls-cert-file {other.cert_file} would be refused by the "
+                                             "pool's peers .*not signed by --tls-ca-file"):
+            make(other.cert_file, other.key_file, pool["client"].ca_file)
+
+
+def test_contexts_are_mutual_tls13_without_host_names(pool: dict[str, CertFiles]) -> None:
+    p = pool["server"]
+    for ctx in (server_context(p.cert_file, p.key_file, p.ca_file), client_ctx(pool["client"])):
+        assert ctx.minimum_version is ssl.TLSVersion.TLSv1_3
+        assert ctx.verify_mode is ssl.CERT_REQUIRED
+        assert not ctx.check_hostname
