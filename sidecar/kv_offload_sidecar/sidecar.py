@@ -59,22 +59,6 @@ def store_name(identity: str) -> str:
     return name[:100]
 
 
-def data_server_options(settings: SidecarSettings) -> dict[str, Any]:
-    """Options of the data-plane server: the TLS context when the pool encrypts TCP."""
-    if not settings.tls_enabled:
-        return {}
-    from kv_offload_sidecar.data.tls import server_context
-    return {"ssl": server_context(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)}
-
-
-def data_client_options(settings: SidecarSettings) -> dict[str, Any]:
-    """Options of data-plane connections to peers: the TLS context when the pool encrypts TCP."""
-    if not settings.tls_enabled:
-        return {}
-    from kv_offload_sidecar.data.tls import client_context
-    return {"ssl": client_context(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)}
-
-
 class Sidecar:
     """One sidecar process's state and engine-facing operations."""
 
@@ -89,6 +73,11 @@ class Sidecar:
         self.summary_log = SummaryLog()
         self.summaries = PeerSummaries()
         self.claims = ClaimAudit(on_false_claims=self.metrics.peer_false_claims.inc)
+        # The live TLS contexts of the TCP data plane (renewed from their files), or None.
+        self.tls = None
+        if settings.tls_enabled:
+            from kv_offload_sidecar.data.tls import TlsContexts
+            self.tls = TlsContexts(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)
         self.keys = PoolKeys(settings.pool_key, settings.previous_pool_key, settings.admin_token,
                              current_file=settings.pool_key_file,
                              previous_file=settings.previous_pool_key_file,
@@ -101,7 +90,7 @@ class Sidecar:
             interval_seconds=settings.dns_interval_seconds,
             own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
         self.peers = PeerManager(settings, self.metrics, self.discovery, self.summaries, self.local_hello,
-                                 keys=self.keys, data_options=data_client_options(settings))
+                                 keys=self.keys, data_options=self._tls_options("client"))
         self.name = store_name(settings.identity)
         # Random per process: names this sidecar's store mapping to the engine clients.
         self.instance = secrets.token_hex(8)
@@ -147,14 +136,31 @@ class Sidecar:
         session = self._inbound.get(bytes(session_id))
         return session.session_key if session else None
 
+    def _tls_options(self, side: str) -> dict[str, Any]:
+        """Data-plane options: the live TLS context of ``side`` when the pool encrypts TCP."""
+        if self.tls is None:
+            return {}
+        return {"ssl": self.tls.server if side == "server" else self.tls.client}
+
     def needs_rekey(self, session: Session) -> bool:
         """The peer's session uses a key other than this sidecar's current one."""
         return session.key_id != self.keys.offered_ids()[0]
+
+    def _reload_tls(self) -> None:
+        """A renewed certificate (cert-manager rewrote the Secret) goes into the live contexts."""
+        if self.tls is None:
+            return
+        try:
+            if self.tls.reload():
+                log.info("data-plane TLS certificate renewed from %s", self.settings.tls_cert_file)
+        except ValueError as exc:
+            log.warning("keeping the TLS certificate in use: the changed files do not load: %s", exc)
 
     async def _reload_keys(self) -> None:
         """Follow the key files (a rotated Secret); retire sessions of keys that are gone."""
         while True:
             await asyncio.sleep(self.settings.key_reload_seconds)
+            self._reload_tls()
             before = self.keys.offered_ids()
             gone = self.keys.reload()
             if self.keys.offered_ids() == before:
@@ -185,7 +191,7 @@ class Sidecar:
             self.data_server = make_server(s.transport, self.store, self.authorize, self.metrics,
                                            host=s.host, port=s.data_port,
                                            chunk_bytes=s.kv_bytes_per_chunk,
-                                           **data_server_options(s))
+                                           **self._tls_options("server"))
             self.data_address = await self.data_server.start()
         except BaseException:
             self.store.close(unlink=True)

@@ -131,3 +131,45 @@ def _read_pem(path: str, flag: str, what: str, markers: tuple[bytes, ...]) -> No
 
 def _no_passphrase() -> bytes:
     raise ValueError("encrypted private keys are not supported")
+
+
+class TlsContexts:
+    """The live server and client contexts of one sidecar, renewed in place from their files.
+
+    cert-manager renews a certificate by rewriting the mounted Secret; ``reload()``
+    (called with the key files' reload) loads a changed, valid set into the same
+    contexts, so new connections use it without a restart; a changed set that does
+    not load (half written, wrong key) is skipped and the old one stays.
+    """
+
+    def __init__(self, cert_file: str, key_file: str, ca_file: str) -> None:
+        self.files = (cert_file, key_file, ca_file)
+        self.server = server_context(*self.files)
+        self.client = client_context(*self.files)
+        self._stamp = self._read_stamp()
+
+    def _read_stamp(self) -> tuple[bytes, ...]:
+        out = []
+        for path in self.files:
+            try:
+                with open(path, "rb") as fh:
+                    out.append(fh.read(1 << 20))
+            except OSError:
+                out.append(b"")
+        return tuple(out)
+
+    def reload(self) -> bool:
+        """Load changed files into the live contexts; True when they were renewed.
+
+        Raises ValueError (naming the file) when the changed files do not load; the
+        contexts then keep the old certificate."""
+        stamp = self._read_stamp()
+        if stamp == self._stamp:
+            return False
+        cert_file, key_file, ca_file = self.files
+        server_context(*self.files)  # validates the new set (ValueError) before touching the live ones
+        for context in (self.server, self.client):
+            context.load_verify_locations(cafile=ca_file)
+            context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+        self._stamp = stamp
+        return True

@@ -358,3 +358,52 @@ def test_contexts_are_mutual_tls13_without_host_names(pool: dict[str, CertFiles]
         assert ctx.minimum_version is ssl.TLSVersion.TLSv1_3
         assert ctx.verify_mode is ssl.CERT_REQUIRED
         assert not ctx.check_hostname
+
+
+def _memory_handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> bytes:
+    """A TLS handshake in memory; the server certificate the client saw (DER)."""
+    s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    client = client_ctx.wrap_bio(c_in, c_out, server_side=False)
+    done = {"s": False, "c": False}
+    for _ in range(20):
+        for name, end in (("c", client), ("s", server)):
+            if not done[name]:
+                try:
+                    end.do_handshake()
+                    done[name] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            return client.getpeercert(binary_form=True)
+    raise ssl.SSLError("handshake did not finish")
+
+
+def test_a_renewed_certificate_is_loaded_into_the_live_contexts(tmp_path, pool, foreign):
+    import shutil
+
+    from kv_offload_sidecar.data.tls import TlsContexts
+
+    mine = CertFiles(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), str(tmp_path / "ca.crt"))
+    for src, dst in ((pool["server"].cert_file, mine.cert_file), (pool["server"].key_file, mine.key_file),
+                     (pool["server"].ca_file, mine.ca_file)):
+        shutil.copy(src, dst)
+    live = TlsContexts(mine.cert_file, mine.key_file, mine.ca_file)
+    assert live.reload() is False  # nothing changed
+    assert _memory_handshake(live.server, client_ctx(pool["client"]))
+    with pytest.raises(ssl.SSLError):  # a peer of the new CA is not trusted yet
+        _memory_handshake(live.server, client_ctx(foreign["client"]))
+    # cert-manager renews into a new CA: the mounted files change under the running sidecar
+    for src, dst in ((foreign["server"].cert_file, mine.cert_file), (foreign["server"].key_file, mine.key_file),
+                     (foreign["server"].ca_file, mine.ca_file)):
+        shutil.copy(src, dst)
+    assert live.reload() is True
+    seen = _memory_handshake(live.server, client_ctx(foreign["client"]))
+    assert seen == ssl.PEM_cert_to_DER_cert(Path(foreign["server"].cert_file).read_text())
+    # a half-written renewal does not load: the contexts keep the renewed certificate
+    Path(mine.key_file).write_bytes(b"-----BEGIN PRIVATE KEY-----\ntruncated")
+    with pytest.raises(ValueError, match="--tls-"):
+        live.reload()
+    assert _memory_handshake(live.server, client_ctx(foreign["client"])) == seen
