@@ -5,7 +5,9 @@ TieringOffloadingSpec (a CPU copy worker in place of the CUDA one), scheduler,
 hashing and metrics; the tier is installed as the webhook installs it and the
 sidecars run the config translated from the engines' own ``vllm serve`` line.
 Greedy outputs are compared with an engine without any offloading: loaded KV
-that differed from what the engine computes would change them.
+that differed from what the engine computes would change them. Tenants: the
+same prompt under another vLLM ``cache_salt`` finds nothing anywhere in the
+pool, and under the same salt loads the whole prefix from the peer.
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ SHARED = _prompt(1)                          # computed by A, loaded by B
 PARTIAL = SHARED[:256] + _prompt(2, 256)     # shares 4 chunks with SHARED
 BEFORE_KILL = _prompt(3)                     # computed by A, asked by B once its sidecar is dead
 AFTER_KILL = _prompt(4)                      # new to everyone
+TENANT_PROMPT = _prompt(11)                  # served under tenants' cache salts
+TENANT_A, TENANT_B = "tenant-a", "tenant-b"
+TENANT_CHUNKS = len(TENANT_PROMPT) // CHUNK_TOKENS
 PROMPTS = {"shared": SHARED, "partial": PARTIAL, "before_kill": BEFORE_KILL,
-           "after_kill": AFTER_KILL}
+           "after_kill": AFTER_KILL, "tenant": TENANT_PROMPT}
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -128,6 +133,80 @@ def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars
     # A prompt sharing only the first 4 chunks: those are served by B's own host tier now.
     (partial,) = b.generate([PARTIAL], max_tokens=MAX_TOKENS)
     assert partial["num_cached_tokens"] == 256 and partial["token_ids"] == expected["partial"]
+
+
+def _counters(pool, b) -> dict[str, float]:
+    """What moves when a chunk crosses the pool: both sidecars' lookups and peer traffic,
+    and engine B's own view (tier hits, tokens vLLM counts as peer-to-peer)."""
+    m = b.metrics(raw=True)
+    out = {
+        "b.tier_chunk_hits": metric_value(m, "vllm:kv_offload_tiering_chunk_hits_total",
+                                          tier=TIER_LABEL),
+        "b.p2p_tokens": metric_value(m, "vllm:prompt_tokens_cached_by_source_total",
+                                     source="p2p"),
+    }
+    for i in (0, 1):
+        for result in ("peer_hit", "local_hit", "miss"):
+            out[f"s{i}.{result}"] = pool[i].metric("kv_offload_chunk_lookups_total",
+                                                   result=result)
+        for direction in ("sent", "received"):
+            out[f"s{i}.peer_bytes_{direction}"] = pool[i].metric("kv_offload_peer_bytes_total",
+                                                                 direction=direction)
+    return out
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def test_a_cache_salt_keeps_a_tenants_chunks_from_other_tenants_but_not_from_itself(
+        deployment, pool, engines):
+    a, b, outputs = engines
+    expected = outputs["tenant"]
+    chunk = deployment.config.kv_bytes_per_chunk
+
+    # Tenant A's request on engine A: computed, offloaded, cascaded to sidecar 0.
+    (first,) = a.generate([TENANT_PROMPT], max_tokens=MAX_TOKENS, cache_salt=TENANT_A)
+    assert first["num_cached_tokens"] == 0 and first["token_ids"] == expected
+    wait_for("A's chunks in sidecar 0",
+             lambda: pool[0].metric("kv_offload_store_used_bytes") >= TENANT_CHUNKS * chunk)
+    wait_for("sidecar 1 to see sidecar 0's chunks",
+             lambda: sum(p.get("summary_keys", 0) for p in pool[1].peers()) >= TENANT_CHUNKS)
+
+    # The same tokens on engine B under tenant B's salt, and without any salt: the pool
+    # holds none of their chunk keys, so nothing is loaded and no byte crosses the pool.
+    before = _counters(pool, b)
+    other, unsalted = b.generate([TENANT_PROMPT, TENANT_PROMPT], max_tokens=MAX_TOKENS,
+                                 cache_salt=[TENANT_B, None])
+    isolated = _delta(before, _counters(pool, b))
+    print(f"\n[tenants] A tenant-a: cached {first['num_cached_tokens']}; "
+          f"B tenant-b: cached {other['num_cached_tokens']}; "
+          f"B unsalted: cached {unsalted['num_cached_tokens']}; counters moved: "
+          f"{ {k: v for k, v in isolated.items() if v} }")
+    assert [other["num_cached_tokens"], unsalted["num_cached_tokens"]] == [0, 0]
+    assert other["token_ids"] == expected and unsalted["token_ids"] == expected
+    for name in ("b.tier_chunk_hits", "b.p2p_tokens", "s0.peer_hit", "s1.peer_hit",
+                 "s0.local_hit", "s1.local_hit", "s0.peer_bytes_sent",
+                 "s1.peer_bytes_received"):
+        assert isolated[name] == 0, (name, isolated)
+    # B's tier did ask its sidecar (the lookups were made, and missed).
+    assert isolated["s1.miss"] >= 1, isolated
+
+    # Tenant A's salt on the same engine B: the whole prefix comes from sidecar 0.
+    before = _counters(pool, b)
+    (same,) = b.generate([TENANT_PROMPT], max_tokens=MAX_TOKENS, cache_salt=TENANT_A)
+    shared = _delta(before, _counters(pool, b))
+    print(f"[tenants] B tenant-a: cached {same['num_cached_tokens']}; counters moved: "
+          f"{ {k: v for k, v in shared.items() if v} }")
+    assert same["num_cached_tokens"] == len(TENANT_PROMPT)
+    assert same["token_ids"] == expected
+    assert shared["b.tier_chunk_hits"] == TENANT_CHUNKS
+    assert shared["b.p2p_tokens"] == len(TENANT_PROMPT)
+    assert shared["s1.peer_hit"] == TENANT_CHUNKS
+    assert shared["s1.peer_bytes_received"] >= TENANT_CHUNKS * chunk
+    sent_before = before["s0.peer_bytes_sent"]
+    wait_for("sidecar 0 to count the bytes it sent", lambda: pool[0].metric(
+        "kv_offload_peer_bytes_total", direction="sent") - sent_before >= TENANT_CHUNKS * chunk)
 
 
 def test_a_sidecar_killed_while_its_engine_serves_leaves_the_engine_serving(

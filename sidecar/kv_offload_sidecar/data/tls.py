@@ -75,26 +75,35 @@ def _context(server_side: bool, cert_file: str, key_file: str, ca_file: str) -> 
     return context
 
 
+def memory_handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> bytes:
+    """A TLS handshake between two contexts in memory; the server certificate the client saw (DER).
+
+    Raises ``ssl.SSLError`` (``SSLCertVerificationError`` when a side refuses the other's
+    certificate) or ``ssl.SSLError("... did not complete")``."""
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    sides = [client.wrap_bio(c_in, c_out, server_side=False), server.wrap_bio(s_in, s_out, server_side=True)]
+    done = [False, False]
+    for _ in range(8):  # TLS 1.3 needs three flights; the client's certificate is checked last
+        for i, side in enumerate(sides):
+            if not done[i]:
+                try:
+                    side.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done) and not c_out.pending and not s_out.pending:
+            return sides[0].getpeercert(binary_form=True) or b""
+    raise ssl.SSLError("TLS handshake did not complete")
+
+
 def _check_accepted(cert_file: str, key_file: str, ca_file: str) -> None:
     """ValueError unless the certificate passes a handshake with itself (both roles), in memory."""
     server = _context(True, cert_file, key_file, ca_file)
     client = _context(False, cert_file, key_file, ca_file)
-    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
-    sides = [client.wrap_bio(c_in, c_out, server_side=False), server.wrap_bio(s_in, s_out, server_side=True)]
-    done = [False, False]
     try:
-        for _ in range(8):  # TLS 1.3 needs three flights; the client's certificate is checked last
-            for i, side in enumerate(sides):
-                if not done[i]:
-                    try:
-                        side.do_handshake()
-                        done[i] = True
-                    except ssl.SSLWantReadError:
-                        pass
-            s_in.write(c_out.read())
-            c_in.write(s_out.read())
-            if all(done) and not c_out.pending and not s_out.pending:
-                return
+        memory_handshake(server, client)
     except ssl.SSLCertVerificationError as exc:
         message = exc.verify_message or str(exc)
         hint = next((h for word, h in _REFUSAL_HINTS if word in message), "give a certificate of the pool CA")
@@ -103,8 +112,6 @@ def _check_accepted(cert_file: str, key_file: str, ca_file: str) -> None:
     except ssl.SSLError as exc:
         raise ValueError(f"--tls-cert-file {cert_file}: TLS with itself failed ({exc.reason or exc}); "
                          "give a certificate of the pool CA that allows server and client auth") from None
-    raise ValueError(f"--tls-cert-file {cert_file}: TLS with itself did not complete; "
-                     "give a certificate of the pool CA that allows server and client auth")
 
 
 def _read_pem(path: str, flag: str, what: str, markers: tuple[bytes, ...]) -> None:

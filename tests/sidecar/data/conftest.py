@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from kv_offload_sidecar.engine.store_view import slot_stride_for
+from kv_offload_sidecar.store.chunk_store import ChunkStore
 from peer_processes import PEERS_SCRIPT, PeerProcess, ucx_env
+
+# Chunk size of the fetching side's stores unless a test asks for another.
+STORE_CHUNK = 256 * 1024
+
+
+@pytest.fixture
+def make_store(shm_dir: str) -> Iterator[Callable[..., ChunkStore]]:
+    """Chunk stores in this process (the fetching side): ``make_store(slots=20, chunk_bytes=...)``."""
+    stores: list[ChunkStore] = []
+
+    def make(slots: int = 20, chunk_bytes: int = STORE_CHUNK, **kw: Any) -> ChunkStore:
+        store = ChunkStore(chunk_bytes, slots * slot_stride_for(chunk_bytes), directory=shm_dir,
+                           name=f"t{len(stores)}-{os.getpid()}", **kw)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
 
 
 @pytest.fixture

@@ -8,45 +8,19 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from kv_offload_sidecar.data import IntegrityError, TransportError, connect, make_server
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import auth_proof
-from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
-from transport_peers import SESSION_ID, SESSION_KEY, content_of, key_of
+from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
 
 CHUNK = 256 * 1024
-
-
-@pytest.fixture
-def make_store(shm_dir: str) -> Iterator[Callable[..., ChunkStore]]:
-    """Chunk stores in this process (the fetching side)."""
-    stores: list[ChunkStore] = []
-
-    def make(slots: int = 20, chunk_bytes: int = CHUNK, **kw: object) -> ChunkStore:
-        store = ChunkStore(chunk_bytes, slots * slot_stride_for(chunk_bytes), directory=shm_dir,
-                           name=f"t{len(stores)}-{os.getpid()}", **kw)  # type: ignore[arg-type]
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
-
-
-def chunk_bytes_in(store: ChunkStore, key: bytes) -> bytes:
-    pin = store.pin(key)
-    assert pin is not None, f"{key.hex()} is not visible"
-    try:
-        return bytes(pin.view)
-    finally:
-        pin.release()
 
 
 def assert_nothing_partial(store: ChunkStore, chunk_bytes: int = CHUNK) -> None:

@@ -8,7 +8,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,14 +19,14 @@ from kv_offload_sidecar.data.tcp.tls_stream import (
     STAGING_BYTES,
     open_tls,
 )
-from kv_offload_sidecar.data.tls import client_context, server_context
+from kv_offload_sidecar.data.tls import client_context, memory_handshake, server_context
 from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.certs import CertFiles, pool_certificates
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
-from transport_peers import SESSION_ID, SESSION_KEY, content_of, key_of
+from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
 
 CHUNK = 256 * 1024
 
@@ -55,30 +55,6 @@ def unchecked_client_ctx(cert_file: str | None, key_file: str | None, ca_file: s
     if cert_file:
         ctx.load_cert_chain(cert_file, key_file)
     return ctx
-
-
-@pytest.fixture
-def make_store(shm_dir: str) -> Iterator[Callable[..., ChunkStore]]:
-    stores: list[ChunkStore] = []
-
-    def make(slots: int = 20, chunk_bytes: int = CHUNK) -> ChunkStore:
-        store = ChunkStore(chunk_bytes, slots * slot_stride_for(chunk_bytes), directory=shm_dir,
-                           name=f"tls{len(stores)}-{os.getpid()}")
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
-
-
-def slot_bytes(store: ChunkStore, key: bytes) -> bytes:
-    pin = store.pin(key)
-    assert pin is not None, f"{key.hex()} is not visible"
-    try:
-        return bytes(pin.view)
-    finally:
-        pin.release()
 
 
 def host_port(address: str) -> tuple[str, int]:
@@ -122,7 +98,7 @@ async def test_tls_fetch_moves_chunks_byte_identical(
     finally:
         await client.close()
     for i, key in enumerate(keys):
-        assert slot_bytes(store, key) == content_of(i, chunk_bytes)
+        assert chunk_bytes_in(store, key) == content_of(i, chunk_bytes)
     assert metrics.peer_bytes.labels(direction="received")._value.get() == chunks * chunk_bytes
     assert peer.metrics()["peer_bytes_sent"] == chunks * chunk_bytes
 
@@ -152,7 +128,7 @@ async def test_in_process_tls_server_advertises_tls_and_says_goodbye_on_stop(
         assert client.closed
     finally:
         await client.close()
-    assert [slot_bytes(dest, key_of(i)) for i in range(3)] == [content_of(i, CHUNK) for i in range(3)]
+    assert [chunk_bytes_in(dest, key_of(i)) for i in range(3)] == [content_of(i, CHUNK) for i in range(3)]
 
 
 async def test_tls_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_partial(
@@ -177,7 +153,7 @@ async def test_tls_server_killed_mid_fetch_fails_within_deadline_leaving_nothing
         assert killed and client.closed
         assert 1 <= len(store) < 48
         for key in store.keys():
-            assert slot_bytes(store, key) == content_of([key_of(i) for i in range(48)].index(key), big)
+            assert chunk_bytes_in(store, key) == content_of([key_of(i) for i in range(48)].index(key), big)
         assert store.used_bytes == len(store) * store.slot_stride
     finally:
         store.close()
@@ -360,27 +336,6 @@ def test_contexts_are_mutual_tls13_without_host_names(pool: dict[str, CertFiles]
         assert not ctx.check_hostname
 
 
-def _memory_handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> bytes:
-    """A TLS handshake in memory; the server certificate the client saw (DER)."""
-    s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
-    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
-    client = client_ctx.wrap_bio(c_in, c_out, server_side=False)
-    done = {"s": False, "c": False}
-    for _ in range(20):
-        for name, end in (("c", client), ("s", server)):
-            if not done[name]:
-                try:
-                    end.do_handshake()
-                    done[name] = True
-                except ssl.SSLWantReadError:
-                    pass
-        s_in.write(c_out.read())
-        c_in.write(s_out.read())
-        if all(done.values()):
-            return client.getpeercert(binary_form=True)
-    raise ssl.SSLError("handshake did not finish")
-
-
 def test_a_renewed_certificate_is_loaded_into_the_live_contexts(tmp_path, pool, foreign):
     import shutil
 
@@ -392,18 +347,18 @@ def test_a_renewed_certificate_is_loaded_into_the_live_contexts(tmp_path, pool, 
         shutil.copy(src, dst)
     live = TlsContexts(mine.cert_file, mine.key_file, mine.ca_file)
     assert live.reload() is False  # nothing changed
-    assert _memory_handshake(live.server, client_ctx(pool["client"]))
+    assert memory_handshake(live.server, client_ctx(pool["client"]))
     with pytest.raises(ssl.SSLError):  # a peer of the new CA is not trusted yet
-        _memory_handshake(live.server, client_ctx(foreign["client"]))
+        memory_handshake(live.server, client_ctx(foreign["client"]))
     # cert-manager renews into a new CA: the mounted files change under the running sidecar
     for src, dst in ((foreign["server"].cert_file, mine.cert_file), (foreign["server"].key_file, mine.key_file),
                      (foreign["server"].ca_file, mine.ca_file)):
         shutil.copy(src, dst)
     assert live.reload() is True
-    seen = _memory_handshake(live.server, client_ctx(foreign["client"]))
+    seen = memory_handshake(live.server, client_ctx(foreign["client"]))
     assert seen == ssl.PEM_cert_to_DER_cert(Path(foreign["server"].cert_file).read_text())
     # a half-written renewal does not load: the contexts keep the renewed certificate
     Path(mine.key_file).write_bytes(b"-----BEGIN PRIVATE KEY-----\ntruncated")
     with pytest.raises(ValueError, match="--tls-"):
         live.reload()
-    assert _memory_handshake(live.server, client_ctx(foreign["client"])) == seen
+    assert memory_handshake(live.server, client_ctx(foreign["client"])) == seen

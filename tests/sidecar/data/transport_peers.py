@@ -273,3 +273,13 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def chunk_bytes_in(store: Any, key: bytes) -> bytes:
+    """The bytes of the visible chunk ``key`` of a ChunkStore (AssertionError when not visible)."""
+    pin = store.pin(key)
+    assert pin is not None, f"{key.hex()} is not visible"
+    try:
+        return bytes(pin.view)
+    finally:
+        pin.release()
