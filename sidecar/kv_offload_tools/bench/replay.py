@@ -39,16 +39,17 @@ from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools import scrape
 from kv_offload_tools.local_pool import LocalPool, example_config
-from kv_offload_tools.mooncake_trace import load_trace
+from kv_offload_tools.mooncake_trace import TraceRequest, load_requests, write_requests
 from kv_offload_tools.prefix_hash import make_offload_key, none_hash, sha256
+from kv_offload_tools.workloads import WORKLOADS, ConversationSpec, conversation
 
-ROUTINGS = ("round-robin", "random", "prefix-aware")
+ROUTINGS = ("round-robin", "random", "prefix-aware", "session-affine")
 Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
 class ReplaySettings:
-    # Mooncake-format JSONL trace.
+    # Mooncake-format JSONL trace ("" when the requests are generated).
     trace: str
     # Number of vLLM replicas (one sidecar each).
     replicas: int
@@ -66,8 +67,13 @@ class ReplaySettings:
     summary_interval_seconds: float = 0.05
     # Deadline of one lookup or load (seconds); late means a miss.
     timeout_seconds: float = 2.0
-    # Seed of the random routing.
+    # Seed of the random routing (and of a generated workload).
     seed: int = 0
+    # Generated workload instead of a trace: "conversation" (workloads.py), or None.
+    generate: str | None = None
+    # Sessions and turns per session of a generated conversation workload.
+    sessions: int = 200
+    turns: int = 6
 
 
 @dataclass
@@ -111,6 +117,8 @@ class ReplayReport:
     seconds: float
     plot: str | None = None
     sweep: list[dict] = field(default_factory=list)
+    # What was replayed: "trace <path>" or "conversation <sessions>x<turns>".
+    workload: str = ""
 
 
 # ---- trace and keys -------------------------------------------------------------
@@ -132,9 +140,16 @@ def request_keys(trace: Sequence[Sequence[int]], seed: str = DEFAULT_HASH_SEED) 
     return out
 
 
-def route(trace: Sequence[Sequence[int]], replicas: int, routing: str, seed: int = 0) -> list[int]:
+def route(trace: Sequence[Sequence[int]], replicas: int, routing: str, seed: int = 0,
+          sessions: Sequence[int | None] = ()) -> list[int]:
     """Replica of every request. prefix-aware sends a request where its longest known
-    prefix went (round-robin for new prefixes)."""
+    prefix went (round-robin for new prefixes); session-affine sends every turn of a
+    conversation to the replica of its session (``sessions``, one per request)."""
+    if routing == "session-affine":
+        if len(sessions) != len(trace) or any(s is None for s in sessions):
+            raise ValueError("--routing session-affine needs a session_id on every request: "
+                             "use --generate conversation or a trace with session_id, or another routing")
+        return [int(s) % replicas for s in sessions]  # type: ignore[arg-type]
     if routing == "round-robin":
         return [i % replicas for i in range(len(trace))]
     if routing == "random":
@@ -261,12 +276,12 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
 def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
                plot: str | None = None, progress: Progress | None = None) -> ReplayReport:
     _validate(settings)
-    trace = load_trace(settings.trace)
-    if settings.limit is not None:
-        trace = trace[:settings.limit]
+    requests = load_workload(settings)
+    trace = [r.hash_ids for r in requests]
+    sessions = [r.session for r in requests]
     keys = request_keys(trace)
     n, cap = settings.replicas, settings.capacity_chunks
-    routes = route(trace, n, settings.routing, settings.seed)
+    routes = route(trace, n, settings.routing, settings.seed, sessions)
     started = time.monotonic()
     p2p = replay_real(settings, keys, routes, n, sharing=True, progress=progress)
     local = replay_real(settings, keys, routes, n, sharing=False, progress=progress)
@@ -281,12 +296,13 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
         lookup_messages_per_peer_hit_request=_per(p2p.lookup_messages, p2p.peer_hit_requests),
         bytes_moved=int(p2p.bytes_moved), p2p_local_hits=p2p.local_hits,
         p2p_peer_hits=p2p.peer_hits, mismatched_chunks=p2p.mismatched_chunks + local.mismatched_chunks,
-        seconds=0.0)
+        seconds=0.0, workload=(f"conversation {settings.sessions}x{settings.turns}" if settings.generate
+                               else f"trace {settings.trace}"))
     for m in sweep_replicas:
         if m == n:
             run, m_routes = p2p, routes
         else:
-            m_routes = route(trace, m, settings.routing, settings.seed)
+            m_routes = route(trace, m, settings.routing, settings.seed, sessions)
             run = replay_real(settings, keys, m_routes, m, sharing=True, progress=progress)
             report.mismatched_chunks += run.mismatched_chunks
         report.sweep.append({
@@ -301,6 +317,16 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
     if plot:
         report.plot = write_plot(plot, report, keys, routes)
     return report
+
+
+def load_workload(settings: ReplaySettings) -> list[TraceRequest]:
+    """The requests to replay: generated (``--generate``) or read from ``--trace``."""
+    if settings.generate == "conversation":
+        requests = conversation(ConversationSpec(sessions=settings.sessions, turns=settings.turns,
+                                                 seed=settings.seed))
+    else:
+        requests = load_requests(settings.trace)
+    return requests if settings.limit is None else requests[:settings.limit]
 
 
 def _per(count: float, requests: int) -> float:
@@ -374,7 +400,7 @@ def format_table(report: ReplayReport) -> str:
             ("bytes_moved", f"{report.bytes_moved}"),
             ("mismatched chunks", f"{report.mismatched_chunks}")]
     w = max(len(r[0]) for r in rows)
-    head = (f"replay: {report.requests} requests, {report.chunks} chunks, {report.replicas} "
+    head = (f"replay of {report.workload}: {report.requests} requests, {report.chunks} chunks, {report.replicas} "
             f"replicas x {report.capacity_chunks} chunks of {report.chunk_bytes} B, "
             f"{report.routing}")
     lines = [head] + [f"  {a.ljust(w)}  {b}" for a, b in rows]
@@ -404,10 +430,24 @@ def _validate(s: ReplaySettings) -> None:
         raise ValueError(f"--limit {s.limit} must be at least 1")
     if s.summary_interval_seconds <= 0:
         raise ValueError("--summary-interval-seconds must be positive")
+    if (s.generate is None) == (not s.trace):
+        raise ValueError("give either --trace FILE or --generate conversation (not both, not neither)")
+    if s.generate is not None and s.generate not in WORKLOADS:
+        raise ValueError(f"--generate {s.generate!r} must be one of {', '.join(WORKLOADS)}")
+    if s.sessions < 1 or s.turns < 1:
+        raise ValueError(f"--sessions {s.sessions} and --turns {s.turns} must be at least 1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--trace", default="", help="Mooncake-format JSONL trace")
+    parser.add_argument("--generate", choices=WORKLOADS, default=None,
+                        help="replay a generated workload instead of a trace: chat sessions whose "
+                             "turns extend the previous prompt, with think times and shared system prompts")
+    parser.add_argument("--sessions", type=int, default=200, help="sessions of --generate conversation")
+    parser.add_argument("--turns", type=int, default=6, help="turns per session of --generate conversation")
+    parser.add_argument("--seed", type=int, default=0, help="seed of random routing and of --generate")
+    parser.add_argument("--write-trace", default="",
+                        help="also write the replayed requests as a Mooncake-format trace (with session_id)")
     parser.add_argument("--replicas", type=int, required=True, help="vLLM replicas (sidecars)")
     parser.add_argument("--capacity-chunks", type=int, required=True,
                         help="chunk slots of each replica's sidecar store")
@@ -436,10 +476,14 @@ def run(args: argparse.Namespace) -> int:
     settings = ReplaySettings(
         trace=args.trace, replicas=args.replicas, capacity_chunks=args.capacity_chunks,
         chunk_bytes=args.chunk_bytes, routing=args.routing, limit=args.limit,
-        transport=args.transport, summary_interval_seconds=args.summary_interval_seconds)
+        transport=args.transport, summary_interval_seconds=args.summary_interval_seconds,
+        seed=args.seed, generate=args.generate, sessions=args.sessions, turns=args.turns)
     if settings.transport == "ucx":
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")
     try:
+        if args.write_trace:
+            _validate(settings)
+            write_requests(args.write_trace, load_workload(settings))
         report = run_replay(settings, sweep, args.plot or None,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as exc:

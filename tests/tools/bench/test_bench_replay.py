@@ -76,3 +76,22 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path):
     missing = _cli("--trace", str(tmp_path / "nope.jsonl"), "--replicas", "2",
                    "--capacity-chunks", "10")
     assert missing.returncode == 2 and "nope.jsonl" in missing.stderr
+
+
+def test_replay_of_a_generated_conversation_with_session_affine_routing(tmp_path):
+    trace = tmp_path / "conversation.jsonl"
+    out = _cli("--generate", "conversation", "--sessions", "16", "--turns", "3", "--replicas", "2",
+               "--capacity-chunks", "200", "--routing", "session-affine", "--plot", "",
+               "--write-trace", str(trace), "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["workload"] == "conversation 16x3" and report["requests"] == 48
+    assert report["mismatched_chunks"] == 0
+    # every later turn finds its session's earlier prompt where the session lives
+    assert report["p2p_hit_ratio"] > 0.3 and report["local_only_hit_ratio"] > 0.3
+    assert len(trace.read_text().splitlines()) == 48
+
+
+def test_replay_needs_exactly_one_request_source():
+    out = _cli("--replicas", "2", "--capacity-chunks", "10")
+    assert out.returncode == 2 and "--trace FILE or --generate conversation" in out.stderr
