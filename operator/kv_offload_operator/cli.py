@@ -26,8 +26,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("kv_offload_operator.cli_diff", "compare the identity of two config files"),
     "sidecar": ("kv_offload_sidecar.main", "run the per-pod sidecar"),
     "operator": ("kv_offload_operator.main", "run the kopf operator and its webhook"),
+    "webhook-cert": ("kv_offload_operator.cli_webhook_cert",
+                     "create the webhook's TLS Secret once, or put its CA into the webhook's caBundle"),
     "demo": ("kv_offload_tools.demo", "several sidecars and simulated engines sharing chunks"),
     "install-tier": ("kv_offload_sidecar.install_tier", "copy the vLLM-side tier into a shared volume"),
+    "ucx-info": ("kv_offload_sidecar.ucx_transports",
+                 "the UCX the sidecar loads: compiled-in transports, usable devices, memlock"),
     "admin-token": ("kv_offload_sidecar.admin_token",
                     "print the admin bearer token derived from a pool key file"),
 }
@@ -36,6 +40,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transport": ("kv_offload_tools.bench.transport", "data-plane throughput against raw sockets"),
     "replay": ("kv_offload_tools.bench.replay", "hit ratios replaying a Mooncake-format trace"),
     "chaos": ("kv_offload_tools.bench.chaos", "fault injection and fuzzing against live sidecars"),
+    "scale": ("kv_offload_tools.bench.scale", "where-is-what memory and traffic as the pool grows"),
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 
 from . import model_config_follower, pool_key, ready_peers, startup, webhook
-from .pod_patch import apply_patch
+from .pod_patch import INJECTED_ANNOTATION, apply_patch
 from .pool_spec import GROUP, PLURAL, POOL_LABEL, VERSION
 from .reconcile import reconcile
 
@@ -37,18 +37,37 @@ async def shut_down(memo: kopf.Memo, **_: Any) -> None:
     await startup.shut_down(memo)
 
 
-@kopf.index("pods", labels={POOL_LABEL: kopf.PRESENT}, when=ready_peers.pod_is_ready)
-def ready_pool_pods(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> dict[tuple[str, str], str]:
-    """Ready pool pods by (namespace, pool name)."""
-    return {(namespace, labels[POOL_LABEL]): name}
+@kopf.index("pods", labels={POOL_LABEL: kopf.PRESENT}, when=ready_peers.sidecar_is_running)
+def running_pool_sidecars(namespace: str, labels: Mapping[str, str], annotations: Mapping[str, str],
+                          **_: Any) -> dict[tuple[str, str], str]:
+    """The injected fingerprint of each pool pod whose sidecar runs, by (namespace, pool name)."""
+    return {(namespace, labels[POOL_LABEL]): annotations[INJECTED_ANNOTATION]}
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def pool_fingerprints(namespace: str, name: str, status: kopf.Status, **_: Any) -> dict[tuple[str, str], Any]:
+    """Each pool's current fingerprint (status.fingerprint), by (namespace, pool name)."""
+    return {(namespace, name): status.get("fingerprint")}
 
 
 @kopf.on.event("pods", labels={POOL_LABEL: kopf.PRESENT})
 async def count_ready_peers(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
-                            ready_pool_pods: kopf.Index, **_: Any) -> None:
+                            running_pool_sidecars: kopf.Index, pool_fingerprints: kopf.Index, **_: Any) -> None:
     """Write the pool's ``status.readyPeers`` whenever the count changes."""
     pool = labels[POOL_LABEL]
-    await ready_peers.write_ready_peers(memo, namespace, pool, len(ready_pool_pods.get((namespace, pool), [])))
+    fingerprint = next(iter(pool_fingerprints.get((namespace, pool), [])), None)
+    count = ready_peers.count_matching(running_pool_sidecars.get((namespace, pool), []), fingerprint)
+    await ready_peers.write_ready_peers(memo, namespace, pool, count)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def recount_ready_peers(event: kopf.RawEvent, namespace: str, name: str, status: kopf.Status,
+                              memo: kopf.Memo, running_pool_sidecars: kopf.Index, **_: Any) -> None:
+    """Count again when the pool's fingerprint changes (a spec, model config or workload change)."""
+    if event.get("type") == "DELETED":
+        return
+    count = ready_peers.count_matching(running_pool_sidecars.get((namespace, name), []), status.get("fingerprint"))
+    await ready_peers.write_ready_peers(memo, namespace, name, count, shown=status.get("readyPeers"))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -56,16 +75,17 @@ async def count_ready_peers(namespace: str, labels: Mapping[str, str], memo: kop
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, status: kopf.Status,
                          name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
-                         logger: logging.Logger, ready_pool_pods: kopf.Index, **_: Any) -> None:
+                         logger: logging.Logger, running_pool_sidecars: kopf.Index, **_: Any) -> None:
     """Translate the pool and write its ConfigMap, Secret, Service and status."""
     await reconcile(body, meta, status, name, namespace, patch, memo, logger,
-                    len(ready_pool_pods.get((namespace, name), [])))
+                    list(running_pool_sidecars.get((namespace, name), [])))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def track_model_config_refs(event: kopf.RawEvent, namespace: str, name: str, spec: kopf.Spec,
                                   memo: kopf.Memo, **_: Any) -> None:
-    """Remember which pools read their model config from a ConfigMap (for the follower)."""
+    """Remember which pools read their model config from a ConfigMap or their command line
+    from a workload (spec.targetRef), for the follower."""
     model_config_follower.track(memo, event.get("type"), namespace, name, spec)
 
 
@@ -76,11 +96,18 @@ async def track_key_rotations(event: kopf.RawEvent, namespace: str, name: str, a
     pool_key.track(memo, event.get("type"), namespace, name, annotations, status)
 
 
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def track_pool_conditions(event: kopf.RawEvent, namespace: str, name: str, status: kopf.Status,
+                                memo: kopf.Memo, **_: Any) -> None:
+    """Count pools by the condition their status shows (the ``kv_offload_operator_pools`` gauge)."""
+    memo.metrics.track_pool(namespace, name, status, deleted=event.get("type") == "DELETED")
+
+
 @kopf.on.mutate("pods", labels={POOL_LABEL: kopf.PRESENT}, operations={"CREATE"})
 async def inject_sidecar(body: kopf.Body, labels: Mapping[str, str], namespace: str | None,
                          patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Wire a labelled pod into its pool; deny it when the pool is missing or Invalid."""
     pod = json.loads(json.dumps(dict(body)))
-    ops = await webhook.admit(pod, labels[POOL_LABEL], namespace or "default", memo)
+    ops = await webhook.answer(pod, labels[POOL_LABEL], namespace or "default", memo)
     if ops:
         patch.fns.append(lambda raw: apply_patch(raw, ops))

@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from kv_offload_sidecar.engine.ports import DEFAULT_BASE_PORT
+from kv_offload_sidecar.settings import DEFAULT_DATA_PORT
 from kv_offload_sidecar.usage import UsageError
 
 DEFAULT_SIDECAR_IMAGE = os.environ.get("KV_OFFLOAD_SIDECAR_IMAGE", "ghcr.io/kv-offload/kv-offload:0.1.0")
@@ -43,9 +45,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(annotation kv-offload.io/rotate-pool-key) or roll one out (default 10)")
     parser.add_argument("--health-port", type=int, default=8080,
                         help="liveness endpoint port, serving /healthz (default 8080)")
+    parser.add_argument("--metrics-port", type=int, default=8081,
+                        help="Prometheus metrics port, serving /metrics (default 8081)")
+    parser.add_argument("--peering", default=None, metavar="NAME",
+                        help="run as one of several replicas: every replica serves the webhook, the oldest "
+                             "one reconciles (kopf peering object NAME, created when missing); without it "
+                             "the operator runs alone")
+    parser.add_argument("--peering-lifetime-seconds", type=int, default=60, metavar="S",
+                        help="seconds after which a replica that stopped answering is presumed dead and "
+                             "another one takes over the reconciler (with --peering; default 60)")
     parser.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE,
                         help="sidecar image for pools without spec.sidecar.image "
                              "(default $KV_OFFLOAD_SIDECAR_IMAGE or %(default)s)")
+    parser.add_argument("--sidecar-base-port", type=int, default=DEFAULT_BASE_PORT, metavar="P",
+                        help="control port of data-parallel rank 0 for pools without spec.sidecar.basePort "
+                             "(the chart's sidecar.controlPort; default %(default)s)")
+    parser.add_argument("--sidecar-data-port", type=int, default=DEFAULT_DATA_PORT, metavar="P",
+                        help="tcp data-plane port for pools without spec.sidecar.dataPort "
+                             "(the chart's sidecar.dataPort; default %(default)s)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
@@ -57,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from . import handlers  # noqa: F401 (registers the handlers in kopf's default registry)
+    from .leadership import own_identity, start_priority
     from .startup import OperatorOptions
 
     options = OperatorOptions(
@@ -64,7 +82,11 @@ def run(args: argparse.Namespace) -> int:
         webhook_port=args.webhook_port, webhook_host=args.webhook_host,
         webhook_cert_dir=args.webhook_cert_dir, webhook_cert_check_seconds=args.webhook_cert_check_seconds,
         model_config_check_seconds=args.model_config_check_seconds,
-        key_rotation_check_seconds=args.key_rotation_check_seconds)
+        key_rotation_check_seconds=args.key_rotation_check_seconds,
+        metrics_port=args.metrics_port, peering_name=args.peering,
+        peering_lifetime_seconds=args.peering_lifetime_seconds, peering_priority=start_priority(),
+        identity=own_identity(), namespaces=tuple(args.namespace), clusterwide=args.all_namespaces,
+        sidecar_base_port=args.sidecar_base_port, sidecar_data_port=args.sidecar_data_port)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # Its debug log prints response bodies, pool-key Secrets included: never below INFO.
@@ -73,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(kopf.operator(
             clusterwide=args.all_namespaces,
             namespaces=args.namespace,
-            standalone=True,
+            standalone=args.peering is None,
+            identity=options.identity,
             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
             memo=kopf.Memo(options=options),
         ))
@@ -88,7 +111,9 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
     """One line saying what to change, or None when the flags are usable."""
     if not args.namespace and not args.all_namespaces:
         return "give --namespace NS (repeatable) or --all-namespaces"
-    for flag, port in (("--webhook-port", args.webhook_port), ("--health-port", args.health_port)):
+    ports = (("--webhook-port", args.webhook_port), ("--health-port", args.health_port),
+             ("--metrics-port", args.metrics_port))
+    for flag, port in ports:
         if not 1 <= port <= 65535:
             return f"{flag} {port} is not a port; use 1..65535"
     for flag, seconds in (("--webhook-cert-check-seconds", args.webhook_cert_check_seconds),
@@ -96,8 +121,20 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
                           ("--key-rotation-check-seconds", args.key_rotation_check_seconds)):
         if not seconds > 0:
             return f"{flag} {seconds} must be positive"
-    if args.webhook_port == args.health_port:
-        return "--webhook-port and --health-port must differ"
+    for i, (flag, port) in enumerate(ports):
+        for other, other_port in ports[i + 1:]:
+            if port == other_port:
+                return f"{flag} and {other} must differ (both {port})"
+    if not 1 <= args.sidecar_base_port <= 65000:
+        return f"--sidecar-base-port {args.sidecar_base_port} is not a base port; use 1..65000"
+    if not 1 <= args.sidecar_data_port <= 65535:
+        return f"--sidecar-data-port {args.sidecar_data_port} is not a port; use 1..65535"
+    if args.sidecar_data_port == args.sidecar_base_port:
+        return f"--sidecar-data-port and --sidecar-base-port must differ (both {args.sidecar_data_port})"
+    if args.peering is not None and not args.peering:
+        return "--peering needs a name (the kopf peering object's), e.g. --peering kv-offload"
+    if args.peering_lifetime_seconds < 5:
+        return f"--peering-lifetime-seconds {args.peering_lifetime_seconds} is too short; use 5 or more"
     if args.webhook_cert_dir:
         missing = [f for f in ("tls.crt", "tls.key") if not os.path.isfile(os.path.join(args.webhook_cert_dir, f))]
         if missing:

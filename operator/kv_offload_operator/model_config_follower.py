@@ -1,14 +1,19 @@
-"""Follow the model ConfigMaps pools name in ``spec.modelConfigRef``: an edit is translated again.
+"""Follow what pools read outside their spec: an edit is translated again.
 
-``track`` (fed by an ``on.event`` handler) remembers which pools have a
-``modelConfigRef``; ``follow`` (a task started at startup) re-reads each
-one's ConfigMap every ``--model-config-check-seconds`` and reconciles the
-pool again when the content digest differs from ``status.modelConfigDigest``,
-so an edited model config reaches the pool's ConfigMap and fingerprint
-without a spec change or an operator restart. Not a kopf timer (it would put
-a finalizer on every pool), not a ConfigMap watch (cluster-wide list/watch
-on ConfigMaps): one ``get`` of a ConfigMap and of a pool per pool and
-interval. A ConfigMap that disappears leaves the pool on its last translation.
+The model ConfigMap of ``spec.modelConfigRef`` and the workload of
+``spec.targetRef`` (a Deployment, StatefulSet or LeaderWorkerSet whose vLLM
+container the pool translates, ``pool_source``). ``track`` (fed by an
+``on.event`` handler) remembers which pools name either; ``follow`` (a task
+started at startup) re-reads them every ``--model-config-check-seconds`` and
+reconciles the pool again when the ConfigMap's content digest differs from
+``status.modelConfigDigest`` or the workload's pod-template digest from
+``status.workloadDigest``, so an edited model config or a changed vLLM
+command line reaches the pool's ConfigMap and fingerprint without a spec
+change or an operator restart. Not a kopf timer (it would put a finalizer on
+every pool), not a ConfigMap or workload watch (cluster-wide list/watch on
+ConfigMaps and Deployments): one ``get`` of each named object and of the pool
+per pool and interval. A ConfigMap or workload that disappears leaves the
+pool on its last translation.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from .kube_api import get_pool, patch_pool_status
 from .model_config import content_digest, model_config_text
+from .pool_source import read_workload, template_digest
 from .reconcile import reconcile
 
 log = logging.getLogger(__name__)
@@ -32,7 +38,7 @@ log = logging.getLogger(__name__)
 def track(memo: kopf.Memo, event_type: str | None, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
     """Remember (or forget) the pool ``namespace/name`` as one to follow."""
     key = (namespace, name)
-    if event_type == "DELETED" or not spec.get("modelConfigRef"):
+    if event_type == "DELETED" or not (spec.get("modelConfigRef") or spec.get("targetRef")):
         memo.model_config_refs.pop(key, None)
     else:
         memo.model_config_refs[key] = True
@@ -43,13 +49,15 @@ async def follow(memo: kopf.Memo) -> None:
     interval = memo.options.model_config_check_seconds
     while True:
         await asyncio.sleep(interval)
+        if not memo.leading:  # another replica reconciles (leadership.py)
+            continue
         for namespace, name in list(memo.model_config_refs):
             try:
                 await _recheck(memo, namespace, name)
             except asyncio.CancelledError:
                 raise
             except Exception:  # one pool's API trouble must not stop the others
-                log.exception(f"Pool {namespace}/{name}: re-reading its model config failed")
+                log.exception(f"Pool {namespace}/{name}: re-reading its model config or workload failed")
 
 
 async def _recheck(memo: kopf.Memo, namespace: str, name: str) -> None:
@@ -62,20 +70,36 @@ async def _recheck(memo: kopf.Memo, namespace: str, name: str) -> None:
             return
         raise
     spec, status = body.get("spec") or {}, body.get("status") or {}
-    if not spec.get("modelConfigRef"):
+    changed = await _changed(api, namespace, spec, status)
+    if changed is None:
         return
-    try:
-        text = await model_config_text(api, namespace, spec)
-    except (ValueError, kopf.TemporaryError):
-        return  # gone or keyless: the pool keeps its last translation (running pods are unaffected)
-    if content_digest(text) == status.get("modelConfigDigest"):
-        return
-    log.info(f"Pool {namespace}/{name}: its modelConfigRef ConfigMap changed; translating again.")
+    log.info(f"Pool {namespace}/{name}: its {changed} changed; translating again.")
     patch = kopf.Patch()
     try:
-        await reconcile(body, body.get("metadata") or {}, status, name, namespace, patch, memo, log,
-                        memo.ready_counts.get((namespace, name), 0))
+        await reconcile(body, body.get("metadata") or {}, status, name, namespace, patch, memo, log, None)
     except (kopf.PermanentError, kopf.TemporaryError) as exc:
         log.warning(f"Pool {namespace}/{name}: {exc}")
     if patch.status:
         await patch_pool_status(api, namespace, name, patch.status)
+
+
+async def _changed(api: k8s.ApiClient, namespace: str, spec: Mapping[str, Any],
+                   status: Mapping[str, Any]) -> str | None:
+    """What changed since the last translation ("modelConfigRef ConfigMap", "targetRef
+    workload"), or None. One that is gone (or keyless) changes nothing: the pool keeps its
+    last translation and running pods are unaffected."""
+    if spec.get("modelConfigRef"):
+        try:
+            text = await model_config_text(api, namespace, spec)
+        except (ValueError, kopf.TemporaryError):
+            text = None
+        if text is not None and content_digest(text) != status.get("modelConfigDigest"):
+            return "modelConfigRef ConfigMap"
+    if spec.get("targetRef"):
+        try:
+            read = await read_workload(api, namespace, spec)
+        except (ValueError, kopf.TemporaryError):
+            read = None
+        if read is not None and template_digest(read[0], read[2]) != status.get("workloadDigest"):
+            return "targetRef workload"
+    return None

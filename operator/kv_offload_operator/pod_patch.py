@@ -3,7 +3,8 @@
 Pure (no kopf, no I/O). ``pod_patch`` adds the tier-copy init container, the
 native sidecar (its DP ranks read from the pod's own vLLM arguments, passed
 as ``--dp-indices``), the config / pool Secret / TLS / shm / tier volumes and
-the vLLM container's env and mounts; ``pod_identity_problem`` refuses a pod
+the vLLM container's env and mounts (and, opted in, its ``--kv-transfer-config``:
+``kv_transfer``; what the pod shares with its node: ``pod_host``); ``pod_identity_problem`` refuses a pod
 whose own vLLM arguments translate to another fingerprint than its pool's.
 The pool Secret is mounted whole, without ``subPath``, so a rotated key
 reaches the running sidecar (the kubelet updates the files in place) and
@@ -20,6 +21,7 @@ from typing import Any
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, identity_diff
 
+from . import kv_transfer, pod_host
 from .pool_objects import (
     ADMIN_TOKEN_KEY,
     CONFIG_KEY,
@@ -31,6 +33,7 @@ from .pool_objects import (
     secret_name,
 )
 from .pool_spec import HASH_SEED_ENV, SidecarSpec
+from .quantity import format_bytes
 from .translation.translate import translate
 from .translation.vllm_args import parse_vllm_args
 
@@ -63,9 +66,13 @@ TIER_VOLUME = "kv-offload-lib"
 METRICS_PORT_NAME = "kvo-metrics"
 # UCX settings of an injected ucx sidecar unless spec.sidecar.env overrides
 # them: TCP reaches peers on other nodes, sm/self serve peers on the same host;
-# 1 MiB TCP segments instead of UCX's 8 KiB ones.
+# 1 MiB TCP segments instead of UCX's 8 KiB ones. UCX_TLS is this default
+# (spec.sidecar.ucxTransports: tcp-sm) or the pool's ucxTransports preset.
 UCX_SIDECAR_ENV: Mapping[str, str] = {
     "UCX_TLS": "tcp,sm,self", "UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+# Startup probe: vLLM starts once the sidecar answers; the store is pre-faulted
+# first, so the allowance grows with it (1 s per GiB on top of a minute).
+STARTUP_BASE_FAILURES = 60
 # Both injected containers run as the image's non-root user, PSA "restricted"-compatible.
 CONTAINER_SECURITY: Mapping[str, Any] = {
     "runAsNonRoot": True, "allowPrivilegeEscalation": False,
@@ -122,32 +129,47 @@ def is_injected(pod: Mapping[str, Any]) -> bool:
 
 
 def pod_identity_problem(pod: Mapping[str, Any], pool_config: OffloadingConfig,
-                         model_config: Mapping[str, Any]) -> str | None:
+                         model_config: Mapping[str, Any], *,
+                         connector: kv_transfer.InjectedConnector | None = None,
+                         source: str = "spec.vllmArgs") -> str | None:
     """None when the pod's vLLM container translates to the pool's fingerprint.
 
     Otherwise a clause naming both fingerprints and every identity field that
     differs: such a pod would never share with its pool, so it is refused at
     admission rather than failing closed at every handshake. Raises ValueError
     (the translator's message) when the pod's arguments do not translate.
+    ``connector``: the pool's ``spec.injectKVTransferConfig``, added to a command
+    line without ``--kv-transfer-config`` as the webhook will; ``source``: where the
+    pool's command line comes from (``pool_source.VllmSource.where``).
     """
     container = ((pod.get("spec") or {}).get("containers") or [])[find_vllm_container(pod)]
     env = {str(e["name"]): str(e["value"]) for e in container.get("env") or [] if "value" in e}
-    pod_config = translate(container_argv(container), model_config, env=env)
+    argv = kv_transfer.effective_argv(container_argv(container), connector,
+                                      f"the vLLM container {container.get('name')!r}")
+    pod_config = translate(argv, model_config, env=env)
     if pod_config.fingerprint == pool_config.fingerprint:
         return None
     diff = "; ".join(identity_diff(pool_config, pod_config)) or "no field diff"
     return (f"its vLLM arguments give fingerprint {pod_config.fingerprint} but the pool's is "
             f"{pool_config.fingerprint} (pool != pod: {diff}); make the container's vllm serve "
-            f"arguments match the pool's spec.vllmArgs")
+            f"arguments match the pool's {source}")
 
 
 # ---- what is injected -------------------------------------------------------------
 
 def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
-                      dp_indices: Sequence[int], shm_volume: str) -> dict[str, Any]:
+                      dp_indices: Sequence[int], shm_volume: str,
+                      pod: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The native sidecar: an init container with ``restartPolicy: Always``.
 
     Its DP ranks are this pod's (``--dp-indices``), not the pool ConfigMap's.
+    It has no readinessProbe: a native sidecar's readiness counts toward the
+    pod's Ready condition, and without a probe the kubelet counts it ready
+    from its startupProbe's success for as long as it runs, so nothing the
+    sidecar reports ever takes the vLLM replica out of its Service (only a
+    sidecar restart does, for the seconds until the new process answers; the
+    tier serves misses meanwhile). ``pod``: ports become host ports on the
+    host network (``pod_host.host_ports``).
     """
     first = sidecar.control_port(dp_indices[0])
     args = ["sidecar", "--config", CONFIG_PATH, "--pool-key-file", POOL_KEY_PATH,
@@ -164,10 +186,18 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         mounts.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
     mounts.append({"name": shm_volume, "mountPath": SHM_DIR})
 
-    def probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    def probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any]:
         return {"httpGet": {"path": path, "port": first}, "periodSeconds": period,
-                "timeoutSeconds": 2, "failureThreshold": failures}
+                "timeoutSeconds": timeout, "failureThreshold": failures}
 
+    resources = copy.deepcopy(dict(sidecar.resources))
+    if sidecar.resource_claims:
+        resources["claims"] = pod_host.container_claims(sidecar)
+    security = copy.deepcopy(dict(CONTAINER_SECURITY))
+    if sidecar.ipc_lock:  # Kubernetes gives added capabilities to root processes only
+        security.update(runAsNonRoot=False, runAsUser=0)
+        security["capabilities"]["add"] = ["IPC_LOCK"]
+    ports = sidecar_ports(sidecar, dp_indices)
     return {
         "name": SIDECAR_NAME,
         "image": sidecar.image,
@@ -175,13 +205,13 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         "args": args,
         "restartPolicy": "Always",
         "env": sidecar_env(sidecar, pool_name=pool_name),
-        "ports": sidecar_ports(sidecar, dp_indices),
+        "ports": pod_host.host_ports(pod, ports) if pod is not None else ports,
         # vLLM starts only once the sidecar answers (native sidecar semantics).
-        "startupProbe": probe("/healthz", 1, 60),
-        "livenessProbe": probe("/healthz", 10, 3),
-        "readinessProbe": probe("/readyz", 5, 3),
-        "resources": copy.deepcopy(dict(sidecar.resources)),
-        "securityContext": copy.deepcopy(dict(CONTAINER_SECURITY)),
+        "startupProbe": probe("/healthz", 1, 2, STARTUP_BASE_FAILURES + -(-sidecar.capacity_bytes // (1 << 30))),
+        # A minute without an answer before a restart: a restart empties the store.
+        "livenessProbe": probe("/healthz", 10, 5, 6),
+        "resources": resources,
+        "securityContext": security,
         "volumeMounts": mounts,
     }
 
@@ -204,7 +234,8 @@ def sidecar_env(sidecar: SidecarSpec, *, pool_name: str) -> list[dict[str, Any]]
     env = side_channel_env(sidecar.base_port) + [hash_seed_env(sidecar, pool_name)]
     user = {str(e["name"]) for e in sidecar.env}
     if sidecar.transport == "ucx":
-        env += [{"name": k, "value": v} for k, v in UCX_SIDECAR_ENV.items() if k not in user]
+        ucx = dict(UCX_SIDECAR_ENV, UCX_TLS=sidecar.ucx_tls)
+        env += [{"name": k, "value": v} for k, v in ucx.items() if k not in user]
     return env + [copy.deepcopy(dict(e)) for e in sidecar.env]
 
 
@@ -234,8 +265,10 @@ def side_channel_env(base_port: int) -> list[dict[str, Any]]:
             {"name": ports.ENV_PORT, "value": str(base_port)}]
 
 
-def pod_volumes(pool_name: str, sidecar: SidecarSpec, *, with_shm: bool) -> list[dict[str, Any]]:
-    """Config, pool Secret, TLS (spec.sidecar.tls), shm and tier volumes.
+def pod_volumes(pool_name: str, sidecar: SidecarSpec, *, with_shm: bool,
+                shm_bytes: int | None = None) -> list[dict[str, Any]]:
+    """Config, pool Secret, TLS (spec.sidecar.tls), shm (``shm_bytes``, default: the store
+    plus head room) and tier volumes.
 
     Both Secrets are mounted whole (no ``items``): every entry present is a
     file, updated in place when the Secret changes, and an entry that is
@@ -251,8 +284,8 @@ def pod_volumes(pool_name: str, sidecar: SidecarSpec, *, with_shm: bool) -> list
     if sidecar.tls_secret is not None:
         vols.append({"name": TLS_VOLUME, "secret": {"secretName": sidecar.tls_secret}})
     if with_shm:
-        vols.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
-                                                      "sizeLimit": str(sidecar.shm_size_limit)}})
+        size = shm_bytes if shm_bytes is not None else pod_host.shm_size_limit(sidecar, 0, 1)
+        vols.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(size)}})
     return vols
 
 
@@ -340,7 +373,12 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
     ``kv-offload.io/injected`` annotation. A vLLM container that sets another
     ``PYTHONHASHSEED`` than the pool's ``spec.hashSeed``, or any while the pool
     uses its secret seed, is refused. A pod that already mounts something at
-    /dev/shm keeps that volume and shares it.
+    /dev/shm keeps that volume and shares it (an emptyDir's sizeLimit is raised
+    to hold the store and vLLM's primary tier, ``pod_host``). With
+    ``spec.injectKVTransferConfig`` a vLLM command line without
+    ``--kv-transfer-config`` gets ours. Host network pods get host ports; a pod
+    sharing only one of the host's PID and IPC namespaces while UCX may use
+    shared memory is refused; RDMA claims (spec.sidecar.rdma) are added.
     Raises ValueError (one sentence) when the pod cannot be wired.
     """
     if is_injected(pod):
@@ -350,10 +388,22 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
     spec = pod.get("spec") or {}
     index = find_vllm_container(pod)
     vllm = spec["containers"][index]
+    where = f"the vLLM container {vllm.get('name')!r}"
+    connector = kv_transfer.injected_connector(pool.get("spec") or {})
+    injection: dict[str, list[str]] = {}
+    if kv_transfer.needs_injection(container_argv(vllm), connector, where):
+        assert connector is not None
+        injection = kv_transfer.container_injection(vllm, connector, where)
+        vllm = {**vllm, **injection}  # the container as it will run
     try:
         dp_indices = pod_dp_indices(vllm)
     except ValueError as exc:
         raise ValueError(f"the vLLM arguments of container {vllm.get('name')!r} do not parse: {exc}") from None
+    problem = pod_host.host_namespace_problem(pod, effective_ucx_tls(sidecar))
+    if problem is not None:
+        raise ValueError(problem)
+    shm_bytes = pod_host.shm_size_limit(sidecar, pod_host.primary_tier_bytes(container_argv(vllm)),
+                                        len(dp_indices))
     existing_shm = _existing_shm_volume(vllm)
     shm_volume = existing_shm or SHM_VOLUME
     ops: list[dict[str, Any]] = []
@@ -364,6 +414,8 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
                 "value": fingerprint})
 
     def append_all(path: str, present: bool, items: list[dict[str, Any]]) -> None:
+        if not items:
+            return
         if not present:
             ops.append({"op": "add", "path": path, "value": items})
         else:
@@ -371,17 +423,34 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
 
     inits = [tier_init_container(sidecar),
              sidecar_container(pool_name=pool_name, namespace=namespace, sidecar=sidecar,
-                               dp_indices=dp_indices, shm_volume=shm_volume)]
+                               dp_indices=dp_indices, shm_volume=shm_volume, pod=pod)]
     append_all("/spec/initContainers", "initContainers" in spec, inits)
     append_all("/spec/volumes", "volumes" in spec,
-               pod_volumes(pool_name, sidecar, with_shm=existing_shm is None))
+               pod_volumes(pool_name, sidecar, with_shm=existing_shm is None, shm_bytes=shm_bytes))
+    resize = pod_host.own_shm_resize(pod, existing_shm, shm_bytes) if existing_shm else None
+    if resize is not None:  # the pod's own /dev/shm must hold the store and vLLM's primary tier
+        ops.append({"op": "replace", "path": f"/spec/volumes/{resize[0]}/emptyDir/sizeLimit", "value": resize[1]})
+    append_all("/spec/resourceClaims", "resourceClaims" in spec, pod_host.pod_resource_claims(pod, sidecar))
     base = f"/spec/containers/{index}"
+    for key, value in injection.items():  # our --kv-transfer-config (spec.injectKVTransferConfig)
+        ops.append({"op": "add", "path": f"{base}/{key}", "value": value})
     ops.append({"op": "add", "path": f"{base}/env", "value": _vllm_env(vllm, sidecar, pool_name)})
     mounts = [{"name": TIER_VOLUME, "mountPath": TIER_DIR, "readOnly": True}]
     if existing_shm is None:
         mounts.append({"name": SHM_VOLUME, "mountPath": SHM_DIR})
     append_all(f"{base}/volumeMounts", "volumeMounts" in vllm, mounts)
     return ops
+
+
+def effective_ucx_tls(sidecar: SidecarSpec) -> str | None:
+    """The sidecar's UCX_TLS: a plain spec.sidecar.env value, else the ucxTransports preset;
+    None with the tcp transport (no UCX)."""
+    if sidecar.transport != "ucx":
+        return None
+    for e in sidecar.env:
+        if e.get("name") == "UCX_TLS" and "value" in e:
+            return str(e["value"])
+    return sidecar.ucx_tls
 
 
 def apply_patch(doc: dict[str, Any], ops: Sequence[Mapping[str, Any]]) -> None:

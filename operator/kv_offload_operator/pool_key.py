@@ -93,6 +93,8 @@ async def follow(memo: kopf.Memo) -> None:
     interval = memo.options.key_rotation_check_seconds
     while True:
         await asyncio.sleep(interval)
+        if not memo.leading:  # another replica reconciles (leadership.py)
+            continue
         for namespace, name in list(memo.key_rotations):
             try:
                 await step(memo, namespace, name)

@@ -130,13 +130,15 @@ def missing_secret_data(data: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def pool_ports(config: OffloadingConfig, sidecar: SidecarSpec) -> dict[str, int]:
-    """Port name -> number of every pool sidecar: one control port per DP rank + data.
+    """Port name -> number of every pool sidecar: one control port per DP rank + data
+    (``spec.sidecar.dataPort``); ValueError when the data port is among the control ports.
 
     These are the peer Service's port names; each pod names its own first
     control port ``kvo-metrics`` instead (``pod_patch.sidecar_ports``).
     """
-    ports = {f"kvo-ctrl-{i}": sidecar.control_port(i)
-             for i in range(max(1, config.parallel.data_parallel_size))}
+    dp_size = max(1, config.parallel.data_parallel_size)
+    sidecar.check_ports(dp_size)
+    ports = {f"kvo-ctrl-{i}": sidecar.control_port(i) for i in range(dp_size)}
     ports["kvo-data"] = sidecar.data_port
     return ports
 

@@ -3,8 +3,12 @@
 Pure (no kopf, no I/O): ``SidecarSpec.from_pool`` turns a pool body's
 ``spec.sidecar``, ``spec.shmSizeLimit`` and ``spec.hashSeed`` into one frozen
 value with every default applied, and refuses a value that can never work
-with a ``ValueError`` naming the field and what to change. Both the pool's
-own objects (``pool_objects``) and the pod patch (``pod_patch``) read it.
+with a ``ValueError`` naming the field, the value and what to change. Both
+the pool's own objects (``pool_objects``) and the pod patch (``pod_patch``)
+read it. Sizes (``capacityBytes``, ``shmSizeLimit``, memory) are bytes or
+Kubernetes quantities (``quantity.parse_bytes``). The sidecar's memory
+request covers its store: the store fills ``capacityBytes`` of /dev/shm at
+start and those pages are charged to the sidecar container.
 ``key_rotation_grace_seconds`` reads ``spec.keyRotationGraceSeconds`` the same way.
 """
 
@@ -19,6 +23,8 @@ from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, TRANSPORTS
 
+from .quantity import format_bytes, parse_bytes, positive_bytes
+
 GROUP = "kv-offload.io"
 VERSION = "v1alpha1"
 PLURAL = "kvoffloadpools"
@@ -29,9 +35,19 @@ POOL_LABEL = "kv-offload.io/pool"
 # above): a pool that sets nothing runs the sidecar's defaults.
 DEFAULT_BASE_PORT = ports.DEFAULT_BASE_PORT
 DEFAULT_CAPACITY_BYTES = 4 << 30
-# Head room of the default /dev/shm limit above the chunk store (vLLM, NCCL).
+# Head room of the default /dev/shm limit above the chunk store and vLLM's
+# primary tier (NCCL, PyTorch's shared tensors, vLLM's own IPC).
 SHM_HEADROOM_BYTES = 1 << 30
+# Memory of the sidecar process besides its store (Python, aiohttp, UCX buffers).
+SIDECAR_MEMORY_OVERHEAD_BYTES = 256 << 20
 DEFAULT_TRANSPORT = "ucx"
+# UCX_TLS of each spec.sidecar.ucxTransports preset. UCX picks per peer among the
+# listed transports: sm reaches peers on the same node whose pods share the host's
+# PID and IPC namespaces (hostPID and hostIPC), rc/dc peers on an RDMA fabric, tcp
+# everything else (the fallback of the RDMA presets).
+UCX_TRANSPORT_PRESETS: Mapping[str, str] = {
+    "tcp-sm": "tcp,sm,self", "tcp": "tcp,self", "rdma-rc": "rc,sm,self,tcp", "rdma-dc": "dc,sm,self,tcp"}
+DEFAULT_UCX_TRANSPORTS = "tcp-sm"
 # Pool-wide PYTHONHASHSEED: vLLM seeds its prefix hash chain (NONE_HASH) with it,
 # randomly per process when it is unset. spec.hashSeed fixes it; without it the
 # pool's secret seed (Secret <pool>-pool-key, key hash-seed) is used.
@@ -42,7 +58,7 @@ MAX_HASH_SEED = 4294967295
 _OPERATOR_SIDECAR_ENV: Mapping[str, str] = {ports.ENV_HOST: "spec.sidecar.basePort",
                                             ports.ENV_PORT: "spec.sidecar.basePort",
                                             HASH_SEED_ENV: "spec.hashSeed"}
-DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}}
+DEFAULT_SIDECAR_CPU = "250m"
 # Seconds a rotated-out pool key stays accepted (spec.keyRotationGraceSeconds).
 DEFAULT_KEY_ROTATION_GRACE_SECONDS = 600
 
@@ -57,7 +73,8 @@ class SidecarSpec:
 
     # Sidecar image (spec.sidecar.image, else the operator's --sidecar-image).
     image: str
-    # ResourceRequirements of the sidecar container.
+    # ResourceRequirements of the sidecar container: the memory request covers the
+    # store (capacity_bytes + SIDECAR_MEMORY_OVERHEAD_BYTES), RDMA devices are added.
     resources: Mapping[str, Any]
     # Host-memory chunk store size per pod in bytes (> 0).
     capacity_bytes: int
@@ -65,10 +82,11 @@ class SidecarSpec:
     transport: str
     # Control port of global DP rank 0; rank i uses base_port + i.
     base_port: int
-    # Data-plane port of the TCP transport.
+    # Data-plane port of the TCP transport (spec.sidecar.dataPort).
     data_port: int
-    # sizeLimit of the shared /dev/shm emptyDir (quantity string or bytes).
-    shm_size_limit: str | int
+    # sizeLimit of the shared /dev/shm emptyDir in bytes (spec.shmSizeLimit); None: each pod's
+    # store + vLLM's primary tier + SHM_HEADROOM_BYTES (pod_patch.shm_bytes_needed).
+    shm_size_limit: int | None
     # Fixed PYTHONHASHSEED of every vLLM and sidecar container (spec.hashSeed), e.g. "0";
     # None: the pool's secret seed, read from its Secret by the containers.
     hash_seed: str | None = None
@@ -76,33 +94,69 @@ class SidecarSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     # Secret with tls.crt, tls.key and ca.crt for the tcp data plane (spec.sidecar.tls.secretName); None: no TLS.
     tls_secret: str | None = None
+    # spec.sidecar.ucxTransports: a key of UCX_TRANSPORT_PRESETS, the sidecar's UCX_TLS.
+    ucx_transports: str = DEFAULT_UCX_TRANSPORTS
+    # DRA claims of the sidecar (spec.sidecar.rdma.resourceClaims): PodResourceClaims, each
+    # optionally with the "request" the sidecar uses.
+    resource_claims: tuple[Mapping[str, Any], ...] = ()
+    # spec.sidecar.rdma.ipcLock: the sidecar runs as UID 0 with every capability dropped but
+    # IPC_LOCK, so it may pin (register) memory beyond RLIMIT_MEMLOCK (Kubernetes gives added
+    # capabilities to root processes only).
+    ipc_lock: bool = False
+
+    @property
+    def ucx_tls(self) -> str:
+        """The UCX_TLS of ``ucx_transports`` (spec.sidecar.env UCX_TLS still wins in the pod)."""
+        return UCX_TRANSPORT_PRESETS[self.ucx_transports]
 
     @classmethod
-    def from_pool(cls, pool: Mapping[str, Any], *, default_image: str) -> "SidecarSpec":
-        """Read a pool body's spec; ValueError names the field and what to change."""
+    def from_pool(cls, pool: Mapping[str, Any], *, default_image: str, default_base_port: int = DEFAULT_BASE_PORT,
+                  default_data_port: int = DEFAULT_DATA_PORT) -> SidecarSpec:
+        """Read a pool body's spec; ValueError names the field, the value and what to change.
+
+        ``default_*``: what a pool that sets no image, basePort or dataPort gets (the
+        operator's --sidecar-image and port flags; the chart's sidecar.* values)."""
         spec = pool.get("spec") or {}
         sc = spec.get("sidecar") or {}
         image = sc.get("image") or default_image
         if not image:
             raise ValueError("spec.sidecar.image is empty and the operator has no --sidecar-image; "
                              "set spec.sidecar.image")
-        capacity = sc.get("capacityBytes", DEFAULT_CAPACITY_BYTES)
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-            raise ValueError(f"spec.sidecar.capacityBytes={capacity!r}: set a positive number of bytes")
+        capacity = positive_bytes(sc.get("capacityBytes", DEFAULT_CAPACITY_BYTES), "spec.sidecar.capacityBytes")
         transport = sc.get("transport", DEFAULT_TRANSPORT)
         if transport not in TRANSPORTS:
             raise ValueError(f"spec.sidecar.transport={transport!r}: use one of {list(TRANSPORTS)}")
-        base_port = sc.get("basePort", DEFAULT_BASE_PORT)
+        base_port = sc.get("basePort", default_base_port)
         if not isinstance(base_port, int) or isinstance(base_port, bool) or not 1 <= base_port <= 65000:
             raise ValueError(f"spec.sidecar.basePort={base_port!r}: use a port in [1, 65000]")
-        shm = spec.get("shmSizeLimit", capacity + SHM_HEADROOM_BYTES)
+        data_port = sc.get("dataPort", default_data_port)
+        if not isinstance(data_port, int) or isinstance(data_port, bool) or not 1 <= data_port <= 65535:
+            raise ValueError(f"spec.sidecar.dataPort={data_port!r}: use a port in [1, 65535]")
+        if data_port == base_port:
+            raise ValueError(f"spec.sidecar.dataPort={data_port} equals spec.sidecar.basePort, the control port "
+                             f"of data-parallel rank 0: pick another spec.sidecar.dataPort")
+        shm = spec.get("shmSizeLimit")
+        shm_bytes = None if shm is None else positive_bytes(shm, "spec.shmSizeLimit")
+        if shm_bytes is not None and shm_bytes < capacity:
+            raise ValueError(f"spec.shmSizeLimit={shm!r} ({format_bytes(shm_bytes)}) is smaller than "
+                             f"spec.sidecar.capacityBytes ({format_bytes(capacity)}), which the store fills in "
+                             f"/dev/shm at start: raise spec.shmSizeLimit above capacityBytes plus vLLM's "
+                             f"cpu_bytes_to_use, or remove it to get that default")
+        ucx_transports = sc.get("ucxTransports", DEFAULT_UCX_TRANSPORTS)
+        if ucx_transports not in UCX_TRANSPORT_PRESETS:
+            raise ValueError(f"spec.sidecar.ucxTransports={ucx_transports!r}: use one of "
+                             f"{list(UCX_TRANSPORT_PRESETS)}")
+        rdma = _rdma(sc.get("rdma"), transport, ucx_transports)
         seed = spec.get("hashSeed")
-        return cls(image=image, resources=sc.get("resources") or DEFAULT_SIDECAR_RESOURCES,
+        return cls(image=image,
+                   resources=_sidecar_resources(sc.get("resources"), capacity, rdma["resources"]),
                    capacity_bytes=capacity, transport=transport, base_port=base_port,
-                   data_port=DEFAULT_DATA_PORT, shm_size_limit=shm,
+                   data_port=data_port, shm_size_limit=shm_bytes,
                    hash_seed=None if seed is None else _hash_seed(seed),
                    env=_sidecar_env_spec(sc.get("env") or []),
-                   tls_secret=_tls_secret(sc.get("tls"), transport))
+                   tls_secret=_tls_secret(sc.get("tls"), transport),
+                   ucx_transports=ucx_transports, resource_claims=rdma["claims"],
+                   ipc_lock=rdma["ipc_lock"])
 
     def control_port(self, dp_index: int) -> int:
         """The sidecar's control port of global data-parallel index ``dp_index`` (the sidecar's
@@ -112,6 +166,91 @@ class SidecarSpec:
         except ValueError:
             raise ValueError(f"spec.sidecar.basePort={self.base_port} + data-parallel index {dp_index} "
                              f"is above port 65535: set a lower spec.sidecar.basePort") from None
+
+    def check_ports(self, dp_size: int) -> None:
+        """ValueError when the data port lies among the control ports of ``dp_size`` DP ranks."""
+        last = self.control_port(max(1, dp_size) - 1)
+        if self.base_port <= self.data_port <= last:
+            raise ValueError(f"spec.sidecar.dataPort={self.data_port} lies among the control ports "
+                             f"{self.base_port}-{last} (spec.sidecar.basePort + data-parallel index, "
+                             f"{dp_size} ranks): move spec.sidecar.dataPort out of that range")
+
+
+def _sidecar_resources(resources: Any, capacity: int, devices: Mapping[str, str]) -> dict[str, Any]:
+    """spec.sidecar.resources with a memory request that holds the store, and the RDMA devices.
+
+    No memory request: capacity + SIDECAR_MEMORY_OVERHEAD_BYTES is requested (the
+    store's pages are charged to the sidecar). A request or limit below that is
+    refused: the scheduler would place the pod where its store does not fit, or the
+    kernel would kill the sidecar while it fills the store.
+    """
+    if resources is None:
+        resources = {}
+    if not isinstance(resources, Mapping):
+        raise ValueError(f"spec.sidecar.resources={resources!r} must be a ResourceRequirements object")
+    result = copy.deepcopy(dict(resources))
+    need = capacity + SIDECAR_MEMORY_OVERHEAD_BYTES
+    for kind in ("requests", "limits"):
+        given = (result.get(kind) or {}).get("memory")
+        if given is None:
+            continue
+        have = parse_bytes(given, f"spec.sidecar.resources.{kind}.memory")
+        if have < need:
+            raise ValueError(
+                f"spec.sidecar.resources.{kind}.memory={given!r} is below the store it holds: "
+                f"spec.sidecar.capacityBytes ({format_bytes(capacity)}) + {format_bytes(SIDECAR_MEMORY_OVERHEAD_BYTES)} "
+                f"for the process = {format_bytes(need)}; raise it to at least {format_bytes(need)} or lower "
+                f"spec.sidecar.capacityBytes")
+    requests = dict(result.get("requests") or {})
+    limits = dict(result.get("limits") or {})
+    if "memory" not in requests and "memory" not in limits:
+        requests["memory"] = format_bytes(need)
+    if not resources:
+        requests.setdefault("cpu", DEFAULT_SIDECAR_CPU)
+    for name, count in devices.items():  # extended resources: request = limit
+        requests[name] = limits[name] = count
+    if requests:
+        result["requests"] = requests
+    if limits:
+        result["limits"] = limits
+    return result
+
+
+def _rdma(rdma: Any, transport: str, ucx_transports: str) -> dict[str, Any]:
+    """spec.sidecar.rdma: device-plugin resources, DRA claims and IPC_LOCK, checked."""
+    if rdma is None:
+        return {"resources": {}, "claims": (), "ipc_lock": False}
+    if not isinstance(rdma, Mapping):
+        raise ValueError(f"spec.sidecar.rdma={rdma!r} must be an object (resources, resourceClaims, ipcLock)")
+    if transport != "ucx":
+        raise ValueError(f"spec.sidecar.rdma is set but spec.sidecar.transport is {transport!r}: RDMA needs "
+                         f"the ucx transport; set spec.sidecar.transport: ucx or remove spec.sidecar.rdma")
+    if not ucx_transports.startswith("rdma-"):
+        raise ValueError(f"spec.sidecar.rdma is set but spec.sidecar.ucxTransports is {ucx_transports!r}, which "
+                         f"lists no RDMA transport: set spec.sidecar.ucxTransports: rdma-rc (or rdma-dc on "
+                         f"ConnectX), or remove spec.sidecar.rdma")
+    devices: dict[str, str] = {}
+    for name, count in (rdma.get("resources") or {}).items():
+        if "/" not in str(name):
+            raise ValueError(f"spec.sidecar.rdma.resources names {name!r}: give a device-plugin resource with "
+                             f"its domain, e.g. rdma/ib or rdma/hca_shared_devices_a")
+        if isinstance(count, bool) or not isinstance(count, (int, str)) or not str(count).isdigit() \
+                or int(count) < 1:
+            raise ValueError(f"spec.sidecar.rdma.resources.{name}={count!r}: give a whole number of devices, e.g. 1")
+        devices[str(name)] = str(count)
+    claims = []
+    for i, claim in enumerate(rdma.get("resourceClaims") or []):
+        name = claim.get("name") if isinstance(claim, Mapping) else None
+        sources = [k for k in ("resourceClaimName", "resourceClaimTemplateName") if claim.get(k)] \
+            if isinstance(claim, Mapping) else []
+        if not isinstance(name, str) or not name or len(sources) != 1:
+            raise ValueError(f"spec.sidecar.rdma.resourceClaims[{i}]={claim!r}: give a name and exactly one of "
+                             f"resourceClaimName or resourceClaimTemplateName (a DRA claim for the RDMA NIC)")
+        claims.append(copy.deepcopy(dict(claim)))
+    ipc_lock = rdma.get("ipcLock", False)
+    if not isinstance(ipc_lock, bool):
+        raise ValueError(f"spec.sidecar.rdma.ipcLock={ipc_lock!r}: use true or false")
+    return {"resources": devices, "claims": tuple(claims), "ipc_lock": ipc_lock}
 
 
 def _hash_seed(value: Any) -> str:

@@ -1,7 +1,8 @@
 """One pool reconciliation: translate the pool, write its ConfigMap, Secret and Service, set its status.
 
-The ConfigMap holds ``pool_config`` (the pool's OffloadingConfig, with no
-engine's own values: every pod mounts it); the Secret is created once and
+The command line comes from ``spec.vllmArgs`` or the ``spec.targetRef``
+workload (``pool_source``). The ConfigMap holds ``pool_config`` (the pool's
+OffloadingConfig, with no engine's own values: every pod mounts it); the Secret is created once and
 completed when an older operator wrote it (``pool_key.ensure``; only a
 requested rotation changes its key, ``pool_key.follow``); the Service ports
 follow the pool's DP size. The status (fingerprint, namespace digest,
@@ -15,31 +16,52 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
 from kubernetes_asyncio import client as k8s
 
-from . import pool_key
+from . import pool_key, ready_peers
 from . import pool_objects as objects
 from .kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .model_config import model_config
+from .pool_source import vllm_source
 from .pool_spec import (
     PoolSpecError,
     SidecarSpec,
     key_rotation_grace_seconds,
     pool_hash_seed_problem,
 )
-from .translation.translate import pool_config
+from .translation.translate import TranslationError, pool_config
 
 
 async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Mapping[str, Any],
                     name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
-                    logger: logging.Logger | logging.LoggerAdapter, ready_count: int) -> None:
+                    logger: logging.Logger | logging.LoggerAdapter, sidecars: Iterable[str] | None) -> None:
     """Translate the pool and write its children; the status goes to ``patch.status``
     (also when it raises: PermanentError for a spec that can never work, TemporaryError
-    while something it needs does not exist yet)."""
+    while something it needs does not exist yet). ``sidecars``: the injected fingerprints of
+    the pool's running sidecars (``ready_peers``), counted against the new fingerprint; None
+    leaves ``status.readyPeers`` to the ``recount_ready_peers`` handler.
+    Counted in ``memo.metrics.reconciles``."""
+    try:
+        await _reconcile(body, meta, status, name, namespace, patch, memo, logger, sidecars)
+    except kopf.PermanentError:
+        memo.metrics.reconciles.labels(result="invalid").inc()
+        raise
+    except kopf.TemporaryError:
+        memo.metrics.reconciles.labels(result="waiting").inc()
+        raise
+    except Exception:
+        memo.metrics.reconciles.labels(result="error").inc()
+        raise
+    memo.metrics.reconciles.labels(result="ok").inc()
+
+
+async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Mapping[str, Any],
+                     name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
+                     logger: logging.Logger | logging.LoggerAdapter, sidecars: Iterable[str] | None) -> None:
     api: k8s.ApiClient = memo.api
     generation = meta.get("generation")
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -52,14 +74,19 @@ async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Ma
 
     try:
         model = await model_config(api, namespace, pool["spec"], patch)
-        config = pool_config(list(pool["spec"].get("vllmArgs") or []), model)
-        sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
+        source = await vllm_source(api, namespace, pool["spec"], patch)
+        config = pool_config(list(source.argv), model, env=source.env)
+        sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image,
+                                        default_base_port=memo.options.sidecar_base_port,
+                                        default_data_port=memo.options.sidecar_data_port)
         seed_problem = pool_hash_seed_problem(config, sidecar.hash_seed)
         if seed_problem is not None:
             raise PoolSpecError(seed_problem)
         key_rotation_grace_seconds(pool)
         ports = objects.pool_ports(config, sidecar)
     except ValueError as exc:  # TranslationError, PoolSpecError, bad sidecar values, ports or grace
+        if isinstance(exc, TranslationError):
+            memo.metrics.translation_errors.inc()
         message = str(exc)
         patch.status["conditions"] = objects.pool_conditions(
             status.get("conditions"), invalid_message=message, generation=generation, now=now)
@@ -78,11 +105,13 @@ async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Ma
         raise
     await _ensure_service(core, objects.peers_service(pool, ports))
 
-    memo.ready_counts[(namespace, name)] = ready_count
+    ready_count = None if sidecars is None else ready_peers.count_matching(sidecars, config.fingerprint)
+    if ready_count is not None:
+        memo.ready_counts[(namespace, name)] = ready_count
+        patch.status["readyPeers"] = ready_count
     patch.status["fingerprint"] = config.fingerprint
     patch.status["namespaceDigest"] = config.namespace_digest
     patch.status["configMap"] = objects.configmap_name(name)
-    patch.status["readyPeers"] = ready_count
     patch.status["observedGeneration"] = generation
     patch.status["conditions"] = objects.pool_conditions(
         status.get("conditions"), invalid_message=None, generation=generation, now=now)

@@ -2,10 +2,11 @@
 
 ``OperatorOptions`` carries the command-line settings (``main.py``) to the
 startup handler through ``memo.options``; ``configure`` applies all of kopf's
-settings in one place, fills the memo the other handlers use (``api``,
-``ready_counts``, ``model_config_refs``, ``key_rotations``,
-``pool_key_locks``) and starts the model-config and key-rotation followers;
-``shut_down`` undoes it.
+settings in one place (peering: standalone, or one of several replicas,
+``leadership``), fills the memo the other handlers use (``api``,
+``metrics``, ``leading``, ``ready_counts``, ``model_config_refs``,
+``key_rotations``, ``pool_key_locks``), serves ``/metrics`` and starts the
+model-config, key-rotation and leadership followers; ``shut_down`` undoes it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import shutil
 from dataclasses import dataclass
 
 import kopf
+from prometheus_client import CollectorRegistry
 
-from . import model_config_follower, pool_key
+from . import leadership, model_config_follower, pool_key
 from .kube_api import api_client
+from .operator_metrics import OperatorMetrics, serve_metrics
 from .pool_spec import GROUP
 from .tls_server import webhook_server
 
@@ -43,6 +46,24 @@ class OperatorOptions:
     model_config_check_seconds: float = 60.0
     # Seconds between steps of a pool key rotation: start on request, end at expiry (> 0).
     key_rotation_check_seconds: float = 10.0
+    # Prometheus /metrics port (the chart's ServiceMonitor scrapes it); 0 = not served.
+    metrics_port: int = 0
+    # kopf peering object shared by the replicas; None = the only replica (standalone).
+    peering_name: str | None = None
+    # Seconds a replica's peering record lives without a keep-alive (another takes over after it).
+    peering_lifetime_seconds: int = 60
+    # kopf peering priority (leadership.start_priority: the oldest replica is the highest).
+    peering_priority: int = 0
+    # This replica's name among its peers (leadership.own_identity).
+    identity: str = ""
+    # Watched namespaces (exact names; empty with clusterwide).
+    namespaces: tuple[str, ...] = ()
+    # Watching every namespace (a ClusterKopfPeering) instead of `namespaces` (a KopfPeering in each).
+    clusterwide: bool = False
+    # Control port of DP rank 0 for pools without spec.sidecar.basePort (--sidecar-base-port).
+    sidecar_base_port: int = 5710
+    # tcp data-plane port for pools without spec.sidecar.dataPort (--sidecar-data-port).
+    sidecar_data_port: int = 5810
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger) -> None:
@@ -54,15 +75,28 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     # Only problems become Kubernetes Events (kubectl describe kvoffloadpool ...).
     settings.posting.level = logging.WARNING
-    # One replica; no peering objects, no CRD scanning: least RBAC.
-    settings.peering.standalone = True
-    settings.peering.mandatory = False
+    # Alone (no peering objects), or one of several replicas where the oldest reconciles; no CRD scanning.
+    settings.peering.standalone = options.peering_name is None
+    settings.peering.mandatory = options.peering_name is not None
+    if options.peering_name is not None:
+        settings.peering.name = options.peering_name
+        settings.peering.priority = options.peering_priority
+        settings.peering.lifetime = options.peering_lifetime_seconds
+        settings.peering.stealth = True  # no log line per keep-alive
     settings.scanning.disabled = True
     settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
     settings.admission.server, memo.self_signed_dir = webhook_server(
         addr=options.webhook_addr, port=options.webhook_port, host=options.webhook_host,
         cert_dir=options.webhook_cert_dir, check_seconds=options.webhook_cert_check_seconds, logger=logger)
+    memo.metrics = OperatorMetrics(CollectorRegistry())
+    memo.leading = options.peering_name is None
+    memo.metrics.set_leading(memo.leading)
+    if options.metrics_port:
+        memo.metrics_runner = await serve_metrics(memo.metrics.registry, options.webhook_addr, options.metrics_port)
     memo.api = await api_client()
+    if options.peering_name is not None:
+        await leadership.ensure_peering(memo.api, options.peering_name, options.namespaces, options.clusterwide)
+        memo.leadership_follower = asyncio.create_task(leadership.follow(memo), name="leadership-follower")
     memo.ready_counts = {}
     memo.model_config_refs = {}
     memo.key_rotations = {}
@@ -73,12 +107,15 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
 
 
 async def shut_down(memo: kopf.Memo) -> None:
-    """Stop the followers, close the API client, delete a self-signed dev pair."""
-    for task_name in ("model_config_follower", "key_rotation_follower"):
+    """Stop the followers and the metrics server, close the API client, delete a self-signed dev pair."""
+    for task_name in ("model_config_follower", "key_rotation_follower", "leadership_follower"):
         follower = getattr(memo, task_name, None)
         if follower is not None:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
+    runner = getattr(memo, "metrics_runner", None)
+    if runner is not None:
+        await runner.cleanup()
     api = getattr(memo, "api", None)
     if api is not None:
         await api.close()

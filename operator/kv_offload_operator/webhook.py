@@ -4,7 +4,9 @@ A pod is denied, with a sentence saying what to change, when its pool does
 not exist, is Invalid, has no translated config yet or is being updated, or
 when the pod itself cannot join (its vLLM arguments translate to another
 fingerprint, it sets another ``PYTHONHASHSEED``, its vLLM container cannot
-be found). The patch itself is built by ``pod_patch``.
+be found). The patch itself is built by ``pod_patch``. Every refusal is a
+``Denial`` naming its reason (``operator_metrics.DENIED_REASONS``) for the
+admissions metric.
 """
 
 from __future__ import annotations
@@ -17,10 +19,38 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import pod_patch as patches
 from .kube_api import get_pool
+from .kv_transfer import injected_connector
 from .model_config import model_config
 from .pool_objects import invalid_message
+from .pool_source import vllm_source
 from .pool_spec import POOL_LABEL, SidecarSpec
 from .translation.translate import pool_config
+
+
+class Denial(kopf.AdmissionError):
+    """A refused pod: kopf answers ``message`` with ``code``; ``reason`` labels the metric."""
+
+    def __init__(self, reason: str, message: str, *, code: int) -> None:
+        super().__init__(message, code=code)
+        self.reason = reason
+
+
+async def answer(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo) -> list[dict[str, Any]]:
+    """``admit``, with its answer counted in ``memo.metrics`` (admissions, webhook errors)."""
+    metrics = memo.metrics
+    try:
+        ops = await admit(pod, pool_name, namespace, memo)
+    except Denial as denial:
+        metrics.denied(denial.reason)
+        if denial.reason == "pool_unreadable":
+            metrics.webhook_error("api_error")
+        raise
+    except Exception:
+        metrics.denied("operator_error")
+        metrics.webhook_error("internal_error")
+        raise
+    metrics.allowed("injected" if ops else "already_injected")
+    return ops
 
 
 async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo) -> list[dict[str, Any]]:
@@ -33,38 +63,42 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
         pool = await get_pool(memo.api, namespace, pool_name)
     except ApiException as exc:
         if exc.status == 404:
-            raise kopf.AdmissionError(
-                f"KVOffloadPool {pool_name!r} does not exist in namespace {namespace!r}: create it, "
+            raise Denial(
+                "pool_not_found", f"KVOffloadPool {pool_name!r} does not exist in namespace {namespace!r}: create it, "
                 f"or fix the pod's label {POOL_LABEL}.", code=400) from None
-        raise kopf.AdmissionError(
-            f"The kv-offload operator could not read {where} (HTTP {exc.status} {exc.reason}); "
+        raise Denial(
+            "pool_unreadable", f"The kv-offload operator could not read {where} (HTTP {exc.status} {exc.reason}); "
             f"check the operator's RBAC and namespaces.", code=500) from None
     problem = invalid_message(pool)
     if problem is not None:
-        raise kopf.AdmissionError(
-            f"{where} is Invalid ({problem}); fix the pool's spec before creating its pods.", code=400)
+        raise Denial(
+            "pool_invalid", f"{where} is Invalid ({problem}); fix the pool's spec before creating its pods.", code=400)
     fingerprint = (pool.get("status") or {}).get("fingerprint")
     if not fingerprint:
-        raise kopf.AdmissionError(
-            f"{where} has no translated config yet; retry once the operator has set its "
+        raise Denial(
+            "pool_not_translated", f"{where} has no translated config yet; retry once the operator has set its "
             f"status.fingerprint.", code=503)
     try:
         model = await model_config(memo.api, namespace, pool["spec"])
-        config = pool_config(list(pool["spec"].get("vllmArgs") or []), model)
+        source = await vllm_source(memo.api, namespace, pool["spec"])  # spec.vllmArgs or spec.targetRef
+        config = pool_config(list(source.argv), model, env=source.env)
     except (ValueError, kopf.TemporaryError) as exc:
-        raise kopf.AdmissionError(
-            f"{where} cannot be read back ({exc}); retry once the operator has reconciled it.",
+        raise Denial(
+            "pool_not_translated", f"{where} cannot be read back ({exc}); retry once the operator has reconciled it.",
             code=503) from None
     if config.fingerprint != fingerprint:
-        raise kopf.AdmissionError(
-            f"{where} is being updated (its spec gives fingerprint {config.fingerprint}, its status "
+        raise Denial(
+            "pool_updating", f"{where} is being updated (its spec gives fingerprint {config.fingerprint}, its status "
             f"still {fingerprint}); retry in a moment.", code=503)
     try:
-        problem = patches.pod_identity_problem(pod, config, model)
-        sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image)
+        problem = patches.pod_identity_problem(pod, config, model, connector=injected_connector(pool["spec"]),
+                                               source=source.where)
+        sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image,
+                                        default_base_port=memo.options.sidecar_base_port,
+                                        default_data_port=memo.options.sidecar_data_port)
         ops = patches.pod_patch(pod, pool, fingerprint=fingerprint, sidecar=sidecar)
     except ValueError as exc:
         problem = str(exc)
     if problem is not None:
-        raise kopf.AdmissionError(f"The pod cannot join {where}: {problem}.", code=400)
+        raise Denial("pod_mismatch", f"The pod cannot join {where}: {problem}.", code=400)
     return ops

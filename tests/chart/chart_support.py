@@ -75,6 +75,13 @@ def find(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> d
     return matches[0]
 
 
+def webhook_cert_job_argv(objects: list[dict[str, Any]], step: str) -> list[str]:
+    """The command line of the rendered certificate Job ``step`` (create or patch), runnable here."""
+    job = find(objects, "Job", f"{FULLNAME}-webhook-cert-{step}")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return [str(Path(sys.executable).with_name("kv-offload")), *container["args"]]
+
+
 def kinds(objects: list[dict[str, Any]]) -> list[str]:
     """The kinds of the rendered objects, in order."""
     return [o["kind"] for o in objects]
@@ -88,6 +95,8 @@ FOREIGN_CRD_KINDS: dict[tuple[str, str], str] = {
         "Prometheus Operator CRD; its schema is not shipped with kubernetes-validate",
     ("monitoring.coreos.com/v1", "ServiceMonitor"):
         "Prometheus Operator CRD; its schema is not shipped with kubernetes-validate",
+    ("monitoring.coreos.com/v1", "PrometheusRule"):
+        "Prometheus Operator CRD; its rules are checked and evaluated by promtool (test_prometheus_rules.py)",
     ("cert-manager.io/v1", "Certificate"):
         "cert-manager CRD; its schema is not shipped with kubernetes-validate",
     ("cert-manager.io/v1", "Issuer"):

@@ -47,8 +47,8 @@ def test_rendered_objects_validate_against_kubernetes_schemas(render, values, ku
 def test_all_features_example_turns_every_optional_object_on(render):
     rendered = set(kinds(render(ALL_FEATURES)))
     for kind in ("CustomResourceDefinition", "Deployment", "MutatingWebhookConfiguration",
-                 "Certificate", "Issuer", "PodMonitor", "ServiceMonitor", "ConfigMap",
-                 "NetworkPolicy", "Role", "RoleBinding", "Pod"):
+                 "Certificate", "Issuer", "PodMonitor", "ServiceMonitor", "PrometheusRule", "ConfigMap",
+                 "NetworkPolicy", "Role", "RoleBinding", "Pod", "PodDisruptionBudget"):
         assert kind in rendered, f"{kind} missing from the all-features render"
     # The only kinds left out of schema validation are the foreign CRDs, each with its reason.
     skipped = {(o["apiVersion"], o["kind"]) for o in render(ALL_FEATURES)} & FOREIGN_CRD_KINDS.keys()
@@ -115,6 +115,9 @@ def test_misspelled_key_is_rejected_by_helm(render_error, values, key):
     ({"networkPolicy": {"pools": [{"namespace": "inference"}]}}, "name"),
     ({"sidecar": {"controlPort": 70000}}, "controlPort"),
     ({"image": {"digest": "latest"}}, "digest"),
+    ({"operator": {"replicas": 0}}, "replicas"),
+    ({"operator": {"peering": {"lifetimeSeconds": 2}}}, "lifetimeSeconds"),
+    ({"monitoring": {"prometheusRule": {"fetchTimeoutRatio": 2}}}, "fetchTimeoutRatio"),
 ])
 def test_value_of_the_wrong_shape_is_rejected_by_helm(render_error, values, words):
     assert words in render_error(values)

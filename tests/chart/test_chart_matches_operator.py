@@ -87,3 +87,37 @@ def test_pod_monitor_default_port_is_the_webhooks_metrics_port_name():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["monitoring"]["podMonitor"]["portName"] == pod_patch.METRICS_PORT_NAME
 
+
+
+def _readme_section(title: str) -> str:
+    readme = (CHART / "README.md").read_text()
+    return " ".join(readme.split(f"## {title}", 1)[1].split("\n## ", 1)[0].split())
+
+
+def test_readme_troubleshooting_quotes_the_messages_the_code_prints():
+    from kv_offload_operator.translation.translate import TranslationError, translate
+    from kv_offload_sidecar.data import tls
+    from kv_offload_sidecar.engine.sidecar_match import refusal_message
+
+    section = _readme_section("Troubleshooting")
+    with pytest.raises(TranslationError) as translation:
+        translate(["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"], {})
+    assert " ".join(str(translation.value).split()) in section
+    refusal = refusal_message(("10.42.1.17", 5710), ["tokens_per_hash: 16 != 32", "hash_seed: '1234' != '3141592'"])
+    assert refusal in section
+    (purpose_hint,) = [hint for word, hint in tls._REFUSAL_HINTS if word == "purpose"]
+    assert f"(unsuitable certificate purpose): {purpose_hint}" in section
+    assert "rejected handshake from 10.42.1.17 (fingerprint_mismatch): handshake rejected (fingerprint_mismatch): " \
+           "fields differ: fingerprint, tokens_per_hash" in section
+    assert "is Invalid (...); fix the pool's spec before creating its pods." in section
+    assert "does not exist in namespace 'inference': create it, or fix the pod's label kv-offload.io/pool." in section
+
+
+def test_readme_says_which_pods_wait_while_no_replica_answers_and_how_to_recover(render):
+    section = _readme_section("Operator replicas and the webhook")
+    (hook,) = find(render(), "MutatingWebhookConfiguration")["webhooks"]
+    assert hook["objectSelector"]["matchExpressions"][0]["key"] in section  # only labelled pods wait
+    assert "`objectSelector`" in section and "FailedCreate" in section
+    assert "webhook.failurePolicy=Ignore" in section and "--replicas=2" in section
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert f"`operator.peering.lifetimeSeconds` ({values['operator']['peering']['lifetimeSeconds']})" in section

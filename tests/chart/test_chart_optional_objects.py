@@ -9,7 +9,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from chart_support import CHART, NAMESPACE, WEBHOOK_DNS, find, kinds
+from chart_support import CHART, FULLNAME, NAMESPACE, WEBHOOK_DNS, find, kinds
 
 
 def test_pod_monitor_scrapes_every_pool_pod_and_keeps_the_pool_label(render):
@@ -20,17 +20,52 @@ def test_pod_monitor_scrapes_every_pool_pod_and_keeps_the_pool_label(render):
                                                                   "operator": "Exists"}]}
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     assert monitor["spec"]["podTargetLabels"] == ["kv-offload.io/pool"]
-    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "kvo-metrics", "path": "/metrics",
-                                                       "interval": "30s"}]
+    # One job label for every sidecar target: the alerts select it.
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "kvo-metrics", "path": "/metrics", "interval": "30s",
+                                                       "relabelings": [{"targetLabel": "job",
+                                                                        "replacement": f"{FULLNAME}-sidecars"}]}]
     assert "PodMonitor" not in kinds(render())
 
 
-def test_service_monitor_scrapes_the_operator_service(render):
+def test_service_monitor_scrapes_the_operators_metrics_port(render):
     objects = render({"monitoring": {"serviceMonitor": {"enabled": True}}})
     monitor = find(objects, "ServiceMonitor")
     service = find(objects, "Service")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    (container,) = find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (served,) = [p for p in container["ports"] if p["name"] == port["targetPort"]]
+    assert f"--metrics-port={served['containerPort']}" in container["args"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["relabelings"] == [{"targetLabel": "job", "replacement": f"{FULLNAME}-operator"}]
+
+
+def test_prometheus_rule_has_each_monitors_alerts_only_with_that_monitor(render, render_error):
+    both = find(render({"monitoring": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True},
+                                       "prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}}),
+                "PrometheusRule")
+    assert both["metadata"]["labels"]["release"] == "kps"
+    groups = {g["name"]: g for g in both["spec"]["groups"]}
+    assert set(groups) == {"kv-offload.sidecars", "kv-offload.operator"}
+    alerts = {g: {r["alert"] for r in groups[g]["rules"] if "alert" in r} for g in groups}
+    assert alerts["kv-offload.sidecars"] == {
+        "KVOffloadHandshakeRejected", "KVOffloadIntegrityFailures", "KVOffloadPoolMixedFingerprints",
+        "KVOffloadSidecarDown", "KVOffloadPeerHitRatioDropped", "KVOffloadPeerFetchTimeouts"}
+    assert alerts["kv-offload.operator"] == {"KVOffloadWebhookDown", "KVOffloadWebhookNotRedundant",
+                                             "KVOffloadWebhookDenials", "KVOffloadWebhookErrors"}
+    for group, job in (("kv-offload.sidecars", f"{FULLNAME}-sidecars"), ("kv-offload.operator", f"{FULLNAME}-operator")):
+        for rule in groups[group]["rules"]:
+            assert f'job="{job}"' in rule["expr"] or rule.get("alert") == "KVOffloadPeerHitRatioDropped", rule
+            if "alert" in rule:
+                assert rule["labels"]["severity"] in {"warning", "critical"}
+                assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    sidecars_only = find(render({"monitoring": {"podMonitor": {"enabled": True},
+                                                "prometheusRule": {"enabled": True}}}), "PrometheusRule")
+    assert [g["name"] for g in sidecars_only["spec"]["groups"]] == ["kv-offload.sidecars"]
+    assert "PrometheusRule" not in kinds(render({"monitoring": {"podMonitor": {"enabled": True}}}))
+    assert "neither monitoring.podMonitor nor monitoring.serviceMonitor" in render_error(
+        {"monitoring": {"prometheusRule": {"enabled": True}}})
 
 
 def test_dashboard_config_map_carries_the_chart_dashboard_file(render):
@@ -86,6 +121,10 @@ def test_notes_put_warnings_first_then_one_success_line_then_the_next_step(helm)
     assert any("kv-offload.io/pool" in line for line in notes)
     plain = helm("install", "kvo", str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
     assert "WARNING" not in plain.stdout.split("NOTES:", 1)[1]
+    single = helm("install", "kvo", str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+                  "--set", "operator.replicas=1")
+    assert single.returncode == 0, single.stderr
+    assert single.stdout.split("NOTES:", 1)[1].strip().startswith("WARNING: operator.replicas is 1")
 
 
 def test_helm_test_pod_checks_the_operator_health_endpoint(render):

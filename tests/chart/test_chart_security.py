@@ -8,7 +8,7 @@ from typing import Any
 
 import jsonschema
 import yaml
-from chart_support import CHART, REPO, find, load_documents
+from chart_support import CHART, FULLNAME, REPO, find, load_documents
 from kv_offload_operator import key_rotation, pod_patch, pool_objects, pool_spec
 from kv_offload_operator import main as operator_main
 from kv_offload_operator.translation.translate import translate
@@ -21,7 +21,7 @@ def _objects(kind: str, objects: list[dict[str, Any]]) -> dict[str, dict[str, An
 
 
 def test_the_operator_may_patch_secrets_but_never_list_watch_replace_or_delete_them(render):
-    (rule,) = [r for r in find(render(), "ClusterRole")["rules"] if "secrets" in r["resources"]]
+    (rule,) = [r for r in find(render(), "ClusterRole", FULLNAME)["rules"] if "secrets" in r["resources"]]
     assert rule["resources"] == ["secrets"] and rule["apiGroups"] == [""]
     assert sorted(rule["verbs"]) == ["create", "get", "patch"]
 

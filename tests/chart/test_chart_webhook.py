@@ -1,19 +1,14 @@
-"""The sidecar-injection webhook and its TLS: self-managed by default, cert-manager optional."""
+"""The sidecar-injection webhook and its TLS: made by hook Jobs by default, cert-manager optional.
+
+The Jobs' own behaviour against an API server is in test_webhook_certificate_lookup.py.
+"""
 
 from __future__ import annotations
 
-import base64
-import datetime
-import socket
-import ssl
-import threading
 from typing import Any
 
 import pytest
-from chart_support import FULLNAME, NAMESPACE, WEBHOOK_DNS, find, kinds
-from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import padding
-from cryptography.x509.oid import ExtensionOID
+from chart_support import CHART, FULLNAME, NAMESPACE, WEBHOOK_DNS, find, kinds
 
 
 def test_webhook_sends_only_pool_pods_and_fails_closed(render):
@@ -35,77 +30,70 @@ def test_webhook_sends_only_pool_pods_and_fails_closed(render):
     assert service["spec"]["selector"].items() <= pod_labels.items()
 
 
-def _tls_material(objects: list[dict[str, Any]]) -> tuple[bytes, bytes, bytes, bytes]:
-    secret = find(objects, "Secret", f"{FULLNAME}-webhook-tls")
-    assert secret["type"] == "kubernetes.io/tls"
-    data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+SECRET = f"{FULLNAME}-webhook-tls"
+CERT_JOB = f"{FULLNAME}-webhook-cert"
+
+
+def _args(job: dict[str, Any]) -> dict[str, list[str]]:
+    """The Job container's ``--flag=value`` arguments as {flag: [values]}."""
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    found: dict[str, list[str]] = {}
+    for arg in container["args"][2:]:
+        flag, _, value = arg.partition("=")
+        found.setdefault(flag, []).append(value)
+    return found
+
+
+def test_self_managed_mode_renders_no_key_material_only_the_hook_jobs_that_make_it(render):
+    objects = render()
+    assert "Secret" not in kinds(objects)  # made in the cluster by the create Job, never rendered
     (hook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
-    return data["ca.crt"], data["tls.crt"], data["tls.key"], base64.b64decode(hook["clientConfig"]["caBundle"])
+    assert "caBundle" not in hook["clientConfig"]  # written by the patch Job; no render owns it
+    create, patch = find(objects, "Job", f"{CERT_JOB}-create"), find(objects, "Job", f"{CERT_JOB}-patch")
+    assert create["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert patch["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    for job, action in ((create, "create"), (patch, "patch")):
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        assert container["args"][:2] == ["webhook-cert", action]
+        assert container["image"] == find(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert job["spec"]["template"]["spec"]["serviceAccountName"] == CERT_JOB
+        assert _args(job)["--secret"] == [SECRET] and _args(job)["--namespace"] == [NAMESPACE]
+    # The certificate names every DNS name of the webhook Service; the operator mounts that Secret.
+    assert WEBHOOK_DNS in _args(create)["--dns-name"]
+    assert _args(patch)["--webhook-configuration"] == [find(objects, "MutatingWebhookConfiguration")["metadata"]["name"]]
+    volumes = find(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert next(v for v in volumes if v["name"] == "webhook-tls")["secret"]["secretName"] == SECRET
+    # The Jobs' account reaches only that Secret and that configuration (create cannot be limited to a name).
+    role, cluster_role = find(objects, "Role", CERT_JOB), find(objects, "ClusterRole", CERT_JOB)
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [SECRET], "verbs": ["get", "patch"]}]
+    assert cluster_role["rules"] == [{"apiGroups": ["admissionregistration.k8s.io"],
+                                      "resources": ["mutatingwebhookconfigurations"],
+                                      "resourceNames": [FULLNAME], "verbs": ["get", "patch"]}]
+    for kind in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+        notes = find(objects, kind, CERT_JOB)["metadata"]["annotations"]
+        assert set(notes["helm.sh/hook"].split(",")) == {"pre-install", "pre-upgrade", "post-install", "post-upgrade"}
+        assert int(notes["helm.sh/hook-weight"]) < int(create["metadata"]["annotations"]["helm.sh/hook-weight"])
 
 
-def test_self_managed_certificate_is_signed_by_the_ca_bundle_and_names_the_service(render):
-    ca_pem, cert_pem, _, bundle = _tls_material(render())
-    assert bundle == ca_pem
-    ca, cert = x509.load_pem_x509_certificate(ca_pem), x509.load_pem_x509_certificate(cert_pem)
-    ca.public_key().verify(cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(),
-                           cert.signature_hash_algorithm)
-    names = cert.extensions.get_extension_for_oid(ExtensionOID.SUBJECT_ALTERNATIVE_NAME).value
-    assert WEBHOOK_DNS in names.get_values_for_type(x509.DNSName)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    assert cert.not_valid_before_utc <= now < cert.not_valid_after_utc
-    assert cert.not_valid_after_utc - now > datetime.timedelta(days=3000)
-
-
-def test_api_server_would_complete_a_tls_handshake_with_the_webhook(render, tmp_path):
-    """A real TLS server with the chart's key pair, a client trusting only the caBundle."""
-    _, cert_pem, key_pem, bundle = _tls_material(render())
-    (tmp_path / "tls.crt").write_bytes(cert_pem)
-    (tmp_path / "tls.key").write_bytes(key_pem)
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(20)
-    port = listener.getsockname()[1]
-    served: list[bytes] = []
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with server_ctx.wrap_socket(conn, server_side=True) as tls:
-            served.append(tls.recv(64))
-            tls.sendall(b"ok")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    client_ctx = ssl.create_default_context(cadata=bundle.decode())
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as raw:
-        with client_ctx.wrap_socket(raw, server_hostname=WEBHOOK_DNS) as tls:
-            tls.sendall(b"AdmissionReview")
-            assert tls.recv(2) == b"ok"
-    thread.join(20)
-    listener.close()
-    assert served == [b"AdmissionReview"]
-    # The same certificate is not valid for another name.
-    with socket.create_server(("127.0.0.1", 0)) as other:
-        other.settimeout(20)
-        worker = threading.Thread(target=lambda: _accept_and_try(other, server_ctx), daemon=True)
-        worker.start()
-        with socket.create_connection(other.getsockname(), timeout=20) as raw:
-            with pytest.raises(ssl.SSLCertVerificationError):
-                client_ctx.wrap_socket(raw, server_hostname="evil.example.com")
-        worker.join(20)
-
-
-def _accept_and_try(listener: socket.socket, ctx: ssl.SSLContext) -> None:
-    conn, _ = listener.accept()
-    try:
-        ctx.wrap_socket(conn, server_side=True).close()
-    except (ssl.SSLError, OSError):
-        conn.close()
+@pytest.mark.parametrize("values", [[], ["-f", "examples/all-features.yaml"], ["-f", "examples/monitoring.yaml"],
+                                    ["--set", "webhook.certManager.enabled=true"]],
+                         ids=["defaults", "all-features", "monitoring", "cert-manager"])
+def test_every_render_is_byte_identical_so_gitops_tools_see_no_drift(helm, values):
+    args = ["template", "kvo", str(CHART), "--namespace", NAMESPACE,
+            *[str(CHART / v) if v.startswith("examples/") else v for v in values]]
+    first, second = helm(*args), helm(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    assert "BEGIN" not in first.stdout  # no PEM of any kind
 
 
 def test_cert_manager_mode_issues_a_certificate_from_its_own_ca_and_injects_the_ca(render):
     objects = render({"webhook": {"certManager": {"enabled": True}}})
     assert f"{FULLNAME}-webhook-tls" not in {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
+    assert "Job" not in kinds(objects)  # no certificate Jobs: cert-manager writes the Secret and the caBundle
     certificates = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Certificate"}
     issuers = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Issuer"}
     serving = certificates[f"{FULLNAME}-webhook"]

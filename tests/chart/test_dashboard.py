@@ -18,6 +18,9 @@ from dashboard_support import (
 from kv_offload_sidecar.metrics import SidecarMetrics, exported_metric_names
 from prometheus_client import CollectorRegistry
 
+# Series Prometheus itself writes for every scrape target (the sidecars do not export them).
+PROMETHEUS_SERIES = {"up"}
+
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
@@ -59,6 +62,9 @@ def test_first_panel_is_the_hit_ratio_split_local_peer_miss():
     ("store usage", "kv_offload_store_used_bytes"),
     ("evictions", "kv_offload_evictions_total"),
     ("integrity failures", "kv_offload_integrity_failures_total"),
+    ("hit ratio per pod", "kv_offload_chunk_lookups_total"),
+    ("fingerprint per pod", "kv_offload_config_info"),
+    ("sidecars up", "up"),
 ])
 def test_dashboard_has_a_panel_for(title_words, metric):
     panels = [p for p in load_dashboard()["panels"] if title_words in p["title"].lower()]
@@ -110,7 +116,7 @@ def test_dashboard_uses_only_metric_names_the_sidecar_exports(exported):
     for where, expr in dashboard_expressions(load_dashboard()):
         names = metric_names(fill_variables(expr))
         assert names, f"{where} selects no metric"
-        unknown = names - exported
+        unknown = names - exported - PROMETHEUS_SERIES
         assert not unknown, f"{where} uses {sorted(unknown)}, which the sidecar does not export"
 
 
@@ -124,3 +130,14 @@ def test_metric_name_check_catches_a_misspelled_metric(exported):
 def test_unknown_grafana_variable_is_an_error():
     with pytest.raises(KeyError, match="cluster"):
         fill_variables('kv_offload_peers{cluster="$cluster"}')
+
+
+def test_per_pod_panels_split_by_pod_and_sidecars_up_counts_scraped_targets():
+    panels = {p["title"].lower(): p for p in load_dashboard()["panels"]}
+    (per_pod,) = panels["chunk hit ratio per pod"]["targets"]
+    assert per_pod["expr"].count("sum by (pod)") == 2 and per_pod["legendFormat"] == "{{pod}}"
+    assert 'result=~"local_hit|peer_hit"' in per_pod["expr"]
+    (fingerprints,) = panels["fingerprint per pod"]["targets"]
+    assert fingerprints["expr"].startswith("max by (pod, fingerprint") and fingerprints["format"] == "table"
+    up = {t["legendFormat"]: t["expr"] for t in panels["sidecars up"]["targets"]}
+    assert up["up"].startswith("sum(up{") and up["scraped"].startswith("count(up{")

@@ -109,3 +109,71 @@ def test_the_image_build_context_yields_a_wheel_without_the_tools_and_their_depe
     runtime = [line for line in meta.splitlines()
                if line.startswith("Requires-Dist:") and "extra ==" not in line]
     assert runtime and not [r for r in runtime if re.search(r"torch|matplotlib|hypothesis", r)]
+
+
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """Instructions by stage name (the last, unnamed stage is "final"); ARGs before the first FROM under "global"."""
+    found: dict[str, list[tuple[str, str]]] = {"global": []}
+    current = "global"
+    for word, args in instructions():
+        if word == "FROM":
+            parts = args.split()
+            current = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else "final"
+            found[current] = []
+        found[current].append((word, args))
+    return found
+
+
+def arg_default(stage: list[tuple[str, str]], name: str) -> str:
+    (value,) = [a.split("=", 1)[1] for w, a in stage if w == "ARG" and a.startswith(f"{name}=")]
+    return value
+
+
+def test_a_ucx_with_verbs_and_rdmacm_is_built_from_the_checksummed_release_of_the_wheel_ucxx_uses():
+    import libucx
+
+    by_stage = stages()
+    version = arg_default(by_stage["global"], "UCX_VERSION")
+    assert version == libucx.__version__  # the release ucxx is built against here (its ABI)
+    ucx = by_stage["ucx"]
+    assert re.fullmatch(r"[0-9a-f]{64}", arg_default(ucx, "UCX_SHA256"))
+    runs = [a for w, a in ucx if w == "RUN"]
+    fetch = next(r for r in runs if "ucx.tar.gz" in r)
+    assert "https://github.com/openucx/ucx/releases/download/v${UCX_VERSION}/ucx-${UCX_VERSION}.tar.gz" in fetch
+    assert 'echo "${UCX_SHA256}  ucx.tar.gz" | sha256sum --check --strict' in fetch
+    assert fetch.index("sha256sum") < fetch.index("tar -xzf")  # nothing unpacked before the check
+    configure = next(r for r in runs if "./configure" in r)
+    for option in ("--prefix=/opt/ucx", "--with-verbs", "--with-rdmacm", "--enable-mt", "--enable-cma"):
+        assert option in configure.split()
+    assert "libuct_ib.so" in configure and "libuct_rdmacm.so" in configure  # the build fails without them
+    apt = next(r for r in runs if "apt-get install" in r)
+    assert {"libibverbs-dev", "librdmacm-dev"} <= {p.split("=")[0] for p in apt.split() if "=" in p}
+    # The image's pip resolves ucxx against the libucx wheel of that same release.
+    build_runs = " ".join(a for w, a in by_stage["build"] if w == "RUN")
+    assert '"libucx-cu12==${UCX_VERSION}"' in build_runs
+
+
+def test_the_final_image_loads_the_rdma_ucx_and_checks_its_transports_at_build_time():
+    final = stages()["final"]
+    assert ("COPY", "--from=ucx /opt/ucx /opt/ucx") in final
+    env = " ".join(a for w, a in final if w == "ENV")
+    assert "LD_LIBRARY_PATH=/opt/ucx/lib" in env and "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true" in env
+    runs = [a for w, a in final if w == "RUN"]
+    assert any(r.split() == ["kv-offload", "ucx-info", "--require", "rc,ud,rdmacm,tcp,sm", "--match-wheel"]
+               for r in runs)
+    runtime = next(r for r in runs if "apt-get install" in r)
+    assert {"libibverbs1", "librdmacm1", "ibverbs-providers"} <= {p.split("=")[0] for p in runtime.split() if "=" in p}
+    # The check runs before USER (as root, at build time) and the image still ends non-root.
+    words = [w for w, _ in final]
+    check = next(i for i, (w, a) in enumerate(final) if w == "RUN" and "ucx-info" in a)
+    assert check < words.index("USER")
+
+
+def test_hadolint_flags_rdma_packages_installed_unpinned_with_recommends_and_lists_kept(tmp_path):
+    careless = tmp_path / "Dockerfile"
+    careless.write_text("FROM python:3.11.14-slim-bookworm\n"
+                        "RUN apt-get update && apt-get install -y libibverbs-dev librdmacm-dev\n"
+                        "USER 10001\n")
+    code, findings = hadolint(careless)
+    assert code != 0
+    assert {"DL3008", "DL3015", "DL3009"} <= {f["code"] for f in findings}

@@ -1,12 +1,15 @@
 """The operator, started with the chart's own arguments and certificate, answers like in a cluster.
 
+Against kmock's Kubernetes emulator on 127.0.0.1, as an install would: the
+chart's certificate Jobs run (the create Job writes the webhook Secret, the
+patch Job puts its CA into the applied MutatingWebhookConfiguration), then
 `kv-offload operator` runs as a process with the flags the chart's Deployment
-renders and the key pair from the chart's webhook Secret, against kmock's
-Kubernetes emulator on 127.0.0.1. Then, as the kubelet, `helm test` and the
-API server would: /healthz answers 200 (and the helm test pod's script exits 0),
-and an AdmissionReview posted over HTTPS to the chart's webhook path, trusting
-only the chart's caBundle and naming the chart's Service, gets the operator's
-answer.
+renders and the key pair from that Secret. Then, as the kubelet, `helm test`,
+the API server and Prometheus would: /healthz answers 200 (and the helm test
+pod's script exits 0); an AdmissionReview posted over HTTPS to the chart's
+webhook path, trusting only the caBundle the Job wrote and naming the chart's
+Service, gets the operator's answer; the ServiceMonitor's endpoint serves the
+operator's metrics, which counted that answer.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from typing import Any
 import aiohttp
 import kmock
 import pytest
-from chart_support import FULLNAME, NAMESPACE, find
+from chart_support import FULLNAME, NAMESPACE, find, webhook_cert_job_argv
+from kv_offload_operator.webhook_cert import decode_secret_data
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,21 +47,29 @@ def free_port() -> int:
 
 
 def emulate_cluster(k: kmock.KubernetesEmulator) -> None:
-    """Discovery for what the operator watches and writes."""
+    """Discovery for what the operator and the certificate Jobs read and write."""
     verbs = {"list", "watch", "get", "patch", "create", "delete"}
     k.resources["kv-offload.io/v1alpha1/kvoffloadpools"] = kmock.ResourceInfo(
         kind="KVOffloadPool", namespaced=True, verbs=verbs, subresources={"status"})
+    k.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
+        kind="ClusterKopfPeering", namespaced=False, verbs=verbs)
+    k.resources["admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"] = kmock.ResourceInfo(
+        kind="MutatingWebhookConfiguration", namespaced=False, verbs=verbs)
+    # kopf waits for these in discovery before it watches anything (the peering object included).
+    k.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)
+    k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs=verbs)
     for plural, kind in (("pods", "Pod"), ("configmaps", "ConfigMap"), ("secrets", "Secret"),
                          ("services", "Service"), ("events", "Event")):
         k.resources[f"v1/{plural}"] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=verbs)
 
 
 def chart_operator_argv(objects: list[dict[str, Any]], cert_dir: Path, webhook_port: int,
-                        health_port: int) -> list[str]:
+                        health_port: int, metrics_port: int) -> list[str]:
     """The Deployment's args with the pod-local paths and ports moved to this host."""
     (container,) = find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     moved = {"--webhook-cert-dir": str(cert_dir), "--webhook-port": str(webhook_port),
-             "--health-port": str(health_port)}
+             "--health-port": str(health_port), "--metrics-port": str(metrics_port)}
     argv = []
     for arg in container["args"]:
         flag, eq, _ = arg.partition("=")
@@ -91,15 +104,24 @@ def admission_review(pod: dict[str, Any]) -> dict[str, Any]:
         "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}}}
 
 
-async def test_operator_answers_health_and_webhook_with_the_chart_arguments_and_certificate(
+async def api(k: kmock.KubernetesEmulator, method: str, url: str, body: Any = None) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, str(k.url).rstrip("/") + url, json=body) as reply:
+            assert reply.status in (200, 201), await reply.text()
+            return await reply.json()
+
+
+async def run_certificate_job(objects: list[dict[str, Any]], step: str, kubeconfig: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *webhook_cert_job_argv(objects, step), env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, f"webhook-cert {step}: {err.decode()}"
+
+
+async def test_operator_answers_health_webhook_and_metrics_with_the_chart_arguments_and_certificate(
         kmock: kmock.KubernetesEmulator, render, tmp_path: Path) -> None:
-    objects = render()
-    secret = find(objects, "Secret", f"{FULLNAME}-webhook-tls")
-    (hook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
-    cert_dir = tmp_path / "webhook-tls"
-    cert_dir.mkdir()
-    for key in ("tls.crt", "tls.key"):
-        (cert_dir / key).write_bytes(base64.b64decode(secret["data"][key]))
+    objects = render({"monitoring": {"serviceMonitor": {"enabled": True}}})
     emulate_cluster(kmock)
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
@@ -108,11 +130,26 @@ async def test_operator_answers_health_and_webhook_with_the_chart_arguments_and_
         "users: [{name: tester, user: {token: test-token}}]\n"
         "contexts: [{name: emulator, context: {cluster: emulator, user: tester}}]\n"
         "current-context: emulator\n")
-    webhook_port, health_port = free_port(), free_port()
+    # helm install: the pre-install Job, the manifests, the post-install Job.
+    await run_certificate_job(objects, "create", kubeconfig)
+    await api(kmock, "POST", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations",
+              find(objects, "MutatingWebhookConfiguration"))
+    await run_certificate_job(objects, "patch", kubeconfig)
+    secret = await api(kmock, "GET", f"/api/v1/namespaces/{NAMESPACE}/secrets/{FULLNAME}-webhook-tls")
+    (hook,) = (await api(kmock, "GET", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/"
+                                       f"{FULLNAME}"))["webhooks"]
+    cert_dir = tmp_path / "webhook-tls"
+    cert_dir.mkdir()
+    for volume in find(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]:
+        if volume["name"] == "webhook-tls":  # what the kubelet mounts from the Secret
+            assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+            for item in volume["secret"]["items"]:
+                (cert_dir / item["path"]).write_bytes(decode_secret_data(secret["data"])[item["key"]])
+    webhook_port, health_port, metrics_port = free_port(), free_port(), free_port()
     log = tmp_path / "operator.log"
     with open(log, "wb") as out:
         proc = await asyncio.create_subprocess_exec(
-            *chart_operator_argv(objects, cert_dir, webhook_port, health_port),
+            *chart_operator_argv(objects, cert_dir, webhook_port, health_port, metrics_port),
             env=dict(os.environ, KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1"),
             stdout=out, stderr=out, start_new_session=True)
     try:
@@ -143,6 +180,20 @@ async def test_operator_answers_health_and_webhook_with_the_chart_arguments_and_
         # The operator's verdict for a pod whose pool does not exist: refused, with a sentence.
         assert response["allowed"] is False
         assert "no-such-pool" in response["status"]["message"]
+
+        # Prometheus, through the ServiceMonitor's endpoint: the answer is counted; this replica leads.
+        (endpoint,) = find(objects, "ServiceMonitor")["spec"]["endpoints"]
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{metrics_port}{endpoint['path']}") as reply:
+                assert reply.status == 200
+                samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                           for f in text_string_to_metric_families(await reply.text()) for s in f.samples}
+        denied = ("kv_offload_operator_admissions_total", (("reason", "pool_not_found"), ("result", "denied")))
+        assert samples[denied] == 1
+        leads = await wait_for_leader(metrics_port, endpoint["path"])
+        assert leads == 1
+        peering = await api(kmock, "GET", f"/apis/kopf.dev/v1/clusterkopfpeerings/{FULLNAME}")
+        assert len(peering.get("status") or {}) == 1  # this replica's keep-alive
     finally:
         if proc.returncode is None:
             os.kill(proc.pid, signal.SIGTERM)
@@ -151,3 +202,17 @@ async def test_operator_answers_health_and_webhook_with_the_chart_arguments_and_
             except asyncio.TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+async def wait_for_leader(port: int, path: str, timeout: float = 30) -> float:
+    """kv_offload_operator_leader once the replica has read its peering object (1 when it leads)."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"http://127.0.0.1:{port}{path}") as reply:
+                text = await reply.text()
+            value = next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                         if s.name == "kv_offload_operator_leader")
+            if value == 1 or time.monotonic() > deadline:
+                return value
+            await asyncio.sleep(0.2)

@@ -237,3 +237,25 @@ def test_every_dashboard_expression_returns_data_from_live_sidecars(scraped_pool
         t["expr"] for p in load_dashboard()["panels"] if "latency" in p["title"].lower()
         for t in p["targets"] if t["legendFormat"] == "p99")))
     assert p99 is not None and 0 < p99 <= 10
+
+
+def test_per_pod_panels_show_each_sidecars_hit_ratio_fingerprint_and_that_all_are_up(scraped_pool):
+    pool, prometheus = scraped_pool
+    if pool[1].metric(LOOKUPS) == 0:  # when run alone, exchange chunks first
+        exchange_chunks(pool)
+    counters = sidecar_counters(pool)
+    prometheus.wait_for(f"sum({LOOKUPS})", sum(sum(c.values()) for c in counters.values()))
+    panels = {p["title"].lower(): p for p in load_dashboard()["panels"]}
+
+    (per_pod,) = panels["chunk hit ratio per pod"]["targets"]
+    ratios = {s["metric"]["pod"]: float(s["value"][1]) for s in prometheus.query(fill_variables(per_pod["expr"]))}
+    serving = counters["sidecar-1"]
+    assert ratios["sidecar-1"] == pytest.approx(
+        (serving["local_hit"] + serving["peer_hit"]) / sum(serving.values()), rel=1e-9)
+
+    up = {t["legendFormat"]: prometheus.scalar(fill_variables(t["expr"])) for t in panels["sidecars up"]["targets"]}
+    assert up == {"up": 3.0, "scraped": 3.0}
+
+    (fingerprints,) = panels["fingerprint per pod"]["targets"]
+    rows = {s["metric"]["pod"]: s["metric"]["fingerprint"] for s in prometheus.query(fill_variables(fingerprints["expr"]))}
+    assert rows == {sc.identity: pool.config.fingerprint for sc in pool.sidecars}

@@ -46,24 +46,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+PEERINGS = "kopf.dev/v1/kopfpeerings"
+CLUSTER_PEERINGS = "kopf.dev/v1/clusterkopfpeerings"
+
+
 def emulate_cluster(k: kmock.KubernetesEmulator) -> None:
-    """Declare what discovery must show: our CRD, the core kinds, namespaces and CRDs."""
+    """Declare what discovery must show: our CRD, the core kinds, namespaces, CRDs and kopf's
+    peering kinds (the chart installs them; only operators run with --peering use them)."""
     verbs = {"list", "watch", "get", "patch", "create", "delete"}
+    k.resources[PEERINGS] = kmock.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=verbs)
+    k.resources[CLUSTER_PEERINGS] = kmock.ResourceInfo(kind="ClusterKopfPeering", namespaced=False, verbs=verbs)
     k.resources[POOLS] = kmock.ResourceInfo(kind="KVOffloadPool", namespaced=True, verbs=verbs,
                                             subresources={"status"})
     for plural, kind in (("pods", "Pod"), ("configmaps", "ConfigMap"), ("secrets", "Secret"),
                          ("services", "Service"), ("events", "Event")):
         k.resources[f"v1/{plural}"] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=verbs)
+    for plural, kind in (("deployments", "Deployment"), ("statefulsets", "StatefulSet")):
+        k.resources[f"apps/v1/{plural}"] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=verbs)
+    k.resources["leaderworkerset.x-k8s.io/v1/leaderworkersets"] = kmock.ResourceInfo(
+        kind="LeaderWorkerSet", namespaced=True, verbs=verbs)
     k.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)
     k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs=verbs)
 
 
-def write_kubeconfig(path: Path, server: str) -> Path:
+def write_kubeconfig(path: Path, server: str, token: str = "test-token") -> Path:
     path.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
         "clusters": [{"name": "kmock", "cluster": {"server": server.rstrip("/")}}],
-        "users": [{"name": "tester", "user": {"token": "test-token"}}],
+        "users": [{"name": "tester", "user": {"token": token}}],
         "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}}]}))
     return path
 
@@ -120,11 +131,14 @@ class OperatorProcess:
     """``kv-offload operator`` in its own process, talking to kmock through a kubeconfig."""
 
     def __init__(self, workdir: Path, server: str, *, extra_args: Sequence[str] = (),
-                 scope: Sequence[str] = ("--namespace", NAMESPACE)) -> None:
+                 scope: Sequence[str] = ("--namespace", NAMESPACE), token: str = "test-token",
+                 env: Mapping[str, str] | None = None) -> None:
         self.workdir = workdir
-        self.kubeconfig = write_kubeconfig(workdir / "kubeconfig", server)
+        self.kubeconfig = write_kubeconfig(workdir / "kubeconfig", server, token)
         self.health_port = free_port()
         self.webhook_port = free_port()
+        self.metrics_port = free_port()
+        self.env = dict(env or {})
         self.extra_args = list(extra_args)
         self.scope = list(scope)
         self.proc: asyncio.subprocess.Process | None = None
@@ -136,11 +150,12 @@ class OperatorProcess:
 
     async def start(self) -> None:
         self.runs += 1
-        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1", **self.env)
         log = open(self.log_path, "wb")
         self.proc = await asyncio.create_subprocess_exec(
             KV_OFFLOAD, "operator", *self.scope,
             "--health-port", str(self.health_port), "--webhook-port", str(self.webhook_port),
+            "--metrics-port", str(self.metrics_port),
             "--webhook-addr", "127.0.0.1", "--sidecar-image", SIDECAR_IMAGE, "--verbose",
             *self.extra_args, env=env, stdout=log, stderr=log, start_new_session=True)
         log.close()

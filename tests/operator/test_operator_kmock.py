@@ -233,30 +233,50 @@ async def test_restarting_the_operator_midway_creates_no_duplicates_and_keeps_th
         "second-offloading-config", "second-pool-key", "second-peers"}
 
 
-async def test_ready_pool_pods_are_counted_into_ready_peers(
+async def test_ready_peers_counts_running_sidecars_injected_with_the_pools_current_fingerprint(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    """READY PEERS: pool pods whose sidecar is started and running and carries the pool's
+    fingerprint (their handshakes accept each other), whatever vLLM's own readiness."""
     emulate_cluster(kmock)
     pods_url = f"/api/v1/namespaces/{NAMESPACE}/pods"
+    new_args = [*LLAMA_ARGS[:4], "32", *LLAMA_ARGS[5:]]  # --block-size 32: another fingerprint
 
-    def pod(name: str, ready: bool, pool: str = "llama") -> dict[str, Any]:
-        return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}",
-                             "labels": {"kv-offload.io/pool": pool}},
+    def pod(name: str, fingerprint: str | None, sidecar: str = "running", pool: str = "llama") -> dict[str, Any]:
+        state = {"running": {"startedAt": "2026-01-01T00:00:00Z"}} if sidecar != "waiting" else \
+            {"waiting": {"reason": "CrashLoopBackOff"}}
+        meta: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}",
+                                "labels": {"kv-offload.io/pool": pool}}
+        if fingerprint is not None:
+            meta["annotations"] = {"kv-offload.io/injected": fingerprint}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
                 "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
-                "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+                "status": {"conditions": [{"type": "Ready", "status": "False"}],  # vLLM still loading
+                           "initContainerStatuses": [{"name": "kv-offload-sidecar", "ready": sidecar == "running",
+                                                      "started": sidecar != "waiting", "state": state}]}}
 
     async with OperatorProcess(tmp_path, str(kmock.url)):
         await create(kmock, POOLS_URL, pool_body("llama"))
-        await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
-        await create(kmock, pods_url, pod("a", True))
-        await create(kmock, pods_url, pod("b", False))
-        await create(kmock, pods_url, pod("other", True, pool="elsewhere"))
+        old_fp = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        await create(kmock, pods_url, pod("a", old_fp))
+        await create(kmock, pods_url, pod("b", old_fp, sidecar="waiting"))  # sidecar restarting
+        await create(kmock, pods_url, pod("c", None))  # not injected
+        await create(kmock, pods_url, pod("d", "f" * 16))  # injected for another fingerprint
+        await create(kmock, pods_url, pod("other", old_fp, pool="elsewhere"))
         await wait_for("one ready peer", lambda: status_of(kmock, "llama").get("readyPeers") == 1)
-        await merge_patch(kmock, f"{pods_url}/b", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+        await merge_patch(kmock, f"{pods_url}/b", {"status": {"initContainerStatuses": [
+            {"name": "kv-offload-sidecar", "ready": True, "started": True, "state": {"running": {}}}]}})
         await wait_for("two ready peers", lambda: status_of(kmock, "llama").get("readyPeers") == 2)
-        resp = await kmock.delete(f"{pods_url}/a")
+
+        # A spec change: the running sidecars carry the old fingerprint and count no more.
+        await merge_patch(kmock, f"{POOLS_URL}/llama", {"metadata": {"generation": 2}, "spec": {"vllmArgs": new_args}})
+        new_fp = await wait_for("the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") != old_fp
+                                and status_of(kmock, "llama")["fingerprint"])
+        await wait_for("no ready peer", lambda: status_of(kmock, "llama").get("readyPeers") == 0)
+        await create(kmock, pods_url, pod("e", new_fp))
+        await wait_for("one ready peer of the new fingerprint", lambda: status_of(kmock, "llama").get("readyPeers") == 1)
+        resp = await kmock.delete(f"{pods_url}/e")
         assert resp.status == 200
-        await wait_for("one ready peer again", lambda: status_of(kmock, "llama").get("readyPeers") == 1)
+        await wait_for("none again", lambda: status_of(kmock, "llama").get("readyPeers") == 0)
 
 
 async def test_model_config_ref_reads_the_model_config_from_a_configmap(

@@ -81,7 +81,7 @@ def test_dp_ranks_come_from_the_pods_own_args() -> None:
     out = inject(pod(vllm(args)), basePort=7000)
     sidecar = out["spec"]["initContainers"][1]
     assert [p["containerPort"] for p in sidecar["ports"]] == [7005, 5810]
-    assert sidecar["readinessProbe"]["httpGet"]["port"] == 7005
+    assert sidecar["startupProbe"]["httpGet"]["port"] == sidecar["livenessProbe"]["httpGet"]["port"] == 7005
     env = {e["name"]: e.get("value") for e in out["spec"]["containers"][0]["env"]}
     assert env["VLLM_P2P_SIDE_CHANNEL_PORT"] == "7000"  # base; the tier adds its DP index
 
@@ -219,7 +219,7 @@ def test_the_first_control_port_is_kvo_metrics_whatever_the_dp_start_rank(dp_ind
     ports = [(p["name"], p["containerPort"]) for p in container["ports"]]
     assert ports == [("kvo-metrics", 5710 + dp_indices[0])] + \
         [(f"kvo-ctrl-{i}", 5710 + i) for i in dp_indices[1:]] + [("kvo-data", 5810)]
-    assert container["readinessProbe"]["httpGet"]["port"] == 5710 + dp_indices[0]
+    assert container["startupProbe"]["httpGet"]["port"] == 5710 + dp_indices[0]
 
 
 @pytest.mark.timeout(120)

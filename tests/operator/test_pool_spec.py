@@ -28,7 +28,7 @@ def test_sidecar_spec_defaults_and_rejects_bad_values_naming_the_field() -> None
     s = pool_spec.SidecarSpec.from_pool(pool(), default_image="img:1")
     assert (s.image, s.capacity_bytes, s.transport, s.base_port, s.data_port) == \
         ("img:1", 4 << 30, "ucx", 5710, 5810)
-    assert s.shm_size_limit == (4 << 30) + (1 << 30)
+    assert s.shm_size_limit is None  # each pod's: the store + vLLM's primary tier + 1 GiB (pod_host)
     with pytest.raises(ValueError, match=r"spec\.sidecar\.transport='rdma'"):
         sidecar_spec(transport="rdma")
     with pytest.raises(ValueError, match=r"spec\.sidecar\.capacityBytes=0"):
@@ -116,8 +116,10 @@ def test_crd_is_a_valid_v1alpha1_namespaced_crd_with_status_and_printer_columns(
     assert crd["spec"]["scope"] == "Namespaced"
     (version,) = crd["spec"]["versions"]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
-    assert [c["jsonPath"] for c in version["additionalPrinterColumns"]] == \
-        [".status.fingerprint", ".status.readyPeers", ".metadata.creationTimestamp"]
+    assert [(c["name"], c["jsonPath"]) for c in version["additionalPrinterColumns"]] == [
+        ("Fingerprint", ".status.fingerprint"), ("Ready", '.status.conditions[?(@.type=="Ready")].status'),
+        ("Reason", '.status.conditions[?(@.type=="Ready")].reason'), ("Ready Peers", ".status.readyPeers"),
+        ("Age", ".metadata.creationTimestamp")]
 
 
 def test_crd_schema_accepts_a_real_pool_and_rejects_a_bad_transport(crd: dict[str, Any]) -> None:
@@ -133,7 +135,11 @@ def test_crd_schema_accepts_a_real_pool_and_rejects_a_bad_transport(crd: dict[st
     bad["spec"]["sidecar"]["transport"] = "rdma"
     with pytest.raises(jsonschema.ValidationError, match="rdma"):
         jsonschema.validate(bad, schema)
-    assert schema["properties"]["spec"]["properties"]["sidecar"]["properties"]["basePort"]["default"] == 5710
+    # No default in the CRD: an unset port is the operator's (the chart's sidecar.controlPort / dataPort).
+    ports = schema["properties"]["spec"]["properties"]["sidecar"]["properties"]
+    assert "default" not in ports["basePort"] and "default" not in ports["dataPort"]
+    assert pool_spec.SidecarSpec.from_pool(pool(), default_image="i", default_base_port=6710,
+                                           default_data_port=6810).control_port(0) == 6710
 
 
 def test_crd_schema_leaves_hash_seed_unset_by_default_and_accepts_sidecar_env(crd: dict[str, Any]) -> None:

@@ -115,11 +115,15 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
         "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
         "--transport": "ucx", "--dp-indices": "0", "--shm-dir": "/dev/shm"}
     assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-metrics", 5710), ("kvo-data", 5810)]
-    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 5710}
-    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 5710}
+    # No readinessProbe: the sidecar never takes the vLLM replica out of its Service.
+    assert "readinessProbe" not in sidecar
+    assert sidecar["startupProbe"]["httpGet"] == sidecar["livenessProbe"]["httpGet"] == \
+        {"path": "/healthz", "port": 5710}
 
     volumes = {v["name"]: v for v in result["spec"]["volumes"]}
-    assert volumes["kv-offload-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": str((8 << 30) + (1 << 30))}
+    # /dev/shm holds the 8 GiB store, vLLM's 10 GiB primary tier (cpu_bytes_to_use) and 1 GiB head room.
+    assert volumes["kv-offload-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "19Gi"}
+    assert sidecar["resources"]["requests"]["memory"] == "8448Mi"  # the store + 256 MiB
     sources = volumes["kv-offload-config"]["projected"]["sources"]
     assert [s["configMap"]["name"] for s in sources] == ["llama-offloading-config"]
     assert volumes["kv-offload-pool-key"]["secret"] == {"secretName": "llama-pool-key"}  # whole, no items

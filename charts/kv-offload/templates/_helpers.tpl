@@ -97,6 +97,9 @@ kv-offload.io/pool
 
 {{/* Combinations that cannot work: stop the install with a sentence saying what to change. */}}
 {{- define "kv-offload.validate" -}}
+{{- if and .Values.monitoring.prometheusRule.enabled (not .Values.monitoring.podMonitor.enabled) (not .Values.monitoring.serviceMonitor.enabled) -}}
+{{- fail "monitoring.prometheusRule.enabled is true but neither monitoring.podMonitor nor monitoring.serviceMonitor is: the alerts select the series those monitors scrape; turn one of them on." -}}
+{{- end -}}
 {{- if and (not .Values.serviceAccount.create) (not .Values.serviceAccount.name) -}}
 {{- fail "serviceAccount.create is false but serviceAccount.name is empty: name an existing ServiceAccount or set serviceAccount.create=true." -}}
 {{- end -}}
@@ -126,6 +129,17 @@ kv-offload.io/pool
 {{- fail (printf "networkPolicy.pools lists pool %s twice: keep one entry per pool." $key) -}}
 {{- end -}}
 {{- $_ := set $seen $key true -}}
+{{- $poolFirst := int (.basePort | default $.Values.sidecar.controlPort) -}}
+{{- $poolLast := add $poolFirst (int (.controlPortCount | default $.Values.sidecar.controlPortCount)) -1 | int -}}
+{{- $poolData := int (.dataPort | default $.Values.sidecar.dataPort) -}}
+{{- if and (ge $poolData $poolFirst) (le $poolData $poolLast) -}}
+{{- fail (printf "networkPolicy.pools entry %s: dataPort %d lies in its control port range %d-%d: give the pool's spec.sidecar.dataPort and basePort as they are, or lower controlPortCount." $key $poolData $poolFirst $poolLast) -}}
+{{- end -}}
+{{- range $.Values.networkPolicy.servingPorts -}}
+{{- if or (eq (int .) $poolData) (and (ge (int .) $poolFirst) (le (int .) $poolLast)) -}}
+{{- fail (printf "networkPolicy.servingPorts lists %d, a sidecar port of pool %s: opening it to everyone would bypass the pool-only rule; remove it from networkPolicy.servingPorts." (int .) $key) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- range .Values.networkPolicy.servingPorts -}}
 {{- if or (eq (int .) $data) (and (ge (int .) $first) (le (int .) $last)) -}}
@@ -133,4 +147,24 @@ kv-offload.io/pool
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The kopf peering object the operator replicas share (one per release): only the oldest replica reconciles. */}}
+{{- define "kv-offload.peeringName" -}}
+{{- include "kv-offload.fullname" . -}}
+{{- end -}}
+
+{{/* The job label of the sidecars' scrape target (set by the PodMonitor); the alerts select it. */}}
+{{- define "kv-offload.sidecarJob" -}}
+{{- printf "%s-sidecars" (include "kv-offload.fullname" .) -}}
+{{- end -}}
+
+{{/* The job label of the operator's scrape target (set by the ServiceMonitor); the alerts select it. */}}
+{{- define "kv-offload.operatorJob" -}}
+{{- printf "%s-operator" (include "kv-offload.fullname" .) -}}
+{{- end -}}
+
+{{/* Name of the webhook certificate hook Jobs, their ServiceAccount and RBAC (self-managed certificate). */}}
+{{- define "kv-offload.webhookCertJob" -}}
+{{- printf "%s-webhook-cert" (include "kv-offload.fullname" .) -}}
 {{- end -}}
