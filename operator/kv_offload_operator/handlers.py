@@ -3,7 +3,8 @@
 Importing this module registers them in kopf's default registry. Each
 handler's name is its id (in progress annotations, logs and the webhook
 path ``/inject_sidecar``), and each hands its work to the module named for it:
-``startup`` (settings, webhook server, API client), ``ready_peers``,
+``startup`` (settings, webhook server, API client, followers), ``ready_peers``
+(the pod and pool indexes its follower reads),
 ``reconcile`` (a pool's ConfigMap, Secret, Service and status),
 ``model_config_follower``, ``pool_key`` (key rotation) and ``webhook``
 (admission of a pod).
@@ -19,16 +20,16 @@ from typing import Any
 import kopf
 
 from . import model_config_follower, pool_key, ready_peers, startup, webhook
-from .pod_patch import INJECTED_ANNOTATION, apply_patch
+from .pod_patch import apply_patch
 from .pool_spec import GROUP, PLURAL, POOL_LABEL, VERSION
 from .reconcile import reconcile
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo,
-                    logger: logging.Logger, **_: Any) -> None:
-    """All operator settings, the webhook server and the API client, in one place."""
-    await startup.configure(settings, memo, logger)
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger,
+                    pool_sidecars: kopf.Index, pool_peer_status: kopf.Index, **_: Any) -> None:
+    """All operator settings, the webhook server, the API client and the followers, in one place."""
+    await startup.configure(settings, memo, logger, pool_sidecars=pool_sidecars, pools=pool_peer_status)
 
 
 @kopf.on.cleanup()
@@ -38,36 +39,17 @@ async def shut_down(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.index("pods", labels={POOL_LABEL: kopf.PRESENT}, when=ready_peers.sidecar_is_running)
-def running_pool_sidecars(namespace: str, labels: Mapping[str, str], annotations: Mapping[str, str],
-                          **_: Any) -> dict[tuple[str, str], str]:
-    """The injected fingerprint of each pool pod whose sidecar runs, by (namespace, pool name)."""
-    return {(namespace, labels[POOL_LABEL]): annotations[INJECTED_ANNOTATION]}
+def pool_sidecars(namespace: str, name: str, labels: Mapping[str, str], annotations: Mapping[str, str],
+                  spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[tuple[str, str], Any]:
+    """Each pool pod whose sidecar runs (pod IP, kvo-metrics port, injected fingerprint), by
+    (namespace, pool name): the sidecars the ready-peers follower asks."""
+    return {(namespace, labels[POOL_LABEL]): ready_peers.sidecar_endpoint(name, annotations, spec, status)}
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def pool_fingerprints(namespace: str, name: str, status: kopf.Status, **_: Any) -> dict[tuple[str, str], Any]:
-    """Each pool's current fingerprint (status.fingerprint), by (namespace, pool name)."""
-    return {(namespace, name): status.get("fingerprint")}
-
-
-@kopf.on.event("pods", labels={POOL_LABEL: kopf.PRESENT})
-async def count_ready_peers(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
-                            running_pool_sidecars: kopf.Index, pool_fingerprints: kopf.Index, **_: Any) -> None:
-    """Write the pool's ``status.readyPeers`` whenever the count changes."""
-    pool = labels[POOL_LABEL]
-    fingerprint = next(iter(pool_fingerprints.get((namespace, pool), [])), None)
-    count = ready_peers.count_matching(running_pool_sidecars.get((namespace, pool), []), fingerprint)
-    await ready_peers.write_ready_peers(memo, namespace, pool, count)
-
-
-@kopf.on.event(GROUP, VERSION, PLURAL)
-async def recount_ready_peers(event: kopf.RawEvent, namespace: str, name: str, status: kopf.Status,
-                              memo: kopf.Memo, running_pool_sidecars: kopf.Index, **_: Any) -> None:
-    """Count again when the pool's fingerprint changes (a spec, model config or workload change)."""
-    if event.get("type") == "DELETED":
-        return
-    count = ready_peers.count_matching(running_pool_sidecars.get((namespace, name), []), status.get("fingerprint"))
-    await ready_peers.write_ready_peers(memo, namespace, name, count, shown=status.get("readyPeers"))
+def pool_peer_status(namespace: str, name: str, status: kopf.Status, **_: Any) -> dict[tuple[str, str], Any]:
+    """Each pool's current fingerprint and the ready peers its status shows, by (namespace, pool name)."""
+    return {(namespace, name): ready_peers.pool_peer_status(status)}
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -75,10 +57,9 @@ async def recount_ready_peers(event: kopf.RawEvent, namespace: str, name: str, s
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, status: kopf.Status,
                          name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
-                         logger: logging.Logger, running_pool_sidecars: kopf.Index, **_: Any) -> None:
+                         logger: logging.Logger, **_: Any) -> None:
     """Translate the pool and write its ConfigMap, Secret, Service and status."""
-    await reconcile(body, meta, status, name, namespace, patch, memo, logger,
-                    list(running_pool_sidecars.get((namespace, name), [])))
+    await reconcile(body, meta, status, name, namespace, patch, memo, logger)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

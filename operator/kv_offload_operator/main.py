@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-rotation-check-seconds", type=float, default=10.0, metavar="S",
                         help="seconds between checks of pools that ask for a pool key rotation "
                              "(annotation kv-offload.io/rotate-pool-key) or roll one out (default 10)")
+    parser.add_argument("--ready-peers-check-seconds", type=float, default=15.0, metavar="S",
+                        help="seconds between reads of every running pool sidecar's /metrics (its kvo-metrics "
+                             "port; by the replica that reconciles): status.readyPeers counts the sidecars "
+                             "that run the pool's fingerprint and have a connected peer (default 15)")
     parser.add_argument("--health-port", type=int, default=8080,
                         help="liveness endpoint port, serving /healthz (default 8080)")
     parser.add_argument("--metrics-port", type=int, default=8081,
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         webhook_cert_dir=args.webhook_cert_dir, webhook_cert_check_seconds=args.webhook_cert_check_seconds,
         model_config_check_seconds=args.model_config_check_seconds,
         key_rotation_check_seconds=args.key_rotation_check_seconds,
+        ready_peers_check_seconds=args.ready_peers_check_seconds,
         metrics_port=args.metrics_port, peering_name=args.peering,
         peering_lifetime_seconds=args.peering_lifetime_seconds, peering_priority=start_priority(),
         identity=own_identity(), namespaces=tuple(args.namespace), clusterwide=args.all_namespaces,
@@ -118,7 +123,8 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
             return f"{flag} {port} is not a port; use 1..65535"
     for flag, seconds in (("--webhook-cert-check-seconds", args.webhook_cert_check_seconds),
                           ("--model-config-check-seconds", args.model_config_check_seconds),
-                          ("--key-rotation-check-seconds", args.key_rotation_check_seconds)):
+                          ("--key-rotation-check-seconds", args.key_rotation_check_seconds),
+                          ("--ready-peers-check-seconds", args.ready_peers_check_seconds)):
         if not seconds > 0:
             return f"{flag} {seconds} must be positive"
     for i, (flag, port) in enumerate(ports):

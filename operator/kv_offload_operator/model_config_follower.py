@@ -76,7 +76,7 @@ async def _recheck(memo: kopf.Memo, namespace: str, name: str) -> None:
     log.info(f"Pool {namespace}/{name}: its {changed} changed; translating again.")
     patch = kopf.Patch()
     try:
-        await reconcile(body, body.get("metadata") or {}, status, name, namespace, patch, memo, log, None)
+        await reconcile(body, body.get("metadata") or {}, status, name, namespace, patch, memo, log)
     except (kopf.PermanentError, kopf.TemporaryError) as exc:
         log.warning(f"Pool {namespace}/{name}: {exc}")
     if patch.status:

@@ -1,30 +1,125 @@
-"""``status.readyPeers``: the pool's sidecars whose handshakes accept each other, written on change.
+"""``status.readyPeers``: the pool's sidecars that report a connected peer, asked of the sidecars themselves.
 
-A sidecar counts when its pod carries the pool label, its ``kv-offload-sidecar``
-container is started (its startupProbe passed) and running, and the webhook
-injected it with the pool's *current* fingerprint (annotation
-``kv-offload.io/injected``). Such sidecars share the fingerprint, the pool key
-and the hash seed (both from the pool Secret), so every handshake between
-them is accepted; a pod injected before a spec change, or one whose sidecar is
-restarting, is not counted. vLLM's own readiness (the pod's Ready condition,
-minutes of model loading) does not matter here.
+A sidecar counts when it says so: its ``/metrics`` (the open endpoint on the
+pod's ``kvo-metrics`` port, the one the chart's PodMonitor scrapes) shows
+``kv_offload_peers{state="connected"} >= 1`` (at least one peer session whose
+handshake was accepted, hence same fingerprint, pool key and hash seed, is
+up) and ``kv_offload_config_info{fingerprint}`` is the pool's *current*
+fingerprint (a sidecar that shows no config_info is taken to run the
+fingerprint its pod was injected with). So a sidecar whose handshakes are all
+rejected, one still connecting or backing off, a lone sidecar (a pool of one
+pod), one left on an older fingerprint after a spec change (it still talks to
+its own generation, not to the pool's new pods), a foreign sidecar answering
+at a reused pod IP, and one that does not answer within
+``SCRAPE_TIMEOUT_SECONDS`` (a NetworkPolicy that keeps the operator out
+included) do not count. vLLM's readiness (the pod's Ready condition) does not
+matter here.
 
-Read from pod status alone (kopf's index of the pool pods' running sidecars,
-counted against kopf's index of the pools' fingerprints, on every pod event and
-every pool event): the operator calls no pod. What it cannot see is the network between sidecars; the sidecars'
-``kv_offload_peers{state}`` and ``kv_offload_handshakes_total`` metrics do.
+Which pods are asked: kopf's index ``pool_sidecars`` of the pool's pods whose
+``kv-offload-sidecar`` container is started and running (``sidecar_is_running``),
+with their pod IP, ``kvo-metrics`` port and injected fingerprint
+(``SidecarEndpoint``).
+
+``follow`` (a task started at startup, like the model-config follower) runs on
+the leader only (``memo.leading``): every ``--ready-peers-check-seconds`` it
+asks every such sidecar (``SCRAPE_CONCURRENCY`` at a time, one short-lived
+aiohttp session per round, no credentials) and patches the pool's
+``status.readyPeers``, ``status.peerStates`` (peer sessions by state, summed
+over the pool's sidecars that run its current fingerprint: ``sum by (state)
+(kv_offload_peers)`` of them) and ``status.unansweredSidecars`` (the running
+pool sidecars that did not answer) when they differ from what the pool shows
+(kopf's pool index ``pool_peer_status``). A new pool shows 0 from its first
+reconciliation on (``reconcile``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
+from kv_offload_sidecar.metrics import NAMESPACE as SIDECAR_METRICS_NAMESPACE
+from kv_offload_sidecar.metrics import PEER_STATES
+from prometheus_client.parser import text_string_to_metric_families
 
 from .kube_api import patch_pool_status
-from .pod_patch import INJECTED_ANNOTATION, SIDECAR_NAME
+from .pod_patch import INJECTED_ANNOTATION, METRICS_PORT_NAME, SIDECAR_NAME
+
+log = logging.getLogger(__name__)
+
+# The sidecar's gauge of peer sessions by state (connecting|connected|backoff|rejected).
+PEERS_METRIC = f"{SIDECAR_METRICS_NAMESPACE}_peers"
+# The sidecar's identity series (its labels: fingerprint, model, dtype, transport, wire_version).
+CONFIG_INFO_METRIC = f"{SIDECAR_METRICS_NAMESPACE}_config_info"
+# Seconds one sidecar has to answer /metrics (connect and body).
+SCRAPE_TIMEOUT_SECONDS = 2.0
+# Sidecars asked at once, over all pools.
+SCRAPE_CONCURRENCY = 32
+# A /metrics body larger than this is not read (a sidecar's is a few tens of KiB).
+MAX_METRICS_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class SidecarEndpoint:
+    """One running pool sidecar, as kopf's pod index keeps it."""
+
+    pod: str
+    # The fingerprint the webhook injected it with (annotation kv-offload.io/injected).
+    fingerprint: str
+    # status.podIP; None before the pod has one.
+    ip: str | None
+    # containerPort of its kvo-metrics port; None when it declares none.
+    port: int | None
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://<podIP>:<kvo-metrics>/metrics``, or None when either is unknown."""
+        if not self.ip or not self.port:
+            return None
+        host = f"[{self.ip}]" if ":" in self.ip else self.ip
+        return f"http://{host}:{self.port}/metrics"
+
+
+@dataclass(frozen=True)
+class SidecarAnswer:
+    """What one sidecar's /metrics says."""
+
+    # kv_offload_peers by state (0 for a state it does not show).
+    states: Mapping[str, int]
+    # kv_offload_config_info's fingerprint label; None when it shows none.
+    fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class PoolPeerStatus:
+    """What a pool's status shows (kopf's pool index): compared before writing."""
+
+    fingerprint: str | None
+    ready_peers: int | None
+    peer_states: Mapping[str, int] | None
+    unanswered: int | None
+
+
+@dataclass(frozen=True)
+class PeerCount:
+    """One pool's answer: what goes to its status."""
+
+    ready_peers: int
+    peer_states: dict[str, int]
+    unanswered: int
+
+    def status(self) -> dict[str, Any]:
+        return {"readyPeers": self.ready_peers, "peerStates": dict(self.peer_states),
+                "unansweredSidecars": self.unanswered}
+
+    def shown_in(self, shown: PoolPeerStatus | None) -> bool:
+        return shown is not None and (shown.ready_peers, dict(shown.peer_states or {}), shown.unanswered) == \
+            (self.ready_peers, self.peer_states, self.unanswered)
 
 
 def sidecar_is_running(status: Mapping[str, Any] | None, annotations: Mapping[str, str] | None,
@@ -38,27 +133,158 @@ def sidecar_is_running(status: Mapping[str, Any] | None, annotations: Mapping[st
     return False
 
 
-def count_matching(fingerprints: Iterable[str], fingerprint: str | None) -> int | None:
-    """How many running sidecars were injected with ``fingerprint``; None while the pool has none."""
-    if not fingerprint:
-        return None
-    return sum(1 for f in fingerprints if f == fingerprint)
+def metrics_port(spec: Mapping[str, Any] | None) -> int | None:
+    """containerPort of the sidecar container's ``kvo-metrics`` port (native sidecar or plain container)."""
+    spec = spec or {}
+    for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        if c.get("name") != SIDECAR_NAME:
+            continue
+        for p in c.get("ports") or []:
+            if p.get("name") == METRICS_PORT_NAME and isinstance(p.get("containerPort"), int):
+                return int(p["containerPort"])
+    return None
 
 
-async def write_ready_peers(memo: kopf.Memo, namespace: str, pool: str, count: int | None,
-                            shown: int | None = None) -> None:
-    """Patch the pool's ``status.readyPeers`` unless ``count`` is None or already written
-    (``shown``: what the pool's status shows; else what this operator last wrote).
+def sidecar_endpoint(name: str, annotations: Mapping[str, str], spec: Mapping[str, Any] | None,
+                     status: Mapping[str, Any] | None) -> SidecarEndpoint:
+    """The index value of a pool pod whose sidecar runs."""
+    return SidecarEndpoint(pod=name, fingerprint=annotations[INJECTED_ANNOTATION],
+                           ip=(status or {}).get("podIP") or None, port=metrics_port(spec))
 
-    A pod naming a pool that does not exist is ignored (the webhook denies new ones).
+
+def pool_peer_status(status: Mapping[str, Any] | None) -> PoolPeerStatus:
+    """The index value of a pool."""
+    status = status or {}
+    states = status.get("peerStates")
+    return PoolPeerStatus(fingerprint=status.get("fingerprint"), ready_peers=status.get("readyPeers"),
+                          peer_states=dict(states) if isinstance(states, Mapping) else None,
+                          unanswered=status.get("unansweredSidecars"))
+
+
+def read_metrics(text: str) -> SidecarAnswer:
+    """``kv_offload_peers`` by state and the config_info fingerprint from a sidecar's /metrics text.
+
+    Only those two families' lines go to prometheus_client's parser (a sidecar's whole
+    exposition is mostly histograms the operator does not need); ValueError when they
+    do not parse.
     """
-    key = (namespace, pool)
-    if count is None or (shown if shown is not None else memo.ready_counts.get(key)) == count:
-        return
+    wanted = tuple(f"{prefix}{name}{end}" for name in (PEERS_METRIC, CONFIG_INFO_METRIC)
+                   for prefix, end in (("", "{"), ("", " "), ("# HELP ", " "), ("# TYPE ", " ")))
+    lines = [line for line in text.splitlines() if line.startswith(wanted)]
+    states = dict.fromkeys(PEER_STATES, 0)
+    fingerprint = None
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name == PEERS_METRIC:
+                state = sample.labels.get("state")
+                if state in states and sample.value == sample.value:  # not NaN
+                    states[state] = int(sample.value)
+            elif sample.name == CONFIG_INFO_METRIC and sample.value == 1:
+                fingerprint = sample.labels.get("fingerprint") or None
+    return SidecarAnswer(states, fingerprint)
+
+
+async def ask(session: aiohttp.ClientSession, url: str, timeout: float) -> SidecarAnswer | None:
+    """What the sidecar at ``url`` says, or None when it does not answer (in time, with 200, parseably)."""
     try:
-        await patch_pool_status(memo.api, namespace, pool, {"readyPeers": count})
-    except ApiException as exc:
-        if exc.status == 404:
-            return
-        raise
-    memo.ready_counts[key] = count
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False) as resp:
+            if resp.status != 200:
+                return None
+            body = bytearray()
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > MAX_METRICS_BYTES:
+                    return None
+        return read_metrics(body.decode("utf-8", errors="replace"))
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        return None
+
+
+def count(answers: Iterable[tuple[SidecarEndpoint, SidecarAnswer | None]], fingerprint: str) -> PeerCount:
+    """A pool's count from its running sidecars' answers (None: did not answer).
+
+    Only sidecars that run ``fingerprint`` (their config_info's, else their pod's) count and
+    add their sessions to the states; every one that did not answer is unanswered."""
+    ready, unanswered = 0, 0
+    states = dict.fromkeys(PEER_STATES, 0)
+    for endpoint, answer in answers:
+        if answer is None:
+            unanswered += 1
+            continue
+        if (answer.fingerprint or endpoint.fingerprint) != fingerprint:
+            continue  # an older generation, or another pool's sidecar at a reused IP
+        if answer.states.get("connected", 0) >= 1:
+            ready += 1
+        for state in states:
+            states[state] += int(answer.states.get(state, 0))
+    return PeerCount(ready, states, unanswered)
+
+
+async def check(memo: kopf.Memo, sidecars: kopf.Index, pools: kopf.Index, timeout: float,
+                written: dict[tuple[str, str], tuple[PoolPeerStatus, PeerCount]]) -> None:
+    """Ask every running sidecar of every translated pool once; write the pools whose count changed.
+
+    ``written``: per pool, what its index showed when this replica last wrote it and what it
+    wrote; the same count is not written again before the index has seen the write."""
+    # Snapshots: the indexes change under kopf's watches while this awaits.
+    shown: dict[tuple[str, str], PoolPeerStatus] = {}
+    for key in list(pools):
+        value = next(iter(pools.get(key, [])), None)
+        if value is not None and value.fingerprint:
+            shown[key] = value
+    asked = {key: list(sidecars.get(key, [])) for key in shown}
+    for gone in set(written) - set(shown):
+        del written[gone]
+    if not shown:
+        return
+    limit = asyncio.Semaphore(SCRAPE_CONCURRENCY)
+    connector = aiohttp.TCPConnector(limit=SCRAPE_CONCURRENCY, force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def ask_one(endpoint: SidecarEndpoint) -> tuple[SidecarEndpoint, SidecarAnswer | None]:
+            url = endpoint.metrics_url
+            if url is None:
+                return endpoint, None
+            async with limit:
+                return endpoint, await ask(session, url, timeout)
+
+        pending = {key: asyncio.gather(*(ask_one(s) for s in endpoints)) for key, endpoints in asked.items()}
+        answers = {key: await gathering for key, gathering in pending.items()}
+    for key, answered in answers.items():
+        new = count(answered, shown[key].fingerprint or "")
+        if new.shown_in(shown[key]) or written.get(key) == (shown[key], new):
+            continue
+        namespace, name = key
+        try:
+            await patch_pool_status(memo.api, namespace, name, new.status())
+        except asyncio.CancelledError:
+            raise
+        except ApiException as exc:
+            if exc.status != 404:  # 404: the pool is gone
+                log.warning(f"Pool {namespace}/{name}: writing status.readyPeers failed (HTTP {exc.status}); "
+                            f"retrying at the next check.")
+            continue
+        except Exception as exc:  # the API unreachable: the next check tries again
+            log.warning(f"Pool {namespace}/{name}: writing status.readyPeers failed ({exc}); "
+                        f"retrying at the next check.")
+            continue
+        written[key] = (shown[key], new)
+        if new.ready_peers != shown[key].ready_peers:
+            log.info(f"Pool {namespace}/{name}: {new.ready_peers} ready peers "
+                     f"({len(answered)} running sidecars asked, {new.unanswered} did not answer).")
+
+
+async def follow(memo: kopf.Memo, sidecars: kopf.Index, pools: kopf.Index) -> None:
+    """Check every ``ready_peers_check_seconds`` (after the previous round) while this replica
+    leads, until cancelled."""
+    interval = memo.options.ready_peers_check_seconds
+    written: dict[tuple[str, str], tuple[PoolPeerStatus, PeerCount]] = {}
+    while True:
+        await asyncio.sleep(interval)
+        if not memo.leading:  # another replica reconciles (leadership.py)
+            continue
+        try:
+            await check(memo, sidecars, pools, SCRAPE_TIMEOUT_SECONDS, written)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the next round tries again
+            log.exception("Counting the pools' ready peers failed")

@@ -6,9 +6,9 @@ OffloadingConfig, with no engine's own values: every pod mounts it); the Secret 
 completed when an older operator wrote it (``pool_key.ensure``; only a
 requested rotation changes its key, ``pool_key.follow``); the Service ports
 follow the pool's DP size. The status (fingerprint, namespace digest,
-ConfigMap name, ready peers, conditions) goes to ``patch.status`` also when
-the reconciliation fails, so a pool that can never work shows ``Invalid``
-with the translator's message.
+ConfigMap name, conditions; ``readyPeers`` 0 until the ready-peers follower
+counts) goes to ``patch.status`` also when the reconciliation fails, so a
+pool that can never work shows ``Invalid`` with the translator's message.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 from kubernetes_asyncio import client as k8s
 
-from . import pool_key, ready_peers
+from . import pool_key
 from . import pool_objects as objects
 from .kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .model_config import model_config
@@ -38,15 +38,14 @@ from .translation.translate import TranslationError, pool_config
 
 async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Mapping[str, Any],
                     name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
-                    logger: logging.Logger | logging.LoggerAdapter, sidecars: Iterable[str] | None) -> None:
+                    logger: logging.Logger | logging.LoggerAdapter) -> None:
     """Translate the pool and write its children; the status goes to ``patch.status``
     (also when it raises: PermanentError for a spec that can never work, TemporaryError
-    while something it needs does not exist yet). ``sidecars``: the injected fingerprints of
-    the pool's running sidecars (``ready_peers``), counted against the new fingerprint; None
-    leaves ``status.readyPeers`` to the ``recount_ready_peers`` handler.
+    while something it needs does not exist yet). ``status.readyPeers`` is the ready-peers
+    follower's (``ready_peers``); a pool that shows none yet gets 0 here.
     Counted in ``memo.metrics.reconciles``."""
     try:
-        await _reconcile(body, meta, status, name, namespace, patch, memo, logger, sidecars)
+        await _reconcile(body, meta, status, name, namespace, patch, memo, logger)
     except kopf.PermanentError:
         memo.metrics.reconciles.labels(result="invalid").inc()
         raise
@@ -61,7 +60,7 @@ async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Ma
 
 async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Mapping[str, Any],
                      name: str, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
-                     logger: logging.Logger | logging.LoggerAdapter, sidecars: Iterable[str] | None) -> None:
+                     logger: logging.Logger | logging.LoggerAdapter) -> None:
     api: k8s.ApiClient = memo.api
     generation = meta.get("generation")
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -105,10 +104,8 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
         raise
     await _ensure_service(core, objects.peers_service(pool, ports))
 
-    ready_count = None if sidecars is None else ready_peers.count_matching(sidecars, config.fingerprint)
-    if ready_count is not None:
-        memo.ready_counts[(namespace, name)] = ready_count
-        patch.status["readyPeers"] = ready_count
+    if status.get("readyPeers") is None:  # counted by ready_peers.follow from the next check on
+        patch.status["readyPeers"] = 0
     patch.status["fingerprint"] = config.fingerprint
     patch.status["namespaceDigest"] = config.namespace_digest
     patch.status["configMap"] = objects.configmap_name(name)

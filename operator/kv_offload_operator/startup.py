@@ -4,9 +4,10 @@
 startup handler through ``memo.options``; ``configure`` applies all of kopf's
 settings in one place (peering: standalone, or one of several replicas,
 ``leadership``), fills the memo the other handlers use (``api``,
-``metrics``, ``leading``, ``ready_counts``, ``model_config_refs``,
-``key_rotations``, ``pool_key_locks``), serves ``/metrics`` and starts the
-model-config, key-rotation and leadership followers; ``shut_down`` undoes it.
+``metrics``, ``leading``, ``model_config_refs``, ``key_rotations``,
+``pool_key_locks``), serves ``/metrics`` and starts the model-config,
+key-rotation, ready-peers (given kopf's live pod and pool indexes) and
+leadership followers; ``shut_down`` undoes it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import kopf
 from prometheus_client import CollectorRegistry
 
-from . import leadership, model_config_follower, pool_key
+from . import leadership, model_config_follower, pool_key, ready_peers
 from .kube_api import api_client
 from .operator_metrics import OperatorMetrics, serve_metrics
 from .pool_spec import GROUP
@@ -46,6 +47,8 @@ class OperatorOptions:
     model_config_check_seconds: float = 60.0
     # Seconds between steps of a pool key rotation: start on request, end at expiry (> 0).
     key_rotation_check_seconds: float = 10.0
+    # Seconds between reads of every running pool sidecar's /metrics for status.readyPeers (> 0).
+    ready_peers_check_seconds: float = 15.0
     # Prometheus /metrics port (the chart's ServiceMonitor scrapes it); 0 = not served.
     metrics_port: int = 0
     # kopf peering object shared by the replicas; None = the only replica (standalone).
@@ -66,8 +69,11 @@ class OperatorOptions:
     sidecar_data_port: int = 5810
 
 
-async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger) -> None:
-    """All operator settings, the webhook server and the API client, in one place."""
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, *,
+                    pool_sidecars: kopf.Index, pools: kopf.Index) -> None:
+    """All operator settings, the webhook server, the API client and the followers, in one place.
+
+    ``pool_sidecars`` and ``pools``: kopf's live indexes (``handlers``) the ready-peers follower reads."""
     options: OperatorOptions = memo.options
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -97,18 +103,20 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     if options.peering_name is not None:
         await leadership.ensure_peering(memo.api, options.peering_name, options.namespaces, options.clusterwide)
         memo.leadership_follower = asyncio.create_task(leadership.follow(memo), name="leadership-follower")
-    memo.ready_counts = {}
     memo.model_config_refs = {}
     memo.key_rotations = {}
     memo.pool_key_locks = {}
     memo.model_config_follower = asyncio.create_task(model_config_follower.follow(memo),
                                                      name="model-config-follower")
     memo.key_rotation_follower = asyncio.create_task(pool_key.follow(memo), name="key-rotation-follower")
+    memo.ready_peers_follower = asyncio.create_task(ready_peers.follow(memo, pool_sidecars, pools),
+                                                    name="ready-peers-follower")
 
 
 async def shut_down(memo: kopf.Memo) -> None:
     """Stop the followers and the metrics server, close the API client, delete a self-signed dev pair."""
-    for task_name in ("model_config_follower", "key_rotation_follower", "leadership_follower"):
+    for task_name in ("model_config_follower", "key_rotation_follower", "ready_peers_follower",
+                      "leadership_follower"):
         follower = getattr(memo, task_name, None)
         if follower is not None:
             follower.cancel()

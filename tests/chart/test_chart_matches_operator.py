@@ -22,6 +22,7 @@ def test_operator_deployment_arguments_parse_with_the_operator_cli(render):
         operator_main.add_arguments(parser)
         args = parser.parse_args(flags)
         assert args.webhook_port == 9443 and args.health_port == 8080
+        assert args.ready_peers_check_seconds == 15  # operator.readyPeersCheckSeconds
         assert args.webhook_cert_dir == "/etc/kv-offload/webhook-tls"
         assert args.all_namespaces is not bool(values) and args.namespace == (
             ["inference"] if values else [])
@@ -65,6 +66,26 @@ def test_pod_monitor_scrapes_one_control_port_of_every_pod_whatever_its_dp_start
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     (scraped,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
     assert scraped["containerPort"] == spec.base_port + dp_indices[0]  # a control port, serving /metrics
+
+
+@pytest.mark.parametrize("dp_indices", [(0,), (2, 3), (7,)])
+def test_network_policy_lets_the_operator_read_every_pods_kvo_metrics_port_for_ready_peers(render, dp_indices):
+    spec = pool_spec.SidecarSpec.from_pool({"spec": {}}, default_image="kv-offload:test")
+    container = pod_patch.sidecar_container(pool_name="demo", namespace="inference", sidecar=spec,
+                                            dp_indices=dp_indices, shm_volume=pod_patch.SHM_VOLUME)
+    (metrics,) = [p for p in container["ports"] if p["name"] == pod_patch.METRICS_PORT_NAME]
+    objects = render({"networkPolicy": {"enabled": True, "pools": [{"name": "demo", "namespace": "inference"}]}})
+    operator_labels = find(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    policy = find(objects, "NetworkPolicy")
+    admitted = set()
+    for rule in policy["spec"]["ingress"]:
+        selects_operator = any(
+            peer.get("podSelector", {}).get("matchLabels", {}).items() <= operator_labels.items()
+            and "podSelector" in peer and "namespaceSelector" in peer for peer in rule.get("from", []))
+        if selects_operator:
+            for port in rule["ports"]:
+                admitted |= set(range(port["port"], port.get("endPort", port["port"]) + 1))
+    assert metrics["containerPort"] in admitted
 
 
 def test_chart_port_defaults_are_the_operator_defaults():

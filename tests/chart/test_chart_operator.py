@@ -94,7 +94,8 @@ def test_operator_command_line_matches_the_values(render):
     assert container["args"] == [
         "operator", "--namespace=inference", "--webhook-port=9443",
         "--webhook-cert-dir=/etc/kv-offload/webhook-tls", f"--webhook-host={WEBHOOK_DNS}",
-        "--health-port=8080", "--metrics-port=8081", f"--peering={FULLNAME}",
+        "--health-port=8080", "--metrics-port=8081", "--ready-peers-check-seconds=15",
+        f"--peering={FULLNAME}",
         "--peering-lifetime-seconds=30", "--sidecar-image=reg.example/kvo:9.9",
         "--sidecar-base-port=5710", "--sidecar-data-port=5810",
     ]

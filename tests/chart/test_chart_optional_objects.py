@@ -83,6 +83,7 @@ def test_network_policy_opens_sidecar_ports_to_the_same_pools_pods_only_and_metr
         {"name": "llama", "namespace": "a"}, {"name": "mistral", "namespace": "a"}, {"name": "llama"}]}})
     policies = {(p["metadata"]["namespace"], p["metadata"]["name"]): p
                 for p in objects if p["kind"] == "NetworkPolicy"}
+    operator_selector = find(objects, "Deployment")["spec"]["selector"]["matchLabels"]
     assert sorted(policies) == [("a", "kvo-kv-offload-pool-llama"), ("a", "kvo-kv-offload-pool-mistral"),
                                 (NAMESPACE, "kvo-kv-offload-pool-llama")]
     for (_, name), policy in policies.items():
@@ -90,7 +91,7 @@ def test_network_policy_opens_sidecar_ports_to_the_same_pools_pods_only_and_metr
         same_pool = {"matchLabels": {"kv-offload.io/pool": pool}}
         spec = policy["spec"]
         assert spec["podSelector"] == same_pool and spec["policyTypes"] == ["Ingress"]
-        peers, monitoring, serving = spec["ingress"]
+        peers, monitoring, operator, serving = spec["ingress"]
         # Only pods of the same pool (same namespace: no namespaceSelector) reach the sidecar ports.
         assert peers["from"] == [{"podSelector": same_pool}]
         assert peers["ports"] == [{"protocol": "TCP", "port": 5710, "endPort": 5717},
@@ -98,6 +99,11 @@ def test_network_policy_opens_sidecar_ports_to_the_same_pools_pods_only_and_metr
         assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {
             "kubernetes.io/metadata.name": "monitoring"}}}]
         assert monitoring["ports"] == [{"protocol": "TCP", "port": 5710, "endPort": 5717}]
+        # The operator's pods (release namespace AND its selector labels) read /metrics for READY PEERS.
+        assert operator["from"] == [{
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+            "podSelector": {"matchLabels": operator_selector}}]
+        assert operator["ports"] == monitoring["ports"]
         assert serving == {"ports": [{"protocol": "TCP", "port": 8000}]}
         assert policy["metadata"]["labels"]["kv-offload.io/pool"] == pool
     # No rule admits "any pool pod": a pod of one pool never reaches another pool's sidecar.

@@ -105,7 +105,7 @@ async def test_two_replicas_both_admit_pods_only_the_oldest_reconciles_and_the_s
         replicas[name] = OperatorProcess(
             tmp_path / name, str(kmock.url), token=f"replica-{name}", env={"POD_ID": f"kv-offload-{name}"},
             extra_args=["--peering", PEERING, "--peering-lifetime-seconds", str(LIFETIME),
-                        "--webhook-cert-dir", str(certs)])
+                        "--webhook-cert-dir", str(certs), "--ready-peers-check-seconds", "0.3"])
     a, b = replicas["a"], replicas["b"]
     await a.start()
     try:
@@ -120,6 +120,8 @@ async def test_two_replicas_both_admit_pods_only_the_oldest_reconciles_and_the_s
 
         await create(kmock, POOLS_URL, pool_body("llama"))
         fingerprint = await wait_for("the pool's fingerprint", lambda: status_of(kmock, "llama").get("fingerprint"))
+        # The ready-peers follower runs on the leader only (no pods: 0 ready, no sessions).
+        await wait_for("the leader's ready-peers count", lambda: "peerStates" in status_of(kmock, "llama"))
         for operator in (a, b):
             webhook = Webhook(operator.webhook_port, ca)
             await webhook.wait_listening()
@@ -158,6 +160,7 @@ async def test_two_replicas_both_admit_pods_only_the_oldest_reconciles_and_the_s
         stop.set()
         await admitting
         assert second == fingerprint  # same vLLM args: same translation
+        await wait_for("the new leader's ready-peers count", lambda: "peerStates" in status_of(kmock, "second"))
         assert len(answers) > admitted_at_kill + 3  # admissions went on while a was dead
         assert all(answer["allowed"] is True and answer.get("patch") for answer in answers)
         later = writes_by(kmock, since=killed_at)

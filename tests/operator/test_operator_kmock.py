@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import os
 import shlex
@@ -17,6 +18,7 @@ import aiohttp
 import kmock
 import pytest
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride
 from operator_harness import (
     KTC,
     KV_OFFLOAD,
@@ -24,6 +26,7 @@ from operator_harness import (
     NAMESPACE,
     POOLS,
     POOLS_URL,
+    SIDECAR_IMAGE,
     OperatorProcess,
     assert_within_rbac,
     create,
@@ -233,50 +236,94 @@ async def test_restarting_the_operator_midway_creates_no_duplicates_and_keeps_th
         "second-offloading-config", "second-pool-key", "second-peers"}
 
 
-async def test_ready_peers_counts_running_sidecars_injected_with_the_pools_current_fingerprint(
+def sidecar_pod(name: str, port: int, fingerprint: str | None, *, sidecar: str = "running", pool: str = "llama",
+                ip: str | None = "127.0.0.1") -> dict[str, Any]:
+    """A pool pod as the webhook leaves it and the kubelet reports it: its native sidecar declares
+    ``kvo-metrics`` = ``port`` and runs (or waits, restarting) at ``ip``; vLLM is not Ready yet."""
+    state = {"running": {"startedAt": "2026-01-01T00:00:00Z"}} if sidecar == "running" else \
+        {"waiting": {"reason": "CrashLoopBackOff"}}
+    meta: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}",
+                            "labels": {"kv-offload.io/pool": pool}}
+    if fingerprint is not None:
+        meta["annotations"] = {"kv-offload.io/injected": fingerprint}
+    status: dict[str, Any] = {
+        "conditions": [{"type": "Ready", "status": "False"}],  # vLLM still loading its model
+        "initContainerStatuses": [{"name": "kv-offload-sidecar", "ready": sidecar == "running",
+                                   "started": sidecar == "running", "state": state}]}
+    if ip is not None:
+        status["podIP"] = ip
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"initContainers": [{"name": "kv-offload-sidecar", "image": SIDECAR_IMAGE,
+                                         "restartPolicy": "Always",
+                                         "ports": [{"name": "kvo-metrics", "containerPort": port},
+                                                   {"name": "kvo-data", "containerPort": 5810}]}],
+                     "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+            "status": status}
+
+
+async def test_ready_peers_counts_the_sidecars_that_report_a_connected_peer_on_their_metrics_port(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    """READY PEERS: pool pods whose sidecar is started and running and carries the pool's
-    fingerprint (their handshakes accept each other), whatever vLLM's own readiness."""
+    """READY PEERS: the pool's running sidecars whose own /metrics shows the pool's current
+    fingerprint and kv_offload_peers{state="connected"} >= 1. Real sidecar processes, run with
+    the pool's ConfigMap, answer for the emulated pods: three share the pool key and connect, a
+    fourth has another key (every handshake rejected); a killed sidecar does not answer."""
     emulate_cluster(kmock)
     pods_url = f"/api/v1/namespaces/{NAMESPACE}/pods"
-    new_args = [*LLAMA_ARGS[:4], "32", *LLAMA_ARGS[5:]]  # --block-size 32: another fingerprint
-
-    def pod(name: str, fingerprint: str | None, sidecar: str = "running", pool: str = "llama") -> dict[str, Any]:
-        state = {"running": {"startedAt": "2026-01-01T00:00:00Z"}} if sidecar != "waiting" else \
-            {"waiting": {"reason": "CrashLoopBackOff"}}
-        meta: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}",
-                                "labels": {"kv-offload.io/pool": pool}}
-        if fingerprint is not None:
-            meta["annotations"] = {"kv-offload.io/injected": fingerprint}
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
-                "status": {"conditions": [{"type": "Ready", "status": "False"}],  # vLLM still loading
-                           "initContainerStatuses": [{"name": "kv-offload-sidecar", "ready": sidecar == "running",
-                                                      "started": sidecar != "waiting", "state": state}]}}
-
-    async with OperatorProcess(tmp_path, str(kmock.url)):
+    async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--ready-peers-check-seconds", "0.3"]):
         await create(kmock, POOLS_URL, pool_body("llama"))
-        old_fp = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
-        await create(kmock, pods_url, pod("a", old_fp))
-        await create(kmock, pods_url, pod("b", old_fp, sidecar="waiting"))  # sidecar restarting
-        await create(kmock, pods_url, pod("c", None))  # not injected
-        await create(kmock, pods_url, pod("d", "f" * 16))  # injected for another fingerprint
-        await create(kmock, pods_url, pod("other", old_fp, pool="elsewhere"))
-        await wait_for("one ready peer", lambda: status_of(kmock, "llama").get("readyPeers") == 1)
-        await merge_patch(kmock, f"{pods_url}/b", {"status": {"initContainerStatuses": [
-            {"name": "kv-offload-sidecar", "ready": True, "started": True, "state": {"running": {}}}]}})
-        await wait_for("two ready peers", lambda: status_of(kmock, "llama").get("readyPeers") == 2)
+        fp = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        assert status_of(kmock, "llama")["readyPeers"] == 0
+        cm = obj(kmock, "v1/configmaps", "llama-offloading-config")
+        assert cm is not None
+        config = OffloadingConfig.from_json(cm["data"]["offloading_config.json"])
+        sidecars = LocalPool(4, config=config, overrides={3: SidecarOverride(pool_key=b"another-pool-key")})
+        foreign = LocalPool(2)  # another pool's sidecars (another config), connected to each other
+        try:
+            await asyncio.gather(asyncio.to_thread(sidecars.start), asyncio.to_thread(foreign.start))
+            for i in range(4):
+                await create(kmock, pods_url, sidecar_pod(f"p{i}", sidecars[i].port, fp))
+            # Not asked, though each points at a connected sidecar of the pool: its sidecar restarts,
+            # it was not injected, or it belongs to another pool.
+            connected = sidecars[1].port
+            await create(kmock, pods_url, sidecar_pod("restarting", connected, fp, sidecar="waiting"))
+            await create(kmock, pods_url, sidecar_pod("plain", connected, None))
+            await create(kmock, pods_url, sidecar_pod("other", connected, fp, pool="elsewhere"))
+            # Asked and answered, not counted: another pool's sidecar at the pod's (reused) address.
+            await create(kmock, pods_url, sidecar_pod("reused-ip", foreign[0].port, fp))
+            await create(kmock, pods_url, sidecar_pod("no-ip-yet", connected, fp, ip=None))  # cannot answer
 
-        # A spec change: the running sidecars carry the old fingerprint and count no more.
-        await merge_patch(kmock, f"{POOLS_URL}/llama", {"metadata": {"generation": 2}, "spec": {"vllmArgs": new_args}})
-        new_fp = await wait_for("the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") != old_fp
-                                and status_of(kmock, "llama")["fingerprint"])
-        await wait_for("no ready peer", lambda: status_of(kmock, "llama").get("readyPeers") == 0)
-        await create(kmock, pods_url, pod("e", new_fp))
-        await wait_for("one ready peer of the new fingerprint", lambda: status_of(kmock, "llama").get("readyPeers") == 1)
-        resp = await kmock.delete(f"{pods_url}/e")
-        assert resp.status == 200
-        await wait_for("none again", lambda: status_of(kmock, "llama").get("readyPeers") == 0)
+            def shows(ready: int, unanswered: int, connected_sessions: int) -> bool:
+                st = status_of(kmock, "llama")
+                return (st.get("readyPeers"), st.get("unansweredSidecars"),
+                        (st.get("peerStates") or {}).get("connected")) == (ready, unanswered, connected_sessions)
+
+            # p0..p2 each connected to the two others; p3 rejected by all (and rejecting them).
+            await wait_for("three ready peers", lambda: shows(3, 1, 6))
+            states = status_of(kmock, "llama")["peerStates"]
+            assert set(states) == {"connected", "connecting", "backoff", "rejected"}
+            assert states["rejected"] + states["backoff"] + states["connecting"] >= 3, states
+            assert (await asyncio.to_thread(sidecars[3].metric, "kv_offload_peers", state="connected")) == 0
+            assert (await asyncio.to_thread(foreign[0].metric, "kv_offload_peers", state="connected")) == 1
+
+            # A sidecar dies (its pod's status still says running): it no longer answers.
+            await asyncio.to_thread(sidecars[0].kill)
+            await wait_for("two ready peers", lambda: shows(2, 2, 2))
+
+            # The pod that had no IP gets one (it reaches sidecar 1).
+            await merge_patch(kmock, f"{pods_url}/no-ip-yet", {"status": {"podIP": "127.0.0.1"}})
+            await wait_for("the late pod counted", lambda: shows(3, 1, 3))
+            # A spec change: every sidecar still runs the old fingerprint.
+            new_args = [*LLAMA_ARGS[:4], "32", *LLAMA_ARGS[5:]]  # --block-size 32: another fingerprint
+            await merge_patch(kmock, f"{POOLS_URL}/llama",
+                              {"metadata": {"generation": 2}, "spec": {"vllmArgs": new_args}})
+            await wait_for("no ready peer of the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint")
+                           != fp and shows(0, 1, 0))
+        finally:
+            await asyncio.gather(asyncio.to_thread(sidecars.stop), asyncio.to_thread(foreign.stop))
+    # Written on change only: never the same count twice in a row (checks ran every 0.3 s).
+    counts = [r.data["status"] for r in requests_to(kmock, "PATCH") if r.subresource == "status"
+              and "peerStates" in ((r.data or {}).get("status") or {})]
+    assert len(counts) >= 4 and all(a != b for a, b in itertools.pairwise(counts)), counts
 
 
 async def test_model_config_ref_reads_the_model_config_from_a_configmap(
@@ -383,6 +430,9 @@ def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tm
     no_rotation_interval = run("-n", "ns1", "--key-rotation-check-seconds", "0")
     assert (no_rotation_interval.returncode, no_rotation_interval.stderr.strip()) == (
         2, "kv-offload operator: --key-rotation-check-seconds 0.0 must be positive")
+    no_peers_interval = run("-n", "ns1", "--ready-peers-check-seconds", "0")
+    assert (no_peers_interval.returncode, no_peers_interval.stderr.strip()) == (
+        2, "kv-offload operator: --ready-peers-check-seconds 0.0 must be positive")
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(tmp_path / "absent"), HOME=str(tmp_path))
