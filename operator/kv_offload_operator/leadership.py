@@ -29,7 +29,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -172,3 +172,22 @@ async def follow(memo: kopf.Memo) -> None:
             memo.leading = leading
             memo.metrics.set_leading(leading)
         await asyncio.sleep(interval)
+
+
+async def each_pool_while_leading(memo: kopf.Memo, interval: float, tracked: dict[tuple[str, str], Any],
+                                  visit: Callable[[kopf.Memo, str, str], Awaitable[None]],
+                                  what: str) -> None:
+    """Every ``interval`` seconds, on the leading replica only, ``visit`` each pool in
+    ``tracked`` (namespace, name); one pool's failure is logged and the others go on.
+    Runs until cancelled (the followers of model configs and key rotations)."""
+    while True:
+        await asyncio.sleep(interval)
+        if not memo.leading:  # another replica reconciles
+            continue
+        for namespace, name in list(tracked):
+            try:
+                await visit(memo, namespace, name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one pool's API trouble must not stop the others
+                log.exception(f"Pool {namespace}/{name}: {what} failed; retrying")

@@ -18,7 +18,6 @@ pool on its last translation.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +27,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from .kube_api import get_pool, patch_pool_status
+from .leadership import each_pool_while_leading
 from .model_config import content_digest, model_config_text
 from .pool_source import read_workload, template_digest
 from .reconcile import reconcile
@@ -46,18 +46,8 @@ def track(memo: kopf.Memo, event_type: str | None, namespace: str, name: str, sp
 
 async def follow(memo: kopf.Memo) -> None:
     """Re-check every tracked pool each ``model_config_check_seconds``, until cancelled."""
-    interval = memo.options.model_config_check_seconds
-    while True:
-        await asyncio.sleep(interval)
-        if not memo.leading:  # another replica reconciles (leadership.py)
-            continue
-        for namespace, name in list(memo.model_config_refs):
-            try:
-                await _recheck(memo, namespace, name)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # one pool's API trouble must not stop the others
-                log.exception(f"Pool {namespace}/{name}: re-reading its model config or workload failed")
+    await each_pool_while_leading(memo, memo.options.model_config_check_seconds, memo.model_config_refs,
+                                  _recheck, "re-reading its model config or workload")
 
 
 async def _recheck(memo: kopf.Memo, namespace: str, name: str) -> None:

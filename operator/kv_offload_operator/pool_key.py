@@ -35,6 +35,7 @@ from .kube_api import (
     patch_pool_status,
     read_or_none,
 )
+from .leadership import each_pool_while_leading
 from .pool_spec import key_rotation_grace_seconds
 
 log = logging.getLogger(__name__)
@@ -90,18 +91,8 @@ def track(memo: kopf.Memo, event_type: str | None, namespace: str, name: str,
 
 async def follow(memo: kopf.Memo) -> None:
     """Step every tracked pool's rotation each ``key_rotation_check_seconds``, until cancelled."""
-    interval = memo.options.key_rotation_check_seconds
-    while True:
-        await asyncio.sleep(interval)
-        if not memo.leading:  # another replica reconciles (leadership.py)
-            continue
-        for namespace, name in list(memo.key_rotations):
-            try:
-                await step(memo, namespace, name)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # one pool's API trouble must not stop the others
-                log.exception(f"Pool {namespace}/{name}: the key rotation step failed; retrying")
+    await each_pool_while_leading(memo, memo.options.key_rotation_check_seconds, memo.key_rotations,
+                                  step, "the key rotation step")
 
 
 async def step(memo: kopf.Memo, namespace: str, name: str) -> None:
