@@ -54,6 +54,13 @@ COPY operator/ operator/
 RUN /opt/kv-offload/bin/pip install --no-cache-dir /src "libucx-cu12==${UCX_VERSION}" \
     && /opt/kv-offload/bin/python -c "import kv_offload_sidecar, kv_offload_operator, ucxx" \
     && ! /opt/kv-offload/bin/python -c "import kv_offload_tools" 2>/dev/null
+# NVIDIA NIXL for --transport nixl (one-sided reads), pinned and installed without its
+# dependencies as ./dev does: its declared requirements serve GPU paths only. Its kernels
+# for GPU expert parallelism and its C headers are never imported here.
+RUN /opt/kv-offload/bin/pip install --no-cache-dir --no-deps "nixl-cu12==1.5.1" \
+    && rm -rf /opt/kv-offload/lib/python3.11/site-packages/nixl_ep_cu12 \
+       /opt/kv-offload/include/site/python3.11/nixl-cu12 \
+    && /opt/kv-offload/bin/python -c "import nixl_cu12"
 
 FROM python:3.11.14-slim-bookworm
 LABEL org.opencontainers.image.title="kv-offload" \

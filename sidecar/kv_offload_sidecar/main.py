@@ -84,14 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", default="", help="this sidecar's name in the pool (default hostname:port)")
     p.add_argument("--fetch-deadline-seconds", type=float, default=2.0,
                    help="deadline of one peer lookup or fetch; late is a miss")
-    p.add_argument("--summary-interval-seconds", type=float, default=1.0,
-                   help="seconds between key-summary pulls from each peer")
+    p.add_argument("--publish-interval-seconds", type=float, default=1.0,
+                   help="seconds between publishes of this sidecar's chunk changes to the directory "
+                        "(how stale a peer's view of them may be)")
     p.add_argument("--dns-interval-seconds", type=float, default=10.0,
                    help="seconds between re-resolutions of --peers-dns")
     p.add_argument("--shutdown-grace-seconds", type=float, default=3.0,
                    help="bound on finishing in-flight work at SIGTERM")
     p.add_argument("--ucx-tls", default=None, metavar="TLS",
-                   help="UCX transports with --transport ucx, e.g. sm,tcp,self "
+                   help="UCX transports with --transport ucx (e.g. sm,tcp,self) or nixl (e.g. rc,cma,tcp,self) "
                         "(default $UCX_TLS, else the ucx transport's default)")
     p.add_argument("--ucx-lanes", default=None, metavar="N",
                    help="UCX connections per peer with --transport ucx: 1 (the holder copies each "
@@ -130,7 +131,7 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
         data_port=args.data_port, capacity_bytes=args.capacity_bytes, transport=args.transport,
         shm_dir=args.shm_dir, identity=args.identity, static_peers=parse_peer_list(args.peers),
         peers_dns=args.peers_dns, dns_interval_seconds=args.dns_interval_seconds,
-        summary_interval_seconds=args.summary_interval_seconds,
+        publish_interval_seconds=args.publish_interval_seconds,
         fetch_deadline_seconds=args.fetch_deadline_seconds,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         hash_seed=effective_hash_seed(config, flag=args.hash_seed),
@@ -267,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
         parent = parent_pid(args)
         if settings.transport == "ucx":
             configure_ucx(ucx_tls(args), ucx_lanes(args))
+        elif settings.transport == "nixl":
+            from kv_offload_sidecar.data.nixl.runtime import configure_nixl_env
+            configure_nixl_env(args.ucx_tls)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"kv-offload sidecar: {exc}") from None
     if parent and os.getppid() != parent and not process_alive(parent):

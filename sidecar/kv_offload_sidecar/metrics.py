@@ -47,6 +47,10 @@ PROTOCOL_ERROR_REASONS = (
     "bad_size",
     "unauthenticated",
 )
+# kind label of location_messages: directory messages this sidecar sent.
+LOCATION_KINDS = ("publish", "locate")
+# direction label of location_bytes, seen from this sidecar.
+LOCATION_BYTES_DIRECTIONS = ("sent", "received")
 # Label names of the config_info series (one series per process).
 CONFIG_INFO_LABELS = ("fingerprint", "model", "dtype", "transport", "wire_version")
 
@@ -65,6 +69,8 @@ LABEL_VALUES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     f"{NAMESPACE}_handshakes": {"result": HANDSHAKE_RESULTS, "reason": HANDSHAKE_REASONS},
     f"{NAMESPACE}_peers": {"state": PEER_STATES},
     f"{NAMESPACE}_protocol_errors": {"reason": PROTOCOL_ERROR_REASONS},
+    f"{NAMESPACE}_location_messages": {"kind": LOCATION_KINDS},
+    f"{NAMESPACE}_location_bytes": {"direction": LOCATION_BYTES_DIRECTIONS},
 }
 
 
@@ -140,12 +146,27 @@ class SidecarMetrics:
         )
         self.lookup_messages = Counter(
             "lookup_messages",
-            "Messages sent to peers to answer engine lookups.",
+            "Messages sent to peers to answer engine lookups and loads (owner queries and holder exchanges).",
             namespace=ns, registry=registry,
         )
         self.peer_false_claims = Counter(
             "peer_false_claims",
-            "Chunks a peer's summary claimed that its answer did not back (a liar is then left alone).",
+            "Chunks an owner or holder claimed that the holder's answer did not back (a liar is then left alone).",
+            namespace=ns, registry=registry,
+        )
+        self.location_messages = Counter(
+            "location_messages",
+            "Directory messages sent to peers (publishes to owners, owner queries), by kind.",
+            ["kind"], namespace=ns, registry=registry,
+        )
+        self.location_bytes = Counter(
+            "location_bytes",
+            "Body bytes of directory messages and their replies, both roles, by direction.",
+            ["direction"], unit="bytes", namespace=ns, registry=registry,
+        )
+        self.location_entries = Gauge(
+            "location_entries",
+            "(chunk, holder) entries this sidecar keeps for the directory buckets it owns.",
             namespace=ns, registry=registry,
         )
         self.key_reloads = Counter(
@@ -174,6 +195,10 @@ class SidecarMetrics:
             self.peers.labels(state=state)
         for reason in PROTOCOL_ERROR_REASONS:
             self.protocol_errors.labels(reason=reason)
+        for kind in LOCATION_KINDS:
+            self.location_messages.labels(kind=kind)
+        for direction in LOCATION_BYTES_DIRECTIONS:
+            self.location_bytes.labels(direction=direction)
 
     def set_config_info(
         self, *, fingerprint: str, model: str, dtype: str, transport: str, wire_version: str | int

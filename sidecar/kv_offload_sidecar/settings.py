@@ -20,7 +20,7 @@ DEFAULT_DATA_PORT = 5810
 DEFAULT_HASH_SEED = "0"
 # extra_config key through which a pool pins the hash seed explicitly.
 HASH_SEED_CONFIG_KEY = "hash_seed"
-TRANSPORTS = ("ucx", "tcp")
+TRANSPORTS = ("ucx", "tcp", "nixl")
 
 
 def effective_hash_seed(config: OffloadingConfig, environ: Mapping[str, str] | None = None, *,
@@ -62,7 +62,7 @@ class SidecarSettings:
     data_port: int = DEFAULT_DATA_PORT
     # Byte budget of the host-memory chunk store (never exceeded).
     capacity_bytes: int = 1 << 30
-    # Data plane: "ucx" (ucxx) or "tcp" (plain asyncio sockets).
+    # Data plane: "ucx" (ucxx), "tcp" (plain asyncio sockets) or "nixl" (one-sided NIXL READs).
     transport: str = "tcp"
     # Directory of the shared-memory store file and local channel sockets.
     shm_dir: str = "/dev/shm"
@@ -74,8 +74,9 @@ class SidecarSettings:
     peers_dns: str = ""
     # Seconds between DNS re-resolutions of peers_dns.
     dns_interval_seconds: float = 10.0
-    # Seconds between key-summary pulls from each connected peer.
-    summary_interval_seconds: float = 1.0
+    # Seconds between publishes of this sidecar's chunk changes to their directory owners
+    # (also how stale a location may be); e.g. 1.0.
+    publish_interval_seconds: float = 1.0
     # Deadline of one peer lookup or fetch; late or failed means a miss.
     fetch_deadline_seconds: float = 2.0
     # Deadline of one handshake (both HTTP steps) with a peer.
@@ -125,7 +126,7 @@ class SidecarSettings:
             raise ValueError(f"data_port {self.data_port} is not a valid port (0-65535)")
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes {self.capacity_bytes} must be positive")
-        for name in ("summary_interval_seconds", "fetch_deadline_seconds",
+        for name in ("publish_interval_seconds", "fetch_deadline_seconds",
                      "handshake_timeout_seconds", "backoff_initial_seconds",
                      "dns_interval_seconds"):
             if getattr(self, name) <= 0:

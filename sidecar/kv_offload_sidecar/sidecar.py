@@ -3,11 +3,14 @@
 One ``Sidecar`` per process, all on one asyncio loop. Engine operations
 (``lookup``, ``load``, ``reserve``) come from the local channel or
 ``/v1/lookup``: the local store's prefix first, then for the remaining keys
-the peer that location's summaries name (one message; ``PeerDataClient``
-with ``fetch_deadline_seconds``). A failed or late peer answer is a miss and
-the peer is backed off. Metrics: ``chunk_lookups{result}`` per chunk key,
-``lookup_messages``, ``peer_bytes{received}``, ``peer_fetch_duration``,
-``peer_fetches{result}``.
+the holder that the directory's owner names (``peers.peer_reads``: one owner
+query and one holder exchange, ``fetch_deadline_seconds`` each). An engine
+lookup starts the fetch and its load waits for it; the admin lookup only
+counts. A failed or late peer answer is a miss and the peer is backed off.
+The store's changes feed the directory (``peers.location``). Metrics:
+``chunk_lookups{result}`` per chunk key, ``lookup_messages``,
+``peer_bytes{received}``, ``peer_fetch_duration``, ``peer_fetches{result}``,
+``location_*``.
 
 ``start``/``stop`` open and close the store, the data plane, discovery and
 peer links; ``lifecycle.running`` adds the local channels and control ports
@@ -40,7 +43,8 @@ from kv_offload_sidecar.peers.handshake import (
     make_hello,
 )
 from kv_offload_sidecar.peers.links import PeerManager
-from kv_offload_sidecar.peers.location import PeerSummaries, SummaryLog
+from kv_offload_sidecar.peers.location import Location
+from kv_offload_sidecar.peers.peer_reads import PeerReads
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import InboundSessions
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, SidecarSettings
@@ -48,9 +52,6 @@ from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 
 log = logging.getLogger(__name__)
-
-# Keys asked of a peer in one lookup/fetch (protocol MAX_KEYS bound).
-MAX_PEER_KEYS = 65536
 
 
 def store_name(identity: str) -> str:
@@ -70,8 +71,9 @@ class Sidecar:
         self.metrics.set_config_info(fingerprint=cfg.fingerprint, model=cfg.model.name,
                                      dtype=cfg.model.dtype, transport=settings.transport,
                                      wire_version=WIRE_VERSION)
-        self.summary_log = SummaryLog()
-        self.summaries = PeerSummaries()
+        self.location = Location(settings.identity, interval_seconds=settings.publish_interval_seconds,
+                                 deadline_seconds=settings.fetch_deadline_seconds,
+                                 call=self._location_call, metrics=self.metrics)
         self.claims = ClaimAudit(on_false_claims=self.metrics.peer_false_claims.inc)
         # The live TLS contexts of the TCP data plane (renewed from their files), or None.
         self.tls = None
@@ -89,8 +91,11 @@ class Sidecar:
             base_port=settings.base_port, dp_size=cfg.parallel.data_parallel_size,
             interval_seconds=settings.dns_interval_seconds,
             own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
-        self.peers = PeerManager(settings, self.metrics, self.discovery, self.summaries, self.local_hello,
+        self.peers = PeerManager(settings, self.metrics, self.discovery, self.location, self.local_hello,
                                  keys=self.keys, data_options=self._tls_options("client"))
+        self.reads = PeerReads(location=self.location, peers=self.peers, claims=self.claims,
+                               metrics=self.metrics, store=self._require_store,
+                               deadline_seconds=settings.fetch_deadline_seconds)
         self.name = store_name(settings.identity)
         # Random per process: names this sidecar's store mapping to the engine clients.
         self.instance = secrets.token_hex(8)
@@ -127,6 +132,10 @@ class Sidecar:
         log.info("accepted peer %s (%s)", session.peer.identity, session.peer.control_address)
         if session.peer.identity != self.settings.identity:
             self.discovery.add_dynamic(session.peer.control_address)
+            self.peers.wake(session.peer.control_address)
+
+    async def _location_call(self, identity: str, op: str, body: dict[str, Any], timeout: float) -> Any:
+        return await self.peers.call(identity, op, body, timeout)
 
     def inbound_session(self, session_id: bytes) -> Session | None:
         return self._inbound.get(session_id)
@@ -186,7 +195,7 @@ class Sidecar:
         s = self.settings
         self.store = ChunkStore(s.kv_bytes_per_chunk, s.capacity_bytes, directory=s.shm_dir,
                                 name=self.name, metrics=self.metrics,
-                                on_change=self.summary_log.record, replace_existing=True)
+                                on_change=self.location.record, replace_existing=True)
         try:
             self.data_server = make_server(s.transport, self.store, self.authorize, self.metrics,
                                            host=s.host, port=s.data_port,
@@ -199,6 +208,7 @@ class Sidecar:
             raise
         self._tasks = [asyncio.create_task(self.discovery.run(), name="discovery"),
                        asyncio.create_task(self.peers.run(), name="peers"),
+                       asyncio.create_task(self.location.run(), name="location"),
                        asyncio.create_task(self._reload_keys(), name="pool keys")]
         self.ready = True
         if s.hash_seed == DEFAULT_HASH_SEED:
@@ -220,6 +230,7 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
+        await self.reads.close()
         if self.data_server is not None:
             with contextlib.suppress(Exception):
                 await self.data_server.stop(grace)
@@ -255,14 +266,20 @@ class Sidecar:
             raise RuntimeError("the sidecar is not running")
         return self.store
 
-    async def lookup(self, keys: Sequence[bytes], timeout: float) -> tuple[int, int]:
-        """Hit prefix of ``keys``: ``(local, peer)`` lengths; counted per chunk key."""
+    async def lookup(self, keys: Sequence[bytes], timeout: float, *, fetch: bool = True) -> tuple[int, int]:
+        """Hit prefix of ``keys``: ``(local, peer)`` lengths; counted per chunk key.
+
+        With ``fetch`` (the engine's lookup) the peer hits start coming at once and the
+        ``load`` that follows waits for them; without, nothing moves (admin lookups).
+        """
         with self._engine_op():
             store = self._require_store()
             local = store.lookup_prefix(keys)
             peer = 0
+            if keys:
+                self.location.hint_chain(keys, held=local > 0)
             if local < len(keys):
-                peer = await self._peer_call("lookup", list(keys[local:]), timeout)
+                peer = await self.reads.lookup(keys, local, timeout, fetch=fetch)
             m = self.metrics.chunk_lookups
             m.labels(result="local_hit").inc(local)
             m.labels(result="peer_hit").inc(peer)
@@ -282,10 +299,10 @@ class Sidecar:
                 self._pin_prefix(store, keys, pins)
                 local = len(pins)
                 if local < len(keys):
-                    await self._peer_call("fetch", list(keys[local:]), timeout)
+                    await self.reads.load(keys, local, timeout)
                     self._pin_prefix(store, keys, pins)
-                    # Peer copies go to the cold end: the pool keeps them elsewhere.
-                    store.demote(keys[local:len(pins)])
+                # Peer copies go to the cold end once loaded: the pool keeps them elsewhere.
+                store.demote(self.reads.take_fetched(keys[:len(pins)]))
             except BaseException:
                 for p in pins:
                     p.release()
@@ -303,38 +320,8 @@ class Sidecar:
     def reserve(self, keys: Sequence[bytes]) -> list[WriteReservation | None]:
         """Write reservations for ``keys`` (None where present, being written or full)."""
         store = self._require_store()
+        self.location.hint_chain(keys)
         return [store.begin_write(k) for k in keys]
-
-    async def _peer_call(self, op: str, keys: list[bytes], timeout: float) -> int:
-        """One lookup/fetch to the summary-chosen peer; any failure is 0 (a miss).
-
-        The transport counts ``peer_fetches``, ``peer_fetch_duration`` and
-        received ``peer_bytes``; a failing peer is reported for back-off.
-        """
-        from kv_offload_sidecar.data import TransportError
-
-        keys = keys[:MAX_PEER_KEYS]
-        identity, claimed = self.summaries.choose(keys, exclude=self.claims.distrusted())
-        if identity is None:
-            return 0
-        link = self.peers.connected(identity)
-        if link is None or link.data is None or link.data.closed:
-            return 0
-        deadline = min(timeout, self.settings.fetch_deadline_seconds)
-        self.metrics.lookup_messages.inc()
-        try:
-            if op == "lookup":
-                coro = link.data.lookup(keys, deadline)
-            else:
-                coro = link.data.fetch(keys, self._require_store(), deadline)
-            # The transport enforces the deadline; this bound only guards against a hang.
-            got = int(await asyncio.wait_for(coro, deadline + 1.0))
-        except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            log.warning("peer %s %s failed: %s; a miss, backing the peer off", identity, op, exc)
-            self.peers.report_failure(link, f"{op}: {exc}")
-            return 0
-        self.claims.record(identity, claimed, got)
-        return got
 
     # ---- views ------------------------------------------------------------------
 
@@ -342,7 +329,8 @@ class Sidecar:
         out = []
         for link in self.peers.links():
             v = link.view()
-            v["summary_keys"] = self.summaries.size(link.identity) if link.identity else 0
+            v["member"] = link.member
+            v["entries"] = self.location.directory.entries_of(link.identity) if link.identity else 0
             out.append(v)
         return out
 
@@ -375,8 +363,7 @@ class Sidecar:
                 "path": store.path, "num_slots": store.num_slots, "slot_bytes": store.slot_bytes,
                 "slot_stride": store.slot_stride, "capacity_bytes": store.capacity_bytes,
                 "used_bytes": store.used_bytes, "chunks": len(store)},
-            "summary": {"epoch": self.summary_log.epoch, "seq": self.summary_log.seq,
-                        "keys": len(self.summary_log)},
+            "location": self.location.status(),
         }
 
     def local_socket_path(self, dp_index: int) -> str:

@@ -85,7 +85,7 @@ def run_demo(pods: int = 3, requests: int | None = None, transport: str = "tcp",
         trace_ids = trace_ids[:requests]
     start = time.monotonic()
     with LocalPool(pods, transport=transport, config=config, capacity_bytes=64 << 20,
-                   summary_interval_seconds=0.1) as pool:
+                   publish_interval_seconds=0.1) as pool:
         if intruder:
             pool.add(SidecarOverride(hash_seed="4242"), wait_connected=False)
             if progress:

@@ -180,7 +180,7 @@ class LocalPool:
     def __init__(self, n: int = 3, *, transport: str = "tcp", config: OffloadingConfig | None = None,
                  pool_key: bytes = DEFAULT_POOL_KEY, capacity_bytes: int = 32 << 20,
                  dp_indices: Sequence[int] = (0,), fetch_deadline_seconds: float = 2.0,
-                 summary_interval_seconds: float = 0.2, shutdown_grace_seconds: float = 2.0,
+                 publish_interval_seconds: float = 0.2, shutdown_grace_seconds: float = 2.0,
                  overrides: Mapping[int, SidecarOverride] | None = None,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
                  workdir: str | None = None, log_level: str = "INFO") -> None:
@@ -195,7 +195,7 @@ class LocalPool:
         self.capacity_bytes = capacity_bytes
         self.dp_indices = tuple(dp_indices)
         self.fetch_deadline_seconds = fetch_deadline_seconds
-        self.summary_interval_seconds = summary_interval_seconds
+        self.publish_interval_seconds = publish_interval_seconds
         self.shutdown_grace_seconds = shutdown_grace_seconds
         # Sidecar index -> how it differs, for the n sidecars of start().
         self.overrides = dict(overrides or {})
@@ -304,7 +304,7 @@ class LocalPool:
                 "--data-port", "0", "--capacity-bytes", str(capacity_bytes or self.capacity_bytes),
                 "--transport", transport, "--shm-dir", self.workdir, "--identity", identity,
                 "--fetch-deadline-seconds", str(self.fetch_deadline_seconds),
-                "--summary-interval-seconds", str(self.summary_interval_seconds),
+                "--publish-interval-seconds", str(self.publish_interval_seconds),
                 "--shutdown-grace-seconds", str(self.shutdown_grace_seconds),
                 "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
                 *self.extra_args, *o.extra_args]
@@ -372,6 +372,16 @@ class LocalPool:
             self.wait_connected(timeout)
         return sc
 
+    def set_peers(self, identity: str, peers: Sequence[str]) -> None:
+        """The sidecars ``identity`` dials from its next start on (by identity)."""
+        sc = self[identity]
+        addresses = ",".join(self[p].address for p in peers)
+        argv = sc.argv
+        if "--peers" in argv:
+            argv[argv.index("--peers") + 1] = addresses
+        elif addresses:
+            argv += ["--peers", addresses]
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         for sc in self.sidecars:
@@ -400,22 +410,22 @@ class LocalPool:
             time.sleep(0.05)
 
     def wait_summaries(self, timeout: float = 30.0) -> None:
-        """Until every member's view of every other member's keys is current."""
+        """Until the pool's chunk directory is current: every member sees all the others, none
+        has changes left to publish, and the owners keep one entry per chunk the members hold."""
         deadline = time.monotonic() + timeout
         while True:
             members = self.members()
-            own = {s.identity: s.status()["summary"]["keys"] for s in members}
-            stale = []
-            for sc in members:
-                for p in sc.peers():
-                    if p["identity"] in own and p["state"] == "connected" \
-                            and p["summary_keys"] != own[p["identity"]]:
-                        stale.append(f"{sc.identity} sees {p['summary_keys']} of {p['identity']}'s "
-                                     f"{own[p['identity']]}")
+            views = {s.identity: s.status()["location"] for s in members}
+            stale = [f"{name} sees {v['members']} members, has {v['pending']} changes unpublished"
+                     for name, v in views.items() if v["members"] != len(members) or v["pending"]]
+            held = sum(v["keys"] for v in views.values())
+            kept = sum(v["entries"] for v in views.values())
+            if held != kept:
+                stale.append(f"the owners keep {kept} entries for the {held} chunks held")
             if not stale:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError("summaries did not converge: " + "; ".join(stale))
+                raise TimeoutError("the directory did not converge: " + "; ".join(stale))
             time.sleep(0.05)
 
     def client(self, index: int, dp_index: int | None = None, timeout: float = 5.0) -> EngineClient:

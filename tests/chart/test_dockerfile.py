@@ -177,3 +177,10 @@ def test_hadolint_flags_rdma_packages_installed_unpinned_with_recommends_and_lis
     code, findings = hadolint(careless)
     assert code != 0
     assert {"DL3008", "DL3015", "DL3009"} <= {f["code"] for f in findings}
+
+
+def test_image_installs_nixl_pinned_like_dev_without_its_dependencies():
+    text = DOCKERFILE.read_text()
+    dev = (DOCKERFILE.parent / "dev").read_text()
+    pin = dev.split('NIXL_PKG="', 1)[1].split('"', 1)[0]
+    assert f'--no-deps "{pin}"' in text

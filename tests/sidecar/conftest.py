@@ -20,7 +20,7 @@ def make_settings(shm_dir: str) -> Callable[..., SidecarSettings]:
             config=example_config(), pool_key=POOL_KEY, host="127.0.0.1",
             base_port=free_port_block(1), dp_indices=(0,), data_port=0, capacity_bytes=1 << 20,
             transport="tcp", shm_dir=shm_dir, identity="test-sidecar",
-            summary_interval_seconds=0.1, fetch_deadline_seconds=1.0, shutdown_grace_seconds=0.5)
+            publish_interval_seconds=0.1, fetch_deadline_seconds=1.0, shutdown_grace_seconds=0.5)
         fields.update(changes)
         return SidecarSettings(**fields)  # type: ignore[arg-type]
 

@@ -91,10 +91,15 @@ def test_local_channel_info_answers_only_inside_the_pod(pool: LocalPool) -> None
     assert status == 200 and json.loads(body)["socket"].endswith(".sock")
 
 
-def test_summary_pulls_need_a_session(pool: LocalPool) -> None:
+@pytest.mark.parametrize("path", ["/v1/publish", "/v1/locate"])
+def test_directory_messages_need_a_session(pool: LocalPool, path: str) -> None:
+    body = json.dumps({"digests": "AAAAAAAAAAA=", "epoch": "ab", "seq": 1, "reset": True,
+                       "adds": "", "removes": ""}).encode()
+    before = pool[0].status()["location"]["entries"]
     for headers in ({}, {SESSION_HEADER: "00" * 16, AUTH_HEADER: "00" * 32}):
-        status, _, body = raw(pool[0], "GET", "/v1/summary?since=0&epoch=", headers=headers)
-        assert status == 401 and b"added" not in body
+        status, _, answer = raw(pool[0], "POST", path, body, headers=headers)
+        assert status == 401 and b"holders" not in answer and b"resync" not in answer
+    assert pool[0].status()["location"]["entries"] == before  # nothing was applied
 
 
 def test_handshake_without_the_pool_key_learns_nothing(pool: LocalPool) -> None:

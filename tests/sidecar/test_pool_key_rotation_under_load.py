@@ -4,7 +4,7 @@ Three sidecar processes, each with its own copy of the pool Secret (rewritten
 atomically, as kubelet does, one pod at a time). While engines keep storing
 chunks on one sidecar and loading them through another, the key changes twice
 (new key + previous key, then previous removed). Nothing is lost: every chunk
-that had reached its peers' summaries loads, byte-identical, from the other
+that had reached the pool's directory loads, byte-identical, from the other
 sidecar; no handshake is rejected; every link ends on the new key.
 """
 
@@ -21,8 +21,8 @@ from kv_offload_tools.local_pool import DEFAULT_POOL_KEY, LocalPool
 CHUNK = 16 * 1024
 OLD = DEFAULT_POOL_KEY
 NEW = b"rotated-pool-key-0123456789abcdef"
-# A chunk is loaded through another sidecar once this long after it was stored (summaries
-# travel every 0.2 s).
+# A chunk is loaded through another sidecar once this long after it was stored (directory
+# publishes travel every 0.2 s).
 SETTLE_SECONDS = 1.0
 
 

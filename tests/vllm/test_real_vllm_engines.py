@@ -72,7 +72,7 @@ def deployment(tmp_path_factory) -> VllmDeployment:
 @pytest.fixture(scope="module")
 def pool(deployment):
     with LocalPool(2, config=deployment.config, capacity_bytes=64 << 20,
-                   summary_interval_seconds=0.05, fetch_deadline_seconds=2.0) as p:
+                   publish_interval_seconds=0.05, fetch_deadline_seconds=2.0) as p:
         yield p
 
 
@@ -96,7 +96,10 @@ def engines(deployment, pool):
 
 
 def _holder_visible(pool, reader: int, chunks: int) -> bool:
-    return sum(p.get("summary_keys", 0) for p in pool[reader].peers()) >= chunks
+    """The pool's directory (which ``reader`` asks) names holders for ``chunks`` chunks."""
+    views = [sc.status()["location"] for sc in pool.members()]
+    return (all(v["pending"] == 0 and v["members"] == len(views) for v in views)
+            and sum(v["entries"] for v in views) >= chunks)
 
 
 def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars(
@@ -171,7 +174,7 @@ def test_a_cache_salt_keeps_a_tenants_chunks_from_other_tenants_but_not_from_its
     wait_for("A's chunks in sidecar 0",
              lambda: pool[0].metric("kv_offload_store_used_bytes") >= TENANT_CHUNKS * chunk)
     wait_for("sidecar 1 to see sidecar 0's chunks",
-             lambda: sum(p.get("summary_keys", 0) for p in pool[1].peers()) >= TENANT_CHUNKS)
+             lambda: _holder_visible(pool, 1, TENANT_CHUNKS))
 
     # The same tokens on engine B under tenant B's salt, and without any salt: the pool
     # holds none of their chunk keys, so nothing is loaded and no byte crosses the pool.

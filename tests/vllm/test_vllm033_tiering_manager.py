@@ -15,8 +15,10 @@ Scenarios (in file order; each stores its own chunks through A):
      B's promoted rows equal A's bytes, vLLM's tiering stats count the hits
      and read bytes, and get_load_source says P2P;
   c  the holder restarts (empty) between B's HIT and the load: the promotion
-     fails, re-lookups are MISS without another promotion, within deadlines;
-  d  the holder is SIGKILLed between HIT and load: the same;
+     still succeeds (B's lookup started fetching the chunks into B's sidecar);
+     B's own sidecar restarting (empty) there instead fails the promotion,
+     re-lookups are MISS without another promotion, within deadlines;
+  d  the same with SIGKILL (holder, then B's sidecar, which then restarts);
   e  reset_cache while B's promotion is stalled on its SIGSTOPped sidecar
      returns within the tier's deadlines without vLLM's ``assert not self._jobs``;
   f  shutdown closes vLLM's primary region (no BufferError) and the process exits.
@@ -136,7 +138,7 @@ def _spec(pool: LocalPool, sidecar: int, name: str, order: str,
 def env(vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
     python, sources = vllm_paths
     t0 = time.monotonic()
-    pool = LocalPool(2, config=CONFIG, summary_interval_seconds=0.05,
+    pool = LocalPool(2, config=CONFIG, publish_interval_seconds=0.05,
                      fetch_deadline_seconds=FETCH_DEADLINE_S).start()
     drivers: list[ManagerDriverProcess] = []
     try:
@@ -217,7 +219,7 @@ def prime_a(e: Env) -> None:
 
 def store_on_a(e: Env, prefix: str) -> tuple[list[str], dict[str, Any]]:
     """Store N_KEYS fresh chunks through A, check they reached sidecar 0 and that
-    sidecar 1 sees them in sidecar 0's summary."""
+    sidecar 1 finds them through the pool's directory."""
     ensure_holder(e)
     prime_a(e)
     keys = e.a.keys([f"{prefix}-{uuid.uuid4().hex[:8]}-{i}" for i in range(N_KEYS)])
@@ -350,10 +352,19 @@ def test_b_promotes_peer_chunks_with_a_bytes(env: Env):
     env.b.finish(req)
 
 
+def promotion_survives(e: Env, keys: list[str], req: str, stored: dict[str, Any]) -> None:
+    """Resume B after the holder went away: the chunks its HIT announced were already on their
+    way into B's sidecar (the lookup started the fetch), so the promotion succeeds."""
+    r = e.b.lookup(keys, req, max_s=LOAD_BOUND_S + 5, resume=True)
+    assert r["final"] == ["HIT"] * N_KEYS and r["promotions"] == 1, r
+    loaded = e.b.load(keys, req)
+    assert loaded["match"] == [True] * N_KEYS and loaded["digests"] == stored["digests"], loaded
+    e.b.finish(req)
+
+
 def test_c_holder_restarted_after_hit(env: Env):
-    keys, _ = store_on_a(env, "c")
+    keys, stored = store_on_a(env, "c")
     req = "c-req"
-    promotions_before = len(env.b.stats()["jobs"][0]["promotions"])
     peer_hits = env.b.stats()["tiers"][0]["peer_hits"]
     lookup_until_hit_pending(env, keys, req)
     assert env.b.stats()["tiers"][0]["peer_hits"] == peer_hits + N_KEYS  # the tier said HIT
@@ -362,6 +373,13 @@ def test_c_holder_restarted_after_hit(env: Env):
     env.timings["c_restart_s"] = time.monotonic() - t0
     env.holder_restarted = True
     assert holder_chunks(env) == 0
+    promotion_survives(env, keys, req, stored)
+    # B's own sidecar (where the chunks now are) restarting empty is what fails a promotion.
+    keys, _ = store_on_a(env, "c2")
+    req = "c2-req"
+    promotions_before = len(env.b.stats()["jobs"][0]["promotions"])
+    lookup_until_hit_pending(env, keys, req)
+    env.pool.restart(1)
     out = assert_failed_promotion_resolves(env, keys, req, promotions_before)
     env.timings["c_resolve_s"] = out["resume"]["elapsed_s"]
 
@@ -383,14 +401,20 @@ def test_store_right_after_holder_restart_reaches_it_or_fails(env: Env):
 
 
 def test_d_holder_killed_after_hit(env: Env):
-    keys, _ = store_on_a(env, "d")
+    keys, stored = store_on_a(env, "d")
     req = "d-req"
-    promotions_before = len(env.b.stats()["jobs"][0]["promotions"])
     lookup_until_hit_pending(env, keys, req)
     env.pool[0].kill()  # SIGKILL
     env.holder_restarted = True
+    promotion_survives(env, keys, req, stored)
+    keys, _ = store_on_a(env, "d2")
+    req = "d2-req"
+    promotions_before = len(env.b.stats()["jobs"][0]["promotions"])
+    lookup_until_hit_pending(env, keys, req)
+    env.pool[1].kill()  # B's own sidecar, holding the fetched chunks
     out = assert_failed_promotion_resolves(env, keys, req, promotions_before)
     env.timings["d_resolve_s"] = out["resume"]["elapsed_s"]
+    env.pool.restart(1)
     assert env.pool[1].alive()
 
 

@@ -11,14 +11,15 @@ Endpoints (JSON unless noted; every error is ``{"error": "...", ...}`` with a
   ...}`` (peers/handshake.py). Nothing about the pool is said before the
   peer proved the pool key; a key holder with another config gets 403 with
   ``reason``, the differing field names and the field diff (no secret).
-- ``GET /v1/summary?since=N&epoch=E``: key-summary deltas (location.py) for a
-  peer with an inbound session; headers ``X-KV-Offload-Session`` and
-  ``X-KV-Offload-Auth`` (peers.summary_auth). 401 otherwise.
+- ``POST /v1/publish``, ``POST /v1/locate``: the chunk directory's messages
+  (``location_routes.py``, ``peers/location.py``) for a peer with an inbound
+  session; headers ``X-KV-Offload-Session`` and ``X-KV-Offload-Auth`` (an HMAC
+  of the body with the session key). 401 otherwise.
 - Admin (``Authorization: Bearer <token>``: the pool's admin token or the one
   derived from the pool key, ``kv-offload admin-token``; 401 otherwise, before
   the body is read, so a refused caller learns nothing):
   ``POST /v1/lookup`` ``{"keys": [hex, ...], "timeout": s}`` -> ``{"local",
-  "peer"}`` (the engine lookup, for debugging); ``GET /v1/peers``, ``GET
+  "peer"}`` (the engine lookup, for debugging; it moves no chunk); ``GET /v1/peers``, ``GET
   /v1/status``: what this sidecar knows and holds.
 - Pod-local (the caller's address is 127.0.0.1, ::1 or the address it dialled,
   i.e. the pod's own network namespace; 403 otherwise): ``GET /v1/local``, the
@@ -32,7 +33,6 @@ sidecar and the local channels around them.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -40,12 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kv_offload_sidecar.control.location_routes import add_location_routes
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 from kv_offload_sidecar.metrics import metrics_handler
 from kv_offload_sidecar.peers.handshake import HandshakeError, diff_fields
-from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER, summary_auth
-from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.sidecar import Sidecar
@@ -212,28 +211,6 @@ async def handle_handshake(request: web.Request) -> web.StreamResponse:
                           diff=exc.diff)
 
 
-async def handle_summary(request: web.Request) -> web.StreamResponse:
-    sidecar = request.app[SIDECAR_KEY]
-    since_s = request.query.get("since", "")
-    epoch = request.query.get("epoch", "")
-    if not (since_s.isascii() and since_s.isdigit()) or len(since_s) > 20 or len(epoch) > 64:
-        sidecar.metrics.protocol_errors.labels(reason="malformed").inc()
-        return json_error(400, "query must be since=<non-negative integer>&epoch=<epoch or empty>")
-    since = int(since_s)
-    session = None
-    try:
-        session = sidecar.inbound_session(bytes.fromhex(request.headers.get(SESSION_HEADER, "")))
-    except ValueError:
-        session = None
-    auth = request.headers.get(AUTH_HEADER, "")
-    if session is None or not hmac.compare_digest(auth, summary_auth(session.session_key, epoch, since)):
-        sidecar.metrics.protocol_errors.labels(reason="unauthenticated").inc()
-        return json_error(401, "summary pulls need an authenticated session: handshake first")
-    delta = sidecar.summary_log.delta_since(since, epoch or None)
-    headers = {REKEY_HEADER: "1"} if sidecar.needs_rekey(session) else None
-    return web.json_response(delta.to_dict(), headers=headers)
-
-
 @admin_only
 async def handle_lookup(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
@@ -244,7 +221,7 @@ async def handle_lookup(request: web.Request) -> web.StreamResponse:
         raise _bad("body must be an object {\"keys\": [hex, ...]}")
     keys = parse_keys(body.get("keys"), sidecar)
     timeout = parse_timeout(body.get("timeout"), sidecar.settings.fetch_deadline_seconds)
-    local, peer = await sidecar.lookup(keys, timeout)
+    local, peer = await sidecar.lookup(keys, timeout, fetch=False)
     return web.json_response({"local": local, "peer": peer})
 
 
@@ -281,7 +258,7 @@ def create_app(sidecar: Sidecar, dp_index: int) -> web.Application:
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/metrics", metrics_handler(sidecar.registry))
     app.router.add_post("/v1/handshake", handle_handshake)
-    app.router.add_get("/v1/summary", handle_summary)
+    add_location_routes(app, SIDECAR_KEY)
     app.router.add_post("/v1/lookup", handle_lookup)
     app.router.add_get("/v1/peers", handle_peers)
     app.router.add_get("/v1/status", handle_status)

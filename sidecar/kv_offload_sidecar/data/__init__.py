@@ -1,11 +1,13 @@
 """The data plane: moves whole chunks between peer sidecars' stores.
 
-Two transports behind one interface (``base.DataPlaneServer`` /
-``base.PeerDataClient``): ``tcp`` (asyncio sockets) and ``ucx`` (``ucxx`` tag
-messages, shared memory or TCP underneath). ``make_server(kind, ...)`` picks one by
+Three transports behind one interface (``base.DataPlaneServer`` /
+``base.PeerDataClient``): ``tcp`` (asyncio sockets), ``ucx`` (``ucxx`` tag
+messages, shared memory or TCP underneath) and ``nixl`` (the fetcher READs the holder's
+slot into its own with NVIDIA NIXL, one-sided: CMA between processes, RDMA with a device;
+its requests travel on a TCP connection). ``make_server(kind, ...)`` picks one by
 config, ``connect(address, ...)`` by the scheme of the address the peer advertised
-in its handshake (``tcp://host:port``, ``tls://host:port`` or ``ucx://<base64 worker address>``).
-``ucxx`` is imported only when the UCX transport is used.
+in its handshake (``tcp://host:port``, ``tls://host:port``, ``ucx://<base64 worker address>``
+or ``nixl://host:port``). ``ucxx`` and ``nixl_cu12`` are imported only by their transport.
 
 TCP may run under mutual TLS (``tls.server_context`` / ``tls.client_context``, passed
 as ``ssl=``): the server then advertises ``tls://``, and a client with a context
@@ -67,6 +69,11 @@ def make_server(
 
         return UcxDataPlaneServer(store, authorize, metrics, host=host, port=port,
                                   chunk_bytes=chunk_bytes, **options)
+    if kind == "nixl":
+        from kv_offload_sidecar.data.nixl.server import NixlDataPlaneServer
+
+        return NixlDataPlaneServer(store, authorize, metrics, host=host, port=port,
+                                   chunk_bytes=chunk_bytes, **options)
     raise ValueError(f"unknown transport {kind!r}; use one of {list(TRANSPORTS)}")
 
 
@@ -86,7 +93,7 @@ async def connect(
     accepted then, and only without it a ``tcp://`` or ``ucx://`` one. Raises
     ``TransportError`` when it cannot connect, complete TLS or authenticate in
     ``timeout`` seconds, or when ``ssl`` and the peer's scheme disagree;
-    ``ValueError`` for an address that is not tcp://, tls:// or ucx://.
+    ``ValueError`` for an address that is not tcp://, tls://, ucx:// or nixl://.
     """
     scheme, _ = parse_address(address)
     if scheme in ("tcp", "tls"):
@@ -95,6 +102,11 @@ async def connect(
         return await TcpPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
                                                metrics=metrics, ssl=ssl, **options)
     check_tls_policy(address, scheme, ssl)
+    if scheme == "nixl":
+        from kv_offload_sidecar.data.nixl.client import NixlPeerDataClient
+
+        return await NixlPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
+                                                metrics=metrics, **options)
     from kv_offload_sidecar.data.ucx.client import UcxPeerDataClient
 
     return await UcxPeerDataClient.connect(address, session_id, session_key,

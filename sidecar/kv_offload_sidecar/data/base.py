@@ -62,7 +62,8 @@ class ReservationLike(Protocol):
     key: bytes
     view: memoryview
 
-    def commit(self, expected_checksum: int | None = None) -> bool: ...
+    def commit(self, expected_checksum: int | None = None, *,
+               computed_checksum: int | None = None) -> bool: ...
     def abort(self) -> None: ...
 
 
@@ -125,16 +126,16 @@ def count_protocol_error(metrics: SidecarMetrics | None, reason: str) -> None:
         metrics.protocol_errors.labels(reason=reason).inc()
 
 
-# Schemes of data addresses: plain TCP, TCP under TLS, UCX.
-ADDRESS_SCHEMES = ("tcp", "tls", "ucx")
+# Schemes of data addresses: plain TCP, TCP under TLS, UCX, NIXL (its TCP control port).
+ADDRESS_SCHEMES = ("tcp", "tls", "ucx", "nixl")
 
 
 def parse_address(address: str) -> tuple[str, str]:
     """Split ``scheme://rest``; the scheme picks the transport (``tls`` is the TCP one, encrypted)."""
     scheme, sep, rest = address.partition("://")
     if not sep or scheme not in ADDRESS_SCHEMES or not rest:
-        raise ValueError(f"data address {address!r} is not tcp://host:port, tls://host:port "
-                         "or ucx://<worker address>")
+        raise ValueError(f"data address {address!r} is not tcp://host:port, tls://host:port, "
+                         "ucx://<worker address> or nixl://host:port")
     return scheme, rest
 
 
@@ -145,7 +146,8 @@ def check_tls_policy(address: str, scheme: str, ssl: SSLContext | None) -> None:
                              "give this sidecar --tls-cert-file, --tls-key-file and --tls-ca-file "
                              "(a certificate of the pool's CA)")
     if scheme != "tls" and ssl is not None:
-        serves = "plain TCP" if scheme == "tcp" else "UCX, which is not encrypted"
+        serves = {"tcp": "plain TCP", "ucx": "UCX, which is not encrypted",
+                  "nixl": "NIXL one-sided reads, which are not encrypted"}.get(scheme, scheme)
         raise TransportError(f"this pod requires TLS; peer {address} serves {serves} on its data plane "
                              "and is not dialled: give every pool member the --tls-* flags (and --transport tcp)")
 
@@ -171,7 +173,41 @@ class PeerDataClient(abc.ABC):
 
     @abc.abstractmethod
     async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
-        """Copy chunks into ``store``; return the number of leading keys now visible there."""
+        """Copy chunks into ``store``; return the number of leading keys now visible there.
+        A fetch marked ``takes_count`` also takes ``count=`` and ``first=`` (``run_fetch``)."""
+
+    async def fetch_counted(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
+                            first: int, on_count: Callable[[int], None]) -> int:
+        """One exchange with the holder: the LOOKUP of ``keys`` leaves first and the FETCH of
+        the first ``first`` keys right behind it, on this connection; ``on_count`` gets the
+        holder's hit prefix as soon as it arrives (before the chunks), and no key past it is
+        requested. Returns the leading keys now visible in ``store``. (A transport whose fetch is
+        not marked ``takes_count`` asks first and fetches the count after.)"""
+        self._check_open()
+        count = asyncio.ensure_future(self.lookup(keys, timeout))
+        reported = False
+
+        def report(f: asyncio.Future[int]) -> None:
+            nonlocal reported
+            if not reported and not f.cancelled() and f.exception() is None:
+                reported = True
+                on_count(f.result())
+
+        count.add_done_callback(report)
+        await asyncio.sleep(0)  # the LOOKUP goes out first
+        try:
+            if not getattr(type(self).fetch, "takes_count", False):
+                n = await count
+                return await self.fetch(keys[:n], store, timeout) if n else 0
+            got = await self.fetch(keys, store, timeout, count=count, first=first)  # type: ignore[call-arg]
+            await count  # answered before any chunk frame
+            report(count)  # now, if its callback has not run yet
+            return got
+        finally:
+            if not count.done():
+                count.cancel()
+            elif not count.cancelled():
+                count.exception()  # retrieved: its failure already failed the fetch
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -234,6 +270,8 @@ async def run_fetch(
     send_requests: Callable[[list[tuple[int, PendingChunk]]], "asyncio.Future[None] | object"],
     fail: Callable[[BaseException], "object"],
     metrics: SidecarMetrics | None,
+    count: asyncio.Future[int] | None = None,
+    first: int = 1,
 ) -> int:
     """The client side of a fetch, shared by the transports.
 
@@ -242,7 +280,9 @@ async def run_fetch(
     awaitable), and waits for the receiver to resolve each ``pending.done``.
     Keys already visible are not requested. Stops requesting at the first key
     that is missing at the peer, or that cannot get a slot even with nothing in
-    flight. Returns the leading keys visible at the end. On any failure or deadline
+    flight. With ``count`` (the answer of a LOOKUP sent just before), requests at most
+    ``first`` keys until it arrives and none past it after. Returns the leading keys
+    visible at the end. On any failure or deadline
     calls ``fail(exc)`` (the transport closes the connection, so nothing writes
     into the slots any more) and aborts every open reservation.
     """
@@ -261,11 +301,27 @@ async def run_fetch(
             wake.set()
         return callback
 
+    counted = count is None
+    if count is not None:
+        count.add_done_callback(lambda _f: wake.set())
+
+    def limit() -> int:
+        """Keys that may be requested now: all until stop_at, or as far as the count allows."""
+        nonlocal counted, stop_at
+        if count is None:
+            return stop_at
+        if count.done():
+            if not counted:
+                counted = True
+                stop_at = min(stop_at, count.result())  # a failed LOOKUP raises here
+            return stop_at
+        return min(stop_at, max(1, first))
+
     try:
         async with asyncio.timeout(timeout):
             while True:
                 batch: list[tuple[int, PendingChunk]] = []
-                while next_index < stop_at and len(plan.pending) + len(batch) < window:
+                while next_index < limit() and len(plan.pending) + len(batch) < window:
                     key = plan.keys[next_index]
                     res = store.begin_write(key)
                     if res is None:
@@ -285,8 +341,11 @@ async def run_fetch(
                         p.done.add_done_callback(on_done(i))
                     await send_requests(batch)  # type: ignore[misc]
                 if not plan.pending:
-                    break
-                while not landed:
+                    if counted or next_index >= stop_at:
+                        break
+                    await asyncio.shield(count)  # type: ignore[arg-type]  # nothing in flight: wait for the count
+                    continue
+                while not landed and (counted or not count.done()):  # type: ignore[union-attr]
                     wake.clear()
                     await wake.wait()
                 while landed:
@@ -320,7 +379,10 @@ async def run_fetch(
         if not store.contains(key):
             n = i
             break
-    _observe(metrics, "ok" if n == len(plan.keys) else "miss", started)
+    wanted = len(plan.keys)  # all of them; with a count, as many as the holder said it holds
+    if count is not None and count.done() and not count.cancelled() and count.exception() is None:
+        wanted = min(wanted, count.result())
+    _observe(metrics, "ok" if n >= wanted else "miss", started)
     return n
 
 
@@ -356,9 +418,11 @@ def answer_lookup(lookups: dict[int, tuple[asyncio.Future[int], int]], request_i
         fut.set_result(count)
 
 
-def commit_received(p: PendingChunk, checksum: int, metrics: SidecarMetrics | None) -> None:
-    """Verify and publish a fully received chunk, resolving its future."""
-    ok = p.reservation.commit(checksum)
+def commit_received(p: PendingChunk, checksum: int, metrics: SidecarMetrics | None,
+                    computed: int | None = None) -> None:
+    """Verify and publish a fully received chunk, resolving its future (``computed``: the
+    checksum the transport already took over the slot's bytes, see ``commit``)."""
+    ok = p.reservation.commit(checksum, computed_checksum=computed)
     if p.done.done():  # the fetch gave up meanwhile; the chunk is whole and verified anyway
         return
     if ok:

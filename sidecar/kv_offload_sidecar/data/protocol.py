@@ -24,6 +24,9 @@ Message types and payloads (all integers big-endian):
 - ``CHUNK_MISSING``: u16 len + key.
 - ``ERROR``: utf-8 text ``"<reason>: <message>"``.
 - ``CLOSE``: empty.
+- ``NIXL_METADATA``, ``CHUNK_AT``, ``RELEASE``: the NIXL transport's frames (payloads in
+  ``data.nixl.frames``): the holder's sealed agent metadata after AUTH_OK; a chunk's key,
+  checksum and slot, pinned for the fetcher's one-sided READ; the request ids it is done with.
 
 A FETCH of n keys with request id r is answered by one CHUNK or CHUNK_MISSING per
 key, in order, with request ids r, r+1, ... r+n-1 (mod 2**32).
@@ -89,6 +92,9 @@ class MessageType(enum.IntEnum):
     ERROR = 9
     CLOSE = 10
     UCX_ATTACH = 11
+    NIXL_METADATA = 12
+    CHUNK_AT = 13
+    RELEASE = 14
 
 
 _TYPES = frozenset(int(t) for t in MessageType)

@@ -173,8 +173,8 @@ class HelloMessage:
             raise HandshakeError("malformed", f"hello kv_bytes_per_chunk must be a positive integer, got {k!r}")
         if not self.identity:
             raise HandshakeError("malformed", "hello identity is empty")
-        if self.transport not in ("tcp", "ucx"):
-            raise HandshakeError("malformed", f"hello transport {self.transport!r} is not 'tcp' or 'ucx'")
+        if self.transport not in ("tcp", "ucx", "nixl"):
+            raise HandshakeError("malformed", f"hello transport {self.transport!r} is not 'tcp', 'ucx' or 'nixl'")
         if self.run_config is not None and not isinstance(self.run_config, Mapping):
             raise HandshakeError("malformed", "hello run_config must be an object or absent")
 

@@ -1,13 +1,18 @@
-"""Outbound peer sessions: handshake, data-plane client, summary pulls, back-off.
+"""Outbound peer sessions: handshake, data-plane client, membership, location calls, back-off.
 
 For every address discovery offers, one ``PeerLink`` task loops:
 handshake (``POST /v1/handshake``, both steps) -> data-plane connect with
-the session -> pull key summaries every interval -> on any failure close,
-forget the peer's summary and back off exponentially (``backoff_initial``
-doubling to ``backoff_max``); a rejected handshake backs off the same way
-(the peer may be fixed by a rollout) and shows as state ``rejected``.
-The other direction is the peer's own link to us (it dials us; inbound
-sessions live in service.py), so each pair handshakes both ways.
+the session -> the peer is a *member* (``Location.member_joined``: it owns its
+share of the directory) -> watch the connection (no traffic: a closed data
+connection or a failure the engine path reports ends it) -> on any failure
+close, the peer leaves the membership (``member_left``) and the link backs off
+exponentially (``backoff_initial`` doubling to ``backoff_max``; a handshake
+from that peer cuts the wait short, ``wake``); a rejected handshake backs off
+the same way (the peer may be fixed by a rollout) and shows as state
+``rejected``. The other direction is the peer's own link to us (it dials us;
+inbound sessions live in sessions.py), so each pair handshakes both ways.
+``call`` sends one location message (``/v1/publish``, ``/v1/locate``) over a
+connected link's session, with the HMAC of its session key.
 
 Links are keyed by control address; the identity learnt in the handshake
 de-duplicates several DP ports of one peer pod (only one link per identity is
@@ -19,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 import time
@@ -37,13 +40,14 @@ from kv_offload_sidecar.peers.handshake import (
     HelloMessage,
     Session,
 )
-from kv_offload_sidecar.peers.location import PeerSummaries, SummaryDelta
+from kv_offload_sidecar.peers.location_wire import location_auth
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
     from kv_offload_sidecar.peers.discovery import Discovery
+    from kv_offload_sidecar.peers.location import Location
     from kv_offload_sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)
@@ -53,14 +57,12 @@ AUTH_HEADER = "X-KV-Offload-Auth"
 # States counted in the peers{state} gauge (metrics.PEER_STATES); "alias" and "self"
 # links (another DP port of a connected peer, or ourselves) are not counted.
 PEER_STATES = ("connecting", "connected", "backoff", "rejected")
-# Largest summary reply read from a peer (bytes): 1M digests in base64 plus slack.
-MAX_SUMMARY_REPLY_BYTES = 12 << 20
-
-
-def summary_auth(session_key: bytes, epoch: str, since: int) -> str:
-    """HMAC proving a summary pull belongs to an authenticated session."""
-    msg = f"summary\x00{epoch}\x00{since}".encode()
-    return hmac.new(session_key, msg, hashlib.sha256).hexdigest()
+# Largest location reply read from a peer (bytes).
+MAX_LOCATION_REPLY_BYTES = 64 << 10
+# Location messages (the path /v1/<op> on the peer's control port).
+LOCATION_OPS = ("publish", "locate")
+# Headers aiohttp would add to every peer request that no peer reads (bytes on every message).
+SKIPPED_REQUEST_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 
 
 @dataclass
@@ -87,8 +89,12 @@ class PeerLink:
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     # The link's task.
     task: asyncio.Task[None] | None = None
-    # Re-key the session (make before break) at the next summary interval.
+    # Re-key the session (make before break) at the next watch interval.
     rekey: bool = False
+    # True while the peer counts as a member of this sidecar's view (Location).
+    member: bool = False
+    # Set by a handshake from this peer: a link backing off retries now.
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def view(self) -> dict[str, Any]:
         return {
@@ -105,14 +111,14 @@ class PeerManager:
     """Keeps one link per discovered address and exposes connected peers."""
 
     def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, discovery: Discovery,
-                 summaries: PeerSummaries, local_hello: Callable[[], HelloMessage], *,
+                 location: Location, local_hello: Callable[[], HelloMessage], *,
                  keys: PoolKeys, data_options: dict[str, Any] | None = None) -> None:
         self._settings = settings
         self._keys = keys
         self._data_options = dict(data_options or {})
         self._metrics = metrics
         self._discovery = discovery
-        self._summaries = summaries
+        self._location = location
         self._local_hello = local_hello
         self._links: dict[str, PeerLink] = {}
         # Data clients replaced by a re-key, closed once their last request is over.
@@ -136,13 +142,48 @@ class PeerManager:
         link.last_error = error
         link.failed.set()
 
+    def wake(self, address: str) -> None:
+        """The peer at ``address`` just handshook with us: a link backing off retries now."""
+        link = self._links.get(address)
+        if link is not None and link.state in ("backoff", "rejected"):
+            link.wake.set()
+
+    async def call(self, identity: str, op: str, body: dict[str, Any], timeout: float) -> Any:
+        """One location message to a connected peer; its JSON reply. ConnectionError, asyncio.TimeoutError
+        or ValueError (a reply too large or not JSON) when it cannot be had (the caller decides
+        whether the peer failed)."""
+        link = self.connected(identity)
+        if link is None or link.session is None or self._http is None or op not in LOCATION_OPS:
+            raise ConnectionError(f"peer {identity} is not connected")
+        session = link.session
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        headers = {SESSION_HEADER: session.session_id.hex(), AUTH_HEADER: location_auth(session.session_key, op, raw),
+                   "Content-Type": "application/json"}
+        try:
+            async with self._http.post(f"http://{link.address}/v1/{op}", data=raw, headers=headers,
+                                       timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.headers.get(REKEY_HEADER) and session.key_id != self._keys.offered_ids()[0]:
+                    link.rekey = True  # the peer moved on to a key we hold too
+                reply = await resp.content.read(MAX_LOCATION_REPLY_BYTES + 1)
+                if resp.status != 200:
+                    raise ConnectionError(f"{op} to {identity}: HTTP {resp.status}")
+        except aiohttp.ClientError as exc:
+            raise ConnectionError(f"{op} to {identity} failed: {exc}") from exc
+        if len(reply) > MAX_LOCATION_REPLY_BYTES:
+            raise ValueError(f"{op} reply from {identity} exceeds {MAX_LOCATION_REPLY_BYTES} bytes")
+        self._metrics.location_messages.labels(kind=op).inc()
+        self._metrics.location_bytes.labels(direction="sent").inc(len(raw))
+        self._metrics.location_bytes.labels(direction="received").inc(len(reply))
+        return json.loads(reply)
+
     # ---- lifecycle ------------------------------------------------------------
 
     async def run(self) -> None:
         """Follow discovery forever (cleanup_ctx task)."""
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self._settings.handshake_timeout_seconds),
-            trust_env=False)
+            connector=aiohttp.TCPConnector(limit=0), trust_env=False,
+            skip_auto_headers=SKIPPED_REQUEST_HEADERS)
         try:
             while True:
                 self._sync(self._discovery.current())
@@ -173,8 +214,7 @@ class PeerManager:
             link = self._links.pop(addr)
             if link.task:
                 link.task.cancel()
-            if link.identity:
-                self._summaries.forget(link.identity)
+            self._leave(link)
             log.info("peer %s (%s) left discovery", addr, link.identity)
         self._update_gauge()
 
@@ -220,8 +260,10 @@ class PeerManager:
                 link.last_error = ""
                 self._set_state(link, "connected")
                 log.info("peer %s (%s) connected", link.address, link.identity)
+                link.member = True
+                self._location.member_joined(link.identity)  # type: ignore[arg-type]
                 try:
-                    await self._pull_loop(link)
+                    await self._watch(link)
                 except Exception as exc:
                     link.last_error = link.last_error or f"{type(exc).__name__}: {exc}"
                 log.info("peer %s (%s) lost: %s", link.address, link.identity, link.last_error)
@@ -237,12 +279,20 @@ class PeerManager:
         delay = min(s.backoff_max_seconds, s.backoff_initial_seconds * 2 ** (link.failures - 1))
         link.retry_at = time.monotonic() + delay
         self._set_state(link, state)
-        await asyncio.sleep(delay)
+        link.wake.clear()
+        try:
+            await asyncio.wait_for(link.wake.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+
+    def _leave(self, link: PeerLink) -> None:
+        if link.member and link.identity:
+            link.member = False
+            self._location.member_left(link.identity)
 
     async def _teardown(self, link: PeerLink) -> None:
         data, link.data, link.session = link.data, None, None
-        if link.identity:
-            self._summaries.forget(link.identity)
+        self._leave(link)
         link.failed.clear()
         if data is not None:
             with contextlib.suppress(Exception):
@@ -335,34 +385,16 @@ class PeerManager:
         log.warning("handshake with %s rejected (%s): %s%s", where, reason, exc,
                     "".join(f"\n  {line}" for line in exc.diff))
 
-    async def _pull_loop(self, link: PeerLink) -> None:
+    async def _watch(self, link: PeerLink) -> None:
+        """While connected: re-key when asked, end when the data connection closed or failed."""
         s = self._settings
         while True:
             if link.rekey:
                 await self._rekey(link)
-            await self._pull_summary(link)
+            if link.data is None or link.data.closed:
+                raise ConnectionError(link.last_error or "data connection closed")
             try:
-                await asyncio.wait_for(link.failed.wait(), s.summary_interval_seconds)
+                await asyncio.wait_for(link.failed.wait(), s.publish_interval_seconds)
             except asyncio.TimeoutError:
                 continue
             raise ConnectionError(link.last_error or "data plane failed")
-
-    async def _pull_summary(self, link: PeerLink) -> None:
-        assert self._http is not None and link.session is not None and link.identity
-        epoch, since = self._summaries.cursor(link.identity)
-        ep = epoch or ""
-        headers = {SESSION_HEADER: link.session.session_id.hex(),
-                   AUTH_HEADER: summary_auth(link.session.session_key, ep, since)}
-        url = f"http://{link.address}/v1/summary"
-        timeout = aiohttp.ClientTimeout(total=max(self._settings.fetch_deadline_seconds, 5.0))
-        async with self._http.get(url, params={"since": str(since), "epoch": ep},
-                                  headers=headers, timeout=timeout) as resp:
-            if resp.status != 200:
-                raise ConnectionError(f"summary pull HTTP {resp.status}")
-            if resp.headers.get(REKEY_HEADER) and link.session.key_id != self._keys.offered_ids()[0]:
-                link.rekey = True  # the peer moved on to a key we hold too
-            body = await resp.content.read(MAX_SUMMARY_REPLY_BYTES + 1)
-            if len(body) > MAX_SUMMARY_REPLY_BYTES:
-                raise ConnectionError("summary reply too large")
-        delta = SummaryDelta.from_dict(json.loads(body))
-        self._summaries.apply(link.identity, delta)

@@ -1,221 +1,215 @@
-"""Where chunks are: sequence-numbered key-summary deltas exchanged between peers.
+"""Where chunks are: a directory spread over the pool's members, one share per member.
 
-Scheme. Every sidecar keeps a ``SummaryLog``: the set of 8-byte digests
-(``blake2b(key, digest_size=8)``) of the chunks its store holds, and a log of
-``(seq, digest, present)`` changes fed by the store's ``on_change``
-callback. Each connected peer pulls ``GET /v1/summary?since=N`` every
-``summary_interval_seconds`` and gets the changes after ``N`` (or, when
-``N`` has fallen out of the bounded log or names another epoch, a full
-snapshot with ``reset``). The puller keeps one ``PeerSummaries`` with a digest
-set per peer.
+Scheme (a rendezvous-hashed directory; Summary Cache's per-peer summaries
+measured worse, see ``kv-offload bench scale``). Every chunk digest has an
+*owner*: the member that ``ownership.OwnerTable`` picks for its bucket among
+the members this sidecar is connected to (itself included). Holders tell each
+digest's owner when they gain or lose it (``publisher.Publisher``, batched
+per owner every ``publish_interval_seconds``, POST ``/v1/publish``); owners
+keep who holds what for their buckets (``directory.Directory``). A lookup
+asks the owner of the first key it does not hold (POST ``/v1/locate``, or no
+message when that is this sidecar) and then one holder it names. So:
 
-Lookups. An engine lookup first takes the local store's hit prefix, then asks
-``PeerSummaries.choose`` which peer's summary covers the longest run of the
-remaining keys, and sends one lookup to that peer only. So the lookup
-messages per engine request are 0 (all local, or nobody has the next key) or
-1, whatever the number of peers; only the periodic summary pulls grow with
-the pool, and they are independent of the request rate.
+- memory per sidecar: its own digests plus about ``pool chunks / members``
+  directory entries, whatever the number of members;
+- background traffic per sidecar: its own changes (each to one owner) and
+  the changes of others that it owns, about the same; never a pull per peer;
+- a lookup: at most one owner message and one holder exchange;
+- a member that joins receives from each other member the digests of the
+  buckets it takes over, and sends its own; one that leaves hands its buckets
+  to their runners-up, to which the holders resend those digests. Nothing
+  else moves, no snapshot goes to anybody.
 
-Staleness. A summary is at most one interval (plus one pull's latency) old.
-A chunk stored on a peer after its last pull is not seen until the next pull
-(a miss, vLLM recomputes); a chunk evicted after the last pull is a false
-positive, answered by the peer's exact lookup as a miss for that key, which
-costs one message and no wrong data. Digest collisions (8 bytes, about
-2**-64 per pair) are false positives of the same harmless kind: the peer
-checks full keys.
+Staleness: a change reaches its owner within one interval (plus a round
+trip). A chunk stored meanwhile is not found yet (a miss); one evicted
+meanwhile is still named (the holder's exact answer makes it a miss). The
+false-claim audit (``claims.py``) covers owners and holders that lie.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import secrets
-import threading
-from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-DIGEST_BYTES = 8
-# Changes kept for delta pulls; older "since" values get a full snapshot.
-DEFAULT_LOG_LIMIT = 65536
-# Largest digest list accepted in one summary reply (bounds memory per peer).
-MAX_SUMMARY_DIGESTS = 1 << 20
+import numpy as np
 
+from kv_offload_sidecar.peers.directory import Directory
+from kv_offload_sidecar.peers.location_wire import (
+    MAX_LOCATE_DIGESTS,
+    HolderClaim,
+    LocateQuery,
+    LocateReply,
+    PublishBatch,
+    PublishReply,
+    key_digest,
+)
+from kv_offload_sidecar.peers.ownership import BUCKETS, OwnerTable
+from kv_offload_sidecar.peers.publisher import Publisher
 
-def key_digest(key: bytes) -> bytes:
-    """The 8-byte digest that stands for a chunk key in summaries."""
-    return hashlib.blake2b(key, digest_size=DIGEST_BYTES).digest()
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
 
+log = logging.getLogger(__name__)
 
-def pack_digests(digests: Iterable[bytes]) -> str:
-    return base64.b64encode(b"".join(digests)).decode("ascii")
-
-
-def unpack_digests(text: Any) -> list[bytes]:
-    """Inverse of pack_digests; raises ValueError on anything malformed."""
-    if not isinstance(text, str):
-        raise ValueError("digest list must be a base64 string")
-    try:
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
-    except (ValueError, UnicodeEncodeError):
-        raise ValueError("digest list is not valid base64") from None
-    if len(raw) % DIGEST_BYTES:
-        raise ValueError(f"digest list length {len(raw)} is not a multiple of {DIGEST_BYTES}")
-    if len(raw) // DIGEST_BYTES > MAX_SUMMARY_DIGESTS:
-        raise ValueError(f"digest list holds more than {MAX_SUMMARY_DIGESTS} digests")
-    return [raw[i:i + DIGEST_BYTES] for i in range(0, len(raw), DIGEST_BYTES)]
+# Sends one location message: (peer identity, "publish" | "locate", body, timeout) -> reply body.
+Call = Callable[[str, str, dict[str, Any], float], Awaitable[Any]]
 
 
-@dataclass(frozen=True)
-class SummaryDelta:
-    """One pull's answer: changes after ``since`` (or a snapshot when ``reset``)."""
+class Location:
+    """This sidecar's part of the pool's directory, and its queries of the others' parts."""
 
-    # Identifies one log's lifetime; a new epoch (restart) forces a reset.
-    epoch: str
-    # Sequence number the puller asks "since" next time.
-    seq: int
-    # True when added is the full set and the puller must drop what it had.
-    reset: bool
-    # Digests that became present.
-    added: tuple[bytes, ...]
-    # Digests that went away.
-    removed: tuple[bytes, ...]
+    def __init__(self, identity: str, *, interval_seconds: float, deadline_seconds: float,
+                 call: Call | None = None, metrics: SidecarMetrics | None = None) -> None:
+        self.identity = identity
+        self.table = OwnerTable(identity)
+        self.publisher = Publisher(identity)
+        self.directory = Directory()
+        self._interval = interval_seconds
+        self._deadline = deadline_seconds
+        self._call = call
+        self._metrics = metrics
+        self._busy: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.publisher.owner_joined(identity)  # this sidecar keeps its own buckets from the start
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "seq": self.seq, "reset": self.reset,
-                "added": pack_digests(self.added), "removed": pack_digests(self.removed)}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "SummaryDelta":
-        if not isinstance(d, dict):
-            raise ValueError("summary must be a JSON object")
-        epoch, seq, reset = d.get("epoch"), d.get("seq"), d.get("reset")
-        if not isinstance(epoch, str) or not 0 < len(epoch) <= 64:
-            raise ValueError("summary epoch must be a short string")
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-            raise ValueError("summary seq must be a non-negative integer")
-        if not isinstance(reset, bool):
-            raise ValueError("summary reset must be a boolean")
-        return cls(epoch, seq, reset, tuple(unpack_digests(d.get("added"))),
-                   tuple(unpack_digests(d.get("removed"))))
-
-
-class SummaryLog:
-    """This sidecar's own summary: present digests plus a bounded change log.
-
-    Thread-safe: the store calls ``record`` from any thread.
-    """
-
-    def __init__(self, log_limit: int = DEFAULT_LOG_LIMIT) -> None:
-        self.epoch = secrets.token_hex(8)
-        self._lock = threading.Lock()
-        self._present: dict[bytes, int] = {}  # digest -> number of keys with it
-        self._log: deque[tuple[int, bytes, bool]] = deque(maxlen=log_limit)
-        self._seq = 0
-
-    @property
-    def seq(self) -> int:
-        return self._seq
+    # ---- fed by the store and the engine path ----------------------------------------------
 
     def record(self, key: bytes, present: bool) -> None:
-        """Store callback: ``key`` became visible (True) or was evicted (False)."""
-        d = key_digest(key)
-        with self._lock:
-            n = self._present.get(d, 0)
-            if present:
-                self._present[d] = n + 1
-                if n:
+        """The store's ``on_change``: a chunk became visible or went."""
+        self.publisher.record(key, present)
+
+    def hint_chain(self, keys: Sequence[bytes], *, held: bool = False) -> None:
+        """``keys`` are consecutive keys of one request (see ``Publisher.hint_chain``)."""
+        self.publisher.hint_chain(keys, held=held)
+
+    def mark_copies(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are being fetched from a peer: owners will name this sidecar after their holders."""
+        self.publisher.mark_copies(keys)
+
+    # ---- membership ------------------------------------------------------------------
+
+    def member_joined(self, identity: str) -> None:
+        """A peer's session is up: it owns its share of the buckets from now on."""
+        if identity == self.identity or identity in self.table:
+            return
+        mine = self.table.owned_mask(self.identity)
+        moved = self.table.add(identity)
+        self.publisher.owner_joined(identity, resync_me=not self.directory.has_stream(identity))
+        lost = moved[mine[moved]]
+        if lost.size:  # those entries now belong to the newcomer (the holders resend them there)
+            self._drop_buckets(lost)
+        self._gauge()
+
+    def member_left(self, identity: str) -> None:
+        """A peer is gone: its buckets pass to their runners-up, its chunks are no longer offered."""
+        if identity == self.identity or identity not in self.table:
+            return
+        moved = self.table.remove(identity)
+        self.publisher.owner_left(identity)
+        if moved.size:
+            self.publisher.republish(moved.tolist())
+        self.directory.purge(identity)
+        self._gauge()
+
+    def _drop_buckets(self, buckets: np.ndarray) -> None:
+        mask = np.zeros(BUCKETS, dtype=bool)
+        mask[buckets] = True
+        self.directory.drop_buckets(mask)
+
+    def _gauge(self) -> None:
+        if self._metrics is not None:
+            self._metrics.location_entries.set(len(self.directory))
+
+    # ---- publishing ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Publish every interval until cancelled (the sidecar's task)."""
+        try:
+            while True:
+                await asyncio.sleep(self._interval)
+                self.publish_once()
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            for t in list(self._tasks):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    def publish_once(self) -> int:
+        """Hand this interval's messages to their owners (own buckets applied here); returns
+        the messages started."""
+        started = 0
+        for owner, batches in self.publisher.take(self.table, self._busy, self.directory.has_stream):
+            if owner == self.identity:
+                for batch in batches:
+                    self.directory.apply(self.identity, batch)
+                continue
+            if self._call is None:
+                continue
+            self._busy.add(owner)
+            task = asyncio.create_task(self._deliver(owner, batches), name=f"publish {owner}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            started += len(batches)
+        self._gauge()
+        return started
+
+    async def _deliver(self, owner: str, batches: list[PublishBatch]) -> None:
+        assert self._call is not None
+        try:
+            for batch in batches:
+                reply = PublishReply.from_dict(
+                    await self._call(owner, "publish", batch.to_dict(), self._deadline))
+                if reply.resync:
+                    self.publisher.needs_reset(owner)
                     return
-            else:
-                if n == 0:
-                    return
-                if n > 1:
-                    self._present[d] = n - 1
-                    return
-                del self._present[d]
-            self._seq += 1
-            self._log.append((self._seq, d, present))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.info("publish to %s failed (%s): it gets our full share next time", owner, exc)
+            self.publisher.needs_reset(owner)
+        finally:
+            self._busy.discard(owner)
 
-    def __len__(self) -> int:
-        return len(self._present)
+    # ---- the owner's side --------------------------------------------------------------
 
-    def delta_since(self, since: int, epoch: str | None = None) -> SummaryDelta:
-        """Changes after ``since``; a full snapshot when the log cannot tell."""
-        with self._lock:
-            oldest = self._log[0][0] if self._log else self._seq + 1
-            if epoch != self.epoch or since > self._seq or since < oldest - 1:
-                return SummaryDelta(self.epoch, self._seq, True, tuple(self._present), ())
-            net: dict[bytes, bool] = {}
-            for seq, d, present in self._log:
-                if seq > since:
-                    net[d] = present
-            return SummaryDelta(
-                self.epoch, self._seq, False,
-                tuple(d for d, p in net.items() if p), tuple(d for d, p in net.items() if not p))
+    def on_publish(self, holder: str, body: Any) -> dict[str, Any]:
+        """A publish from ``holder`` (an authenticated peer); ValueError for a malformed body."""
+        batch = PublishBatch.from_dict(body)
+        resync = self.directory.apply(holder, batch)
+        if batch.resync_me and holder in self.table:
+            self.publisher.wants_share(holder)
+        self._gauge()
+        return PublishReply(resync).to_dict()
 
+    def on_locate(self, requester: str, body: Any) -> dict[str, Any]:
+        """A locate from ``requester``; ValueError for a malformed body."""
+        query = LocateQuery.from_dict(body)
+        return LocateReply(self.directory.locate(query.digests, exclude=requester)).to_dict()
 
-class PeerSummaries:
-    """What every connected peer holds, as far as its last pulled summary says."""
+    # ---- the querier's side -------------------------------------------------------------
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sets: dict[str, set[bytes]] = {}
-        self._cursor: dict[str, tuple[str, int]] = {}
+    def owner_of(self, key: bytes) -> str:
+        return self.table.owner_of(key_digest(key))
 
-    def cursor(self, peer: str) -> tuple[str | None, int]:
-        """``(epoch, seq)`` to send on the next pull from ``peer``."""
-        with self._lock:
-            epoch, seq = self._cursor.get(peer, (None, 0))
-            return epoch, seq
+    async def locate(self, keys: Sequence[bytes], timeout: float) -> tuple[str, tuple[HolderClaim, ...]]:
+        """``(owner asked, holders of keys[0] best first)``; raises when the owner cannot answer."""
+        digests = tuple(key_digest(k) for k in keys[:MAX_LOCATE_DIGESTS])
+        owner = self.table.owner_of(digests[0])
+        if owner == self.identity:
+            return owner, self.directory.locate(digests, exclude=self.identity)
+        if self._call is None:
+            return owner, ()
+        reply = await self._call(owner, "locate", LocateQuery(digests).to_dict(), timeout)
+        return owner, LocateReply.from_dict(reply).holders
 
-    def apply(self, peer: str, delta: SummaryDelta) -> None:
-        with self._lock:
-            s = self._sets.setdefault(peer, set())
-            if delta.reset:
-                s.clear()
-            s.difference_update(delta.removed)
-            s.update(delta.added)
-            self._cursor[peer] = (delta.epoch, delta.seq)
+    # ---- views ------------------------------------------------------------------------
 
-    def forget(self, peer: str) -> None:
-        """Drop a peer that left or failed (its chunks are no longer offered)."""
-        with self._lock:
-            self._sets.pop(peer, None)
-            self._cursor.pop(peer, None)
-
-    def peers(self) -> list[str]:
-        with self._lock:
-            return list(self._sets)
-
-    def holds(self, peer: str, key: bytes) -> bool:
-        with self._lock:
-            return key_digest(key) in self._sets.get(peer, ())
-
-    def size(self, peer: str) -> int:
-        with self._lock:
-            return len(self._sets.get(peer, ()))
-
-    def choose(self, keys: Sequence[bytes], exclude: Iterable[str] = ()) -> tuple[str | None, int]:
-        """The peer whose summary covers the longest leading run of ``keys``.
-
-        Returns ``(peer, run_length)``; ``(None, 0)`` when no peer claims the
-        first key. Costs no message; ties go to the peer listed first.
-        """
-        if not keys:
-            return None, 0
-        digests = [key_digest(k) for k in keys]
-        skip = set(exclude)
-        best, best_n = None, 0
-        with self._lock:
-            for peer, s in self._sets.items():
-                if peer in skip or digests[0] not in s:
-                    continue
-                n = 0
-                for d in digests:
-                    if d not in s:
-                        break
-                    n += 1
-                if n > best_n:
-                    best, best_n = peer, n
-        return best, best_n
+    def status(self) -> dict[str, Any]:
+        return {"epoch": self.publisher.epoch, "keys": len(self.publisher),
+                "pending": self.publisher.pending() + len(self._busy), "members": len(self.table),
+                "entries": len(self.directory),
+                "owned_buckets": int(self.table.buckets_of(self.identity).size)}

@@ -29,18 +29,22 @@ class WriteReservation:
         self.view = view
         self._done = False
 
-    def commit(self, expected_checksum: int | None = None) -> bool:
+    def commit(self, expected_checksum: int | None = None, *, computed_checksum: int | None = None) -> bool:
         """Checksum the slot and make the chunk visible.
 
         With ``expected_checksum`` (a received chunk) a mismatch counts an
         integrity failure, frees the slot and returns False. Returns False too
         when the reservation already ended or the store closed.
+        ``computed_checksum``: the XXH3-64 the caller already computed over the slot
+        after its last write (a transport that hashed the bytes piece by piece as they
+        landed); the slot is then not hashed a second time.
         """
         if self._done:
             return False
         self._done = True
         try:
-            checksum = self._store._checksum(self.view)
+            checksum = (self._store._checksum(self.view) if computed_checksum is None
+                        else int(computed_checksum))
         except TypeError:  # the caller released the view: nothing trustworthy to publish
             self._store._finish_write(self.key, self.slot, None)
             return False

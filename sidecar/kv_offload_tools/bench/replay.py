@@ -14,7 +14,11 @@ From one invocation it reports:
 - ``pooled_lru_hit_ratio``: one LRU cache of N x capacity chunks (simulated);
 - ``ideal_hit_ratio``: infinite capacity (simulated);
 - ``lookup_messages_per_request``: peer messages the sidecars sent to answer
-  engine lookups and loads (``kv_offload_lookup_messages_total``) per request;
+  engine lookups and loads (``kv_offload_lookup_messages_total``) per request:
+  ``owner_queries_per_request`` (a question to the chunk directory's owner of the
+  first missing key, asked by every request that lacks a chunk, unless the
+  sidecar owns it) plus holder exchanges (``holder_exchanges_per_peer_hit_request``:
+  one lookup-and-fetch with the holder named, per request that got peer hits);
 - ``bytes_moved``: chunk bytes received from peers (``kv_offload_peer_bytes_total``).
 It also writes a PNG: hit ratio against capacity (simulated curves and the
 measured points) and, with ``--sweep-replicas``, against the number of replicas.
@@ -63,8 +67,8 @@ class ReplaySettings:
     limit: int | None = None
     # Data plane between sidecars: tcp or ucx.
     transport: str = "tcp"
-    # Seconds between the sidecars' key-summary pulls (staleness of peer locations).
-    summary_interval_seconds: float = 0.05
+    # Seconds between the sidecars' publishes to the chunk directory (staleness of peer locations).
+    publish_interval_seconds: float = 0.05
     # Deadline of one lookup or load (seconds); late means a miss.
     timeout_seconds: float = 2.0
     # Seed of the random routing (and of a generated workload).
@@ -88,6 +92,8 @@ class RunResult:
     peer_hit_requests: int = 0
     mismatched_chunks: int = 0
     lookup_messages: float = 0.0
+    # Of those, questions to directory owners (kv_offload_location_messages_total{kind="locate"}).
+    owner_queries: float = 0.0
     bytes_moved: float = 0.0
     seconds: float = 0.0
 
@@ -119,6 +125,10 @@ class ReplayReport:
     sweep: list[dict] = field(default_factory=list)
     # What was replayed: "trace <path>" or "conversation <sessions>x<turns>".
     workload: str = ""
+    # Questions to the chunk directory's owners per request.
+    owner_queries_per_request: float = 0.0
+    # Exchanges with holders (lookup messages besides owner questions) per peer-hit request.
+    holder_exchanges_per_peer_hit_request: float = 0.0
 
 
 # ---- trace and keys -------------------------------------------------------------
@@ -204,6 +214,38 @@ def _payload(key: bytes, size: int) -> bytes:
     return (key * reps)[:size]
 
 
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What one request did against its replica's sidecar."""
+
+    # The engine lookup's answer: leading keys held locally, then by peers.
+    local: int
+    peer: int
+    # Leading keys loaded (the request's hits).
+    loaded: int
+    # Loaded chunks whose bytes differed from the key's payload (must be 0).
+    mismatched: int
+
+
+def serve_request(client, req: Sequence[bytes], chunk_bytes: int, timeout: float) -> RequestOutcome:
+    """What the vLLM tier does for one request: lookup, load the hits (verified byte for byte),
+    store the rest."""
+    reply = client.lookup(req, timeout=timeout)
+    loaded, bad = 0, [0]
+    if reply.hits:
+        def check(i: int, view: memoryview) -> None:
+            if view.tobytes() != _payload(req[i], chunk_bytes):
+                bad[0] += 1
+
+        loaded = client.load(req[:reply.hits], check, timeout=timeout)
+
+    def fill(i: int, view: memoryview, todo=req[loaded:]) -> None:
+        view[:] = _payload(todo[i], chunk_bytes)
+
+    client.store(req[loaded:], fill)
+    return RequestOutcome(reply.local, reply.peer, loaded, bad[0])
+
+
 def sidecar_config(chunk_bytes: int):
     """One 512-token block per chunk (Mooncake's block), chunk_bytes of KV each."""
     return example_config(tokens_per_block=512, tokens_per_hash=512, blocks_per_chunk=1,
@@ -217,7 +259,7 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
     config = sidecar_config(settings.chunk_bytes)
     common = dict(transport=settings.transport, config=config,
                   capacity_bytes=settings.capacity_chunks * slot_stride_for(settings.chunk_bytes),
-                  summary_interval_seconds=settings.summary_interval_seconds,
+                  publish_interval_seconds=settings.publish_interval_seconds,
                   fetch_deadline_seconds=settings.timeout_seconds, log_level="WARNING")
     pools = [LocalPool(replicas, **common)] if sharing else \
         [LocalPool(1, **common) for _ in range(replicas)]
@@ -231,27 +273,13 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
         start = last = time.monotonic()
         size = settings.chunk_bytes
         for r, (req, pod) in enumerate(zip(keys, routes)):
-            client = clients[pod]
-            reply = client.lookup(req, timeout=settings.timeout_seconds)
-            loaded = 0
-            if reply.hits:
-                bad = [0]
-
-                def check(i: int, view: memoryview, req=req, bad=bad) -> None:
-                    if view.tobytes() != _payload(req[i], size):
-                        bad[0] += 1
-
-                loaded = client.load(req[:reply.hits], check, timeout=settings.timeout_seconds)
-                result.mismatched_chunks += bad[0]
-
-            def fill(i: int, view: memoryview, todo=req[loaded:]) -> None:
-                view[:] = _payload(todo[i], size)
-
-            client.store(req[loaded:], fill)
+            out = serve_request(clients[pod], req, size, settings.timeout_seconds)
+            loaded = out.loaded
+            result.mismatched_chunks += out.mismatched
             result.hit_chunks += loaded
-            result.local_hits += min(reply.local, loaded)
-            result.peer_hits += loaded - min(reply.local, loaded)
-            result.peer_hit_requests += loaded > reply.local
+            result.local_hits += min(out.local, loaded)
+            result.peer_hits += loaded - min(out.local, loaded)
+            result.peer_hit_requests += loaded > out.local
             result.total_chunks += len(req)
             now = time.monotonic()
             if progress and (now - last >= 2.0 or r + 1 == len(keys)):
@@ -263,6 +291,7 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
             c.close()
         samples = [scrape.scrape(f"{sc.url}/metrics") for sc in sidecars]
         result.lookup_messages = scrape.total(samples, "kv_offload_lookup_messages_total")
+        result.owner_queries = scrape.total(samples, "kv_offload_location_messages_total", kind="locate")
         result.bytes_moved = scrape.total(samples, "kv_offload_peer_bytes_total",
                                           direction="received")
     finally:
@@ -297,7 +326,10 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
         bytes_moved=int(p2p.bytes_moved), p2p_local_hits=p2p.local_hits,
         p2p_peer_hits=p2p.peer_hits, mismatched_chunks=p2p.mismatched_chunks + local.mismatched_chunks,
         seconds=0.0, workload=(f"conversation {settings.sessions}x{settings.turns}" if settings.generate
-                               else f"trace {settings.trace}"))
+                               else f"trace {settings.trace}"),
+        owner_queries_per_request=p2p.owner_queries / len(keys),
+        holder_exchanges_per_peer_hit_request=_per(p2p.lookup_messages - p2p.owner_queries,
+                                                   p2p.peer_hit_requests))
     for m in sweep_replicas:
         if m == n:
             run, m_routes = p2p, routes
@@ -397,6 +429,8 @@ def format_table(report: ReplayReport) -> str:
             ("lookup_messages_per_request", f"{report.lookup_messages_per_request:.3f}"),
             ("lookup_messages_per_peer_hit_request",
              f"{report.lookup_messages_per_peer_hit_request:.3f}"),
+            ("owner_queries_per_request", f"{report.owner_queries_per_request:.3f}"),
+            ("holder_exchanges_per_peer_hit_request", f"{report.holder_exchanges_per_peer_hit_request:.3f}"),
             ("bytes_moved", f"{report.bytes_moved}"),
             ("mismatched chunks", f"{report.mismatched_chunks}")]
     w = max(len(r[0]) for r in rows)
@@ -428,8 +462,8 @@ def _validate(s: ReplaySettings) -> None:
         raise ValueError(f"--routing {s.routing!r} must be one of {', '.join(ROUTINGS)}")
     if s.limit is not None and s.limit < 1:
         raise ValueError(f"--limit {s.limit} must be at least 1")
-    if s.summary_interval_seconds <= 0:
-        raise ValueError("--summary-interval-seconds must be positive")
+    if s.publish_interval_seconds <= 0:
+        raise ValueError("--publish-interval-seconds must be positive")
     if (s.generate is None) == (not s.trace):
         raise ValueError("give either --trace FILE or --generate conversation (not both, not neither)")
     if s.generate is not None and s.generate not in WORKLOADS:
@@ -461,8 +495,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure P2P at these replica counts, e.g. 4,8,16")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="tcp")
-    parser.add_argument("--summary-interval-seconds", type=float, default=0.05,
-                        help="sidecars' key-summary pull interval (default 0.05)")
+    parser.add_argument("--publish-interval-seconds", type=float, default=0.05,
+                        help="sidecars' directory publish interval (default 0.05)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -476,7 +510,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ReplaySettings(
         trace=args.trace, replicas=args.replicas, capacity_chunks=args.capacity_chunks,
         chunk_bytes=args.chunk_bytes, routing=args.routing, limit=args.limit,
-        transport=args.transport, summary_interval_seconds=args.summary_interval_seconds,
+        transport=args.transport, publish_interval_seconds=args.publish_interval_seconds,
         seed=args.seed, generate=args.generate, sessions=args.sessions, turns=args.turns)
     if settings.transport == "ucx":
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")

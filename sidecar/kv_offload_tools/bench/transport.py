@@ -36,8 +36,7 @@ from kv_offload_tools.bench.transport_methods import (
     LOOKUP_METHODS,
     METHODS,
     PLAIN_TWIN,
-    TCP_METHODS,
-    UCX_TLS,
+    RAW_ALONGSIDE,
     parse_ucx_env,
     worker_argv,
 )
@@ -49,8 +48,13 @@ from kv_offload_tools.bench.transport_report import (
     table,
     targets,
     tls_overhead,
+    verification_cost,
 )
 
+# Methods whose processes are also measured idle (connected, nothing moving).
+IDLE_METHODS = ("nixl",)
+# Seconds of that idle measurement.
+IDLE_SECONDS = 3.0
 # Chunk sizes measured by default (bytes).
 DEFAULT_CHUNK_BYTES = (262144, 2097152, 16777216)
 
@@ -199,6 +203,7 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
     twin_ratios: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (GB/s, CPU s/GB) vs the twin
     identical: dict[tuple[str, int], bool] = {}
     lookup: dict[str, Any] = {}
+    idle: dict[str, Any] = {}
     ucx_settings: dict[str, dict[str, str]] = {}  # UCX environment each UCX client ran with
     for size in sizes:
         chunks = max(2, args.set_bytes // size)
@@ -212,7 +217,7 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
             addresses = {m: w.read()["address"] for m, w in servers.items()}
             for m in methods:
                 address = addresses.get(m, "")
-                if m in TCP_METHODS or m in UCX_TLS:  # lookups alternate with raw round trips
+                if m in RAW_ALONGSIDE:  # lookups alternate with raw round trips
                     address += "|" + addresses["raw_tcp"]
                 clients[m] = _spawn("client", m, size, chunks, args, session_key, address, tls_dir)
             for m, w in clients.items():
@@ -232,7 +237,7 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
                     gbps.setdefault((m, size), []).append(out["gbps"])
                     cpu.setdefault((m, size), []).append(round_cpu[m])
                     identical[(m, size)] = identical.get((m, size), True) and out["identical"]
-                    _progress(f"round {r + 1}/{args.rounds} {fmt_size(size):>7} {m:<12} "
+                    _progress(f"round {r + 1}/{args.rounds} {fmt_size(size):>7} {m:<15} "
                               f"{out['gbps']:6.2f} GB/s {round_cpu[m]:5.2f} CPU s/GB"
                               f"{'' if out['identical'] else '  BYTES DIFFER'}")
                 for m in methods:
@@ -243,6 +248,7 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
                             (round_gbps[m] / round_gbps[twin], round_cpu[m] / round_cpu[twin]))
             if size == sizes[0]:
                 lookup = _measure_lookups(args, clients, methods)
+                idle = _measure_idle(servers, clients, [m for m in IDLE_METHODS if m in methods])
         finally:
             for w in [*clients.values(), *servers.values()]:
                 w.stop()
@@ -264,13 +270,35 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
                            ratio_to_twin=statistics.median(p[0] for p in pairs),
                            cpu_ratio_to_twin=statistics.median(p[1] for p in pairs))
             results.append(row)
-    report = {"results": results, "lookup": lookup, "ucx_settings": ucx_settings,
+    report = {"results": results, "lookup": lookup, "ucx_settings": ucx_settings, "idle": idle,
               "rounds": args.rounds,
               "seconds_per_measurement": args.seconds, "cpus": os.cpu_count()}
     report["targets"] = targets(report)
     report["ceilings"] = ceilings(report)
     report["tls"] = tls_overhead(report)
+    report["verification"] = verification_cost(report)
     return report
+
+
+def _measure_idle(servers: dict[str, _Worker], clients: dict[str, _Worker], methods: list[str]) -> dict[str, Any]:
+    """Share of a core each process of ``methods`` uses over ``IDLE_SECONDS`` while its peer is
+    connected and nothing moves (the holder's progress calls, the lanes' waits)."""
+    import time
+
+    out: dict[str, Any] = {}
+    for m in methods:
+        workers = {"holder": servers[m], "fetcher": clients[m]}
+        before = {role: w.ask({"cmd": "cpu"})["cpu_seconds"] for role, w in workers.items()}
+        t0 = time.monotonic()
+        time.sleep(IDLE_SECONDS)
+        elapsed = time.monotonic() - t0
+        shares = {role: (w.ask({"cmd": "cpu"})["cpu_seconds"] - before[role]) / elapsed
+                  for role, w in workers.items()}
+        out[m] = {"seconds": elapsed, "holder_core_share": shares["holder"],
+                  "fetcher_core_share": shares["fetcher"]}
+        _progress(f"idle {m}: holder {100 * shares['holder']:.2f}% of a core, "
+                  f"fetcher {100 * shares['fetcher']:.2f}% over {elapsed:.1f} s")
+    return out
 
 
 def _measure_lookups(args: argparse.Namespace, clients: dict[str, _Worker],

@@ -23,6 +23,7 @@ CPU-seconds its process has used (all threads). The methods:
   chunks can reach here; the gap to ``ucx_sm_2lanes`` is the transport's overhead.
 - ``ucx_sm_tagsend``: bare ucxx, one lane, nothing verified: plain UCX tag send/recv over CMA.
 - ``aiohttp_get``: the naive baseline, one HTTP GET per chunk, copied into a slot, verified.
+- ``nixl``, ``nixl_unverified``, ``nixl_bare``: one-sided NIXL READs (``nixl_methods.py``).
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kv_offload_tools.bench.nixl_methods import NIXL_METHODS
+
 # Methods measured, in the order of the table.
 METHODS = ("raw_tcp", "memcpy", "tcp", "tcp+tls", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
-           "ucx_tcp", "aiohttp_get")
+           "ucx_tcp", "aiohttp_get", *NIXL_METHODS)
 # Keys per lookup request.
 LOOKUP_KEYS = 32
 # Session of the benchmark's data connections.
@@ -54,11 +57,13 @@ UCX_BARE = {"ucx_sm_limit": (2, True), "ucx_sm_tagsend": (1, False)}
 # UCX lanes of each UCX method's client (see data.ucx.runtime.configure_ucx_env).
 UCX_LANES = {"ucx_sm_2lanes": 2}
 # Methods whose clients also time peer lookups.
-LOOKUP_METHODS = ("tcp", "tcp+tls", "ucx_sm", "ucx_tcp")
+LOOKUP_METHODS = ("tcp", "tcp+tls", "ucx_sm", "ucx_tcp", "nixl")
 # The sidecar's TCP transport, plain and under TLS.
 TCP_METHODS = ("tcp", "tcp+tls")
 # Rows measured against another row of the same round besides raw TCP: method -> its plain twin.
-PLAIN_TWIN = {"tcp+tls": "tcp"}
+PLAIN_TWIN = {"tcp+tls": "tcp", "nixl": "nixl_unverified"}
+# Methods whose client is handed the raw TCP server's address too (``|``-separated).
+RAW_ALONGSIDE = (*TCP_METHODS, *UCX_TLS, "nixl", "nixl_unverified")
 
 
 def parse_ucx_env(text: str) -> dict[str, str]:
@@ -124,6 +129,10 @@ def _worker_main(args: argparse.Namespace) -> int:
         configure_ucx_env(tls, net_devices="lo" if tls.startswith("tcp") else None,
                           lanes=UCX_LANES.get(method, 1))
         os.environ.update(parse_ucx_env(args.ucx_env))
+    if method in NIXL_METHODS:
+        from kv_offload_tools.bench.nixl_methods import prepare_worker
+
+        prepare_worker(method)
     size = args.chunk_bytes
     chunks = args.set_bytes // size
     try:
@@ -132,8 +141,8 @@ def _worker_main(args: argparse.Namespace) -> int:
                 _raw_server(size, chunks)
             elif method == "aiohttp_get":
                 asyncio.run(_aiohttp_server(args, size, chunks))
-            elif method in UCX_BARE:
-                _ucx_limit_server(args, size, chunks)
+            elif method in UCX_BARE or method == "nixl_bare":
+                _bare_server(args, size, chunks)
             else:
                 asyncio.run(_transport_server(args, size, chunks))
         else:
@@ -227,8 +236,12 @@ def _raw_server(size: int, n: int) -> None:
         pass
 
 
-def _ucx_limit_server(args: argparse.Namespace, size: int, n: int) -> None:
-    from kv_offload_tools.bench.ucx_limit import run_server
+def _bare_server(args: argparse.Namespace, size: int, n: int) -> None:
+    """The holder of a bare method (ucx_limit.py or nixl_methods.py): the store's chunks, pinned."""
+    if args.method == "nixl_bare":
+        from kv_offload_tools.bench.nixl_methods import run_bare_server as run_server
+    else:
+        from kv_offload_tools.bench.ucx_limit import run_server
 
     store = _source_store(args, size, n)
     pins = [store.pin(_key(i)) for i in range(2 * n)]
@@ -244,7 +257,7 @@ async def _transport_server(args: argparse.Namespace, size: int, n: int) -> None
 
     store = _source_store(args, size, n)
     key = bytes.fromhex(args.session_key)
-    kind = "ucx" if args.method in UCX_TLS else "tcp"
+    kind = "ucx" if args.method in UCX_TLS else "nixl" if args.method in NIXL_METHODS else "tcp"
     server = make_server(kind, store, {SESSION_ID: key}.get, None, chunk_bytes=size,
                          ssl=_tls_context(args, "server"))
     _emit({"address": await server.start()})
@@ -327,6 +340,10 @@ async def _make_fetcher(method: str, args: argparse.Namespace, size: int, n: int
 
         lanes, verify = UCX_BARE[method]
         return UcxLimitFetcher(args, size, n, expected, lanes=lanes, verify=verify)
+    if method == "nixl_bare":
+        from kv_offload_tools.bench.nixl_methods import NixlBareFetcher
+
+        return NixlBareFetcher(args, size, n)
     if method == "memcpy":
         return _MemcpyFetcher(size, n)
     if method == "aiohttp_get":

@@ -62,7 +62,7 @@ def run_vllm_demo(pods: int, trace_ids: Sequence[Sequence[int]], *, intruder: bo
         tpc = dep.config.tokens_per_chunk
         prompts = [trace_tokens(ids, tpc, vocab_size=VOCAB)[:MAX_PROMPT_TOKENS] for ids in trace_ids]
         with LocalPool(pods, config=dep.config, capacity_bytes=256 << 20,
-                       summary_interval_seconds=0.1) as pool:
+                       publish_interval_seconds=0.1) as pool:
             if intruder:
                 pool.add(SidecarOverride(hash_seed="4242"), wait_connected=False)
                 say("[demo] added an intruder sidecar with another hash seed; the pods must "
@@ -96,19 +96,19 @@ def _start(dep: VllmDeployment, pool: LocalPool, pods: int,
 
 
 def settle(pool: LocalPool, pods: int, timeout: float = 5.0) -> bool:
-    """Wait until every pod's stored chunks are in its sidecar and known to the other pods.
+    """Wait until every pod's stored chunks are in its sidecar and in the pool's directory.
 
-    vLLM cascades offloaded chunks to the tier right after a request and peers
-    learn of them from periodic summaries; waiting between batches makes the
-    demo's numbers the same from run to run. False if it timed out.
+    vLLM cascades offloaded chunks to the tier right after a request and the
+    sidecars publish them to the directory periodically; waiting between batches
+    makes the demo's numbers the same from run to run. False if it timed out.
     """
     end = time.monotonic() + timeout
     previous = None
     while time.monotonic() < end:
-        chunks = {pool[i].identity: int(pool[i].status()["store"]["chunks"]) for i in range(pods)}
-        known = all(
-            view.get("summary_keys", 0) >= chunks[view["identity"]]
-            for j in range(pods) for view in pool[j].peers() if view.get("identity") in chunks)
+        views = [pool[i].status() for i in range(pods)]
+        chunks = {v["identity"]: int(v["store"]["chunks"]) for v in views}
+        known = all(v["location"]["pending"] == 0 and v["location"]["members"] == pods for v in views) \
+            and sum(v["location"]["entries"] for v in views) >= sum(chunks.values())
         if known and chunks == previous:
             return True
         previous = chunks

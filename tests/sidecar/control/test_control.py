@@ -1,4 +1,4 @@
-"""The control app in process (aiohttp_client): handshake, summaries, strict bodies, views."""
+"""The control app in process (aiohttp_client): handshake, directory messages, strict bodies, views."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from aiohttp import web
 from kv_offload_sidecar.control.app import create_app
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.handshake import HandshakeInitiator, make_hello
-from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER, summary_auth
+from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
+from kv_offload_sidecar.peers.location_wire import PublishBatch, key_digest, location_auth
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
@@ -68,26 +69,73 @@ async def test_health_readiness_and_metrics_are_served(sidecar_client):
     assert "kv_offload_store_capacity_bytes" in text
 
 
-async def test_accepted_handshake_opens_summary_pulls(sidecar_client):
+async def location_post(client, session, op: str, body: dict, *, auth: str | None = None,
+                        sid: str | None = None):
+    raw = json.dumps(body).encode()
+    headers = {SESSION_HEADER: sid if sid is not None else session.session_id.hex(),
+               AUTH_HEADER: auth if auth is not None else location_auth(session.session_key, op, raw),
+               "Content-Type": "application/json"}
+    return await client.post(f"/v1/{op}", data=raw, headers=headers)
+
+
+def publish(seq: int, digests: list[int], *, reset: bool = False, epoch: str = "ab") -> dict:
+    return PublishBatch(epoch, seq, reset, False, tuple((d, d & 0xFFFFFFFF) for d in digests), ()).to_dict()
+
+
+async def test_accepted_handshake_opens_the_directory_to_the_peer(sidecar_client):
     resp, _, session = await handshake(sidecar_client)
     assert resp.status == 200
     assert await metric(sidecar_client, "kv_offload_handshakes_total", result="accepted") == 1
-    headers = {SESSION_HEADER: session.session_id.hex(), AUTH_HEADER: summary_auth(session.session_key, "", 0)}
-    resp = await sidecar_client.get("/v1/summary", params={"since": "0", "epoch": ""}, headers=headers)
-    assert resp.status == 200
-    body = await resp.json()
-    assert body["reset"] is True and body["added"] == ""
+    d = key_digest(b"chunk-a")
+    resp = await location_post(sidecar_client, session, "publish", publish(1, [d], reset=True))
+    assert resp.status == 200 and await resp.json() == {"resync": False}
+    # The holder is the session's peer (its hello), whatever the body says.
+    assert sidecar_client.sidecar.location.directory.holders_of(d) == ["peer-x"]
+    resp = await location_post(sidecar_client, session, "locate", {"digests": publish(1, [d])["removes"]})
+    assert resp.status == 400  # an empty digest list names no key
+    from kv_offload_sidecar.peers.location_wire import LocateQuery
+    resp = await location_post(sidecar_client, session, "locate", LocateQuery((d,)).to_dict())
+    assert resp.status == 200 and await resp.json() == {"holders": []}  # the asker is not named to itself
     assert sidecar_client.sidecar.authorize(session.session_id) == session.session_key
 
 
-async def test_summary_without_valid_session_is_401(sidecar_client):
+async def test_a_publish_that_skips_a_message_asks_for_the_full_share(sidecar_client):
     _, _, session = await handshake(sidecar_client)
-    for headers in ({}, {SESSION_HEADER: session.session_id.hex(), AUTH_HEADER: "00" * 32},
-                    {SESSION_HEADER: "zz", AUTH_HEADER: "x"}):
-        resp = await sidecar_client.get("/v1/summary", params={"since": "0", "epoch": ""}, headers=headers)
-        assert resp.status == 401
-        assert "handshake first" in (await resp.json())["error"]
-    assert await metric(sidecar_client, "kv_offload_protocol_errors_total", reason="unauthenticated") == 3
+    d1, d2 = key_digest(b"one"), key_digest(b"two")
+    assert await (await location_post(sidecar_client, session, "publish", publish(1, [d1], reset=True))).json() \
+        == {"resync": False}
+    resp = await location_post(sidecar_client, session, "publish", publish(3, [d2]))  # seq 2 was lost
+    assert await resp.json() == {"resync": True}
+    assert sidecar_client.sidecar.location.directory.holders_of(d2) == []
+    resp = await location_post(sidecar_client, session, "publish", publish(4, [d2], reset=True))
+    assert await resp.json() == {"resync": False}
+    directory = sidecar_client.sidecar.location.directory
+    assert directory.holders_of(d1) == [] and directory.holders_of(d2) == ["peer-x"]
+
+
+async def test_directory_messages_without_a_valid_session_or_hmac_are_401(sidecar_client):
+    _, _, session = await handshake(sidecar_client)
+    body = publish(1, [key_digest(b"x")], reset=True)
+    for op in ("publish", "locate"):
+        for kw in ({"sid": ""}, {"sid": "zz"}, {"sid": "00" * 16}, {"auth": "00" * 32},
+                   {"auth": location_auth(session.session_key, "other", json.dumps(body).encode())}):
+            resp = await location_post(sidecar_client, session, op, body, **kw)
+            assert resp.status == 401
+            assert "handshake first" in (await resp.json())["error"]
+    assert await metric(sidecar_client, "kv_offload_protocol_errors_total", reason="unauthenticated") == 10
+    assert len(sidecar_client.sidecar.location.directory) == 0
+
+
+@pytest.mark.parametrize("body, phrase", [
+    ({"epoch": "ab", "seq": 0, "reset": True, "adds": "", "removes": ""}, "seq"),
+    ({"epoch": "XY", "seq": 1, "reset": True, "adds": "", "removes": ""}, "epoch"),
+    ({"epoch": "ab", "seq": 1, "reset": True, "adds": "AAA=", "removes": ""}, "multiple of 12"),
+    ([1, 2], "JSON object"),
+])
+async def test_malformed_publish_is_400_naming_the_problem(sidecar_client, body, phrase):
+    _, _, session = await handshake(sidecar_client)
+    resp = await location_post(sidecar_client, session, "publish", body)
+    assert resp.status == 400 and phrase in (await resp.json())["error"]
 
 
 @pytest.mark.parametrize("changes, reason, field", [
@@ -232,14 +280,13 @@ async def test_a_configured_admin_token_opens_the_admin_endpoints(aiohttp_client
         await client.close()
 
 
-async def test_summary_replies_ask_for_a_rekey_when_the_session_key_is_not_current(sidecar_client):
+async def test_directory_replies_ask_for_a_rekey_when_the_session_key_is_not_current(sidecar_client):
     from kv_offload_sidecar.peers.pool_keys import PoolKeys
     from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 
     _, _, session = await handshake(sidecar_client, key=PoolKeys(b"next-pool-key", POOL_KEY))
-    headers = {SESSION_HEADER: session.session_id.hex(), AUTH_HEADER: summary_auth(session.session_key, "", 0)}
-    resp = await sidecar_client.get("/v1/summary", params={"since": "0", "epoch": ""}, headers=headers)
+    resp = await location_post(sidecar_client, session, "publish", publish(1, [], reset=True))
     assert resp.status == 200 and REKEY_HEADER not in resp.headers
     sidecar_client.sidecar.keys._set(b"next-pool-key", POOL_KEY, b"")  # the Secret rotated here first
-    resp = await sidecar_client.get("/v1/summary", params={"since": "0", "epoch": ""}, headers=headers)
+    resp = await location_post(sidecar_client, session, "publish", publish(2, []))
     assert resp.status == 200 and resp.headers[REKEY_HEADER] == "1"

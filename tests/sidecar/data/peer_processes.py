@@ -30,8 +30,12 @@ class PeerProcess:
 
     def metrics(self) -> dict[str, Any]:
         """The server's protocol-error and bytes-sent counters."""
+        return self.ask("metrics")
+
+    def ask(self, command: str) -> dict[str, Any]:
+        """Send one stdin command (``metrics``, ``nixl``, ``end_sessions``); its JSON answer."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("metrics\n")
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 

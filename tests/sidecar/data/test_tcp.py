@@ -347,5 +347,6 @@ async def test_in_process_server_serves_what_a_store_holds(make_store: Callable[
 def test_unknown_transport_and_address_are_named() -> None:
     with pytest.raises(ValueError, match="unknown transport 'rdma'"):
         make_server("rdma", None, lambda s: None, None, chunk_bytes=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="not tcp://host:port, tls://host:port or ucx://"):
+    with pytest.raises(ValueError, match="not tcp://host:port, tls://host:port, ucx://<worker address> "
+                                         "or nixl://host:port"):
         asyncio.run(connect("http://x:1", SESSION_ID, SESSION_KEY, timeout=1))

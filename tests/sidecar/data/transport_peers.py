@@ -77,8 +77,10 @@ async def serve(args: argparse.Namespace) -> None:
             store.slot_view(pin.slot)[:8] = b"CORRUPT!"
             pin.release()
 
+    sessions = {SESSION_ID: SESSION_KEY}
+
     def authorize(session_id: bytes) -> bytes | None:
-        return SESSION_KEY if session_id == SESSION_ID else None
+        return sessions.get(session_id)
 
     context = None
     if args.tls_cert_file:
@@ -96,6 +98,14 @@ async def serve(args: argparse.Namespace) -> None:
             cmd = line.strip()
             if cmd == "metrics":
                 print(json.dumps(_metrics_snapshot(metrics)), flush=True)
+            elif cmd == "end_sessions":  # every session ends (e.g. its pool key was retired)
+                sessions.clear()
+                print(json.dumps({"sessions": 0}), flush=True)
+            elif cmd == "nixl":
+                from kv_offload_sidecar.data.nixl.exports import exported_views, live_views
+
+                print(json.dumps({"live_views": live_views(), "exported_views": exported_views(),
+                                  "leased": server.leased, "pinned": store.stats()["pinned"]}), flush=True)
             elif cmd in ("quit", ""):
                 break
     finally:

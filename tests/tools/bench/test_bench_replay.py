@@ -40,6 +40,10 @@ def test_replay_json_reports_consistent_hit_ratios_from_real_sidecars(tmp_path):
     assert report["lookup_messages_per_request"] > 0
     # Every request that loaded from a peer sent at least its fetch message.
     assert 1.0 <= report["lookup_messages_per_peer_hit_request"]
+    # One exchange with one holder per peer-hit request (a few more when a named holder had
+    # lost the chunk), and at most one question to a directory owner per request.
+    assert 1.0 <= report["holder_exchanges_per_peer_hit_request"] < 1.5
+    assert 0 < report["owner_queries_per_request"] <= 1.0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[replay p2p x3] 150/150 requests" in out.stderr
 

@@ -42,12 +42,22 @@ def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, s
     lookup = report["lookup"]
     assert lookup["p50_us"] > 0 and lookup["p99_us"] >= lookup["p50_us"]
     assert lookup["ratio_to_raw_rtt"] > 0 and lookup["keys"] == 32
-    assert set(lookup["by_transport"]) == {"tcp", "tcp+tls", "ucx_sm", "ucx_tcp"}
+    assert set(lookup["by_transport"]) == {"tcp", "tcp+tls", "ucx_sm", "ucx_tcp", "nixl"}
     assert all("met" in t for t in report["targets"])
     (ceiling,) = report["ceilings"]
     assert ceiling["chunk_bytes"] == 65536
-    assert set(ceiling["ratios"]) == {"memcpy", "ucx_sm_limit", "ucx_sm_tagsend"}
+    assert set(ceiling["ratios"]) == {"memcpy", "ucx_sm_limit", "ucx_sm_tagsend", "nixl_bare"}
     assert ceiling["ratios"]["memcpy"] == results["memcpy"]["ratio_to_raw_tcp"]
+    # the NIXL path: verified against unverified in the same rounds, idle share, its targets
+    nixl = results["nixl"]
+    assert nixl["compared_to"] == "nixl_unverified" and nixl["ratio_to_twin"] > 0
+    (verify,) = report["verification"]
+    assert verify["method"] == "nixl" and verify["throughput_ratio"] == nixl["ratio_to_twin"]
+    assert verify["extra_cpu_seconds_per_gb"] == (nixl["cpu_seconds_per_gb"]
+                                                  - results["nixl_unverified"]["cpu_seconds_per_gb"])
+    idle = report["idle"]["nixl"]
+    assert idle["seconds"] > 0 and 0 <= idle["holder_core_share"] and 0 <= idle["fetcher_core_share"]
+    assert "idle nixl sidecar process < 2% of a core" in [t["target"] for t in report["targets"]]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[bench transport]" in done.stderr  # progress while running
 
@@ -99,3 +109,21 @@ def test_bad_ucx_env_item_is_one_line_and_exit_2() -> None:
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--ucx-env" in lines[0] and "'RNDV_SCHEME=get_zcopy'" in lines[0]
+
+
+def test_nixl_targets_compare_with_memcpy_and_raw_tcp_of_the_same_run() -> None:
+    from kv_offload_tools.bench.transport_report import targets
+
+    def row(method: str, ratio: float, cpu: float) -> dict:
+        return {"method": method, "chunk_bytes": 2097152, "ratio_to_raw_tcp": ratio, "cpu_seconds_per_gb": cpu}
+
+    report = {"results": [row("raw_tcp", 1.0, 0.6), row("memcpy", 4.0, 0.2), row("nixl", 2.6, 0.25),
+                          row("nixl_unverified", 3.0, 0.19)],
+              "idle": {"nixl": {"seconds": 3.0, "holder_core_share": 0.004, "fetcher_core_share": 0.03}}}
+    got = {t["target"]: (round(t["ratio"], 4), t["met"]) for t in targets(report)}
+    assert got == {
+        "NIXL peer fetch, verified >= 0.6x memcpy at 2 MiB": (0.65, True),
+        "NIXL peer fetch, unverified >= 0.8x memcpy at 2 MiB": (0.75, False),
+        "NIXL peer fetch CPU-seconds per GB <= 1/3 of raw TCP's at 2 MiB": (0.4167, False),
+        "idle nixl sidecar process < 2% of a core": (0.03, False),  # the busier of the two processes
+    }

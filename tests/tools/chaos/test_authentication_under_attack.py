@@ -99,7 +99,7 @@ def test_sidecar_of_another_pool_gets_no_chunk_and_stores_none(chaos_pool: Local
         while _rejections(chaos_pool, "victim", "bad_proof") < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _rejections(chaos_pool, "victim", "bad_proof") >= 1
-        time.sleep(0.5)  # several summary intervals: nothing may leak meanwhile
+        time.sleep(0.5)  # several publish intervals: nothing may leak meanwhile
         # Each side asks for the other's chunks: misses, nothing fetched, nothing stored.
         assert e_in.lookup(keys).hits == 0
         assert load_and_verify(e_in, keys, CHUNK) == (0, 0)
@@ -147,9 +147,10 @@ def test_skipping_the_handshake_gets_an_error_and_no_chunk(chaos_pool: LocalPool
         conn.send(proto.encode_lookup(7, keys))
         frames = conn.read_until_closed()
     assert _no_chunk_frames(frames), frames
-    # Summaries are also closed to strangers.
-    status, body = chaos_pool["victim"].get("/v1/summary?since=0&epoch=")
-    assert status == 401 and "handshake" in body["error"]
+    # The directory is also closed to strangers.
+    for path in ("/v1/publish", "/v1/locate"):
+        status, body = chaos_pool["victim"].post(path, {"digests": "AAAAAAAAAAA="})
+        assert status == 401 and "handshake" in body["error"]
     after = chaos_pool["victim"].metric("kv_offload_protocol_errors_total", reason="unauthenticated")
     assert after >= before + 3
     assert chaos_pool["victim"].status()["store"]["chunks"] == 4

@@ -99,7 +99,8 @@ class TcpPeerDataClient(PeerDataClient):
                     else:
                         stream = await open_tls(sock, ssl, server_side=False, server_hostname=host,
                                                 timeout=deadline - loop.time())
-                    await cls._authenticate(stream, session_id, session_key, address)
+                    nonce = await cls._authenticate(stream, session_id, session_key, address)
+                    extra = await cls._after_auth(stream, session_key, nonce, metrics)
                 except BaseException:
                     if stream is not None:
                         stream.abort()
@@ -117,11 +118,26 @@ class TcpPeerDataClient(PeerDataClient):
         except (OSError, proto.ProtocolError) as exc:
             raise TransportError(f"connecting to {address} failed: {exc}") from exc
         client = cls(stream, metrics, window)
+        client._opened(extra)
         client._reader = asyncio.create_task(client._read_loop(), name="tcp-data-reader")
         return client
 
+    @classmethod
+    async def _after_auth(cls, stream: DataStream, session_key: bytes, nonce: bytes,
+                          metrics: SidecarMetrics | None) -> object:
+        """More of the opening after AUTH_OK (a transport built on this client, data.nixl,
+        reads the holder's metadata here); its result goes to ``_opened``."""
+        return None
+
+    def _opened(self, extra: object) -> None:
+        """The client exists; ``extra`` is what ``_after_auth`` returned."""
+
+    def _on_frame(self, header: proto.Header, payload: bytearray) -> bool:
+        """A server frame plain TCP does not know; True when a subclass handled it."""
+        return False
+
     @staticmethod
-    async def _authenticate(stream: DataStream, session_id: bytes, session_key: bytes, address: str) -> None:
+    async def _authenticate(stream: DataStream, session_id: bytes, session_key: bytes, address: str) -> bytes:
         header_buf = bytearray(proto.HEADER_BYTES)
         try:
             header, payload = await read_frame(stream, header_buf)
@@ -143,6 +159,7 @@ class TcpPeerDataClient(PeerDataClient):
         if header.type is not proto.MessageType.AUTH_OK or payload is None:
             raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
         proto.decode_auth_ok(payload)
+        return nonce
 
     def _rids(self, n: int) -> int:
         first = self._next_rid
@@ -203,12 +220,16 @@ class TcpPeerDataClient(PeerDataClient):
         data = sock.recv(n)  # the n bytes peeked above; nobody else reads meanwhile
         return proto.decode_lookup_reply(data[proto.HEADER_BYTES:], asked)
 
-    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,  # type: ignore[override]
+                    count: asyncio.Future[int] | None = None, first: int = 1) -> int:
         """Receive chunks straight into ``store`` slots; leading keys now visible."""
         self._check_open()
         return await run_fetch(keys, store, timeout, window=self._window,
                                send_requests=self._request_chunks, fail=self._fail,
-                               metrics=self._metrics)
+                               metrics=self._metrics, count=count, first=first)
+
+    # This fetch takes count= and first= (the LOOKUP answer fetch_counted sent just before).
+    fetch.takes_count = True  # type: ignore[attr-defined]
 
     async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
         self._check_open()
@@ -271,7 +292,7 @@ class TcpPeerDataClient(PeerDataClient):
                     p.reservation.abort()
                     if not p.done.done():
                         p.done.set_result(False)
-                else:
+                elif not self._on_frame(header, payload):
                     _raise_if_error(header, payload)
                     raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
         except asyncio.CancelledError:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import (
@@ -72,6 +72,8 @@ class _ConnState:
         self.last = time.monotonic()
         # Set by stop(): the connection ends with a goodbye (CLOSE, SHUT_WR, drain).
         self.closing = False
+        # What a subclass keeps per connection (``_on_authenticated``); None for plain TCP.
+        self.extra: Any = None
 
     def idle(self, now: float) -> bool:
         return self.queue.empty() and not self.busy[0] and now - self.last >= IDLE_CLOSE_SECONDS
@@ -217,8 +219,10 @@ class TcpDataPlaneServer(DataPlaneServer):
                     raise proto.ProtocolError(
                         "unauthenticated", f"{header.type.name} before authentication; "
                         "answer the nonce with AUTH_RESPONSE first")
-                check_auth(self._authorize, nonce, proto.decode_auth_response(payload))
+                answer = proto.decode_auth_response(payload)
+                check_auth(self._authorize, nonce, answer)
                 await stream.send(proto.encode_auth_ok())
+                state.extra = await self._on_authenticated(stream, answer.session_id, nonce)
             busy = state.busy
             writer = asyncio.create_task(self._write_loop(stream, id(conn), queue, busy),
                                          name="tcp-data-writer")
@@ -238,7 +242,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                     await queue.put((header.request_id, proto.decode_keys(payload)))
                 elif mtype is proto.MessageType.CLOSE:
                     break
-                else:
+                elif payload is None or not await self._on_frame(state, header, payload):
                     raise proto.ProtocolError("malformed", f"a client may not send {mtype.name}")
                 if writer.done():
                     break
@@ -271,6 +275,22 @@ class TcpDataPlaneServer(DataPlaneServer):
                 with contextlib.suppress(BaseException):
                     await stream.goodbye(send_close=not half_sent, seconds=GOODBYE_DRAIN_SECONDS)
             stream.close()
+            if state.extra is not None:
+                await self._on_closed(state)
+
+    # ---- what a transport built on this server (data.nixl) adds -------------------------
+
+    async def _on_authenticated(self, stream: DataStream, session_id: bytes, nonce: bytes) -> Any:
+        """The connection proved ``session_id`` (AUTH_OK is sent); returns what the subclass
+        keeps per connection in ``_ConnState.extra`` (None: nothing)."""
+        return None
+
+    async def _on_frame(self, state: _ConnState, header: proto.Header, payload: bytearray) -> bool:
+        """A client frame plain TCP does not know; True when the subclass handled it."""
+        return False
+
+    async def _on_closed(self, state: _ConnState) -> None:
+        """The connection of ``state`` (whose ``extra`` is set) ended; must not raise."""
 
     async def _write_loop(self, stream: DataStream, conn_id: int, queue: asyncio.Queue,
                           busy: list[bool]) -> None:
@@ -282,7 +302,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                     if isinstance(item, list):
                         await stream.send(item)
                     else:
-                        await self._send_chunks(stream, *item)
+                        await self._send_chunks(stream, *item, self._states.get(conn_id))
                 finally:
                     busy[0] = False
                     queue.task_done()
@@ -296,7 +316,8 @@ class TcpDataPlaneServer(DataPlaneServer):
                 queue.get_nowait()
                 queue.task_done()
 
-    async def _send_chunks(self, stream: DataStream, request_id: int, keys: list[bytes]) -> None:
+    async def _send_chunks(self, stream: DataStream, request_id: int, keys: list[bytes],
+                           state: _ConnState | None = None) -> None:
         """Answer a FETCH: CHUNK (header, prefix, pinned slot view) or CHUNK_MISSING per key,
         up to ``SEND_GROUP`` chunks per ``sendmsg`` so the kernel sees one long gather list."""
         for start in range(0, len(keys), SEND_GROUP):

@@ -3,7 +3,8 @@
 A ``ChaosBench`` runs one ``hub`` sidecar (its engine loads and verifies
 chunks and keeps a durable set of its own chunks that must never be lost),
 several ``server`` sidecars (their engines store the chunks the hub loads;
-they are the ones killed, stopped, cut off and restarted; each dials the hub)
+they are the ones killed, stopped, cut off and restarted; each dials the hub
+and the other servers, so hub and servers share one chunk directory)
 and one ``flood`` sidecar for the write-budget scenario, all real
 ``kv-offload sidecar`` processes of one LocalPool. Every chunk's bytes are
 ``chunk_content(key)``, so every delivered chunk is compared byte for byte.
@@ -133,8 +134,8 @@ class ChaosBench:
     def start(self) -> None:
         self.progress(f"starting {len(self.server_names) + 2} sidecars")
         self.pool.add(identity="hub", peers=[])
-        for name in self.server_names:
-            self.pool.add(identity=name, peers=["hub"])
+        for i, name in enumerate(self.server_names):
+            self.pool.add(identity=name, peers=["hub", *self.server_names[:i]])
         self.pool.add(identity="flood", peers=[], capacity_bytes=self.s.flood_capacity_bytes)
         self.engines["hub"] = self.pool["hub"].client()
         self.durable = chunk_keys("hub-durable", self.s.durable_chunks)
@@ -174,20 +175,20 @@ class ChaosBench:
         return engine
 
     def stage_on(self, name: str, result: FaultResult) -> list[bytes] | None:
-        """Store fresh chunks on server ``name`` and wait until the hub's summaries show them.
+        """Store fresh chunks on server ``name`` and wait until the directory shows them to the hub.
 
-        None (noted in ``result``) when the summary does not arrive in 5 s.
+        None (noted in ``result``) when they are not found in 5 s.
         """
         keys = self.fresh_keys()
         self.put_on(name, keys)
         if not self.wait_visible(keys, 5.0):
-            result.notes.append(f"{name}: summary not seen in 5 s; skipped")
+            result.notes.append(f"{name}: chunks not in the directory in 5 s; skipped")
             return None
         return keys
 
     def staged_rounds(self, rounds: int, result: FaultResult) -> Iterator[tuple[int, str, list[bytes]]]:
         """(round, server, keys) per round: the servers in turn, each holding fresh chunks the
-        hub's summaries show (a round whose summary does not arrive is skipped, noted)."""
+        directory shows the hub (a round whose chunks are not found is skipped, noted)."""
         for r in range(rounds):
             name = self.server_names[r % len(self.server_names)]
             keys = self.stage_on(name, result)
@@ -205,13 +206,14 @@ class ChaosBench:
             raise RuntimeError(f"{name} stored {n} of {len(keys)} chunks")
 
     def wait_visible(self, keys: list[bytes], timeout: float) -> bool:
-        """Until the hub's summaries say a peer holds all ``keys``."""
+        """Until the pool's directory tells the hub a peer holds all ``keys`` (asked with the
+        admin lookup, which moves nothing: the loads after it still fetch)."""
         end = time.monotonic() + timeout
-        hub = self.engines["hub"]
+        hub = self.pool["hub"]
         while time.monotonic() < end:
-            reply = hub.lookup(keys, timeout=self.s.fetch_deadline_seconds)
-            if reply.hits >= len(keys):
-                return True
+            with contextlib.suppress(OSError, RuntimeError):
+                if hub.hits(keys, timeout=self.s.fetch_deadline_seconds + 2.0) >= len(keys):
+                    return True
             time.sleep(0.05)
         return False
 
@@ -267,8 +269,10 @@ class ChaosBench:
         self._engine_starts[name] = -1
 
     def restart(self, name: str) -> None:
-        """SIGKILL server ``name`` (stopped or not) and start it again under its name."""
+        """SIGKILL server ``name`` (stopped or not) and start it again under its name; it dials
+        the hub and every other server (as a restarted pod dials the pool it resolves)."""
         sc = self.pool[name]
         sc.send(signal.SIGCONT)
         sc.kill()
+        self.pool.set_peers(name, ["hub", *(n for n in self.server_names if n != name)])
         sc.start()

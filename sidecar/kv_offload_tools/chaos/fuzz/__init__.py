@@ -5,9 +5,11 @@ function that sends one case to the live sidecar and judges the answer):
 
 - ``control_targets``: ``handshake`` (``POST /v1/handshake`` bodies: mutated
   hellos with fields dropped, retyped, oversized, other fingerprints, seeds or
-  sizes; proof steps; arbitrary JSON and bytes), ``summary`` (``GET
-  /v1/summary`` with arbitrary query and session headers) and ``lookup``
+  sizes; proof steps; arbitrary JSON and bytes) and ``lookup``
   (``POST /v1/lookup`` bodies);
+- ``directory_targets``: ``directory`` (``POST /v1/publish`` and ``/v1/locate``
+  without a session or with a wrong HMAC) and ``directory_session`` (arbitrary
+  bodies of an authenticated peer);
 - ``local_targets``: ``local``, local-channel frames (every op with arbitrary
   fields, broken JSON, lying lengths) on the engine's Unix socket;
 - ``data_targets``: ``data_preauth``, arbitrary bytes and frames on a data

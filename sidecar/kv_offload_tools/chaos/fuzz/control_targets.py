@@ -1,4 +1,4 @@
-"""Fuzz targets of the control plane: handshake steps, summary pulls, admin lookups (HTTP).
+"""Fuzz targets of the control plane: handshake steps, admin lookups (HTTP).
 
 ``handshake``: step 1 bodies (mutated versions, nonces, key ids) must get a
 server nonce and the pool's key id exactly when a member's would, and the
@@ -6,9 +6,7 @@ refusal ``responder_oracle`` predicts otherwise; step 2 bodies from a key
 holder with a mutated hello must be accepted exactly when ``compare_hello``
 accepts (and then carry a server proof that verifies), refused for its reason
 otherwise; step 2 with a wrong proof is ``bad_proof`` without any field diff;
-anything else is a clean 4xx. ``summary``: without a session every pull is
-refused; ``summary_session``: pulls of an authenticated session with
-arbitrary cursors get a well-formed delta or a 400. ``lookup``: an admin's
+anything else is a clean 4xx (the directory's messages are ``directory_targets``). ``lookup``: an admin's
 valid body is answered with the held prefix, anything else with a 4xx, and a
 caller without the admin token gets the same 401 whatever it asks.
 """
@@ -19,7 +17,6 @@ import hmac
 import json
 import time
 from typing import Any
-from urllib.parse import urlencode
 
 from hypothesis import strategies as st
 from kv_offload_sidecar.control.app import MAX_LOOKUP_KEYS
@@ -34,8 +31,6 @@ from kv_offload_sidecar.peers.handshake import (
     server_proof,
     transcript,
 )
-from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER, summary_auth
-from kv_offload_sidecar.peers.location import SummaryDelta
 from kv_offload_sidecar.peers.pool_keys import KEY_ID_BYTES, MAX_OFFERED_KEYS, key_id
 
 from kv_offload_tools.chaos.fuzz.context import (
@@ -230,52 +225,6 @@ def _run_step2_case(ctx: FuzzContext, kind: str, payload: dict[str, Any]) -> str
         raise FuzzFailure(f"the server's acceptance carries a bad hello: {exc}") from None
     if not hmac.compare_digest(str(answer.get("proof")), server_proof(ctx.pool.pool_key, t, server)):
         raise FuzzFailure("the server's proof does not verify with the pool key")
-    return "answer"
-
-
-summary_cases = st.tuples(
-    st.one_of(st.integers(-5, 2 ** 70).map(str), st.text(max_size=25), odd_digits),
-    st.text(max_size=70),
-    st.one_of(st.none(), st.text(max_size=40), st.binary(min_size=16, max_size=16).map(bytes.hex)),
-    st.one_of(st.none(), st.text(max_size=70)))
-
-
-def run_summary_case(ctx: FuzzContext, case: tuple) -> str:
-    since, epoch, session, auth = case
-    headers = {}
-    for name, value in (("X-KV-Offload-Session", session), ("X-KV-Offload-Auth", auth)):
-        if value is not None and value.isprintable() and value.isascii():
-            headers[name] = value
-    status, data = ctx.http.request("GET", "/v1/summary?" + urlencode({"since": since, "epoch": epoch}),
-                                    headers=headers)
-    expect_json_error(status, data, "summary without a session")
-    return "error"
-
-
-summary_session_cases = st.tuples(
-    st.one_of(st.integers(0, 2 ** 70).map(str), st.integers(-5, -1).map(str), st.text(max_size=25),
-              odd_digits),
-    st.one_of(st.just(""), st.text(max_size=70), st.text(min_size=60, max_size=70)))
-
-
-def run_summary_session_case(ctx: FuzzContext, case: tuple) -> str:
-    """An authenticated peer pulls with an arbitrary cursor: a valid delta, or a 400."""
-    since, epoch = case
-    headers = {SESSION_HEADER: ctx.session.session_id.hex()}
-    good = since.isascii() and since.isdigit() and len(since) <= 20 and len(epoch) <= 64
-    if good:
-        headers[AUTH_HEADER] = summary_auth(ctx.session.session_key, epoch, int(since))
-    status, data = ctx.http.request("GET", "/v1/summary?" + urlencode({"since": since, "epoch": epoch}),
-                                    headers=headers)
-    if not good:
-        expect_json_error(status, data, f"summary with since={since!r} epoch={epoch[:20]!r}")
-        return "error"
-    if status != 200:
-        raise FuzzFailure(f"an authenticated pull with since={since} was refused: HTTP {status} {data[:200]!r}")
-    try:
-        SummaryDelta.from_dict(json.loads(data))
-    except Exception as exc:
-        raise FuzzFailure(f"summary delta does not parse ({exc}): {data[:200]!r}") from None
     return "answer"
 
 

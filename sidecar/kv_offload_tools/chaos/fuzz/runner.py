@@ -30,16 +30,18 @@ from kv_offload_tools.chaos.fuzz.control_targets import (
     lookup_cases,
     run_handshake_case,
     run_lookup_case,
-    run_summary_case,
-    run_summary_session_case,
-    summary_cases,
-    summary_session_cases,
 )
 from kv_offload_tools.chaos.fuzz.data_targets import (
     data_streams,
     preauth_streams,
     run_data_case,
     run_preauth_case,
+)
+from kv_offload_tools.chaos.fuzz.directory_targets import (
+    directory_cases,
+    directory_session_cases,
+    run_directory_case,
+    run_directory_session_case,
 )
 from kv_offload_tools.chaos.fuzz.local_targets import local_cases, run_local_case
 from kv_offload_tools.chaos.probes import probe_handshake
@@ -136,8 +138,8 @@ class FuzzTarget:
 
 TARGETS = (
     FuzzTarget("handshake", handshake_cases(), run_handshake_case, 0.18),
-    FuzzTarget("summary", summary_cases, run_summary_case, 0.08),
-    FuzzTarget("summary_session", summary_session_cases, run_summary_session_case, 0.05),
+    FuzzTarget("directory", directory_cases, run_directory_case, 0.08),
+    FuzzTarget("directory_session", directory_session_cases, run_directory_session_case, 0.05),
     FuzzTarget("lookup", lookup_cases, run_lookup_case, 0.17),
     FuzzTarget("local", local_cases, run_local_case, 0.2),
     FuzzTarget("data_preauth", preauth_streams, run_preauth_case, 0.12),
@@ -158,6 +160,7 @@ def start_fuzz_sidecar(pool: LocalPool) -> FuzzContext:
         num_slots = engine.num_slots
     finally:
         engine.close()
+    wait_published(sc, len(keys))
     status = sc.status()
     probe = probe_handshake(sc, pool.pool_key, pool.local_hello(identity="fuzz-peer"))
     code, refused = sc.post("/v1/lookup", {"keys": [held_keys()[0].hex()]}, auth=False)
@@ -165,6 +168,18 @@ def start_fuzz_sidecar(pool: LocalPool) -> FuzzContext:
         raise RuntimeError(f"a lookup without the admin token was answered with HTTP {code}: {refused!r}")
     return FuzzContext(pool, sc, Http(sc.address), socket_path, status["data_address"],
                        probe.session, num_slots, unauthenticated_lookup_answer=refused)
+
+
+def wait_published(sc: Any, chunks: int, timeout: float = 10.0) -> None:
+    """Until the sidecar's directory names it for the ``chunks`` it holds (it owns every bucket)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        location = sc.status()["location"]
+        if location["pending"] == 0 and location["entries"] >= chunks:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the fuzzed sidecar did not publish its chunks: {location}")
+        time.sleep(0.05)
 
 
 def check_alive(ctx: FuzzContext, result: FuzzResult) -> None:

@@ -1,0 +1,241 @@
+"""`kv-offload bench scale`: where-is-what as the pool grows, from the sidecar's own location code.
+
+For each pod count it runs the chunk directory's real classes (``OwnerTable``,
+``Publisher``, ``Directory``, messages as their JSON bodies, HTTP overhead
+measured on a real aiohttp exchange) in this process:
+
+1. ``scale_lookups``: every member with a small store replays generated chat
+   conversations, once with the directory and once with the exact scheme
+   (every peer's exact set, the previous design): messages per lookup and
+   per peer-hit request, false-positive peer lookups, hit ratio against exact,
+   owner-query sizes, store changes per request.
+2. ``scale_sample``: sampled members at full size (``--chunks-per-pod``,
+   ``--changes-per-second``) with the rest modelled by the same Publisher
+   restricted to the sampled members' buckets: location memory of one
+   sidecar (measured), publish bytes and messages per second, join and
+   leave costs.
+3. Owner queries per second follow from the request rate that makes
+   ``--changes-per-second`` (changes per request from 1.) and their measured
+   sizes. ``scale_alternatives`` costs the exact scheme and per-peer Bloom
+   filters from measured entry sizes and rates.
+
+Prints a table (or ``--json``: one object with a ``results`` list, one entry
+per pod count) and writes a PNG of every figure against pods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kv_offload_sidecar.usage import UsageError
+
+from kv_offload_tools.bench import scale_alternatives as alt
+from kv_offload_tools.bench.replay import request_keys
+from kv_offload_tools.bench.scale_lookups import LookupFigures, replay_lookups
+from kv_offload_tools.bench.scale_measure import HttpOverhead, handshake_bytes, http_overhead
+from kv_offload_tools.bench.scale_report import format_table, write_plot
+from kv_offload_tools.bench.scale_sample import SampleFigures, sample_pool
+from kv_offload_tools.workloads import ConversationSpec, conversation
+
+Progress = Callable[[str], None]
+# The issue's targets at 1,024 pods x 100k chunks x 1k changes/s/pod.
+TARGETS = {"location_bytes_per_sidecar": 64 << 20, "control_bytes_per_second_per_pod": 1_000_000,
+           "messages_per_peer_hit_request": 2.0, "false_positive_ratio": 0.01, "hit_ratio_vs_exact": 0.97}
+# Which way each target points: True when the figure must stay at or below it.
+AT_MOST = {"location_bytes_per_sidecar": True, "control_bytes_per_second_per_pod": True,
+           "messages_per_peer_hit_request": True, "false_positive_ratio": True, "hit_ratio_vs_exact": False}
+
+
+@dataclass(frozen=True)
+class ScaleSettings:
+    # Pod counts, e.g. (16, 64, 256, 1024).
+    pods: tuple[int, ...]
+    # Chunks each pod's store holds (the sampled sidecars hold exactly this many).
+    chunks_per_pod: int = 100_000
+    # Store changes per second per pod (half stores, half evictions).
+    changes_per_second: float = 1000.0
+    # Seconds between publishes (the sidecar's --publish-interval-seconds).
+    publish_interval_seconds: float = 1.0
+    # Steady-state seconds the sampled sidecars run for.
+    seconds: float = 5.0
+    # Sidecars run in full at each pod count (the rest modelled).
+    sample: int = 2
+    # Chat sessions per pod in the lookup replay.
+    sessions_per_pod: int = 4
+    # Turns (requests) per session.
+    turns: int = 4
+    # Store capacity (chunks) of each member in the lookup replay.
+    replay_capacity_chunks: int = 256
+    # Seed of every random choice.
+    seed: int = 0
+
+
+def workload(pods: int, s: ScaleSettings) -> list[tuple[float, list[bytes]]]:
+    """Chat conversations for ``pods`` members: sessions arrive over ~60 s, users think ~20 s."""
+    sessions = pods * s.sessions_per_pod
+    reqs = conversation(ConversationSpec(sessions=sessions, turns=s.turns, arrival_seconds=60.0 / sessions,
+                                         think_seconds=20.0, seed=s.seed))
+    keys = request_keys([r.hash_ids for r in reqs])
+    return [(r.timestamp_ms / 1000.0, k) for r, k in zip(reqs, keys)]
+
+
+def measure(pods: int, s: ScaleSettings, overhead: HttpOverhead, handshake: int, entry_bytes: float,
+            progress: Progress) -> dict[str, Any]:
+    """Every figure of one pod count."""
+    started = time.monotonic()
+    stream = workload(pods, s)
+    lifetime = s.chunks_per_pod / (s.changes_per_second / 2)  # how long a chunk stays in a store
+    runs: dict[str, LookupFigures] = {}
+    for scheme in ("directory", "exact"):
+        progress(f"[scale x{pods}] replaying {len(stream)} requests with the {scheme} scheme")
+        runs[scheme] = replay_lookups(scheme, pods, stream, capacity=s.replay_capacity_chunks,
+                                      interval=s.publish_interval_seconds, lifetime_seconds=lifetime,
+                                      seed=s.seed, progress=progress)
+    d, e = runs["directory"], runs["exact"]
+    requests_per_second = s.changes_per_second / max(d.changes_per_request, 1e-9)
+    sample: SampleFigures = sample_pool(
+        pods, s.chunks_per_pod, s.changes_per_second, requests_per_second,
+        interval=s.publish_interval_seconds, seconds=s.seconds, samples=s.sample, overhead=overhead,
+        handshake_bytes=handshake, seed=s.seed, progress=progress)
+    locates = requests_per_second * d.locate_messages / max(d.requests, 1)
+    per_locate = (d.locate_query_bytes + d.locate_reply_bytes) / max(d.locate_messages, 1) + \
+        overhead.request + overhead.response
+    # Each way: its own queries and the replies it gives as an owner (as many, by symmetry).
+    locate_each_way = locates * per_locate
+    out_bps = sample.publish_bytes_out_per_second + locate_each_way
+    in_bps = sample.publish_bytes_in_per_second + locate_each_way
+    bits, k, rate = alt.bloom_shape(pods, TARGETS["false_positive_ratio"])
+    exact = alt.exact_costs(pods, s.chunks_per_pod, s.changes_per_second, s.publish_interval_seconds,
+                            overhead, entry_bytes)
+    bloom = alt.bloom_costs(pods, s.chunks_per_pod, s.changes_per_second, s.publish_interval_seconds,
+                            overhead, bits, k)
+    row: dict[str, Any] = {
+        "pods": pods,
+        "location_bytes_per_sidecar": sample.location_bytes_per_sidecar,
+        "control_bytes_per_second_per_pod": out_bps + in_bps,
+        "control_bytes_out_per_second_per_pod": out_bps,
+        "control_bytes_in_per_second_per_pod": in_bps,
+        "control_messages_per_second_per_pod": sample.publish_messages_out_per_second + locates,
+        "messages_per_lookup": d.messages_per_lookup,
+        "messages_per_peer_hit_request": d.messages_per_peer_hit_request,
+        "false_positive_ratio": d.false_positive_ratio,
+        "hit_ratio": d.hit_ratio,
+        "exact_hit_ratio": e.hit_ratio,
+        "hit_ratio_vs_exact": d.hit_ratio / e.hit_ratio if e.hit_ratio else 1.0,
+        "join": sample.join,
+        "leave": sample.leave,
+        "memory_breakdown": sample.memory_breakdown,
+        "directory_entries_per_sidecar": sample.directory_entries,
+        "publish": {"bytes_out_per_second": sample.publish_bytes_out_per_second,
+                    "bytes_in_per_second": sample.publish_bytes_in_per_second,
+                    "messages_out_per_second": sample.publish_messages_out_per_second,
+                    "messages_in_per_second": sample.publish_messages_in_per_second},
+        "locate": {"per_second": locates, "bytes_each_way_per_second": locate_each_way,
+                   "query_bytes": d.locate_query_bytes / max(d.locate_messages, 1),
+                   "reply_bytes": d.locate_reply_bytes / max(d.locate_messages, 1)},
+        "requests_per_second_per_pod": requests_per_second,
+        "replay": {"requests": d.requests, "chunks": d.chunks, "capacity_chunks": s.replay_capacity_chunks,
+                   "directory": _replay_view(d), "exact": _replay_view(e)},
+        "alternatives": {
+            "exact": {**asdict(exact), "messages_per_peer_hit_request": e.messages_per_peer_hit_request,
+                      "false_positive_ratio": e.false_positive_ratio, "entry_bytes": entry_bytes},
+            "bloom": {**asdict(bloom), "bits_per_entry": bits, "hashes": k, "per_filter_rate": rate,
+                      "per_filter_rate_measured": alt.bloom_measured_rate(bits, k) if pods <= 256 else None}},
+        "sampled_sidecars": sample.sampled,
+        "modelled_sidecars": sample.modelled,
+        "seconds": time.monotonic() - started,
+    }
+    row["meets_targets"] = {name: (row[name] <= goal if AT_MOST[name] else row[name] >= goal)
+                            for name, goal in TARGETS.items()}
+    progress(f"[scale x{pods}] memory {row['location_bytes_per_sidecar'] / 2**20:.1f} MiB, control "
+             f"{row['control_bytes_per_second_per_pod'] / 1e6:.3f} MB/s, {row['messages_per_peer_hit_request']:.2f} "
+             f"msgs/peer-hit request, fp {row['false_positive_ratio']:.4f}, hit ratio x{row['hit_ratio_vs_exact']:.3f} "
+             f"of exact ({row['seconds']:.0f} s)")
+    return row
+
+
+def _replay_view(f: LookupFigures) -> dict[str, float]:
+    return {"hit_ratio": f.hit_ratio, "local_hits": f.local_hits, "peer_hits": f.peer_hits,
+            "peer_hit_requests": f.peer_hit_requests, "messages_per_lookup": f.messages_per_lookup,
+            "messages_per_peer_hit_request": f.messages_per_peer_hit_request,
+            "false_positive_ratio": f.false_positive_ratio, "changes_per_request": f.changes_per_request,
+            "seconds": f.seconds}
+
+
+def run_scale(s: ScaleSettings, progress: Progress) -> dict[str, Any]:
+    overhead = http_overhead()
+    handshake = handshake_bytes(overhead)
+    entry_bytes = alt.exact_entry_bytes()
+    progress(f"HTTP adds {overhead.request} B to a request and {overhead.response} B to a reply; "
+             f"a handshake moves {handshake} B; the exact scheme's entry takes {entry_bytes:.1f} B")
+    rows = [measure(n, s, overhead, handshake, entry_bytes, progress) for n in s.pods]
+    return {
+        "settings": asdict(s),
+        "http_overhead": asdict(overhead),
+        "handshake_bytes": handshake,
+        "targets": TARGETS,
+        "notes": [
+            f"per-sidecar memory and publish traffic come from {min(s.sample, min(s.pods))} sampled sidecars "
+            "run in full (real Publisher/Directory/OwnerTable, JSON bodies); the other members are modelled by "
+            "the same Publisher holding only their chunks in the sampled sidecars' buckets",
+            "lookup figures and hit ratios come from every member running the real classes on a replay of "
+            f"generated chat conversations with {s.replay_capacity_chunks}-chunk stores whose chunks live as long "
+            f"as in a {s.chunks_per_pod}-chunk store at the configured changes "
+            f"({s.chunks_per_pod / (s.changes_per_second / 2):.0f} s)",
+            "owner queries per second = (changes per second / store changes per request) x owner queries per "
+            "request; the alternatives are costed from measured entry sizes and filter rates"],
+        "results": rows,
+    }
+
+
+def _pods(text: str) -> tuple[int, ...]:
+    try:
+        pods = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"kv-offload bench scale: --pods {text!r} must be comma-separated integers, "
+                         "e.g. 16,64,256,1024") from None
+    if not pods or any(p < 2 for p in pods):
+        raise UsageError("kv-offload bench scale: --pods needs pod counts of at least 2")
+    return pods
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pods", default="16,64,256,1024", help="pod counts (default 16,64,256,1024)")
+    parser.add_argument("--chunks-per-pod", type=int, default=100_000, help="chunks each store holds")
+    parser.add_argument("--changes-per-second", type=float, default=1000.0,
+                        help="store changes per second per pod (default 1000)")
+    parser.add_argument("--publish-interval-seconds", type=float, default=1.0,
+                        help="the sidecars' publish interval (default 1.0)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="steady-state seconds measured (default 5)")
+    parser.add_argument("--sample", type=int, default=2, help="sidecars run in full per pod count (default 2)")
+    parser.add_argument("--sessions-per-pod", type=int, default=4, help="chat sessions per pod in the replay")
+    parser.add_argument("--replay-capacity-chunks", type=int, default=256,
+                        help="store capacity of each member in the lookup replay (default 256)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", default="scale.png", help="PNG of the figures against pods ('' for none)")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("chunks_per_pod", "sample", "sessions_per_pod", "replay_capacity_chunks"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"kv-offload bench scale: --{name.replace('_', '-')} must be at least 1")
+    for name in ("changes_per_second", "publish_interval_seconds", "seconds"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"kv-offload bench scale: --{name.replace('_', '-')} must be positive")
+    settings = ScaleSettings(pods=_pods(args.pods), chunks_per_pod=args.chunks_per_pod,
+                             changes_per_second=args.changes_per_second,
+                             publish_interval_seconds=args.publish_interval_seconds, seconds=args.seconds,
+                             sample=args.sample, sessions_per_pod=args.sessions_per_pod,
+                             replay_capacity_chunks=args.replay_capacity_chunks, seed=args.seed)
+    report = run_scale(settings, lambda line: print(line, file=sys.stderr, flush=True))
+    if args.plot:
+        report["plot"] = write_plot(args.plot, report)
+    print(json.dumps(report) if args.json else format_table(report))
+    return 0

@@ -1,0 +1,151 @@
+"""NIXL client scenarios, each in its own process (the NIXL agents live per process).
+
+``python nixl_client.py SCENARIO --address nixl://... --server-pid P --chunks N --chunk-bytes B
+--shm-dir D [--corrupt i,j]`` prints the outcome as one JSON line. The revoke scenario
+prints ``{"ready": ...}`` first and waits for a line on stdin (the test ends the server's
+sessions meanwhile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from transport_peers import SESSION_ID, SESSION_KEY, _slot_bytes, content_of, key_of
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kv_offload_sidecar.data import IntegrityError, TransportError, connect
+    from kv_offload_sidecar.engine.store_view import slot_stride_for
+    from kv_offload_sidecar.store.chunk_store import ChunkStore
+
+    stride = slot_stride_for(args.chunk_bytes)
+    keys = [key_of(i) for i in range(args.chunks)]
+    out: dict[str, Any] = {"scenario": args.scenario}
+    killed = {"done": False}
+
+    def on_change(key: bytes, present: bool) -> None:
+        if args.scenario == "kill" and present and not killed["done"]:
+            killed["done"] = True
+            os.kill(args.server_pid, signal.SIGKILL)
+
+    store = ChunkStore(args.chunk_bytes, (args.chunks + 2) * stride, directory=args.shm_dir,
+                       name=f"nixl-cli-{os.getpid()}", on_change=on_change)
+    try:
+        if args.scenario == "fetch":
+            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
+            out["lookup_all"] = await client.lookup(keys + [key_of(10_000)], timeout=5)
+            out["lookup_gap"] = await client.lookup(keys[:3] + [key_of(10_000)] + keys[3:], timeout=5)
+            out["fetched"] = await client.fetch(keys, store, timeout=20)
+            out["identical"] = all(_slot_bytes(store, k) == content_of(i, args.chunk_bytes)
+                                   for i, k in enumerate(keys))
+            out["fetch_missing"] = await client.fetch([key_of(10_000)], store, timeout=5)
+            await client.lookup(keys[:1], timeout=5)  # the RELEASEs went out before this reply
+            await client.close()
+        elif args.scenario == "bad_auth":
+            try:
+                await connect(args.address, SESSION_ID, b"wrong-key", timeout=5)
+                out["error"] = None
+            except TransportError as exc:
+                out["error"] = str(exc)
+        elif args.scenario == "kill":
+            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
+            t0 = time.monotonic()
+            try:
+                out["fetched"] = await client.fetch(keys, store, timeout=3)
+                out["error"] = None
+            except TransportError as exc:
+                out["error"] = str(exc)
+            out["elapsed"] = time.monotonic() - t0
+            out["killed"] = killed["done"]
+        elif args.scenario == "corrupt":
+            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
+            try:
+                out["fetched"] = await client.fetch(keys, store, timeout=20)
+                out["error"] = None
+            except IntegrityError as exc:
+                out["error"] = "integrity: " + str(exc)
+            except TransportError as exc:
+                out["error"] = str(exc)
+            out["corrupt_visible"] = any(store.contains(keys[int(i)]) for i in args.corrupt.split(","))
+        elif args.scenario == "revoke":
+            out.update(await _revoke(args, keys, store))
+        else:
+            raise SystemExit(f"unknown scenario {args.scenario!r}")
+        visible = store.keys()
+        out["visible"] = len(visible)
+        out["visible_intact"] = all(_slot_bytes(store, k) == content_of(keys.index(k), args.chunk_bytes)
+                                    for k in visible)
+        out["slots_in_use"] = store.used_bytes // stride
+    finally:
+        store.close()
+    return out
+
+
+async def _revoke(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:
+    """Fetch, keep the holder's metadata, let the test end the session; then READ through
+    that metadata (re-loaded as a fetcher that kept it would): the holder must have revoked it."""
+    from kv_offload_sidecar.data import TransportError, connect
+    from kv_offload_sidecar.data.nixl.runtime import LaneError, NixlRuntime
+
+    out: dict[str, Any] = {}
+    client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
+    out["fetched"] = await client.fetch(keys[:2], store, timeout=20)
+    view = client._remote.view  # what the holder told this connection
+    runtime = await NixlRuntime.get()
+    lane = runtime.lanes[0]
+    local = (await runtime.register_local(store))[0]
+
+    async def raw_read() -> str:
+        res = store.begin_write(key_of(99_999))
+        try:
+            def read(lane: Any) -> int | None:
+                name = lane.load_remote(view.metadata)
+                far = lane.prep_table(name, view.base, view.slot_stride, view.slot_bytes, view.num_slots)
+                try:
+                    return lane.read(name, local, res.slot, far, 0, res.view, True)
+                finally:
+                    lane.unload_remote(name, now=True, table=far)
+            digest = await lane.call(read)
+            return "read" if digest is not None else "none"
+        except LaneError as exc:
+            return f"failed: {exc}"
+        finally:
+            res.abort()
+
+    out["raw_read_before"] = await raw_read()
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()  # the test ends every session on the server now
+    out["raw_read_after"] = await raw_read()
+    try:
+        out["fetch_after"] = await client.fetch(keys[2:4], store, timeout=5)
+    except TransportError as exc:
+        out["fetch_after"] = f"error: {exc}"
+    await client.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--server-pid", type=int, default=0)
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--chunk-bytes", type=int, default=256 * 1024)
+    parser.add_argument("--shm-dir", default="/dev/shm")
+    parser.add_argument("--corrupt", default="")
+    args = parser.parse_args()
+    from kv_offload_sidecar.data.nixl.runtime import configure_nixl_env
+
+    configure_nixl_env()
+    print(json.dumps(asyncio.run(run(args))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Two sidecar processes with the nixl data plane: chunks stored through one are READ by the
+other straight from its store slots, byte-identical; the holder's views die with the links."""
+
+from __future__ import annotations
+
+import time
+
+from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
+from kv_offload_tools.local_pool import LocalPool
+
+CHUNK_SLOTS = 64
+
+
+def test_a_nixl_pool_shares_chunks_byte_identical():
+    with LocalPool(2, transport="nixl", capacity_bytes=CHUNK_SLOTS * 16384 * 16,
+                   fetch_deadline_seconds=5.0) as pool:
+        chunk = pool.chunk_bytes
+        assert all(sc.status()["data_address"].startswith("nixl://") for sc in pool.sidecars)
+        keys = chunk_keys("nixl-pool", 12)
+        with pool.client(0) as a, pool.client(1) as b:
+            assert store_chunks(a, keys, chunk) == 12
+            pool.wait_summaries()
+            assert load_and_verify(b, keys, chunk, timeout=5.0) == (12, 0)
+            assert load_and_verify(b, keys, chunk, timeout=5.0) == (12, 0)  # now local
+        assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 12 * chunk
+        assert pool[1].metric("kv_offload_peer_fetches_total", result="ok") >= 1
+        assert pool[1].metric("kv_offload_integrity_failures_total") == 0
+        deadline = time.monotonic() + 5
+        while (pool[0].metric("kv_offload_peer_bytes_total", direction="sent") < 12 * chunk
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        # the holder counts a chunk as sent when the fetcher releases its lease
+        assert pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == 12 * chunk
