@@ -168,7 +168,8 @@ def _judge_local(ctx: FuzzContext, req: dict[str, Any], reply: dict[str, Any],
         want = held_prefix(keys, ctx.extra_held)
         if not isinstance(slots, list) or len(slots) != want:
             raise FuzzFailure(f"load answered {reply} for held prefix {want}")
-        loads.add(reply["id"])
+        if slots:  # a load that pinned nothing has nothing to release (its id is not kept)
+            loads.add(reply["id"])
     elif op == "reserve":
         assert keys is not None
         slots = reply.get("slots")

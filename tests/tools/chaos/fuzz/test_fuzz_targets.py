@@ -62,3 +62,12 @@ def test_step1_with_a_superscript_wire_version_is_refused_as_malformed(fuzzed: F
                                                          "nonce": "00" * 16, "key_ids": ["00" * 8]})
     assert status == 400, body
     assert isinstance(body, dict) and body["reason"] == "malformed"
+
+
+def test_a_load_that_pins_nothing_leaves_nothing_to_release(fuzzed: FuzzContext) -> None:
+    # found by the fuzzer: an empty load's id is not kept, so the oracle must not expect a release
+    from kv_offload_tools.chaos.fuzz.local_targets import run_local_case
+
+    case = [{"op": "lookup", "keys": [], "timeout": 0.2}, {"op": "load", "keys": [], "timeout": 0.2},
+            {"op": "release", "id": 1}]
+    assert run_local_case(fuzzed, case) in ("answer", "error")
