@@ -175,18 +175,28 @@ async def follow(memo: kopf.Memo) -> None:
 
 
 async def each_pool_while_leading(memo: kopf.Memo, interval: float, tracked: dict[tuple[str, str], Any],
-                                  visit: Callable[[kopf.Memo, str, str], Awaitable[None]],
+                                  visit: Callable[[kopf.Memo, dict[str, Any]], Awaitable[None]],
                                   what: str) -> None:
-    """Every ``interval`` seconds, on the leading replica only, ``visit`` each pool in
-    ``tracked`` (namespace, name); one pool's failure is logged and the others go on.
-    Runs until cancelled (the followers of model configs and key rotations)."""
+    """Every ``interval`` seconds, on the leading replica only, read each pool in ``tracked``
+    (namespace, name) and ``visit`` its body; a pool that is gone leaves ``tracked``, one
+    pool's failure is logged and the others go on. Runs until cancelled (the followers of
+    model configs and key rotations)."""
+    from .kube_api import get_pool
+
     while True:
         await asyncio.sleep(interval)
         if not memo.leading:  # another replica reconciles
             continue
         for namespace, name in list(tracked):
             try:
-                await visit(memo, namespace, name)
+                try:
+                    pool = await get_pool(memo.api, namespace, name)
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+                    tracked.pop((namespace, name), None)
+                    continue
+                await visit(memo, pool)
             except asyncio.CancelledError:
                 raise
             except Exception:  # one pool's API trouble must not stop the others

@@ -24,9 +24,8 @@ from typing import Any
 
 import kopf
 from kubernetes_asyncio import client as k8s
-from kubernetes_asyncio.client.exceptions import ApiException
 
-from .kube_api import get_pool, patch_pool_status
+from .kube_api import patch_pool_status
 from .leadership import each_pool_while_leading
 from .model_config import content_digest, model_config_text
 from .pool_source import read_workload, template_digest
@@ -50,15 +49,9 @@ async def follow(memo: kopf.Memo) -> None:
                                   _recheck, "re-reading its model config or workload")
 
 
-async def _recheck(memo: kopf.Memo, namespace: str, name: str) -> None:
+async def _recheck(memo: kopf.Memo, body: dict[str, Any]) -> None:
     api: k8s.ApiClient = memo.api
-    try:
-        body = await get_pool(api, namespace, name)
-    except ApiException as exc:
-        if exc.status == 404:
-            memo.model_config_refs.pop((namespace, name), None)
-            return
-        raise
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     spec, status = body.get("spec") or {}, body.get("status") or {}
     changed = await _changed(api, namespace, spec, status)
     if changed is None:

@@ -24,14 +24,12 @@ from typing import Any
 
 import kopf
 from kubernetes_asyncio import client as k8s
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import key_rotation
 from . import pool_objects as objects
 from .kube_api import (
     MERGE_PATCH,
     create_unless_exists,
-    get_pool,
     patch_pool_status,
     read_or_none,
 )
@@ -95,16 +93,10 @@ async def follow(memo: kopf.Memo) -> None:
                                   step, "the key rotation step")
 
 
-async def step(memo: kopf.Memo, namespace: str, name: str) -> None:
-    """Read the pool and its Secret, write the next rotation step and ``status.keyRotation``."""
+async def step(memo: kopf.Memo, pool: dict[str, Any]) -> None:
+    """Read the pool's Secret, write the next rotation step and ``status.keyRotation``."""
     api: k8s.ApiClient = memo.api
-    try:
-        pool = await get_pool(api, namespace, name)
-    except ApiException as exc:
-        if exc.status == 404:
-            memo.key_rotations.pop((namespace, name), None)
-            return
-        raise
+    namespace, name = pool["metadata"]["namespace"], pool["metadata"]["name"]
     try:
         grace = key_rotation_grace_seconds(pool)
     except ValueError as exc:  # the pool shows it as Invalid; the rotation waits for a fix
