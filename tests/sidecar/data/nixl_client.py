@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from transport_peers import SESSION_ID, SESSION_KEY, _slot_bytes, content_of, key_of
+from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -43,7 +43,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             out["lookup_all"] = await client.lookup(keys + [key_of(10_000)], timeout=5)
             out["lookup_gap"] = await client.lookup(keys[:3] + [key_of(10_000)] + keys[3:], timeout=5)
             out["fetched"] = await client.fetch(keys, store, timeout=20)
-            out["identical"] = all(_slot_bytes(store, k) == content_of(i, args.chunk_bytes)
+            out["identical"] = all(chunk_bytes_in(store, k) == content_of(i, args.chunk_bytes)
                                    for i, k in enumerate(keys))
             out["fetch_missing"] = await client.fetch([key_of(10_000)], store, timeout=5)
             await client.lookup(keys[:1], timeout=5)  # the RELEASEs went out before this reply
@@ -80,7 +80,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"unknown scenario {args.scenario!r}")
         visible = store.keys()
         out["visible"] = len(visible)
-        out["visible_intact"] = all(_slot_bytes(store, k) == content_of(keys.index(k), args.chunk_bytes)
+        out["visible_intact"] = all(chunk_bytes_in(store, k) == content_of(keys.index(k), args.chunk_bytes)
                                     for k in visible)
         out["slots_in_use"] = store.used_bytes // stride
     finally:

@@ -102,7 +102,10 @@ async def serve(args: argparse.Namespace) -> None:
                 sessions.clear()
                 print(json.dumps({"sessions": 0}), flush=True)
             elif cmd == "nixl":
-                from kv_offload_sidecar.data.nixl.exports import exported_views, live_views
+                from kv_offload_sidecar.data.nixl.exports import (
+                    exported_views,
+                    live_views,
+                )
 
                 print(json.dumps({"live_views": live_views(), "exported_views": exported_views(),
                                   "leased": server.leased, "pinned": store.stats()["pinned"]}), flush=True)
@@ -137,7 +140,7 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
             out["lookup_all"] = await client.lookup(keys + [key_of(10_000)], timeout=5)
             out["lookup_gap"] = await client.lookup(keys[:3] + [key_of(10_000)] + keys[3:], timeout=5)
             out["fetched"] = await client.fetch(keys, store, timeout=20)
-            out["identical"] = all(_slot_bytes(store, k) == content_of(i, args.chunk_bytes)
+            out["identical"] = all(chunk_bytes_in(store, k) == content_of(i, args.chunk_bytes)
                                    for i, k in enumerate(keys))
             out["fetch_missing"] = await client.fetch([key_of(10_000)], store, timeout=5)
             out["lane_chunks"] = list(client.lane_chunks)
@@ -178,7 +181,7 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
         # What every scenario must leave: each visible chunk byte-identical, no slot held.
         visible = store.keys()
         out["visible"] = len(visible)
-        out["visible_intact"] = all(_slot_bytes(store, k) == content_of(keys.index(k), args.chunk_bytes)
+        out["visible_intact"] = all(chunk_bytes_in(store, k) == content_of(keys.index(k), args.chunk_bytes)
                                     for k in visible)
         out["slots_in_use"] = store.used_bytes // stride
     finally:
@@ -240,15 +243,16 @@ async def _garbage(args: argparse.Namespace, keys: list[bytes], store: Any) -> d
 
     client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
     out["fetched_after"] = await client.fetch(keys, store, timeout=20)
-    out["identical_after"] = all(_slot_bytes(store, k) == content_of(i, args.chunk_bytes)
+    out["identical_after"] = all(chunk_bytes_in(store, k) == content_of(i, args.chunk_bytes)
                                  for i, k in enumerate(keys))
     await client.close()
     return out
 
 
-def _slot_bytes(store: Any, key: bytes) -> bytes:
+def chunk_bytes_in(store: Any, key: bytes) -> bytes:
+    """The bytes of the visible chunk ``key`` of a ChunkStore (AssertionError when not visible)."""
     pin = store.pin(key)
-    assert pin is not None, key.hex()
+    assert pin is not None, f"{key.hex()} is not visible"
     try:
         return bytes(pin.view)
     finally:
@@ -283,13 +287,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def chunk_bytes_in(store: Any, key: bytes) -> bytes:
-    """The bytes of the visible chunk ``key`` of a ChunkStore (AssertionError when not visible)."""
-    pin = store.pin(key)
-    assert pin is not None, f"{key.hex()} is not visible"
-    try:
-        return bytes(pin.view)
-    finally:
-        pin.release()
