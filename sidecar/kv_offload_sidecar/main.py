@@ -28,6 +28,7 @@ from kv_offload_sidecar.peers.handshake import load_pool_key
 from kv_offload_sidecar.peers.pool_keys import load_optional_key
 from kv_offload_sidecar.settings import (
     DEFAULT_DATA_PORT,
+    PEER_COPIES,
     TRANSPORTS,
     SidecarSettings,
     effective_hash_seed,
@@ -87,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--publish-interval-seconds", type=float, default=1.0,
                    help="seconds between publishes of this sidecar's chunk changes to the directory "
                         "(how stale a peer's view of them may be)")
+    p.add_argument("--peer-copies", choices=PEER_COPIES, default="drop",
+                   help="what to keep of a chunk fetched from a peer once the engine loaded it: "
+                        "drop (the pool keeps one copy; default) or cold (a copy evicted first)")
+    p.add_argument("--prefill-tokens-per-second", type=float, default=0.0, metavar="TOKENS",
+                   help="the engine's prefill rate: a peer's run slower to fetch than to recompute "
+                        "at this rate is a miss (default 0: always fetch)")
     p.add_argument("--dns-interval-seconds", type=float, default=10.0,
                    help="seconds between re-resolutions of --peers-dns")
     p.add_argument("--shutdown-grace-seconds", type=float, default=3.0,
@@ -140,7 +147,8 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
         previous_pool_key_file=args.previous_pool_key_file,
         admin_token=load_optional_key(args.admin_token_file),
         admin_token_file=args.admin_token_file, key_reload_seconds=args.key_reload_seconds,
-        tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, tls_ca_file=args.tls_ca_file)
+        tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, tls_ca_file=args.tls_ca_file,
+        peer_copies=args.peer_copies, prefill_tokens_per_second=args.prefill_tokens_per_second)
 
 
 def parent_pid(args: argparse.Namespace) -> int:

@@ -51,6 +51,8 @@ PROTOCOL_ERROR_REASONS = (
 LOCATION_KINDS = ("publish", "locate")
 # direction label of location_bytes, seen from this sidecar.
 LOCATION_BYTES_DIRECTIONS = ("sent", "received")
+# decision label of fetch_decisions: fetch a holder's run, or leave it to the engine to recompute.
+FETCH_DECISIONS = ("fetch", "recompute")
 # Label names of the config_info series (one series per process).
 CONFIG_INFO_LABELS = ("fingerprint", "model", "dtype", "transport", "wire_version")
 
@@ -71,6 +73,7 @@ LABEL_VALUES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     f"{NAMESPACE}_protocol_errors": {"reason": PROTOCOL_ERROR_REASONS},
     f"{NAMESPACE}_location_messages": {"kind": LOCATION_KINDS},
     f"{NAMESPACE}_location_bytes": {"direction": LOCATION_BYTES_DIRECTIONS},
+    f"{NAMESPACE}_fetch_decisions": {"decision": FETCH_DECISIONS},
 }
 
 
@@ -169,6 +172,11 @@ class SidecarMetrics:
             "(chunk, holder) entries this sidecar keeps for the directory buckets it owns.",
             namespace=ns, registry=registry,
         )
+        self.fetch_decisions = Counter(
+            "fetch_decisions",
+            "Holder runs the engine path decided to fetch, or to leave to the engine's prefill (slower to fetch).",
+            ["decision"], namespace=ns, registry=registry,
+        )
         self.key_reloads = Counter(
             "key_reloads",
             "Changes of the pool keys picked up from the mounted Secret (rotations).",
@@ -197,6 +205,8 @@ class SidecarMetrics:
             self.protocol_errors.labels(reason=reason)
         for kind in LOCATION_KINDS:
             self.location_messages.labels(kind=kind)
+        for decision in FETCH_DECISIONS:
+            self.fetch_decisions.labels(decision=decision)
         for direction in LOCATION_BYTES_DIRECTIONS:
             self.location_bytes.labels(direction=direction)
 

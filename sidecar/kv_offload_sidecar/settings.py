@@ -21,6 +21,9 @@ DEFAULT_HASH_SEED = "0"
 # extra_config key through which a pool pins the hash seed explicitly.
 HASH_SEED_CONFIG_KEY = "hash_seed"
 TRANSPORTS = ("ucx", "tcp", "nixl")
+# What a sidecar keeps of a chunk fetched from a peer once the engine loaded it:
+# "drop" (nothing: the pool keeps one copy, at its holder) or "cold" (a copy, evicted first).
+PEER_COPIES = ("drop", "cold")
 
 
 def effective_hash_seed(config: OffloadingConfig, environ: Mapping[str, str] | None = None, *,
@@ -103,6 +106,11 @@ class SidecarSettings:
     admin_token_file: str = ""
     # Seconds between re-reads of the key and token files (Secret volumes update in place).
     key_reload_seconds: float = 2.0
+    # Sharing policy for chunks fetched from peers once loaded (PEER_COPIES): "drop" or "cold".
+    peer_copies: str = "drop"
+    # The engine's prefill rate in prompt tokens per second, for fetch-or-recompute
+    # (0 = always fetch); e.g. 10000.
+    prefill_tokens_per_second: float = 0.0
     # PEM certificate of this sidecar for TLS on the TCP data plane ("" = plain TCP).
     tls_cert_file: str = ""
     # PEM private key of tls_cert_file.
@@ -140,6 +148,11 @@ class SidecarSettings:
             raise ValueError(f"TLS encrypts the tcp data plane only, but transport is {self.transport!r}: "
                              "use --transport tcp with TLS, or leave the --tls-* flags out "
                              "(UCX traffic is not encrypted; protect it with the NetworkPolicy)")
+        if self.peer_copies not in PEER_COPIES:
+            raise ValueError(f"peer_copies {self.peer_copies!r} is not one of {list(PEER_COPIES)}")
+        if not self.prefill_tokens_per_second >= 0:
+            raise ValueError(f"prefill_tokens_per_second {self.prefill_tokens_per_second} must be >= 0 "
+                             "(the engine's prompt tokens per second; 0 always fetches)")
         if self.key_reload_seconds <= 0:
             raise ValueError(f"key_reload_seconds must be positive, got {self.key_reload_seconds}")
         if not self.identity:

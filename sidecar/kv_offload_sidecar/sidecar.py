@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.peers.discovery import Discovery, format_peer
+from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute, PrefillModel
 from kv_offload_sidecar.peers.handshake import (
     REASONS,
     WIRE_VERSION,
@@ -95,7 +96,10 @@ class Sidecar:
                                  keys=self.keys, data_options=self._tls_options("client"))
         self.reads = PeerReads(location=self.location, peers=self.peers, claims=self.claims,
                                metrics=self.metrics, store=self._require_store,
-                               deadline_seconds=settings.fetch_deadline_seconds)
+                               deadline_seconds=settings.fetch_deadline_seconds,
+                               cost=FetchOrRecompute(PrefillModel(
+                                   settings.prefill_tokens_per_second, cfg.tokens_per_chunk,
+                                   settings.kv_bytes_per_chunk)))
         self.name = store_name(settings.identity)
         # Random per process: names this sidecar's store mapping to the engine clients.
         self.instance = secrets.token_hex(8)
@@ -301,8 +305,13 @@ class Sidecar:
                 if local < len(keys):
                     await self.reads.load(keys, local, timeout)
                     self._pin_prefix(store, keys, pins)
-                # Peer copies go to the cold end once loaded: the pool keeps them elsewhere.
-                store.demote(self.reads.take_fetched(keys[:len(pins)]))
+                # The pool keeps fetched chunks at their holders: once loaded, this store drops
+                # them (or, with --peer-copies cold, keeps them at its cold end).
+                fetched = self.reads.take_fetched(keys)
+                if self.settings.peer_copies == "drop":
+                    store.drop_when_released(fetched)
+                else:
+                    store.demote(fetched)
             except BaseException:
                 for p in pins:
                     p.release()

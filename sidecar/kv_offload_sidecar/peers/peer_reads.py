@@ -7,16 +7,23 @@ it), then exchange with one holder (a trusted, connected one, best first):
 - ``lookup(fetch=True)`` (the engine's lookup): one exchange that asks the
   holder's hit prefix and fetches it (``fetch_counted``); the lookup answers
   as soon as the count is back, the chunks keep arriving in the background
-  and ``load`` waits for them. Two messages per request with peer hits.
-- ``lookup(fetch=False)`` (the admin lookup, probes): the count only.
+  and ``load`` waits for them. Two messages per holder.
+- ``lookup(fetch=False)`` (the admin lookup, probes): the counts only.
 - ``load`` without a lookup in flight: locate, then fetch.
+
+A request's prefix may lie on several holders (a conversation whose turns ran
+on different pods, each storing what it computed): where one holder's run
+ends, the owner of the next key is asked and the next holder's run follows,
+up to ``MAX_HOLDERS`` holders, each asked as soon as the previous count is
+back. Before each holder, ``fetch_cost`` decides whether fetching its claimed
+run beats the engine recomputing it; when not, the rest is a miss.
 
 Every failure or deadline is a miss; a failing peer is reported for back-off
 (``links.PeerManager.report_failure``). An owner that names a holder without
 the chunk, and a holder named for a chunk it lacks, each count one false
 claim (``claims.ClaimAudit``, keys ``owner:<id>`` and ``<id>``); distrusted
-ones are not asked. Fetched chunks are demoted once loaded (the pool keeps
-them elsewhere).
+ones are not asked. What is done with fetched chunks once loaded is the
+sidecar's sharing policy (``Sidecar.load``: dropped, or demoted).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
 from kv_offload_sidecar.peers.location_wire import HolderClaim
 
 if TYPE_CHECKING:
@@ -44,8 +52,11 @@ log = logging.getLogger(__name__)
 MAX_PEER_KEYS = 65536
 # Fetches started by lookups and not finished yet (past this, a lookup only counts).
 MAX_PREFETCHES = 1024
-# Fetched chunks remembered until their load demotes them (oldest forgotten first).
+# Fetched chunks remembered until their load drops or demotes them (oldest forgotten first).
 MAX_FETCHED = 65536
+# Holders one request's prefix is read from in turn (a conversation whose turns were stored
+# on different pods); each costs at most an owner query and a holder exchange.
+MAX_HOLDERS = 8
 # Prefix of an owner's key in the claim audit.
 OWNER_PREFIX = "owner:"
 
@@ -68,7 +79,10 @@ class PeerReads:
     """Lookups and loads of chunks this sidecar lacks, from the peers the directory names."""
 
     def __init__(self, *, location: Location, peers: PeerManager, claims: ClaimAudit,
-                 metrics: SidecarMetrics, store: Callable[[], ChunkStore], deadline_seconds: float) -> None:
+                 metrics: SidecarMetrics, store: Callable[[], ChunkStore], deadline_seconds: float,
+                 cost: FetchOrRecompute) -> None:
+        # Fetch or recompute, from the peers' measured speeds and the engine's prefill rate.
+        self.cost = cost
         self._location = location
         self._peers = peers
         self._claims = claims
@@ -90,15 +104,14 @@ class PeerReads:
             start, pending = found
             return max(0, await self._count_of(pending, keys[start:], deadline) - (local - start))
         rest = list(keys[local:local + MAX_PEER_KEYS])
-        holder = await self._holder(rest, deadline)
+        if not fetch or len(self._inflight) >= MAX_PREFETCHES:
+            return await self._count_runs(rest, deadline)
+        holder = await self._holder(rest, deadline, decide=True)
         if holder is None:
             return 0
-        link, claim, owner = holder
-        if not fetch or len(self._inflight) >= MAX_PREFETCHES:
-            return await self._exchange(link, claim, owner, rest, deadline, fetch=False)
-        prefetch = _Prefetch(rest, asyncio.get_running_loop().create_future(), holder=claim.identity)
+        prefetch = _Prefetch(rest, asyncio.get_running_loop().create_future(), holder=holder[1].identity)
         self._inflight[rest[0]] = prefetch
-        prefetch.task = self._spawn(self._prefetch(prefetch, link, claim, owner))
+        prefetch.task = self._spawn(self._prefetch(prefetch, holder))
         return await self._count_of(prefetch, rest, deadline)
 
     async def load(self, keys: Sequence[bytes], local: int, timeout: float) -> None:
@@ -108,11 +121,17 @@ class PeerReads:
             with contextlib.suppress(asyncio.TimeoutError, Exception):
                 await asyncio.wait_for(asyncio.shield(found[1].task), timeout)
             return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + min(timeout, self._deadline)
         rest = list(keys[local:local + MAX_PEER_KEYS])
-        deadline = min(timeout, self._deadline)
-        holder = await self._holder(rest, deadline)
-        if holder is not None:
-            await self._exchange(*holder, rest, deadline, fetch=True)
+        for _ in range(MAX_HOLDERS):
+            holder = await self._holder(rest, end - loop.time(), decide=True)
+            if holder is None:
+                return
+            got = await self._exchange(*holder, rest, end - loop.time(), fetch=True)
+            rest = self._after_run(rest, got)
+            if not rest:
+                return
 
     def _pending(self, keys: Sequence[bytes], local: int) -> tuple[int, _Prefetch] | None:
         """A lookup's fetch still running for these keys: ``(index of its first key, it)``.
@@ -124,7 +143,7 @@ class PeerReads:
         return None
 
     def take_fetched(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Which of ``keys`` came from peers (and are now loaded: the caller demotes them)."""
+        """Which of ``keys`` came from peers (the caller drops or demotes them once loaded)."""
         out = [k for k in keys if k in self._fetched]
         for k in out:
             del self._fetched[k]
@@ -139,8 +158,13 @@ class PeerReads:
 
     # ---- steps ----------------------------------------------------------------------------
 
-    async def _holder(self, keys: list[bytes], deadline: float) -> tuple[PeerLink, HolderClaim, str] | None:
-        """Ask the owner of ``keys[0]``; the first trusted, connected holder it names (and the owner)."""
+    async def _holder(self, keys: list[bytes], deadline: float, *,
+                      decide: bool = False) -> tuple[PeerLink, HolderClaim, str] | None:
+        """Ask the owner of ``keys[0]``; the first trusted, connected holder it names (and the owner).
+        With ``decide``, None also when fetching the holder's claimed run would be slower than
+        the engine recomputing it (``fetch_cost``)."""
+        if deadline <= 0:
+            return None
         owner = self._location.owner_of(keys[0])
         distrusted = self._claims.distrusted()
         if OWNER_PREFIX + owner in distrusted:
@@ -159,27 +183,102 @@ class PeerReads:
             if claim.identity in distrusted or claim.identity == self._location.identity:
                 continue
             link = self._peers.connected(claim.identity)
-            if link is not None and link.data is not None and not link.data.closed:
-                return link, claim, owner
+            if link is None or link.data is None or link.data.closed:
+                continue
+            if decide:
+                worth = self.cost.worth(claim.identity, min(claim.run, len(keys)))
+                self._metrics.fetch_decisions.labels(decision="fetch" if worth else "recompute").inc()
+                if not worth:
+                    return None
+            return link, claim, owner
         return None
 
-    async def _prefetch(self, prefetch: _Prefetch, link: PeerLink, claim: HolderClaim, owner: str) -> int:
+    async def _prefetch(self, prefetch: _Prefetch, holder: tuple[PeerLink, HolderClaim, str]) -> int:
+        """The lookup's fetch: the first holder's run, then the next holders' runs of the same
+        request (a chain whose parts were stored on different pods), each asked as soon as the
+        previous count is back while its chunks still arrive. The count is the whole run."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._deadline
+        keys, total = prefetch.keys, 0
+        exchanges: list[asyncio.Task[int]] = []
         try:
-            return await self._exchange(link, claim, owner, prefetch.keys, self._deadline, fetch=True,
-                                        on_count=lambda n: _resolve(prefetch.count, n))
+            for _ in range(MAX_HOLDERS):
+                counted: asyncio.Future[int] = loop.create_future()
+                exchanges.append(self._spawn(self._exchange(
+                    *holder, keys, end - loop.time(), fetch=True,
+                    on_count=lambda n, f=counted: _resolve(f, n))))
+                await asyncio.wait({counted, exchanges[-1]}, return_when=asyncio.FIRST_COMPLETED)
+                n = counted.result() if counted.done() else 0
+                rest = self._after_run(keys, n)
+                total += len(keys) - len(rest)
+                if n == 0 or not rest:
+                    break
+                keys = rest
+                found = await self._holder(keys, end - loop.time(), decide=True)
+                if found is None:
+                    break
+                holder = found
+            _resolve(prefetch.count, total)
+            got = 0
+            for t in exchanges:
+                got += await t
+            return got
         finally:
-            _resolve(prefetch.count, 0)
+            _resolve(prefetch.count, total)
             self._inflight.pop(prefetch.keys[0], None)
+
+    async def _count_runs(self, keys: list[bytes], deadline: float) -> int:
+        """The pool's hit prefix of ``keys`` by counts alone (nothing moves)."""
+        loop = asyncio.get_running_loop()
+        end, total = loop.time() + deadline, 0
+        for _ in range(MAX_HOLDERS):
+            holder = await self._holder(keys, end - loop.time())
+            if holder is None:
+                break
+            n = await self._exchange(*holder, keys, end - loop.time(), fetch=False)
+            rest = self._after_run(keys, n)
+            total += len(keys) - len(rest)
+            if n == 0 or not rest:
+                break
+            keys = rest
+        return total
+
+    def _after_run(self, keys: list[bytes], n: int) -> list[bytes]:
+        """``keys`` past a holder's run of ``n`` and past the chunks this store holds after it."""
+        if n <= 0:
+            return keys
+        store = self._store()
+        i = n
+        while i < len(keys) and store.contains(keys[i]):
+            i += 1
+        return keys[i:]
 
     async def _exchange(self, link: PeerLink, claim: HolderClaim, owner: str, keys: list[bytes],
                         deadline: float, *, fetch: bool, on_count: Callable[[int], None] | None = None) -> int:
-        """One exchange with the holder (a count, a fetch, or both); 0 on any failure."""
+        """One exchange with the holder (a count, a fetch, or both); 0 on any failure.
+        Its timing feeds the peer's moving averages (``fetch_cost.PeerSpeeds``)."""
         from kv_offload_sidecar.data import TransportError
 
+        if deadline <= 0:
+            return 0
         self._metrics.lookup_messages.inc()
         if fetch:  # marked before they land: a load may pin them before this returns
             self._location.mark_copies(keys)
             self._remember(keys)
+        loop = asyncio.get_running_loop()
+        started = counted_at = loop.time()
+        speeds = self.cost.speeds
+        asked = len(keys)  # past the holder's count, the keys are the next holder's
+
+        def counted(n: int) -> None:
+            nonlocal counted_at, asked
+            counted_at, asked = loop.time(), n
+            if fetch:
+                self._forget(keys[n:])  # not coming from this holder
+            speeds.observe_latency(claim.identity, counted_at - started)
+            if on_count is not None:
+                on_count(n)
+
         got = 0
         try:
             if not fetch:
@@ -187,8 +286,7 @@ class PeerReads:
             elif on_count is not None:
                 # One key ahead of the count: a claim may be stale, and a slot reserved past the
                 # holder's run would evict one of our chunks for nothing.
-                coro = link.data.fetch_counted(keys, self._store(), deadline, first=1,
-                                               on_count=on_count)
+                coro = link.data.fetch_counted(keys, self._store(), deadline, first=1, on_count=counted)
             else:
                 coro = link.data.fetch(keys, self._store(), deadline)
             # The transport enforces the deadline; this bound only guards against a hang.
@@ -200,7 +298,11 @@ class PeerReads:
             return 0
         finally:
             if fetch:
-                self._forget(keys[got:])
+                self._forget(keys[got:max(got, asked)])
+        if not fetch:
+            speeds.observe_latency(claim.identity, loop.time() - started)
+        elif got:
+            speeds.observe_transfer(claim.identity, got * self._store().slot_bytes, loop.time() - counted_at)
         backed = 1 if got else 0
         self._claims.record(claim.identity, 1, backed)
         if owner != self._location.identity:

@@ -67,6 +67,8 @@ class _Entry:
     checksum: int
     # Number of live PinnedChunk handles; > 0 means never evicted.
     pins: int = 0
+    # Forgotten at its last release (a peer's chunk the engine is loading: drop_when_released).
+    transient: bool = False
 
 
 class ChunkStore:
@@ -245,6 +247,37 @@ class ChunkStore:
                     moved += 1
         return moved
 
+    def drop_when_released(self, keys: Iterable[bytes]) -> int:
+        """Forget the visible ``keys`` once nothing pins them (at once if nothing does now).
+
+        Used for chunks fetched from a peer, once the engine has loaded them: the pool
+        keeps them at their holder, so this store keeps no second copy and its slots
+        stay for chunks only it has. Returns how many of ``keys`` were visible.
+        """
+        checked = checked_keys(keys)
+        gone: list[bytes] = []
+        marked = 0
+        with self._lock:
+            self._check_open()
+            for key in checked:
+                entry = self._visible.get(key)
+                if entry is None:
+                    continue
+                marked += 1
+                if entry.pins:
+                    entry.transient = True
+                else:
+                    self._forget_locked(key, entry)
+                    gone.append(key)
+            self._update_gauges_locked()
+        for key in gone:
+            self._notify(key, False)
+        return marked
+
+    def _forget_locked(self, key: bytes, entry: _Entry) -> None:
+        del self._visible[key]
+        self._free.append(entry.slot)
+
     def checksum_of(self, key: bytes) -> int | None:
         """Checksum of the visible chunk ``key``, or None when it is not visible."""
         key = check_key(key)
@@ -363,8 +396,14 @@ class ChunkStore:
     def _unpin(self, key: bytes) -> None:
         with self._lock:
             entry = self._visible.get(key)
-            if entry is not None and entry.pins > 0:
-                entry.pins -= 1
+            if entry is None or entry.pins == 0:
+                return
+            entry.pins -= 1
+            if entry.pins or not entry.transient:
+                return
+            self._forget_locked(key, entry)
+            self._update_gauges_locked()
+        self._notify(key, False)
 
     def _dropped_handle(self, kind: str, key: bytes, slot: int) -> None:
         """Called from ``__del__`` of an unfinished handle: lock-free, reclaimed later."""

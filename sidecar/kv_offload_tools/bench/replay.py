@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kv_offload_sidecar.engine.store_view import slot_stride_for
-from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, TRANSPORTS
+from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, PEER_COPIES, TRANSPORTS
 from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools import scrape
@@ -78,6 +78,8 @@ class ReplaySettings:
     # Sessions and turns per session of a generated conversation workload.
     sessions: int = 200
     turns: int = 6
+    # The sidecars' sharing policy for chunks fetched from peers: "drop" or "cold" (--peer-copies).
+    peer_copies: str = "drop"
 
 
 @dataclass
@@ -129,6 +131,10 @@ class ReplayReport:
     owner_queries_per_request: float = 0.0
     # Exchanges with holders (lookup messages besides owner questions) per peer-hit request.
     holder_exchanges_per_peer_hit_request: float = 0.0
+    # The sidecars' sharing policy ("drop" or "cold").
+    peer_copies: str = "drop"
+    # Chunk bytes received from peers per chunk hit.
+    bytes_moved_per_hit: float = 0.0
 
 
 # ---- trace and keys -------------------------------------------------------------
@@ -260,7 +266,8 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
     common = dict(transport=settings.transport, config=config,
                   capacity_bytes=settings.capacity_chunks * slot_stride_for(settings.chunk_bytes),
                   publish_interval_seconds=settings.publish_interval_seconds,
-                  fetch_deadline_seconds=settings.timeout_seconds, log_level="WARNING")
+                  fetch_deadline_seconds=settings.timeout_seconds, log_level="WARNING",
+                  extra_args=("--peer-copies", settings.peer_copies))
     pools = [LocalPool(replicas, **common)] if sharing else \
         [LocalPool(1, **common) for _ in range(replicas)]
     result = RunResult()
@@ -329,7 +336,8 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
                                else f"trace {settings.trace}"),
         owner_queries_per_request=p2p.owner_queries / len(keys),
         holder_exchanges_per_peer_hit_request=_per(p2p.lookup_messages - p2p.owner_queries,
-                                                   p2p.peer_hit_requests))
+                                                   p2p.peer_hit_requests),
+        peer_copies=settings.peer_copies, bytes_moved_per_hit=_per(p2p.bytes_moved, p2p.hit_chunks))
     for m in sweep_replicas:
         if m == n:
             run, m_routes = p2p, routes
@@ -344,7 +352,8 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
             "lookup_messages_per_request": run.lookup_messages / len(keys),
             "lookup_messages_per_peer_hit_request": _per(run.lookup_messages,
                                                          run.peer_hit_requests),
-            "bytes_moved": int(run.bytes_moved)})
+            "bytes_moved": int(run.bytes_moved),
+            "bytes_moved_per_hit": _per(run.bytes_moved, run.hit_chunks)})
     report.seconds = time.monotonic() - started
     if plot:
         report.plot = write_plot(plot, report, keys, routes)
@@ -432,11 +441,12 @@ def format_table(report: ReplayReport) -> str:
             ("owner_queries_per_request", f"{report.owner_queries_per_request:.3f}"),
             ("holder_exchanges_per_peer_hit_request", f"{report.holder_exchanges_per_peer_hit_request:.3f}"),
             ("bytes_moved", f"{report.bytes_moved}"),
+            ("bytes_moved_per_hit", f"{report.bytes_moved_per_hit:.0f}"),
             ("mismatched chunks", f"{report.mismatched_chunks}")]
     w = max(len(r[0]) for r in rows)
     head = (f"replay of {report.workload}: {report.requests} requests, {report.chunks} chunks, {report.replicas} "
             f"replicas x {report.capacity_chunks} chunks of {report.chunk_bytes} B, "
-            f"{report.routing}")
+            f"{report.routing}, peer copies: {report.peer_copies}")
     lines = [head] + [f"  {a.ljust(w)}  {b}" for a, b in rows]
     if report.sweep:
         lines.append("  replicas  p2p     pooled  local(sim)  msgs/request  msgs/peer-hit request")
@@ -495,6 +505,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure P2P at these replica counts, e.g. 4,8,16")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="tcp")
+    parser.add_argument("--peer-copies", choices=PEER_COPIES, default="drop",
+                        help="the sidecars' sharing policy: drop a fetched chunk once loaded (default) "
+                             "or keep it at the cold end")
     parser.add_argument("--publish-interval-seconds", type=float, default=0.05,
                         help="sidecars' directory publish interval (default 0.05)")
 
@@ -511,7 +524,8 @@ def run(args: argparse.Namespace) -> int:
         trace=args.trace, replicas=args.replicas, capacity_chunks=args.capacity_chunks,
         chunk_bytes=args.chunk_bytes, routing=args.routing, limit=args.limit,
         transport=args.transport, publish_interval_seconds=args.publish_interval_seconds,
-        seed=args.seed, generate=args.generate, sessions=args.sessions, turns=args.turns)
+        seed=args.seed, generate=args.generate, sessions=args.sessions, turns=args.turns,
+        peer_copies=args.peer_copies)
     if settings.transport == "ucx":
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")
     try:

@@ -1,4 +1,5 @@
-"""The engine path's peer side, with two sidecars in this process: locate, one exchange, demotion."""
+"""The engine path's peer side, with sidecars in this process: locate, exchanges with one or more
+holders, what the asker keeps of fetched chunks, and fetch-or-recompute."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ async def _settled(*sidecars: Sidecar) -> None:
     raise AssertionError(f"the directory did not settle: {[s.location.status() for s in sidecars]}")
 
 
-async def test_a_lookup_fetches_its_hits_and_the_load_demotes_them(make_settings):
+async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_them(make_settings):
     holder_settings = make_settings(identity="holder")
     holder = Sidecar(holder_settings)
-    asker = Sidecar(make_settings(identity="asker", static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    asker = Sidecar(make_settings(identity="asker", peer_copies="cold",
+                                  static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
     async with running(holder), running(asker):
         keys, mine = _keys("chain", 6), _keys("own", 4)
         _store(holder, keys)
@@ -73,3 +75,76 @@ async def test_a_holder_named_for_a_chunk_it_lost_is_one_false_claim_and_a_miss(
         assert await asker.load(keys, 1.0) == []
         assert asker.metrics.peer_false_claims._value.get() >= 1
         assert len(asker.store) == 0
+
+
+async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_keeps_them_hot(make_settings):
+    holder_settings = make_settings(identity="holder")
+    holder = Sidecar(holder_settings)
+    asker = Sidecar(make_settings(identity="asker", static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    async with running(holder), running(asker):
+        keys, older = _keys("chain", 6), _keys("older", 3)
+        _store(holder, keys)
+        _store(holder, older)  # stored after keys: keys are colder at the holder
+        await _settled(holder, asker)
+        assert await asker.lookup(keys, 1.0) == (0, 6)
+        pins = await asker.load(keys, 1.0)
+        assert [bytes(p.view[:1]) for p in pins] == [b"\0"] * 6 and len(asker.store) == 6
+        for p in pins:
+            p.release()
+        # Released: the asker's store is empty again, the holder's copies were touched by the read.
+        assert len(asker.store) == 0 and asker.store.stats()["free_slots"] == asker.store.num_slots
+        assert list(holder.store._visible)[-6:] == keys
+        await _settled(holder, asker)
+        assert await asker.lookup(keys, 1.0) == (0, 6)  # still in the pool, at the holder
+        for p in await asker.load(keys, 1.0):
+            p.release()
+
+
+async def test_a_prefix_split_over_two_holders_is_fetched_from_both(make_settings):
+    a_settings = make_settings(identity="a")
+    b_settings = make_settings(identity="b", static_peers=(f"127.0.0.1:{a_settings.base_port}",))
+    a, b = Sidecar(a_settings), Sidecar(b_settings)
+    peers = (f"127.0.0.1:{a_settings.base_port}", f"127.0.0.1:{b_settings.base_port}")
+    asker = Sidecar(make_settings(identity="asker", static_peers=peers))
+    async with running(a), running(b), running(asker):
+        keys = _keys("conversation", 7)
+        _store(a, keys[:3])  # turn 1 ran on a
+        _store(b, keys[3:5])  # turn 2 on b, which dropped the copies of turn 1 it had loaded
+        _store(asker, keys[5:6])  # and one chunk the asker computed itself
+        await _settled(a, b, asker)
+        before = asker.metrics.lookup_messages._value.get()
+        assert await asker.lookup(keys, 1.0) == (0, 6)
+        pins = await asker.load(keys, 1.0)
+        assert [p.key for p in pins] == keys[:6]
+        for p in pins:
+            p.release()
+        # Two holders: an owner question (unless the asker owns the key) and an exchange each,
+        # and one owner question for the key after the asker's own chunk (nobody holds it).
+        assert 2 <= asker.metrics.lookup_messages._value.get() - before <= 5
+        assert [k for k in keys if k in asker.store] == keys[5:6]
+
+
+async def test_a_run_slower_to_fetch_than_to_recompute_is_a_miss(make_settings):
+    holder_settings = make_settings(identity="holder")
+    holder = Sidecar(holder_settings)
+    # 16 tokens per chunk at 10^12 tokens/s: recomputing 4 chunks takes 64 ps, never slower than a fetch.
+    asker = Sidecar(make_settings(identity="asker", prefill_tokens_per_second=1e12,
+                                  static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    async with running(holder), running(asker):
+        first, second = _keys("first", 4), _keys("second", 4)
+        _store(holder, first + second)
+        await _settled(holder, asker)
+        decisions = asker.metrics.fetch_decisions
+        # The holder is not measured yet: its run is fetched, and measures it.
+        assert await asker.lookup(first, 1.0) == (0, 4)
+        for p in await asker.load(first, 1.0):
+            p.release()
+        assert decisions.labels(decision="fetch")._value.get() == 1
+        speeds = asker.reads.cost.speeds.view()["holder"]
+        assert speeds["latency_seconds"] > 0 and speeds["bytes_per_second"] > 0
+        # Now it is known to be slower than recomputing: a miss, nothing moves.
+        received = asker.metrics.peer_bytes.labels(direction="received")._value.get()
+        assert await asker.lookup(second, 1.0) == (0, 0)
+        assert await asker.load(second, 1.0) == []
+        assert decisions.labels(decision="recompute")._value.get() >= 1
+        assert asker.metrics.peer_bytes.labels(direction="received")._value.get() == received

@@ -739,3 +739,39 @@ def test_demoted_chunks_are_evicted_before_older_ones(tmp_path):
         assert all(store.contains(k) for k in (b"a", b"b", b"d"))
     finally:
         store.close()
+
+
+def test_a_chunk_dropped_when_released_goes_at_its_last_release_and_frees_its_slot(tmp_path):
+    changes: list[tuple[bytes, bool]] = []
+    store = ChunkStore(4096, 2 * 4096, directory=str(tmp_path), name="transient",
+                       on_change=lambda k, present: changes.append((k, present)))
+    try:
+        for key in (b"a", b"b"):
+            with store.begin_write(key) as res:
+                res.view[:] = key * 4096
+                assert res.commit()
+        first, second = store.pin(b"a"), store.pin(b"a")
+        assert store.drop_when_released([b"a", b"b", b"zz"]) == 2
+        # b was not pinned: gone at once; a stays while pinned, and is readable.
+        assert not store.contains(b"b") and store.contains(b"a")
+        assert changes[-1] == (b"b", False)
+        first.release()
+        assert store.contains(b"a") and bytes(second.view[:4]) == b"aaaa"
+        second.release()
+        assert not store.contains(b"a") and changes[-1] == (b"a", False)
+        assert store.stats()["free_slots"] == 2 and store.stats()["evictions"] == 0
+    finally:
+        store.close()
+
+
+def test_a_chunk_kept_by_the_store_is_not_dropped_by_a_later_release(tmp_path):
+    store = ChunkStore(4096, 2 * 4096, directory=str(tmp_path), name="kept")
+    try:
+        with store.begin_write(b"a") as res:
+            res.view[:] = b"a" * 4096
+            assert res.commit()
+        pin = store.pin(b"a")
+        pin.release()
+        assert store.contains(b"a")
+    finally:
+        store.close()
