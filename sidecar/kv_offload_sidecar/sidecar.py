@@ -326,6 +326,19 @@ class Sidecar:
                 return
             pins.append(pin)
 
+    async def route_hint(self, keys: Sequence[bytes], timeout: float) -> list[dict[str, Any]]:
+        """Pods holding the longest prefixes of ``keys`` (this one included), longest first:
+        ``{"pod", "address", "chunks"}`` with ``address`` the pod's control address. Nothing moves
+        and no LRU order changes: a gateway asks before it picks a replica."""
+        local = self._require_store().lookup_prefix(keys, touch=False)
+        out = []
+        if local:
+            out.append({"pod": self.settings.identity, "address": self.control_address, "chunks": local})
+        for link, n in await self.reads.prefix_holders(keys, timeout):
+            out.append({"pod": link.identity, "address": link.address, "chunks": n})
+        out.sort(key=lambda h: -h["chunks"])
+        return out
+
     def reserve(self, keys: Sequence[bytes]) -> list[WriteReservation | None]:
         """Write reservations for ``keys`` (None where present, being written or full)."""
         store = self._require_store()

@@ -19,8 +19,11 @@ Endpoints (JSON unless noted; every error is ``{"error": "...", ...}`` with a
   derived from the pool key, ``kv-offload admin-token``; 401 otherwise, before
   the body is read, so a refused caller learns nothing):
   ``POST /v1/lookup`` ``{"keys": [hex, ...], "timeout": s}`` -> ``{"local",
-  "peer"}`` (the engine lookup, for debugging; it moves no chunk); ``GET /v1/peers``, ``GET
-  /v1/status``: what this sidecar knows and holds.
+  "peer"}`` (the engine lookup, for debugging; it moves no chunk); ``POST
+  /v1/route`` ``{"keys": [hex, ...]}`` -> ``{"asked", "pods": [{"pod", "address",
+  "chunks"}, ...]}``, the pods holding the longest prefixes of a request's chunk
+  keys, longest first (routing hints for a gateway's endpoint picker; nothing
+  moves); ``GET /v1/peers``, ``GET /v1/status``: what this sidecar knows and holds.
 - Pod-local (the caller's address is 127.0.0.1, ::1 or the address it dialled,
   i.e. the pod's own network namespace; 403 otherwise): ``GET /v1/local``, the
   local channel socket path and the store's shm geometry for the engine
@@ -226,6 +229,20 @@ async def handle_lookup(request: web.Request) -> web.StreamResponse:
 
 
 @admin_only
+async def handle_route(request: web.Request) -> web.StreamResponse:
+    sidecar = request.app[SIDECAR_KEY]
+    if not sidecar.ready:
+        return json_error(503, "not ready: the sidecar is starting or shutting down")
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise _bad("body must be an object {\"keys\": [hex, ...]}")
+    keys = parse_keys(body.get("keys"), sidecar)
+    timeout = parse_timeout(body.get("timeout"), sidecar.settings.fetch_deadline_seconds)
+    pods = await sidecar.route_hint(keys, timeout)
+    return web.json_response({"asked": len(keys), "pods": pods})
+
+
+@admin_only
 async def handle_peers(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
     return web.json_response({"peers": sidecar.peers_view()})
@@ -260,6 +277,7 @@ def create_app(sidecar: Sidecar, dp_index: int) -> web.Application:
     app.router.add_post("/v1/handshake", handle_handshake)
     add_location_routes(app, SIDECAR_KEY)
     app.router.add_post("/v1/lookup", handle_lookup)
+    app.router.add_post("/v1/route", handle_route)
     app.router.add_get("/v1/peers", handle_peers)
     app.router.add_get("/v1/status", handle_status)
     app.router.add_get("/v1/local", handle_local)

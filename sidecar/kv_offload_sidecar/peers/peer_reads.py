@@ -133,6 +133,34 @@ class PeerReads:
             if not rest:
                 return
 
+    async def prefix_holders(self, keys: Sequence[bytes], timeout: float) -> list[tuple[PeerLink, int]]:
+        """Peers holding a prefix of ``keys``, each with its length as the peer counts it: the
+        holders the owner of ``keys[0]`` names, asked in parallel (nothing moves). For routing
+        hints: one owner question and up to LOCATE_HOLDERS counts."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + min(timeout, self._deadline)
+        rest = list(keys[:MAX_PEER_KEYS])
+        if not rest:
+            return []
+        owner = self._location.owner_of(rest[0])
+        distrusted = self._claims.distrusted()
+        if OWNER_PREFIX + owner in distrusted:
+            return []
+        try:
+            owner, claims = await self._location.locate(rest, end - loop.time())
+        except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            log.warning("owner %s could not say where chunks are (%s); no routing hint", owner, exc)
+            return []
+        asked = []
+        for claim in claims:
+            link = self._peers.connected(claim.identity)
+            if (claim.identity not in distrusted and claim.identity != self._location.identity
+                    and link is not None and link.data is not None and not link.data.closed):
+                asked.append((link, claim))
+        counts = await asyncio.gather(*(self._exchange(link, claim, owner, rest, end - loop.time(),
+                                                       fetch=False) for link, claim in asked))
+        return sorted(((link, n) for (link, _), n in zip(asked, counts) if n > 0), key=lambda x: -x[1])
+
     def _pending(self, keys: Sequence[bytes], local: int) -> tuple[int, _Prefetch] | None:
         """A lookup's fetch still running for these keys: ``(index of its first key, it)``.
         It started at the first key not held then, which is at or before ``local`` now."""

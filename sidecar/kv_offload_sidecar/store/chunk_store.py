@@ -209,8 +209,9 @@ class ChunkStore:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_BYTES and self.contains(key)
 
-    def lookup_prefix(self, keys: Iterable[bytes]) -> int:
-        """Number of leading ``keys`` that are visible; marks them recently used.
+    def lookup_prefix(self, keys: Iterable[bytes], *, touch: bool = True) -> int:
+        """Number of leading ``keys`` that are visible; marks them recently used
+        (not with ``touch=False``: a peer's count, a routing hint, which use nothing).
 
         The prefix is touched back to front so its first chunk is the most
         recently used: eviction takes the tail of a prefix before its head.
@@ -225,6 +226,8 @@ class ChunkStore:
                 if key not in visible:
                     break
                 hits += 1
+            if not touch:
+                return hits
             move_to_end = visible.move_to_end
             for i in range(hits - 1, -1, -1):
                 move_to_end(checked[i])

@@ -7,7 +7,7 @@ import os
 
 import pytest
 from aiohttp import web
-from kv_offload_sidecar.control.app import create_app
+from kv_offload_sidecar.control.app import SIDECAR_KEY, create_app
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.handshake import HandshakeInitiator, make_hello
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
@@ -185,6 +185,8 @@ async def test_replayed_handshake_is_rejected(sidecar_client):
     ("/v1/lookup", json.dumps({"keys": ["00"] * 5000}).encode(), 400, "at most"),
     ("/v1/lookup", b'{"keys": ["00"], "timeout": -1}', 400, "timeout"),
     ("/v1/lookup", b'"keys"', 400, "object"),
+    ("/v1/route", b'{"keys": ["xyz"]}', 400, "keys[0]"),
+    ("/v1/route", b'[1]', 400, "object"),
 ])
 async def test_bad_bodies_get_clear_json_errors_and_service_continues(sidecar_client, path, data, status, phrase):
     resp = await sidecar_client.post(path, data=data, headers={"Content-Type": "application/json", **ADMIN})
@@ -216,6 +218,20 @@ async def test_lookup_counts_each_chunk_key(sidecar_client):
     assert await resp.json() == {"local": 0, "peer": 0}
     assert await metric(sidecar_client, "kv_offload_chunk_lookups_total", result="miss") == 3
     assert await metric(sidecar_client, "kv_offload_lookup_messages_total") == 0
+
+
+async def test_a_route_hint_names_this_pod_with_its_local_prefix(sidecar_client):
+    sidecar = sidecar_client.server.app[SIDECAR_KEY]
+    keys = [os.urandom(20) for _ in range(3)]
+    for r in sidecar.reserve(keys[:2]):
+        r.view[:] = bytes(len(r.view))
+        r.commit()
+    resp = await sidecar_client.post("/v1/route", json={"keys": [k.hex() for k in keys]}, headers=ADMIN)
+    assert resp.status == 200
+    assert await resp.json() == {"asked": 3, "pods": [
+        {"pod": sidecar.settings.identity, "address": sidecar.control_address, "chunks": 2}]}
+    resp = await sidecar_client.post("/v1/route", json={"keys": [keys[2].hex()]}, headers=ADMIN)
+    assert (await resp.json())["pods"] == []
 
 
 async def test_local_view_names_socket_and_store_geometry(sidecar_client):
@@ -250,7 +266,7 @@ async def test_stop_unlinks_store_and_socket(make_settings):
 
 
 def test_create_app_keeps_state_under_typed_keys(make_settings):
-    from kv_offload_sidecar.control.app import DP_INDEX_KEY, SIDECAR_KEY
+    from kv_offload_sidecar.control.app import DP_INDEX_KEY
 
     sidecar = Sidecar(make_settings())
     app = create_app(sidecar, 3)
@@ -258,8 +274,8 @@ def test_create_app_keeps_state_under_typed_keys(make_settings):
     assert app[SIDECAR_KEY] is sidecar and app[DP_INDEX_KEY] == 3
 
 
-@pytest.mark.parametrize("method, path", [("POST", "/v1/lookup"), ("GET", "/v1/status"),
-                                          ("GET", "/v1/peers")])
+@pytest.mark.parametrize("method, path", [("POST", "/v1/lookup"), ("POST", "/v1/route"),
+                                          ("GET", "/v1/status"), ("GET", "/v1/peers")])
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Basic {admin_token(POOL_KEY)}",
                                   f"Bearer {admin_token(b'another-pool-key')}"])
 async def test_admin_endpoints_need_the_admin_token(sidecar_client, method, path, auth):

@@ -148,3 +148,22 @@ async def test_a_run_slower_to_fetch_than_to_recompute_is_a_miss(make_settings):
         assert await asker.load(second, 1.0) == []
         assert decisions.labels(decision="recompute")._value.get() >= 1
         assert asker.metrics.peer_bytes.labels(direction="received")._value.get() == received
+
+
+async def test_a_route_hint_ranks_the_pods_by_the_prefix_each_holds_and_moves_nothing(make_settings):
+    a_settings = make_settings(identity="a")
+    b_settings = make_settings(identity="b", static_peers=(f"127.0.0.1:{a_settings.base_port}",))
+    a, b = Sidecar(a_settings), Sidecar(b_settings)
+    peers = (f"127.0.0.1:{a_settings.base_port}", f"127.0.0.1:{b_settings.base_port}")
+    asker = Sidecar(make_settings(identity="asker", static_peers=peers))
+    async with running(a), running(b), running(asker):
+        keys = _keys("session", 6)
+        _store(a, keys[:5])
+        _store(b, keys[:2])
+        _store(asker, keys[:1])
+        await _settled(a, b, asker)
+        order = list(a.store._visible)
+        hint = await asker.route_hint(keys, 1.0)
+        assert [(h["pod"], h["chunks"]) for h in hint] == [("a", 5), ("b", 2), ("asker", 1)]
+        assert hint[0]["address"] == peers[0] and hint[2]["address"] == asker.control_address
+        assert list(a.store._visible) == order and len(asker.store) == 1  # no LRU touched, nothing moved

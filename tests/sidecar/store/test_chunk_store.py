@@ -775,3 +775,18 @@ def test_a_chunk_kept_by_the_store_is_not_dropped_by_a_later_release(tmp_path):
         assert store.contains(b"a")
     finally:
         store.close()
+
+
+def test_a_count_without_touch_leaves_the_lru_order_alone(tmp_path):
+    store = ChunkStore(4096, 3 * 4096, directory=str(tmp_path), name="count")
+    try:
+        for key in (b"a", b"b", b"c"):
+            with store.begin_write(key) as res:
+                res.view[:] = key * 4096
+                assert res.commit()
+        assert store.lookup_prefix([b"a", b"b"], touch=False) == 2
+        assert store.keys() == [b"a", b"b", b"c"]
+        assert store.lookup_prefix([b"a", b"b"]) == 2
+        assert store.keys() == [b"c", b"b", b"a"]
+    finally:
+        store.close()

@@ -233,7 +233,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP and payload is not None:
                     keys = proto.decode_keys(payload)
-                    reply = proto.encode_lookup_reply(header.request_id, self._store.lookup_prefix(keys))
+                    reply = proto.encode_lookup_reply(header.request_id, self._store.lookup_prefix(keys, touch=False))
                     if queue.empty() and not busy[0]:  # writer idle: answer without its hop
                         reply = stream.send_now(reply)
                     if reply:

@@ -217,7 +217,7 @@ class _ServerConnection:
                 header, payload = parse_frame(buf, srv._chunk_bytes)
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP:
-                    hits = srv._store.lookup_prefix(proto.decode_keys(payload))
+                    hits = srv._store.lookup_prefix(proto.decode_keys(payload), touch=False)
                     await rt.send(self.ep, join_parts(proto.encode_lookup_reply(header.request_id, hits)),
                                   self.s2c)
                 elif mtype is proto.MessageType.FETCH:
