@@ -51,6 +51,8 @@ PROTOCOL_ERROR_REASONS = (
 LOCATION_KINDS = ("publish", "locate")
 # direction label of location_bytes, seen from this sidecar.
 LOCATION_BYTES_DIRECTIONS = ("sent", "received")
+# kind label of route_hint_messages: an owner question, or a holder's count.
+ROUTE_HINT_KINDS = ("locate", "count")
 # decision label of fetch_decisions: fetch a holder's run, or leave it to the engine to recompute.
 FETCH_DECISIONS = ("fetch", "recompute")
 # Label names of the config_info series (one series per process).
@@ -74,6 +76,7 @@ LABEL_VALUES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     f"{NAMESPACE}_location_messages": {"kind": LOCATION_KINDS},
     f"{NAMESPACE}_location_bytes": {"direction": LOCATION_BYTES_DIRECTIONS},
     f"{NAMESPACE}_fetch_decisions": {"decision": FETCH_DECISIONS},
+    f"{NAMESPACE}_route_hint_messages": {"kind": ROUTE_HINT_KINDS},
 }
 
 
@@ -177,6 +180,11 @@ class SidecarMetrics:
             "Holder runs the engine path decided to fetch, or to leave to the engine's prefill (slower to fetch).",
             ["decision"], namespace=ns, registry=registry,
         )
+        self.route_hint_messages = Counter(
+            "route_hint_messages",
+            "Messages sent to peers to answer routing hints (POST /v1/route), by kind.",
+            ["kind"], namespace=ns, registry=registry,
+        )
         self.key_reloads = Counter(
             "key_reloads",
             "Changes of the pool keys picked up from the mounted Secret (rotations).",
@@ -207,6 +215,8 @@ class SidecarMetrics:
             self.location_messages.labels(kind=kind)
         for decision in FETCH_DECISIONS:
             self.fetch_decisions.labels(decision=decision)
+        for kind in ROUTE_HINT_KINDS:
+            self.route_hint_messages.labels(kind=kind)
         for direction in LOCATION_BYTES_DIRECTIONS:
             self.location_bytes.labels(direction=direction)
 

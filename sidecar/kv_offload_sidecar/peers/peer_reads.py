@@ -146,6 +146,8 @@ class PeerReads:
         distrusted = self._claims.distrusted()
         if OWNER_PREFIX + owner in distrusted:
             return []
+        if owner != self._location.identity:
+            self._metrics.route_hint_messages.labels(kind="locate").inc()
         try:
             owner, claims = await self._location.locate(rest, end - loop.time())
         except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
@@ -158,7 +160,7 @@ class PeerReads:
                     and link is not None and link.data is not None and not link.data.closed):
                 asked.append((link, claim))
         counts = await asyncio.gather(*(self._exchange(link, claim, owner, rest, end - loop.time(),
-                                                       fetch=False) for link, claim in asked))
+                                                       fetch=False, hint=True) for link, claim in asked))
         return sorted(((link, n) for (link, _), n in zip(asked, counts) if n > 0), key=lambda x: -x[1])
 
     def _pending(self, keys: Sequence[bytes], local: int) -> tuple[int, _Prefetch] | None:
@@ -282,14 +284,19 @@ class PeerReads:
         return keys[i:]
 
     async def _exchange(self, link: PeerLink, claim: HolderClaim, owner: str, keys: list[bytes],
-                        deadline: float, *, fetch: bool, on_count: Callable[[int], None] | None = None) -> int:
-        """One exchange with the holder (a count, a fetch, or both); 0 on any failure.
-        Its timing feeds the peer's moving averages (``fetch_cost.PeerSpeeds``)."""
+                        deadline: float, *, fetch: bool, on_count: Callable[[int], None] | None = None,
+                        hint: bool = False) -> int:
+        """One exchange with the holder (a count, a fetch, or both; ``hint``: a routing hint's
+        count); 0 on any failure. Its timing feeds the peer's moving averages
+        (``fetch_cost.PeerSpeeds``)."""
         from kv_offload_sidecar.data import TransportError
 
         if deadline <= 0:
             return 0
-        self._metrics.lookup_messages.inc()
+        if hint:
+            self._metrics.route_hint_messages.labels(kind="count").inc()
+        else:
+            self._metrics.lookup_messages.inc()
         if fetch:  # marked before they land: a load may pin them before this returns
             self._location.mark_copies(keys)
             self._remember(keys)

@@ -33,7 +33,7 @@ import os
 import random
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -42,12 +42,13 @@ from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, PEER_COPIES, TRANSPOR
 from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools import scrape
+from kv_offload_tools.bench.prefill_model import PrefillSettings, format_rows, prefill_savings
 from kv_offload_tools.local_pool import LocalPool, example_config
 from kv_offload_tools.mooncake_trace import TraceRequest, load_requests, write_requests
 from kv_offload_tools.prefix_hash import make_offload_key, none_hash, sha256
 from kv_offload_tools.workloads import WORKLOADS, ConversationSpec, conversation
 
-ROUTINGS = ("round-robin", "random", "prefix-aware", "session-affine")
+ROUTINGS = ("round-robin", "random", "prefix-aware", "session-affine", "prefix-hint")
 Progress = Callable[[str], None]
 
 
@@ -80,6 +81,8 @@ class ReplaySettings:
     turns: int = 6
     # The sidecars' sharing policy for chunks fetched from peers: "drop" or "cold" (--peer-copies).
     peer_copies: str = "drop"
+    # The engine and links the prefill time saved is priced with.
+    prefill: PrefillSettings = field(default_factory=PrefillSettings)
 
 
 @dataclass
@@ -98,6 +101,14 @@ class RunResult:
     owner_queries: float = 0.0
     bytes_moved: float = 0.0
     seconds: float = 0.0
+    # Per request: (chunks held locally and loaded, chunks loaded from peers, chunks asked).
+    outcomes: list[tuple[int, int, int]] = field(default_factory=list)
+    # The replica each request went to (prefix-hint routing decides while replaying).
+    routes: list[int] = field(default_factory=list)
+    # Requests sent to a pod the routing hint named.
+    hinted: int = 0
+    # Messages between sidecars to answer routing hints (owner questions and holder counts).
+    hint_messages: float = 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -135,6 +146,12 @@ class ReplayReport:
     peer_copies: str = "drop"
     # Chunk bytes received from peers per chunk hit.
     bytes_moved_per_hit: float = 0.0
+    # Prefill time saved per modelled link (prefill_model.prefill_savings).
+    prefill: list[dict] = field(default_factory=list)
+    # Requests a routing hint placed (prefix-hint routing).
+    hinted_requests: int = 0
+    # Messages between sidecars per routing hint (prefix-hint routing; a gateway's one call not counted).
+    hint_messages_per_request: float = 0.0
 
 
 # ---- trace and keys -------------------------------------------------------------
@@ -186,6 +203,8 @@ def route(trace: Sequence[Sequence[int]], replicas: int, routing: str, seed: int
                 owner[(pos, h)] = pick
             out.append(pick)
         return out
+    if routing == "prefix-hint":
+        raise ValueError("prefix-hint routing is decided while replaying, from the sidecars' hints")
     raise ValueError(f"routing {routing!r} is not one of {list(ROUTINGS)}")
 
 
@@ -259,9 +278,53 @@ def sidecar_config(chunk_bytes: int):
                           engine_id="kv-offload-replay")
 
 
-def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], routes: Sequence[int],
+class PrefixHintPicker:
+    """A gateway's endpoint picker fed by the sidecars' routing hints (``POST /v1/route``).
+
+    For each request it asks one sidecar (the next in turn, as a gateway may ask any pod)
+    which pods hold the longest prefix of the request's chunk keys, and sends the request to
+    the first of them that is not overloaded: fewer than ``slack`` x its fair share of the
+    last ``window`` requests (load scorers in the Gateway API Inference Extension play the
+    same part). With no such pod, the least loaded one, in turn.
+    """
+
+    def __init__(self, sidecars: Sequence, timeout: float, *, window_per_replica: int = 4,
+                 slack: float = 1.5) -> None:
+        self._sidecars = list(sidecars)
+        self._index = {sc.identity: i for i, sc in enumerate(self._sidecars)}
+        self._timeout = timeout
+        self._slack = slack
+        self._recent: deque[int] = deque(maxlen=window_per_replica * len(self._sidecars))
+        self._load = [0] * len(self._sidecars)
+        self._turn = 0
+        # Requests sent to a pod the hint named.
+        self.hinted = 0
+
+    def pick(self, req: Sequence[bytes]) -> int:
+        n = len(self._sidecars)
+        asked = self._sidecars[self._turn % n]
+        code, body = asked.post("/v1/route", {"keys": [k.hex() for k in req]}, timeout=self._timeout)
+        if code != 200:
+            raise RuntimeError(f"{asked.identity}: POST /v1/route answered {code}: {body!r}")
+        limit = self._slack * len(self._recent) / n + 1
+        choice = next((i for i in (self._index.get(p["pod"]) for p in body["pods"])
+                       if i is not None and self._load[i] < limit), None)
+        if choice is None:
+            choice = min(range(n), key=lambda i: (self._load[i], (i - self._turn) % n))
+        else:
+            self.hinted += 1
+        self._turn += 1
+        if len(self._recent) == self._recent.maxlen:
+            self._load[self._recent[0]] -= 1
+        self._recent.append(choice)
+        self._load[choice] += 1
+        return choice
+
+
+def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], routes: Sequence[int] | None,
                 replicas: int, sharing: bool, progress: Progress | None = None) -> RunResult:
-    """Replay against real sidecars: one pool of ``replicas`` (sharing) or isolated ones."""
+    """Replay against real sidecars: one pool of ``replicas`` (sharing) or isolated ones.
+    ``routes`` None: each request goes where the sidecars' routing hints say (prefix-hint)."""
     config = sidecar_config(settings.chunk_bytes)
     common = dict(transport=settings.transport, config=config,
                   capacity_bytes=settings.capacity_chunks * slot_stride_for(settings.chunk_bytes),
@@ -272,16 +335,22 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
         [LocalPool(1, **common) for _ in range(replicas)]
     result = RunResult()
     label = "p2p" if sharing else "local-only"
+    if routes is None:
+        label += " prefix-hint"
     try:
         for p in pools:
             p.start()
         sidecars = [sc for p in pools for sc in p.sidecars]
         clients = [sc.client(timeout=settings.timeout_seconds) for sc in sidecars]
+        picker = PrefixHintPicker(sidecars, settings.timeout_seconds) if routes is None else None
         start = last = time.monotonic()
         size = settings.chunk_bytes
-        for r, (req, pod) in enumerate(zip(keys, routes)):
+        for r, req in enumerate(keys):
+            pod = picker.pick(req) if picker is not None else routes[r]  # type: ignore[index]
+            result.routes.append(pod)
             out = serve_request(clients[pod], req, size, settings.timeout_seconds)
             loaded = out.loaded
+            result.outcomes.append((min(out.local, loaded), loaded - min(out.local, loaded), len(req)))
             result.mismatched_chunks += out.mismatched
             result.hit_chunks += loaded
             result.local_hits += min(out.local, loaded)
@@ -294,11 +363,14 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
                 progress(f"[replay {label} x{replicas}] {r + 1}/{len(keys)} requests  "
                          f"hit ratio {result.hit_ratio:.3f}  ({now - start:.0f} s)")
         result.seconds = time.monotonic() - start
+        result.hinted = picker.hinted if picker is not None else 0
         for c in clients:
             c.close()
         samples = [scrape.scrape(f"{sc.url}/metrics") for sc in sidecars]
         result.lookup_messages = scrape.total(samples, "kv_offload_lookup_messages_total")
-        result.owner_queries = scrape.total(samples, "kv_offload_location_messages_total", kind="locate")
+        result.owner_queries = scrape.total(samples, "kv_offload_location_messages_total", kind="locate") - \
+            scrape.total(samples, "kv_offload_route_hint_messages_total", kind="locate")
+        result.hint_messages = scrape.total(samples, "kv_offload_route_hint_messages_total")
         result.bytes_moved = scrape.total(samples, "kv_offload_peer_bytes_total",
                                           direction="received")
     finally:
@@ -317,9 +389,11 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
     sessions = [r.session for r in requests]
     keys = request_keys(trace)
     n, cap = settings.replicas, settings.capacity_chunks
-    routes = route(trace, n, settings.routing, settings.seed, sessions)
+    hinted = settings.routing == "prefix-hint"
+    routes = None if hinted else route(trace, n, settings.routing, settings.seed, sessions)
     started = time.monotonic()
     p2p = replay_real(settings, keys, routes, n, sharing=True, progress=progress)
+    routes = p2p.routes
     local = replay_real(settings, keys, routes, n, sharing=False, progress=progress)
     pooled = simulate_lru(keys, [0] * len(keys), 1, n * cap)
     ideal = simulate_lru(keys, [0] * len(keys), 1, math.inf)
@@ -340,11 +414,13 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
         peer_copies=settings.peer_copies, bytes_moved_per_hit=_per(p2p.bytes_moved, p2p.hit_chunks))
     for m in sweep_replicas:
         if m == n:
-            run, m_routes = p2p, routes
+            run = p2p
         else:
-            m_routes = route(trace, m, settings.routing, settings.seed, sessions)
-            run = replay_real(settings, keys, m_routes, m, sharing=True, progress=progress)
+            run = replay_real(settings, keys, None if hinted else
+                              route(trace, m, settings.routing, settings.seed, sessions),
+                              m, sharing=True, progress=progress)
             report.mismatched_chunks += run.mismatched_chunks
+        m_routes = run.routes
         report.sweep.append({
             "replicas": m, "p2p_hit_ratio": run.hit_ratio,
             "local_only_hit_ratio_simulated": simulate_lru(keys, m_routes, m, cap),
@@ -354,6 +430,9 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
                                                          run.peer_hit_requests),
             "bytes_moved": int(run.bytes_moved),
             "bytes_moved_per_hit": _per(run.bytes_moved, run.hit_chunks)})
+    report.prefill = prefill_savings(settings.prefill, p2p.outcomes)
+    report.hinted_requests = p2p.hinted
+    report.hint_messages_per_request = p2p.hint_messages / len(keys)
     report.seconds = time.monotonic() - started
     if plot:
         report.plot = write_plot(plot, report, keys, routes)
@@ -428,7 +507,7 @@ def write_plot(path: str, report: ReplayReport, keys, routes) -> str:
     return path
 
 
-def format_table(report: ReplayReport) -> str:
+def format_table(report: ReplayReport, prefill_model: PrefillSettings = PrefillSettings()) -> str:
     rows = [("p2p_hit_ratio (measured)", f"{report.p2p_hit_ratio:.4f}"),
             ("local_only_hit_ratio (measured)", f"{report.local_only_hit_ratio:.4f}"),
             ("pooled_lru_hit_ratio (simulated)", f"{report.pooled_lru_hit_ratio:.4f}"),
@@ -440,6 +519,8 @@ def format_table(report: ReplayReport) -> str:
              f"{report.lookup_messages_per_peer_hit_request:.3f}"),
             ("owner_queries_per_request", f"{report.owner_queries_per_request:.3f}"),
             ("holder_exchanges_per_peer_hit_request", f"{report.holder_exchanges_per_peer_hit_request:.3f}"),
+            ("hinted_requests", f"{report.hinted_requests}"),
+            ("hint_messages_per_request", f"{report.hint_messages_per_request:.3f}"),
             ("bytes_moved", f"{report.bytes_moved}"),
             ("bytes_moved_per_hit", f"{report.bytes_moved_per_hit:.0f}"),
             ("mismatched chunks", f"{report.mismatched_chunks}")]
@@ -456,6 +537,8 @@ def format_table(report: ReplayReport) -> str:
                          f"{s['local_only_hit_ratio_simulated']:.4f}      "
                          f"{s['lookup_messages_per_request']:.3f}         "
                          f"{s.get('lookup_messages_per_peer_hit_request', 0.0):.3f}")
+    if report.prefill:
+        lines += format_rows(prefill_model, report.prefill)
     if report.plot:
         lines.append(f"  plot: {report.plot}")
     return "\n".join(lines)
@@ -508,6 +591,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-copies", choices=PEER_COPIES, default="drop",
                         help="the sidecars' sharing policy: drop a fetched chunk once loaded (default) "
                              "or keep it at the cold end")
+    parser.add_argument("--prefill-tokens-per-second", type=float, default=10_000.0,
+                        help="prefill model: the engine's prompt tokens per second (default 10000)")
+    parser.add_argument("--tokens-per-chunk", type=int, default=512,
+                        help="prefill model: tokens of one replayed chunk (default 512, a Mooncake block)")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=131_072,
+                        help="prefill model: KV bytes per token (default 131072: Llama-3-8B in bf16)")
+    parser.add_argument("--links", default="1.25,25",
+                        help="prefill model: link bandwidths in GB/s (default 1.25,25)")
+    parser.add_argument("--link-latency-ms", type=float, default=0.5,
+                        help="prefill model: round trip of one holder exchange (default 0.5)")
     parser.add_argument("--publish-interval-seconds", type=float, default=0.05,
                         help="sidecars' directory publish interval (default 0.05)")
 
@@ -520,12 +613,20 @@ def run(args: argparse.Namespace) -> int:
                          "comma-separated integers, e.g. 4,8,16") from None
     if any(m < 1 for m in sweep):
         raise UsageError("kv-offload bench replay: --sweep-replicas values must be at least 1")
+    try:
+        links = tuple(float(x) * 1e9 for x in args.links.split(",") if x.strip())
+        prefill = PrefillSettings(tokens_per_second=args.prefill_tokens_per_second,
+                                  tokens_per_chunk=args.tokens_per_chunk,
+                                  kv_bytes_per_token=args.kv_bytes_per_token, links=links,
+                                  latency_seconds=args.link_latency_ms / 1000)
+    except ValueError as exc:
+        raise UsageError(f"kv-offload bench replay: {exc} (--links takes GB/s values such as 1.25,25)") from None
     settings = ReplaySettings(
         trace=args.trace, replicas=args.replicas, capacity_chunks=args.capacity_chunks,
         chunk_bytes=args.chunk_bytes, routing=args.routing, limit=args.limit,
         transport=args.transport, publish_interval_seconds=args.publish_interval_seconds,
         seed=args.seed, generate=args.generate, sessions=args.sessions, turns=args.turns,
-        peer_copies=args.peer_copies)
+        peer_copies=args.peer_copies, prefill=prefill)
     if settings.transport == "ucx":
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")
     try:
@@ -536,5 +637,5 @@ def run(args: argparse.Namespace) -> int:
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as exc:
         raise UsageError(f"kv-offload bench replay: {exc}") from None
-    print(json.dumps(asdict(report)) if args.json else format_table(report))
+    print(json.dumps(asdict(report)) if args.json else format_table(report, prefill))
     return 1 if report.mismatched_chunks else 0

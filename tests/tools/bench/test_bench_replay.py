@@ -99,3 +99,23 @@ def test_replay_of_a_generated_conversation_with_session_affine_routing(tmp_path
 def test_replay_needs_exactly_one_request_source():
     out = _cli("--replicas", "2", "--capacity-chunks", "10")
     assert out.returncode == 2 and "--trace FILE or --generate conversation" in out.stderr
+
+
+def test_prefix_hint_routing_follows_the_sidecars_hints_and_moves_fewer_bytes_than_round_robin():
+    common = ("--generate", "conversation", "--sessions", "24", "--turns", "4", "--replicas", "3",
+              "--capacity-chunks", "400", "--plot", "", "--json")
+    hinted = _cli(*common, "--routing", "prefix-hint")
+    spread = _cli(*common, "--routing", "round-robin")
+    assert hinted.returncode == 0, hinted.stderr
+    assert spread.returncode == 0, spread.stderr
+    h, r = json.loads(hinted.stdout), json.loads(spread.stdout)
+    assert h["mismatched_chunks"] == r["mismatched_chunks"] == 0
+    # Later turns go where their session's prefix is: most requests follow a hint ...
+    assert h["hinted_requests"] > h["requests"] / 2 and h["hint_messages_per_request"] > 0
+    assert r["hinted_requests"] == 0
+    # ... so their hits are local and little moves; round-robin fetches every turn's prefix.
+    assert h["bytes_moved_per_hit"] < r["bytes_moved_per_hit"] / 2
+    assert h["p2p_hit_ratio"] >= r["p2p_hit_ratio"] - 0.02
+    assert "[replay p2p prefix-hint x3]" in hinted.stderr
+    # The prefill model prices both runs, per modelled link.
+    assert [row["link_gb_per_second"] for row in h["prefill"]] == [1.25, 25.0]

@@ -1,0 +1,40 @@
+"""Fetch or recompute: per-peer moving averages against the engine's prefill rate."""
+
+import pytest
+
+from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute, PeerSpeeds, PrefillModel
+
+# 16 tokens and 1 MiB a chunk; 1000 tokens/s: recomputing one chunk takes 16 ms.
+MODEL = PrefillModel(prefill_tokens_per_second=1000, tokens_per_chunk=16, chunk_bytes=1 << 20)
+
+
+def test_an_unmeasured_peer_is_worth_trying_and_a_measured_one_is_priced():
+    cost = FetchOrRecompute(MODEL)
+    assert cost.worth("p", 4)
+    cost.speeds.observe_latency("p", 0.002)
+    cost.speeds.observe_transfer("p", 1 << 20, 0.010)  # 100 MiB/s: 10 ms a chunk
+    assert cost.speeds.estimate("p", 4 << 20) == pytest.approx(0.042)
+    assert cost.worth("p", 4)  # 42 ms < 64 ms
+    cost.speeds.observe_latency("slow", 0.002)
+    cost.speeds.observe_transfer("slow", 1 << 20, 0.020)  # 20 ms a chunk
+    assert not cost.worth("slow", 4)  # 82 ms > 64 ms
+    assert not cost.worth("p", 0)
+
+
+def test_moving_averages_follow_a_peer_that_slows_down():
+    speeds = PeerSpeeds(weight=0.5)
+    speeds.observe_transfer("p", 1000, 0.001)
+    speeds.observe_transfer("p", 1000, 0.004)  # 1 MB/s, then 250 kB/s: 625 kB/s
+    assert speeds.view()["p"]["bytes_per_second"] == pytest.approx(625_000)
+    speeds.observe_transfer("p", 1000, 0.00001)  # too short to say anything
+    assert speeds.view()["p"]["bytes_per_second"] == pytest.approx(625_000)
+    speeds.forget("p")
+    assert speeds.estimate("p", 1) is None
+
+
+def test_a_prefill_rate_of_zero_always_fetches():
+    cost = FetchOrRecompute(PrefillModel(0, 16, 1 << 20))
+    cost.speeds.observe_latency("p", 10.0)
+    assert cost.worth("p", 1)
+    with pytest.raises(ValueError, match="prefill_tokens_per_second"):
+        PrefillModel(-1, 16, 1)
