@@ -79,6 +79,8 @@ class ReplaySettings:
     # Sessions and turns per session of a generated conversation workload.
     sessions: int = 200
     turns: int = 6
+    # Mean seconds a user thinks between turns (longer: more sessions open at once).
+    think_seconds: float = 20.0
     # The sidecars' sharing policy for chunks fetched from peers: "drop" or "cold" (--peer-copies).
     peer_copies: str = "drop"
     # The engine and links the prefill time saved is priced with.
@@ -406,7 +408,8 @@ def run_replay(settings: ReplaySettings, sweep_replicas: Sequence[int] = (),
         lookup_messages_per_peer_hit_request=_per(p2p.lookup_messages, p2p.peer_hit_requests),
         bytes_moved=int(p2p.bytes_moved), p2p_local_hits=p2p.local_hits,
         p2p_peer_hits=p2p.peer_hits, mismatched_chunks=p2p.mismatched_chunks + local.mismatched_chunks,
-        seconds=0.0, workload=(f"conversation {settings.sessions}x{settings.turns}" if settings.generate
+        seconds=0.0, workload=(f"conversation {settings.sessions}x{settings.turns}, think "
+                                f"{settings.think_seconds:g} s" if settings.generate
                                else f"trace {settings.trace}"),
         owner_queries_per_request=p2p.owner_queries / len(keys),
         holder_exchanges_per_peer_hit_request=_per(p2p.lookup_messages - p2p.owner_queries,
@@ -443,7 +446,7 @@ def load_workload(settings: ReplaySettings) -> list[TraceRequest]:
     """The requests to replay: generated (``--generate``) or read from ``--trace``."""
     if settings.generate == "conversation":
         requests = conversation(ConversationSpec(sessions=settings.sessions, turns=settings.turns,
-                                                 seed=settings.seed))
+                                                 think_seconds=settings.think_seconds, seed=settings.seed))
     else:
         requests = load_requests(settings.trace)
     return requests if settings.limit is None else requests[:settings.limit]
@@ -563,6 +566,8 @@ def _validate(s: ReplaySettings) -> None:
         raise ValueError(f"--generate {s.generate!r} must be one of {', '.join(WORKLOADS)}")
     if s.sessions < 1 or s.turns < 1:
         raise ValueError(f"--sessions {s.sessions} and --turns {s.turns} must be at least 1")
+    if s.think_seconds < 0:
+        raise ValueError(f"--think-seconds {s.think_seconds} must not be negative")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -572,6 +577,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "turns extend the previous prompt, with think times and shared system prompts")
     parser.add_argument("--sessions", type=int, default=200, help="sessions of --generate conversation")
     parser.add_argument("--turns", type=int, default=6, help="turns per session of --generate conversation")
+    parser.add_argument("--think-seconds", type=float, default=20.0,
+                        help="mean seconds a user thinks between turns of --generate conversation "
+                             "(default 20; longer keeps more sessions open at once)")
     parser.add_argument("--seed", type=int, default=0, help="seed of random routing and of --generate")
     parser.add_argument("--write-trace", default="",
                         help="also write the replayed requests as a Mooncake-format trace (with session_id)")
@@ -626,6 +634,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_bytes, routing=args.routing, limit=args.limit,
         transport=args.transport, publish_interval_seconds=args.publish_interval_seconds,
         seed=args.seed, generate=args.generate, sessions=args.sessions, turns=args.turns,
+        think_seconds=args.think_seconds,
         peer_copies=args.peer_copies, prefill=prefill)
     if settings.transport == "ucx":
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")

@@ -89,7 +89,7 @@ def test_replay_of_a_generated_conversation_with_session_affine_routing(tmp_path
                "--write-trace", str(trace), "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["workload"] == "conversation 16x3" and report["requests"] == 48
+    assert report["workload"] == "conversation 16x3, think 20 s" and report["requests"] == 48
     assert report["mismatched_chunks"] == 0
     # every later turn finds its session's earlier prompt where the session lives
     assert report["p2p_hit_ratio"] > 0.3 and report["local_only_hit_ratio"] > 0.3
