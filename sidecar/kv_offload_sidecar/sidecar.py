@@ -54,6 +54,9 @@ from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 
 log = logging.getLogger(__name__)
 
+# Fetch deadlines after which chunks a lookup fetched and no load took are let go.
+UNLOADED_AFTER_DEADLINES = 4
+
 
 def store_name(identity: str) -> str:
     """A file-name-safe form of the identity for the store and socket files."""
@@ -282,6 +285,8 @@ class Sidecar:
             peer = 0
             if keys:
                 self.location.hint_chain(keys, held=local > 0)
+            self._release_copies(store, self.reads.take_unloaded(
+                UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
             if local < len(keys):
                 peer = await self.reads.lookup(keys, local, timeout, fetch=fetch)
             m = self.metrics.chunk_lookups
@@ -306,17 +311,21 @@ class Sidecar:
                     await self.reads.load(keys, local, timeout)
                     self._pin_prefix(store, keys, pins)
                 # The pool keeps fetched chunks at their holders: once loaded, this store drops
-                # them (or, with --peer-copies cold, keeps them at its cold end).
-                fetched = self.reads.take_fetched(keys)
-                if self.settings.peer_copies == "drop":
-                    store.drop_when_released(fetched)
-                else:
-                    store.demote(fetched)
+                # them (or, with --peer-copies cold, keeps them at its cold end); so too those
+                # a lookup fetched and no load took in time.
+                self._release_copies(store, self.reads.take_fetched(keys) + self.reads.take_unloaded(
+                    UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
             except BaseException:
                 for p in pins:
                     p.release()
                 raise
             return pins
+
+    def _release_copies(self, store: ChunkStore, keys: list[bytes]) -> None:
+        if self.settings.peer_copies == "drop":
+            store.drop_when_released(keys)
+        else:
+            store.demote(keys)
 
     @staticmethod
     def _pin_prefix(store: ChunkStore, keys: Sequence[bytes], pins: list[PinnedChunk]) -> None:

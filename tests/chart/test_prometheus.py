@@ -179,7 +179,8 @@ def exchange_chunks(pool: LocalPool) -> None:
     assert serving.load(shared_a, lambda i, view: None, timeout=DEADLINE) == 6  # fetched from pod 0
     reply = serving.lookup(own + shared_b + [chunk("x", 1), chunk("x", 2)], timeout=DEADLINE)
     assert (reply.local, reply.peer) == (3, 4)
-    assert serving.lookup(shared_a[:3], timeout=DEADLINE).local == 3  # held locally after the load
+    # The pool keeps one copy (--peer-copies drop): still pod 0's, not kept after the load.
+    assert serving.lookup(shared_a[:3], timeout=DEADLINE).peer == 3
 
 
 def sidecar_counters(pool: LocalPool) -> dict[str, dict[str, float]]:

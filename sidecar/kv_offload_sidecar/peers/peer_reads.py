@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,7 +91,8 @@ class PeerReads:
         self._store = store
         self._deadline = deadline_seconds
         self._inflight: dict[bytes, _Prefetch] = {}
-        self._fetched: OrderedDict[bytes, None] = OrderedDict()
+        # Fetched chunks not loaded yet -> when they were asked (oldest first).
+        self._fetched: OrderedDict[bytes, float] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- engine operations ---------------------------------------------------------------
@@ -177,6 +179,19 @@ class PeerReads:
         out = [k for k in keys if k in self._fetched]
         for k in out:
             del self._fetched[k]
+        return out
+
+    def take_unloaded(self, older_than: float) -> list[bytes]:
+        """Fetched chunks no load took within ``older_than`` seconds (a lookup whose request the
+        engine never loaded: preempted, aborted); the caller drops or demotes them too."""
+        limit = time.monotonic() - older_than
+        out = []
+        while self._fetched:
+            key, asked = next(iter(self._fetched.items()))
+            if asked > limit:
+                break
+            del self._fetched[key]
+            out.append(key)
         return out
 
     async def close(self) -> None:
@@ -358,8 +373,9 @@ class PeerReads:
         return same
 
     def _remember(self, keys: list[bytes]) -> None:
+        now = time.monotonic()
         for k in keys:
-            self._fetched[k] = None
+            self._fetched[k] = now
             self._fetched.move_to_end(k)
         while len(self._fetched) > MAX_FETCHED:
             self._fetched.popitem(last=False)

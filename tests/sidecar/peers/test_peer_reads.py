@@ -167,3 +167,25 @@ async def test_a_route_hint_ranks_the_pods_by_the_prefix_each_holds_and_moves_no
         assert [(h["pod"], h["chunks"]) for h in hint] == [("a", 5), ("b", 2), ("asker", 1)]
         assert hint[0]["address"] == peers[0] and hint[2]["address"] == asker.control_address
         assert list(a.store._visible) == order and len(asker.store) == 1  # no LRU touched, nothing moved
+
+
+async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_deadlines(make_settings):
+    holder_settings = make_settings(identity="holder")
+    holder = Sidecar(holder_settings)
+    asker = Sidecar(make_settings(identity="asker", fetch_deadline_seconds=0.2,
+                                  static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    async with running(holder), running(asker):
+        keys, other = _keys("aborted", 3), _keys("other", 1)
+        _store(holder, keys)
+        await _settled(holder, asker)
+        assert await asker.lookup(keys, 1.0) == (0, 3)  # the engine never loads this request
+        for _ in range(50):
+            if len(asker.store) == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert len(asker.store) == 3
+        await asker.lookup(other, 1.0)
+        assert len(asker.store) == 3  # not yet: a load may still come
+        await asyncio.sleep(0.85)
+        await asker.lookup(other, 1.0)
+        assert len(asker.store) == 0
