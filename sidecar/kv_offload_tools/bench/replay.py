@@ -547,6 +547,19 @@ def format_table(report: ReplayReport, prefill_model: PrefillSettings = PrefillS
     return "\n".join(lines)
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from kv_offload_tools.bench.replay_compare import format_comparison, load_reports, write_comparison_plot
+
+    try:
+        reports = load_reports([p for p in args.compare.split(",") if p.strip()])
+    except ValueError as exc:
+        raise UsageError(f"kv-offload bench replay: {exc}") from None
+    print(format_comparison(reports))
+    if args.plot:
+        print(f"  plot: {write_comparison_plot(args.plot, reports)}")
+    return 0
+
+
 def _validate(s: ReplaySettings) -> None:
     if s.replicas < 1:
         raise ValueError(f"--replicas {s.replicas} must be at least 1")
@@ -583,8 +596,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of random routing and of --generate")
     parser.add_argument("--write-trace", default="",
                         help="also write the replayed requests as a Mooncake-format trace (with session_id)")
-    parser.add_argument("--replicas", type=int, required=True, help="vLLM replicas (sidecars)")
-    parser.add_argument("--capacity-chunks", type=int, required=True,
+    parser.add_argument("--compare", default="", metavar="A.json,B.json",
+                        help="replay nothing: print reports written by --json side by side (and --plot them)")
+    parser.add_argument("--replicas", type=int, default=0, help="vLLM replicas (sidecars)")
+    parser.add_argument("--capacity-chunks", type=int, default=0,
                         help="chunk slots of each replica's sidecar store")
     parser.add_argument("--chunk-bytes", type=int, default=4096,
                         help="bytes of one chunk (default 4096)")
@@ -614,6 +629,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        return _compare(args)
     try:
         sweep = [int(x) for x in args.sweep_replicas.split(",") if x.strip()]
     except ValueError:

@@ -101,7 +101,7 @@ def test_replay_needs_exactly_one_request_source():
     assert out.returncode == 2 and "--trace FILE or --generate conversation" in out.stderr
 
 
-def test_prefix_hint_routing_follows_the_sidecars_hints_and_moves_fewer_bytes_than_round_robin():
+def test_prefix_hint_routing_follows_the_sidecars_hints_and_moves_fewer_bytes_than_round_robin(tmp_path):
     common = ("--generate", "conversation", "--sessions", "24", "--turns", "4", "--replicas", "3",
               "--capacity-chunks", "400", "--plot", "", "--json")
     hinted = _cli(*common, "--routing", "prefix-hint")
@@ -119,3 +119,15 @@ def test_prefix_hint_routing_follows_the_sidecars_hints_and_moves_fewer_bytes_th
     assert "[replay p2p prefix-hint x3]" in hinted.stderr
     # The prefill model prices both runs, per modelled link.
     assert [row["link_gb_per_second"] for row in h["prefill"]] == [1.25, 25.0]
+    # Both reports side by side, in a table and a plot.
+    (tmp_path / "h.json").write_text(hinted.stdout)
+    (tmp_path / "r.json").write_text(spread.stdout)
+    plot = tmp_path / "routings.png"
+    both = _cli("--compare", f"{tmp_path / 'h.json'},{tmp_path / 'r.json'}", "--plot", str(plot))
+    assert both.returncode == 0, both.stderr
+    rows = [line.split() for line in both.stdout.splitlines()[2:4]]
+    assert [row[0] for row in rows] == ["prefix-hint,", "round-robin,"]
+    assert float(rows[0][2]) == round(h["p2p_hit_ratio"], 4)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = _cli("--compare", str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and "missing.json" in bad.stderr
