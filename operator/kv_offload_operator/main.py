@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 
 from kv_offload_sidecar.engine.ports import DEFAULT_BASE_PORT
-from kv_offload_sidecar.settings import DEFAULT_DATA_PORT
+from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, PEER_COPIES
 from kv_offload_sidecar.usage import UsageError
+
+from .pool_spec import DEFAULT_PEER_COPIES, DEFAULT_PREFILL_TOKENS_PER_SECOND
 
 DEFAULT_SIDECAR_IMAGE = os.environ.get("KV_OFFLOAD_SIDECAR_IMAGE", "ghcr.io/kv-offload/kv-offload:0.1.0")
 
@@ -67,6 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sidecar-data-port", type=int, default=DEFAULT_DATA_PORT, metavar="P",
                         help="tcp data-plane port for pools without spec.sidecar.dataPort "
                              "(the chart's sidecar.dataPort; default %(default)s)")
+    parser.add_argument("--sidecar-prefill-tokens-per-second", type=float, default=DEFAULT_PREFILL_TOKENS_PER_SECOND,
+                        metavar="TOKENS",
+                        help="the engines' prefill rate for pools without spec.sidecar.prefillTokensPerSecond: a "
+                             "peer's run slower to fetch than to recompute at this rate is a miss (the chart's "
+                             "sidecar.prefillTokensPerSecond; default 0: always fetch)")
+    parser.add_argument("--sidecar-peer-copies", choices=PEER_COPIES, default=DEFAULT_PEER_COPIES,
+                        help="what a sidecar keeps of a chunk fetched from a peer once its engine loaded it, for "
+                             "pools without spec.sidecar.peerCopies: drop (one copy per chunk in the pool) or "
+                             "cold (a copy at the cold end of the fetcher's store); the chart's "
+                             "sidecar.peerCopies (default %(default)s)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
@@ -91,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, peering_name=args.peering,
         peering_lifetime_seconds=args.peering_lifetime_seconds, peering_priority=start_priority(),
         identity=own_identity(), namespaces=tuple(args.namespace), clusterwide=args.all_namespaces,
-        sidecar_base_port=args.sidecar_base_port, sidecar_data_port=args.sidecar_data_port)
+        sidecar_base_port=args.sidecar_base_port, sidecar_data_port=args.sidecar_data_port,
+        sidecar_prefill_tokens_per_second=args.sidecar_prefill_tokens_per_second,
+        sidecar_peer_copies=args.sidecar_peer_copies)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # Its debug log prints response bodies, pool-key Secrets included: never below INFO.
@@ -137,6 +152,10 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         return f"--sidecar-data-port {args.sidecar_data_port} is not a port; use 1..65535"
     if args.sidecar_data_port == args.sidecar_base_port:
         return f"--sidecar-data-port and --sidecar-base-port must differ (both {args.sidecar_data_port})"
+    rate = args.sidecar_prefill_tokens_per_second
+    if not (math.isfinite(rate) and rate >= 0):
+        return (f"--sidecar-prefill-tokens-per-second {rate} must be a number >= 0 (the engines' prompt tokens "
+                f"per second; 0 always fetches)")
     if args.peering is not None and not args.peering:
         return "--peering needs a name (the kopf peering object's), e.g. --peering kv-offload"
     if args.peering_lifetime_seconds < 5:

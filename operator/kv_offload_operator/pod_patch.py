@@ -169,7 +169,9 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
     sidecar reports ever takes the vLLM replica out of its Service (only a
     sidecar restart does, for the seconds until the new process answers; the
     tier serves misses meanwhile). ``pod``: ports become host ports on the
-    host network (``pod_host.host_ports``).
+    host network (``pod_host.host_ports``). ``--prefill-tokens-per-second`` and
+    ``--peer-copies`` are always given, defaults included, so the pod spec
+    states the fetch-or-recompute rate and sharing policy its sidecar runs.
     """
     first = sidecar.control_port(dp_indices[0])
     args = ["sidecar", "--config", CONFIG_PATH, "--pool-key-file", POOL_KEY_PATH,
@@ -177,6 +179,8 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
             "--peers-dns", peers_dns(pool_name, namespace),
             "--base-port", str(sidecar.base_port), "--data-port", str(sidecar.data_port),
             "--capacity-bytes", str(sidecar.capacity_bytes), "--transport", sidecar.transport,
+            "--prefill-tokens-per-second", format_rate(sidecar.prefill_tokens_per_second),
+            "--peer-copies", sidecar.peer_copies,
             "--dp-indices", ",".join(str(i) for i in dp_indices), "--shm-dir", SHM_DIR]
     mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
               {"name": POOL_SECRET_VOLUME, "mountPath": POOL_SECRET_DIR, "readOnly": True}]
@@ -214,6 +218,11 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         "securityContext": security,
         "volumeMounts": mounts,
     }
+
+
+def format_rate(value: float) -> str:
+    """A rate as a sidecar flag value: "0", "12500", "2500.5" (exact: the float's shortest repr)."""
+    return repr(float(value)).removesuffix(".0")
 
 
 def sidecar_ports(sidecar: SidecarSpec, dp_indices: Sequence[int]) -> list[dict[str, Any]]:

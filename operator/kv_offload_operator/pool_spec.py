@@ -5,7 +5,10 @@ Pure (no kopf, no I/O): ``SidecarSpec.from_pool`` turns a pool body's
 value with every default applied, and refuses a value that can never work
 with a ``ValueError`` naming the field, the value and what to change. Both
 the pool's own objects (``pool_objects``) and the pod patch (``pod_patch``)
-read it. Sizes (``capacityBytes``, ``shmSizeLimit``, memory) are bytes or
+read it. ``prefillTokensPerSecond`` and ``peerCopies`` (the sidecar's
+fetch-or-recompute rate and sharing policy) default to the operator's
+--sidecar-prefill-tokens-per-second / --sidecar-peer-copies, as the ports do.
+Sizes (``capacityBytes``, ``shmSizeLimit``, memory) are bytes or
 Kubernetes quantities (``quantity.parse_bytes``). The sidecar's memory
 request covers its store: the store fills ``capacityBytes`` of /dev/shm at
 start and those pages are charged to the sidecar container.
@@ -15,13 +18,14 @@ start and those pages are charged to the sidecar container.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
-from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, TRANSPORTS
+from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, PEER_COPIES, TRANSPORTS
 
 from .quantity import format_bytes, parse_bytes, positive_bytes
 
@@ -31,9 +35,13 @@ PLURAL = "kvoffloadpools"
 KIND = "KVOffloadPool"
 # Label that puts a pod into a pool; its value is the pool name.
 POOL_LABEL = "kv-offload.io/pool"
-# The sidecar's own defaults (DEFAULT_DATA_PORT and TRANSPORTS too, imported
-# above): a pool that sets nothing runs the sidecar's defaults.
+# The sidecar's own defaults (DEFAULT_DATA_PORT, TRANSPORTS and PEER_COPIES too,
+# imported above): a pool that sets nothing runs the sidecar's defaults.
 DEFAULT_BASE_PORT = ports.DEFAULT_BASE_PORT
+# The sidecar's --prefill-tokens-per-second default: 0 = always fetch from peers.
+DEFAULT_PREFILL_TOKENS_PER_SECOND = 0.0
+# The sidecar's --peer-copies default: drop a peer's chunk once the engine loaded it.
+DEFAULT_PEER_COPIES = "drop"
 DEFAULT_CAPACITY_BYTES = 4 << 30
 # Head room of the default /dev/shm limit above the chunk store and vLLM's
 # primary tier (NCCL, PyTorch's shared tensors, vLLM's own IPC).
@@ -78,11 +86,12 @@ class SidecarSpec:
     resources: Mapping[str, Any]
     # Host-memory chunk store size per pod in bytes (> 0).
     capacity_bytes: int
-    # Data plane between peers: "ucx" or "tcp".
+    # Data plane between peers: "ucx", "tcp" or "nixl" (one-sided NIXL reads; requests
+    # on a tcp connection to data_port).
     transport: str
     # Control port of global DP rank 0; rank i uses base_port + i.
     base_port: int
-    # Data-plane port of the TCP transport (spec.sidecar.dataPort).
+    # Data-plane port of the tcp and nixl transports (spec.sidecar.dataPort).
     data_port: int
     # sizeLimit of the shared /dev/shm emptyDir in bytes (spec.shmSizeLimit); None: each pod's
     # store + vLLM's primary tier + SHM_HEADROOM_BYTES (pod_patch.shm_bytes_needed).
@@ -103,6 +112,14 @@ class SidecarSpec:
     # IPC_LOCK, so it may pin (register) memory beyond RLIMIT_MEMLOCK (Kubernetes gives added
     # capabilities to root processes only).
     ipc_lock: bool = False
+    # The engine's prefill rate in prompt tokens per second (spec.sidecar.prefillTokensPerSecond,
+    # else the operator's --sidecar-prefill-tokens-per-second), e.g. 12500.0: a peer's run slower
+    # to fetch than to recompute at this rate is a miss; 0.0 always fetches.
+    prefill_tokens_per_second: float = DEFAULT_PREFILL_TOKENS_PER_SECOND
+    # What a sidecar keeps of a chunk fetched from a peer once the engine loaded it
+    # (spec.sidecar.peerCopies, else the operator's --sidecar-peer-copies): a PEER_COPIES value,
+    # "drop" (one copy per chunk in the pool) or "cold" (a copy at the cold end of the store).
+    peer_copies: str = DEFAULT_PEER_COPIES
 
     @property
     def ucx_tls(self) -> str:
@@ -111,11 +128,14 @@ class SidecarSpec:
 
     @classmethod
     def from_pool(cls, pool: Mapping[str, Any], *, default_image: str, default_base_port: int = DEFAULT_BASE_PORT,
-                  default_data_port: int = DEFAULT_DATA_PORT) -> SidecarSpec:
+                  default_data_port: int = DEFAULT_DATA_PORT,
+                  default_prefill_tokens_per_second: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
+                  default_peer_copies: str = DEFAULT_PEER_COPIES) -> SidecarSpec:
         """Read a pool body's spec; ValueError names the field, the value and what to change.
 
-        ``default_*``: what a pool that sets no image, basePort or dataPort gets (the
-        operator's --sidecar-image and port flags; the chart's sidecar.* values)."""
+        ``default_*``: what a pool that sets no image, basePort, dataPort,
+        prefillTokensPerSecond or peerCopies gets (the operator's --sidecar-* flags;
+        the chart's sidecar.* values)."""
         spec = pool.get("spec") or {}
         sc = spec.get("sidecar") or {}
         image = sc.get("image") or default_image
@@ -147,6 +167,12 @@ class SidecarSpec:
             raise ValueError(f"spec.sidecar.ucxTransports={ucx_transports!r}: use one of "
                              f"{list(UCX_TRANSPORT_PRESETS)}")
         rdma = _rdma(sc.get("rdma"), transport, ucx_transports)
+        prefill = _prefill_tokens_per_second(sc.get("prefillTokensPerSecond", default_prefill_tokens_per_second))
+        peer_copies = sc.get("peerCopies", default_peer_copies)
+        if not isinstance(peer_copies, str) or peer_copies not in PEER_COPIES:
+            raise ValueError(f"spec.sidecar.peerCopies={peer_copies!r}: use one of {list(PEER_COPIES)} (drop: the "
+                             f"pool keeps one copy of each chunk; cold: the fetching sidecar keeps a copy at the "
+                             f"cold end of its store)")
         seed = spec.get("hashSeed")
         return cls(image=image,
                    resources=_sidecar_resources(sc.get("resources"), capacity, rdma["resources"]),
@@ -156,7 +182,7 @@ class SidecarSpec:
                    env=_sidecar_env_spec(sc.get("env") or []),
                    tls_secret=_tls_secret(sc.get("tls"), transport),
                    ucx_transports=ucx_transports, resource_claims=rdma["claims"],
-                   ipc_lock=rdma["ipc_lock"])
+                   ipc_lock=rdma["ipc_lock"], prefill_tokens_per_second=prefill, peer_copies=peer_copies)
 
     def control_port(self, dp_index: int) -> int:
         """The sidecar's control port of global data-parallel index ``dp_index`` (the sidecar's
@@ -253,6 +279,14 @@ def _rdma(rdma: Any, transport: str, ucx_transports: str) -> dict[str, Any]:
     return {"resources": devices, "claims": tuple(claims), "ipc_lock": ipc_lock}
 
 
+def _prefill_tokens_per_second(value: Any) -> float:
+    """spec.sidecar.prefillTokensPerSecond: a finite number >= 0 (prompt tokens per second)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"spec.sidecar.prefillTokensPerSecond={value!r}: use a number >= 0, the engine's prefill "
+                         f"rate in prompt tokens per second (e.g. 12500; 0 always fetches from peers)")
+    return float(value)
+
+
 def _hash_seed(value: Any) -> str:
     """spec.hashSeed as PYTHONHASHSEED accepts it: a decimal in [0, 4294967295]."""
     text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
@@ -263,7 +297,7 @@ def _hash_seed(value: Any) -> str:
 
 
 def _tls_secret(tls: Any, transport: str) -> str | None:
-    """spec.sidecar.tls.secretName, refused with the UCX transport (which it cannot encrypt)."""
+    """spec.sidecar.tls.secretName, refused with the ucx and nixl transports (which it cannot encrypt)."""
     if tls is None:
         return None
     name = tls.get("secretName") if isinstance(tls, Mapping) else None
@@ -271,6 +305,12 @@ def _tls_secret(tls: Any, transport: str) -> str | None:
         raise ValueError(f"spec.sidecar.tls={tls!r} names no Secret: set spec.sidecar.tls.secretName to a Secret "
                          f"with tls.crt, tls.key and ca.crt (a cert-manager Certificate's Secret), or remove "
                          f"spec.sidecar.tls")
+    if transport == "nixl":
+        raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.transport is "
+                         f"{transport!r}: TLS applies to the tcp transport only; the nixl transport sends its "
+                         f"requests over tcp but moves chunks with NIXL reads over UCX, which are not "
+                         f"encrypted (the sidecar refuses TLS with nixl); set spec.sidecar.transport: tcp, or "
+                         f"remove spec.sidecar.tls and keep nixl traffic inside the pool with the NetworkPolicy")
     if transport != "tcp":
         raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.transport is "
                          f"{transport!r}: TLS applies to the tcp transport only and UCX traffic is not "

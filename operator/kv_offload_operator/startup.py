@@ -67,6 +67,11 @@ class OperatorOptions:
     sidecar_base_port: int = 5710
     # tcp data-plane port for pools without spec.sidecar.dataPort (--sidecar-data-port).
     sidecar_data_port: int = 5810
+    # Prefill rate (prompt tokens/s) for pools without spec.sidecar.prefillTokensPerSecond
+    # (--sidecar-prefill-tokens-per-second); 0.0 = always fetch.
+    sidecar_prefill_tokens_per_second: float = 0.0
+    # Sharing policy for pools without spec.sidecar.peerCopies (--sidecar-peer-copies): "drop" or "cold".
+    sidecar_peer_copies: str = "drop"
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, *,

@@ -95,7 +95,9 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
                                                source=source.where)
         sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image,
                                         default_base_port=memo.options.sidecar_base_port,
-                                        default_data_port=memo.options.sidecar_data_port)
+                                        default_data_port=memo.options.sidecar_data_port,
+                                        default_prefill_tokens_per_second=memo.options.sidecar_prefill_tokens_per_second,
+                                        default_peer_copies=memo.options.sidecar_peer_copies)
         ops = patches.pod_patch(pod, pool, fingerprint=fingerprint, sidecar=sidecar)
     except ValueError as exc:
         problem = str(exc)

@@ -299,3 +299,40 @@ def test_the_injected_sidecar_flags_parse_with_the_sidecars_own_cli() -> None:
     assert args.previous_pool_key_file == pods.PREVIOUS_KEY_PATH
     assert args.admin_token_file == pods.ADMIN_TOKEN_PATH
     assert args.tls_ca_file == "/etc/kv-offload-tls/ca.crt"
+
+
+def _sidecar_flags(out: dict[str, Any]) -> dict[str, str]:
+    sidecar = next(c for c in out["spec"]["initContainers"] if c["name"] == pods.SIDECAR_NAME)
+    argv = sidecar["args"]
+    return dict(zip(argv[1::2], argv[2::2]))
+
+
+def test_the_sidecar_is_always_given_its_prefill_rate_and_peer_copies_policy() -> None:
+    defaults = _sidecar_flags(inject(pod(vllm())))
+    assert (defaults["--prefill-tokens-per-second"], defaults["--peer-copies"]) == ("0", "drop")
+    own = _sidecar_flags(inject(pod(vllm()), prefillTokensPerSecond=12500.5, peerCopies="cold"))
+    assert (own["--prefill-tokens-per-second"], own["--peer-copies"]) == ("12500.5", "cold")
+    whole = _sidecar_flags(inject(pod(vllm()), prefillTokensPerSecond=8000))
+    assert whole["--prefill-tokens-per-second"] == "8000"
+
+
+@pytest.mark.parametrize("rate, text", [(0.0, "0"), (12500.0, "12500"), (2500.25, "2500.25"), (1e-06, "1e-06"),
+                                        (1e16, "1e+16")])
+def test_a_rate_is_passed_exactly_as_the_shortest_float_text(rate: float, text: str) -> None:
+    assert pods.format_rate(rate) == text and float(text) == rate
+
+
+def test_the_policy_flags_and_nixl_parse_with_the_sidecars_own_cli() -> None:
+    import argparse
+
+    from kv_offload_sidecar import main as sidecar_main
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    sidecar_main.add_arguments(parser)
+    out = inject(pod(vllm()), transport="nixl", prefillTokensPerSecond=2500.25, peerCopies="cold")
+    sidecar = out["spec"]["initContainers"][1]
+    args = parser.parse_args(sidecar["args"][1:])
+    assert (args.transport, args.prefill_tokens_per_second, args.peer_copies) == ("nixl", 2500.25, "cold")
+    # The ucxTransports presets are the ucx transport's: nixl gets no UCX_TLS unless spec.sidecar.env sets one.
+    assert "UCX_TLS" not in env_of(sidecar)
+    kubernetes_validate.validate(out, K8S, strict=True)

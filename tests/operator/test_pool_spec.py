@@ -99,6 +99,69 @@ def test_tls_needs_a_secret_name_and_the_tcp_transport() -> None:
         sidecar_spec(transport="tcp", tls={})
 
 
+def test_prefill_rate_and_peer_copies_default_to_the_operators_and_a_pool_sets_its_own() -> None:
+    s = sidecar_spec()
+    assert (s.prefill_tokens_per_second, s.peer_copies) == (0.0, "drop")
+    operators = pool_spec.SidecarSpec.from_pool(pool(), default_image="i", default_prefill_tokens_per_second=12500.5,
+                                                default_peer_copies="cold")
+    assert (operators.prefill_tokens_per_second, operators.peer_copies) == (12500.5, "cold")
+    own = pool_spec.SidecarSpec.from_pool(pool(prefillTokensPerSecond=8000, peerCopies="drop"), default_image="i",
+                                          default_prefill_tokens_per_second=12500.5, default_peer_copies="cold")
+    assert (own.prefill_tokens_per_second, own.peer_copies) == (8000.0, "drop")
+    assert isinstance(own.prefill_tokens_per_second, float)
+    # 0 is a value, not "unset": it always fetches even where the operator's default is a rate.
+    zero = pool_spec.SidecarSpec.from_pool(pool(prefillTokensPerSecond=0), default_image="i",
+                                           default_prefill_tokens_per_second=12500.5)
+    assert zero.prefill_tokens_per_second == 0.0
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, "12500", True, float("nan"), float("inf"), None])
+def test_a_prefill_rate_that_is_not_a_number_at_least_0_is_refused_naming_the_field(bad: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        sidecar_spec(prefillTokensPerSecond=bad)
+    message = str(info.value)
+    assert message.startswith(f"spec.sidecar.prefillTokensPerSecond={bad!r}: use a number >= 0"), message
+    assert "prompt tokens per second" in message and "0 always fetches" in message
+
+
+@pytest.mark.parametrize("bad", ["keep", "Drop", "", 1, None])
+def test_an_unknown_peer_copies_policy_is_refused_naming_the_field_and_the_choices(bad: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        sidecar_spec(peerCopies=bad)
+    message = str(info.value)
+    assert message.startswith(f"spec.sidecar.peerCopies={bad!r}: use one of ['drop', 'cold']"), message
+
+
+def test_the_operators_policy_defaults_are_the_sidecars_own() -> None:
+    """A pool that sets nothing and an operator started without the flags run the sidecar's defaults."""
+    import argparse
+    import dataclasses
+
+    from kv_offload_sidecar import main as sidecar_main
+    from kv_offload_sidecar.settings import PEER_COPIES, SidecarSettings
+
+    parser = argparse.ArgumentParser()
+    sidecar_main.add_arguments(parser)
+    flags = parser.parse_args(["--config", "c", "--pool-key-file", "k"])
+    fields = {f.name: f.default for f in dataclasses.fields(SidecarSettings)}
+    assert pool_spec.DEFAULT_PREFILL_TOKENS_PER_SECOND == flags.prefill_tokens_per_second \
+        == fields["prefill_tokens_per_second"] == 0.0
+    assert pool_spec.DEFAULT_PEER_COPIES == flags.peer_copies == fields["peer_copies"] == "drop"
+    assert pool_spec.DEFAULT_PEER_COPIES in PEER_COPIES
+
+
+def test_the_nixl_transport_is_accepted_but_not_with_tls_nor_rdma() -> None:
+    assert sidecar_spec(transport="nixl").transport == "nixl"
+    with pytest.raises(ValueError) as info:
+        sidecar_spec(transport="nixl", tls={"secretName": "pool-tls"})
+    message = str(info.value)
+    assert message.startswith("spec.sidecar.tls.secretName='pool-tls' is set but spec.sidecar.transport is 'nixl'")
+    assert "TLS applies to the tcp transport only" in message and "set spec.sidecar.transport: tcp" in message
+    assert "NIXL reads over UCX, which are not encrypted" in message
+    with pytest.raises(ValueError, match=r"spec\.sidecar\.rdma is set but spec\.sidecar\.transport is 'nixl'"):
+        sidecar_spec(transport="nixl", ucxTransports="rdma-rc", rdma={"resources": {"rdma/ib": 1}})
+
+
 @pytest.mark.parametrize("bad", [0, -5, "600", 1.5, True])
 def test_key_rotation_grace_must_be_a_positive_whole_number_of_seconds(bad: Any) -> None:
     body = pool()
@@ -140,6 +203,28 @@ def test_crd_schema_accepts_a_real_pool_and_rejects_a_bad_transport(crd: dict[st
     assert "default" not in ports["basePort"] and "default" not in ports["dataPort"]
     assert pool_spec.SidecarSpec.from_pool(pool(), default_image="i", default_base_port=6710,
                                            default_data_port=6810).control_port(0) == 6710
+
+
+def test_crd_schema_admits_nixl_and_the_policy_knobs_and_refuses_bad_values(crd: dict[str, Any]) -> None:
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    sidecar = schema["properties"]["spec"]["properties"]["sidecar"]
+    # Every transport the sidecar (and so pool_spec) accepts, and nothing else.
+    assert sorted(sidecar["properties"]["transport"]["enum"]) == sorted(pool_spec.TRANSPORTS)
+    assert sidecar["properties"]["peerCopies"]["enum"] == list(pool_spec.PEER_COPIES)
+    # No default in the CRD: unset means the operator's (the chart's sidecar.prefillTokensPerSecond / peerCopies).
+    assert "default" not in sidecar["properties"]["prefillTokensPerSecond"]
+    assert "default" not in sidecar["properties"]["peerCopies"]
+    for fields in ({"transport": "nixl"}, {"prefillTokensPerSecond": 0}, {"prefillTokensPerSecond": 12500.5},
+                   {"peerCopies": "cold", "prefillTokensPerSecond": 8000}):
+        jsonschema.validate(pool_body("llama", sidecar=fields), schema)
+    for fields, said in (({"prefillTokensPerSecond": -1}, "-1"), ({"prefillTokensPerSecond": "12500"}, "12500"),
+                         ({"peerCopies": "keep"}, "keep"), ({"transport": "rdma"}, "rdma")):
+        with pytest.raises(jsonschema.ValidationError, match=said):
+            jsonschema.validate(pool_body("llama", sidecar=fields), schema)
+    # TLS only with tcp, so nixl with TLS too is refused by the API server (CEL, which jsonschema does not run).
+    (rule,) = sidecar["x-kubernetes-validations"]
+    assert "self.transport == 'tcp'" in rule["rule"]
+    assert "nixl" in " ".join(rule["message"].split())
 
 
 def test_crd_schema_leaves_hash_seed_unset_by_default_and_accepts_sidecar_env(crd: dict[str, Any]) -> None:
