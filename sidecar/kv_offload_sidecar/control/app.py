@@ -214,32 +214,36 @@ async def handle_handshake(request: web.Request) -> web.StreamResponse:
                           diff=exc.diff)
 
 
-@admin_only
-async def handle_lookup(request: web.Request) -> web.StreamResponse:
-    sidecar = request.app[SIDECAR_KEY]
-    if not sidecar.ready:
-        return json_error(503, "not ready: the sidecar is starting or shutting down")
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise _bad("body must be an object {\"keys\": [hex, ...]}")
-    keys = parse_keys(body.get("keys"), sidecar)
-    timeout = parse_timeout(body.get("timeout"), sidecar.settings.fetch_deadline_seconds)
+def keys_handler(answer: Callable[[Sidecar, list[bytes], float], Awaitable[dict[str, Any]]]) -> Handler:
+    """An admin handler of a ``{"keys": [hex, ...], "timeout": s}`` body: 503 until ready,
+    400 naming what is wrong, else ``answer(sidecar, keys, timeout)`` as JSON."""
+
+    @admin_only
+    async def handle(request: web.Request) -> web.StreamResponse:
+        sidecar = request.app[SIDECAR_KEY]
+        if not sidecar.ready:
+            return json_error(503, "not ready: the sidecar is starting or shutting down")
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise _bad("body must be an object {\"keys\": [hex, ...]}")
+        keys = parse_keys(body.get("keys"), sidecar)
+        timeout = parse_timeout(body.get("timeout"), sidecar.settings.fetch_deadline_seconds)
+        return web.json_response(await answer(sidecar, keys, timeout))
+
+    return handle
+
+
+async def _lookup(sidecar: Sidecar, keys: list[bytes], timeout: float) -> dict[str, Any]:
     local, peer = await sidecar.lookup(keys, timeout, fetch=False)
-    return web.json_response({"local": local, "peer": peer})
+    return {"local": local, "peer": peer}
 
 
-@admin_only
-async def handle_route(request: web.Request) -> web.StreamResponse:
-    sidecar = request.app[SIDECAR_KEY]
-    if not sidecar.ready:
-        return json_error(503, "not ready: the sidecar is starting or shutting down")
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise _bad("body must be an object {\"keys\": [hex, ...]}")
-    keys = parse_keys(body.get("keys"), sidecar)
-    timeout = parse_timeout(body.get("timeout"), sidecar.settings.fetch_deadline_seconds)
-    pods = await sidecar.route_hint(keys, timeout)
-    return web.json_response({"asked": len(keys), "pods": pods})
+async def _route(sidecar: Sidecar, keys: list[bytes], timeout: float) -> dict[str, Any]:
+    return {"asked": len(keys), "pods": await sidecar.route_hint(keys, timeout)}
+
+
+handle_lookup = keys_handler(_lookup)
+handle_route = keys_handler(_route)
 
 
 @admin_only

@@ -21,6 +21,14 @@ def _store(sidecar: Sidecar, keys: list[bytes]) -> None:
         r.commit()
 
 
+def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]:
+    """Sidecars "a" and "b" (linked) and "asker" (linked to both)."""
+    a_settings = make_settings(identity="a")
+    b_settings = make_settings(identity="b", static_peers=(f"127.0.0.1:{a_settings.base_port}",))
+    peers = (f"127.0.0.1:{a_settings.base_port}", f"127.0.0.1:{b_settings.base_port}")
+    return Sidecar(a_settings), Sidecar(b_settings), Sidecar(make_settings(identity="asker", static_peers=peers))
+
+
 async def _settled(*sidecars: Sidecar) -> None:
     for _ in range(100):
         views = [s.location.status() for s in sidecars]
@@ -101,11 +109,7 @@ async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_kee
 
 
 async def test_a_prefix_split_over_two_holders_is_fetched_from_both(make_settings):
-    a_settings = make_settings(identity="a")
-    b_settings = make_settings(identity="b", static_peers=(f"127.0.0.1:{a_settings.base_port}",))
-    a, b = Sidecar(a_settings), Sidecar(b_settings)
-    peers = (f"127.0.0.1:{a_settings.base_port}", f"127.0.0.1:{b_settings.base_port}")
-    asker = Sidecar(make_settings(identity="asker", static_peers=peers))
+    a, b, asker = _two_holders_and_an_asker(make_settings)
     async with running(a), running(b), running(asker):
         keys = _keys("conversation", 7)
         _store(a, keys[:3])  # turn 1 ran on a
@@ -151,11 +155,7 @@ async def test_a_run_slower_to_fetch_than_to_recompute_is_a_miss(make_settings):
 
 
 async def test_a_route_hint_ranks_the_pods_by_the_prefix_each_holds_and_moves_nothing(make_settings):
-    a_settings = make_settings(identity="a")
-    b_settings = make_settings(identity="b", static_peers=(f"127.0.0.1:{a_settings.base_port}",))
-    a, b = Sidecar(a_settings), Sidecar(b_settings)
-    peers = (f"127.0.0.1:{a_settings.base_port}", f"127.0.0.1:{b_settings.base_port}")
-    asker = Sidecar(make_settings(identity="asker", static_peers=peers))
+    a, b, asker = _two_holders_and_an_asker(make_settings)
     async with running(a), running(b), running(asker):
         keys = _keys("session", 6)
         _store(a, keys[:5])
@@ -165,7 +165,7 @@ async def test_a_route_hint_ranks_the_pods_by_the_prefix_each_holds_and_moves_no
         order = list(a.store._visible)
         hint = await asker.route_hint(keys, 1.0)
         assert [(h["pod"], h["chunks"]) for h in hint] == [("a", 5), ("b", 2), ("asker", 1)]
-        assert hint[0]["address"] == peers[0] and hint[2]["address"] == asker.control_address
+        assert hint[0]["address"] == a.control_address and hint[2]["address"] == asker.control_address
         assert list(a.store._visible) == order and len(asker.store) == 1  # no LRU touched, nothing moved
 
 
