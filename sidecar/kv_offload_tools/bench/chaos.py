@@ -12,6 +12,17 @@ writes a PNG (``--plot``), and exits 1 when any invariant broke: a corrupt
 chunk delivered, a chunk lost that should have survived, the store above its
 budget, or a fault the pool did not survive.
 
+``--transport nixl`` runs the same scenarios against nixl sidecars (requests on the tcp
+transport's connection, chunk bytes READ one-sidedly from the holder's store slot): the
+fault proxy then damages, truncates or delays the request connection (CHUNK_AT answers:
+key, checksum, slot) and marks the byte at which a holder dies, and one more fault class,
+``slot_flip`` (``chaos.faults.slot_faults``, ``--slot-rounds`` rounds), flips bytes of the
+holder's store slots while the hub READs them: the hub must refuse every damaged chunk by
+checksum (counted), deliver none and lose none once the bytes are restored. The bench
+itself READs with NIXL (its probe peers), so it needs ``nixl_cu12`` importable: without it,
+one line and exit 2. UCX picks its transports (cma between processes of this host) unless
+``UCX_TLS`` says otherwise.
+
 Fuzz run (``--fuzz``): ``--fuzz-cases`` hypothesis cases against one live
 sidecar (``kv_offload_tools.chaos.fuzz``); exits 1 on any wrong answer,
 crash, hang or memory growth beyond ``--rss-bound-mib``.
@@ -36,11 +47,13 @@ from kv_offload_tools.chaos.faults.engine_faults import (
     sigstop_past_deadline,
     write_flood,
 )
+from kv_offload_tools.chaos.faults.slot_faults import slot_flip
 from kv_offload_tools.chaos.faults.wire_faults import (
     damaged_wire,
     reconnect_storm,
     sigkill_on_wire,
 )
+from kv_offload_tools.chaos.pool import CHAOS_TRANSPORTS, require_transport
 from kv_offload_tools.chaos.report import (
     faults_table,
     fuzz_table,
@@ -54,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     p.add_argument("--fuzz", action="store_true",
                    help="fuzz every message a live sidecar accepts instead of injecting faults")
+    p.add_argument("--transport", choices=CHAOS_TRANSPORTS, default="tcp",
+                   help="data plane of the sidecars of a fault run (nixl adds the slot_flip fault; "
+                        "default %(default)s)")
     p.add_argument("--seconds", type=float, default=900.0,
                    help="bound on the SIGKILL loop (the longest part of a fault run), seconds")
     p.add_argument("--kills", type=int, default=100,
@@ -64,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="rounds of SIGSTOP, reconnect storm, leave/rejoin and restart-under-engine")
     p.add_argument("--wire-rounds", type=int, default=40,
                    help="fetches through the fault proxy per wire fault (flip, truncate, delay)")
+    p.add_argument("--slot-rounds", type=int, default=40,
+                   help="loads during which the holder's slot bytes are flipped (--transport nixl)")
     p.add_argument("--servers", type=int, default=3, help="server sidecars killed and restarted in turn")
     p.add_argument("--chunk-bytes", type=int, default=64 * 1024, help="bytes of one chunk")
     p.add_argument("--fuzz-cases", type=int, default=10_000, help="hypothesis cases of a --fuzz run")
@@ -75,14 +93,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name, low in (("kills", 1), ("wire_kills", 1), ("rounds", 1), ("wire_rounds", 1), ("servers", 1),
-                      ("fuzz_cases", 6), ("rss_bound_mib", 1)):
+    for name, low in (("kills", 1), ("wire_kills", 1), ("rounds", 1), ("wire_rounds", 1), ("slot_rounds", 1),
+                      ("servers", 1), ("fuzz_cases", 6), ("rss_bound_mib", 1)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}")
     if args.seconds <= 0:
         raise UsageError(f"--seconds {args.seconds} must be positive")
     if args.chunk_bytes < 4096 or args.chunk_bytes % 4096:
         raise UsageError(f"--chunk-bytes {args.chunk_bytes} must be a positive multiple of 4096")
+    if args.fuzz and args.transport != "tcp":
+        raise UsageError(f"--fuzz runs against a tcp sidecar; --transport {args.transport} applies to "
+                         "the fault run")
+    try:
+        require_transport(args.transport)  # nixl: importable here, before any sidecar starts
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,13 +123,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_faults(settings: BenchSettings, *, kills: int, wire_kills: int, seconds: float, rounds: int,
-               wire_rounds: int, progress: Any) -> list[FaultResult]:
-    """Every fault class once, in an order that leaves the pool usable for the next."""
+               wire_rounds: int, progress: Any, slot_rounds: int = 40) -> list[FaultResult]:
+    """Every fault class once, in an order that leaves the pool usable for the next
+    (``slot_flip`` on nixl only: on tcp the proxy's flips already reach the chunk bytes)."""
     with ChaosBench(settings, progress) as bench:
         results = [
             damaged_wire(bench, "flip", wire_rounds),
             damaged_wire(bench, "truncate", wire_rounds),
             damaged_wire(bench, "delay", max(1, wire_rounds // 4)),
+            *([slot_flip(bench, slot_rounds)] if settings.transport == "nixl" else []),
             sigstop_past_deadline(bench, rounds),
             sigkill_mid_fetch(bench, kills, seconds),
             sigkill_on_wire(bench, wire_kills),
@@ -117,10 +144,12 @@ def run_faults(settings: BenchSettings, *, kills: int, wire_kills: int, seconds:
 
 
 def _run_faults(args: argparse.Namespace, progress: Any) -> int:
-    settings = BenchSettings(chunk_bytes=args.chunk_bytes, servers=args.servers, seed=args.seed)
+    settings = BenchSettings(chunk_bytes=args.chunk_bytes, servers=args.servers, seed=args.seed,
+                             transport=args.transport)
     started = time.monotonic()
     results = run_faults(settings, kills=args.kills, wire_kills=args.wire_kills, seconds=args.seconds,
-                         rounds=args.rounds, wire_rounds=args.wire_rounds, progress=progress)
+                         rounds=args.rounds, wire_rounds=args.wire_rounds, slot_rounds=args.slot_rounds,
+                         progress=progress)
     elapsed = time.monotonic() - started
     ok = all(r.ok for r in results)
     if args.plot:
@@ -131,7 +160,7 @@ def _run_faults(args: argparse.Namespace, progress: Any) -> int:
                           "ok": ok, "faults": [r.to_dict() for r in results]}, indent=2))
     else:
         print(faults_table(results))
-        print(f"\n{len(results)} fault classes in {elapsed:.0f} s: "
+        print(f"\n{len(results)} fault classes on {settings.transport} sidecars in {elapsed:.0f} s: "
               f"{'all invariants held' if ok else 'INVARIANTS BROKEN'}")
         for r in results:
             for note in r.notes:

@@ -5,5 +5,6 @@
 - ``probes``: a hand-driven peer (handshake, raw data-plane frames);
 - ``fault_proxy``: a TCP proxy that damages data-plane bytes on purpose;
 - ``faults/``: the fault scenarios; ``fuzz/``: the fuzz targets and their runner;
+- ``loop``: the one event loop of a process's hand-driven peers (the NIXL runtime binds to it);
 - ``report``: tables and plots of both runs.
 """

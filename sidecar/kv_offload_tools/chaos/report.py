@@ -45,7 +45,7 @@ def plot_faults(results: Sequence[FaultResult], settings: BenchSettings, path: s
                         ha="center", va="bottom", color="red", fontsize=8)
     ax.set_xticks(list(xs), names, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("faults")
-    ax.set_title("Faults injected and survived (red: corrupt or lost chunks)")
+    ax.set_title(f"Faults injected and survived on {settings.transport} (red: corrupt or lost chunks)")
     ax.legend()
     ax = axes[1]
     ax.bar(list(xs), [r.worst_give_up_seconds for r in results], color="tab:orange")

@@ -15,24 +15,35 @@ pool recovered), loads turned into misses, corrupt chunks delivered (must be
 0), chunks lost that should have survived (must be 0), the longest an engine
 waited before a fetch gave up, and the store's peak bytes against its budget
 where that applies.
+
+``BenchSettings.transport`` picks the sidecars' data plane: ``tcp``, or ``nixl`` (requests on
+the tcp transport's connection, chunk bytes READ one-sidedly from the holder's store slot).
+The same scenarios run on both; a nixl bench also drives ``slot_faults`` (the holder's slot
+bytes changed under a READ), which the byte-stream proxy cannot do there. The hand-driven
+peers of the wire scenarios run on one event loop per process (``chaos.loop``: the NIXL
+runtime binds to the first loop that uses it) and fetch into one probe store per bench.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kv_offload_sidecar.engine.client import EngineClient
+from kv_offload_sidecar.peers.handshake import HelloMessage
 
+from kv_offload_tools.chaos import loop
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
-from kv_offload_tools.chaos.pool import chaos_pool
+from kv_offload_tools.chaos.pool import chaos_pool, require_transport
 
 Progress = Callable[[str], None]
+T = TypeVar("T")
 # Seconds a restarted server has to be fetchable from the hub again.
 RECOVERY_SECONDS = 30.0
 # Seconds an engine load may take beyond the fetch deadline before it counts as a hang.
@@ -111,6 +122,8 @@ class BenchSettings:
     fetch_deadline_seconds: float = 1.0
     # Random seed of kill timings and fault offsets.
     seed: int = 1
+    # Data plane of every sidecar: "tcp" or "nixl".
+    transport: str = "tcp"
 
 
 class ChaosBench:
@@ -120,8 +133,18 @@ class ChaosBench:
         self.s = settings
         self.rng = random.Random(settings.seed)
         self.progress = progress or (lambda line: None)
+        try:
+            require_transport(settings.transport)
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
         self.pool = chaos_pool(settings.chunk_bytes, settings.capacity_bytes,
-                               fetch_deadline_seconds=settings.fetch_deadline_seconds)
+                               fetch_deadline_seconds=settings.fetch_deadline_seconds,
+                               transport=settings.transport)
+        # The store the hand-driven peers fetch into (made at first use, emptied per fetch).
+        self._probe_store: Any = None
+        # (server, its start count, chunks) -> downstream bytes [lo, hi) of a fetch's answer
+        # through the proxy (``wire_faults``, nixl).
+        self.answer_bytes: dict[tuple[str, int, int], tuple[int, int]] = {}
         self.engines: dict[str, EngineClient] = {}
         # Start count of the sidecar each engine client was made for (a restart needs a new client).
         self._engine_starts: dict[str, int] = {}
@@ -150,6 +173,14 @@ class ChaosBench:
             with contextlib.suppress(Exception):
                 engine.close()
         self.engines.clear()
+        if self._probe_store is not None:
+            if self.s.transport == "nixl":
+                # Registered with this process's NIXL agents for good: kept mapped (its file
+                # goes with the work directory), so no later mapping can reuse its addresses.
+                _REGISTERED_PROBE_STORES.append(self._probe_store)
+            else:
+                self._probe_store.close()
+            self._probe_store = None
         self.pool.stop()
 
     def __enter__(self) -> ChaosBench:
@@ -160,6 +191,41 @@ class ChaosBench:
         self.close()
 
     # ---- helpers ---------------------------------------------------------------
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of a hand-driven peer on the process's chaos loop (``chaos.loop``)."""
+        return loop.run(coro)
+
+    def data_url(self, host: str, port: int) -> str:
+        """A data-plane address of this bench's transport (``tcp://`` or ``nixl://``)."""
+        return f"{self.s.transport}://{host}:{port}"
+
+    def probe_hello(self, identity: str) -> HelloMessage:
+        """The hello a hand-driven peer of this pool sends (saying the bench's transport)."""
+        hello = self.pool.local_hello(identity=identity)
+        return dataclasses.replace(hello, transport=self.s.transport,
+                                   data_address=self.data_url("127.0.0.1", 9))
+
+    def probe_store(self, chunks: int) -> Any:
+        """The hand-driven peers' ChunkStore (room for ``chunks`` chunks at least), emptied.
+
+        One per bench rather than one per fetch: a nixl fetcher registers its store with its
+        NIXL agents once and for the life of the process.
+        """
+        from kv_offload_sidecar.store.chunk_store import ChunkStore
+
+        store = self._probe_store
+        if store is not None and store.num_slots < chunks:
+            if self.s.transport == "nixl":
+                _REGISTERED_PROBE_STORES.append(store)
+            else:
+                store.close()
+            store = None
+        if store is None:
+            store = self._probe_store = ChunkStore(self.s.chunk_bytes, (chunks + 1) * self.s.chunk_bytes,
+                                                   directory=self.pool.workdir)
+        store.drop_when_released(store.keys())
+        return store
 
     def engine(self, name: str) -> EngineClient:
         """The engine client of a sidecar, re-created after the sidecar restarted."""
@@ -276,3 +342,7 @@ class ChaosBench:
         sc.kill()
         self.pool.set_peers(name, ["hub", *(n for n in self.server_names if n != name)])
         sc.start()
+
+
+# Probe stores a nixl bench registered with this process's NIXL agents (never unmapped).
+_REGISTERED_PROBE_STORES: list[Any] = []

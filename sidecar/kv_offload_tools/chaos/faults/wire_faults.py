@@ -6,6 +6,15 @@ advertises only its own data address, so a proxy cannot be slipped between
 two sidecar processes; it sits between this peer and a server's data port,
 where it flips, truncates or delays bytes, or marks the byte at which the
 server is killed. Each scenario returns a ``FaultResult``.
+
+On the nixl transport the proxy sits on the request connection only (``nixl://`` to the
+proxy; authentication, the sealed NIXL metadata, FETCH and the CHUNK_AT answers: key,
+checksum and slot of each chunk); the chunk bytes are READ from the holder's memory and
+never cross it. The fault bytes are then drawn from the CHUNK_AT answers of a fetch
+(measured per server start by an undisturbed fetch through the proxy): a flipped byte lands
+in a header, a key, a checksum or a slot number; a slot number pointing elsewhere makes the
+READ fetch another slot's bytes, which the checksum refuses. Damaging the chunk bytes
+themselves is ``slot_faults``.
 """
 
 from __future__ import annotations
@@ -15,8 +24,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable
-
-from kv_offload_sidecar.store.chunk_store import ChunkStore
+from dataclasses import dataclass
 
 from kv_offload_tools.chaos.chunks import chunk_content
 from kv_offload_tools.chaos.fault_proxy import FaultPlan, FaultProxy
@@ -32,29 +40,53 @@ from kv_offload_tools.sidecar_process import SidecarProcess
 
 def damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResult:
     """Flip, truncate or delay the bytes of fetches from a server through ``FaultProxy``."""
-    return asyncio.run(_damaged_wire(bench, mode, rounds))
+    return bench.run(_damaged_wire(bench, mode, rounds))
+
+
+@dataclass(frozen=True)
+class ProbeFetch:
+    """What one fetch by a hand-driven peer through the proxy gave."""
+
+    # Leading chunks fetched, or -1 when the connection or the fetch failed.
+    got: int
+    # Seconds the fetch took (to its end or its failure).
+    took: float
+    # Chunks that became visible in the peer's store with wrong bytes (must be 0).
+    bad: int
+    # Chunks refused by their checksum.
+    refused: int
+    # Bytes the proxy forwarded downstream once the connection was open (authenticated).
+    connect_bytes: int
+    # Bytes it forwarded downstream in all.
+    total_bytes: int
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """(host, port) of a data-plane address of any scheme."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 async def _probe_fetch(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes], plan: FaultPlan, tag: str,
-                       on_fault: Callable[[FaultPlan], None] | None = None
-                       ) -> tuple[int, float, int, int]:
-    """One fetch by a hand-driven peer through the proxy into its own store.
-
-    Returns (leading chunks fetched or -1 on error, seconds, visible chunks with
-    wrong bytes, chunks refused by checksum).
-    """
+                       on_fault: Callable[[FaultPlan], None] | None = None) -> ProbeFetch:
+    """One fetch by a hand-driven peer through the proxy into its own store."""
     from kv_offload_sidecar.data import TransportError, connect
 
     deadline = bench.s.fetch_deadline_seconds
-    probe = await asyncio.to_thread(probe_handshake, sc, bench.pool.pool_key,
-                                    bench.pool.local_hello(identity=f"probe-{tag}"))
-    host, _, port = probe.server_hello.data_address.removeprefix("tcp://").rpartition(":")
-    store = ChunkStore(bench.s.chunk_bytes, (len(keys) + 1) * bench.s.chunk_bytes,
-                       directory=bench.pool.workdir, name=f"probe-{tag}")
-    try:
-        async with FaultProxy(host, int(port), plan=plan, on_fault=on_fault) as proxy:
-            client = await connect(proxy.address, probe.session.session_id,
+    probe = await asyncio.to_thread(probe_handshake, sc, bench.pool.pool_key, bench.probe_hello(f"probe-{tag}"))
+    host, port = _host_port(probe.server_hello.data_address)
+    store = bench.probe_store(len(keys))
+    refused_before = int(store.stats().get("integrity_failures", 0))
+    connect_bytes = 0
+    async with FaultProxy(host, port, plan=plan, on_fault=on_fault) as proxy:
+        t0 = time.monotonic()
+        try:
+            client = await connect(bench.data_url(proxy.host, proxy.port), probe.session.session_id,
                                    probe.session.session_key, timeout=deadline)
+        except TransportError:  # the fault struck before the connection was open
+            got, took = -1, time.monotonic() - t0
+        else:
+            connect_bytes = proxy.bytes_downstream
             t0 = time.monotonic()
             try:
                 got = await client.fetch(keys, store, deadline)
@@ -62,15 +94,35 @@ async def _probe_fetch(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes],
                 got = -1
             took = time.monotonic() - t0
             await client.close()
-        bad = 0
-        for key in store.keys():  # every chunk that became visible must be right
-            pin = store.pin(key)
-            if pin is not None:
-                with pin:
-                    bad += pin.view != chunk_content(key, bench.s.chunk_bytes)
-        return got, took, bad, int(store.stats().get("integrity_failures", 0))
-    finally:
-        store.close()
+        total_bytes = proxy.bytes_downstream
+    bad = 0
+    for key in store.keys():  # every chunk that became visible must be right
+        pin = store.pin(key)
+        if pin is not None:
+            with pin:
+                bad += pin.view != chunk_content(key, bench.s.chunk_bytes)
+    refused = int(store.stats().get("integrity_failures", 0)) - refused_before
+    return ProbeFetch(got, took, bad, refused, connect_bytes, total_bytes)
+
+
+async def _answer_bytes(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes], tag: str) -> tuple[int, int]:
+    """The downstream byte range [lo, hi) that carries the answer to a fetch of ``keys``.
+
+    tcp: the chunk bytes (the handshake's few bytes before them are left in, as always).
+    nixl: the CHUNK_AT frames, measured by an undisturbed fetch through the proxy, once per
+    start of the server (its NIXL metadata, hence the bytes before them, may change length).
+    """
+    if bench.s.transport == "tcp":
+        return 0, len(keys) * bench.s.chunk_bytes
+    cache = bench.answer_bytes
+    slot = (sc.identity, sc.starts, len(keys))
+    if slot not in cache:
+        out = await _probe_fetch(bench, sc, keys, FaultPlan("pass"), f"{tag}-measure")
+        if out.got != len(keys) or out.bad:
+            raise RuntimeError(f"an undisturbed fetch of {len(keys)} chunks from {sc.identity} through "
+                               f"the proxy got {out.got} ({out.bad} corrupt)")
+        cache[slot] = (out.connect_bytes, out.total_bytes)
+    return cache[slot]
 
 
 async def _damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResult:
@@ -80,17 +132,20 @@ async def _damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResul
     sc = bench.pool[name]
     keys = bench.fresh_keys()
     await asyncio.to_thread(bench.put_on, name, keys)
-    total = len(keys) * bench.s.chunk_bytes
     deadline = bench.s.fetch_deadline_seconds
+    # A nixl answer is a few KB: one held-back read must outlast the deadline by itself.
+    delay = deadline / 4 if bench.s.transport == "tcp" else 1.5 * deadline
     for r in range(rounds):
+        lo, hi = await _answer_bytes(bench, sc, keys, f"{mode}-{r}")
         if mode == "flip":
-            plan = FaultPlan("flip", after_bytes=bench.rng.randrange(0, total), flip_every=total)
+            plan = FaultPlan("flip", after_bytes=bench.rng.randrange(lo, hi), flip_every=hi)
         elif mode == "truncate":
-            plan = FaultPlan("truncate", after_bytes=bench.rng.randrange(0, total))
+            plan = FaultPlan("truncate", after_bytes=bench.rng.randrange(lo, hi))
         else:
-            plan = FaultPlan("delay", after_bytes=bench.rng.randrange(0, total // 2),
-                             delay_seconds=deadline / 4)
-        got, took, bad, refused = await _probe_fetch(bench, sc, keys, plan, f"{mode}-{r}")
+            plan = FaultPlan("delay", after_bytes=bench.rng.randrange(lo, lo + (hi - lo) // 2),
+                             delay_seconds=delay)
+        out = await _probe_fetch(bench, sc, keys, plan, f"{mode}-{r}")
+        got, took, bad, refused = out.got, out.took, out.bad, out.refused
         result.injected += 1
         result.in_flight += 1
         result.loads += 1
@@ -110,8 +165,11 @@ async def _damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResul
 
 
 def sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:
-    """SIGKILL a server at an exact byte of a fetch from it (the proxy cuts the wire there too)."""
-    return asyncio.run(_sigkill_on_wire(bench, rounds))
+    """SIGKILL a server at an exact byte of a fetch from it (the proxy cuts the wire there too).
+
+    On nixl the byte is one of the CHUNK_AT answers: the holder dies while the peer's lanes
+    READ the chunks offered before it."""
+    return bench.run(_sigkill_on_wire(bench, rounds))
 
 
 async def _sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:
@@ -125,14 +183,15 @@ async def _sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:
         sc = bench.pool[name]
         keys = bench.fresh_keys()
         await asyncio.to_thread(bench.put_on, name, keys)
-        total = len(keys) * bench.s.chunk_bytes
-        plan = FaultPlan("truncate", after_bytes=bench.rng.randrange(bench.s.chunk_bytes // 2,
-                                                                     total - bench.s.chunk_bytes))
+        lo, hi = await _answer_bytes(bench, sc, keys, f"kill-{r}")
+        one = (hi - lo) // len(keys)  # one chunk's share of the answer
+        plan = FaultPlan("truncate", after_bytes=bench.rng.randrange(lo + one // 2, hi - one))
 
         def kill(_: FaultPlan, sc: SidecarProcess = sc) -> None:
             sc.send(signal.SIGKILL)
 
-        got, took, bad, _ = await _probe_fetch(bench, sc, keys, plan, f"kill-{r}", on_fault=kill)
+        out = await _probe_fetch(bench, sc, keys, plan, f"kill-{r}", on_fault=kill)
+        got, took, bad = out.got, out.took, out.bad
         result.injected += 1
         result.loads += 1
         result.corrupt_delivered += bad
@@ -162,7 +221,7 @@ async def _sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:
 
 def reconnect_storm(bench: ChaosBench, rounds: int, probes: int = 16) -> FaultResult:
     """Kill every server at once and restart them together, while probes reconnect and drop."""
-    return asyncio.run(_reconnect_storm(bench, rounds, probes))
+    return bench.run(_reconnect_storm(bench, rounds, probes))
 
 
 async def _reconnect_storm(bench: ChaosBench, rounds: int, probes: int) -> FaultResult:
@@ -171,17 +230,15 @@ async def _reconnect_storm(bench: ChaosBench, rounds: int, probes: int) -> Fault
     result = FaultResult("reconnect_storm")
     started = time.monotonic()
     hub = bench.pool["hub"]
-    data = hub.status()["data_address"].removeprefix("tcp://")
-    host, _, port = data.rpartition(":")
-    async with FaultProxy(host, int(port)) as proxy:
+    host, port = _host_port(hub.status()["data_address"])
+    async with FaultProxy(host, port) as proxy:
         for r in range(rounds):
             result.injected += 1
             clients = []
             for i in range(probes):  # many peers handshake and connect at once ...
                 probe = await asyncio.to_thread(
-                    probe_handshake, hub, bench.pool.pool_key,
-                    bench.pool.local_hello(identity=f"storm-{r}-{i}"))
-                clients.append(connect(proxy.address, probe.session.session_id,
+                    probe_handshake, hub, bench.pool.pool_key, bench.probe_hello(f"storm-{r}-{i}"))
+                clients.append(connect(bench.data_url(proxy.host, proxy.port), probe.session.session_id,
                                        probe.session.session_key, timeout=5.0))
             conns = await asyncio.gather(*clients, return_exceptions=True)
             for name in bench.server_names:  # ... every server dies at once ...
