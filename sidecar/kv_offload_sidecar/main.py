@@ -94,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-second", type=float, default=0.0, metavar="TOKENS",
                    help="the engine's prefill rate: a peer's run slower to fetch than to recompute "
                         "at this rate is a miss (default 0: always fetch)")
+    p.add_argument("--engine-metrics-url", default="", metavar="URL",
+                   help="vLLM's /metrics, to learn the engine's prefill rate from "
+                        "(e.g. http://127.0.0.1:8000/metrics; default: the configured rate only)")
+    p.add_argument("--engine-metrics-interval-seconds", type=float, default=15.0,
+                   help="seconds between scrapes of --engine-metrics-url (default 15)")
     p.add_argument("--dns-interval-seconds", type=float, default=10.0,
                    help="seconds between re-resolutions of --peers-dns")
     p.add_argument("--shutdown-grace-seconds", type=float, default=3.0,
@@ -148,7 +153,9 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
         admin_token=load_optional_key(args.admin_token_file),
         admin_token_file=args.admin_token_file, key_reload_seconds=args.key_reload_seconds,
         tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, tls_ca_file=args.tls_ca_file,
-        peer_copies=args.peer_copies, prefill_tokens_per_second=args.prefill_tokens_per_second)
+        peer_copies=args.peer_copies, prefill_tokens_per_second=args.prefill_tokens_per_second,
+        engine_metrics_url=args.engine_metrics_url,
+        engine_metrics_interval_seconds=args.engine_metrics_interval_seconds)
 
 
 def parent_pid(args: argparse.Namespace) -> int:

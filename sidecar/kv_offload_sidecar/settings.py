@@ -111,6 +111,11 @@ class SidecarSettings:
     # The engine's prefill rate in prompt tokens per second, for fetch-or-recompute
     # (0 = always fetch); e.g. 10000.
     prefill_tokens_per_second: float = 0.0
+    # vLLM's /metrics URL the prefill rate is learnt from, e.g. http://127.0.0.1:8000/metrics
+    # ("" = the configured rate only).
+    engine_metrics_url: str = ""
+    # Seconds between scrapes of engine_metrics_url.
+    engine_metrics_interval_seconds: float = 15.0
     # PEM certificate of this sidecar for TLS on the TCP data plane ("" = plain TCP).
     tls_cert_file: str = ""
     # PEM private key of tls_cert_file.
@@ -153,6 +158,12 @@ class SidecarSettings:
         if not self.prefill_tokens_per_second >= 0:
             raise ValueError(f"prefill_tokens_per_second {self.prefill_tokens_per_second} must be >= 0 "
                              "(the engine's prompt tokens per second; 0 always fetches)")
+        if self.engine_metrics_url and not self.engine_metrics_url.startswith(("http://", "https://")):
+            raise ValueError(f"--engine-metrics-url {self.engine_metrics_url!r} must be an http(s) URL "
+                             "of vLLM's /metrics, e.g. http://127.0.0.1:8000/metrics")
+        if self.engine_metrics_interval_seconds <= 0:
+            raise ValueError(f"engine_metrics_interval_seconds must be positive, "
+                             f"got {self.engine_metrics_interval_seconds}")
         if self.key_reload_seconds <= 0:
             raise ValueError(f"key_reload_seconds must be positive, got {self.key_reload_seconds}")
         if not self.identity:

@@ -46,6 +46,7 @@ from kv_offload_sidecar.peers.handshake import (
 from kv_offload_sidecar.peers.links import PeerManager
 from kv_offload_sidecar.peers.location import Location
 from kv_offload_sidecar.peers.peer_reads import PeerReads
+from kv_offload_sidecar.peers.prefill_rate import PrefillRateLearner
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import InboundSessions
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, SidecarSettings
@@ -103,6 +104,8 @@ class Sidecar:
                                cost=FetchOrRecompute(PrefillModel(
                                    settings.prefill_tokens_per_second, cfg.tokens_per_chunk,
                                    settings.kv_bytes_per_chunk)))
+        # Learns the engine's prefill rate from its /metrics (--engine-metrics-url), if given.
+        self.prefill_learner: PrefillRateLearner | None = None
         self.name = store_name(settings.identity)
         # Random per process: names this sidecar's store mapping to the engine clients.
         self.instance = secrets.token_hex(8)
@@ -217,6 +220,11 @@ class Sidecar:
                        asyncio.create_task(self.peers.run(), name="peers"),
                        asyncio.create_task(self.location.run(), name="location"),
                        asyncio.create_task(self._reload_keys(), name="pool keys")]
+        if self.settings.engine_metrics_url:
+            self.prefill_learner = PrefillRateLearner(
+                self.settings.engine_metrics_url, self.settings.engine_metrics_interval_seconds,
+                self.reads.cost.learn_rate)
+            self._tasks.append(asyncio.create_task(self.prefill_learner.run(), name="prefill rate"))
         self.ready = True
         if s.hash_seed == DEFAULT_HASH_SEED:
             log.warning("the prefix-hash seed is the public default %r: anyone who knows a prompt can "
@@ -395,6 +403,10 @@ class Sidecar:
                 "slot_stride": store.slot_stride, "capacity_bytes": store.capacity_bytes,
                 "used_bytes": store.used_bytes, "chunks": len(store)},
             "location": self.location.status(),
+            "fetch_or_recompute": {
+                "prefill_tokens_per_second": self.reads.cost.model.prefill_tokens_per_second,
+                "learnt_from": s.engine_metrics_url if self.reads.cost.learnt else "",
+                "peers": self.reads.cost.speeds.view()},
         }
 
     def local_socket_path(self, dp_index: int) -> str:

@@ -93,6 +93,9 @@ class SidecarOverride:
     extra_args: tuple[str, ...] = ()
     # Extra environment variables for this sidecar.
     env: Mapping[str, str] = field(default_factory=dict)
+    # The sidecar still joins the pool's mesh (the override only adds flags that keep it
+    # compatible); by default an overridden sidecar is expected to be refused.
+    joins: bool = False
 
 
 # Prefix of LocalPool work directories: "{prefix}{owner pid}-{random}".
@@ -323,7 +326,7 @@ class LocalPool:
                 peers = [a for j, a in enumerate(addrs) if j != i]
                 override = self.overrides.get(i)
                 sc = self._sidecar(f"sidecar-{i}", ports[i], peers, override, None,
-                                   expect_connect=override is None)
+                                   expect_connect=override is None or override.joins)
                 self.sidecars.append(sc)
                 sc.start(wait=False)
             self.wait_ready(timeout)
@@ -352,7 +355,7 @@ class LocalPool:
         addresses = [s.address for s in self.sidecars if s.alive()] if mesh \
             else [self[p].address for p in peers]  # type: ignore[union-attr]
         sc = self._sidecar(identity, free_port_block(max(self.dp_indices) + 1), addresses, override,
-                           capacity_bytes, expect_connect=mesh and override is None)
+                           capacity_bytes, expect_connect=mesh and (override is None or override.joins))
         self.sidecars.append(sc)
         sc.start(timeout=timeout)
         if sc.expect_connect if wait_connected is None else wait_connected:

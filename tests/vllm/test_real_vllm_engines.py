@@ -18,13 +18,14 @@ import time
 from collections.abc import Callable
 
 import pytest
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride, free_port_block
 from kv_offload_tools.vllm_harness.deployment import TIER_TYPE, VllmDeployment
 from kv_offload_tools.vllm_harness.driver_client import (
     close_all,
     metric_value,
     start_all,
 )
+from kv_offload_tools.vllm_harness.engine_driver import METRICS_PORT_ENV
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,9 +70,17 @@ def deployment(tmp_path_factory) -> VllmDeployment:
     return VllmDeployment(tmp_path_factory.mktemp("vllm"), chunk_tokens=CHUNK_TOKENS)
 
 
+# Engine B serves vLLM's metrics here (as `vllm serve` does on /metrics); sidecar 1 learns
+# the engine's prefill rate from them.
+ENGINE_B_METRICS_PORT = free_port_block(1)
+
+
 @pytest.fixture(scope="module")
 def pool(deployment):
-    with LocalPool(2, config=deployment.config, capacity_bytes=64 << 20,
+    learn = SidecarOverride(extra_args=(
+        "--engine-metrics-url", f"http://127.0.0.1:{ENGINE_B_METRICS_PORT}/metrics",
+        "--engine-metrics-interval-seconds", "0.5"), joins=True)
+    with LocalPool(2, config=deployment.config, capacity_bytes=64 << 20, overrides={1: learn},
                    publish_interval_seconds=0.05, fetch_deadline_seconds=2.0) as p:
         yield p
 
@@ -82,7 +91,9 @@ def engines(deployment, pool):
     started side by side; the baseline's greedy outputs for every prompt are kept."""
     tier_keys = {"load_timeout_seconds": 3.0}
     started = start_all([lambda: deployment.start_engine("a", pool[0].port, tier_keys=tier_keys),
-                         lambda: deployment.start_engine("b", pool[1].port, tier_keys=tier_keys),
+                         lambda: deployment.start_engine(
+                             "b", pool[1].port, tier_keys=tier_keys,
+                             extra_env={METRICS_PORT_ENV: str(ENGINE_B_METRICS_PORT)}),
                          deployment.start_baseline])
     try:
         a, b, baseline = started
@@ -136,6 +147,29 @@ def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars
     # A prompt sharing only the first 4 chunks: those are served by B's own host tier now.
     (partial,) = b.generate([PARTIAL], max_tokens=MAX_TOKENS)
     assert partial["num_cached_tokens"] == 256 and partial["token_ids"] == expected["partial"]
+
+
+def test_sidecar_b_learns_engine_bs_prefill_rate_from_vllms_own_metrics(pool, engines):
+    a, b, expected = engines
+    # Prompts B computes itself (new to the pool), so its prefill histograms grow.
+    prompts = [_prompt(seed) for seed in (21, 22, 23)]
+    for prompt in prompts:
+        b.generate([prompt], max_tokens=MAX_TOKENS)
+        time.sleep(0.6)  # a scrape between prompts
+    m = samples(b)
+    tokens = value(m, "vllm:request_prefill_kv_computed_tokens_sum")
+    seconds = value(m, "vllm:request_prefill_time_seconds_sum")
+    assert tokens > 0 and seconds > 0
+    wait_for("sidecar 1 to learn a prefill rate",
+             lambda: pool[1].status()["fetch_or_recompute"]["learnt_from"] != "", timeout=15)
+    learnt = pool[1].status()["fetch_or_recompute"]["prefill_tokens_per_second"]
+    engine_average = tokens / seconds  # over every request B prefilled
+    print(f"\n[prefill rate] learnt {learnt:.0f} tokens/s; engine B's average {engine_average:.0f}")
+    assert 0.2 * engine_average < learnt < 5 * engine_average
+    # Sidecar 0 was given no metrics URL: it keeps the configured rate (0: always fetch).
+    assert pool[0].status()["fetch_or_recompute"] == {
+        "prefill_tokens_per_second": 0.0, "learnt_from": "",
+        "peers": pool[0].status()["fetch_or_recompute"]["peers"]}
 
 
 def _counters(pool, b) -> dict[str, float]:
@@ -278,3 +312,4 @@ def test_an_engine_whose_config_differs_from_its_sidecar_serves_misses_and_says_
     assert f'model_name: "{deployment.model_dir}" != "{deployment.workdir}/tiny-llama-copy"' \
         in refusals[0]
     assert "ERROR" in refusals[0]
+

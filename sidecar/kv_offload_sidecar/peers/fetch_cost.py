@@ -5,8 +5,9 @@ Per peer, the sidecar keeps moving averages of what its exchanges cost
 bandwidth of the chunks that followed. A run of ``n`` chunks from that peer is
 then expected to take ``latency + n x chunk_bytes / bandwidth``; recomputing it
 takes ``n x tokens_per_chunk / prefill_tokens_per_second`` (the engine's prefill
-rate, configured). ``FetchOrRecompute.worth`` says fetch when the first is
-shorter; a run not worth fetching is a miss and the engine recomputes it.
+rate, configured, or learnt from vLLM's metrics: ``prefill_rate``).
+``FetchOrRecompute.worth`` says fetch when the first is shorter; a run not worth
+fetching is a miss and the engine recomputes it.
 
 A peer not measured yet is worth trying (its first exchange measures it), and
 a prefill rate of 0 turns the decision off (always fetch). The linear prefill
@@ -16,7 +17,7 @@ decision errs towards recomputing only where a fetch is clearly slower.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Weight of the newest sample in the moving averages.
 EWMA_WEIGHT = 0.2
@@ -99,6 +100,14 @@ class FetchOrRecompute:
     def __init__(self, model: PrefillModel, speeds: PeerSpeeds | None = None) -> None:
         self.model = model
         self.speeds = speeds or PeerSpeeds()
+        # True once a learnt prefill rate replaced the configured one.
+        self.learnt = False
+
+    def learn_rate(self, tokens_per_second: float) -> None:
+        """The engine's prefill rate as learnt from its metrics replaces the configured one."""
+        if tokens_per_second > 0:
+            self.model = replace(self.model, prefill_tokens_per_second=tokens_per_second)
+            self.learnt = True
 
     def worth(self, peer: str, chunks: int) -> bool:
         if chunks <= 0:

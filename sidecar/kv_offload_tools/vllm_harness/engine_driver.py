@@ -243,6 +243,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Port on 127.0.0.1 to serve vLLM's Prometheus registry on (as `vllm serve` does on /metrics).
+METRICS_PORT_ENV = "KV_OFFLOAD_HARNESS_METRICS_PORT"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     proto = ProtocolStdout()
@@ -281,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         reply({"ready": False, "error": repr(exc), "traceback": traceback.format_exc()})
         return 1
 
+    metrics_port = os.environ.get(METRICS_PORT_ENV, "")
+    if metrics_port:  # vLLM's registry over HTTP, as `vllm serve` exposes it on /metrics
+        from prometheus_client import start_http_server
+
+        start_http_server(int(metrics_port), addr="127.0.0.1")
     driver = _Driver(llm, engine_id)
     reply({
         "ready": True,

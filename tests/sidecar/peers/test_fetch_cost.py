@@ -38,3 +38,15 @@ def test_a_prefill_rate_of_zero_always_fetches():
     assert cost.worth("p", 1)
     with pytest.raises(ValueError, match="prefill_tokens_per_second"):
         PrefillModel(-1, 16, 1)
+
+
+def test_a_learnt_rate_replaces_the_configured_one():
+    cost = FetchOrRecompute(MODEL)
+    cost.speeds.observe_latency("p", 0.002)
+    cost.speeds.observe_transfer("p", 1 << 20, 0.010)  # 42 ms for 4 chunks
+    assert cost.worth("p", 4) and not cost.learnt
+    cost.learn_rate(8000)  # 4 chunks of 16 tokens now recompute in 8 ms
+    assert cost.learnt and cost.model.prefill_tokens_per_second == 8000
+    assert not cost.worth("p", 4)
+    cost.learn_rate(0)  # not a rate: ignored
+    assert cost.model.prefill_tokens_per_second == 8000
