@@ -184,6 +184,8 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
             "--dp-indices", ",".join(str(i) for i in dp_indices), "--shm-dir", SHM_DIR]
     mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
               {"name": POOL_SECRET_VOLUME, "mountPath": POOL_SECRET_DIR, "readOnly": True}]
+    if sidecar.engine_metrics_url:
+        args += ["--engine-metrics-url", sidecar.engine_metrics_url]
     if sidecar.tls_secret is not None:
         args += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key",
                  "--tls-ca-file", f"{TLS_DIR}/ca.crt"]

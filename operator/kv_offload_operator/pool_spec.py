@@ -120,6 +120,9 @@ class SidecarSpec:
     # (spec.sidecar.peerCopies, else the operator's --sidecar-peer-copies): a PEER_COPIES value,
     # "drop" (one copy per chunk in the pool) or "cold" (a copy at the cold end of the store).
     peer_copies: str = DEFAULT_PEER_COPIES
+    # vLLM's /metrics URL the sidecar learns the prefill rate from (spec.sidecar.engineMetricsURL),
+    # e.g. "http://127.0.0.1:8000/metrics"; "" = the configured rate only.
+    engine_metrics_url: str = ""
 
     @property
     def ucx_tls(self) -> str:
@@ -173,6 +176,11 @@ class SidecarSpec:
             raise ValueError(f"spec.sidecar.peerCopies={peer_copies!r}: use one of {list(PEER_COPIES)} (drop: the "
                              f"pool keeps one copy of each chunk; cold: the fetching sidecar keeps a copy at the "
                              f"cold end of its store)")
+        metrics_url = sc.get("engineMetricsURL", "")
+        if not isinstance(metrics_url, str) or (metrics_url and not metrics_url.startswith(("http://", "https://"))):
+            raise ValueError(f"spec.sidecar.engineMetricsURL={metrics_url!r}: use the http(s) URL of the vLLM "
+                             f"container's /metrics as the sidecar reaches it, e.g. http://127.0.0.1:8000/metrics, "
+                             f"or leave it unset")
         seed = spec.get("hashSeed")
         return cls(image=image,
                    resources=_sidecar_resources(sc.get("resources"), capacity, rdma["resources"]),
@@ -182,7 +190,8 @@ class SidecarSpec:
                    env=_sidecar_env_spec(sc.get("env") or []),
                    tls_secret=_tls_secret(sc.get("tls"), transport),
                    ucx_transports=ucx_transports, resource_claims=rdma["claims"],
-                   ipc_lock=rdma["ipc_lock"], prefill_tokens_per_second=prefill, peer_copies=peer_copies)
+                   ipc_lock=rdma["ipc_lock"], prefill_tokens_per_second=prefill, peer_copies=peer_copies,
+                   engine_metrics_url=metrics_url)
 
     def control_port(self, dp_index: int) -> int:
         """The sidecar's control port of global data-parallel index ``dp_index`` (the sidecar's

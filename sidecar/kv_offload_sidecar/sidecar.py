@@ -46,8 +46,8 @@ from kv_offload_sidecar.peers.handshake import (
 from kv_offload_sidecar.peers.links import PeerManager
 from kv_offload_sidecar.peers.location import Location
 from kv_offload_sidecar.peers.peer_reads import PeerReads
-from kv_offload_sidecar.peers.prefill_rate import PrefillRateLearner
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
+from kv_offload_sidecar.peers.prefill_rate import PrefillRateLearner
 from kv_offload_sidecar.peers.sessions import InboundSessions
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, SidecarSettings
 from kv_offload_sidecar.store.chunk_store import ChunkStore

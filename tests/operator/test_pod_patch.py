@@ -322,6 +322,12 @@ def test_a_rate_is_passed_exactly_as_the_shortest_float_text(rate: float, text: 
     assert pods.format_rate(rate) == text and float(text) == rate
 
 
+def test_an_engine_metrics_url_is_passed_only_when_the_pool_sets_one() -> None:
+    assert "--engine-metrics-url" not in _sidecar_flags(inject(pod(vllm())))
+    url = "http://127.0.0.1:8000/metrics"
+    assert _sidecar_flags(inject(pod(vllm()), engineMetricsURL=url))["--engine-metrics-url"] == url
+
+
 def test_the_policy_flags_and_nixl_parse_with_the_sidecars_own_cli() -> None:
     import argparse
 
@@ -329,10 +335,12 @@ def test_the_policy_flags_and_nixl_parse_with_the_sidecars_own_cli() -> None:
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     sidecar_main.add_arguments(parser)
-    out = inject(pod(vllm()), transport="nixl", prefillTokensPerSecond=2500.25, peerCopies="cold")
+    out = inject(pod(vllm()), transport="nixl", prefillTokensPerSecond=2500.25, peerCopies="cold",
+                 engineMetricsURL="http://127.0.0.1:8000/metrics")
     sidecar = out["spec"]["initContainers"][1]
     args = parser.parse_args(sidecar["args"][1:])
     assert (args.transport, args.prefill_tokens_per_second, args.peer_copies) == ("nixl", 2500.25, "cold")
+    assert args.engine_metrics_url == "http://127.0.0.1:8000/metrics"
     # The ucxTransports presets are the ucx transport's: nixl gets no UCX_TLS unless spec.sidecar.env sets one.
     assert "UCX_TLS" not in env_of(sidecar)
     kubernetes_validate.validate(out, K8S, strict=True)

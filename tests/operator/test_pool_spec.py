@@ -289,3 +289,19 @@ def test_crd_status_schema_keeps_the_key_rotation_the_operator_writes(crd: dict[
         assert set(status) <= set(declared)
         body["status"] = {"keyRotation": status}
         jsonschema.validate(body, schema)
+
+
+def test_an_engine_metrics_url_reaches_the_spec_and_a_bad_one_is_refused_naming_the_field() -> None:
+    assert sidecar_spec().engine_metrics_url == ""
+    url = "http://127.0.0.1:8000/metrics"
+    assert sidecar_spec(engineMetricsURL=url).engine_metrics_url == url
+    for bad in ("127.0.0.1:8000/metrics", 8000):
+        with pytest.raises(ValueError, match=r"spec.sidecar.engineMetricsURL=.*http\(s\) URL"):
+            sidecar_spec(engineMetricsURL=bad)
+
+
+def test_crd_schema_takes_an_engine_metrics_url_and_refuses_a_bare_address(crd: dict[str, Any]) -> None:
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.validate(pool_body("llama", sidecar={"engineMetricsURL": "http://127.0.0.1:8000/metrics"}), schema)
+    with pytest.raises(jsonschema.ValidationError, match="127.0.0.1:8000"):
+        jsonschema.validate(pool_body("llama", sidecar={"engineMetricsURL": "127.0.0.1:8000"}), schema)
