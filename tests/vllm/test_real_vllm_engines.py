@@ -143,6 +143,11 @@ def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars
     assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result="peer_hit") == chunks
     assert value(m, "vllm:kv_offload_sidecar_refused") == 0
     assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") >= chunks * chunk
+    # The pool keeps one copy: once B's engine loaded them, sidecar 1 keeps none of the chunks,
+    # and vLLM does not write what it loaded from the tier back into it.
+    time.sleep(0.5)
+    print(f"\n[one copy] sidecar 1 holds {pool[1].metric('kv_offload_store_chunks'):.0f} chunks after B's load")
+    assert pool[1].metric("kv_offload_store_chunks") == 0
 
     # A prompt sharing only the first 4 chunks: those are served by B's own host tier now.
     (partial,) = b.generate([PARTIAL], max_tokens=MAX_TOKENS)
