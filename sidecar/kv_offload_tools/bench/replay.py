@@ -19,7 +19,11 @@ From one invocation it reports:
   first missing key, asked by every request that lacks a chunk, unless the
   sidecar owns it) plus holder exchanges (``holder_exchanges_per_peer_hit_request``:
   one lookup-and-fetch with the holder named, per request that got peer hits);
-- ``bytes_moved``: chunk bytes received from peers (``kv_offload_peer_bytes_total``).
+- ``bytes_moved``: chunk bytes received from peers (``kv_offload_peer_bytes_total``),
+  and ``bytes_moved_per_hit``;
+- ``prefill``: prefill time saved under a stated engine and link model, with every peer
+  run fetched and with the sidecar's fetch-or-recompute decision (``prefill_model``);
+- with ``--routing prefix-hint``: ``hinted_requests`` and ``hint_messages_per_request``.
 It also writes a PNG: hit ratio against capacity (simulated curves and the
 measured points) and, with ``--sweep-replicas``, against the number of replicas.
 """
@@ -62,7 +66,8 @@ class ReplaySettings:
     capacity_chunks: int
     # Bytes of one chunk (the sidecars' kv_bytes_per_chunk).
     chunk_bytes: int
-    # How requests are spread over replicas: round-robin, random or prefix-aware.
+    # How requests are spread over replicas: round-robin, random, prefix-aware (simulated
+    # knowledge), session-affine, or prefix-hint (the sidecars' POST /v1/route, asked per request).
     routing: str = "round-robin"
     # Replay only the first N requests of the trace (None: all).
     limit: int | None = None
