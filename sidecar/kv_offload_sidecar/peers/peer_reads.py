@@ -142,25 +142,10 @@ class PeerReads:
         loop = asyncio.get_running_loop()
         end = loop.time() + min(timeout, self._deadline)
         rest = list(keys[:MAX_PEER_KEYS])
-        if not rest:
+        found = await self._candidates(rest, end - loop.time(), hint=True) if rest else None
+        if found is None:
             return []
-        owner = self._location.owner_of(rest[0])
-        distrusted = self._claims.distrusted()
-        if OWNER_PREFIX + owner in distrusted:
-            return []
-        if owner != self._location.identity:
-            self._metrics.route_hint_messages.labels(kind="locate").inc()
-        try:
-            owner, claims = await self._location.locate(rest, end - loop.time())
-        except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            log.warning("owner %s could not say where chunks are (%s); no routing hint", owner, exc)
-            return []
-        asked = []
-        for claim in claims:
-            link = self._peers.connected(claim.identity)
-            if (claim.identity not in distrusted and claim.identity != self._location.identity
-                    and link is not None and link.data is not None and not link.data.closed):
-                asked.append((link, claim))
+        owner, asked = found
         counts = await asyncio.gather(*(self._exchange(link, claim, owner, rest, end - loop.time(),
                                                        fetch=False, hint=True) for link, claim in asked))
         return sorted(((link, n) for (link, _), n in zip(asked, counts) if n > 0), key=lambda x: -x[1])
@@ -208,6 +193,22 @@ class PeerReads:
         """Ask the owner of ``keys[0]``; the first trusted, connected holder it names (and the owner).
         With ``decide``, None also when fetching the holder's claimed run would be slower than
         the engine recomputing it (``fetch_cost``)."""
+        found = await self._candidates(keys, deadline)
+        if found is None or not found[1]:
+            return None
+        owner, ((link, claim), *_) = found
+        if decide:
+            worth = self.cost.worth(claim.identity, min(claim.run, len(keys)))
+            self._metrics.fetch_decisions.labels(decision="fetch" if worth else "recompute").inc()
+            if not worth:
+                return None
+        return link, claim, owner
+
+    async def _candidates(self, keys: list[bytes], deadline: float, *,
+                          hint: bool = False) -> tuple[str, list[tuple[PeerLink, HolderClaim]]] | None:
+        """``(owner asked, the trusted, connected holders it names, best first)``; None when the
+        owner is distrusted or cannot answer (an engine path's failing owner is backed off).
+        The question counts in ``lookup_messages``, or with ``hint`` in ``route_hint_messages``."""
         if deadline <= 0:
             return None
         owner = self._location.owner_of(keys[0])
@@ -215,28 +216,27 @@ class PeerReads:
         if OWNER_PREFIX + owner in distrusted:
             return None
         if owner != self._location.identity:
-            self._metrics.lookup_messages.inc()
+            if hint:
+                self._metrics.route_hint_messages.labels(kind="locate").inc()
+            else:
+                self._metrics.lookup_messages.inc()
         try:
             owner, holders = await self._location.locate(keys, deadline)
         except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            log.warning("owner %s could not say where chunks are (%s); %s", owner, exc,
+                        "no routing hint" if hint else "a miss")
             link = self._peers.connected(owner)
-            log.warning("owner %s could not say where chunks are (%s); a miss", owner, exc)
-            if link is not None:
+            if link is not None and not hint:
                 self._peers.report_failure(link, f"locate: {exc}")
             return None
+        out = []
         for claim in holders:
             if claim.identity in distrusted or claim.identity == self._location.identity:
                 continue
             link = self._peers.connected(claim.identity)
-            if link is None or link.data is None or link.data.closed:
-                continue
-            if decide:
-                worth = self.cost.worth(claim.identity, min(claim.run, len(keys)))
-                self._metrics.fetch_decisions.labels(decision="fetch" if worth else "recompute").inc()
-                if not worth:
-                    return None
-            return link, claim, owner
-        return None
+            if link is not None and link.data is not None and not link.data.closed:
+                out.append((link, claim))
+        return owner, out
 
     async def _prefetch(self, prefetch: _Prefetch, holder: tuple[PeerLink, HolderClaim, str]) -> int:
         """The lookup's fetch: the first holder's run, then the next holders' runs of the same
