@@ -3,13 +3,9 @@ are the ports of every pool that sets none: peer Service, injected sidecar and i
 
 from __future__ import annotations
 
-import base64
-import copy
-import json
 import subprocess
 from pathlib import Path
 
-import jsonpatch
 import kmock
 import pytest
 from operator_harness import (
@@ -25,7 +21,7 @@ from operator_harness import (
     pool_body,
     wait_for,
 )
-from webhook_support import Webhook, vllm_pod
+from webhook_support import Webhook, admitted, sidecar_flags, vllm_pod
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,12 +42,9 @@ async def test_pools_without_ports_get_the_operators_and_pools_with_ports_keep_t
         webhook = Webhook(operator.webhook_port, ca)
         await webhook.wait_listening()
         pod = vllm_pod("llama")
-        response = await webhook.admit(pod)
-        assert response["allowed"] is True, response.get("status")
-        result = jsonpatch.JsonPatch(json.loads(base64.b64decode(response["patch"]))).apply(copy.deepcopy(pod))
+        result = admitted(pod, await webhook.admit(pod), validate=False)
         sidecar = next(c for c in result["spec"]["initContainers"] if c["name"] == "kv-offload-sidecar")
-        argv = sidecar["args"]
-        assert dict(zip(argv[1::2], argv[2::2]))["--data-port"] == "6810"
+        assert sidecar_flags(result)["--data-port"] == "6810"
         assert [p["containerPort"] for p in sidecar["ports"]] == [6710, 6810]
     assert_within_rbac(kmock)
 

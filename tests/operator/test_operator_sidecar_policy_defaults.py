@@ -5,14 +5,9 @@ make it Invalid, and bad flags stop the operator in one line."""
 
 from __future__ import annotations
 
-import base64
-import copy
-import json
 import subprocess
 from pathlib import Path
-from typing import Any
 
-import jsonpatch
 import kmock
 import pytest
 from operator_harness import (
@@ -28,7 +23,7 @@ from operator_harness import (
     pool_body,
     wait_for,
 )
-from webhook_support import Webhook, vllm_pod
+from webhook_support import Webhook, admitted, sidecar_flags, vllm_pod
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,12 +36,7 @@ def _invalid_message(k: kmock.KubernetesEmulator, name: str) -> str | None:
 
 async def _sidecar_flags(webhook: Webhook, pool: str) -> dict[str, str]:
     pod = vllm_pod(pool)
-    response = await webhook.admit(pod)
-    assert response["allowed"] is True, response.get("status")
-    result = jsonpatch.JsonPatch(json.loads(base64.b64decode(response["patch"]))).apply(copy.deepcopy(pod))
-    sidecar = next(c for c in result["spec"]["initContainers"] if c["name"] == "kv-offload-sidecar")
-    argv: list[Any] = sidecar["args"]
-    return dict(zip(argv[1::2], argv[2::2]))
+    return sidecar_flags(admitted(pod, await webhook.admit(pod), validate=False))
 
 
 async def test_pools_without_a_policy_get_the_operators_and_pools_with_one_keep_theirs(

@@ -7,17 +7,13 @@ pool and its Deployment are the chart's `examples/manifests/pool-rdma.yaml`.
 
 from __future__ import annotations
 
-import base64
-import copy
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonpatch
 import kmock
-import kubernetes_validate
 import pytest
 import pytest_asyncio
 import yaml
@@ -35,10 +31,9 @@ from operator_harness import (
     pool_body,
     wait_for,
 )
-from webhook_support import Webhook, vllm_pod
+from webhook_support import Webhook, admitted, vllm_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
-KUBERNETES_VERSION = "1.33.0"
 EXAMPLE = Path(__file__).parents[2] / "charts" / "kv-offload" / "examples" / "manifests" / "pool-rdma.yaml"
 
 
@@ -86,13 +81,6 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
         assert_within_rbac(api)
 
 
-def patched(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
-    assert response["allowed"] is True, response.get("status")
-    ops = json.loads(base64.b64decode(response["patch"]))
-    result = jsonpatch.JsonPatch(ops).apply(copy.deepcopy(pod))
-    kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
-    return result
-
 
 def sidecar_of(pod: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in pod["spec"]["initContainers"] if c["name"] == "kv-offload-sidecar")
@@ -108,7 +96,7 @@ async def test_an_rdma_pod_on_the_host_network_gets_devices_claims_ipc_lock_host
         cluster: Cluster) -> None:
     pod = example()[1]
     assert (pod["spec"]["hostNetwork"], pod["spec"]["hostIPC"], pod["spec"]["hostPID"]) == (True, True, True)
-    result = patched(pod, await cluster.webhook.admit(pod))
+    result = admitted(pod, await cluster.webhook.admit(pod))
     sidecar = sidecar_of(result)
     env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert env["UCX_TLS"] == "rc,sm,self,tcp" and env["UCX_NET_DEVICES"] == "mlx5_0:1"
@@ -153,13 +141,13 @@ async def test_a_host_network_pod_whose_container_takes_a_sidecar_port_is_denied
     assert "container 'vllm' declares containerPort 7000, which the sidecar needs for kvo-data" in message
     assert "spec.sidecar.basePort / spec.sidecar.dataPort" in message
     pod["spec"]["containers"][0]["ports"].pop()
-    sidecar = sidecar_of(patched(pod, await cluster.webhook.admit(pod)))
+    sidecar = sidecar_of(admitted(pod, await cluster.webhook.admit(pod)))
     assert [(p["containerPort"], p["hostPort"]) for p in sidecar["ports"]] == [(5710, 5710), (7000, 7000)]
 
 
 async def test_a_pods_own_dev_shm_is_raised_to_hold_the_store_and_vllms_primary_tier(cluster: Cluster) -> None:
     pod = vllm_pod("plain")  # its own /dev/shm emptyDir, sizeLimit 2Gi
-    result = patched(pod, await cluster.webhook.admit(pod))
+    result = admitted(pod, await cluster.webhook.admit(pod))
     dshm = next(v for v in result["spec"]["volumes"] if v["name"] == "dshm")
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "15Gi"}  # 4 GiB store + 10 GiB + 1 GiB
     assert "kv-offload-shm" not in {v["name"] for v in result["spec"]["volumes"]}

@@ -4,17 +4,13 @@ the running operator, the emulated cluster holding the Deployment."""
 
 from __future__ import annotations
 
-import base64
-import copy
 import json
 import shlex
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import jsonpatch
 import kmock
-import kubernetes_validate
 import pytest
 import pytest_asyncio
 from kv_offload_operator.kv_transfer import InjectedConnector
@@ -32,10 +28,9 @@ from operator_harness import (
     pool_body,
     wait_for,
 )
-from webhook_support import Webhook, vllm_pod
+from webhook_support import Webhook, admitted, vllm_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
-KUBERNETES_VERSION = "1.33.0"
 SCRIPT = "vllm serve meta-llama/Llama-3.1-8B --port 8000 --block-size 16"
 
 
@@ -80,18 +75,11 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
         assert_within_rbac(api)
 
 
-def patched(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
-    assert response["allowed"] is True, response.get("status")
-    ops = json.loads(base64.b64decode(response["patch"]))
-    result = jsonpatch.JsonPatch(ops).apply(copy.deepcopy(pod))
-    kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
-    return result
-
 
 async def test_a_pod_of_the_targeted_deployment_is_admitted_and_another_command_line_is_refused(
         cluster: Cluster) -> None:
     pod = vllm_pod("served", script=f"{SCRIPT} --kv-transfer-config '{KTC}'")
-    result = patched(pod, await cluster.webhook.admit(pod))
+    result = admitted(pod, await cluster.webhook.admit(pod))
     assert result["metadata"]["annotations"]["kv-offload.io/injected"] == \
         obj(cluster.api, POOLS, "served")["status"]["fingerprint"]
     other = vllm_pod("served", script=f"{SCRIPT.replace('16', '32')} --kv-transfer-config '{KTC}'")
@@ -105,7 +93,7 @@ async def test_a_pod_of_the_targeted_deployment_is_admitted_and_another_command_
 
 async def test_a_pod_without_a_kv_transfer_config_gets_the_pools_injected_one(cluster: Cluster) -> None:
     pod = vllm_pod("injecting", script=SCRIPT)
-    result = patched(pod, await cluster.webhook.admit(pod))
+    result = admitted(pod, await cluster.webhook.admit(pod))
     script = result["spec"]["containers"][0]["args"][0]
     connector = InjectedConnector(cpu_bytes_to_use=2 << 30, block_size=32)
     assert script == f"{SCRIPT} --kv-transfer-config {shlex.quote(connector.text())}"

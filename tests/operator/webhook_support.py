@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import copy
+import json
 import ssl
 import time
 import uuid
@@ -10,9 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonpatch
+import kubernetes_validate
 from operator_harness import KTC
 
 WEBHOOK_PATH = "/inject_sidecar"  # kopf serves each admission handler at /<handler id>
+KUBERNETES_VERSION = "1.33.0"  # native sidecars (initContainers[].restartPolicy) are GA since 1.33
+SIDECAR_NAME = "kv-offload-sidecar"
 
 
 def vllm_pod(pool: str | None = "llama", *, script: str | None = None,
@@ -98,3 +105,21 @@ class Webhook:
                 if time.monotonic() > deadline:
                     raise AssertionError("the webhook server never listened") from None
                 await asyncio.sleep(0.1)
+
+
+def admitted(pod: dict[str, Any], response: dict[str, Any], *, validate: bool = True) -> dict[str, Any]:
+    """The pod as an allowing ``response`` patches it (an independent RFC 6902 implementation),
+    checked against the Kubernetes schemas unless ``validate`` is False."""
+    assert response["allowed"] is True, response.get("status")
+    ops = json.loads(base64.b64decode(response["patch"]))
+    result = jsonpatch.JsonPatch(ops).apply(copy.deepcopy(pod))
+    if validate:
+        kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
+    return result
+
+
+def sidecar_flags(pod: dict[str, Any]) -> dict[str, str]:
+    """The injected sidecar's ``--flag value`` pairs."""
+    sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == SIDECAR_NAME)
+    argv = sidecar["args"]
+    return dict(zip(argv[1::2], argv[2::2]))
