@@ -11,32 +11,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import sys
-import time
 from typing import Any
 
-from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
+from transport_peers import (
+    SESSION_ID,
+    SESSION_KEY,
+    chunk_bytes_in,
+    client_store,
+    content_of,
+    key_of,
+    kill_or_corrupt,
+    leftovers,
+)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kv_offload_sidecar.data import IntegrityError, TransportError, connect
-    from kv_offload_sidecar.engine.store_view import slot_stride_for
-    from kv_offload_sidecar.store.chunk_store import ChunkStore
+    from kv_offload_sidecar.data import TransportError, connect
 
-    stride = slot_stride_for(args.chunk_bytes)
-    keys = [key_of(i) for i in range(args.chunks)]
+    store, keys, stride, killed = client_store(args, "nixl-cli")
     out: dict[str, Any] = {"scenario": args.scenario}
-    killed = {"done": False}
-
-    def on_change(key: bytes, present: bool) -> None:
-        if args.scenario == "kill" and present and not killed["done"]:
-            killed["done"] = True
-            os.kill(args.server_pid, signal.SIGKILL)
-
-    store = ChunkStore(args.chunk_bytes, (args.chunks + 2) * stride, directory=args.shm_dir,
-                       name=f"nixl-cli-{os.getpid()}", on_change=on_change)
     try:
         if args.scenario == "fetch":
             client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
@@ -54,35 +48,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 out["error"] = None
             except TransportError as exc:
                 out["error"] = str(exc)
-        elif args.scenario == "kill":
+        elif args.scenario in ("kill", "corrupt"):
             client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
-            t0 = time.monotonic()
-            try:
-                out["fetched"] = await client.fetch(keys, store, timeout=3)
-                out["error"] = None
-            except TransportError as exc:
-                out["error"] = str(exc)
-            out["elapsed"] = time.monotonic() - t0
-            out["killed"] = killed["done"]
-        elif args.scenario == "corrupt":
-            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
-            try:
-                out["fetched"] = await client.fetch(keys, store, timeout=20)
-                out["error"] = None
-            except IntegrityError as exc:
-                out["error"] = "integrity: " + str(exc)
-            except TransportError as exc:
-                out["error"] = str(exc)
-            out["corrupt_visible"] = any(store.contains(keys[int(i)]) for i in args.corrupt.split(","))
+            out.update(await kill_or_corrupt(args, client, keys, store, killed))
         elif args.scenario == "revoke":
             out.update(await _revoke(args, keys, store))
         else:
             raise SystemExit(f"unknown scenario {args.scenario!r}")
-        visible = store.keys()
-        out["visible"] = len(visible)
-        out["visible_intact"] = all(chunk_bytes_in(store, k) == content_of(keys.index(k), args.chunk_bytes)
-                                    for k in visible)
-        out["slots_in_use"] = store.used_bytes // stride
+        out.update(leftovers(args, keys, store, stride))
     finally:
         store.close()
     return out

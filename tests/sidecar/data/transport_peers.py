@@ -117,23 +117,10 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
-    from kv_offload_sidecar.data import IntegrityError, TransportError, connect
-    from kv_offload_sidecar.engine.store_view import slot_stride_for
-    from kv_offload_sidecar.store.chunk_store import ChunkStore
+    from kv_offload_sidecar.data import TransportError, connect
 
-    stride = slot_stride_for(args.chunk_bytes)
-    keys = [key_of(i) for i in range(args.chunks)]
+    store, keys, stride, killed = client_store(args, "cli")
     out: dict[str, Any] = {"scenario": args.scenario}
-    server_pid = args.server_pid
-    killed = {"done": False}
-
-    def on_change(key: bytes, present: bool) -> None:
-        if args.scenario == "kill" and present and not killed["done"]:
-            killed["done"] = True
-            os.kill(server_pid, signal.SIGKILL)
-
-    store = ChunkStore(args.chunk_bytes, (args.chunks + 2) * stride, directory=args.shm_dir,
-                       name=f"cli-{os.getpid()}", on_change=on_change)
     try:
         if args.scenario == "fetch":
             client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
@@ -154,36 +141,14 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
             except TransportError as exc:
                 out["error"] = str(exc)
             out["elapsed"] = time.monotonic() - t0
-        elif args.scenario == "kill":
+        elif args.scenario in ("kill", "corrupt"):
             client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
-            t0 = time.monotonic()
-            try:
-                out["fetched"] = await client.fetch(keys, store, timeout=3)
-                out["error"] = None
-            except TransportError as exc:
-                out["error"] = str(exc)
-            out["elapsed"] = time.monotonic() - t0
-            out["killed"] = killed["done"]
-        elif args.scenario == "corrupt":
-            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
-            try:
-                out["fetched"] = await client.fetch(keys, store, timeout=20)
-                out["error"] = None
-            except IntegrityError as exc:
-                out["error"] = "integrity: " + str(exc)
-            except TransportError as exc:
-                out["error"] = str(exc)
-            out["corrupt_visible"] = any(store.contains(keys[int(i)]) for i in args.corrupt.split(","))
+            out.update(await kill_or_corrupt(args, client, keys, store, killed))
         elif args.scenario == "garbage":
             out.update(await _garbage(args, keys, store))
         else:
             raise SystemExit(f"unknown scenario {args.scenario!r}")
-        # What every scenario must leave: each visible chunk byte-identical, no slot held.
-        visible = store.keys()
-        out["visible"] = len(visible)
-        out["visible_intact"] = all(chunk_bytes_in(store, k) == content_of(keys.index(k), args.chunk_bytes)
-                                    for k in visible)
-        out["slots_in_use"] = store.used_bytes // stride
+        out.update(leftovers(args, keys, store, stride))
     finally:
         store.close()
     return out
@@ -247,6 +212,57 @@ async def _garbage(args: argparse.Namespace, keys: list[bytes], store: Any) -> d
                                  for i, k in enumerate(keys))
     await client.close()
     return out
+
+
+def client_store(args: argparse.Namespace, name: str) -> tuple[Any, list[bytes], int, dict[str, bool]]:
+    """A client scenario's store, its keys and slot stride, and ``killed``: in the kill scenario
+    the first chunk that lands SIGKILLs the server (``killed["done"]`` says it happened)."""
+    from kv_offload_sidecar.engine.store_view import slot_stride_for
+    from kv_offload_sidecar.store.chunk_store import ChunkStore
+
+    stride = slot_stride_for(args.chunk_bytes)
+    killed = {"done": False}
+
+    def on_change(key: bytes, present: bool) -> None:
+        if args.scenario == "kill" and present and not killed["done"]:
+            killed["done"] = True
+            os.kill(args.server_pid, signal.SIGKILL)
+
+    store = ChunkStore(args.chunk_bytes, (args.chunks + 2) * stride, directory=args.shm_dir,
+                       name=f"{name}-{os.getpid()}", on_change=on_change)
+    return store, [key_of(i) for i in range(args.chunks)], stride, killed
+
+
+async def kill_or_corrupt(args: argparse.Namespace, client: Any, keys: list[bytes], store: Any,
+                          killed: dict[str, bool]) -> dict[str, Any]:
+    """The kill scenario (the server dies as the first chunk lands) or the corrupt one (the
+    server sends the ``--corrupt`` chunks damaged): what the fetch gave and where it stopped."""
+    from kv_offload_sidecar.data import IntegrityError, TransportError
+
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        out["fetched"] = await client.fetch(keys, store, timeout=3 if args.scenario == "kill" else 20)
+        out["error"] = None
+    except IntegrityError as exc:
+        out["error"] = "integrity: " + str(exc)
+    except TransportError as exc:
+        out["error"] = str(exc)
+    if args.scenario == "kill":
+        out["elapsed"] = time.monotonic() - t0
+        out["killed"] = killed["done"]
+    else:
+        out["corrupt_visible"] = any(store.contains(keys[int(i)]) for i in args.corrupt.split(","))
+    return out
+
+
+def leftovers(args: argparse.Namespace, keys: list[bytes], store: Any, stride: int) -> dict[str, Any]:
+    """What every scenario must leave: each visible chunk byte-identical, no slot held."""
+    visible = store.keys()
+    return {"visible": len(visible),
+            "visible_intact": all(chunk_bytes_in(store, k) == content_of(keys.index(k), args.chunk_bytes)
+                                  for k in visible),
+            "slots_in_use": store.used_bytes // stride}
 
 
 def chunk_bytes_in(store: Any, key: bytes) -> bytes:
