@@ -41,6 +41,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "replay": ("kv_offload_tools.bench.replay", "hit ratios replaying a Mooncake-format trace"),
     "chaos": ("kv_offload_tools.bench.chaos", "fault injection and fuzzing against live sidecars"),
     "scale": ("kv_offload_tools.bench.scale", "where-is-what memory and traffic as the pool grows"),
+    "vllm": ("kv_offload_tools.bench.vllm_ttft",
+             "time to first token inside real vLLM engines: recompute, local and peer hits"),
+    "attack": ("kv_offload_tools.bench.attack",
+               "hostile clients against a live pool: memory, logs and the honest load"),
 }
 
 
