@@ -76,6 +76,11 @@ class SidecarLink:
         self._checked_instance: str | None = None
 
     @property
+    def instance(self) -> str | None:
+        """The sidecar instance this link last found to match (None: none yet, or refused)."""
+        return self._checked_instance
+
+    @property
     def next_check(self) -> float:
         """When (``time.monotonic()``) the link will next try to reach or check its sidecar."""
         return self._next_connect

@@ -376,6 +376,14 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._lookup_results.put([(k, i < total) for i, k in enumerate(keys)])
 
     @property
+    def sidecar_instance(self) -> str | None:
+        """The sidecar instance this tier is attached to and has checked (None: not yet).
+
+        A restarted sidecar is noticed at the tier's next operation: a caller that
+        restarted it waits until this names the new instance (``/v1/local``'s)."""
+        return self._link.instance
+
+    @property
     def engine_hash_seed(self) -> str | None:
         """The seed this engine hashes prefixes with (None: the one vLLM resolved)."""
         return self._link.engine_hash_seed
