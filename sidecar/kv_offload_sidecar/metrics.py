@@ -105,6 +105,14 @@ class SidecarMetrics:
             "Duration of one fetch of chunks from a peer, request to last verified byte.",
             unit="seconds", namespace=ns, registry=registry, buckets=FETCH_DURATION_BUCKETS,
         )
+        self.engine_transfer = Histogram(
+            "engine_transfer",
+            "Seconds of each phase of the engine's store and load jobs on this sidecar: "
+            "fetch (waiting for peer chunks), copy (bytes between vLLM's rows and the store), "
+            "checksum (hashing stored chunks).",
+            ["op", "phase"], unit="seconds", namespace=ns, registry=registry,
+            buckets=FETCH_DURATION_BUCKETS,
+        )
         self.peer_fetches = Counter(
             "peer_fetches",
             "Fetches of chunks from peers, by outcome.",
