@@ -11,6 +11,15 @@ in the receiving store whole and verified or not at all.
 
 Connections are persistent and serve concurrent callers; a failed operation
 closes the client (raise ``TransportError``), the caller reconnects later.
+
+Before the proof a connection costs its server little and not for long: no frame
+longer than ``protocol.MAX_UNAUTHENTICATED_PAYLOAD`` (refused at its header), every
+step from accept to AUTH_OK within ``auth_timeout`` (``DEFAULT_AUTH_TIMEOUT``), at most
+``MAX_UNAUTHENTICATED_PER_SOURCE`` such connections per source address and
+``MAX_UNAUTHENTICATED_CONNECTIONS`` in all (more are refused, counted as ``oversize``).
+Every refusal is counted in ``protocol_errors{reason}``; its log line goes through a
+``rejections.RejectionLog`` (one line per source and reason per interval), values clipped.
+Once authenticated, none of these limits applies.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.rejections import RejectionLog, clip
 
 if TYPE_CHECKING:
     from ssl import SSLContext
@@ -42,8 +52,12 @@ Authorize = Callable[[bytes], "bytes | None"]
 DEFAULT_WINDOW = 8
 # Bytes requested but not yet received per fetch: small chunks get a deeper window.
 WINDOW_BYTES = 16 << 20
-# Seconds a new connection has to authenticate.
+# Seconds a new connection has for every step before AUTH_OK together (TLS, challenge, proof).
 DEFAULT_AUTH_TIMEOUT = 5.0
+# Unauthenticated connections one source address may hold at once (a peer opens one per link).
+MAX_UNAUTHENTICATED_PER_SOURCE = 8
+# Unauthenticated connections a server holds at once from all sources; more are refused.
+MAX_UNAUTHENTICATED_CONNECTIONS = 64
 # Seconds the server waits for one chunk to leave before giving up on a client.
 DEFAULT_SEND_TIMEOUT = 30.0
 
@@ -113,7 +127,8 @@ def check_auth(authorize: Authorize, nonce: bytes, answer: proto.AuthResponse) -
     try:
         key = authorize(answer.session_id)
     except Exception as exc:  # a broken authorize callback must not crash the server
-        log.exception("data plane: authorize callback failed")
+        log.error("data plane: the authorize callback failed: %s", describe(exc),
+                  exc_info=log.isEnabledFor(logging.DEBUG))
         raise proto.ProtocolError("unauthenticated", "session check failed") from exc
     if not key or not hmac.compare_digest(auth_proof(key, nonce), answer.proof):
         raise proto.ProtocolError(
@@ -124,6 +139,53 @@ def count_protocol_error(metrics: SidecarMetrics | None, reason: str) -> None:
     """Count one refused frame by reason."""
     if metrics is not None:
         metrics.protocol_errors.labels(reason=reason).inc()
+
+
+def refuse(metrics: SidecarMetrics | None, rejections: RejectionLog, source: str,
+           reason: str, detail: object) -> None:
+    """Count one refusal in ``protocol_errors{reason}`` (every event) and note it in the
+    rate-limited ``rejections`` log (``detail`` clipped there)."""
+    count_protocol_error(metrics, reason)
+    rejections.reject(source, reason, detail)
+
+
+def describe(exc: BaseException) -> str:
+    """An unexpected exception as one short line (its type and clipped text, no traceback)."""
+    return f"{type(exc).__name__}: {clip(exc)}"
+
+
+class UnauthenticatedLimit:
+    """Counts a server's connections that have not proved a session yet, per source and in
+    all: ``admit(source)`` takes a place or says why not, ``leave(source)`` gives it back."""
+
+    def __init__(self, per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE,
+                 total: int = MAX_UNAUTHENTICATED_CONNECTIONS) -> None:
+        self._per_source = per_source
+        self._total = total
+        self._by_source: dict[str, int] = {}
+        # Unauthenticated connections now.
+        self.count = 0
+
+    def admit(self, source: str) -> str | None:
+        """Take a place for a new connection from ``source``; None when admitted, else the
+        reason it is refused (nothing taken then)."""
+        if self.count >= self._total:
+            return f"too many unauthenticated connections ({self._total} from all sources)"
+        held = self._by_source.get(source, 0)
+        if held >= self._per_source:
+            return f"too many unauthenticated connections from one address ({self._per_source})"
+        self._by_source[source] = held + 1
+        self.count += 1
+        return None
+
+    def leave(self, source: str) -> None:
+        """The connection from ``source`` authenticated or ended."""
+        held = self._by_source.get(source, 0)
+        if held <= 1:
+            self._by_source.pop(source, None)
+        else:
+            self._by_source[source] = held - 1
+        self.count = max(0, self.count - 1)
 
 
 # Schemes of data addresses: plain TCP, TCP under TLS, UCX, NIXL (its TCP control port).

@@ -68,6 +68,11 @@ MAX_SESSION_ID_BYTES = 256
 MAX_WORKER_ADDRESS_BYTES = 64 * 1024
 # Request ids wrap at 2**32.
 REQUEST_ID_MOD = 1 << 32
+# Largest payload of any frame before AUTH_OK, either way: the longest AUTH_RESPONSE
+# (u16 + a 256-byte session id + 32-byte proof = 290 bytes); AUTH_CHALLENGE and ERROR are shorter.
+MAX_UNAUTHENTICATED_PAYLOAD = 2 + MAX_SESSION_ID_BYTES + PROOF_BYTES
+# Longest ERROR text (bytes): a reason and one sentence, never a peer's input echoed at length.
+MAX_ERROR_TEXT_BYTES = 256
 
 # ProtocolError reasons (the labels of metrics.protocol_errors).
 PROTOCOL_ERROR_REASONS = ("malformed", "oversize", "unknown_type", "bad_key", "bad_size",
@@ -177,12 +182,15 @@ def encode_header(type_: MessageType, request_id: int, length: int) -> bytes:
     return HEADER.pack(MAGIC, WIRE_MAJOR, int(type_), request_id % REQUEST_ID_MOD, length)
 
 
-def decode_header(buf: bytes | bytearray | memoryview, chunk_bytes: int | None = None) -> Header:
+def decode_header(buf: bytes | bytearray | memoryview, chunk_bytes: int | None = None, *,
+                  max_payload: int = MAX_CONTROL_PAYLOAD) -> Header:
     """Unpack and validate a 16-byte header.
 
     ``chunk_bytes`` is the negotiated chunk size; when given, a CHUNK header whose
     length cannot hold a prefix plus exactly ``chunk_bytes`` bytes is refused.
-    Every other type is limited to ``MAX_CONTROL_PAYLOAD``.
+    Every other type is limited to ``max_payload`` (``MAX_CONTROL_PAYLOAD``;
+    ``MAX_UNAUTHENTICATED_PAYLOAD`` before AUTH_OK), refused as ``oversize`` at the header,
+    before a byte of the payload is read or allocated.
     """
     if len(buf) != HEADER_BYTES:
         raise ProtocolError("malformed", f"frame header is {len(buf)} bytes, expected {HEADER_BYTES}")
@@ -202,9 +210,10 @@ def decode_header(buf: bytes | bytearray | memoryview, chunk_bytes: int | None =
                 raise ProtocolError(
                     "bad_size", f"CHUNK payload of {length} bytes cannot hold a "
                     f"{chunk_bytes}-byte chunk (negotiated kv_bytes_per_chunk)")
-    elif length > MAX_CONTROL_PAYLOAD:
+    elif length > max_payload:
+        when = " before authentication" if max_payload < MAX_CONTROL_PAYLOAD else ""
         raise ProtocolError("oversize", f"{mtype.name} payload of {length} bytes exceeds "
-                            f"the {MAX_CONTROL_PAYLOAD}-byte limit")
+                            f"the {max_payload}-byte limit{when}")
     return Header(mtype, request_id, length)
 
 
@@ -359,7 +368,7 @@ def encode_chunk_missing(request_id: int, key: bytes) -> list:
 
 def encode_error(request_id: int, reason: str, message: str) -> list:
     """An error the peer should log before the connection closes."""
-    text = f"{reason}: {message}".encode("utf-8", "replace")[:MAX_CONTROL_PAYLOAD]
+    text = f"{reason}: {message}".encode("utf-8", "replace")[:MAX_ERROR_TEXT_BYTES]
     return _frame(MessageType.ERROR, request_id, [text])
 
 

@@ -41,6 +41,7 @@ from kv_offload_sidecar.data.tcp.sockets import (
     tune_socket,
 )
 from kv_offload_sidecar.data.tcp.tls_stream import open_tls
+from kv_offload_sidecar.rejections import clip
 
 if TYPE_CHECKING:
     from ssl import SSLContext
@@ -139,8 +140,9 @@ class TcpPeerDataClient(PeerDataClient):
     @staticmethod
     async def _authenticate(stream: DataStream, session_id: bytes, session_key: bytes, address: str) -> bytes:
         header_buf = bytearray(proto.HEADER_BYTES)
+        small = proto.MAX_UNAUTHENTICATED_PAYLOAD  # nor does this side read more before AUTH_OK
         try:
-            header, payload = await read_frame(stream, header_buf)
+            header, payload = await read_frame(stream, header_buf, max_payload=small)
         except ConnectionError as exc:
             if stream.sock is not None:
                 raise
@@ -154,7 +156,7 @@ class TcpPeerDataClient(PeerDataClient):
             raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
         nonce = proto.decode_auth_challenge(payload)
         await stream.send(proto.encode_auth_response(session_id, auth_proof(session_key, nonce)))
-        header, payload = await read_frame(stream, header_buf)
+        header, payload = await read_frame(stream, header_buf, max_payload=small)
         _raise_if_error(header, payload)
         if header.type is not proto.MessageType.AUTH_OK or payload is None:
             raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
@@ -299,7 +301,7 @@ class TcpPeerDataClient(PeerDataClient):
             raise
         except BaseException as exc:
             if not isinstance(exc, (TransportError, ConnectionError)):
-                log.warning("TCP data client: closing the connection: %s", exc)
+                log.warning("TCP data client: closing the connection: %s", clip(exc))
             if isinstance(exc, proto.ProtocolError):
                 count_protocol_error(self._metrics, exc.reason)
             self._fail(exc if isinstance(exc, TransportError) else TransportError(str(exc)))

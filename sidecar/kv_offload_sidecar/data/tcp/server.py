@@ -4,6 +4,12 @@ fetches from pinned slots, replies written in order by one writer task per conne
 With an ``ssl`` context every accepted connection first completes a mutual TLS handshake
 (a failed one is counted as ``unauthenticated`` and closed; the server keeps serving)
 and the server advertises ``tls://host:port``.
+
+Until a connection has proved its session it is held to the limits of ``data.base``: a
+place among ``MAX_UNAUTHENTICATED_PER_SOURCE`` per address and
+``MAX_UNAUTHENTICATED_CONNECTIONS`` in all (else refused at accept), the TLS handshake and
+the proof within ``auth_timeout`` together, and frames of at most
+``proto.MAX_UNAUTHENTICATED_PAYLOAD`` bytes. Authenticated connections are not limited.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from kv_offload_sidecar.data.base import (
     Authorize,
     DataPlaneServer,
     StoreLike,
+    UnauthenticatedLimit,
     check_auth,
-    count_protocol_error,
+    describe,
     make_nonce,
+    refuse,
     wait_until_idle,
 )
 from kv_offload_sidecar.data.tcp.sockets import (
@@ -35,6 +43,7 @@ from kv_offload_sidecar.data.tcp.sockets import (
     tune_socket,
 )
 from kv_offload_sidecar.data.tcp.tls_stream import open_tls
+from kv_offload_sidecar.rejections import RejectionLog
 
 if TYPE_CHECKING:
     from ssl import SSLContext
@@ -58,6 +67,14 @@ GOODBYE_DRAIN_SECONDS = 0.25
 
 # Chunks one sendmsg call carries (each is three buffers; IOV_MAX is 1024).
 SEND_GROUP = 16
+
+
+# Seconds the ERROR frame before a refused connection's close may take to leave.
+ERROR_SEND_SECONDS = 1.0
+
+
+# Seconds between tries when accept() fails (e.g. the process is out of descriptors).
+ACCEPT_RETRY_SECONDS = 0.05
 
 
 class _ConnState:
@@ -115,6 +132,10 @@ class TcpDataPlaneServer(DataPlaneServer):
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._states: dict[int, _ConnState] = {}
+        # Connections not yet authenticated, per source address and in all (bounded).
+        self._limit = UnauthenticatedLimit()
+        # Refusals' log lines: one per source and reason per interval, with a count.
+        self._rejections = RejectionLog(log)
         self._stopping = False
         self.address = ""
 
@@ -167,54 +188,70 @@ class TcpDataPlaneServer(DataPlaneServer):
         if still:
             await asyncio.wait(still)
 
+    @property
+    def unauthenticated(self) -> int:
+        """Connections accepted that have not proved a session yet."""
+        return self._limit.count
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._listener)
-            except OSError as exc:
-                log.warning("TCP data plane: accept failed: %s", exc)
-                await asyncio.sleep(0.05)
+                conn, addr = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. out of descriptors: one summarised line, not one per try
+                self._rejections.reject("accept", "accept failed", exc)
+                await asyncio.sleep(ACCEPT_RETRY_SECONDS)
                 continue
-            tune_socket(conn, self._buffer_bytes)
-            task = asyncio.create_task(self._serve(conn), name="tcp-data-conn")
+            source = str(addr[0]) if isinstance(addr, tuple) and addr else "?"
+            why = self._limit.admit(source)
+            if why is not None:
+                self._refuse_at_accept(conn, source, why)
+                continue
+            try:
+                tune_socket(conn, self._buffer_bytes)
+            except OSError:  # the client already went away
+                self._limit.leave(source)
+                conn.close()
+                continue
+            task = asyncio.create_task(self._serve(conn, source), name="tcp-data-conn")
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
-    async def _open_stream(self, conn: socket.socket) -> DataStream | None:
-        """The connection's stream; None (counted, logged, closed) when its TLS handshake fails."""
-        if self._ssl is None:
-            return SocketStream(conn)
-        try:
-            peer = conn.getpeername()
-        except OSError:
-            peer = "?"
-        try:
-            return await open_tls(conn, self._ssl, server_side=True, timeout=self._auth_timeout)
-        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
-            count_protocol_error(self._metrics, "unauthenticated")
-            log.warning("TCP data plane: TLS handshake with %s failed (a client without a certificate "
-                        "of the pool's CA?): %s", peer, str(exc) or type(exc).__name__)
-            conn.close()
-            return None
-        except BaseException:
-            conn.close()
-            raise
+    def _refuse_at_accept(self, conn: socket.socket, source: str, why: str) -> None:
+        """Over an unauthenticated-connection limit: counted, an ERROR frame when plain (one
+        non-blocking send into an empty socket buffer), closed; nothing else is kept."""
+        refuse(self._metrics, self._rejections, source, "oversize", why)
+        with contextlib.suppress(OSError):
+            if self._ssl is None:
+                conn.setblocking(False)
+                conn.send(proto.join(proto.encode_error(0, "oversize", why)))
+        conn.close()
 
-    async def _serve(self, conn: socket.socket) -> None:
-        stream = await self._open_stream(conn)
-        if stream is None:
-            return
+    async def _serve(self, conn: socket.socket, source: str = "?") -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._auth_timeout  # every step up to AUTH_OK together
+        admitted = True  # holds a place in self._limit until authenticated or ended
+        stream: DataStream | None = None
         header_buf = bytearray(proto.HEADER_BYTES)
         queue: asyncio.Queue[tuple[int, list[bytes]] | list] = asyncio.Queue(SERVER_QUEUE_FRAMES)
         state = self._states[id(conn)] = _ConnState(queue)
         writer: asyncio.Task[None] | None = None
+        step = "TLS handshake"
         try:
-            nonce = make_nonce()
-            async with asyncio.timeout(self._auth_timeout):
+            async with asyncio.timeout_at(deadline):
+                if self._ssl is None:
+                    stream = SocketStream(conn)
+                else:
+                    stream = await open_tls(conn, self._ssl, server_side=True,
+                                            timeout=deadline - loop.time())
+                step = "session proof"
+                nonce = make_nonce()
                 await stream.send(proto.encode_auth_challenge(nonce))
-                header, payload = await read_frame(stream, header_buf, self._chunk_bytes)
+                # A tiny frame limit until the proof: a header announcing more is refused
+                # before its payload is read or a buffer for it allocated.
+                header, payload = await read_frame(stream, header_buf, None,
+                                                   max_payload=proto.MAX_UNAUTHENTICATED_PAYLOAD)
                 if header.type is not proto.MessageType.AUTH_RESPONSE or payload is None:
                     raise proto.ProtocolError(
                         "unauthenticated", f"{header.type.name} before authentication; "
@@ -223,6 +260,8 @@ class TcpDataPlaneServer(DataPlaneServer):
                 check_auth(self._authorize, nonce, answer)
                 await stream.send(proto.encode_auth_ok())
                 state.extra = await self._on_authenticated(stream, answer.session_id, nonce)
+            admitted = False
+            self._limit.leave(source)
             busy = state.busy
             writer = asyncio.create_task(self._write_loop(stream, id(conn), queue, busy),
                                          name="tcp-data-writer")
@@ -249,32 +288,46 @@ class TcpDataPlaneServer(DataPlaneServer):
             if writer is not None and not writer.done():
                 await queue.join()
         except proto.ProtocolError as exc:
-            count_protocol_error(self._metrics, exc.reason)
-            log.warning("TCP data plane: closing a connection: %s", exc)
+            refuse(self._metrics, self._rejections, source, exc.reason, exc.message)
             if writer is not None:
                 writer.cancel()
                 with contextlib.suppress(BaseException):
                     await writer
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await stream.send(proto.encode_error(0, exc.reason, exc.message))
-        except TimeoutError:
-            count_protocol_error(self._metrics, "unauthenticated")
-            log.warning("TCP data plane: a connection did not authenticate within %.3gs",
-                        self._auth_timeout)
-        except (ConnectionError, OSError) as exc:
-            log.debug("TCP data plane: connection ended: %s", exc)
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(ERROR_SEND_SECONDS):
+                        await stream.send(proto.encode_error(0, exc.reason, exc.message))
+        except TimeoutError:  # only the steps before AUTH_OK run under a deadline here
+            refuse(self._metrics, self._rejections, source, "unauthenticated",
+                   f"no session proved within {self._auth_timeout:.3g}s (at the {step})")
+        except asyncio.CancelledError:
+            raise
+        except (ConnectionError, OSError) as exc:  # ssl.SSLError is an OSError
+            if admitted and self._ssl is not None and stream is None:
+                # A TLS handshake that failed: a client without a certificate of the pool's CA?
+                refuse(self._metrics, self._rejections, source, "unauthenticated",
+                       f"TLS handshake failed: {str(exc) or type(exc).__name__}")
+            else:
+                log.debug("TCP data plane: connection ended: %s", exc)
+        except Exception as exc:  # a bug reached by some input: counted and summarised, no traceback
+            refuse(self._metrics, self._rejections, source, "malformed", f"unexpected {describe(exc)}")
+            log.debug("TCP data plane: unexpected error", exc_info=True)
         finally:
+            if admitted:
+                self._limit.leave(source)
             self._states.pop(id(conn), None)
             half_sent = state.busy[0]
             if writer is not None and not writer.done():
                 writer.cancel()
                 with contextlib.suppress(BaseException):
                     await writer
-            if state.closing:  # stop(): CLOSE (unless a chunk is half sent), wait for the client
-                with contextlib.suppress(BaseException):
-                    await stream.goodbye(send_close=not half_sent, seconds=GOODBYE_DRAIN_SECONDS)
-            stream.close()
+            if stream is None:
+                conn.close()
+            else:
+                if state.closing:  # stop(): CLOSE (unless a chunk is half sent), wait for the client
+                    with contextlib.suppress(BaseException):
+                        await stream.goodbye(send_close=not half_sent, seconds=GOODBYE_DRAIN_SECONDS)
+                stream.close()
             if state.extra is not None:
                 await self._on_closed(state)
 

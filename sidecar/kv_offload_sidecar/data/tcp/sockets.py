@@ -127,14 +127,17 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
 
 
 async def read_frame(stream: DataStream, header_buf: bytearray, chunk_bytes: int | None = None,
-                     payload_timeout: float | None = None) -> tuple[proto.Header, bytearray | None]:
+                     payload_timeout: float | None = None, *,
+                     max_payload: int = proto.MAX_CONTROL_PAYLOAD) -> tuple[proto.Header, bytearray | None]:
     """Read one header and, unless it is a CHUNK, its (size-checked) payload.
 
     ``payload_timeout``: seconds the payload may take once its header arrived
-    (a peer that stops mid-frame is refused as ``malformed``).
+    (a peer that stops mid-frame is refused as ``malformed``). ``max_payload``: the
+    longest payload accepted (``proto.MAX_UNAUTHENTICATED_PAYLOAD`` before AUTH_OK); a
+    longer one is refused at its header, before its buffer exists.
     """
     await stream.recv_into(header_buf)
-    header = proto.decode_header(header_buf, chunk_bytes)
+    header = proto.decode_header(header_buf, chunk_bytes, max_payload=max_payload)
     if header.type is proto.MessageType.CHUNK:
         return header, None
     payload = bytearray(header.length)

@@ -67,7 +67,9 @@ class TlsStream(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
-        self._staging = bytearray(STAGING_BYTES)
+        # Allocated at the first decrypted byte: a connection still in its handshake (a
+        # stranger without a certificate of the pool's CA never leaves it) holds none.
+        self._staging = bytearray()
         self._staged = memoryview(self._staging)
         self._start = 0  # unread staged bytes are _staging[_start:_end]
         self._end = 0
@@ -96,6 +98,9 @@ class TlsStream(asyncio.BufferedProtocol):
             self._handed_direct = True
             return self._direct[self._direct_got:]
         self._handed_direct = False
+        if not self._staging:
+            self._staging = bytearray(STAGING_BYTES)
+            self._staged = memoryview(self._staging)
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._staging) - self._end < MIN_FREE_BYTES:

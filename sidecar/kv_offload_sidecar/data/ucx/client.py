@@ -35,6 +35,7 @@ from kv_offload_sidecar.data.ucx.frames import (
     ATTACH_TAG,
     CHUNK_REPLIES,
     CONTROL_BUFFER_BYTES,
+    UNAUTHENTICATED_BUFFER_BYTES,
     TAG_C2S,
     TAG_S2C,
     UCX_REQUEST_ID_MOD,
@@ -142,7 +143,7 @@ class UcxPeerDataClient(PeerDataClient):
                 await rt.send(ep, join_parts(proto.encode_ucx_attach(cid, session_id, mac, rt.address)),
                               ATTACH_TAG)
                 s2c, c2s = tag(cid, TAG_S2C), tag(cid, TAG_C2S)
-                buf = await rt.recv_frame(s2c, CONTROL_BUFFER_BYTES)
+                buf = await rt.recv_frame(s2c, UNAUTHENTICATED_BUFFER_BYTES)
                 header, payload = parse_frame(buf, None)
                 raise_if_error(header, payload)
                 if header.type is not proto.MessageType.AUTH_CHALLENGE:
@@ -150,7 +151,7 @@ class UcxPeerDataClient(PeerDataClient):
                 nonce = proto.decode_auth_challenge(payload)
                 await rt.send(ep, join_parts(proto.encode_auth_response(session_id, auth_proof(session_key, nonce))),
                               c2s)
-                buf = await rt.recv_frame(s2c, CONTROL_BUFFER_BYTES)
+                buf = await rt.recv_frame(s2c, UNAUTHENTICATED_BUFFER_BYTES)
                 header, payload = parse_frame(buf, None)
                 raise_if_error(header, payload)
                 if header.type is not proto.MessageType.AUTH_OK:

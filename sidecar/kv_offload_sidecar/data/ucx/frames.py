@@ -47,7 +47,10 @@ UCX_REQUEST_ID_MOD = 1 << 31
 # Receive buffer of one control frame (header + the largest control payload).
 CONTROL_BUFFER_BYTES = proto.HEADER_BYTES + proto.MAX_CONTROL_PAYLOAD
 
-# Receive buffer of UCX_ATTACH messages.
+# Receive buffer of a frame before AUTH_OK (the challenge, the proof, AUTH_OK or an ERROR).
+UNAUTHENTICATED_BUFFER_BYTES = proto.HEADER_BYTES + proto.MAX_UNAUTHENTICATED_PAYLOAD
+
+# Receive buffer of UCX_ATTACH messages (one at a time: the server checks them in turn).
 ATTACH_BUFFER_BYTES = (proto.HEADER_BYTES + 4 + 2 + proto.MAX_SESSION_ID_BYTES + proto.PROOF_BYTES
                        + proto.MAX_WORKER_ADDRESS_BYTES)
 

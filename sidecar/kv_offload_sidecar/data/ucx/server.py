@@ -27,9 +27,11 @@ from kv_offload_sidecar.data.base import (
     DataPlaneServer,
     StoreLike,
     TransportError,
+    UnauthenticatedLimit,
     check_auth,
-    count_protocol_error,
+    describe,
     make_nonce,
+    refuse,
     wait_until_idle,
 )
 from kv_offload_sidecar.data.ucx.frames import (
@@ -38,6 +40,7 @@ from kv_offload_sidecar.data.ucx.frames import (
     CONTROL_BUFFER_BYTES,
     TAG_C2S,
     TAG_S2C,
+    UNAUTHENTICATED_BUFFER_BYTES,
     attach_mac,
     data_tag,
     encode_address,
@@ -51,6 +54,7 @@ from kv_offload_sidecar.data.ucx.runtime import (
     register_server,
     unregister_server,
 )
+from kv_offload_sidecar.rejections import RejectionLog
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
@@ -66,6 +70,14 @@ SERVER_SENDS_IN_FLIGHT = 64
 
 # Seconds without a request or send after which a stopping server closes a connection.
 IDLE_CLOSE_SECONDS = 0.25
+
+# Whom a refused attach is logged under before its MAC proved a session (UCX shows no address).
+ATTACH_SOURCE = "ucx attach"
+
+
+def session_source(session_id: bytes) -> str:
+    """Whom a connection is counted and logged under once its attach MAC proved ``session_id``."""
+    return "session " + session_id.hex()[:16]
 
 
 class UcxDataPlaneServer(DataPlaneServer):
@@ -96,6 +108,10 @@ class UcxDataPlaneServer(DataPlaneServer):
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: dict[int, asyncio.Task[None]] = {}
         self._connections: dict[int, _ServerConnection] = {}
+        # Connections attached but not yet through the nonce challenge, per session and in all.
+        self._limit = UnauthenticatedLimit()
+        # Refusals' log lines: one per source and reason per interval, with a count.
+        self._rejections = RejectionLog(log)
         self.address = ""
 
     async def start(self) -> str:
@@ -121,8 +137,14 @@ class UcxDataPlaneServer(DataPlaneServer):
             await asyncio.wait(still)
         unregister_server(self)
 
+    @property
+    def unauthenticated(self) -> int:
+        """Attached connections that have not answered the nonce challenge yet."""
+        return self._limit.count
+
     async def _accept_loop(self, rt: UcxRuntime) -> None:
         while True:
+            source = ATTACH_SOURCE
             try:
                 buf = await rt.recv_frame(ATTACH_TAG, ATTACH_BUFFER_BYTES)
                 header, payload = parse_frame(buf, None)
@@ -134,37 +156,48 @@ class UcxDataPlaneServer(DataPlaneServer):
                 if not key or not hmac.compare_digest(mac, attach.mac):
                     raise proto.ProtocolError("unauthenticated",
                                               "UCX_ATTACH with an unknown session or a wrong MAC")
+                source = session_source(attach.session_id)
                 if attach.connection_id in self._conns:
                     raise proto.ProtocolError("malformed", "UCX_ATTACH reuses a live connection id")
                 if len(self._conns) >= MAX_SERVER_CONNECTIONS:
                     raise proto.ProtocolError("oversize", "too many UCX data connections")
+                why = self._limit.admit(source)  # replays of one attach hold few places
+                if why is not None:
+                    raise proto.ProtocolError("oversize", why)
             except proto.ProtocolError as exc:
-                count_protocol_error(self._metrics, exc.reason)
-                log.warning("UCX data plane: refused an attach: %s", exc)
+                refuse(self._metrics, self._rejections, source, exc.reason, exc.message)
                 continue
-            except Exception:  # a broken authorize callback must not stop the server
-                count_protocol_error(self._metrics, "unauthenticated")
-                log.exception("UCX data plane: attach check failed")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a broken authorize callback or UCX error must not stop the server
+                refuse(self._metrics, self._rejections, source, "unauthenticated",
+                       f"attach check failed: {describe(exc)}")
+                await asyncio.sleep(0)
                 continue
             cid = attach.connection_id
-            task = asyncio.create_task(self._serve(rt, attach), name="ucx-data-conn")
+            task = asyncio.create_task(self._serve(rt, attach, source), name="ucx-data-conn")
             self._conns[cid] = task
             task.add_done_callback(lambda _t, cid=cid: self._conns.pop(cid, None))
 
-    async def _serve(self, rt: UcxRuntime, attach: proto.UcxAttach) -> None:
+    async def _serve(self, rt: UcxRuntime, attach: proto.UcxAttach, source: str) -> None:
+        admitted = [True]  # holds a place in self._limit until the proof or the end
         try:
-            ep = rt.endpoint(attach.worker_address)
-        except Exception as exc:  # an unusable address: nothing to answer on
-            count_protocol_error(self._metrics, "malformed")
-            log.warning("UCX data plane: cannot reach an attaching client: %s", exc)
-            return
-        conn = _ServerConnection(self, rt, ep, attach.connection_id)
-        self._connections[attach.connection_id] = conn
-        try:
-            await conn.run()
+            try:
+                ep = rt.endpoint(attach.worker_address)
+            except Exception as exc:  # an unusable address: nothing to answer on
+                refuse(self._metrics, self._rejections, source, "malformed",
+                       f"cannot reach an attaching client: {describe(exc)}")
+                return
+            conn = _ServerConnection(self, rt, ep, attach.connection_id, source, admitted)
+            self._connections[attach.connection_id] = conn
+            try:
+                await conn.run()
+            finally:
+                self._connections.pop(attach.connection_id, None)
+                conn.abort()
         finally:
-            self._connections.pop(attach.connection_id, None)
-            conn.abort()
+            if admitted[0]:
+                self._limit.leave(source)
 
 
 class _ServerConnection:
@@ -178,8 +211,13 @@ class _ServerConnection:
     aborted (so a slot is never reused while UCX may still read it).
     """
 
-    def __init__(self, server: UcxDataPlaneServer, rt: UcxRuntime, ep: Any, cid: int) -> None:
+    def __init__(self, server: UcxDataPlaneServer, rt: UcxRuntime, ep: Any, cid: int,
+                 source: str, admitted: list[bool]) -> None:
         self.server = server
+        # Who the refusals of this connection are logged under (its session).
+        self.source = source
+        # [True] while the connection holds a place among the server's unauthenticated ones.
+        self.admitted = admitted
         self.rt = rt
         self.ep = ep
         self.cid = cid
@@ -205,12 +243,16 @@ class _ServerConnection:
             nonce = make_nonce()
             async with asyncio.timeout(srv._auth_timeout):
                 await rt.send(self.ep, join_parts(proto.encode_auth_challenge(nonce)), self.s2c)
-                buf = await rt.recv_frame(self.c2s, CONTROL_BUFFER_BYTES)
+                # A tiny frame limit until the proof (a longer message is refused as oversize).
+                buf = await rt.recv_frame(self.c2s, UNAUTHENTICATED_BUFFER_BYTES)
                 header, payload = parse_frame(buf, srv._chunk_bytes)
                 if header.type is not proto.MessageType.AUTH_RESPONSE:
                     raise proto.ProtocolError("unauthenticated", f"{header.type.name} before AUTH_RESPONSE")
                 check_auth(srv._authorize, nonce, proto.decode_auth_response(payload))
                 await rt.send(self.ep, join_parts(proto.encode_auth_ok()), self.s2c)
+            if self.admitted[0]:
+                self.admitted[0] = False
+                srv._limit.leave(self.source)
             while self.failed is None:
                 buf = await rt.recv_frame(self.c2s, CONTROL_BUFFER_BYTES)
                 self.last = time.monotonic()
@@ -228,18 +270,17 @@ class _ServerConnection:
                     raise proto.ProtocolError("malformed", f"a client may not send {mtype.name}")
             await self.drained.wait()
         except proto.ProtocolError as exc:
-            count_protocol_error(srv._metrics, exc.reason)
-            log.warning("UCX data plane: closing a connection: %s", exc)
+            refuse(srv._metrics, srv._rejections, self.source, exc.reason, exc.message)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
                     await rt.send(self.ep, join_parts(proto.encode_error(0, exc.reason, exc.message)), self.s2c)
         except TimeoutError:
-            count_protocol_error(srv._metrics, "unauthenticated")
-            log.warning("UCX data plane: a client did not authenticate within %.3gs", srv._auth_timeout)
+            refuse(srv._metrics, srv._rejections, self.source, "unauthenticated",
+                   f"no AUTH_RESPONSE within {srv._auth_timeout:.3g}s")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.info("UCX data plane: connection ended: %s", exc)
+            log.info("UCX data plane: connection ended: %s", describe(exc))
         finally:
             if self.outstanding:
                 self.fail(TransportError("connection ended with chunk sends in flight"))
