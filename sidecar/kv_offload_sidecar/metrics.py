@@ -6,14 +6,18 @@ its values from one of the small fixed tuples below and each allowed series is
 pre-created with ``.labels(...)`` so dashboards see zeros instead of gaps. No
 label ever carries a key, request id or peer address.
 
-Serve with ``metrics_handler(registry)`` on the control app's ``/metrics``.
+Serve with ``metrics_handler(registry)`` on the control app's ``/metrics``: anyone who
+reaches the control port may read it, so it shows ``public_view(registry)``, every
+series but the config_info labels in ``PRIVATE_CONFIG_INFO_LABELS`` (what the handshake
+says only to a pool-key holder; admins read them in ``/v1/status``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.metrics_core import Metric
 
 NAMESPACE = "kv_offload"
 
@@ -46,6 +50,10 @@ PROTOCOL_ERROR_REASONS = (
     "bad_key",
     "bad_size",
     "unauthenticated",
+    # A request, body or handshake step not complete in time (slow or silent client).
+    "timeout",
+    # A connection refused at accept: its source, or all sources, hold too many unproven ones.
+    "too_many_connections",
 )
 # kind label of location_messages: directory messages this sidecar sent.
 LOCATION_KINDS = ("publish", "locate")
@@ -57,6 +65,11 @@ ROUTE_HINT_KINDS = ("locate", "count")
 FETCH_DECISIONS = ("fetch", "recompute")
 # Label names of the config_info series (one series per process).
 CONFIG_INFO_LABELS = ("fingerprint", "model", "dtype", "transport", "wire_version")
+# config_info labels the public /metrics leaves out: the model and dtype tell a stranger what the
+# pool serves and the wire version which software answers, which the handshake says only after
+# the proof. The fingerprint stays (the operator's READY PEERS and the mixed-fingerprint alert
+# read it; it is a hash that names no model and opens nothing), and so does the transport.
+PRIVATE_CONFIG_INFO_LABELS = ("model", "dtype", "wire_version")
 
 # Histogram buckets for one peer fetch (seconds): 0.5 ms .. 10 s, covering a
 # shared-memory hop up to a multi-chunk fetch over a slow link.
@@ -251,13 +264,37 @@ def exported_metric_names(registry: CollectorRegistry) -> set[str]:
     return {sample.name for family in registry.collect() for sample in family.samples}
 
 
+class _PublicCollector:
+    """Every family of a registry, config_info without ``PRIVATE_CONFIG_INFO_LABELS``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if family.name == f"{NAMESPACE}_config":
+                family.samples = [
+                    s._replace(labels={k: v for k, v in s.labels.items()
+                                       if k not in PRIVATE_CONFIG_INFO_LABELS})
+                    for s in family.samples]
+            yield family
+
+
+def public_view(registry: CollectorRegistry) -> CollectorRegistry:
+    """A registry showing ``registry`` as the public /metrics may (read at every scrape)."""
+    view = CollectorRegistry(auto_describe=False)
+    view.register(_PublicCollector(registry))  # type: ignore[arg-type]
+    return view
+
+
 def metrics_handler(registry: CollectorRegistry) -> Callable[..., Awaitable[object]]:
-    """An aiohttp handler serving ``registry`` in the Prometheus text format."""
+    """An aiohttp handler serving ``public_view(registry)`` in the Prometheus text format."""
+    view = public_view(registry)
     try:
         from prometheus_client.aiohttp import make_aiohttp_handler
     except ImportError:  # prometheus-client older than 0.22
-        return _fallback_handler(registry)
-    return make_aiohttp_handler(registry=registry)
+        return _fallback_handler(view)
+    return make_aiohttp_handler(registry=view)
 
 
 def _fallback_handler(registry: CollectorRegistry) -> Callable[..., Awaitable[object]]:

@@ -59,8 +59,12 @@ class RejectionLog:
         # Lines written so far (tests and benches read it).
         self.lines = 0
 
-    def reject(self, source: str, reason: str, detail: Any = "") -> None:
-        """Note one rejection; logs at most one line per pair per interval (plus summaries)."""
+    def reject(self, source: str, reason: str, detail: Any = "", *, detail_chars: int = CLIP_CHARS) -> None:
+        """Note one rejection; logs at most one line per pair per interval (plus summaries).
+
+        ``detail`` is clipped to ``detail_chars`` (longer only for what a caller proved it may
+        say, e.g. a key holder's field diff).
+        """
         now = self._clock()
         source, reason = clip(source, 64), clip(reason, 64)
         out: list[str] = []
@@ -80,7 +84,7 @@ class RejectionLog:
                     self._overflow = 0
             else:
                 self._pairs[pair] = [now, 0]
-                suffix = f": {clip(detail)}" if detail != "" else ""
+                suffix = f": {clip(detail, detail_chars)}" if detail != "" else ""
                 out.append(f"rejected {source}: {reason}{suffix}")
             self.lines += len(out)
         for line in out:

@@ -1,16 +1,21 @@
 """The control plane: one aiohttp application per DP port of the pod.
 
 Endpoints (JSON unless noted; every error is ``{"error": "...", ...}`` with a
-4xx status, never a 500 for bad input; bodies are capped by
-``client_max_size = settings.max_body_bytes``):
+4xx status, never a 500 for bad input; bodies are capped at
+``settings.max_body_bytes``, handshake bodies at ``MAX_HANDSHAKE_BODY_BYTES``, and
+must arrive within ``limits.BODY_SECONDS``; JSON is parsed with
+``rejections.loads_bounded``; what a caller may cost before it proves anything is
+``limits.py``'s, and every refusal is counted in ``protocol_errors{reason}`` and noted
+in one rate-limited ``RejectionLog``):
 
 - ``GET /healthz``: the process serves (200).
 - ``GET /readyz``: store, data plane and control ports are up (200) or not (503).
 - ``GET /metrics``: Prometheus text of the sidecar's own registry.
 - ``POST /v1/handshake``: ``{"step": "hello", ...}`` then ``{"step": "proof",
-  ...}`` (peers/handshake.py). Nothing about the pool is said before the
-  peer proved the pool key; a key holder with another config gets 403 with
-  ``reason``, the differing field names and the field diff (no secret).
+  ...}`` (peers/handshake.py). Nothing about the pool, its wire version
+  included, is said before the peer proved the pool key; a key holder with
+  another config gets 403 with ``reason``, the differing field names and the
+  field diff (no secret).
 - ``POST /v1/publish``, ``POST /v1/locate``: the chunk directory's messages
   (``location_routes.py``, ``peers/location.py``) for a peer with an inbound
   session; headers ``X-KV-Offload-Session`` and ``X-KV-Offload-Auth`` (an HMAC
@@ -30,8 +35,9 @@ Endpoints (JSON unless noted; every error is ``{"error": "...", ...}`` with a
   client of this DP rank. Everything else the engine does goes over that
   Unix socket.
 
-The apps hold no long-lived work: ``lifecycle.running`` starts and stops the
-sidecar and the local channels around them.
+The apps hold no long-lived work. ``ControlPorts`` serves the app of every DP
+port behind one ``limits.ConnectionGuard``; it runs inside ``lifecycle.running``
+(the sidecar and the local channels are up around it).
 """
 
 from __future__ import annotations
@@ -43,11 +49,30 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kv_offload_sidecar.control.limits import (
+    GUARD_KEY,
+    REJECTIONS_KEY,
+    SERVER_HEADER,
+    BodyError,
+    ConnectionGuard,
+    GuardedSite,
+    guard_middleware,
+    handler_args,
+    mark_proven,
+    read_body,
+    source_of,
+)
 from kv_offload_sidecar.control.location_routes import add_location_routes
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 from kv_offload_sidecar.metrics import metrics_handler
-from kv_offload_sidecar.peers.handshake import HandshakeError, diff_fields
+from kv_offload_sidecar.peers.handshake import (
+    MAX_HANDSHAKE_BODY_BYTES,
+    REASONS,
+    HandshakeError,
+    diff_fields,
+)
+from kv_offload_sidecar.rejections import RejectionLog, clip, loads_bounded
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.sidecar import Sidecar
@@ -64,6 +89,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_SOURCES = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 ADMIN_HELP = ("send 'Authorization: Bearer <token>' with the pool's admin token (key 'admin-token' of "
               "the pool Secret) or the token 'kv-offload admin-token --pool-key-file <key file>' prints")
+# Handshake rejections a caller gets only after proving the pool key: their log line carries
+# the field diff (a key holder's, bounded by the hello's field limits).
+PROVEN_REJECTIONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
+                     "wire_version_mismatch")
+# Longest detail of a proven peer's rejection line (the field diff an operator needs).
+PROVEN_DETAIL_CHARS = 2000
+
+
+def refuse(request: web.Request, reason: str, detail: object = "") -> None:
+    """Count one refusal in ``protocol_errors{reason}`` and note it in the rate-limited log."""
+    request.app[SIDECAR_KEY].metrics.protocol_errors.labels(reason=reason).inc()
+    request.app[REJECTIONS_KEY].reject(source_of(request), reason, detail)
 
 
 def admin_only(handler: Handler) -> Handler:
@@ -73,10 +110,11 @@ def admin_only(handler: Handler) -> Handler:
         sidecar = request.app[SIDECAR_KEY]
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not sidecar.keys.admin_allowed(token.strip()):
-            sidecar.metrics.protocol_errors.labels(reason="unauthenticated").inc()
-            return web.json_response({"error": f"{request.method} {request.path} is an admin endpoint: "
-                                      f"{ADMIN_HELP}"}, status=401,
+            refuse(request, "unauthenticated", f"{request.method} {request.path} without the admin token")
+            return web.json_response({"error": f"{request.method} {clip(request.path, 64)} is an admin "
+                                      f"endpoint: {ADMIN_HELP}"}, status=401,
                                      headers={"WWW-Authenticate": 'Bearer realm="kv-offload"'})
+        mark_proven(request)
         return await handler(request)
 
     return guarded
@@ -86,13 +124,13 @@ def pod_local(handler: Handler) -> Handler:
     """403 unless the caller is inside the pod (loopback, or the same address it dialled)."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
-        sidecar = request.app[SIDECAR_KEY]
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
         own = sockname[0] if sockname else None
         if request.remote not in LOOPBACK_SOURCES and request.remote != own:
-            sidecar.metrics.protocol_errors.labels(reason="unauthenticated").inc()
+            refuse(request, "unauthenticated", f"{request.method} {request.path} from outside the pod")
             return json_error(403, f"{request.method} {request.path} answers only inside the pod: the "
                               f"engine dials 127.0.0.1 or the pod IP (VLLM_P2P_SIDE_CHANNEL_HOST)")
+        mark_proven(request)
         return await handler(request)
 
     return guarded
@@ -104,37 +142,39 @@ def json_error(status: int, message: str, **extra: Any) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn HTTP errors (404, 405, 413 ...) into JSON bodies with a clear message."""
+    """Turn HTTP errors (404, 405, 408, 413 ...) into JSON bodies with a clear message; a body
+    refused by ``read_body`` also closes its connection (the rest of it is not read)."""
     try:
         return await handler(request)
-    except web.HTTPRequestEntityTooLarge as exc:
-        sidecar = request.app[SIDECAR_KEY]
-        sidecar.metrics.protocol_errors.labels(reason="oversize").inc()
-        return json_error(413, f"request body exceeds {sidecar.settings.max_body_bytes} bytes: "
-                          f"send a smaller body ({exc.text})")
+    except BodyError as exc:
+        refuse(request, exc.reason, f"{request.method} {request.path}: {exc}")
+        resp = json_error(exc.status, str(exc))
+        resp.force_close()
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         if exc.content_type == "application/json":  # ours, already a JSON error
             return web.Response(status=exc.status, text=exc.text, content_type="application/json")
-        return json_error(exc.status, f"{request.method} {request.path}: {exc.reason}")
+        return json_error(exc.status, f"{request.method} {clip(request.path, 64)}: {exc.reason}")
 
 
-async def read_json(request: web.Request) -> Any:
-    """The request body as JSON; raises HTTPBadRequest with a JSON message."""
+async def read_json(request: web.Request, limit: int | None = None) -> Any:
+    """The request body as JSON (``loads_bounded``), at most ``limit`` bytes (default
+    ``settings.max_body_bytes``); BodyError (408, 413) or HTTPBadRequest with a JSON message."""
     sidecar = request.app[SIDECAR_KEY]
     try:
-        raw = await request.read()
-    except web.HTTPException:
+        raw = await read_body(request, sidecar.settings.max_body_bytes if limit is None else limit)
+    except BodyError:
         raise
     except Exception as exc:  # truncated upload, reset connection
-        sidecar.metrics.protocol_errors.labels(reason="malformed").inc()
+        refuse(request, "malformed", f"{request.path}: body unreadable ({type(exc).__name__})")
         raise _bad(f"request body could not be read ({type(exc).__name__}): send the whole body") from None
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        sidecar.metrics.protocol_errors.labels(reason="malformed").inc()
-        raise _bad(f"request body is not valid JSON ({exc}): send a JSON object") from None
+        return loads_bounded(raw)
+    except ValueError as exc:
+        refuse(request, "malformed", f"{request.path}: {exc}")
+        raise _bad(f"request body is not valid JSON ({clip(exc)}): send a JSON object") from None
 
 
 def _bad(message: str) -> web.HTTPBadRequest:
@@ -170,7 +210,7 @@ def parse_timeout(value: Any, default: float) -> float:
         return default
     limit = MAX_TIMEOUT_SECONDS
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= limit:
-        raise _bad(f"'timeout' must be seconds in (0, {limit}], got {value!r}")
+        raise _bad(f"'timeout' must be seconds in (0, {limit}], got {clip(repr(value), 64)}")
     return float(value)
 
 
@@ -193,24 +233,31 @@ async def handle_handshake(request: web.Request) -> web.StreamResponse:
     if not sidecar.ready:
         return json_error(503, "not ready: retry the handshake later")
     try:
-        body = await read_json(request)
-    except web.HTTPBadRequest as exc:
-        sidecar.count_handshake_rejection(HandshakeError("malformed", "body is not JSON"),
-                                          request.remote or "?")
-        raise exc
+        body = await read_json(request, MAX_HANDSHAKE_BODY_BYTES)
+    except (BodyError, web.HTTPBadRequest):
+        sidecar.metrics.handshakes.labels(result="rejected", reason="malformed").inc()
+        raise
     step = body.get("step") if isinstance(body, dict) else None
     try:
         if step == "hello":
             return web.json_response(sidecar.responder.hello(body))
         if step == "proof":
             session, reply = sidecar.responder.proof(body)
+            mark_proven(request)
             sidecar.accept_session(session)
             return web.json_response(reply)
-        raise HandshakeError("malformed", f"'step' must be 'hello' or 'proof', got {step!r}")
+        raise HandshakeError("malformed", f"'step' must be 'hello' or 'proof', got {clip(repr(step), 64)}")
     except HandshakeError as exc:
-        sidecar.count_handshake_rejection(exc, request.remote or "?")
-        status = 400 if exc.reason == "malformed" else 403
-        return json_error(status, str(exc), reason=exc.reason, fields=diff_fields(exc.diff),
+        reason = exc.reason if exc.reason in REASONS else "malformed"
+        sidecar.metrics.handshakes.labels(result="rejected", reason=reason).inc()
+        if reason in PROVEN_REJECTIONS:  # a key holder: the operator needs the field diff
+            request.app[REJECTIONS_KEY].reject(source_of(request), f"handshake {reason}",
+                                               "; ".join([str(exc), *exc.diff]),
+                                               detail_chars=PROVEN_DETAIL_CHARS)
+        else:
+            request.app[REJECTIONS_KEY].reject(source_of(request), f"handshake {reason}", exc)
+        status = 400 if reason == "malformed" else 403
+        return json_error(status, str(exc), reason=reason, fields=diff_fields(exc.diff),
                           diff=exc.diff)
 
 
@@ -269,12 +316,26 @@ async def handle_local(request: web.Request) -> web.StreamResponse:
 # ---- application ---------------------------------------------------------------
 
 
-def create_app(sidecar: Sidecar, dp_index: int) -> web.Application:
-    """The control application of one DP port (the sidecar runs already: ``lifecycle.running``)."""
-    app = web.Application(client_max_size=sidecar.settings.max_body_bytes,
-                          middlewares=[error_middleware])
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_HEADER
+
+
+def create_app(sidecar: Sidecar, dp_index: int, *, guard: ConnectionGuard | None = None) -> web.Application:
+    """The control application of one DP port (the sidecar runs already: ``lifecycle.running``).
+
+    ``guard`` (``ControlPorts``'s) is told where requests start and end and which proved
+    themselves; without one (an app served by a test client) only the per-request limits hold.
+    """
+    rejections = guard.rejections if guard is not None else RejectionLog(log)
+    middlewares = [error_middleware] if guard is None else [guard_middleware(guard), error_middleware]
+    app = web.Application(client_max_size=sidecar.settings.max_body_bytes, middlewares=middlewares,
+                          handler_args=handler_args(sidecar.metrics, rejections))
     app[SIDECAR_KEY] = sidecar
     app[DP_INDEX_KEY] = dp_index
+    app[REJECTIONS_KEY] = rejections
+    if guard is not None:
+        app[GUARD_KEY] = guard
+    app.on_response_prepare.append(_server_header)
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/metrics", metrics_handler(sidecar.registry))
@@ -286,3 +347,28 @@ def create_app(sidecar: Sidecar, dp_index: int) -> web.Application:
     app.router.add_get("/v1/status", handle_status)
     app.router.add_get("/v1/local", handle_local)
     return app
+
+
+class ControlPorts:
+    """The control app of every DP port of ``sidecar``, behind one ``ConnectionGuard``."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+        self.guard = ConnectionGuard(sidecar.metrics, RejectionLog(log))
+        self._runners: list[web.AppRunner] = []
+
+    async def start(self) -> None:
+        """Listen on every control port (OSError when one is taken; those started stay up)."""
+        s = self._sidecar.settings
+        for idx in s.dp_indices:
+            runner = web.AppRunner(create_app(self._sidecar, idx, guard=self.guard), handle_signals=False,
+                                   access_log=None, shutdown_timeout=s.shutdown_grace_seconds)
+            await runner.setup()
+            self._runners.append(runner)
+            await GuardedSite(runner, s.host, s.control_port(idx), self.guard).start()
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests in flight finish (``shutdown_grace_seconds``), close."""
+        while self._runners:
+            await self._runners.pop().cleanup()
+        self.guard.rejections.flush()

@@ -7,7 +7,9 @@ answer only a peer with an inbound session: header ``X-KV-Offload-Session``
 401 before the body is read; a body whose HMAC does not verify gets the same
 401. The holder of a publish is the session's peer, never a name in the body,
 so a member can only speak for itself. A malformed body is a 400 naming the
-problem. Replies to a session on a key this sidecar no longer uses carry
+problem; a body over ``settings.max_body_bytes`` is a 413 and one not whole
+within ``limits.BODY_SECONDS`` a 408 (``limits.read_body``; both close the
+connection); JSON is parsed with ``loads_bounded``. Replies to a session on a key this sidecar no longer uses carry
 ``X-KV-Offload-Rekey: 1`` (the peer re-keys, make before break).
 """
 
@@ -20,9 +22,18 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kv_offload_sidecar.control.limits import (
+    REJECTIONS_KEY,
+    SERVER_HEADER,
+    BodyError,
+    mark_proven,
+    read_body,
+    source_of,
+)
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
 from kv_offload_sidecar.peers.location_wire import location_auth
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
+from kv_offload_sidecar.rejections import clip, loads_bounded
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.peers.handshake import Session
@@ -30,12 +41,16 @@ if TYPE_CHECKING:
 
 UNAUTHENTICATED = "directory messages need an authenticated session: handshake first"
 # Headers of every directory reply (a short Server header instead of aiohttp's version string).
-REPLY_HEADERS = {"Server": "kv-offload"}
+REPLY_HEADERS = {"Server": SERVER_HEADER}
 
 
-def _refuse(sidecar: Sidecar) -> web.Response:
-    sidecar.metrics.protocol_errors.labels(reason="unauthenticated").inc()
-    return web.json_response({"error": UNAUTHENTICATED}, status=401)
+def _refuse(sidecar: Sidecar, request: web.Request, reason: str, detail: str, status: int,
+            message: str) -> web.Response:
+    sidecar.metrics.protocol_errors.labels(reason=reason).inc()
+    rejections = request.app.get(REJECTIONS_KEY)
+    if rejections is not None:
+        rejections.reject(source_of(request), reason, f"{request.path}: {detail}")
+    return web.json_response({"error": message}, status=status)
 
 
 def _session(sidecar: Sidecar, request: web.Request) -> Session | None:
@@ -53,16 +68,21 @@ def location_handler(op: str, answer: Callable[[Sidecar, str, Any], dict[str, An
         sidecar = request.app[sidecar_key]
         session = _session(sidecar, request)
         if session is None:
-            return _refuse(sidecar)
-        raw = await request.read()
-        if not hmac.compare_digest(request.headers.get(AUTH_HEADER, ""),
-                                   location_auth(session.session_key, op, raw)):
-            return _refuse(sidecar)
+            return _refuse(sidecar, request, "unauthenticated", "no session", 401, UNAUTHENTICATED)
         try:
-            reply = answer(sidecar, session.peer.identity, json.loads(raw.decode("utf-8")))
-        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
-            sidecar.metrics.protocol_errors.labels(reason="malformed").inc()
-            return web.json_response({"error": f"{op} body refused: {exc}"}, status=400)
+            raw = await read_body(request, sidecar.settings.max_body_bytes)
+        except BodyError as exc:
+            resp = _refuse(sidecar, request, exc.reason, str(exc), exc.status, str(exc))
+            resp.force_close()
+            return resp
+        if not hmac.compare_digest(request.headers.get(AUTH_HEADER, "").encode("utf-8", "replace"),
+                                   location_auth(session.session_key, op, raw).encode()):
+            return _refuse(sidecar, request, "unauthenticated", "bad HMAC", 401, UNAUTHENTICATED)
+        mark_proven(request)
+        try:
+            reply = answer(sidecar, session.peer.identity, loads_bounded(raw))
+        except ValueError as exc:
+            return _refuse(sidecar, request, "malformed", str(exc), 400, f"{op} body refused: {clip(exc)}")
         body = json.dumps(reply, separators=(",", ":")).encode()
         sidecar.metrics.location_bytes.labels(direction="received").inc(len(raw))
         sidecar.metrics.location_bytes.labels(direction="sent").inc(len(body))

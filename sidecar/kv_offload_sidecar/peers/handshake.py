@@ -8,7 +8,11 @@ to anyone who has not proven the pool key first:
    "key_ids": [...]}`` (ids of the keys it holds, current first;
    ``pool_keys.key_id``). The server answers ``{"wire_version", "nonce": N_s,
    "key_id"}``: the id of a key both hold (its current one when the client has
-   it). A client holding none of the server's keys is refused (``bad_proof``).
+   it). A client holding none of the server's keys is refused (``bad_proof``),
+   whatever wire version it names: step 1 checks only the syntax of the
+   version, so a stranger of another version gets the very bytes of any
+   stranger, and a key holder of another version learns of the mismatch in
+   step 2, after its proof.
 2. client -> server ``{"step": "proof", "nonce_client", "nonce_server",
    "hello": H_c, "proof": HMAC(K, "client" || T)}`` with ``T`` the transcript
    of both nonces, the key id and ``H_c``. The server checks the proof first
@@ -48,6 +52,7 @@ from kv_offload_sidecar.peers.pool_keys import (
     PoolKeys,
     hkdf,
 )
+from kv_offload_sidecar.rejections import clip
 
 WIRE_MAJOR = 2
 WIRE_MINOR = 0
@@ -57,9 +62,14 @@ SESSION_ID_BYTES = 16
 REASONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
            "wire_version_mismatch", "bad_proof", "malformed", "replay")
 # Longest accepted string field of a hello (identity, control address, seed digest).
-MAX_FIELD_CHARS = 4096
-# Longest accepted data address (a UCX worker address in base64 can be long).
-MAX_DATA_ADDRESS_CHARS = 96 * 1024
+MAX_FIELD_CHARS = 1024
+# Longest accepted data address (a UCX worker address in base64: hundreds of bytes, a few KiB
+# with many devices).
+MAX_DATA_ADDRESS_CHARS = 16 * 1024
+# Largest handshake body, either step, request or reply: a step 1 is ~150 bytes; a step 2 holds
+# a hello, whose run config lists the model's attention layers (~50 bytes each, 10 KiB for 200)
+# and whose data address is at most MAX_DATA_ADDRESS_CHARS.
+MAX_HANDSHAKE_BODY_BYTES = 32 * 1024
 _TRANSCRIPT_LABEL = b"kv-offload handshake v2\x00"
 _SEED_LABEL = b"kv-offload hash seed v2\x00"
 _SESSION_INFO = b"kv-offload session v2\x00"
@@ -167,14 +177,17 @@ class HelloMessage:
             if len(v) > limit:
                 raise HandshakeError("malformed", f"hello field {name!r} is longer than {limit} characters")
         if _wire_major(self.wire_version) is None:
-            raise HandshakeError("malformed", f"hello wire_version {self.wire_version!r} is not 'major.minor'")
+            raise HandshakeError("malformed", f"hello wire_version {_shown(self.wire_version)} is not "
+                                 f"'major.minor'")
         k = self.kv_bytes_per_chunk
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise HandshakeError("malformed", f"hello kv_bytes_per_chunk must be a positive integer, got {k!r}")
+            raise HandshakeError("malformed", f"hello kv_bytes_per_chunk must be a positive integer, "
+                                 f"got {_shown(k)}")
         if not self.identity:
             raise HandshakeError("malformed", "hello identity is empty")
         if self.transport not in ("tcp", "ucx", "nixl"):
-            raise HandshakeError("malformed", f"hello transport {self.transport!r} is not 'tcp', 'ucx' or 'nixl'")
+            raise HandshakeError("malformed", f"hello transport {_shown(self.transport)} is not 'tcp', "
+                                 f"'ucx' or 'nixl'")
         if self.run_config is not None and not isinstance(self.run_config, Mapping):
             raise HandshakeError("malformed", "hello run_config must be an object or absent")
 
@@ -191,6 +204,17 @@ class HelloMessage:
     def canonical(self) -> bytes:
         """Deterministic bytes of this hello for the transcript."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _same_text(received: str, expected: str) -> bool:
+    """Constant-time equality of a received string (any characters) and an expected one."""
+    return hmac.compare_digest(received.encode("utf-8", "replace"),
+                               expected.encode("utf-8", "replace"))
+
+
+def _shown(value: Any) -> str:
+    """A received value as quoted in an error (clipped: it ends up in replies and logs)."""
+    return clip(repr(value), 64)
 
 
 def _wire_major(version: Any) -> int | None:
@@ -219,7 +243,7 @@ def compare_hello(local: HelloMessage, remote: HelloMessage) -> tuple[str, list[
         diff.append(f"fingerprint: {local.fingerprint or '<empty>'} != {remote.fingerprint or '<empty>'}")
         if local.run_config is not None and remote.run_config is not None:
             diff.extend(identity_diff(local.run_config, remote.run_config))
-    if not hmac.compare_digest(local.hash_seed, remote.hash_seed):
+    if not _same_text(local.hash_seed, remote.hash_seed):
         reasons.append("hash_seed_mismatch")
         diff.append("hash_seed: differs (every pod of a pool must get the pool's PYTHONHASHSEED; "
                     "the seeds themselves are never sent)")
@@ -289,19 +313,12 @@ def _hex_field(body: Mapping[str, Any], name: str, nbytes: int) -> bytes:
         raise HandshakeError("malformed", f"handshake field {name!r} is not hex") from None
 
 
-def _check_wire(body: Mapping[str, Any]) -> None:
-    """Step-1 version check (a wire 1 client sends its whole hello in step 1)."""
+def _check_wire_syntax(body: Mapping[str, Any]) -> None:
+    """Step 1: ``wire_version`` must read "major.minor"; which major is compared only after the
+    proof (``compare_hello``), so nothing before it depends on this sidecar's version."""
     version = body.get("wire_version")
-    if version is None and isinstance(body.get("hello"), Mapping):
-        version = body["hello"].get("wire_version")
-    major = _wire_major(version)
-    if major is None:
-        raise HandshakeError("malformed", f"handshake 'wire_version' {version!r} is not 'major.minor'")
-    if major != WIRE_MAJOR:
-        raise HandshakeError("wire_version_mismatch",
-                             f"handshake rejected (wire_version_mismatch): wire {version} != {WIRE_VERSION}; "
-                             f"run the same kv-offload major version on every pod of the pool",
-                             [f"wire_version: {WIRE_VERSION} != {version}"])
+    if _wire_major(version) is None:
+        raise HandshakeError("malformed", f"handshake 'wire_version' {_shown(version)} is not 'major.minor'")
 
 
 def _as_keys(keys: PoolKeys | bytes) -> PoolKeys:
@@ -338,7 +355,7 @@ class HandshakeResponder:
         self._expire()
         if not isinstance(body, Mapping):
             raise HandshakeError("malformed", "handshake body must be a JSON object")
-        _check_wire(body)
+        _check_wire_syntax(body)
         nonce_c = _hex_field(body, "nonce", NONCE_BYTES)
         offered = body.get("key_ids")
         if not isinstance(offered, list) or not 0 < len(offered) <= MAX_OFFERED_KEYS:
@@ -375,7 +392,7 @@ class HandshakeResponder:
         remote = HelloMessage.from_dict(body.get("hello"))
         key = self.keys.key(kid)
         t = transcript(nonce_c, nonce_s, kid, remote)
-        if key is None or not hmac.compare_digest(proof, client_proof(key, t)):
+        if key is None or not _same_text(proof, client_proof(key, t)):
             raise HandshakeError("bad_proof", "handshake rejected (bad_proof): the peer does not hold "
                                  "this pool's key")
         local = self._local_hello().sealed(key, nonce_c, nonce_s)
@@ -407,7 +424,7 @@ class HandshakeInitiator:
         """The proof step for the server's step-1 reply; raises HandshakeError."""
         if not isinstance(reply, Mapping):
             raise HandshakeError("malformed", "handshake reply must be an object with 'nonce' and 'key_id'")
-        _check_wire(reply)
+        _check_wire_syntax(reply)  # another major: the proof goes on, the comparison names it
         nonce_s = _hex_field(reply, "nonce", NONCE_BYTES)
         kid = _hex_field(reply, "key_id", KEY_ID_BYTES)
         key = self.keys.key(kid)
@@ -427,13 +444,13 @@ class HandshakeInitiator:
         if not isinstance(reply, Mapping) or not isinstance(reply.get("proof"), str):
             raise HandshakeError("malformed", "handshake acceptance must be an object with 'hello' and 'proof'")
         remote = HelloMessage.from_dict(reply.get("hello"))
-        if not hmac.compare_digest(reply["proof"], server_proof(key, t, remote)):
-            raise HandshakeError("bad_proof", f"peer {remote.identity!r} rejected (bad_proof): "
+        if not _same_text(reply["proof"], server_proof(key, t, remote)):
+            raise HandshakeError("bad_proof", f"peer {_shown(remote.identity)} rejected (bad_proof): "
                                  f"it does not hold this pool's key")
         verdict = compare_hello(self._sealed, remote)
         if verdict is not None:
             reason, diff = verdict
-            raise HandshakeError(reason, f"peer {remote.identity!r} rejected ({reason}): fields differ: "
+            raise HandshakeError(reason, f"peer {_shown(remote.identity)} rejected ({reason}): fields differ: "
                                  + ", ".join(diff_fields(diff)), diff)
         sid, skey = derive_session(key, self.nonce, nonce_s, kid)
         return remote, Session(sid, skey, remote, "outbound", kid)
@@ -453,5 +470,5 @@ def make_hello(*, fingerprint: str, hash_seed: str, kv_bytes_per_chunk: int, ide
 __all__ = [
     "HandshakeError", "HandshakeInitiator", "HandshakeResponder", "HelloMessage", "Session",
     "compare_hello", "derive_session", "diff_fields", "load_pool_key", "make_hello", "seal_seed",
-    "REASONS", "WIRE_VERSION",
+    "MAX_HANDSHAKE_BODY_BYTES", "REASONS", "WIRE_VERSION",
 ]

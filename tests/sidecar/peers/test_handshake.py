@@ -7,6 +7,7 @@ from kv_offload_sidecar.peers.handshake import (
     HandshakeError,
     HandshakeInitiator,
     HandshakeResponder,
+    WIRE_VERSION,
     HelloMessage,
     compare_hello,
     derive_session,
@@ -163,12 +164,43 @@ def test_wire_major_mismatch_is_rejected_minor_is_not():
     assert compare_hello(local, other_minor) is None
 
 
-def test_a_wire_1_peer_is_refused_at_step_1_with_the_versions():
+def test_a_wire_1_step_1_is_malformed_and_names_no_version():
     old = {"step": "hello", "hello": {**hello_for().to_dict(), "wire_version": "1.0", "nonce": "00" * 16}}
     with pytest.raises(HandshakeError) as exc:
         HandshakeResponder(KEY, lambda: hello_for(identity="b")).hello(old)
+    assert exc.value.reason == "malformed" and exc.value.diff == []
+    assert WIRE_VERSION not in str(exc.value)
+
+
+def test_a_stranger_of_another_wire_version_gets_the_answer_of_any_stranger():
+    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    answers = []
+    for version in (WIRE_VERSION, "1.0", "3.0", "99.1"):
+        with pytest.raises(HandshakeError) as exc:
+            responder.hello({**HandshakeInitiator(b"another-key", hello_for()).step1(), "wire_version": version})
+        answers.append((exc.value.reason, str(exc.value), exc.value.diff))
+    assert answers[0][0] == "bad_proof"
+    assert answers.count(answers[0]) == len(answers)
+
+
+def test_a_key_holder_of_another_wire_version_learns_the_mismatch_after_its_proof():
+    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    newer = HandshakeInitiator(KEY, HelloMessage(**{**hello_for().to_dict(), "wire_version": "3.0"}))
+    reply = responder.hello({**newer.step1(), "wire_version": "3.0"})
+    assert set(reply) == {"wire_version", "nonce", "key_id"}
+    with pytest.raises(HandshakeError) as exc:
+        responder.proof(newer.step2(reply))
     assert exc.value.reason == "wire_version_mismatch"
-    assert exc.value.diff == ["wire_version: 2.0 != 1.0"]
+    assert exc.value.diff == [f"wire_version: {WIRE_VERSION} != 3.0"]
+
+
+def test_a_client_proves_its_key_to_a_server_of_another_wire_version():
+    # the server's step-1 answer names another major: the client still sends its proof, so the
+    # server (which checks it first) can name the mismatch to a key holder
+    initiator = HandshakeInitiator(KEY, hello_for())
+    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    reply = {**responder.hello(initiator.step1()), "wire_version": "3.0"}
+    assert initiator.step2(reply)["step"] == "proof"
 
 
 def test_fingerprint_rejection_quotes_the_field_diff():
