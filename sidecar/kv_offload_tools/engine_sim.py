@@ -19,6 +19,8 @@ the per-layer pages ``[layer0 blocks | layer1 blocks | ...]``.
 from __future__ import annotations
 
 import itertools
+import mmap
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,6 +162,16 @@ class RequestResult:
     lookup_steps: int
 
 
+def _shared_rows(size: int, name: str) -> mmap.mmap:
+    """``size`` zeroed bytes of a memfd, mapped shared (the memfd's descriptor stays with the map)."""
+    fd = os.memfd_create(f"kv-offload-sim-{name}", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
 class SimulatedEngine:
     """One vLLM engine (one DP rank) with a primary region and the kv-offload tier."""
 
@@ -175,8 +187,11 @@ class SimulatedEngine:
                                    config.tokens_per_chunk // config.cache.tokens_per_hash,
                                    seed=hash_seed, hash_algo=hash_algo)
         self.num_rows = num_rows
-        # The CPU primary tier: one row per chunk slot (vLLM's shared offload region).
-        self.region = torch.zeros((num_rows, self.layout.row_stride), dtype=torch.uint8)
+        # The CPU primary tier: one row per chunk slot in a shared-memory file, as vLLM's
+        # SharedOffloadRegion maps it (here an anonymous memfd), so the sidecar can map it too.
+        self._region_map = _shared_rows(num_rows * self.layout.row_stride, name)
+        self.region = torch.frombuffer(self._region_map, dtype=torch.uint8).view(
+            num_rows, self.layout.row_stride)
         self._view = memoryview(self.region.numpy())
         self.tier = KVOffloadSecondaryTier(
             SimulatedSpec(config), self._view, "KVOffloadSecondaryTier", host=host, port=port,
@@ -217,6 +232,7 @@ class SimulatedEngine:
 
     def close(self) -> None:
         self.tier.shutdown()
+        self._view.release()
 
     # ---- internals ------------------------------------------------------------------
 

@@ -7,6 +7,23 @@ and reads/writes the slots this channel hands out.
 
 Ops:
 - ``info`` -> ``{"instance", "store": {path, slot_bytes, slot_stride, num_slots}, ...}``
+- ``attach_region {offset, row_stride, num_rows, chunk_bytes}``, sent as the
+  first frame of a connection with the descriptor of the file behind vLLM's
+  primary region (SCM_RIGHTS) -> ``{region}``: the sidecar maps those rows and
+  does the copies of ``store_rows`` / ``load_rows`` itself (vLLM's process
+  moves no KV bytes). The region lives until that connection closes (after
+  the jobs using it end). A descriptor on any other frame is closed unused.
+- ``store_rows {region, keys, rows, deadline}`` -> ``{committed}``: reserves
+  slots, copies each reserved key's row into its slot, checksums and commits
+  those copied by ``deadline``.
+- ``load_rows {region, keys, rows, deadline}`` -> ``{loaded}``: makes the hit
+  prefix local (fetching from peers until ``deadline``), copies the pinned
+  chunks into their rows (no piece started after ``deadline``) and releases the
+  pins; ``loaded`` leading keys are whole in vLLM's rows.
+  ``deadline`` is a ``time.monotonic()`` value: CLOCK_MONOTONIC is one clock for
+  every container of a pod. The engine gives up at the deadline (plus a grace
+  for the piece in flight) and may then reuse the rows, so nothing is read from
+  or written to them after it.
 - Every other request may carry ``"instance"``; a request naming another
   instance (the sidecar restarted and the engine still maps the old store
   file) is refused with ``"stale": true`` so nothing lands in the wrong file.
@@ -20,7 +37,9 @@ Ops:
 
 Reservations and pins belong to the connection: when it closes they are
 aborted / released, so a crashed engine leaves nothing half-written or pinned.
-A malformed frame gets an error reply and the connection is closed.
+A malformed frame gets an error reply and the connection is closed; every
+parse failure is counted in ``kv_offload_protocol_errors_total`` and never
+raises out of the server.
 """
 
 from __future__ import annotations
@@ -30,9 +49,12 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
+from kv_offload_sidecar.store.engine_region import EngineRegion, RegionError, RowCopier
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 
 if TYPE_CHECKING:
@@ -73,6 +95,23 @@ def _timeout(req: dict[str, Any], default: float) -> float:
     return float(t)
 
 
+def _deadline(req: dict[str, Any]) -> float:
+    """The request's ``deadline`` (``time.monotonic()`` seconds), at most MAX_TIMEOUT_SECONDS ahead."""
+    d = req.get("deadline")
+    now = time.monotonic()
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not d <= now + cp.MAX_TIMEOUT_SECONDS:
+        raise ChannelError(f"'deadline' must be a time.monotonic() value at most "
+                           f"{cp.MAX_TIMEOUT_SECONDS} s ahead, got {d!r}")
+    return float(d)
+
+
+def _rows(region: EngineRegion, req: dict[str, Any], count: int) -> list[int]:
+    try:
+        return region.check_rows(req.get("rows"), count)
+    except RegionError as exc:
+        raise ChannelError(str(exc)) from None
+
+
 def _id(req: dict[str, Any]) -> int:
     v = req.get("id")
     if isinstance(v, bool) or not isinstance(v, int):
@@ -83,14 +122,20 @@ def _id(req: dict[str, Any]) -> int:
 class _Connection:
     """State of one engine connection: its reservations and pins."""
 
-    def __init__(self, sidecar: Sidecar, dp_index: int) -> None:
-        self.sidecar = sidecar
-        self.dp_index = dp_index
+    def __init__(self, server: LocalChannelServer) -> None:
+        self.sidecar = server.sidecar
+        self.dp_index = server.dp_index
+        self.server = server
         self.reservations: dict[int, list[WriteReservation | None]] = {}
         self.pins: dict[int, list[PinnedChunk]] = {}
         self._ids = itertools.count(1)
+        # The region this connection attached (closed with the connection).
+        self.region_id: int | None = None
 
     def close(self) -> None:
+        if self.region_id is not None:
+            self.server.detach_region(self.region_id)
+            self.region_id = None
         for group in self.reservations.values():
             for res in group:
                 if res is not None:
@@ -155,7 +200,83 @@ class _Connection:
             for p in pins:
                 p.release()
             return {"ok": True}
+        if op == "store_rows":
+            return await self._store_rows(req)
+        if op == "load_rows":
+            return await self._load_rows(req)
+        if op == "attach_region":
+            raise ChannelError("attach_region must be the first frame of a connection and carry "
+                               "the region's file descriptor", fatal=True)
         raise ChannelError(f"unknown op {op!r}; ops are {', '.join(cp.OPS)}", reason="unknown_type")
+
+    def attach_region(self, req: Any, fd: int) -> dict[str, Any]:
+        """Map the rows of the region behind ``fd`` (the first frame of this connection)."""
+        try:
+            region = EngineRegion(fd, offset=req.get("offset"), row_stride=req.get("row_stride"),
+                                  num_rows=req.get("num_rows"), chunk_bytes=req.get("chunk_bytes"))
+        except RegionError as exc:
+            raise ChannelError(str(exc), fatal=True, reason="bad_size") from None
+        slot_bytes = self.sidecar.local_info(self.dp_index)["store"]["slot_bytes"]
+        if region.chunk_bytes > slot_bytes:
+            region.close()
+            raise ChannelError(f"region chunks of {region.chunk_bytes} bytes do not fit this "
+                               f"sidecar's {slot_bytes}-byte slots", fatal=True, reason="bad_size")
+        self.region_id = self.server.register_region(region)
+        return {"ok": True, "region": self.region_id}
+
+    def _region(self, req: dict[str, Any]) -> EngineRegion:
+        rid = req.get("region")
+        region = self.server.regions.get(rid) if isinstance(rid, int) else None
+        if region is None or not region.acquire():
+            raise ChannelError(f"unknown region {rid!r}: attach the region again", stale=True)
+        return region
+
+    async def _store_rows(self, req: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(req)
+        deadline = _deadline(req)
+        region = self._region(req)
+        server, metrics = self.server, self.sidecar.metrics.engine_transfer
+        group: list[WriteReservation | None] = []
+        try:
+            rows = _rows(region, req, len(keys))
+            group = self.sidecar.reserve(keys)
+            todo = [(rows[i], r) for i, r in enumerate(group) if r is not None]
+            started = time.perf_counter()
+            sums = await server.run_copy(server.copier.rows_to_slots, region,
+                                         [row for row, _ in todo], [r.view for _, r in todo],
+                                         deadline)
+            metrics.labels(op="store", phase="copy").observe(time.perf_counter() - started)
+            committed = sum(bool(r.commit(computed_checksum=c)) for (_, r), c in zip(todo, sums)
+                            if c is not None)
+            return {"ok": True, "committed": committed}
+        finally:
+            for r in group:
+                if r is not None:
+                    r.abort()  # no-op once committed
+            region.release()
+
+    async def _load_rows(self, req: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(req)
+        deadline = _deadline(req)
+        region = self._region(req)
+        server, metrics = self.server, self.sidecar.metrics.engine_transfer
+        pins: list[PinnedChunk] = []
+        try:
+            rows = _rows(region, req, len(keys))
+            started = time.perf_counter()
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                pins = await self.sidecar.load(keys, remaining)
+            fetched = time.perf_counter()
+            metrics.labels(op="load", phase="fetch").observe(fetched - started)
+            loaded = await server.run_copy(server.copier.slots_to_rows, region,
+                                           [p.view for p in pins], rows[:len(pins)], deadline)
+            metrics.labels(op="load", phase="copy").observe(time.perf_counter() - fetched)
+            return {"ok": True, "loaded": loaded}
+        finally:
+            for p in pins:
+                p.release()
+            region.release()
 
 
 class LocalChannelServer:
@@ -165,8 +286,14 @@ class LocalChannelServer:
         self.sidecar = sidecar
         self.dp_index = dp_index
         self.path = sidecar.local_socket_path(dp_index)
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[Any]] = set()
+        # Engine regions attached over this channel, by id.
+        self.regions: dict[int, EngineRegion] = {}
+        self._region_ids = itertools.count(1)
+        # The thread that copies between vLLM's rows and the store's slots.
+        self.copier = RowCopier()
 
     async def start(self) -> None:
         if len(self.path.encode()) > 100:
@@ -174,27 +301,81 @@ class LocalChannelServer:
                              f"use a shorter --shm-dir or --identity")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
         os.chmod(self.path, 0o600)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._accepting = asyncio.create_task(self._accept_loop(listener))
 
     async def stop(self, grace: float) -> None:
         """Stop accepting, let in-flight requests finish within ``grace``, drop connections."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         await self.sidecar.wait_idle(grace)
         for t in list(self._conns):
             t.cancel()
+        if self._conns:
+            await asyncio.gather(*self._conns, return_exceptions=True)
+        for region in list(self.regions.values()):
+            region.close()
+        self.regions.clear()
+        await asyncio.get_running_loop().run_in_executor(None, self.copier.close)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
+    def register_region(self, region: EngineRegion) -> int:
+        rid = next(self._region_ids)
+        self.regions[rid] = region
+        return rid
+
+    def detach_region(self, rid: int) -> None:
+        region = self.regions.pop(rid, None)
+        if region is not None:
+            region.close()
+
+    async def run_copy(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the copy thread, awaited without blocking the event loop."""
+        return await asyncio.wrap_future(self.copier.submit(fn, *args))
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # e.g. out of descriptors: keep serving the open connections
+                log.warning("local channel %s: accept failed: %s", self.path, exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(sock))
             self._conns.add(task)
-        conn = _Connection(self.sidecar, self.dp_index)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        conn = _Connection(self)
         metrics = self.sidecar.metrics
+        writer: asyncio.StreamWriter | None = None
         try:
+            first = await _first_frame(sock)
+            if first is None:
+                sock.close()
+                return
+            body, fds, extra = first
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+            if extra:  # the engine waits for each answer: nothing may follow the first frame yet
+                metrics.protocol_errors.labels(reason="malformed").inc()
+                for fd in fds:
+                    os.close(fd)
+                return
+            if not await self._answer(conn, writer, body, fds):
+                return
             while True:
                 try:
                     head = await reader.readexactly(cp.LENGTH.size)
@@ -211,33 +392,112 @@ class LocalChannelServer:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     metrics.protocol_errors.labels(reason="malformed").inc()
                     return
-                try:
-                    req = cp.decode_body(body)
-                except ValueError as exc:
-                    metrics.protocol_errors.labels(reason="malformed").inc()
-                    await _send(writer, {"ok": False, "error": str(exc)})
+                if not await self._answer(conn, writer, body, []):
                     return
-                try:
-                    reply = await conn.handle(req)
-                except ChannelError as exc:
-                    if not exc.stale:
-                        metrics.protocol_errors.labels(reason=exc.reason).inc()
-                    await _send(writer, {"ok": False, "error": str(exc), "stale": exc.stale})
-                    if exc.fatal:
-                        return
-                    continue
-                except RuntimeError as exc:  # the sidecar is stopping
-                    await _send(writer, {"ok": False, "error": str(exc)})
-                    return
-                await _send(writer, reply)
+        except _FirstFrameError as exc:
+            metrics.protocol_errors.labels(reason=exc.reason).inc()
+            with contextlib.suppress(OSError):
+                sock.sendall(cp.encode_frame({"ok": False, "error": str(exc)}))
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
             conn.close()
-            if task is not None:
-                self._conns.discard(task)
-            with contextlib.suppress(Exception):
-                writer.close()
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.close()
+            else:
+                sock.close()
+
+    async def _answer(self, conn: _Connection, writer: asyncio.StreamWriter, body: bytes,
+                      fds: list[int]) -> bool:
+        """Answer one frame; False when the connection must close."""
+        metrics = self.sidecar.metrics
+        try:
+            try:
+                req = cp.decode_body(body)
+            except ValueError as exc:
+                metrics.protocol_errors.labels(reason="malformed").inc()
+                await _send(writer, {"ok": False, "error": str(exc)})
+                return False
+            try:
+                if fds and isinstance(req, dict) and req.get("op") == "attach_region":
+                    reply = conn.attach_region(req, fds[0])
+                else:
+                    reply = await conn.handle(req)
+            except ChannelError as exc:
+                if not exc.stale:
+                    metrics.protocol_errors.labels(reason=exc.reason).inc()
+                await _send(writer, {"ok": False, "error": str(exc), "stale": exc.stale})
+                return not exc.fatal
+            except RuntimeError as exc:  # the sidecar is stopping
+                await _send(writer, {"ok": False, "error": str(exc)})
+                return False
+            await _send(writer, reply)
+            return True
+        finally:
+            for fd in fds:  # a mapping keeps its own reference to the file
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+class _FirstFrameError(Exception):
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+async def _first_frame(sock: socket.socket) -> tuple[bytes, list[int], bytes] | None:
+    """(body, descriptors, bytes after it) of a connection's first frame; None on a clean close.
+
+    Read with ``recvmsg`` so the frame may carry descriptors (at most ``MAX_FDS``).
+    """
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    fds: list[int] = []
+    need = cp.LENGTH.size
+    try:
+        while len(buf) < need:
+            chunk, got = await _recv_fds(loop, sock, max(need - len(buf), 4096))
+            fds.extend(got)
+            if len(fds) > MAX_FDS:
+                raise _FirstFrameError(f"a frame may carry at most {MAX_FDS} descriptor", "malformed")
+            if not chunk:
+                if buf:
+                    raise _FirstFrameError("connection closed inside a frame", "malformed")
+                return None
+            buf += chunk
+            if need == cp.LENGTH.size and len(buf) >= need:
+                try:
+                    need += cp.frame_length(bytes(buf[:need]))
+                except ValueError as exc:
+                    raise _FirstFrameError(str(exc), "oversize") from None
+    except BaseException:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+    return bytes(buf[cp.LENGTH.size:need]), fds, bytes(buf[need:])
+
+
+# Most descriptors one local-channel frame may carry (attach_region's one).
+MAX_FDS = 1
+
+
+async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                    size: int) -> tuple[bytes, list[int]]:
+    """One ``recv_fds`` of a non-blocking socket, awaiting readability."""
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, size, MAX_FDS + 1)
+            return data, list(fds)
+        except BlockingIOError:
+            pass
+        ready = loop.create_future()
+        loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_reader(sock.fileno())
 
 
 async def _send(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:

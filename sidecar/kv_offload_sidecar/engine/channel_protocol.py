@@ -5,7 +5,12 @@ JSON object (at most ``MAX_FRAME_BYTES``). Requests carry ``"op"`` (one of
 ``OPS``); every reply has ``"ok"`` and, when false, ``"error"`` (and
 ``"stale": true`` when the request named a sidecar instance that is gone).
 Chunk keys travel as hex strings. Chunk bytes never cross the socket: the
-engine maps the store file and copies into or out of the slots a reply names.
+sidecar maps vLLM's primary region (``attach_region``, whose frame carries the
+region file's descriptor) and copies between its rows and the store's slots
+(``store_rows`` / ``load_rows``); where the region cannot be shared, the engine
+maps the store file and copies into or out of the slots a reply names.
+Bodies are parsed with ``bounded_json.loads_bounded`` (bounded depth and
+number size) on both sides.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+from kv_offload_sidecar.engine.bounded_json import loads_bounded
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 
 LENGTH = struct.Struct("!I")
@@ -24,7 +30,8 @@ MAX_FRAME_BYTES = 16 << 20
 MAX_KEYS = 65536
 # Longest accepted timeout (seconds).
 MAX_TIMEOUT_SECONDS = 600.0
-OPS = ("info", "lookup", "reserve", "commit", "abort", "load", "release")
+OPS = ("info", "lookup", "reserve", "commit", "abort", "load", "release", "attach_region",
+       "store_rows", "load_rows")
 
 
 def encode_frame(obj: Mapping[str, Any]) -> bytes:
@@ -44,9 +51,9 @@ def frame_length(head: bytes) -> int:
 def decode_body(body: bytes) -> Any:
     """The JSON value of a frame body; ValueError naming what is wrong."""
     try:
-        return json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"frame is not JSON: {exc}") from None
+        return loads_bounded(body)
+    except ValueError as exc:
+        raise ValueError(f"frame is not JSON within bounds: {exc}") from None
 
 
 def encode_keys(keys: list[bytes]) -> list[str]:

@@ -16,6 +16,13 @@ socket and the shared-memory store file are, maps the store file with
   slot_view)`` copies chunk ``i`` out; the pins are released; returns the
   number of leading chunks read.
 
+With ``region`` (the file behind vLLM's primary region, ``region_file``), each
+attachment also hands that file to the sidecar (``attach_region``, on a
+connection kept open for the attachment's life) and then
+``store_rows(keys, rows)`` / ``load_rows(keys, rows, timeout)`` name rows
+instead of copying: the sidecar copies, and vLLM's process moves no KV bytes.
+``region_attached`` says whether that worked (``region_reason`` why not).
+
 A late answer (past ``timeout``), a failed or unreachable sidecar is a miss
 (``LookupReply(0, 0)`` / 0) and counted in ``timeouts`` / ``errors``; it
 never raises into the engine. Exceptions from ``write_fn``/``read_fn``
@@ -38,6 +45,7 @@ from typing import Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.region_file import RegionFile
 from kv_offload_sidecar.engine.store_view import ChunkStoreView
 
 log = logging.getLogger(__name__)
@@ -47,6 +55,9 @@ log = logging.getLogger(__name__)
 REPLY_GRACE_SECONDS = 0.5
 # Timeout of the bookkeeping requests of store (reserve/commit) and release.
 CONTROL_TIMEOUT_SECONDS = 5.0
+# Seconds past a row job's deadline the client still waits for the sidecar's answer: the
+# sidecar reads or writes no row after the deadline but the piece in flight (4 MiB).
+ROW_COPY_GRACE_SECONDS = 2.0
 # Shortest pause between attempts to re-attach to a restarted sidecar.
 REATTACH_INTERVAL_SECONDS = 0.5
 
@@ -84,6 +95,20 @@ class LookupReply:
         return self.local + self.peer
 
 
+@dataclass(frozen=True)
+class RowRegion:
+    """vLLM's primary rows as the sidecar is to map them."""
+
+    # The file behind the rows (found once by ``region_file.find_region_file``).
+    file: RegionFile
+    # Bytes between row starts.
+    row_stride: int
+    # Rows in the region.
+    num_rows: int
+    # Chunk bytes at the start of each row.
+    chunk_bytes: int
+
+
 class _Conn:
     """One local-channel connection (used by one thread at a time)."""
 
@@ -96,10 +121,16 @@ class _Conn:
             self.sock.close()
             raise
 
-    def call(self, req: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+    def call(self, req: Mapping[str, Any], timeout: float, fd: int | None = None) -> dict[str, Any]:
+        """Send ``req`` (with descriptor ``fd`` attached, SCM_RIGHTS) and read the reply."""
         self.sock.settimeout(timeout)
         try:
-            self.sock.sendall(cp.encode_frame(req))
+            frame = cp.encode_frame(req)
+            if fd is None:
+                self.sock.sendall(frame)
+            else:
+                sent = socket.send_fds(self.sock, [frame], [fd])
+                self.sock.sendall(frame[sent:])
             try:
                 n = cp.frame_length(self._recv_exact(cp.LENGTH.size))
             except ValueError as exc:
@@ -130,15 +161,49 @@ class _Conn:
 
 
 class _Attachment:
-    """The mapped store of one sidecar instance."""
+    """The mapped store of one sidecar instance, and the engine region handed to it."""
 
-    def __init__(self, info: Mapping[str, Any]) -> None:
+    def __init__(self, info: Mapping[str, Any], socket_path: str, region: RowRegion | None,
+                 timeout: float) -> None:
         st = info["store"]
         self.instance = str(info["instance"])
         self.view = ChunkStoreView.attach(str(st["path"]), int(st["slot_bytes"]), int(st["num_slots"]),
                                           int(st["slot_stride"]))
+        # The sidecar's id of the engine region (None: the engine copies itself).
+        self.region_id: int | None = None
+        # Why the region is not attached ("" when it is).
+        self.region_reason = "no region was offered"
+        # Set when the sidecar no longer knows the region (attach again).
+        self.region_lost = False
+        self._region_conn: _Conn | None = None
+        if region is not None:
+            self._attach_region(socket_path, region, timeout)
+
+    def _attach_region(self, socket_path: str, region: RowRegion, timeout: float) -> None:
+        try:
+            conn = _Conn(socket_path, timeout)
+        except OSError as exc:
+            self.region_reason = f"cannot connect to hand over the region ({exc})"
+            return
+        try:
+            reply = conn.call({"op": "attach_region", "instance": self.instance,
+                               "offset": region.file.offset, "row_stride": region.row_stride,
+                               "num_rows": region.num_rows, "chunk_bytes": region.chunk_bytes},
+                              timeout, fd=region.file.fd)
+        except (_Late, OSError, ValueError) as exc:
+            conn.close()
+            self.region_reason = f"the sidecar did not take the region ({exc or 'late'})"
+            return
+        if not reply.get("ok") or not isinstance(reply.get("region"), int):
+            conn.close()
+            self.region_reason = f"the sidecar refused the region: {reply.get('error')}"
+            return
+        self._region_conn, self.region_id, self.region_reason = conn, int(reply["region"]), ""
 
     def close(self) -> None:
+        if self._region_conn is not None:
+            self._region_conn.close()  # the sidecar unmaps the region once its jobs end
+            self._region_conn = None
         try:
             self.view.close()
         except BufferError:  # a callback still holds a view: the mapping goes with it
@@ -154,9 +219,11 @@ class EngineClient:
     ``REATTACH_INTERVAL_SECONDS``) instead of writing into the old mapping.
     """
 
-    def __init__(self, socket_path: str, *, timeout: float = 5.0) -> None:
+    def __init__(self, socket_path: str, *, timeout: float = 5.0,
+                 region: RowRegion | None = None) -> None:
         self.socket_path = socket_path
         self._timeout = timeout
+        self._region = region
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -168,13 +235,13 @@ class EngineClient:
         self.errors = 0
         # Times the client re-mapped the store of a restarted sidecar.
         self.reattaches = 0
-        self._att = _Attachment(self._info())
+        self._att = self._attach(self._info())
 
     # ---- construction ---------------------------------------------------------
 
     @classmethod
     def connect(cls, host: str = ports.DEFAULT_HOST, port: int = ports.DEFAULT_BASE_PORT,
-                timeout: float = 5.0) -> "EngineClient":
+                timeout: float = 5.0, region: RowRegion | None = None) -> "EngineClient":
         """Ask the sidecar control port ``host:port`` (one DP rank's port) for its local channel."""
         try:
             http_conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -195,7 +262,7 @@ class EngineClient:
         if resp.status != 200 or not isinstance(info, dict) or not isinstance(info.get("socket"), str):
             raise SidecarUnavailable(f"sidecar at {host}:{port} answered /v1/local with HTTP {resp.status}: "
                                      f"{body[:200]!r}")
-        return cls(info["socket"], timeout=timeout)
+        return cls(info["socket"], timeout=timeout, region=region)
 
     @classmethod
     def from_env(cls, dp_index: int = 0, timeout: float = 5.0,
@@ -221,6 +288,16 @@ class EngineClient:
         """The sidecar instance whose store this client maps."""
         return self._att.instance
 
+    @property
+    def region_attached(self) -> bool:
+        """Whether the sidecar maps vLLM's rows (``store_rows``/``load_rows`` work)."""
+        return self._att.region_id is not None
+
+    @property
+    def region_reason(self) -> str:
+        """Why the region is not attached ("" when it is)."""
+        return self._att.region_reason
+
     # ---- connections -------------------------------------------------------------
 
     def _info(self) -> dict[str, Any]:
@@ -238,8 +315,8 @@ class EngineClient:
                 self._next_reattach = time.monotonic() + REATTACH_INTERVAL_SECONDS
             try:
                 info = self._info()
-                if str(info["instance"]) != self._att.instance:
-                    old, self._att = self._att, _Attachment(info)
+                if str(info["instance"]) != self._att.instance or self._att.region_lost:
+                    old, self._att = self._att, self._attach(info)
                     self.reattaches += 1
                     old.close()
                     log.info("kv-offload sidecar restarted; re-attached its store %s",
@@ -248,6 +325,9 @@ class EngineClient:
             except _FAILURES as exc:
                 log.debug("kv-offload sidecar re-attach failed: %s", exc)
         return self._att
+
+    def _attach(self, info: Mapping[str, Any]) -> _Attachment:
+        return _Attachment(info, self.socket_path, self._region, self._timeout)
 
     @contextmanager
     def _connection(self) -> Iterator[_Conn]:
@@ -281,6 +361,8 @@ class EngineClient:
         if not reply.get("ok"):
             if reply.get("stale"):
                 self._stale = True
+                if "region" in req:
+                    att.region_lost = True
             raise ConnectionError(str(reply.get("error")))
         return reply
 
@@ -392,6 +474,53 @@ class EngineClient:
         if user_exc is not None:
             raise user_exc
         return read
+
+    def store_rows(self, keys: Sequence[bytes], rows: Sequence[int], *, strict: bool = False) -> int:
+        """The sidecar copies ``rows`` (vLLM's) into its store; returns how many it committed.
+
+        Keys the sidecar holds already or has no room for are skipped. A failed
+        store is counted and returns 0, or with ``strict`` raises ``SidecarUnavailable``.
+        """
+        if not keys:
+            return 0
+        try:
+            att = self._attachment()
+            if att.region_id is None:
+                raise SidecarUnavailable(f"region not attached: {att.region_reason}")
+            deadline = time.monotonic() + CONTROL_TIMEOUT_SECONDS
+            with self._connection() as conn:
+                reply = self._call(conn, att, {"op": "store_rows", "region": att.region_id,
+                                               "keys": cp.encode_keys(keys),
+                                               "rows": [int(r) for r in rows],
+                                               "deadline": deadline},
+                                   CONTROL_TIMEOUT_SECONDS + ROW_COPY_GRACE_SECONDS)
+            return int(reply["committed"])
+        except (*_FAILURES, SidecarUnavailable) as exc:
+            self._miss("store", exc)
+            if strict:
+                raise SidecarUnavailable(f"store of {len(keys)} chunks failed: {exc}") from None
+            return 0
+
+    def load_rows(self, keys: Sequence[bytes], rows: Sequence[int], timeout: float = 2.0) -> int:
+        """The sidecar makes the leading held ``keys`` local and copies them into ``rows``;
+        returns how many leading rows now hold their chunk. Late or failed: 0."""
+        if not keys:
+            return 0
+        try:
+            att = self._attachment()
+            if att.region_id is None:
+                raise SidecarUnavailable(f"region not attached: {att.region_reason}")
+            deadline = time.monotonic() + timeout
+            with self._connection() as conn:
+                reply = self._call(conn, att, {"op": "load_rows", "region": att.region_id,
+                                               "keys": cp.encode_keys(keys),
+                                               "rows": [int(r) for r in rows],
+                                               "deadline": deadline},
+                                   timeout + ROW_COPY_GRACE_SECONDS)
+            return int(reply["loaded"])
+        except (*_FAILURES, SidecarUnavailable) as exc:
+            self._miss("load", exc)
+            return 0
 
     @staticmethod
     def _with_slot(att: _Attachment, slot: int, fn: Callable[[memoryview], None]) -> None:

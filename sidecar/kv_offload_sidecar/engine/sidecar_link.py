@@ -56,8 +56,10 @@ class SidecarLink:
 
     def __init__(self, address: tuple[str, int], engine: OffloadingConfig, chunk_bytes: int,
                  timeout: float, on_refused: Callable[[str | None], None],
-                 client: Any = None) -> None:
+                 client: Any = None, region: Any = None) -> None:
         self.address = address
+        # vLLM's primary rows to hand to each sidecar attached (an EngineClient RowRegion).
+        self._region = region
         self._engine = engine
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
@@ -108,7 +110,8 @@ class SidecarLink:
                     from kv_offload_sidecar.engine.client import EngineClient
                     try:
                         self._client = EngineClient.connect(*self.address,
-                                                            timeout=self._timeout)
+                                                            timeout=self._timeout,
+                                                            region=self._region)
                     except Exception:
                         self._next_connect = time.monotonic() + RECONNECT_SECONDS
                         raise

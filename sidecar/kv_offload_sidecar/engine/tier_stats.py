@@ -15,6 +15,9 @@ from kv_offload_sidecar.engine.vllm_contract import (
 # vLLM metric names this tier reports through get_stats().
 METRIC_LOOKUPS = "vllm:kv_offload_sidecar_chunk_lookups"
 METRIC_REFUSED = "vllm:kv_offload_sidecar_refused"
+METRIC_LOOKUP_WAITS = "vllm:kv_offload_sidecar_lookup_waits"
+METRIC_LOOKUP_WAIT_MS = "vllm:kv_offload_sidecar_lookup_wait_ms"
+METRIC_LOOKUP_WAIT_STEPS = "vllm:kv_offload_sidecar_lookup_wait_steps"
 
 
 
@@ -43,6 +46,12 @@ class TierStats:
     failed_stores: int = 0
     # Seconds from submit_load to its result, for the latest load jobs (bounded).
     load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    # Requests that waited (RETRY) for their first lookup answer.
+    lookup_waits: int = 0
+    # Seconds those requests waited, from their first RETRY to their first answer.
+    lookup_wait_seconds: float = 0.0
+    # Scheduler steps those requests waited.
+    lookup_wait_steps: int = 0
     # Why the tier refuses its sidecar (the differing fields), or None while they match.
     refused: str | None = None
 
@@ -59,6 +68,14 @@ def metric_definitions() -> dict[str, Any]:
         METRIC_REFUSED: OffloadingGaugeMetadata(
             documentation="1 while the tier refuses its kv-offload sidecar because its "
                           "fingerprint, chunk size or hash seed differs from this engine's."),
+        METRIC_LOOKUP_WAITS: OffloadingCounterMetadata(
+            documentation="Requests that waited (vLLM saw RETRY) for the sidecar's first lookup "
+                          "answer.", labelnames=()),
+        METRIC_LOOKUP_WAIT_MS: OffloadingCounterMetadata(
+            documentation="Milliseconds those requests waited, from the first RETRY until vLLM "
+                          "saw HIT or MISS.", labelnames=()),
+        METRIC_LOOKUP_WAIT_STEPS: OffloadingCounterMetadata(
+            documentation="vLLM scheduler steps those requests waited.", labelnames=()),
     }
 
 
@@ -79,5 +96,12 @@ class StatsReporter:
             if delta:
                 out.increase_counter(METRIC_LOOKUPS, delta, (result,))
                 self._reported[result] = total
+        for name, total in ((METRIC_LOOKUP_WAITS, stats.lookup_waits),
+                            (METRIC_LOOKUP_WAIT_MS, int(stats.lookup_wait_seconds * 1000)),
+                            (METRIC_LOOKUP_WAIT_STEPS, stats.lookup_wait_steps)):
+            delta = total - self._reported.get(name, 0)
+            if delta:
+                out.increase_counter(name, delta, ())
+                self._reported[name] = total
         out.set_gauge(METRIC_REFUSED, int(stats.refused is not None))
         return out

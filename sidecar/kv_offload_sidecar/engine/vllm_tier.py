@@ -2,10 +2,14 @@
 
 vLLM's ``TieringOffloadingSpec`` keeps offloaded chunks in a CPU primary tier
 (one shared-memory row per chunk) and cascades them to secondary tiers. This
-module is such a tier, loaded from ``module_path``: stores copy rows into the
-sidecar's shared-memory slots, loads copy slots back into rows (the sidecar
-first fetches chunks it does not hold from a peer pod), and lookups ask the
-sidecar which chunks the pool holds. vLLM resolves an out-of-tree tier class
+module is such a tier, loaded from ``module_path``: it hands the file behind
+vLLM's primary region to the sidecar once per attachment (a descriptor over the
+local channel), and the sidecar itself copies stored rows into its slots and
+loaded chunks into vLLM's rows (fetching from a peer pod first when needed),
+so vLLM's engine process moves no KV bytes; lookups ask the sidecar which
+chunks the pool holds. Where the region is not a shared file (or the sidecar
+cannot map it), the tier copies between rows and the sidecar's slots itself
+with ``ctypes.memmove``, which releases the GIL (one info line says which). vLLM resolves an out-of-tree tier class
 as ``getattr(import_module(module_path), type)``, so ``type`` is the class name.
 
 Add to ``vllm serve`` (``cpu_bytes_to_use`` is the primary tier's size)::
@@ -46,6 +50,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kv_offload_sidecar.engine.client import RowRegion
+from kv_offload_sidecar.engine.region_file import copy_released, find_region_file
 from kv_offload_sidecar.engine.sidecar_link import SidecarLink, sidecar_address
 from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of, engine_config
 from kv_offload_sidecar.engine.tier_stats import (
@@ -140,15 +146,20 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._events: list[Any] | None = [] if enable_kv_events else None
         self._last_load_warning = 0.0
         self.stats = TierStats()
+        self._region, self._region_reason = self._shared_region()
+        self._copy_path_logged: bool | None = None
         self._link = SidecarLink(sidecar_address(offloading_spec, host, port),
                                  engine_config(offloading_spec), self._chunk_bytes,
-                                 self._load_timeout, self._set_refused, client)
+                                 self._load_timeout, self._set_refused, client, self._region)
         self.address = self._link.address
         self._reporter = StatsReporter()
 
         # Caller-side state, touched only under vLLM's manager lock.
         self._keys: OrderedDict[bytes, _KeyState] = OrderedDict()
         self._req_keys: dict[str, set[bytes]] = {}
+        # Scheduler steps so far, and per request waiting for its first answer: (since, step).
+        self._steps = 0
+        self._waiting: dict[str, tuple[float, int]] = {}
         self._batch: dict[str, list[bytes]] = {}
         self._jobs: dict[int, _Job] = {}
         # Thread hand-offs.
@@ -201,12 +212,25 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 state.result = False  # unanswered in time: vLLM recomputes
                 with self._stats_lock:
                     self.stats.misses += 1
+                self._answered(req_context.req_id, now)
                 return LookupResult.MISS
+            self._waiting.setdefault(req_context.req_id, (now, self._steps))
             return LookupResult.RETRY
+        self._answered(req_context.req_id, now)
         return LookupResult.HIT if state.result else LookupResult.MISS
+
+    def _answered(self, req_id: str, now: float) -> None:
+        """A request that waited (RETRY) got its first answer: count the wait."""
+        since = self._waiting.pop(req_id, None)
+        if since is not None:
+            with self._stats_lock:
+                self.stats.lookup_waits += 1
+                self.stats.lookup_wait_seconds += now - since[0]
+                self.stats.lookup_wait_steps += self._steps - since[1]
 
     def on_schedule_end(self, context: Any = None) -> None:
         """Send this step's lookups to the lookup thread as one batch."""
+        self._steps += 1
         if self._batch:
             self._lookup_q.put((time.monotonic(), self._batch))
             self._batch = {}
@@ -215,6 +239,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         """Forget lookup answers no live request needs (the pool changes over time)."""
         req_id = req_context.req_id
         self._batch.pop(req_id, None)
+        self._waiting.pop(req_id, None)
         for key in self._req_keys.pop(req_id, ()):
             state = self._keys.get(key)
             if state is None:
@@ -307,6 +332,30 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._primary_kv_view = None  # type: ignore[assignment]
 
     # ---- internals ------------------------------------------------------------
+
+    def _shared_region(self) -> tuple[RowRegion | None, str]:
+        """vLLM's rows as the sidecar can map them, or (None, why not)."""
+        assert self._rows is not None
+        found, reason = find_region_file(self._rows)
+        if found is None:
+            return None, reason
+        return RowRegion(found, self._row_stride, self._rows.nbytes // self._row_stride,
+                         self._chunk_bytes), ""
+
+    def _sidecar_copies(self, client: Any) -> bool:
+        """Whether ``client``'s sidecar copies rows itself; says once which path is used."""
+        attached = bool(getattr(client, "region_attached", False))
+        if self._copy_path_logged is not attached:
+            self._copy_path_logged = attached
+            if attached:
+                logger.info("kv-offload tier: the sidecar maps vLLM's primary region and copies "
+                            "chunks between its rows and the store (vLLM's process moves no "
+                            "KV bytes)")
+            else:
+                why = getattr(client, "region_reason", "") or self._region_reason
+                logger.info("kv-offload tier: the primary region is not shared with the sidecar "
+                            "(%s); the tier copies chunks itself, GIL released", why)
+        return attached
 
     def _submit(self, kind: str, job: TransferJob) -> None:
         rows = getattr(job, "chunk_ids", None)
@@ -438,12 +487,13 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         client = self._link.connected()
         if client is None:
             return False, 0
+        if self._sidecar_copies(client):
+            loaded = client.load_rows(job.keys, job.rows, timeout=self._load_timeout)
+        else:
+            def read(i: int, slot: memoryview) -> None:
+                copy_released(self._row(job.rows[i]), slot.cast("B")[:self._chunk_bytes])
 
-        def read(i: int, slot: memoryview) -> None:
-            self._row(job.rows[i])[:] = slot if slot.nbytes == self._chunk_bytes else \
-                slot.cast("B")[:self._chunk_bytes]
-
-        loaded = client.load(job.keys, read, timeout=self._load_timeout)
+            loaded = client.load(job.keys, read, timeout=self._load_timeout)
         if not self._link.matches(client):
             loaded = 0  # read from a sidecar that turned out not to match: none of it counts
         return loaded == len(job.keys), loaded
@@ -454,12 +504,11 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         client = self._link.connected()
         if client is None:
             return False, 0
+        if self._sidecar_copies(client):
+            return True, client.store_rows(job.keys, job.rows, strict=True)
 
         def write(i: int, slot: memoryview) -> None:
-            if slot.nbytes == self._chunk_bytes:
-                slot[:] = self._row(job.rows[i])
-            else:
-                slot.cast("B")[:self._chunk_bytes] = self._row(job.rows[i])
+            copy_released(slot.cast("B")[:self._chunk_bytes], self._row(job.rows[i]))
 
         return True, client.store(job.keys, write, strict=True)
 

@@ -47,6 +47,8 @@ def _wait_visible(pool, index, keys, deadline=10.0):
 
 def test_tier_round_trips_chunks_between_two_engines_through_two_sidecars(pool):
     a, b = _engine(pool, 0), _engine(pool, 1)
+    copies = [pool[i].metric("kv_offload_engine_transfer_seconds_count", op=op, phase="copy")
+              for i, op in ((0, "store"), (1, "load"))]
     try:
         tokens = trace_tokens([11, 12, 13, 14, 15], a.layout.tokens_per_chunk)
         first = a.run_request(tokens)
@@ -60,6 +62,9 @@ def test_tier_round_trips_chunks_between_two_engines_through_two_sidecars(pool):
             assert bytes(b.region[i, :b.layout.chunk_bytes].numpy()) == \
                 bytes(a.expected_row(tokens, i, key).numpy())
         assert b.tier.stats.peer_hits == 5 and b.tier.stats.bytes_loaded == 5 * CONFIG.kv_bytes_per_chunk
+        # The engines' rows live in shared files, so the sidecars did the copies (a's store, b's load).
+        assert [pool[i].metric("kv_offload_engine_transfer_seconds_count", op=op, phase="copy")
+                for i, op in ((0, "store"), (1, "load"))] == [copies[0] + 1, copies[1] + 1]
         assert pool[1].metric("kv_offload_chunk_lookups_total", result="peer_hit") >= 5
         # A request sharing only the first two chunks loads two and computes the rest.
         third = b.run_request(trace_tokens([11, 12, 99], b.layout.tokens_per_chunk))

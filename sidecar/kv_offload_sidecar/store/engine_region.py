@@ -1,0 +1,186 @@
+"""vLLM's primary region as the sidecar maps it: rows the sidecar copies chunks into and out of.
+
+The tier inside vLLM hands over the descriptor of the file behind its primary
+region (``engine.region_file``) with the geometry vLLM gave it: ``num_rows``
+rows of ``row_stride`` bytes starting at byte ``offset`` of the file, of which
+the first ``chunk_bytes`` of a row hold one chunk. The sidecar maps exactly
+those rows ``MAP_SHARED`` and from then on does the copies a store or load job
+names, so vLLM's engine process moves no KV bytes.
+
+Bounds: a row index outside ``[0, num_rows)`` is refused before any byte moves,
+and a copy touches only the first ``chunk_bytes`` of the rows a job names, so
+nothing of vLLM's memory is written outside them. The file must be at least as
+large as the rows claim (checked with ``fstat``), so a short file cannot fault
+the sidecar.
+
+Copies run on ``RowCopier``'s own thread with ``numpy.copyto`` (the GIL is
+released for the bytes), never on the sidecar's event loop.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kv_offload_sidecar.store.checksum import chunk_checksum
+
+# Largest region the sidecar maps (bytes): a bound on what a local client can make it map.
+MAX_REGION_BYTES = 1 << 42
+# Bytes a load copies between two looks at its deadline (so a late copy stops within one piece).
+COPY_PIECE_BYTES = 4 << 20
+
+
+class RegionError(ValueError):
+    """A region or row request that does not fit the rows the tier handed over."""
+
+
+class EngineRegion:
+    """The rows of one engine's primary region, mapped from its file descriptor."""
+
+    def __init__(self, fd: int, *, offset: int, row_stride: int, num_rows: int,
+                 chunk_bytes: int) -> None:
+        for name, value in (("offset", offset), ("row_stride", row_stride),
+                            ("num_rows", num_rows), ("chunk_bytes", chunk_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RegionError(f"region {name} must be a non-negative integer, got {value!r}")
+        if not 0 < chunk_bytes <= row_stride or num_rows <= 0:
+            raise RegionError(f"region rows of {row_stride} bytes cannot hold chunks of "
+                              f"{chunk_bytes} bytes (num_rows {num_rows})")
+        size = row_stride * num_rows
+        if size > MAX_REGION_BYTES:
+            raise RegionError(f"region of {size} bytes exceeds {MAX_REGION_BYTES}")
+        try:
+            file_size = os.fstat(fd).st_size
+        except OSError as exc:
+            raise RegionError(f"region descriptor: {exc.strerror}") from None
+        if offset + size > file_size:
+            raise RegionError(f"region rows end at byte {offset + size} but its file has "
+                              f"{file_size} bytes")
+        page_offset = offset - offset % mmap.ALLOCATIONGRANULARITY
+        self._skip = offset - page_offset
+        try:
+            self._mm = mmap.mmap(fd, self._skip + size, flags=mmap.MAP_SHARED,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=page_offset)
+        except (OSError, ValueError) as exc:
+            raise RegionError(f"cannot map the region: {exc}") from None
+        self.row_stride = row_stride
+        self.num_rows = num_rows
+        self.chunk_bytes = chunk_bytes
+        self._rows = np.frombuffer(self._mm, dtype=np.uint8, count=size,
+                                   offset=self._skip).reshape(num_rows, row_stride)
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closing = False
+
+    def check_rows(self, rows: Sequence[object], count: int) -> list[int]:
+        """The first ``count`` row indices of a request, each within the region (else RegionError)."""
+        if not isinstance(rows, list) or len(rows) < count:
+            raise RegionError(f"'rows' must list one row per key ({count})")
+        out = []
+        for i, r in enumerate(rows[:count]):
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.num_rows:
+                raise RegionError(f"rows[{i}] = {r!r} is not a row of this region "
+                                  f"(0..{self.num_rows - 1})")
+            out.append(r)
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        """The chunk bytes of row ``index`` (a view; valid while the region is in use)."""
+        return self._rows[index, :self.chunk_bytes]
+
+    def acquire(self) -> bool:
+        """Take the region for one job; False once it is closing."""
+        with self._lock:
+            if self._closing:
+                return False
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._closing and self._users == 0
+        if last:
+            self._unmap()
+
+    def close(self) -> None:
+        """Unmap now, or when the last job using the region ends."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            idle = self._users == 0
+        if idle:
+            self._unmap()
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def _unmap(self) -> None:
+        self._rows = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:  # a view outlived its job; the mapping goes with the last one
+            pass
+
+
+def _as_array(view: memoryview) -> np.ndarray:
+    return np.frombuffer(view, dtype=np.uint8)
+
+
+class RowCopier:
+    """One thread that copies chunk bytes between the store's slots and an engine's rows.
+
+    Deadlines are ``time.monotonic()`` values (CLOCK_MONOTONIC, one clock for
+    every container of a pod): the engine gives up on a job at its deadline and
+    may then reuse its rows, so a store commits only chunks copied by then and a
+    load starts no piece of a copy after it.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-rows")
+
+    def rows_to_slots(self, region: EngineRegion, rows: Sequence[int],
+                      slots: Sequence[memoryview], deadline: float) -> list[int | None]:
+        """Copy each row into its slot (same order); each slot's checksum, or None for the
+        chunks not copied by ``deadline`` (the caller aborts those)."""
+        sums: list[int | None] = []
+        for row, slot in zip(rows, slots):
+            if time.monotonic() > deadline:
+                sums.append(None)
+                continue
+            np.copyto(_as_array(slot)[:region.chunk_bytes], region.row(row))
+            sums.append(chunk_checksum(slot) if time.monotonic() <= deadline else None)
+        return sums
+
+    def slots_to_rows(self, region: EngineRegion, slots: Sequence[memoryview],
+                      rows: Sequence[int], deadline: float) -> int:
+        """Copy each pinned slot into its row (same order), in pieces of at most
+        ``COPY_PIECE_BYTES``, none started after ``deadline``; returns the leading rows
+        copied whole."""
+        n = region.chunk_bytes
+        for done, (slot, row) in enumerate(zip(slots, rows)):
+            src, dst = _as_array(slot), region.row(row)
+            for start in range(0, n, COPY_PIECE_BYTES):
+                if time.monotonic() > deadline:
+                    return done
+                end = min(n, start + COPY_PIECE_BYTES)
+                np.copyto(dst[start:end], src[start:end])
+        return min(len(slots), len(rows))
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+        """Run ``fn(*args)`` on the copy thread (a concurrent.futures.Future)."""
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+__all__ = ["COPY_PIECE_BYTES", "EngineRegion", "MAX_REGION_BYTES", "RegionError", "RowCopier"]

@@ -1,0 +1,215 @@
+"""The sidecar copies between vLLM's primary rows and its store: the region handed over as a
+descriptor, rows bounded, deadlines kept, the mapping gone with the engine's connection."""
+
+import json
+import mmap
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+from kv_offload_sidecar.engine.client import EngineClient, RowRegion
+from kv_offload_sidecar.engine.region_file import find_region_file
+from kv_offload_tools.local_pool import LocalPool
+
+SLOT = 16384
+ROWS = 8
+STRIDE = SLOT + mmap.PAGESIZE  # rows wider than a chunk, as vLLM pads them to pages
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with LocalPool(1, capacity_bytes=64 * SLOT) as p:
+        yield p
+
+
+class Region:
+    """A memfd-backed primary region, as vLLM's SharedOffloadRegion maps /dev/shm."""
+
+    def __init__(self, name: str = "rows") -> None:
+        fd = os.memfd_create(f"kv-offload-test-{name}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, ROWS * STRIDE)
+        self.map = mmap.mmap(fd, ROWS * STRIDE)
+        os.close(fd)
+        self.rows = np.frombuffer(self.map, dtype=np.uint8).reshape(ROWS, STRIDE)
+        self.rows[:] = 0xEE  # guard bytes everywhere
+        found, reason = find_region_file(memoryview(self.map))
+        assert found is not None, reason
+        self.spec = RowRegion(found, STRIDE, ROWS, SLOT)
+
+    def fill(self, row: int) -> bytes:
+        data = os.urandom(SLOT)
+        self.rows[row, :SLOT] = np.frombuffer(data, dtype=np.uint8)
+        return data
+
+    def chunk(self, row: int) -> bytes:
+        return self.rows[row, :SLOT].tobytes()
+
+
+def _keys(n):
+    return [os.urandom(32) + b"\0\0\0\0" for _ in range(n)]
+
+
+def _client(pool, region):
+    c = EngineClient.connect("127.0.0.1", pool[0].port, region=region.spec)
+    assert c.region_attached, c.region_reason
+    return c
+
+
+def _copies(pool, op):
+    return pool[0].metric("kv_offload_engine_transfer_seconds_count", op=op, phase="copy")
+
+
+def test_the_sidecar_stores_rows_and_loads_them_into_other_rows_byte_identical(pool):
+    region = Region()
+    client = _client(pool, region)
+    try:
+        keys = _keys(2)
+        data = [region.fill(1), region.fill(3)]
+        stores, loads = _copies(pool, "store"), _copies(pool, "load")
+        assert client.store_rows(keys, [1, 3]) == 2
+        assert client.load_rows(keys, [5, 6]) == 2
+        assert [region.chunk(5), region.chunk(6)] == data
+        # Only the named rows' chunk bytes changed: padding and other rows keep their guard.
+        untouched = [r for r in range(ROWS) if r not in (1, 3, 5, 6)]
+        assert (region.rows[untouched] == 0xEE).all()
+        assert (region.rows[[5, 6], SLOT:] == 0xEE).all()
+        assert (_copies(pool, "store"), _copies(pool, "load")) == (stores + 1, loads + 1)
+        # Stored keys are held: storing them again writes nothing.
+        assert client.store_rows(keys, [1, 3]) == 0
+    finally:
+        client.close()
+
+
+def test_a_row_outside_the_region_is_refused_before_any_byte_moves(pool):
+    region = Region()
+    client = _client(pool, region)
+    try:
+        keys = _keys(2)
+        region.fill(0)
+        before = region.rows.copy()
+        assert client.store_rows(keys, [0, ROWS]) == 0
+        assert pool[0].hits(keys) == 0
+        client.store_rows(keys[:1], [0])
+        assert client.load_rows(keys[:1], [-1]) == 0
+        assert (region.rows == before).all()
+    finally:
+        client.close()
+
+
+def _channel(pool):
+    info = pool[0].client().info()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(info["socket"])
+    return s
+
+
+def _call(s, req, fds=()):
+    data = json.dumps(req).encode()
+    frame = struct.pack("!I", len(data)) + data
+    if fds:
+        socket.send_fds(s, [frame], list(fds))
+    else:
+        s.sendall(frame)
+    head = b""
+    while len(head) < 4:
+        head += s.recv(4 - len(head))
+    (n,) = struct.unpack("!I", head)
+    body = b""
+    while len(body) < n:
+        body += s.recv(n - len(body))
+    return json.loads(body)
+
+
+def _attach(pool, region):
+    s = _channel(pool)
+    fd = region.spec.file.fd
+    reply = _call(s, {"op": "attach_region", "offset": 0, "row_stride": STRIDE, "num_rows": ROWS,
+                      "chunk_bytes": SLOT}, [fd])
+    assert reply["ok"], reply
+    return s, reply["region"]
+
+
+def test_nothing_is_read_or_written_past_a_jobs_deadline(pool):
+    region = Region()
+    keeper, rid = _attach(pool, region)
+    s = _channel(pool)
+    try:
+        keys = _keys(1)
+        region.fill(2)
+        late = time.monotonic() - 1.0
+        reply = _call(s, {"op": "store_rows", "region": rid, "keys": [keys[0].hex()], "rows": [2],
+                          "deadline": late})
+        assert reply == {"ok": True, "committed": 0}
+        assert pool[0].hits(keys) == 0
+        reply = _call(s, {"op": "store_rows", "region": rid, "keys": [keys[0].hex()], "rows": [2],
+                          "deadline": time.monotonic() + 5})
+        assert reply["committed"] == 1
+        before = region.rows.copy()
+        reply = _call(s, {"op": "load_rows", "region": rid, "keys": [keys[0].hex()], "rows": [4],
+                          "deadline": late})
+        assert reply == {"ok": True, "loaded": 0}
+        assert (region.rows == before).all()
+    finally:
+        s.close()
+        keeper.close()
+
+
+def _maps_region(pool, name):
+    with open(f"/proc/{pool[0].proc.pid}/maps") as fh:
+        return any(name in line for line in fh)
+
+
+def test_the_region_is_unmapped_once_the_connection_that_attached_it_closes(pool):
+    region = Region("unmapped")
+    keeper, rid = _attach(pool, region)
+    assert _maps_region(pool, "kv-offload-test-unmapped")
+    keeper.close()
+    s = _channel(pool)
+    try:
+        # The sidecar closes the connection's region before it answers anything new on it.
+        end = time.monotonic() + 30
+        while True:
+            reply = _call(s, {"op": "load_rows", "region": rid, "keys": [_keys(1)[0].hex()],
+                              "rows": [0], "deadline": time.monotonic() + 1})
+            if not reply["ok"]:
+                break
+            assert time.monotonic() < end, "the region outlived its connection"
+        assert reply["stale"] is True and "unknown region" in reply["error"]
+        assert not _maps_region(pool, "kv-offload-test-unmapped")
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("req, phrase", [
+    ({"op": "attach_region", "offset": 0, "row_stride": STRIDE, "num_rows": ROWS,
+      "chunk_bytes": SLOT}, "first frame"),
+    ({"op": "store_rows", "region": 12345, "keys": [], "rows": [], "deadline": 0}, "unknown region"),
+])
+def test_region_requests_without_a_region_are_answered_with_the_reason(pool, req, phrase):
+    s = _channel(pool)
+    try:
+        _call(s, {"op": "info"})  # attach_region is only taken as a connection's first frame
+        reply = _call(s, req)
+        assert reply["ok"] is False and phrase in reply["error"]
+    finally:
+        s.close()
+
+
+def test_a_region_larger_than_its_file_is_refused(pool):
+    region = Region()
+    s = _channel(pool)
+    try:
+        reply = _call(s, {"op": "attach_region", "offset": 0, "row_stride": STRIDE,
+                          "num_rows": ROWS + 1, "chunk_bytes": SLOT}, [region.spec.file.fd])
+        assert reply["ok"] is False and "its file has" in reply["error"]
+    finally:
+        s.close()
+
+
+def test_an_anonymous_region_is_not_offered_and_the_client_says_why():
+    found, reason = find_region_file(memoryview(bytearray(4096)))
+    assert found is None and "anonymous" in reason
