@@ -1,0 +1,161 @@
+"""One-shot attacks on the control port (HTTP) of ``kv-offload bench attack``.
+
+Each sends ``ctx.repeats`` requests (from rotating stranger source addresses)
+and records every answer: oversized request lines, headers and bearer tokens;
+deeply nested JSON and 5000-digit integers in handshake (and session-only)
+bodies; a 200 kB malformed ``step``; a flood of rejected step-1 handshakes; a
+step 1 of another wire version, compared byte for byte with a stranger's step 1
+of this version (nothing may be said before the proof); and replayed steps of a
+member's real handshake transcript (both must be refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, make_hello
+
+from kv_offload_tools.bench.attack_context import AttackContext, AttackResult, measured
+from kv_offload_tools.bench.attack_sockets import Answer, http_exchange, http_request
+
+HANDSHAKE = "/v1/handshake"
+
+
+def _send(ctx: AttackContext, result: AttackResult, request: bytes, i: int, label: str = "") -> Answer:
+    answer = http_exchange(ctx.host, ctx.port, request, ctx.source(i))
+    result.sent += 1
+    result.answer(f"{label}{answer.word}", answer.status)
+    server = _header(answer.data, b"server")
+    if server:
+        ctx.server_headers.add(server)
+    return answer
+
+
+def _header(data: bytes, name: bytes) -> str:
+    head = data.partition(b"\r\n\r\n")[0]
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == name:
+            return v.strip().decode("latin-1")[:80]
+    return ""
+
+
+def stranger_step1(ctx: AttackContext, wire_version: str = WIRE_VERSION) -> dict:
+    """A step-1 body of someone without the pool key (a random key's id)."""
+    body = HandshakeInitiator(os.urandom(32), ctx.pool.local_hello(identity="stranger")).step1()
+    body["wire_version"] = wire_version
+    return body
+
+
+def oversized_http(ctx: AttackContext) -> None:
+    """70 kB request line, 70 kB header, 300 headers, 9 kB bearer token: each its own row."""
+    cases = [
+        ("request line 70 kB", lambda: http_request("GET", "/healthz?" + "a" * 70_000)),
+        ("header 70 kB", lambda: http_request("GET", "/healthz", headers=[("X-Pad", "b" * 70_000)])),
+        ("300 headers", lambda: http_request("GET", "/healthz",
+                                             headers=[(f"X-H{i}", "v") for i in range(300)])),
+        ("bearer token 9 kB", lambda: http_request("GET", "/v1/status",
+                                                   headers=[("Authorization", "Bearer " + "c" * 9_000)])),
+    ]
+    for name, build in cases:
+        with measured(ctx, name, "control") as result:
+            for i in range(ctx.repeats):
+                _send(ctx, result, build(), i)
+
+
+def deep_json(ctx: AttackContext) -> None:
+    """Deep nesting in a handshake body, in a step-1 field and in session-only bodies."""
+    deep = "[" * 100_000 + "]" * 100_000
+    step1 = json.dumps(stranger_step1(ctx))
+    bodies = [
+        (HANDSHAKE, "whole body: ", deep),
+        (HANDSHAKE, "in wire_version: ", step1.replace(f'"{WIRE_VERSION}"', "[" * 50_000 + "]" * 50_000, 1)),
+        (HANDSHAKE, "object nesting: ", '{"a":' * 40_000 + "1" + "}" * 40_000),
+        ("/v1/publish", "publish: ", deep),
+        ("/v1/locate", "locate: ", deep),
+        ("/v1/lookup", "lookup (no token): ", deep),
+    ]
+    with measured(ctx, "deeply nested JSON", "control") as result:
+        for i in range(ctx.repeats):
+            for path, label, body in bodies:
+                _send(ctx, result, http_request("POST", path, body.encode()), i, label)
+
+
+def huge_integers(ctx: AttackContext) -> None:
+    """5000-digit integers in each field of a step-1 body (and a 5000-digit float)."""
+    digits = "9" * 5000
+    with measured(ctx, "5000-digit integers", "control") as result:
+        for i in range(ctx.repeats):
+            for field in ("wire_version", "nonce", "key_ids", "step"):
+                body = json.dumps(stranger_step1(ctx))
+                body = body.replace(f'"{field}": ', f'"{field}": {digits}, "_{field}": ', 1)
+                _send(ctx, result, http_request("POST", HANDSHAKE, body.encode()), i, f"in {field}: ")
+            body = f'{{"step": "hello", "wire_version": 1{digits}.5e{digits}}}'
+            _send(ctx, result, http_request("POST", HANDSHAKE, body.encode()), i, "float: ")
+
+
+def malformed_step(ctx: AttackContext) -> None:
+    """A 200 kB ``step`` value (the issue: twenty of them added 3.9 MB of log)."""
+    body = json.dumps({"step": "x" * 200_000, "wire_version": WIRE_VERSION}).encode()
+    with measured(ctx, "malformed step 200 kB", "control") as result:
+        for i in range(ctx.repeats):
+            _send(ctx, result, http_request("POST", HANDSHAKE, body), i)
+
+
+def rejected_flood(ctx: AttackContext) -> None:
+    """Many strangers' step 1s, each refused: the log must not grow by a line per request."""
+    with measured(ctx, "rejected handshake flood", "control") as result:
+        for i in range(ctx.rejected_handshakes):
+            _send(ctx, result, http_request("POST", HANDSHAKE, json.dumps(stranger_step1(ctx)).encode()), i)
+
+
+def other_wire_version(ctx: AttackContext) -> bool:
+    """Strangers' step 1 of other wire versions against one of this version: the same answer
+    (status and body) whatever the version, and no version in it. Returns True when it leaked."""
+    major = int(WIRE_VERSION.split(".")[0])
+    leaked = False
+    with measured(ctx, "other wire version", "control") as result:
+        for i in range(ctx.repeats):
+            same = _send(ctx, result, http_request("POST", HANDSHAKE, json.dumps(stranger_step1(ctx)).encode()),
+                         i, f"wire {WIRE_VERSION}: ")
+            for version in (f"{major + 1}.0", f"{major - 1}.9", "99.0"):
+                other = _send(ctx, result, http_request(
+                    "POST", HANDSHAKE, json.dumps(stranger_step1(ctx, version)).encode()), i, f"wire {version}: ")
+                body_same = same.data.partition(b"\r\n\r\n")[2]
+                body_other = other.data.partition(b"\r\n\r\n")[2]
+                if other.status != same.status or body_other != body_same or b"wire_version" in body_other:
+                    leaked = True
+                    result.note(f"wire {version} answered {other.status} {body_other[:160]!r} where wire "
+                                f"{WIRE_VERSION} got {same.status} {body_same[:80]!r}")
+        result.note("the answer says nothing before the proof" if not leaked
+                    else "the version is answered before the proof")
+    return leaked
+
+
+def replayed_steps(ctx: AttackContext) -> int:
+    """A member's real handshake transcript (member C's hello, its key), then its step 1 and
+    step 2 bodies sent again by strangers. Returns replays answered with 200."""
+    member = next(sc for sc in ctx.pool.members() if sc is not ctx.target and sc.index != 1)
+    data_address = member.status()["data_address"]
+    pool = ctx.pool
+    hello = make_hello(fingerprint=pool.config.fingerprint, hash_seed=pool.hash_seed,
+                       kv_bytes_per_chunk=pool.chunk_bytes, identity=member.identity,
+                       control_address=member.address, data_address=data_address,
+                       transport=pool.transport, run_config=pool.config.run_config())
+    initiator = HandshakeInitiator(pool.pool_key, hello)
+    step1 = initiator.step1()
+    accepted = 0
+    with measured(ctx, "replayed handshake steps", "control") as result:
+        code, reply = ctx.target.post(HANDSHAKE, step1, auth=False)
+        step2 = initiator.step2(reply) if code == 200 else None
+        code2 = ctx.target.post(HANDSHAKE, step2, auth=False)[0] if step2 else None
+        result.note(f"the captured handshake itself: step 1 -> {code}, step 2 -> {code2}")
+        for i in range(ctx.repeats):
+            _send(ctx, result, http_request("POST", HANDSHAKE, json.dumps(step1).encode()), i, "step 1: ")
+            if step2 is not None:
+                a = _send(ctx, result, http_request("POST", HANDSHAKE, json.dumps(step2).encode()), i, "step 2: ")
+                accepted += a.status == 200
+        if accepted:
+            result.note(f"{accepted} replayed step 2s were ACCEPTED")
+    return accepted

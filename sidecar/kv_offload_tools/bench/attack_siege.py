@@ -1,0 +1,116 @@
+"""The siege of ``kv-offload bench attack``: up to 1,000 hostile connections held at once.
+
+Five classes are opened one after the other against the target member and
+then all held together for ``hold_seconds``:
+
+- ``control flood``: connections to the control port that never send a byte;
+- ``slow headers``: a request line, then one header byte a second, never the end;
+- ``slow body``: a handshake POST announcing the largest body the port takes,
+  sent but for its last bytes, then one byte a second, never the last one;
+- ``data flood``: connections to the data port that never answer the challenge;
+- ``auth frame 1 MiB``: a frame header announcing a 1 MiB AUTH_RESPONSE, its
+  payload sent but for the last bytes (the issue: 300 of these held 258 MiB).
+
+Each class gets a row (what came back, how many the sidecar cut and how soon,
+the target's RSS peak as that class was added); the siege as a whole gets one
+more (counters, logs and tracebacks of the whole, whether the members stayed
+connected while it held everything).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from kv_offload_sidecar.data import protocol as proto
+
+from kv_offload_tools.bench.attack_context import AttackContext, AttackResult, measured
+from kv_offload_tools.bench.attack_sockets import ZEROS, ClassPlan, Siege, split_address
+
+# Share of the siege's connections per class.
+SHARES = (("control flood", 0.30), ("slow headers", 0.15), ("slow body", 0.15),
+          ("data flood", 0.20), ("auth frame 1 MiB", 0.20))
+# Body bytes the slow bodies announce (the control port's largest body by default).
+SLOW_BODY_BYTES = 256 * 1024
+# Bytes of an announced body or frame left for the drip (the last one is never sent).
+DRIP_TAIL = 32
+
+
+def siege_plans(ctx: AttackContext, connections: int) -> list[ClassPlan]:
+    counts = {name: max(1, round(connections * share)) for name, share in SHARES}
+    data_host, data_port = split_address(ctx.data_address)
+    if data_host != ctx.host:
+        raise ValueError(f"data address {ctx.data_address} is not on {ctx.host}")
+    head = (f"POST /v1/handshake HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {SLOW_BODY_BYTES}\r\n\r\n").encode()
+    auth = proto.HEADER.pack(proto.MAGIC, proto.WIRE_MAJOR, proto.MessageType.AUTH_RESPONSE, 0, 1 << 20)
+    plans = [
+        ClassPlan("control flood", "control", "http", ctx.port, counts["control flood"]),
+        ClassPlan("slow headers", "control", "http", ctx.port, counts["slow headers"],
+                  first=[b"POST /v1/handshake HTTP/1.1\r\nHost: 127.0.0.1\r\n"],
+                  drip=b"X-Slow-Header: " + b"s" * 200),
+        ClassPlan("slow body", "control", "http", ctx.port, counts["slow body"],
+                  first=[head, ZEROS[:SLOW_BODY_BYTES - DRIP_TAIL]], drip=b" " * (DRIP_TAIL - 1)),
+    ]
+    if ctx.data_address.startswith("ucx://"):
+        return plans  # a stranger cannot reach a UCX worker address (module docstring of attack_wire)
+    return plans + [
+        ClassPlan("data flood", "data", "data", data_port, counts["data flood"]),
+        ClassPlan("auth frame 1 MiB", "data", "data", data_port, counts["auth frame 1 MiB"],
+                  first=[auth, ZEROS[:(1 << 20) - DRIP_TAIL]], drip=bytes(DRIP_TAIL - 1)),
+    ]
+
+
+def run_siege(ctx: AttackContext, connections: int, hold_seconds: float) -> None:
+    plans = siege_plans(ctx, connections)
+    total = sum(p.count for p in plans)
+    ident = ctx.target.identity
+    # RSS and descriptors of the target before the siege and once each class is open.
+    steps: dict[str, tuple[int, int, int]] = {"": ctx.watch.sample().members[ident]}
+    siege = Siege(ctx.host, plans, ctx.sources, hold_seconds, ctx.progress,
+                  on_class=lambda name: steps.__setitem__(name, ctx.watch.sample().members[ident]))
+    ctx.watch.gauges["hostile connections open"] = lambda: siege.open_now
+    rows: list[AttackResult] = []
+    with measured(ctx, f"siege: {total} connections held", "control+data") as whole:
+        whole.sent = total
+        siege.start()
+        while siege.is_alive() and not siege.all_open_at:
+            siege.join(0.2)
+        if siege.is_alive():  # everything is open: are the members still a connected pool?
+            wrong = {k: v for k, v in ctx.watch.connected(timeout=0).items() if v}
+            whole.note("while all were held: " + ("every member connected" if not wrong else
+                                                  "; ".join(f"{k} {v}" for k, v in wrong.items())))
+        siege.join()
+        ctx.watch.sample()
+        rows = _class_rows(ctx, siege, plans, steps)
+        for r in rows:
+            whole.http_500 += r.http_500
+            whole.http_5xx_other += r.http_5xx_other
+        whole.cut = sum(r.cut or 0 for r in rows)
+    ctx.results.extend(rows)
+    ctx.progress(f"  siege closed at {time.strftime('%H:%M:%S')}: the sidecar cut {whole.cut} of {total}")
+
+
+def _class_rows(ctx: AttackContext, siege: Siege, plans: list[ClassPlan],
+                steps: dict[str, tuple[int, int, int]]) -> list[AttackResult]:
+    """One row per class; its RSS and descriptors are what the target added as it opened
+    (read once the class had been served a second, the classes before it still held)."""
+    rows = []
+    previous = steps[""]
+    for plan in plans:
+        out = siege.outcomes[plan.name]
+        now = steps.get(plan.name, previous)
+        r = AttackResult(f"  {plan.name}", plan.port_name, sent=out.connections, cut=out.cut,
+                         started=out.opened_from, ended=siege.closed_at)
+        for word, n in out.answers.items():
+            for _ in range(n):
+                r.answer(word, int(word.split()[1]) if word.startswith("HTTP ") else None)
+        if out.connect_failed:
+            r.answers["connect refused"] = out.connect_failed
+        if out.cut_seconds:
+            r.cut_median_seconds = round(statistics.median(out.cut_seconds), 2)
+        r.rss_peak_growth, r.fds_peak_growth = now[0] - previous[0], now[1] - previous[1]
+        previous = now
+        r.honest = ctx.honest.stats(out.opened_from, siege.closed_at)
+        rows.append(r)
+    return rows
