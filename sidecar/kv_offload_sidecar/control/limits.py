@@ -10,7 +10,8 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
 - a whole request (line and headers) within ``UNPROVEN_REQUEST_SECONDS`` of connecting or
   of its last answer, so a silent, idle or slow-loris connection is cut (``timeout``);
 - at most ``MAX_UNPROVEN_BUFFERED_BYTES`` received while no request of it is handled
-  (``oversize``).
+  (``oversize``): more is read and dropped until the deadline above closes it, so an
+  answer aiohttp already owes it (a 400 for a line too long) still reaches it.
 
 Every connection, proven or not: a request line of at most ``MAX_REQUEST_LINE_BYTES``,
 ``MAX_HEADERS`` headers of at most ``MAX_HEADER_BYTES`` each (aiohttp answers 400, which
@@ -135,7 +136,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
                     raise BodyError(413, "oversize", f"request body exceeds {limit} bytes: send a "
                                     f"smaller body")
     except TimeoutError:
-        raise BodyError(408, "timeout", f"request body not complete within {BODY_SECONDS:.0f} s: "
+        raise BodyError(408, "timeout", f"request body not complete within {BODY_SECONDS:g} s: "
                         f"send the whole body at once") from None
     return bytes(body)
 
@@ -151,6 +152,8 @@ class _Connection:
     handling: int = 0
     # Bytes received since its last request started or ended (unproven connections only).
     buffered: int = 0
+    # It sent more than MAX_UNPROVEN_BUFFERED_BYTES outside a request: the rest is dropped.
+    over: bool = False
     deadline: asyncio.TimerHandle | None = None
 
 
@@ -189,12 +192,13 @@ class ConnectionGuard:
             conn.buffered = 0
             self._disarm(conn)
 
-    def request_done(self, request: web.BaseRequest) -> None:
+    def request_done(self, request: web.BaseRequest, *, closing: bool = False) -> None:
+        """A request ended; ``closing``: its answer closes the connection (no deadline then)."""
         conn = self._open.get(request.transport)  # type: ignore[arg-type]
         if conn is not None:
             conn.handling -= 1
             conn.buffered = 0
-            if not conn.proven and conn.handling == 0:
+            if not conn.proven and conn.handling == 0 and not closing:
                 self._arm(conn)
 
     def proven(self, request: web.BaseRequest) -> None:
@@ -227,16 +231,22 @@ class ConnectionGuard:
         self._arm(conn)
         return conn
 
-    def _received(self, conn: _Connection, nbytes: int) -> bool:
-        """False when an unproven connection sent more than its budget outside a request."""
+    def _received(self, conn: _Connection, nbytes: int) -> int:
+        """How many of ``nbytes`` just received to pass on: all but what takes an unproven
+        connection over its budget outside a request (counted once; dropped from then on,
+        until its deadline closes it)."""
+        if conn.over:
+            return 0
         if conn.proven or conn.handling:
-            return True
+            return nbytes
+        room = MAX_UNPROVEN_BUFFERED_BYTES - conn.buffered
         conn.buffered += nbytes
-        if conn.buffered <= MAX_UNPROVEN_BUFFERED_BYTES:
-            return True
+        if nbytes <= room:
+            return nbytes
+        conn.over = True
         self.refuse(conn.source, "oversize", f"more than {MAX_UNPROVEN_BUFFERED_BYTES} bytes "
                     f"without a whole request")
-        return False
+        return room
 
     def _closed(self, conn: _Connection) -> None:
         self._disarm(conn)
@@ -261,9 +271,9 @@ class ConnectionGuard:
 
     def _expire(self, conn: _Connection) -> None:
         conn.deadline = None
-        if conn.proven or conn.handling or conn.transport.is_closing():
+        if conn.proven or (conn.handling and not conn.over) or conn.transport.is_closing():
             return
-        self.refuse(conn.source, "timeout", f"no whole request within {UNPROVEN_REQUEST_SECONDS:.0f} s")
+        self.refuse(conn.source, "timeout", f"no whole request within {UNPROVEN_REQUEST_SECONDS:g} s")
         conn.transport.abort()  # nothing to flush; abort also drops what the kernel still holds
 
 
@@ -291,10 +301,9 @@ class _GuardedProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._inner is None or self._conn is None:
             return
-        if not self._guard._received(self._conn, len(data)):
-            self._conn.transport.abort()
-            return
-        self._inner.data_received(data)
+        n = self._guard._received(self._conn, len(data))
+        if n:  # the part within budget (aiohttp answers 400 to a line too long in it)
+            self._inner.data_received(data if n == len(data) else data[:n])
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received() if self._inner is not None else None
@@ -365,10 +374,13 @@ def guard_middleware(guard: ConnectionGuard) -> Callable[..., Awaitable[web.Stre
     async def watched(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                       ) -> web.StreamResponse:
         guard.request_started(request)
+        closing = False
         try:
-            return await handler(request)
+            response = await handler(request)
+            closing = response.keep_alive is False
+            return response
         finally:
-            guard.request_done(request)
+            guard.request_done(request, closing=closing)
 
     return watched
 

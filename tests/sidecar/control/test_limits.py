@@ -1,0 +1,244 @@
+"""What a stranger may cost on the control port (control/limits.py), asked over real sockets.
+
+The sidecar runs in process behind ``ControlPorts``; clients are raw TCP connections from
+127.0.0.x source addresses, so each test controls every byte and every source. Time limits
+are shortened with monkeypatch; tests wait for the guard's own counts, not for a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import pytest
+from kv_offload_sidecar.control import limits
+from kv_offload_sidecar.control.app import ControlPorts
+from kv_offload_sidecar.lifecycle import running
+from kv_offload_sidecar.peers.handshake import MAX_HANDSHAKE_BODY_BYTES, HandshakeInitiator, make_hello
+from kv_offload_sidecar.peers.pool_keys import admin_token
+from kv_offload_sidecar.sidecar import Sidecar
+from kv_offload_tools.local_pool import example_config
+
+# The key of the make_settings fixture (tests/sidecar/conftest.py).
+POOL_KEY = b"test-pool-key"
+# Bound on any one wait of a test (far above every shortened limit).
+PATIENCE = 10.0
+
+
+@pytest.fixture
+async def ports(make_settings):
+    sidecar = Sidecar(make_settings())
+    async with running(sidecar, control_ports=False):
+        control = ControlPorts(sidecar)
+        await control.start()
+        control.sidecar = sidecar
+        control.port = sidecar.settings.control_port(0)
+        try:
+            yield control
+        finally:
+            await control.stop()
+
+
+@pytest.fixture
+def short_limits(monkeypatch):
+    monkeypatch.setattr(limits, "UNPROVEN_REQUEST_SECONDS", 0.3)
+    monkeypatch.setattr(limits, "BODY_SECONDS", 0.3)
+
+
+async def connect(ports, source: str = "127.0.0.2"):
+    return await asyncio.open_connection("127.0.0.1", ports.port, local_addr=(source, 0))
+
+
+async def exchange(ports, data: bytes, source: str = "127.0.0.2") -> bytes:
+    """Send ``data`` and read until the sidecar closes the connection."""
+    reader, writer = await connect(ports, source)
+    writer.write(data)
+    try:
+        return await asyncio.wait_for(reader.read(), PATIENCE)
+    finally:
+        writer.close()
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + PATIENCE
+    while not predicate():
+        assert loop.time() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def errors(ports, reason: str) -> float:
+    return ports.sidecar.registry.get_sample_value("kv_offload_protocol_errors_total", {"reason": reason})
+
+
+def post(path: str, body: bytes, headers: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def body_of(answer: bytes) -> bytes:
+    return answer.split(b"\r\n\r\n", 1)[1]
+
+
+def header(answer: bytes, name: str) -> str | None:
+    for line in answer.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        key, _, value = line.decode().partition(":")
+        if key.strip().lower() == name.lower():
+            return value.strip()
+    return None
+
+
+async def test_a_request_whose_headers_never_end_is_cut(ports, short_limits):
+    answer = await exchange(ports, b"POST /v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Le")
+    assert answer == b""
+    assert errors(ports, "timeout") == 1
+    await until(lambda: ports.guard.open == 0, "the connection to be forgotten")
+
+
+async def test_a_silent_connection_is_cut(ports, short_limits):
+    assert await exchange(ports, b"") == b""
+    assert errors(ports, "timeout") == 1
+
+
+async def test_an_idle_unproven_keep_alive_connection_is_cut_after_its_answer(ports, short_limits):
+    answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_of(answer) == 200 and b'"ok"' in answer
+    assert errors(ports, "timeout") == 1
+
+
+async def test_a_body_that_stops_short_is_408_and_closed(ports, short_limits):
+    step1 = json.dumps(HandshakeInitiator(POOL_KEY, _hello()).step1()).encode()
+    answer = await exchange(ports, post("/v1/handshake", step1)[:-10])
+    assert status_of(answer) == 408 and b"not complete within" in answer
+    assert errors(ports, "timeout") == 1
+
+
+async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections(ports, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 3)
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 5)
+    held = []
+    for source in ["127.0.0.2"] * 3 + ["127.0.0.3"] * 2:
+        reader, writer = await connect(ports, source)
+        writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+        held.append(writer)
+    await until(lambda: ports.guard.unproven == 5, "5 unproven connections")
+    same_source = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.2")
+    other_source = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.4")
+    for answer in (same_source, other_source):
+        assert status_of(answer) == 503 and header(answer, "Retry-After") == "1"
+        assert b"too many unauthenticated connections" in answer
+    assert errors(ports, "too_many_connections") == 2
+    for writer in held:
+        writer.close()
+    await until(lambda: ports.guard.unproven == 0 and ports.guard.open == 0, "the held connections to go")
+    assert status_of(await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 200
+
+
+async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 1)
+    reader, writer = await connect(ports)
+    writer.write(f"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin_token(POOL_KEY)}\r\n"
+                 f"\r\n".encode())
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    await until(lambda: ports.guard.unproven == 0, "the admin's connection to be proven")
+    assert ports.guard.open == 1  # still open, no longer counted
+    answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status_of(answer) == 200
+    writer.close()
+
+
+def _hello():
+    cfg = example_config()
+    return make_hello(fingerprint=cfg.fingerprint, hash_seed="0", kv_bytes_per_chunk=cfg.kv_bytes_per_chunk,
+                      identity="peer-x", control_address="127.0.0.1:1", data_address="tcp://127.0.0.1:2",
+                      transport="tcp", run_config=cfg.run_config())
+
+
+UNPARSEABLE = {
+    "request line of 70 kB": b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "header of 70 kB": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 70_000 + b"\r\n\r\n",
+    "300 headers": b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n",
+    "bearer token of 9 kB": b"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"a" * 9000 + b"\r\n\r\n",
+    "not HTTP": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 100 + b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("data", UNPARSEABLE.values(), ids=UNPARSEABLE.keys())
+async def test_an_unparseable_request_is_a_counted_400_without_a_traceback(ports, data, caplog):
+    caplog.set_level(logging.DEBUG)
+    before = errors(ports, "oversize") + errors(ports, "malformed")
+    answer = await exchange(ports, data)
+    assert status_of(answer) == 400 and header(answer, "Server") == "kv-offload"
+    assert errors(ports, "oversize") + errors(ports, "malformed") > before
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert all(len(r.getMessage()) < 400 for r in caplog.records)
+
+
+async def test_rejected_handshakes_write_one_line_per_source_and_reason(ports, caplog):
+    caplog.set_level(logging.WARNING)
+    for _ in range(30):
+        step1 = json.dumps(HandshakeInitiator(b"not-the-pool-key", _hello()).step1()).encode()
+        assert status_of(await exchange(ports, post("/v1/handshake", step1, "Connection: close\r\n"))) == 403
+    rejected = ports.sidecar.registry.get_sample_value("kv_offload_handshakes_total",
+                                                       {"result": "rejected", "reason": "bad_proof"})
+    assert rejected == 30
+    lines = [r for r in caplog.records if "bad_proof" in r.getMessage()]
+    assert len(lines) == 1 and "127.0.0.2" in lines[0].getMessage()
+
+
+JSON_BOMBS = {
+    "nested 5000 deep": b"[" * 5000 + b"]" * 5000,
+    "integer of 5000 digits": b'{"step": "hello", "nonce": ' + b"9" * 5000 + b"}",
+    "NaN": b'{"step": NaN}',
+    "not UTF-8": b'{"step": "\xff"}',
+}
+
+
+@pytest.mark.parametrize("body", JSON_BOMBS.values(), ids=JSON_BOMBS.keys())
+async def test_a_json_bomb_in_a_handshake_is_a_400(ports, body, caplog):
+    caplog.set_level(logging.DEBUG)
+    answer = await exchange(ports, post("/v1/handshake", body, "Connection: close\r\n"))
+    assert status_of(answer) == 400
+    assert errors(ports, "malformed") == 1
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+async def test_a_handshake_body_over_its_limit_is_413_before_it_is_read(ports):
+    reader, writer = await connect(ports)
+    writer.write(post("/v1/handshake", b"x" * (MAX_HANDSHAKE_BODY_BYTES + 1))[:200])  # headers only
+    answer = await asyncio.wait_for(reader.read(), PATIENCE)
+    writer.close()
+    assert status_of(answer) == 413 and errors(ports, "oversize") == 1
+
+
+async def test_a_long_step_is_clipped_in_the_answer_and_the_log(ports, caplog):
+    caplog.set_level(logging.DEBUG)
+    answer = await exchange(ports, post("/v1/handshake", json.dumps({"step": "x" * 20_000}).encode(),
+                                        "Connection: close\r\n"))
+    assert status_of(answer) == 400 and len(answer) < 1024
+    assert json.loads(body_of(answer))["reason"] == "malformed"
+    assert caplog.records and all(len(r.getMessage()) < 400 for r in caplog.records)
+
+
+async def test_every_answer_says_server_kv_offload_without_versions(ports):
+    for data in (b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                 b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                 b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                 UNPARSEABLE["300 headers"]):
+        assert header(await exchange(ports, data), "Server") == "kv-offload"
+
+
+async def test_public_metrics_show_the_fingerprint_but_not_the_model_dtype_or_wire_version(ports):
+    answer = await exchange(ports, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    info = [line for line in body_of(answer).decode().splitlines()
+            if line.startswith("kv_offload_config_info{")]
+    assert len(info) == 1 and f'fingerprint="{example_config().fingerprint}"' in info[0]
+    assert 'transport="tcp"' in info[0]
+    for private in ("model=", "dtype=", "wire_version=", "Qwen"):
+        assert private not in info[0]
