@@ -26,7 +26,12 @@ Both managers are built in vLLM's order: the engine core builds its scheduler (s
 the manager and our tier) before ``init_none_hash`` resolves the prefix-hash seed,
 so the tier must not read the seed at construction. Right after the holder
 restarts, A's next store either reaches it or is reported failed, never a
-silent success.
+silent success; once A's tier names the new sidecar instance (it notices a
+restart at its next operation), stores land again.
+
+Waits are on states the code exposes (a tier's ``sidecar_instance``, the pool's
+directory, a transfer under way), never on time; their timeouts only guard
+against hangs. The bounds asserted are the tiers' own deadlines plus SLACK_S.
 
 Needs ``./dev setup`` (.venv-vllm with vLLM 0.33.0's sources); fails without it.
 """
@@ -40,14 +45,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS
+from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS, ROW_COPY_GRACE_SECONDS
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED
 from kv_offload_tools.local_pool import LocalPool, example_config
 
@@ -70,8 +75,12 @@ LOAD_TIMEOUT_S = 2.0
 FETCH_DEADLINE_S = 1.0
 # Scheduling slack on two busy cores, on top of the tier's own deadlines.
 SLACK_S = 1.5
-# A promotion resolves within the load deadline (plus the client's reply grace).
-LOAD_BOUND_S = LOAD_TIMEOUT_S + REPLY_GRACE_SECONDS + SLACK_S
+# Guard against a hang while waiting for a state (a tier re-attached, the pool's
+# directory current): generous, never the expected duration.
+WAIT_S = 60.0
+# A promotion resolves within the load deadline plus the client's wait for the answer
+# (ROW_COPY_GRACE_SECONDS when the sidecar copies into vLLM's rows, else REPLY_GRACE_SECONDS).
+LOAD_BOUND_S = LOAD_TIMEOUT_S + max(REPLY_GRACE_SECONDS, ROW_COPY_GRACE_SECONDS) + SLACK_S
 N_KEYS = 4
 CONFIG = example_config()
 CHUNK = CONFIG.kv_bytes_per_chunk
@@ -87,11 +96,9 @@ class Env:
     pool: LocalPool
     a: ManagerDriverProcess
     b: ManagerDriverProcess
-    # Sidecar 0 restarted since A's tier last stored into it.
-    holder_restarted: bool = False
-    # Store jobs A's tier reported as successful that never reached sidecar 0.
-    dropped_stores: list[dict[str, Any]] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
+    # Sidecars restarted since their engine's tier was last seen attached to them.
+    restarted: set[int] = field(default_factory=set)
+    timings: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- fixtures -----------------------------------------------------------------------
@@ -156,7 +163,7 @@ def env(vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
         e = Env(pool, *drivers)
         e.timings["setup_s"] = time.monotonic() - t0
         yield e
-        print(f"\n[vllm033 tiering] timings: {e.timings}; dropped stores: {e.dropped_stores}")
+        print(f"\n[vllm033 tiering] timings: {e.timings}")
     finally:
         for d in drivers:
             d.close(grace_s=20)
@@ -192,36 +199,47 @@ def holder_chunks(e: Env) -> int:
     return int(e.pool[0].status()["store"]["chunks"])
 
 
-def ensure_holder(e: Env) -> None:
-    """Sidecar 0 running (it may have been killed by a previous scenario)."""
-    if not e.pool[0].alive():
-        e.pool.restart(0)
-        e.holder_restarted = True
+def instance_of(sc: Any) -> str:
+    """The instance a running sidecar names on ``/v1/local`` (a new one at each start)."""
+    code, body = sc.get("/v1/local")
+    assert code == 200 and isinstance(body, dict), (code, body)
+    return str(body["instance"])
 
 
-def prime_a(e: Env) -> None:
-    """After sidecar 0 restarted, A's tier's next store may fail (its pooled connection
-    died with the old sidecar; reported as failed, see test_store_right_after_holder_
-    restart...). Store throwaway chunks until one lands, so the scenario's own chunks
-    do; the failed ones are recorded."""
-    if not e.holder_restarted:
-        return
-    for attempt in range(6):
-        keys = e.a.keys([f"prime-{uuid.uuid4().hex}"])
-        before = holder_chunks(e)
-        r = e.a.store(keys)
-        if holder_chunks(e) > before:
-            e.holder_restarted = False
-            return
-        e.dropped_stores.append({"attempt": attempt, "cascades": r["cascades"]})
-    pytest.fail(f"A's tier never stored into the restarted sidecar 0: {e.dropped_stores}")
+def restart(e: Env, index: int) -> float:
+    """Restart sidecar ``index`` (SIGTERM; a dead one is started again), empty; its
+    engine's tier is attached again by ``attach`` before it is relied on. Returns seconds."""
+    t0 = time.monotonic()
+    e.pool.restart(index)
+    e.restarted.add(index)
+    return time.monotonic() - t0
+
+
+def attach(e: Env) -> None:
+    """Until every tier whose sidecar restarted names the new sidecar instance.
+
+    A tier notices a restarted sidecar at its next operation, so the driver looks a
+    harmless key up through it until it does (the first operations after a restart
+    may fail, reported as failed: see test_store_right_after_holder_restart...)."""
+    for index in sorted(e.restarted):
+        r = (e.a, e.b)[index].wait_sidecar_instance(instance_of(e.pool[index]),
+                                                   timeout_s=WAIT_S)
+        e.timings.setdefault(f"attach_{'ab'[index]}_s", []).append(round(r["elapsed_s"], 3))
+        e.restarted.discard(index)
+
+
+def ensure_sidecars(e: Env) -> None:
+    """Both sidecars running (a scenario may have killed one) and both tiers attached."""
+    for index in (0, 1):
+        if not e.pool[index].alive():
+            restart(e, index)
+    attach(e)
 
 
 def store_on_a(e: Env, prefix: str) -> tuple[list[str], dict[str, Any]]:
     """Store N_KEYS fresh chunks through A, check they reached sidecar 0 and that
     sidecar 1 finds them through the pool's directory."""
-    ensure_holder(e)
-    prime_a(e)
+    ensure_sidecars(e)
     keys = e.a.keys([f"{prefix}-{uuid.uuid4().hex[:8]}-{i}" for i in range(N_KEYS)])
     before = holder_chunks(e)
     r = e.a.store(keys)
@@ -229,8 +247,24 @@ def store_on_a(e: Env, prefix: str) -> tuple[list[str], dict[str, Any]]:
     (jobs,) = r["cascades"]
     assert [j["result"]["success"] for j in jobs] == [True], jobs
     assert holder_chunks(e) == before + N_KEYS, (r, e.pool[0].status())
-    e.pool.wait_summaries(timeout=10)
+    e.pool.wait_summaries(timeout=WAIT_S)
     return keys, r
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    """Until ``predicate()`` holds; ``timeout`` only guards against a hang."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def transfers(d: ManagerDriverProcess) -> dict[str, int]:
+    """The tier's unfinished transfer jobs: submitted (``pending``), under way (``started``)."""
+    (tier,) = d.tier_state()["tiers"]
+    assert tier["transfers"] is not None, \
+        "the tier keeps no transfer counts manager_driver can read (see its _transfers)"
+    return tier["transfers"]
 
 
 def lookup_until_hit_pending(e: Env, keys: list[str], req: str) -> dict[str, Any]:
@@ -368,10 +402,7 @@ def test_c_holder_restarted_after_hit(env: Env):
     peer_hits = env.b.stats()["tiers"][0]["peer_hits"]
     lookup_until_hit_pending(env, keys, req)
     assert env.b.stats()["tiers"][0]["peer_hits"] == peer_hits + N_KEYS  # the tier said HIT
-    t0 = time.monotonic()
-    env.pool.restart(0)  # SIGTERM; the new instance starts empty
-    env.timings["c_restart_s"] = time.monotonic() - t0
-    env.holder_restarted = True
+    env.timings["c_restart_s"] = restart(env, 0)  # the new instance starts empty
     assert holder_chunks(env) == 0
     promotion_survives(env, keys, req, stored)
     # B's own sidecar (where the chunks now are) restarting empty is what fails a promotion.
@@ -379,33 +410,38 @@ def test_c_holder_restarted_after_hit(env: Env):
     req = "c2-req"
     promotions_before = len(env.b.stats()["jobs"][0]["promotions"])
     lookup_until_hit_pending(env, keys, req)
-    env.pool.restart(1)
+    restart(env, 1)
     out = assert_failed_promotion_resolves(env, keys, req, promotions_before)
     env.timings["c_resolve_s"] = out["resume"]["elapsed_s"]
 
 
-def test_store_right_after_holder_restart_reaches_it_or_fails(env: Env):
-    ensure_holder(env)
-    if not env.holder_restarted:  # e.g. run alone: give A's tier a pooled connection, restart
-        store_on_a(env, "warm")
-        env.pool.restart(0)
-        env.holder_restarted = True
+def test_store_right_after_holder_restart_reaches_it_or_fails_then_resumes(env: Env):
+    from kv_offload_sidecar.engine.client import REATTACH_INTERVAL_SECONDS
+    from kv_offload_sidecar.engine.sidecar_link import RECONNECT_SECONDS
+
+    store_on_a(env, "warm")  # A's tier attached, with a pooled connection to sidecar 0
+    restart(env, 0)
     keys = env.a.keys([f"drop-{uuid.uuid4().hex[:8]}-{i}" for i in range(N_KEYS)])
     before = holder_chunks(env)
     r = env.a.store(keys)
     (jobs,) = r["cascades"]
     reached = holder_chunks(env) - before
-    if reached:
-        env.holder_restarted = False
     assert reached == N_KEYS or jobs[0]["result"]["success"] is False, (reached, jobs)
+    # The tier notices the restart at its next operations and re-attaches within its own
+    # pauses between attempts (to re-map a restarted sidecar, to reconnect to one away).
+    waited = env.a.wait_sidecar_instance(instance_of(env.pool[0]), timeout_s=WAIT_S)
+    env.restarted.discard(0)
+    env.timings["resume_a_s"] = waited["elapsed_s"]
+    env.timings["resume_a_probes"] = waited["probes"]
+    assert waited["elapsed_s"] < REATTACH_INTERVAL_SECONDS + RECONNECT_SECONDS + SLACK_S, waited
+    store_on_a(env, "resumed")  # and then stores land again
 
 
 def test_d_holder_killed_after_hit(env: Env):
     keys, stored = store_on_a(env, "d")
     req = "d-req"
     lookup_until_hit_pending(env, keys, req)
-    env.pool[0].kill()  # SIGKILL
-    env.holder_restarted = True
+    env.pool[0].kill()  # SIGKILL; the next store_on_a starts it again
     promotion_survives(env, keys, req, stored)
     keys, _ = store_on_a(env, "d2")
     req = "d2-req"
@@ -414,7 +450,7 @@ def test_d_holder_killed_after_hit(env: Env):
     env.pool[1].kill()  # B's own sidecar, holding the fetched chunks
     out = assert_failed_promotion_resolves(env, keys, req, promotions_before)
     env.timings["d_resolve_s"] = out["resume"]["elapsed_s"]
-    env.pool.restart(1)
+    restart(env, 1)
     assert env.pool[1].alive()
 
 
@@ -427,7 +463,8 @@ def test_e_reset_cache_while_promotion_stalled(env: Env):
     os.kill(sc.proc.pid, signal.SIGSTOP)
     try:
         step = env.b.end_step()  # submits the promotion: its load now waits on a frozen sidecar
-        time.sleep(0.2)
+        wait_for("B's tier to start the promotion's load (on its stopped sidecar)",
+                 lambda: transfers(env.b) == {"pending": 1, "started": 1})
         reset = env.b.reset_cache(timeout_s=LOAD_BOUND_S + 30)
     finally:
         os.kill(sc.proc.pid, signal.SIGCONT)

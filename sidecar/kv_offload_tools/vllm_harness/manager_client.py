@@ -128,6 +128,24 @@ class ManagerDriverProcess(JsonLinesProcess):
     def tier_state(self) -> dict[str, Any]:
         return self.call("tier_state", 60)
 
+    def sidecar_instances(self) -> list[str | None]:
+        """Each tier's ``sidecar_instance`` after one harmless lookup through it."""
+        return self.call("sidecar_instance", 120)["instances"]
+
+    def wait_sidecar_instance(self, instance: str, tier: int = 0,
+                              timeout_s: float = 60.0) -> dict[str, Any]:
+        """Until tier ``tier`` names sidecar ``instance`` (the new one, after a restart),
+        looking up a harmless key through the tier so that it notices the restart.
+
+        ``timeout_s`` only guards against a hang; returns the driver's reply
+        (``elapsed_s``, ``probes``); raises ManagerDriverError past it."""
+        r = self.call("sidecar_instance", timeout_s + 60, tier=tier, wait_for=instance,
+                      timeout_s=timeout_s)
+        if not r["matched"]:
+            raise self._error(f"tier {tier} did not attach to sidecar instance {instance!r} "
+                              f"within {timeout_s:.0f} s: {r}")
+        return r
+
     def shutdown(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """manager.shutdown() and the driver's checks of vLLM's primary region."""
         return self.call("shutdown", timeout_s)

@@ -40,7 +40,7 @@ first line written is the ready line (``{"ready": true, ...}`` or
 (``make_offload_key(block_hash, group)``).
 
 Ops: ping, keys, store, lookup, end_step, load, finish, reset_cache, stats,
-take_events, tier_state, shutdown, exit (see the ``op_*`` methods).
+take_events, tier_state, sidecar_instance, shutdown, exit (see the ``op_*`` methods).
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ log = logging.getLogger("manager_driver")
 # Seconds between scheduler steps while a lookup or cascade is pending (an
 # engine with nothing else to do steps about this often).
 DEFAULT_STEP_INTERVAL_S = 0.002
+# Seconds between two probes of op_sidecar_instance while it waits for an instance
+# (each probe is one lookup the tier sends its sidecar).
+PROBE_INTERVAL_S = 0.02
 
 
 def chunk_bytes_for(key: bytes, n: int) -> bytes:
@@ -100,6 +103,17 @@ def chunk_bytes_for(key: bytes, n: int) -> bytes:
 
 def _digest(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _transfers(tier: Any) -> dict[str, int] | None:
+    """The tier's transfer jobs not finished yet: ``pending`` (submitted, not finished) and
+    ``started`` (taken up by its transfer thread, e.g. a load waiting on a stalled sidecar).
+    None when the tier keeps no such counts (read from its internals: observation only)."""
+    pending, queue_ = getattr(tier, "_pending_transfers", None), getattr(tier, "_transfer_q", None)
+    if pending is None or queue_ is None or not hasattr(queue_, "qsize"):
+        return None
+    queued = queue_.qsize()
+    return {"pending": int(pending), "started": max(0, int(pending) - queued)}
 
 
 def _detector_state(detector: Any) -> dict[str, Any] | None:
@@ -564,8 +578,68 @@ class Driver:
                                                             t.cache_hit_source)),
                             "locality": None if t.locality is None
                             else getattr(t.locality, "value", str(t.locality)),
-                            "backpressure": _detector_state(t.bp_detector)})
+                            "backpressure": _detector_state(t.bp_detector),
+                            "transfers": _transfers(t)})
         return {"tiers": out, "stats": self.tier_stats()}
+
+    def _probe(self, deadline: float) -> list[str]:
+        """One lookup through every tier of a key nobody stores, under a request of the
+        probe's own, stepped until each tier answered (HIT or MISS; a tier answers MISS
+        past its lookup deadline), then finished. vLLM's manager is not involved (its jobs
+        and stats stay as they were); each tier counts one lookup."""
+        name = f"kv-offload-harness-probe-{time.monotonic_ns()}"
+        ctx = self.ReqContext(req_id=name)
+        key = self.key(name)
+        end = self.ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+        answers: list[str] = ["RETRY"] * len(self.tiers)
+        with self.manager.lock:
+            for t in self.tiers:
+                t.on_new_request(ctx)
+        try:
+            while True:
+                with self.manager.lock:
+                    for i, t in enumerate(self.tiers):
+                        if answers[i] == "RETRY":
+                            answers[i] = t.lookup(key, ctx).name
+                    for t in self.tiers:
+                        t.on_schedule_end(end)
+                if "RETRY" not in answers or time.monotonic() > deadline:
+                    return answers
+                time.sleep(self.step_interval)
+        finally:
+            with self.manager.lock:
+                for t in self.tiers:
+                    t.on_request_finished(ctx)
+
+    def op_sidecar_instance(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
+        """The sidecar instance each tier is attached to (``sidecar_instance``), after a
+        harmless lookup through it (a tier notices a restarted sidecar at its next operation).
+
+        ``{"tier": 0, "wait_for": null|str, "timeout_s": 60}``: with ``wait_for``, probe
+        every ``PROBE_INTERVAL_S`` until tier ``tier`` names that instance or ``timeout_s``
+        passed (``matched`` says which). Reply: ``instances`` (one per tier; None: not
+        attached, or refused), ``matched``, ``probes``, ``answers`` (the last probe's
+        lookup results), ``refused`` (each tier's refusal, if any), ``elapsed_s``.
+        """
+        index = int(cmd.get("tier", 0))
+        want = cmd.get("wait_for")
+        t0 = time.monotonic()
+        deadline = t0 + float(cmd.get("timeout_s", 60.0))
+        missing = [type(t).__name__ for t in self.tiers if not hasattr(t, "sidecar_instance")]
+        if missing:
+            raise AttributeError(f"tier(s) {missing} expose no sidecar_instance")
+        probes = 0
+        while True:
+            answers = self._probe(deadline)
+            probes += 1
+            instances = [t.sidecar_instance for t in self.tiers]
+            matched = want is None or instances[index] == want
+            if matched or time.monotonic() > deadline:
+                break
+            time.sleep(PROBE_INTERVAL_S)
+        return {"instances": instances, "matched": matched, "probes": probes,
+                "answers": answers, "refused": [s.get("refused") for s in self.tier_stats()],
+                "elapsed_s": time.monotonic() - t0}
 
     def op_shutdown(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
         """manager.shutdown() WITHOUT the lock (as vLLM calls it); then check that vLLM
