@@ -75,8 +75,9 @@ MAX_UNAUTHENTICATED_PAYLOAD = 2 + MAX_SESSION_ID_BYTES + PROOF_BYTES
 MAX_ERROR_TEXT_BYTES = 256
 
 # ProtocolError reasons (the labels of metrics.protocol_errors).
+# "timeout": a step before AUTH_OK not done in time; "too_many_connections": refused at accept.
 PROTOCOL_ERROR_REASONS = ("malformed", "oversize", "unknown_type", "bad_key", "bad_size",
-                          "unauthenticated")
+                          "unauthenticated", "timeout", "too_many_connections")
 
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")

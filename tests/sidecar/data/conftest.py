@@ -37,19 +37,22 @@ def make_store(shm_dir: str) -> Iterator[Callable[..., ChunkStore]]:
 @pytest.fixture
 def start_peer(shm_dir: str) -> Iterator[Callable[..., PeerProcess]]:
     """Start a chunk server process: ``start_peer(kind="tcp", chunks=16, chunk_bytes=..., corrupt="",
-    auth_timeout=5.0, certs=None)`` (auth_timeout also bounds a frame stalled mid-payload and a TLS
-    handshake; ``certs``, a ``kv_offload_tools.certs.CertFiles``, serves TCP under TLS)."""
+    auth_timeout=5.0, certs=None, log_file="")`` (auth_timeout also bounds a frame stalled mid-payload
+    and a TLS handshake; ``certs``, a ``kv_offload_tools.certs.CertFiles``, serves TCP under TLS;
+    ``log_file`` receives its log from INFO up)."""
     started: list[PeerProcess] = []
 
     def start(kind: str = "tcp", *, tls: str = "sm,self", chunks: int = 16,
               chunk_bytes: int = 256 * 1024, corrupt: str = "", auth_timeout: float = 5.0,
-              certs: Any = None) -> PeerProcess:
-        tls_args = [] if certs is None else ["--tls-cert-file", certs.cert_file, "--tls-key-file",
+              certs: Any = None, log_file: str = "") -> PeerProcess:
+        extra_args = [] if certs is None else ["--tls-cert-file", certs.cert_file, "--tls-key-file",
                                              certs.key_file, "--tls-ca-file", certs.ca_file]
+        if log_file:
+            extra_args += ["--log-file", log_file]
         proc = subprocess.Popen(
             [sys.executable, PEERS_SCRIPT, "serve", "--kind", kind, "--tls", tls,
              "--chunks", str(chunks), "--chunk-bytes", str(chunk_bytes), "--corrupt", corrupt,
-             "--shm-dir", shm_dir, "--auth-timeout", str(auth_timeout), *tls_args],
+             "--shm-dir", shm_dir, "--auth-timeout", str(auth_timeout), *extra_args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env=ucx_env(tls) if kind == "ucx" else None,
         )

@@ -2,9 +2,9 @@
 
 ``python transport_peers.py serve --kind tcp|ucx ...`` fills a chunk store with
 deterministic chunks, starts a data-plane server (TCP under TLS with ``--tls-cert-file``,
-``--tls-key-file`` and ``--tls-ca-file``), prints one JSON line
+``--tls-key-file`` and ``--tls-ca-file``; its log to ``--log-file``), prints one JSON line
 ``{"address", "pid"}`` and then answers stdin commands: ``metrics`` prints the
-server's counters as one JSON line, ``quit`` stops it.
+server's counters and its unauthenticated connections as one JSON line, ``quit`` stops it.
 
 ``python transport_peers.py ucx-client --scenario NAME ...`` runs one UCX client
 scenario (UCX reads its environment once, so every UCX client is its own
@@ -45,13 +45,15 @@ def _configure_ucx(tls: str, lanes: int) -> None:
     configure_ucx_env(tls, net_devices="lo" if "tcp" in tls else None, lanes=lanes)
 
 
-def _metrics_snapshot(metrics: Any) -> dict[str, Any]:
+def _metrics_snapshot(metrics: Any, server: Any) -> dict[str, Any]:
     from kv_offload_sidecar.metrics import PROTOCOL_ERROR_REASONS
 
     return {
         "protocol_errors": {r: metrics.protocol_errors.labels(reason=r)._value.get()
                             for r in PROTOCOL_ERROR_REASONS},
         "peer_bytes_sent": metrics.peer_bytes.labels(direction="sent")._value.get(),
+        "unauthenticated": server.unauthenticated,
+        "memory_reclaims": server.memory_reclaims,
     }
 
 
@@ -97,7 +99,7 @@ async def serve(args: argparse.Namespace) -> None:
             line = await loop.run_in_executor(None, sys.stdin.readline)
             cmd = line.strip()
             if cmd == "metrics":
-                print(json.dumps(_metrics_snapshot(metrics)), flush=True)
+                print(json.dumps(_metrics_snapshot(metrics, server)), flush=True)
             elif cmd == "end_sessions":  # every session ends (e.g. its pool key was retired)
                 sessions.clear()
                 print(json.dumps({"sessions": 0}), flush=True)
@@ -292,7 +294,13 @@ def main() -> None:
     parser.add_argument("--tls-cert-file", default="")
     parser.add_argument("--tls-key-file", default="")
     parser.add_argument("--tls-ca-file", default="")
+    parser.add_argument("--log-file", default="")
     args = parser.parse_args()
+    if args.log_file:
+        import logging
+
+        logging.basicConfig(filename=args.log_file, level=logging.INFO,
+                            format="%(levelname)s %(name)s: %(message)s")
     if args.kind == "ucx" or args.mode == "ucx-client":
         _configure_ucx(args.tls, args.lanes)
     if args.mode == "serve":

@@ -73,6 +73,11 @@ SEND_GROUP = 16
 ERROR_SEND_SECONDS = 1.0
 
 
+# Seconds asyncio's TLS handshake limit is set past the connection's deadline (so a slow
+# handshake ends as a "timeout", by the deadline, not as a failed handshake).
+TLS_TIMEOUT_MARGIN = 1.0
+
+
 # Seconds between tries when accept() fails (e.g. the process is out of descriptors).
 ACCEPT_RETRY_SECONDS = 0.05
 
@@ -193,6 +198,11 @@ class TcpDataPlaneServer(DataPlaneServer):
         """Connections accepted that have not proved a session yet."""
         return self._limit.count
 
+    @property
+    def memory_reclaims(self) -> int:
+        """Times the memory of departed unauthenticated connections was handed back."""
+        return self._limit.trims
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
@@ -211,7 +221,7 @@ class TcpDataPlaneServer(DataPlaneServer):
             try:
                 tune_socket(conn, self._buffer_bytes)
             except OSError:  # the client already went away
-                self._limit.leave(source)
+                self._limit.leave(source, proved=False)
                 conn.close()
                 continue
             task = asyncio.create_task(self._serve(conn, source), name="tcp-data-conn")
@@ -221,11 +231,11 @@ class TcpDataPlaneServer(DataPlaneServer):
     def _refuse_at_accept(self, conn: socket.socket, source: str, why: str) -> None:
         """Over an unauthenticated-connection limit: counted, an ERROR frame when plain (one
         non-blocking send into an empty socket buffer), closed; nothing else is kept."""
-        refuse(self._metrics, self._rejections, source, "oversize", why)
+        refuse(self._metrics, self._rejections, source, "too_many_connections", why)
         with contextlib.suppress(OSError):
             if self._ssl is None:
                 conn.setblocking(False)
-                conn.send(proto.join(proto.encode_error(0, "oversize", why)))
+                conn.send(proto.join(proto.encode_error(0, "too_many_connections", why)))
         conn.close()
 
     async def _serve(self, conn: socket.socket, source: str = "?") -> None:
@@ -243,8 +253,9 @@ class TcpDataPlaneServer(DataPlaneServer):
                 if self._ssl is None:
                     stream = SocketStream(conn)
                 else:
+                    # asyncio's own handshake limit a little later: the deadline above ends it.
                     stream = await open_tls(conn, self._ssl, server_side=True,
-                                            timeout=deadline - loop.time())
+                                            timeout=deadline - loop.time() + TLS_TIMEOUT_MARGIN)
                 step = "session proof"
                 nonce = make_nonce()
                 await stream.send(proto.encode_auth_challenge(nonce))
@@ -261,7 +272,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                 await stream.send(proto.encode_auth_ok())
                 state.extra = await self._on_authenticated(stream, answer.session_id, nonce)
             admitted = False
-            self._limit.leave(source)
+            self._limit.leave(source, proved=True)
             busy = state.busy
             writer = asyncio.create_task(self._write_loop(stream, id(conn), queue, busy),
                                          name="tcp-data-writer")
@@ -298,7 +309,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                     async with asyncio.timeout(ERROR_SEND_SECONDS):
                         await stream.send(proto.encode_error(0, exc.reason, exc.message))
         except TimeoutError:  # only the steps before AUTH_OK run under a deadline here
-            refuse(self._metrics, self._rejections, source, "unauthenticated",
+            refuse(self._metrics, self._rejections, source, "timeout",
                    f"no session proved within {self._auth_timeout:.3g}s (at the {step})")
         except asyncio.CancelledError:
             raise
@@ -314,7 +325,7 @@ class TcpDataPlaneServer(DataPlaneServer):
             log.debug("TCP data plane: unexpected error", exc_info=True)
         finally:
             if admitted:
-                self._limit.leave(source)
+                self._limit.leave(source, proved=False)
             self._states.pop(id(conn), None)
             half_sent = state.busy[0]
             if writer is not None and not writer.done():

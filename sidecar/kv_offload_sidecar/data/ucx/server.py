@@ -142,6 +142,11 @@ class UcxDataPlaneServer(DataPlaneServer):
         """Attached connections that have not answered the nonce challenge yet."""
         return self._limit.count
 
+    @property
+    def memory_reclaims(self) -> int:
+        """Times the memory of departed unauthenticated connections was handed back."""
+        return self._limit.trims
+
     async def _accept_loop(self, rt: UcxRuntime) -> None:
         while True:
             source = ATTACH_SOURCE
@@ -160,10 +165,10 @@ class UcxDataPlaneServer(DataPlaneServer):
                 if attach.connection_id in self._conns:
                     raise proto.ProtocolError("malformed", "UCX_ATTACH reuses a live connection id")
                 if len(self._conns) >= MAX_SERVER_CONNECTIONS:
-                    raise proto.ProtocolError("oversize", "too many UCX data connections")
+                    raise proto.ProtocolError("too_many_connections", "too many UCX data connections")
                 why = self._limit.admit(source)  # replays of one attach hold few places
                 if why is not None:
-                    raise proto.ProtocolError("oversize", why)
+                    raise proto.ProtocolError("too_many_connections", why)
             except proto.ProtocolError as exc:
                 refuse(self._metrics, self._rejections, source, exc.reason, exc.message)
                 continue
@@ -197,7 +202,7 @@ class UcxDataPlaneServer(DataPlaneServer):
                 conn.abort()
         finally:
             if admitted[0]:
-                self._limit.leave(source)
+                self._limit.leave(source, proved=False)
 
 
 class _ServerConnection:
@@ -252,7 +257,7 @@ class _ServerConnection:
                 await rt.send(self.ep, join_parts(proto.encode_auth_ok()), self.s2c)
             if self.admitted[0]:
                 self.admitted[0] = False
-                srv._limit.leave(self.source)
+                srv._limit.leave(self.source, proved=True)
             while self.failed is None:
                 buf = await rt.recv_frame(self.c2s, CONTROL_BUFFER_BYTES)
                 self.last = time.monotonic()
@@ -275,7 +280,7 @@ class _ServerConnection:
                 async with asyncio.timeout(1.0):
                     await rt.send(self.ep, join_parts(proto.encode_error(0, exc.reason, exc.message)), self.s2c)
         except TimeoutError:
-            refuse(srv._metrics, srv._rejections, self.source, "unauthenticated",
+            refuse(srv._metrics, srv._rejections, self.source, "timeout",
                    f"no AUTH_RESPONSE within {srv._auth_timeout:.3g}s")
         except asyncio.CancelledError:
             raise
