@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from kv_offload_sidecar.peers.handshake import (
+    MAX_HANDSHAKE_BODY_BYTES,
     REASONS,
     HandshakeError,
     HandshakeInitiator,
@@ -43,6 +44,7 @@ from kv_offload_sidecar.peers.handshake import (
 from kv_offload_sidecar.peers.location_wire import location_auth
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
+from kv_offload_sidecar.rejections import clip, loads_bounded
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
@@ -59,6 +61,8 @@ AUTH_HEADER = "X-KV-Offload-Auth"
 PEER_STATES = ("connecting", "connected", "backoff", "rejected")
 # Largest location reply read from a peer (bytes).
 MAX_LOCATION_REPLY_BYTES = 64 << 10
+# Most field-diff lines of a peer's refusal kept (each clipped to rejections.CLIP_CHARS).
+MAX_REFUSAL_DIFF_LINES = 64
 # Location messages (the path /v1/<op> on the peer's control port).
 LOCATION_OPS = ("publish", "locate")
 # Headers aiohttp would add to every peer request that no peer reads (bytes on every message).
@@ -174,7 +178,7 @@ class PeerManager:
         self._metrics.location_messages.labels(kind=op).inc()
         self._metrics.location_bytes.labels(direction="sent").inc(len(raw))
         self._metrics.location_bytes.labels(direction="received").inc(len(reply))
-        return json.loads(reply)
+        return loads_bounded(reply)
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -363,20 +367,26 @@ class PeerManager:
         return n
 
     async def _post(self, url: str, body: dict[str, Any]) -> Any:
+        """One handshake step; its reply (at most MAX_HANDSHAKE_BODY_BYTES, ``loads_bounded``)."""
         assert self._http is not None
         async with self._http.post(url, json=body) as resp:
+            raw = await resp.content.read(MAX_HANDSHAKE_BODY_BYTES + 1)
+            if len(raw) > MAX_HANDSHAKE_BODY_BYTES:
+                raise ConnectionError(f"handshake reply exceeds {MAX_HANDSHAKE_BODY_BYTES} bytes")
             try:
-                data = await resp.json(content_type=None)
+                data = loads_bounded(raw)
             except ValueError:
                 data = None
             if resp.status == 403 and isinstance(data, dict) and data.get("reason"):
-                exc = HandshakeError(str(data["reason"]), f"peer rejected us: {data.get('error')}",
-                                     [str(x) for x in data.get("diff", [])][:64])
+                diff = data.get("diff")
+                lines = diff[:MAX_REFUSAL_DIFF_LINES] if isinstance(diff, list) else []
+                exc = HandshakeError(clip(data["reason"], 64), f"peer rejected us: {clip(data.get('error'))}",
+                                     [clip(x) for x in lines])
                 self._count_rejection(exc, url)
                 raise exc
             if resp.status != 200:
                 raise ConnectionError(f"handshake HTTP {resp.status}: "
-                                      f"{data.get('error') if isinstance(data, dict) else ''}")
+                                      f"{clip(data.get('error')) if isinstance(data, dict) else ''}")
             return data
 
     def _count_rejection(self, exc: HandshakeError, where: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from kv_offload_sidecar.control.app import SIDECAR_KEY, create_app
 from kv_offload_sidecar.lifecycle import running
-from kv_offload_sidecar.peers.handshake import HandshakeInitiator, make_hello
+from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, HelloMessage, make_hello
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
 from kv_offload_sidecar.peers.location_wire import PublishBatch, key_digest, location_auth
 from kv_offload_sidecar.peers.pool_keys import admin_token
@@ -163,6 +163,29 @@ async def test_wrong_pool_key_is_rejected_as_bad_proof_at_step_1(sidecar_client)
     assert resp.status == 403 and body["reason"] == "bad_proof"
     assert body["fields"] == [] and body["diff"] == [] and "hello" not in body
     assert await metric(sidecar_client, "kv_offload_handshakes_total", reason="bad_proof") == 1
+
+
+async def test_a_stranger_of_another_wire_version_gets_the_bytes_of_any_stranger(sidecar_client):
+    answers = set()
+    for version in (WIRE_VERSION, "1.0", "3.0"):
+        step1 = {**HandshakeInitiator(b"not-the-key", peer_hello()).step1(), "wire_version": version}
+        resp = await sidecar_client.post("/v1/handshake", json=step1)
+        assert resp.status == 403
+        answers.add(await resp.read())
+    assert len(answers) == 1
+    answer = answers.pop()
+    assert b"bad_proof" in answer and WIRE_VERSION.encode() not in answer
+
+
+async def test_a_key_holder_of_another_wire_version_is_told_after_its_proof(sidecar_client):
+    initiator = HandshakeInitiator(POOL_KEY, HelloMessage(**{**peer_hello().to_dict(), "wire_version": "3.0"}))
+    resp = await sidecar_client.post("/v1/handshake", json={**initiator.step1(), "wire_version": "3.0"})
+    assert resp.status == 200
+    resp = await sidecar_client.post("/v1/handshake", json=initiator.step2(await resp.json()))
+    body = await resp.json()
+    assert resp.status == 403 and body["reason"] == "wire_version_mismatch"
+    assert body["diff"] == [f"wire_version: {WIRE_VERSION} != 3.0"]
+    assert await metric(sidecar_client, "kv_offload_handshakes_total", reason="wire_version_mismatch") == 1
 
 
 async def test_replayed_handshake_is_rejected(sidecar_client):
