@@ -150,9 +150,9 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
     progress(f"starting {s['members']} {s['transport']} sidecars on 127.0.0.1")
     with attack_pool(s["members"], CHUNK_BYTES, CAPACITY_BYTES, s["transport"]) as pool:
         target, reader_sc = pool[0], pool[1]
-        writer, reader = pool.client(0), pool.client(1)
+        writer = pool.client(0)  # for its local channel's path (the local-channel attacks)
         watch = PoolWatch(pool)
-        honest = HonestLoad(writer, reader, pool.chunk_bytes)
+        honest = HonestLoad((target.host, target.port), (reader_sc.host, reader_sc.port), pool.chunk_bytes)
         watch.start()
         honest.start()
         try:
@@ -181,7 +181,6 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
             honest.stop()
             watch.stop()
             writer.close()
-            reader.close()
         tracebacks = watch.tracebacks()
     results = [r.to_dict(t0) for r in ctx.results]
     pool_fig = pool_figures(before, peak, after, log_bytes, after.at - before.at)
@@ -190,7 +189,7 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
         "baseline_window": [0.0, round(t1 - t0, 2)],
         "honest": {"without_attackers": baseline, "under_attack": attacked,
                    "not_stored": honest.not_stored,
-                   "error": repr(honest.error) if honest.error else None},
+                   "error": honest.error},
         "attacks": results, "pool": pool_fig, "connected": connected,
         "server_headers": sorted(ctx.server_headers),
         "tracebacks": {k: _count(v) for k, v in tracebacks.items()},

@@ -65,16 +65,16 @@ def oversized_http(ctx: AttackContext) -> None:
 
 
 def deep_json(ctx: AttackContext) -> None:
-    """Deep nesting in a handshake body, in a step-1 field and in session-only bodies."""
-    deep = "[" * 100_000 + "]" * 100_000
+    """Deep nesting in a handshake body (small enough for any body limit, and not), in a
+    step-1 field and in session-only bodies."""
     step1 = json.dumps(stranger_step1(ctx))
-    bodies = [
-        (HANDSHAKE, "whole body: ", deep),
-        (HANDSHAKE, "in wire_version: ", step1.replace(f'"{WIRE_VERSION}"', "[" * 50_000 + "]" * 50_000, 1)),
-        (HANDSHAKE, "object nesting: ", '{"a":' * 40_000 + "1" + "}" * 40_000),
-        ("/v1/publish", "publish: ", deep),
-        ("/v1/locate", "locate: ", deep),
-        ("/v1/lookup", "lookup (no token): ", deep),
+    bodies = [(HANDSHAKE, f"{depth} deep: ", "[" * depth + "]" * depth) for depth in (2_000, 12_000, 100_000)]
+    bodies += [
+        (HANDSHAKE, "in wire_version: ", step1.replace(f'"{WIRE_VERSION}"', "[" * 5_000 + "]" * 5_000, 1)),
+        (HANDSHAKE, "object nesting: ", '{"a":' * 4_000 + "1" + "}" * 4_000),
+        ("/v1/publish", "publish: ", "[" * 12_000 + "]" * 12_000),
+        ("/v1/locate", "locate: ", "[" * 12_000 + "]" * 12_000),
+        ("/v1/lookup", "lookup (no token): ", "[" * 12_000 + "]" * 12_000),
     ]
     with measured(ctx, "deeply nested JSON", "control") as result:
         for i in range(ctx.repeats):
@@ -96,11 +96,13 @@ def huge_integers(ctx: AttackContext) -> None:
 
 
 def malformed_step(ctx: AttackContext) -> None:
-    """A 200 kB ``step`` value (the issue: twenty of them added 3.9 MB of log)."""
-    body = json.dumps({"step": "x" * 200_000, "wire_version": WIRE_VERSION}).encode()
-    with measured(ctx, "malformed step 200 kB", "control") as result:
+    """A long ``step`` value, 200 kB and 30 kB (within a small handshake body limit): the
+    issue saw twenty 200 kB ones add 3.9 MB of log."""
+    with measured(ctx, "malformed step 30-200 kB", "control") as result:
         for i in range(ctx.repeats):
-            _send(ctx, result, http_request("POST", HANDSHAKE, body), i)
+            for size in (30_000, 200_000):
+                body = json.dumps({"step": "x" * size, "wire_version": WIRE_VERSION}).encode()
+                _send(ctx, result, http_request("POST", HANDSHAKE, body), i, f"{size // 1000} kB: ")
 
 
 def rejected_flood(ctx: AttackContext) -> None:

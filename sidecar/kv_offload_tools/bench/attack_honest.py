@@ -1,5 +1,8 @@
 """The honest load of ``kv-offload bench attack``: one member stores, another loads.
 
+It runs in a process of its own, so the attackers' threads cost it only what they
+cost the machine.
+
 Every round the writer's engine stores ``chunks_per_round`` new chunks
 (``chaos.chunks``: bytes a function of the key) and the reader's engine looks
 up and loads the chunks stored ``lag_seconds`` earlier (time for the pool's
@@ -13,9 +16,12 @@ attackers with each attack.
 from __future__ import annotations
 
 import collections
+import contextlib
+import multiprocessing
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kv_offload_sidecar.engine.client import EngineClient
 
@@ -47,60 +53,60 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class HonestLoad(threading.Thread):
-    """Stores on ``writer``, lookups and loads on ``reader``, every ``round_seconds``."""
+class HonestLoad:
+    """Stores through ``writer``'s engine, lookups and loads through ``reader``'s, every
+    ``round_seconds``, in a process of its own (the attackers' threads in the bench's process
+    must not slow the honest engines down through its GIL); the rounds come back on a pipe."""
 
-    def __init__(self, writer: EngineClient, reader: EngineClient, chunk_bytes: int, *,
+    def __init__(self, writer: tuple[str, int], reader: tuple[str, int], chunk_bytes: int, *,
                  chunks_per_round: int = 4, round_seconds: float = 0.05, lag_seconds: float = 1.0) -> None:
-        super().__init__(name="kvo-attack-honest", daemon=True)
-        self.writer, self.reader = writer, reader
-        self.chunk_bytes = chunk_bytes
-        self.chunks_per_round = chunks_per_round
-        self.round_seconds = round_seconds
-        self.lag_seconds = lag_seconds
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=_honest_main, name="kvo-attack-honest", daemon=True,
+                                 args=(child, writer, reader, chunk_bytes, chunks_per_round,
+                                       round_seconds, lag_seconds))
         self.rounds: list[Round] = []
         # Chunks the writer's sidecar refused to store (should stay 0).
         self.not_stored = 0
-        self.error: BaseException | None = None
-        self._halt = threading.Event()
+        self.error: str | None = None
         self._lock = threading.Lock()
+        self._drain = threading.Thread(target=self._receive, name="kvo-attack-honest-rx", daemon=True)
+
+    def start(self) -> None:
+        self._proc.start()
+        self._drain.start()
 
     def stop(self) -> None:
-        self._halt.set()
-        self.join(30)
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send("stop")
+        self._drain.join(30)
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
 
-    def run(self) -> None:
-        pending: collections.deque[tuple[float, list[bytes]]] = collections.deque()
-        r = 0
-        next_tick = time.monotonic()
-        try:
-            while not self._halt.is_set():
-                keys = chunk_keys(f"honest/{r}", self.chunks_per_round)
-                r += 1
-                self.not_stored += len(keys) - store_chunks(self.writer, keys, self.chunk_bytes)
-                pending.append((time.monotonic(), keys))
-                while pending and time.monotonic() - pending[0][0] >= self.lag_seconds:
-                    self._load(pending.popleft()[1])
-                next_tick += self.round_seconds
-                self._halt.wait(max(0.0, next_tick - time.monotonic()))
-                next_tick = max(next_tick, time.monotonic() - self.round_seconds)
-        except BaseException as exc:  # reported by the bench, never silent
-            self.error = exc
-
-    def _load(self, keys: list[bytes]) -> None:
-        at = time.monotonic()
-        reply = self.reader.lookup(keys, LOAD_TIMEOUT)
-        t1 = time.monotonic()
-        loaded, wrong = load_and_verify(self.reader, keys, self.chunk_bytes, LOAD_TIMEOUT)
-        t2 = time.monotonic()
-        with self._lock:
-            self.rounds.append(Round(at, len(keys), reply.hits, loaded - wrong, wrong, t1 - at, t2 - t1))
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                return
+            kind, value = msg
+            if kind == "round":
+                with self._lock:
+                    self.rounds.append(Round(*value))
+            elif kind == "not_stored":
+                self.not_stored = value
+            elif kind == "error":
+                self.error = value
+            elif kind == "done":
+                return
 
     def window(self, t0: float, t1: float) -> list[Round]:
         with self._lock:
             return [r for r in self.rounds if t0 <= r.at < t1]
 
-    def stats(self, t0: float, t1: float) -> dict[str, float]:
+    def stats(self, t0: float, t1: float) -> dict[str, Any]:
         """Hit ratio, wrong chunks and load/lookup percentiles (ms) of the rounds begun in [t0, t1)."""
         rounds = self.window(t0, t1)
         asked = sum(r.asked for r in rounds)
@@ -114,3 +120,41 @@ class HonestLoad(threading.Thread):
             "load_p99_ms": round(1e3 * quantile(loads, 0.99), 2),
             "lookup_p99_ms": round(1e3 * quantile(lookups, 0.99), 2),
         }
+
+
+def _honest_main(conn: Any, writer_at: tuple[str, int], reader_at: tuple[str, int], chunk_bytes: int,
+                 chunks_per_round: int, round_seconds: float, lag_seconds: float) -> None:
+    """The honest process: rounds until the parent says stop (or goes away)."""
+    writer = EngineClient.connect(*writer_at)
+    reader = EngineClient.connect(*reader_at)
+    pending: collections.deque[tuple[float, list[bytes]]] = collections.deque()
+    not_stored = 0
+    r = 0
+    next_tick = time.monotonic()
+    try:
+        while not conn.poll(max(0.0, next_tick - time.monotonic())):
+            keys = chunk_keys(f"honest/{r}", chunks_per_round)
+            r += 1
+            not_stored += len(keys) - store_chunks(writer, keys, chunk_bytes)
+            pending.append((time.monotonic(), keys))
+            while pending and time.monotonic() - pending[0][0] >= lag_seconds:
+                conn.send(("round", _load(reader, pending.popleft()[1], chunk_bytes)))
+            next_tick = max(next_tick + round_seconds, time.monotonic() - round_seconds)
+    except BaseException as exc:  # reported by the bench, never silent
+        with contextlib.suppress(OSError):
+            conn.send(("error", repr(exc)))
+    finally:
+        with contextlib.suppress(OSError):
+            conn.send(("not_stored", not_stored))
+            conn.send(("done", None))
+        writer.close()
+        reader.close()
+
+
+def _load(reader: EngineClient, keys: list[bytes], chunk_bytes: int) -> tuple:
+    at = time.monotonic()
+    reply = reader.lookup(keys, LOAD_TIMEOUT)
+    t1 = time.monotonic()
+    loaded, wrong = load_and_verify(reader, keys, chunk_bytes, LOAD_TIMEOUT)
+    t2 = time.monotonic()
+    return (at, len(keys), reply.hits, loaded - wrong, wrong, t1 - at, t2 - t1)

@@ -23,6 +23,7 @@ import statistics
 import time
 
 from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.peers import handshake
 
 from kv_offload_tools.bench.attack_context import AttackContext, AttackResult, measured
 from kv_offload_tools.bench.attack_sockets import ZEROS, ClassPlan, Siege, split_address
@@ -30,8 +31,9 @@ from kv_offload_tools.bench.attack_sockets import ZEROS, ClassPlan, Siege, split
 # Share of the siege's connections per class.
 SHARES = (("control flood", 0.30), ("slow headers", 0.15), ("slow body", 0.15),
           ("data flood", 0.20), ("auth frame 1 MiB", 0.20))
-# Body bytes the slow bodies announce (the control port's largest body by default).
-SLOW_BODY_BYTES = 256 * 1024
+# Body bytes the slow bodies announce: the largest handshake body the sidecar takes (the
+# issue's 256 KiB when it names none).
+SLOW_BODY_BYTES = getattr(handshake, "MAX_HANDSHAKE_BODY_BYTES", 256 * 1024)
 # Bytes of an announced body or frame left for the drip (the last one is never sent).
 DRIP_TAIL = 32
 

@@ -353,26 +353,33 @@ class Answer:
     seconds: float = 0.0
 
 
-def _recv_all(sock: socket.socket, deadline: float, enough=None) -> tuple[bytes, bool]:
-    """Bytes until the peer closes (True), ``enough(data)`` holds, or ``deadline`` (False)."""
+def _recv_all(sock: socket.socket, deadline: float, enough=None, cap: int = 65536) -> tuple[bytes, str]:
+    """Bytes until the peer closes ("closed"), resets ("reset"), ``enough(data)`` holds
+    ("answered") or ``deadline`` passes ("timeout")."""
     buf = bytearray()
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return bytes(buf), False
+            return bytes(buf), "timeout"
         sock.settimeout(left)
         try:
             part = sock.recv(65536)
         except socket.timeout:
-            return bytes(buf), False
+            return bytes(buf), "timeout"
         except OSError:
-            return bytes(buf), True
+            return bytes(buf), "reset"
         if not part:
-            return bytes(buf), True
-        if len(buf) < 65536:
-            buf += part[:65536 - len(buf)]
+            return bytes(buf), "closed"
+        if len(buf) < cap:
+            buf += part[:cap - len(buf)]
         if enough is not None and enough(bytes(buf)):
-            return bytes(buf), False
+            return bytes(buf), "answered"
+
+
+def _silence(end: str) -> str:
+    """The word for a connection that got no byte back."""
+    return {"closed": "closed without an answer", "reset": "reset without an answer",
+            "timeout": f"no answer in {EXCHANGE_TIMEOUT:g} s"}.get(end, "nothing")
 
 
 def _http_complete(data: bytes) -> bool:
@@ -419,9 +426,10 @@ def http_exchange(host: str, port: int, request: bytes, source: str,
     with sock:
         sock.settimeout(timeout)
         _send_all(sock, request)
-        data, closed = _recv_all(sock, started + timeout, _http_complete)
+        data, end = _recv_all(sock, started + timeout, _http_complete)
     status = http_status(data)
-    return Answer(describe("http", data), status, data, closed, time.monotonic() - started)
+    word = describe("http", data) if data else _silence(end)
+    return Answer(word, status, data, end in ("closed", "reset"), time.monotonic() - started)
 
 
 def http_json_body(answer: Answer) -> object:
@@ -444,8 +452,10 @@ def data_exchange(address: str, payload: Sequence[bytes | memoryview] | bytes, s
         return Answer(f"refused ({type(exc).__name__})", seconds=time.monotonic() - started)
     with sock:
         _send_all(sock, payload)
-        data, closed = _recv_all(sock, started + timeout)
-    word = describe("data", data) + (" + close" if closed else " (left open)")
+        data, end = _recv_all(sock, started + timeout)
+    closed = end in ("closed", "reset")
+    word = (describe("data", data) + (f" + {'close' if end == 'closed' else 'reset'}" if closed else " (left open)")
+            if data else _silence(end))
     return Answer(word, None, data, closed, time.monotonic() - started)
 
 
@@ -460,14 +470,22 @@ def local_exchange(path: str, payload: bytes, timeout: float = EXCHANGE_TIMEOUT)
         except OSError as exc:
             return Answer(f"refused ({type(exc).__name__})", seconds=time.monotonic() - started)
         _send_all(sock, payload)
-        data, closed = _recv_all(sock, started + timeout,
-                                 lambda d: len(d) >= 4 and len(d) >= 4 + struct.unpack("!I", d[:4])[0])
-    word = "nothing"
+        data, end = _recv_all(sock, started + timeout,
+                              lambda d: len(d) >= 4 and len(d) >= 4 + struct.unpack("!I", d[:4])[0], 4 << 20)
+        if end == "answered":  # the reply is whole: does the channel stay open or close?
+            more, end = _recv_all(sock, time.monotonic() + 0.2)
+            data += more
+    closed = end in ("closed", "reset")
+    if not data:
+        return Answer(_silence(end), None, data, closed, time.monotonic() - started)
+    word = "partial reply"
     if len(data) >= 4:
         try:
             reply = json.loads(data[4:4 + struct.unpack("!I", data[:4])[0]])
             word = "ok:false" if isinstance(reply, dict) and reply.get("ok") is False else "ok:true"
         except ValueError:
             word = "non-JSON reply"
+    if len(data) > 4096:
+        word += f" of {len(data) // 1024} KiB"
     word += " + close" if closed else " (left open)"
     return Answer(word, None, data, closed, time.monotonic() - started)
