@@ -7,12 +7,16 @@ server process and a UCX client process (transport_peers.py), once with
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
-from peer_processes import PeerProcess, run_ucx_client, ucx_env
+from kv_offload_sidecar.data.base import MAX_UNAUTHENTICATED_PER_SOURCE
+from peer_processes import PEERS_SCRIPT, PeerProcess, run_ucx_client, ucx_env
 
 TLS = ["sm,self", "tcp,self"]
 CHUNK = 256 * 1024
@@ -132,6 +136,46 @@ def test_bad_frames_get_clear_errors_and_the_server_keeps_serving(
     assert errors["malformed"] == 2 and errors["unauthenticated"] == 1
     assert errors["oversize"] == 1 and errors["unknown_type"] == 1
     assert peer.alive()
+
+
+def _wait_for(peer: PeerProcess, done: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while not done(snapshot := peer.metrics()):
+        assert time.monotonic() < deadline, f"{what}: still {snapshot}"
+        time.sleep(0.02)
+    return snapshot
+
+
+@pytest.mark.parametrize("tls", TLS)
+def test_before_the_proof_a_big_frame_is_refused_and_one_session_holds_few_places_for_a_short_time(
+        tls: str, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
+    peer = start_peer("ucx", tls=tls, chunks=4, chunk_bytes=CHUNK, auth_timeout=1.0)
+    client = subprocess.Popen(
+        [sys.executable, PEERS_SCRIPT, "ucx-client", "--tls", tls, "--scenario", "before_auth",
+         "--address", peer.address, "--chunks", "4", "--chunk-bytes", str(CHUNK), "--shm-dir", shm_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ucx_env(tls))
+    try:
+        assert client.stdout is not None and client.stdin is not None
+        line = client.stdout.readline()
+        assert line, "the UCX client ended before holding its attaches"
+        assert json.loads(line) == {"held": MAX_UNAUTHENTICATED_PER_SOURCE}
+        m = _wait_for(peer, lambda m: m["protocol_errors"]["too_many_connections"] == 1,
+                      "the attach past the session's places refused")
+        assert m["unauthenticated"] == MAX_UNAUTHENTICATED_PER_SOURCE
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        out = json.loads(client.stdout.readlines()[-1])
+        assert client.wait(30) == 0
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(5)
+    assert out["big_proof_reply"].startswith("ERROR oversize:"), out
+    m = _wait_for(peer, lambda m: m["unauthenticated"] == 0, "the held attaches cut at the deadline")
+    assert m["protocol_errors"]["timeout"] == MAX_UNAUTHENTICATED_PER_SOURCE
+    assert m["protocol_errors"]["oversize"] == 1
+    after = run_ucx_client(peer, "fetch", tls=tls, shm_dir=shm_dir, chunks=4, chunk_bytes=CHUNK)
+    assert after["fetched"] == 4 and after["identical"]
 
 
 def test_ucx_settings_are_refused_once_ucxx_is_imported() -> None:

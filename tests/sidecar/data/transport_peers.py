@@ -148,6 +148,8 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
             out.update(await kill_or_corrupt(args, client, keys, store, killed))
         elif args.scenario == "garbage":
             out.update(await _garbage(args, keys, store))
+        elif args.scenario == "before_auth":
+            out.update(await _before_auth(args))
         else:
             raise SystemExit(f"unknown scenario {args.scenario!r}")
         out.update(leftovers(args, keys, store, stride))
@@ -213,6 +215,52 @@ async def _garbage(args: argparse.Namespace, keys: list[bytes], store: Any) -> d
     out["identical_after"] = all(chunk_bytes_in(store, k) == content_of(i, args.chunk_bytes)
                                  for i, k in enumerate(keys))
     await client.close()
+    return out
+
+
+async def _before_auth(args: argparse.Namespace) -> dict[str, Any]:
+    """What an attached client may cost before its proof: a 4 KiB AUTH_RESPONSE is refused
+    (ERROR oversize); then ``MAX_UNAUTHENTICATED_PER_SOURCE`` attaches of one session that never
+    answer their challenge, and one more, which the server refuses. Prints ``{"held": n}`` once
+    they are held and keeps them until a line arrives on stdin (the test reads the server's
+    counters meanwhile)."""
+    from kv_offload_sidecar.data import protocol as proto
+    from kv_offload_sidecar.data.base import MAX_UNAUTHENTICATED_PER_SOURCE
+    from kv_offload_sidecar.data.ucx import frames as ucx
+    from kv_offload_sidecar.data.ucx.runtime import UcxRuntime
+
+    rt = UcxRuntime.get()
+    ep = rt.endpoint(ucx.decode_address(args.address))
+
+    async def attach(cid: int) -> tuple[int, int]:
+        mac = ucx.attach_mac(SESSION_KEY, cid, rt.address)
+        await rt.send(ep, bytearray(proto.join(proto.encode_ucx_attach(cid, SESSION_ID, mac, rt.address))),
+                      ucx.ATTACH_TAG)
+        return ucx.tag(cid, ucx.TAG_C2S), ucx.tag(cid, ucx.TAG_S2C)
+
+    async def reply(s2c: int) -> tuple[str, bytes]:
+        buf = bytearray(ucx.CONTROL_BUFFER_BYTES)
+        async with asyncio.timeout(10):
+            await rt.recv(ep, buf, s2c)
+        header = proto.decode_header(buf[:proto.HEADER_BYTES])
+        return header.type.name, bytes(buf[proto.HEADER_BYTES:proto.HEADER_BYTES + header.length])
+
+    out: dict[str, Any] = {}
+    c2s, s2c = await attach(2001)
+    kind, _ = await reply(s2c)
+    assert kind == "AUTH_CHALLENGE", kind
+    await rt.send(ep, bytearray(proto.join(proto.encode_auth_response(SESSION_ID, bytes(32)))) + bytes(4096), c2s)
+    kind, text = await reply(s2c)
+    out["big_proof_reply"] = f"{kind} {text.decode()}"
+    held = 0
+    for cid in range(3001, 3001 + MAX_UNAUTHENTICATED_PER_SOURCE):
+        _, s2c = await attach(cid)
+        kind, _ = await reply(s2c)
+        held += kind == "AUTH_CHALLENGE"
+    await attach(3001 + MAX_UNAUTHENTICATED_PER_SOURCE)  # one more of the same session: refused
+    print(json.dumps({"held": held}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    rt.abort(ep)
     return out
 
 
