@@ -25,7 +25,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -117,6 +117,9 @@ class Sidecar:
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight = 0
         self._idle = asyncio.Event()
+        # Set (and replaced) whenever a chunk becomes visible in the store (load_each waits on it).
+        self._arrived = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._idle.set()
         self.started_at = time.time()
 
@@ -205,7 +208,8 @@ class Sidecar:
         s = self.settings
         self.store = ChunkStore(s.kv_bytes_per_chunk, s.capacity_bytes, directory=s.shm_dir,
                                 name=self.name, metrics=self.metrics,
-                                on_change=self.location.record, replace_existing=True)
+                                on_change=self._store_changed, replace_existing=True)
+        self._loop = asyncio.get_running_loop()
         try:
             self.data_server = make_server(s.transport, self.store, self.authorize, self.metrics,
                                            host=s.host, port=s.data_port,
@@ -302,6 +306,62 @@ class Sidecar:
             m.labels(result="peer_hit").inc(peer)
             m.labels(result="miss").inc(len(keys) - local - peer)
             return local, peer
+
+    def _store_changed(self, key: bytes, present: bool) -> None:
+        """The store's on_change: the directory records it; an arrival wakes ``load_each``."""
+        self.location.record(key, present)
+        if present and self._loop is not None:
+            try:
+                here = asyncio.get_running_loop() is self._loop
+            except RuntimeError:
+                here = False
+            if here:
+                self._wake_arrivals()
+            else:
+                self._loop.call_soon_threadsafe(self._wake_arrivals)
+
+    def _wake_arrivals(self) -> None:
+        arrived, self._arrived = self._arrived, asyncio.Event()
+        arrived.set()
+
+    async def load_each(self, keys: Sequence[bytes], timeout: float,
+                        take: Callable[[PinnedChunk], None]) -> int:
+        """Like ``load``, but hands each pin to ``take`` as soon as its chunk is here, in key
+        order (local ones at once, fetched ones as they land), so the caller can copy a chunk
+        while the next is still on the wire. Returns how many pins it handed over; the caller
+        releases them."""
+        with self._engine_op():
+            store = self._require_store()
+            n = 0
+            while n < len(keys) and (pin := store.pin(keys[n])) is not None:
+                take(pin)
+                n += 1
+            if n < len(keys):
+                fetch = asyncio.create_task(self.reads.load(keys, n, timeout))
+                try:
+                    while n < len(keys):
+                        arrived = self._arrived
+                        pin = store.pin(keys[n])
+                        if pin is not None:
+                            take(pin)
+                            n += 1
+                        elif fetch.done():
+                            break
+                        else:
+                            waiter = asyncio.ensure_future(arrived.wait())
+                            try:
+                                await asyncio.wait({fetch, waiter},
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                            finally:
+                                waiter.cancel()
+                finally:
+                    if not fetch.done():
+                        fetch.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await fetch
+            self._release_copies(store, self.reads.take_fetched(keys) + self.reads.take_unloaded(
+                UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
+            return n
 
     async def load(self, keys: Sequence[bytes], timeout: float) -> list[PinnedChunk]:
         """Make the leading ``keys`` local (fetching from a peer) and pin them.

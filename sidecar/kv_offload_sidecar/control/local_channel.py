@@ -222,6 +222,8 @@ class _Connection:
             raise ChannelError(f"region chunks of {region.chunk_bytes} bytes do not fit this "
                                f"sidecar's {slot_bytes}-byte slots", fatal=True, reason="bad_size")
         self.region_id = self.server.register_region(region)
+        # Faulted in on the copy thread, ahead of the first job's copies (they queue behind it).
+        self.server.copier.submit(region.prefault)
         return {"ok": True, "region": self.region_id}
 
     def _region(self, req: dict[str, Any]) -> EngineRegion:
@@ -256,24 +258,36 @@ class _Connection:
             region.release()
 
     async def _load_rows(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Each chunk is copied into its row as soon as it is here (held, or landed from a
+        peer), on the copy thread, while the next ones are still on the wire."""
         keys = _keys(req)
         deadline = _deadline(req)
         region = self._region(req)
         server, metrics = self.server, self.sidecar.metrics.engine_transfer
         pins: list[PinnedChunk] = []
+        copies: list[asyncio.Future[bool]] = []
         try:
             rows = _rows(region, req, len(keys))
+
+            def take(pin: PinnedChunk) -> None:
+                copies.append(asyncio.wrap_future(server.copier.submit(
+                    server.copier.slot_to_row, region, pin.view, rows[len(pins)], deadline)))
+                pins.append(pin)
+
             started = time.perf_counter()
             remaining = deadline - time.monotonic()
             if remaining > 0:
-                pins = await self.sidecar.load(keys, remaining)
+                await self.sidecar.load_each(keys, remaining, take)
             fetched = time.perf_counter()
             metrics.labels(op="load", phase="fetch").observe(fetched - started)
-            loaded = await server.run_copy(server.copier.slots_to_rows, region,
-                                           [p.view for p in pins], rows[:len(pins)], deadline)
+            whole = await asyncio.gather(*copies)
+            # The copy time the fetch did not hide.
             metrics.labels(op="load", phase="copy").observe(time.perf_counter() - fetched)
+            loaded = next((i for i, ok in enumerate(whole) if not ok), len(whole))
             return {"ok": True, "loaded": loaded}
         finally:
+            if copies:  # no pin goes back while its copy may still run
+                await asyncio.gather(*copies, return_exceptions=True)
             for p in pins:
                 p.release()
             region.release()

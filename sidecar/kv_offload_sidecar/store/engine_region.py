@@ -32,6 +32,8 @@ from kv_offload_sidecar.store.checksum import chunk_checksum
 
 # Largest region the sidecar maps (bytes): a bound on what a local client can make it map.
 MAX_REGION_BYTES = 1 << 42
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14): fault pages in writable without changing a byte.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Bytes a load copies between two looks at its deadline (so a late copy stops within one piece).
 COPY_PIECE_BYTES = 4 << 20
 
@@ -74,9 +76,22 @@ class EngineRegion:
         self.chunk_bytes = chunk_bytes
         self._rows = np.frombuffer(self._mm, dtype=np.uint8, count=size,
                                    offset=self._skip).reshape(num_rows, row_stride)
+        self._size = size
         self._lock = threading.Lock()
         self._users = 0
         self._closing = False
+
+    def prefault(self) -> bool:
+        """Map every page of the rows writable now (``MADV_POPULATE_WRITE`` keeps their bytes),
+        so the first copies take no page faults; False where the kernel lacks it (then the
+        pages fault in on first use)."""
+        if self._closing:
+            return False
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE, 0, self._skip + self._size)
+            return True
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def check_rows(self, rows: Sequence[object], count: int) -> list[int]:
         """The first ``count`` row indices of a request, each within the region (else RegionError)."""
@@ -160,20 +175,18 @@ class RowCopier:
             sums.append(chunk_checksum(slot) if time.monotonic() <= deadline else None)
         return sums
 
-    def slots_to_rows(self, region: EngineRegion, slots: Sequence[memoryview],
-                      rows: Sequence[int], deadline: float) -> int:
-        """Copy each pinned slot into its row (same order), in pieces of at most
-        ``COPY_PIECE_BYTES``, none started after ``deadline``; returns the leading rows
-        copied whole."""
+    def slot_to_row(self, region: EngineRegion, slot: memoryview, row: int,
+                    deadline: float) -> bool:
+        """Copy one pinned slot into its row in pieces of at most ``COPY_PIECE_BYTES``, none
+        started after ``deadline``; True when the row got the whole chunk."""
         n = region.chunk_bytes
-        for done, (slot, row) in enumerate(zip(slots, rows)):
-            src, dst = _as_array(slot), region.row(row)
-            for start in range(0, n, COPY_PIECE_BYTES):
-                if time.monotonic() > deadline:
-                    return done
-                end = min(n, start + COPY_PIECE_BYTES)
-                np.copyto(dst[start:end], src[start:end])
-        return min(len(slots), len(rows))
+        src, dst = _as_array(slot), region.row(row)
+        for start in range(0, n, COPY_PIECE_BYTES):
+            if time.monotonic() > deadline:
+                return False
+            end = min(n, start + COPY_PIECE_BYTES)
+            np.copyto(dst[start:end], src[start:end])
+        return True
 
     def submit(self, fn, *args):  # type: ignore[no-untyped-def]
         """Run ``fn(*args)`` on the copy thread (a concurrent.futures.Future)."""
