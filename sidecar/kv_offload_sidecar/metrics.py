@@ -55,6 +55,8 @@ PROTOCOL_ERROR_REASONS = (
     # A connection refused at accept: its source, or all sources, hold too many unproven ones.
     "too_many_connections",
 )
+# state label of control_connections: whether a connection has proven anything yet (control/limits.py).
+CONTROL_CONNECTION_STATES = ("unproven", "proven")
 # kind label of location_messages: directory messages this sidecar sent.
 LOCATION_KINDS = ("publish", "locate")
 # direction label of location_bytes, seen from this sidecar.
@@ -86,6 +88,7 @@ LABEL_VALUES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     f"{NAMESPACE}_handshakes": {"result": HANDSHAKE_RESULTS, "reason": HANDSHAKE_REASONS},
     f"{NAMESPACE}_peers": {"state": PEER_STATES},
     f"{NAMESPACE}_protocol_errors": {"reason": PROTOCOL_ERROR_REASONS},
+    f"{NAMESPACE}_control_connections": {"state": CONTROL_CONNECTION_STATES},
     f"{NAMESPACE}_location_messages": {"kind": LOCATION_KINDS},
     f"{NAMESPACE}_location_bytes": {"direction": LOCATION_BYTES_DIRECTIONS},
     f"{NAMESPACE}_fetch_decisions": {"decision": FETCH_DECISIONS},
@@ -171,6 +174,11 @@ class SidecarMetrics:
             "Malformed or refused frames and bodies from peers or clients, by reason.",
             ["reason"], namespace=ns, registry=registry,
         )
+        self.control_connections = Gauge(
+            "control_connections",
+            "Open connections to the control ports, by whether they proved anything yet.",
+            ["state"], namespace=ns, registry=registry,
+        )
         self.lookup_messages = Counter(
             "lookup_messages",
             "Messages sent to peers to answer engine lookups and loads (owner queries and holder exchanges).",
@@ -232,6 +240,8 @@ class SidecarMetrics:
             self.peers.labels(state=state)
         for reason in PROTOCOL_ERROR_REASONS:
             self.protocol_errors.labels(reason=reason)
+        for state in CONTROL_CONNECTION_STATES:
+            self.control_connections.labels(state=state)
         for kind in LOCATION_KINDS:
             self.location_messages.labels(kind=kind)
         for decision in FETCH_DECISIONS:

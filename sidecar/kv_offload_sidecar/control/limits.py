@@ -164,15 +164,16 @@ class ConnectionGuard:
     def __init__(self, metrics: SidecarMetrics, rejections: RejectionLog) -> None:
         self.metrics = metrics
         self.rejections = rejections
-        # Open unproven connections by source address.
+        # Open unproven connections by source address, and all of them.
         self._unproven: Counter[str] = Counter()
+        self._unproven_total = 0
         # Open connections (admitted), by transport.
         self._open: dict[asyncio.BaseTransport, _Connection] = {}
 
     @property
     def unproven(self) -> int:
-        """Unproven connections open now."""
-        return sum(self._unproven.values())
+        """Unproven connections open now (also ``control_connections{state="unproven"}``)."""
+        return self._unproven_total
 
     @property
     def open(self) -> int:
@@ -208,6 +209,7 @@ class ConnectionGuard:
             conn.proven = True
             self._disarm(conn)
             self._release(conn.source)
+            self._count()
 
     def refuse(self, source: str, reason: str, detail: object) -> None:
         """Count one refusal and note it in the rejection log."""
@@ -221,14 +223,16 @@ class ConnectionGuard:
             self.refuse(source, "too_many_connections",
                         f"{MAX_UNPROVEN_PER_SOURCE} unauthenticated connections from it are open")
             return None
-        if sum(self._unproven.values()) >= MAX_UNPROVEN_CONNECTIONS:
+        if self._unproven_total >= MAX_UNPROVEN_CONNECTIONS:
             self.refuse(source, "too_many_connections",
                         f"{MAX_UNPROVEN_CONNECTIONS} unauthenticated connections are open")
             return None
         self._unproven[source] += 1
+        self._unproven_total += 1
         conn = _Connection(source, transport)
         self._open[transport] = conn
         self._arm(conn)
+        self._count()
         return conn
 
     def _received(self, conn: _Connection, nbytes: int) -> int:
@@ -250,10 +254,18 @@ class ConnectionGuard:
 
     def _closed(self, conn: _Connection) -> None:
         self._disarm(conn)
-        if self._open.pop(conn.transport, None) is not None and not conn.proven:
-            self._release(conn.source)
+        if self._open.pop(conn.transport, None) is not None:
+            if not conn.proven:
+                self._release(conn.source)
+            self._count()
+
+    def _count(self) -> None:
+        unproven = self._unproven_total
+        self.metrics.control_connections.labels(state="unproven").set(unproven)
+        self.metrics.control_connections.labels(state="proven").set(len(self._open) - unproven)
 
     def _release(self, source: str) -> None:
+        self._unproven_total -= 1
         self._unproven[source] -= 1
         if self._unproven[source] <= 0:
             del self._unproven[source]

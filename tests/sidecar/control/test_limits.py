@@ -128,6 +128,8 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
         writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
         held.append(writer)
     await until(lambda: ports.guard.unproven == 5, "5 unproven connections")
+    assert ports.sidecar.registry.get_sample_value("kv_offload_control_connections",
+                                                   {"state": "unproven"}) == 5
     same_source = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.2")
     other_source = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.4")
     for answer in (same_source, other_source):
@@ -148,6 +150,8 @@ async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch
     assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
     await until(lambda: ports.guard.unproven == 0, "the admin's connection to be proven")
     assert ports.guard.open == 1  # still open, no longer counted
+    assert ports.sidecar.registry.get_sample_value("kv_offload_control_connections",
+                                                   {"state": "proven"}) == 1
     answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status_of(answer) == 200
     writer.close()
