@@ -57,7 +57,9 @@ class VllmDeployment:
 
     def __init__(self, workdir: str | Path, *, model_name: str = "tiny-llama",
                  block_size: int = 32, chunk_tokens: int = 64, cpu_bytes: int = 64 << 20,
-                 hash_seed: str = "0", python: str | None = None) -> None:
+                 hash_seed: str = "0", python: str | None = None,
+                 model_config: Mapping[str, int] | None = None,
+                 spec: Mapping[str, str] | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = python or vllm_python()
@@ -65,6 +67,11 @@ class VllmDeployment:
         self.chunk_tokens = chunk_tokens
         self.cpu_bytes = cpu_bytes
         self.hash_seed = hash_seed
+        # LlamaConfig fields over model.TINY_LLAMA_CONFIG (None: the tiny model itself).
+        self.model_overrides = dict(model_config or {})
+        # vLLM's offloading spec keys (default: the CPU worker's; on GPUs vLLM's own
+        # ``{"spec_name": "TieringOffloadingSpec"}``).
+        self.spec = dict(CPU_SPEC if spec is None else spec)
         self.model_dir = self.workdir / model_name
         self._write_model()
         self.tier_dir = self.workdir / "tier"
@@ -78,7 +85,7 @@ class VllmDeployment:
     def extra_config(self, tier_keys: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """kv_connector_extra_config: vLLM's tiering spec (CPU worker) with the kv-offload tier."""
         tier = {"type": TIER_TYPE, "module_path": TIER_MODULE, **(tier_keys or {})}
-        return {**CPU_SPEC, "cpu_bytes_to_use": self.cpu_bytes, "block_size": self.chunk_tokens,
+        return {**self.spec, "cpu_bytes_to_use": self.cpu_bytes, "block_size": self.chunk_tokens,
                 "secondary_tiers": [tier]}
 
     def kv_transfer_config(self, engine_id: str,
@@ -117,22 +124,28 @@ class VllmDeployment:
                      model_dir: str | Path | None = None,
                      tier_keys: Mapping[str, Any] | None = None,
                      extra_env: Mapping[str, str] | None = None,
-                     ready_timeout_s: float = 300.0) -> EngineDriverProcess:
-        """One engine (its own process) whose tier talks to the sidecar at ``sidecar_port``."""
+                     ready_timeout_s: float = 300.0,
+                     llm_kwargs: Mapping[str, Any] | None = None) -> EngineDriverProcess:
+        """One engine (its own process) whose tier talks to the sidecar at ``sidecar_port``;
+        ``llm_kwargs``: more ``vllm.LLM`` arguments (e.g. ``max_model_len``)."""
         return EngineDriverProcess(
             str(model_dir or self.model_dir), python=self.python,
             kv_transfer_config=self.kv_transfer_config(f"{name}-{os.getpid()}", tier_keys),
             block_size=self.block_size,
             env=self.engine_env(sidecar_host, sidecar_port, extra_env),
-            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s)
+            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s,
+            llm_kwargs=llm_kwargs)
 
     def start_baseline(self, name: str = "baseline",
-                       ready_timeout_s: float = 300.0) -> EngineDriverProcess:
+                       ready_timeout_s: float = 300.0, *,
+                       extra_env: Mapping[str, str] | None = None,
+                       llm_kwargs: Mapping[str, Any] | None = None) -> EngineDriverProcess:
         """An engine without any KV offloading: the outputs every offloading run must equal."""
         return EngineDriverProcess(
             str(self.model_dir), python=self.python, kv_transfer_config=None,
-            block_size=self.block_size, env=self.engine_env("127.0.0.1", 1),
-            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s)
+            block_size=self.block_size, env=self.engine_env("127.0.0.1", 1, extra_env),
+            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s,
+            llm_kwargs=llm_kwargs)
 
     def copy_model(self, name: str) -> Path:
         """The same weights under another path: vLLM's model name, hence the fingerprint,
@@ -151,6 +164,7 @@ class VllmDeployment:
 
     def _write_model(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(_SIDECAR_DIR)}
-        subprocess.run([self.python, "-m", "kv_offload_tools.vllm_harness.model",
-                        str(self.model_dir)], check=True, env=env, capture_output=True,
-                       timeout=300)
+        cmd = [self.python, "-m", "kv_offload_tools.vllm_harness.model", str(self.model_dir)]
+        if self.model_overrides:
+            cmd += ["--config", json.dumps(self.model_overrides)]
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)

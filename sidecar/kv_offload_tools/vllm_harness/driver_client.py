@@ -131,9 +131,26 @@ class EngineDriverProcess(JsonLinesProcess):
         reply = self.request({"op": "metrics"}, timeout_s)
         return reply["samples" if raw else "metrics"]
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop the engine's own prefix cache (offload tiers keep their data)."""
-        return bool(self.request({"op": "reset_prefix_cache"})["ok"])
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Drop the engine's own prefix cache (offload tiers keep their data);
+        ``reset_connector`` also empties vLLM's primary CPU tier (secondary tiers keep theirs)."""
+        cmd: dict[str, Any] = {"op": "reset_prefix_cache"}
+        if reset_connector:
+            cmd["reset_connector"] = True
+        return bool(self.request(cmd)["ok"])
+
+    def decode_latency(self, decode_prompt: Sequence[int],
+                       traffic_prompt: Sequence[int] | None = None, *, warm_tokens: int = 8,
+                       after_s: float = 1.0, max_decode_tokens: int = 1024,
+                       timeout_s: float = 180.0) -> dict[str, Any]:
+        """Inter-token times of ``decode_prompt`` while ``traffic_prompt`` (if any) is
+        served beside it (``decode_latency`` module); the reply as a dict."""
+        return self.request({
+            "op": "decode_latency", "decode_prompt": list(map(int, decode_prompt)),
+            "traffic_prompt": None if traffic_prompt is None else list(map(int, traffic_prompt)),
+            "warm_tokens": warm_tokens, "after_s": after_s,
+            "max_decode_tokens": max_decode_tokens, "timeout_s": timeout_s,
+        }, timeout_s + 30.0)
 
     def rss(self) -> dict[str, Any]:
         """Current and peak RSS (MiB) of the driver and its children."""

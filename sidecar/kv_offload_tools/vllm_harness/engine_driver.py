@@ -41,6 +41,11 @@ stays up):
      records when something reads its outputs).
   ``{"op": "reset_prefix_cache"}`` -> ``{"ok": bool}``: drop the engine's own
      prefix cache so the next hit can only come from the offload tiers.
+     ``"reset_connector": true`` also resets the connector: vLLM's tiering
+     manager empties its primary CPU tier (secondary tiers keep their chunks),
+     so the next hit can only come from a secondary tier.
+  ``{"op": "decode_latency", ...}``: one request's inter-token times while
+     another's prefix is loaded or stored (``decode_latency`` documents it).
   ``{"op": "rss"}`` -> ``{"rss": ...}`` current and peak RSS of the driver and
      its child processes, in MiB.
   ``{"op": "exit"}`` (or end of stdin) -> ``{"ok", "rss", "shutdown_s",
@@ -190,7 +195,14 @@ class _Driver:
         }
 
     def reset_prefix_cache(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd.get("reset_connector"):
+            return {"ok": bool(self.llm.reset_prefix_cache(reset_connector=True))}
         return {"ok": bool(self.llm.reset_prefix_cache())}
+
+    def decode_latency(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from .decode_latency import decode_latency
+
+        return decode_latency(self.llm, cmd)
 
     def rss(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"rss": _rss_report()}
@@ -304,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": driver.generate,
         "metrics": driver.metrics,
         "reset_prefix_cache": driver.reset_prefix_cache,
+        "decode_latency": driver.decode_latency,
         "rss": driver.rss,
     }
     for line in sys.stdin:

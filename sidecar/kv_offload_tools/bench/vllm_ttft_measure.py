@@ -1,0 +1,313 @@
+"""The measurements of `bench vllm` on one data plane: two pods, each a real vLLM engine
+beside its sidecar (engine A with sidecar 0, engine B with sidecar 1).
+
+Per prefix size, in this order and with one prompt:
+
+1. recompute: A computes the prompt (nothing offloaded holds it). vLLM then
+   stores its chunks into its primary CPU tier and cascades them to the tier,
+   i.e. into sidecar 0: the *store*, timed from the request's start until vLLM
+   counts the tier's write bytes, with the CPU A's engine core and sidecar 0 spent.
+2. cpu_tier: ``reset_prefix_cache()`` on A, same prompt: vLLM's own CPU-tier hit.
+3. own_sidecar: ``reset_prefix_cache(reset_connector=True)`` on A (vLLM's tiering
+   manager empties its primary tier; secondary tiers keep their chunks), same
+   prompt: the chunks come from the pod's own sidecar.
+4. peer: once sidecar 1's directory knows sidecar 0's chunks, B asks for the
+   prompt: lookup until vLLM sees HIT (the tier's counters), fetch from the
+   peer and copy into vLLM's rows (sidecar 1's transfer histogram).
+
+Every first token is compared with the baseline engine's (no offloading).
+Inter-token latency: B decodes a short request while (quiet) nothing else
+runs, (load) B loads a large prefix A computed, (store) B computes a large
+prefix and stores it (``decode_latency`` op).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from kv_offload_tools.bench.vllm_ttft_plan import (
+    CHUNK_TOKENS,
+    GiB,
+    Plan,
+    decode_prompt,
+    prefix_prompt,
+)
+from kv_offload_tools.bench.vllm_ttft_probes import (
+    LOOKUP_WAIT_MS,
+    LOOKUP_WAIT_STEPS,
+    LOOKUP_WAITS,
+    TIER_CHUNK_HITS,
+    TIER_READ_BYTES,
+    TIER_WRITE_BYTES,
+    Probe,
+    delta,
+    descendant,
+    vllm_value,
+)
+
+# Seconds to wait for a store to reach the sidecar, or the pool's directory to converge.
+_STORE_DEADLINE_S = 120.0
+# Polling interval of those waits.
+_POLL_S = 0.02
+
+
+def progress(message: str) -> None:
+    print(f"[bench vllm] {message}", file=sys.stderr, flush=True)
+
+
+def per_gb(seconds: float | None, nbytes: int) -> float | None:
+    return None if seconds is None or nbytes <= 0 else seconds / (nbytes / 1e9)
+
+
+class PlaneBench:
+    """Measurements on one plane's pool of two sidecars and engines A and B."""
+
+    def __init__(self, plan: Plan, plane: str, pool: Any, a: Any, b: Any,
+                 expected: Mapping[str, list[int]], tier_label: str, stride_bytes: int) -> None:
+        self.plan, self.plane, self.pool, self.a, self.b = plan, plane, pool, a, b
+        self.expected = expected
+        self.tier_label = tier_label
+        # Bytes vLLM counts per chunk it writes to or reads from the tier.
+        self.stride_bytes = stride_bytes
+        pids = {"sidecar_0": pool[0].proc.pid, "sidecar_1": pool[1].proc.pid}
+        for role, eng in (("engine_a", a), ("engine_b", b)):
+            core = descendant(eng.pid, "VLLM::EngineCor")
+            if core is None:
+                raise RuntimeError(f"no VLLM::EngineCore process under the driver {eng.pid}")
+            pids[role] = core
+        self.pids = pids
+        self.probe = Probe(pids, {"a": a, "b": b}, {"sidecar_0": pool[0], "sidecar_1": pool[1]},
+                           tier_label)
+        self.mismatches: list[dict[str, Any]] = []
+
+    # ---- helpers -------------------------------------------------------------
+
+    def _check(self, what: str, key: str, out: Mapping[str, Any]) -> bool:
+        want = self.expected[key][:len(out["token_ids"])]
+        ok = out["token_ids"] == want
+        if not ok:
+            self.mismatches.append({"plane": self.plane, "what": what, "prompt": key,
+                                    "got": out["token_ids"], "baseline": want})
+            progress(f"MISMATCH {self.plane} {what}: first token {out['token_ids']} "
+                     f"!= baseline {want}")
+        return ok
+
+    def tier_counter(self, engine: Any, name: str) -> float:
+        return vllm_value(engine.metrics(raw=True), name, tier=self.tier_label) or 0.0
+
+    def _wait(self, what: str, done: Callable[[], bool], timeout: float = _STORE_DEADLINE_S) -> None:
+        end = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.plane}: timed out waiting for {what}")
+            time.sleep(_POLL_S)
+
+    def wait_written(self, engine: Any, before: float, chunks: int) -> None:
+        """Until vLLM counts ``chunks`` more chunks written to the tier (cascaded to its sidecar)."""
+        want = before + chunks * self.stride_bytes
+        self._wait("the store to reach the sidecar",
+                   lambda: self.tier_counter(engine, TIER_WRITE_BYTES) >= want)
+
+    def _hit(self, engine: Any, role: str, prompt: list[int], key: str, what: str,
+             vllm_roles: tuple[str, ...]) -> dict[str, Any]:
+        """One request with max_tokens=1 and the counters around it."""
+        before = self.probe.snapshot(vllm_roles)
+        (out,) = engine.generate([prompt], max_tokens=1)
+        ttft = engine.last_generate_s
+        d = delta(before, self.probe.snapshot(vllm_roles))
+        return {"ttft_s": ttft, "num_cached_tokens": out["num_cached_tokens"],
+                "first_token": out["token_ids"][:1], "match": self._check(what, key, out),
+                "delta": d, "role": role}
+
+    def warm(self, prompt: list[int]) -> None:
+        """One small store, own-sidecar hit and peer hit, so first-request costs (kernels,
+        connections) stay out of the measurements."""
+        a, b = self.a, self.b
+        written = self.tier_counter(a, TIER_WRITE_BYTES)
+        a.generate([prompt], max_tokens=1)
+        self.wait_written(a, written, len(prompt) // CHUNK_TOKENS)
+        a.reset_prefix_cache(reset_connector=True)
+        a.generate([prompt], max_tokens=1)
+        self.pool.wait_summaries(timeout=_STORE_DEADLINE_S)
+        b.generate([prompt], max_tokens=1)
+
+    # ---- one prefix size ----------------------------------------------------------
+
+    def measure_size(self, size_mib: int) -> dict[str, Any]:
+        plan, a, b = self.plan, self.a, self.b
+        key = f"{self.plane}/{size_mib}"
+        prompt = prefix_prompt(plan, self.plane, size_mib)
+        tokens = plan.prefix_tokens(size_mib)
+        nbytes = plan.prefix_bytes(size_mib)
+        chunks = tokens // CHUNK_TOKENS
+        row: dict[str, Any] = {"plane": self.plane, "size_mib": size_mib, "tokens": tokens,
+                               "bytes": nbytes, "chunks": chunks}
+
+        # 1. recompute on A, then its store into sidecar 0.
+        written = self.tier_counter(a, TIER_WRITE_BYTES)
+        before = self.probe.snapshot(("a",))
+        t0 = time.monotonic()
+        (out,) = a.generate([prompt], max_tokens=1)
+        ttft = a.last_generate_s
+        row["recompute"] = {"ttft_s": ttft, "num_cached_tokens": out["num_cached_tokens"],
+                            "first_token": out["token_ids"][:1],
+                            "match": self._check("recompute", key, out)}
+        self.wait_written(a, written, chunks)
+        store_s = time.monotonic() - t0
+        d = delta(before, self.probe.snapshot(("a",)))
+        row["store"] = self._cost(d, nbytes, "engine_a", "sidecar_0", "store", seconds=store_s)
+        progress(f"{self.plane} {size_mib} MiB: recompute {ttft:.3f} s; stored into sidecar 0 "
+                 f"{store_s:.3f} s after the request's start")
+
+        # 2. vLLM's own CPU tier.
+        a.reset_prefix_cache()
+        hit = self._hit(a, "a", prompt, key, "cpu_tier", ("a",))
+        row["cpu_tier"] = self._summary(hit, nbytes, "engine_a", None, None)
+
+        # 3. the pod's own sidecar: vLLM's primary tier emptied.
+        a.reset_prefix_cache(reset_connector=True)
+        hit = self._hit(a, "a", prompt, key, "own_sidecar", ("a",))
+        row["own_sidecar"] = self._summary(hit, nbytes, "engine_a", "sidecar_0", "a")
+
+        # 4. a peer hit: B loads what A's sidecar holds.
+        self.pool.wait_summaries(timeout=_STORE_DEADLINE_S)
+        hit = self._hit(b, "b", prompt, key, "peer", ("b",))
+        peer = self._summary(hit, nbytes, "engine_b", "sidecar_1", "b")
+        peer["holder_cpu_s"] = hit["delta"]["cpu_s"].get("sidecar_0")
+        peer["peer_bytes_received"] = hit["delta"]["sidecar"]["sidecar_1"]["peer_bytes_received"]
+        peer["sidecar_peer_hits"] = hit["delta"]["sidecar"]["sidecar_1"]["peer_hit"]
+        row["peer"] = peer
+        base = row["cpu_tier"]["ttft_s"]
+        for source in ("own_sidecar", "peer"):
+            extra = row[source]["ttft_s"] - base
+            row[source]["extra_over_cpu_tier_s"] = extra
+            row[source]["rate_gbps"] = nbytes / 1e9 / extra if extra > 0 else None
+        progress(f"{self.plane} {size_mib} MiB: cpu tier {base:.3f} s, own sidecar "
+                 f"{row['own_sidecar']['ttft_s']:.3f} s, peer {peer['ttft_s']:.3f} s "
+                 f"(lookup {_fmt_ms(peer['lookup_ms'])} in {_fmt(peer['lookup_steps'])} steps, "
+                 f"fetch {_fmt_s(peer['phases'].get('load.fetch'))}, "
+                 f"copy {_fmt_s(peer['phases'].get('load.copy'))})")
+        return row
+
+    def _cost(self, d: Mapping[str, Any], nbytes: int, engine_role: str, sidecar_role: str,
+              op: str, seconds: float) -> dict[str, Any]:
+        engine_cpu = d["cpu_s"].get(engine_role)
+        sidecar_cpu = d["cpu_s"].get(sidecar_role)
+        phases = {k: v for k, v in d["phases"].get(sidecar_role, {}).items()
+                  if k.startswith(f"{op}.")}
+        return {"seconds": seconds, "rate_gbps": nbytes / 1e9 / seconds if seconds > 0 else None,
+                "engine_cpu_s": engine_cpu, "sidecar_cpu_s": sidecar_cpu,
+                "engine_cpu_s_per_gb": per_gb(engine_cpu, nbytes),
+                "sidecar_cpu_s_per_gb": per_gb(sidecar_cpu, nbytes), "phases": phases}
+
+    def _summary(self, hit: Mapping[str, Any], nbytes: int, engine_role: str,
+                 sidecar_role: str | None, vllm_role: str | None) -> dict[str, Any]:
+        d = hit["delta"]
+        out: dict[str, Any] = {k: hit[k] for k in ("ttft_s", "num_cached_tokens", "first_token",
+                                                   "match")}
+        out["engine_cpu_s"] = d["cpu_s"].get(engine_role)
+        out["engine_cpu_s_per_gb"] = per_gb(out["engine_cpu_s"], nbytes)
+        if sidecar_role is not None:
+            cost = self._cost(d, nbytes, engine_role, sidecar_role, "load", hit["ttft_s"])
+            out["sidecar_cpu_s"] = cost["sidecar_cpu_s"]
+            out["sidecar_cpu_s_per_gb"] = cost["sidecar_cpu_s_per_gb"]
+            out["phases"] = cost["phases"]
+        if vllm_role is not None:
+            v = d["vllm"]
+            waits = v.get(f"{vllm_role}:{LOOKUP_WAITS}")
+            wait_ms = v.get(f"{vllm_role}:{LOOKUP_WAIT_MS}")
+            steps = v.get(f"{vllm_role}:{LOOKUP_WAIT_STEPS}")
+            out["lookup_waits"] = waits
+            out["lookup_ms"] = wait_ms / waits if wait_ms is not None and waits else None
+            out["lookup_steps"] = steps / waits if steps is not None and waits else None
+            out["tier_chunk_hits"] = v.get(f"{vllm_role}:{TIER_CHUNK_HITS}")
+            out["tier_read_bytes"] = v.get(f"{vllm_role}:{TIER_READ_BYTES}")
+        return out
+
+    # ---- inter-token latency ------------------------------------------------------------
+
+    def inter_token(self, size_mib: int) -> dict[str, Any]:
+        """B decodes a short request: alone, while loading a prefix from A's sidecar, and
+        while computing and storing another prefix."""
+        plan, a, b = self.plan, self.a, self.b
+        kwargs = {"after_s": plan.itl_after_s, "max_decode_tokens": plan.max_decode_tokens}
+        runs: dict[str, Any] = {}
+
+        quiet = b.decode_latency(decode_prompt(self.plane, "quiet"), None,
+                                 **{**kwargs, "after_s": 2 * plan.itl_after_s})
+        runs["quiet"] = self._itl(quiet, "quiet")
+
+        load_prompt = prefix_prompt(plan, self.plane, size_mib, "itl-load")
+        chunks = plan.prefix_tokens(size_mib) // CHUNK_TOKENS
+        written = self.tier_counter(a, TIER_WRITE_BYTES)
+        (out,) = a.generate([load_prompt], max_tokens=1)
+        self._check("itl load prompt on A", f"itl-load/{self.plane}/{size_mib}", out)
+        self.wait_written(a, written, chunks)
+        self.pool.wait_summaries(timeout=_STORE_DEADLINE_S)
+        load = b.decode_latency(decode_prompt(self.plane, "load"), load_prompt, **kwargs)
+        runs["load"] = self._itl(load, "load", f"itl-load/{self.plane}/{size_mib}")
+
+        store_prompt = prefix_prompt(plan, self.plane, size_mib, "itl-store")
+        written = self.tier_counter(b, TIER_WRITE_BYTES)
+        store = b.decode_latency(decode_prompt(self.plane, "store"), store_prompt, **kwargs)
+        runs["store"] = self._itl(store, "store", f"itl-store/{self.plane}/{size_mib}")
+        landed = self.tier_counter(b, TIER_WRITE_BYTES) - written
+        runs["store"]["stored_in_window_bytes"] = landed
+        runs["store"]["stored_in_window"] = landed >= chunks * self.stride_bytes
+        q99 = runs["quiet"]["p99_ms"]
+        for name in ("load", "store"):
+            p99 = runs[name]["p99_ms"]
+            runs[name]["p99_over_quiet"] = p99 / q99 if p99 is not None and q99 else None
+        progress(f"{self.plane} inter-token ({size_mib} MiB): p50/p99 quiet "
+                 f"{_fmt(runs['quiet']['p50_ms'])}/{_fmt(q99)} ms, load "
+                 f"{_fmt(runs['load']['p50_ms'])}/{_fmt(runs['load']['p99_ms'])} ms, store "
+                 f"{_fmt(runs['store']['p50_ms'])}/{_fmt(runs['store']['p99_ms'])} ms")
+        return {"plane": self.plane, "size_mib": size_mib, **runs}
+
+    def _itl(self, reply: Mapping[str, Any], what: str, key: str | None = None) -> dict[str, Any]:
+        times = reply["token_times_s"]
+        start = reply["window_start_s"]
+        skip = reply["compute_interval_index"]
+        window = [iv for i, (iv, end) in enumerate(zip(reply["intervals_s"], times[1:]))
+                  if end > start and i != skip]
+        dkey = f"decode/{self.plane}/{what}"
+        if dkey in self.expected:
+            self._check(f"itl {what} decoding request", dkey, {"token_ids":
+                        reply["decode_token_ids"][:len(self.expected[dkey])]})
+        out: dict[str, Any] = {"intervals": len(window),
+                               "compute_interval_ms": (reply["intervals_s"][skip] * 1e3
+                                                       if skip is not None else None)}
+        if window:
+            ms = np.array(window) * 1e3
+            out.update(p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
+                       max_ms=float(ms.max()), mean_ms=float(statistics.fmean(ms)))
+        else:
+            out.update(p50_ms=None, p99_ms=None, max_ms=None, mean_ms=None)
+        traffic = reply.get("traffic")
+        if traffic is not None and key is not None:
+            out["traffic_num_cached_tokens"] = traffic["num_cached_tokens"]
+            out["traffic_seconds"] = traffic["finished_at_s"] - traffic["added_at_s"]
+            out["traffic_match"] = self._check(f"itl {what} prompt", key, traffic)
+        return out
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "missing" if v is None else f"{v:.0f} ms"
+
+
+def _fmt_s(v: float | None) -> str:
+    return "missing" if v is None else f"{v:.3f} s"
+
+
+def gib(nbytes: int) -> float:
+    return nbytes / GiB

@@ -1,0 +1,116 @@
+"""Sizing of `bench vllm`: the model, the prompts, and the memory every engine and sidecar gets.
+
+Everything is sized to what the largest prefix needs, because the host's RAM is
+shared: vLLM's KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB) holds the
+largest prompt plus the decoding request of the inter-token measurement;
+vLLM's primary CPU tier (``cpu_bytes_to_use``) and each sidecar's store hold
+the largest prefix plus a few chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from kv_offload_tools.vllm_harness.model import kv_bytes_per_token, kv_llama_config
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Tokens per offloaded chunk (vLLM's offloading block_size) and per vLLM KV block.
+CHUNK_TOKENS = 64
+BLOCK_TOKENS = 32
+# Tokens after the shared prefix in every prompt: the part a hit still computes.
+SUFFIX_TOKENS = 1
+# Prompt tokens of the decoding request of the inter-token measurement.
+DECODE_PROMPT_TOKENS = 32
+# Token ids of the random prompts (the model's vocabulary is 2048; low ids avoided).
+_TOKEN_RANGE = (10, 2000)
+# Chunks of slack in vLLM's primary tier and in each sidecar's store.
+_SLACK_CHUNKS = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures and how big everything is."""
+
+    # Prefix sizes in MiB of KV, ascending.
+    sizes_mib: tuple[int, ...]
+    # Data planes (the sidecar's --transport), in run order.
+    planes: tuple[str, ...]
+    # Model layers: 16 KiB of fp32 KV per token and layer.
+    layers: int
+    # Prefix size of the inter-token measurement (MiB of KV); 0 skips it.
+    itl_size_mib: int
+    # Most tokens the decoding request may produce in one inter-token run.
+    max_decode_tokens: int
+    # Seconds the decoding request keeps going after the traffic request finished.
+    itl_after_s: float
+
+    @property
+    def model_config(self) -> dict[str, int]:
+        return kv_llama_config(self.layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model_config)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return CHUNK_TOKENS * self.bytes_per_token
+
+    def prefix_tokens(self, size_mib: int) -> int:
+        """Tokens of a prefix of ``size_mib`` MiB of KV, whole chunks (at least one)."""
+        chunks = max(1, math.ceil(size_mib * MiB / self.chunk_bytes))
+        return chunks * CHUNK_TOKENS
+
+    def prefix_bytes(self, size_mib: int) -> int:
+        return self.prefix_tokens(size_mib) * self.bytes_per_token
+
+    @property
+    def largest_prompt_tokens(self) -> int:
+        sizes = (*self.sizes_mib, self.itl_size_mib)
+        return max(self.prefix_tokens(s) for s in sizes if s) + SUFFIX_TOKENS
+
+    @property
+    def max_model_len(self) -> int:
+        return max(self.largest_prompt_tokens + 1, DECODE_PROMPT_TOKENS + self.max_decode_tokens)
+
+    @property
+    def kv_cache_gib(self) -> int:
+        """``VLLM_CPU_KVCACHE_SPACE``: the largest prompt and the decoding request at once."""
+        tokens = self.largest_prompt_tokens + 1
+        if self.itl_size_mib:
+            tokens += DECODE_PROMPT_TOKENS + self.max_decode_tokens
+        return max(1, math.ceil(tokens * self.bytes_per_token / GiB))
+
+    @property
+    def primary_bytes(self) -> int:
+        """vLLM's primary CPU tier (``cpu_bytes_to_use``): the largest prefix and some slack."""
+        return (self.largest_prompt_tokens // CHUNK_TOKENS + _SLACK_CHUNKS) * self.chunk_bytes
+
+    @property
+    def store_bytes(self) -> int:
+        """Each sidecar's store capacity: the largest prefix and some slack."""
+        return (self.largest_prompt_tokens // CHUNK_TOKENS + _SLACK_CHUNKS) * self.chunk_bytes
+
+    def llm_kwargs(self) -> dict[str, int]:
+        # One step prefills a whole prompt (the inter-token run excludes that one step).
+        return {"max_model_len": self.max_model_len,
+                "max_num_batched_tokens": max(self.max_model_len, 2048)}
+
+
+def prompt(seed: str, tokens: int) -> list[int]:
+    """Deterministic random token ids; a distinct seed shares no chunk with another."""
+    rng = random.Random(seed)
+    return [rng.randrange(*_TOKEN_RANGE) for _ in range(tokens)]
+
+
+def prefix_prompt(plan: Plan, plane: str, size_mib: int, role: str = "prefix") -> list[int]:
+    """The prompt of one measurement: a prefix of ``size_mib`` and ``SUFFIX_TOKENS`` more."""
+    return prompt(f"{role}/{plane}/{size_mib}", plan.prefix_tokens(size_mib) + SUFFIX_TOKENS)
+
+
+def decode_prompt(plane: str, which: str) -> list[int]:
+    return prompt(f"decode/{plane}/{which}", DECODE_PROMPT_TOKENS)

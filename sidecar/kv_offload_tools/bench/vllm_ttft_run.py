@@ -1,0 +1,166 @@
+"""The run of `bench vllm`: references, the baseline engine, then per data plane a pool of two
+sidecars and engines A and B (``vllm_ttft_measure``), returning the JSON report.
+
+Engines start side by side (``start_all``); the baseline runs first and is closed
+before the planes' engines write any offloaded bytes, so at most three engines
+live at once and only two hold KV in their primary tiers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kv_offload_tools.bench.vllm_ttft_measure import PlaneBench, progress
+from kv_offload_tools.bench.vllm_ttft_plan import (
+    BLOCK_TOKENS,
+    CHUNK_TOKENS,
+    Plan,
+    decode_prompt,
+    prefix_prompt,
+    prompt,
+)
+from kv_offload_tools.bench.vllm_ttft_refs import memcpy_seconds, raw_tcp_seconds
+from kv_offload_tools.local_pool import LocalPool
+from kv_offload_tools.vllm_harness.deployment import CPU_SPEC, TIER_TYPE, VllmDeployment
+from kv_offload_tools.vllm_harness.driver_client import close_all, start_all
+
+# Tier keys of every engine: a 1 GiB load on a slow plane must not time out into a recompute.
+TIER_KEYS = {"load_timeout_seconds": 60.0}
+# The sidecars' peer-fetch deadline, for the same reason.
+FETCH_DEADLINE_S = 60.0
+# Tokens the decoding request's output is checked against the baseline's.
+DECODE_CHECK_TOKENS = 8
+# Start the baseline beside the first plane's engines only when each engine's KV cache is this
+# small (GiB): the host's RAM is shared.
+_OVERLAP_MAX_KV_GIB = 1
+
+
+def _prompts(plan: Plan) -> dict[str, list[int]]:
+    """Every prompt whose first token the baseline must give, by key."""
+    out: dict[str, list[int]] = {}
+    for plane in plan.planes:
+        for size in plan.sizes_mib:
+            out[f"{plane}/{size}"] = prefix_prompt(plan, plane, size)
+        if plan.itl_size_mib:
+            for role in ("itl-load", "itl-store"):
+                out[f"{role}/{plane}/{plan.itl_size_mib}"] = prefix_prompt(
+                    plan, plane, plan.itl_size_mib, role)
+    return out
+
+
+def _decode_prompts(plan: Plan) -> dict[str, list[int]]:
+    if not plan.itl_size_mib:
+        return {}
+    return {f"decode/{plane}/{what}": decode_prompt(plane, what)
+            for plane in plan.planes for what in ("quiet", "load", "store")}
+
+
+def _warm_prompt(plane: str) -> list[int]:
+    return prompt(f"warm/{plane}", 2 * CHUNK_TOKENS + 1)
+
+
+def references(plan: Plan) -> list[dict[str, Any]]:
+    out = []
+    for size in plan.sizes_mib:
+        nbytes = plan.prefix_bytes(size)
+        mem, tcp = memcpy_seconds(nbytes), raw_tcp_seconds(nbytes)
+        out.append({"size_mib": size, "bytes": nbytes, "memcpy_s": mem, "raw_tcp_s": tcp,
+                    "memcpy_gbps": nbytes / 1e9 / mem, "raw_tcp_gbps": nbytes / 1e9 / tcp})
+        progress(f"reference {size} MiB: memcpy {mem:.3f} s, raw TCP {tcp:.3f} s")
+    return out
+
+
+def _baseline(deployment: VllmDeployment, baseline: Any, plan: Plan
+              ) -> tuple[dict[str, list[int]], list[dict[str, Any]]]:
+    """The baseline's first tokens of every prompt (and first tokens of the decoding
+    requests), and its TTFT per size (recompute without any offloading)."""
+    expected: dict[str, list[int]] = {}
+    ttfts: list[dict[str, Any]] = []
+    baseline.generate([_warm_prompt("baseline")], max_tokens=1)
+    for key, p in _prompts(plan).items():
+        (out,) = baseline.generate([p], max_tokens=1)
+        expected[key] = out["token_ids"]
+        plane, _, size = key.partition("/")
+        if plane == plan.planes[0] and size.isdigit():
+            ttfts.append({"size_mib": int(size), "ttft_s": baseline.last_generate_s})
+    for key, p in _decode_prompts(plan).items():
+        (out,) = baseline.generate([p], max_tokens=DECODE_CHECK_TOKENS)
+        expected[key] = out["token_ids"]
+    progress(f"baseline: first tokens of {len(expected)} prompts; recompute "
+             + ", ".join(f"{t['size_mib']} MiB {t['ttft_s']:.3f} s" for t in ttfts))
+    return expected, ttfts
+
+
+def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str, Any]:
+    t0 = time.monotonic()
+    deployment = VllmDeployment(
+        workdir, model_name=f"kv-llama-{plan.layers}", model_config=plan.model_config,
+        block_size=BLOCK_TOKENS, chunk_tokens=CHUNK_TOKENS, cpu_bytes=plan.primary_bytes,
+        spec=CPU_SPEC if spec == CPU_SPEC["spec_name"] else {"spec_name": spec})
+    config = deployment.config
+    if config.kv_bytes_per_chunk != plan.chunk_bytes:
+        raise RuntimeError(f"the translated config says {config.kv_bytes_per_chunk} bytes per "
+                           f"chunk, the plan {plan.chunk_bytes}")
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(plan.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
+    llm_kwargs = plan.llm_kwargs()
+    progress(f"model: {plan.layers} layers, {plan.bytes_per_token >> 10} KiB of KV per token, "
+             f"{plan.chunk_bytes >> 20} MiB per chunk; engines: KV cache {plan.kv_cache_gib} GiB, "
+             f"primary tier {plan.primary_bytes >> 20} MiB, max_model_len {plan.max_model_len}; "
+             f"sidecar stores {plan.store_bytes >> 20} MiB ({time.monotonic() - t0:.0f} s)")
+    report: dict[str, Any] = {
+        "config": {"sizes_mib": list(plan.sizes_mib), "planes": list(plan.planes),
+                   "layers": plan.layers, "model": plan.model_config,
+                   "kv_bytes_per_token": plan.bytes_per_token, "chunk_tokens": CHUNK_TOKENS,
+                   "chunk_bytes": plan.chunk_bytes, "block_tokens": BLOCK_TOKENS,
+                   "kv_cache_gib": plan.kv_cache_gib, "primary_bytes": plan.primary_bytes,
+                   "store_bytes": plan.store_bytes, "max_model_len": plan.max_model_len,
+                   "omp_bind": omp_bind, "spec": spec, "itl_size_mib": plan.itl_size_mib,
+                   "itl_after_s": plan.itl_after_s, "tier_keys": TIER_KEYS},
+        "references": references(plan), "rows": [], "inter_token": [], "mismatches": [],
+        "planes": {},
+    }
+    overlap = plan.kv_cache_gib <= _OVERLAP_MAX_KV_GIB
+    expected: dict[str, list[int]] | None = None
+    if not overlap:
+        baseline = deployment.start_baseline(extra_env=env, llm_kwargs=llm_kwargs)
+        try:
+            expected, report["baseline"] = _baseline(deployment, baseline, plan)
+            report["vllm_version"] = baseline.ready.get("vllm_version") if baseline.ready else None
+        finally:
+            baseline.close()
+    for plane in plan.planes:
+        t_plane = time.monotonic()
+        with LocalPool(2, transport=plane, config=config, capacity_bytes=plan.store_bytes,
+                       publish_interval_seconds=0.05,
+                       fetch_deadline_seconds=FETCH_DEADLINE_S) as pool:
+            starters = [
+                lambda: deployment.start_engine(f"a-{plane}", pool[0].port, tier_keys=TIER_KEYS,
+                                                extra_env=env, llm_kwargs=llm_kwargs),
+                lambda: deployment.start_engine(f"b-{plane}", pool[1].port, tier_keys=TIER_KEYS,
+                                                extra_env=env, llm_kwargs=llm_kwargs)]
+            if expected is None:
+                starters.append(lambda: deployment.start_baseline(extra_env=env,
+                                                                  llm_kwargs=llm_kwargs))
+            engines = start_all(starters)
+            try:
+                a, b = engines[0], engines[1]
+                if expected is None:
+                    expected, report["baseline"] = _baseline(deployment, engines[2], plan)
+                    report["vllm_version"] = engines[2].ready.get("vllm_version")
+                    engines[2].close()
+                progress(f"{plane}: sidecars and engines up ({time.monotonic() - t_plane:.0f} s)")
+                bench = PlaneBench(plan, plane, pool, a, b, expected, f"1:{TIER_TYPE}",
+                                   config.host_chunk_stride_bytes)
+                bench.warm(_warm_prompt(plane))
+                for size in plan.sizes_mib:
+                    report["rows"].append(bench.measure_size(size))
+                if plan.itl_size_mib:
+                    report["inter_token"].append(bench.inter_token(plan.itl_size_mib))
+                report["mismatches"] += bench.mismatches
+                report["planes"][plane] = {"pids": bench.pids,
+                                           "seconds": round(time.monotonic() - t_plane, 1)}
+            finally:
+                close_all(engines)
+    return report
+

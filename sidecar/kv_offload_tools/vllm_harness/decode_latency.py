@@ -1,0 +1,125 @@
+"""The ``decode_latency`` op of ``engine_driver``: one request's inter-token times while
+another request's prefix moves through offloading (runs in vLLM's python).
+
+The driver steps vLLM's ``LLMEngine`` itself (``add_request`` / ``step``) and
+timestamps every token of a decoding request D as it reaches this process, the
+way a streaming client sees it. After D has ``warm_tokens`` tokens, a traffic
+request T (``max_tokens=1``) is added: a prefix a peer holds (a load), a new
+prefix this engine computes and then stores, or none (the quiet reference).
+D keeps decoding until T has finished and ``after_s`` more seconds have passed
+(the store cascade runs after T's prefill), then D is aborted; a D that
+reaches ``max_decode_tokens`` first ends the window early (``decode_finished``).
+
+The step that ran T's prompt tokens is compute, not offload traffic: the
+interval of D that ends in the step delivering T's output is reported apart
+(``compute_interval_index``); with ``max_num_batched_tokens`` at least T's
+length vLLM prefills T in that one step.
+
+Request and reply (``engine_driver`` documents the protocol)::
+
+    {"op": "decode_latency", "decode_prompt": [ids], "traffic_prompt": [ids] | null,
+     "warm_tokens": 8, "after_s": 1.0, "max_decode_tokens": 1024, "timeout_s": 120}
+    -> {"intervals_s": [...], "compute_interval_index": int | null,
+        "decode_token_ids": [...], "traffic": {"token_ids", "num_cached_tokens",
+        "added_at_s", "finished_at_s"} | null, "elapsed_s"}
+
+``intervals_s[i]`` is the time between D's token i+1 and token i+2 (the first
+token, D's own prefill, is not an interval); times are seconds from D's add.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["decode_latency"]
+
+
+def _params(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _prompt(ids: list[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=[int(t) for t in ids])
+
+
+def decode_latency(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Run the op on ``llm`` (a ``vllm.LLM`` with no request in flight)."""
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("decode_latency needs an idle engine")
+    warm = int(cmd.get("warm_tokens", 8))
+    after_s = float(cmd.get("after_s", 1.0))
+    max_decode = int(cmd.get("max_decode_tokens", 1024))
+    timeout_s = float(cmd.get("timeout_s", 120.0))
+    traffic_prompt = cmd.get("traffic_prompt")
+    stamp = f"{time.monotonic_ns()}"
+    decode_id, traffic_id = f"itl-decode-{stamp}", f"itl-traffic-{stamp}"
+
+    t0 = time.monotonic()
+    engine.add_request(decode_id, _prompt(cmd["decode_prompt"]), _params(max_decode))
+    token_times: list[float] = []
+    decode_tokens: list[int] = []
+    traffic: dict[str, Any] | None = None
+    traffic_added = traffic_done = None
+    compute_index: int | None = None
+    quiet_mark: float | None = None  # without traffic: when T would have been added
+    decode_finished = False
+    while True:
+        now_check = time.monotonic()
+        if now_check - t0 > timeout_s:
+            engine.abort_request([decode_id, traffic_id])
+            raise TimeoutError(f"decode_latency: no end within {timeout_s} s")
+        outputs = engine.step()
+        now = time.monotonic() - t0
+        traffic_finished_now = False
+        for out in outputs:
+            if out.request_id == traffic_id and out.finished:
+                traffic_done = now
+                traffic_finished_now = True
+                traffic = {"token_ids": list(out.outputs[0].token_ids),
+                           "num_cached_tokens": out.num_cached_tokens,
+                           "added_at_s": round(traffic_added or 0.0, 6),
+                           "finished_at_s": round(now, 6)}
+        for out in outputs:
+            if out.request_id != decode_id:
+                continue
+            ids = list(out.outputs[0].token_ids)
+            for _ in range(len(ids) - len(decode_tokens)):
+                token_times.append(now)
+            decode_tokens = ids
+            if traffic_finished_now and len(token_times) >= 2:
+                compute_index = len(token_times) - 2
+            decode_finished = decode_finished or out.finished
+        if len(token_times) >= warm:
+            if traffic_prompt is not None and traffic_added is None:
+                engine.add_request(traffic_id, _prompt(traffic_prompt), _params(1))
+                traffic_added = time.monotonic() - t0
+            elif traffic_prompt is None and quiet_mark is None:
+                quiet_mark = now
+        end_from = traffic_done if traffic_prompt is not None else quiet_mark
+        if end_from is not None and now - end_from >= after_s:
+            break
+        if decode_finished and (traffic_prompt is None or traffic_done is not None
+                                or traffic_added is None):
+            break  # D reached max_decode_tokens: the window ends with it
+    engine.abort_request([decode_id])
+    # Drain what the abort leaves so the engine is idle for the next op.
+    deadline = time.monotonic() + 10.0
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        engine.step()
+    intervals = [b - a for a, b in zip(token_times, token_times[1:])]
+    return {
+        "intervals_s": [round(x, 6) for x in intervals],
+        "token_times_s": [round(x, 6) for x in token_times],
+        "compute_interval_index": compute_index,
+        "decode_token_ids": decode_tokens,
+        "traffic": traffic,
+        "decode_finished": decode_finished,
+        "window_start_s": round(traffic_added if traffic_added is not None else (quiet_mark or 0.0), 6),
+        "elapsed_s": round(time.monotonic() - t0, 4),
+    }

