@@ -191,7 +191,7 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
                    "not_stored": honest.not_stored,
                    "error": honest.error},
         "attacks": results, "pool": pool_fig, "connected": connected,
-        "server_headers": sorted(ctx.server_headers),
+        "server_headers": sorted(ctx.server_headers), "during_siege": ctx.during_siege,
         "tracebacks": {k: _count(v) for k, v in tracebacks.items()},
         "targets": targets(pool_fig, results, tracebacks, connected, baseline, attacked,
                            s["connections"], leaked, replays),
@@ -256,6 +256,9 @@ def render(report: dict[str, Any]) -> str:
              f"{b['load_p50_ms']:.1f} ms", ""]
     if h["error"]:
         lines.append(f"honest load stopped early: {h['error']}")
+    for what, answer in report["during_siege"].items():
+        lines.append(f"while the siege held everything, {what}: {answer}")
+    lines.append("")
     lines += counters_lines(report["attacks"])
     for server in report["server_headers"]:
         lines.append(f"- the control port's Server header: {server}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import urllib.error
 
 from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, make_hello
 
@@ -135,17 +137,51 @@ def other_wire_version(ctx: AttackContext) -> bool:
     return leaked
 
 
-def replayed_steps(ctx: AttackContext) -> int:
-    """A member's real handshake transcript (member C's hello, its key), then its step 1 and
-    step 2 bodies sent again by strangers. Returns replays answered with 200."""
+def member_initiator(ctx: AttackContext) -> HandshakeInitiator:
+    """A handshake as a real member (the third one: its identity, addresses and the pool key)
+    would start it; accepting it only tells the target of a member it knows already."""
     member = next(sc for sc in ctx.pool.members() if sc is not ctx.target and sc.index != 1)
-    data_address = member.status()["data_address"]
     pool = ctx.pool
     hello = make_hello(fingerprint=pool.config.fingerprint, hash_seed=pool.hash_seed,
                        kv_bytes_per_chunk=pool.chunk_bytes, identity=member.identity,
-                       control_address=member.address, data_address=data_address,
+                       control_address=member.address, data_address=member.status()["data_address"],
                        transport=pool.transport, run_config=pool.config.run_config())
-    initiator = HandshakeInitiator(pool.pool_key, hello)
+    return HandshakeInitiator(pool.pool_key, hello)
+
+
+def _timed(call) -> str:
+    started = time.monotonic()
+    try:
+        code, _ = call()
+    except urllib.error.HTTPError as exc:
+        code = exc.code
+    except OSError as exc:
+        return f"{type(exc).__name__} after {1e3 * (time.monotonic() - started):.0f} ms"
+    return f"HTTP {code} in {1e3 * (time.monotonic() - started):.0f} ms"
+
+
+def legitimate_calls(ctx: AttackContext) -> dict[str, str]:
+    """What the pool's own callers (from 127.0.0.1) get from the target right now."""
+    initiator = member_initiator(ctx)
+    step1 = initiator.step1()
+    replies: list = []
+
+    def handshake() -> tuple[int, object]:
+        code, reply = ctx.target.post(HANDSHAKE, step1, auth=False)
+        if code != 200:
+            return code, reply
+        replies.append(reply)
+        return ctx.target.post(HANDSHAKE, initiator.step2(reply), auth=False)
+
+    return {"a member's handshake": _timed(handshake),
+            "an admin's /v1/status": _timed(lambda: ctx.target.get("/v1/status")),
+            "a /metrics scrape": _timed(lambda: (200, ctx.target.metrics_text()))}
+
+
+def replayed_steps(ctx: AttackContext) -> int:
+    """A member's real handshake transcript (member C's hello, its key), then its step 1 and
+    step 2 bodies sent again by strangers. Returns replays answered with 200."""
+    initiator = member_initiator(ctx)
     step1 = initiator.step1()
     accepted = 0
     with measured(ctx, "replayed handshake steps", "control") as result:

@@ -100,6 +100,8 @@ def counters_lines(results: list[dict[str, Any]]) -> list[str]:
             moved = ", ".join(f"{k} +{v:g}" for k, v in list(r["counters"].items())[:8])
             out.append(f"- {r['name'].strip()}: {moved}")
         for note in r["notes"]:
+            if note.startswith("while all were held"):
+                continue  # printed once, from the report's during_siege
             out.append(f"- {r['name'].strip()}: {note}")
     return out
 

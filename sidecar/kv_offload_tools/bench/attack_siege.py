@@ -11,10 +11,13 @@ then all held together for ``hold_seconds``:
 - ``auth frame 1 MiB``: a frame header announcing a 1 MiB AUTH_RESPONSE, its
   payload sent but for the last bytes (the issue: 300 of these held 258 MiB).
 
-Each class gets a row (what came back, how many the sidecar cut and how soon,
-the target's RSS peak as that class was added); the siege as a whole gets one
-more (counters, logs and tracebacks of the whole, whether the members stayed
-connected while it held everything).
+The costly classes open first, so the floods meet the sidecar's connection limits
+with them held. Each class gets a row (what came back, how many the sidecar cut
+and how soon, the target's RSS and descriptors as that class was added); the
+siege as a whole gets one more (counters, logs and tracebacks of the whole), and
+once everything is open the pool's own callers try the target's control port
+from 127.0.0.1 (a member's handshake, an admin's ``/v1/status``, a ``/metrics``
+scrape) and the members' connections are checked: what a legitimate caller pays.
 """
 
 from __future__ import annotations
@@ -26,16 +29,20 @@ from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.peers import handshake
 
 from kv_offload_tools.bench.attack_context import AttackContext, AttackResult, measured
+from kv_offload_tools.bench.attack_control import legitimate_calls
 from kv_offload_tools.bench.attack_sockets import ZEROS, ClassPlan, Siege, split_address
 
-# Share of the siege's connections per class.
-SHARES = (("control flood", 0.30), ("slow headers", 0.15), ("slow body", 0.15),
-          ("data flood", 0.20), ("auth frame 1 MiB", 0.20))
+# Share of the siege's connections per class, in the order they are opened: the costly
+# ones first (so they are let in before the floods fill the sidecar's connection limits).
+SHARES = (("slow body", 0.15), ("slow headers", 0.15), ("auth frame 1 MiB", 0.20),
+          ("control flood", 0.30), ("data flood", 0.20))
 # Body bytes the slow bodies announce: the largest handshake body the sidecar takes (the
 # issue's 256 KiB when it names none).
 SLOW_BODY_BYTES = getattr(handshake, "MAX_HANDSHAKE_BODY_BYTES", 256 * 1024)
 # Bytes of an announced body or frame left for the drip (the last one is never sent).
 DRIP_TAIL = 32
+# Seconds each class is served after it opened before the next one opens.
+CLASS_SECONDS = 0.5
 
 
 def siege_plans(ctx: AttackContext, connections: int) -> list[ClassPlan]:
@@ -46,21 +53,22 @@ def siege_plans(ctx: AttackContext, connections: int) -> list[ClassPlan]:
     head = (f"POST /v1/handshake HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {SLOW_BODY_BYTES}\r\n\r\n").encode()
     auth = proto.HEADER.pack(proto.MAGIC, proto.WIRE_MAJOR, proto.MessageType.AUTH_RESPONSE, 0, 1 << 20)
-    plans = [
-        ClassPlan("control flood", "control", "http", ctx.port, counts["control flood"]),
-        ClassPlan("slow headers", "control", "http", ctx.port, counts["slow headers"],
-                  first=[b"POST /v1/handshake HTTP/1.1\r\nHost: 127.0.0.1\r\n"],
-                  drip=b"X-Slow-Header: " + b"s" * 200),
-        ClassPlan("slow body", "control", "http", ctx.port, counts["slow body"],
-                  first=[head, ZEROS[:SLOW_BODY_BYTES - DRIP_TAIL]], drip=b" " * (DRIP_TAIL - 1)),
-    ]
+    control = {
+        "control flood": ClassPlan("control flood", "control", "http", ctx.port, counts["control flood"]),
+        "slow headers": ClassPlan("slow headers", "control", "http", ctx.port, counts["slow headers"],
+                                  first=[b"POST /v1/handshake HTTP/1.1\r\nHost: 127.0.0.1\r\n"],
+                                  drip=b"X-Slow-Header: " + b"s" * 200),
+        "slow body": ClassPlan("slow body", "control", "http", ctx.port, counts["slow body"],
+                               first=[head, ZEROS[:SLOW_BODY_BYTES - DRIP_TAIL]], drip=b" " * (DRIP_TAIL - 1)),
+    }
+    data = {
+        "data flood": ClassPlan("data flood", "data", "data", data_port, counts["data flood"]),
+        "auth frame 1 MiB": ClassPlan("auth frame 1 MiB", "data", "data", data_port, counts["auth frame 1 MiB"],
+                                      first=[auth, ZEROS[:(1 << 20) - DRIP_TAIL]], drip=bytes(DRIP_TAIL - 1)),
+    }
     if ctx.data_address.startswith("ucx://"):
-        return plans  # a stranger cannot reach a UCX worker address (module docstring of attack_wire)
-    return plans + [
-        ClassPlan("data flood", "data", "data", data_port, counts["data flood"]),
-        ClassPlan("auth frame 1 MiB", "data", "data", data_port, counts["auth frame 1 MiB"],
-                  first=[auth, ZEROS[:(1 << 20) - DRIP_TAIL]], drip=bytes(DRIP_TAIL - 1)),
-    ]
+        data = {}  # a stranger cannot reach a UCX worker address (module docstring of attack_wire)
+    return [{**control, **data}[name] for name, _ in SHARES if name in {**control, **data}]
 
 
 def run_siege(ctx: AttackContext, connections: int, hold_seconds: float) -> None:
@@ -70,7 +78,8 @@ def run_siege(ctx: AttackContext, connections: int, hold_seconds: float) -> None
     # RSS and descriptors of the target before the siege and once each class is open.
     steps: dict[str, tuple[int, int, int]] = {"": ctx.watch.sample().members[ident]}
     siege = Siege(ctx.host, plans, ctx.sources, hold_seconds, ctx.progress,
-                  on_class=lambda name: steps.__setitem__(name, ctx.watch.sample().members[ident]))
+                  on_class=lambda name: steps.__setitem__(name, ctx.watch.sample().members[ident]),
+                  class_seconds=CLASS_SECONDS)
     ctx.watch.gauges["hostile connections open"] = lambda: siege.open_now
     rows: list[AttackResult] = []
     with measured(ctx, f"siege: {total} connections held", "control+data") as whole:
@@ -78,10 +87,13 @@ def run_siege(ctx: AttackContext, connections: int, hold_seconds: float) -> None
         siege.start()
         while siege.is_alive() and not siege.all_open_at:
             siege.join(0.2)
-        if siege.is_alive():  # everything is open: are the members still a connected pool?
+        if siege.is_alive():  # everything is open: what do the pool's own callers get now?
+            ctx.during_siege = legitimate_calls(ctx)
             wrong = {k: v for k, v in ctx.watch.connected(timeout=0).items() if v}
-            whole.note("while all were held: " + ("every member connected" if not wrong else
-                                                  "; ".join(f"{k} {v}" for k, v in wrong.items())))
+            ctx.during_siege["members connected"] = ("every member connected" if not wrong else
+                                                     "; ".join(f"{k} {v}" for k, v in wrong.items()))
+            for what, answer in ctx.during_siege.items():
+                whole.note(f"while all were held, {what}: {answer}")
         siege.join()
         ctx.watch.sample()
         rows = _class_rows(ctx, siege, plans, steps)
