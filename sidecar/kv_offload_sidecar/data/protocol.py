@@ -31,6 +31,11 @@ Message types and payloads (all integers big-endian):
 A FETCH of n keys with request id r is answered by one CHUNK or CHUNK_MISSING per
 key, in order, with request ids r, r+1, ... r+n-1 (mod 2**32).
 
+Until AUTH_OK no frame either way carries more than ``MAX_UNAUTHENTICATED_PAYLOAD`` bytes
+(the longest AUTH_RESPONSE): a header announcing more is refused as ``oversize`` before a
+byte of its payload is read (``decode_header(..., max_payload=...)``). ERROR texts are cut
+to ``MAX_ERROR_TEXT_BYTES``.
+
 Encoders return lists of buffers (header + payload parts, memoryviews of chunk
 bytes untouched) for ``sendmsg``/``writelines``; decoders validate everything and
 raise ``ProtocolError(reason, message)`` with ``reason`` one of

@@ -162,3 +162,33 @@ def test_decoders_never_fail_other_than_with_protocol_error(junk: bytes) -> None
         proto.decode_header(junk[:proto.HEADER_BYTES], CHUNK)
     except proto.ProtocolError as exc:
         assert exc.reason in proto.PROTOCOL_ERROR_REASONS
+
+
+def test_before_the_proof_a_header_announcing_more_than_the_longest_auth_response_is_oversize() -> None:
+    limit = proto.MAX_UNAUTHENTICATED_PAYLOAD
+    longest = proto.encode_auth_response(b"s" * proto.MAX_SESSION_ID_BYTES, bytes(proto.PROOF_BYTES))
+    header = proto.decode_header(longest[0], max_payload=limit)
+    assert header.length == limit == 290
+    with pytest.raises(proto.ProtocolError) as err:
+        proto.decode_header(proto.encode_header(proto.MessageType.AUTH_RESPONSE, 0, limit + 1),
+                            max_payload=limit)
+    assert err.value.reason == "oversize" and "before authentication" in str(err.value)
+    # after the proof the control-frame limit applies as before
+    assert proto.decode_header(proto.encode_header(proto.MessageType.LOOKUP, 0, 1 << 20)).length == 1 << 20
+
+
+def test_error_texts_are_cut_to_a_sentence_that_fits_the_unauthenticated_limit() -> None:
+    frame = proto.join(proto.encode_error(0, "malformed", "x" * 100_000))
+    header, payload = _split(frame)
+    assert header.length == proto.MAX_ERROR_TEXT_BYTES <= proto.MAX_UNAUTHENTICATED_PAYLOAD
+    assert proto.decode_error(payload).startswith("malformed: xxx")
+
+
+@given(st.binary(min_size=proto.HEADER_BYTES, max_size=proto.HEADER_BYTES))
+def test_any_header_before_the_proof_is_either_small_or_a_protocol_error(raw: bytes) -> None:
+    try:
+        header = proto.decode_header(raw, None, max_payload=proto.MAX_UNAUTHENTICATED_PAYLOAD)
+    except proto.ProtocolError as exc:
+        assert exc.reason in proto.PROTOCOL_ERROR_REASONS
+    else:
+        assert header.type is proto.MessageType.CHUNK or header.length <= proto.MAX_UNAUTHENTICATED_PAYLOAD

@@ -238,7 +238,7 @@ class TcpDataPlaneServer(DataPlaneServer):
                 conn.send(proto.join(proto.encode_error(0, "too_many_connections", why)))
         conn.close()
 
-    async def _serve(self, conn: socket.socket, source: str = "?") -> None:
+    async def _serve(self, conn: socket.socket, source: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._auth_timeout  # every step up to AUTH_OK together
         admitted = True  # holds a place in self._limit until authenticated or ended
@@ -317,7 +317,8 @@ class TcpDataPlaneServer(DataPlaneServer):
             if admitted and self._ssl is not None and stream is None:
                 # A TLS handshake that failed: a client without a certificate of the pool's CA?
                 refuse(self._metrics, self._rejections, source, "unauthenticated",
-                       f"TLS handshake failed: {str(exc) or type(exc).__name__}")
+                       "TLS handshake failed (a client without a certificate of the pool's CA?): "
+                       f"{str(exc) or type(exc).__name__}")
             else:
                 log.debug("TCP data plane: connection ended: %s", exc)
         except Exception as exc:  # a bug reached by some input: counted and summarised, no traceback

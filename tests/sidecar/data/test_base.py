@@ -1,0 +1,48 @@
+"""What every data-plane transport shares (data.base): the places of unauthenticated connections."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kv_offload_sidecar.data.base import (
+    MAX_UNAUTHENTICATED_CONNECTIONS,
+    MAX_UNAUTHENTICATED_PER_SOURCE,
+    TRIM_AFTER_STRANGERS,
+    UnauthenticatedLimit,
+)
+
+
+def test_places_are_limited_per_source_and_in_all_and_given_back() -> None:
+    limit = UnauthenticatedLimit(per_source=2, total=3)
+    assert limit.admit("a") is None and limit.admit("a") is None
+    assert "from one address" in (limit.admit("a") or "")
+    assert limit.admit("b") is None
+    assert "from all sources" in (limit.admit("c") or "")
+    assert limit.count == 3
+    limit.leave("a", proved=True)
+    assert limit.admit("c") is None  # a place in all, and "a" may open one again later
+    limit.leave("c", proved=False)
+    assert limit.admit("a") is None
+    for source in ("a", "a", "b"):
+        limit.leave(source, proved=False)
+    assert limit.count == 0
+
+
+def test_the_defaults_leave_room_for_a_peer_and_its_lanes() -> None:
+    assert 2 <= MAX_UNAUTHENTICATED_PER_SOURCE < MAX_UNAUTHENTICATED_CONNECTIONS
+
+
+async def test_memory_is_handed_back_once_a_crowd_of_strangers_left_and_not_for_proved_peers() -> None:
+    limit = UnauthenticatedLimit()
+    for _ in range(TRIM_AFTER_STRANGERS):  # peers that proved themselves: nothing to hand back
+        assert limit.admit("peer") is None
+        limit.leave("peer", proved=True)
+    for i in range(TRIM_AFTER_STRANGERS):
+        assert limit.admit(f"10.0.0.{i}") is None
+    for i in range(TRIM_AFTER_STRANGERS):
+        limit.leave(f"10.0.0.{i}", proved=False)
+    assert limit.trims == 0  # a moment later: their transports free their buffers first
+    deadline = asyncio.get_running_loop().time() + 10
+    while limit.trims == 0 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    assert limit.trims == 1
