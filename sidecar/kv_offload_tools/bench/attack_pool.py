@@ -168,23 +168,33 @@ class PoolWatch(threading.Thread):
 
     def connected(self, timeout: float) -> dict[str, str]:
         """identity -> "" when alive and connected to every other member, else what is wrong
-        (waits up to ``timeout`` for the mesh to be whole)."""
+        (waits up to ``timeout`` for the mesh to be whole). A member whose ``/v1/peers`` does
+        not answer is judged by what the others see of it."""
         deadline = time.monotonic() + timeout
         want = {sc.identity for sc in self.members}
         while True:
-            wrong = {}
+            wrong: dict[str, str] = {}
+            views: dict[str, set[str]] = {}
             for sc in self.members:
                 if not sc.alive():
                     wrong[sc.identity] = f"exited with code {sc.proc.returncode}"  # type: ignore[union-attr]
                     continue
                 try:
-                    got = {p["identity"] for p in sc.peers() if p["state"] == "connected"}
-                except (OSError, KeyError, TypeError, ValueError) as exc:
-                    wrong[sc.identity] = f"/v1/peers unreadable ({type(exc).__name__})"
+                    code, body = sc.get("/v1/peers")
+                except OSError as exc:
+                    wrong[sc.identity] = f"GET /v1/peers failed ({type(exc).__name__})"
                     continue
-                lacking = sorted(want - {sc.identity} - got)
+                if code != 200 or not isinstance(body, dict):
+                    wrong[sc.identity] = f"GET /v1/peers answered {code}"
+                    continue
+                views[sc.identity] = {p["identity"] for p in body.get("peers", []) if p.get("state") == "connected"}
+                lacking = sorted(want - {sc.identity} - views[sc.identity])
                 if lacking:
                     wrong[sc.identity] = f"not connected to {', '.join(lacking)}"
+            for ident, why in list(wrong.items()):
+                if why.startswith("GET /v1/peers") and views:
+                    seen = all(ident in v for v in views.values())
+                    wrong[ident] = f"{why}; the others {'see it connected' if seen else 'miss it'}"
             if not wrong or time.monotonic() > deadline:
                 return {sc.identity: wrong.get(sc.identity, "") for sc in self.members}
             time.sleep(0.2)
