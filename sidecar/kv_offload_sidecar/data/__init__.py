@@ -55,7 +55,9 @@ def make_server(
     **options: Any,
 ) -> DataPlaneServer:
     """Build (not start) the data-plane server of transport ``kind``; with ``ssl``
-    (``tls.server_context``) the TCP one runs mutual TLS and advertises ``tls://``."""
+    (``tls.server_context``) the TCP one runs mutual TLS and advertises ``tls://``. Among
+    ``options``: ``rejections``, a ``rejections.RejectionLog`` the refusals' lines go to (the
+    sidecar's, shared with its control port; the server's own otherwise)."""
     if kind == "tcp":
         from kv_offload_sidecar.data.tcp.server import TcpDataPlaneServer
 

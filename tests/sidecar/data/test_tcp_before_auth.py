@@ -356,4 +356,4 @@ def test_a_hundred_refusals_from_one_address_cost_one_log_line_and_a_hundred_cou
     m = wait_for(peer, lambda m: m["protocol_errors"]["malformed"] == 100, "a hundred counted")
     assert m["unauthenticated"] == 0
     lines = [line for line in log_file.read_text().splitlines() if "127.0.0.9" in line]
-    assert len(lines) == 1 and "rejected 127.0.0.9: malformed" in lines[0], lines
+    assert len(lines) == 1 and "rejected 127.0.0.9 (data port): malformed" in lines[0], lines

@@ -82,6 +82,11 @@ TLS_TIMEOUT_MARGIN = 1.0
 ACCEPT_RETRY_SECONDS = 0.05
 
 
+def log_source(source: str) -> str:
+    """How a source address appears in rejection lines (which port it came to, too)."""
+    return f"{source} (data port)"
+
+
 class _ConnState:
     """What stop() needs to know about one server connection."""
 
@@ -118,6 +123,7 @@ class TcpDataPlaneServer(DataPlaneServer):
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
         ssl: SSLContext | None = None,
+        rejections: RejectionLog | None = None,
     ) -> None:
         if chunk_bytes != store.slot_bytes:
             raise ValueError(f"chunk_bytes={chunk_bytes} differs from the store's slot_bytes="
@@ -139,8 +145,9 @@ class TcpDataPlaneServer(DataPlaneServer):
         self._states: dict[int, _ConnState] = {}
         # Connections not yet authenticated, per source address and in all (bounded).
         self._limit = UnauthenticatedLimit()
-        # Refusals' log lines: one per source and reason per interval, with a count.
-        self._rejections = RejectionLog(log)
+        # Refusals' log lines: one per source and reason per interval, with a count (the
+        # sidecar's own when it passes one, so both ports share one budget of lines).
+        self._rejections = rejections if rejections is not None else RejectionLog(log)
         self._stopping = False
         self.address = ""
 
@@ -231,7 +238,7 @@ class TcpDataPlaneServer(DataPlaneServer):
     def _refuse_at_accept(self, conn: socket.socket, source: str, why: str) -> None:
         """Over an unauthenticated-connection limit: counted, an ERROR frame when plain (one
         non-blocking send into an empty socket buffer), closed; nothing else is kept."""
-        refuse(self._metrics, self._rejections, source, "too_many_connections", why)
+        refuse(self._metrics, self._rejections, log_source(source), "too_many_connections", why)
         with contextlib.suppress(OSError):
             if self._ssl is None:
                 conn.setblocking(False)
@@ -299,7 +306,7 @@ class TcpDataPlaneServer(DataPlaneServer):
             if writer is not None and not writer.done():
                 await queue.join()
         except proto.ProtocolError as exc:
-            refuse(self._metrics, self._rejections, source, exc.reason, exc.message)
+            refuse(self._metrics, self._rejections, log_source(source), exc.reason, exc.message)
             if writer is not None:
                 writer.cancel()
                 with contextlib.suppress(BaseException):
@@ -309,20 +316,20 @@ class TcpDataPlaneServer(DataPlaneServer):
                     async with asyncio.timeout(ERROR_SEND_SECONDS):
                         await stream.send(proto.encode_error(0, exc.reason, exc.message))
         except TimeoutError:  # only the steps before AUTH_OK run under a deadline here
-            refuse(self._metrics, self._rejections, source, "timeout",
+            refuse(self._metrics, self._rejections, log_source(source), "timeout",
                    f"no session proved within {self._auth_timeout:.3g}s (at the {step})")
         except asyncio.CancelledError:
             raise
         except (ConnectionError, OSError) as exc:  # ssl.SSLError is an OSError
             if admitted and self._ssl is not None and stream is None:
                 # A TLS handshake that failed: a client without a certificate of the pool's CA?
-                refuse(self._metrics, self._rejections, source, "unauthenticated",
+                refuse(self._metrics, self._rejections, log_source(source), "unauthenticated",
                        "TLS handshake failed (a client without a certificate of the pool's CA?): "
                        f"{str(exc) or type(exc).__name__}")
             else:
                 log.debug("TCP data plane: connection ended: %s", exc)
         except Exception as exc:  # a bug reached by some input: counted and summarised, no traceback
-            refuse(self._metrics, self._rejections, source, "malformed", f"unexpected {describe(exc)}")
+            refuse(self._metrics, self._rejections, log_source(source), "malformed", f"unexpected {describe(exc)}")
             log.debug("TCP data plane: unexpected error", exc_info=True)
         finally:
             if admitted:

@@ -94,6 +94,7 @@ class UcxDataPlaneServer(DataPlaneServer):
         chunk_bytes: int,
         auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
+        rejections: RejectionLog | None = None,
     ) -> None:
         if chunk_bytes != store.slot_bytes:
             raise ValueError(f"chunk_bytes={chunk_bytes} differs from the store's slot_bytes="
@@ -110,8 +111,9 @@ class UcxDataPlaneServer(DataPlaneServer):
         self._connections: dict[int, _ServerConnection] = {}
         # Connections attached but not yet through the nonce challenge, per session and in all.
         self._limit = UnauthenticatedLimit()
-        # Refusals' log lines: one per source and reason per interval, with a count.
-        self._rejections = RejectionLog(log)
+        # Refusals' log lines: one per source and reason per interval, with a count (the
+        # sidecar's own when it passes one).
+        self._rejections = rejections if rejections is not None else RejectionLog(log)
         self.address = ""
 
     async def start(self) -> str:
