@@ -8,6 +8,9 @@ Greedy outputs are compared with an engine without any offloading: loaded KV
 that differed from what the engine computes would change them. Tenants: the
 same prompt under another vLLM ``cache_salt`` finds nothing anywhere in the
 pool, and under the same salt loads the whole prefix from the peer.
+
+Waits are on states the sidecars expose (chunks stored, the pool's directory
+current, a rate learnt), never on time; their timeouts only guard against hangs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ pytestmark = pytest.mark.timeout(600)
 
 CHUNK_TOKENS = 64
 MAX_TOKENS = 8
+# Guard against a hang while waiting for a state: generous, never the expected duration.
+WAIT_S = 120.0
 TIER_LABEL = f"1:{TIER_TYPE}"
 
 
@@ -50,11 +55,25 @@ PROMPTS = {"shared": SHARED, "partial": PARTIAL, "before_kill": BEFORE_KILL,
            "after_kill": AFTER_KILL, "tenant": TENANT_PROMPT}
 
 
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    """Until ``predicate()`` holds; ``timeout`` only guards against a hang."""
     end = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
+        assert time.monotonic() < end, f"timed out after {timeout:.0f} s waiting for {what}"
         time.sleep(0.05)
+
+
+def stored_chunks(pool, index: int) -> float:
+    return pool[index].metric("kv_offload_store_chunks")
+
+
+def wait_offloaded(pool, holder: int, before: float, chunks: int) -> None:
+    """Until sidecar ``holder`` stores ``chunks`` more than ``before`` (vLLM cascades a
+    request's chunks to the tier after computing them) and the pool's directory names every
+    chunk held (so a peer's lookup finds them)."""
+    wait_for(f"{chunks} new chunks in sidecar {holder}",
+             lambda: stored_chunks(pool, holder) >= before + chunks)
+    pool.wait_summaries(timeout=WAIT_S)
 
 
 def samples(engine) -> list[dict]:
@@ -106,24 +125,16 @@ def engines(deployment, pool):
         close_all(started)
 
 
-def _holder_visible(pool, reader: int, chunks: int) -> bool:
-    """The pool's directory (which ``reader`` asks) names holders for ``chunks`` chunks."""
-    views = [sc.status()["location"] for sc in pool.members()]
-    return (all(v["pending"] == 0 and v["members"] == len(views) for v in views)
-            and sum(v["entries"] for v in views) >= chunks)
-
-
 def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars(
         deployment, pool, engines):
     a, b, expected = engines
+    held_before = stored_chunks(pool, 0)
     (first,) = a.generate([SHARED], max_tokens=MAX_TOKENS)
     assert first["num_cached_tokens"] == 0 and first["token_ids"] == expected["shared"]
     chunks = len(SHARED) // CHUNK_TOKENS
     chunk = deployment.config.kv_bytes_per_chunk
     # vLLM cascades the offloaded chunks to the tier by itself; sidecar 1 learns of them.
-    wait_for("A's chunks in sidecar 0",
-             lambda: pool[0].metric("kv_offload_store_used_bytes") >= chunks * chunk)
-    wait_for("sidecar 1 to see sidecar 0's chunks", lambda: _holder_visible(pool, 1, chunks))
+    wait_offloaded(pool, 0, held_before, chunks)
     peer_hits_before = pool[1].metric("kv_offload_chunk_lookups_total", result="peer_hit")
 
     (loaded,) = b.generate([SHARED], max_tokens=MAX_TOKENS)
@@ -143,33 +154,46 @@ def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars
     assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result="peer_hit") == chunks
     assert value(m, "vllm:kv_offload_sidecar_refused") == 0
     assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") >= chunks * chunk
-    # The pool keeps one copy: once B's engine loaded them, sidecar 1 keeps none of the chunks,
-    # and vLLM does not write what it loaded from the tier back into it.
-    time.sleep(0.5)
-    print(f"\n[one copy] sidecar 1 holds {pool[1].metric('kv_offload_store_chunks'):.0f} chunks after B's load")
-    assert pool[1].metric("kv_offload_store_chunks") == 0
 
     # A prompt sharing only the first 4 chunks: those are served by B's own host tier now.
     (partial,) = b.generate([PARTIAL], max_tokens=MAX_TOKENS)
     assert partial["num_cached_tokens"] == 256 and partial["token_ids"] == expected["partial"]
+    # The pool keeps one copy: once B's engine loaded them, sidecar 1 keeps none of the chunks,
+    # and vLLM does not write what it loaded from the tier back into it. B cascades PARTIAL's 4
+    # computed chunks to sidecar 1 after anything of SHARED's, so once they are there, a
+    # write-back of SHARED's would be there too.
+    computed = (len(PARTIAL) - 256) // CHUNK_TOKENS
+    wait_for("PARTIAL's computed chunks in sidecar 1",
+             lambda: stored_chunks(pool, 1) >= computed)
+    print(f"\n[one copy] sidecar 1 holds {stored_chunks(pool, 1):.0f} chunks after B's load "
+          f"of SHARED and its computing {computed} of PARTIAL's")
+    assert stored_chunks(pool, 1) == computed
 
 
 def test_sidecar_b_learns_engine_bs_prefill_rate_from_vllms_own_metrics(pool, engines):
     a, b, expected = engines
-    # Prompts B computes itself (new to the pool), so its prefill histograms grow.
-    prompts = [_prompt(seed) for seed in (21, 22, 23)]
-    for prompt in prompts:
-        b.generate([prompt], max_tokens=MAX_TOKENS)
-        time.sleep(0.6)  # a scrape between prompts
+    # Sidecar 1 learns a rate from two scrapes of B's /metrics (0.5 s apart) between which
+    # B's prefill seconds grew by prefill_rate.MIN_SECONDS at least; one 512-token prompt
+    # prefills in less than that on a fast host. So B computes prompts new to the pool back to
+    # back (its prefill histograms grow in every interval) until sidecar 1 says it learnt.
+    def learnt_from() -> str:
+        return pool[1].status()["fetch_or_recompute"]["learnt_from"]
+
+    deadline = time.monotonic() + WAIT_S
+    seed = 1000
+    while not learnt_from():
+        assert time.monotonic() < deadline, \
+            f"sidecar 1 learnt no prefill rate in {WAIT_S:.0f} s:\n{pool[1].log_tail()}"
+        b.generate([_prompt(seed)], max_tokens=1)
+        seed += 1
     m = samples(b)
     tokens = value(m, "vllm:request_prefill_kv_computed_tokens_sum")
     seconds = value(m, "vllm:request_prefill_time_seconds_sum")
     assert tokens > 0 and seconds > 0
-    wait_for("sidecar 1 to learn a prefill rate",
-             lambda: pool[1].status()["fetch_or_recompute"]["learnt_from"] != "", timeout=15)
     learnt = pool[1].status()["fetch_or_recompute"]["prefill_tokens_per_second"]
     engine_average = tokens / seconds  # over every request B prefilled
-    print(f"\n[prefill rate] learnt {learnt:.0f} tokens/s; engine B's average {engine_average:.0f}")
+    print(f"\n[prefill rate] learnt {learnt:.0f} tokens/s after {seed - 1000} prompts; "
+          f"engine B's average {engine_average:.0f}")
     assert 0.2 * engine_average < learnt < 5 * engine_average
     # Sidecar 0 was given no metrics URL: it keeps the configured rate (0: always fetch).
     assert pool[0].status()["fetch_or_recompute"] == {
@@ -208,12 +232,10 @@ def test_a_cache_salt_keeps_a_tenants_chunks_from_other_tenants_but_not_from_its
     chunk = deployment.config.kv_bytes_per_chunk
 
     # Tenant A's request on engine A: computed, offloaded, cascaded to sidecar 0.
+    held_before = stored_chunks(pool, 0)
     (first,) = a.generate([TENANT_PROMPT], max_tokens=MAX_TOKENS, cache_salt=TENANT_A)
     assert first["num_cached_tokens"] == 0 and first["token_ids"] == expected
-    wait_for("A's chunks in sidecar 0",
-             lambda: pool[0].metric("kv_offload_store_used_bytes") >= TENANT_CHUNKS * chunk)
-    wait_for("sidecar 1 to see sidecar 0's chunks",
-             lambda: _holder_visible(pool, 1, TENANT_CHUNKS))
+    wait_offloaded(pool, 0, held_before, TENANT_CHUNKS)
 
     # The same tokens on engine B under tenant B's salt, and without any salt: the pool
     # holds none of their chunk keys, so nothing is loaded and no byte crosses the pool.
@@ -254,10 +276,10 @@ def test_a_cache_salt_keeps_a_tenants_chunks_from_other_tenants_but_not_from_its
 def test_a_sidecar_killed_while_its_engine_serves_leaves_the_engine_serving(
         deployment, pool, engines):
     a, b, expected = engines
+    held_before = stored_chunks(pool, 0)
     (first,) = a.generate([BEFORE_KILL], max_tokens=MAX_TOKENS)
     assert first["token_ids"] == expected["before_kill"]
-    wait_for("sidecar 1 to see A's new chunks",
-             lambda: _holder_visible(pool, 1, (len(SHARED) + len(BEFORE_KILL)) // CHUNK_TOKENS))
+    wait_offloaded(pool, 0, held_before, len(BEFORE_KILL) // CHUNK_TOKENS)
     pool[1].proc.send_signal(signal.SIGKILL)
     pool[1].proc.wait(timeout=10)
     start = time.monotonic()
