@@ -315,9 +315,12 @@ class TcpDataPlaneServer(DataPlaneServer):
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(ERROR_SEND_SECONDS):
                         await stream.send(proto.encode_error(0, exc.reason, exc.message))
-        except TimeoutError:  # only the steps before AUTH_OK run under a deadline here
-            refuse(self._metrics, self._rejections, log_source(source), "timeout",
-                   f"no session proved within {self._auth_timeout:.3g}s (at the {step})")
+        except TimeoutError:
+            if admitted:  # the deadline of the steps before AUTH_OK
+                refuse(self._metrics, self._rejections, log_source(source), "timeout",
+                       f"no session proved within {self._auth_timeout:.3g}s (at the {step})")
+            else:
+                log.debug("TCP data plane: connection ended: a step missed its time limit")
         except asyncio.CancelledError:
             raise
         except (ConnectionError, OSError) as exc:  # ssl.SSLError is an OSError

@@ -6,6 +6,13 @@ send window admits: one message of CHUNK frames (key and checksum each), then
 each chunk's bytes on its own tag straight from the pinned slot; send
 completions release pins by callback. A connection that misses a deadline is
 aborted before its pins are released.
+
+Before the proof: attaches are read one at a time (at most ``ATTACH_BUFFER_BYTES``) and no
+endpoint exists until the attach MAC verifies; then one session holds at most
+``MAX_UNAUTHENTICATED_PER_SOURCE`` connections that have not answered their challenge
+(``MAX_UNAUTHENTICATED_CONNECTIONS`` in all; more are refused as ``too_many_connections``),
+each for at most ``auth_timeout``, its proof a message of at most
+``UNAUTHENTICATED_BUFFER_BYTES``. Refusals are counted and logged through a ``RejectionLog``.
 """
 
 from __future__ import annotations
