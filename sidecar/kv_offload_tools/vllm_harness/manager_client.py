@@ -97,8 +97,10 @@ class ManagerDriverProcess(JsonLinesProcess):
         """vLLM OffloadKeys (hex) of sha256(name) block hashes."""
         return self.call("keys", 60, names=list(names), group=group)["keys"]
 
-    def store(self, keys: Sequence[str], req_id: str | None = None, timeout_s: float = 10.0,
+    def store(self, keys: Sequence[str], req_id: str | None = None, timeout_s: float = 60.0,
               finish: bool = True) -> dict[str, Any]:
+        """Store ``keys`` and step until their cascades finished (``timeout_s`` only guards
+        against a hang: the reply's ``jobs_left`` says whether any job was still unfinished)."""
         return self.call("store", timeout_s + 30, keys=list(keys), req_id=req_id,
                          finish=finish, timeout_s=timeout_s)
 

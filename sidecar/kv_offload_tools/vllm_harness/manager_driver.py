@@ -337,15 +337,16 @@ class Driver:
     def op_store(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
         """Store chunks as the GPU->CPU path does, then step until their cascades finish.
 
-        ``{"keys": [hex], "req_id": str, "timeout_s": 10, "finish": true}``:
+        ``{"keys": [hex], "req_id": str, "timeout_s": 60, "finish": true}``:
         prepare_store, write each chunk's deterministic bytes into its primary
         row through the manager's memoryview, complete_store (which cascades to
         every secondary tier), then on_schedule_end steps until no job of the
-        manager is left. Reports rows, row digests and the cascade results.
+        manager is left (``timeout_s`` guards against a hang; ``jobs_left`` says
+        what was still unfinished). Reports rows, row digests and the cascade results.
         """
         keys = [bytes.fromhex(k) for k in cmd["keys"]]
         req_id = str(cmd.get("req_id") or f"store-{time.monotonic_ns()}")
-        timeout = float(cmd.get("timeout_s", 10.0))
+        timeout = float(cmd.get("timeout_s", 60.0))
         ctx = self.ctx(req_id)
         before = [len(r.cascades) for r in self.recorders]
         t0 = time.monotonic()
