@@ -194,7 +194,7 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
         "server_headers": sorted(ctx.server_headers), "during_siege": ctx.during_siege,
         "tracebacks": {k: _count(v) for k, v in tracebacks.items()},
         "targets": targets(pool_fig, results, tracebacks, connected, baseline, attacked,
-                           s["connections"], leaked, replays),
+                           ctx.siege_connections, leaked, replays),
         "_series": _series(watch, honest, t0),
     }
     return report

@@ -92,6 +92,8 @@ class AttackContext:
     results: list[AttackResult] = field(default_factory=list)
     # Server headers the control port sent (what it tells about itself).
     server_headers: set[str] = field(default_factory=set)
+    # Hostile connections the siege opened.
+    siege_connections: int = 0
     # What the pool's own callers got while the siege held everything (what -> answer).
     during_siege: dict[str, str] = field(default_factory=dict)
 

@@ -19,7 +19,7 @@ import urllib.error
 from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, make_hello
 
 from kv_offload_tools.bench.attack_context import AttackContext, AttackResult, measured
-from kv_offload_tools.bench.attack_sockets import Answer, http_exchange, http_request
+from kv_offload_tools.bench.attack_exchange import Answer, http_exchange, http_request
 
 HANDSHAKE = "/v1/handshake"
 

@@ -137,11 +137,20 @@ def plot(report: dict[str, Any], series: dict[str, Any], path: str) -> None:
     axes[2].set_xlabel("seconds since the run without attackers began")
     top = [r for r in report["attacks"] if not r["name"].startswith("  ")]
     colors = ("#f4cccc", "#cfe2f3", "#d9ead3", "#fff2cc", "#ead1dc")
+    span = max((r["ended"] for r in top), default=1.0) or 1.0
+    narrow = []
     for i, r in enumerate(top):
         for ax in axes:
             ax.axvspan(r["started"], r["ended"], color=colors[i % len(colors)], alpha=0.6, lw=0)
-        axes[0].text((r["started"] + r["ended"]) / 2, 1.0, r["name"][:22], rotation=90, va="top",
+        wide = r["ended"] - r["started"] > 0.03 * span
+        label = r["name"][:24] if wide else str(i + 1)
+        if not wide:
+            narrow.append(f"{i + 1} {r['name']}")
+        axes[0].text((r["started"] + r["ended"]) / 2, 0.98, label, rotation=90 if wide else 0, va="top",
                      ha="center", fontsize=6, transform=axes[0].get_xaxis_transform())
+    if narrow:
+        axes[2].text(0.99, 0.98, "\n".join(narrow), transform=axes[2].transAxes, ha="right", va="top",
+                     fontsize=6, bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
     b = report["baseline_window"]
     for ax in axes:
         ax.axvspan(b[0], b[1], color="#eeeeee", alpha=0.6, lw=0)

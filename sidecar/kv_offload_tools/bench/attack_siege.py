@@ -47,9 +47,8 @@ CLASS_SECONDS = 0.5
 
 def siege_plans(ctx: AttackContext, connections: int) -> list[ClassPlan]:
     counts = {name: max(1, round(connections * share)) for name, share in SHARES}
-    data_host, data_port = split_address(ctx.data_address)
-    if data_host != ctx.host:
-        raise ValueError(f"data address {ctx.data_address} is not on {ctx.host}")
+    ucx = ctx.data_address.startswith("ucx://")
+    data_port = 0 if ucx else split_address(ctx.data_address)[1]
     head = (f"POST /v1/handshake HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {SLOW_BODY_BYTES}\r\n\r\n").encode()
     auth = proto.HEADER.pack(proto.MAGIC, proto.WIRE_MAJOR, proto.MessageType.AUTH_RESPONSE, 0, 1 << 20)
@@ -66,7 +65,7 @@ def siege_plans(ctx: AttackContext, connections: int) -> list[ClassPlan]:
         "auth frame 1 MiB": ClassPlan("auth frame 1 MiB", "data", "data", data_port, counts["auth frame 1 MiB"],
                                       first=[auth, ZEROS[:(1 << 20) - DRIP_TAIL]], drip=bytes(DRIP_TAIL - 1)),
     }
-    if ctx.data_address.startswith("ucx://"):
+    if ucx:
         data = {}  # a stranger cannot reach a UCX worker address (module docstring of attack_wire)
     return [{**control, **data}[name] for name, _ in SHARES if name in {**control, **data}]
 
@@ -82,7 +81,9 @@ def run_siege(ctx: AttackContext, connections: int, hold_seconds: float) -> None
                   class_seconds=CLASS_SECONDS)
     ctx.watch.gauges["hostile connections open"] = lambda: siege.open_now
     rows: list[AttackResult] = []
-    with measured(ctx, f"siege: {total} connections held", "control+data") as whole:
+    ports = "+".join(sorted({p.port_name for p in plans}))
+    ctx.siege_connections = total
+    with measured(ctx, f"siege: {total} connections held", ports) as whole:
         whole.sent = total
         siege.start()
         while siege.is_alive() and not siege.all_open_at:

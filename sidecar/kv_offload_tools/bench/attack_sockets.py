@@ -1,10 +1,9 @@
 """Raw sockets of ``kv-offload bench attack``: hostile connections to loopback only.
 
-- ``Siege``: one thread holding many connections open at once (silent, dripping
-  header bytes, or stalled one byte before the end of an announced body/frame),
-  reading whatever the sidecar answers and noting when it cuts each one.
-- ``http_exchange``, ``data_exchange``, ``local_exchange``: one request on a fresh
-  connection and what came back (status and body, frame types, a local-channel reply).
+``Siege``: one thread holding many connections open at once (silent, dripping
+header bytes, or stalled one byte before the end of an announced body/frame),
+reading whatever the sidecar answers and noting when it cuts each one; the words
+``describe`` gives an answer. One-shot requests are ``attack_exchange``.
 
 Every connection goes to 127.0.0.1 from a source address 127.0.0.2 ... (strangers come
 from other addresses than the pool's own members); ``require_loopback`` refuses any
@@ -14,7 +13,6 @@ other target.
 from __future__ import annotations
 
 import collections
-import json
 import selectors
 import socket
 import struct
@@ -27,8 +25,6 @@ from kv_offload_sidecar.data import protocol as proto
 
 # Bytes of a reply kept per held connection (enough for a status line or a few frames).
 KEEP_BYTES = 4096
-# Seconds a one-shot exchange waits for the whole answer.
-EXCHANGE_TIMEOUT = 5.0
 # Seconds a connect may take before it counts as refused.
 CONNECT_TIMEOUT = 3.0
 # Shared zero bytes the stalled bodies and frames are cut from (no copy per connection).
@@ -333,159 +329,3 @@ class Siege(threading.Thread):
             word = describe(h.kind, bytes(h.received))
             answers[word] = answers.get(word, 0) + 1
         self.sel.close()
-
-
-# ---------------------------------------------------------------- one-shot exchanges
-
-
-@dataclass
-class Answer:
-    """What one request on a fresh connection got back."""
-
-    # "HTTP 400", "AUTH_CHALLENGE+ERROR(unauthenticated)", "ok:false", "nothing", "refused" ...
-    word: str
-    # HTTP status (None for other ports or no status line).
-    status: int | None = None
-    # The answer's bytes (headers and body, or frames), at most 64 KiB.
-    data: bytes = b""
-    # True when the sidecar closed the connection within the exchange's time.
-    closed: bool = False
-    seconds: float = 0.0
-
-
-def _recv_all(sock: socket.socket, deadline: float, enough=None, cap: int = 65536) -> tuple[bytes, str]:
-    """Bytes until the peer closes ("closed"), resets ("reset"), ``enough(data)`` holds
-    ("answered") or ``deadline`` passes ("timeout")."""
-    buf = bytearray()
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return bytes(buf), "timeout"
-        sock.settimeout(left)
-        try:
-            part = sock.recv(65536)
-        except socket.timeout:
-            return bytes(buf), "timeout"
-        except OSError:
-            return bytes(buf), "reset"
-        if not part:
-            return bytes(buf), "closed"
-        if len(buf) < cap:
-            buf += part[:cap - len(buf)]
-        if enough is not None and enough(bytes(buf)):
-            return bytes(buf), "answered"
-
-
-def _silence(end: str) -> str:
-    """The word for a connection that got no byte back."""
-    return {"closed": "closed without an answer", "reset": "reset without an answer",
-            "timeout": f"no answer in {EXCHANGE_TIMEOUT:g} s"}.get(end, "nothing")
-
-
-def _http_complete(data: bytes) -> bool:
-    head, sep, body = data.partition(b"\r\n\r\n")
-    if not sep:
-        return False
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            try:
-                return len(body) >= int(value.strip())
-            except ValueError:
-                return True
-    return False
-
-
-def _send_all(sock: socket.socket, payload: Sequence[bytes | memoryview] | bytes) -> None:
-    """Send as much as the peer takes; a peer that answers and closes early is not an error."""
-    for part in [payload] if isinstance(payload, (bytes, memoryview)) else payload:
-        try:
-            sock.sendall(part)
-        except OSError:
-            return
-
-
-def http_request(method: str, path: str, body: bytes = b"",
-                 headers: Sequence[tuple[str, str]] = ()) -> bytes:
-    """An HTTP/1.1 request (Connection: close) with ``headers`` after Host."""
-    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close",
-             *(f"{k}: {v}" for k, v in headers)]
-    if body or method == "POST":
-        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
-def http_exchange(host: str, port: int, request: bytes, source: str,
-                  timeout: float = EXCHANGE_TIMEOUT) -> Answer:
-    """Send ``request`` on a fresh connection; the status and what came back."""
-    started = time.monotonic()
-    try:
-        sock = connect(host, port, source)
-    except OSError as exc:
-        return Answer(f"refused ({type(exc).__name__})", seconds=time.monotonic() - started)
-    with sock:
-        sock.settimeout(timeout)
-        _send_all(sock, request)
-        data, end = _recv_all(sock, started + timeout, _http_complete)
-    status = http_status(data)
-    word = describe("http", data) if data else _silence(end)
-    return Answer(word, status, data, end in ("closed", "reset"), time.monotonic() - started)
-
-
-def http_json_body(answer: Answer) -> object:
-    """The JSON body of an HTTP answer (None when there is none)."""
-    _, _, body = answer.data.partition(b"\r\n\r\n")
-    try:
-        return json.loads(body)
-    except ValueError:
-        return None
-
-
-def data_exchange(address: str, payload: Sequence[bytes | memoryview] | bytes, source: str,
-                  timeout: float = EXCHANGE_TIMEOUT) -> Answer:
-    """Connect to a data port, send ``payload`` (the server's challenge is read with the rest)."""
-    host, port = split_address(address)
-    started = time.monotonic()
-    try:
-        sock = connect(host, port, source)
-    except OSError as exc:
-        return Answer(f"refused ({type(exc).__name__})", seconds=time.monotonic() - started)
-    with sock:
-        _send_all(sock, payload)
-        data, end = _recv_all(sock, started + timeout)
-    closed = end in ("closed", "reset")
-    word = (describe("data", data) + (f" + {'close' if end == 'closed' else 'reset'}" if closed else " (left open)")
-            if data else _silence(end))
-    return Answer(word, None, data, closed, time.monotonic() - started)
-
-
-def local_exchange(path: str, payload: bytes, timeout: float = EXCHANGE_TIMEOUT) -> Answer:
-    """Send raw bytes on the local channel (Unix socket); the reply frame, if any."""
-    started = time.monotonic()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    with sock:
-        try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-        except OSError as exc:
-            return Answer(f"refused ({type(exc).__name__})", seconds=time.monotonic() - started)
-        _send_all(sock, payload)
-        data, end = _recv_all(sock, started + timeout,
-                              lambda d: len(d) >= 4 and len(d) >= 4 + struct.unpack("!I", d[:4])[0], 4 << 20)
-        if end == "answered":  # the reply is whole: does the channel stay open or close?
-            more, end = _recv_all(sock, time.monotonic() + 0.2)
-            data += more
-    closed = end in ("closed", "reset")
-    if not data:
-        return Answer(_silence(end), None, data, closed, time.monotonic() - started)
-    word = "partial reply"
-    if len(data) >= 4:
-        try:
-            reply = json.loads(data[4:4 + struct.unpack("!I", data[:4])[0]])
-            word = "ok:false" if isinstance(reply, dict) and reply.get("ok") is False else "ok:true"
-        except ValueError:
-            word = "non-JSON reply"
-    if len(data) > 4096:
-        word += f" of {len(data) // 1024} KiB"
-    word += " + close" if closed else " (left open)"
-    return Answer(word, None, data, closed, time.monotonic() - started)

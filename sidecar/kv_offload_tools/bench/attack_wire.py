@@ -25,7 +25,8 @@ from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.peers.handshake import HandshakeError
 
 from kv_offload_tools.bench.attack_context import AttackContext, measured
-from kv_offload_tools.bench.attack_sockets import data_exchange, frame_names, local_exchange
+from kv_offload_tools.bench.attack_exchange import data_exchange, local_exchange
+from kv_offload_tools.bench.attack_sockets import frame_names
 from kv_offload_tools.chaos.chunks import chunk_keys
 from kv_offload_tools.chaos.probes import probe_handshake
 from kv_offload_tools.local_pool import SidecarOverride
