@@ -176,7 +176,7 @@ class SidecarMetrics:
         )
         self.control_connections = Gauge(
             "control_connections",
-            "Open connections to the control ports, by whether they proved anything yet.",
+            "Open connections to the control ports: unproven (held to the limits on strangers) or not.",
             ["state"], namespace=ns, registry=registry,
         )
         self.lookup_messages = Counter(

@@ -6,7 +6,9 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
 
 - at most ``MAX_UNPROVEN_PER_SOURCE`` open from one source address and
   ``MAX_UNPROVEN_CONNECTIONS`` from all; one more is answered ``503`` and closed at accept
-  (nothing of aiohttp is built for it), counted as ``too_many_connections``;
+  (nothing of aiohttp is built for it), counted as ``too_many_connections``. A source
+  address that proved something in the last ``TRUSTED_SOURCE_SECONDS`` (a member's pod) is
+  not held to these two, so a flood of strangers never refuses a member's new connections;
 - a whole request (line and headers) within ``UNPROVEN_REQUEST_SECONDS`` of connecting or
   of its last answer, so a silent, idle or slow-loris connection is cut (``timeout``);
 - at most ``MAX_UNPROVEN_BUFFERED_BYTES`` received while no request of it is handled
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,6 +52,10 @@ log = logging.getLogger(__name__)
 MAX_UNPROVEN_PER_SOURCE = 32
 # Unproven connections all sources together may hold open at once.
 MAX_UNPROVEN_CONNECTIONS = 256
+# Seconds a source address that proved something stays exempt from the two limits above.
+TRUSTED_SOURCE_SECONDS = 600.0
+# Most source addresses remembered as trusted (the oldest is forgotten first).
+MAX_TRUSTED_SOURCES = 4096
 # Seconds an unproven connection has to deliver a whole request line and headers, from
 # connecting or from its last answer (a peer's step 2 follows step 1 within milliseconds).
 UNPROVEN_REQUEST_SECONDS = 5.0
@@ -147,6 +154,8 @@ class _Connection:
 
     source: str
     transport: asyncio.Transport
+    # Counted against the unproven limits (its source was not trusted when it connected).
+    counted: bool
     proven: bool = False
     # Requests of this connection being handled now (pipelining makes it more than one).
     handling: int = 0
@@ -167,12 +176,14 @@ class ConnectionGuard:
         # Open unproven connections by source address, and all of them.
         self._unproven: Counter[str] = Counter()
         self._unproven_total = 0
+        # Source addresses that proved something -> monotonic time of their last proof.
+        self._trusted: OrderedDict[str, float] = OrderedDict()
         # Open connections (admitted), by transport.
         self._open: dict[asyncio.BaseTransport, _Connection] = {}
 
     @property
     def unproven(self) -> int:
-        """Unproven connections open now (also ``control_connections{state="unproven"}``)."""
+        """Open connections held to the unproven limits (``control_connections{state="unproven"}``)."""
         return self._unproven_total
 
     @property
@@ -208,8 +219,25 @@ class ConnectionGuard:
         if conn is not None and not conn.proven:
             conn.proven = True
             self._disarm(conn)
-            self._release(conn.source)
+            if conn.counted:
+                conn.counted = False
+                self._release(conn.source)
             self._count()
+        if conn is not None:
+            self._trusted[conn.source] = time.monotonic()
+            self._trusted.move_to_end(conn.source)
+            while len(self._trusted) > MAX_TRUSTED_SOURCES:
+                self._trusted.popitem(last=False)
+
+    def trusted(self, source: str) -> bool:
+        """``source`` proved something within ``TRUSTED_SOURCE_SECONDS``."""
+        since = self._trusted.get(source)
+        if since is None:
+            return False
+        if time.monotonic() - since < TRUSTED_SOURCE_SECONDS:
+            return True
+        del self._trusted[source]
+        return False
 
     def refuse(self, source: str, reason: str, detail: object) -> None:
         """Count one refusal and note it in the rejection log."""
@@ -219,6 +247,12 @@ class ConnectionGuard:
     # ---- the protocol's side ----------------------------------------------------------
 
     def _admit(self, source: str, transport: asyncio.Transport) -> _Connection | None:
+        if self.trusted(source):
+            conn = _Connection(source, transport, counted=False)
+            self._open[transport] = conn
+            self._arm(conn)
+            self._count()
+            return conn
         if self._unproven[source] >= MAX_UNPROVEN_PER_SOURCE:
             self.refuse(source, "too_many_connections",
                         f"{MAX_UNPROVEN_PER_SOURCE} unauthenticated connections from it are open")
@@ -229,7 +263,7 @@ class ConnectionGuard:
             return None
         self._unproven[source] += 1
         self._unproven_total += 1
-        conn = _Connection(source, transport)
+        conn = _Connection(source, transport, counted=True)
         self._open[transport] = conn
         self._arm(conn)
         self._count()
@@ -255,7 +289,7 @@ class ConnectionGuard:
     def _closed(self, conn: _Connection) -> None:
         self._disarm(conn)
         if self._open.pop(conn.transport, None) is not None:
-            if not conn.proven:
+            if conn.counted:
                 self._release(conn.source)
             self._count()
 
@@ -412,6 +446,6 @@ def source_of(request: web.BaseRequest) -> str:
 __all__ = [
     "BODY_SECONDS", "IDLE_SECONDS", "MAX_HEADERS", "MAX_HEADER_BYTES", "MAX_REQUEST_LINE_BYTES",
     "MAX_UNPROVEN_BUFFERED_BYTES", "MAX_UNPROVEN_CONNECTIONS", "MAX_UNPROVEN_PER_SOURCE",
-    "SERVER_HEADER", "UNPROVEN_REQUEST_SECONDS", "BodyError", "ConnectionGuard", "GuardedSite",
+    "SERVER_HEADER", "TRUSTED_SOURCE_SECONDS", "UNPROVEN_REQUEST_SECONDS", "BodyError", "ConnectionGuard", "GuardedSite",
     "ServerLog", "guard_middleware", "handler_args", "mark_proven", "read_body", "source_of",
 ]

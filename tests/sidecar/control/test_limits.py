@@ -142,12 +142,18 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
     assert status_of(await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 200
 
 
-async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch):
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 1)
-    reader, writer = await connect(ports)
+async def prove_admin(ports, source: str = "127.0.0.2"):
+    """A keep-alive connection from ``source`` that proved the admin token."""
+    reader, writer = await connect(ports, source)
     writer.write(f"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin_token(POOL_KEY)}\r\n"
                  f"\r\n".encode())
     assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    return writer
+
+
+async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 1)
+    writer = await prove_admin(ports)
     await until(lambda: ports.guard.unproven == 0, "the admin's connection to be proven")
     assert ports.guard.open == 1  # still open, no longer counted
     assert ports.sidecar.registry.get_sample_value("kv_offload_control_connections",
@@ -155,6 +161,22 @@ async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch
     answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status_of(answer) == 200
     writer.close()
+
+
+async def test_a_flood_of_strangers_does_not_refuse_a_source_that_proved_itself(ports, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 3)
+    (await prove_admin(ports, "127.0.0.2")).close()
+    await until(lambda: ports.guard.open == 0, "the member's connection to close")
+    held = []
+    for source in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):
+        held.append((await connect(ports, source))[1])
+    await until(lambda: ports.guard.unproven == 3, "the strangers to fill the unproven connections")
+    stranger = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.6")
+    member = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                            "127.0.0.2")
+    assert status_of(stranger) == 503 and status_of(member) == 200
+    for writer in held:
+        writer.close()
 
 
 def _hello():
