@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,8 +125,9 @@ def test_corrupted_chunk_fails_its_checksum_and_is_not_stored(
 
 @pytest.mark.parametrize("tls", TLS)
 def test_bad_frames_get_clear_errors_and_the_server_keeps_serving(
-        tls: str, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
-    peer = start_peer("ucx", tls=tls, chunks=16, chunk_bytes=CHUNK)
+        tls: str, start_peer: Callable[..., PeerProcess], shm_dir: str, tmp_path: Path) -> None:
+    log_file = tmp_path / "peer.log"
+    peer = start_peer("ucx", tls=tls, chunks=16, chunk_bytes=CHUNK, log_file=str(log_file))
     out = run_ucx_client(peer, "garbage", tls=tls, shm_dir=shm_dir, chunks=16, chunk_bytes=CHUNK)
     assert out["oversize_reply"].startswith("ERROR oversize:")
     assert out["unknown_type_reply"].startswith("ERROR unknown_type:")
@@ -136,6 +138,8 @@ def test_bad_frames_get_clear_errors_and_the_server_keeps_serving(
     assert errors["malformed"] == 2 and errors["unauthenticated"] == 1
     assert errors["oversize"] == 1 and errors["unknown_type"] == 1
     assert peer.alive()
+    log = log_file.read_text()
+    assert "Traceback" not in log and "rejected ucx attach: malformed" in log, log[-3000:]
 
 
 def _wait_for(peer: PeerProcess, done: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
