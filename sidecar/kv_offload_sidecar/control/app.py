@@ -42,6 +42,8 @@ port behind one ``limits.ConnectionGuard``; it runs inside ``lifecycle.running``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -95,6 +97,8 @@ PROVEN_REJECTIONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_m
                      "wire_version_mismatch")
 # Longest detail of a proven peer's rejection line (the field diff an operator needs).
 PROVEN_DETAIL_CHARS = 2000
+# Seconds of one rejection-log window: one line per source and reason per window, then a count.
+REJECTION_LOG_SECONDS = 60.0
 
 
 def refuse(request: web.Request, reason: str, detail: object = "") -> None:
@@ -354,8 +358,9 @@ class ControlPorts:
 
     def __init__(self, sidecar: Sidecar) -> None:
         self._sidecar = sidecar
-        self.guard = ConnectionGuard(sidecar.metrics, RejectionLog(log))
+        self.guard = ConnectionGuard(sidecar.metrics, RejectionLog(log, interval=REJECTION_LOG_SECONDS))
         self._runners: list[web.AppRunner] = []
+        self._flusher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Listen on every control port (OSError when one is taken; those started stay up)."""
@@ -366,9 +371,21 @@ class ControlPorts:
             await runner.setup()
             self._runners.append(runner)
             await GuardedSite(runner, s.host, s.control_port(idx), self.guard).start()
+        self._flusher = asyncio.create_task(self._flush_rejections(), name="rejection log")
 
     async def stop(self) -> None:
         """Stop accepting, let requests in flight finish (``shutdown_grace_seconds``), close."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
         while self._runners:
             await self._runners.pop().cleanup()
         self.guard.rejections.flush()
+
+    async def _flush_rejections(self) -> None:
+        """Write each window's ``... and N more`` line when it ends, even if no rejection follows."""
+        while True:
+            await asyncio.sleep(REJECTION_LOG_SECONDS / 4)
+            self.guard.rejections.flush()

@@ -45,8 +45,6 @@ from kv_offload_sidecar.rejections import RejectionLog, clip
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
 
-log = logging.getLogger(__name__)
-
 # Unproven connections one source address may hold open at once (a peer pod handshakes with
 # each of our DP ports, up to 8, at once; a Prometheus scrape holds one).
 MAX_UNPROVEN_PER_SOURCE = 32
