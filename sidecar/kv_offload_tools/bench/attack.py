@@ -13,10 +13,16 @@ runs ``--baseline-seconds`` without attackers, then strangers (source addresses
    and headers, 300 headers, 9 kB bearer tokens, deeply nested JSON and 5000-digit
    integers in handshake bodies, a 200 kB ``step``, a flood of rejected handshakes,
    other wire versions (nothing may be said before the proof), replayed steps of a
-   member's real handshake;
+   member's real handshake, a flood of step 1s carrying the pool's real key id (readable
+   by anyone on the pod network) while a member keeps handshaking;
 3. the data port and the local channel (``attack_wire``): malformed and oversized
    frames before authentication, garbage frames on the engine's Unix socket; and a
    real sidecar of another pool (another key) trying to join.
+
+Once the attackers are gone and the target's descriptors are back, the load runs half
+as long again without attackers: both quiet runs together are the reference of the
+hit ratio and p99 (the host's other load drifts; a single run before would blame
+that drift on the attacks).
 
 It reports, per attack, what came back, the connections the sidecar cut, the
 counters that moved, log bytes, tracebacks, 500s, the target's RSS and descriptor
@@ -58,9 +64,9 @@ from kv_offload_tools.bench.attack_sockets import sources
 
 # Values of a full run and of --short, for the flags left unset.
 FULL = {"connections": 1000, "hold_seconds": 15.0, "repeats": 20, "rejected_handshakes": 200,
-        "warmup_seconds": 8.0, "baseline_seconds": 30.0}
+        "sniffed_step1s": 5000, "warmup_seconds": 8.0, "baseline_seconds": 30.0}
 SHORT = {"connections": 200, "hold_seconds": 6.0, "repeats": 3, "rejected_handshakes": 40,
-         "warmup_seconds": 4.0, "baseline_seconds": 10.0}
+         "sniffed_step1s": 300, "warmup_seconds": 4.0, "baseline_seconds": 10.0}
 # Seconds the bench waits after the attacks for the target's descriptors to come back.
 SETTLE_SECONDS = 20.0
 # Bytes of one honest chunk, and each member's store budget.
@@ -81,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, help=f"times each one-shot probe is sent (default {FULL['repeats']})")
     p.add_argument("--rejected-handshakes", type=int,
                    help=f"strangers' step 1s of the rejection flood (default {FULL['rejected_handshakes']})")
+    p.add_argument("--sniffed-step1s", type=int,
+                   help=f"step 1s carrying the pool's real key id (default {FULL['sniffed_step1s']}; the "
+                        f"sidecar keeps up to 4096 pending)")
     p.add_argument("--warmup-seconds", type=float,
                    help=f"honest load before anything is measured (default {FULL['warmup_seconds']:g})")
     p.add_argument("--baseline-seconds", type=float,
@@ -98,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     base = SHORT if args.short else FULL
     s = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
-    for name, low, high in (("connections", 5, 1000), ("repeats", 1, 1000), ("rejected_handshakes", 1, 10_000)):
+    for name, low, high in (("connections", 5, 1000), ("repeats", 1, 1000), ("rejected_handshakes", 1, 10_000),
+                            ("sniffed_step1s", 1, 20_000)):
         if not low <= s[name] <= high:
             raise UsageError(f"--{name.replace('_', '-')} {s[name]} must be in {low}..{high}")
     for name in ("hold_seconds", "warmup_seconds", "baseline_seconds"):
@@ -174,6 +184,12 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
             attacked = honest.stats(t1, t2)
             after = _settle(watch, before, progress)
             connected = watch.connected(timeout=SETTLE_SECONDS)
+            t3 = time.monotonic()  # a second run without attackers, as long as half the first
+            progress(f"{s['baseline_seconds'] / 2:g} s more without attackers")
+            time.sleep(s["baseline_seconds"] / 2)
+            t4 = time.monotonic()
+            before_only, after_only = baseline, honest.stats(t3, t4)
+            baseline = honest.stats(t0, t1, (t3, t4))
             peak = {ident: (watch.peak(ident, t1, after.at, 0), watch.peak(ident, t1, after.at, 1))
                     for ident in before.members}
             log_bytes = sum(after.members[i][2] - before.members[i][2] for i in before.members)
@@ -186,8 +202,9 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
     pool_fig = pool_figures(before, peak, after, log_bytes, after.at - before.at)
     report = {
         "settings": s, "seconds": round(time.monotonic() - started, 1),
-        "baseline_window": [0.0, round(t1 - t0, 2)],
+        "baseline_windows": [[0.0, round(t1 - t0, 2)], [round(t3 - t0, 2), round(t4 - t0, 2)]],
         "honest": {"without_attackers": baseline, "under_attack": attacked,
+                   "without_attackers_before": before_only, "without_attackers_after": after_only,
                    "not_stored": honest.not_stored,
                    "error": honest.error},
         "attacks": results, "pool": pool_fig, "connected": connected,
@@ -207,6 +224,7 @@ def _attacks(ctx: AttackContext, s: dict[str, Any]) -> tuple[bool, int]:
         attack(ctx)
     leaked = attack_control.other_wire_version(ctx)
     replays = attack_control.replayed_steps(ctx)
+    attack_control.sniffed_key_id_flood(ctx, s["sniffed_step1s"])
     attack_wire.data_frames(ctx)
     attack_wire.local_garbage(ctx)
     attack_wire.other_pool_member(ctx)
@@ -253,7 +271,10 @@ def render(report: dict[str, Any]) -> str:
              f"honest load: hit ratio {a['hit_ratio'] or 0:.4f} under attack vs {b['hit_ratio'] or 0:.4f} without "
              f"({a['rounds']} vs {b['rounds']} rounds, {a['wrong']} wrong chunks); p99 load "
              f"{a['load_p99_ms']:.1f} ms vs {b['load_p99_ms']:.1f} ms; p50 {a['load_p50_ms']:.1f} vs "
-             f"{b['load_p50_ms']:.1f} ms", ""]
+             f"{b['load_p50_ms']:.1f} ms",
+             f"  (without attackers: before {h['without_attackers_before']['load_p99_ms']:.1f} ms, after "
+             f"{h['without_attackers_after']['load_p99_ms']:.1f} ms p99; both runs together are the reference)",
+             ""]
     if h["error"]:
         lines.append(f"honest load stopped early: {h['error']}")
     for what, answer in report["during_siege"].items():

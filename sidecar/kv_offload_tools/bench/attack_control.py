@@ -5,18 +5,23 @@ and records every answer: oversized request lines, headers and bearer tokens;
 deeply nested JSON and 5000-digit integers in handshake (and session-only)
 bodies; a 200 kB malformed ``step``; a flood of rejected step-1 handshakes; a
 step 1 of another wire version, compared byte for byte with a stranger's step 1
-of this version (nothing may be said before the proof); and replayed steps of a
-member's real handshake transcript (both must be refused).
+of this version (nothing may be said before the proof); replayed steps of a
+member's real handshake transcript (both must be refused); and a flood of step 1s
+carrying the pool's real key id (which anyone on the pod network can read) while a
+member keeps handshaking.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import threading
 import time
 import urllib.error
 
 from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, make_hello
+from kv_offload_sidecar.peers.pool_keys import key_id
 
 from kv_offload_tools.bench.attack_context import AttackContext, AttackResult, measured
 from kv_offload_tools.bench.attack_exchange import Answer, http_exchange, http_request
@@ -137,6 +142,65 @@ def other_wire_version(ctx: AttackContext) -> bool:
     return leaked
 
 
+def sniffed_key_id_flood(ctx: AttackContext, count: int, threads: int = 4) -> None:
+    """Step 1s carrying the pool's real key id (a passive observer of the pod network sees it:
+    the control port is plain HTTP) but no key: each is answered with a server nonce the
+    sidecar keeps pending until it expires. Meanwhile a member handshakes every second."""
+    kid = key_id(ctx.pool.pool_key).hex()
+    statuses: list[int | None] = []
+    lock = threading.Lock()
+
+    def flood(worker: int) -> None:
+        conn: http.client.HTTPConnection | None = None
+        for i in range(worker, count, threads):
+            body = json.dumps({**stranger_step1(ctx), "key_ids": [kid]})
+            try:
+                if conn is None:
+                    conn = http.client.HTTPConnection(ctx.host, ctx.port, timeout=5,
+                                                      source_address=(ctx.source(worker), 0))
+                conn.request("POST", HANDSHAKE, body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                status: int | None = resp.status
+                if resp.will_close:
+                    conn.close()
+                    conn = None
+            except (OSError, http.client.HTTPException):
+                status = None
+                if conn is not None:
+                    conn.close()
+                conn = None
+            with lock:
+                statuses.append(status)
+        if conn is not None:
+            conn.close()
+
+    with measured(ctx, "step 1 flood, sniffed key id", "control") as result:
+        workers = [threading.Thread(target=flood, args=(w,), daemon=True) for w in range(threads)]
+        for w in workers:
+            w.start()
+        member = []
+        while any(w.is_alive() for w in workers):
+            member.append(_timed(lambda: _member_handshake(ctx)))
+            for w in workers:
+                w.join(1.0 / threads)
+        for st in statuses:
+            result.sent += 1
+            result.answer(f"HTTP {st}" if st is not None else "connection failed", st)
+        ok = sum(m.startswith("HTTP 200") for m in member)
+        result.note(f"member handshakes during the flood: {ok} of {len(member)} accepted"
+                    + ("" if ok == len(member) else f" ({', '.join(sorted(set(member)))[:160]})"))
+
+
+def _member_handshake(ctx: AttackContext) -> tuple[int, object]:
+    """Both steps as the third member; the status of the first refused step, or of step 2."""
+    initiator = member_initiator(ctx)
+    code, reply = ctx.target.post(HANDSHAKE, initiator.step1(), auth=False)
+    if code != 200:
+        return code, reply
+    return ctx.target.post(HANDSHAKE, initiator.step2(reply), auth=False)
+
+
 def member_initiator(ctx: AttackContext) -> HandshakeInitiator:
     """A handshake as a real member (the third one: its identity, addresses and the pool key)
     would start it; accepting it only tells the target of a member it knows already."""
@@ -162,18 +226,7 @@ def _timed(call) -> str:
 
 def legitimate_calls(ctx: AttackContext) -> dict[str, str]:
     """What the pool's own callers (from 127.0.0.1) get from the target right now."""
-    initiator = member_initiator(ctx)
-    step1 = initiator.step1()
-    replies: list = []
-
-    def handshake() -> tuple[int, object]:
-        code, reply = ctx.target.post(HANDSHAKE, step1, auth=False)
-        if code != 200:
-            return code, reply
-        replies.append(reply)
-        return ctx.target.post(HANDSHAKE, initiator.step2(reply), auth=False)
-
-    return {"a member's handshake": _timed(handshake),
+    return {"a member's handshake": _timed(lambda: _member_handshake(ctx)),
             "an admin's /v1/status": _timed(lambda: ctx.target.get("/v1/status")),
             "a /metrics scrape": _timed(lambda: (200, ctx.target.metrics_text()))}
 

@@ -102,13 +102,14 @@ class HonestLoad:
             elif kind == "done":
                 return
 
-    def window(self, t0: float, t1: float) -> list[Round]:
+    def window(self, *windows: tuple[float, float]) -> list[Round]:
         with self._lock:
-            return [r for r in self.rounds if t0 <= r.at < t1]
+            return [r for r in self.rounds if any(t0 <= r.at < t1 for t0, t1 in windows)]
 
-    def stats(self, t0: float, t1: float) -> dict[str, Any]:
-        """Hit ratio, wrong chunks and load/lookup percentiles (ms) of the rounds begun in [t0, t1)."""
-        rounds = self.window(t0, t1)
+    def stats(self, t0: float, t1: float, *more: tuple[float, float]) -> dict[str, Any]:
+        """Hit ratio, wrong chunks and load/lookup percentiles (ms) of the rounds begun in
+        [t0, t1) (and in the ``more`` windows)."""
+        rounds = self.window((t0, t1), *more)
         asked = sum(r.asked for r in rounds)
         loads = [r.load_seconds for r in rounds]
         lookups = [r.lookup_seconds for r in rounds]

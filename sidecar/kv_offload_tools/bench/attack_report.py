@@ -134,7 +134,7 @@ def plot(report: dict[str, Any], series: dict[str, Any], path: str) -> None:
     axes[1].set_ylabel("open descriptors")
     axes[2].set_ylabel("honest load (ms)")
     axes[2].set_yscale("log")
-    axes[2].set_xlabel("seconds since the run without attackers began")
+    axes[2].set_xlabel("seconds since the first run without attackers began (grey: no attackers)")
     top = [r for r in report["attacks"] if not r["name"].startswith("  ")]
     colors = ("#f4cccc", "#cfe2f3", "#d9ead3", "#fff2cc", "#ead1dc")
     span = max((r["ended"] for r in top), default=1.0) or 1.0
@@ -151,9 +151,9 @@ def plot(report: dict[str, Any], series: dict[str, Any], path: str) -> None:
     if narrow:
         axes[2].text(0.99, 0.98, "\n".join(narrow), transform=axes[2].transAxes, ha="right", va="top",
                      fontsize=6, bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
-    b = report["baseline_window"]
-    for ax in axes:
-        ax.axvspan(b[0], b[1], color="#eeeeee", alpha=0.6, lw=0)
+    for b in report["baseline_windows"]:
+        for ax in axes:
+            ax.axvspan(b[0], b[1], color="#eeeeee", alpha=0.6, lw=0)
     axes[0].legend(fontsize=7, loc="upper left")
     axes[1].legend(fontsize=7, loc="upper left")
     verdict = ", ".join(("PASS " if t["pass"] else "FAIL ") + t["target"].split(" <=")[0].split(" (")[0]

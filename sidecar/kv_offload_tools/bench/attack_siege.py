@@ -7,9 +7,11 @@ then all held together for ``hold_seconds``:
 - ``slow headers``: a request line, then one header byte a second, never the end;
 - ``slow body``: a handshake POST announcing the largest body the port takes,
   sent but for its last bytes, then one byte a second, never the last one;
-- ``data flood``: connections to the data port that never answer the challenge;
 - ``auth frame 1 MiB``: a frame header announcing a 1 MiB AUTH_RESPONSE, its
-  payload sent but for the last bytes (the issue: 300 of these held 258 MiB).
+  payload sent but for the last bytes (the issue: 300 of these held 258 MiB);
+- ``slow auth frame``: a real-sized AUTH_RESPONSE header, its 50 bytes sent one a
+  second, never the last (the deadline must be the whole proof's, not an idle one);
+- ``data flood``: connections to the data port that never answer the challenge.
 
 The costly classes open first, so the floods meet the sidecar's connection limits
 with them held. Each class gets a row (what came back, how many the sidecar cut
@@ -35,12 +37,15 @@ from kv_offload_tools.bench.attack_sockets import ZEROS, ClassPlan, Siege, split
 # Share of the siege's connections per class, in the order they are opened: the costly
 # ones first (so they are let in before the floods fill the sidecar's connection limits).
 SHARES = (("slow body", 0.15), ("slow headers", 0.15), ("auth frame 1 MiB", 0.20),
-          ("control flood", 0.30), ("data flood", 0.20))
+          ("slow auth frame", 0.10), ("control flood", 0.30), ("data flood", 0.10))
 # Body bytes the slow bodies announce: the largest handshake body the sidecar takes (the
 # issue's 256 KiB when it names none).
 SLOW_BODY_BYTES = getattr(handshake, "MAX_HANDSHAKE_BODY_BYTES", 256 * 1024)
 # Bytes of an announced body or frame left for the drip (the last one is never sent).
 DRIP_TAIL = 32
+# Bytes of a real AUTH_RESPONSE payload (u16 length, 16-byte session id, 32-byte proof): the
+# slow auth frames announce one and send it a byte a second, never the last.
+AUTH_RESPONSE_BYTES = 2 + 16 + proto.PROOF_BYTES
 # Seconds each class is served after it opened before the next one opens.
 CLASS_SECONDS = 0.5
 
@@ -52,6 +57,8 @@ def siege_plans(ctx: AttackContext, connections: int) -> list[ClassPlan]:
     head = (f"POST /v1/handshake HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {SLOW_BODY_BYTES}\r\n\r\n").encode()
     auth = proto.HEADER.pack(proto.MAGIC, proto.WIRE_MAJOR, proto.MessageType.AUTH_RESPONSE, 0, 1 << 20)
+    small_auth = proto.HEADER.pack(proto.MAGIC, proto.WIRE_MAJOR, proto.MessageType.AUTH_RESPONSE, 0,
+                                   AUTH_RESPONSE_BYTES)
     control = {
         "control flood": ClassPlan("control flood", "control", "http", ctx.port, counts["control flood"]),
         "slow headers": ClassPlan("slow headers", "control", "http", ctx.port, counts["slow headers"],
@@ -64,6 +71,8 @@ def siege_plans(ctx: AttackContext, connections: int) -> list[ClassPlan]:
         "data flood": ClassPlan("data flood", "data", "data", data_port, counts["data flood"]),
         "auth frame 1 MiB": ClassPlan("auth frame 1 MiB", "data", "data", data_port, counts["auth frame 1 MiB"],
                                       first=[auth, ZEROS[:(1 << 20) - DRIP_TAIL]], drip=bytes(DRIP_TAIL - 1)),
+        "slow auth frame": ClassPlan("slow auth frame", "data", "data", data_port, counts["slow auth frame"],
+                                     first=[small_auth], drip=bytes(AUTH_RESPONSE_BYTES - 1)),
     }
     if ucx:
         data = {}  # a stranger cannot reach a UCX worker address (module docstring of attack_wire)
