@@ -99,6 +99,9 @@ PROVEN_REJECTIONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_m
 PROVEN_DETAIL_CHARS = 2000
 # Seconds of one rejection-log window: one line per source and reason per window, then a count.
 REJECTION_LOG_SECONDS = 60.0
+# (source, reason) pairs the rejection log tells apart per window; more share one count line
+# (two lines of ~150 bytes per pair and window: under 20 KiB of log per minute of any flood).
+REJECTION_LOG_PAIRS = 64
 
 
 def refuse(request: web.Request, reason: str, detail: object = "") -> None:
@@ -358,7 +361,8 @@ class ControlPorts:
 
     def __init__(self, sidecar: Sidecar) -> None:
         self._sidecar = sidecar
-        self.guard = ConnectionGuard(sidecar.metrics, RejectionLog(log, interval=REJECTION_LOG_SECONDS))
+        self.guard = ConnectionGuard(sidecar.metrics, RejectionLog(log, interval=REJECTION_LOG_SECONDS,
+                                                                   max_pairs=REJECTION_LOG_PAIRS))
         self._runners: list[web.AppRunner] = []
         self._flusher: asyncio.Task[None] | None = None
 

@@ -11,6 +11,8 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
   not held to these two, so a flood of strangers never refuses a member's new connections;
 - a whole request (line and headers) within ``UNPROVEN_REQUEST_SECONDS`` of connecting or
   of its last answer, so a silent, idle or slow-loris connection is cut (``timeout``);
+- once ``TRIM_AFTER_STRANGERS`` left unproven and none is left, what they held goes back to
+  the system (``data.base.reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``);
 - at most ``MAX_UNPROVEN_BUFFERED_BYTES`` received while no request of it is handled
   (``oversize``): more is read and dropped until the deadline above closes it, so an
   answer aiohttp already owes it (a 400 for a line too long) still reaches it.
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
+from kv_offload_sidecar.data.base import reclaim_memory
 from kv_offload_sidecar.rejections import RejectionLog, clip
 
 if TYPE_CHECKING:
@@ -50,6 +53,10 @@ if TYPE_CHECKING:
 MAX_UNPROVEN_PER_SOURCE = 32
 # Unproven connections all sources together may hold open at once.
 MAX_UNPROVEN_CONNECTIONS = 256
+# Unproven connections that must have left before their memory is handed back to the system.
+TRIM_AFTER_STRANGERS = 32
+# Least seconds between two such hand-backs (a full collection and a heap trim cost milliseconds).
+TRIM_INTERVAL_SECONDS = 10.0
 # Seconds a source address that proved something stays exempt from the two limits above.
 TRUSTED_SOURCE_SECONDS = 600.0
 # Most source addresses remembered as trusted (the oldest is forgotten first).
@@ -176,6 +183,11 @@ class ConnectionGuard:
         self._unproven_total = 0
         # Source addresses that proved something -> monotonic time of their last proof.
         self._trusted: OrderedDict[str, float] = OrderedDict()
+        # Unproven connections gone since the last hand-back of memory, and when that was.
+        self._departed = 0
+        self._trimmed_at = float("-inf")
+        # Hand-backs of memory so far (tests read it).
+        self.trims = 0
         # Open connections (admitted), by transport.
         self._open: dict[asyncio.BaseTransport, _Connection] = {}
 
@@ -289,7 +301,17 @@ class ConnectionGuard:
         if self._open.pop(conn.transport, None) is not None:
             if conn.counted:
                 self._release(conn.source)
+                self._departed += 1
             self._count()
+            if (self._unproven_total == 0 and self._departed >= TRIM_AFTER_STRANGERS
+                    and time.monotonic() - self._trimmed_at >= TRIM_INTERVAL_SECONDS):
+                self._departed = 0
+                self._trimmed_at = time.monotonic()
+                asyncio.get_running_loop().call_soon(self._reclaim)
+
+    def _reclaim(self) -> None:
+        reclaim_memory()
+        self.trims += 1
 
     def _count(self) -> None:
         unproven = self._unproven_total

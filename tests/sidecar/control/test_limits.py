@@ -142,6 +142,17 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
     assert status_of(await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 200
 
 
+async def test_memory_goes_back_once_strangers_left(ports, monkeypatch):
+    monkeypatch.setattr(limits, "TRIM_AFTER_STRANGERS", 3)
+    monkeypatch.setattr(limits, "TRIM_INTERVAL_SECONDS", 0.0)
+    held = [(await connect(ports, f"127.0.0.{i}"))[1] for i in (2, 3, 4)]
+    await until(lambda: ports.guard.unproven == 3, "3 strangers")
+    assert ports.guard.trims == 0
+    for writer in held:
+        writer.close()
+    await until(lambda: ports.guard.trims == 1, "the memory to be handed back")
+
+
 async def prove_admin(ports, source: str = "127.0.0.2"):
     """A keep-alive connection from ``source`` that proved the admin token."""
     reader, writer = await connect(ports, source)
