@@ -114,8 +114,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("hold_seconds", "warmup_seconds", "baseline_seconds"):
         if not 0 < s[name] <= 600:
             raise UsageError(f"--{name.replace('_', '-')} {s[name]:g} must be in (0, 600] seconds")
-    if not 1 <= args.sources <= 250:
-        raise UsageError(f"--sources {args.sources} must be in 1..250")
+    if not 1 <= args.sources <= 200:
+        raise UsageError(f"--sources {args.sources} must be in 1..200")
     if not 2 <= args.members <= 8:
         raise UsageError(f"--members {args.members} must be in 2..8 (one stores, another loads)")
     if args.transport == "nixl":

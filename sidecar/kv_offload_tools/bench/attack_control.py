@@ -20,13 +20,16 @@ import threading
 import time
 import urllib.error
 
-from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, make_hello
+from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeError, HandshakeInitiator, make_hello
 from kv_offload_sidecar.peers.pool_keys import key_id
 
 from kv_offload_tools.bench.attack_context import AttackContext, AttackResult, measured
 from kv_offload_tools.bench.attack_exchange import Answer, http_exchange, http_request
 
 HANDSHAKE = "/v1/handshake"
+# Source address of a legitimate caller that never proved anything (a new pod, Prometheus, an
+# admin's laptop): outside the attackers' 127.0.0.2 ... range.
+NEW_POD_SOURCE = "127.0.0.254"
 
 
 def _send(ctx: AttackContext, result: AttackResult, request: bytes, i: int, label: str = "") -> Answer:
@@ -219,16 +222,44 @@ def _timed(call) -> str:
         code, _ = call()
     except urllib.error.HTTPError as exc:
         code = exc.code
-    except OSError as exc:
+    except (OSError, HandshakeError) as exc:
         return f"{type(exc).__name__} after {1e3 * (time.monotonic() - started):.0f} ms"
     return f"HTTP {code} in {1e3 * (time.monotonic() - started):.0f} ms"
 
 
+def _post_from(ctx: AttackContext, source: str, path: str, body: dict | None,
+               headers: tuple[tuple[str, str], ...] = ()) -> tuple[int, object]:
+    """A request from ``source`` (not 127.0.0.1): its status (0 for none) and JSON body."""
+    request = http_request("POST" if body is not None else "GET", path,
+                           json.dumps(body).encode() if body is not None else b"", headers)
+    answer = http_exchange(ctx.host, ctx.port, request, source)
+    if answer.status is None:
+        raise ConnectionError(answer.word)
+    try:
+        reply = json.loads(answer.data.partition(b"\r\n\r\n")[2])
+    except ValueError:
+        reply = None
+    return answer.status, reply
+
+
 def legitimate_calls(ctx: AttackContext) -> dict[str, str]:
-    """What the pool's own callers (from 127.0.0.1) get from the target right now."""
-    return {"a member's handshake": _timed(lambda: _member_handshake(ctx)),
-            "an admin's /v1/status": _timed(lambda: ctx.target.get("/v1/status")),
-            "a /metrics scrape": _timed(lambda: (200, ctx.target.metrics_text()))}
+    """What the pool's own callers get from the target right now: a member from 127.0.0.1
+    (an address that proved the key before), and a new pod, an admin and a Prometheus
+    scrape from NEW_POD_SOURCE (an address that never proved anything)."""
+    new = NEW_POD_SOURCE
+    token = (("Authorization", f"Bearer {ctx.target.admin_token}"),)
+    initiator = member_initiator(ctx)
+
+    def new_pod_handshake() -> tuple[int, object]:
+        code, reply = _post_from(ctx, new, HANDSHAKE, initiator.step1())
+        if code != 200:
+            return code, reply
+        return _post_from(ctx, new, HANDSHAKE, initiator.step2(reply))
+
+    return {"a member's handshake from 127.0.0.1 (proven before)": _timed(lambda: _member_handshake(ctx)),
+            f"a /metrics scrape from {new} (never proven)": _timed(lambda: _post_from(ctx, new, "/metrics", None)),
+            f"an admin's /v1/status from {new}": _timed(lambda: _post_from(ctx, new, "/v1/status", None, token)),
+            f"a new pod's handshake from {new}": _timed(new_pod_handshake)}
 
 
 def replayed_steps(ctx: AttackContext) -> int:

@@ -40,8 +40,8 @@ def require_loopback(host: str) -> str:
 
 def sources(n: int) -> list[str]:
     """Source addresses 127.0.0.2 ... 127.0.0.(n+1) the attackers bind to."""
-    if not 1 <= n <= 250:
-        raise ValueError(f"sources={n} must be in 1..250")
+    if not 1 <= n <= 200:
+        raise ValueError(f"sources={n} must be in 1..200 (127.0.0.254 is the bench's own new pod)")
     return [f"127.0.0.{2 + i}" for i in range(n)]
 
 

@@ -23,7 +23,7 @@ CLI = [os.path.join(os.path.dirname(sys.executable), "kv-offload"), "bench", "at
 @pytest.mark.parametrize(("args", "named"), [
     (["--connections", "5000"], "--connections 5000 must be in 5..1000"),
     (["--hold-seconds", "0"], "--hold-seconds 0 must be in (0, 600] seconds"),
-    (["--sources", "0"], "--sources 0 must be in 1..250"),
+    (["--sources", "0"], "--sources 0 must be in 1..200"),
     (["--members", "1"], "--members 1 must be in 2..8 (one stores, another loads)"),
 ], ids=["connections", "hold-seconds", "sources", "members"])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
