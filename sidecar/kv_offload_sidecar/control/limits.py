@@ -11,11 +11,12 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
   not held to these two, so a flood of strangers never refuses a member's new connections;
 - a whole request (line and headers) within ``UNPROVEN_REQUEST_SECONDS`` of connecting or
   of its last answer, so a silent, idle or slow-loris connection is cut (``timeout``);
-- once ``TRIM_AFTER_STRANGERS`` left unproven and none is left, what they held goes back to
-  the system (``data.base.reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``);
 - at most ``MAX_UNPROVEN_BUFFERED_BYTES`` received while no request of it is handled
   (``oversize``): more is read and dropped until the deadline above closes it, so an
   answer aiohttp already owes it (a 400 for a line too long) still reaches it.
+
+Once ``TRIM_AFTER_STRANGERS`` left unproven and none is left, what they held goes back to
+the system (``data.base.reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``).
 
 Every connection, proven or not: a request line of at most ``MAX_REQUEST_LINE_BYTES``,
 ``MAX_HEADERS`` headers of at most ``MAX_HEADER_BYTES`` each (aiohttp answers 400, which
@@ -86,7 +87,8 @@ SERVER_HEADER = "kv-offload"
 # The answer to a connection refused at accept (no request of it is parsed).
 _BUSY_BODY = b'{"error": "too many unauthenticated connections; retry later"}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nServer: kv-offload\r\nContent-Type: application/json\r\n"
-         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+         % (len(_BUSY_BODY), _BUSY_BODY))
 
 GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("kv_offload_connection_guard")
 REJECTIONS_KEY: web.AppKey[RejectionLog] = web.AppKey("kv_offload_rejections", RejectionLog)
@@ -466,6 +468,7 @@ def source_of(request: web.BaseRequest) -> str:
 __all__ = [
     "BODY_SECONDS", "IDLE_SECONDS", "MAX_HEADERS", "MAX_HEADER_BYTES", "MAX_REQUEST_LINE_BYTES",
     "MAX_UNPROVEN_BUFFERED_BYTES", "MAX_UNPROVEN_CONNECTIONS", "MAX_UNPROVEN_PER_SOURCE",
-    "SERVER_HEADER", "TRUSTED_SOURCE_SECONDS", "UNPROVEN_REQUEST_SECONDS", "BodyError", "ConnectionGuard", "GuardedSite",
+    "SERVER_HEADER", "TRUSTED_SOURCE_SECONDS", "UNPROVEN_REQUEST_SECONDS", "BodyError", "ConnectionGuard",
+    "GuardedSite",
     "ServerLog", "guard_middleware", "handler_args", "mark_proven", "read_body", "source_of",
 ]

@@ -450,7 +450,8 @@ class HandshakeInitiator:
         verdict = compare_hello(self._sealed, remote)
         if verdict is not None:
             reason, diff = verdict
-            raise HandshakeError(reason, f"peer {_shown(remote.identity)} rejected ({reason}): fields differ: "
+            raise HandshakeError(reason, f"peer {_shown(remote.identity)} rejected ({reason}): "
+                                 f"fields differ: "
                                  + ", ".join(diff_fields(diff)), diff)
         sid, skey = derive_session(key, self.nonce, nonce_s, kid)
         return remote, Session(sid, skey, remote, "outbound", kid)

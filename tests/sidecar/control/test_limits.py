@@ -139,7 +139,8 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
     for writer in held:
         writer.close()
     await until(lambda: ports.guard.unproven == 0 and ports.guard.open == 0, "the held connections to go")
-    assert status_of(await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 200
+    answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status_of(answer) == 200
 
 
 async def test_memory_goes_back_once_strangers_left(ports, monkeypatch):
@@ -200,8 +201,10 @@ def _hello():
 UNPARSEABLE = {
     "request line of 70 kB": b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
     "header of 70 kB": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 70_000 + b"\r\n\r\n",
-    "300 headers": b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n",
-    "bearer token of 9 kB": b"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"a" * 9000 + b"\r\n\r\n",
+    "300 headers": (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300))
+                    + b"\r\n"),
+    "bearer token of 9 kB": (b"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"a" * 9000
+                             + b"\r\n\r\n"),
     "not HTTP": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 100 + b"\r\n\r\n",
 }
 
