@@ -20,11 +20,17 @@ import threading
 import time
 import urllib.error
 
-from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeError, HandshakeInitiator, make_hello
+from kv_offload_sidecar.peers.handshake import (
+    WIRE_VERSION,
+    HandshakeError,
+    HandshakeInitiator,
+    Session,
+    make_hello,
+)
 from kv_offload_sidecar.peers.pool_keys import key_id
 
 from kv_offload_tools.bench.attack_context import AttackContext, AttackResult, measured
-from kv_offload_tools.bench.attack_exchange import Answer, http_exchange, http_request
+from kv_offload_tools.bench.attack_exchange import Answer, data_authenticate, http_exchange, http_request
 
 HANDSHAKE = "/v1/handshake"
 # Source address of a legitimate caller that never proved anything (a new pod, Prometheus, an
@@ -256,10 +262,30 @@ def legitimate_calls(ctx: AttackContext) -> dict[str, str]:
             return code, reply
         return _post_from(ctx, new, HANDSHAKE, initiator.step2(reply))
 
-    return {"a member's handshake from 127.0.0.1 (proven before)": _timed(lambda: _member_handshake(ctx)),
+    calls = {"a member's handshake from 127.0.0.1 (proven before)": _timed(lambda: _member_handshake(ctx)),
             f"a /metrics scrape from {new} (never proven)": _timed(lambda: _post_from(ctx, new, "/metrics", None)),
             f"an admin's /v1/status from {new}": _timed(lambda: _post_from(ctx, new, "/v1/status", None, token)),
             f"a new pod's handshake from {new}": _timed(new_pod_handshake)}
+    if not ctx.data_address.startswith("ucx://"):
+        session = _member_session(ctx)
+        for source in ("127.0.0.1", new):
+            calls[f"a member's new data connection from {source}"] = (
+                data_authenticate(ctx.data_address, source, session.session_id, session.session_key)
+                if session is not None else "no session (the handshake was refused)")
+    return calls
+
+
+def _member_session(ctx: AttackContext) -> Session | None:
+    """A session of the third member, by a handshake from 127.0.0.1 (None when refused)."""
+    initiator = member_initiator(ctx)
+    try:
+        code, reply = ctx.target.post(HANDSHAKE, initiator.step1(), auth=False)
+        if code != 200:
+            return None
+        code, reply = ctx.target.post(HANDSHAKE, initiator.step2(reply), auth=False)
+        return initiator.finish(reply)[1] if code == 200 else None
+    except (OSError, HandshakeError):
+        return None
 
 
 def replayed_steps(ctx: AttackContext) -> int:

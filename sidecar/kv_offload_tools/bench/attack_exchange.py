@@ -3,7 +3,8 @@
 ``http_exchange`` (status and body, or "closed/reset without an answer", or no answer in
 time), ``data_exchange`` (the data-plane frames, with the close or reset that ended
 them), ``local_exchange`` (the local channel's reply frame, its size, and whether the
-channel stayed open). Targets are loopback only (``attack_sockets.connect``).
+channel stayed open), ``data_authenticate`` (a member's session proving itself on a new
+data connection). Targets are loopback only (``attack_sockets.connect``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv_offload_tools.bench.attack_sockets import connect, describe, http_status, split_address
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.base import auth_proof
+
+from kv_offload_tools.bench.attack_sockets import connect, describe, frame_names, http_status, split_address
 
 # Seconds a one-shot exchange waits for the whole answer.
 EXCHANGE_TIMEOUT = 5.0
@@ -163,3 +167,26 @@ def local_exchange(path: str, payload: bytes, timeout: float = EXCHANGE_TIMEOUT)
         word += f" of {len(data) // 1024} KiB"
     word += " + close" if closed else " (left open)"
     return Answer(word, None, data, closed, time.monotonic() - started)
+
+
+def data_authenticate(address: str, source: str, session_id: bytes, session_key: bytes,
+                      timeout: float = EXCHANGE_TIMEOUT) -> str:
+    """A member's new data connection from ``source``: "AUTH_OK in N ms", or what it got."""
+    host, port = split_address(address)
+    started = time.monotonic()
+    try:
+        sock = connect(host, port, source)
+    except OSError as exc:
+        return f"refused ({type(exc).__name__})"
+    with sock:
+        data, end = _recv_all(sock, started + timeout, lambda d: len(d) >= proto.HEADER_BYTES + proto.NONCE_BYTES)
+        names = frame_names(data)
+        if names[:1] != ["AUTH_CHALLENGE"]:
+            return "+".join(names) or _silence(end)
+        nonce = data[proto.HEADER_BYTES:proto.HEADER_BYTES + proto.NONCE_BYTES]
+        _send_all(sock, b"".join(bytes(p) for p in proto.encode_auth_response(session_id,
+                                                                              auth_proof(session_key, nonce))))
+        rest, end = _recv_all(sock, time.monotonic() + timeout, lambda d: len(d) >= proto.HEADER_BYTES)
+    ms = 1e3 * (time.monotonic() - started)
+    names = frame_names(rest)
+    return f"{'+'.join(names) or _silence(end)} in {ms:.0f} ms"
