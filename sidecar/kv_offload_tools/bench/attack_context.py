@@ -89,6 +89,8 @@ class AttackContext:
     repeats: int = 20
     # Rejected step-1 handshakes of the rejection flood.
     rejected_handshakes: int = 200
+    # Monotonic time after which the one-shot attacks send nothing more (the run's budget).
+    deadline: float = float("inf")
     results: list[AttackResult] = field(default_factory=list)
     # Server headers the control port sent (what it tells about itself).
     server_headers: set[str] = field(default_factory=set)
@@ -104,6 +106,14 @@ class AttackContext:
     @property
     def port(self) -> int:
         return self.target.port
+
+    def rounds(self, n: int, result: AttackResult) -> Iterator[int]:
+        """0 .. n-1 while the run's time budget lasts (noted on ``result`` when it ran out)."""
+        for i in range(n):
+            if time.monotonic() > self.deadline:
+                result.note(f"stopped after {i} of {n} rounds: the run's time budget ran out")
+                return
+            yield i
 
     def source(self, i: int) -> str:
         return self.sources[i % len(self.sources)]

@@ -76,7 +76,7 @@ def oversized_http(ctx: AttackContext) -> None:
     ]
     for name, build in cases:
         with measured(ctx, name, "control") as result:
-            for i in range(ctx.repeats):
+            for i in ctx.rounds(ctx.repeats, result):
                 _send(ctx, result, build(), i)
 
 
@@ -93,7 +93,7 @@ def deep_json(ctx: AttackContext) -> None:
         ("/v1/lookup", "lookup (no token): ", "[" * 12_000 + "]" * 12_000),
     ]
     with measured(ctx, "deeply nested JSON", "control") as result:
-        for i in range(ctx.repeats):
+        for i in ctx.rounds(ctx.repeats, result):
             for path, label, body in bodies:
                 _send(ctx, result, http_request("POST", path, body.encode()), i, label)
 
@@ -102,7 +102,7 @@ def huge_integers(ctx: AttackContext) -> None:
     """5000-digit integers in each field of a step-1 body (and a 5000-digit float)."""
     digits = "9" * 5000
     with measured(ctx, "5000-digit integers", "control") as result:
-        for i in range(ctx.repeats):
+        for i in ctx.rounds(ctx.repeats, result):
             for field in ("wire_version", "nonce", "key_ids", "step"):
                 body = json.dumps(stranger_step1(ctx))
                 body = body.replace(f'"{field}": ', f'"{field}": {digits}, "_{field}": ', 1)
@@ -115,7 +115,7 @@ def malformed_step(ctx: AttackContext) -> None:
     """A long ``step`` value, 200 kB and 30 kB (within a small handshake body limit): the
     issue saw twenty 200 kB ones add 3.9 MB of log."""
     with measured(ctx, "malformed step 30-200 kB", "control") as result:
-        for i in range(ctx.repeats):
+        for i in ctx.rounds(ctx.repeats, result):
             for size in (30_000, 200_000):
                 body = json.dumps({"step": "x" * size, "wire_version": WIRE_VERSION}).encode()
                 _send(ctx, result, http_request("POST", HANDSHAKE, body), i, f"{size // 1000} kB: ")
@@ -124,7 +124,7 @@ def malformed_step(ctx: AttackContext) -> None:
 def rejected_flood(ctx: AttackContext) -> None:
     """Many strangers' step 1s, each refused: the log must not grow by a line per request."""
     with measured(ctx, "rejected handshake flood", "control") as result:
-        for i in range(ctx.rejected_handshakes):
+        for i in ctx.rounds(ctx.rejected_handshakes, result):
             _send(ctx, result, http_request("POST", HANDSHAKE, json.dumps(stranger_step1(ctx)).encode()), i)
 
 
@@ -134,7 +134,7 @@ def other_wire_version(ctx: AttackContext) -> bool:
     major = int(WIRE_VERSION.split(".")[0])
     leaked = False
     with measured(ctx, "other wire version", "control") as result:
-        for i in range(ctx.repeats):
+        for i in ctx.rounds(ctx.repeats, result):
             same = _send(ctx, result, http_request("POST", HANDSHAKE, json.dumps(stranger_step1(ctx)).encode()),
                          i, f"wire {WIRE_VERSION}: ")
             for version in (f"{major + 1}.0", f"{major - 1}.9", "99.0"):
@@ -299,7 +299,7 @@ def replayed_steps(ctx: AttackContext) -> int:
         step2 = initiator.step2(reply) if code == 200 else None
         code2 = ctx.target.post(HANDSHAKE, step2, auth=False)[0] if step2 else None
         result.note(f"the captured handshake itself: step 1 -> {code}, step 2 -> {code2}")
-        for i in range(ctx.repeats):
+        for i in ctx.rounds(ctx.repeats, result):
             _send(ctx, result, http_request("POST", HANDSHAKE, json.dumps(step1).encode()), i, "step 1: ")
             if step2 is not None:
                 a = _send(ctx, result, http_request("POST", HANDSHAKE, json.dumps(step2).encode()), i, "step 2: ")

@@ -225,8 +225,8 @@ class Siege(threading.Thread):
                               f"({out.connect_failed} refused), {self.open_now} hostile connections open")
             self.all_open_at = time.monotonic()
             end = self.all_open_at + self.hold_seconds
-            while not self._halt.is_set() and time.monotonic() < end:
-                self._service(0.2)
+            while not self._halt.is_set() and time.monotonic() < end and self.open_now:
+                self._service(0.2)  # (until the sidecar has cut every one of them)
         finally:
             self._close_all()
 

@@ -63,7 +63,7 @@ def data_frames(ctx: AttackContext) -> None:
         return
     plane = ctx.data_address.split("://", 1)[0]
     with measured(ctx, f"malformed frames ({plane})", "data") as result:
-        for i in range(ctx.repeats):
+        for i in ctx.rounds(ctx.repeats, result):
             for name, payload in data_cases(ctx.pool.chunk_bytes):
                 answer = data_exchange(ctx.data_address, payload, ctx.source(i))
                 result.sent += 1
@@ -91,7 +91,7 @@ def local_cases() -> list[tuple[str, bytes]]:
 
 def local_garbage(ctx: AttackContext) -> None:
     with measured(ctx, "local channel garbage", "local") as result:
-        for _ in range(ctx.repeats):
+        for _ in ctx.rounds(ctx.repeats, result):
             for name, payload in local_cases():
                 answer = local_exchange(ctx.local_socket, payload)
                 result.sent += 1
