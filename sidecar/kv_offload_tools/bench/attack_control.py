@@ -64,6 +64,22 @@ def stranger_step1(ctx: AttackContext, wire_version: str = WIRE_VERSION) -> dict
     return body
 
 
+def public_metrics(ctx: AttackContext) -> None:
+    """What ``/metrics`` tells a stranger about the pool: the labels of kv_offload_config_info
+    and whether the model, dtype, fingerprint or wire version appear anywhere."""
+    with measured(ctx, "public /metrics", "control") as result:
+        answer = _send(ctx, result, http_request("GET", "/metrics"), 0)
+        body = answer.data.partition(b"\r\n\r\n")[2].decode("utf-8", "replace")
+        info = [line for line in body.splitlines() if line.startswith("kv_offload_config_info{")]
+        labels = sorted({part.split("=", 1)[0] for line in info
+                         for part in line.split("{", 1)[1].rsplit("}", 1)[0].split(",") if "=" in part})
+        result.note(f"kv_offload_config_info labels a stranger reads: {', '.join(labels) or 'none'}")
+        told = [name for name, value in (("model", ctx.pool.config.model.name),
+                                         ("fingerprint", ctx.pool.config.fingerprint),
+                                         ("wire version", f'"{WIRE_VERSION}"')) if value in body]
+        result.note(f"values told to anyone: {', '.join(told) or 'none of model, fingerprint, wire version'}")
+
+
 def oversized_http(ctx: AttackContext) -> None:
     """70 kB request line, 70 kB header, 300 headers, 9 kB bearer token: each its own row."""
     cases = [
