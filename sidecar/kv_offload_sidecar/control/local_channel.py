@@ -53,6 +53,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+from kv_offload_sidecar.control.fd_frames import FirstFrameError, first_frame
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.store.engine_region import EngineRegion, RegionError, RowCopier
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
@@ -377,7 +378,7 @@ class LocalChannelServer:
         metrics = self.sidecar.metrics
         writer: asyncio.StreamWriter | None = None
         try:
-            first = await _first_frame(sock)
+            first = await first_frame(sock)
             if first is None:
                 sock.close()
                 return
@@ -408,7 +409,7 @@ class LocalChannelServer:
                     return
                 if not await self._answer(conn, writer, body, []):
                     return
-        except _FirstFrameError as exc:
+        except FirstFrameError as exc:
             metrics.protocol_errors.labels(reason=exc.reason).inc()
             with contextlib.suppress(OSError):
                 sock.sendall(cp.encode_frame({"ok": False, "error": str(exc)}))
@@ -452,66 +453,6 @@ class LocalChannelServer:
             for fd in fds:  # a mapping keeps its own reference to the file
                 with contextlib.suppress(OSError):
                     os.close(fd)
-
-
-class _FirstFrameError(Exception):
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-async def _first_frame(sock: socket.socket) -> tuple[bytes, list[int], bytes] | None:
-    """(body, descriptors, bytes after it) of a connection's first frame; None on a clean close.
-
-    Read with ``recvmsg`` so the frame may carry descriptors (at most ``MAX_FDS``).
-    """
-    loop = asyncio.get_running_loop()
-    buf = bytearray()
-    fds: list[int] = []
-    need = cp.LENGTH.size
-    try:
-        while len(buf) < need:
-            chunk, got = await _recv_fds(loop, sock, max(need - len(buf), 4096))
-            fds.extend(got)
-            if len(fds) > MAX_FDS:
-                raise _FirstFrameError(f"a frame may carry at most {MAX_FDS} descriptor", "malformed")
-            if not chunk:
-                if buf:
-                    raise _FirstFrameError("connection closed inside a frame", "malformed")
-                return None
-            buf += chunk
-            if need == cp.LENGTH.size and len(buf) >= need:
-                try:
-                    need += cp.frame_length(bytes(buf[:need]))
-                except ValueError as exc:
-                    raise _FirstFrameError(str(exc), "oversize") from None
-    except BaseException:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        raise
-    return bytes(buf[cp.LENGTH.size:need]), fds, bytes(buf[need:])
-
-
-# Most descriptors one local-channel frame may carry (attach_region's one).
-MAX_FDS = 1
-
-
-async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                    size: int) -> tuple[bytes, list[int]]:
-    """One ``recv_fds`` of a non-blocking socket, awaiting readability."""
-    while True:
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(sock, size, MAX_FDS + 1)
-            return data, list(fds)
-        except BlockingIOError:
-            pass
-        ready = loop.create_future()
-        loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
-        try:
-            await ready
-        finally:
-            loop.remove_reader(sock.fileno())
 
 
 async def _send(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:

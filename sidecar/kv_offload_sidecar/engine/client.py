@@ -35,7 +35,6 @@ import http.client
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,8 +44,7 @@ from typing import Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.engine import ports
-from kv_offload_sidecar.engine.region_file import RegionFile
-from kv_offload_sidecar.engine.store_view import ChunkStoreView
+from kv_offload_sidecar.engine.sidecar_attachment import Attachment, Late, LocalConn, RowRegion
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +67,12 @@ class SidecarUnavailable(ConnectionError):
     """The sidecar's control port or local channel cannot be reached."""
 
 
-class _Late(Exception):
-    """The sidecar did not answer in time."""
-
-
 class _Dropped(Exception):
     """The channel broke after the work was done (the connection must not be reused)."""
 
 
 # What turns a call into a miss (never raised into the engine).
-_FAILURES = (_Late, OSError, ValueError, KeyError, TypeError)
+_FAILURES = (Late, OSError, ValueError, KeyError, TypeError)
 
 
 @dataclass(frozen=True)
@@ -95,121 +89,6 @@ class LookupReply:
         return self.local + self.peer
 
 
-@dataclass(frozen=True)
-class RowRegion:
-    """vLLM's primary rows as the sidecar is to map them."""
-
-    # The file behind the rows (found once by ``region_file.find_region_file``).
-    file: RegionFile
-    # Bytes between row starts.
-    row_stride: int
-    # Rows in the region.
-    num_rows: int
-    # Chunk bytes at the start of each row.
-    chunk_bytes: int
-
-
-class _Conn:
-    """One local-channel connection (used by one thread at a time)."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(path)
-        except OSError:
-            self.sock.close()
-            raise
-
-    def call(self, req: Mapping[str, Any], timeout: float, fd: int | None = None) -> dict[str, Any]:
-        """Send ``req`` (with descriptor ``fd`` attached, SCM_RIGHTS) and read the reply."""
-        self.sock.settimeout(timeout)
-        try:
-            frame = cp.encode_frame(req)
-            if fd is None:
-                self.sock.sendall(frame)
-            else:
-                sent = socket.send_fds(self.sock, [frame], [fd])
-                self.sock.sendall(frame[sent:])
-            try:
-                n = cp.frame_length(self._recv_exact(cp.LENGTH.size))
-            except ValueError as exc:
-                raise ConnectionError(f"sidecar reply: {exc}") from None
-            reply = cp.decode_body(self._recv_exact(n))
-        except socket.timeout:
-            raise _Late() from None
-        if not isinstance(reply, dict):
-            raise ConnectionError("sidecar reply is not a JSON object")
-        return reply
-
-    def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise ConnectionError("sidecar closed the local channel")
-            got += k
-        return bytes(buf)
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
-class _Attachment:
-    """The mapped store of one sidecar instance, and the engine region handed to it."""
-
-    def __init__(self, info: Mapping[str, Any], socket_path: str, region: RowRegion | None,
-                 timeout: float) -> None:
-        st = info["store"]
-        self.instance = str(info["instance"])
-        self.view = ChunkStoreView.attach(str(st["path"]), int(st["slot_bytes"]), int(st["num_slots"]),
-                                          int(st["slot_stride"]))
-        # The sidecar's id of the engine region (None: the engine copies itself).
-        self.region_id: int | None = None
-        # Why the region is not attached ("" when it is).
-        self.region_reason = "no region was offered"
-        # Set when the sidecar no longer knows the region (attach again).
-        self.region_lost = False
-        self._region_conn: _Conn | None = None
-        if region is not None:
-            self._attach_region(socket_path, region, timeout)
-
-    def _attach_region(self, socket_path: str, region: RowRegion, timeout: float) -> None:
-        try:
-            conn = _Conn(socket_path, timeout)
-        except OSError as exc:
-            self.region_reason = f"cannot connect to hand over the region ({exc})"
-            return
-        try:
-            reply = conn.call({"op": "attach_region", "instance": self.instance,
-                               "offset": region.file.offset, "row_stride": region.row_stride,
-                               "num_rows": region.num_rows, "chunk_bytes": region.chunk_bytes},
-                              timeout, fd=region.file.fd)
-        except (_Late, OSError, ValueError) as exc:
-            conn.close()
-            self.region_reason = f"the sidecar did not take the region ({exc or 'late'})"
-            return
-        if not reply.get("ok") or not isinstance(reply.get("region"), int):
-            conn.close()
-            self.region_reason = f"the sidecar refused the region: {reply.get('error')}"
-            return
-        self._region_conn, self.region_id, self.region_reason = conn, int(reply["region"]), ""
-
-    def close(self) -> None:
-        if self._region_conn is not None:
-            self._region_conn.close()  # the sidecar unmaps the region once its jobs end
-            self._region_conn = None
-        try:
-            self.view.close()
-        except BufferError:  # a callback still holds a view: the mapping goes with it
-            pass
-
-
 class EngineClient:
     """Blocking, thread-safe client of one DP rank's sidecar.
 
@@ -224,7 +103,7 @@ class EngineClient:
         self.socket_path = socket_path
         self._timeout = timeout
         self._region = region
-        self._idle: list[_Conn] = []
+        self._idle: list[LocalConn] = []
         self._lock = threading.Lock()
         self._closed = False
         self._stale = False
@@ -308,7 +187,7 @@ class EngineClient:
                                      f"{reply.get('error')}")
         return reply
 
-    def _attachment(self) -> _Attachment:
+    def _attachment(self) -> Attachment:
         """The current mapping; re-attaches first when the sidecar seems to have restarted."""
         if self._stale and time.monotonic() >= self._next_reattach:
             with self._lock:
@@ -326,18 +205,18 @@ class EngineClient:
                 log.debug("kv-offload sidecar re-attach failed: %s", exc)
         return self._att
 
-    def _attach(self, info: Mapping[str, Any]) -> _Attachment:
-        return _Attachment(info, self.socket_path, self._region, self._timeout)
+    def _attach(self, info: Mapping[str, Any]) -> Attachment:
+        return Attachment(info, self.socket_path, self._region, self._timeout)
 
     @contextmanager
-    def _connection(self) -> Iterator[_Conn]:
+    def _connection(self) -> Iterator[LocalConn]:
         with self._lock:
             if self._closed:
                 raise SidecarUnavailable("EngineClient is closed")
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             try:
-                conn = _Conn(self.socket_path, self._timeout)
+                conn = LocalConn(self.socket_path, self._timeout)
             except OSError as exc:
                 self._stale = True
                 raise SidecarUnavailable(f"cannot connect to the sidecar local channel "
@@ -355,7 +234,7 @@ class EngineClient:
             if conn is not None:
                 conn.close()  # state unknown after an error: never reuse
 
-    def _call(self, conn: _Conn, att: _Attachment, req: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def _call(self, conn: LocalConn, att: Attachment, req: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One request naming ``att``'s instance; a refused reply raises ConnectionError."""
         reply = conn.call({**req, "instance": att.instance}, timeout)
         if not reply.get("ok"):
@@ -367,7 +246,7 @@ class EngineClient:
         return reply
 
     def _miss(self, what: str, exc: BaseException) -> None:
-        if isinstance(exc, _Late):
+        if isinstance(exc, Late):
             self.timeouts += 1
             log.debug("kv-offload sidecar %s answered late: a miss", what)
         else:
@@ -523,7 +402,7 @@ class EngineClient:
             return 0
 
     @staticmethod
-    def _with_slot(att: _Attachment, slot: int, fn: Callable[[memoryview], None]) -> None:
+    def _with_slot(att: Attachment, slot: int, fn: Callable[[memoryview], None]) -> None:
         view = att.view.slot_view(slot)
         try:
             fn(view)

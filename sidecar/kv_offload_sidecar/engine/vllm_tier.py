@@ -47,12 +47,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kv_offload_sidecar.engine.client import RowRegion
+from kv_offload_sidecar.engine.sidecar_attachment import RowRegion
 from kv_offload_sidecar.engine.region_file import copy_released, find_region_file
 from kv_offload_sidecar.engine.sidecar_link import SidecarLink, sidecar_address
+from kv_offload_sidecar.engine.tier_records import NO_HITS, Job, KeyState, hit_prefix, locality_of
 from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of, engine_config
 from kv_offload_sidecar.engine.tier_stats import (
     StatsReporter,
@@ -83,31 +83,6 @@ _VALID_KEYS = ("host, port, lookup_timeout_seconds, load_timeout_seconds, locali
 _LOAD_WARNING_INTERVAL = 10.0
 _STOP = object()
 
-@dataclass
-class _KeyState:
-    submitted: float
-    # None while unanswered, then True (present) or False (absent, failed or refused).
-    result: bool | None = None
-    request_ids: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _Job:
-    kind: str  # "load" or "store"
-    job_id: int
-    keys: list[bytes]
-    rows: list[int]
-    submitted: float
-
-
-def _locality(value: Any) -> Locality:
-    try:
-        return value if isinstance(value, Locality) else Locality(str(value).upper())
-    except ValueError:
-        raise ValueError(f"kv-offload tier: locality {value!r} is not one of "
-                         f"{[m.value for m in Locality]}") from None
-
-
 class KVOffloadSecondaryTier(SecondaryTierManager):
     """vLLM secondary tier backed by the pod's kv-offload sidecar."""
 
@@ -132,7 +107,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             if not float(value) > 0:
                 raise ValueError(f"kv-offload tier: {name} must be positive, got {value!r}")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.locality = _locality(locality)
+        self.locality = locality_of(locality)
         self._chunk_bytes = chunk_bytes_of(offloading_spec)
         self._row_stride = self.block_size_bytes  # vLLM's row stride (the base class reads it)
         if self._row_stride < self._chunk_bytes:
@@ -155,13 +130,13 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._reporter = StatsReporter()
 
         # Caller-side state, touched only under vLLM's manager lock.
-        self._keys: OrderedDict[bytes, _KeyState] = OrderedDict()
+        self._keys: OrderedDict[bytes, KeyState] = OrderedDict()
         self._req_keys: dict[str, set[bytes]] = {}
         # Scheduler steps so far, and per request waiting for its first answer: (since, step).
         self._steps = 0
         self._waiting: dict[str, tuple[float, int]] = {}
         self._batch: dict[str, list[bytes]] = {}
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         # Thread hand-offs.
         self._lookup_q: queue.SimpleQueue = queue.SimpleQueue()
         self._lookup_results: queue.SimpleQueue = queue.SimpleQueue()
@@ -195,7 +170,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         state = self._keys.get(key)
         now = time.monotonic()
         if state is None:
-            state = self._keys[key] = _KeyState(submitted=now)
+            state = self._keys[key] = KeyState(submitted=now)
             if self.stats.refused is not None:
                 state.result = False  # a refused sidecar's answers are not used
                 if now >= self._link.next_check:  # the lookup thread checks it again (and counts)
@@ -361,7 +336,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         rows = getattr(job, "chunk_ids", None)
         if rows is None:  # older vLLM: JobMetadata.block_ids
             rows = job.block_ids
-        record = _Job(kind, int(job.job_id), [bytes(k) for k in job.keys],
+        record = Job(kind, int(job.job_id), [bytes(k) for k in job.keys],
                       [int(r) for r in rows], time.monotonic())
         self._jobs[record.job_id] = record
         with self._idle:
@@ -408,7 +383,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 return
             reply = client.lookup(list(keys), timeout=remaining)
             if not self._link.matches(client):
-                reply = _NO_HITS
+                reply = NO_HITS
         except Exception as exc:  # sidecar down, slow or refusing: every key is a miss
             logger.warning("kv-offload lookup of %d keys failed: %s", len(keys), exc)
             with self._stats_lock:
@@ -416,7 +391,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 self.stats.misses += len(keys)
             self._lookup_results.put([(k, False) for k in keys])
             return
-        local, total = _hit_prefix(reply, len(keys))
+        local, total = hit_prefix(reply, len(keys))
         with self._stats_lock:
             self.stats.lookups += len(keys)
             self.stats.local_hits += local
@@ -465,7 +440,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 self._pending_transfers -= 1
                 self._idle.notify_all()
 
-    def _account(self, job: _Job, moved: int, ok: bool) -> None:
+    def _account(self, job: Job, moved: int, ok: bool) -> None:
         with self._stats_lock:
             if job.kind == "load":
                 self.stats.load_seconds.append(time.monotonic() - job.submitted)
@@ -482,7 +457,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                                "vLLM recomputes the rest (%d failed loads so far)", moved,
                                len(job.keys), job.job_id, self.stats.failed_loads)
 
-    def _load(self, job: _Job) -> tuple[bool, int]:
+    def _load(self, job: Job) -> tuple[bool, int]:
         """(all loaded, leading chunks of ``job`` copied from the sidecar into their rows)."""
         client = self._link.connected()
         if client is None:
@@ -498,7 +473,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             loaded = 0  # read from a sidecar that turned out not to match: none of it counts
         return loaded == len(job.keys), loaded
 
-    def _store(self, job: _Job) -> tuple[bool, int]:
+    def _store(self, job: Job) -> tuple[bool, int]:
         """(stored, chunks written now); keys the sidecar holds already or has no room
         for are skipped, which is not a failure."""
         client = self._link.connected()
@@ -511,25 +486,6 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             copy_released(slot.cast("B")[:self._chunk_bytes], self._row(job.rows[i]))
 
         return True, client.store(job.keys, write, strict=True)
-
-
-@dataclass(frozen=True)
-class _NoHits:
-    local: int = 0
-    peer: int = 0
-
-
-_NO_HITS = _NoHits()
-
-
-def _hit_prefix(reply: Any, n: int) -> tuple[int, int]:
-    """(leading keys held locally, leading keys held locally or by a peer) of a LookupReply.
-
-    ``reply.local`` keys are in this pod's store and the next ``reply.peer`` on a peer.
-    """
-    local = max(0, min(int(reply.local), n))
-    total = max(local, min(local + int(reply.peer), n))
-    return local, total
 
 
 __all__ = ["KVOffloadSecondaryTier"]
