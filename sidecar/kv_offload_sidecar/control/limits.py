@@ -16,7 +16,7 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
   answer aiohttp already owes it (a 400 for a line too long) still reaches it.
 
 Once ``TRIM_AFTER_STRANGERS`` left unproven and none is left, what they held goes back to
-the system (``data.base.reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``).
+the system (``data.before_auth.reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``).
 
 Every connection, proven or not: a request line of at most ``MAX_REQUEST_LINE_BYTES``,
 ``MAX_HEADERS`` headers of at most ``MAX_HEADER_BYTES`` each (aiohttp answers 400, which
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
-from kv_offload_sidecar.data.base import reclaim_memory
+from kv_offload_sidecar.data.before_auth import reclaim_memory
 from kv_offload_sidecar.rejections import RejectionLog, clip
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from kv_offload_sidecar.data import connect
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import (
+from kv_offload_sidecar.data.base import auth_proof
+from kv_offload_sidecar.data.before_auth import (
     MAX_UNAUTHENTICATED_CONNECTIONS,
     MAX_UNAUTHENTICATED_PER_SOURCE,
-    auth_proof,
 )
 from kv_offload_sidecar.data.tcp.sockets import split_host_port
 from kv_offload_sidecar.store.chunk_store import ChunkStore

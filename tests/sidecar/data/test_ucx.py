@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_offload_sidecar.data.base import MAX_UNAUTHENTICATED_PER_SOURCE
+from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_PER_SOURCE
 from peer_processes import PEERS_SCRIPT, PeerProcess, run_ucx_client, ucx_env
 
 TLS = ["sm,self", "tcp,self"]

@@ -225,7 +225,7 @@ async def _before_auth(args: argparse.Namespace) -> dict[str, Any]:
     they are held and keeps them until a line arrives on stdin (the test reads the server's
     counters meanwhile)."""
     from kv_offload_sidecar.data import protocol as proto
-    from kv_offload_sidecar.data.base import MAX_UNAUTHENTICATED_PER_SOURCE
+    from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_PER_SOURCE
     from kv_offload_sidecar.data.ucx import frames as ucx
     from kv_offload_sidecar.data.ucx.runtime import UcxRuntime
 

@@ -20,14 +20,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import (
-    DEFAULT_WINDOW,
-    PendingChunk,
-    StoreLike,
-    TransportError,
-    commit_received,
-    run_fetch,
-)
+from kv_offload_sidecar.data.base import StoreLike, TransportError
+from kv_offload_sidecar.data.fetch import PendingChunk, commit_received, run_fetch
 from kv_offload_sidecar.data.nixl.frames import ExportedView, decode_chunk_at, decode_metadata, encode_release
 from kv_offload_sidecar.data.nixl.runtime import Lane, LaneError, NixlRuntime, SlotTable
 from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient

@@ -18,17 +18,19 @@ from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import (
-    DEFAULT_WINDOW,
     PeerDataClient,
-    PendingChunk,
     StoreLike,
     TransportError,
-    answer_lookup,
     auth_proof,
     check_tls_policy,
-    commit_received,
     count_protocol_error,
     parse_address,
+)
+from kv_offload_sidecar.data.fetch import (
+    DEFAULT_WINDOW,
+    PendingChunk,
+    answer_lookup,
+    commit_received,
     run_fetch,
 )
 from kv_offload_sidecar.data.tcp.sockets import (

@@ -5,7 +5,7 @@ With an ``ssl`` context every accepted connection first completes a mutual TLS h
 (a failed one is counted as ``unauthenticated`` and closed; the server keeps serving)
 and the server advertises ``tls://host:port``.
 
-Until a connection has proved its session it is held to the limits of ``data.base``: a
+Until a connection has proved its session it is held to the limits of ``data.before_auth``: a
 place among ``MAX_UNAUTHENTICATED_PER_SOURCE`` per address and
 ``MAX_UNAUTHENTICATED_CONNECTIONS`` in all (else refused at accept), the TLS handshake and
 the proof within ``auth_timeout`` together, and frames of at most
@@ -23,18 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import (
-    DEFAULT_AUTH_TIMEOUT,
     DEFAULT_SEND_TIMEOUT,
     Authorize,
     DataPlaneServer,
     StoreLike,
-    UnauthenticatedLimit,
     check_auth,
     describe,
     make_nonce,
-    refuse,
     wait_until_idle,
 )
+from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, UnauthenticatedLimit, refuse
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
     DataStream,

@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING, Any
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import (
     PeerDataClient,
-    PendingChunk,
     StoreLike,
     TransportError,
-    answer_lookup,
     auth_proof,
-    commit_received,
     count_protocol_error,
+)
+from kv_offload_sidecar.data.fetch import (
+    PendingChunk,
+    answer_lookup,
+    commit_received,
     run_fetch,
 )
 from kv_offload_sidecar.data.ucx.frames import (

@@ -19,9 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import (
-    TransportError,
-)
+from kv_offload_sidecar.data.base import TransportError
 
 if TYPE_CHECKING:
     pass

@@ -28,19 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import (
-    DEFAULT_AUTH_TIMEOUT,
     DEFAULT_SEND_TIMEOUT,
     Authorize,
     DataPlaneServer,
     StoreLike,
     TransportError,
-    UnauthenticatedLimit,
     check_auth,
     describe,
     make_nonce,
-    refuse,
     wait_until_idle,
 )
+from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, UnauthenticatedLimit, refuse
 from kv_offload_sidecar.data.ucx.frames import (
     ATTACH_BUFFER_BYTES,
     ATTACH_TAG,

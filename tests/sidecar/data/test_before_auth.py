@@ -1,10 +1,11 @@
-"""What every data-plane transport shares (data.base): the places of unauthenticated connections."""
+"""What a data connection may cost before its proof (data.before_auth): its places among
+the unauthenticated connections, and the memory handed back after strangers."""
 
 from __future__ import annotations
 
 import asyncio
 
-from kv_offload_sidecar.data.base import (
+from kv_offload_sidecar.data.before_auth import (
     MAX_UNAUTHENTICATED_CONNECTIONS,
     MAX_UNAUTHENTICATED_PER_SOURCE,
     TRIM_AFTER_STRANGERS,

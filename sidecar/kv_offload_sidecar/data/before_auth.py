@@ -1,0 +1,124 @@
+"""What a data connection may cost its server before it proves its session.
+
+No frame longer than ``protocol.MAX_UNAUTHENTICATED_PAYLOAD`` (refused at its header),
+every step from accept to AUTH_OK within ``auth_timeout`` (``DEFAULT_AUTH_TIMEOUT``), at
+most ``MAX_UNAUTHENTICATED_PER_SOURCE`` such connections per source address and
+``MAX_UNAUTHENTICATED_CONNECTIONS`` in all (``UnauthenticatedLimit``: more are refused at
+accept, counted as ``too_many_connections``; a connection past the deadline as
+``timeout``), and what departed strangers held handed back (``reclaim_memory``).
+Every refusal is counted in ``protocol_errors{reason}``; its log line goes through a
+``rejections.RejectionLog`` (``refuse``: one line per source and reason per interval,
+values clipped). Once authenticated, none of these limits applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import time
+from typing import TYPE_CHECKING, Any
+
+from kv_offload_sidecar.data.base import count_protocol_error
+from kv_offload_sidecar.rejections import RejectionLog
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
+
+# Seconds a new connection has for every step before AUTH_OK together (TLS, challenge, proof).
+DEFAULT_AUTH_TIMEOUT = 5.0
+# Unauthenticated connections one source address may hold at once (a peer opens one per link).
+MAX_UNAUTHENTICATED_PER_SOURCE = 8
+# Unauthenticated connections a server holds at once from all sources; more are refused.
+MAX_UNAUTHENTICATED_CONNECTIONS = 64
+# Connections ended without a proof after which, once none is left, the heap is trimmed.
+TRIM_AFTER_STRANGERS = 16
+# Seconds from the last unauthenticated connection's end to the heap trim (its buffers go first).
+TRIM_DELAY_SECONDS = 0.5
+# Fewest seconds between two trims: a full garbage collection pauses the loop for milliseconds.
+TRIM_INTERVAL_SECONDS = 10.0
+
+
+def refuse(metrics: SidecarMetrics | None, rejections: RejectionLog, source: str,
+           reason: str, detail: object) -> None:
+    """Count one refusal in ``protocol_errors{reason}`` (every event) and note it in the
+    rate-limited ``rejections`` log (``detail`` clipped there)."""
+    count_protocol_error(metrics, reason)
+    rejections.reject(source, reason, detail)
+
+
+def reclaim_memory() -> bool:
+    """Give what departed strangers held back to the system: collect the reference cycles
+    their connections left (asyncio's TLS transports sit in cycles until a full collection),
+    then trim the C heap (glibc ``malloc_trim``; a freed 256 KiB TLS buffer stays in the heap
+    otherwise). False where there is no ``malloc_trim``."""
+    gc.collect()
+    trim = _MALLOC_TRIM[0]
+    if trim is None:
+        try:
+            trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            trim = False
+        _MALLOC_TRIM[0] = trim
+    if not trim:
+        return False
+    trim(0)
+    return True
+
+
+_MALLOC_TRIM: list[Any] = [None]
+
+
+class UnauthenticatedLimit:
+    """Counts a server's connections that have not proved a session yet, per source and in
+    all: ``admit(source)`` takes a place or says why not, ``leave(source, proved)`` gives it
+    back. Once ``TRIM_AFTER_STRANGERS`` left without a proof and none is left, the memory they
+    held goes back to the system (``reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``)."""
+
+    def __init__(self, per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE,
+                 total: int = MAX_UNAUTHENTICATED_CONNECTIONS) -> None:
+        self._per_source = per_source
+        self._total = total
+        self._by_source: dict[str, int] = {}
+        # Unauthenticated connections now.
+        self.count = 0
+        # Connections that left without a proof since the heap was last trimmed.
+        self._strangers = 0
+        # Heap trims so far (tests read it).
+        self.trims = 0
+        self._trim_at: asyncio.TimerHandle | None = None
+        self._trimmed = -TRIM_INTERVAL_SECONDS  # monotonic time of the last trim
+
+    def admit(self, source: str) -> str | None:
+        """Take a place for a new connection from ``source``; None when admitted, else the
+        reason it is refused (nothing taken then)."""
+        if self.count >= self._total:
+            return f"too many unauthenticated connections ({self._total} from all sources)"
+        held = self._by_source.get(source, 0)
+        if held >= self._per_source:
+            return f"too many unauthenticated connections from one address ({self._per_source})"
+        self._by_source[source] = held + 1
+        self.count += 1
+        return None
+
+    def leave(self, source: str, proved: bool) -> None:
+        """The connection from ``source`` authenticated (``proved``) or ended without a proof."""
+        held = self._by_source.get(source, 0)
+        if held <= 1:
+            self._by_source.pop(source, None)
+        else:
+            self._by_source[source] = held - 1
+        self.count = max(0, self.count - 1)
+        if not proved:
+            self._strangers += 1
+        if self.count == 0 and self._strangers >= TRIM_AFTER_STRANGERS and self._trim_at is None:
+            # Later: a closed TLS transport frees its buffers a few loop passes after close().
+            delay = max(TRIM_DELAY_SECONDS, self._trimmed + TRIM_INTERVAL_SECONDS - time.monotonic())
+            self._trim_at = asyncio.get_running_loop().call_later(delay, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_at = None
+        if self.count == 0:  # else the next stranger to leave the last place schedules it again
+            self._strangers = 0
+            self._trimmed = time.monotonic()
+            self.trims += reclaim_memory()
