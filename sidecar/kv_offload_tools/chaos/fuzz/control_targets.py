@@ -1,8 +1,8 @@
 """Fuzz targets of the control plane: handshake steps, admin lookups (HTTP).
 
 ``handshake``: step 1 bodies (mutated versions, nonces, key ids) must get a
-server nonce and the pool's key id exactly when a member's would, and the
-refusal ``responder_oracle`` predicts otherwise; step 2 bodies from a key
+server nonce and the pool's key id exactly when a member's would, whatever wire
+version they name, and the refusal ``step1_oracle`` predicts otherwise; step 2 bodies from a key
 holder with a mutated hello must be accepted exactly when ``compare_hello``
 accepts (and then carry a server proof that verifies), refused for its reason
 otherwise; step 2 with a wrong proof is ``bad_proof`` without any field diff;
@@ -21,7 +21,6 @@ from typing import Any
 from hypothesis import strategies as st
 from kv_offload_sidecar.control.app import MAX_LOOKUP_KEYS
 from kv_offload_sidecar.peers.handshake import (
-    WIRE_VERSION,
     HandshakeError,
     HandshakeInitiator,
     HelloMessage,
@@ -59,7 +58,8 @@ STEP1_FIELDS = ["wire_version", "nonce", "key_ids", "step", "extra"]
 
 def _edits(fields: list[str]) -> st.SearchStrategy:
     return st.lists(st.tuples(
-        st.sampled_from(fields), st.sampled_from(["drop", "json", "text", "int", "long", "hexlist"]),
+        st.sampled_from(fields),
+        st.sampled_from(["drop", "json", "text", "int", "long", "hexlist", "version"]),
         json_values, st.one_of(st.text(max_size=30), odd_digits), st.integers(-(2 ** 65), 2 ** 65)),
         max_size=3)
 
@@ -98,6 +98,8 @@ def _apply_edits(body: dict[str, Any], edits: list[tuple]) -> dict[str, Any]:
             out[name] = num
         elif action == "hexlist":
             out[name] = [text.encode().hex()]
+        elif action == "version":  # a well-formed "major.minor", mostly not this sidecar's
+            out[name] = f"{abs(num) % 12}.{abs(num) % 7}"
         else:
             out[name] = "y" * 5000
     return out
@@ -119,14 +121,16 @@ def _expect_refusal(status: int, reply: Any, expected: str, what: str) -> str:
 
 
 def step1_oracle(ctx: FuzzContext, body: dict[str, Any]) -> str:
-    """What the sidecar must answer to a step-1 body: accept, a reason, or any 4xx."""
+    """What the sidecar must answer to a step-1 body: accept, a reason, or any 4xx.
+
+    Which wire version a body names never matters here, only that it reads "major.minor": a
+    stranger of any version gets the same ``bad_proof``, and a key holder of another version
+    is answered like any member and told only after its proof (step 2, ``compare_hello``).
+    """
     if body.get("step") != "hello":
         return "any-4xx"
-    major = _wire_major(body.get("wire_version"))
-    if major is None:
+    if _wire_major(body.get("wire_version")) is None:
         return "malformed"
-    if major != _wire_major(WIRE_VERSION):
-        return "wire_version_mismatch"
     nonce = body.get("nonce")
     if not isinstance(nonce, str) or len(nonce) != 32 or not _is_hex(nonce):
         return "malformed"

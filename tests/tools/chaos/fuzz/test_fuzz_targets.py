@@ -7,6 +7,8 @@ reservation beyond its visible chunks.
 
 from __future__ import annotations
 
+import json
+import secrets
 from collections.abc import Iterator
 
 import pytest
@@ -62,6 +64,28 @@ def test_step1_with_a_superscript_wire_version_is_refused_as_malformed(fuzzed: F
                                                          "nonce": "00" * 16, "key_ids": ["00" * 8]})
     assert status == 400, body
     assert isinstance(body, dict) and body["reason"] == "malformed"
+
+
+@pytest.mark.parametrize("wire_version", ["9.0", "0.1", "1.9"])
+def test_step1_of_another_wire_version_is_answered_by_who_holds_the_key_not_by_the_version(
+        fuzzed: FuzzContext, wire_version: str) -> None:
+    from kv_offload_sidecar.peers.pool_keys import key_id
+    from kv_offload_tools.chaos.fuzz.control_targets import run_handshake_case, step1_oracle
+
+    version = [("wire_version", "text", None, wire_version, 0)]
+    member = ("step1", {"edits": version, "nonce": secrets.token_hex(16)})
+    assert run_handshake_case(fuzzed, member) == "answer"  # told of the version only after its proof
+    other_pool = [("key_ids", "json", [key_id(b"another pool's key").hex()], "", 0)]
+    stranger = ("step1", {"edits": version + other_pool, "nonce": secrets.token_hex(16)})
+    assert run_handshake_case(fuzzed, stranger) == "error"  # the oracle's bad_proof, checked
+    answers = set()
+    for named in ("1.0", wire_version):
+        body = {"step": "hello", "wire_version": named, "nonce": secrets.token_hex(16),
+                "key_ids": [key_id(b"another pool's key").hex()]}
+        assert step1_oracle(fuzzed, body) == "bad_proof"
+        status, data = fuzzed.http.request("POST", "/v1/handshake", json.dumps(body).encode())
+        answers.add((status, data))
+    assert len(answers) == 1  # a stranger learns nothing of the version: the same bytes
 
 
 def test_a_load_that_pins_nothing_leaves_nothing_to_release(fuzzed: FuzzContext) -> None:
