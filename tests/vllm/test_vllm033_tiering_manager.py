@@ -427,6 +427,7 @@ def test_store_right_after_holder_restart_reaches_it_or_fails_then_resumes(env: 
     (jobs,) = r["cascades"]
     reached = holder_chunks(env) - before
     assert reached == N_KEYS or jobs[0]["result"]["success"] is False, (reached, jobs)
+    env.timings["right_after_restart_store"] = "landed" if reached else "reported failed"
     # The tier notices the restart at its next operations and re-attaches within its own
     # pauses between attempts (to re-map a restarted sidecar, to reconnect to one away).
     waited = env.a.wait_sidecar_instance(instance_of(env.pool[0]), timeout_s=WAIT_S)
