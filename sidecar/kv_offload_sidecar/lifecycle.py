@@ -1,10 +1,12 @@
 """The sidecar's one lifecycle owner: start every part in order, serve, stop in reverse order.
 
 ``running(sidecar)`` starts the store, data plane, discovery and peer links
-(``Sidecar.start``), then one local-channel server and one control port per
-DP index this pod serves; leaving it stops accepting on the control ports,
-gives in-flight engine work ``shutdown_grace_seconds`` on the local channels,
-and stops the sidecar (which unlinks its shared-memory store). ``serve`` runs
+(``Sidecar.start``), then one local-channel server per DP index this pod serves and
+``control.app.ControlPorts``: every control port behind one connection guard, so every
+way of running a sidecar (``kv-offload sidecar``, a local pool, an in-process test) gets
+the limits on strangers of ``control/limits.py``. Leaving it stops accepting on the
+control ports, gives in-flight engine work ``shutdown_grace_seconds`` on the local
+channels, and stops the sidecar (which unlinks its shared-memory store). ``serve`` runs
 that until ``stop`` is set. Nothing else starts or stops these parts.
 """
 
@@ -15,9 +17,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from aiohttp import web
-
-from kv_offload_sidecar.control.app import create_app
+from kv_offload_sidecar.control.app import ControlPorts
 from kv_offload_sidecar.control.local_channel import LocalChannelServer
 from kv_offload_sidecar.sidecar import Sidecar
 
@@ -26,12 +26,11 @@ log = logging.getLogger(__name__)
 
 @contextlib.asynccontextmanager
 async def running(sidecar: Sidecar, *, control_ports: bool = True) -> AsyncIterator[Sidecar]:
-    """The sidecar with all its parts up; ``control_ports=False`` leaves the aiohttp apps to
-    the caller (tests serve them in process)."""
+    """The sidecar with all its parts up; ``control_ports=False`` leaves the control apps to
+    the caller (tests serve them in process, or start their own ``ControlPorts``)."""
     s = sidecar.settings
-    grace = s.shutdown_grace_seconds
     channels: list[LocalChannelServer] = []
-    runners: list[web.AppRunner] = []
+    ports: ControlPorts | None = None
     await sidecar.start()
     try:
         for idx in s.dp_indices:
@@ -39,21 +38,17 @@ async def running(sidecar: Sidecar, *, control_ports: bool = True) -> AsyncItera
             await channel.start()
             channels.append(channel)
         if control_ports:
-            for idx in s.dp_indices:
-                runner = web.AppRunner(create_app(sidecar, idx), handle_signals=False,
-                                       access_log=None, shutdown_timeout=grace)
-                await runner.setup()
-                runners.append(runner)
-                await web.TCPSite(runner, s.host, s.control_port(idx), reuse_address=True).start()
+            ports = ControlPorts(sidecar)
+            await ports.start()  # stopped below even when one port is taken (OSError)
         yield sidecar
     finally:
         if sidecar.ready:
             log.info("sidecar %s shutting down", s.identity)
         sidecar.ready = False
-        for runner in reversed(runners):
-            await runner.cleanup()
+        if ports is not None:
+            await ports.stop()
         for channel in reversed(channels):
-            await channel.stop(grace)
+            await channel.stop(s.shutdown_grace_seconds)
         await sidecar.stop()
 
 

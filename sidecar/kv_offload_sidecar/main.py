@@ -20,7 +20,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import load_config_file
@@ -35,9 +34,6 @@ from kv_offload_sidecar.settings import (
     effective_hash_seed,
 )
 from kv_offload_sidecar.usage import UsageError
-
-if TYPE_CHECKING:
-    from kv_offload_sidecar.sidecar import Sidecar
 
 log = logging.getLogger("kv_offload_sidecar")
 
@@ -241,6 +237,7 @@ async def _watch_parent(pid: int, on_gone: Callable[[], None]) -> None:
 
 
 async def _serve(settings: SidecarSettings, parent: int = 0) -> None:
+    from kv_offload_sidecar.lifecycle import serve
     from kv_offload_sidecar.sidecar import Sidecar
 
     sidecar = Sidecar(settings)
@@ -256,25 +253,10 @@ async def _serve(settings: SidecarSettings, parent: int = 0) -> None:
         loop.add_signal_handler(sig, on_signal)
     watcher = asyncio.create_task(_watch_parent(parent, on_signal)) if parent else None
     try:
-        await _serve_until(sidecar, stop)
+        await serve(sidecar, stop)
     finally:
         if watcher is not None:
             watcher.cancel()
-
-
-async def _serve_until(sidecar: Sidecar, stop: asyncio.Event) -> None:
-    """``lifecycle.running`` with the control ports behind ``ControlPorts``' connection guard
-    (limits on unauthenticated connections), until ``stop`` is set."""
-    from kv_offload_sidecar.control.app import ControlPorts
-    from kv_offload_sidecar.lifecycle import running
-
-    async with running(sidecar, control_ports=False):
-        ports = ControlPorts(sidecar)
-        try:
-            await ports.start()
-            await stop.wait()
-        finally:
-            await ports.stop()
 
 
 def _start_shutdown_watchdog(grace: float) -> None:
