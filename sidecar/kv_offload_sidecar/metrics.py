@@ -7,17 +7,16 @@ pre-created with ``.labels(...)`` so dashboards see zeros instead of gaps. No
 label ever carries a key, request id or peer address.
 
 Serve with ``metrics_handler(registry)`` on the control app's ``/metrics``: anyone who
-reaches the control port may read it, so it shows ``public_view(registry)``, every
-series but the config_info labels in ``PRIVATE_CONFIG_INFO_LABELS`` (what the handshake
-says only to a pool-key holder; admins read them in ``/v1/status``).
+reaches the control port may read it, so nothing here says what the handshake says only
+to a pool-key holder: config_info carries ``CONFIG_INFO_LABELS`` and no model, dtype or
+wire version (admins read those in ``/v1/status``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.metrics_core import Metric
 
 NAMESPACE = "kv_offload"
 
@@ -65,13 +64,11 @@ LOCATION_BYTES_DIRECTIONS = ("sent", "received")
 ROUTE_HINT_KINDS = ("locate", "count")
 # decision label of fetch_decisions: fetch a holder's run, or leave it to the engine to recompute.
 FETCH_DECISIONS = ("fetch", "recompute")
-# Label names of the config_info series (one series per process).
-CONFIG_INFO_LABELS = ("fingerprint", "model", "dtype", "transport", "wire_version")
-# config_info labels the public /metrics leaves out: the model and dtype tell a stranger what the
-# pool serves and the wire version which software answers, which the handshake says only after
-# the proof. The fingerprint stays (the operator's READY PEERS and the mixed-fingerprint alert
-# read it; it is a hash that names no model and opens nothing), and so does the transport.
-PRIVATE_CONFIG_INFO_LABELS = ("model", "dtype", "wire_version")
+# Label names of the config_info series (one series per process). Not the model or dtype (they
+# tell a stranger what the pool serves) nor the wire version (which software answers): the
+# handshake says those only after the proof. The fingerprint is shown (the operator's READY
+# PEERS and the mixed-fingerprint alert read it; a hash that names no model and opens nothing).
+CONFIG_INFO_LABELS = ("fingerprint", "transport")
 
 # Histogram buckets for one peer fetch (seconds): 0.5 ms .. 10 s, covering a
 # shared-memory hop up to a multi-chunk fetch over a slow link.
@@ -251,19 +248,9 @@ class SidecarMetrics:
         for direction in LOCATION_BYTES_DIRECTIONS:
             self.location_bytes.labels(direction=direction)
 
-    def set_config_info(
-        self, *, fingerprint: str, model: str, dtype: str, transport: str, wire_version: str | int
-    ) -> None:
-        """Publish ``kv_offload_config_info{fingerprint,model,dtype,transport,wire_version} 1``."""
-        self.config_info.info(
-            {
-                "fingerprint": fingerprint,
-                "model": model,
-                "dtype": dtype,
-                "transport": transport,
-                "wire_version": str(wire_version),
-            }
-        )
+    def set_config_info(self, *, fingerprint: str, transport: str) -> None:
+        """Publish ``kv_offload_config_info{fingerprint,transport} 1``."""
+        self.config_info.info({"fingerprint": fingerprint, "transport": transport})
 
 
 def exported_metric_names(registry: CollectorRegistry) -> set[str]:
@@ -274,37 +261,13 @@ def exported_metric_names(registry: CollectorRegistry) -> set[str]:
     return {sample.name for family in registry.collect() for sample in family.samples}
 
 
-class _PublicCollector:
-    """Every family of a registry, config_info without ``PRIVATE_CONFIG_INFO_LABELS``."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self._registry.collect():
-            if family.name == f"{NAMESPACE}_config":
-                family.samples = [
-                    s._replace(labels={k: v for k, v in s.labels.items()
-                                       if k not in PRIVATE_CONFIG_INFO_LABELS})
-                    for s in family.samples]
-            yield family
-
-
-def public_view(registry: CollectorRegistry) -> CollectorRegistry:
-    """A registry showing ``registry`` as the public /metrics may (read at every scrape)."""
-    view = CollectorRegistry(auto_describe=False)
-    view.register(_PublicCollector(registry))  # type: ignore[arg-type]
-    return view
-
-
 def metrics_handler(registry: CollectorRegistry) -> Callable[..., Awaitable[object]]:
-    """An aiohttp handler serving ``public_view(registry)`` in the Prometheus text format."""
-    view = public_view(registry)
+    """An aiohttp handler serving ``registry`` in the Prometheus text format."""
     try:
         from prometheus_client.aiohttp import make_aiohttp_handler
     except ImportError:  # prometheus-client older than 0.22
-        return _fallback_handler(view)
-    return make_aiohttp_handler(registry=view)
+        return _fallback_handler(registry)
+    return make_aiohttp_handler(registry=registry)
 
 
 def _fallback_handler(registry: CollectorRegistry) -> Callable[..., Awaitable[object]]:

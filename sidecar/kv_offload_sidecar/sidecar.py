@@ -35,9 +35,7 @@ from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.peers.discovery import Discovery, format_peer
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute, PrefillModel
 from kv_offload_sidecar.peers.handshake import (
-    REASONS,
     WIRE_VERSION,
-    HandshakeError,
     HandshakeResponder,
     HelloMessage,
     Session,
@@ -49,6 +47,7 @@ from kv_offload_sidecar.peers.peer_reads import PeerReads
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.prefill_rate import PrefillRateLearner
 from kv_offload_sidecar.peers.sessions import InboundSessions
+from kv_offload_sidecar.rejections import RejectionLog
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, SidecarSettings
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
@@ -57,6 +56,11 @@ log = logging.getLogger(__name__)
 
 # Fetch deadlines after which chunks a lookup fetched and no load took are let go.
 UNLOADED_AFTER_DEADLINES = 4
+# Seconds of one rejection-log window: one line per source and reason per window, then a count.
+REJECTION_LOG_SECONDS = 60.0
+# (source, reason) pairs the rejection log tells apart per window; more share one count line
+# (two lines of ~150 bytes per pair and window: under 20 KiB of log per minute of any flood).
+REJECTION_LOG_PAIRS = 64
 
 
 def store_name(identity: str) -> str:
@@ -73,9 +77,9 @@ class Sidecar:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = SidecarMetrics(self.registry)
         cfg = settings.config
-        self.metrics.set_config_info(fingerprint=cfg.fingerprint, model=cfg.model.name,
-                                     dtype=cfg.model.dtype, transport=settings.transport,
-                                     wire_version=WIRE_VERSION)
+        self.metrics.set_config_info(fingerprint=cfg.fingerprint, transport=settings.transport)
+        # Refused input of both ports (control and data) is noted here: one budget of lines.
+        self.rejections = RejectionLog(log, interval=REJECTION_LOG_SECONDS, max_pairs=REJECTION_LOG_PAIRS)
         self.location = Location(settings.identity, interval_seconds=settings.publish_interval_seconds,
                                  deadline_seconds=settings.fetch_deadline_seconds,
                                  call=self._location_call, metrics=self.metrics)
@@ -193,12 +197,6 @@ class Sidecar:
             self.metrics.key_reloads.inc()
             log.info("pool keys changed: %d key(s) retired, %d peer link(s) re-keying", len(gone), n)
 
-    def count_handshake_rejection(self, exc: HandshakeError, remote: str) -> None:
-        reason = exc.reason if exc.reason in REASONS else "malformed"
-        self.metrics.handshakes.labels(result="rejected", reason=reason).inc()
-        log.warning("rejected handshake from %s (%s): %s%s", remote, reason, exc,
-                    "".join(f"\n  {line}" for line in exc.diff))
-
     # ---- lifecycle --------------------------------------------------------------
 
     async def start(self) -> None:
@@ -213,7 +211,7 @@ class Sidecar:
         try:
             self.data_server = make_server(s.transport, self.store, self.authorize, self.metrics,
                                            host=s.host, port=s.data_port,
-                                           chunk_bytes=s.kv_bytes_per_chunk,
+                                           chunk_bytes=s.kv_bytes_per_chunk, rejections=self.rejections,
                                            **self._tls_options("server"))
             self.data_address = await self.data_server.start()
         except BaseException:

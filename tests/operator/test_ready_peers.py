@@ -26,8 +26,7 @@ def exposition(fingerprint: str | None = "ab" * 8, **peers: int) -> str:
         metrics.peers.labels(state=state).set(n)
     metrics.handshakes.labels(result="accepted", reason="ok").inc(7)
     if fingerprint is not None:
-        metrics.set_config_info(fingerprint=fingerprint, model="m", dtype="bfloat16", transport="tcp",
-                                wire_version=2)
+        metrics.set_config_info(fingerprint=fingerprint, transport="tcp")
     return generate_latest(metrics.registry).decode()
 
 

@@ -100,9 +100,7 @@ def test_label_values_come_only_from_the_fixed_sets_after_use(
     metrics.handshakes.labels(result="rejected", reason="fingerprint_mismatch").inc()
     metrics.peer_fetch_duration.observe(0.02)
     metrics.peers.labels(state="connected").set(2)
-    metrics.set_config_info(
-        fingerprint="0123456789abcdef", model="m", dtype="float16", transport="tcp", wire_version=1
-    )
+    metrics.set_config_info(fingerprint="0123456789abcdef", transport="tcp")
     allowed_free_labels = {"le"} | set(CONFIG_INFO_LABELS)
     for name, labels, _ in _samples(registry):
         family = name.removesuffix("_total").removesuffix("_created")
@@ -126,21 +124,11 @@ def test_counters_move_the_exposed_series(metrics: SidecarMetrics, registry: Col
     assert series[("kv_offload_store_used_bytes", ())] == 8192
 
 
-def test_config_info_exposes_the_pool_identity(metrics: SidecarMetrics, registry: CollectorRegistry) -> None:
-    metrics.set_config_info(
-        fingerprint="00ff00ff00ff00ff", model="Qwen/Qwen3-0.6B", dtype="bfloat16", transport="ucx",
-        wire_version=1,
-    )
+def test_config_info_shows_the_fingerprint_and_transport_only(metrics: SidecarMetrics,
+                                                              registry: CollectorRegistry) -> None:
+    metrics.set_config_info(fingerprint="00ff00ff00ff00ff", transport="ucx")
     infos = [labels for name, labels, value in _samples(registry) if name == "kv_offload_config_info"]
-    assert infos == [
-        {
-            "fingerprint": "00ff00ff00ff00ff",
-            "model": "Qwen/Qwen3-0.6B",
-            "dtype": "bfloat16",
-            "transport": "ucx",
-            "wire_version": "1",
-        }
-    ]
+    assert infos == [{"fingerprint": "00ff00ff00ff00ff", "transport": "ucx"}]
 
 
 def test_a_second_metrics_set_on_the_same_registry_is_refused(

@@ -74,7 +74,7 @@ from kv_offload_sidecar.peers.handshake import (
     HandshakeError,
     diff_fields,
 )
-from kv_offload_sidecar.rejections import RejectionLog, clip, loads_bounded
+from kv_offload_sidecar.rejections import clip, loads_bounded
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.sidecar import Sidecar
@@ -97,11 +97,9 @@ PROVEN_REJECTIONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_m
                      "wire_version_mismatch")
 # Longest detail of a proven peer's rejection line (the field diff an operator needs).
 PROVEN_DETAIL_CHARS = 2000
-# Seconds of one rejection-log window: one line per source and reason per window, then a count.
-REJECTION_LOG_SECONDS = 60.0
-# (source, reason) pairs the rejection log tells apart per window; more share one count line
-# (two lines of ~150 bytes per pair and window: under 20 KiB of log per minute of any flood).
-REJECTION_LOG_PAIRS = 64
+# Seconds between writes of the count lines of rejection-log windows that ended (a quarter of
+# the sidecar's 60 s window).
+REJECTION_FLUSH_SECONDS = 15.0
 
 
 def refuse(request: web.Request, reason: str, detail: object = "") -> None:
@@ -333,13 +331,12 @@ def create_app(sidecar: Sidecar, dp_index: int, *, guard: ConnectionGuard | None
     ``guard`` (``ControlPorts``'s) is told where requests start and end and which proved
     themselves; without one (an app served by a test client) only the per-request limits hold.
     """
-    rejections = guard.rejections if guard is not None else RejectionLog(log)
     middlewares = [error_middleware] if guard is None else [guard_middleware(guard), error_middleware]
     app = web.Application(client_max_size=sidecar.settings.max_body_bytes, middlewares=middlewares,
-                          handler_args=handler_args(sidecar.metrics, rejections))
+                          handler_args=handler_args(sidecar.metrics, sidecar.rejections))
     app[SIDECAR_KEY] = sidecar
     app[DP_INDEX_KEY] = dp_index
-    app[REJECTIONS_KEY] = rejections
+    app[REJECTIONS_KEY] = sidecar.rejections
     if guard is not None:
         app[GUARD_KEY] = guard
     app.on_response_prepare.append(_server_header)
@@ -357,12 +354,12 @@ def create_app(sidecar: Sidecar, dp_index: int, *, guard: ConnectionGuard | None
 
 
 class ControlPorts:
-    """The control app of every DP port of ``sidecar``, behind one ``ConnectionGuard``."""
+    """The control app of every DP port of ``sidecar``, behind one ``ConnectionGuard`` whose
+    refusals go to the sidecar's rejection log (the data port's too: one budget of lines)."""
 
     def __init__(self, sidecar: Sidecar) -> None:
         self._sidecar = sidecar
-        self.guard = ConnectionGuard(sidecar.metrics, RejectionLog(log, interval=REJECTION_LOG_SECONDS,
-                                                                   max_pairs=REJECTION_LOG_PAIRS))
+        self.guard = ConnectionGuard(sidecar.metrics, sidecar.rejections)
         self._runners: list[web.AppRunner] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -391,5 +388,5 @@ class ControlPorts:
     async def _flush_rejections(self) -> None:
         """Write each window's ``... and N more`` line when it ends, even if no rejection follows."""
         while True:
-            await asyncio.sleep(REJECTION_LOG_SECONDS / 4)
+            await asyncio.sleep(REJECTION_FLUSH_SECONDS)
             self.guard.rejections.flush()
