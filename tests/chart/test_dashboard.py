@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,11 +16,13 @@ from dashboard_support import (
     metric_names,
     panels_in_reading_order,
 )
-from kv_offload_sidecar.metrics import SidecarMetrics, exported_metric_names
+from kv_offload_sidecar.metrics import CONFIG_INFO_LABELS, SidecarMetrics, exported_metric_names
 from prometheus_client import CollectorRegistry
 
 # Series Prometheus itself writes for every scrape target (the sidecars do not export them).
 PROMETHEUS_SERIES = {"up"}
+# Labels the scrape adds to every sidecar series (its pod's target labels).
+TARGET_LABELS = {"pod", "namespace", "kv_offload_io_pool"}
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +144,12 @@ def test_per_pod_panels_split_by_pod_and_sidecars_up_counts_scraped_targets():
     assert fingerprints["expr"].startswith("max by (pod, fingerprint") and fingerprints["format"] == "table"
     up = {t["legendFormat"]: t["expr"] for t in panels["sidecars up"]["targets"]}
     assert up["up"].startswith("sum(up{") and up["scraped"].startswith("count(up{")
+
+
+def test_the_fingerprint_table_shows_only_the_labels_config_info_carries():
+    (panel,) = [p for p in load_dashboard()["panels"] if p["title"].lower() == "fingerprint per pod"]
+    (target,) = panel["targets"]
+    grouped = set(re.fullmatch(r"max by \(([^)]*)\) .*", target["expr"]).group(1).replace(" ", "").split(","))
+    assert grouped == {"pod", *CONFIG_INFO_LABELS} and not grouped - TARGET_LABELS - set(CONFIG_INFO_LABELS)
+    (organize,) = panel["transformations"]
+    assert set(organize["options"]["indexByName"]) == grouped  # one column per label, none empty

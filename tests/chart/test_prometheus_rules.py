@@ -59,11 +59,11 @@ CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, list[dict[str, str]
          {"series": f'kv_offload_integrity_failures_total{{{target("llama-1")}}}', "values": "0x30"}],
         [("5m", []), ("12m", [pool_labels(pod="llama-0", severity="critical")])]),
     "KVOffloadPoolMixedFingerprints": (
-        [{"series": f'kv_offload_config_info{{{target(pod)}, fingerprint="{fp}", model="m", dtype="bfloat16", '
-                    f'transport="ucx", wire_version="2"}}', "values": "1x60"}
+        [{"series": f'kv_offload_config_info{{{target(pod)}, fingerprint="{fp}", transport="ucx"}}',
+          "values": "1x60"}
          for pod, fp in (("llama-0", "aaaaaaaaaaaaaaaa"), ("llama-1", "bbbbbbbbbbbbbbbb"))] +
         [{"series": f'kv_offload_config_info{{{target(pod, "mistral")}, fingerprint="cccccccccccccccc", '
-                    f'model="m", dtype="bfloat16", transport="ucx", wire_version="2"}}', "values": "1x60"}
+                    f'transport="ucx"}}', "values": "1x60"}
          for pod in ("mistral-0", "mistral-1")],
         [("20m", []),  # a rollout may run two fingerprints for a while
          ("40m", [pool_labels(severity="warning")])]),
