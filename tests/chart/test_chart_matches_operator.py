@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import urllib.parse
 
 import kopf
@@ -128,10 +129,40 @@ def test_readme_troubleshooting_quotes_the_messages_the_code_prints():
     assert refusal in section
     (purpose_hint,) = [hint for word, hint in tls._REFUSAL_HINTS if word == "purpose"]
     assert f"(unsuitable certificate purpose): {purpose_hint}" in section
-    assert "rejected handshake from 10.42.1.17 (fingerprint_mismatch): handshake rejected (fingerprint_mismatch): " \
-           "fields differ: fingerprint, tokens_per_hash" in section
+    for line in _rejection_lines():
+        assert line in section
     assert "is Invalid (...); fix the pool's spec before creating its pods." in section
     assert "does not exist in namespace 'inference': create it, or fix the pod's label kv-offload.io/pool." in section
+
+
+def _rejection_lines() -> list[str]:
+    """What a sidecar logs of twelve handshakes of one key holder with another fingerprint in a
+    minute (the rejection log and the detail control/app.py gives it)."""
+    from kv_offload_sidecar.control.app import PROVEN_DETAIL_CHARS
+    from kv_offload_sidecar.peers.handshake import HandshakeError
+    from kv_offload_sidecar.rejections import RejectionLog
+
+    lines: list[str] = []
+    logger = logging.getLogger("kv_offload_sidecar.sidecar")
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(  # type: ignore[method-assign]
+        f"{record.levelname} {record.name}: {record.getMessage()}")
+    logger.addHandler(handler)
+    now = [0.0]
+    try:
+        rejections = RejectionLog(logger, clock=lambda: now[0])
+        exc = HandshakeError("fingerprint_mismatch", "handshake rejected (fingerprint_mismatch): fields "
+                             "differ: fingerprint, tokens_per_hash",
+                             ["fingerprint: 729e100e1a30795b != f95e1013d165f5c8", "tokens_per_hash: 16 != 32"])
+        for _ in range(12):
+            rejections.reject("10.42.1.17", f"handshake {exc.reason}", "; ".join([str(exc), *exc.diff]),
+                              detail_chars=PROVEN_DETAIL_CHARS)
+        now[0] = 60.0
+        rejections.flush()
+    finally:
+        logger.removeHandler(handler)
+    assert len(lines) == 2, lines
+    return lines
 
 
 def test_readme_says_which_pods_wait_while_no_replica_answers_and_how_to_recover(render):
