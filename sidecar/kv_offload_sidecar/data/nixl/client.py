@@ -143,7 +143,7 @@ class NixlPeerDataClient(TcpPeerDataClient):
     async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,  # type: ignore[override]
                     count: asyncio.Future[int] | None = None, first: int = 1) -> int:
         """READ chunks from the holder's slots straight into ``store`` slots; leading keys now
-        visible (``count``/``first``: see ``base.run_fetch``)."""
+        visible (``count``/``first``: see ``fetch.run_fetch``)."""
         self._check_open()
         assert self._remote is not None and self._runtime is not None
         if store.slot_bytes != self._remote.view.slot_bytes:
