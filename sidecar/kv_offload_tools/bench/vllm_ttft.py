@@ -59,12 +59,15 @@ from typing import Any
 from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools.bench.vllm_ttft_plan import Plan
-from kv_offload_tools.bench.vllm_ttft_report import missing_metrics, plot, table
+from kv_offload_tools.bench.vllm_ttft_report import missing_metrics, plot, table, targets
 from kv_offload_tools.bench.vllm_ttft_run import run_bench
 
 PLANES = ("tcp", "ucx", "nixl")
 DEFAULT_SIZES_MIB = (128, 512, 1024)
 SPECS = ("CPUTieringSpec", "TieringOffloadingSpec")
+# Largest default prefix of the inter-token runs (MiB): large, and its prefill (one step the
+# decoding request waits out) stays seconds, not tens of seconds, on a CPU.
+ITL_DEFAULT_MAX_MIB = 512
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "512 KiB per token)")
     parser.add_argument("--itl-size-mib", type=int, default=None,
                         help="prefix loaded and stored during the inter-token measurement "
-                             "(default: the largest size; 0 skips it)")
+                             f"(default: the largest size up to {ITL_DEFAULT_MAX_MIB}; 0 skips it)")
     parser.add_argument("--itl-after-s", type=float, default=1.5,
                         help="seconds the decoding request keeps going after the traffic "
                              "request's first token (the store runs then; default %(default)s)")
@@ -116,7 +119,9 @@ def parse_plan(args: argparse.Namespace) -> Plan:
         raise _usage(f"--planes {args.planes!r}: unknown {unknown}; choose from {','.join(PLANES)}")
     if not 1 <= args.layers <= 128:
         raise _usage("--layers must be 1..128")
-    itl = sizes[-1] if args.itl_size_mib is None else args.itl_size_mib
+    itl = args.itl_size_mib
+    if itl is None:
+        itl = max([s for s in sizes if s <= ITL_DEFAULT_MAX_MIB] or sizes[:1])
     if itl < 0 or args.itl_after_s <= 0 or args.max_decode_tokens < 32:
         raise _usage("--itl-size-mib must be >= 0, --itl-after-s > 0, --max-decode-tokens >= 32")
     return Plan(sizes_mib=tuple(sizes), planes=planes, layers=args.layers, itl_size_mib=itl,
@@ -135,10 +140,15 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     report["elapsed_s"] = round(time.monotonic() - t0, 1)
     report["missing_metrics"] = missing_metrics(report)
+    report["targets"] = targets(report)
     if args.plot:
         plot(report, args.plot)
         report["plot"] = os.path.abspath(args.plot)
     print(table(report))
+    for t in report["targets"]:
+        value = "missing" if t["value"] is None else f"{t['value']:.3f}"
+        print(f"[target] {t['plane']} {t['size_mib']} MiB: {t['target']}: {value} "
+              f"(limit {t['limit']:.3f}) {'met' if t['met'] else 'NOT met'}")
     for name in report["missing_metrics"]:
         print(f"[missing] {name}: not exposed by the code that ran; its phase is reported missing")
     for m in report["mismatches"]:

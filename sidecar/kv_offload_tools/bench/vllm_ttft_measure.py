@@ -18,7 +18,8 @@ Per prefix size, in this order and with one prompt:
 Every first token is compared with the baseline engine's (no offloading).
 Inter-token latency: B decodes a short request while (quiet) nothing else
 runs, (load) B loads a large prefix A computed, (store) B computes a large
-prefix and stores it (``decode_latency`` op).
+prefix and stores it (``decode_latency`` op); the quiet run is made before and
+after the other two and both are pooled, since a shared host drifts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from kv_offload_tools.bench.vllm_ttft_plan import (
     Plan,
     decode_prompt,
     prefix_prompt,
+    prompt_key,
 )
 from kv_offload_tools.bench.vllm_ttft_probes import (
     LOOKUP_WAIT_MS,
@@ -141,8 +143,8 @@ class PlaneBench:
 
     def measure_size(self, size_mib: int) -> dict[str, Any]:
         plan, a, b = self.plan, self.a, self.b
-        key = f"{self.plane}/{size_mib}"
-        prompt = prefix_prompt(plan, self.plane, size_mib)
+        key = prompt_key(size_mib)
+        prompt = prefix_prompt(plan, size_mib)
         tokens = plan.prefix_tokens(size_mib)
         nbytes = plan.prefix_bytes(size_mib)
         chunks = tokens // CHUNK_TOKENS
@@ -150,20 +152,24 @@ class PlaneBench:
                                "bytes": nbytes, "chunks": chunks}
 
         # 1. recompute on A, then its store into sidecar 0.
+        # The prefill is one step and vLLM stores a request's blocks after the step that
+        # computed them, so the store is timed (and its CPU counted) from the first token on.
         written = self.tier_counter(a, TIER_WRITE_BYTES)
-        before = self.probe.snapshot(("a",))
         t0 = time.monotonic()
         (out,) = a.generate([prompt], max_tokens=1)
         ttft = a.last_generate_s
+        before = self.probe.snapshot(("a",))
+        t1 = time.monotonic()
         row["recompute"] = {"ttft_s": ttft, "num_cached_tokens": out["num_cached_tokens"],
                             "first_token": out["token_ids"][:1],
                             "match": self._check("recompute", key, out)}
         self.wait_written(a, written, chunks)
-        store_s = time.monotonic() - t0
+        store_s = time.monotonic() - t1
         d = delta(before, self.probe.snapshot(("a",)))
         row["store"] = self._cost(d, nbytes, "engine_a", "sidecar_0", "store", seconds=store_s)
-        progress(f"{self.plane} {size_mib} MiB: recompute {ttft:.3f} s; stored into sidecar 0 "
-                 f"{store_s:.3f} s after the request's start")
+        row["store"]["seconds_from_request_start"] = time.monotonic() - t0
+        progress(f"{self.plane} {size_mib} MiB: recompute {ttft:.3f} s; in sidecar 0 "
+                 f"{store_s:.3f} s after the first token")
 
         # 2. vLLM's own CPU tier.
         a.reset_prefix_cache()
@@ -201,9 +207,12 @@ class PlaneBench:
         sidecar_cpu = d["cpu_s"].get(sidecar_role)
         phases = {k: v for k, v in d["phases"].get(sidecar_role, {}).items()
                   if k.startswith(f"{op}.")}
+        off_main = d["cpu_s"].get(f"{engine_role}.off_main")
         return {"seconds": seconds, "rate_gbps": nbytes / 1e9 / seconds if seconds > 0 else None,
                 "engine_cpu_s": engine_cpu, "sidecar_cpu_s": sidecar_cpu,
                 "engine_cpu_s_per_gb": per_gb(engine_cpu, nbytes),
+                "engine_off_main_cpu_s": off_main,
+                "engine_off_main_cpu_s_per_gb": per_gb(off_main, nbytes),
                 "sidecar_cpu_s_per_gb": per_gb(sidecar_cpu, nbytes), "phases": phases}
 
     def _summary(self, hit: Mapping[str, Any], nbytes: int, engine_role: str,
@@ -213,6 +222,8 @@ class PlaneBench:
                                                    "match")}
         out["engine_cpu_s"] = d["cpu_s"].get(engine_role)
         out["engine_cpu_s_per_gb"] = per_gb(out["engine_cpu_s"], nbytes)
+        out["engine_off_main_cpu_s"] = d["cpu_s"].get(f"{engine_role}.off_main")
+        out["engine_off_main_cpu_s_per_gb"] = per_gb(out["engine_off_main_cpu_s"], nbytes)
         if sidecar_role is not None:
             cost = self._cost(d, nbytes, engine_role, sidecar_role, "load", hit["ttft_s"])
             out["sidecar_cpu_s"] = cost["sidecar_cpu_s"]
@@ -239,27 +250,30 @@ class PlaneBench:
         kwargs = {"after_s": plan.itl_after_s, "max_decode_tokens": plan.max_decode_tokens}
         runs: dict[str, Any] = {}
 
-        quiet = b.decode_latency(decode_prompt(self.plane, "quiet"), None,
-                                 **{**kwargs, "after_s": 2 * plan.itl_after_s})
-        runs["quiet"] = self._itl(quiet, "quiet")
+        quiet_kwargs = {**kwargs, "after_s": 2 * plan.itl_after_s}
+        quiet = [b.decode_latency(decode_prompt("quiet"), None, **quiet_kwargs)]
 
-        load_prompt = prefix_prompt(plan, self.plane, size_mib, "itl-load")
+        load_key, store_key = prompt_key(size_mib, "itl-load"), prompt_key(size_mib, "itl-store")
+        load_prompt = prefix_prompt(plan, size_mib, "itl-load")
         chunks = plan.prefix_tokens(size_mib) // CHUNK_TOKENS
         written = self.tier_counter(a, TIER_WRITE_BYTES)
         (out,) = a.generate([load_prompt], max_tokens=1)
-        self._check("itl load prompt on A", f"itl-load/{self.plane}/{size_mib}", out)
+        self._check("itl load prompt on A", load_key, out)
         self.wait_written(a, written, chunks)
         self.pool.wait_summaries(timeout=_STORE_DEADLINE_S)
-        load = b.decode_latency(decode_prompt(self.plane, "load"), load_prompt, **kwargs)
-        runs["load"] = self._itl(load, "load", f"itl-load/{self.plane}/{size_mib}")
+        load = b.decode_latency(decode_prompt("load"), load_prompt, **kwargs)
+        runs["load"] = self._itl(load, "load", load_key)
 
-        store_prompt = prefix_prompt(plan, self.plane, size_mib, "itl-store")
+        store_prompt = prefix_prompt(plan, size_mib, "itl-store")
         written = self.tier_counter(b, TIER_WRITE_BYTES)
-        store = b.decode_latency(decode_prompt(self.plane, "store"), store_prompt, **kwargs)
-        runs["store"] = self._itl(store, "store", f"itl-store/{self.plane}/{size_mib}")
+        store = b.decode_latency(decode_prompt("store"), store_prompt, **kwargs)
+        runs["store"] = self._itl(store, "store", store_key)
         landed = self.tier_counter(b, TIER_WRITE_BYTES) - written
         runs["store"]["stored_in_window_bytes"] = landed
         runs["store"]["stored_in_window"] = landed >= chunks * self.stride_bytes
+        # The quiet reference brackets the traffic runs (a busy host drifts): both pooled.
+        quiet.append(b.decode_latency(decode_prompt("quiet"), None, **quiet_kwargs))
+        runs["quiet"] = self._itl_pooled(quiet)
         q99 = runs["quiet"]["p99_ms"]
         for name in ("load", "store"):
             p99 = runs[name]["p99_ms"]
@@ -270,25 +284,47 @@ class PlaneBench:
                  f"{_fmt(runs['store']['p50_ms'])}/{_fmt(runs['store']['p99_ms'])} ms")
         return {"plane": self.plane, "size_mib": size_mib, **runs}
 
-    def _itl(self, reply: Mapping[str, Any], what: str, key: str | None = None) -> dict[str, Any]:
+    @staticmethod
+    def _window(reply: Mapping[str, Any]) -> list[float]:
+        """D's intervals after the traffic request was added (or the quiet mark), without
+        the one step that prefilled the traffic request."""
         times = reply["token_times_s"]
         start = reply["window_start_s"]
         skip = reply["compute_interval_index"]
-        window = [iv for i, (iv, end) in enumerate(zip(reply["intervals_s"], times[1:]))
-                  if end > start and i != skip]
-        dkey = f"decode/{self.plane}/{what}"
+        return [iv for i, (iv, end) in enumerate(zip(reply["intervals_s"], times[1:]))
+                if end > start and i != skip]
+
+    def _itl_pooled(self, replies: list[Mapping[str, Any]]) -> dict[str, Any]:
+        for reply in replies:
+            self._check_decode("quiet", reply)
+        out = self._stats([iv for r in replies for iv in self._window(r)])
+        out["runs"] = [self._stats(self._window(r)) for r in replies]
+        out["compute_interval_ms"] = None
+        return out
+
+    def _check_decode(self, what: str, reply: Mapping[str, Any]) -> None:
+        dkey = f"decode/{what}"
         if dkey in self.expected:
             self._check(f"itl {what} decoding request", dkey, {"token_ids":
                         reply["decode_token_ids"][:len(self.expected[dkey])]})
-        out: dict[str, Any] = {"intervals": len(window),
-                               "compute_interval_ms": (reply["intervals_s"][skip] * 1e3
-                                                       if skip is not None else None)}
+
+    @staticmethod
+    def _stats(window: list[float]) -> dict[str, Any]:
+        out: dict[str, Any] = {"intervals": len(window)}
         if window:
             ms = np.array(window) * 1e3
             out.update(p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
                        max_ms=float(ms.max()), mean_ms=float(statistics.fmean(ms)))
         else:
             out.update(p50_ms=None, p99_ms=None, max_ms=None, mean_ms=None)
+        return out
+
+    def _itl(self, reply: Mapping[str, Any], what: str, key: str | None = None) -> dict[str, Any]:
+        skip = reply["compute_interval_index"]
+        window = self._window(reply)
+        self._check_decode(what, reply)
+        out = self._stats(window)
+        out["compute_interval_ms"] = reply["intervals_s"][skip] * 1e3 if skip is not None else None
         traffic = reply.get("traffic")
         if traffic is not None and key is not None:
             out["traffic_num_cached_tokens"] = traffic["num_cached_tokens"]

@@ -107,10 +107,18 @@ def prompt(seed: str, tokens: int) -> list[int]:
     return [rng.randrange(*_TOKEN_RANGE) for _ in range(tokens)]
 
 
-def prefix_prompt(plan: Plan, plane: str, size_mib: int, role: str = "prefix") -> list[int]:
-    """The prompt of one measurement: a prefix of ``size_mib`` and ``SUFFIX_TOKENS`` more."""
-    return prompt(f"{role}/{plane}/{size_mib}", plan.prefix_tokens(size_mib) + SUFFIX_TOKENS)
+def prompt_key(size_mib: int, role: str = "prefix") -> str:
+    """The key of a prompt in the baseline's first tokens."""
+    return f"{role}/{size_mib}"
 
 
-def decode_prompt(plane: str, which: str) -> list[int]:
-    return prompt(f"decode/{plane}/{which}", DECODE_PROMPT_TOKENS)
+def prefix_prompt(plan: Plan, size_mib: int, role: str = "prefix") -> list[int]:
+    """The prompt of one measurement: a prefix of ``size_mib`` and ``SUFFIX_TOKENS`` more.
+
+    Every plane runs fresh engines and sidecars, so the planes share prompts (and
+    the baseline computes each once); roles within a plane share no chunk."""
+    return prompt(prompt_key(size_mib, role), plan.prefix_tokens(size_mib) + SUFFIX_TOKENS)
+
+
+def decode_prompt(which: str) -> list[int]:
+    return prompt(f"decode/{which}", DECODE_PROMPT_TOKENS)

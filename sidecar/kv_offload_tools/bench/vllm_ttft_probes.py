@@ -39,6 +39,28 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def off_main_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds of the threads of ``pid`` other than its main thread (alive now).
+
+    In vLLM's engine core the main thread runs the scheduler loop (which steps
+    without pause while a request waits, e.g. on a lookup); the tier's own
+    threads are among the others.
+    """
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    except OSError:
+        return None
+    total = 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        total += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return total
+
+
 def _processes() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, comm) of every process."""
     out: dict[int, tuple[int, str]] = {}
@@ -117,6 +139,9 @@ class Probe:
 
     def snapshot(self, vllm_engines: Iterable[str] | None = None) -> Snapshot:
         snap = Snapshot(cpu={role: cpu_seconds(pid) for role, pid in self.pids.items()})
+        for role, pid in self.pids.items():
+            if role.startswith("engine"):
+                snap.cpu[f"{role}.off_main"] = off_main_cpu_seconds(pid)
         for role in (self.engines if vllm_engines is None else vllm_engines):
             m = self.engines[role].metrics(raw=True)
             for name in (LOOKUP_WAIT_MS, LOOKUP_WAIT_STEPS, LOOKUP_WAITS):

@@ -19,6 +19,7 @@ from kv_offload_tools.bench.vllm_ttft_plan import (
     decode_prompt,
     prefix_prompt,
     prompt,
+    prompt_key,
 )
 from kv_offload_tools.bench.vllm_ttft_refs import memcpy_seconds, raw_tcp_seconds
 from kv_offload_tools.local_pool import LocalPool
@@ -38,22 +39,17 @@ _OVERLAP_MAX_KV_GIB = 1
 
 def _prompts(plan: Plan) -> dict[str, list[int]]:
     """Every prompt whose first token the baseline must give, by key."""
-    out: dict[str, list[int]] = {}
-    for plane in plan.planes:
-        for size in plan.sizes_mib:
-            out[f"{plane}/{size}"] = prefix_prompt(plan, plane, size)
-        if plan.itl_size_mib:
-            for role in ("itl-load", "itl-store"):
-                out[f"{role}/{plane}/{plan.itl_size_mib}"] = prefix_prompt(
-                    plan, plane, plan.itl_size_mib, role)
+    out = {prompt_key(size): prefix_prompt(plan, size) for size in plan.sizes_mib}
+    if plan.itl_size_mib:
+        for role in ("itl-load", "itl-store"):
+            out[prompt_key(plan.itl_size_mib, role)] = prefix_prompt(plan, plan.itl_size_mib, role)
     return out
 
 
 def _decode_prompts(plan: Plan) -> dict[str, list[int]]:
     if not plan.itl_size_mib:
         return {}
-    return {f"decode/{plane}/{what}": decode_prompt(plane, what)
-            for plane in plan.planes for what in ("quiet", "load", "store")}
+    return {f"decode/{what}": decode_prompt(what) for what in ("quiet", "load", "store")}
 
 
 def _warm_prompt(plane: str) -> list[int]:
@@ -81,8 +77,8 @@ def _baseline(deployment: VllmDeployment, baseline: Any, plan: Plan
     for key, p in _prompts(plan).items():
         (out,) = baseline.generate([p], max_tokens=1)
         expected[key] = out["token_ids"]
-        plane, _, size = key.partition("/")
-        if plane == plan.planes[0] and size.isdigit():
+        role, _, size = key.partition("/")
+        if role == "prefix":
             ttfts.append({"size_mib": int(size), "ttft_s": baseline.last_generate_s})
     for key, p in _decode_prompts(plan).items():
         (out,) = baseline.generate([p], max_tokens=DECODE_CHECK_TOKENS)

@@ -6,6 +6,8 @@ Modules:
   model               -- write a tiny deterministic random Llama (imports transformers).
   driver_protocol     -- the drivers' side of the JSON-lines protocol (stdlib only).
   engine_driver       -- JSON-lines driver around vllm.LLM (run with vLLM's python).
+  decode_latency      -- the engine driver's decode_latency op: inter-token times of one
+                         request while another's prefix is loaded or stored.
   manager_driver      -- JSON-lines driver around vLLM 0.33's TieringOffloadingManager
                          (run with vLLM's python, as a script).
   json_lines_process  -- JsonLinesProcess: the clients' side (stdlib only).
