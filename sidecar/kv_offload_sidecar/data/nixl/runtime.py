@@ -3,9 +3,8 @@
 A one-sided READ over CMA is a kernel copy made inside NIXL's post call, which releases
 the GIL; so every agent lives in its own thread (a *lane*) and the asyncio loop only hands
 work to lanes and takes their results (``call_soon_threadsafe``). With two lanes both cores
-copy. A lane reads a chunk in ``PIECE_BYTES`` pieces and hashes each piece (xxh3, streamed)
-right after its copy, while the bytes are still in the core's cache: the chunk's checksum is
-ready when its last byte lands. Lane 0's agent also serves: it registers each peer
+copy. A lane reads a chunk as one transfer of its ``PIECE_BYTES`` pieces and then hashes the
+slot in one GIL-free call (xxh3): two GIL hand-offs per chunk, whatever its size. Lane 0's agent also serves: it registers each peer
 connection's view of the store (``exports``). An idle lane sleeps in its queue. A new
 endpoint's wire-up needs both agents to progress, so for ``WIREUP_SECONDS`` after a view was
 exported (holder) or a holder's metadata loaded (fetcher) every lane calls NIXL's progress
@@ -37,7 +36,7 @@ NIXL_MODULE = "nixl_cu12"
 NIXL_PACKAGE = "nixl-cu12==1.5.1"
 # Lane threads (agents) of a process: 2 lets both cores of a small host copy.
 DEFAULT_LANES = 2
-# Bytes a lane copies before it hashes them (small enough to stay in a core's cache).
+# Bytes of one descriptor of a chunk's READ (a chunk is read as one transfer of its pieces).
 PIECE_BYTES = 512 << 10
 # Seconds lane 0 progresses its agent often after exporting a view (endpoint wire-up).
 WIREUP_SECONDS = 5.0
@@ -195,46 +194,51 @@ class Lane:
     def read(self, remote: str, local: SlotTable, local_slot: int, far: SlotTable, remote_slot: int,
              view: memoryview, verify: bool) -> int | None:
         """READ slot ``remote_slot`` of the holder ``remote`` (``far``) into ``local_slot`` of
-        this store (``local``; ``view`` is that slot), piece by piece, each hashed as it lands;
-        returns the XXH3-64 of the whole (None unverified). LaneError when a piece fails."""
+        this store (``local``; ``view`` is that slot) as ONE transfer of all its pieces, then
+        hash the slot in one call; returns the XXH3-64 of the whole (None unverified).
+        LaneError when the READ fails.
+
+        One transfer and one hash per chunk, not per piece: each NIXL call and each hash
+        releases the GIL, and taking it back waits for whatever Python another thread runs
+        (up to the switch interval), so per-piece calls made a 32 MiB chunk pay that 128 times.
+        """
         import xxhash
 
         nixl = self.runtime.nixl_bindings
         agent = self.agent
-        hasher = xxhash.xxh3_64() if verify else None
-        prepped = local.handle is not None and far.handle is not None
-        for piece, (off, n) in enumerate(local.pieces):
-            try:
-                if prepped:
-                    xfer = agent.make_prepped_xfer("READ", local.handle, [local.index(local_slot, piece)],
-                                                   far.handle, [far.index(remote_slot, piece)])
-                else:
-                    xfer = agent.initialize_xfer(
-                        "READ", nixl.nixlXferDList(nixl.DRAM_SEG, [(local.address(local_slot, piece), n, 0)]),
-                        nixl.nixlXferDList(nixl.DRAM_SEG, [(far.address(remote_slot, piece), n, 0)]), remote)
-            except Exception as exc:
-                raise LaneError(f"NIXL READ from {remote} failed: {type(exc).__name__}: {exc}") from exc
-            status = "ERR"
-            try:
-                status = agent.transfer(xfer)
-                until = time.monotonic() + READ_TIMEOUT_SECONDS
-                while status == "PROC" and time.monotonic() < until:  # RDMA; CMA is done in transfer()
-                    status = agent.check_xfer_state(xfer)
-            except Exception as exc:
-                status = f"{type(exc).__name__}: {exc}"
-            try:
-                xfer.release()  # cancels a READ still in progress
-            except Exception as exc:
-                error = LaneError(f"NIXL READ from {remote} ({status}) could not be released: {exc}")
-                error.slot_in_use = status == "PROC"  # the NIC may still write into the slot
-                raise error from exc
-            if status != "DONE":
-                raise LaneError(f"NIXL READ from {remote} ended in state {status}")
-            # Hashed with the GIL held: a piece in cache takes tens of microseconds, less than
-            # this thread would wait to get the GIL back from the loop after a GIL-free call.
-            if hasher is not None:
-                hasher.update(view[off:off + n])
-        return None if hasher is None else hasher.intdigest()
+        pieces = range(len(local.pieces))
+        try:
+            if local.handle is not None and far.handle is not None:
+                xfer = agent.make_prepped_xfer(
+                    "READ", local.handle, [local.index(local_slot, p) for p in pieces],
+                    far.handle, [far.index(remote_slot, p) for p in pieces])
+            else:
+                xfer = agent.initialize_xfer(
+                    "READ",
+                    nixl.nixlXferDList(nixl.DRAM_SEG, [(local.address(local_slot, p), n, 0)
+                                                       for p, (_, n) in enumerate(local.pieces)]),
+                    nixl.nixlXferDList(nixl.DRAM_SEG, [(far.address(remote_slot, p), n, 0)
+                                                       for p, (_, n) in enumerate(far.pieces)]),
+                    remote)
+        except Exception as exc:
+            raise LaneError(f"NIXL READ from {remote} failed: {type(exc).__name__}: {exc}") from exc
+        status = "ERR"
+        try:
+            status = agent.transfer(xfer)
+            until = time.monotonic() + READ_TIMEOUT_SECONDS
+            while status == "PROC" and time.monotonic() < until:  # RDMA; CMA is done in transfer()
+                status = agent.check_xfer_state(xfer)
+        except Exception as exc:
+            status = f"{type(exc).__name__}: {exc}"
+        try:
+            xfer.release()  # cancels a READ still in progress
+        except Exception as exc:
+            error = LaneError(f"NIXL READ from {remote} ({status}) could not be released: {exc}")
+            error.slot_in_use = status == "PROC"  # the NIC may still write into the slot
+            raise error from exc
+        if status != "DONE":
+            raise LaneError(f"NIXL READ from {remote} ended in state {status}")
+        return xxhash.xxh3_64_intdigest(view) if verify else None
 
     def load_remote(self, metadata: bytes) -> str:
         """Load a holder's (partial) metadata; returns its agent name, counted per connection."""
