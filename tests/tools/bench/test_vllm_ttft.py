@@ -88,8 +88,12 @@ def test_the_peer_hit_is_broken_into_phases(report) -> None:
 
 
 def test_the_json_report_has_every_field(report) -> None:
-    assert {"config", "references", "baseline", "rows", "inter_token", "mismatches",
-            "missing_metrics", "planes", "plot", "elapsed_s", "vllm_version"} <= set(report)
+    assert {"config", "references", "baseline", "rows", "inter_token", "mismatches", "errors",
+            "missing_metrics", "targets", "planes", "plot", "elapsed_s",
+            "vllm_version"} <= set(report)
+    assert report["errors"] == []
+    assert {t["target"] for t in report["targets"]} >= {"engine CPU-s/GB, peer load",
+                                                        "ITL p99 while loading / quiet"}
     (ref,) = report["references"]
     assert ref["memcpy_s"] > 0 and ref["raw_tcp_s"] > 0 and ref["bytes"] == 8 << 20
     (row,) = report["rows"]
