@@ -34,7 +34,6 @@ import numpy as np
 
 from kv_offload_tools.bench.vllm_ttft_plan import (
     CHUNK_TOKENS,
-    GiB,
     Plan,
     decode_prompt,
     prefix_prompt,
@@ -344,6 +343,3 @@ def _fmt_ms(v: float | None) -> str:
 def _fmt_s(v: float | None) -> str:
     return "missing" if v is None else f"{v:.3f} s"
 
-
-def gib(nbytes: int) -> float:
-    return nbytes / GiB
