@@ -234,8 +234,12 @@ class PlaneBench:
             wait_ms = v.get(f"{vllm_role}:{LOOKUP_WAIT_MS}")
             steps = v.get(f"{vllm_role}:{LOOKUP_WAIT_STEPS}")
             out["lookup_waits"] = waits
-            out["lookup_ms"] = wait_ms / waits if wait_ms is not None and waits else None
-            out["lookup_steps"] = steps / waits if steps is not None and waits else None
+            # The tier counts only requests that waited: none waited is a 0 ms wait, while
+            # a counter vLLM does not expose at all is missing.
+            out["lookup_ms"] = None if wait_ms is None or waits is None else (
+                wait_ms / waits if waits else 0.0)
+            out["lookup_steps"] = None if steps is None or waits is None else (
+                steps / waits if waits else 0.0)
             out["tier_chunk_hits"] = v.get(f"{vllm_role}:{TIER_CHUNK_HITS}")
             out["tier_read_bytes"] = v.get(f"{vllm_role}:{TIER_READ_BYTES}")
         return out
