@@ -360,45 +360,37 @@ class EngineClient:
         Keys the sidecar holds already or has no room for are skipped. A failed
         store is counted and returns 0, or with ``strict`` raises ``SidecarUnavailable``.
         """
-        if not keys:
-            return 0
-        try:
-            att = self._attachment()
-            if att.region_id is None:
-                raise SidecarUnavailable(f"region not attached: {att.region_reason}")
-            deadline = time.monotonic() + CONTROL_TIMEOUT_SECONDS
-            with self._connection() as conn:
-                reply = self._call(conn, att, {"op": "store_rows", "region": att.region_id,
-                                               "keys": cp.encode_keys(keys),
-                                               "rows": [int(r) for r in rows],
-                                               "deadline": deadline},
-                                   CONTROL_TIMEOUT_SECONDS + ROW_COPY_GRACE_SECONDS)
-            return int(reply["committed"])
-        except (*_FAILURES, SidecarUnavailable) as exc:
-            self._miss("store", exc)
-            if strict:
-                raise SidecarUnavailable(f"store of {len(keys)} chunks failed: {exc}") from None
-            return 0
+        return self._row_job("store_rows", "committed", keys, rows, CONTROL_TIMEOUT_SECONDS,
+                             strict=strict)
 
     def load_rows(self, keys: Sequence[bytes], rows: Sequence[int], timeout: float = 2.0) -> int:
         """The sidecar makes the leading held ``keys`` local and copies them into ``rows``;
         returns how many leading rows now hold their chunk. Late or failed: 0."""
+        return self._row_job("load_rows", "loaded", keys, rows, timeout, strict=False)
+
+    def _row_job(self, op: str, answer: str, keys: Sequence[bytes], rows: Sequence[int],
+                 timeout: float, *, strict: bool) -> int:
+        """One store_rows/load_rows request: the sidecar touches no row after ``timeout``
+        (its deadline), and the answer is awaited ``ROW_COPY_GRACE_SECONDS`` longer."""
         if not keys:
             return 0
+        what = op.removesuffix("_rows")
         try:
             att = self._attachment()
             if att.region_id is None:
                 raise SidecarUnavailable(f"region not attached: {att.region_reason}")
             deadline = time.monotonic() + timeout
             with self._connection() as conn:
-                reply = self._call(conn, att, {"op": "load_rows", "region": att.region_id,
+                reply = self._call(conn, att, {"op": op, "region": att.region_id,
                                                "keys": cp.encode_keys(keys),
                                                "rows": [int(r) for r in rows],
                                                "deadline": deadline},
                                    timeout + ROW_COPY_GRACE_SECONDS)
-            return int(reply["loaded"])
+            return int(reply[answer])
         except (*_FAILURES, SidecarUnavailable) as exc:
-            self._miss("load", exc)
+            self._miss(what, exc)
+            if strict:
+                raise SidecarUnavailable(f"{what} of {len(keys)} chunks failed: {exc}") from None
             return 0
 
     @staticmethod
