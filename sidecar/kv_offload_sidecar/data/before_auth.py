@@ -122,3 +122,20 @@ class UnauthenticatedLimit:
             self._strangers = 0
             self._trimmed = time.monotonic()
             self.trims += reclaim_memory()
+
+
+class CountsStrangers:
+    """What a data-plane server says of its connections before the proof (its ``_limit``)."""
+
+    _limit: UnauthenticatedLimit
+
+    @property
+    def unauthenticated(self) -> int:
+        """Connections accepted that have not proved a session yet."""
+        return self._limit.count
+
+    @property
+    def memory_reclaims(self) -> int:
+        """Times the memory of departed unauthenticated connections was handed back."""
+        return self._limit.trims
+

@@ -32,7 +32,12 @@ from kv_offload_sidecar.data.base import (
     make_nonce,
     wait_until_idle,
 )
-from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, UnauthenticatedLimit, refuse
+from kv_offload_sidecar.data.before_auth import (
+    DEFAULT_AUTH_TIMEOUT,
+    CountsStrangers,
+    UnauthenticatedLimit,
+    refuse,
+)
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
     DataStream,
@@ -104,7 +109,7 @@ class _ConnState:
         return self.queue.empty() and not self.busy[0] and now - self.last >= IDLE_CLOSE_SECONDS
 
 
-class TcpDataPlaneServer(DataPlaneServer):
+class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
     """Serves chunks from ``store`` to authenticated peers over TCP (TLS with ``ssl``)."""
 
     def __init__(
@@ -197,16 +202,6 @@ class TcpDataPlaneServer(DataPlaneServer):
             t.cancel()
         if still:
             await asyncio.wait(still)
-
-    @property
-    def unauthenticated(self) -> int:
-        """Connections accepted that have not proved a session yet."""
-        return self._limit.count
-
-    @property
-    def memory_reclaims(self) -> int:
-        """Times the memory of departed unauthenticated connections was handed back."""
-        return self._limit.trims
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()

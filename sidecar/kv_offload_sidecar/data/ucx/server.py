@@ -38,7 +38,12 @@ from kv_offload_sidecar.data.base import (
     make_nonce,
     wait_until_idle,
 )
-from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, UnauthenticatedLimit, refuse
+from kv_offload_sidecar.data.before_auth import (
+    DEFAULT_AUTH_TIMEOUT,
+    CountsStrangers,
+    UnauthenticatedLimit,
+    refuse,
+)
 from kv_offload_sidecar.data.ucx.frames import (
     ATTACH_BUFFER_BYTES,
     ATTACH_TAG,
@@ -85,7 +90,7 @@ def session_source(session_id: bytes) -> str:
     return "session " + session_id.hex()[:16]
 
 
-class UcxDataPlaneServer(DataPlaneServer):
+class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
     """Serves chunks from ``store`` over UCX tag messages (one per process)."""
 
     def __init__(
@@ -143,16 +148,6 @@ class UcxDataPlaneServer(DataPlaneServer):
         if still:
             await asyncio.wait(still)
         unregister_server(self)
-
-    @property
-    def unauthenticated(self) -> int:
-        """Attached connections that have not answered the nonce challenge yet."""
-        return self._limit.count
-
-    @property
-    def memory_reclaims(self) -> int:
-        """Times the memory of departed unauthenticated connections was handed back."""
-        return self._limit.trims
 
     async def _accept_loop(self, rt: UcxRuntime) -> None:
         while True:
