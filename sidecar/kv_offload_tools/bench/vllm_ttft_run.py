@@ -15,6 +15,7 @@ from kv_offload_tools.bench.vllm_ttft_measure import PlaneBench, progress
 from kv_offload_tools.bench.vllm_ttft_plan import (
     BLOCK_TOKENS,
     CHUNK_TOKENS,
+    GiB,
     Plan,
     decode_prompt,
     prefix_prompt,
@@ -98,10 +99,12 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
     if config.kv_bytes_per_chunk != plan.chunk_bytes:
         raise RuntimeError(f"the translated config says {config.kv_bytes_per_chunk} bytes per "
                            f"chunk, the plan {plan.chunk_bytes}")
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(plan.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
+    # llm_kwargs carry kv_cache_memory_bytes: the engine driver then unsets the whole-GiB
+    # VLLM_CPU_KVCACHE_SPACE (which would waste up to a GiB per engine of a shared host's RAM).
+    env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind}
     llm_kwargs = plan.llm_kwargs()
     progress(f"model: {plan.layers} layers, {plan.bytes_per_token >> 10} KiB of KV per token, "
-             f"{plan.chunk_bytes >> 20} MiB per chunk; engines: KV cache {plan.kv_cache_gib} GiB, "
+             f"{plan.chunk_bytes >> 20} MiB per chunk; engines: KV cache {plan.kv_cache_bytes >> 20} MiB, "
              f"primary tier {plan.primary_bytes >> 20} MiB, max_model_len {plan.max_model_len}; "
              f"sidecar stores {plan.store_bytes >> 20} MiB ({time.monotonic() - t0:.0f} s)")
     report: dict[str, Any] = {
@@ -109,14 +112,14 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
                    "layers": plan.layers, "model": plan.model_config,
                    "kv_bytes_per_token": plan.bytes_per_token, "chunk_tokens": CHUNK_TOKENS,
                    "chunk_bytes": plan.chunk_bytes, "block_tokens": BLOCK_TOKENS,
-                   "kv_cache_gib": plan.kv_cache_gib, "primary_bytes": plan.primary_bytes,
+                   "kv_cache_bytes": plan.kv_cache_bytes, "primary_bytes": plan.primary_bytes,
                    "store_bytes": plan.store_bytes, "max_model_len": plan.max_model_len,
                    "omp_bind": omp_bind, "spec": spec, "itl_size_mib": plan.itl_size_mib,
                    "itl_after_s": plan.itl_after_s, "tier_keys": TIER_KEYS},
         "references": references(plan), "rows": [], "inter_token": [], "mismatches": [],
         "planes": {},
     }
-    overlap = plan.kv_cache_gib <= _OVERLAP_MAX_KV_GIB
+    overlap = plan.kv_cache_bytes <= _OVERLAP_MAX_KV_GIB * GiB
     expected: dict[str, list[int]] | None = None
     if not overlap:
         baseline = deployment.start_baseline(extra_env=env, llm_kwargs=llm_kwargs)

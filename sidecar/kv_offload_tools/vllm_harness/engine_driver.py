@@ -264,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     proto = ProtocolStdout()
     reply = proto.reply
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if "kv_cache_memory_bytes" in json.loads(args.llm_kwargs):
+        # vLLM's CPU platform lets this (whole-GiB) variable override the exact bytes.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Local model directories only: never let a typo turn into a hub download.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
