@@ -122,9 +122,13 @@ class PlaneBench:
         (out,) = engine.generate([prompt], max_tokens=1)
         ttft = engine.last_generate_s
         d = delta(before, self.probe.snapshot(vllm_roles))
+        hit = out["num_cached_tokens"] >= len(prompt) - 1 - CHUNK_TOKENS
+        if not hit:
+            progress(f"WARNING {self.plane} {what}: only {out['num_cached_tokens']} of "
+                     f"{len(prompt)} tokens cached: not a full hit")
         return {"ttft_s": ttft, "num_cached_tokens": out["num_cached_tokens"],
                 "first_token": out["token_ids"][:1], "match": self._check(what, key, out),
-                "delta": d, "role": role}
+                "delta": d, "role": role, "hit": hit}
 
     def warm(self, prompt: list[int]) -> None:
         """One small store, own-sidecar hit and peer hit, so first-request costs (kernels,
@@ -218,7 +222,7 @@ class PlaneBench:
                  sidecar_role: str | None, vllm_role: str | None) -> dict[str, Any]:
         d = hit["delta"]
         out: dict[str, Any] = {k: hit[k] for k in ("ttft_s", "num_cached_tokens", "first_token",
-                                                   "match")}
+                                                   "match", "hit")}
         out["engine_cpu_s"] = d["cpu_s"].get(engine_role)
         out["engine_cpu_s_per_gb"] = per_gb(out["engine_cpu_s"], nbytes)
         out["engine_off_main_cpu_s"] = d["cpu_s"].get(f"{engine_role}.off_main")
