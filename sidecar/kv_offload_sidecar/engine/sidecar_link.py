@@ -93,6 +93,17 @@ class SidecarLink:
         if client is not None:
             client.close()
 
+    def attach_early(self) -> None:
+        """Connect (and hand over the region) now, checking nothing yet: vLLM resolves its hash
+        seed only after building the tiers, so the check waits for the first ``connected()``."""
+        from kv_offload_sidecar.engine.client import EngineClient
+
+        with self._lock:
+            if self._client is None:
+                self._client = EngineClient.connect(*self.address, timeout=self._timeout,
+                                                    region=self._region)
+                self._checked_instance = None
+
     def connected(self) -> Any:
         """The EngineClient of a sidecar that matches this engine, or None while it is refused.
 

@@ -360,6 +360,13 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         return self._rows[start:start + self._chunk_bytes]
 
     def _lookup_worker(self) -> None:
+        # Attach now, off vLLM's threads, so the first request's lookup does not pay for the
+        # connection and the region hand-off (an absent sidecar is tried again later).
+        try:
+            self._link.attach_early()
+        except Exception as exc:
+            logger.info("kv-offload tier: sidecar at %s:%d not attached yet (%s); "
+                        "trying again at the first lookup", *self._link.address, exc)
         while True:
             item = self._lookup_q.get()
             if item is _STOP:

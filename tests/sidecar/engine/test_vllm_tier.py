@@ -334,3 +334,18 @@ def test_tier_module_imports_only_what_install_tier_ships():
     for heavy in ("torch", "aiohttp", "prometheus_client", "kopf", "kv_offload_operator",
                   "xxhash", "kv_offload_tools"):
         assert heavy not in mods
+
+def test_a_new_tier_hands_its_region_to_the_sidecar_before_its_first_lookup(pool):
+    engine = SimulatedEngine(CONFIG, hash_seed="0", host="127.0.0.1", port=pool[0].port,
+                             name="attaches-early")
+    try:
+        end = time.monotonic() + 30
+        while True:  # the sidecar maps the engine's memfd rows once the tier's thread attached
+            with open(f"/proc/{pool[0].proc.pid}/maps") as fh:
+                if any("kv-offload-sim-attaches-early" in line for line in fh):
+                    break
+            assert time.monotonic() < end, "the tier never handed its region over"
+            time.sleep(0.05)
+        assert engine.tier.stats.lookups == 0 and engine.tier.sidecar_instance is None
+    finally:
+        engine.close()
