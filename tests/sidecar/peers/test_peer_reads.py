@@ -5,9 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
+from types import SimpleNamespace
 
 from kv_offload_sidecar.lifecycle import running
-from kv_offload_sidecar.sidecar import Sidecar
+from kv_offload_sidecar.peers import peer_reads
+from kv_offload_sidecar.sidecar import UNLOADED_AFTER_DEADLINES, Sidecar
+
+# Seconds a wait for a sidecar's state may take before the test gives up: an anti-hang
+# bound, not an expected time.
+WAIT_BOUND_SECONDS = 60.0
+# Fetch deadline of the tests that must not see a give-up: an anti-hang bound (a busy
+# machine may take longer than a real deadline to answer, and the test would fail on time).
+REQUEST_DEADLINE_SECONDS = 30.0
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _keys(tag: str, n: int) -> list[bytes]:
@@ -29,14 +49,26 @@ def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]
     return Sidecar(a_settings), Sidecar(b_settings), Sidecar(make_settings(identity="asker", static_peers=peers))
 
 
+async def _until(what: str, done: Callable[[], bool]) -> None:
+    """Until ``done()``; the bound only keeps a broken sidecar from hanging the test."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + WAIT_BOUND_SECONDS
+    while not done():
+        if loop.time() > end:
+            raise AssertionError(f"{what} not within {WAIT_BOUND_SECONDS:.0f} s")
+        await asyncio.sleep(0.02)
+
+
 async def _settled(*sidecars: Sidecar) -> None:
-    for _ in range(100):
+    """Until every sidecar is a member of every view (links up) and the chunks recorded anywhere
+    are in their owners' directories."""
+
+    def settled() -> bool:
         views = [s.location.status() for s in sidecars]
-        if all(v["pending"] == 0 and v["members"] == len(sidecars) for v in views) and \
-                sum(v["entries"] for v in views) == sum(v["keys"] for v in views):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the directory did not settle: {[s.location.status() for s in sidecars]}")
+        return all(v["pending"] == 0 and v["members"] == len(sidecars) for v in views) and \
+            sum(v["entries"] for v in views) == sum(v["keys"] for v in views)
+
+    await _until(f"the directory settled ({[s.location.status() for s in sidecars]} at the start)", settled)
 
 
 async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_them(make_settings):
@@ -75,12 +107,9 @@ async def test_a_holder_named_for_a_chunk_it_lost_is_one_false_claim_and_a_miss(
         keys = _keys("stale", 3)
         for k in keys:  # published as held, never stored: what an owner names before an eviction is heard
             holder.location.record(k, True)
-        for _ in range(100):
-            if len(holder.location.directory) + len(asker.location.directory) == 3:
-                break
-            await asyncio.sleep(0.05)
-        assert await asker.lookup(keys, 1.0) == (0, 0)
-        assert await asker.load(keys, 1.0) == []
+        await _settled(holder, asker)  # the asker's link up: else it would not even ask the holder
+        assert await asker.lookup(keys, REQUEST_DEADLINE_SECONDS) == (0, 0)
+        assert await asker.load(keys, REQUEST_DEADLINE_SECONDS) == []
         assert asker.metrics.peer_false_claims._value.get() >= 1
         assert len(asker.store) == 0
 
@@ -169,23 +198,26 @@ async def test_a_route_hint_ranks_the_pods_by_the_prefix_each_holds_and_moves_no
         assert list(a.store._visible) == order and len(asker.store) == 1  # no LRU touched, nothing moved
 
 
-async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_deadlines(make_settings):
+async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_deadlines(make_settings,
+                                                                                         monkeypatch):
+    # The age of a fetched chunk is read on a clock the test moves (the fetch itself runs on
+    # the event loop's own time, with a deadline that only bounds a hang).
+    clock = Clock()
+    monkeypatch.setattr(peer_reads, "time", SimpleNamespace(monotonic=clock))
     holder_settings = make_settings(identity="holder")
     holder = Sidecar(holder_settings)
-    asker = Sidecar(make_settings(identity="asker", fetch_deadline_seconds=0.2,
+    asker = Sidecar(make_settings(identity="asker", fetch_deadline_seconds=REQUEST_DEADLINE_SECONDS,
                                   static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    let_go_after = UNLOADED_AFTER_DEADLINES * REQUEST_DEADLINE_SECONDS
     async with running(holder), running(asker):
         keys, other = _keys("aborted", 3), _keys("other", 1)
         _store(holder, keys)
         await _settled(holder, asker)
-        assert await asker.lookup(keys, 1.0) == (0, 3)  # the engine never loads this request
-        for _ in range(50):
-            if len(asker.store) == 3:
-                break
-            await asyncio.sleep(0.02)
-        assert len(asker.store) == 3
-        await asker.lookup(other, 1.0)
+        assert await asker.lookup(keys, REQUEST_DEADLINE_SECONDS) == (0, 3)  # the engine never loads it
+        await _until("the fetched chunks in the asker's store", lambda: len(asker.store) == 3)
+        clock.now += let_go_after - 0.01
+        await asker.lookup(other, REQUEST_DEADLINE_SECONDS)
         assert len(asker.store) == 3  # not yet: a load may still come
-        await asyncio.sleep(0.85)
-        await asker.lookup(other, 1.0)
+        clock.now += 0.02
+        await asker.lookup(other, REQUEST_DEADLINE_SECONDS)
         assert len(asker.store) == 0
