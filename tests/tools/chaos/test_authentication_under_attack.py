@@ -95,7 +95,7 @@ def test_sidecar_of_another_pool_gets_no_chunk_and_stores_none(chaos_pool: Local
     own = chunk_keys("intruder-own", 3)
     with intruder.client() as e_in, chaos_pool["victim"].client() as e_vi:
         assert store_chunks(e_in, own, CHUNK) == 3
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # an anti-hang bound: the rejection is the state awaited
         while _rejections(chaos_pool, "victim", "bad_proof") < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _rejections(chaos_pool, "victim", "bad_proof") >= 1

@@ -24,6 +24,11 @@ from kv_offload_tools.chaos.probes import RawDataConnection, probe_handshake
 from kv_offload_tools.local_pool import LocalPool
 
 CHUNK = 16 * 1024
+# Seconds a wait for a sidecar's state may take before the test gives up: an anti-hang
+# bound, not an expected time.
+WAIT_BOUND_SECONDS = 60.0
+# Loads the SIGTERM test issues at most before it calls the loader hung.
+MAX_LOADS = 100_000
 
 
 def _refused(address: str) -> bool:
@@ -102,26 +107,29 @@ def test_sigterm_during_engine_loads_gives_whole_chunks_or_misses(chaos_pool: Lo
     with holder.client() as e_holder:
         assert store_chunks(e_holder, keys, CHUNK) == len(keys)
     e_loader = loader.client()
-    end = time.monotonic() + 10
-    while e_loader.lookup(keys).peer < len(keys) and time.monotonic() < end:
+    end = time.monotonic() + WAIT_BOUND_SECONDS
+    while e_loader.lookup(keys).peer < len(keys):
+        assert time.monotonic() < end, "the loader never saw the holder's chunks"
         time.sleep(0.1)
     results: list[tuple[int, int]] = []
+    whole = threading.Event()  # a load got every chunk: loads work before the SIGTERM
 
     def loads() -> None:
-        for _ in range(200):
+        for _ in range(MAX_LOADS):  # until the SIGTERM ended the loader (the bound: a hang)
             results.append(load_and_verify(e_loader, keys, CHUNK))
+            if results[-1][0] == len(keys):
+                whole.set()
             if not loader.alive():
                 return
 
-    t = threading.Thread(target=loads)
+    t = threading.Thread(target=loads, daemon=True)
     t.start()
-    time.sleep(0.3)
+    assert whole.wait(WAIT_BOUND_SECONDS), results  # SIGTERM while loads run and after one worked
     loader.send(signal.SIGTERM)
-    t.join(30)
+    t.join(WAIT_BOUND_SECONDS)
     assert not t.is_alive()
     assert loader.proc is not None and loader.proc.wait(15) == 0, loader.log_tail()
     assert results and all(bad == 0 for _, bad in results), results
-    assert results[0][0] == len(keys)  # loads worked before SIGTERM
     # Its store and socket are gone.
     assert not [p for p in os.listdir(chaos_pool.workdir) if "loader" in p and p.endswith((".slots", ".sock"))]
     e_loader.close()
