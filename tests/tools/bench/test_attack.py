@@ -1,10 +1,12 @@
 """`kv-offload bench attack`: bad input is one line and exit 2 before any sidecar starts; a
 short run (about a minute) against three live sidecars leaves no traceback, no 500, every
-member alive and connected, the honest load's hit ratio as it was without attackers, and
-tells a stranger neither the wire version nor accepts a replayed handshake.
+member alive and connected, memory and logs within their targets, the honest load's hit
+ratio as it was without attackers, and tells a stranger neither the wire version nor
+accepts a replayed handshake.
 
-The p99 and log-rate targets are printed by the bench but not asserted here: in a run this
-short a few first-of-their-kind rejection lines and the host's other load decide them.
+The honest p99 target is printed by the bench but not asserted here: full runs miss it
+today (1.8-3.8x the runs without attackers, during the siege and the sniffed-key-id step-1
+flood), and in a run this short the host's other load decides it.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def test_a_short_attack_leaves_the_pool_whole_and_the_honest_load_hitting(tmp_pa
     # A stranger learns nothing before the proof and cannot replay a member's handshake.
     assert verdicts["no wire version told before the proof"]["pass"]
     assert verdicts["replayed handshake steps refused"]["pass"]
-    # The siege's memory came back.
+    # The siege's memory came back; the rejections were summarised, not logged one by one.
     assert verdicts["RSS growth at peak <= 32 MiB"]["pass"], verdicts
     assert verdicts["RSS growth after <= 8 MiB"]["pass"], verdicts
+    assert verdicts["log growth <= 64 KiB per minute of attack"]["pass"], verdicts
 
     assert png.stat().st_size > 10_000
