@@ -23,6 +23,11 @@ connection kept open for the attachment's life) and then
 instead of copying: the sidecar copies, and vLLM's process moves no KV bytes.
 ``region_attached`` says whether that worked (``region_reason`` why not).
 
+A restarted sidecar (new instance, new store file) is noticed at the first failed call; the
+client re-attaches (and hands the region over again) at its first call at least
+``REATTACH_INTERVAL_SECONDS`` later once the new sidecar answers, logs how long that took
+and keeps it in ``reattach_seconds``; until then stores fail (none is reported done).
+
 A late answer (past ``timeout``), a failed or unreachable sidecar is a miss
 (``LookupReply(0, 0)`` / 0) and counted in ``timeouts`` / ``errors``; it
 never raises into the engine. Exceptions from ``write_fn``/``read_fn``
@@ -107,6 +112,10 @@ class EngineClient:
         self._lock = threading.Lock()
         self._closed = False
         self._stale = False
+        # When the client first failed against a sidecar it had attached (None: attached now).
+        self._stale_since: float | None = None
+        # Seconds from that failure to the re-attachment, of the last re-attachment (None: none yet).
+        self.reattach_seconds: float | None = None
         self._next_reattach = 0.0
         # Answers that came too late (counted as misses).
         self.timeouts = 0
@@ -187,6 +196,10 @@ class EngineClient:
                                      f"{reply.get('error')}")
         return reply
 
+    def _mark_stale(self) -> None:
+        if not self._stale:
+            self._stale, self._stale_since = True, time.monotonic()
+
     def _attachment(self) -> Attachment:
         """The current mapping; re-attaches first when the sidecar seems to have restarted."""
         if self._stale and time.monotonic() >= self._next_reattach:
@@ -198,9 +211,11 @@ class EngineClient:
                     old, self._att = self._att, self._attach(info)
                     self.reattaches += 1
                     old.close()
-                    log.info("kv-offload sidecar restarted; re-attached its store %s",
-                             info["store"]["path"])
-                self._stale = False
+                    self.reattach_seconds = time.monotonic() - (self._stale_since or time.monotonic())
+                    log.info("kv-offload sidecar restarted; re-attached its store %s %.2f s after "
+                             "the first failed call (tried at most every %.1f s, at the next call)",
+                             info["store"]["path"], self.reattach_seconds, REATTACH_INTERVAL_SECONDS)
+                self._stale, self._stale_since = False, None
             except _FAILURES as exc:
                 log.debug("kv-offload sidecar re-attach failed: %s", exc)
         return self._att
@@ -218,7 +233,7 @@ class EngineClient:
             try:
                 conn = LocalConn(self.socket_path, self._timeout)
             except OSError as exc:
-                self._stale = True
+                self._mark_stale()
                 raise SidecarUnavailable(f"cannot connect to the sidecar local channel "
                                          f"{self.socket_path!r}: {exc}") from None
         ok = False
@@ -239,7 +254,7 @@ class EngineClient:
         reply = conn.call({**req, "instance": att.instance}, timeout)
         if not reply.get("ok"):
             if reply.get("stale"):
-                self._stale = True
+                self._mark_stale()
                 if "region" in req:
                     att.region_lost = True
             raise ConnectionError(str(reply.get("error")))
@@ -252,7 +267,7 @@ class EngineClient:
         else:
             self.errors += 1
             if isinstance(exc, OSError):
-                self._stale = True  # the sidecar may have restarted: re-attach on the next call
+                self._mark_stale()  # the sidecar may have restarted: re-attach on the next call
             log.warning("kv-offload sidecar %s failed (%s): a miss", what, exc)
 
     # ---- operations ----------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -226,7 +227,8 @@ def test_dead_sidecar_makes_calls_misses_not_crashes():
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
-def test_client_reattaches_to_a_restarted_sidecar_without_writing_into_the_old_store(kill):
+def test_client_reattaches_to_a_restarted_sidecar_without_writing_into_the_old_store(kill, caplog):
+    caplog.set_level(logging.INFO, logger="kv_offload_sidecar.engine.client")
     with LocalPool(1) as p:
         c = p.client(0)
         old_instance = c.instance
@@ -234,12 +236,19 @@ def test_client_reattaches_to_a_restarted_sidecar_without_writing_into_the_old_s
         write_chunks(c, keys)
         p.restart(0, kill=kill)
         # The first call after the restart fails (a miss) and flags the client stale.
+        failed_at = time.monotonic()
         c.lookup(keys)
-        deadline = time.monotonic() + 10
+        assert c.reattach_seconds is None
+        deadline = time.monotonic() + 60  # a hang guard; the loop ends on the client's state
         while c.instance == old_instance and time.monotonic() < deadline:
             time.sleep(0.1)
             c.lookup(keys)
         assert c.instance != old_instance and c.reattaches == 1
+        # How long storing was off is known and logged: from the first failed call to the
+        # re-attachment, which happened within this wait.
+        assert 0 < c.reattach_seconds <= time.monotonic() - failed_at
+        assert any("re-attached its store" in r.getMessage() and "after the first failed call"
+                   in r.getMessage() for r in caplog.records)
         fresh = new_keys(3)
         data = write_chunks(c, fresh)
         other = p.client(0)
