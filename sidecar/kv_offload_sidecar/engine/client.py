@@ -208,6 +208,10 @@ class EngineClient:
             try:
                 info = self._info()
                 if str(info["instance"]) != self._att.instance or self._att.region_lost:
+                    with self._lock:  # pooled connections may lead to the sidecar that went
+                        idle, self._idle = self._idle, []
+                    for conn in idle:
+                        conn.close()
                     old, self._att = self._att, self._attach(info)
                     self.reattaches += 1
                     old.close()

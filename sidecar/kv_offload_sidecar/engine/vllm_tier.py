@@ -268,6 +268,14 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             finally:
                 self._draining -= 1
 
+    @property
+    def transfers_in_flight(self) -> tuple[int, int]:
+        """(store and load jobs submitted and not finished, those of them the transfer thread
+        has taken up, e.g. a load waiting on a stalled sidecar)."""
+        with self._idle:
+            pending = self._pending_transfers
+        return pending, max(0, pending - self._transfer_q.qsize())
+
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._batch or any(
             s.result is None for s in self._keys.values()))

@@ -107,13 +107,13 @@ def _digest(data: bytes | memoryview) -> str:
 
 def _transfers(tier: Any) -> dict[str, int] | None:
     """The tier's transfer jobs not finished yet: ``pending`` (submitted, not finished) and
-    ``started`` (taken up by its transfer thread, e.g. a load waiting on a stalled sidecar).
-    None when the tier keeps no such counts (read from its internals: observation only)."""
-    pending, queue_ = getattr(tier, "_pending_transfers", None), getattr(tier, "_transfer_q", None)
-    if pending is None or queue_ is None or not hasattr(queue_, "qsize"):
+    ``started`` (taken up by its transfer thread, e.g. a load waiting on a stalled sidecar),
+    from the tier's ``transfers_in_flight``; None for a tier without it."""
+    counts = getattr(tier, "transfers_in_flight", None)
+    if counts is None:
         return None
-    queued = queue_.qsize()
-    return {"pending": int(pending), "started": max(0, int(pending) - queued)}
+    pending, started = counts
+    return {"pending": int(pending), "started": int(started)}
 
 
 def _detector_state(detector: Any) -> dict[str, Any] | None:
