@@ -1,16 +1,17 @@
-"""Peers whose summaries lie: claims checked against answers, liars left alone for a while.
+"""Peers whose claims lie: claims checked against answers, liars left alone for a while.
 
-A peer's summary says which chunks it holds; the sidecar asks the peer whose
-summary covers the longest prefix. A claim that the answer does not back (the
-peer returns fewer chunks than its summary promised) is a *false claim*. A few
-are normal (a chunk evicted after the last summary pull); a peer that claims
-every key (a compromised or broken pod) would otherwise be asked on every
-request. ``ClaimAudit`` counts false claims per peer in a sliding window; a
-peer whose false claims pass ``min_false`` and ``max_false_ratio`` of its
-claims is *distrusted*: it is not chosen for ``backoff`` seconds (doubling on
-each repeat, up to ``max_backoff``). So a lying peer costs the pool only
-misses, and a bounded number of messages: at most ``min_false`` false chunks'
-worth of requests per back-off period.
+A directory owner names the holders of a chunk, and a holder answers for the
+chunks it published; the sidecar asks the holder an owner names. A claim that
+the answer does not back (the holder returns fewer chunks than were claimed)
+is a *false claim*, counted against the holder and the owner that named it
+(``peer_reads``). A few are normal (a chunk evicted before its owner heard of
+it); a peer that claims every key (a compromised or broken pod) would
+otherwise be asked on every request. ``ClaimAudit`` counts false claims per
+peer in a sliding window; a peer whose false claims pass ``min_false`` and
+``max_false_ratio`` of its claims is *distrusted*: it is not chosen for
+``backoff`` seconds (doubling on each repeat, up to ``max_backoff``). So a
+lying peer costs the pool only misses, and a bounded number of messages: at
+most ``min_false`` false chunks' worth of requests per back-off period.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class ClaimAudit:
         self._peers: dict[str, _PeerRecord] = {}
 
     def record(self, peer: str, claimed: int, backed: int) -> None:
-        """The answer of ``peer`` backed ``backed`` of the ``claimed`` chunks its summary promised."""
+        """The answer ``peer`` led to backed ``backed`` of the ``claimed`` chunks."""
         false = max(0, claimed - backed)
         if false and self._on_false is not None:
             self._on_false(false)

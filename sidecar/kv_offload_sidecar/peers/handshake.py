@@ -279,7 +279,7 @@ def server_proof(key: bytes, t: bytes, hello_server: HelloMessage) -> str:
 
 def derive_session(key: bytes, nonce_client: bytes, nonce_server: bytes,
                    kid: bytes = b"") -> tuple[bytes, bytes]:
-    """``(session_id, session_key)`` of the data connections and summary pulls of one handshake."""
+    """``(session_id, session_key)`` of the data connections and directory messages of one handshake."""
     skey = hkdf(key, nonce_client + nonce_server, _SESSION_INFO + kid)
     sid = hashlib.sha256(_SESSION_ID_LABEL + nonce_client + nonce_server).digest()[:SESSION_ID_BYTES]
     return sid, skey

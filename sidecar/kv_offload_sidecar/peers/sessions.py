@@ -1,12 +1,13 @@
 """Inbound sessions: the peers that proved the pool key to this sidecar.
 
-A session authorises the peer's data connections and summary pulls. It was
-made with one pool key (``Session.key_id``); when this sidecar retires that
-key (the rotation finished), the session keeps working for
-``RETIRE_GRACE_SECONDS`` and then ends. Summary replies of a session whose key
-is not this sidecar's current one carry ``REKEY_HEADER``, and the peer
-handshakes again with the current key before dropping the old session (make
-before break, ``links.PeerManager``), so a rotation costs no miss.
+A session authorises the peer's data connections and its directory messages
+(``POST /v1/publish`` and ``/v1/locate``). It was made with one pool key
+(``Session.key_id``); when this sidecar retires that key (the rotation
+finished), the session keeps working for ``RETIRE_GRACE_SECONDS`` and then
+ends. Directory replies to a session whose key is not this sidecar's current
+one carry ``REKEY_HEADER``, and the peer handshakes again with the current key
+before dropping the old session (make before break, ``links.PeerManager``), so
+a rotation costs no miss.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kv_offload_sidecar.peers.handshake import Session
 MAX_INBOUND_SESSIONS = 4096
 # Seconds a session made with a retired key keeps working (time for its peer to re-key).
 RETIRE_GRACE_SECONDS = 30.0
-# Summary-reply header asking the peer to handshake again with the current key.
+# Directory-reply header asking the peer to handshake again with the current key.
 REKEY_HEADER = "X-KV-Offload-Rekey"
 
 
