@@ -412,7 +412,7 @@ class LocalPool:
                 raise TimeoutError("peers did not connect: " + "; ".join(missing))
             time.sleep(0.05)
 
-    def wait_summaries(self, timeout: float = 30.0) -> None:
+    def wait_directory_current(self, timeout: float = 30.0) -> None:
         """Until the pool's chunk directory is current: every member sees all the others, none
         has changes left to publish, and the owners keep one entry per chunk the members hold."""
         deadline = time.monotonic() + timeout

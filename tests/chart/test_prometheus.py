@@ -174,7 +174,7 @@ def exchange_chunks(pool: LocalPool) -> None:
     assert pool.client(2).store(shared_b, fill) == 4
     serving = pool.client(1)
     assert serving.store(own, fill) == 3
-    pool.wait_summaries()
+    pool.wait_directory_current()
     assert serving.lookup(shared_a + [chunk("x", 0)], timeout=DEADLINE).peer == 6
     assert serving.load(shared_a, lambda i, view: None, timeout=DEADLINE) == 6  # fetched from pod 0
     reply = serving.lookup(own + shared_b + [chunk("x", 1), chunk("x", 2)], timeout=DEADLINE)

@@ -239,7 +239,7 @@ def test_real_ucx_sidecars_run_with_the_injected_env_and_share_chunks() -> None:
     with LocalPool(2, transport="ucx", capacity_bytes=64 * chunk, env=injected) as pool:
         a, b = pool.client(0), pool.client(1)
         assert a.store(keys, lambda i, view: view.__setitem__(slice(None), data[keys[i]])) == 4
-        pool.wait_summaries()
+        pool.wait_directory_current()
         got: dict[int, bytes] = {}
         assert b.load(keys, lambda i, view: got.__setitem__(i, bytes(view)), 10.0) == 4
         assert [got[i] for i in range(4)] == [data[k] for k in keys]

@@ -41,7 +41,7 @@ def pool() -> Iterator[LocalPool]:
     with LocalPool(2, capacity_bytes=64 * CHUNK) as p:
         with p[0].client() as engine:
             assert store_chunks(engine, chunk_keys("cached", 4), CHUNK) == 4
-        p.wait_summaries(timeout=10)
+        p.wait_directory_current(timeout=10)
         yield p
 
 

@@ -19,7 +19,7 @@ def test_a_nixl_pool_shares_chunks_byte_identical():
         keys = chunk_keys("nixl-pool", 12)
         with pool.client(0) as a, pool.client(1) as b:
             assert store_chunks(a, keys, chunk) == 12
-            pool.wait_summaries()
+            pool.wait_directory_current()
             assert load_and_verify(b, keys, chunk, timeout=5.0) == (12, 0)
             # Read again: b kept no copy (the pool keeps one, a's), so a's slots are read again.
             assert load_and_verify(b, keys, chunk, timeout=5.0) == (12, 0)

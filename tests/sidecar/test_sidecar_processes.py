@@ -89,7 +89,7 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lane
         a, c = pool.client(0), pool.client(2)
         keys = new_keys(8)
         data = store(a, keys)
-        pool.wait_summaries()
+        pool.wait_directory_current()
         messages_before = pool[2].metric("kv_offload_lookup_messages_total")
         assert c.lookup(keys) == LookupReply(local=0, peer=8)
         assert load(c, keys) == [data[k] for k in keys]
@@ -126,7 +126,7 @@ def test_mismatching_peer_is_rejected_and_gets_no_chunk(pool, override, reason):
     a = pool.client(0)
     keys = new_keys(4)
     store(a, keys)
-    pool.wait_summaries()
+    pool.wait_directory_current()
     before = [s.metric(HANDSHAKES, result="rejected", reason=reason) for s in pool.members()]
     sent_before = pool[0].metric("kv_offload_peer_bytes_total", direction="sent")
     intruder = pool.add(override)
@@ -261,7 +261,7 @@ def _still_serves(pool):
     try:
         keys = new_keys(2)
         data = store(a, keys)
-        pool.wait_summaries()
+        pool.wait_directory_current()
         assert load(c, keys) == [data[k] for k in keys]
     finally:
         a.close()
@@ -298,7 +298,7 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
         keys_a, keys_b = new_keys(32), new_keys(4)
         store(a, keys_a)
         data_b = store(b, keys_b)
-        pool.wait_summaries()
+        pool.wait_directory_current()
         assert pool[2].hits(keys_a) == 32  # the admin lookup: nothing moves yet
         victim = pool[0].proc
         os.kill(victim.pid, signal.SIGSTOP)  # the fetch request will be in flight when it dies
@@ -316,7 +316,7 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
         assert pool[2].metric("kv_offload_peer_fetches_total", result="ok") == 0
         # The pool keeps serving: B's chunks still reach C (their directory entries moved on
         # from A within a publish interval).
-        pool.wait_summaries()
+        pool.wait_directory_current()
         assert load(c, keys_b) == [data_b[k] for k in keys_b]
         for cl in (a, b, c):
             cl.close()
@@ -329,11 +329,11 @@ def test_peer_joining_at_runtime_is_dialled_back_and_a_leaving_peer_is_a_miss():
         a = pool.client(0)
         keys = new_keys(4)
         data = store(joined, keys)
-        pool.wait_summaries()
+        pool.wait_directory_current()
         assert load(a, keys) == [data[k] for k in keys]
         later = new_keys(2)
         store(joined, later)
-        pool.wait_summaries()
+        pool.wait_directory_current()
         joined.close()
         assert newcomer.terminate() == 0
         wait_for(lambda: all(p["state"] != "connected" for p in pool[0].peers()
@@ -350,7 +350,7 @@ def test_sigterm_lets_an_in_flight_load_finish_then_exits_cleanly():
         a, b = pool.client(0), pool.client(1)
         keys = new_keys(4)
         store(a, keys)
-        pool.wait_summaries()
+        pool.wait_directory_current()
         holder = pool[0].proc
         os.kill(holder.pid, signal.SIGSTOP)  # B's fetch will wait for its deadline
         result: list[int] = []

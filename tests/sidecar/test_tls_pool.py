@@ -15,7 +15,7 @@ def test_a_tls_pool_shares_chunks_and_a_plain_pod_gets_none(tmp_path):
         keys = chunk_keys("tls", 6)
         with pool.client(0) as a, pool.client(1) as b:
             assert store_chunks(a, keys, chunk) == 6
-            pool.wait_summaries()
+            pool.wait_directory_current()
             assert load_and_verify(b, keys, chunk) == (6, 0)
         assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") >= 6 * chunk
         # a pod of the same pool without TLS never receives a byte over plain TCP

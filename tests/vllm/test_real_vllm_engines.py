@@ -73,7 +73,7 @@ def wait_offloaded(pool, holder: int, before: float, chunks: int) -> None:
     chunk held (so a peer's lookup finds them)."""
     wait_for(f"{chunks} new chunks in sidecar {holder}",
              lambda: stored_chunks(pool, holder) >= before + chunks)
-    pool.wait_summaries(timeout=WAIT_S)
+    pool.wait_directory_current(timeout=WAIT_S)
 
 
 def samples(engine) -> list[dict]:

@@ -247,7 +247,7 @@ def store_on_a(e: Env, prefix: str) -> tuple[list[str], dict[str, Any]]:
     (jobs,) = r["cascades"]
     assert [j["result"]["success"] for j in jobs] == [True], jobs
     assert holder_chunks(e) == before + N_KEYS, (r, e.pool[0].status())
-    e.pool.wait_summaries(timeout=WAIT_S)
+    e.pool.wait_directory_current(timeout=WAIT_S)
     return keys, r
 
 

@@ -139,7 +139,7 @@ class PlaneBench:
         self.wait_written(a, written, len(prompt) // CHUNK_TOKENS)
         a.reset_prefix_cache(reset_connector=True)
         a.generate([prompt], max_tokens=1)
-        self.pool.wait_summaries(timeout=_STORE_DEADLINE_S)
+        self.pool.wait_directory_current(timeout=_STORE_DEADLINE_S)
         b.generate([prompt], max_tokens=1)
 
     # ---- one prefix size ----------------------------------------------------------
@@ -185,7 +185,7 @@ class PlaneBench:
         row["own_sidecar"] = self._summary(hit, nbytes, "engine_a", "sidecar_0", "a")
 
         # 4. a peer hit: B loads what A's sidecar holds.
-        self.pool.wait_summaries(timeout=_STORE_DEADLINE_S)
+        self.pool.wait_directory_current(timeout=_STORE_DEADLINE_S)
         hit = self._hit(b, "b", prompt, key, "peer", ("b",))
         peer = self._summary(hit, nbytes, "engine_b", "sidecar_1", "b")
         peer["holder_cpu_s"] = hit["delta"]["cpu_s"].get("sidecar_0")
@@ -267,7 +267,7 @@ class PlaneBench:
         (out,) = a.generate([load_prompt], max_tokens=1)
         self._check("itl load prompt on A", load_key, out)
         self.wait_written(a, written, chunks)
-        self.pool.wait_summaries(timeout=_STORE_DEADLINE_S)
+        self.pool.wait_directory_current(timeout=_STORE_DEADLINE_S)
         load = b.decode_latency(decode_prompt("load"), load_prompt, **kwargs)
         runs["load"] = self._itl(load, "load", load_key)
 

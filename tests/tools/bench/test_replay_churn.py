@@ -59,5 +59,5 @@ def test_pods_leaving_crashing_and_joining_during_a_replay_cost_only_misses():
         assert mismatched == 0
         assert peer_before > 0 and peer_after > 0
         assert newcomer_took > 0 and newcomer_gave > 0
-        pool.wait_summaries(timeout=10)  # the directory settled on the live members
+        pool.wait_directory_current(timeout=10)  # the directory settled on the live members
         assert {s.identity for s in pool.members()} == {"sidecar-0", "sidecar-2", "sidecar-3", "newcomer"}
