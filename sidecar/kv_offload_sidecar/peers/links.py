@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from kv_offload_sidecar.metrics import PEER_STATES
 from kv_offload_sidecar.peers.handshake import (
     MAX_HANDSHAKE_BODY_BYTES,
     REASONS,
@@ -56,9 +57,6 @@ log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-KV-Offload-Session"
 AUTH_HEADER = "X-KV-Offload-Auth"
-# States counted in the peers{state} gauge (metrics.PEER_STATES); "alias" and "self"
-# links (another DP port of a connected peer, or ourselves) are not counted.
-PEER_STATES = ("connecting", "connected", "backoff", "rejected")
 # Largest location reply read from a peer (bytes).
 MAX_LOCATION_REPLY_BYTES = 64 << 10
 # Most field-diff lines of a peer's refusal kept (each clipped to rejections.CLIP_CHARS).
@@ -223,6 +221,8 @@ class PeerManager:
         self._update_gauge()
 
     def _update_gauge(self) -> None:
+        # "alias" and "self" links (another DP port of a connected peer, or ourselves) are
+        # not counted.
         counts = dict.fromkeys(PEER_STATES, 0)
         for link in self._links.values():
             if link.state in counts:
