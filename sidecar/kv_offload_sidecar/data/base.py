@@ -175,17 +175,18 @@ class PeerDataClient(abc.ABC):
         """Number of leading ``keys`` the peer holds."""
 
     @abc.abstractmethod
-    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float) -> int:
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
+                    count: asyncio.Future[int] | None = None, first: int = 1) -> int:
         """Copy chunks into ``store``; return the number of leading keys now visible there.
-        A fetch marked ``takes_count`` also takes ``count=`` and ``first=`` (``run_fetch``)."""
+        With ``count`` (the answer of the LOOKUP ``fetch_counted`` sent just before), at most
+        ``first`` keys are requested until it arrives and none past it (``fetch.run_fetch``)."""
 
     async def fetch_counted(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
                             first: int, on_count: Callable[[int], None]) -> int:
         """One exchange with the holder: the LOOKUP of ``keys`` leaves first and the FETCH of
         the first ``first`` keys right behind it, on this connection; ``on_count`` gets the
         holder's hit prefix as soon as it arrives (before the chunks), and no key past it is
-        requested. Returns the leading keys now visible in ``store``. (A transport whose fetch is
-        not marked ``takes_count`` asks first and fetches the count after.)"""
+        requested. Returns the leading keys now visible in ``store``."""
         self._check_open()
         count = asyncio.ensure_future(self.lookup(keys, timeout))
         reported = False
@@ -199,10 +200,7 @@ class PeerDataClient(abc.ABC):
         count.add_done_callback(report)
         await asyncio.sleep(0)  # the LOOKUP goes out first
         try:
-            if not getattr(type(self).fetch, "takes_count", False):
-                n = await count
-                return await self.fetch(keys[:n], store, timeout) if n else 0
-            got = await self.fetch(keys, store, timeout, count=count, first=first)  # type: ignore[call-arg]
+            got = await self.fetch(keys, store, timeout, count=count, first=first)
             await count  # answered before any chunk frame
             report(count)  # now, if its callback has not run yet
             return got

@@ -140,7 +140,7 @@ class NixlPeerDataClient(TcpPeerDataClient):
     def _opened(self, extra: object) -> None:
         self._runtime, self._remote = extra  # type: ignore[misc]
 
-    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,  # type: ignore[override]
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
                     count: asyncio.Future[int] | None = None, first: int = 1) -> int:
         """READ chunks from the holder's slots straight into ``store`` slots; leading keys now
         visible (``count``/``first``: see ``fetch.run_fetch``)."""
@@ -169,9 +169,6 @@ class NixlPeerDataClient(TcpPeerDataClient):
         finally:
             self._fetching -= 1
             self._schedule_release()
-
-    # This fetch takes count= and first= (the LOOKUP answer fetch_counted sent just before).
-    fetch.takes_count = True  # type: ignore[attr-defined]
 
     async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
         self._check_open()

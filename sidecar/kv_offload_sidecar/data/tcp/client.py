@@ -224,16 +224,13 @@ class TcpPeerDataClient(PeerDataClient):
         data = sock.recv(n)  # the n bytes peeked above; nobody else reads meanwhile
         return proto.decode_lookup_reply(data[proto.HEADER_BYTES:], asked)
 
-    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,  # type: ignore[override]
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
                     count: asyncio.Future[int] | None = None, first: int = 1) -> int:
         """Receive chunks straight into ``store`` slots; leading keys now visible."""
         self._check_open()
         return await run_fetch(keys, store, timeout, window=self._window,
                                send_requests=self._request_chunks, fail=self._fail,
                                metrics=self._metrics, count=count, first=first)
-
-    # This fetch takes count= and first= (the LOOKUP answer fetch_counted sent just before).
-    fetch.takes_count = True  # type: ignore[attr-defined]
 
     async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
         self._check_open()
