@@ -1,4 +1,4 @@
-"""SidecarMetrics: SPEC section 6 names, fixed label sets, pre-created series."""
+"""SidecarMetrics: the names dashboards read, fixed label sets, pre-created series."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from kv_offload_sidecar.metrics import (
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-# Sample names SPEC section 6 and ARCHITECTURE.md promise to dashboards.
-SPEC_SAMPLE_NAMES = {
+# Sample names the dashboards and alerts read.
+DASHBOARD_SAMPLE_NAMES = {
     "kv_offload_chunk_lookups_total",
     "kv_offload_peer_bytes_total",
     "kv_offload_peer_fetch_duration_seconds_bucket",
@@ -59,11 +59,11 @@ def _samples(registry: CollectorRegistry) -> Iterator[tuple[str, dict[str, str],
             yield sample.name, dict(sample.labels), sample.value
 
 
-def test_spec_section_6_sample_names_are_exported(
+def test_the_sample_names_dashboards_read_are_exported(
     metrics: SidecarMetrics, registry: CollectorRegistry
 ) -> None:
     names = exported_metric_names(registry)
-    assert SPEC_SAMPLE_NAMES <= names
+    assert DASHBOARD_SAMPLE_NAMES <= names
     assert all(name.startswith("kv_offload_") for name in names)
 
 

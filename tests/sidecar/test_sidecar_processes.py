@@ -1,4 +1,4 @@
-"""Issue 3's "Must show", with real sidecar processes on 127.0.0.1.
+"""The pool's core behaviour, with real sidecar processes on 127.0.0.1.
 
 Three sidecars share chunks over tcp and ucx; mismatching peers are rejected and
 get nothing; bad bodies and frames are refused while service continues; a peer

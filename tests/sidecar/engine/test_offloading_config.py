@@ -1,4 +1,4 @@
-"""The OffloadingConfig boundary: JSON round trip, SPEC §3 fingerprint, identity diff."""
+"""The OffloadingConfig boundary: JSON round trip, the fingerprint vLLM's P2P tier computes, identity diff."""
 
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ def make_config(**overrides) -> OffloadingConfig:
     return OffloadingConfig(**fields)
 
 
-def spec_hash(d: dict) -> str:
-    """SPEC §3, written out independently of the module under test."""
+def run_config_hash(d: dict) -> str:
+    """sha256 of the run config's canonical JSON (sorted keys, no spaces), as vLLM's P2P tier
+    fingerprints it, written out independently of the module under test."""
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -85,14 +86,14 @@ def test_json_uses_the_struct_field_names_plus_fingerprint_and_digest():
 
 def test_fingerprint_of_a_tp_sharded_config_keeps_parallel_sizes():
     cfg = make_config()
-    h = spec_hash(expected_run_config(tp=2))
+    h = run_config_hash(expected_run_config(tp=2))
     assert cfg.fingerprint == h[:16]
     assert cfg.namespace_digest == h[:12]
 
 
 def test_fingerprint_of_a_parallelism_agnostic_config_sets_sizes_to_one():
     cfg = make_config(parallel={"is_parallelism_agnostic": True, "tp_size": 4, "world_size": 4})
-    assert cfg.fingerprint == spec_hash(expected_run_config(agnostic_fields=True))[:16]
+    assert cfg.fingerprint == run_config_hash(expected_run_config(agnostic_fields=True))[:16]
     # tp no longer matters once agnostic
     other = make_config(parallel={"is_parallelism_agnostic": True, "tp_size": 1, "world_size": 1})
     assert other.fingerprint == cfg.fingerprint
@@ -101,13 +102,13 @@ def test_fingerprint_of_a_parallelism_agnostic_config_sets_sizes_to_one():
 def test_fingerprint_of_a_replicated_layout_marks_it():
     cfg = make_config(replicated_layout=True)
     expected = expected_run_config(agnostic_fields=True, extra={"replicated_layout": True})
-    assert cfg.fingerprint == spec_hash(expected)[:16]
+    assert cfg.fingerprint == run_config_hash(expected)[:16]
 
 
 def test_fingerprint_of_a_canonical_layout_names_the_format_family():
     cfg = make_config(canonical_layout=True, kv_cache_layout="LBNHC")
     expected = expected_run_config(extra={"canonical_format": "v2-nhd"})
-    assert cfg.fingerprint == spec_hash(expected)[:16]
+    assert cfg.fingerprint == run_config_hash(expected)[:16]
     assert canonical_format_id("LBHNC") == "v2-hnd"
     assert canonical_format_id("BLHNC") == "v2-blhnc"
 
