@@ -53,6 +53,8 @@ PROTOCOL_ERROR_REASONS = (
     "timeout",
     # A connection refused at accept: its source, or all sources, hold too many unproven ones.
     "too_many_connections",
+    # A handshake over its (untrusted) source's rate, answered 429 before its body is read.
+    "rate_limited",
 )
 # state label of control_connections: whether a connection has proven anything yet (control/limits.py).
 CONTROL_CONNECTION_STATES = ("unproven", "proven")

@@ -53,8 +53,11 @@ from aiohttp import web
 
 from kv_offload_sidecar.control.limits import (
     GUARD_KEY,
+    HANDSHAKE_BURST,
+    RATE_LIMITED_ANSWER,
     REJECTIONS_KEY,
     SERVER_HEADER,
+    UNPROVEN_REQUEST_SECONDS,
     BodyError,
     ConnectionGuard,
     GuardedSite,
@@ -65,6 +68,7 @@ from kv_offload_sidecar.control.limits import (
     source_of,
 )
 from kv_offload_sidecar.control.location_routes import add_location_routes
+from kv_offload_sidecar.data.before_auth import TrustedSources
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 from kv_offload_sidecar.metrics import metrics_handler
@@ -237,6 +241,10 @@ async def handle_handshake(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
     if not sidecar.ready:
         return json_error(503, "not ready: retry the handshake later")
+    guard = request.app.get(GUARD_KEY)
+    if guard is not None and not guard.allow_handshake(request.remote or "?"):
+        refuse(request, "rate_limited", f"more than {HANDSHAKE_BURST} handshakes in {UNPROVEN_REQUEST_SECONDS:g} s")
+        return web.json_response(RATE_LIMITED_ANSWER, status=429, headers={"Retry-After": "1"})
     try:
         body = await read_json(request, MAX_HANDSHAKE_BODY_BYTES)
     except (BodyError, web.HTTPBadRequest):
@@ -354,12 +362,16 @@ def create_app(sidecar: Sidecar, dp_index: int, *, guard: ConnectionGuard | None
 
 
 class ControlPorts:
-    """The control app of every DP port of ``sidecar``, behind one ``ConnectionGuard`` whose
-    refusals go to the sidecar's rejection log (the data port's too: one budget of lines)."""
+    """The control app of every DP port of ``sidecar`` (started: its data server exists),
+    behind one ``ConnectionGuard`` whose refusals go to the sidecar's rejection log and whose
+    trusted sources are the data server's (one budget of lines, one set of proven addresses)."""
 
     def __init__(self, sidecar: Sidecar) -> None:
         self._sidecar = sidecar
-        self.guard = ConnectionGuard(sidecar.metrics, sidecar.rejections)
+        # The data server's trusted sources, so a proof on either port counts for both.
+        trusted = getattr(sidecar.data_server, "trusted_sources", None)
+        self.guard = ConnectionGuard(sidecar.metrics, sidecar.rejections,
+                                     trusted if isinstance(trusted, TrustedSources) else None)
         self._runners: list[web.AppRunner] = []
         self._flusher: asyncio.Task[None] | None = None
 

@@ -4,11 +4,21 @@ A connection is *unproven* until one of its requests proves something: a handsha
 accepted (the pool key), a directory message whose HMAC verifies (a session), an
 admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it to:
 
-- at most ``MAX_UNPROVEN_PER_SOURCE`` open from one source address and
-  ``MAX_UNPROVEN_CONNECTIONS`` from all; one more is answered ``503`` and closed at accept
-  (nothing of aiohttp is built for it), counted as ``too_many_connections``. A source
-  address that proved something in the last ``TRUSTED_SOURCE_SECONDS`` (a member's pod) is
-  not held to these two, so a flood of strangers never refuses a member's new connections;
+- at most ``MAX_UNPROVEN_PER_SOURCE`` open from one source address (one more is answered
+  ``503`` and closed at accept, nothing of aiohttp built for it, counted as
+  ``too_many_connections``) and ``MAX_UNPROVEN_CONNECTIONS`` from all: when they are all
+  taken, a newcomer from a source holding fewer than the largest holder less one takes the
+  place of that holder's oldest connection (which is aborted and counted as
+  ``too_many_connections``), else it gets the ``503``. So a siege from many addresses
+  never locks out a pod it has not seen: the siege's sources lose a connection each time.
+  A source address that proved something in the last ``TRUSTED_SOURCE_SECONDS`` (a
+  member's pod; ``before_auth.TrustedSources``, shared with the data port) is not held to
+  these two at all;
+- at most ``HANDSHAKE_BURST`` handshake requests in a row, then one per
+  ``UNPROVEN_REQUEST_SECONDS / HANDSHAKE_BURST`` on average, per source address that is
+  not trusted (a token bucket; a member's pod handshakes once per link and DP port): more
+  get ``429`` with ``Retry-After`` before their body is read or anything is parsed,
+  counted as ``rate_limited``;
 - a whole request (line and headers) within ``UNPROVEN_REQUEST_SECONDS`` of connecting or
   of its last answer, so a silent, idle or slow-loris connection is cut (``timeout``);
 - at most ``MAX_UNPROVEN_BUFFERED_BYTES`` received while no request of it is handled
@@ -35,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,7 +53,12 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
-from kv_offload_sidecar.data.before_auth import reclaim_memory
+from kv_offload_sidecar.data.before_auth import (
+    MAX_TRUSTED_SOURCES,
+    TRUSTED_SOURCE_SECONDS,
+    TrustedSources,
+    reclaim_memory,
+)
 from kv_offload_sidecar.rejections import RejectionLog, clip
 
 if TYPE_CHECKING:
@@ -58,16 +73,15 @@ MAX_UNPROVEN_CONNECTIONS = 256
 TRIM_AFTER_STRANGERS = 32
 # Least seconds between two such hand-backs (a full collection and a heap trim cost milliseconds).
 TRIM_INTERVAL_SECONDS = 10.0
-# Seconds a source address that proved something stays exempt from the two limits above.
-TRUSTED_SOURCE_SECONDS = 600.0
-# Most source addresses remembered as trusted (the oldest is forgotten first).
-MAX_TRUSTED_SOURCES = 4096
 # Seconds an unproven connection has to deliver a whole request line and headers, from
 # connecting or from its last answer (a peer's step 2 follows step 1 within milliseconds).
 UNPROVEN_REQUEST_SECONDS = 5.0
 # Bytes an unproven connection may send while none of its requests is handled (the headers
 # and the first part of a body that arrive with them).
 MAX_UNPROVEN_BUFFERED_BYTES = 64 * 1024
+# Handshake requests one untrusted source may send in a row (as many as its unproven
+# connections may be open at once: a peer pod's links to each of our DP ports, with retries).
+HANDSHAKE_BURST = MAX_UNPROVEN_PER_SOURCE
 # Seconds any request body has to arrive whole once its headers did.
 BODY_SECONDS = 5.0
 # Seconds an idle keep-alive connection stays open (above aiohttp's client pool's 15 s, so
@@ -89,6 +103,8 @@ _BUSY_BODY = b'{"error": "too many unauthenticated connections; retry later"}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nServer: kv-offload\r\nContent-Type: application/json\r\n"
          b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
          % (len(_BUSY_BODY), _BUSY_BODY))
+# The answer to a handshake over its source's rate (its body is not read).
+RATE_LIMITED_ANSWER = {"error": "too many handshakes from this address; retry later"}
 
 GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("kv_offload_connection_guard")
 REJECTIONS_KEY: web.AppKey[RejectionLog] = web.AppKey("kv_offload_rejections", RejectionLog)
@@ -177,14 +193,17 @@ class ConnectionGuard:
     """Admission, deadlines and byte budget of unproven connections, for every control port of
     one sidecar (thread-unsafe; the sidecar's event loop)."""
 
-    def __init__(self, metrics: SidecarMetrics, rejections: RejectionLog) -> None:
+    def __init__(self, metrics: SidecarMetrics, rejections: RejectionLog,
+                 trusted: TrustedSources | None = None) -> None:
         self.metrics = metrics
         self.rejections = rejections
-        # Open unproven connections by source address, and all of them.
-        self._unproven: Counter[str] = Counter()
+        # Open unproven connections by source address, oldest first, and all of them.
+        self._unproven: dict[str, OrderedDict[_Connection, None]] = {}
         self._unproven_total = 0
-        # Source addresses that proved something -> monotonic time of their last proof.
-        self._trusted: OrderedDict[str, float] = OrderedDict()
+        # Source addresses that proved something lately (the data port's set, when shared).
+        self.trusted = trusted if trusted is not None else TrustedSources()
+        # Untrusted source address -> [handshake tokens left, monotonic time they were counted].
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()
         # Unproven connections gone since the last hand-back of memory, and when that was.
         self._departed = 0
         self._trimmed_at = float("-inf")
@@ -233,23 +252,33 @@ class ConnectionGuard:
             self._disarm(conn)
             if conn.counted:
                 conn.counted = False
-                self._release(conn.source)
+                self._release(conn)
             self._count()
         if conn is not None:
-            self._trusted[conn.source] = time.monotonic()
-            self._trusted.move_to_end(conn.source)
-            while len(self._trusted) > MAX_TRUSTED_SOURCES:
-                self._trusted.popitem(last=False)
+            self.trusted.proved(conn.source)
+            self._buckets.pop(conn.source, None)
 
-    def trusted(self, source: str) -> bool:
-        """``source`` proved something within ``TRUSTED_SOURCE_SECONDS``."""
-        since = self._trusted.get(source)
-        if since is None:
-            return False
-        if time.monotonic() - since < TRUSTED_SOURCE_SECONDS:
+    def allow_handshake(self, source: str) -> bool:
+        """One handshake request from ``source`` may be handled: always for a trusted source,
+        else while its bucket (``HANDSHAKE_BURST`` tokens, refilled at ``HANDSHAKE_BURST`` per
+        ``UNPROVEN_REQUEST_SECONDS``) has a token."""
+        if source in self.trusted:
             return True
-        del self._trusted[source]
-        return False
+        now = time.monotonic()
+        bucket = self._buckets.get(source)
+        if bucket is None:
+            bucket = self._buckets[source] = [float(HANDSHAKE_BURST), now]
+            while len(self._buckets) > MAX_TRUSTED_SOURCES:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(source)
+        rate = HANDSHAKE_BURST / UNPROVEN_REQUEST_SECONDS
+        bucket[0] = min(float(HANDSHAKE_BURST), bucket[0] + (now - bucket[1]) * rate)
+        bucket[1] = now
+        if bucket[0] < 1.0:
+            return False
+        bucket[0] -= 1.0
+        return True
 
     def refuse(self, source: str, reason: str, detail: object) -> None:
         """Count one refusal and note it in the rejection log."""
@@ -259,27 +288,48 @@ class ConnectionGuard:
     # ---- the protocol's side ----------------------------------------------------------
 
     def _admit(self, source: str, transport: asyncio.Transport) -> _Connection | None:
-        if self.trusted(source):
+        if source in self.trusted:
             conn = _Connection(source, transport, counted=False)
             self._open[transport] = conn
             self._arm(conn)
             self._count()
             return conn
-        if self._unproven[source] >= MAX_UNPROVEN_PER_SOURCE:
+        held = self._unproven.get(source)
+        if held is not None and len(held) >= MAX_UNPROVEN_PER_SOURCE:
             self.refuse(source, "too_many_connections",
                         f"{MAX_UNPROVEN_PER_SOURCE} unauthenticated connections from it are open")
             return None
-        if self._unproven_total >= MAX_UNPROVEN_CONNECTIONS:
+        if self._unproven_total >= MAX_UNPROVEN_CONNECTIONS and not self._evict_for(source):
             self.refuse(source, "too_many_connections",
                         f"{MAX_UNPROVEN_CONNECTIONS} unauthenticated connections are open")
             return None
-        self._unproven[source] += 1
-        self._unproven_total += 1
         conn = _Connection(source, transport, counted=True)
+        self._unproven.setdefault(source, OrderedDict())[conn] = None
+        self._unproven_total += 1
         self._open[transport] = conn
         self._arm(conn)
         self._count()
         return conn
+
+    def _evict_for(self, source: str) -> bool:
+        """Make room for a newcomer from ``source``: abort the oldest unproven connection of
+        the source holding the most, if that is more than ``source`` would hold with it."""
+        if not self._unproven:
+            return False
+        mine = len(self._unproven.get(source, ()))
+        victim_source, held = max(self._unproven.items(), key=lambda kv: len(kv[1]))
+        if len(held) <= mine + 1:
+            return False
+        victim = next(iter(held))
+        victim.counted = False
+        self._release(victim)
+        self._departed += 1
+        self._disarm(victim)
+        self.refuse(victim_source, "too_many_connections",
+                    f"its oldest unauthenticated connection closed for a newcomer "
+                    f"({MAX_UNPROVEN_CONNECTIONS} were open)")
+        victim.transport.abort()
+        return True
 
     def _received(self, conn: _Connection, nbytes: int) -> int:
         """How many of ``nbytes`` just received to pass on: all but what takes an unproven
@@ -302,7 +352,8 @@ class ConnectionGuard:
         self._disarm(conn)
         if self._open.pop(conn.transport, None) is not None:
             if conn.counted:
-                self._release(conn.source)
+                conn.counted = False
+                self._release(conn)
                 self._departed += 1
             self._count()
             if (self._unproven_total == 0 and self._departed >= TRIM_AFTER_STRANGERS
@@ -320,11 +371,13 @@ class ConnectionGuard:
         self.metrics.control_connections.labels(state="unproven").set(unproven)
         self.metrics.control_connections.labels(state="proven").set(len(self._open) - unproven)
 
-    def _release(self, source: str) -> None:
+    def _release(self, conn: _Connection) -> None:
+        held = self._unproven.get(conn.source)
+        if held is None or held.pop(conn, False) is False:
+            return
         self._unproven_total -= 1
-        self._unproven[source] -= 1
-        if self._unproven[source] <= 0:
-            del self._unproven[source]
+        if not held:
+            del self._unproven[conn.source]
 
     def _arm(self, conn: _Connection) -> None:
         self._disarm(conn)
@@ -468,7 +521,8 @@ def source_of(request: web.BaseRequest) -> str:
 __all__ = [
     "BODY_SECONDS", "IDLE_SECONDS", "MAX_HEADERS", "MAX_HEADER_BYTES", "MAX_REQUEST_LINE_BYTES",
     "MAX_UNPROVEN_BUFFERED_BYTES", "MAX_UNPROVEN_CONNECTIONS", "MAX_UNPROVEN_PER_SOURCE",
-    "SERVER_HEADER", "TRUSTED_SOURCE_SECONDS", "UNPROVEN_REQUEST_SECONDS", "BodyError", "ConnectionGuard",
+    "HANDSHAKE_BURST", "RATE_LIMITED_ANSWER", "SERVER_HEADER", "TRUSTED_SOURCE_SECONDS", "UNPROVEN_REQUEST_SECONDS", "BodyError",
+    "ConnectionGuard",
     "GuardedSite",
     "ServerLog", "guard_middleware", "handler_args", "mark_proven", "read_body", "source_of",
 ]

@@ -6,6 +6,11 @@ most ``MAX_UNAUTHENTICATED_PER_SOURCE`` such connections per source address and
 ``MAX_UNAUTHENTICATED_CONNECTIONS`` in all (``UnauthenticatedLimit``: more are refused at
 accept, counted as ``too_many_connections``; a connection past the deadline as
 ``timeout``), and what departed strangers held handed back (``reclaim_memory``).
+A source address that proved something lately (``TrustedSources``: a session on this
+data port, or a handshake, session HMAC or admin token on the sidecar's control ports,
+which share the server's set) is not held to the two connection limits, so a flood of
+strangers never refuses a member's new data connection; its connections still get the
+frame limit and the deadline.
 Every refusal is counted in ``protocol_errors{reason}``; its log line goes through a
 ``rejections.RejectionLog`` (``refuse``: one line per source and reason per interval,
 values clipped). Once authenticated, none of these limits applies.
@@ -17,6 +22,7 @@ import asyncio
 import ctypes
 import gc
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data.base import count_protocol_error
@@ -37,6 +43,11 @@ TRIM_AFTER_STRANGERS = 16
 TRIM_DELAY_SECONDS = 0.5
 # Fewest seconds between two trims: a full garbage collection pauses the loop for milliseconds.
 TRIM_INTERVAL_SECONDS = 10.0
+# Seconds a source address that proved something stays exempt from the connection limits on
+# strangers (a member's pod re-proves within seconds: sessions, directory messages).
+TRUSTED_SOURCE_SECONDS = 600.0
+# Most source addresses remembered as trusted (the oldest is forgotten first).
+MAX_TRUSTED_SOURCES = 4096
 
 
 def refuse(metrics: SidecarMetrics | None, rejections: RejectionLog, source: str,
@@ -69,16 +80,48 @@ def reclaim_memory() -> bool:
 _MALLOC_TRIM: list[Any] = [None]
 
 
+class TrustedSources:
+    """Source addresses that proved something within ``TRUSTED_SOURCE_SECONDS`` (at most
+    ``MAX_TRUSTED_SOURCES``, the least recently proven forgotten first); one set per sidecar,
+    shared by its data port and its control ports (the event loop's; not thread-safe)."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        # Source address -> clock time of its last proof, least recent first.
+        self._proven: OrderedDict[str, float] = OrderedDict()
+
+    def proved(self, source: str) -> None:
+        """``source`` proved something just now."""
+        self._proven[source] = self._clock()
+        self._proven.move_to_end(source)
+        while len(self._proven) > MAX_TRUSTED_SOURCES:
+            self._proven.popitem(last=False)
+
+    def __contains__(self, source: object) -> bool:
+        since = self._proven.get(source)  # type: ignore[call-overload]
+        if since is None:
+            return False
+        if self._clock() - since < TRUSTED_SOURCE_SECONDS:
+            return True
+        del self._proven[source]  # type: ignore[arg-type]
+        return False
+
+
 class UnauthenticatedLimit:
     """Counts a server's connections that have not proved a session yet, per source and in
     all: ``admit(source)`` takes a place or says why not, ``leave(source, proved)`` gives it
-    back. Once ``TRIM_AFTER_STRANGERS`` left without a proof and none is left, the memory they
-    held goes back to the system (``reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``)."""
+    back (and a proof makes the source ``trusted``). A trusted source takes places but is
+    never refused. Once ``TRIM_AFTER_STRANGERS`` left without a proof and none is left, the
+    memory they held goes back to the system (``reclaim_memory``, at most every
+    ``TRIM_INTERVAL_SECONDS``)."""
 
     def __init__(self, per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE,
-                 total: int = MAX_UNAUTHENTICATED_CONNECTIONS) -> None:
+                 total: int = MAX_UNAUTHENTICATED_CONNECTIONS,
+                 trusted: TrustedSources | None = None) -> None:
         self._per_source = per_source
         self._total = total
+        # Sources exempt from both limits (the sidecar's control ports read and add to it too).
+        self.trusted = trusted if trusted is not None else TrustedSources()
         self._by_source: dict[str, int] = {}
         # Unauthenticated connections now.
         self.count = 0
@@ -92,11 +135,12 @@ class UnauthenticatedLimit:
     def admit(self, source: str) -> str | None:
         """Take a place for a new connection from ``source``; None when admitted, else the
         reason it is refused (nothing taken then)."""
-        if self.count >= self._total:
-            return f"too many unauthenticated connections ({self._total} from all sources)"
         held = self._by_source.get(source, 0)
-        if held >= self._per_source:
-            return f"too many unauthenticated connections from one address ({self._per_source})"
+        if source not in self.trusted:
+            if self.count >= self._total:
+                return f"too many unauthenticated connections ({self._total} from all sources)"
+            if held >= self._per_source:
+                return f"too many unauthenticated connections from one address ({self._per_source})"
         self._by_source[source] = held + 1
         self.count += 1
         return None
@@ -109,7 +153,9 @@ class UnauthenticatedLimit:
         else:
             self._by_source[source] = held - 1
         self.count = max(0, self.count - 1)
-        if not proved:
+        if proved:
+            self.trusted.proved(source)
+        else:
             self._strangers += 1
         if self.count == 0 and self._strangers >= TRIM_AFTER_STRANGERS and self._trim_at is None:
             # Later: a closed TLS transport frees its buffers a few loop passes after close().
@@ -128,6 +174,12 @@ class CountsStrangers:
     """What a data-plane server says of its connections before the proof (its ``_limit``)."""
 
     _limit: UnauthenticatedLimit
+
+    @property
+    def trusted_sources(self) -> TrustedSources:
+        """The source addresses exempt from its connection limits (a sidecar's control ports
+        share it: a proof on either counts for both)."""
+        return self._limit.trusted
 
     @property
     def unauthenticated(self) -> int:

@@ -80,9 +80,10 @@ MAX_UNAUTHENTICATED_PAYLOAD = 2 + MAX_SESSION_ID_BYTES + PROOF_BYTES
 MAX_ERROR_TEXT_BYTES = 256
 
 # ProtocolError reasons (the labels of metrics.protocol_errors).
-# "timeout": a step before AUTH_OK not done in time; "too_many_connections": refused at accept.
+# "timeout": a step before AUTH_OK not done in time; "too_many_connections": refused at accept;
+# "rate_limited": a control-port handshake over its source's rate (control/limits.py).
 PROTOCOL_ERROR_REASONS = ("malformed", "oversize", "unknown_type", "bad_key", "bad_size",
-                          "unauthenticated", "timeout", "too_many_connections")
+                          "unauthenticated", "timeout", "too_many_connections", "rate_limited")
 
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")

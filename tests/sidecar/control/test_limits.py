@@ -15,6 +15,9 @@ from collections.abc import Callable
 import pytest
 from kv_offload_sidecar.control import limits
 from kv_offload_sidecar.control.app import ControlPorts
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.base import auth_proof
+from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_CONNECTIONS, MAX_UNAUTHENTICATED_PER_SOURCE
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.handshake import MAX_HANDSHAKE_BODY_BYTES, HandshakeInitiator, make_hello
 from kv_offload_sidecar.peers.pool_keys import admin_token
@@ -131,8 +134,9 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
     assert ports.sidecar.registry.get_sample_value("kv_offload_control_connections",
                                                    {"state": "unproven"}) == 5
     same_source = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.2")
-    other_source = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.4")
-    for answer in (same_source, other_source):
+    # 127.0.0.3 would hold as many as the largest holder with one more: no room is made for it.
+    next_largest = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.3")
+    for answer in (same_source, next_largest):
         assert status_of(answer) == 503 and header(answer, "Retry-After") == "1"
         assert b"too many unauthenticated connections" in answer
     assert errors(ports, "too_many_connections") == 2
@@ -141,6 +145,27 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
     await until(lambda: ports.guard.unproven == 0 and ports.guard.open == 0, "the held connections to go")
     answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status_of(answer) == 200
+
+
+async def test_a_newcomer_takes_the_place_of_the_largest_holders_oldest_stranger(ports, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 3)
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 5)
+    held = []
+    for source in ["127.0.0.2"] * 3 + ["127.0.0.3"] * 2:
+        reader, writer = await connect(ports, source)
+        writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+        held.append((reader, writer))
+        await until(lambda n=len(held): ports.guard.unproven == n, f"{len(held)} unproven connections")
+    answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                            "127.0.0.4")
+    assert status_of(answer) == 200
+    oldest = held[0][0]
+    assert await asyncio.wait_for(oldest.read(), PATIENCE) == b""  # 127.0.0.2's first, aborted
+    assert errors(ports, "too_many_connections") == 1
+    await until(lambda: ports.guard.unproven == 4, "the newcomer gone, the evicted one forgotten")
+    for _, writer in held:
+        writer.close()
+    await until(lambda: ports.guard.open == 0, "the held connections to go")
 
 
 async def test_memory_goes_back_once_strangers_left(ports, monkeypatch):
@@ -188,6 +213,84 @@ async def test_a_flood_of_strangers_does_not_refuse_a_source_that_proved_itself(
                             "127.0.0.2")
     assert status_of(stranger) == 503 and status_of(member) == 200
     for writer in held:
+        writer.close()
+
+
+async def test_untrusted_handshakes_over_the_burst_get_429_before_their_body_is_read(ports, monkeypatch):
+    monkeypatch.setattr(limits, "HANDSHAKE_BURST", 3)
+    step1 = json.dumps(HandshakeInitiator(b"not-the-pool-key", _hello()).step1()).encode()
+    answers = [await exchange(ports, post("/v1/handshake", step1, "Connection: close\r\n"))
+               for _ in range(4)]
+    assert [status_of(a) for a in answers] == [403, 403, 403, 429]
+    assert header(answers[-1], "Retry-After") == "1" and b"too many handshakes" in answers[-1]
+    assert errors(ports, "rate_limited") == 1
+    assert ports.sidecar.registry.get_sample_value("kv_offload_handshakes_total",
+                                                   {"result": "rejected", "reason": "bad_proof"}) == 3
+    other = await exchange(ports, post("/v1/handshake", step1, "Connection: close\r\n"), "127.0.0.3")
+    assert status_of(other) == 403  # another source has its own bucket
+
+
+async def test_a_source_that_proved_itself_is_not_rate_limited(ports, monkeypatch):
+    monkeypatch.setattr(limits, "HANDSHAKE_BURST", 1)
+    (await prove_admin(ports, "127.0.0.2")).close()
+    for _ in range(3):
+        session = await member_handshake(ports, "127.0.0.2")
+        assert session is not None
+    assert errors(ports, "rate_limited") == 0
+
+
+async def member_handshake(ports, source: str):
+    """Both handshake steps as a pool member from ``source``, each on a new connection; its
+    session (None when a step was refused)."""
+    initiator = HandshakeInitiator(POOL_KEY, _hello())
+    answer = await exchange(ports, post("/v1/handshake", json.dumps(initiator.step1()).encode(),
+                                        "Connection: close\r\n"), source)
+    if status_of(answer) != 200:
+        return None
+    step2 = initiator.step2(json.loads(body_of(answer)))
+    answer = await exchange(ports, post("/v1/handshake", json.dumps(step2).encode(),
+                                        "Connection: close\r\n"), source)
+    return initiator.finish(json.loads(body_of(answer)))[1] if status_of(answer) == 200 else None
+
+
+async def open_data_connection(ports, source: str, session):
+    """A data connection from ``source``: its first frame's type, after AUTH_RESPONSE with
+    ``session`` when the server sent a challenge."""
+    host, port = ports.sidecar.data_address.split("://", 1)[1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+    try:
+        header = proto.decode_header(await asyncio.wait_for(reader.readexactly(proto.HEADER_BYTES), PATIENCE))
+        payload = await reader.readexactly(header.length)
+        if header.type is not proto.MessageType.AUTH_CHALLENGE or session is None:
+            return header.type
+        writer.write(proto.join(proto.encode_auth_response(session.session_id,
+                                                           auth_proof(session.session_key, payload))))
+        header = proto.decode_header(await asyncio.wait_for(reader.readexactly(proto.HEADER_BYTES), PATIENCE))
+        return header.type
+    finally:
+        writer.close()
+
+
+async def test_a_new_member_joins_and_connects_while_strangers_fill_every_budget(ports, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 2)
+    monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 4)
+    control = [(await connect(ports, source))[1] for source in ["127.0.0.3"] * 2 + ["127.0.0.4"] * 2]
+    await until(lambda: ports.guard.unproven == 4, "strangers to hold every unproven control place")
+    data = []
+    per_source = MAX_UNAUTHENTICATED_PER_SOURCE
+    for i in range(MAX_UNAUTHENTICATED_CONNECTIONS):
+        source = f"127.0.1.{i // per_source + 3}"
+        data.append((await asyncio.open_connection(*ports.sidecar.data_address.split("://", 1)[1].rsplit(":", 1),
+                                                   local_addr=(source, 0)))[1])
+    server = ports.sidecar.data_server
+    await until(lambda: server.unauthenticated == MAX_UNAUTHENTICATED_CONNECTIONS,
+                "strangers to hold every unauthenticated data place")
+    assert await open_data_connection(ports, "127.0.0.8", None) is proto.MessageType.ERROR
+
+    session = await member_handshake(ports, "127.0.0.9")  # a pod never seen before
+    assert session is not None
+    assert await open_data_connection(ports, "127.0.0.9", session) is proto.MessageType.AUTH_OK
+    for writer in control + data:
         writer.close()
 
 

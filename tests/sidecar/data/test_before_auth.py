@@ -9,6 +9,8 @@ from kv_offload_sidecar.data.before_auth import (
     MAX_UNAUTHENTICATED_CONNECTIONS,
     MAX_UNAUTHENTICATED_PER_SOURCE,
     TRIM_AFTER_STRANGERS,
+    TRUSTED_SOURCE_SECONDS,
+    TrustedSources,
     UnauthenticatedLimit,
 )
 
@@ -27,6 +29,30 @@ def test_places_are_limited_per_source_and_in_all_and_given_back() -> None:
     for source in ("a", "a", "b"):
         limit.leave(source, proved=False)
     assert limit.count == 0
+
+
+def test_a_source_that_proved_a_session_is_not_refused_while_strangers_fill_the_places() -> None:
+    limit = UnauthenticatedLimit(per_source=1, total=2)
+    assert limit.admit("member") is None
+    limit.leave("member", proved=True)
+    assert limit.admit("a") is None and limit.admit("b") is None
+    assert limit.admit("c") is not None
+    assert limit.admit("member") is None and limit.admit("member") is None  # past both limits
+    assert limit.count == 4
+    for source in ("a", "b", "member", "member"):
+        limit.leave(source, proved=False)
+    assert limit.count == 0
+
+
+def test_trust_lapses_after_its_seconds_and_is_shared_by_whoever_holds_the_set() -> None:
+    now = [0.0]
+    trusted = TrustedSources(clock=lambda: now[0])
+    limit = UnauthenticatedLimit(per_source=1, total=1, trusted=trusted)
+    trusted.proved("member")  # e.g. its handshake on the control port
+    assert limit.admit("member") is None and limit.admit("member") is None
+    now[0] = TRUSTED_SOURCE_SECONDS
+    assert "member" not in trusted
+    assert limit.admit("member") is not None
 
 
 def test_the_defaults_leave_room_for_a_peer_and_its_lanes() -> None:
