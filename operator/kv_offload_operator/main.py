@@ -4,7 +4,7 @@ Parses the flags into ``startup.OperatorOptions`` and runs kopf's real
 runtime (``kopf.operator``) in asyncio with the handlers ``handlers.py``
 registers; every kopf setting is applied by the single startup handler
 (``startup.configure``). SIGTERM/SIGINT stop it cleanly. Bad flags raise
-``cli.UsageError`` (exit 2); a failure to start exits 1 with one line.
+``kv_offload_sidecar.usage.UsageError`` (exit 2); a failure to start exits 1 with one line.
 """
 
 from __future__ import annotations

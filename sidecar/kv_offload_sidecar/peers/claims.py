@@ -9,7 +9,7 @@ it); a peer that claims every key (a compromised or broken pod) would
 otherwise be asked on every request. ``ClaimAudit`` counts false claims per
 peer in a sliding window; a peer whose false claims pass ``min_false`` and
 ``max_false_ratio`` of its claims is *distrusted*: it is not chosen for
-``backoff`` seconds (doubling on each repeat, up to ``max_backoff``). So a
+``backoff_seconds`` (doubling on each repeat, up to ``max_backoff_seconds``). So a
 lying peer costs the pool only misses, and a bounded number of messages: at
 most ``min_false`` false chunks' worth of requests per back-off period.
 """

@@ -24,7 +24,7 @@ to anyone who has not proven the pool key first:
    || T || H_s)}``; the client checks that proof and runs the same comparison.
 
 The hash seed never crosses the wire: a hello carries ``HMAC(K, nonces ||
-seed)`` (``seal``), equal on both sides only when the seeds are. Sessions:
+seed)`` (``seal_seed``), equal on both sides only when the seeds are. Sessions:
 ``session_key = HKDF(K, salt = N_c || N_s, info = "kv-offload session v2" ||
 key_id)``, ``session_id = sha256("kv-offload session id v2" || N_c || N_s)[:16]``.
 The pool key never crosses the wire. A captured handshake cannot be replayed:

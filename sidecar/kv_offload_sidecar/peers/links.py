@@ -6,7 +6,7 @@ the session -> the peer is a *member* (``Location.member_joined``: it owns its
 share of the directory) -> watch the connection (no traffic: a closed data
 connection or a failure the engine path reports ends it) -> on any failure
 close, the peer leaves the membership (``member_left``) and the link backs off
-exponentially (``backoff_initial`` doubling to ``backoff_max``; a handshake
+exponentially (``backoff_initial_seconds`` doubling to ``backoff_max_seconds``; a handshake
 from that peer cuts the wait short, ``wake``); a rejected handshake backs off
 the same way (the peer may be fixed by a rollout) and shows as state
 ``rejected``. The other direction is the peer's own link to us (it dials us;

@@ -9,7 +9,7 @@ and one ``flood`` sidecar for the write-budget scenario, all real
 ``kv-offload sidecar`` processes of one LocalPool. Every chunk's bytes are
 ``chunk_content(key)``, so every delivered chunk is compared byte for byte.
 
-Each scenario (``process_faults``, ``wire_faults``) returns a ``FaultResult``:
+Each scenario (``engine_faults``, ``wire_faults``) returns a ``FaultResult``:
 faults injected, faults survived (nothing wrong delivered, nothing lost, the
 pool recovered), loads turned into misses, corrupt chunks delivered (must be
 0), chunks lost that should have survived (must be 0), the longest an engine
