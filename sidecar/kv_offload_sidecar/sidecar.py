@@ -324,9 +324,10 @@ class Sidecar:
 
     async def load_each(self, keys: Sequence[bytes], timeout: float,
                         take: Callable[[PinnedChunk], None]) -> int:
-        """Like ``load``, but hands each pin to ``take`` as soon as its chunk is here, in key
-        order (local ones at once, fetched ones as they land), so the caller can copy a chunk
-        while the next is still on the wire. Returns how many pins it handed over; the caller
+        """Make the leading ``keys`` local (fetching from a peer) and hand each pin to ``take``
+        as soon as its chunk is here, in key order (local ones at once, so incoming chunks
+        cannot evict them; fetched ones as they land), so the caller can copy a chunk while
+        the next is still on the wire. Returns how many pins it handed over; the caller
         releases them."""
         with self._engine_op():
             store = self._require_store()
@@ -357,49 +358,31 @@ class Sidecar:
                         fetch.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await fetch
+            # The pool keeps fetched chunks at their holders: once loaded, this store drops
+            # them (or, with --peer-copies cold, keeps them at its cold end); so too those
+            # a lookup fetched and no load took in time.
             self._release_copies(store, self.reads.take_fetched(keys) + self.reads.take_unloaded(
                 UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
             return n
 
     async def load(self, keys: Sequence[bytes], timeout: float) -> list[PinnedChunk]:
-        """Make the leading ``keys`` local (fetching from a peer) and pin them.
-
-        Returns pins for the hit prefix; the caller releases them. Local chunks
-        are pinned first, so incoming chunks cannot evict them.
-        """
-        with self._engine_op():
-            store = self._require_store()
-            pins: list[PinnedChunk] = []
-            try:
-                self._pin_prefix(store, keys, pins)
-                local = len(pins)
-                if local < len(keys):
-                    await self.reads.load(keys, local, timeout)
-                    self._pin_prefix(store, keys, pins)
-                # The pool keeps fetched chunks at their holders: once loaded, this store drops
-                # them (or, with --peer-copies cold, keeps them at its cold end); so too those
-                # a lookup fetched and no load took in time.
-                self._release_copies(store, self.reads.take_fetched(keys) + self.reads.take_unloaded(
-                    UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
-            except BaseException:
-                for p in pins:
-                    p.release()
-                raise
-            return pins
+        """Make the leading ``keys`` local (fetching from a peer) and pin them: ``load_each``
+        collecting the pins. Returns pins for the hit prefix; the caller releases them (on an
+        error none is left pinned)."""
+        pins: list[PinnedChunk] = []
+        try:
+            await self.load_each(keys, timeout, pins.append)
+        except BaseException:
+            for p in pins:
+                p.release()
+            raise
+        return pins
 
     def _release_copies(self, store: ChunkStore, keys: list[bytes]) -> None:
         if self.settings.peer_copies == "drop":
             store.drop_when_released(keys)
         else:
             store.demote(keys)
-
-    @staticmethod
-    def _pin_prefix(store: ChunkStore, keys: Sequence[bytes], pins: list[PinnedChunk]) -> None:
-        while len(pins) < len(keys):
-            pin = store.pin(keys[len(pins)])
-            if pin is None:
-                return
-            pins.append(pin)
 
     async def route_hint(self, keys: Sequence[bytes], timeout: float) -> list[dict[str, Any]]:
         """Pods holding the longest prefixes of ``keys`` (this one included), longest first:
