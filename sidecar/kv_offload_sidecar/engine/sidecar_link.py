@@ -96,13 +96,22 @@ class SidecarLink:
     def attach_early(self) -> None:
         """Connect (and hand over the region) now, checking nothing yet: vLLM resolves its hash
         seed only after building the tiers, so the check waits for the first ``connected()``."""
-        from kv_offload_sidecar.engine.client import EngineClient
-
         with self._lock:
             if self._client is None:
-                self._client = EngineClient.connect(*self.address, timeout=self._timeout,
-                                                    region=self._region)
-                self._checked_instance = None
+                self._connect_locked()
+
+    def _connect_locked(self) -> None:
+        """A new EngineClient of the sidecar (handing it the region), not checked yet; on
+        failure the next attempt waits ``RECONNECT_SECONDS``. Called with the lock held."""
+        from kv_offload_sidecar.engine.client import EngineClient
+
+        try:
+            self._client = EngineClient.connect(*self.address, timeout=self._timeout,
+                                                region=self._region)
+        except Exception:
+            self._next_connect = time.monotonic() + RECONNECT_SECONDS
+            raise
+        self._checked_instance = None
 
     def connected(self) -> Any:
         """The EngineClient of a sidecar that matches this engine, or None while it is refused.
@@ -118,15 +127,7 @@ class SidecarLink:
                         if self.refused is not None:
                             return None
                         raise ConnectionError("kv-offload sidecar not reachable yet")
-                    from kv_offload_sidecar.engine.client import EngineClient
-                    try:
-                        self._client = EngineClient.connect(*self.address,
-                                                            timeout=self._timeout,
-                                                            region=self._region)
-                    except Exception:
-                        self._next_connect = time.monotonic() + RECONNECT_SECONDS
-                        raise
-                    self._checked_instance = None
+                    self._connect_locked()
                 if self._verify(self._client):
                     return self._client
                 if self.refused is not None:
