@@ -217,7 +217,7 @@ class _Connection:
                                   num_rows=req.get("num_rows"), chunk_bytes=req.get("chunk_bytes"))
         except RegionError as exc:
             raise ChannelError(str(exc), fatal=True, reason="bad_size") from None
-        slot_bytes = self.sidecar.local_info(self.dp_index)["store"]["slot_bytes"]
+        slot_bytes = self.sidecar.settings.kv_bytes_per_chunk  # the store's slot size
         if region.chunk_bytes > slot_bytes:
             region.close()
             raise ChannelError(f"region chunks of {region.chunk_bytes} bytes do not fit this "
