@@ -20,10 +20,6 @@ def check_key(key: bytes) -> bytes:
     return key
 
 
-def valid_key_length(n: int) -> bool:
-    return 0 < n <= MAX_KEY_BYTES
-
-
 def checked_keys(keys: Iterable[bytes]) -> list[bytes] | tuple[bytes, ...]:
     """``keys`` as a sequence of valid keys, checked in one pass of C-level loops.
 

@@ -91,7 +91,6 @@ class Discovery:
         self._dns: set[str] = set()
         self._dynamic: set[str] = set()
         self._changed = asyncio.Event()
-        self.resolutions = 0
 
     def current(self) -> set[str]:
         """Every address to keep a session with (own addresses excluded)."""
@@ -123,7 +122,6 @@ class Discovery:
             log.warning("resolving peers DNS name %r failed (%s); keeping %d known addresses",
                         self._dns_name, exc, len(self._dns))
             return self._dns
-        self.resolutions += 1
         found = {format_peer(ip, self._base_port + i) for ip in ips for i in range(self._dp_size)}
         if found != self._dns:
             joined, left = found - self._dns, self._dns - found

@@ -30,11 +30,6 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _BUCKET_IDS = np.arange(BUCKETS, dtype=np.uint64)
 
 
-def bucket_of(digest: int) -> int:
-    """The bucket of a 64-bit digest."""
-    return digest >> (64 - BUCKET_BITS)
-
-
 def member_hash(identity: str) -> int:
     """The 64-bit hash that seeds a member's scores."""
     return int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "big")
@@ -130,15 +125,6 @@ class OwnerTable:
             self._best[moved] = best
             self._owner[moved] = owner
         return moved
-
-    def set_members(self, identities: set[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Make the members ``identities`` (plus this sidecar); returns (buckets that moved in joins,
-        buckets that moved in leaves)."""
-        joined = [self.add(m) for m in sorted(identities - set(self._index))]
-        left = [self.remove(m) for m in sorted(set(self._index) - identities - {self.identity})]
-        empty = np.zeros(0, dtype=np.int64)
-        return (np.unique(np.concatenate(joined)) if joined else empty,
-                np.unique(np.concatenate(left)) if left else empty)
 
     def memory_bytes(self) -> int:
         """Bytes of the arrays (the table's share of location memory)."""

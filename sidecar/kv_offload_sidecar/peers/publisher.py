@@ -184,10 +184,6 @@ class Publisher:
         with self._lock:
             return len(self._pending) + len(self._chains) + len(self._due)
 
-    def held_digests(self) -> list[int]:
-        with self._lock:
-            return list(self._held)
-
     # ---- membership and replies ------------------------------------------------------------
 
     def owner_joined(self, owner: str, *, resync_me: bool = False) -> None:

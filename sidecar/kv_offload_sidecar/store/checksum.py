@@ -12,9 +12,6 @@ import mmap
 
 import xxhash
 
-# Width of a chunk checksum on the wire (bytes, unsigned big-endian).
-CHECKSUM_BYTES = 8
-
 # What chunk_checksum accepts (any C-contiguous buffer-protocol object works;
 # collections.abc.Buffer only exists from Python 3.12).
 BytesLike = bytes | bytearray | memoryview | mmap.mmap

@@ -59,9 +59,6 @@ class ExportedView:
     # The holder's partial NIXL agent metadata (this view's registration, connection info).
     metadata: bytes
 
-    def slot_address(self, slot: int) -> int:
-        return self.base + slot * self.slot_stride
-
 
 def _aead(session_key: bytes):  # type: ignore[no-untyped-def]
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM

@@ -151,7 +151,6 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         # Refusals' log lines: one per source and reason per interval, with a count (the
         # sidecar's own when it passes one, so both ports share one budget of lines).
         self._rejections = rejections if rejections is not None else RejectionLog(log)
-        self._stopping = False
         self.address = ""
 
     async def start(self) -> str:
@@ -185,7 +184,6 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         ``grace_seconds`` pass, then close them cleanly: a CLOSE frame (when no chunk
         is half sent), ``shutdown(SHUT_WR)``, up to ``GOODBYE_DRAIN_SECONDS`` reading
         until the client closes too, then ``close``."""
-        self._stopping = True
         if self._accept_task is not None:
             self._accept_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
