@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kv_offload_tools.bench.attack_honest import HonestLoad
-from kv_offload_tools.bench.attack_pool import PoolWatch, counter_deltas, counters
+from kv_offload_tools.bench.attack_pool import PoolWatch, counter_deltas, counters, cpu_seconds
 from kv_offload_tools.local_pool import LocalPool
 from kv_offload_tools.sidecar_process import SidecarProcess
 
@@ -50,6 +50,11 @@ class AttackResult:
     # The target's RSS growth (bytes) and descriptors at the attack's peak, over its value before.
     rss_peak_growth: int = 0
     fds_peak_growth: int = 0
+    # CPU seconds used in the window: by the target, by the other members, by the bench's own
+    # process (the attackers' threads; the honest engines run in a process of their own).
+    target_cpu_seconds: float = 0.0
+    members_cpu_seconds: float = 0.0
+    attackers_cpu_seconds: float = 0.0
     # Monotonic window of the attack.
     started: float = 0.0
     ended: float = 0.0
@@ -128,6 +133,12 @@ class AttackContext:
     def log_bytes(self) -> int:
         return sum(s.members[sc.identity][2] for s in [self.watch.sample()] for sc in self.watch.members)
 
+    def cpu(self) -> tuple[float, float, float]:
+        """CPU seconds so far of the target, of the other members, and of this process."""
+        others = sum(cpu_seconds(sc.proc.pid) for sc in self.watch.members  # type: ignore[union-attr]
+                     if sc is not self.target and sc.proc is not None)
+        return cpu_seconds(self.target.proc.pid), others, time.process_time()  # type: ignore[union-attr]
+
     def traceback_count(self) -> int:
         return sum(len(v) for v in self.watch.tracebacks().values())
 
@@ -140,6 +151,7 @@ def measured(ctx: AttackContext, name: str, port: str) -> Iterator[AttackResult]
     before = ctx.target_counters()
     logs0, tb0 = ctx.log_bytes(), ctx.traceback_count()
     base = ctx.watch.sample().members[ctx.target.identity]
+    cpu0 = ctx.cpu()
     result.started = time.monotonic()
     try:
         yield result
@@ -152,6 +164,8 @@ def measured(ctx: AttackContext, name: str, port: str) -> Iterator[AttackResult]
         result.log_bytes = ctx.log_bytes() - logs0  # (takes a sample)
         result.tracebacks = ctx.traceback_count() - tb0
         result.ended = time.monotonic()
+        cpu = [round(b - a, 2) for a, b in zip(cpu0, ctx.cpu())]
+        result.target_cpu_seconds, result.members_cpu_seconds, result.attackers_cpu_seconds = cpu
         ident = ctx.target.identity
         result.rss_peak_growth = ctx.watch.peak(ident, result.started, result.ended, 0, base) - base[0]
         result.fds_peak_growth = ctx.watch.peak(ident, result.started, result.ended, 1, base) - base[1]
@@ -164,4 +178,6 @@ def summary(r: AttackResult) -> str:
     answers = ", ".join(f"{k} x{v}" for k, v in sorted(r.answers.items(), key=lambda kv: -kv[1])[:4])
     cut = f"; cut {r.cut}/{r.sent}" if r.cut is not None else ""
     return (f"{r.sent} sent -> {answers or 'no answer'}{cut}; log +{r.log_bytes} B, "
-            f"{r.tracebacks} tracebacks, {r.http_500} x 500, RSS peak +{r.rss_peak_growth / 2**20:.1f} MiB")
+            f"{r.tracebacks} tracebacks, {r.http_500} x 500, RSS peak +{r.rss_peak_growth / 2**20:.1f} MiB; "
+            f"CPU s target {r.target_cpu_seconds:g}, other members {r.members_cpu_seconds:g}, "
+            f"attackers {r.attackers_cpu_seconds:g} in {r.ended - r.started:.1f} s")

@@ -102,14 +102,22 @@ def http_request(method: str, path: str, body: bytes = b"",
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
+def _dial(host: str, port: int, source: str) -> tuple[socket.socket | None, float, str]:
+    """A connection from ``source``, the monotonic time dialling began, and (None, ...,
+    "refused (...)") when it failed."""
+    started = time.monotonic()
+    try:
+        return connect(host, port, source), started, ""
+    except OSError as exc:
+        return None, started, f"refused ({type(exc).__name__})"
+
+
 def http_exchange(host: str, port: int, request: bytes, source: str,
                   timeout: float = EXCHANGE_TIMEOUT) -> Answer:
     """Send ``request`` on a fresh connection; the status and what came back."""
-    started = time.monotonic()
-    try:
-        sock = connect(host, port, source)
-    except OSError as exc:
-        return Answer(f"refused ({type(exc).__name__})", seconds=time.monotonic() - started)
+    sock, started, refused = _dial(host, port, source)
+    if sock is None:
+        return Answer(refused, seconds=time.monotonic() - started)
     with sock:
         sock.settimeout(timeout)
         _send_all(sock, request)
@@ -122,12 +130,9 @@ def http_exchange(host: str, port: int, request: bytes, source: str,
 def data_exchange(address: str, payload: Sequence[bytes | memoryview] | bytes, source: str,
                   timeout: float = EXCHANGE_TIMEOUT) -> Answer:
     """Connect to a data port, send ``payload`` (the server's challenge is read with the rest)."""
-    host, port = split_address(address)
-    started = time.monotonic()
-    try:
-        sock = connect(host, port, source)
-    except OSError as exc:
-        return Answer(f"refused ({type(exc).__name__})", seconds=time.monotonic() - started)
+    sock, started, refused = _dial(*split_address(address), source)
+    if sock is None:
+        return Answer(refused, seconds=time.monotonic() - started)
     with sock:
         _send_all(sock, payload)
         data, end = _recv_all(sock, started + timeout)
@@ -172,12 +177,9 @@ def local_exchange(path: str, payload: bytes, timeout: float = EXCHANGE_TIMEOUT)
 def data_authenticate(address: str, source: str, session_id: bytes, session_key: bytes,
                       timeout: float = EXCHANGE_TIMEOUT) -> str:
     """A member's new data connection from ``source``: "AUTH_OK in N ms", or what it got."""
-    host, port = split_address(address)
-    started = time.monotonic()
-    try:
-        sock = connect(host, port, source)
-    except OSError as exc:
-        return f"refused ({type(exc).__name__})"
+    sock, started, refused = _dial(*split_address(address), source)
+    if sock is None:
+        return refused
     with sock:
         data, end = _recv_all(sock, started + timeout, lambda d: len(d) >= proto.HEADER_BYTES + proto.NONCE_BYTES)
         names = frame_names(data)

@@ -56,6 +56,16 @@ def _fds(pid: int) -> int:
         return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds process ``pid`` has used (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _log_bytes(sc: SidecarProcess) -> int:
     try:
         return os.path.getsize(sc.log_path)

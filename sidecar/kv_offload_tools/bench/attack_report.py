@@ -84,7 +84,7 @@ def _answers(r: dict[str, Any], width: int = 70) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     head = (f"{'attack':<34} {'port':<12} {'sent':>5} {'cut':>9} {'log B':>8} {'tb':>3} {'500':>4} "
-            f"{'RSS+MiB':>8} {'fds+':>5} {'hit':>6} {'p99 ms':>7}  answers")
+            f"{'RSS+MiB':>8} {'fds+':>5} {'hit':>6} {'p99 ms':>7} {'CPU%':>5}  answers")
     lines = [head, "-" * len(head)]
     for r in results:
         cut = "" if r["cut"] is None else f"{r['cut']}" + (f"/{r['cut_median_seconds']}s"
@@ -92,9 +92,12 @@ def table(results: list[dict[str, Any]]) -> str:
         h = r["honest"]
         hit = "-" if h.get("hit_ratio") is None else f"{h['hit_ratio']:.3f}"
         p99 = "-" if not h.get("rounds") else f"{h['load_p99_ms']:.1f}"
+        seconds = r["ended"] - r["started"]
+        cpu = ("-" if seconds <= 0 or not r.get("target_cpu_seconds") else
+               f"{100 * r['target_cpu_seconds'] / seconds:.0f}")  # the target's, of one core
         lines.append(f"{r['name'][:34]:<34} {r['port']:<12} {r['sent']:>5} {cut:>9} {r['log_bytes']:>8} "
                      f"{r['tracebacks']:>3} {r['http_500']:>4} {r['rss_peak_growth'] / MIB:>8.1f} "
-                     f"{r['fds_peak_growth']:>5} {hit:>6} {p99:>7}  "
+                     f"{r['fds_peak_growth']:>5} {hit:>6} {p99:>7} {cpu:>5}  "
                      f"{_answers(r)}")
     return "\n".join(lines)
 

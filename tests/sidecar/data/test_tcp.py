@@ -18,6 +18,9 @@ from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
+from raw_wire import authenticated as raw_authenticated
+from raw_wire import dial as raw_connect
+from raw_wire import error_text, read_frame, read_until_closed
 from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
 
 CHUNK = 256 * 1024
@@ -32,56 +35,6 @@ def assert_nothing_partial(store: ChunkStore, chunk_bytes: int = CHUNK) -> None:
 
 
 # ------------------------------------------------------------------ raw sockets
-
-
-def raw_connect(address: str) -> socket.socket:
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=5)
-    return sock
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        part = sock.recv(n - len(out))
-        if not part:
-            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-        out += part
-    return out
-
-
-def read_frame(sock: socket.socket) -> tuple[proto.Header, bytes]:
-    header = proto.decode_header(recv_exact(sock, proto.HEADER_BYTES))
-    return header, recv_exact(sock, header.length)
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    while True:
-        try:
-            part = sock.recv(65536)
-        except ConnectionResetError:
-            return data
-        if not part:
-            return data
-        data += part
-
-
-def raw_authenticated(address: str) -> socket.socket:
-    sock = raw_connect(address)
-    header, nonce = read_frame(sock)
-    assert header.type is proto.MessageType.AUTH_CHALLENGE
-    sock.sendall(proto.join(proto.encode_auth_response(SESSION_ID, auth_proof(SESSION_KEY, nonce))))
-    header, _ = read_frame(sock)
-    assert header.type is proto.MessageType.AUTH_OK
-    return sock
-
-
-def error_text(data: bytes) -> str:
-    """The ERROR frame in ``data`` (the server's last words before closing)."""
-    header = proto.decode_header(data[:proto.HEADER_BYTES])
-    assert header.type is proto.MessageType.ERROR, header
-    return proto.decode_error(data[proto.HEADER_BYTES:proto.HEADER_BYTES + header.length])
 
 
 # ------------------------------------------------------------------ behaviour

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 from kv_offload_sidecar.data import connect
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import auth_proof
 from kv_offload_sidecar.data.before_auth import (
     MAX_UNAUTHENTICATED_CONNECTIONS,
     MAX_UNAUTHENTICATED_PER_SOURCE,
 )
-from kv_offload_sidecar.data.tcp.sockets import split_host_port
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.certs import pool_certificates
 from peer_processes import PeerProcess
+from raw_wire import authenticated, error_text, read_until_closed, recv_exact
+from raw_wire import dial as stranger
 from transport_peers import SESSION_ID, SESSION_KEY, key_of
 
 CHUNK = 256 * 1024
@@ -34,58 +34,11 @@ CHUNK = 256 * 1024
 # ------------------------------------------------------------------ raw strangers
 
 
-def stranger(address: str, source: str = "127.0.0.1") -> socket.socket:
-    """A raw connection to the data port from ``source`` (any 127.x address works on loopback)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.bind((source, 0))
-    sock.connect(split_host_port(address.split("://", 1)[1]))
-    return sock
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        part = sock.recv(n - len(out))
-        if not part:
-            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-        out += part
-    return out
-
-
 def read_challenge(sock: socket.socket) -> bytes:
     """The server's nonce: it admitted the connection."""
     header = proto.decode_header(recv_exact(sock, proto.HEADER_BYTES))
     assert header.type is proto.MessageType.AUTH_CHALLENGE, header
     return recv_exact(sock, header.length)
-
-
-def authenticated(address: str) -> socket.socket:
-    sock = stranger(address)
-    nonce = read_challenge(sock)
-    sock.sendall(proto.join(proto.encode_auth_response(SESSION_ID, auth_proof(SESSION_KEY, nonce))))
-    header = proto.decode_header(recv_exact(sock, proto.HEADER_BYTES))
-    assert header.type is proto.MessageType.AUTH_OK
-    return sock
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    while True:
-        try:
-            part = sock.recv(65536)
-        except ConnectionResetError:
-            return data
-        if not part:
-            return data
-        data += part
-
-
-def error_text(data: bytes) -> str:
-    """The ERROR frame in ``data`` (the server's last words before closing)."""
-    header = proto.decode_header(data[:proto.HEADER_BYTES])
-    assert header.type is proto.MessageType.ERROR, header
-    return proto.decode_error(data[proto.HEADER_BYTES:proto.HEADER_BYTES + header.length])
 
 
 def wait_for(peer: PeerProcess, done: Callable[[dict[str, Any]], bool], what: str,
