@@ -1,0 +1,51 @@
+"""The sidecar process runs with glibc's non-temporal copy threshold below its chunk pieces."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kv_offload_sidecar.bulk_copies import (
+    NON_TEMPORAL_THRESHOLD,
+    NON_TEMPORAL_TUNABLE,
+    applies_here,
+    tunables_with_threshold,
+)
+from kv_offload_sidecar.store.engine_region import COPY_PIECE_BYTES
+
+SHOW_TUNABLES_AFTER_REEXEC = (
+    "import os, sys\n"
+    "from kv_offload_sidecar.bulk_copies import reexec_for_bulk_copies\n"
+    "print('start', os.getpid(), flush=True)\n"
+    "reexec_for_bulk_copies()\n"
+    "print('tunables', os.getpid(), os.environ.get('GLIBC_TUNABLES', ''))\n"
+)
+
+
+def test_threshold_is_added_beside_the_users_own_tunables() -> None:
+    tunables = tunables_with_threshold({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert tunables == f"glibc.malloc.arena_max=2:{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}"
+
+
+def test_a_threshold_the_user_set_is_kept() -> None:
+    assert tunables_with_threshold({"GLIBC_TUNABLES": f"{NON_TEMPORAL_TUNABLE}=0x4040"}) is None
+
+
+def test_chunk_pieces_are_at_or_above_the_threshold() -> None:
+    assert COPY_PIECE_BYTES >= NON_TEMPORAL_THRESHOLD
+
+
+@pytest.mark.skipif(not applies_here(), reason="the tunable exists on x86-64 glibc only")
+def test_the_process_reexecutes_once_with_the_same_pid_and_the_threshold_set() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", SHOW_TUNABLES_AFTER_REEXEC], env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    lines = done.stdout.splitlines()
+    starts = [line.split()[1] for line in lines if line.startswith("start")]
+    tunables = [line.split(maxsplit=2) for line in lines if line.startswith("tunables")]
+    assert len(starts) == 2 and starts[0] == starts[1], done.stdout
+    assert len(tunables) == 1 and tunables[0][1] == starts[0], done.stdout
+    assert f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}" in tunables[0][2]
