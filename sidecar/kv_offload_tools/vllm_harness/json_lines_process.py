@@ -66,7 +66,6 @@ class JsonLinesProcess:
             os.close(fd)
         self.stderr_path: str = stderr_path
         self._stderr_file = open(stderr_path, "wb")
-        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             list(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr_file, env=dict(env), start_new_session=True,
@@ -79,8 +78,6 @@ class JsonLinesProcess:
         self._closed = False
         # The ready line, once read and saying ready.
         self.ready: dict[str, Any] | None = None
-        # Seconds from the start to the ready line.
-        self.ready_s: float | None = None
         # What ``close`` got back: the exit reply (None if the driver was killed)
         # and the driver's exit status.
         self.exit_reply: dict[str, Any] | None = None
@@ -146,7 +143,6 @@ class JsonLinesProcess:
             self.close(grace_s=5.0)
             raise
         self.ready = ready
-        self.ready_s = time.monotonic() - self.started_at
         return ready
 
     def request(self, cmd: Mapping[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:

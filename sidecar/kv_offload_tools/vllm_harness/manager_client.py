@@ -130,10 +130,6 @@ class ManagerDriverProcess(JsonLinesProcess):
     def tier_state(self) -> dict[str, Any]:
         return self.call("tier_state", 60)
 
-    def sidecar_instances(self) -> list[str | None]:
-        """Each tier's ``sidecar_instance`` after one harmless lookup through it."""
-        return self.call("sidecar_instance", 120)["instances"]
-
     def wait_sidecar_instance(self, instance: str, tier: int = 0,
                               timeout_s: float = 60.0) -> dict[str, Any]:
         """Until tier ``tier`` names sidecar ``instance`` (the new one, after a restart),

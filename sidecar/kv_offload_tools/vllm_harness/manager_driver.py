@@ -205,7 +205,6 @@ class Driver:
         self.ReqContext = ReqContext
         self.ScheduleEndContext = ScheduleEndContext
         self.make_offload_key = make_offload_key
-        self._kv_cache_utils = kv_cache_utils
         self.step_interval = float(spec.get("step_interval_s", DEFAULT_STEP_INTERVAL_S))
 
         oc = spec["offloading_config"]
