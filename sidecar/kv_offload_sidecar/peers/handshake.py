@@ -299,8 +299,6 @@ class Session:
     direction: str = "outbound"
     # Id of the pool key the session was made with (it ends when that key is retired).
     key_id: bytes = b""
-    # time.monotonic() at establishment.
-    created: float = field(default_factory=time.monotonic)
 
 
 def _hex_field(body: Mapping[str, Any], name: str, nbytes: int) -> bytes:
