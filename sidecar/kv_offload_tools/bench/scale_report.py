@@ -35,6 +35,16 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_mbps(ex['bytes_per_second_each_way'])}; Bloom filters "
                      f"({bl['bits_per_entry']:.1f} bits/entry) {_mib(bl['memory_bytes'])}, "
                      f"{_mbps(bl['bytes_per_second_each_way'])}")
+    lines.append("  messages per peer-hit request by distinct holders read (share of those requests):")
+    for r in report["results"]:
+        lines.append(f"    {r['pods']:>5} pods: " + _holders(r["by_holders"]))
+    if report.get("reads"):
+        lines.append("  the read on bench replay's workloads (round-robin):")
+        for r in report["reads"]:
+            lines.append(f"    {r['workload']:>12} x{r['replicas']:<3} hit ratio {r['hit_ratio']:.3f}, "
+                         f"{r['messages_per_request']:.2f} msgs/request, {r['messages_per_peer_hit_request']:.2f} "
+                         f"msgs/peer-hit request ({r['all_messages_per_peer_hit_request']:.2f} all msgs/peer-hit "
+                         f"request); " + _holders(r["by_holders"]))
     last = report["results"][-1]
     met = [f"{name} {'ok' if ok else 'MISSED'}" for name, ok in last["meets_targets"].items()]
     lines.append(f"  targets at {last['pods']} pods: " + ", ".join(met))
@@ -42,6 +52,10 @@ def format_table(report: dict[str, Any]) -> str:
     if report.get("plot"):
         lines.append(f"  plot: {report['plot']}")
     return "\n".join(lines)
+
+
+def _holders(by: dict[str, dict[str, float]]) -> str:
+    return ", ".join(f"{k}: {v['messages_per_request']:.2f} ({100 * v['share']:.0f} %)" for k, v in by.items())
 
 
 def write_plot(path: str, report: dict[str, Any]) -> str:
@@ -78,8 +92,10 @@ def write_plot(path: str, report: dict[str, Any]) -> str:
     ax = axes[1][0]
     ax.plot(pods, [r["messages_per_peer_hit_request"] for r in rows], "o-", label="per peer-hit request")
     ax.plot(pods, [r["messages_per_lookup"] for r in rows], "s-", label="per lookup")
-    ax.axhline(targets["messages_per_peer_hit_request"], color="red", lw=1, label="target 2")
-    ax.set_ylim(0, 3)
+    for k in sorted({int(k) for r in rows for k in r["by_holders"]}):
+        ax.plot(pods, [r["by_holders"].get(str(k), {}).get("messages_per_request", float("nan")) for r in rows],
+                ":", lw=1, label=f"requests over {k} holder{'s' if k > 1 else ''}")
+    ax.set_ylim(0, None)
     ax.set_ylabel("messages (directory)")
     twin = ax.twinx()
     twin.plot(pods, [100 * r["false_positive_ratio"] for r in rows], "g^:", label="false-positive lookups %")
