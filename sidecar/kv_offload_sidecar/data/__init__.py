@@ -7,109 +7,54 @@ slot into its own with NVIDIA NIXL, one-sided: CMA between processes, RDMA with 
 its requests travel on a TCP connection). ``make_server(kind, ...)`` picks one by
 config, ``connect(address, ...)`` by the scheme of the address the peer advertised
 in its handshake (``tcp://host:port``, ``tls://host:port``, ``ucx://<base64 worker address>``
-or ``nixl://host:port``). ``ucxx`` and ``nixl_cu12`` are imported only by their transport.
+or ``nixl://host:port``); both live in ``planes``. ``ucxx`` and ``nixl_cu12`` are imported
+only by their transport.
 
 TCP may run under mutual TLS (``tls.server_context`` / ``tls.client_context``, passed
 as ``ssl=``): the server then advertises ``tls://``, and a client with a context
 connects only to ``tls://`` peers, one without only to ``tcp://`` ones.
+
+Modules: ``base`` (the interfaces every plane implements, and the session proof), ``planes``
+(which plane serves and which dials), ``address``, ``protocol`` (frames), ``fetch`` (the
+client side of a fetch), ``peer_client`` (what the planes' clients share), ``before_auth``,
+``tls`` and one folder per plane.
+
+This package imports none of its modules when it is loaded: the names below are looked up
+on first use, so a module of the package never runs while the package is half loaded.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from kv_offload_sidecar.data.base import (
-    Authorize,
-    DataPlaneServer,
-    IntegrityError,
-    PeerDataClient,
-    StoreLike,
-    TransportError,
-    check_tls_policy,
-    parse_address,
-)
-
 if TYPE_CHECKING:
-    from ssl import SSLContext
-
-    from kv_offload_sidecar.metrics import SidecarMetrics
-
-from kv_offload_sidecar.settings import TRANSPORTS
+    from kv_offload_sidecar.data.address import parse_address
+    from kv_offload_sidecar.data.base import (
+        Authorize,
+        DataPlaneServer,
+        IntegrityError,
+        PeerDataClient,
+        StoreLike,
+        TransportError,
+    )
+    from kv_offload_sidecar.data.planes import connect, make_server
 
 __all__ = [
     "Authorize", "DataPlaneServer", "IntegrityError", "PeerDataClient",
     "StoreLike", "TransportError", "connect", "make_server", "parse_address",
 ]
 
-
-def make_server(
-    kind: str,
-    store: StoreLike,
-    authorize: Authorize,
-    metrics: SidecarMetrics | None,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    chunk_bytes: int,
-    ssl: SSLContext | None = None,
-    **options: Any,
-) -> DataPlaneServer:
-    """Build (not start) the data-plane server of transport ``kind``; with ``ssl``
-    (``tls.server_context``) the TCP one runs mutual TLS and advertises ``tls://``. Among
-    ``options``: ``rejections``, a ``rejections.RejectionLog`` the refusals' lines go to (the
-    sidecar's, shared with its control port; the server's own otherwise)."""
-    if kind == "tcp":
-        from kv_offload_sidecar.data.tcp.server import TcpDataPlaneServer
-
-        return TcpDataPlaneServer(store, authorize, metrics, host=host, port=port,
-                                  chunk_bytes=chunk_bytes, ssl=ssl, **options)
-    if ssl is not None and kind in TRANSPORTS:
-        raise ValueError(f"TLS encrypts the tcp data plane only, not {kind!r}: "
-                         "use transport tcp with TLS, or leave the TLS context out")
-    if kind == "ucx":
-        from kv_offload_sidecar.data.ucx.server import UcxDataPlaneServer
-
-        return UcxDataPlaneServer(store, authorize, metrics, host=host, port=port,
-                                  chunk_bytes=chunk_bytes, **options)
-    if kind == "nixl":
-        from kv_offload_sidecar.data.nixl.server import NixlDataPlaneServer
-
-        return NixlDataPlaneServer(store, authorize, metrics, host=host, port=port,
-                                   chunk_bytes=chunk_bytes, **options)
-    raise ValueError(f"unknown transport {kind!r}; use one of {list(TRANSPORTS)}")
+# Public name -> the module that defines it.
+_HOMES = {
+    "Authorize": "base", "DataPlaneServer": "base", "IntegrityError": "base",
+    "PeerDataClient": "base", "StoreLike": "base", "TransportError": "base",
+    "connect": "planes", "make_server": "planes", "parse_address": "address",
+}
 
 
-async def connect(
-    address: str,
-    session_id: bytes,
-    session_key: bytes,
-    *,
-    timeout: float,
-    metrics: SidecarMetrics | None = None,
-    ssl: SSLContext | None = None,
-    **options: Any,
-) -> PeerDataClient:
-    """Open an authenticated data connection to the peer at ``address``.
-
-    ``ssl`` (``tls.client_context``): this pod requires TLS; only a ``tls://`` peer is
-    accepted then, and only without it a ``tcp://`` or ``ucx://`` one. Raises
-    ``TransportError`` when it cannot connect, complete TLS or authenticate in
-    ``timeout`` seconds, or when ``ssl`` and the peer's scheme disagree;
-    ``ValueError`` for an address that is not tcp://, tls://, ucx:// or nixl://.
-    """
-    scheme, _ = parse_address(address)
-    if scheme in ("tcp", "tls"):
-        from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient
-
-        return await TcpPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
-                                               metrics=metrics, ssl=ssl, **options)
-    check_tls_policy(address, scheme, ssl)
-    if scheme == "nixl":
-        from kv_offload_sidecar.data.nixl.client import NixlPeerDataClient
-
-        return await NixlPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
-                                                metrics=metrics, **options)
-    from kv_offload_sidecar.data.ucx.client import UcxPeerDataClient
-
-    return await UcxPeerDataClient.connect(address, session_id, session_key,
-                                           timeout=timeout, metrics=metrics, **options)
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

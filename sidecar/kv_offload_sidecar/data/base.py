@@ -13,7 +13,8 @@ Connections are persistent and serve concurrent callers; a failed operation
 closes the client (raise ``TransportError``), the caller reconnects later.
 
 What a connection may cost its server before the proof is ``before_auth.py``'s; the
-client side of a fetch, shared by the transports, is ``fetch.py``'s.
+client side of a fetch, shared by the transports, is ``fetch.py``'s (the fetch engine) and
+``peer_client.py``'s (the connection's requests in flight); data addresses are ``address.py``'s.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.rejections import clip
 
 if TYPE_CHECKING:
-    from ssl import SSLContext
-
     from kv_offload_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
@@ -129,32 +128,6 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {clip(exc)}"
 
 
-# Schemes of data addresses: plain TCP, TCP under TLS, UCX, NIXL (its TCP control port).
-ADDRESS_SCHEMES = ("tcp", "tls", "ucx", "nixl")
-
-
-def parse_address(address: str) -> tuple[str, str]:
-    """Split ``scheme://rest``; the scheme picks the transport (``tls`` is the TCP one, encrypted)."""
-    scheme, sep, rest = address.partition("://")
-    if not sep or scheme not in ADDRESS_SCHEMES or not rest:
-        raise ValueError(f"data address {address!r} is not tcp://host:port, tls://host:port, "
-                         "ucx://<worker address> or nixl://host:port")
-    return scheme, rest
-
-
-def check_tls_policy(address: str, scheme: str, ssl: SSLContext | None) -> None:
-    """TransportError unless this pod's TLS setting (``ssl``) and the peer's scheme agree."""
-    if scheme == "tls" and ssl is None:
-        raise TransportError(f"peer {address} encrypts its data plane (TLS) and this pod does not: "
-                             "give this sidecar --tls-cert-file, --tls-key-file and --tls-ca-file "
-                             "(a certificate of the pool's CA)")
-    if scheme != "tls" and ssl is not None:
-        serves = {"tcp": "plain TCP", "ucx": "UCX, which is not encrypted",
-                  "nixl": "NIXL one-sided reads, which are not encrypted"}.get(scheme, scheme)
-        raise TransportError(f"this pod requires TLS; peer {address} serves {serves} on its data plane "
-                             "and is not dialled: give every pool member the --tls-* flags (and --transport tcp)")
-
-
 class DataPlaneServer(abc.ABC):
     """Serves this sidecar's chunks to authenticated peers."""
 
@@ -181,34 +154,13 @@ class PeerDataClient(abc.ABC):
         With ``count`` (the answer of the LOOKUP ``fetch_counted`` sent just before), at most
         ``first`` keys are requested until it arrives and none past it (``fetch.run_fetch``)."""
 
+    @abc.abstractmethod
     async def fetch_counted(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
                             first: int, on_count: Callable[[int], None]) -> int:
         """One exchange with the holder: the LOOKUP of ``keys`` leaves first and the FETCH of
         the first ``first`` keys right behind it, on this connection; ``on_count`` gets the
         holder's hit prefix as soon as it arrives (before the chunks), and no key past it is
         requested. Returns the leading keys now visible in ``store``."""
-        self._check_open()
-        count = asyncio.ensure_future(self.lookup(keys, timeout))
-        reported = False
-
-        def report(f: asyncio.Future[int]) -> None:
-            nonlocal reported
-            if not reported and not f.cancelled() and f.exception() is None:
-                reported = True
-                on_count(f.result())
-
-        count.add_done_callback(report)
-        await asyncio.sleep(0)  # the LOOKUP goes out first
-        try:
-            got = await self.fetch(keys, store, timeout, count=count, first=first)
-            await count  # answered before any chunk frame
-            report(count)  # now, if its callback has not run yet
-            return got
-        finally:
-            if not count.done():
-                count.cancel()
-            elif not count.cancelled():
-                count.exception()  # retrieved: its failure already failed the fetch
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -1,14 +1,16 @@
-"""The client side of a fetch, shared by the transports: a window of reserved slots, each
-chunk committed only whole and verified (``commit_received``), every reservation still open
-aborted on any failure or deadline (``run_fetch``); and the LOOKUP_REPLY bookkeeping."""
+"""The fetch engine, the client side of a fetch shared by the transports: a window of reserved
+slots, each chunk committed only whole and verified (``commit_received``), every reservation
+still open aborted on any failure or deadline (``run_fetch``); a LOOKUP with its FETCH right
+behind it, the count bounding the fetch as soon as it arrives (``lookup_then_fetch``); and the
+LOOKUP_REPLY bookkeeping."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import IntegrityError, ReservationLike, StoreLike, TransportError
@@ -180,6 +182,36 @@ async def run_fetch(
         wanted = min(wanted, count.result())
     _observe(metrics, "ok" if n >= wanted else "miss", started)
     return n
+
+
+async def lookup_then_fetch(lookup: Coroutine[Any, Any, int],
+                            fetch: Callable[[asyncio.Future[int]], Awaitable[int]],
+                            on_count: Callable[[int], None]) -> int:
+    """One exchange with the holder: ``lookup`` (its LOOKUP) goes out first and ``fetch``
+    (given the lookup's future as ``count``, see ``run_fetch``) right behind it, on one
+    connection; ``on_count`` gets the holder's hit prefix as soon as it arrives (before the
+    chunks). Returns what ``fetch`` returns; a failed lookup fails the fetch."""
+    count = asyncio.ensure_future(lookup)
+    reported = False
+
+    def report(f: asyncio.Future[int]) -> None:
+        nonlocal reported
+        if not reported and not f.cancelled() and f.exception() is None:
+            reported = True
+            on_count(f.result())
+
+    count.add_done_callback(report)
+    await asyncio.sleep(0)  # the LOOKUP goes out first
+    try:
+        got = await fetch(count)
+        await count  # answered before any chunk frame
+        report(count)  # now, if its callback has not run yet
+        return got
+    finally:
+        if not count.done():
+            count.cancel()
+        elif not count.cancelled():
+            count.exception()  # retrieved: its failure already failed the fetch
 
 
 def _fail_plan(plan: FetchPlan, fail: Callable[[BaseException], object], exc: BaseException) -> None:

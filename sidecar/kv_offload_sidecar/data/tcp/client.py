@@ -9,30 +9,16 @@ in the clear.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import ssl as ssl_module
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import (
-    PeerDataClient,
-    StoreLike,
-    TransportError,
-    auth_proof,
-    check_tls_policy,
-    count_protocol_error,
-    parse_address,
-)
-from kv_offload_sidecar.data.fetch import (
-    DEFAULT_WINDOW,
-    PendingChunk,
-    answer_lookup,
-    commit_received,
-    run_fetch,
-)
+from kv_offload_sidecar.data.address import check_tls_policy, parse_address
+from kv_offload_sidecar.data.base import TransportError, auth_proof, count_protocol_error
+from kv_offload_sidecar.data.fetch import DEFAULT_WINDOW, PendingChunk, answer_lookup, commit_received
+from kv_offload_sidecar.data.peer_client import FramedPeerDataClient, raise_if_refused
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
     DataStream,
@@ -61,19 +47,16 @@ RECV_BATCH_BYTES = 512 << 10
 LOOKUP_SPIN_SECONDS = 200e-6
 
 
-class TcpPeerDataClient(PeerDataClient):
+class TcpPeerDataClient(FramedPeerDataClient):
     """An authenticated TCP connection to one peer's data plane."""
 
+    _send_errors = (OSError, proto.ProtocolError)
+
     def __init__(self, stream: DataStream, metrics: SidecarMetrics | None, window: int) -> None:
+        super().__init__(metrics, window)
         self._stream = stream
-        self._metrics = metrics
-        self._window = window
-        self._next_rid = 1
         self._chunks: dict[int, PendingChunk] = {}
-        self._lookups: dict[int, tuple[asyncio.Future[int], int]] = {}
         self._send_lock = asyncio.Lock()
-        self._reader: asyncio.Task[None] | None = None
-        self._error: BaseException | None = None
 
     @classmethod
     async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
@@ -153,13 +136,13 @@ class TcpPeerDataClient(PeerDataClient):
                 f"TLS with {address} failed: the peer closed the connection before its session "
                 "challenge, so it most likely refused this pod's certificate: --tls-cert-file must be "
                 "signed by the CA the peer trusts (--tls-ca-file) and be valid now") from exc
-        _raise_if_error(header, payload)
+        raise_if_refused(header, payload)
         if header.type is not proto.MessageType.AUTH_CHALLENGE or payload is None:
             raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
         nonce = proto.decode_auth_challenge(payload)
         await stream.send(proto.encode_auth_response(session_id, auth_proof(session_key, nonce)))
         header, payload = await read_frame(stream, header_buf, max_payload=small)
-        _raise_if_error(header, payload)
+        raise_if_refused(header, payload)
         if header.type is not proto.MessageType.AUTH_OK or payload is None:
             raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
         proto.decode_auth_ok(payload)
@@ -174,34 +157,12 @@ class TcpPeerDataClient(PeerDataClient):
         async with self._send_lock:
             await self._stream.send(frame)
 
-    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
-        """Number of leading ``keys`` the peer holds (one LOOKUP round trip)."""
-        self._check_open()
-        keys = list(keys)
-        if not keys:
-            return 0
-        rid = self._rids(1)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._lookups[rid] = (fut, len(keys))
-        try:
-            async with asyncio.timeout(timeout):
-                await self._send(proto.encode_lookup(rid, keys))
-                sock = self._stream.sock  # None under TLS: the socket holds ciphertext
-                if sock is not None and len(self._lookups) == 1 and not self._chunks:
-                    poll_readable(sock, min(LOOKUP_SPIN_SECONDS, timeout))
-                    count = self._take_lookup_reply(sock, rid, len(keys))
-                    if count is not None:
-                        return count
-                return await fut
-        except TimeoutError:
-            exc = TransportError(f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline")
-            self._fail(exc)
-            raise exc from None
-        except (OSError, proto.ProtocolError) as exc:
-            self._fail(exc)
-            raise TransportError(f"lookup failed: {exc}") from exc
-        finally:
-            self._lookups.pop(rid, None)
+    def _lookup_reply_now(self, rid: int, asked: int, timeout: float) -> int | None:
+        sock = self._stream.sock  # None under TLS: the socket holds ciphertext
+        if sock is None or len(self._lookups) != 1 or self._chunks:
+            return None
+        poll_readable(sock, min(LOOKUP_SPIN_SECONDS, timeout))
+        return self._take_lookup_reply(sock, rid, asked)
 
     def _take_lookup_reply(self, sock: socket.socket, rid: int, asked: int) -> int | None:
         """With nothing else in flight, take this lookup's reply straight off the socket
@@ -224,14 +185,6 @@ class TcpPeerDataClient(PeerDataClient):
         data = sock.recv(n)  # the n bytes peeked above; nobody else reads meanwhile
         return proto.decode_lookup_reply(data[proto.HEADER_BYTES:], asked)
 
-    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
-                    count: asyncio.Future[int] | None = None, first: int = 1) -> int:
-        """Receive chunks straight into ``store`` slots; leading keys now visible."""
-        self._check_open()
-        return await run_fetch(keys, store, timeout, window=self._window,
-                               send_requests=self._request_chunks, fail=self._fail,
-                               metrics=self._metrics, count=count, first=first)
-
     async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
         self._check_open()
         rid = self._rids(len(batch))
@@ -239,35 +192,11 @@ class TcpPeerDataClient(PeerDataClient):
             self._chunks[(rid + j) % proto.REQUEST_ID_MOD] = p
         await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
 
-    async def close(self) -> None:
-        """Send CLOSE (best effort) and close the connection."""
-        if self._error is not None:
-            return
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(0.5):
-                await self._send(proto.encode_close())
-        self._fail(TransportError("closed by this side"))
-        if self._reader is not None:
-            with contextlib.suppress(BaseException):
-                await self._reader
-
     def _fail(self, exc: BaseException) -> None:
-        """Close the connection and fail every request in flight (idempotent)."""
-        if self._error is None:
-            self._error = exc
-        err = exc if isinstance(exc, TransportError) else TransportError(f"data connection failed: {exc}")
-        for p in self._chunks.values():
-            if not p.done.done():
-                p.done.set_exception(err)
-        self._chunks.clear()
-        for fut, _ in self._lookups.values():
-            if not fut.done():
-                fut.set_exception(err)
+        super()._fail(exc)
         reader = self._reader
-        if reader is not None and reader is not asyncio.current_task() and not reader.done():
-            reader.cancel()  # its finally closes the socket; no byte lands in a slot after this
-        elif reader is None or reader.done():
-            self._stream.close()
+        if reader is None or reader.done():
+            self._stream.close()  # else the reader's finally closes it, once cancelled
 
     async def _read_loop(self) -> None:
         stream = self._stream
@@ -294,7 +223,7 @@ class TcpPeerDataClient(PeerDataClient):
                     if not p.done.done():
                         p.done.set_result(False)
                 elif not self._on_frame(header, payload):
-                    _raise_if_error(header, payload)
+                    raise_if_refused(header, payload)
                     raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
         except asyncio.CancelledError:
             raise
@@ -322,10 +251,3 @@ class TcpPeerDataClient(PeerDataClient):
         await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES)
         del self._chunks[header.request_id]
         commit_received(p, prefix.checksum, self._metrics)
-
-
-def _raise_if_error(header: proto.Header, payload: bytearray | None) -> None:
-    if header.type is proto.MessageType.ERROR:
-        raise TransportError(f"peer refused: {proto.decode_error(payload or b'')}")
-    if header.type is proto.MessageType.CLOSE:
-        raise TransportError("peer closed the data connection")

@@ -11,28 +11,17 @@ fails both.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import (
-    PeerDataClient,
-    StoreLike,
-    TransportError,
-    auth_proof,
-    count_protocol_error,
-)
-from kv_offload_sidecar.data.fetch import (
-    PendingChunk,
-    answer_lookup,
-    commit_received,
-    run_fetch,
-)
+from kv_offload_sidecar.data.base import TransportError, auth_proof, count_protocol_error
+from kv_offload_sidecar.data.fetch import PendingChunk, answer_lookup, commit_received
+from kv_offload_sidecar.data.peer_client import FramedPeerDataClient, raise_if_refused
 from kv_offload_sidecar.data.ucx.frames import (
     ATTACH_TAG,
     CHUNK_REPLIES,
@@ -46,7 +35,6 @@ from kv_offload_sidecar.data.ucx.frames import (
     decode_address,
     join_parts,
     parse_frame,
-    raise_if_error,
     split_frames,
     tag,
 )
@@ -58,14 +46,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Chunks a UCX client keeps in flight per fetch by default (UCX moves a chunk while the
+# fetcher verifies the previous ones; deeper than TCP's window because every chunk waits
 # for a rendezvous round trip between the two processes).
 UCX_WINDOW = 32
 
+# With two lanes, every GET_LANE_EVERY-th chunk of a fetch takes the fetcher-copied lane: the
 # fetcher's core also verifies every chunk, so it takes the smaller share of the copying.
 GET_LANE_EVERY = 3
 
 
-class UcxPeerDataClient(PeerDataClient):
+class UcxPeerDataClient(FramedPeerDataClient):
     """An authenticated UCX connection to one peer's data plane.
 
     With two lanes it has a partner: a second authenticated connection from this
@@ -77,18 +68,13 @@ class UcxPeerDataClient(PeerDataClient):
 
     def __init__(self, rt: UcxRuntime, ep: Any, cid: int, metrics: SidecarMetrics | None,
                  window: int) -> None:
+        super().__init__(metrics, window)
         self._rt = rt
         self._ep = ep
         self._cid = cid
         self._c2s = tag(cid, TAG_C2S)
         self._s2c = tag(cid, TAG_S2C)
-        self._metrics = metrics
-        self._window = window
-        self._next_rid = 1
         self._chunks: dict[int, _UcxChunk] = {}
-        self._lookups: dict[int, tuple[asyncio.Future[int], int]] = {}
-        self._reader: asyncio.Task[None] | None = None
-        self._error: BaseException | None = None
         self._partner: UcxPeerDataClient | None = None
         self._turn = 0  # chunks requested so far, modulo GET_LANE_EVERY
         self._requested = 0  # chunks requested over this connection
@@ -147,7 +133,7 @@ class UcxPeerDataClient(PeerDataClient):
                 s2c, c2s = tag(cid, TAG_S2C), tag(cid, TAG_C2S)
                 buf = await rt.recv_frame(s2c, UNAUTHENTICATED_BUFFER_BYTES)
                 header, payload = parse_frame(buf, None)
-                raise_if_error(header, payload)
+                raise_if_refused(header, payload)
                 if header.type is not proto.MessageType.AUTH_CHALLENGE:
                     raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
                 nonce = proto.decode_auth_challenge(payload)
@@ -155,7 +141,7 @@ class UcxPeerDataClient(PeerDataClient):
                               c2s)
                 buf = await rt.recv_frame(s2c, UNAUTHENTICATED_BUFFER_BYTES)
                 header, payload = parse_frame(buf, None)
-                raise_if_error(header, payload)
+                raise_if_refused(header, payload)
                 if header.type is not proto.MessageType.AUTH_OK:
                     raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
                 proto.decode_auth_ok(payload)
@@ -184,39 +170,6 @@ class UcxPeerDataClient(PeerDataClient):
 
     async def _send(self, frame: list) -> None:
         await self._rt.send(self._ep, join_parts(frame), self._c2s)
-
-    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
-        """Number of leading ``keys`` the peer holds (one LOOKUP round trip)."""
-        self._check_open()
-        keys = list(keys)
-        if not keys:
-            return 0
-        rid = self._rids(1)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._lookups[rid] = (fut, len(keys))
-        try:
-            async with asyncio.timeout(timeout):
-                await self._send(proto.encode_lookup(rid, keys))
-                return await fut
-        except TimeoutError:
-            exc = TransportError(f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline")
-            self._fail(exc)
-            raise exc from None
-        except TransportError:
-            raise
-        except Exception as exc:
-            self._fail(exc)
-            raise TransportError(f"lookup failed: {exc}") from exc
-        finally:
-            self._lookups.pop(rid, None)
-
-    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
-                    count: asyncio.Future[int] | None = None, first: int = 1) -> int:
-        """Receive chunks straight into ``store`` slots; leading keys now visible."""
-        self._check_open()
-        return await run_fetch(keys, store, timeout, window=self._window,
-                               send_requests=self._request_chunks, fail=self._fail,
-                               metrics=self._metrics, count=count, first=first)
 
     async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
         """Split the batch between the lanes, then ask each lane for its part."""
@@ -266,6 +219,9 @@ class UcxPeerDataClient(PeerDataClient):
         else:
             commit_received(st.p, st.checksum, self._metrics)
 
+    def _in_flight(self) -> Iterator[PendingChunk]:
+        return (st.p for st in self._chunks.values())
+
     async def close(self) -> None:
         """Send CLOSE (best effort) and close the endpoint (and the partner's)."""
         if self._error is not None:
@@ -274,35 +230,15 @@ class UcxPeerDataClient(PeerDataClient):
         if partner is not None:
             self._partner = partner._partner = None
             await partner.close()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(0.5):
-                await self._send(proto.encode_close())
-        self._fail(TransportError("closed by this side"))
-        if self._reader is not None:
-            with contextlib.suppress(BaseException):
-                await self._reader
+        await super().close()
 
-    def _fail(self, exc: BaseException) -> None:
-        """Close the endpoint (cancelling receives into slots) and fail everything in flight,
-        on the partner connection too."""
-        first = self._error is None
-        if first:
-            self._error = exc
-            self._rt.abort(self._ep)  # cancels posted receives: no byte lands in a slot after this
-            _release_connection_id(self._cid)
-        err = exc if isinstance(exc, TransportError) else TransportError(f"data connection failed: {exc}")
-        if first and self._partner is not None:
+    def _connection_failed(self, err: TransportError) -> None:
+        """Close the endpoint (cancelling receives into slots: no byte lands in a slot after
+        this) and fail the partner connection too."""
+        self._rt.abort(self._ep)
+        _release_connection_id(self._cid)
+        if self._partner is not None:
             self._partner._fail(err)
-        for st in self._chunks.values():
-            if not st.p.done.done():
-                st.p.done.set_exception(err)
-        self._chunks.clear()
-        for fut, _ in self._lookups.values():
-            if not fut.done():
-                fut.set_exception(err)
-        reader = self._reader
-        if reader is not None and reader is not asyncio.current_task() and not reader.done():
-            reader.cancel()
 
     async def _read_loop(self) -> None:
         try:
@@ -336,7 +272,7 @@ class UcxPeerDataClient(PeerDataClient):
             st.replied = True
             self._finish(header.request_id, st)
         else:
-            raise_if_error(header, payload)
+            raise_if_refused(header, payload)
             raise proto.ProtocolError("malformed", f"a server may not send {mtype.name} here")
 
     def _chunk_reply(self, header: proto.Header, payload: memoryview) -> None:
@@ -364,7 +300,6 @@ class _UcxChunk:
     checksum: int | None = None
 
 
-# Frame types that answer a FETCH.
 # Connection ids in use by this process's clients (a tag's high half).
 _client_cids: set[int] = set()
 

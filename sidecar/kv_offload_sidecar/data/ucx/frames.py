@@ -16,14 +16,8 @@ import base64
 import hashlib
 import hmac
 import logging
-from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import TransportError
-
-if TYPE_CHECKING:
-    pass
-
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +147,3 @@ def pack_frames(frames: list[bytes], limit: int) -> list[bytearray]:
 
 
 CHUNK_REPLIES = (proto.MessageType.CHUNK, proto.MessageType.CHUNK_MISSING)
-
-
-def raise_if_error(header: proto.Header, payload: memoryview) -> None:
-    if header.type is proto.MessageType.ERROR:
-        raise TransportError(f"peer refused: {proto.decode_error(payload)}")
-    if header.type is proto.MessageType.CLOSE:
-        raise TransportError("peer closed the data connection")

@@ -1,0 +1,149 @@
+"""What the planes' clients share: one connection to a holder that speaks the data
+protocol's frames, with its lookups and chunk requests in flight.
+
+``FramedPeerDataClient`` keeps the request bookkeeping (lookups waiting for their
+LOOKUP_REPLY, chunks requested and not yet in), runs a fetch through the fetch engine
+(``fetch.run_fetch``, ``fetch.lookup_then_fetch``), says CLOSE, and fails everything in
+flight when the connection ends. A plane keeps only how bytes move: ``_send`` (one frame
+out), ``_rids`` (its request ids), ``_request_chunks`` (ask for a batch, with the slots to
+receive into), the reader task that answers the futures, and what ending the connection
+means for it (``_connection_failed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.base import PeerDataClient, StoreLike, TransportError
+from kv_offload_sidecar.data.fetch import PendingChunk, lookup_then_fetch, run_fetch
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
+
+
+class FramedPeerDataClient(PeerDataClient):
+    """One authenticated connection to a peer's data plane, requests in flight by request id."""
+
+    # Errors of sending a LOOKUP that fail the connection (as TransportError); others propagate.
+    _send_errors: tuple[type[BaseException], ...] = (Exception,)
+
+    def __init__(self, metrics: SidecarMetrics | None, window: int) -> None:
+        self._metrics = metrics
+        self._window = window
+        self._next_rid = 1
+        # Request id -> the requested chunk (a plane may keep more per chunk, see _in_flight).
+        self._chunks: dict[int, Any] = {}
+        # Request id -> (the lookup's future, keys asked).
+        self._lookups: dict[int, tuple[asyncio.Future[int], int]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    async def _send(self, frame: list) -> None:
+        """Send one frame (a list of buffers) to the holder."""
+        raise NotImplementedError
+
+    def _rids(self, n: int) -> int:
+        """The first of ``n`` consecutive fresh request ids."""
+        raise NotImplementedError
+
+    async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
+        """Ask the holder for ``batch`` (the fetch engine's ``send_requests``)."""
+        raise NotImplementedError
+
+    def _lookup_reply_now(self, rid: int, asked: int, timeout: float) -> int | None:
+        """This lookup's count when the plane can take its reply at once, without the reader
+        task; None (the default) waits for the reader to answer the future."""
+        return None
+
+    def _in_flight(self) -> Iterable[PendingChunk]:
+        """The chunks requested and not yet in."""
+        return self._chunks.values()
+
+    def _connection_failed(self, err: TransportError) -> None:
+        """The connection just ended with ``err`` (called once, before anything in flight is
+        failed): stop the transport writing into slots."""
+
+    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
+        """Number of leading ``keys`` the peer holds (one LOOKUP round trip)."""
+        self._check_open()
+        keys = list(keys)
+        if not keys:
+            return 0
+        rid = self._rids(1)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._lookups[rid] = (fut, len(keys))
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(proto.encode_lookup(rid, keys))
+                count = self._lookup_reply_now(rid, len(keys), timeout)
+                return count if count is not None else await fut
+        except TimeoutError:
+            exc = TransportError(f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline")
+            self._fail(exc)
+            raise exc from None
+        except TransportError:
+            raise
+        except self._send_errors as exc:
+            self._fail(exc)
+            raise TransportError(f"lookup failed: {exc}") from exc
+        finally:
+            self._lookups.pop(rid, None)
+
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
+                    count: asyncio.Future[int] | None = None, first: int = 1) -> int:
+        """Receive chunks straight into ``store`` slots; leading keys now visible (``count``,
+        ``first``: the LOOKUP answer ``fetch_counted`` sent just before, see ``run_fetch``)."""
+        self._check_open()
+        return await run_fetch(keys, store, timeout, window=self._window,
+                               send_requests=self._request_chunks, fail=self._fail,
+                               metrics=self._metrics, count=count, first=first)
+
+    async def fetch_counted(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
+                            first: int, on_count: Callable[[int], None]) -> int:
+        """The LOOKUP of ``keys`` and, right behind it, the FETCH (see ``PeerDataClient``)."""
+        self._check_open()
+        return await lookup_then_fetch(
+            self.lookup(keys, timeout),
+            lambda count: self.fetch(keys, store, timeout, count=count, first=first), on_count)
+
+    async def close(self) -> None:
+        """Send CLOSE (best effort) and close the connection."""
+        if self._error is not None:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(0.5):
+                await self._send(proto.encode_close())
+        self._fail(TransportError("closed by this side"))
+        if self._reader is not None:
+            with contextlib.suppress(BaseException):
+                await self._reader
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the connection and fail every request in flight (idempotent)."""
+        first = self._error is None
+        err = exc if isinstance(exc, TransportError) else TransportError(f"data connection failed: {exc}")
+        if first:
+            self._error = exc
+            self._connection_failed(err)
+        for p in self._in_flight():
+            if not p.done.done():
+                p.done.set_exception(err)
+        self._chunks.clear()
+        for fut, _ in self._lookups.values():
+            if not fut.done():
+                fut.set_exception(err)
+        reader = self._reader
+        if reader is not None and reader is not asyncio.current_task() and not reader.done():
+            reader.cancel()
+
+
+def raise_if_refused(header: proto.Header, payload: bytes | bytearray | memoryview | None) -> None:
+    """TransportError when the holder's frame is an ERROR (it refused) or a CLOSE."""
+    if header.type is proto.MessageType.ERROR:
+        raise TransportError(f"peer refused: {proto.decode_error(payload or b'')}")
+    if header.type is proto.MessageType.CLOSE:
+        raise TransportError("peer closed the data connection")

@@ -1,0 +1,89 @@
+"""Which plane serves and which dials: ``make_server(kind, ...)`` builds the server of the
+configured transport, ``connect(address, ...)`` the client the peer's address scheme names.
+Each plane's modules (and ``ucxx``, ``nixl_cu12``) are imported only when it is picked."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kv_offload_sidecar.data.address import check_tls_policy, parse_address
+from kv_offload_sidecar.settings import TRANSPORTS
+
+if TYPE_CHECKING:
+    from ssl import SSLContext
+
+    from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, PeerDataClient, StoreLike
+    from kv_offload_sidecar.metrics import SidecarMetrics
+
+
+def make_server(
+    kind: str,
+    store: StoreLike,
+    authorize: Authorize,
+    metrics: SidecarMetrics | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    chunk_bytes: int,
+    ssl: SSLContext | None = None,
+    **options: Any,
+) -> DataPlaneServer:
+    """Build (not start) the data-plane server of transport ``kind``; with ``ssl``
+    (``tls.server_context``) the TCP one runs mutual TLS and advertises ``tls://``. Among
+    ``options``: ``rejections``, a ``rejections.RejectionLog`` the refusals' lines go to (the
+    sidecar's, shared with its control port; the server's own otherwise)."""
+    if kind == "tcp":
+        from kv_offload_sidecar.data.tcp.server import TcpDataPlaneServer
+
+        return TcpDataPlaneServer(store, authorize, metrics, host=host, port=port,
+                                  chunk_bytes=chunk_bytes, ssl=ssl, **options)
+    if ssl is not None and kind in TRANSPORTS:
+        raise ValueError(f"TLS encrypts the tcp data plane only, not {kind!r}: "
+                         "use transport tcp with TLS, or leave the TLS context out")
+    if kind == "ucx":
+        from kv_offload_sidecar.data.ucx.server import UcxDataPlaneServer
+
+        return UcxDataPlaneServer(store, authorize, metrics, host=host, port=port,
+                                  chunk_bytes=chunk_bytes, **options)
+    if kind == "nixl":
+        from kv_offload_sidecar.data.nixl.server import NixlDataPlaneServer
+
+        return NixlDataPlaneServer(store, authorize, metrics, host=host, port=port,
+                                   chunk_bytes=chunk_bytes, **options)
+    raise ValueError(f"unknown transport {kind!r}; use one of {list(TRANSPORTS)}")
+
+
+async def connect(
+    address: str,
+    session_id: bytes,
+    session_key: bytes,
+    *,
+    timeout: float,
+    metrics: SidecarMetrics | None = None,
+    ssl: SSLContext | None = None,
+    **options: Any,
+) -> PeerDataClient:
+    """Open an authenticated data connection to the peer at ``address``.
+
+    ``ssl`` (``tls.client_context``): this pod requires TLS; only a ``tls://`` peer is
+    accepted then, and only without it a ``tcp://`` or ``ucx://`` one. Raises
+    ``TransportError`` when it cannot connect, complete TLS or authenticate in
+    ``timeout`` seconds, or when ``ssl`` and the peer's scheme disagree;
+    ``ValueError`` for an address that is not tcp://, tls://, ucx:// or nixl://.
+    """
+    scheme, _ = parse_address(address)
+    if scheme in ("tcp", "tls"):
+        from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient
+
+        return await TcpPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
+                                               metrics=metrics, ssl=ssl, **options)
+    check_tls_policy(address, scheme, ssl)
+    if scheme == "nixl":
+        from kv_offload_sidecar.data.nixl.client import NixlPeerDataClient
+
+        return await NixlPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
+                                                metrics=metrics, **options)
+    from kv_offload_sidecar.data.ucx.client import UcxPeerDataClient
+
+    return await UcxPeerDataClient.connect(address, session_id, session_key,
+                                           timeout=timeout, metrics=metrics, **options)
