@@ -17,11 +17,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import signal
-import socket
 import ssl
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -31,19 +28,14 @@ import kmock
 import pytest
 from chart_support import FULLNAME, NAMESPACE, find, webhook_cert_job_argv
 from kv_offload_operator.webhook_cert import decode_secret_data
+from operator_process import KV_OFFLOAD, OperatorProcess
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
 
 WEBHOOK_DNS = f"{FULLNAME}.{NAMESPACE}.svc"
-KV_OFFLOAD = str(Path(sys.executable).with_name("kv-offload"))
 POD_NAMESPACE = "inference"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def emulate_cluster(k: kmock.KubernetesEmulator) -> None:
@@ -64,12 +56,11 @@ def emulate_cluster(k: kmock.KubernetesEmulator) -> None:
         k.resources[f"v1/{plural}"] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=verbs)
 
 
-def chart_operator_argv(objects: list[dict[str, Any]], cert_dir: Path, webhook_port: int,
-                        health_port: int, metrics_port: int) -> list[str]:
+def chart_operator_argv(objects: list[dict[str, Any]], cert_dir: Path, operator: OperatorProcess) -> list[str]:
     """The Deployment's args with the pod-local paths and ports moved to this host."""
     (container,) = find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
-    moved = {"--webhook-cert-dir": str(cert_dir), "--webhook-port": str(webhook_port),
-             "--health-port": str(health_port), "--metrics-port": str(metrics_port)}
+    moved = {"--webhook-cert-dir": str(cert_dir), "--webhook-port": str(operator.webhook_port),
+             "--health-port": str(operator.health_port), "--metrics-port": str(operator.metrics_port)}
     argv = []
     for arg in container["args"]:
         flag, eq, _ = arg.partition("=")
@@ -77,20 +68,17 @@ def chart_operator_argv(objects: list[dict[str, Any]], cert_dir: Path, webhook_p
     return [KV_OFFLOAD, *argv, "--webhook-addr", "127.0.0.1"]
 
 
-async def wait_healthy(url: str, proc: asyncio.subprocess.Process, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if proc.returncode is not None:
-                pytest.fail(f"operator exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as reply:
-                    if reply.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            await asyncio.sleep(0.2)
-    pytest.fail(f"operator /healthz not up in 60s:\n{log.read_text()[-4000:]}")
+async def healthy(url: str, operator: OperatorProcess) -> bool:
+    """Whether ``url`` answers 200; fails at once with the log when the operator has exited."""
+    assert operator.proc is not None
+    if operator.proc.returncode is not None:
+        pytest.fail(f"operator exited with {operator.proc.returncode}:\n{operator.log()[-4000:]}")
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as reply:
+                return reply.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
 
 
 def admission_review(pod: dict[str, Any]) -> dict[str, Any]:
@@ -123,13 +111,9 @@ async def test_operator_answers_health_webhook_and_metrics_with_the_chart_argume
         kmock: kmock.KubernetesEmulator, render, tmp_path: Path) -> None:
     objects = render({"monitoring": {"serviceMonitor": {"enabled": True}}})
     emulate_cluster(kmock)
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: emulator, cluster: {{server: '{str(kmock.url).rstrip('/')}'}}}}]\n"
-        "users: [{name: tester, user: {token: test-token}}]\n"
-        "contexts: [{name: emulator, context: {cluster: emulator, user: tester}}]\n"
-        "current-context: emulator\n")
+    operator = OperatorProcess(tmp_path, str(kmock.url),
+                               command=lambda op: chart_operator_argv(objects, cert_dir, op))
+    kubeconfig = operator.kubeconfig
     # helm install: the pre-install Job, the manifests, the post-install Job.
     await run_certificate_job(objects, "create", kubeconfig)
     await api(kmock, "POST", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations",
@@ -145,15 +129,10 @@ async def test_operator_answers_health_webhook_and_metrics_with_the_chart_argume
             assert volume["secret"]["secretName"] == secret["metadata"]["name"]
             for item in volume["secret"]["items"]:
                 (cert_dir / item["path"]).write_bytes(decode_secret_data(secret["data"])[item["key"]])
-    webhook_port, health_port, metrics_port = free_port(), free_port(), free_port()
-    log = tmp_path / "operator.log"
-    with open(log, "wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            *chart_operator_argv(objects, cert_dir, webhook_port, health_port, metrics_port),
-            env=dict(os.environ, KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1"),
-            stdout=out, stderr=out, start_new_session=True)
-    try:
-        await wait_healthy(f"http://127.0.0.1:{health_port}/healthz", proc, log)
+    async with operator:
+        health_port, webhook_port, metrics_port = operator.health_port, operator.webhook_port, operator.metrics_port
+        await wait_for_async("the operator's /healthz", lambda: healthy(f"http://127.0.0.1:{health_port}/healthz",
+                                                                        operator))
 
         # The helm test pod's own script, its Service URL pointed at this host.
         script = find(objects, "Pod")["spec"]["containers"][0]["command"][-1]
@@ -190,29 +169,15 @@ async def test_operator_answers_health_webhook_and_metrics_with_the_chart_argume
                            for f in text_string_to_metric_families(await reply.text()) for s in f.samples}
         denied = ("kv_offload_operator_admissions_total", (("reason", "pool_not_found"), ("result", "denied")))
         assert samples[denied] == 1
-        leads = await wait_for_leader(metrics_port, endpoint["path"])
-        assert leads == 1
+        await wait_for_async("this replica leading", lambda: leads(metrics_port, endpoint["path"]))
         peering = await api(kmock, "GET", f"/apis/kopf.dev/v1/clusterkopfpeerings/{FULLNAME}")
         assert len(peering.get("status") or {}) == 1  # this replica's keep-alive
-    finally:
-        if proc.returncode is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 20)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
-async def wait_for_leader(port: int, path: str, timeout: float = 30) -> float:
-    """kv_offload_operator_leader once the replica has read its peering object (1 when it leads)."""
-    deadline = time.monotonic() + timeout
+async def leads(port: int, path: str) -> bool:
+    """Whether kv_offload_operator_leader is 1: the replica has read its peering object and leads."""
     async with aiohttp.ClientSession() as session:
-        while True:
-            async with session.get(f"http://127.0.0.1:{port}{path}") as reply:
-                text = await reply.text()
-            value = next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                         if s.name == "kv_offload_operator_leader")
-            if value == 1 or time.monotonic() > deadline:
-                return value
-            await asyncio.sleep(0.2)
+        async with session.get(f"http://127.0.0.1:{port}{path}") as reply:
+            text = await reply.text()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "kv_offload_operator_leader") == 1

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for_async
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -40,11 +39,13 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 async def wait_for_metrics(port: int, probe: Callable[[Samples], bool] = lambda samples: True,
                            timeout: float = 30.0, log: Callable[[], str] = lambda: "") -> Samples:
     """The samples served on ``port`` once ``probe`` accepts them; fails with the last scrape and ``log()``."""
-    deadline = time.monotonic() + timeout
-    samples = None
-    while time.monotonic() < deadline:
-        samples = await scrape_or_none(port)
-        if samples is not None and probe(samples):
-            return samples
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"the metrics on port {port} never matched; last scrape: {samples}\n{log()[-3000:]}")
+    last: list[Samples | None] = [None]
+
+    async def accepted() -> Samples | None:
+        last[0] = await scrape_or_none(port)
+        return last[0] if last[0] is not None and probe(last[0]) else None
+
+    try:
+        return await wait_for_async(f"the metrics on port {port} to match", accepted, timeout)
+    except AssertionError:
+        raise AssertionError(f"the metrics on port {port} never matched; last scrape: {last[0]}\n{log()[-3000:]}") from None

@@ -17,20 +17,10 @@ from typing import Any
 import kmock
 import pytest
 from kv_offload_operator.rbac import operator_rbac
-from metrics_support import scrape_or_none, value, wait_for_metrics
-from operator_harness import (
-    NAMESPACE,
-    PEERINGS,
-    POOLS,
-    POOLS_URL,
-    OperatorProcess,
-    create,
-    emulate_cluster,
-    make_tls,
-    obj,
-    pool_body,
-    wait_for,
-)
+from metrics_support import value, wait_for_metrics
+from operator_harness import NAMESPACE, PEERINGS, POOLS, POOLS_URL, create, emulate_cluster, obj, pool_body
+from operator_process import OperatorProcess, make_tls
+from waiting import wait_for_async
 from webhook_support import Webhook, vllm_pod
 
 pytestmark = pytest.mark.timeout(150)
@@ -73,21 +63,9 @@ def requests_by(k: kmock.KubernetesEmulator, token: str) -> set[tuple[str, str, 
     return used
 
 
-async def leader_gauge(operator: OperatorProcess) -> float | None:
-    samples = await scrape_or_none(operator.metrics_port)
-    if samples is None:
-        return None
-    return samples.get(("kv_offload_operator_leader", frozenset()))
-
-
 async def wait_leader_gauge(operator: OperatorProcess, wanted: float, timeout: float = 60) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while await leader_gauge(operator) != wanted:
-        assert operator.proc is not None and operator.proc.returncode is None, operator.log()[-4000:]
-        if loop.time() > deadline:
-            raise AssertionError(f"kv_offload_operator_leader never became {wanted}:\n{operator.log()[-4000:]}")
-        await asyncio.sleep(0.2)
+    await wait_for_metrics(operator.metrics_port, lambda s: s.get(("kv_offload_operator_leader", frozenset())) == wanted,
+                           timeout, operator.log)
 
 
 def status_of(k: kmock.KubernetesEmulator, name: str) -> dict[str, Any]:
@@ -112,16 +90,16 @@ async def test_two_replicas_both_admit_pods_only_the_oldest_reconciles_and_the_s
         await wait_leader_gauge(a, 1)
         await b.start()
         # The operator made its peering object; both replicas keep their records in it.
-        await wait_for("both replicas' peering records", lambda: {"kv-offload-a", "kv-offload-b"} <= set(
+        await wait_for_async("both replicas' peering records", lambda: {"kv-offload-a", "kv-offload-b"} <= set(
             (obj(kmock, PEERINGS, PEERING, NAMESPACE) or {}).get("status") or {}))
         await wait_leader_gauge(b, 0)
         # kopf starts b's watches paused and keeps them so while a, the older replica, lives.
-        await wait_for("b's paused pool watch", lambda: "Pausing the watch-stream for kvoffloadpools" in b.log())
+        await wait_for_async("b's paused pool watch", lambda: "Pausing the watch-stream for kvoffloadpools" in b.log())
 
         await create(kmock, POOLS_URL, pool_body("llama"))
-        fingerprint = await wait_for("the pool's fingerprint", lambda: status_of(kmock, "llama").get("fingerprint"))
+        fingerprint = await wait_for_async("the pool's fingerprint", lambda: status_of(kmock, "llama").get("fingerprint"))
         # The ready-peers follower runs on the leader only (no pods: 0 ready, no sessions).
-        await wait_for("the leader's ready-peers count", lambda: "peerStates" in status_of(kmock, "llama"))
+        await wait_for_async("the leader's ready-peers count", lambda: "peerStates" in status_of(kmock, "llama"))
         for operator in (a, b):
             webhook = Webhook(operator.webhook_port, ca)
             await webhook.wait_listening()
@@ -149,18 +127,18 @@ async def test_two_replicas_both_admit_pods_only_the_oldest_reconciles_and_the_s
                 await asyncio.sleep(0.05)
 
         admitting = asyncio.create_task(admit_through_b())
-        await wait_for("admissions through b", lambda: len(answers) >= 3)
+        await wait_for_async("admissions through b", lambda: len(answers) >= 3)
         killed_at = len(list(kmock))
         await a.stop(signal.SIGKILL)
         admitted_at_kill = len(answers)
         await wait_leader_gauge(b, 1, timeout=LIFETIME * 6)
         await create(kmock, POOLS_URL, pool_body("second"))
-        second = await wait_for("the second pool reconciled by b",
-                                lambda: status_of(kmock, "second").get("fingerprint"))
+        second = await wait_for_async("the second pool reconciled by b",
+                                      lambda: status_of(kmock, "second").get("fingerprint"))
         stop.set()
         await admitting
         assert second == fingerprint  # same vLLM args: same translation
-        await wait_for("the new leader's ready-peers count", lambda: "peerStates" in status_of(kmock, "second"))
+        await wait_for_async("the new leader's ready-peers count", lambda: "peerStates" in status_of(kmock, "second"))
         assert len(answers) > admitted_at_kill + 3  # admissions went on while a was dead
         assert all(answer["allowed"] is True and answer.get("patch") for answer in answers)
         later = writes_by(kmock, since=killed_at)

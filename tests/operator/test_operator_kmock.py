@@ -21,24 +21,21 @@ from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride
 from operator_harness import (
     KTC,
-    KV_OFFLOAD,
     LLAMA_ARGS,
     NAMESPACE,
     POOLS,
     POOLS_URL,
-    SIDECAR_IMAGE,
-    OperatorProcess,
     assert_within_rbac,
     create,
     emulate_cluster,
-    free_port,
     llama_config,
     merge_patch,
     obj,
     pool_body,
     requests_to,
-    wait_for,
 )
+from operator_process import KV_OFFLOAD, SIDECAR_IMAGE, OperatorProcess, free_port
+from waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,7 +80,7 @@ async def test_creating_a_pool_writes_configmap_secret_service_and_the_cli_finge
     expected = cli_fingerprint(tmp_path, LLAMA_ARGS)
     async with OperatorProcess(tmp_path, str(kmock.url)) as operator:
         await create(kmock, POOLS_URL, pool_body("llama"))
-        status = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        status = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{operator.health_port}/healthz") as resp:
                 assert resp.status == 200
@@ -125,12 +122,12 @@ async def test_an_update_changes_fingerprint_configmap_and_service_but_never_the
     assert old_fp != new_fp
     async with OperatorProcess(tmp_path, str(kmock.url)):
         await create(kmock, POOLS_URL, pool_body("llama"))
-        await wait_for("the first fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == old_fp)
+        await wait_for_async("the first fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == old_fp)
         key_before = obj(kmock, "v1/secrets", "llama-pool-key")["data"]["key"]
 
         await merge_patch(kmock, f"{POOLS_URL}/llama",
                           {"metadata": {"generation": 2}, "spec": {"vllmArgs": new_args}})
-        await wait_for("the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == new_fp)
+        await wait_for_async("the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == new_fp)
 
         st = status_of(kmock, "llama")
         assert st["observedGeneration"] == 2
@@ -157,7 +154,7 @@ async def test_a_data_parallel_pools_configmap_holds_no_engines_own_values(
     assert (engine.engine_id, engine.parallel.data_parallel_index) == ("llama-pool_dp2", 2)
     async with OperatorProcess(tmp_path, str(kmock.url)):
         await create(kmock, POOLS_URL, pool_body("dp", vllm_args=dp_args))
-        fingerprint = await wait_for("the pool status", lambda: status_of(kmock, "dp").get("fingerprint"))
+        fingerprint = await wait_for_async("the pool status", lambda: status_of(kmock, "dp").get("fingerprint"))
         cm = obj(kmock, "v1/configmaps", "dp-offloading-config")
         config = OffloadingConfig.from_json(cm["data"]["offloading_config.json"])
         assert fingerprint == config.fingerprint == engine.fingerprint
@@ -179,14 +176,14 @@ async def test_an_invalid_spec_sets_the_invalid_condition_with_the_translator_me
     translator_message = err.strip()
     async with OperatorProcess(tmp_path, str(kmock.url)):
         await create(kmock, POOLS_URL, pool_body("llama"))
-        good_fp = await wait_for("the good fingerprint", lambda: status_of(kmock, "llama").get("fingerprint"))
+        good_fp = await wait_for_async("the good fingerprint", lambda: status_of(kmock, "llama").get("fingerprint"))
         good_cm = obj(kmock, "v1/configmaps", "llama-offloading-config")
 
         await merge_patch(kmock, f"{POOLS_URL}/llama",
                           {"metadata": {"generation": 2}, "spec": {"vllmArgs": bad_args}})
-        invalid = await wait_for("the Invalid condition",
-                                 lambda: condition(status_of(kmock, "llama"), "Invalid").get("status") == "True"
-                                 and condition(status_of(kmock, "llama"), "Invalid"))
+        invalid = await wait_for_async("the Invalid condition",
+                                       lambda: condition(status_of(kmock, "llama"), "Invalid").get("status") == "True"
+                                       and condition(status_of(kmock, "llama"), "Invalid"))
 
         assert invalid["message"] in translator_message  # the CLI may prefix its own name
         assert invalid["message"].startswith("the vLLM args configure no KV offloading connector")
@@ -198,8 +195,8 @@ async def test_an_invalid_spec_sets_the_invalid_condition_with_the_translator_me
 
         # A pool that is invalid from the start gets the condition and no children at all.
         await create(kmock, POOLS_URL, pool_body("broken", vllm_args=bad_args))
-        await wait_for("the broken pool's Invalid condition",
-                       lambda: condition(status_of(kmock, "broken"), "Invalid").get("status") == "True")
+        await wait_for_async("the broken pool's Invalid condition",
+                             lambda: condition(status_of(kmock, "broken"), "Invalid").get("status") == "True")
         assert condition(status_of(kmock, "broken"), "Invalid")["message"] == invalid["message"]
         assert "fingerprint" not in status_of(kmock, "broken")
         for resource, name in (("v1/configmaps", "broken-offloading-config"),
@@ -214,15 +211,15 @@ async def test_restarting_the_operator_midway_creates_no_duplicates_and_keeps_th
     await operator.start()
     try:
         await create(kmock, POOLS_URL, pool_body("first"))
-        await wait_for("the first pool", lambda: status_of(kmock, "first").get("fingerprint"))
+        await wait_for_async("the first pool", lambda: status_of(kmock, "first").get("fingerprint"))
         key = obj(kmock, "v1/secrets", "first-pool-key")["data"]["key"]
         await operator.stop(signal.SIGKILL)  # a crash, not a clean shutdown
 
         await create(kmock, POOLS_URL, pool_body("second"))  # arrives while the operator is down
         await operator.start()
-        await wait_for("the second pool", lambda: status_of(kmock, "second").get("fingerprint"))
-        await wait_for("the resumed first pool",
-                       lambda: f"Pool {NAMESPACE}/first: fingerprint" in operator.log())
+        await wait_for_async("the second pool", lambda: status_of(kmock, "second").get("fingerprint"))
+        await wait_for_async("the resumed first pool",
+                             lambda: f"Pool {NAMESPACE}/first: fingerprint" in operator.log())
     finally:
         await operator.stop()
 
@@ -271,7 +268,7 @@ async def test_ready_peers_counts_the_sidecars_that_report_a_connected_peer_on_t
     pods_url = f"/api/v1/namespaces/{NAMESPACE}/pods"
     async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--ready-peers-check-seconds", "0.3"]):
         await create(kmock, POOLS_URL, pool_body("llama"))
-        fp = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        fp = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
         assert status_of(kmock, "llama")["readyPeers"] == 0
         cm = obj(kmock, "v1/configmaps", "llama-offloading-config")
         assert cm is not None
@@ -298,7 +295,7 @@ async def test_ready_peers_counts_the_sidecars_that_report_a_connected_peer_on_t
                         (st.get("peerStates") or {}).get("connected")) == (ready, unanswered, connected_sessions)
 
             # p0..p2 each connected to the two others; p3 rejected by all (and rejecting them).
-            await wait_for("three ready peers", lambda: shows(3, 1, 6))
+            await wait_for_async("three ready peers", lambda: shows(3, 1, 6))
             states = status_of(kmock, "llama")["peerStates"]
             assert set(states) == {"connected", "connecting", "backoff", "rejected"}
             assert states["rejected"] + states["backoff"] + states["connecting"] >= 3, states
@@ -307,17 +304,17 @@ async def test_ready_peers_counts_the_sidecars_that_report_a_connected_peer_on_t
 
             # A sidecar dies (its pod's status still says running): it no longer answers.
             await asyncio.to_thread(sidecars[0].kill)
-            await wait_for("two ready peers", lambda: shows(2, 2, 2))
+            await wait_for_async("two ready peers", lambda: shows(2, 2, 2))
 
             # The pod that had no IP gets one (it reaches sidecar 1).
             await merge_patch(kmock, f"{pods_url}/no-ip-yet", {"status": {"podIP": "127.0.0.1"}})
-            await wait_for("the late pod counted", lambda: shows(3, 1, 3))
+            await wait_for_async("the late pod counted", lambda: shows(3, 1, 3))
             # A spec change: every sidecar still runs the old fingerprint.
             new_args = [*LLAMA_ARGS[:4], "32", *LLAMA_ARGS[5:]]  # --block-size 32: another fingerprint
             await merge_patch(kmock, f"{POOLS_URL}/llama",
                               {"metadata": {"generation": 2}, "spec": {"vllmArgs": new_args}})
-            await wait_for("no ready peer of the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint")
-                           != fp and shows(0, 1, 0))
+            await wait_for_async("no ready peer of the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint")
+                                 != fp and shows(0, 1, 0))
         finally:
             await asyncio.gather(asyncio.to_thread(sidecars.stop), asyncio.to_thread(foreign.stop))
     # Written on change only: never the same count twice in a row (checks ran every 0.3 s).
@@ -338,7 +335,7 @@ async def test_model_config_ref_reads_the_model_config_from_a_configmap(
     body["spec"]["modelConfigRef"] = {"name": "llama-model", "key": "config.json"}
     async with OperatorProcess(tmp_path, str(kmock.url)):
         await create(kmock, POOLS_URL, body)
-        fingerprint = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        fingerprint = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
     assert fingerprint == expected
 
 
@@ -363,30 +360,30 @@ async def test_an_edited_model_config_map_is_translated_again_without_a_spec_cha
 
     async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--model-config-check-seconds", "0.3"]):
         await create(kmock, POOLS_URL, body)
-        await wait_for("the first fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == before)
+        await wait_for_async("the first fingerprint", lambda: status_of(kmock, "llama").get("fingerprint") == before)
         first_digest = status_of(kmock, "llama")["modelConfigDigest"]
 
         await merge_patch(kmock, f"{model_url}/llama-model", {"data": {"config.json": json.dumps(narrower)}})
-        await wait_for("the edited model's fingerprint",
-                       lambda: status_of(kmock, "llama").get("fingerprint") == after)
+        await wait_for_async("the edited model's fingerprint",
+                             lambda: status_of(kmock, "llama").get("fingerprint") == after)
         assert pool_config().fingerprint == after
         assert status_of(kmock, "llama")["modelConfigDigest"] != first_digest
         assert status_of(kmock, "llama")["observedGeneration"] == 1  # the spec did not change
 
         # A broken edit says what is wrong and leaves the pool on its last good translation.
         await merge_patch(kmock, f"{model_url}/llama-model", {"data": {"config.json": "{not json"}})
-        invalid = await wait_for("the Invalid condition",
-                                 lambda: condition(status_of(kmock, "llama"), "Invalid").get("status") == "True"
-                                 and condition(status_of(kmock, "llama"), "Invalid"))
+        invalid = await wait_for_async("the Invalid condition",
+                                       lambda: condition(status_of(kmock, "llama"), "Invalid").get("status") == "True"
+                                       and condition(status_of(kmock, "llama"), "Invalid"))
         assert invalid["message"].startswith("ConfigMap 'llama-model' key 'config.json' is not JSON")
         assert pool_config().fingerprint == after
         assert status_of(kmock, "llama")["fingerprint"] == after
 
         # Fixing it makes the pool Ready again with the fixed config.
         await merge_patch(kmock, f"{model_url}/llama-model", {"data": {"config.json": json.dumps(llama_config())}})
-        await wait_for("Ready with the original fingerprint again",
-                       lambda: status_of(kmock, "llama").get("fingerprint") == before
-                       and condition(status_of(kmock, "llama"), "Ready").get("status") == "True")
+        await wait_for_async("Ready with the original fingerprint again",
+                             lambda: status_of(kmock, "llama").get("fingerprint") == before
+                             and condition(status_of(kmock, "llama"), "Ready").get("status") == "True")
         assert pool_config().fingerprint == before
 
 
@@ -403,9 +400,9 @@ async def test_a_pool_whose_hash_seed_cannot_work_is_invalid_saying_what_to_chan
             await create(kmock, POOLS_URL, body)
         for name, said in (("random-seed", "spec.hashSeed='random': use a decimal integer"),
                            ("stated-seed", "kv_connector_extra_config.hash_seed='9' is set but spec.hashSeed is not")):
-            message = await wait_for(f"{name}'s Invalid condition",
-                                     lambda n=name: condition(status_of(kmock, n), "Invalid").get("status")
-                                     == "True" and condition(status_of(kmock, n), "Invalid")["message"])
+            message = await wait_for_async(f"{name}'s Invalid condition",
+                                           lambda n=name: condition(status_of(kmock, n), "Invalid").get("status")
+                                           == "True" and condition(status_of(kmock, n), "Invalid")["message"])
             assert message.startswith(said), message
             assert obj(kmock, "v1/configmaps", f"{name}-offloading-config") is None
 
@@ -455,14 +452,14 @@ async def test_a_missing_model_config_map_or_keyless_pool_secret_shows_as_waitin
     async with OperatorProcess(tmp_path, str(kmock.url)):
         await create(kmock, POOLS_URL, body)
         await create(kmock, POOLS_URL, pool_body("keyless"))
-        ready = await wait_for("the waiting condition",
-                               lambda: condition(status_of(kmock, "llama"), "Ready").get("reason") == "Waiting"
-                               and condition(status_of(kmock, "llama"), "Ready"))
+        ready = await wait_for_async("the waiting condition",
+                                     lambda: condition(status_of(kmock, "llama"), "Ready").get("reason") == "Waiting"
+                                     and condition(status_of(kmock, "llama"), "Ready"))
         assert ready["status"] == "False"
         assert "ConfigMap 'not-there' named by spec.modelConfigRef does not exist" in ready["message"]
-        keyless = await wait_for("the keyless pool's waiting condition",
-                                 lambda: condition(status_of(kmock, "keyless"), "Ready").get("reason") == "Waiting"
-                                 and condition(status_of(kmock, "keyless"), "Ready"))
+        keyless = await wait_for_async("the keyless pool's waiting condition",
+                                       lambda: condition(status_of(kmock, "keyless"), "Ready").get("reason") == "Waiting"
+                                       and condition(status_of(kmock, "keyless"), "Ready"))
         assert "never rotates a pool key silently" in keyless["message"]
         assert obj(kmock, "v1/secrets", "keyless-pool-key")["data"] == {"other": "eA=="}
 
@@ -477,7 +474,7 @@ async def test_with_all_namespaces_pools_in_every_namespace_are_reconciled(
             body["metadata"].update(namespace=ns, uid=f"uid-{ns}")
             await create(kmock, f"/apis/kv-offload.io/v1alpha1/namespaces/{ns}/kvoffloadpools", body)
         for ns in ("team-a", "team-b"):
-            fingerprint = await wait_for(f"the pool in {ns}", lambda: (
+            fingerprint = await wait_for_async(f"the pool in {ns}", lambda: (
                 obj(kmock, POOLS, "llama", ns) or {}).get("status", {}).get("fingerprint"))
             assert fingerprint == expected
             assert obj(kmock, "v1/configmaps", "llama-offloading-config", ns) is not None
@@ -501,8 +498,8 @@ async def test_the_pool_secret_holds_a_hash_seed_and_an_admin_token_and_an_older
         for name in ("llama", "old"):
             await create(kmock, POOLS_URL, pool_body(name))
         for name in ("llama", "old"):
-            await wait_for(f"pool {name}", lambda n=name: status_of(kmock, n).get("fingerprint"))
-        await wait_for("the completed old Secret", lambda: "admin-token" in secret_entries(kmock, "old-pool-key"))
+            await wait_for_async(f"pool {name}", lambda n=name: status_of(kmock, n).get("fingerprint"))
+        await wait_for_async("the completed old Secret", lambda: "admin-token" in secret_entries(kmock, "old-pool-key"))
         fresh, completed = secret_entries(kmock, "llama-pool-key"), secret_entries(kmock, "old-pool-key")
         for data in (fresh, completed):
             assert set(data) == {"key", "hash-seed", "admin-token"}
@@ -516,8 +513,8 @@ async def test_the_pool_secret_holds_a_hash_seed_and_an_admin_token_and_an_older
             await merge_patch(kmock, f"{POOLS_URL}/{name}", {"metadata": {"generation": 2},
                                                               "spec": {"shmSizeLimit": "6Gi"}})
         for name in ("llama", "old"):
-            await wait_for(f"pool {name} reconciled again",
-                           lambda n=name: status_of(kmock, n).get("observedGeneration") == 2)
+            await wait_for_async(f"pool {name} reconciled again",
+                                 lambda n=name: status_of(kmock, n).get("observedGeneration") == 2)
         assert secret_entries(kmock, "llama-pool-key") == fresh
         assert secret_entries(kmock, "old-pool-key") == completed
 
@@ -525,7 +522,7 @@ async def test_the_pool_secret_holds_a_hash_seed_and_an_admin_token_and_an_older
         annotated = pool_body("annotated")
         annotated["metadata"]["annotations"] = {"kv-offload.io/rotate-pool-key": "v1"}
         await create(kmock, POOLS_URL, annotated)
-        shown = await wait_for("the annotated pool's keyRotation", lambda: (
+        shown = await wait_for_async("the annotated pool's keyRotation", lambda: (
             status_of(kmock, "annotated").get("keyRotation")))
         assert (shown["phase"], shown["requested"]) == ("Done", "v1")
         assert set(secret_entries(kmock, "annotated-pool-key")) == {"key", "hash-seed", "admin-token"}
@@ -544,26 +541,26 @@ async def test_rotating_the_pool_key_keeps_the_old_key_as_previous_key_until_the
     async with OperatorProcess(tmp_path, str(kmock.url),
                                extra_args=["--key-rotation-check-seconds", "0.2"]) as operator:
         await create(kmock, POOLS_URL, body)
-        await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
         before = secret_entries(kmock, "llama-pool-key")
         assert "previous-key" not in before
 
         await merge_patch(kmock, f"{POOLS_URL}/llama",
                           {"metadata": {"annotations": {"kv-offload.io/rotate-pool-key": "2026-03-01"}}})
-        rotating = await wait_for("the previous key", lambda: "previous-key" in secret_entries(kmock, "llama-pool-key")
-                                  and secret_entries(kmock, "llama-pool-key"))
+        rotating = await wait_for_async("the previous key", lambda: "previous-key" in secret_entries(kmock, "llama-pool-key")
+                                        and secret_entries(kmock, "llama-pool-key"))
         assert rotating["previous-key"] == before["key"] and rotating["key"] != before["key"]
         assert len(rotating["key"]) == 32
         assert (rotating["hash-seed"], rotating["admin-token"]) == (before["hash-seed"], before["admin-token"])
         notes = obj(kmock, "v1/secrets", "llama-pool-key")["metadata"]["annotations"]
         assert notes["kv-offload.io/rotated-for"] == "2026-03-01"
-        shown = await wait_for("status.keyRotation Rotating", lambda: (
+        shown = await wait_for_async("status.keyRotation Rotating", lambda: (
             status_of(kmock, "llama").get("keyRotation") or {}).get("phase") == "Rotating"
             and status_of(kmock, "llama")["keyRotation"])
         assert shown["requested"] == "2026-03-01"
         assert shown["previousKeyExpires"] == notes["kv-offload.io/previous-key-expires"]
 
-        done = await wait_for("the previous key removed after the grace", lambda: (
+        done = await wait_for_async("the previous key removed after the grace", lambda: (
             "previous-key" not in secret_entries(kmock, "llama-pool-key")
             and (status_of(kmock, "llama").get("keyRotation") or {}).get("phase") == "Done"
             and status_of(kmock, "llama")["keyRotation"]), timeout=20)

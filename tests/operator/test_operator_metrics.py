@@ -15,15 +15,14 @@ from operator_harness import (
     NAMESPACE,
     POOLS,
     POOLS_URL,
-    OperatorProcess,
     assert_within_rbac,
     create,
     emulate_cluster,
-    make_tls,
     obj,
     pool_body,
-    wait_for,
 )
+from operator_process import OperatorProcess
+from waiting import wait_for_async
 from webhook_support import Webhook, vllm_pod
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,9 +40,7 @@ async def test_reconciles_admissions_translation_errors_and_pools_by_condition_a
     emulate_cluster(kmock)
     # The API server fails reads of this one pool: the webhook cannot decide.
     kmock[f"get /apis/kv-offload.io/v1alpha1/namespaces/{NAMESPACE}/kvoffloadpools/unreadable"] << 500
-    ca = make_tls(tmp_path / "certs")
-    async with OperatorProcess(tmp_path, str(kmock.url),
-                               extra_args=["--webhook-cert-dir", str(tmp_path / "certs")]) as operator:
+    async with OperatorProcess(tmp_path, str(kmock.url), webhook_tls=True) as operator:
         before = await wait_for_metrics(operator.metrics_port, log=operator.log)
         assert value(before, "kv_offload_operator_leader") == 1  # alone: it reconciles
         assert value(before, ADMISSIONS, result="denied", reason="pod_mismatch") == 0  # pre-created series
@@ -53,9 +50,9 @@ async def test_reconciles_admissions_translation_errors_and_pools_by_condition_a
         await create(kmock, POOLS_URL, pool_body("llama"))
         await create(kmock, POOLS_URL, pool_body("broken", vllm_args=BAD_ARGS))
         for name in ("llama", "broken"):
-            await wait_for(f"pool {name} reconciled", lambda n=name: conditions(kmock, n))
+            await wait_for_async(f"pool {name} reconciled", lambda n=name: conditions(kmock, n))
 
-        webhook = Webhook(operator.webhook_port, ca)
+        webhook = Webhook(operator.webhook_port, operator.ca)
         await webhook.wait_listening()
         allowed = await webhook.admit(vllm_pod("llama"))
         assert allowed["allowed"] is True

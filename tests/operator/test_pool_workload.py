@@ -18,7 +18,6 @@ from operator_harness import (
     NAMESPACE,
     POOLS,
     POOLS_URL,
-    OperatorProcess,
     assert_within_rbac,
     create,
     emulate_cluster,
@@ -26,8 +25,9 @@ from operator_harness import (
     merge_patch,
     obj,
     pool_body,
-    wait_for,
 )
+from operator_process import OperatorProcess
+from waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
 APPS = f"/apis/apps/v1/namespaces/{NAMESPACE}"
@@ -92,7 +92,7 @@ async def test_a_pool_translates_its_deployments_vllm_container_and_follows_its_
     await create(kmock, f"{APPS}/deployments", deployment("llama", args, env=env))
     async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--model-config-check-seconds", "0.3"]):
         await create(kmock, POOLS_URL, workload_pool("llama", "Deployment", "llama"))
-        fingerprint = await wait_for("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        fingerprint = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
         assert configmap_config(kmock, "llama") == expected and fingerprint == expected.fingerprint
         assert condition(status_of(kmock, "llama"), "Ready")["status"] == "True"
         assert "vllmArgs" not in obj(kmock, POOLS, "llama")["spec"]  # nothing copied into the spec
@@ -101,8 +101,8 @@ async def test_a_pool_translates_its_deployments_vllm_container_and_follows_its_
         # The Deployment's vLLM args change: the pool is translated again, without a spec change.
         await merge_patch(kmock, f"{APPS}/deployments/llama",
                           {"spec": {"template": template(wider, env=env)}})
-        await wait_for("the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint")
-                       == changed.fingerprint)
+        await wait_for_async("the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint")
+                             == changed.fingerprint)
         assert configmap_config(kmock, "llama") == changed
         assert status_of(kmock, "llama")["workloadDigest"] != digest
         assert status_of(kmock, "llama")["observedGeneration"] == 1
@@ -114,16 +114,16 @@ async def test_a_missing_workload_waits_with_a_clear_condition_and_is_read_once_
     args = [*SERVE, "--kv-transfer-config", KTC]
     async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--model-config-check-seconds", "0.3"]):
         await create(kmock, POOLS_URL, workload_pool("llama", "Deployment", "llama-serving"))
-        ready = await wait_for("the waiting condition", lambda: condition(status_of(kmock, "llama"), "Ready")
-                               .get("reason") == "Waiting" and condition(status_of(kmock, "llama"), "Ready"))
+        ready = await wait_for_async("the waiting condition", lambda: condition(status_of(kmock, "llama"), "Ready")
+                                     .get("reason") == "Waiting" and condition(status_of(kmock, "llama"), "Ready"))
         assert ready["status"] == "False"
         assert ready["message"] == ("Deployment 'llama-serving' named by spec.targetRef does not exist in "
                                     "namespace 'ns1'; waiting for it")
         assert obj(kmock, "v1/configmaps", "llama-offloading-config") is None
 
         await create(kmock, f"{APPS}/deployments", deployment("llama-serving", args))
-        await wait_for("Ready once the Deployment exists",
-                       lambda: condition(status_of(kmock, "llama"), "Ready").get("status") == "True")
+        await wait_for_async("Ready once the Deployment exists",
+                             lambda: condition(status_of(kmock, "llama"), "Ready").get("status") == "True")
         assert configmap_config(kmock, "llama") == pool_config(["vllm", *args], llama_config())
 
 
@@ -136,8 +136,8 @@ async def test_a_workload_without_a_vllm_container_is_invalid_saying_how_to_name
     await create(kmock, f"{APPS}/deployments", body)
     async with OperatorProcess(tmp_path, str(kmock.url)):
         await create(kmock, POOLS_URL, workload_pool("llama", "Deployment", "two"))
-        invalid = await wait_for("the Invalid condition", lambda: condition(status_of(kmock, "llama"), "Invalid")
-                                 .get("status") == "True" and condition(status_of(kmock, "llama"), "Invalid"))
+        invalid = await wait_for_async("the Invalid condition", lambda: condition(status_of(kmock, "llama"), "Invalid")
+                                       .get("status") == "True" and condition(status_of(kmock, "llama"), "Invalid"))
         assert invalid["message"] == ("Deployment 'two' named by spec.targetRef: cannot tell which container runs "
                                       "vLLM (2 candidates); set annotation kv-offload.io/vllm-container: "
                                       "<container name> on its pod template")
@@ -173,7 +173,7 @@ async def test_injected_kv_transfer_config_is_translated_for_a_statefulset_and_a
                                                      injectKVTransferConfig=inject))
         await create(kmock, POOLS_URL, workload_pool("own", "Deployment", "own", injectKVTransferConfig=inject))
         for name in ("sts", "lws", "own"):
-            await wait_for(f"pool {name}", lambda n=name: status_of(kmock, n).get("fingerprint"))
+            await wait_for_async(f"pool {name}", lambda n=name: status_of(kmock, n).get("fingerprint"))
     ours = ["--kv-transfer-config", connector.text()]
     assert configmap_config(kmock, "sts") == pool_config(["vllm", *SERVE, *ours], llama_config())
     lws_config = configmap_config(kmock, "lws")

@@ -15,7 +15,9 @@ from pathlib import Path
 import aiohttp
 import kmock
 import pytest
-from operator_harness import OperatorProcess, emulate_cluster, make_tls, wait_for
+from operator_harness import emulate_cluster
+from operator_process import OperatorProcess, make_tls
+from waiting import wait_for_async
 from webhook_support import Webhook, vllm_pod
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,7 +74,7 @@ async def test_a_renewed_certificate_is_served_without_a_restart_and_a_half_writ
         # A renewal caught half-way: the new certificate next to the old key.
         new_ca = make_tls(renewed)
         (certs / "tls.crt").write_bytes((renewed / "tls.crt").read_bytes())
-        await wait_for("the half-written pair to be noticed", lambda: "not (re)loaded yet" in operator.log(), 30)
+        await wait_for_async("the half-written pair to be noticed", lambda: "not (re)loaded yet" in operator.log(), 30)
         assert await served_certificate(operator.webhook_port) == old_der
         assert operator.proc is not None and operator.proc.returncode is None
 

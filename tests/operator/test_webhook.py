@@ -10,29 +10,15 @@ import base64
 import copy
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import jsonpatch
-import kmock
 import kubernetes_validate
 import pytest
 import pytest_asyncio
-from operator_harness import (
-    KTC,
-    POOLS,
-    POOLS_URL,
-    SIDECAR_IMAGE,
-    OperatorProcess,
-    assert_within_rbac,
-    create,
-    emulate_cluster,
-    make_tls,
-    obj,
-    pool_body,
-    wait_for,
-)
-from webhook_support import Webhook, vllm_pod
+from operator_harness import KTC, POOLS, obj, pool_body
+from operator_process import SIDECAR_IMAGE
+from webhook_support import Cluster, serving_cluster, vllm_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 DP_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16",
@@ -58,37 +44,16 @@ def mounts_of(c: dict[str, Any]) -> dict[str, str]:
     return {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
 
 
-@dataclass
-class Cluster:
-    """The emulated API server, the operator process and a client of its webhook."""
-
-    api: kmock.KubernetesEmulator
-    operator: OperatorProcess
-    webhook: Webhook
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    tmp_path = tmp_path_factory.mktemp("webhook")
-    async with kmock.KubernetesEmulator() as api, kmock.Server(api):
-        emulate_cluster(api)
-        ca = make_tls(tmp_path / "certs")
-        async with OperatorProcess(tmp_path, str(api.url),
-                                   extra_args=["--webhook-cert-dir", str(tmp_path / "certs")]) as operator:
-            seeded = pool_body("seeded")
-            seeded["spec"]["hashSeed"] = "1234"
-            for body in (pool_body("llama", sidecar={"capacityBytes": 8 << 30}),
-                         pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS), seeded,
-                         pool_body("tls", sidecar={"transport": "tcp", "tls": {"secretName": "tls-pool-cert"}}),
-                         pool_body("tls-ucx", sidecar={"tls": {"secretName": "tls-pool-cert"}})):
-                await create(api, POOLS_URL, body)
-            for name in ("llama", "dp", "broken", "seeded", "tls", "tls-ucx"):
-                await wait_for(f"pool {name} processed",
-                               lambda: (obj(api, POOLS, name) or {}).get("status", {}).get("conditions"))
-            webhook = Webhook(operator.webhook_port, ca)
-            await webhook.wait_listening()
-            yield Cluster(api, operator, webhook)
-        assert_within_rbac(api)  # the operator used only the verbs the chart grants
+    seeded = pool_body("seeded")
+    seeded["spec"]["hashSeed"] = "1234"
+    pools = (pool_body("llama", sidecar={"capacityBytes": 8 << 30}),
+             pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS), seeded,
+             pool_body("tls", sidecar={"transport": "tcp", "tls": {"secretName": "tls-pool-cert"}}),
+             pool_body("tls-ucx", sidecar={"tls": {"secretName": "tls-pool-cert"}}))
+    async with serving_cluster(tmp_path_factory.mktemp("webhook"), pools, status_field="conditions") as c:
+        yield c
 
 
 async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admission_adds_nothing(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +16,8 @@ import kmock
 import pytest
 import pytest_asyncio
 import yaml
-from operator_harness import (
-    NAMESPACE,
-    POOLS,
-    POOLS_URL,
-    OperatorProcess,
-    assert_within_rbac,
-    create,
-    emulate_cluster,
-    llama_config,
-    make_tls,
-    obj,
-    pool_body,
-    wait_for,
-)
-from webhook_support import Webhook, admitted, vllm_pod
+from operator_harness import NAMESPACE, create, llama_config, obj, pool_body
+from webhook_support import Cluster, admitted, serving_cluster, vllm_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 EXAMPLE = Path(__file__).parents[2] / "charts" / "kv-offload" / "examples" / "manifests" / "pool-rdma.yaml"
@@ -51,34 +37,17 @@ def example() -> tuple[dict[str, Any], dict[str, Any]]:
     return pool, pod
 
 
-@dataclass
-class Cluster:
-    api: kmock.KubernetesEmulator
-    webhook: Webhook
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    tmp_path = tmp_path_factory.mktemp("webhook-rdma")
-    async with kmock.KubernetesEmulator() as api, kmock.Server(api):
-        emulate_cluster(api)
-        ca = make_tls(tmp_path / "certs")
-        async with OperatorProcess(tmp_path, str(api.url),
-                                   extra_args=["--webhook-cert-dir", str(tmp_path / "certs")]) as operator:
-            await create(api, f"/api/v1/namespaces/{NAMESPACE}/configmaps", {
-                "apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": "llama-3-1-8b-config", "namespace": NAMESPACE},
-                "data": {"config.json": json.dumps(llama_config())}})
-            for body in (example()[0], pool_body("plain"),
-                         pool_body("tcp", sidecar={"transport": "tcp", "dataPort": 7000})):
-                await create(api, POOLS_URL, body)
-            for name in ("llama-rdma", "plain", "tcp"):
-                await wait_for(f"pool {name} translated",
-                               lambda n=name: (obj(api, POOLS, n) or {}).get("status", {}).get("fingerprint"))
-            webhook = Webhook(operator.webhook_port, ca)
-            await webhook.wait_listening()
-            yield Cluster(api, webhook)
-        assert_within_rbac(api)
+    async def model_config_map(api: kmock.KubernetesEmulator) -> None:
+        await create(api, f"/api/v1/namespaces/{NAMESPACE}/configmaps", {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "llama-3-1-8b-config", "namespace": NAMESPACE},
+            "data": {"config.json": json.dumps(llama_config())}})
+
+    pools = (example()[0], pool_body("plain"), pool_body("tcp", sidecar={"transport": "tcp", "dataPort": 7000}))
+    async with serving_cluster(tmp_path_factory.mktemp("webhook-rdma"), pools, seed=model_config_map) as c:
+        yield c
 
 
 

@@ -7,37 +7,17 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import kmock
 import pytest
 import pytest_asyncio
 from kv_offload_operator.kv_transfer import InjectedConnector
-from operator_harness import (
-    KTC,
-    NAMESPACE,
-    POOLS,
-    POOLS_URL,
-    OperatorProcess,
-    assert_within_rbac,
-    create,
-    emulate_cluster,
-    make_tls,
-    obj,
-    pool_body,
-    wait_for,
-)
-from webhook_support import Webhook, admitted, vllm_pod
+from operator_harness import KTC, NAMESPACE, POOLS, create, obj, pool_body
+from webhook_support import Cluster, admitted, serving_cluster, vllm_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 SCRIPT = "vllm serve meta-llama/Llama-3.1-8B --port 8000 --block-size 16"
-
-
-@dataclass
-class Cluster:
-    api: kmock.KubernetesEmulator
-    webhook: Webhook
 
 
 def deployment(name: str, script: str) -> dict[str, Any]:
@@ -51,28 +31,18 @@ def deployment(name: str, script: str) -> dict[str, Any]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    tmp_path = tmp_path_factory.mktemp("webhook-workload")
-    async with kmock.KubernetesEmulator() as api, kmock.Server(api):
-        emulate_cluster(api)
+    async def workload(api: kmock.KubernetesEmulator) -> None:
         await create(api, f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments",
                      deployment("llama", f"{SCRIPT} --kv-transfer-config '{KTC}'"))
-        ca = make_tls(tmp_path / "certs")
-        async with OperatorProcess(tmp_path, str(api.url),
-                                   extra_args=["--webhook-cert-dir", str(tmp_path / "certs")]) as operator:
-            served = pool_body("served")
-            del served["spec"]["vllmArgs"]
-            served["spec"]["targetRef"] = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llama"}
-            injecting = pool_body("injecting", vllm_args=shlex.split(SCRIPT))
-            injecting["spec"]["injectKVTransferConfig"] = {"cpuBytesToUse": "2Gi", "blockSize": 32}
-            for body in (served, injecting):
-                await create(api, POOLS_URL, body)
-            for name in ("served", "injecting"):
-                await wait_for(f"pool {name} translated",
-                               lambda n=name: (obj(api, POOLS, n) or {}).get("status", {}).get("fingerprint"))
-            webhook = Webhook(operator.webhook_port, ca)
-            await webhook.wait_listening()
-            yield Cluster(api, webhook)
-        assert_within_rbac(api)
+
+    served = pool_body("served")
+    del served["spec"]["vllmArgs"]
+    served["spec"]["targetRef"] = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llama"}
+    injecting = pool_body("injecting", vllm_args=shlex.split(SCRIPT))
+    injecting["spec"]["injectKVTransferConfig"] = {"cpuBytesToUse": "2Gi", "blockSize": 32}
+    async with serving_cluster(tmp_path_factory.mktemp("webhook-workload"), (served, injecting),
+                               seed=workload) as c:
+        yield c
 
 
 

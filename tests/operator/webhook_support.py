@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import contextlib
 import copy
 import json
 import ssl
-import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import jsonpatch
+import kmock
 import kubernetes_validate
-from operator_harness import KTC
+from operator_harness import KTC, POOLS, POOLS_URL, assert_within_rbac, create, emulate_cluster, obj
+from operator_process import OperatorProcess
+from waiting import listening, wait_for_async
 
 WEBHOOK_PATH = "/inject_sidecar"  # kopf serves each admission handler at /<handler id>
 KUBERNETES_VERSION = "1.33.0"  # native sidecars (initContainers[].restartPolicy) are GA since 1.33
@@ -93,18 +97,8 @@ class Webhook:
         assert answer["response"]["uid"] == request["request"]["uid"]
         return answer["response"]
 
-    async def wait_listening(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                writer.close()
-                await writer.wait_closed()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError("the webhook server never listened") from None
-                await asyncio.sleep(0.1)
+    async def wait_listening(self) -> None:
+        await wait_for_async("the webhook server listening", lambda: listening(self.port))
 
 
 def admitted(pod: dict[str, Any], response: dict[str, Any], *, validate: bool = True) -> dict[str, Any]:
@@ -123,3 +117,36 @@ def sidecar_flags(pod: dict[str, Any]) -> dict[str, str]:
     sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == SIDECAR_NAME)
     argv = sidecar["args"]
     return dict(zip(argv[1::2], argv[2::2]))
+
+
+@dataclass
+class Cluster:
+    """The emulated API server, the operator process serving it and a client of its webhook."""
+
+    api: kmock.KubernetesEmulator
+    operator: OperatorProcess
+    webhook: Webhook
+
+
+@contextlib.asynccontextmanager
+async def serving_cluster(workdir: Path, pools: Sequence[dict[str, Any]], *, status_field: str = "fingerprint",
+                          seed: Callable[[kmock.KubernetesEmulator], Awaitable[None]] | None = None,
+                          ) -> AsyncIterator[Cluster]:
+    """An emulated cluster (``seed`` creates its first objects) and an operator whose webhook serves
+    a test CA's certificate, once it has processed ``pools`` (each shows ``status_field``) and
+    listens; on leaving, the operator's API requests are checked against the chart's RBAC."""
+    async with kmock.KubernetesEmulator() as api, kmock.Server(api):
+        emulate_cluster(api)
+        if seed is not None:
+            await seed(api)
+        async with OperatorProcess(workdir, str(api.url), webhook_tls=True) as operator:
+            for body in pools:
+                await create(api, POOLS_URL, body)
+            for name in (body["metadata"]["name"] for body in pools):
+                await wait_for_async(f"pool {name} processed ({status_field})",
+                                     lambda n=name: ((obj(api, POOLS, n) or {}).get("status") or {}).get(status_field))
+            assert operator.ca is not None
+            webhook = Webhook(operator.webhook_port, operator.ca)
+            await webhook.wait_listening()
+            yield Cluster(api, operator, webhook)
+        assert_within_rbac(api)  # the operator used only the verbs the chart grants
