@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from kv_offload_tools.chaos.chunks import chunk_content
 from kv_offload_tools.chaos.fault_proxy import FaultPlan, FaultProxy
 from kv_offload_tools.chaos.faults.bench import (
-    GIVE_UP_SLACK_SECONDS,
+    HUNG_AFTER_SECONDS,
     RECOVERY_SECONDS,
     ChaosBench,
     FaultResult,
@@ -59,6 +59,10 @@ class ProbeFetch:
     connect_bytes: int
     # Bytes it forwarded downstream in all.
     total_bytes: int
+    # How the fetch ended, as the peer's client counted it (a result of
+    # kv_offload_peer_fetches_total: "ok", "miss", "timeout", "error", "integrity"), "unconnected"
+    # when the connection never opened, "hung" when it outlived its deadline by HUNG_AFTER_SECONDS.
+    outcome: str
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -71,8 +75,11 @@ async def _probe_fetch(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes],
                        on_fault: Callable[[FaultPlan], None] | None = None) -> ProbeFetch:
     """One fetch by a hand-driven peer through the proxy into its own store."""
     from kv_offload_sidecar.data import TransportError, connect
+    from kv_offload_sidecar.metrics import FETCH_RESULTS, SidecarMetrics
+    from prometheus_client import CollectorRegistry
 
     deadline = bench.s.fetch_deadline_seconds
+    metrics = SidecarMetrics(CollectorRegistry())
     probe = await asyncio.to_thread(probe_handshake, sc, bench.pool.pool_key, bench.probe_hello(f"probe-{tag}"))
     host, port = _host_port(probe.server_hello.data_address)
     store = bench.probe_store(len(keys))
@@ -80,20 +87,27 @@ async def _probe_fetch(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes],
     connect_bytes = 0
     async with FaultProxy(host, port, plan=plan, on_fault=on_fault) as proxy:
         t0 = time.monotonic()
+        outcome = "unconnected"
         try:
             client = await connect(bench.data_url(proxy.host, proxy.port), probe.session.session_id,
-                                   probe.session.session_key, timeout=deadline)
+                                   probe.session.session_key, timeout=deadline, metrics=metrics)
         except TransportError:  # the fault struck before the connection was open
             got, took = -1, time.monotonic() - t0
         else:
             connect_bytes = proxy.bytes_downstream
             t0 = time.monotonic()
             try:
-                got = await client.fetch(keys, store, deadline)
+                got = await asyncio.wait_for(client.fetch(keys, store, deadline), deadline + HUNG_AFTER_SECONDS)
             except TransportError:
                 got = -1
+            except TimeoutError:
+                got, outcome = -1, "hung"
             took = time.monotonic() - t0
             await client.close()
+            counted = [r for r in FETCH_RESULTS
+                       if metrics.registry.get_sample_value("kv_offload_peer_fetches_total", {"result": r})]
+            if outcome != "hung":
+                outcome = counted[0] if len(counted) == 1 else f"counted {counted}"
         total_bytes = proxy.bytes_downstream
     bad = 0
     for key in store.keys():  # every chunk that became visible must be right
@@ -102,7 +116,7 @@ async def _probe_fetch(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes],
             with pin:
                 bad += pin.view != chunk_content(key, bench.s.chunk_bytes)
     refused = int(store.stats().get("integrity_failures", 0)) - refused_before
-    return ProbeFetch(got, took, bad, refused, connect_bytes, total_bytes)
+    return ProbeFetch(got, took, bad, refused, connect_bytes, total_bytes, outcome)
 
 
 async def _answer_bytes(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes], tag: str) -> tuple[int, int]:
@@ -125,6 +139,15 @@ async def _answer_bytes(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes]
     return cache[slot]
 
 
+def _count_fetch(result: FaultResult, out: ProbeFetch, wanted: int) -> None:
+    """Add one probe fetch of ``wanted`` chunks to ``result``: a miss, its give-up time, wrong bytes."""
+    if out.got < wanted:
+        result.loads_missed += 1
+        result.give_up(out.took)
+    result.deadline_give_ups += out.outcome == "timeout"
+    result.corrupt_delivered += out.bad
+
+
 async def _damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResult:
     result = FaultResult(f"wire_{mode}")
     started = time.monotonic()
@@ -145,16 +168,12 @@ async def _damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResul
             plan = FaultPlan("delay", after_bytes=bench.rng.randrange(lo, lo + (hi - lo) // 2),
                              delay_seconds=delay)
         out = await _probe_fetch(bench, sc, keys, plan, f"{mode}-{r}")
-        got, took, bad, refused = out.got, out.took, out.bad, out.refused
         result.injected += 1
         result.in_flight += 1
         result.loads += 1
-        if got < len(keys):
-            result.loads_missed += 1
-            result.give_up(took)
-        result.corrupt_delivered += bad
-        result.integrity_rejected += refused
-        if bad == 0 and sc.alive() and took <= deadline + GIVE_UP_SLACK_SECONDS:
+        _count_fetch(result, out, len(keys))
+        result.integrity_rejected += out.refused
+        if out.bad == 0 and sc.alive() and out.outcome != "hung":
             result.survived += 1
     if not await asyncio.to_thread(bench.durable_intact, result):
         result.survived = 0
@@ -191,15 +210,11 @@ async def _sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:
             sc.send(signal.SIGKILL)
 
         out = await _probe_fetch(bench, sc, keys, plan, f"kill-{r}", on_fault=kill)
-        got, took, bad = out.got, out.took, out.bad
         result.injected += 1
         result.loads += 1
-        result.corrupt_delivered += bad
-        if got < len(keys):
-            result.in_flight += 1
-            result.loads_missed += 1
-            result.give_up(took)
-        if bad == 0 and took <= bench.s.fetch_deadline_seconds + GIVE_UP_SLACK_SECONDS:
+        result.in_flight += out.got < len(keys)
+        _count_fetch(result, out, len(keys))
+        if out.bad == 0 and out.outcome != "hung":
             result.survived += 1
         restarting[name] = asyncio.create_task(asyncio.to_thread(bench.restart, name))
         if (r + 1) % 5 == 0:

@@ -22,11 +22,12 @@ def test_sigkill_of_a_serving_peer_during_engine_loads_delivers_no_corrupt_chunk
     assert_held(sigkill_mid_fetch(bench, kills=1, seconds=15))
 
 
-def test_sigstop_past_the_deadline_turns_the_load_into_a_miss_and_recovers(bench: ChaosBench) -> None:
+def test_sigstop_past_the_deadline_turns_the_load_into_a_miss_at_the_deadline_and_recovers(
+        bench: ChaosBench) -> None:
     result = sigstop_past_deadline(bench, 1)
     assert_held(result)
     assert result.loads_missed == 1
-    assert 0 < result.worst_give_up_seconds
+    assert result.deadline_give_ups == 1  # the hub's fetch gave up at its deadline (its own count)
 
 
 def test_peer_leaving_and_rejoining_serves_again(bench: ChaosBench) -> None:

@@ -6,7 +6,7 @@ every chunk that becomes visible in its store is compared byte for byte.
 
 from __future__ import annotations
 
-from fault_support import SETTINGS, assert_held
+from fault_support import assert_held
 from kv_offload_tools.chaos.faults.bench import ChaosBench
 from kv_offload_tools.chaos.faults.wire_faults import (
     damaged_wire,
@@ -39,7 +39,7 @@ def test_a_slow_link_gives_up_at_the_deadline(bench: ChaosBench) -> None:
     result = damaged_wire(bench, "delay", 1)
     assert_held(result)
     assert result.loads_missed == 1
-    assert result.worst_give_up_seconds >= SETTINGS.fetch_deadline_seconds * 0.9
+    assert result.deadline_give_ups == 1  # the client counted its fetch as ended by the deadline
 
 
 def test_reconnect_storm_recovers_every_peer(bench: ChaosBench) -> None:
