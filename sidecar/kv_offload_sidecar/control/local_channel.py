@@ -27,7 +27,10 @@ Ops:
 - Every other request may carry ``"instance"``; a request naming another
   instance (the sidecar restarted and the engine still maps the old store
   file) is refused with ``"stale": true`` so nothing lands in the wrong file.
-- ``lookup {keys: [hex], timeout}`` -> ``{local, peer}``
+- ``lookup {keys: [hex], timeout}`` -> ``{local, peer, known_at}``: ``known_at`` is
+  the ``time.monotonic()`` at which the sidecar knew the answer (its store read, and
+  for peer hits the holder's count back; the chunks keep arriving while vLLM promotes
+  them, and ``load_rows`` waits for them), so the engine can count its steps from there.
 - ``reserve {keys}`` -> ``{id, slots: [int|null]}`` (null: already held, being
   written, or no free slot); then the engine writes the slots and sends
   ``commit {id, written: [bool]}`` -> ``{committed}`` (or ``abort {id}``).
@@ -162,7 +165,7 @@ class _Connection:
         if op == "lookup":
             keys = _keys(req)
             local, peer = await sidecar.lookup(keys, _timeout(req, sidecar.settings.fetch_deadline_seconds))
-            return {"ok": True, "local": local, "peer": peer}
+            return {"ok": True, "local": local, "peer": peer, "known_at": time.monotonic()}
         if op == "reserve":
             group = sidecar.reserve(_keys(req))
             rid = next(self._ids)

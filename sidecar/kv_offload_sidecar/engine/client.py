@@ -6,7 +6,8 @@ sidecar's control port once (``GET /v1/local``) where the local channel
 socket and the shared-memory store file are, maps the store file with
 ``ChunkStoreView`` and from then on moves chunk bytes without sockets:
 
-- ``lookup(keys, timeout) -> LookupReply(local, peer)``: hit prefix lengths.
+- ``lookup(keys, timeout) -> LookupReply(local, peer, known_at)``: hit prefix lengths,
+  and when the sidecar knew them (its ``time.monotonic()``; one clock in a pod).
 - ``store(keys, write_fn) -> int``: the sidecar reserves slots,
   ``write_fn(i, slot_view)`` copies chunk ``i`` into its slot, the sidecar
   commits (checksums) them; returns the number of chunks written. Keys the
@@ -44,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
@@ -88,6 +89,9 @@ class LookupReply:
     local: int
     # Keys after those that a peer holds (loaded on ``load``).
     peer: int
+    # The sidecar's time.monotonic() when it knew the answer (None: a miss it never gave);
+    # not part of the answer's equality.
+    known_at: float | None = field(default=None, compare=False)
 
     @property
     def hits(self) -> int:
@@ -289,7 +293,10 @@ class EngineClient:
             with self._connection() as conn:
                 reply = self._call(conn, att, {"op": "lookup", "keys": cp.encode_keys(keys),
                                                "timeout": timeout}, timeout + REPLY_GRACE_SECONDS)
-            return LookupReply(int(reply["local"]), int(reply["peer"]))
+            known = reply.get("known_at")
+            return LookupReply(int(reply["local"]), int(reply["peer"]),
+                               float(known) if isinstance(known, (int, float))
+                               and not isinstance(known, bool) else None)
         except _FAILURES as exc:
             self._miss("lookup", exc)
             return LookupReply(0, 0)

@@ -14,6 +14,8 @@ class KeyState:
     # None while unanswered, then True (present) or False (absent, failed or refused).
     result: bool | None = None
     request_ids: set[str] = field(default_factory=set)
+    # The sidecar's time.monotonic() when it knew the answer (None: not said, or no answer).
+    known_at: float | None = None
 
 
 @dataclass

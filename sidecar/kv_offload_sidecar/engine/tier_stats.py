@@ -18,6 +18,11 @@ METRIC_REFUSED = "vllm:kv_offload_sidecar_refused"
 METRIC_LOOKUP_WAITS = "vllm:kv_offload_sidecar_lookup_waits"
 METRIC_LOOKUP_WAIT_MS = "vllm:kv_offload_sidecar_lookup_wait_ms"
 METRIC_LOOKUP_WAIT_STEPS = "vllm:kv_offload_sidecar_lookup_wait_steps"
+METRIC_LOOKUP_ARRIVALS = "vllm:kv_offload_sidecar_lookup_arrivals"
+METRIC_LOOKUP_STEPS_AFTER_ARRIVAL = "vllm:kv_offload_sidecar_lookup_steps_after_arrival"
+METRIC_LOOKUP_LATE_ARRIVALS = "vllm:kv_offload_sidecar_lookup_late_arrivals"
+# Scheduler steps after the sidecar's answer within which vLLM is to see the HIT (issue 24).
+HIT_STEPS_TARGET = 2
 
 
 
@@ -52,6 +57,13 @@ class TierStats:
     lookup_wait_seconds: float = 0.0
     # Scheduler steps those requests waited.
     lookup_wait_steps: int = 0
+    # Of those, requests answered HIT whose answer said when the sidecar knew it ("arrival":
+    # its store read, or a peer holder's count back).
+    lookup_arrivals: int = 0
+    # Scheduler steps that ended between those arrivals and vLLM seeing HIT, summed.
+    lookup_steps_after_arrival: int = 0
+    # Those HITs that came more than HIT_STEPS_TARGET steps after their arrival.
+    lookup_late_arrivals: int = 0
     # Why the tier refuses its sidecar (the differing fields), or None while they match.
     refused: str | None = None
 
@@ -76,6 +88,18 @@ def metric_definitions() -> dict[str, Any]:
                           "saw HIT or MISS.", labelnames=()),
         METRIC_LOOKUP_WAIT_STEPS: OffloadingCounterMetadata(
             documentation="vLLM scheduler steps those requests waited.", labelnames=()),
+        METRIC_LOOKUP_ARRIVALS: OffloadingCounterMetadata(
+            documentation="Requests that waited for a lookup answered HIT, counted when vLLM "
+                          "saw the HIT (the count behind ..._lookup_steps_after_arrival).",
+            labelnames=()),
+        METRIC_LOOKUP_STEPS_AFTER_ARRIVAL: OffloadingCounterMetadata(
+            documentation="vLLM scheduler steps that ended between the sidecar knowing a hit "
+                          "(its store read, or the peer holder's count back) and vLLM seeing "
+                          "HIT, summed over ..._lookup_arrivals.", labelnames=()),
+        METRIC_LOOKUP_LATE_ARRIVALS: OffloadingCounterMetadata(
+            documentation=f"Of ..._lookup_arrivals, the HITs vLLM saw more than "
+                          f"{HIT_STEPS_TARGET} scheduler steps after the sidecar knew them.",
+            labelnames=()),
     }
 
 
@@ -98,7 +122,10 @@ class StatsReporter:
                 self._reported[result] = total
         for name, total in ((METRIC_LOOKUP_WAITS, stats.lookup_waits),
                             (METRIC_LOOKUP_WAIT_MS, int(stats.lookup_wait_seconds * 1000)),
-                            (METRIC_LOOKUP_WAIT_STEPS, stats.lookup_wait_steps)):
+                            (METRIC_LOOKUP_WAIT_STEPS, stats.lookup_wait_steps),
+                            (METRIC_LOOKUP_ARRIVALS, stats.lookup_arrivals),
+                            (METRIC_LOOKUP_STEPS_AFTER_ARRIVAL, stats.lookup_steps_after_arrival),
+                            (METRIC_LOOKUP_LATE_ARRIVALS, stats.lookup_late_arrivals)):
             delta = total - self._reported.get(name, 0)
             if delta:
                 out.increase_counter(name, delta, ())

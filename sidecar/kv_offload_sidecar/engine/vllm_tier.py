@@ -37,6 +37,13 @@ Threading: every SecondaryTierManager method runs under vLLM's manager lock
 and returns at once. Lookups are batched per scheduler step (flushed in
 ``on_schedule_end``) and answered by a lookup thread; transfers run on a
 transfer thread; results come back through queues drained by the caller.
+A lookup is asked once and its answer pushed back: vLLM's first lookup after
+the answer reached the tier (``lookups_in_flight`` back to 0) returns it, with
+no poll interval between. The sidecar answers a peer hit once the holder's
+count is back (the chunks keep arriving while vLLM promotes them; the load
+waits for them) and says when it knew (``known_at``, CLOCK_MONOTONIC, one clock
+in a pod); the tier counts the scheduler steps from there to vLLM's HIT
+(``tier_stats``: ``..._lookup_steps_after_arrival`` over ``..._lookup_arrivals``).
 Imports: the standard library, numpy, and this package's tier modules.
 """
 
@@ -45,7 +52,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -55,6 +62,7 @@ from kv_offload_sidecar.engine.sidecar_link import SidecarLink, sidecar_address
 from kv_offload_sidecar.engine.tier_records import NO_HITS, Job, KeyState, hit_prefix, locality_of
 from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of, engine_config
 from kv_offload_sidecar.engine.tier_stats import (
+    HIT_STEPS_TARGET,
     StatsReporter,
     TierStats,
     metric_definitions,
@@ -81,6 +89,8 @@ _VALID_KEYS = ("host, port, lookup_timeout_seconds, load_timeout_seconds, locali
                "enable_kv_events, backpressure")
 # Seconds between repeated warnings about failing loads.
 _LOAD_WARNING_INTERVAL = 10.0
+# Latest scheduler steps whose end times the tier keeps (to count steps after an answer).
+_STEP_HISTORY = 4096
 _STOP = object()
 
 class KVOffloadSecondaryTier(SecondaryTierManager):
@@ -135,6 +145,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         # Scheduler steps so far, and per request waiting for its first answer: (since, step).
         self._steps = 0
         self._waiting: dict[str, tuple[float, int]] = {}
+        # time.monotonic() at the end of each of the latest steps (oldest first).
+        self._step_ends: deque[float] = deque(maxlen=_STEP_HISTORY)
         self._batch: dict[str, list[bytes]] = {}
         self._jobs: dict[int, Job] = {}
         # Thread hand-offs.
@@ -145,6 +157,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._idle = threading.Condition()
         self._pending_transfers = 0
         self._draining = 0
+        # Requests' lookups handed to the lookup thread whose answers it has not passed back.
+        self._lookups_in_flight = 0
         self._stats_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._lookup_worker, name="kv-offload-lookup", daemon=True),
@@ -187,28 +201,52 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 state.result = False  # unanswered in time: vLLM recomputes
                 with self._stats_lock:
                     self.stats.misses += 1
-                self._answered(req_context.req_id, now)
+                self._answered(req_context.req_id, now, state)
                 return LookupResult.MISS
             self._waiting.setdefault(req_context.req_id, (now, self._steps))
             return LookupResult.RETRY
-        self._answered(req_context.req_id, now)
+        self._answered(req_context.req_id, now, state)
         return LookupResult.HIT if state.result else LookupResult.MISS
 
-    def _answered(self, req_id: str, now: float) -> None:
-        """A request that waited (RETRY) got its first answer: count the wait."""
+    def _answered(self, req_id: str, now: float, state: KeyState) -> None:
+        """A request that waited (RETRY) got its first answer: count the wait, and for a HIT
+        the steps that ended since the sidecar knew it (its ``known_at``)."""
         since = self._waiting.pop(req_id, None)
-        if since is not None:
-            with self._stats_lock:
-                self.stats.lookup_waits += 1
-                self.stats.lookup_wait_seconds += now - since[0]
-                self.stats.lookup_wait_steps += self._steps - since[1]
+        if since is None:
+            return
+        after = None
+        if state.result and state.known_at is not None:
+            after = 0
+            for end in reversed(self._step_ends):  # newest first: stop at the first before it
+                if end <= state.known_at:
+                    break
+                after += 1
+        with self._stats_lock:
+            self.stats.lookup_waits += 1
+            self.stats.lookup_wait_seconds += now - since[0]
+            self.stats.lookup_wait_steps += self._steps - since[1]
+            if after is not None:
+                self.stats.lookup_arrivals += 1
+                self.stats.lookup_steps_after_arrival += after
+                self.stats.lookup_late_arrivals += after > HIT_STEPS_TARGET
 
     def on_schedule_end(self, context: Any = None) -> None:
         """Send this step's lookups to the lookup thread as one batch."""
         self._steps += 1
+        now = time.monotonic()
+        self._step_ends.append(now)
         if self._batch:
-            self._lookup_q.put((time.monotonic(), self._batch))
+            with self._stats_lock:
+                self._lookups_in_flight += len(self._batch)
+            self._lookup_q.put((now, self._batch))
             self._batch = {}
+
+    @property
+    def lookups_in_flight(self) -> int:
+        """Requests' lookups sent to the sidecar whose answers the tier has not received yet
+        (once 0, vLLM's next lookup of those keys gets the answers)."""
+        with self._stats_lock:
+            return self._lookups_in_flight
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Forget lookup answers no live request needs (the pool changes over time)."""
@@ -357,10 +395,11 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 answers = self._lookup_results.get_nowait()
             except queue.Empty:
                 return
+            answers, known_at = answers
             for key, present in answers:
                 state = self._keys.get(key)
                 if state is not None and state.result is None:
-                    state.result = present
+                    state.result, state.known_at = present, known_at
 
     def _row(self, row: int) -> memoryview:
         assert self._rows is not None, "kv-offload tier used after shutdown"
@@ -381,7 +420,11 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 return
             submitted, batch = item
             for keys in batch.values():
-                self._lookup_batch(keys, submitted)
+                try:
+                    self._lookup_batch(keys, submitted)
+                finally:
+                    with self._stats_lock:
+                        self._lookups_in_flight -= 1
 
     def _lookup_batch(self, keys: Sequence[bytes], submitted: float) -> None:
         remaining = self._lookup_timeout - (time.monotonic() - submitted)
@@ -394,7 +437,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             if client is None:  # refused: every key is a miss
                 with self._stats_lock:
                     self.stats.misses += len(keys)
-                self._lookup_results.put([(k, False) for k in keys])
+                self._lookup_results.put(([(k, False) for k in keys], None))
                 return
             reply = client.lookup(list(keys), timeout=remaining)
             if not self._link.matches(client):
@@ -404,7 +447,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             with self._stats_lock:
                 self.stats.lookup_timeouts += 1
                 self.stats.misses += len(keys)
-            self._lookup_results.put([(k, False) for k in keys])
+            self._lookup_results.put(([(k, False) for k in keys], None))
             return
         local, total = hit_prefix(reply, len(keys))
         with self._stats_lock:
@@ -412,7 +455,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             self.stats.local_hits += local
             self.stats.peer_hits += total - local
             self.stats.misses += len(keys) - total
-        self._lookup_results.put([(k, i < total) for i, k in enumerate(keys)])
+        self._lookup_results.put(([(k, i < total) for i, k in enumerate(keys)],
+                                  getattr(reply, "known_at", None)))
 
     @property
     def sidecar_instance(self) -> str | None:

@@ -65,6 +65,16 @@ def test_store_then_load_is_byte_identical(client):
     assert read_chunks(client, keys) == [data[k] for k in keys]
 
 
+def test_lookup_says_when_the_sidecar_knew_the_answer_on_the_engines_monotonic_clock(client):
+    keys = new_keys(2)
+    write_chunks(client, keys)
+    asked = time.monotonic()
+    reply = client.lookup(keys)
+    answered = time.monotonic()
+    assert reply.hits == 2 and asked <= reply.known_at <= answered
+    assert client.lookup(keys, timeout=-1).known_at is None  # refused: no answer, no time
+
+
 def test_lookup_and_load_stop_at_the_first_missing_key(client):
     keys = new_keys(3)
     write_chunks(client, keys[:2])

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from kv_offload_sidecar.engine.sidecar_link import sidecar_address
+from kv_offload_sidecar.engine.tier_stats import HIT_STEPS_TARGET
 from kv_offload_sidecar.engine.vllm_contract import (
     LookupResult,
     ReqContext,
@@ -349,3 +350,52 @@ def test_a_new_tier_hands_its_region_to_the_sidecar_before_its_first_lookup(pool
         assert engine.tier.stats.lookups == 0 and engine.tier.sidecar_instance is None
     finally:
         engine.close()
+
+
+def _wait(what, probe, deadline=60.0):
+    """``probe()``'s first truthy answer (a state the tier exposes); the deadline is a safety net."""
+    end = time.monotonic() + deadline
+    while not (value := probe()):
+        assert time.monotonic() < end, f"never saw {what}"
+        time.sleep(0.01)
+    return value
+
+
+def test_a_peer_hit_answered_while_vllm_retries_is_hit_at_its_next_lookup_and_counted_from_the_answer(pool):
+    a, b = _engine(pool, 0), _engine(pool, 1, lookup_timeout_seconds=60.0)
+    tier = b.tier
+    try:
+        tokens = trace_tokens([101, 102, 103], a.layout.tokens_per_chunk)
+        assert a.run_request(tokens).stored_chunks == 3
+        keys = a.hasher.chunk_keys(tokens)
+        _wait_visible(pool, 1, keys)
+        b.run_request(trace_tokens([104], b.layout.tokens_per_chunk))  # b's tier attached, checked
+        before = dataclasses.replace(tier.stats)
+        for extra_steps, req_id in ((0, "on-time"), (HIT_STEPS_TARGET, "two-steps"),
+                                    (HIT_STEPS_TARGET + 1, "late")):
+            ctx = ReqContext(req_id=req_id)
+            tier.on_new_request(ctx)
+            pool[1].proc.send_signal(signal.SIGSTOP)
+            try:
+                for _ in range(3):  # vLLM retries every step while its sidecar works
+                    assert [tier.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 3
+                    tier.on_schedule_end(None)
+                    assert tier.lookups_in_flight == 1
+            finally:
+                pool[1].proc.send_signal(signal.SIGCONT)  # the sidecar answers: the "arrival"
+            _wait("the sidecar's answer in the tier", lambda: tier.lookups_in_flight == 0)
+            for _ in range(extra_steps):  # steps in which vLLM did not ask again
+                tier.on_schedule_end(None)
+            # The very next lookup has the answer: no poll interval between answer and HIT.
+            assert [tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 3
+            tier.on_request_finished(ctx)
+        stats = tier.stats
+        # The first request's lookup fetched the chunks: the next two found them in sidecar 1.
+        assert (stats.peer_hits - before.peer_hits, stats.local_hits - before.local_hits) == (3, 6)
+        assert stats.lookup_arrivals - before.lookup_arrivals == 3
+        assert stats.lookup_steps_after_arrival - before.lookup_steps_after_arrival == \
+            0 + HIT_STEPS_TARGET + HIT_STEPS_TARGET + 1
+        assert stats.lookup_late_arrivals - before.lookup_late_arrivals == 1
+    finally:
+        a.close()
+        b.close()
