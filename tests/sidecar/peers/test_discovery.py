@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from kv_offload_sidecar.peers.discovery import Discovery, parse_peer, parse_peer_list
+from waiting import SAFETY_SECONDS
 
 
 def test_parse_peer_accepts_host_port_and_bracketed_ipv6():
@@ -73,11 +74,11 @@ async def test_background_run_picks_up_changes_and_signals_them():
     d = Discovery(dns_name="pool", resolver=resolver, interval_seconds=0.01)
     task = asyncio.create_task(d.run())
     try:
-        for _ in range(200):
-            if d.current() == {"10.0.0.3:5710"}:
-                break
-            await d.wait_changed(0.05)
-        assert d.current() == {"10.0.0.3:5710"}
+        seen = []
+        while d.current() != {"10.0.0.3:5710"}:  # each change is signalled until the last answer holds
+            assert await d.wait_changed(SAFETY_SECONDS), f"no change signalled; peers {d.current()}"
+            seen.append(d.current())
+        assert seen and seen[-1] == {"10.0.0.3:5710"}  # the run signalled the change it made
     finally:
         task.cancel()
 
