@@ -147,3 +147,19 @@ def raise_if_refused(header: proto.Header, payload: bytes | bytearray | memoryvi
         raise TransportError(f"peer refused: {proto.decode_error(payload or b'')}")
     if header.type is proto.MessageType.CLOSE:
         raise TransportError("peer closed the data connection")
+
+
+def challenge_nonce(header: proto.Header, payload: bytes | bytearray | memoryview | None) -> bytes:
+    """The nonce of the holder's AUTH_CHALLENGE, the first frame of a connection."""
+    raise_if_refused(header, payload)
+    if header.type is not proto.MessageType.AUTH_CHALLENGE or payload is None:
+        raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
+    return proto.decode_auth_challenge(payload)
+
+
+def check_auth_ok(header: proto.Header, payload: bytes | bytearray | memoryview | None) -> None:
+    """Return when the holder's answer to the proof is AUTH_OK; raise otherwise."""
+    raise_if_refused(header, payload)
+    if header.type is not proto.MessageType.AUTH_OK or payload is None:
+        raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
+    proto.decode_auth_ok(payload)

@@ -18,7 +18,12 @@ from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.address import check_tls_policy, parse_address
 from kv_offload_sidecar.data.base import TransportError, auth_proof, count_protocol_error
 from kv_offload_sidecar.data.fetch import DEFAULT_WINDOW, PendingChunk, answer_lookup, commit_received
-from kv_offload_sidecar.data.peer_client import FramedPeerDataClient, raise_if_refused
+from kv_offload_sidecar.data.peer_client import (
+    FramedPeerDataClient,
+    challenge_nonce,
+    check_auth_ok,
+    raise_if_refused,
+)
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
     DataStream,
@@ -136,16 +141,9 @@ class TcpPeerDataClient(FramedPeerDataClient):
                 f"TLS with {address} failed: the peer closed the connection before its session "
                 "challenge, so it most likely refused this pod's certificate: --tls-cert-file must be "
                 "signed by the CA the peer trusts (--tls-ca-file) and be valid now") from exc
-        raise_if_refused(header, payload)
-        if header.type is not proto.MessageType.AUTH_CHALLENGE or payload is None:
-            raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
-        nonce = proto.decode_auth_challenge(payload)
+        nonce = challenge_nonce(header, payload)
         await stream.send(proto.encode_auth_response(session_id, auth_proof(session_key, nonce)))
-        header, payload = await read_frame(stream, header_buf, max_payload=small)
-        raise_if_refused(header, payload)
-        if header.type is not proto.MessageType.AUTH_OK or payload is None:
-            raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
-        proto.decode_auth_ok(payload)
+        check_auth_ok(*await read_frame(stream, header_buf, max_payload=small))
         return nonce
 
     def _rids(self, n: int) -> int:

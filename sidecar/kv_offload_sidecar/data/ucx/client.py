@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import TransportError, auth_proof, count_protocol_error
 from kv_offload_sidecar.data.fetch import PendingChunk, answer_lookup, commit_received
-from kv_offload_sidecar.data.peer_client import FramedPeerDataClient, raise_if_refused
+from kv_offload_sidecar.data.peer_client import (
+    FramedPeerDataClient,
+    challenge_nonce,
+    check_auth_ok,
+    raise_if_refused,
+)
 from kv_offload_sidecar.data.ucx.frames import (
     ATTACH_TAG,
     CHUNK_REPLIES,
@@ -132,19 +137,10 @@ class UcxPeerDataClient(FramedPeerDataClient):
                               ATTACH_TAG)
                 s2c, c2s = tag(cid, TAG_S2C), tag(cid, TAG_C2S)
                 buf = await rt.recv_frame(s2c, UNAUTHENTICATED_BUFFER_BYTES)
-                header, payload = parse_frame(buf, None)
-                raise_if_refused(header, payload)
-                if header.type is not proto.MessageType.AUTH_CHALLENGE:
-                    raise proto.ProtocolError("malformed", f"expected AUTH_CHALLENGE, got {header.type.name}")
-                nonce = proto.decode_auth_challenge(payload)
+                nonce = challenge_nonce(*parse_frame(buf, None))
                 await rt.send(ep, join_parts(proto.encode_auth_response(session_id, auth_proof(session_key, nonce))),
                               c2s)
-                buf = await rt.recv_frame(s2c, UNAUTHENTICATED_BUFFER_BYTES)
-                header, payload = parse_frame(buf, None)
-                raise_if_refused(header, payload)
-                if header.type is not proto.MessageType.AUTH_OK:
-                    raise proto.ProtocolError("malformed", f"expected AUTH_OK, got {header.type.name}")
-                proto.decode_auth_ok(payload)
+                check_auth_ok(*parse_frame(await rt.recv_frame(s2c, UNAUTHENTICATED_BUFFER_BYTES), None))
         except BaseException as exc:
             _release_connection_id(cid)
             if ep is not None:
