@@ -3,10 +3,10 @@ other straight from its store slots, byte-identical; the holder's views die with
 
 from __future__ import annotations
 
-import time
 
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
 from kv_offload_tools.local_pool import LocalPool
+from waiting import wait_for
 
 CHUNK_SLOTS = 64
 
@@ -26,9 +26,7 @@ def test_a_nixl_pool_shares_chunks_byte_identical():
         assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 24 * chunk
         assert pool[1].metric("kv_offload_peer_fetches_total", result="ok") >= 1
         assert pool[1].metric("kv_offload_integrity_failures_total") == 0
-        deadline = time.monotonic() + 5
-        while (pool[0].metric("kv_offload_peer_bytes_total", direction="sent") < 24 * chunk
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
         # the holder counts a chunk as sent when the fetcher releases its lease
+        wait_for("the holder counting every chunk sent",
+                 lambda: pool[0].metric("kv_offload_peer_bytes_total", direction="sent") >= 24 * chunk)
         assert pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == 24 * chunk

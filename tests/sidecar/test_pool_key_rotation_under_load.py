@@ -17,17 +17,18 @@ from kv_offload_sidecar.peers.pool_keys import admin_token, key_id
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
 from kv_offload_tools.http_client import http_json
 from kv_offload_tools.local_pool import DEFAULT_POOL_KEY, LocalPool
+from waiting import SAFETY_SECONDS, wait_for
 
 CHUNK = 16 * 1024
 OLD = DEFAULT_POOL_KEY
 NEW = b"rotated-pool-key-0123456789abcdef"
-# A chunk is loaded through another sidecar once this long after it was stored (directory
-# publishes travel every 0.2 s).
-SETTLE_SECONDS = 1.0
+# Loads the test lets run before, during and after each step of the rotation.
+LOADS_PER_STEP = 10
 
 
 class Load(threading.Thread):
-    """Stores 2 chunks per round on sidecar r % 3, loads settled ones through the next sidecar."""
+    """Stores 2 chunks per round on sidecar r % 3 and loads them through the next sidecar once
+    that one's lookup finds them (they reached the pool's directory); ``drain`` loads the rest."""
 
     def __init__(self, pool: LocalPool) -> None:
         super().__init__(daemon=True)
@@ -40,41 +41,43 @@ class Load(threading.Thread):
 
     def run(self) -> None:
         clients = [self.pool.client(i) for i in range(3)]
-        pending: list[tuple[float, int, list[bytes]]] = []
+        pending: list[tuple[int, list[bytes]]] = []
         try:
             r = 0
             while not self.stop.is_set():
                 owner = r % 3
                 keys = chunk_keys(f"rotation/{r}", 2)
                 assert store_chunks(clients[owner], keys, CHUNK) == 2
-                pending.append((time.monotonic(), owner, keys))
-                while pending and time.monotonic() - pending[0][0] >= SETTLE_SECONDS:
-                    _, holder, ks = pending.pop(0)
-                    n, bad = load_and_verify(clients[(holder + 1) % 3], ks, CHUNK, timeout=3.0)
-                    self.loaded += n
-                    self.corrupt += bad
-                    if n != len(ks):
-                        self.missed.append(f"round keys of sidecar-{holder}: {n}/{len(ks)} at "
-                                           f"{time.strftime('%H:%M:%S')}")
+                pending.append((owner, keys))
+                while pending and clients[(pending[0][0] + 1) % 3].lookup(pending[0][1]).peer == 2:
+                    self._load(clients, *pending.pop(0))
                 r += 1
-                time.sleep(0.02)
+                time.sleep(0.02)  # pacing: the stores stay far below the capacity
+            # The rest: once the directory is current, every one of them is found and loads.
+            self.pool.wait_directory_current()
+            for holder, ks in pending:
+                self._load(clients, holder, ks)
         except BaseException as exc:  # surfaced by the test
             self.error = exc
         finally:
             for c in clients:
                 c.close()
 
+    def _load(self, clients: list, holder: int, keys: list[bytes]) -> None:
+        n, bad = load_and_verify(clients[(holder + 1) % 3], keys, CHUNK, timeout=3.0)
+        self.loaded += n
+        self.corrupt += bad
+        if n != len(keys):
+            self.missed.append(f"round keys of sidecar-{holder}: {n}/{len(keys)} at {time.strftime('%H:%M:%S')}")
+
+    def run_loads(self, n: int) -> None:
+        """Until ``n`` more chunks loaded (the load goes on meanwhile)."""
+        target = self.loaded + n
+        wait_for(f"{n} more loads under the rotation", lambda: self.loaded >= target or self.error is not None)
+
 
 def link_keys(pool: LocalPool) -> set[str]:
     return {p["key_id"] for sc in pool.members() for p in sc.peers() if p["state"] == "connected"}
-
-
-def wait_for(what: str, predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_rotating_the_pool_key_under_load_loses_nothing() -> None:
@@ -84,22 +87,22 @@ def test_rotating_the_pool_key_under_load_loses_nothing() -> None:
         load = Load(pool)
         load.start()
         try:
-            time.sleep(1.5)
+            load.run_loads(LOADS_PER_STEP)
             for sc in pool.sidecars:  # phase 1: the new key rolls out, the old one stays accepted
                 pool.write_keys(sc.identity, NEW, OLD)
-                time.sleep(0.7)
+                load.run_loads(LOADS_PER_STEP)
             wait_for("every link to re-key to the new key", lambda: link_keys(pool) == {key_id(NEW).hex()})
-            time.sleep(1.0)
+            load.run_loads(LOADS_PER_STEP)
             for sc in pool.sidecars:  # phase 2: the rotation is over, the old key goes
                 pool.write_keys(sc.identity, NEW)
-                time.sleep(0.7)
-            time.sleep(2.0)
+                load.run_loads(LOADS_PER_STEP)
+            load.run_loads(LOADS_PER_STEP)
         finally:
             load.stop.set()
-            load.join(30)
+            load.join(SAFETY_SECONDS)
+        assert not load.is_alive()
         assert load.error is None, load.error
         assert load.missed == [] and load.corrupt == 0
-        assert load.loaded >= 60
         assert link_keys(pool) == {key_id(NEW).hex()}
         for sc in pool.members():
             assert sc.metric("kv_offload_handshakes_total", result="rejected") == 0

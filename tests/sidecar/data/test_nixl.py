@@ -11,7 +11,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from kv_offload_sidecar.data.base import auth_proof
 from kv_offload_sidecar.data.tcp.sockets import split_host_port
 from peer_processes import HERE, PeerProcess
 from transport_peers import SESSION_ID, SESSION_KEY
+from waiting import wait_for
 
 CHUNK = 256 * 1024
 CLIENT_SCRIPT = f"{HERE}/nixl_client.py"
@@ -58,10 +58,7 @@ def test_fetch_reads_chunks_byte_identical_and_releases_every_lease(
     state = peer.ask("nixl")
     assert state["exported_views"] == 1  # one view for the one authenticated connection
     assert state["leased"] == 0 and state["pinned"] == 0  # every chunk released after its read
-    deadline = time.monotonic() + 5
-    while peer.ask("nixl")["live_views"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert peer.ask("nixl")["live_views"] == 0  # the closed connection's view was revoked
+    wait_for("the closed connection's view revoked", lambda: peer.ask("nixl")["live_views"] == 0)
     assert peer.metrics()["peer_bytes_sent"] == 16 * CHUNK
 
 
@@ -161,10 +158,7 @@ def test_a_view_is_revoked_when_its_session_ends_so_kept_metadata_reads_nothing(
         assert ready and json.loads(ready)["ready"], proc.stderr.read() if proc.stderr else ""
         assert peer.ask("nixl")["live_views"] == 1
         peer.ask("end_sessions")
-        deadline = time.monotonic() + 5
-        while peer.ask("nixl")["live_views"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert peer.ask("nixl")["live_views"] == 0
+        wait_for("the ended session's view revoked", lambda: peer.ask("nixl")["live_views"] == 0)
         proc.stdin.write("go\n")
         proc.stdin.flush()
         out_text, err = proc.communicate(timeout=60)
@@ -217,7 +211,4 @@ def test_a_peer_that_never_releases_pins_at_most_the_lease_limit(
     types = [t for t, _ in got[2:]]
     assert types == ([proto.MessageType.CHUNK_AT] * MAX_LEASES_PER_CONNECTION
                      + [proto.MessageType.CHUNK_MISSING] * 20)
-    deadline = time.monotonic() + 5
-    while peer.ask("nixl")["pinned"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert peer.ask("nixl")["pinned"] == 0  # the connection ended: every lease with it
+    wait_for("every lease ended with the connection", lambda: peer.ask("nixl")["pinned"] == 0)

@@ -22,6 +22,7 @@ from kv_offload_sidecar.peers.pool_keys import key_id
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
 from kv_offload_tools.chaos.probes import RawDataConnection, probe_handshake
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, sidecar_command
+from waiting import wait_for
 
 CHUNK = 16 * 1024
 
@@ -95,10 +96,8 @@ def test_sidecar_of_another_pool_gets_no_chunk_and_stores_none(chaos_pool: Local
     own = chunk_keys("intruder-own", 3)
     with intruder.client() as e_in, chaos_pool["victim"].client() as e_vi:
         assert store_chunks(e_in, own, CHUNK) == 3
-        deadline = time.monotonic() + 60  # an anti-hang bound: the rejection is the state awaited
-        while _rejections(chaos_pool, "victim", "bad_proof") < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _rejections(chaos_pool, "victim", "bad_proof") >= 1
+        wait_for("the victim rejecting the intruder's proof",
+                 lambda: _rejections(chaos_pool, "victim", "bad_proof") >= 1)
         time.sleep(0.5)  # several publish intervals: nothing may leak meanwhile
         # Each side asks for the other's chunks: misses, nothing fetched, nothing stored.
         assert e_in.lookup(keys).hits == 0
