@@ -54,7 +54,6 @@ from aiohttp import web
 from kv_offload_sidecar.control.limits import (
     GUARD_KEY,
     HANDSHAKE_BURST,
-    RATE_LIMITED_ANSWER,
     REJECTIONS_KEY,
     SERVER_HEADER,
     UNPROVEN_REQUEST_SECONDS,
@@ -64,6 +63,7 @@ from kv_offload_sidecar.control.limits import (
     guard_middleware,
     handler_args,
     mark_proven,
+    rate_limited_answer,
     read_body,
     source_of,
 )
@@ -244,7 +244,7 @@ async def handle_handshake(request: web.Request) -> web.StreamResponse:
     guard = request.app.get(GUARD_KEY)
     if guard is not None and not guard.allow_handshake(request.remote or "?"):
         refuse(request, "rate_limited", f"more than {HANDSHAKE_BURST} handshakes in {UNPROVEN_REQUEST_SECONDS:g} s")
-        return web.json_response(RATE_LIMITED_ANSWER, status=429, headers={"Retry-After": "1"})
+        return await rate_limited_answer()
     try:
         body = await read_json(request, MAX_HANDSHAKE_BODY_BYTES)
     except (BodyError, web.HTTPBadRequest):

@@ -17,8 +17,10 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
 - at most ``HANDSHAKE_BURST`` handshake requests in a row, then one per
   ``UNPROVEN_REQUEST_SECONDS / HANDSHAKE_BURST`` on average, per source address that is
   not trusted (a token bucket; a member's pod handshakes once per link and DP port): more
-  get ``429`` with ``Retry-After`` before their body is read or anything is parsed,
-  counted as ``rate_limited``;
+  get ``429`` before their body is read or anything is parsed, counted as
+  ``rate_limited``, and only after ``RETRY_AFTER_SECONDS`` (``rate_limited_answer``), so
+  a flood's connection costs one short answer a second, and strangers together at most
+  ``MAX_UNPROVEN_CONNECTIONS`` a second, whatever their clients' speed;
 - a whole request (line and headers) within ``UNPROVEN_REQUEST_SECONDS`` of connecting or
   of its last answer, so a silent, idle or slow-loris connection is cut (``timeout``);
 - at most ``MAX_UNPROVEN_BUFFERED_BYTES`` received while no request of it is handled
@@ -98,13 +100,14 @@ MAX_HEADER_BYTES = 4096
 MAX_HEADERS = 32
 # The Server header of every answer (aiohttp's would name itself and Python, with versions).
 SERVER_HEADER = "kv-offload"
+# Seconds a refused caller is told to wait (Retry-After of the 503 and the 429), and the delay
+# of a rate-limited handshake's 429.
+RETRY_AFTER_SECONDS = 1
 # The answer to a connection refused at accept (no request of it is parsed).
 _BUSY_BODY = b'{"error": "too many unauthenticated connections; retry later"}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nServer: kv-offload\r\nContent-Type: application/json\r\n"
-         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-         % (len(_BUSY_BODY), _BUSY_BODY))
-# The answer to a handshake over its source's rate (its body is not read).
-RATE_LIMITED_ANSWER = {"error": "too many handshakes from this address; retry later"}
+         b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+         % (RETRY_AFTER_SECONDS, len(_BUSY_BODY), _BUSY_BODY))
 
 GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("kv_offload_connection_guard")
 REJECTIONS_KEY: web.AppKey[RejectionLog] = web.AppKey("kv_offload_rejections", RejectionLog)
@@ -506,6 +509,14 @@ def guard_middleware(guard: ConnectionGuard) -> Callable[..., Awaitable[web.Stre
     return watched
 
 
+async def rate_limited_answer() -> web.Response:
+    """The ``429`` of a handshake over its source's rate, given after ``RETRY_AFTER_SECONDS``
+    (a client asking again at once on the same connection asks once a second)."""
+    await asyncio.sleep(RETRY_AFTER_SECONDS)
+    return web.json_response({"error": "too many handshakes from this address; retry later"}, status=429,
+                             headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 def mark_proven(request: web.Request) -> None:
     """The request proved itself (pool key, session HMAC, admin token, the pod itself)."""
     guard = request.app.get(GUARD_KEY)
@@ -519,10 +530,9 @@ def source_of(request: web.BaseRequest) -> str:
 
 
 __all__ = [
-    "BODY_SECONDS", "IDLE_SECONDS", "MAX_HEADERS", "MAX_HEADER_BYTES", "MAX_REQUEST_LINE_BYTES",
-    "MAX_UNPROVEN_BUFFERED_BYTES", "MAX_UNPROVEN_CONNECTIONS", "MAX_UNPROVEN_PER_SOURCE",
-    "HANDSHAKE_BURST", "RATE_LIMITED_ANSWER", "SERVER_HEADER", "TRUSTED_SOURCE_SECONDS", "UNPROVEN_REQUEST_SECONDS", "BodyError",
-    "ConnectionGuard",
-    "GuardedSite",
-    "ServerLog", "guard_middleware", "handler_args", "mark_proven", "read_body", "source_of",
+    "BODY_SECONDS", "HANDSHAKE_BURST", "IDLE_SECONDS", "MAX_HEADERS", "MAX_HEADER_BYTES",
+    "MAX_REQUEST_LINE_BYTES", "MAX_UNPROVEN_BUFFERED_BYTES", "MAX_UNPROVEN_CONNECTIONS",
+    "MAX_UNPROVEN_PER_SOURCE", "RETRY_AFTER_SECONDS", "SERVER_HEADER", "TRUSTED_SOURCE_SECONDS",
+    "UNPROVEN_REQUEST_SECONDS", "BodyError", "ConnectionGuard", "GuardedSite", "ServerLog",
+    "guard_middleware", "handler_args", "mark_proven", "rate_limited_answer", "read_body", "source_of",
 ]

@@ -93,8 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rejected-handshakes", type=int,
                    help=f"strangers' step 1s of the rejection flood (default {FULL['rejected_handshakes']})")
     p.add_argument("--sniffed-step1s", type=int,
-                   help=f"step 1s carrying the pool's real key id (default {FULL['sniffed_step1s']}; the "
-                        f"sidecar keeps up to 4096 pending)")
+                   help=f"step 1s carrying the pool's real key id, sent for "
+                        f"{attack_control.FLOOD_SECONDS:g} s at most (default {FULL['sniffed_step1s']}; "
+                        f"the sidecar keeps up to 4096 pending)")
     p.add_argument("--warmup-seconds", type=float,
                    help=f"honest load before anything is measured (default {FULL['warmup_seconds']:g})")
     p.add_argument("--baseline-seconds", type=float,

@@ -35,6 +35,9 @@ from kv_offload_tools.bench.attack_exchange import Answer, data_authenticate, ht
 HANDSHAKE = "/v1/handshake"
 # The status of a handshake over its source's rate (control/limits.py's token bucket).
 RATE_LIMITED = 429
+# Seconds the flood of step 1s with a sniffed key id lasts at most (a rate-limited source is
+# answered once a second per connection, so the count alone would not end it).
+FLOOD_SECONDS = 15.0
 # Source address of a legitimate caller that never proved anything (a new pod, Prometheus, an
 # admin's laptop): outside the attackers' 127.0.0.2 ... range.
 NEW_POD_SOURCE = "127.0.0.254"
@@ -184,14 +187,19 @@ def other_wire_version(ctx: AttackContext) -> bool:
 def sniffed_key_id_flood(ctx: AttackContext, count: int, threads: int = 4) -> None:
     """Step 1s carrying the pool's real key id (a passive observer of the pod network sees it:
     the control port is plain HTTP) but no key: each is answered with a server nonce the
-    sidecar keeps pending until it expires. Meanwhile a member handshakes every second."""
+    sidecar keeps pending until it expires, until the source's handshake budget is spent
+    (then 429, a second later). ``count`` at most, for ``FLOOD_SECONDS`` at most. Meanwhile a
+    member handshakes every second."""
     kid = key_id(ctx.pool.pool_key).hex()
     statuses: list[int | None] = []
     lock = threading.Lock()
+    stop_at = min(ctx.deadline, time.monotonic() + FLOOD_SECONDS)
 
     def flood(worker: int) -> None:
         conn: http.client.HTTPConnection | None = None
         for i in range(worker, count, threads):
+            if time.monotonic() > stop_at:
+                break
             body = json.dumps({**stranger_step1(ctx), "key_ids": [kid]})
             try:
                 if conn is None:
@@ -226,6 +234,8 @@ def sniffed_key_id_flood(ctx: AttackContext, count: int, threads: int = 4) -> No
         for st in statuses:
             result.sent += 1
             result.answer(f"HTTP {st}" if st is not None else "connection failed", st)
+        if len(statuses) < count:
+            result.note(f"stopped after {len(statuses)} of {count} step 1s: {FLOOD_SECONDS:g} s passed")
         ok = sum(m.startswith("HTTP 200") for m in member)
         result.note(f"member handshakes during the flood: {ok} of {len(member)} accepted"
                     + ("" if ok == len(member) else f" ({', '.join(sorted(set(member)))[:160]})"))
