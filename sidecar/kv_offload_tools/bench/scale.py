@@ -22,10 +22,11 @@ measured on a real aiohttp exchange) in this process:
 4. ``scale_reads``: the same read on ``bench replay``'s workloads (its
    conversations; with ``--trace``, a Mooncake trace) at ``--read-replicas``.
 
-A request whose prefix lies on k holders costs at most 2k + 1 messages (an
-owner question, none when the member owns the key, and an exchange per holder;
-an owner question for the first key nobody holds): ``meets_targets`` checks
-that bound for every k met, in place of the one-holder target of 2.
+A request whose prefix is read from k holders in turn costs at most 2k + 1
+messages (an owner question, none when the member owns the key, and an
+exchange per holder; an owner question for the first key nobody holds) plus
+one per false exchange: ``meets_targets`` checks that bound for every k met,
+in place of the one-holder target of 2.
 
 Prints a table (or ``--json``: one object with a ``results`` list, one entry
 per pod count, and a ``reads`` list) and writes a PNG of every figure against pods.
@@ -61,7 +62,7 @@ TARGETS = {"location_bytes_per_sidecar": 64 << 20, "control_bytes_per_second_per
 AT_MOST = {"location_bytes_per_sidecar": True, "control_bytes_per_second_per_pod": True,
            "false_positive_ratio": True, "hit_ratio_vs_exact": False}
 # The messages' bound, checked per number of holders k: a peer-hit request over k holders.
-MESSAGES_BOUND = "messages_per_peer_hit_request <= 2k + 1 for k holders"
+MESSAGES_BOUND = "messages_per_peer_hit_request <= 2k + 1 (+ false exchanges) for k holders read"
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,10 @@ def measure(pods: int, s: ScaleSettings, overhead: HttpOverhead, handshake: int,
 
 
 def within_bound(by_holders: dict[str, dict[str, float]]) -> bool:
-    """True when the requests over k holders averaged at most 2k + 1 messages, for every k."""
-    return all(v["messages_per_request"] <= 2 * int(k) + 1 for k, v in by_holders.items())
+    """True when the requests over k holders averaged at most 2k + 1 messages (plus their false
+    exchanges), for every k."""
+    return all(v["messages_per_request"] <= 2 * int(k) + 1 + v["false_exchanges_per_request"] + 1e-9
+               for k, v in by_holders.items())
 
 
 def _replay_view(f: LookupFigures) -> dict[str, Any]:

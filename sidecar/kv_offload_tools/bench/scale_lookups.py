@@ -24,8 +24,10 @@ writes up so that its chunks live that long, as long as a ``chunks_per_pod``
 store lives at ``changes_per_second`` (half of them stores): chains age and
 owners' views go stale as they would at full size.
 
-Each request with peer hits is counted by the number of distinct holders that
-served it (``by_holders``): how the messages grow with holders per prefix.
+Each request with peer hits is counted by the number of holders read in turn
+that served it (``by_holders``; a holder of two runs of the prefix counts
+twice): how the messages grow with holders per prefix. A read over k holders
+costs at most 2k + 1 messages, plus one per false exchange.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class LookupFigures:
     locate_reply_bytes: int = 0
     # Store changes (writes + evictions) the requests caused.
     request_changes: int = 0
-    # Requests with peer hits by distinct holders that served them: {holders: [requests, messages]}.
+    # Requests with peer hits by holders read: {holders: [requests, messages, false exchanges]}.
     by_holders: dict[int, list[int]] = field(default_factory=dict)
     # Wall-clock seconds of the replay.
     seconds: float = 0.0
@@ -106,9 +108,11 @@ class LookupFigures:
         return self.request_changes / self.requests if self.requests else 0.0
 
     def holders_view(self) -> dict[str, dict[str, float]]:
-        """Per number of holders: share of the peer-hit requests, messages per request."""
-        return {str(k): {"requests": n, "share": n / self.peer_hit_requests, "messages_per_request": m / n}
-                for k, (n, m) in sorted(self.by_holders.items())}
+        """Per number of holders read: share of the peer-hit requests, messages and false
+        exchanges per request."""
+        return {str(k): {"requests": n, "share": n / self.peer_hit_requests, "messages_per_request": m / n,
+                         "false_exchanges_per_request": x / n}
+                for k, (n, m, x) in sorted(self.by_holders.items())}
 
     def add(self, keys: Sequence[bytes], s: Served) -> None:
         self.requests += 1
@@ -124,9 +128,10 @@ class LookupFigures:
         if s.peer:
             self.peer_hit_requests += 1
             self.peer_hit_request_messages += s.messages
-            row = self.by_holders.setdefault(s.holders, [0, 0])
+            row = self.by_holders.setdefault(s.holders, [0, 0, 0])
             row[0] += 1
             row[1] += s.messages
+            row[2] += s.false_exchanges
 
 
 class ExactPool:
@@ -157,7 +162,7 @@ class ExactPool:
         store = self.stores[i]
         changes = store.changes
         local = store.lookup_prefix(keys)
-        rest, fetched, holders, messages, exchanges, false = keys[local:], [], set(), 0, 0, 0
+        rest, fetched, holders, messages, exchanges, false = keys[local:], [], 0, 0, 0, 0
         for _ in range(MAX_HOLDERS):
             h = self._choose(i, rest)
             if h is None:
@@ -168,7 +173,7 @@ class ExactPool:
             if n == 0:
                 false += 1
                 break
-            holders.add(h)
+            holders += 1
             self.stores[h].pin_prefix(rest[:n])
             store.put(rest[:n])
             fetched += rest[:n]
@@ -180,7 +185,7 @@ class ExactPool:
         store.drop(fetched)
         store.put(keys[loaded:])
         return Served(local=local, peer=loaded - local, messages=messages, owner_questions=0,
-                      holder_exchanges=exchanges, false_exchanges=false, holders=len(holders), changes=store.changes - changes)
+                      holder_exchanges=exchanges, false_exchanges=false, holders=holders, changes=store.changes - changes)
 
     def _choose(self, i: int, rest: list[bytes]) -> int | None:
         best, best_n = None, 0

@@ -122,7 +122,7 @@ class Wire:
     holder_exchanges: int = 0
     # Exchanges whose holder had not the first key asked (a false claim).
     false_exchanges: int = 0
-    # Holders that served chunks, in the order read.
+    # Holders that served chunks, in the order read (one entry per run).
     holders: list[str] = field(default_factory=list)
     # JSON body bytes of the owner questions and their replies.
     locate_query_bytes: int = 0
@@ -196,7 +196,7 @@ class Served:
     holder_exchanges: int
     # Holder exchanges that found nothing (false claims).
     false_exchanges: int
-    # Distinct holders that served chunks.
+    # Holders read in turn that served chunks (a holder of two runs of the prefix counts twice).
     holders: int
     # Store changes (writes and evictions) the request caused at its member.
     changes: int
@@ -285,4 +285,4 @@ class DirectoryPool:
         return Served(local=local, peer=loaded - local, messages=m.messages() - before,
                       owner_questions=w.owner_questions, holder_exchanges=w.holder_exchanges,
                       false_exchanges=w.false_exchanges,
-                      holders=len(set(w.holders)), changes=m.store.changes - changes)
+                      holders=len(w.holders), changes=m.store.changes - changes)

@@ -35,7 +35,7 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_mbps(ex['bytes_per_second_each_way'])}; Bloom filters "
                      f"({bl['bits_per_entry']:.1f} bits/entry) {_mib(bl['memory_bytes'])}, "
                      f"{_mbps(bl['bytes_per_second_each_way'])}")
-    lines.append("  messages per peer-hit request by distinct holders read (share of those requests):")
+    lines.append("  messages per peer-hit request by holders read in turn (share of those requests):")
     for r in report["results"]:
         lines.append(f"    {r['pods']:>5} pods: " + _holders(r["by_holders"]))
     if report.get("reads"):
