@@ -24,6 +24,13 @@ Ops:
   every container of a pod. The engine gives up at the deadline (plus a grace
   for the piece in flight) and may then reuse the rows, so nothing is read from
   or written to them after it.
+- ``load``, ``load_rows`` and ``store_rows`` may carry ``"job"``, an id the engine
+  chooses (a string of at most ``MAX_JOB_ID_CHARS``); ``cancel {jobs: [id]}`` ->
+  ``{cancelled}`` (how many were running) makes those jobs stop at once: no
+  fetch is awaited further, a copy stops before its next piece, and the job
+  answers as at its deadline. Its answer is the engine's proof that no row is
+  touched any more. A cancel that comes before its job (another connection)
+  is remembered (the latest ``MAX_EARLY_CANCELS``) and the job answers at once.
 - Every other request may carry ``"instance"``; a request naming another
   instance (the sidecar restarted and the engine still maps the old store
   file) is refused with ``"stale": true`` so nothing lands in the wrong file.
@@ -54,11 +61,13 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.control.fd_frames import FirstFrameError, first_frame
 from kv_offload_sidecar.engine import channel_protocol as cp
-from kv_offload_sidecar.store.engine_region import EngineRegion, RegionError, RowCopier
+from kv_offload_sidecar.store.engine_region import EngineRegion, JobDeadline, RegionError, RowCopier
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 
 if TYPE_CHECKING:
@@ -66,6 +75,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Longest job id a request may carry (characters).
+MAX_JOB_ID_CHARS = 64
+# Cancels of jobs not (yet) running that a channel remembers (the oldest forgotten first).
+MAX_EARLY_CANCELS = 1024
 
 
 class ChannelError(Exception):
@@ -114,6 +127,30 @@ def _rows(region: EngineRegion, req: dict[str, Any], count: int) -> list[int]:
         return region.check_rows(req.get("rows"), count)
     except RegionError as exc:
         raise ChannelError(str(exc)) from None
+
+
+def _job(req: dict[str, Any]) -> str | None:
+    """The request's optional ``job`` id (what ``cancel`` names)."""
+    job = req.get("job")
+    if job is not None and (not isinstance(job, str) or not 0 < len(job) <= MAX_JOB_ID_CHARS):
+        raise ChannelError(f"'job' must be a string of 1..{MAX_JOB_ID_CHARS} characters")
+    return job
+
+
+async def _unless_cancelled(work: Awaitable[Any], stop: asyncio.Event) -> None:
+    """Await ``work`` until it ends or ``stop`` is set (then it is cancelled and awaited)."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if not task.cancelled():
+        task.result()
 
 
 def _id(req: dict[str, Any]) -> int:
@@ -192,7 +229,17 @@ class _Connection:
             return {"ok": True, "committed": committed}
         if op == "load":
             keys = _keys(req)
-            pins = await sidecar.load(keys, _timeout(req, sidecar.settings.fetch_deadline_seconds))
+            timeout = _timeout(req, sidecar.settings.fetch_deadline_seconds)
+            pins: list[PinnedChunk] = []
+            try:
+                with self.server.running(_job(req), JobDeadline(time.monotonic() + timeout)) as stop:
+                    if not stop.is_set():
+                        await _unless_cancelled(sidecar.load_each(keys, timeout, pins.append),
+                                                stop)
+            except BaseException:
+                for p in pins:
+                    p.release()
+                raise
             pid = next(self._ids)
             if pins:
                 self.pins[pid] = pins
@@ -204,6 +251,13 @@ class _Connection:
             for p in pins:
                 p.release()
             return {"ok": True}
+        if op == "cancel":
+            jobs = req.get("jobs")
+            if not isinstance(jobs, list) or len(jobs) > cp.MAX_KEYS or not all(
+                    isinstance(j, str) and 0 < len(j) <= MAX_JOB_ID_CHARS for j in jobs):
+                raise ChannelError(f"'jobs' must list job ids (strings of 1..{MAX_JOB_ID_CHARS} "
+                                   f"characters)")
+            return {"ok": True, "cancelled": self.server.cancel(jobs)}
         if op == "store_rows":
             return await self._store_rows(req)
         if op == "load_rows":
@@ -239,7 +293,8 @@ class _Connection:
 
     async def _store_rows(self, req: dict[str, Any]) -> dict[str, Any]:
         keys = _keys(req)
-        deadline = _deadline(req)
+        deadline = JobDeadline(_deadline(req))
+        job = _job(req)
         region = self._region(req)
         server, metrics = self.server, self.sidecar.metrics.engine_transfer
         group: list[WriteReservation | None] = []
@@ -248,9 +303,10 @@ class _Connection:
             group = self.sidecar.reserve(keys)
             todo = [(rows[i], r) for i, r in enumerate(group) if r is not None]
             started = time.perf_counter()
-            sums = await server.run_copy(server.copier.rows_to_slots, region,
-                                         [row for row, _ in todo], [r.view for _, r in todo],
-                                         deadline)
+            with server.running(job, deadline):
+                sums = await server.run_copy(server.copier.rows_to_slots, region,
+                                             [row for row, _ in todo], [r.view for _, r in todo],
+                                             deadline)
             metrics.labels(op="store", phase="copy").observe(time.perf_counter() - started)
             committed = sum(bool(r.commit(computed_checksum=c)) for (_, r), c in zip(todo, sums)
                             if c is not None)
@@ -265,7 +321,8 @@ class _Connection:
         """Each chunk is copied into its row as soon as it is here (held, or landed from a
         peer), on the copy thread, while the next ones are still on the wire."""
         keys = _keys(req)
-        deadline = _deadline(req)
+        deadline = JobDeadline(_deadline(req))
+        job = _job(req)
         region = self._region(req)
         server, metrics = self.server, self.sidecar.metrics.engine_transfer
         pins: list[PinnedChunk] = []
@@ -278,13 +335,14 @@ class _Connection:
                     server.copier.slot_to_row, region, pin.view, rows[len(pins)], deadline)))
                 pins.append(pin)
 
-            started = time.perf_counter()
-            remaining = deadline - time.monotonic()
-            if remaining > 0:
-                await self.sidecar.load_each(keys, remaining, take)
-            fetched = time.perf_counter()
-            metrics.labels(op="load", phase="fetch").observe(fetched - started)
-            whole = await asyncio.gather(*copies)
+            with server.running(job, deadline) as stop:
+                started = time.perf_counter()
+                remaining = deadline.at - time.monotonic()
+                if remaining > 0 and not stop.is_set():
+                    await _unless_cancelled(self.sidecar.load_each(keys, remaining, take), stop)
+                fetched = time.perf_counter()
+                metrics.labels(op="load", phase="fetch").observe(fetched - started)
+                whole = await asyncio.gather(*copies)
             # The copy time the fetch did not hide.
             metrics.labels(op="load", phase="copy").observe(time.perf_counter() - fetched)
             loaded = next((i for i, ok in enumerate(whole) if not ok), len(whole))
@@ -312,6 +370,10 @@ class LocalChannelServer:
         self._region_ids = itertools.count(1)
         # The thread that copies between vLLM's rows and the store's slots.
         self.copier = RowCopier()
+        # Jobs running with an id: how to stop each (its deadline, the event its fetch awaits).
+        self._jobs: dict[str, tuple[JobDeadline, asyncio.Event]] = {}
+        # Ids cancelled before their job came (oldest first).
+        self._early_cancels: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> None:
         if len(self.path.encode()) > 100:
@@ -348,6 +410,42 @@ class LocalChannelServer:
         await asyncio.get_running_loop().run_in_executor(None, self.copier.close)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+    @contextlib.contextmanager
+    def running(self, job: str | None, deadline: JobDeadline) -> Iterator[asyncio.Event]:
+        """Register job ``job`` (None: no id, not cancellable) while it runs; the event is set
+        when it is cancelled (at once when its cancel came first)."""
+        stop = asyncio.Event()
+        if job is None or job in self._jobs:  # an id in use twice: the first one keeps it
+            yield stop
+            return
+        self._jobs[job] = (deadline, stop)
+        if job in self._early_cancels:
+            del self._early_cancels[job]
+            deadline.cancel()
+            stop.set()
+        try:
+            yield stop
+        finally:
+            del self._jobs[job]
+
+    def cancel(self, jobs: list[str]) -> int:
+        """Stop the running jobs named; remember the others (their request may come later).
+        Returns how many were running."""
+        n = 0
+        for job in jobs:
+            found = self._jobs.get(job)
+            if found is None:
+                self._early_cancels[job] = None
+                self._early_cancels.move_to_end(job)
+                while len(self._early_cancels) > MAX_EARLY_CANCELS:
+                    self._early_cancels.popitem(last=False)
+                continue
+            deadline, stop = found
+            deadline.cancel()
+            stop.set()
+            n += 1
+        return n
 
     def register_region(self, region: EngineRegion) -> int:
         rid = next(self._region_ids)

@@ -31,7 +31,7 @@ MAX_KEYS = 65536
 # Longest accepted timeout (seconds).
 MAX_TIMEOUT_SECONDS = 600.0
 OPS = ("info", "lookup", "reserve", "commit", "abort", "load", "release", "attach_region",
-       "store_rows", "load_rows")
+       "store_rows", "load_rows", "cancel")
 
 
 def encode_frame(obj: Mapping[str, Any]) -> bytes:

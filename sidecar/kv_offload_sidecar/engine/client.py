@@ -23,6 +23,10 @@ connection kept open for the attachment's life) and then
 ``store_rows(keys, rows)`` / ``load_rows(keys, rows, timeout)`` name rows
 instead of copying: the sidecar copies, and vLLM's process moves no KV bytes.
 ``region_attached`` says whether that worked (``region_reason`` why not).
+``load``/``load_rows`` may name a ``job`` (an id the caller chooses); ``cancel(jobs)``
+makes the sidecar stop those at once (no fetch awaited further, no copy piece
+started): the cancelled call then returns what was whole by then, and its return
+means the sidecar touches none of its rows any more.
 
 A restarted sidecar (new instance, new store file) is noticed at the first failed call; the
 client re-attaches (and hands the region over again) at its first call at least
@@ -341,11 +345,12 @@ class EngineClient:
             raise user_exc
         return written
 
-    def load(self, keys: Sequence[bytes], read_fn: ReadFn, timeout: float = 2.0) -> int:
+    def load(self, keys: Sequence[bytes], read_fn: ReadFn, timeout: float = 2.0, *,
+             job: str | None = None) -> int:
         """Read the leading held chunks of ``keys``; returns how many were read.
 
         ``read_fn(i, view)`` copies chunk ``keys[i]`` out of ``view`` (valid
-        only during the call). Late or failed: 0.
+        only during the call). Late or failed: 0. ``job``: an id ``cancel`` can name.
         """
         if not keys:
             return 0
@@ -354,8 +359,10 @@ class EngineClient:
         try:
             att = self._attachment()
             with self._connection() as conn:
-                reply = self._call(conn, att, {"op": "load", "keys": cp.encode_keys(keys),
-                                               "timeout": timeout}, timeout + REPLY_GRACE_SECONDS)
+                req = {"op": "load", "keys": cp.encode_keys(keys), "timeout": timeout}
+                if job is not None:
+                    req["job"] = job
+                reply = self._call(conn, att, req, timeout + REPLY_GRACE_SECONDS)
                 pid, slots = reply["id"], reply["slots"]
                 for i, slot in enumerate(slots):
                     try:
@@ -389,13 +396,31 @@ class EngineClient:
         return self._row_job("store_rows", "committed", keys, rows, CONTROL_TIMEOUT_SECONDS,
                              strict=strict)
 
-    def load_rows(self, keys: Sequence[bytes], rows: Sequence[int], timeout: float = 2.0) -> int:
+    def load_rows(self, keys: Sequence[bytes], rows: Sequence[int], timeout: float = 2.0, *,
+                  job: str | None = None) -> int:
         """The sidecar makes the leading held ``keys`` local and copies them into ``rows``;
-        returns how many leading rows now hold their chunk. Late or failed: 0."""
-        return self._row_job("load_rows", "loaded", keys, rows, timeout, strict=False)
+        returns how many leading rows now hold their chunk. Late or failed: 0. ``job``: an
+        id ``cancel`` can name."""
+        return self._row_job("load_rows", "loaded", keys, rows, timeout, strict=False, job=job)
+
+    def cancel(self, jobs: Sequence[str]) -> int:
+        """Make the sidecar stop the ``load``/``load_rows`` calls named ``jobs`` now (also
+        one whose request it has not read yet); how many were running (0 on failure: the
+        calls then end at their deadlines)."""
+        if not jobs:
+            return 0
+        try:
+            att = self._attachment()
+            with self._connection() as conn:
+                reply = self._call(conn, att, {"op": "cancel", "jobs": list(jobs)},
+                                   CONTROL_TIMEOUT_SECONDS)
+            return int(reply["cancelled"])
+        except _FAILURES as exc:
+            self._miss("cancel", exc)
+            return 0
 
     def _row_job(self, op: str, answer: str, keys: Sequence[bytes], rows: Sequence[int],
-                 timeout: float, *, strict: bool) -> int:
+                 timeout: float, *, strict: bool, job: str | None = None) -> int:
         """One store_rows/load_rows request: the sidecar touches no row after ``timeout``
         (its deadline), and the answer is awaited ``ROW_COPY_GRACE_SECONDS`` longer."""
         if not keys:
@@ -406,12 +431,12 @@ class EngineClient:
             if att.region_id is None:
                 raise SidecarUnavailable(f"region not attached: {att.region_reason}")
             deadline = time.monotonic() + timeout
+            req = {"op": op, "region": att.region_id, "keys": cp.encode_keys(keys),
+                   "rows": [int(r) for r in rows], "deadline": deadline}
+            if job is not None:
+                req["job"] = job
             with self._connection() as conn:
-                reply = self._call(conn, att, {"op": op, "region": att.region_id,
-                                               "keys": cp.encode_keys(keys),
-                                               "rows": [int(r) for r in rows],
-                                               "deadline": deadline},
-                                   timeout + ROW_COPY_GRACE_SECONDS)
+                reply = self._call(conn, att, req, timeout + ROW_COPY_GRACE_SECONDS)
             return int(reply[answer])
         except (*_FAILURES, SidecarUnavailable) as exc:
             self._miss(what, exc)

@@ -50,6 +50,7 @@ Imports: the standard library, numpy, and this package's tier modules.
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -157,6 +158,10 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._idle = threading.Condition()
         self._pending_transfers = 0
         self._draining = 0
+        # The job the transfer thread is running (None: none), and this tier's prefix of the
+        # job ids the sidecar knows it by (vLLM's job ids are unique only per engine).
+        self._running: Job | None = None
+        self._job_prefix = secrets.token_hex(6)
         # Requests' lookups handed to the lookup thread whose answers it has not passed back.
         self._lookups_in_flight = 0
         self._stats_lock = threading.Lock()
@@ -294,16 +299,29 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
     def drain_jobs(self) -> None:
         """Block until every submitted transfer has finished or failed.
 
-        Jobs not yet started fail at once (reported by get_finished_jobs); the
-        one in progress runs to its end, which the tier's deadlines bound
+        Jobs not yet started fail at once (reported by get_finished_jobs). A load in
+        progress is cancelled: the sidecar stops it (no fetch awaited further, no copy
+        piece started) and answers with the chunks whole by then, and only that answer
+        ends the job, so nothing of vLLM's memory is written once this returns. A store
+        in progress runs to its end (copies out of vLLM's rows, no network wait). A
+        sidecar that does not answer is waited for until the job's deadline
         (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store).
         """
         with self._idle:
             self._draining += 1
-            try:
+            running = self._running
+        try:
+            if running is not None and running.kind == "load":
+                try:
+                    self._link.cancel(self._job_id(running))
+                except Exception as exc:  # the load then ends at its deadline
+                    logger.info("kv-offload: cancelling load job %d failed: %s",
+                                running.job_id, exc)
+            with self._idle:
                 while self._pending_transfers:
                     self._idle.wait(1.0)
-            finally:
+        finally:
+            with self._idle:
                 self._draining -= 1
 
     @property
@@ -486,7 +504,10 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 return
             started = time.monotonic()
             ok, moved = False, 0
-            if self._draining:
+            with self._idle:  # drain_jobs sees this job running, or this sees it draining
+                cancelled = bool(self._draining)
+                self._running = None if cancelled else job
+            if cancelled:
                 logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
             else:
                 try:
@@ -496,8 +517,13 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             self._account(job, moved, ok)
             self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
             with self._idle:
+                self._running = None
                 self._pending_transfers -= 1
                 self._idle.notify_all()
+
+    def _job_id(self, job: Job) -> str:
+        """The id the sidecar knows ``job`` by (what drain_jobs cancels)."""
+        return f"{self._job_prefix}:{job.job_id}"
 
     def _account(self, job: Job, moved: int, ok: bool) -> None:
         with self._stats_lock:
@@ -522,12 +548,14 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         if client is None:
             return False, 0
         if self._sidecar_copies(client):
-            loaded = client.load_rows(job.keys, job.rows, timeout=self._load_timeout)
+            loaded = client.load_rows(job.keys, job.rows, timeout=self._load_timeout,
+                                      job=self._job_id(job))
         else:
             def read(i: int, slot: memoryview) -> None:
                 copy_released(self._row(job.rows[i]), slot.cast("B")[:self._chunk_bytes])
 
-            loaded = client.load(job.keys, read, timeout=self._load_timeout)
+            loaded = client.load(job.keys, read, timeout=self._load_timeout,
+                                 job=self._job_id(job))
         if not self._link.matches(client):
             loaded = 0  # read from a sidecar that turned out not to match: none of it counts
         return loaded == len(job.keys), loaded

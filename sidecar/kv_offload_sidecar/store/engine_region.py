@@ -150,39 +150,59 @@ def _as_array(view: memoryview) -> np.ndarray:
     return np.frombuffer(view, dtype=np.uint8)
 
 
+class JobDeadline:
+    """When a row job must stop touching rows: its deadline or a cancel, whichever comes first.
+
+    Set on the event loop, read by the copy thread before each piece (a bool and a float:
+    no lock needed)."""
+
+    def __init__(self, at: float) -> None:
+        # The job's deadline, a time.monotonic() value.
+        self.at = at
+        # True once the engine cancelled the job.
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def expired(self) -> bool:
+        return self.cancelled or time.monotonic() > self.at
+
+
 class RowCopier:
     """One thread that copies chunk bytes between the store's slots and an engine's rows.
 
     Deadlines are ``time.monotonic()`` values (CLOCK_MONOTONIC, one clock for
     every container of a pod): the engine gives up on a job at its deadline and
     may then reuse its rows, so a store commits only chunks copied by then and a
-    load starts no piece of a copy after it.
+    load starts no piece of a copy after it; a cancelled job (``JobDeadline.cancel``)
+    stops the same way at its next piece.
     """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-rows")
 
     def rows_to_slots(self, region: EngineRegion, rows: Sequence[int],
-                      slots: Sequence[memoryview], deadline: float) -> list[int | None]:
+                      slots: Sequence[memoryview], deadline: JobDeadline) -> list[int | None]:
         """Copy each row into its slot (same order); each slot's checksum, or None for the
-        chunks not copied by ``deadline`` (the caller aborts those)."""
+        chunks not copied before ``deadline`` expired (the caller aborts those)."""
         sums: list[int | None] = []
         for row, slot in zip(rows, slots):
-            if time.monotonic() > deadline:
+            if deadline.expired():
                 sums.append(None)
                 continue
             np.copyto(_as_array(slot)[:region.chunk_bytes], region.row(row))
-            sums.append(chunk_checksum(slot) if time.monotonic() <= deadline else None)
+            sums.append(None if deadline.expired() else chunk_checksum(slot))
         return sums
 
     def slot_to_row(self, region: EngineRegion, slot: memoryview, row: int,
-                    deadline: float) -> bool:
+                    deadline: JobDeadline) -> bool:
         """Copy one pinned slot into its row in pieces of at most ``COPY_PIECE_BYTES``, none
-        started after ``deadline``; True when the row got the whole chunk."""
+        started once ``deadline`` expired; True when the row got the whole chunk."""
         n = region.chunk_bytes
         src, dst = _as_array(slot), region.row(row)
         for start in range(0, n, COPY_PIECE_BYTES):
-            if time.monotonic() > deadline:
+            if deadline.expired():
                 return False
             end = min(n, start + COPY_PIECE_BYTES)
             np.copyto(dst[start:end], src[start:end])
@@ -196,4 +216,5 @@ class RowCopier:
         self._pool.shutdown(wait=True)
 
 
-__all__ = ["COPY_PIECE_BYTES", "EngineRegion", "MAX_REGION_BYTES", "RegionError", "RowCopier"]
+__all__ = ["COPY_PIECE_BYTES", "EngineRegion", "JobDeadline", "MAX_REGION_BYTES", "RegionError",
+           "RowCopier"]

@@ -75,6 +75,14 @@ def test_lookup_says_when_the_sidecar_knew_the_answer_on_the_engines_monotonic_c
     assert client.lookup(keys, timeout=-1).known_at is None  # refused: no answer, no time
 
 
+def test_a_cancelled_load_hands_out_no_slot(client):
+    keys = new_keys(2)
+    data = write_chunks(client, keys)
+    assert client.cancel(["engine-x:1"]) == 0  # before its request: remembered
+    assert client.load(keys, lambda i, v: None, timeout=60.0, job="engine-x:1") == 0
+    assert read_chunks(client, keys) == [data[k] for k in keys]  # nothing left pinned or lost
+
+
 def test_lookup_and_load_stop_at_the_first_missing_key(client):
     keys = new_keys(3)
     write_chunks(client, keys[:2])

@@ -158,6 +158,30 @@ def test_nothing_is_read_or_written_past_a_jobs_deadline(pool):
         keeper.close()
 
 
+def test_a_load_cancelled_before_its_request_came_answers_at_once_and_writes_no_row(pool):
+    region = Region("cancelled")
+    client = _client(pool, region)
+    s = _channel(pool)
+    try:
+        keys = _keys(2)
+        region.fill(0), region.fill(1)
+        assert client.store_rows(keys, [0, 1]) == 2
+        before = region.rows.copy()
+        # The cancel may overtake its job (another connection): the sidecar remembers it.
+        assert client.cancel(["tier-a:7"]) == 0
+        assert client.load_rows(keys, [4, 5], timeout=60.0, job="tier-a:7") == 0
+        assert (region.rows == before).all()
+        # Another id loads as usual.
+        assert client.load_rows(keys, [4, 5], timeout=60.0, job="tier-a:8") == 2
+        assert region.chunk(4) == region.chunk(0)
+        for bad in ({"op": "cancel", "jobs": "tier-a:7"}, {"op": "cancel", "jobs": [7]},
+                    {"op": "cancel", "jobs": ["x" * 65]}):
+            assert _call(s, bad)["ok"] is False
+    finally:
+        s.close()
+        client.close()
+
+
 def _maps_region(pool, name):
     with open(f"/proc/{pool[0].proc.pid}/maps") as fh:
         return any(name in line for line in fh)

@@ -399,3 +399,46 @@ def test_a_peer_hit_answered_while_vllm_retries_is_hit_at_its_next_lookup_and_co
     finally:
         a.close()
         b.close()
+
+
+@pytest.fixture
+def patient_pool():
+    """Sidecars that wait up to a minute for a peer: only a cancel ends a stalled fetch sooner."""
+    with LocalPool(2, config=CONFIG, publish_interval_seconds=0.05,
+                   fetch_deadline_seconds=60.0) as p:
+        yield p
+
+
+def test_drain_jobs_cancels_a_load_stalled_on_a_peer_instead_of_waiting_out_its_deadline(
+        patient_pool):
+    pool = patient_pool
+    a, b = _engine(pool, 0), _engine(pool, 1, load_timeout_seconds=60.0)
+    tier = b.tier
+    try:
+        tokens = trace_tokens([111, 112], a.layout.tokens_per_chunk)
+        assert a.run_request(tokens).stored_chunks == 2
+        keys = a.hasher.chunk_keys(tokens)
+        _wait_visible(pool, 1, keys)
+        b.run_request(trace_tokens([113], b.layout.tokens_per_chunk))  # b's tier attached, checked
+        ctx = ReqContext(req_id="stalled")
+        tier.on_new_request(ctx)
+        pool[0].proc.send_signal(signal.SIGSTOP)  # the holder stalls: the fetch hangs
+        try:
+            tier.submit_load(TransferJob(job_id=31, keys=keys, chunk_ids=np.array([2, 3]),
+                                         is_promotion=True, req_context=ctx))
+            tier.submit_load(TransferJob(job_id=32, keys=keys, chunk_ids=np.array([4, 5]),
+                                         is_promotion=True, req_context=ctx))
+            _wait("the first load taken up", lambda: tier.transfers_in_flight == (2, 1))
+            start = time.monotonic()
+            tier.drain_jobs()  # what vLLM's reset_cache does
+            elapsed = time.monotonic() - start
+        finally:
+            pool[0].proc.send_signal(signal.SIGCONT)
+        # Both failed (vLLM recomputes), the running one cancelled by b's sidecar, which
+        # answered: drain_jobs did not wait for the load's 60 s deadline.
+        assert {r.job_id: r.success for r in tier.get_finished_jobs()} == {31: False, 32: False}
+        assert tier.transfers_in_flight == (0, 0) and elapsed < 30.0, elapsed
+        tier.on_request_finished(ctx)
+    finally:
+        a.close()
+        b.close()
