@@ -1,5 +1,9 @@
 """`kv-offload sidecar`: run the per-pod sidecar until SIGTERM.
 
+Its flags are ``SidecarSettings``'s (name, default and help declared once, on
+the field; ``setting_flags``) plus four of the process: ``--ucx-tls``,
+``--ucx-lanes``, ``--parent-pid`` and ``--log-level``.
+
 Bad flags, config or key file: one line on stderr, exit 2. SIGTERM/SIGINT:
 stop accepting, let in-flight work finish within ``--shutdown-grace-seconds``,
 unlink the shared-memory store, exit 0. With ``--parent-pid P`` (or
@@ -27,13 +31,8 @@ from kv_offload_sidecar.engine.offloading_config import load_config_file
 from kv_offload_sidecar.peers.discovery import parse_peer_list
 from kv_offload_sidecar.peers.handshake import load_pool_key
 from kv_offload_sidecar.peers.pool_keys import load_optional_key
-from kv_offload_sidecar.settings import (
-    DEFAULT_DATA_PORT,
-    PEER_COPIES,
-    TRANSPORTS,
-    SidecarSettings,
-    effective_hash_seed,
-)
+from kv_offload_sidecar.setting_flags import add_flags, flag_fields, flag_values
+from kv_offload_sidecar.settings import SidecarSettings, effective_hash_seed
 from kv_offload_sidecar.usage import UsageError
 
 log = logging.getLogger("kv_offload_sidecar")
@@ -47,63 +46,11 @@ PARENT_POLL_SECONDS = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The settings' flags (defaults and help from ``SidecarSettings``), then the process's own."""
+    add_flags(parser, SidecarSettings, names=_SETTING_FLAGS)
+    peers = parser.add_mutually_exclusive_group()
+    add_flags(peers, SidecarSettings, names=("static_peers", "peers_dns"))
     p = parser
-    p.add_argument("--config", required=True, metavar="FILE",
-                   help="offloading_config.json of the pool (the operator's ConfigMap)")
-    p.add_argument("--pool-key-file", required=True, metavar="FILE",
-                   help="file holding the pool's secret key (the operator's Secret); re-read "
-                        "while running, so a rotated Secret takes effect without a restart")
-    p.add_argument("--previous-pool-key-file", default="", metavar="FILE",
-                   help="file of the pool's previous key, accepted while a key rotation rolls "
-                        "out (absent or empty: none)")
-    p.add_argument("--admin-token-file", default="", metavar="FILE",
-                   help="file of a bearer token for the admin endpoints (/v1/status, /v1/peers, "
-                        "/v1/lookup), besides the token derived from the pool key")
-    p.add_argument("--key-reload-seconds", type=float, default=2.0,
-                   help="seconds between re-reads of the key and token files")
-    p.add_argument("--tls-cert-file", default="", metavar="PEM",
-                   help="this sidecar's certificate: TLS on the tcp data plane (with --tls-key-file "
-                        "and --tls-ca-file)")
-    p.add_argument("--tls-key-file", default="", metavar="PEM", help="private key of --tls-cert-file")
-    p.add_argument("--tls-ca-file", default="", metavar="PEM",
-                   help="CA bundle that signs every pool member's certificate")
-    peers = p.add_mutually_exclusive_group()
-    peers.add_argument("--peers", default="", metavar="H:P,...",
-                       help="static peer control addresses (one DP port per peer is enough)")
-    peers.add_argument("--peers-dns", default="", metavar="NAME",
-                       help="DNS name of the pool's headless Service, re-resolved periodically")
-    p.add_argument("--host", default=None,
-                   help="address to bind and advertise (default $VLLM_P2P_SIDE_CHANNEL_HOST or localhost)")
-    p.add_argument("--base-port", type=int, default=None,
-                   help="control port of global DP index 0 (default $VLLM_P2P_SIDE_CHANNEL_PORT or 5710)")
-    p.add_argument("--dp-indices", default="", metavar="I,...",
-                   help="global DP indices this pod serves (default: 0)")
-    p.add_argument("--data-port", type=int, default=DEFAULT_DATA_PORT,
-                   help="TCP data-plane port (0: any free port)")
-    p.add_argument("--capacity-bytes", type=int, default=1 << 30, help="chunk store byte budget")
-    p.add_argument("--transport", choices=TRANSPORTS, default="tcp", help="data plane")
-    p.add_argument("--shm-dir", default="/dev/shm", help="directory of the store file and local sockets")
-    p.add_argument("--identity", default="", help="this sidecar's name in the pool (default hostname:port)")
-    p.add_argument("--fetch-deadline-seconds", type=float, default=2.0,
-                   help="deadline of one peer lookup or fetch; late is a miss")
-    p.add_argument("--publish-interval-seconds", type=float, default=1.0,
-                   help="seconds between publishes of this sidecar's chunk changes to the directory "
-                        "(how stale a peer's view of them may be)")
-    p.add_argument("--peer-copies", choices=PEER_COPIES, default="drop",
-                   help="what to keep of a chunk fetched from a peer once the engine loaded it: "
-                        "drop (the pool keeps one copy; default) or cold (a copy evicted first)")
-    p.add_argument("--prefill-tokens-per-second", type=float, default=0.0, metavar="TOKENS",
-                   help="the engine's prefill rate: a peer's run slower to fetch than to recompute "
-                        "at this rate is a miss (default 0: always fetch)")
-    p.add_argument("--engine-metrics-url", default="", metavar="URL",
-                   help="vLLM's /metrics, to learn the engine's prefill rate from "
-                        "(e.g. http://127.0.0.1:8000/metrics; default: the configured rate only)")
-    p.add_argument("--engine-metrics-interval-seconds", type=float, default=15.0,
-                   help="seconds between scrapes of --engine-metrics-url (default 15)")
-    p.add_argument("--dns-interval-seconds", type=float, default=10.0,
-                   help="seconds between re-resolutions of --peers-dns")
-    p.add_argument("--shutdown-grace-seconds", type=float, default=3.0,
-                   help="bound on finishing in-flight work at SIGTERM")
     p.add_argument("--ucx-tls", default=None, metavar="TLS",
                    help="UCX transports with --transport ucx (e.g. sm,tcp,self) or nixl (e.g. rc,cma,tcp,self) "
                         "(default $UCX_TLS, else the ucx transport's default)")
@@ -112,51 +59,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "chunk) or 2 (the fetcher copies every third, faster between same-host "
                         f"peers; a holder killed mid-transfer can then abort this sidecar too) "
                         f"(default ${UCX_LANES_ENV}, else 1)")
-    p.add_argument("--hash-seed", default=None, metavar="S",
-                   help="prefix-hash seed shared by the pool (default: the config's extra_config "
-                        "hash_seed, else $PYTHONHASHSEED, else 0)")
     p.add_argument("--parent-pid", default=None, metavar="PID",
                    help=f"shut down gracefully once this process is gone (default ${PARENT_PID_ENV}; "
                         "0: never)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
+# Every flag of SidecarSettings but the two peer sources, which exclude each other.
+_SETTING_FLAGS = tuple(f.name for f, _ in flag_fields(SidecarSettings)
+                       if f.name not in ("static_peers", "peers_dns"))
+
+
 def build_settings(args: argparse.Namespace) -> SidecarSettings:
     """Flags + environment + config -> settings; ValueError is one line for the user."""
-    config = load_config_file(args.config)
-    pool_key = load_pool_key(args.pool_key_file)
-    host = args.host or ports.env_host(os.environ)
-    base_port = args.base_port if args.base_port is not None else ports.env_base_port(os.environ)
-    if args.dp_indices:
+    values = flag_values(args, SidecarSettings)
+    config = values["config"] = load_config_file(args.config)
+    values["pool_key"] = load_pool_key(args.pool_key_file)
+    values["previous_pool_key"] = load_optional_key(args.previous_pool_key_file)
+    values["admin_token"] = load_optional_key(args.admin_token_file)
+    values["host"] = args.host or ports.env_host(os.environ)
+    if args.base_port is None:
+        values["base_port"] = ports.env_base_port(os.environ)
+    if args.dp_indices is not None:  # per-engine values come from the pod (the webhook sets the flag)
         try:
-            dp_indices = tuple(int(x) for x in args.dp_indices.split(",") if x.strip())
+            values["dp_indices"] = tuple(int(x) for x in args.dp_indices.split(",") if x.strip())
         except ValueError:
             raise ValueError(f"--dp-indices {args.dp_indices!r} must be comma-separated integers") from None
-    else:
-        dp_indices = (0,)  # per-engine values come from the pod (the webhook sets the flag)
+    if args.static_peers is not None:
+        values["static_peers"] = parse_peer_list(args.static_peers)
     if args.hash_seed is not None and args.hash_seed == "":
         raise ValueError("--hash-seed is empty: give the pool's seed (e.g. 0) or leave the flag out")
+    values["hash_seed"] = effective_hash_seed(config, flag=args.hash_seed)
     if not os.path.isdir(args.shm_dir):
         raise ValueError(f"--shm-dir {args.shm_dir!r} is not a directory: mount the pod's /dev/shm "
                          f"(or a memory-backed emptyDir) there or pass another directory")
-    return SidecarSettings(
-        config=config, pool_key=pool_key, host=host, base_port=base_port, dp_indices=dp_indices,
-        data_port=args.data_port, capacity_bytes=args.capacity_bytes, transport=args.transport,
-        shm_dir=args.shm_dir, identity=args.identity, static_peers=parse_peer_list(args.peers),
-        peers_dns=args.peers_dns, dns_interval_seconds=args.dns_interval_seconds,
-        publish_interval_seconds=args.publish_interval_seconds,
-        fetch_deadline_seconds=args.fetch_deadline_seconds,
-        shutdown_grace_seconds=args.shutdown_grace_seconds,
-        hash_seed=effective_hash_seed(config, flag=args.hash_seed),
-        pool_key_file=args.pool_key_file,
-        previous_pool_key=load_optional_key(args.previous_pool_key_file),
-        previous_pool_key_file=args.previous_pool_key_file,
-        admin_token=load_optional_key(args.admin_token_file),
-        admin_token_file=args.admin_token_file, key_reload_seconds=args.key_reload_seconds,
-        tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, tls_ca_file=args.tls_ca_file,
-        peer_copies=args.peer_copies, prefill_tokens_per_second=args.prefill_tokens_per_second,
-        engine_metrics_url=args.engine_metrics_url,
-        engine_metrics_interval_seconds=args.engine_metrics_interval_seconds)
+    return SidecarSettings(**values)
 
 
 def parent_pid(args: argparse.Namespace) -> int:

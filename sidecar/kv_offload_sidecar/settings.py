@@ -10,9 +10,12 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.peers.discovery import DNS_INTERVAL_SECONDS
+from kv_offload_sidecar.setting_flags import setting
 
 # The data plane's port when none is given.
 DEFAULT_DATA_PORT = 5810
@@ -51,77 +54,79 @@ def default_identity(base_port: int) -> str:
 
 @dataclass(frozen=True)
 class SidecarSettings:
-    # The pool's translated vLLM offloading config (fingerprint, chunk size).
-    config: OffloadingConfig
-    # Shared pool secret proving membership; never sent, never logged.
-    pool_key: bytes = field(repr=False)
-    # Address bound and advertised to peers (the routable pod IP in Kubernetes).
-    host: str = ports.DEFAULT_HOST
-    # Control port of global DP index 0; DP index i listens on base_port + i.
-    base_port: int = ports.DEFAULT_BASE_PORT
-    # Global data-parallel indices served by this pod, e.g. (0,) or (2, 3).
-    dp_indices: tuple[int, ...] = (0,)
-    # Data-plane port (TCP transport; 0 = any free port). UCX picks its own.
-    data_port: int = DEFAULT_DATA_PORT
-    # Byte budget of the host-memory chunk store (never exceeded).
-    capacity_bytes: int = 1 << 30
-    # Data plane: "ucx" (ucxx), "tcp" (plain asyncio sockets) or "nixl" (one-sided NIXL READs).
-    transport: str = "tcp"
-    # Directory of the shared-memory store file and local channel sockets.
-    shm_dir: str = "/dev/shm"
-    # Name of this sidecar among its peers (unique in the pool), e.g. the pod name.
-    identity: str = ""
-    # Static peers as "host:port" control addresses of their DP ports.
-    static_peers: tuple[str, ...] = ()
-    # DNS name of the pool's headless Service; "" when unused.
-    peers_dns: str = ""
-    # Seconds between DNS re-resolutions of peers_dns.
-    dns_interval_seconds: float = 10.0
-    # Seconds between publishes of this sidecar's chunk changes to their directory owners
-    # (also how stale a location may be); e.g. 1.0.
-    publish_interval_seconds: float = 1.0
-    # Deadline of one peer lookup or fetch; late or failed means a miss.
-    fetch_deadline_seconds: float = 2.0
+    """The settings of one sidecar; a field made with ``setting(...)`` is a ``kv-offload sidecar`` flag."""
+
+    # Constants: no user or test sets them (a knob nobody turns is not a flag).
+    # Seconds between DNS re-resolutions of peers_dns (how soon a new pod is dialled).
+    dns_interval_seconds: ClassVar[float] = DNS_INTERVAL_SECONDS
     # Deadline of one handshake (both HTTP steps) with a peer.
-    handshake_timeout_seconds: float = 5.0
+    handshake_timeout_seconds: ClassVar[float] = 5.0
     # First back-off delay after a peer failed; doubles up to backoff_max_seconds.
-    backoff_initial_seconds: float = 0.5
+    backoff_initial_seconds: ClassVar[float] = 0.5
     # Longest back-off delay of a failing or rejecting peer.
-    backoff_max_seconds: float = 30.0
-    # Bound on finishing in-flight work at shutdown (SIGTERM).
-    shutdown_grace_seconds: float = 3.0
-    # Prefix-hash seed compared in the handshake (see effective_hash_seed).
-    hash_seed: str = DEFAULT_HASH_SEED
+    backoff_max_seconds: ClassVar[float] = 30.0
     # Largest accepted HTTP request body on the control ports, in bytes.
-    max_body_bytes: int = 256 * 1024
-    # File the pool key was read from, re-read every key_reload_seconds ("" = fixed key).
-    pool_key_file: str = ""
-    # The pool's previous key, accepted while a rotation rolls out (b"" = none).
+    max_body_bytes: ClassVar[int] = 256 * 1024
+
+    config: OffloadingConfig = setting(
+        help="offloading_config.json of the pool (the operator's ConfigMap)", metavar="FILE", required=True)
+    # Shared pool secret proving membership (read from pool_key_file); never sent, never logged.
+    pool_key: bytes = field(default=b"", repr=False)
+    host: str = setting(ports.DEFAULT_HOST, "address to bind and advertise to peers (the routable pod IP)",
+                        default_text=f"${ports.ENV_HOST}, else {ports.DEFAULT_HOST}")
+    base_port: int = setting(ports.DEFAULT_BASE_PORT, "control port of global DP index 0; DP index i "
+                             "listens on base_port + i",
+                             default_text=f"${ports.ENV_PORT}, else {ports.DEFAULT_BASE_PORT}")
+    dp_indices: tuple[int, ...] = setting((0,), "global data-parallel indices this pod serves, e.g. 2,3",
+                                          metavar="I,...", default_text="0")
+    data_port: int = setting(DEFAULT_DATA_PORT, "TCP data-plane port (0: any free port); UCX picks its own")
+    capacity_bytes: int = setting(1 << 30, "byte budget of the host-memory chunk store (never exceeded)")
+    transport: str = setting("ucx", "data plane: ucx (ucxx), tcp (plain asyncio sockets, where UCX is "
+                             "unavailable) or nixl (one-sided NIXL READs)", choices=TRANSPORTS)
+    shm_dir: str = setting("/dev/shm", "directory of the shared-memory store file and local channel sockets")
+    identity: str = setting("", "name of this sidecar among its peers (unique in the pool), e.g. the pod name",
+                            default_text="hostname:base_port")
+    static_peers: tuple[str, ...] = setting((), "static peer control addresses (one DP port per peer is "
+                                            "enough)", flag="--peers", metavar="H:P,...", default_text="none")
+    peers_dns: str = setting("", "DNS name of the pool's headless Service, re-resolved periodically",
+                             metavar="NAME")
+    publish_interval_seconds: float = setting(
+        1.0, "seconds between publishes of this sidecar's chunk changes to their directory owners "
+        "(how stale a peer's view of them may be)")
+    fetch_deadline_seconds: float = setting(2.0, "deadline of one peer lookup or fetch; late or failed is a miss")
+    shutdown_grace_seconds: float = setting(3.0, "bound on finishing in-flight work at SIGTERM")
+    hash_seed: str = setting(DEFAULT_HASH_SEED, "prefix-hash seed shared by the pool, compared in the "
+                             "handshake", metavar="S", default_text="the config's extra_config hash_seed, "
+                             f"else $PYTHONHASHSEED, else {DEFAULT_HASH_SEED}")
+    pool_key_file: str = setting(
+        "", "file holding the pool's secret key (the operator's Secret); re-read every key_reload_seconds, so "
+        "a rotated Secret takes effect without a restart", metavar="FILE", required=True)
+    # The pool's previous key (read from previous_pool_key_file), accepted while a rotation rolls out.
     previous_pool_key: bytes = field(default=b"", repr=False)
-    # File of the previous key; absent or empty means no rotation is under way.
-    previous_pool_key_file: str = ""
-    # Admin token for /v1/status, /v1/peers, /v1/lookup besides the pool-key token (b"" = none).
+    previous_pool_key_file: str = setting(
+        "", "file of the pool's previous key, accepted while a key rotation rolls out (absent or empty: none)",
+        metavar="FILE")
+    # Admin token (read from admin_token_file) besides the pool-key token (b"" = none).
     admin_token: bytes = field(default=b"", repr=False)
-    # File of the admin token, re-read with the keys ("" = none).
-    admin_token_file: str = ""
-    # Seconds between re-reads of the key and token files (Secret volumes update in place).
-    key_reload_seconds: float = 2.0
-    # Sharing policy for chunks fetched from peers once loaded (PEER_COPIES): "drop" or "cold".
-    peer_copies: str = "drop"
-    # The engine's prefill rate in prompt tokens per second, for fetch-or-recompute
-    # (0 = always fetch); e.g. 10000.
-    prefill_tokens_per_second: float = 0.0
-    # vLLM's /metrics URL the prefill rate is learnt from, e.g. http://127.0.0.1:8000/metrics
-    # ("" = the configured rate only).
-    engine_metrics_url: str = ""
-    # Seconds between scrapes of engine_metrics_url.
-    engine_metrics_interval_seconds: float = 15.0
-    # PEM certificate of this sidecar for TLS on the TCP data plane ("" = plain TCP).
-    tls_cert_file: str = ""
-    # PEM private key of tls_cert_file.
-    tls_key_file: str = ""
-    # PEM CA bundle that signs every pool member's certificate (peers are verified with it).
-    tls_ca_file: str = ""
+    admin_token_file: str = setting(
+        "", "file of a bearer token for the admin endpoints (/v1/status, /v1/peers, /v1/lookup), besides "
+        "the token derived from the pool key", metavar="FILE")
+    key_reload_seconds: float = setting(2.0, "seconds between re-reads of the key and token files "
+                                        "(Secret volumes update in place)")
+    peer_copies: str = setting("drop", "what to keep of a chunk fetched from a peer once the engine loaded it: "
+                               "drop (the pool keeps one copy, at its holder) or cold (a copy, evicted first)",
+                               choices=PEER_COPIES)
+    prefill_tokens_per_second: float = setting(
+        0.0, "the engine's prefill rate in prompt tokens per second: a peer's run slower to fetch than to "
+        "recompute at this rate is a miss (0: always fetch)", metavar="TOKENS")
+    engine_metrics_url: str = setting("", "vLLM's /metrics, to learn the engine's prefill rate from, "
+                                      "e.g. http://127.0.0.1:8000/metrics ('': the configured rate only)",
+                                      metavar="URL")
+    engine_metrics_interval_seconds: float = setting(15.0, "seconds between scrapes of --engine-metrics-url")
+    tls_cert_file: str = setting("", "PEM certificate of this sidecar: TLS on the tcp data plane (with "
+                                 "--tls-key-file and --tls-ca-file; '': plain TCP)", metavar="PEM")
+    tls_key_file: str = setting("", "PEM private key of --tls-cert-file", metavar="PEM")
+    tls_ca_file: str = setting("", "PEM CA bundle that signs every pool member's certificate", metavar="PEM")
 
     def __post_init__(self) -> None:
         if not self.pool_key:
@@ -139,9 +144,7 @@ class SidecarSettings:
             raise ValueError(f"data_port {self.data_port} is not a valid port (0-65535)")
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes {self.capacity_bytes} must be positive")
-        for name in ("publish_interval_seconds", "fetch_deadline_seconds",
-                     "handshake_timeout_seconds", "backoff_initial_seconds",
-                     "dns_interval_seconds"):
+        for name in ("publish_interval_seconds", "fetch_deadline_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)

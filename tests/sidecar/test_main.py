@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import time
 
 import pytest
 from kv_offload_sidecar.main import add_arguments, build_settings
+from kv_offload_sidecar.settings import SidecarSettings
 from kv_offload_tools.http_client import http_json
 from kv_offload_tools.local_pool import (
     LocalPool,
@@ -44,6 +46,26 @@ def test_side_channel_env_gives_host_and_base_port(files, monkeypatch):
     s = build_settings(parse(["--config", files[0], "--pool-key-file", files[1], "--dp-indices", "4,5"]))
     assert (s.host, s.base_port, s.control_ports) == ("10.1.2.3", 6000, (6004, 6005))
     assert s.pool_key == b"k3y"
+
+
+def test_a_sidecar_given_only_its_config_and_key_runs_every_setting_at_its_declared_default(files, monkeypatch):
+    for name in ("VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", "PYTHONHASHSEED"):
+        monkeypatch.delenv(name, raising=False)
+    s = build_settings(parse(["--config", files[0], "--pool-key-file", files[1]]))
+    given = {"config", "pool_key", "pool_key_file", "identity"}
+    for f in dataclasses.fields(SidecarSettings):
+        if f.name not in given:
+            assert getattr(s, f.name) == f.default, f.name
+    assert s.transport == "ucx"  # the pool's default too: UCX, with tcp where UCX is unavailable
+
+
+def test_every_flag_shows_its_settings_default_in_its_help():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    helps = {a.dest: a.help for a in parser._actions}
+    assert "(default 5810)" in helps["data_port"] and "(default ucx)" in helps["transport"]
+    assert "(default drop)" in helps["peer_copies"] and "(default 1073741824)" in helps["capacity_bytes"]
+    assert "dns_interval_seconds" not in helps  # a constant: nobody passed --dns-interval-seconds
 
 
 def test_flags_win_over_env_and_dp_index_defaults_to_the_config(files, monkeypatch):
@@ -166,7 +188,7 @@ def test_sidecar_stops_gracefully_when_a_watched_non_parent_process_exits(files,
     port = free_port_block(1)
     argv = [*sidecar_command(), "sidecar", "--config", files[0], "--pool-key-file", files[1],
             "--host", "127.0.0.1", "--shm-dir", shm_dir, "--base-port", str(port), "--data-port", "0",
-            "--capacity-bytes", str(1 << 20), "--identity", "watcher"]
+            "--capacity-bytes", str(1 << 20), "--identity", "watcher", "--transport", "tcp"]
     sidecar = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "KV_OFFLOAD_PARENT_PID": str(watched.pid)})
     try:

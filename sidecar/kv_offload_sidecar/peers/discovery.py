@@ -21,7 +21,13 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
+from kv_offload_sidecar.engine.ports import DEFAULT_BASE_PORT
+
 log = logging.getLogger(__name__)
+
+# Seconds between re-resolutions of the pool's DNS name: how soon a new pod is dialled (a
+# constant: pods that reach us first are dialled back at once, and nobody tuned it).
+DNS_INTERVAL_SECONDS = 10.0
 
 # Resolver: name -> list of IP strings. The default asks the system resolver.
 Resolver = Callable[[str], Awaitable[list[str]]]
@@ -79,7 +85,8 @@ class Discovery:
     """The current set of peer control addresses, updated in the background."""
 
     def __init__(self, *, static_peers: Iterable[str] = (), dns_name: str = "",
-                 base_port: int = 5710, dp_size: int = 1, interval_seconds: float = 10.0,
+                 base_port: int = DEFAULT_BASE_PORT, dp_size: int = 1,
+                 interval_seconds: float = DNS_INTERVAL_SECONDS,
                  own_addresses: Iterable[str] = (), resolver: Resolver | None = None) -> None:
         self._static = set(parse_peer_list(list(static_peers)))
         self._dns_name = dns_name
