@@ -280,8 +280,8 @@ class _Connection:
             raise ChannelError(f"region chunks of {region.chunk_bytes} bytes do not fit this "
                                f"sidecar's {slot_bytes}-byte slots", fatal=True, reason="bad_size")
         self.region_id = self.server.register_region(region)
-        # Faulted in on the copy thread, ahead of the first job's copies (they queue behind it).
-        self.server.copier.submit(region.prefault)
+        # Faulted in beside the first jobs' copies, not ahead of them.
+        self.server.copier.prefault(region)
         return {"ok": True, "region": self.region_id}
 
     def _region(self, req: dict[str, Any]) -> EngineRegion:

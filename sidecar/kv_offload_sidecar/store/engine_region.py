@@ -14,7 +14,10 @@ large as the rows claim (checked with ``fstat``), so a short file cannot fault
 the sidecar.
 
 Copies run on ``RowCopier``'s own thread with ``numpy.copyto`` (the GIL is
-released for the bytes), never on the sidecar's event loop.
+released for the bytes), never on the sidecar's event loop. A new region's
+pages are faulted in on another thread (``RowCopier.prefault``), so the first
+copy jobs do not queue behind it; a copy that reaches a page first faults it
+in itself (the pre-fault changes no byte, so the order does not matter).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -36,6 +39,8 @@ MAX_REGION_BYTES = 1 << 42
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Bytes a load copies between two looks at its deadline (so a late copy stops within one piece).
 COPY_PIECE_BYTES = 4 << 20
+# Bytes pre-faulted at a time (a closing region waits for at most one such piece).
+PREFAULT_PIECE_BYTES = 64 << 20
 
 
 class RegionError(ValueError):
@@ -83,15 +88,20 @@ class EngineRegion:
 
     def prefault(self) -> bool:
         """Map every page of the rows writable now (``MADV_POPULATE_WRITE`` keeps their bytes),
-        so the first copies take no page faults; False where the kernel lacks it (then the
-        pages fault in on first use)."""
-        if self._closing:
-            return False
-        try:
-            self._mm.madvise(_MADV_POPULATE_WRITE, 0, self._skip + self._size)
-            return True
-        except (OSError, ValueError, AttributeError):
-            return False
+        so later copies take no page faults, in pieces of ``PREFAULT_PIECE_BYTES`` each holding
+        the region like a job; False where the kernel lacks it (then the pages fault in on
+        first use) or once the region is closing."""
+        total = self._skip + self._size
+        for start in range(0, total, PREFAULT_PIECE_BYTES):
+            if not self.acquire():
+                return False
+            try:
+                self._mm.madvise(_MADV_POPULATE_WRITE, start, min(PREFAULT_PIECE_BYTES, total - start))
+            except (OSError, ValueError, AttributeError):
+                return False
+            finally:
+                self.release()
+        return True
 
     def check_rows(self, rows: Sequence[object], count: int) -> list[int]:
         """The first ``count`` row indices of a request, each within the region (else RegionError)."""
@@ -181,6 +191,7 @@ class RowCopier:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-rows")
+        self._prefaults = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-prefault")
 
     def rows_to_slots(self, region: EngineRegion, rows: Sequence[int],
                       slots: Sequence[memoryview], deadline: JobDeadline) -> list[int | None]:
@@ -212,9 +223,14 @@ class RowCopier:
         """Run ``fn(*args)`` on the copy thread (a concurrent.futures.Future)."""
         return self._pool.submit(fn, *args)
 
+    def prefault(self, region: EngineRegion) -> Future[bool]:
+        """``region.prefault()`` on a thread of its own, beside the copies (not before them)."""
+        return self._prefaults.submit(region.prefault)
+
     def close(self) -> None:
+        self._prefaults.shutdown(wait=True)  # a closed region's pre-fault ends at its next piece
         self._pool.shutdown(wait=True)
 
 
-__all__ = ["COPY_PIECE_BYTES", "EngineRegion", "JobDeadline", "MAX_REGION_BYTES", "RegionError",
-           "RowCopier"]
+__all__ = ["COPY_PIECE_BYTES", "EngineRegion", "JobDeadline", "MAX_REGION_BYTES",
+           "PREFAULT_PIECE_BYTES", "RegionError", "RowCopier"]

@@ -1,0 +1,91 @@
+"""EngineRegion and RowCopier in the sidecar's process: pre-faulting keeps every byte and
+gives way to a close, and a cancelled job touches no row."""
+
+import mmap
+import os
+import time
+
+import numpy as np
+from kv_offload_sidecar.store.engine_region import (
+    PREFAULT_PIECE_BYTES,
+    EngineRegion,
+    JobDeadline,
+    RowCopier,
+)
+
+CHUNK = 16384
+STRIDE = CHUNK + mmap.PAGESIZE
+
+
+def _region_file(rows: int) -> tuple[int, mmap.mmap]:
+    """A memfd of ``rows`` rows of random bytes (the engine's side of the region)."""
+    fd = os.memfd_create("kv-offload-test-region", os.MFD_CLOEXEC)
+    os.ftruncate(fd, rows * STRIDE)
+    engine = mmap.mmap(fd, rows * STRIDE)
+    engine[:] = os.urandom(rows * STRIDE)
+    return fd, engine
+
+
+def _kernel() -> tuple[int, int]:
+    major, minor = os.uname().release.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def test_prefault_in_pieces_keeps_every_byte_of_the_rows():
+    rows = PREFAULT_PIECE_BYTES // STRIDE + 3  # more than one piece
+    fd, engine = _region_file(rows)
+    region = EngineRegion(fd, offset=0, row_stride=STRIDE, num_rows=rows, chunk_bytes=CHUNK)
+    try:
+        before = engine[:]
+        copier = RowCopier()
+        try:
+            # False only on a kernel without MADV_POPULATE_WRITE (before Linux 5.14).
+            assert copier.prefault(region).result() is (_kernel() >= (5, 14))
+        finally:
+            copier.close()
+        assert engine[:] == before
+        assert not region.closed
+    finally:
+        region.close()
+        engine.close()
+        os.close(fd)
+
+
+def test_prefault_of_a_closing_region_stops_and_the_region_unmaps_after_its_last_job():
+    fd, engine = _region_file(4)
+    region = EngineRegion(fd, offset=0, row_stride=STRIDE, num_rows=4, chunk_bytes=CHUNK)
+    try:
+        assert region.acquire()  # a job in flight
+        region.close()
+        assert region.prefault() is False
+        assert region.row(1).nbytes == CHUNK  # still mapped for the job
+        region.release()
+        assert region.closed
+    finally:
+        engine.close()
+        os.close(fd)
+
+
+def test_a_cancelled_job_copies_nothing_either_way():
+    fd, engine = _region_file(4)
+    region = EngineRegion(fd, offset=0, row_stride=STRIDE, num_rows=4, chunk_bytes=CHUNK)
+    copier = RowCopier()
+    try:
+        slot = memoryview(bytearray(b"\x5a" * CHUNK))
+        before = engine[:]
+        deadline = JobDeadline(time.monotonic() + 600)
+        deadline.cancel()
+        assert deadline.expired()
+        assert copier.submit(copier.slot_to_row, region, slot, 2, deadline).result() is False
+        assert copier.submit(copier.rows_to_slots, region, [1], [slot], deadline).result() == [None]
+        assert engine[:] == before and bytes(slot) == b"\x5a" * CHUNK
+        # The same job not cancelled copies.
+        live = JobDeadline(time.monotonic() + 600)
+        assert copier.submit(copier.slot_to_row, region, slot, 2, live).result() is True
+        assert np.frombuffer(engine, np.uint8)[2 * STRIDE:2 * STRIDE + CHUNK].tobytes() == \
+            b"\x5a" * CHUNK
+    finally:
+        copier.close()
+        region.close()
+        engine.close()
+        os.close(fd)
