@@ -11,6 +11,7 @@ import pytest
 from kv_offload_sidecar.bulk_copies import (
     NON_TEMPORAL_THRESHOLD,
     NON_TEMPORAL_TUNABLE,
+    SWITCH_INTERVAL_SECONDS,
     applies_here,
     tunables_with_threshold,
 )
@@ -18,9 +19,10 @@ from kv_offload_sidecar.store.engine_region import COPY_PIECE_BYTES
 
 SHOW_TUNABLES_AFTER_REEXEC = (
     "import os, sys\n"
-    "from kv_offload_sidecar.bulk_copies import reexec_for_bulk_copies\n"
+    "from kv_offload_sidecar.bulk_copies import prepare_for_bulk_copies\n"
     "print('start', os.getpid(), flush=True)\n"
-    "reexec_for_bulk_copies()\n"
+    "prepare_for_bulk_copies()\n"
+    "print('switch', sys.getswitchinterval())\n"
     "print('tunables', os.getpid(), os.environ.get('GLIBC_TUNABLES', ''))\n"
 )
 
@@ -39,7 +41,7 @@ def test_chunk_pieces_are_at_or_above_the_threshold() -> None:
 
 
 @pytest.mark.skipif(not applies_here(), reason="the tunable exists on x86-64 glibc only")
-def test_the_process_reexecutes_once_with_the_same_pid_and_the_threshold_set() -> None:
+def test_the_process_reexecutes_once_with_the_same_pid_the_threshold_and_a_short_switch() -> None:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     done = subprocess.run([sys.executable, "-c", SHOW_TUNABLES_AFTER_REEXEC], env=env,
                           capture_output=True, text=True, timeout=120, check=True)
@@ -49,3 +51,4 @@ def test_the_process_reexecutes_once_with_the_same_pid_and_the_threshold_set() -
     assert len(starts) == 2 and starts[0] == starts[1], done.stdout
     assert len(tunables) == 1 and tunables[0][1] == starts[0], done.stdout
     assert f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}" in tunables[0][2]
+    assert f"switch {SWITCH_INTERVAL_SECONDS}" in lines
