@@ -25,7 +25,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from kv_offload_sidecar.bulk_copies import reexec_for_bulk_copies
+from kv_offload_sidecar.bulk_copies import prepare_for_bulk_copies
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import load_config_file
 from kv_offload_sidecar.peers.discovery import parse_peer_list
@@ -212,7 +212,7 @@ def _start_shutdown_watchdog(grace: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    reexec_for_bulk_copies()  # returns once the copy tunable is in effect
+    prepare_for_bulk_copies()  # may re-execute this process once
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # `kill -USR1 <pid>` prints every thread's stack to stderr (diagnosing a stuck sidecar).

@@ -64,7 +64,7 @@ REPLY_GRACE_SECONDS = 0.5
 # Timeout of the bookkeeping requests of store (reserve/commit) and release.
 CONTROL_TIMEOUT_SECONDS = 5.0
 # Seconds past a row job's deadline the client still waits for the sidecar's answer: the
-# sidecar reads or writes no row after the deadline but the piece in flight (4 MiB).
+# sidecar reads or writes no row after the deadline but the piece in flight (at most 32 MiB).
 ROW_COPY_GRACE_SECONDS = 2.0
 # Shortest pause between attempts to re-attach to a restarted sidecar.
 REATTACH_INTERVAL_SECONDS = 0.5

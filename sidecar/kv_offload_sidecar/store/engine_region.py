@@ -38,7 +38,10 @@ MAX_REGION_BYTES = 1 << 42
 # madvise(MADV_POPULATE_WRITE) (Linux 5.14): fault pages in writable without changing a byte.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Bytes a load copies between two looks at its deadline (so a late copy stops within one piece).
-COPY_PIECE_BYTES = 4 << 20
+# Each piece is one GIL-free call; between pieces the copy thread must take the GIL back
+# (kv_offload_sidecar.bulk_copies), so pieces are as large as a chunk usually is: 32 MiB
+# take 3-10 ms here, far inside the 2 s a client waits past a deadline.
+COPY_PIECE_BYTES = 32 << 20
 # Bytes pre-faulted at a time (a closing region waits for at most one such piece).
 PREFAULT_PIECE_BYTES = 64 << 20
 
