@@ -3,7 +3,7 @@
 A data connection carries frames of ``kv_offload_sidecar.data.protocol``. It starts
 with the server's 16-byte nonce; the client answers with the session id it got
 from the control-plane handshake and HMAC-SHA256(session_key, nonce) (``auth_proof``,
-checked by ``check_auth``). Only then may it send LOOKUP and FETCH. A fetch reserves
+checked by ``serving.check_auth``). Only then may it send LOOKUP and FETCH. A fetch reserves
 store slots first (``store.begin_write``), the transport receives the chunk bytes
 straight into ``reservation.view`` and commits with the checksum the holder sent; any
 error, deadline or closed connection aborts every reservation still open, so a chunk is
@@ -12,9 +12,10 @@ in the receiving store whole and verified or not at all.
 Connections are persistent and serve concurrent callers; a failed operation
 closes the client (raise ``TransportError``), the caller reconnects later.
 
-What a connection may cost its server before the proof is ``before_auth.py``'s; the
-client side of a fetch, shared by the transports, is ``fetch.py``'s (the fetch engine) and
-``peer_client.py``'s (the connection's requests in flight); data addresses are ``address.py``'s.
+The rest lives beside it: what a connection may cost its server before the proof in
+``before_auth.py``, what the servers share in ``serving.py``, the fetch engine in
+``fetch.py``, what the clients share (their requests in flight) in ``peer_client.py``, data
+addresses in ``address.py``, which plane serves and dials in ``planes.py``.
 """
 
 from __future__ import annotations
@@ -23,25 +24,14 @@ import abc
 import asyncio
 import hashlib
 import hmac
-import logging
-import secrets
-import time
-from collections.abc import Callable, Mapping, Sequence, Sized
-from typing import TYPE_CHECKING, Any, Protocol
-
-from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.rejections import clip
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
 
-log = logging.getLogger(__name__)
-
 # Returns the session key of an authenticated session id, or None.
 Authorize = Callable[[bytes], "bytes | None"]
-
-# Seconds the server waits for one chunk to leave before giving up on a client.
-DEFAULT_SEND_TIMEOUT = 30.0
 
 
 class TransportError(Exception):
@@ -83,49 +73,15 @@ class StoreLike(Protocol):
     def pin(self, key: bytes) -> PinLike | None: ...
 
 
-async def wait_until_idle(tasks: Sized, connections: Mapping[Any, Any], grace_seconds: float) -> None:
-    """A stopping server's grace: while ``tasks`` (connections being served) remain, wait
-    until every one of ``connections`` says ``idle(now)``, for at most ``grace_seconds``."""
-    deadline = time.monotonic() + grace_seconds
-    while tasks and time.monotonic() < deadline:
-        now = time.monotonic()
-        if all(c.idle(now) for c in connections.values()):
-            return
-        await asyncio.sleep(0.05)
-
-
-def make_nonce() -> bytes:
-    """A fresh server challenge."""
-    return secrets.token_bytes(proto.NONCE_BYTES)
-
-
 def auth_proof(session_key: bytes, nonce: bytes) -> bytes:
     """HMAC-SHA256(session_key, nonce): the client's answer to the challenge."""
     return hmac.new(session_key, nonce, hashlib.sha256).digest()
-
-
-def check_auth(authorize: Authorize, nonce: bytes, answer: proto.AuthResponse) -> None:
-    """Raise ``ProtocolError('unauthenticated')`` unless the answer proves the session."""
-    try:
-        key = authorize(answer.session_id)
-    except Exception as exc:  # a broken authorize callback must not crash the server
-        log.error("data plane: the authorize callback failed: %s", describe(exc),
-                  exc_info=log.isEnabledFor(logging.DEBUG))
-        raise proto.ProtocolError("unauthenticated", "session check failed") from exc
-    if not key or not hmac.compare_digest(auth_proof(key, nonce), answer.proof):
-        raise proto.ProtocolError(
-            "unauthenticated", "unknown session or wrong proof; handshake again on the control port")
 
 
 def count_protocol_error(metrics: SidecarMetrics | None, reason: str) -> None:
     """Count one refused frame by reason."""
     if metrics is not None:
         metrics.protocol_errors.labels(reason=reason).inc()
-
-
-def describe(exc: BaseException) -> str:
-    """An unexpected exception as one short line (its type and clipped text, no traceback)."""
-    return f"{type(exc).__name__}: {clip(exc)}"
 
 
 class DataPlaneServer(abc.ABC):

@@ -22,21 +22,19 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import (
-    DEFAULT_SEND_TIMEOUT,
-    Authorize,
-    DataPlaneServer,
-    StoreLike,
-    check_auth,
-    describe,
-    make_nonce,
-    wait_until_idle,
-)
+from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, StoreLike
 from kv_offload_sidecar.data.before_auth import (
     DEFAULT_AUTH_TIMEOUT,
     CountsStrangers,
     UnauthenticatedLimit,
     refuse,
+)
+from kv_offload_sidecar.data.serving import (
+    DEFAULT_SEND_TIMEOUT,
+    check_auth,
+    describe,
+    make_nonce,
+    wait_until_idle,
 )
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
@@ -162,7 +160,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         try:
             lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             lsock.bind(sockaddr)
-            lsock.listen(128)
+            lsock.listen(socket.SOMAXCONN)  # a siege's burst of connects is queued, not dropped
             lsock.setblocking(False)
         except OSError as exc:
             lsock.close()

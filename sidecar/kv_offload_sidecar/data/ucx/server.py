@@ -27,22 +27,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import (
-    DEFAULT_SEND_TIMEOUT,
-    Authorize,
-    DataPlaneServer,
-    StoreLike,
-    TransportError,
-    check_auth,
-    describe,
-    make_nonce,
-    wait_until_idle,
-)
+from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, StoreLike, TransportError
 from kv_offload_sidecar.data.before_auth import (
     DEFAULT_AUTH_TIMEOUT,
     CountsStrangers,
     UnauthenticatedLimit,
     refuse,
+)
+from kv_offload_sidecar.data.serving import (
+    DEFAULT_SEND_TIMEOUT,
+    check_auth,
+    describe,
+    make_nonce,
+    wait_until_idle,
 )
 from kv_offload_sidecar.data.ucx.frames import (
     ATTACH_BUFFER_BYTES,
