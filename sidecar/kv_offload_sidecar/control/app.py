@@ -68,7 +68,7 @@ from kv_offload_sidecar.control.limits import (
     source_of,
 )
 from kv_offload_sidecar.control.location_routes import add_location_routes
-from kv_offload_sidecar.data.before_auth import TrustedSources
+from kv_offload_sidecar.data.before_auth import TrustedSources, freeze_long_lived
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 from kv_offload_sidecar.metrics import metrics_handler
@@ -385,6 +385,7 @@ class ControlPorts:
             self._runners.append(runner)
             await GuardedSite(runner, s.host, s.control_port(idx), self.guard).start()
         self._flusher = asyncio.create_task(self._flush_rejections(), name="rejection log")
+        freeze_long_lived()  # the last part of the sidecar is up
 
     async def stop(self) -> None:
         """Stop accepting, let requests in flight finish (``shutdown_grace_seconds``), close."""

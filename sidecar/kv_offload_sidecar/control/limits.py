@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -84,6 +86,8 @@ MAX_UNPROVEN_BUFFERED_BYTES = 64 * 1024
 # Handshake requests one untrusted source may send in a row (as many as its unproven
 # connections may be open at once: a peer pod's links to each of our DP ports, with retries).
 HANDSHAKE_BURST = MAX_UNPROVEN_PER_SOURCE
+# Connections the control port accepts per pass of the event loop (each costs ~0.1 ms there).
+ACCEPT_BATCH = 16
 # Seconds any request body has to arrive whole once its headers did.
 BODY_SECONDS = 5.0
 # Seconds an idle keep-alive connection stays open (above aiohttp's client pool's 15 s, so
@@ -487,8 +491,16 @@ class GuardedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None, "start the site after runner.setup()"
+        # asyncio accepts up to its backlog argument per pass of the loop and sets the kernel's
+        # queue to it as well: a short batch keeps a siege's burst of connects from holding the
+        # loop (and the data plane it serves) for tens of milliseconds, and the queue is set
+        # back to the system's longest once it listens, so a burst is queued, not dropped.
         self._server = await asyncio.get_running_loop().create_server(
-            self._guard.protocol_factory(server), self._host, self._port, reuse_address=True)
+            self._guard.protocol_factory(server), self._host, self._port, reuse_address=True,
+            backlog=ACCEPT_BATCH)
+        for sock in self._server.sockets:
+            with socket.socket(fileno=os.dup(sock.fileno())) as listener:
+                listener.listen(socket.SOMAXCONN)
 
 
 def guard_middleware(guard: ConnectionGuard) -> Callable[..., Awaitable[web.StreamResponse]]:

@@ -13,7 +13,9 @@ strangers never refuses a member's new data connection; its connections still ge
 frame limit and the deadline.
 Every refusal is counted in ``protocol_errors{reason}``; its log line goes through a
 ``rejections.RejectionLog`` (``refuse``: one line per source and reason per interval,
-values clipped). Once authenticated, none of these limits applies.
+values clipped). Once authenticated, none of these limits applies. What the sidecar holds
+once it is up is frozen out of the garbage collector (``freeze_long_lived``), so neither
+that hand-back nor the collections a flood's allocations trigger stall the event loop.
 """
 
 from __future__ import annotations
@@ -78,6 +80,17 @@ def reclaim_memory() -> bool:
 
 
 _MALLOC_TRIM: list[Any] = [None]
+
+
+def freeze_long_lived() -> None:
+    """Collect once, then move every object alive now out of the collector's sight
+    (``gc.freeze``): called once a sidecar is up, when what it holds (modules, store, metrics,
+    apps) lives as long as the process. A full collection then walks only what came later:
+    ``reclaim_memory``'s, and the ones a stranger's flood of short-lived connections triggers,
+    take well under a millisecond instead of tens (46,000 objects at start) on the loop that
+    serves the data plane."""
+    gc.collect()
+    gc.freeze()
 
 
 class TrustedSources:

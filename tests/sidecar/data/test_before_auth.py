@@ -4,6 +4,7 @@ the unauthenticated connections, and the memory handed back after strangers."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from kv_offload_sidecar.data.before_auth import (
     MAX_UNAUTHENTICATED_CONNECTIONS,
@@ -12,6 +13,7 @@ from kv_offload_sidecar.data.before_auth import (
     TRUSTED_SOURCE_SECONDS,
     TrustedSources,
     UnauthenticatedLimit,
+    freeze_long_lived,
 )
 
 
@@ -73,3 +75,14 @@ async def test_memory_is_handed_back_once_a_crowd_of_strangers_left_and_not_for_
     while limit.trims == 0 and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
     assert limit.trims == 1
+
+
+def test_what_lives_when_the_sidecar_is_up_is_frozen_out_of_later_collections() -> None:
+    try:
+        freeze_long_lived()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the modules, at least
+        later = [[] for _ in range(100)]
+        assert gc.get_freeze_count() == frozen and all(gc.is_tracked(x) for x in later)
+    finally:
+        gc.unfreeze()
