@@ -25,7 +25,8 @@ from typing import Any
 
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
-from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, PEER_COPIES, TRANSPORTS
+from kv_offload_sidecar.setting_flags import field_default
+from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, PEER_COPIES, TRANSPORTS, SidecarSettings
 
 from .quantity import format_bytes, parse_bytes, positive_bytes
 
@@ -35,20 +36,24 @@ PLURAL = "kvoffloadpools"
 KIND = "KVOffloadPool"
 # Label that puts a pod into a pool; its value is the pool name.
 POOL_LABEL = "kv-offload.io/pool"
-# The sidecar's own defaults (DEFAULT_DATA_PORT, TRANSPORTS and PEER_COPIES too,
-# imported above): a pool that sets nothing runs the sidecar's defaults.
-DEFAULT_BASE_PORT = ports.DEFAULT_BASE_PORT
-# The sidecar's --prefill-tokens-per-second default: 0 = always fetch from peers.
-DEFAULT_PREFILL_TOKENS_PER_SECOND = 0.0
-# The sidecar's --peer-copies default: drop a peer's chunk once the engine loaded it.
-DEFAULT_PEER_COPIES = "drop"
+# A pool that sets nothing runs the sidecar's own defaults, read from SidecarSettings
+# (DEFAULT_DATA_PORT, TRANSPORTS and PEER_COPIES too, imported above).
+DEFAULT_BASE_PORT = field_default(SidecarSettings, "base_port")
+DEFAULT_TRANSPORT = field_default(SidecarSettings, "transport")
+# 0.0 = always fetch from peers.
+DEFAULT_PREFILL_TOKENS_PER_SECOND = field_default(SidecarSettings, "prefill_tokens_per_second")
+# "drop": drop a peer's chunk once the engine loaded it.
+DEFAULT_PEER_COPIES = field_default(SidecarSettings, "peer_copies")
+# The image a pool runs when neither spec.sidecar.image nor the operator's --sidecar-image
+# (nor $KV_OFFLOAD_SIDECAR_IMAGE) names one.
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/kv-offload/kv-offload:0.1.0"
+# Unlike a bare sidecar's 1 GiB (a developer's host), a pool's store is sized for a GPU node.
 DEFAULT_CAPACITY_BYTES = 4 << 30
 # Head room of the default /dev/shm limit above the chunk store and vLLM's
 # primary tier (NCCL, PyTorch's shared tensors, vLLM's own IPC).
 SHM_HEADROOM_BYTES = 1 << 30
 # Memory of the sidecar process besides its store (Python, aiohttp, UCX buffers).
 SIDECAR_MEMORY_OVERHEAD_BYTES = 256 << 20
-DEFAULT_TRANSPORT = "ucx"
 # UCX_TLS of each spec.sidecar.ucxTransports preset. UCX picks per peer among the
 # listed transports: sm reaches peers on the same node whose pods share the host's
 # PID and IPC namespaces (hostPID and hostIPC), rc/dc peers on an RDMA fabric, tcp

@@ -1,7 +1,7 @@
 """Operator start and stop: every kopf setting, the webhook server, the API client, the followers.
 
-``OperatorOptions`` carries the command-line settings (``main.py``) to the
-startup handler through ``memo.options``; ``configure`` applies all of kopf's
+``options.OperatorOptions`` carries the command-line settings (``main.py``) to
+the startup handler through ``memo.options``; ``configure`` applies all of kopf's
 settings in one place (peering: standalone, or one of several replicas,
 ``leadership``), fills the memo the other handlers use (``api``,
 ``metrics``, ``leading``, ``model_config_refs``, ``key_rotations``,
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from dataclasses import dataclass
 
 import kopf
 from prometheus_client import CollectorRegistry
@@ -23,55 +22,9 @@ from prometheus_client import CollectorRegistry
 from . import leadership, model_config_follower, pool_key, ready_peers
 from .kube_api import api_client
 from .operator_metrics import OperatorMetrics, serve_metrics
+from .options import OperatorOptions
 from .pool_spec import GROUP
 from .tls_server import webhook_server
-
-
-@dataclass(frozen=True)
-class OperatorOptions:
-    """Command-line settings handed to the startup handler through ``memo.options``."""
-
-    # Sidecar image for pools that do not name one in spec.sidecar.image.
-    sidecar_image: str
-    # Webhook listening address ("0.0.0.0" = all interfaces).
-    webhook_addr: str = "0.0.0.0"
-    # Webhook HTTPS port.
-    webhook_port: int = 9443
-    # Host name put into the self-signed dev certificate and the logged URL; None = addr.
-    webhook_host: str | None = None
-    # Directory with tls.crt and tls.key (e.g. a cert-manager Secret); None = self-signed (dev).
-    webhook_cert_dir: str | None = None
-    # Seconds between checks of tls.crt/tls.key for a renewed pair (> 0).
-    webhook_cert_check_seconds: float = 10.0
-    # Seconds between re-reads of each pool's modelConfigRef ConfigMap (> 0).
-    model_config_check_seconds: float = 60.0
-    # Seconds between steps of a pool key rotation: start on request, end at expiry (> 0).
-    key_rotation_check_seconds: float = 10.0
-    # Seconds between reads of every running pool sidecar's /metrics for status.readyPeers (> 0).
-    ready_peers_check_seconds: float = 15.0
-    # Prometheus /metrics port (the chart's ServiceMonitor scrapes it); 0 = not served.
-    metrics_port: int = 0
-    # kopf peering object shared by the replicas; None = the only replica (standalone).
-    peering_name: str | None = None
-    # Seconds a replica's peering record lives without a keep-alive (another takes over after it).
-    peering_lifetime_seconds: int = 60
-    # kopf peering priority (leadership.start_priority: the oldest replica is the highest).
-    peering_priority: int = 0
-    # This replica's name among its peers (leadership.own_identity).
-    identity: str = ""
-    # Watched namespaces (exact names; empty with clusterwide).
-    namespaces: tuple[str, ...] = ()
-    # Watching every namespace (a ClusterKopfPeering) instead of `namespaces` (a KopfPeering in each).
-    clusterwide: bool = False
-    # Control port of DP rank 0 for pools without spec.sidecar.basePort (--sidecar-base-port).
-    sidecar_base_port: int = 5710
-    # tcp data-plane port for pools without spec.sidecar.dataPort (--sidecar-data-port).
-    sidecar_data_port: int = 5810
-    # Prefill rate (prompt tokens/s) for pools without spec.sidecar.prefillTokensPerSecond
-    # (--sidecar-prefill-tokens-per-second); 0.0 = always fetch.
-    sidecar_prefill_tokens_per_second: float = 0.0
-    # Sharing policy for pools without spec.sidecar.peerCopies (--sidecar-peer-copies): "drop" or "cold".
-    sidecar_peer_copies: str = "drop"
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, *,
@@ -102,8 +55,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     memo.metrics = OperatorMetrics(CollectorRegistry())
     memo.leading = options.peering_name is None
     memo.metrics.set_leading(memo.leading)
-    if options.metrics_port:
-        memo.metrics_runner = await serve_metrics(memo.metrics.registry, options.webhook_addr, options.metrics_port)
+    memo.metrics_runner = await serve_metrics(memo.metrics.registry, options.webhook_addr, options.metrics_port)
     memo.api = await api_client()
     if options.peering_name is not None:
         await leadership.ensure_peering(memo.api, options.peering_name, options.namespaces, options.clusterwide)

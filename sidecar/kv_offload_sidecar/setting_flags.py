@@ -82,7 +82,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ActionsContainer, cls:
             kwargs["help"] += f" (default {spec.default_text})"
         elif has_default:
             kwargs["default"] = f.default
-            if not isinstance(f.default, bool) and not spec.required:
+            if f.default is not None and not isinstance(f.default, bool) and not spec.required:
                 kwargs["help"] += f" (default {_show(f.default)})"
         if spec.metavar:
             kwargs["metavar"] = spec.metavar

@@ -25,7 +25,7 @@ def test_operator_deployment_arguments_parse_with_the_operator_cli(render):
         assert args.webhook_port == 9443 and args.health_port == 8080
         assert args.ready_peers_check_seconds == 15  # operator.readyPeersCheckSeconds
         assert args.webhook_cert_dir == "/etc/kv-offload/webhook-tls"
-        assert args.all_namespaces is not bool(values) and args.namespace == (
+        assert args.clusterwide is not bool(values) and args.namespace == (
             ["inference"] if values else [])
 
 
