@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from dashboard_support import (
 )
 from kv_offload_tools.local_pool import LocalPool
 from kv_offload_tools.scrape import parse_metrics
+from waiting import wait_for
 
 LOOKUPS = "kv_offload_chunk_lookups_total"
 RESULTS = ("local_hit", "peer_hit", "miss")
@@ -86,19 +86,18 @@ class Prometheus:
     def log_tail(self) -> str:
         return (self.workdir / "prometheus.log").read_text(errors="replace")[-3000:]
 
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with _NO_PROXY.open(f"{self.url}/-/ready", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"prometheus not ready in {timeout}s:\n{self.log_tail()}")
+    def ready(self) -> bool:
+        """Whether /-/ready answers 200; fails at once with the log when the server exited."""
+        if self.proc.poll() is not None:
+            pytest.fail(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            with _NO_PROXY.open(f"{self.url}/-/ready", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self) -> None:
+        wait_for("prometheus ready", self.ready)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """Instant query at the server's now; fails the test on any API error."""
@@ -116,16 +115,9 @@ class Prometheus:
         assert len(result) <= 1, f"{expr} returned {len(result)} series"
         return float(result[0]["value"][1]) if result else None
 
-    def wait_for(self, expr: str, expected: float, timeout: float = 30) -> None:
+    def wait_value(self, expr: str, expected: float) -> None:
         """Until ``expr`` evaluates to ``expected`` (the scrapes caught up)."""
-        deadline = time.monotonic() + timeout
-        value = None
-        while time.monotonic() < deadline:
-            value = self.scalar(expr)
-            if value == expected:
-                return
-            time.sleep(0.2)
-        pytest.fail(f"{expr} stayed at {value}, expected {expected}")
+        wait_for(f"{expr} to be {expected}", lambda: self.scalar(expr) == expected)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -158,8 +150,8 @@ def scraped_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Loc
             prometheus.wait_ready()
             selector = ", ".join(f'{k}="{v}"' for k, v in TARGET_LABELS.items())
             # Every target scraped (its counters at 0) before any lookup happens.
-            prometheus.wait_for(f'count(up{{{selector}}} == 1)', 3.0)
-            prometheus.wait_for(f'count({LOOKUPS}{{result="miss", {selector}}} == 0)', 3.0)
+            prometheus.wait_value(f'count(up{{{selector}}} == 1)', 3.0)
+            prometheus.wait_value(f'count({LOOKUPS}{{result="miss", {selector}}} == 0)', 3.0)
             yield pool, prometheus
         finally:
             prometheus.stop()
@@ -204,7 +196,7 @@ def test_dashboard_hit_ratio_through_prometheus_equals_the_sidecars_counters(scr
     # Only the serving pod looked chunks up (see the module docstring).
     assert {pod for pod, c in counters.items() if any(c.values())} == {"sidecar-1"}
     expected = {r: totals[r] / sum(totals.values()) for r in RESULTS}
-    prometheus.wait_for(f"sum({LOOKUPS})", sum(totals.values()))
+    prometheus.wait_value(f"sum({LOOKUPS})", sum(totals.values()))
 
     hit_panel = panels_in_reading_order(load_dashboard())[0]
     by_legend = {t["legendFormat"]: fill_variables(t["expr"]) for t in hit_panel["targets"]}
@@ -224,8 +216,8 @@ def test_every_dashboard_expression_returns_data_from_live_sidecars(scraped_pool
     pool, prometheus = scraped_pool
     if pool[1].metric(LOOKUPS) == 0:  # when run alone, exchange chunks first
         exchange_chunks(pool)
-        prometheus.wait_for(f"sum({LOOKUPS})", pool[1].metric(LOOKUPS))
-    prometheus.wait_for(
+        prometheus.wait_value(f"sum({LOOKUPS})", pool[1].metric(LOOKUPS))
+    prometheus.wait_value(
         "sum(kv_offload_peer_fetch_duration_seconds_count)",
         sum(sc.metric("kv_offload_peer_fetch_duration_seconds_count") for sc in pool.sidecars))
     for where, expr in dashboard_expressions(load_dashboard()):
@@ -245,7 +237,7 @@ def test_per_pod_panels_show_each_sidecars_hit_ratio_fingerprint_and_that_all_ar
     if pool[1].metric(LOOKUPS) == 0:  # when run alone, exchange chunks first
         exchange_chunks(pool)
     counters = sidecar_counters(pool)
-    prometheus.wait_for(f"sum({LOOKUPS})", sum(sum(c.values()) for c in counters.values()))
+    prometheus.wait_value(f"sum({LOOKUPS})", sum(sum(c.values()) for c in counters.values()))
     panels = {p["title"].lower(): p for p in load_dashboard()["panels"]}
 
     (per_pod,) = panels["chunk hit ratio per pod"]["targets"]

@@ -6,21 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
 
 import pytest
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.sidecar import Sidecar
+from waiting import SAFETY_SECONDS, wait_for_async
 
-# Bound on any one wait of a test.
-PATIENCE = 10.0
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    async with asyncio.timeout(PATIENCE):
-        while not check():
-            await asyncio.sleep(0.01)
-    assert check(), what
 
 
 def unproven(sidecar: Sidecar) -> float:
@@ -33,7 +24,7 @@ async def http(port: int, request: bytes, source: str = "127.0.0.2") -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     try:
         writer.write(request)
-        return await asyncio.wait_for(reader.read(), PATIENCE)
+        return await asyncio.wait_for(reader.read(), SAFETY_SECONDS)
     finally:
         writer.close()
 
@@ -43,12 +34,12 @@ async def test_running_serves_every_control_port_behind_the_connection_guard(mak
     port = sidecar.settings.control_port(0)
     async with running(sidecar):
         reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
-        await until(lambda: unproven(sidecar) == 1, "the guard to count the stranger")
+        await wait_for_async("the guard to count the stranger", lambda: unproven(sidecar) == 1)
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: sidecar\r\nConnection: close\r\n\r\n")
-        answer = await asyncio.wait_for(reader.read(), PATIENCE)
+        answer = await asyncio.wait_for(reader.read(), SAFETY_SECONDS)
         writer.close()
         assert answer.startswith(b"HTTP/1.1 200") and b"\r\nServer: kv-offload\r\n" in answer, answer
-        await until(lambda: unproven(sidecar) == 0, "the guard to forget the stranger")
+        await wait_for_async("the guard to forget the stranger", lambda: unproven(sidecar) == 0)
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
 
@@ -67,9 +58,9 @@ async def test_both_ports_note_their_refusals_in_the_sidecars_one_rejection_log(
         reader, writer = await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0))
         await reader.read(1)  # the challenge has come: what follows is a frame
         writer.write(b"JUNK" + bytes(12))
-        await asyncio.wait_for(reader.read(), PATIENCE)
+        await asyncio.wait_for(reader.read(), SAFETY_SECONDS)
         writer.close()
-        await until(lambda: sidecar.rejections.lines == 2, "both refusals noted")
+        await wait_for_async("both refusals noted", lambda: sidecar.rejections.lines == 2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected 127.0.0.2")]
     assert [line.split(":")[1] for line in lines] == [" handshake bad_proof", " malformed"], lines
     assert "(data port)" in lines[1]

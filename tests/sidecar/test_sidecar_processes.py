@@ -12,7 +12,6 @@ import signal
 import socket
 import struct
 import threading
-import time
 
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, LookupReply
@@ -26,6 +25,7 @@ from kv_offload_sidecar.peers.handshake import (
 from kv_offload_sidecar.peers.location_wire import key_digest
 from kv_offload_sidecar.peers.ownership import OwnerTable
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
+from waiting import SAFETY_SECONDS, wait_for
 
 CHUNK = example_config().kv_bytes_per_chunk
 HANDSHAKES = "kv_offload_handshakes_total"
@@ -63,17 +63,6 @@ def owner_of(pool: LocalPool, key: bytes, asker: int) -> str:
     return table.owner_of(key_digest(key))
 
 
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def pool():
     # 256 slots of 16 KiB per sidecar.
@@ -102,8 +91,8 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lane
         assert pool[2].metric("kv_offload_peer_bytes_total", direction="received") == 8 * CHUNK
         # The holder counts a chunk when its send completes, which it may learn just after the
         # fetcher has the bytes (over UCX: after the fetcher's acknowledgement reaches it).
-        wait_for(lambda: pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == 8 * CHUNK,
-                 timeout=10, what="the holder to count the 8 chunks it sent")
+        wait_for("the holder to count the 8 chunks it sent",
+                 lambda: pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == 8 * CHUNK)
         assert pool[1].metric("kv_offload_peer_bytes_total", direction="sent") == 0
         assert pool[2].metric("kv_offload_chunk_lookups_total", result="peer_hit") == 8
         assert pool[2].metric("kv_offload_chunk_lookups_total", result="local_hit") == 0
@@ -133,9 +122,9 @@ def test_mismatching_peer_is_rejected_and_gets_no_chunk(pool, override, reason):
     try:
         # Every member rejects it with that reason, and so does the intruder itself.
         for s, b in zip(pool.members(), before):
-            wait_for(lambda s=s, b=b: s.metric(HANDSHAKES, result="rejected", reason=reason) > b,
-                     what=f"{s.identity} to count a {reason} rejection")
-        wait_for(lambda: intruder.metric(HANDSHAKES, result="rejected") >= 3, what="intruder rejections")
+            wait_for(f"{s.identity} to count a {reason} rejection",
+                     lambda s=s, b=b: s.metric(HANDSHAKES, result="rejected", reason=reason) > b)
+        wait_for("intruder rejections", lambda: intruder.metric(HANDSHAKES, result="rejected") >= 3)
         peers = intruder.peers()
         assert peers and all(p["state"] == "rejected" for p in peers)
         assert intruder.metric(HANDSHAKES, result="accepted") == 0
@@ -251,8 +240,8 @@ def test_malformed_data_frames_are_refused_and_sidecar_keeps_serving(pool, paylo
     assert reply[:2] == b"KO"  # the challenge came first
     assert phrase in reply
     if counted:
-        wait_for(lambda: sc.metric("kv_offload_protocol_errors_total") > errors_before,
-                 what="the protocol error to be counted")
+        wait_for("the protocol error to be counted",
+                 lambda: sc.metric("kv_offload_protocol_errors_total") > errors_before)
     _still_serves(pool)
 
 
@@ -305,9 +294,10 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
         result: list[int] = []
         t = threading.Thread(target=lambda: result.append(c.load(keys_a, lambda i, v: None, timeout=3.0)))
         t.start()
-        time.sleep(0.5)
+        wait_for("C to be loading from the stopped holder",
+                 lambda: pool[2].status()["engine_requests_in_flight"] == 1)
         victim.kill()
-        t.join(20)
+        t.join(SAFETY_SECONDS)
         assert result == [0]
         assert c.timeouts == 0 and c.errors == 0  # the sidecar answered the miss itself, in time
         status = pool[2].status()
@@ -336,8 +326,8 @@ def test_peer_joining_at_runtime_is_dialled_back_and_a_leaving_peer_is_a_miss():
         pool.wait_directory_current()
         joined.close()
         assert newcomer.terminate() == 0
-        wait_for(lambda: all(p["state"] != "connected" for p in pool[0].peers()
-                             if p["identity"] == newcomer.identity), what="the leaver to be dropped")
+        wait_for("the leaver to be dropped", lambda: all(p["state"] != "connected" for p in pool[0].peers()
+                                                          if p["identity"] == newcomer.identity))
         assert a.lookup(later) == LookupReply(0, 0)
         assert pool[0].metric("kv_offload_peers", state="connected") == 1
         assert a.timeouts == 0
@@ -356,8 +346,8 @@ def test_sigterm_lets_an_in_flight_load_finish_then_exits_cleanly():
         result: list[int] = []
         t = threading.Thread(target=lambda: result.append(b.load(keys, lambda i, v: None, timeout=5.0)))
         t.start()
-        wait_for(lambda: pool[1].status()["engine_requests_in_flight"] == 1, timeout=10,
-                 what="B to be loading from the stopped holder")
+        wait_for("B to be loading from the stopped holder",
+                 lambda: pool[1].status()["engine_requests_in_flight"] == 1)
         store_path = pool[1].status()["store"]["path"]
         pool[1].proc.send_signal(signal.SIGTERM)
         t.join(20)

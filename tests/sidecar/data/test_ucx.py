@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_PER_SOURCE
 from peer_processes import PEERS_SCRIPT, PeerProcess, run_ucx_client, ucx_env
+from waiting import wait_for
 
 TLS = ["sm,self", "tcp,self"]
 CHUNK = 256 * 1024
@@ -143,11 +143,8 @@ def test_bad_frames_get_clear_errors_and_the_server_keeps_serving(
 
 
 def _wait_for(peer: PeerProcess, done: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
-    while not done(snapshot := peer.metrics()):
-        assert time.monotonic() < deadline, f"{what}: still {snapshot}"
-        time.sleep(0.02)
-    return snapshot
+    """The peer's metrics once ``done`` accepts them."""
+    return wait_for(what, lambda: next((m for m in [peer.metrics()] if done(m)), None))
 
 
 @pytest.mark.parametrize("tls", TLS)

@@ -3,18 +3,14 @@ holders, what the asker keeps of fetched chunks, and fetch-or-recompute."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-from collections.abc import Callable
 from types import SimpleNamespace
 
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers import peer_reads
 from kv_offload_sidecar.sidecar import UNLOADED_AFTER_DEADLINES, Sidecar
+from waiting import wait_for_async
 
-# Seconds a wait for a sidecar's state may take before the test gives up: an anti-hang
-# bound, not an expected time.
-WAIT_BOUND_SECONDS = 60.0
 # Fetch deadline of the tests that must not see a give-up: an anti-hang bound (a busy
 # machine may take longer than a real deadline to answer, and the test would fail on time).
 REQUEST_DEADLINE_SECONDS = 30.0
@@ -49,16 +45,6 @@ def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]
     return Sidecar(a_settings), Sidecar(b_settings), Sidecar(make_settings(identity="asker", static_peers=peers))
 
 
-async def _until(what: str, done: Callable[[], bool]) -> None:
-    """Until ``done()``; the bound only keeps a broken sidecar from hanging the test."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + WAIT_BOUND_SECONDS
-    while not done():
-        if loop.time() > end:
-            raise AssertionError(f"{what} not within {WAIT_BOUND_SECONDS:.0f} s")
-        await asyncio.sleep(0.02)
-
-
 async def _settled(*sidecars: Sidecar) -> None:
     """Until every sidecar is a member of every view (links up) and the chunks recorded anywhere
     are in their owners' directories."""
@@ -68,7 +54,7 @@ async def _settled(*sidecars: Sidecar) -> None:
         return all(v["pending"] == 0 and v["members"] == len(sidecars) for v in views) and \
             sum(v["entries"] for v in views) == sum(v["keys"] for v in views)
 
-    await _until(f"the directory settled ({[s.location.status() for s in sidecars]} at the start)", settled)
+    await wait_for_async(f"the directory settled ({[s.location.status() for s in sidecars]} at the start)", settled)
 
 
 async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_them(make_settings):
@@ -214,7 +200,7 @@ async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_de
         _store(holder, keys)
         await _settled(holder, asker)
         assert await asker.lookup(keys, REQUEST_DEADLINE_SECONDS) == (0, 3)  # the engine never loads it
-        await _until("the fetched chunks in the asker's store", lambda: len(asker.store) == 3)
+        await wait_for_async("the fetched chunks in the asker's store", lambda: len(asker.store) == 3)
         clock.now += let_go_after - 0.01
         await asker.lookup(other, REQUEST_DEADLINE_SECONDS)
         assert len(asker.store) == 3  # not yet: a load may still come
