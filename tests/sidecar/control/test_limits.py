@@ -122,15 +122,22 @@ async def test_a_body_that_stops_short_is_408_and_closed(ports, short_limits):
     assert errors(ports, "timeout") == 1
 
 
-async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections(ports, monkeypatch):
+async def hold_five(ports, monkeypatch):
+    """Limits of 3 per source and 5 in all, all held by strangers (3 from 127.0.0.2, then 2 from
+    127.0.0.3), each a request begun and never ended; their (reader, writer), oldest first."""
     monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 3)
     monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 5)
     held = []
     for source in ["127.0.0.2"] * 3 + ["127.0.0.3"] * 2:
         reader, writer = await connect(ports, source)
         writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
-        held.append(writer)
-    await until(lambda: ports.guard.unproven == 5, "5 unproven connections")
+        held.append((reader, writer))
+        await until(lambda n=len(held): ports.guard.unproven == n, f"{len(held)} unproven connections")
+    return held
+
+
+async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections(ports, monkeypatch):
+    held = [writer for _, writer in await hold_five(ports, monkeypatch)]
     assert ports.sidecar.registry.get_sample_value("kv_offload_control_connections",
                                                    {"state": "unproven"}) == 5
     same_source = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.2")
@@ -148,14 +155,7 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
 
 
 async def test_a_newcomer_takes_the_place_of_the_largest_holders_oldest_stranger(ports, monkeypatch):
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 3)
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 5)
-    held = []
-    for source in ["127.0.0.2"] * 3 + ["127.0.0.3"] * 2:
-        reader, writer = await connect(ports, source)
-        writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
-        held.append((reader, writer))
-        await until(lambda n=len(held): ports.guard.unproven == n, f"{len(held)} unproven connections")
+    held = await hold_five(ports, monkeypatch)
     answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
                             "127.0.0.4")
     assert status_of(answer) == 200
