@@ -405,15 +405,16 @@ class EngineClient:
 
     def cancel(self, jobs: Sequence[str]) -> int:
         """Make the sidecar stop the ``load``/``load_rows`` calls named ``jobs`` now (also
-        one whose request it has not read yet); how many were running (0 on failure: the
-        calls then end at their deadlines)."""
+        one whose request it has not read yet); how many were running (0 on failure or no
+        answer within ``REPLY_GRACE_SECONDS``: a sidecar that does not answer at once is
+        stalled, and the calls end at their deadlines)."""
         if not jobs:
             return 0
-        try:
-            att = self._attachment()
+        try:  # no re-attachment first: the jobs run where they were sent
             with self._connection() as conn:
-                reply = self._call(conn, att, {"op": "cancel", "jobs": list(jobs)},
-                                   CONTROL_TIMEOUT_SECONDS)
+                reply = conn.call({"op": "cancel", "jobs": list(jobs)}, REPLY_GRACE_SECONDS)
+            if not reply.get("ok"):
+                raise ConnectionError(str(reply.get("error")))
             return int(reply["cancelled"])
         except _FAILURES as exc:
             self._miss("cancel", exc)
