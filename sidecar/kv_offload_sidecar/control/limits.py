@@ -22,7 +22,9 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
   a flood's connection costs one short answer a second, and strangers together at most
   ``MAX_UNPROVEN_CONNECTIONS`` a second, whatever their clients' speed;
 - a whole request (line and headers) within ``UNPROVEN_REQUEST_SECONDS`` of connecting or
-  of its last answer, so a silent, idle or slow-loris connection is cut (``timeout``);
+  of its last answer (up to ``before_auth.DEADLINE_SPREAD`` more at random, so a burst of
+  them is not cut in one pass of the loop), so a silent, idle or slow-loris connection is
+  cut (``timeout``);
 - at most ``MAX_UNPROVEN_BUFFERED_BYTES`` received while no request of it is handled
   (``oversize``): more is read and dropped until the deadline above closes it, so an
   answer aiohttp already owes it (a 400 for a line too long) still reaches it.
@@ -62,6 +64,7 @@ from kv_offload_sidecar.data.before_auth import (
     TRUSTED_SOURCE_SECONDS,
     TrustedSources,
     reclaim_memory,
+    spread,
 )
 from kv_offload_sidecar.rejections import RejectionLog, clip
 
@@ -389,7 +392,7 @@ class ConnectionGuard:
     def _arm(self, conn: _Connection) -> None:
         self._disarm(conn)
         loop = asyncio.get_running_loop()
-        conn.deadline = loop.call_later(UNPROVEN_REQUEST_SECONDS, self._expire, conn)
+        conn.deadline = loop.call_later(spread(UNPROVEN_REQUEST_SECONDS), self._expire, conn)
 
     @staticmethod
     def _disarm(conn: _Connection) -> None:

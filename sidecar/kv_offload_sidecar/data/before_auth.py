@@ -1,7 +1,8 @@
 """What a data connection may cost its server before it proves its session.
 
 No frame longer than ``protocol.MAX_UNAUTHENTICATED_PAYLOAD`` (refused at its header),
-every step from accept to AUTH_OK within ``auth_timeout`` (``DEFAULT_AUTH_TIMEOUT``), at
+every step from accept to AUTH_OK within ``auth_timeout`` (``DEFAULT_AUTH_TIMEOUT``; up to
+``DEADLINE_SPREAD`` more at random, ``spread``, so a burst does not expire at once), at
 most ``MAX_UNAUTHENTICATED_PER_SOURCE`` such connections per source address and
 ``MAX_UNAUTHENTICATED_CONNECTIONS`` in all (``UnauthenticatedLimit``: more are refused at
 accept, counted as ``too_many_connections``; a connection past the deadline as
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import random
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,9 @@ TRIM_AFTER_STRANGERS = 16
 TRIM_DELAY_SECONDS = 0.5
 # Fewest seconds between two trims: a full garbage collection pauses the loop for milliseconds.
 TRIM_INTERVAL_SECONDS = 10.0
+# Share of a stranger's deadline added at random (0 to 10 % more), so the connections of one
+# burst do not all expire in one pass of the event loop (300 at once held it for ~40 ms).
+DEADLINE_SPREAD = 0.1
 # Seconds a source address that proved something stays exempt from the connection limits on
 # strangers (a member's pod re-proves within seconds: sessions, directory messages).
 TRUSTED_SOURCE_SECONDS = 600.0
@@ -58,6 +63,11 @@ def refuse(metrics: SidecarMetrics | None, rejections: RejectionLog, source: str
     rate-limited ``rejections`` log (``detail`` clipped there)."""
     count_protocol_error(metrics, reason)
     rejections.reject(source, reason, detail)
+
+
+def spread(seconds: float) -> float:
+    """``seconds`` plus a random share of up to ``DEADLINE_SPREAD`` of it."""
+    return seconds * (1.0 + random.random() * DEADLINE_SPREAD)
 
 
 def reclaim_memory() -> bool:

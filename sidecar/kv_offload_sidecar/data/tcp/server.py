@@ -28,6 +28,7 @@ from kv_offload_sidecar.data.before_auth import (
     CountsStrangers,
     UnauthenticatedLimit,
     refuse,
+    spread,
 )
 from kv_offload_sidecar.data.serving import (
     DEFAULT_SEND_TIMEOUT,
@@ -236,7 +237,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
 
     async def _serve(self, conn: socket.socket, source: str) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._auth_timeout  # every step up to AUTH_OK together
+        deadline = loop.time() + spread(self._auth_timeout)  # every step up to AUTH_OK together
         admitted = True  # holds a place in self._limit until authenticated or ended
         stream: DataStream | None = None
         header_buf = bytearray(proto.HEADER_BYTES)
