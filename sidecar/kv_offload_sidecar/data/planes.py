@@ -22,34 +22,31 @@ def make_server(
     authorize: Authorize,
     metrics: SidecarMetrics | None,
     *,
-    host: str = "127.0.0.1",
-    port: int = 0,
     chunk_bytes: int,
     ssl: SSLContext | None = None,
     **options: Any,
 ) -> DataPlaneServer:
     """Build (not start) the data-plane server of transport ``kind``; with ``ssl``
-    (``tls.server_context``) the TCP one runs mutual TLS and advertises ``tls://``. Among
-    ``options``: ``rejections``, a ``rejections.RejectionLog`` the refusals' lines go to (the
-    sidecar's, shared with its control port; the server's own otherwise)."""
+    (``tls.server_context``) the TCP one runs mutual TLS and advertises ``tls://``. ``options``
+    go to the server's constructor: ``host`` and ``port`` to listen on (127.0.0.1 and a free
+    port unless given), ``rejections``, a ``rejections.RejectionLog`` the refusals' lines go to
+    (the sidecar's, shared with its control port; the server's own otherwise) and each
+    server's own tunables."""
     if kind == "tcp":
         from kv_offload_sidecar.data.tcp.server import TcpDataPlaneServer
 
-        return TcpDataPlaneServer(store, authorize, metrics, host=host, port=port,
-                                  chunk_bytes=chunk_bytes, ssl=ssl, **options)
+        return TcpDataPlaneServer(store, authorize, metrics, chunk_bytes=chunk_bytes, ssl=ssl, **options)
     if ssl is not None and kind in TRANSPORTS:
         raise ValueError(f"TLS encrypts the tcp data plane only, not {kind!r}: "
                          "use transport tcp with TLS, or leave the TLS context out")
     if kind == "ucx":
         from kv_offload_sidecar.data.ucx.server import UcxDataPlaneServer
 
-        return UcxDataPlaneServer(store, authorize, metrics, host=host, port=port,
-                                  chunk_bytes=chunk_bytes, **options)
+        return UcxDataPlaneServer(store, authorize, metrics, chunk_bytes=chunk_bytes, **options)
     if kind == "nixl":
         from kv_offload_sidecar.data.nixl.server import NixlDataPlaneServer
 
-        return NixlDataPlaneServer(store, authorize, metrics, host=host, port=port,
-                                   chunk_bytes=chunk_bytes, **options)
+        return NixlDataPlaneServer(store, authorize, metrics, chunk_bytes=chunk_bytes, **options)
     raise ValueError(f"unknown transport {kind!r}; use one of {list(TRANSPORTS)}")
 
 
