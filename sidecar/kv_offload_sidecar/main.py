@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"peers; a holder killed mid-transfer can then abort this sidecar too) "
                         f"(default ${UCX_LANES_ENV}, else 1)")
     p.add_argument("--parent-pid", default=None, metavar="PID",
-                   help=f"shut down gracefully once this process is gone (default ${PARENT_PID_ENV}; "
-                        "0: never)")
+                   help="shut down gracefully once this process is gone; 0: never "
+                        f"(default ${PARENT_PID_ENV}, else 0)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 

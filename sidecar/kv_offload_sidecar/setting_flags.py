@@ -100,5 +100,5 @@ def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 
 def _show(value: Any) -> str:
-    text = repr(value) if value == "" else str(value)
+    text = '""' if value == "" else str(value)
     return text.replace("%", "%%")  # argparse formats help with %

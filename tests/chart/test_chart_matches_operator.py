@@ -89,12 +89,6 @@ def test_network_policy_lets_the_operator_read_every_pods_kvo_metrics_port_for_r
     assert metrics["containerPort"] in admitted
 
 
-def test_chart_port_defaults_are_the_operator_defaults():
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["sidecar"]["controlPort"] == pool_spec.DEFAULT_BASE_PORT
-    assert values["sidecar"]["dataPort"] == pool_spec.DEFAULT_DATA_PORT
-
-
 def test_readme_states_the_hash_seed_and_the_ucx_settings_the_webhook_injects():
     readme = " ".join((CHART / "README.md").read_text().split())
     assert "spec.hashSeed" in readme and "PYTHONHASHSEED" in readme and "spec.sidecar.env" in readme

@@ -8,7 +8,6 @@ import argparse
 from typing import Any
 
 import pytest
-import yaml
 from chart_support import CHART, find
 from kv_offload_operator import main as operator_main
 from kv_offload_operator import pod_patch, pool_spec
@@ -30,12 +29,6 @@ def _sidecar_flags(args: argparse.Namespace, pool_sidecar: dict[str, Any]) -> di
     argv = pod_patch.sidecar_container(pool_name="llama", namespace="inference", sidecar=spec, dp_indices=(0,),
                                        shm_volume=pod_patch.SHM_VOLUME)["args"]
     return dict(zip(argv[1::2], argv[2::2]))
-
-
-def test_the_chart_defaults_are_the_operators_and_the_sidecars() -> None:
-    values = yaml.safe_load((CHART / "values.yaml").read_text())["sidecar"]
-    assert values["prefillTokensPerSecond"] == pool_spec.DEFAULT_PREFILL_TOKENS_PER_SECOND == 0
-    assert values["peerCopies"] == pool_spec.DEFAULT_PEER_COPIES == "drop"
 
 
 def test_by_default_the_operator_and_so_every_sidecar_always_fetches_and_drops_peer_copies(render) -> None:
