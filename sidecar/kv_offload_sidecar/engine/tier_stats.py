@@ -21,6 +21,7 @@ METRIC_LOOKUP_WAIT_STEPS = "vllm:kv_offload_sidecar_lookup_wait_steps"
 METRIC_LOOKUP_ARRIVALS = "vllm:kv_offload_sidecar_lookup_arrivals"
 METRIC_LOOKUP_STEPS_AFTER_ARRIVAL = "vllm:kv_offload_sidecar_lookup_steps_after_arrival"
 METRIC_LOOKUP_LATE_ARRIVALS = "vllm:kv_offload_sidecar_lookup_late_arrivals"
+METRIC_TIER_CPU_SECONDS = "vllm:kv_offload_tier_cpu_seconds"
 # Scheduler steps after the sidecar's answer within which vLLM is to see the HIT (issue 24).
 HIT_STEPS_TARGET = 2
 
@@ -64,6 +65,9 @@ class TierStats:
     lookup_steps_after_arrival: int = 0
     # Those HITs that came more than HIT_STEPS_TARGET steps after their arrival.
     lookup_late_arrivals: int = 0
+    # CPU seconds spent in the tier's own code inside vLLM's engine process: its lookup and
+    # transfer threads, and vLLM's scheduler thread inside the tier's entry points.
+    cpu_seconds: float = 0.0
     # Why the tier refuses its sidecar (the differing fields), or None while they match.
     refused: str | None = None
 
@@ -100,6 +104,11 @@ def metric_definitions() -> dict[str, Any]:
             documentation=f"Of ..._lookup_arrivals, the HITs vLLM saw more than "
                           f"{HIT_STEPS_TARGET} scheduler steps after the sidecar knew them.",
             labelnames=()),
+        METRIC_TIER_CPU_SECONDS: OffloadingCounterMetadata(
+            documentation="CPU seconds spent in the kv-offload tier's own code in vLLM's engine "
+                          "process: its lookup and transfer threads, and vLLM's scheduler thread "
+                          "inside the tier's calls (the process's other CPU is vLLM's).",
+            labelnames=()),
     }
 
 
@@ -107,7 +116,7 @@ class StatsReporter:
     """Turns the tier's running totals into vLLM connector stats of what changed since last time."""
 
     def __init__(self) -> None:
-        self._reported: dict[str, int] = {}
+        self._reported: dict[str, float] = {}
 
     def report(self, stats: TierStats) -> Any:
         """vLLM's ``OffloadingConnectorStats`` (None outside vLLM)."""
@@ -125,7 +134,8 @@ class StatsReporter:
                             (METRIC_LOOKUP_WAIT_STEPS, stats.lookup_wait_steps),
                             (METRIC_LOOKUP_ARRIVALS, stats.lookup_arrivals),
                             (METRIC_LOOKUP_STEPS_AFTER_ARRIVAL, stats.lookup_steps_after_arrival),
-                            (METRIC_LOOKUP_LATE_ARRIVALS, stats.lookup_late_arrivals)):
+                            (METRIC_LOOKUP_LATE_ARRIVALS, stats.lookup_late_arrivals),
+                            (METRIC_TIER_CPU_SECONDS, stats.cpu_seconds)):
             delta = total - self._reported.get(name, 0)
             if delta:
                 out.increase_counter(name, delta, ())

@@ -44,18 +44,22 @@ count is back (the chunks keep arriving while vLLM promotes them; the load
 waits for them) and says when it knew (``known_at``, CLOCK_MONOTONIC, one clock
 in a pod); the tier counts the scheduler steps from there to vLLM's HIT
 (``tier_stats``: ``..._lookup_steps_after_arrival`` over ``..._lookup_arrivals``).
+The CPU the tier's own code takes in vLLM's process (its two threads, and the
+scheduler thread inside the entry points vLLM calls, by ``time.thread_time()``)
+is ``vllm:kv_offload_tier_cpu_seconds``; the rest of the process's CPU is vLLM's.
 Imports: the standard library, numpy, and this package's tier modules.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from kv_offload_sidecar.engine.sidecar_attachment import RowRegion
 from kv_offload_sidecar.engine.region_file import copy_released, find_region_file
@@ -93,6 +97,20 @@ _LOAD_WARNING_INTERVAL = 10.0
 # Latest scheduler steps whose end times the tier keeps (to count steps after an answer).
 _STEP_HISTORY = 4096
 _STOP = object()
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _counts_cpu(method: _Method) -> _Method:
+    """An entry point vLLM's scheduler thread calls: its CPU time goes to ``stats.cpu_seconds``."""
+    @functools.wraps(method)
+    def wrapper(self: KVOffloadSecondaryTier, *args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._add_cpu(start)
+    return wrapper  # type: ignore[return-value]
+
 
 class KVOffloadSecondaryTier(SecondaryTierManager):
     """vLLM secondary tier backed by the pod's kv-offload sidecar."""
@@ -175,9 +193,11 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
 
     # ---- SecondaryTierManager --------------------------------------------------
 
+    @_counts_cpu
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    @_counts_cpu
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         """HIT / MISS once the sidecar answered; RETRY while asking; MISS past the deadline.
 
@@ -235,6 +255,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 self.stats.lookup_steps_after_arrival += after
                 self.stats.lookup_late_arrivals += after > HIT_STEPS_TARGET
 
+    @_counts_cpu
     def on_schedule_end(self, context: Any = None) -> None:
         """Send this step's lookups to the lookup thread as one batch."""
         self._steps += 1
@@ -253,6 +274,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         with self._stats_lock:
             return self._lookups_in_flight
 
+    @_counts_cpu
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Forget lookup answers no live request needs (the pool changes over time)."""
         req_id = req_context.req_id
@@ -266,12 +288,15 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             if not state.request_ids:
                 del self._keys[key]
 
+    @_counts_cpu
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit("store", job_metadata)
 
+    @_counts_cpu
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._submit("load", job_metadata)
 
+    @_counts_cpu
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Finished jobs; the keys of a failed (or partly failed) load become MISS here."""
         out = []
@@ -296,6 +321,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                                  transfer_time=elapsed,
                                  transfer_bytes=moved_count * self._chunk_bytes))
 
+    @_counts_cpu
     def drain_jobs(self) -> None:
         """Block until every submitted transfer has finished or failed.
 
@@ -332,13 +358,16 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             pending = self._pending_transfers
         return pending, max(0, pending - self._transfer_q.qsize())
 
+    @_counts_cpu
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._batch or any(
             s.result is None for s in self._keys.values()))
 
+    @_counts_cpu
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         return None
 
+    @_counts_cpu
     def take_events(self) -> Iterable[Any]:
         """OffloadingEvents for chunks stored to the sidecar (with ``enable_kv_events``)."""
         if not self._events:
@@ -351,6 +380,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         """The metrics get_stats() reports, registered by vLLM under these names."""
         return metric_definitions()
 
+    @_counts_cpu
     def get_stats(self) -> Any:
         """vLLM connector stats: lookup results since the last call and the refusal state."""
         with self._stats_lock:
@@ -371,6 +401,14 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._primary_kv_view = None  # type: ignore[assignment]
 
     # ---- internals ------------------------------------------------------------
+
+    def _add_cpu(self, since: float) -> float:
+        """Count this thread's CPU time since ``since`` (its ``time.thread_time()``) as the
+        tier's; returns the new mark."""
+        now = time.thread_time()
+        with self._stats_lock:
+            self.stats.cpu_seconds += now - since
+        return now
 
     def _shared_region(self) -> tuple[RowRegion | None, str]:
         """vLLM's rows as the sidecar can map them, or (None, why not)."""
@@ -427,6 +465,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
     def _lookup_worker(self) -> None:
         # Attach now, off vLLM's threads, so the first request's lookup does not pay for the
         # connection and the region hand-off (an absent sidecar is tried again later).
+        mark = time.thread_time()
         try:
             self._link.attach_early()
         except Exception as exc:
@@ -440,7 +479,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             for keys in batch.values():
                 try:
                     self._lookup_batch(keys, submitted)
-                finally:
+                finally:  # counted before the answer is said to be back
+                    mark = self._add_cpu(mark)
                     with self._stats_lock:
                         self._lookups_in_flight -= 1
 
@@ -498,6 +538,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             self.stats.refused = refused
 
     def _transfer_worker(self) -> None:
+        mark = time.thread_time()
         while True:
             job = self._transfer_q.get()
             if job is _STOP:
@@ -515,6 +556,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                 except Exception as exc:
                     logger.warning("kv-offload %s job %d failed: %s", job.kind, job.job_id, exc)
             self._account(job, moved, ok)
+            mark = self._add_cpu(mark)  # counted before the job is reported finished
             self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
             with self._idle:
                 self._running = None

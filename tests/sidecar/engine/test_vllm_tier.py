@@ -442,3 +442,39 @@ def test_drain_jobs_cancels_a_load_stalled_on_a_peer_instead_of_waiting_out_its_
     finally:
         a.close()
         b.close()
+
+
+def _burn_cpu(seconds):
+    """Spend ``seconds`` of this thread's CPU (its own clock: a state, not a guess)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_the_tier_counts_the_cpu_of_its_threads_and_its_calls_and_not_the_rest_of_the_process(
+        pool, monkeypatch):
+    engine = _engine(pool, 1)
+    tier = engine.tier
+    try:
+        engine.run_request(trace_tokens([121], engine.layout.tokens_per_chunk))  # attached
+        spent = lambda: tier.stats.cpu_seconds  # noqa: E731
+        before = spent()
+        _burn_cpu(0.2)  # vLLM's own work in the process, outside the tier
+        assert spent() - before < 0.2
+        ctx = ReqContext(req_id="cpu")
+        tier.on_new_request(ctx)
+        # The scheduler thread inside a tier call.
+        monkeypatch.setattr(tier, "_drain_lookup_results", lambda: _burn_cpu(0.2))
+        before = spent()
+        tier.lookup(b"\x01" * 16, ctx)
+        assert spent() - before >= 0.2
+        # The tier's transfer thread.
+        monkeypatch.setattr(tier, "_store", lambda job: (_burn_cpu(0.2), (True, 0))[1])
+        before = spent()
+        tier.submit_store(TransferJob(job_id=41, keys=[b"\x02" * 16], chunk_ids=np.array([0]),
+                                      is_promotion=False, req_context=ctx))
+        assert _wait("the store job finished", lambda: list(tier.get_finished_jobs()))
+        assert spent() - before >= 0.2
+        tier.on_request_finished(ctx)
+    finally:
+        engine.close()
