@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import jsonpatch
+import kubernetes_validate
 from kv_offload_operator import pod_patch as pods
 from kv_offload_operator import pool_spec
 from operator_harness import KTC, pool_body
@@ -47,10 +48,14 @@ def inject(p: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return jsonpatch.JsonPatch(ops).apply(copy.deepcopy(p))
 
 
-def inject_into(body: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
-    """``p`` after the webhook's patch for the pool ``body``."""
+def inject_into(body: dict[str, Any], p: dict[str, Any], *, validate: bool = False) -> dict[str, Any]:
+    """``p`` after the webhook's patch for the pool ``body``; with ``validate``, checked against
+    the Kubernetes schemas."""
     spec = pool_spec.SidecarSpec.from_pool(body, default_image="img:1")
-    return jsonpatch.JsonPatch(pods.pod_patch(p, body, fingerprint="f" * 16, sidecar=spec)).apply(copy.deepcopy(p))
+    out = jsonpatch.JsonPatch(pods.pod_patch(p, body, fingerprint="f" * 16, sidecar=spec)).apply(copy.deepcopy(p))
+    if validate:
+        kubernetes_validate.validate(out, K8S, strict=True)
+    return out
 
 
 def env_of(c: dict[str, Any]) -> dict[str, Any]:
@@ -58,3 +63,31 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
     names = [e["name"] for e in c.get("env") or []]
     assert len(names) == len(set(names)), f"repeated env names: {names}"
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env") or []}
+
+
+def injected_env(spec: pool_spec.SidecarSpec) -> dict[str, str]:
+    """The literal environment variables the webhook injects into the sidecar, less the ones
+    LocalPool passes as flags (host and ports)."""
+    return {e["name"]: e["value"] for e in pods.sidecar_env(spec, pool_name="llama") if "value" in e
+            and not e["name"].startswith("VLLM_P2P_")}
+
+
+def assert_ucx_sidecars_share_chunks(env: dict[str, str]) -> None:
+    """Two real ucx sidecar processes with ``env``: chunks stored on one load, byte for byte, on the other."""
+    import os
+
+    from kv_offload_tools.local_pool import LocalPool, example_config
+
+    chunk = example_config().kv_bytes_per_chunk
+    keys = [os.urandom(32) + bytes(4) for _ in range(4)]
+    data = {k: os.urandom(chunk) for k in keys}
+    with LocalPool(2, transport="ucx", capacity_bytes=64 * chunk, env=env) as pool:
+        a, b = pool.client(0), pool.client(1)
+        assert a.store(keys, lambda i, view: view.__setitem__(slice(None), data[keys[i]])) == 4
+        pool.wait_directory_current()
+        got: dict[int, bytes] = {}
+        assert b.load(keys, lambda i, view: got.__setitem__(i, bytes(view)), 10.0) == 4
+        assert [got[i] for i in range(4)] == [data[k] for k in keys]
+        assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 4 * chunk
+        a.close()
+        b.close()

@@ -3,20 +3,17 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 from typing import Any
 
-import jsonpatch
-import kubernetes_validate
 import pytest
-from kv_offload_operator import kv_transfer, pool_spec
+from kv_offload_operator import kv_transfer
 from kv_offload_operator import pod_patch as pods
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_operator.translation.vllm_args import parse_vllm_args
 from operator_harness import KTC, llama_config, pool_body
-from pool_support import K8S, pod, vllm
+from pool_support import inject_into, pod, vllm
 
 SERVE = ["serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]
 CONNECTOR = kv_transfer.InjectedConnector(cpu_bytes_to_use=2 << 30, block_size=32)
@@ -26,14 +23,6 @@ def injecting_pool(**inject: Any) -> dict[str, Any]:
     body = pool_body("llama", vllm_args=["vllm", *SERVE])
     body["spec"]["injectKVTransferConfig"] = inject
     return body
-
-
-def admitted(p: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-    sidecar = pool_spec.SidecarSpec.from_pool(body, default_image="img:1")
-    ops = pods.pod_patch(p, body, fingerprint="f" * 16, sidecar=sidecar)
-    out = jsonpatch.JsonPatch(ops).apply(copy.deepcopy(p))
-    kubernetes_validate.validate(out, K8S, strict=True)
-    return out
 
 
 def test_the_injected_config_is_the_tiering_connector_with_the_kv_offload_tier() -> None:
@@ -67,7 +56,7 @@ def test_the_pool_translates_what_the_pods_will_run() -> None:
 
 def test_the_webhook_appends_the_flag_to_the_vllm_args_and_the_pod_translates_to_the_pool() -> None:
     body = injecting_pool(cpuBytesToUse="2Gi", blockSize=32)
-    out = admitted(pod(vllm(list(SERVE))), body)
+    out = inject_into(body, pod(vllm(list(SERVE))), validate=True)
     container = out["spec"]["containers"][0]
     assert container["args"] == [*SERVE, "--kv-transfer-config", CONNECTOR.text()]
     pool = pool_config(kv_transfer.effective_argv(["vllm", *SERVE], CONNECTOR, "x"), llama_config())
@@ -78,7 +67,7 @@ def test_the_webhook_appends_the_flag_to_the_vllm_args_and_the_pod_translates_to
     shm = next(v for v in out["spec"]["volumes"] if v["name"] == pods.SHM_VOLUME)
     assert shm["emptyDir"]["sizeLimit"] == "7Gi"
     # A container with its own --kv-transfer-config is left as it is.
-    own = admitted(pod(vllm([*SERVE, "--kv-transfer-config", KTC])), body)
+    own = inject_into(body, pod(vllm([*SERVE, "--kv-transfer-config", KTC])), validate=True)
     assert own["spec"]["containers"][0]["args"] == [*SERVE, "--kv-transfer-config", KTC]
 
 
@@ -87,13 +76,13 @@ def test_a_single_command_shell_script_gets_the_flag_and_a_compound_one_is_refus
     connector = kv_transfer.injected_connector(body["spec"])
     assert connector is not None
     script = "exec vllm serve meta-llama/Llama-3.1-8B \\\n  --block-size 16 --port 8000"
-    out = admitted(pod(vllm(command=["/bin/sh", "-c"], args=[script])), body)
+    out = inject_into(body, pod(vllm(command=["/bin/sh", "-c"], args=[script])), validate=True)
     new_script = out["spec"]["containers"][0]["args"][0]
     assert new_script.endswith(" --kv-transfer-config " + shlex.quote(connector.text()))
     assert parse_vllm_args(pods.container_argv(out["spec"]["containers"][0])).kv_transfer_config == connector.config()
-    inline = admitted(pod(vllm([], command=["sh", "-c", "vllm serve meta-llama/Llama-3.1-8B"])), body)
+    inline = inject_into(body, pod(vllm([], command=["sh", "-c", "vllm serve meta-llama/Llama-3.1-8B"])), validate=True)
     assert inline["spec"]["containers"][0]["command"][2].startswith("vllm serve meta-llama/Llama-3.1-8B --kv-")
     for compound in ("pip install x && vllm serve m", "vllm serve m | tee log", "cd /w; vllm serve m",
                      "vllm serve m\nsleep 1", "vllm serve $(cat /model)"):
         with pytest.raises(ValueError, match=r"runs a shell script with several commands"):
-            admitted(pod(vllm(command=["/bin/sh", "-c"], args=[compound])), body)
+            inject_into(body, pod(vllm(command=["/bin/sh", "-c"], args=[compound])), validate=True)

@@ -16,10 +16,12 @@ from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config
 from pool_support import (
     K8S,
+    assert_ucx_sidecars_share_chunks,
     env_of,
     hash_seed_pool,
     inject,
     inject_into,
+    injected_env,
     pod,
     pool,
     sidecar_spec,
@@ -225,27 +227,10 @@ def test_the_first_control_port_is_kvo_metrics_whatever_the_dp_start_rank(dp_ind
 @pytest.mark.timeout(120)
 def test_real_ucx_sidecars_run_with_the_injected_env_and_share_chunks() -> None:
     """The env sidecar_env builds (UCX_TLS=tcp,sm,self, the pool's PYTHONHASHSEED) in real processes."""
-    import os
-
-    from kv_offload_tools.local_pool import LocalPool, example_config
-
     spec = pool_spec.SidecarSpec.from_pool(hash_seed_pool("4321"), default_image="img:1")
-    injected = {e["name"]: e["value"] for e in pods.sidecar_env(spec, pool_name="llama") if "value" in e
-                and not e["name"].startswith("VLLM_P2P_")}  # LocalPool passes host and ports as flags
+    injected = injected_env(spec)
     assert injected["UCX_TLS"] == "tcp,sm,self" and injected["PYTHONHASHSEED"] == "4321"
-    chunk = example_config().kv_bytes_per_chunk
-    keys = [os.urandom(32) + bytes(4) for _ in range(4)]
-    data = {k: os.urandom(chunk) for k in keys}
-    with LocalPool(2, transport="ucx", capacity_bytes=64 * chunk, env=injected) as pool:
-        a, b = pool.client(0), pool.client(1)
-        assert a.store(keys, lambda i, view: view.__setitem__(slice(None), data[keys[i]])) == 4
-        pool.wait_directory_current()
-        got: dict[int, bytes] = {}
-        assert b.load(keys, lambda i, view: got.__setitem__(i, bytes(view)), 10.0) == 4
-        assert [got[i] for i in range(4)] == [data[k] for k in keys]
-        assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 4 * chunk
-        a.close()
-        b.close()
+    assert_ucx_sidecars_share_chunks(injected)
 
 
 def test_the_sidecar_reads_key_previous_key_and_admin_token_from_the_whole_pool_secret() -> None:

@@ -15,7 +15,7 @@ from kv_offload_operator import pod_host, pool_objects, pool_spec, quantity
 from kv_offload_operator import pod_patch as pods
 from kv_offload_operator.translation.translate import pool_config
 from operator_harness import LLAMA_ARGS, llama_config, pool_body
-from pool_support import K8S, inject, pod, sidecar_spec, vllm
+from pool_support import K8S, assert_ucx_sidecars_share_chunks, inject, injected_env, pod, sidecar_spec, vllm
 
 CRD_PATH = Path(__file__).parents[2] / "charts" / "kv-offload" / "files" / "crd-kvoffloadpools.yaml"
 GI = 1 << 30
@@ -212,25 +212,8 @@ def test_real_ucx_sidecars_with_the_rdma_preset_fall_back_to_tcp_and_share_chunk
     """The env an rdma-rc pool injects (UCX_TLS=rc,sm,self,tcp), in real sidecar processes on a host
     without an RDMA device: UCX leaves rc out and the chunks still move (UCX_TLS=rc alone finds no
     device at all). What RDMA itself moves is not measured here."""
-    import os
-
-    from kv_offload_tools.local_pool import LocalPool, example_config
-
     spec = sidecar_spec(ucxTransports="rdma-rc", rdma={"resources": {"rdma/ib": 1}})
-    injected = {e["name"]: e["value"] for e in pods.sidecar_env(spec, pool_name="llama") if "value" in e
-                and not e["name"].startswith("VLLM_P2P_")}
+    injected = injected_env(spec)
     assert injected["UCX_TLS"] == "rc,sm,self,tcp"
     injected["PYTHONHASHSEED"] = "4321"
-    chunk = example_config().kv_bytes_per_chunk
-    keys = [os.urandom(32) + bytes(4) for _ in range(4)]
-    data = {k: os.urandom(chunk) for k in keys}
-    with LocalPool(2, transport="ucx", capacity_bytes=64 * chunk, env=injected) as pool:
-        a, b = pool.client(0), pool.client(1)
-        assert a.store(keys, lambda i, view: view.__setitem__(slice(None), data[keys[i]])) == 4
-        pool.wait_directory_current()
-        got: dict[int, bytes] = {}
-        assert b.load(keys, lambda i, view: got.__setitem__(i, bytes(view)), 10.0) == 4
-        assert [got[i] for i in range(4)] == [data[k] for k in keys]
-        assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 4 * chunk
-        a.close()
-        b.close()
+    assert_ucx_sidecars_share_chunks(injected)

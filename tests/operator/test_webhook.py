@@ -27,7 +27,6 @@ BAD_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]  #
 KUBERNETES_VERSION = "1.33.0"  # native sidecars (initContainers[].restartPolicy) are GA since 1.33
 
 
-
 def patched(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
     """Apply the response's JSONPatch with an independent RFC 6902 implementation."""
     assert response["patchType"] == "JSONPatch"
@@ -146,12 +145,17 @@ async def test_a_pod_naming_an_unknown_pool_is_denied_with_a_sentence(cluster: C
     assert message.endswith(".")
 
 
-async def test_a_pod_of_an_invalid_pool_is_denied_with_the_translator_message(cluster: Cluster) -> None:
-    response = await cluster.webhook.admit(vllm_pod("broken"))
+@pytest.mark.parametrize(("pool", "why"), [
+    ("broken", "configure no KV offloading connector"),
+    ("tls-ucx", "TLS applies to the tcp transport only and UCX traffic is not encrypted"),
+], ids=["without-an-offloading-connector", "tls-on-ucx-which-is-not-encrypted"])
+async def test_a_pod_of_an_invalid_pool_is_denied_with_the_translators_reason(
+        cluster: Cluster, pool: str, why: str) -> None:
+    response = await cluster.webhook.admit(vllm_pod(pool))
     assert response["allowed"] is False
     message = response["status"]["message"]
-    assert "KVOffloadPool 'broken' in namespace 'ns1' is Invalid" in message
-    assert "configure no KV offloading connector" in message
+    assert f"KVOffloadPool '{pool}' in namespace 'ns1' is Invalid" in message
+    assert why in message
 
 
 async def test_a_pod_without_the_pool_label_is_left_alone(cluster: Cluster) -> None:
@@ -220,9 +224,3 @@ async def test_a_tls_pod_gets_the_certificate_secret_mounted_and_the_tls_flags(c
     assert mounts_of(sidecar)["/etc/kv-offload-tls"] == "kv-offload-tls"
 
 
-async def test_a_pod_of_a_tls_pool_on_ucx_is_denied_because_ucx_is_not_encrypted(cluster: Cluster) -> None:
-    response = await cluster.webhook.admit(vllm_pod("tls-ucx"))
-    assert response["allowed"] is False
-    message = response["status"]["message"]
-    assert "KVOffloadPool 'tls-ucx' in namespace 'ns1' is Invalid" in message
-    assert "TLS applies to the tcp transport only and UCX traffic is not encrypted" in message

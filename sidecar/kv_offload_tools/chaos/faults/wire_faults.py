@@ -139,6 +139,15 @@ async def _answer_bytes(bench: ChaosBench, sc: SidecarProcess, keys: list[bytes]
     return cache[slot]
 
 
+async def _summed_up(bench: ChaosBench, result: FaultResult, started: float, summary: str) -> FaultResult:
+    """``result`` closed: none survived if the hub's own chunks suffered, its seconds, ``summary`` told."""
+    if not await asyncio.to_thread(bench.durable_intact, result):
+        result.survived = 0
+    result.seconds = round(time.monotonic() - started, 2)
+    bench.progress(summary)
+    return result
+
+
 def _count_fetch(result: FaultResult, out: ProbeFetch, wanted: int) -> None:
     """Add one probe fetch of ``wanted`` chunks to ``result``: a miss, its give-up time, wrong bytes."""
     if out.got < wanted:
@@ -175,12 +184,8 @@ async def _damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResul
         result.integrity_rejected += out.refused
         if out.bad == 0 and sc.alive() and out.outcome != "hung":
             result.survived += 1
-    if not await asyncio.to_thread(bench.durable_intact, result):
-        result.survived = 0
-    result.seconds = round(time.monotonic() - started, 2)
-    bench.progress(f"wire_{mode}: {result.injected} faults, {result.integrity_rejected} chunks "
-                   f"refused by checksum, {result.corrupt_delivered} corrupt")
-    return result
+    return await _summed_up(bench, result, started, f"wire_{mode}: {result.injected} faults, "
+                            f"{result.integrity_rejected} chunks refused by checksum, {result.corrupt_delivered} corrupt")
 
 
 def sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:
@@ -226,12 +231,8 @@ async def _sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:
         except TimeoutError as exc:
             result.survived = 0
             result.notes.append(str(exc))
-    if not await asyncio.to_thread(bench.durable_intact, result):
-        result.survived = 0
-    result.seconds = round(time.monotonic() - started, 2)
-    bench.progress(f"sigkill_at_byte: {result.injected} kills at a random byte of a fetch, "
-                   f"{result.corrupt_delivered} corrupt")
-    return result
+    return await _summed_up(bench, result, started, f"sigkill_at_byte: {result.injected} kills at a random "
+                            f"byte of a fetch, {result.corrupt_delivered} corrupt")
 
 
 def reconnect_storm(bench: ChaosBench, rounds: int, probes: int = 16) -> FaultResult:
