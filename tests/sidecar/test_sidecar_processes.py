@@ -168,21 +168,26 @@ def test_empty_or_missing_fingerprint_is_rejected(pool, fingerprint):
     assert pool[0].metric(HANDSHAKES, result="rejected", reason="fingerprint_mismatch") == before + 1
 
 
+def _read_until_closed(s: socket.socket) -> bytes:
+    """Everything the peer sends until it closes (or resets, or goes quiet past the timeout)."""
+    chunks = []
+    while True:
+        try:
+            part = s.recv(65536)
+        except (ConnectionResetError, socket.timeout):
+            break
+        if not part:
+            break
+        chunks.append(part)
+    return b"".join(chunks)
+
+
 def _http_raw(port: int, request: bytes, close_early: bool = False) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(request)
         if close_early:
             return b""
-        chunks = []
-        while True:
-            try:
-                part = s.recv(65536)
-            except (ConnectionResetError, socket.timeout):
-                break
-            if not part:
-                break
-            chunks.append(part)
-        return b"".join(chunks)
+        return _read_until_closed(s)
 
 
 def test_bad_bodies_get_clear_errors_and_sidecar_keeps_serving(pool):
@@ -214,16 +219,7 @@ def _frames_reply(port: int, payload: bytes) -> bytes:
         challenge = s.recv(16 + 16)  # AUTH_CHALLENGE header + nonce (may arrive in parts)
         s.sendall(payload)
         s.shutdown(socket.SHUT_WR)
-        out = bytearray(challenge)
-        while True:
-            try:
-                part = s.recv(65536)
-            except (ConnectionResetError, socket.timeout):
-                break
-            if not part:
-                break
-            out += part
-        return bytes(out)
+        return challenge + _read_until_closed(s)
 
 
 @pytest.mark.parametrize("payload, phrase, counted", [

@@ -17,9 +17,8 @@ from typing import Any
 from transport_peers import (
     SESSION_ID,
     SESSION_KEY,
-    chunk_bytes_in,
     client_store,
-    content_of,
+    fetch_all_then_missing,
     key_of,
     kill_or_corrupt,
     leftovers,
@@ -34,12 +33,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if args.scenario == "fetch":
             client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
-            out["lookup_all"] = await client.lookup(keys + [key_of(10_000)], timeout=5)
-            out["lookup_gap"] = await client.lookup(keys[:3] + [key_of(10_000)] + keys[3:], timeout=5)
-            out["fetched"] = await client.fetch(keys, store, timeout=20)
-            out["identical"] = all(chunk_bytes_in(store, k) == content_of(i, args.chunk_bytes)
-                                   for i, k in enumerate(keys))
-            out["fetch_missing"] = await client.fetch([key_of(10_000)], store, timeout=5)
+            out.update(await fetch_all_then_missing(client, store, keys, args.chunk_bytes))
             await client.lookup(keys[:1], timeout=5)  # the RELEASEs went out before this reply
             await client.close()
         elif args.scenario == "bad_auth":

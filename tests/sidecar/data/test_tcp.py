@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import struct
-import time
 from collections.abc import Callable
 
 import pytest
@@ -21,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from raw_wire import authenticated as raw_authenticated
 from raw_wire import dial as raw_connect
 from raw_wire import error_text, read_frame, read_until_closed
-from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
+from transport_peers import SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of, key_of
 
 CHUNK = 256 * 1024
 
@@ -169,12 +168,7 @@ async def test_frame_stalled_mid_payload_is_refused_and_others_still_served(
     text = error_text(read_until_closed(sock))
     sock.close()
     assert text.startswith("malformed:") and "stalled" in text
-    store = make_store()
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
-    try:
-        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
-    finally:
-        await client.close()
+    await assert_still_serves(peer.address, make_store())
 
 
 async def test_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_partial(
@@ -190,10 +184,9 @@ async def test_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_par
 
     store = make_store(slots=50, chunk_bytes=big, on_change=kill_on_first_chunk)
     client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
-    started = time.monotonic()
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError) as failed:
         await client.fetch([key_of(i) for i in range(48)], store, timeout=5)
-    assert time.monotonic() - started < 5 + 2  # within the deadline (plus scheduling slack)
+    assert "deadline" not in str(failed.value)  # it ended with the connection, not by the deadline
     assert killed and client.closed
     assert 1 <= len(store) < 48
     assert_nothing_partial(store, big)
@@ -249,10 +242,8 @@ async def test_fetch_past_its_deadline_becomes_an_error_and_frees_its_slots(
     store = make_store()
     try:
         client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5)
-        started = time.monotonic()
         with pytest.raises(TransportError, match="deadline"):
             await client.fetch([key_of(i) for i in range(4)], store, timeout=0.5)
-        assert time.monotonic() - started < 2.5
         assert store.used_bytes == 0 and len(store) == 0
         with pytest.raises(TransportError, match="closed"):
             await client.lookup([key_of(0)], timeout=1)

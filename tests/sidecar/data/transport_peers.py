@@ -118,6 +118,29 @@ async def serve(args: argparse.Namespace) -> None:
         store.close()
 
 
+async def assert_still_serves(address: str, store: Any, **connect_options: Any) -> None:
+    """An authenticated client of the peer at ``address`` still fetches the two chunks it holds."""
+    from kv_offload_sidecar.data import connect
+
+    client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5, **connect_options)
+    try:
+        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
+    finally:
+        await client.close()
+
+
+async def fetch_all_then_missing(client: Any, store: Any, keys: list[bytes], chunk_bytes: int) -> dict[str, Any]:
+    """A connected client's lookups (all held; a gap after 3), its fetch of ``keys`` (identical to
+    what the peer holds?) and a fetch of a key nobody holds."""
+    return {
+        "lookup_all": await client.lookup(keys + [key_of(10_000)], timeout=5),
+        "lookup_gap": await client.lookup(keys[:3] + [key_of(10_000)] + keys[3:], timeout=5),
+        "fetched": await client.fetch(keys, store, timeout=20),
+        "identical": all(chunk_bytes_in(store, k) == content_of(i, chunk_bytes) for i, k in enumerate(keys)),
+        "fetch_missing": await client.fetch([key_of(10_000)], store, timeout=5),
+    }
+
+
 async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
     from kv_offload_sidecar.data import TransportError, connect
 
@@ -126,12 +149,7 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if args.scenario == "fetch":
             client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
-            out["lookup_all"] = await client.lookup(keys + [key_of(10_000)], timeout=5)
-            out["lookup_gap"] = await client.lookup(keys[:3] + [key_of(10_000)] + keys[3:], timeout=5)
-            out["fetched"] = await client.fetch(keys, store, timeout=20)
-            out["identical"] = all(chunk_bytes_in(store, k) == content_of(i, args.chunk_bytes)
-                                   for i, k in enumerate(keys))
-            out["fetch_missing"] = await client.fetch([key_of(10_000)], store, timeout=5)
+            out.update(await fetch_all_then_missing(client, store, keys, args.chunk_bytes))
             out["lane_chunks"] = list(client.lane_chunks)
             out["chunk_replies"] = list(client.chunk_replies)
             await client.close()

@@ -724,17 +724,20 @@ def test_commit_after_the_caller_released_the_view_frees_the_slot(shm_dir: str) 
         assert write(store, 1)
 
 
+def commit_letters(store: ChunkStore, *letters: bytes) -> None:
+    """Write and commit one 4 KiB chunk per one-letter key, filled with its letter."""
+    for letter in letters:
+        with store.begin_write(letter) as res:
+            res.view[:] = letter * 4096
+            assert res.commit()
+
+
 def test_demoted_chunks_are_evicted_before_older_ones(tmp_path):
     store = ChunkStore(4096, 3 * 4096, directory=str(tmp_path), name="demote")
     try:
-        for key in (b"a", b"b", b"c"):
-            with store.begin_write(key) as res:
-                res.view[:] = key * 4096
-                assert res.commit()
+        commit_letters(store, *(b"a", b"b", b"c"))
         assert store.demote([b"c", b"zz"]) == 1
-        with store.begin_write(b"d") as res:
-            res.view[:] = b"d" * 4096
-            assert res.commit()
+        commit_letters(store, b"d")
         assert not store.contains(b"c")
         assert all(store.contains(k) for k in (b"a", b"b", b"d"))
     finally:
@@ -746,10 +749,7 @@ def test_a_chunk_dropped_when_released_goes_at_its_last_release_and_frees_its_sl
     store = ChunkStore(4096, 2 * 4096, directory=str(tmp_path), name="transient",
                        on_change=lambda k, present: changes.append((k, present)))
     try:
-        for key in (b"a", b"b"):
-            with store.begin_write(key) as res:
-                res.view[:] = key * 4096
-                assert res.commit()
+        commit_letters(store, *(b"a", b"b"))
         first, second = store.pin(b"a"), store.pin(b"a")
         assert store.drop_when_released([b"a", b"b", b"zz"]) == 2
         # b was not pinned: gone at once; a stays while pinned, and is readable.
@@ -767,9 +767,7 @@ def test_a_chunk_dropped_when_released_goes_at_its_last_release_and_frees_its_sl
 def test_a_chunk_kept_by_the_store_is_not_dropped_by_a_later_release(tmp_path):
     store = ChunkStore(4096, 2 * 4096, directory=str(tmp_path), name="kept")
     try:
-        with store.begin_write(b"a") as res:
-            res.view[:] = b"a" * 4096
-            assert res.commit()
+        commit_letters(store, b"a")
         pin = store.pin(b"a")
         pin.release()
         assert store.contains(b"a")
@@ -780,10 +778,7 @@ def test_a_chunk_kept_by_the_store_is_not_dropped_by_a_later_release(tmp_path):
 def test_a_count_without_touch_leaves_the_lru_order_alone(tmp_path):
     store = ChunkStore(4096, 3 * 4096, directory=str(tmp_path), name="count")
     try:
-        for key in (b"a", b"b", b"c"):
-            with store.begin_write(key) as res:
-                res.view[:] = key * 4096
-                assert res.commit()
+        commit_letters(store, *(b"a", b"b", b"c"))
         assert store.lookup_prefix([b"a", b"b"], touch=False) == 2
         assert store.keys() == [b"a", b"b", b"c"]
         assert store.lookup_prefix([b"a", b"b"]) == 2
