@@ -92,9 +92,11 @@ def write_plot(path: str, report: dict[str, Any]) -> str:
     ax = axes[1][0]
     ax.plot(pods, [r["messages_per_peer_hit_request"] for r in rows], "o-", label="per peer-hit request")
     ax.plot(pods, [r["messages_per_lookup"] for r in rows], "s-", label="per lookup")
-    for k in sorted({int(k) for r in rows for k in r["by_holders"]}):
+    ks = sorted({int(k) for r in rows for k in r["by_holders"]})
+    for k in ks:
         ax.plot(pods, [r["by_holders"].get(str(k), {}).get("messages_per_request", float("nan")) for r in rows],
-                ":", lw=1, label=f"requests over {k} holder{'s' if k > 1 else ''}")
+                ":", lw=1.2, color=plt.cm.copper(k / (max(ks) + 1)),
+                label=f"requests read from {k} holder{'s' if k > 1 else ''}")
     ax.set_ylim(0, None)
     ax.set_ylabel("messages (directory)")
     twin = ax.twinx()
