@@ -1,7 +1,11 @@
 """Everything one sidecar process is configured with, in one frozen struct.
 
 ``main.py`` builds a ``SidecarSettings`` from flags, the environment and the
-pool's ``OffloadingConfig``; the rest of the sidecar only reads it.
+pool's ``OffloadingConfig``; the rest of the sidecar only reads it. A field
+made with ``setting(default, help)`` is a ``kv-offload sidecar`` flag whose
+default and help are written only there (``setting_flags``); the operator's
+pool defaults read them too (``pool_spec``). Values no user or test sets are
+class constants, not fields.
 """
 
 from __future__ import annotations
