@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from raw_wire import authenticated as raw_authenticated
 from raw_wire import dial as raw_connect
 from raw_wire import error_text, read_frame, read_until_closed
-from transport_peers import SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of, key_of
+from transport_peers import SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of, hold_chunks, key_of
 
 CHUNK = 256 * 1024
 
@@ -268,11 +268,7 @@ async def test_unrequested_chunk_from_a_server_is_refused(make_store: Callable[.
 
 async def test_in_process_server_serves_what_a_store_holds(make_store: Callable[..., ChunkStore]) -> None:
     source = make_store()
-    for i in range(3):
-        res = source.begin_write(key_of(i))
-        assert res is not None
-        res.view[:] = content_of(i, CHUNK)
-        res.commit()
+    hold_chunks(source, 3, CHUNK)
     metrics = SidecarMetrics(CollectorRegistry())
     server = make_server("tcp", source, {SESSION_ID: SESSION_KEY}.get, metrics, chunk_bytes=CHUNK)
     address = await server.start()

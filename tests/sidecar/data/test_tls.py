@@ -25,7 +25,7 @@ from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.certs import CertFiles, pool_certificates
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
-from transport_peers import SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of, key_of
+from transport_peers import SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of, hold_chunks, key_of
 
 CHUNK = 256 * 1024
 
@@ -105,11 +105,7 @@ async def test_tls_fetch_moves_chunks_byte_identical(
 async def test_in_process_tls_server_advertises_tls_and_says_goodbye_on_stop(
         make_store: Callable[..., ChunkStore], pool: dict[str, CertFiles]) -> None:
     source = make_store()
-    for i in range(3):
-        res = source.begin_write(key_of(i))
-        assert res is not None
-        res.view[:] = content_of(i, CHUNK)
-        res.commit()
+    hold_chunks(source, 3, CHUNK)
     p = pool["server"]
     server = make_server("tcp", source, {SESSION_ID: SESSION_KEY}.get, None, chunk_bytes=CHUNK,
                          ssl=server_context(p.cert_file, p.key_file, p.ca_file))

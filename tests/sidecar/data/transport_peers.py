@@ -57,6 +57,15 @@ def _metrics_snapshot(metrics: Any, server: Any) -> dict[str, Any]:
     }
 
 
+def hold_chunks(store: Any, n: int, chunk_bytes: int) -> None:
+    """Commit chunk i (``content_of(i)`` under ``key_of(i)``) for i < n into ``store``."""
+    for i in range(n):
+        res = store.begin_write(key_of(i))
+        assert res is not None
+        res.view[:] = content_of(i, chunk_bytes)
+        res.commit()
+
+
 async def serve(args: argparse.Namespace) -> None:
     from kv_offload_sidecar.data import make_server
     from kv_offload_sidecar.engine.store_view import slot_stride_for
@@ -68,12 +77,9 @@ async def serve(args: argparse.Namespace) -> None:
     store = ChunkStore(args.chunk_bytes, (args.chunks + 1) * slot_stride_for(args.chunk_bytes),
                        directory=args.shm_dir, name=f"srv-{os.getpid()}", metrics=metrics)
     corrupt = {int(x) for x in args.corrupt.split(",") if x}
-    for i in range(args.chunks):
-        res = store.begin_write(key_of(i))
-        assert res is not None
-        res.view[:] = content_of(i, args.chunk_bytes)
-        res.commit()
-        if i in corrupt:  # flip bytes after the checksum was taken
+    hold_chunks(store, args.chunks, args.chunk_bytes)
+    for i in sorted(corrupt):  # flip bytes after the checksum was taken
+        if i < args.chunks:
             pin = store.pin(key_of(i))
             assert pin is not None
             store.slot_view(pin.slot)[:8] = b"CORRUPT!"

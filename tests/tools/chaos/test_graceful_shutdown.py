@@ -50,8 +50,7 @@ async def test_sigterm_lets_an_in_flight_fetch_finish_and_unlinks_the_store() ->
     # 1 MiB chunks: a 48-chunk fetch is larger than the client's request window (16 MiB), so
     # the peer keeps asking for chunks after the SIGTERM; all of them must still arrive.
     big = 1 << 20
-    pool = make_chaos_pool(big, 64 << 20, shutdown_grace_seconds=10.0)
-    try:
+    with make_chaos_pool(big, 64 << 20, shutdown_grace_seconds=10.0) as pool:
         server = pool.add(identity="server", peers=[])
         keys = chunk_keys("shutdown", 48)
         with server.client() as engine:
@@ -88,8 +87,6 @@ async def test_sigterm_lets_an_in_flight_fetch_finish_and_unlinks_the_store() ->
         _stopped_gracefully(pool, "server", code)
         assert not os.path.exists(store_path)
         assert not os.path.exists(socket_path)
-    finally:
-        pool.stop()
 
 
 def test_sigterm_during_engine_loads_gives_whole_chunks_or_misses(chaos_pool: LocalPool) -> None:
