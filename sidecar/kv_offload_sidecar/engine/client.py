@@ -8,6 +8,8 @@ socket and the shared-memory store file are, maps the store file with
 
 - ``lookup(keys, timeout) -> LookupReply(local, peer, known_at)``: hit prefix lengths,
   and when the sidecar knew them (its ``time.monotonic()``; one clock in a pod).
+  ``lookup_start`` sends it and returns a ``PendingLookup`` whose answer any
+  thread can read later without blocking (``pending_lookup``).
 - ``store(keys, write_fn) -> int``: the sidecar reserves slots,
   ``write_fn(i, slot_view)`` copies chunk ``i`` into its slot, the sidecar
   commits (checksums) them; returns the number of chunks written. Keys the
@@ -49,11 +51,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
 from kv_offload_sidecar.engine.sidecar_attachment import Attachment, Late, LocalConn, RowRegion
 
 log = logging.getLogger(__name__)
@@ -83,23 +85,6 @@ class _Dropped(Exception):
 
 # What turns a call into a miss (never raised into the engine).
 _FAILURES = (Late, OSError, ValueError, KeyError, TypeError)
-
-
-@dataclass(frozen=True)
-class LookupReply:
-    """Hit prefix of a lookup: ``local`` chunks in the pod's store, then ``peer`` more on a peer."""
-
-    # Leading keys held by this pod's sidecar.
-    local: int
-    # Keys after those that a peer holds (loaded on ``load``).
-    peer: int
-    # The sidecar's time.monotonic() when it knew the answer (None: a miss it never gave);
-    # not part of the answer's equality.
-    known_at: float | None = field(default=None, compare=False)
-
-    @property
-    def hits(self) -> int:
-        return self.local + self.peer
 
 
 class EngineClient:
@@ -237,6 +222,16 @@ class EngineClient:
 
     @contextmanager
     def _connection(self) -> Iterator[LocalConn]:
+        conn = self._checkout()
+        ok = False
+        try:
+            yield conn
+            ok = True
+        finally:
+            self._checkin(conn, ok)
+
+    def _checkout(self) -> LocalConn:
+        """A pooled connection, or a new one."""
         with self._lock:
             if self._closed:
                 raise SidecarUnavailable("EngineClient is closed")
@@ -248,18 +243,16 @@ class EngineClient:
                 self._mark_stale()
                 raise SidecarUnavailable(f"cannot connect to the sidecar local channel "
                                          f"{self.socket_path!r}: {exc}") from None
-        ok = False
-        try:
-            yield conn
-            ok = True
-        finally:
-            if ok:
-                with self._lock:
-                    if not self._closed:
-                        self._idle.append(conn)
-                        conn = None  # type: ignore[assignment]
-            if conn is not None:
-                conn.close()  # state unknown after an error: never reuse
+        return conn
+
+    def _checkin(self, conn: LocalConn, ok: bool) -> None:
+        """Back to the pool after a whole exchange; closed otherwise (state unknown)."""
+        if ok:
+            with self._lock:
+                if not self._closed:
+                    self._idle.append(conn)
+                    return
+        conn.close()
 
     def _call(self, conn: LocalConn, att: Attachment, req: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One request naming ``att``'s instance; a refused reply raises ConnectionError."""
@@ -290,20 +283,48 @@ class EngineClient:
 
     def lookup(self, keys: Sequence[bytes], timeout: float = 2.0) -> LookupReply:
         """Hit prefix of ``keys`` (local, then on a peer). Late or failed: (0, 0)."""
+        return self.lookup_start(keys, timeout).wait()
+
+    def lookup_start(self, keys: Sequence[bytes], timeout: float = 2.0) -> PendingLookup:
+        """Send a lookup of ``keys`` and return at once; its ``poll()`` reads the answer
+        without blocking, on any thread (``pending_lookup``). Late or failed: (0, 0)."""
         if not keys:
-            return LookupReply(0, 0)
+            return PendingLookup.answered(MISS)
         try:
             att = self._attachment()
-            with self._connection() as conn:
-                reply = self._call(conn, att, {"op": "lookup", "keys": cp.encode_keys(keys),
-                                               "timeout": timeout}, timeout + REPLY_GRACE_SECONDS)
-            known = reply.get("known_at")
-            return LookupReply(int(reply["local"]), int(reply["peer"]),
-                               float(known) if isinstance(known, (int, float))
-                               and not isinstance(known, bool) else None)
+            conn = self._checkout()
         except _FAILURES as exc:
             self._miss("lookup", exc)
-            return LookupReply(0, 0)
+            return PendingLookup.answered(MISS)
+        try:
+            conn.send({"op": "lookup", "keys": cp.encode_keys(keys), "timeout": timeout,
+                       "instance": att.instance}, self._timeout)
+        except _FAILURES as exc:
+            conn.close()
+            self._miss("lookup", exc)
+            return PendingLookup.answered(MISS)
+        return PendingLookup(conn, time.monotonic() + timeout + REPLY_GRACE_SECONDS,
+                             self._lookup_answered)
+
+    def _lookup_answered(self, conn: LocalConn, answer: dict[str, Any] | BaseException) -> LookupReply:
+        """A lookup's end: its connection back to the pool and its reply, or a counted miss."""
+        try:
+            if isinstance(answer, BaseException):
+                raise answer
+            if not answer.get("ok"):
+                if answer.get("stale"):
+                    self._mark_stale()
+                raise ConnectionError(str(answer.get("error")))
+            known = answer.get("known_at")
+            reply = LookupReply(int(answer["local"]), int(answer["peer"]),
+                                float(known) if isinstance(known, (int, float))
+                                and not isinstance(known, bool) else None)
+        except _FAILURES as exc:
+            self._checkin(conn, False)
+            self._miss("lookup", exc)
+            return MISS
+        self._checkin(conn, True)
+        return reply
 
     def store(self, keys: Sequence[bytes], write_fn: WriteFn, *, strict: bool = False) -> int:
         """Write chunks into the sidecar's store; returns how many were written.

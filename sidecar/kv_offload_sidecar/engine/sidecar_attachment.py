@@ -50,6 +50,14 @@ class LocalConn:
             self.sock.close()
             raise
 
+    def send(self, req: Mapping[str, Any], timeout: float) -> None:
+        """Send ``req`` only (its answer is read by the caller, e.g. a ``PendingLookup``)."""
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.sendall(cp.encode_frame(req))
+        except socket.timeout:
+            raise Late() from None
+
     def call(self, req: Mapping[str, Any], timeout: float, fd: int | None = None) -> dict[str, Any]:
         """Send ``req`` (with descriptor ``fd`` attached, SCM_RIGHTS) and read the reply."""
         self.sock.settimeout(timeout)

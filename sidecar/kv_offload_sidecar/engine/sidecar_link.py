@@ -150,6 +150,13 @@ class SidecarLink:
         with self._lock:
             return client is self._client and self._verify(client)
 
+    def matches_now(self, client: Any) -> bool:
+        """``matches`` without waiting or asking the sidecar (for vLLM's own thread): True
+        only while ``client`` is this link's and attached to the instance last checked."""
+        checked = self._checked_instance  # attribute reads: no lock, which a connect may hold
+        return (client is self._client and checked is not None
+                and getattr(client, "instance", None) == checked)
+
     def _verify(self, client: Any) -> bool:
         """Compare the sidecar's fingerprint, chunk size and hash seed with this engine's
         (once per sidecar instance). Called with the client lock held."""

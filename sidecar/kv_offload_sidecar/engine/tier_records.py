@@ -35,15 +35,6 @@ def locality_of(value: Any) -> Locality:
                          f"{[m.value for m in Locality]}") from None
 
 
-@dataclass(frozen=True)
-class NoHits:
-    local: int = 0
-    peer: int = 0
-
-
-NO_HITS = NoHits()
-
-
 def hit_prefix(reply: Any, n: int) -> tuple[int, int]:
     """(leading keys held locally, leading keys held locally or by a peer) of a LookupReply.
 
@@ -54,4 +45,4 @@ def hit_prefix(reply: Any, n: int) -> tuple[int, int]:
     return local, total
 
 
-__all__ = ["Job", "KeyState", "NO_HITS", "NoHits", "hit_prefix", "locality_of"]
+__all__ = ["Job", "KeyState", "hit_prefix", "locality_of"]

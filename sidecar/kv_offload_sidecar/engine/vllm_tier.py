@@ -61,10 +61,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
+from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
 from kv_offload_sidecar.engine.sidecar_attachment import RowRegion
 from kv_offload_sidecar.engine.region_file import copy_released, find_region_file
 from kv_offload_sidecar.engine.sidecar_link import SidecarLink, sidecar_address
-from kv_offload_sidecar.engine.tier_records import NO_HITS, Job, KeyState, hit_prefix, locality_of
+from kv_offload_sidecar.engine.tier_records import Job, KeyState, hit_prefix, locality_of
 from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of, engine_config
 from kv_offload_sidecar.engine.tier_stats import (
     HIT_STEPS_TARGET,
@@ -180,8 +181,12 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         # job ids the sidecar knows it by (vLLM's job ids are unique only per engine).
         self._running: Job | None = None
         self._job_prefix = secrets.token_hex(6)
-        # Requests' lookups handed to the lookup thread whose answers it has not passed back.
+        # Requests' lookups handed to the lookup thread and not back from it yet.
         self._lookups_in_flight = 0
+        # Lookups sent, whose answers vLLM's thread reads: (keys, client or None, lookup).
+        self._pending: list[tuple[Sequence[bytes], Any, PendingLookup]] = []
+        # The step whose lookups last polled those answers.
+        self._polled_step = -1
         self._stats_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._lookup_worker, name="kv-offload-lookup", daemon=True),
@@ -269,10 +274,10 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
 
     @property
     def lookups_in_flight(self) -> int:
-        """Requests' lookups sent to the sidecar whose answers the tier has not received yet
-        (once 0, vLLM's next lookup of those keys gets the answers)."""
-        with self._stats_lock:
-            return self._lookups_in_flight
+        """Requests' lookups whose answers have not reached the tier yet (once 0, vLLM's next
+        lookup of those keys gets the answers). Read it on vLLM's thread, as lookup()."""
+        self._take_handoffs()
+        return self._lookups_in_flight + sum(not p.ready() for _, _, p in self._pending)
 
     @_counts_cpu
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -394,6 +399,10 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._transfer_q.put(_STOP)
         for t in self._threads:
             t.join()
+        self._take_handoffs()
+        for _, _, pending in self._pending:
+            pending.close()
+        self._pending = []
         self._link.close()
         rows, self._rows = self._rows, None
         if rows is not None:
@@ -445,17 +454,51 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             self._pending_transfers += 1
         self._transfer_q.put(record)
 
-    def _drain_lookup_results(self) -> None:
+    def _take_handoffs(self) -> None:
+        """The lookups the lookup thread sent (or failed) since, into ``_pending``."""
         while True:
             try:
-                answers = self._lookup_results.get_nowait()
+                item = self._lookup_results.get_nowait()
             except queue.Empty:
                 return
-            answers, known_at = answers
-            for key, present in answers:
-                state = self._keys.get(key)
-                if state is not None and state.result is None:
-                    state.result, state.known_at = present, known_at
+            with self._stats_lock:
+                self._lookups_in_flight -= 1
+            self._pending.append(item)
+
+    def _drain_lookup_results(self) -> None:
+        """Read the answers that came, once per scheduler step (a non-blocking read each, on
+        vLLM's thread: no other thread has to get the GIL between an answer and its HIT)."""
+        self._take_handoffs()
+        if not self._pending or self._polled_step == self._steps:
+            return
+        self._polled_step = self._steps
+        waiting = []
+        for keys, client, pending in self._pending:
+            reply = pending.poll()
+            if reply is None:
+                waiting.append((keys, client, pending))
+            else:
+                self._answer(keys, client, reply)
+        self._pending = waiting
+
+    def _answer(self, keys: Sequence[bytes], client: Any, reply: LookupReply) -> None:
+        """Record a lookup's answer (client None: a failure the lookup thread counted)."""
+        if client is None:
+            answers, known_at = [False] * len(keys), None
+        else:
+            if not self._link.matches_now(client):
+                reply = MISS  # answered by a sidecar this engine has not checked: not used
+            local, total = hit_prefix(reply, len(keys))
+            with self._stats_lock:
+                self.stats.lookups += len(keys)
+                self.stats.local_hits += local
+                self.stats.peer_hits += total - local
+                self.stats.misses += len(keys) - total
+            answers, known_at = [i < total for i in range(len(keys))], reply.known_at
+        for key, present in zip(keys, answers):
+            state = self._keys.get(key)
+            if state is not None and state.result is None:
+                state.result, state.known_at = present, known_at
 
     def _row(self, row: int) -> memoryview:
         assert self._rows is not None, "kv-offload tier used after shutdown"
@@ -479,42 +522,32 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             for keys in batch.values():
                 try:
                     self._lookup_batch(keys, submitted)
-                finally:  # counted before the answer is said to be back
+                finally:
                     mark = self._add_cpu(mark)
-                    with self._stats_lock:
-                        self._lookups_in_flight -= 1
 
     def _lookup_batch(self, keys: Sequence[bytes], submitted: float) -> None:
+        """Send one request's lookup; vLLM's thread reads its answer (``_drain_lookup_results``).
+        Every batch hands exactly one item back."""
         remaining = self._lookup_timeout - (time.monotonic() - submitted)
+        client, pending = None, PendingLookup.answered(MISS)
         if remaining <= 0:
             with self._stats_lock:
-                self.stats.lookup_timeouts += 1
-            return  # the caller's side already answers these keys MISS
-        try:
-            client = self._link.connected()
-            if client is None:  # refused: every key is a miss
+                self.stats.lookup_timeouts += 1  # the caller's side answers these keys MISS
+        else:
+            try:
+                client = self._link.connected()
+                if client is None:  # refused: every key is a miss
+                    with self._stats_lock:
+                        self.stats.misses += len(keys)
+                else:
+                    pending = client.lookup_start(list(keys), timeout=remaining)
+            except Exception as exc:  # sidecar down, slow or refusing: every key is a miss
+                logger.warning("kv-offload lookup of %d keys failed: %s", len(keys), exc)
+                client = None
                 with self._stats_lock:
+                    self.stats.lookup_timeouts += 1
                     self.stats.misses += len(keys)
-                self._lookup_results.put(([(k, False) for k in keys], None))
-                return
-            reply = client.lookup(list(keys), timeout=remaining)
-            if not self._link.matches(client):
-                reply = NO_HITS
-        except Exception as exc:  # sidecar down, slow or refusing: every key is a miss
-            logger.warning("kv-offload lookup of %d keys failed: %s", len(keys), exc)
-            with self._stats_lock:
-                self.stats.lookup_timeouts += 1
-                self.stats.misses += len(keys)
-            self._lookup_results.put(([(k, False) for k in keys], None))
-            return
-        local, total = hit_prefix(reply, len(keys))
-        with self._stats_lock:
-            self.stats.lookups += len(keys)
-            self.stats.local_hits += local
-            self.stats.peer_hits += total - local
-            self.stats.misses += len(keys) - total
-        self._lookup_results.put(([(k, i < total) for i, k in enumerate(keys)],
-                                  getattr(reply, "known_at", None)))
+        self._lookup_results.put((keys, client, pending))
 
     @property
     def sidecar_instance(self) -> str | None:

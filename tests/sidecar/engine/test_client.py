@@ -184,6 +184,28 @@ def test_late_answer_is_a_miss(pool, client):
     assert client.lookup(keys) == LookupReply(1, 0)
 
 
+def test_a_started_lookup_is_read_later_without_blocking_on_the_thread_that_polls(pool, client):
+    keys = new_keys(2)
+    write_chunks(client, keys)
+    pid = pool[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        pending = client.lookup_start(keys, timeout=60.0)
+        started = time.monotonic()
+        assert pending.poll() is None and not pending.ready()  # asked, not answered: no wait
+        assert time.monotonic() - started < 1.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    end = time.monotonic() + 60
+    while not pending.ready():  # the answer is in the socket: a state, polled
+        assert time.monotonic() < end, "the sidecar never answered"
+        time.sleep(0.01)
+    reply = pending.poll()
+    assert reply == LookupReply(2, 0) and reply.known_at is not None
+    assert pending.poll() is reply
+    assert client.lookup(keys) == LookupReply(2, 0)  # its connection went back to the pool
+
+
 def _raw(path: str, payload: bytes, length: int | None = None) -> dict | None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(5)
