@@ -418,18 +418,13 @@ def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tm
     no_certs = run("-n", "ns1", "--webhook-cert-dir", str(tmp_path))
     assert no_certs.returncode == 2
     assert "has no tls.crt or tls.key" in no_certs.stderr and len(no_certs.stderr.strip().splitlines()) == 1
-    no_interval = run("-n", "ns1", "--webhook-cert-check-seconds", "0")
-    assert (no_interval.returncode, no_interval.stderr.strip()) == (
-        2, "kv-offload operator: --webhook-cert-check-seconds 0.0 must be positive")
-    no_model_interval = run("-n", "ns1", "--model-config-check-seconds", "-1")
-    assert (no_model_interval.returncode, no_model_interval.stderr.strip()) == (
-        2, "kv-offload operator: --model-config-check-seconds -1.0 must be positive")
-    no_rotation_interval = run("-n", "ns1", "--key-rotation-check-seconds", "0")
-    assert (no_rotation_interval.returncode, no_rotation_interval.stderr.strip()) == (
-        2, "kv-offload operator: --key-rotation-check-seconds 0.0 must be positive")
-    no_peers_interval = run("-n", "ns1", "--ready-peers-check-seconds", "0")
-    assert (no_peers_interval.returncode, no_peers_interval.stderr.strip()) == (
-        2, "kv-offload operator: --ready-peers-check-seconds 0.0 must be positive")
+    for flag, given, read in (("--webhook-cert-check-seconds", "0", "0.0"),
+                              ("--model-config-check-seconds", "-1", "-1.0"),
+                              ("--key-rotation-check-seconds", "0", "0.0"),
+                              ("--ready-peers-check-seconds", "0", "0.0")):
+        no_interval = run("-n", "ns1", flag, given)
+        assert (no_interval.returncode, no_interval.stderr.strip()) == (
+            2, f"kv-offload operator: {flag} {read} must be positive")
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(tmp_path / "absent"), HOME=str(tmp_path))

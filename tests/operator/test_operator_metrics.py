@@ -15,9 +15,7 @@ from operator_harness import (
     NAMESPACE,
     POOLS,
     POOLS_URL,
-    assert_within_rbac,
     create,
-    emulate_cluster,
     obj,
     pool_body,
 )
@@ -25,7 +23,7 @@ from operator_process import OperatorProcess
 from waiting import wait_for_async
 from webhook_support import Webhook, vllm_pod
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("cluster_within_rbac")]
 
 BAD_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]  # no offloading connector
 ADMISSIONS = "kv_offload_operator_admissions_total"
@@ -37,7 +35,6 @@ def conditions(k: kmock.KubernetesEmulator, name: str) -> list[dict]:
 
 async def test_reconciles_admissions_translation_errors_and_pools_by_condition_are_counted(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    emulate_cluster(kmock)
     # The API server fails reads of this one pool: the webhook cannot decide.
     kmock[f"get /apis/kv-offload.io/v1alpha1/namespaces/{NAMESPACE}/kvoffloadpools/unreadable"] << 500
     async with OperatorProcess(tmp_path, str(kmock.url), webhook_tls=True) as operator:
@@ -86,5 +83,4 @@ async def test_reconciles_admissions_translation_errors_and_pools_by_condition_a
         assert resp.status == 200
         await wait_for_metrics(operator.metrics_port, lambda s: value(
             s, "kv_offload_operator_pools", condition="Invalid") == 0, log=operator.log)
-    assert_within_rbac(kmock)
 

@@ -4,7 +4,6 @@ kopf's real runtime runs `kv-offload operator` against kmock's KubernetesEmulato
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,7 @@ from operator_harness import (
     NAMESPACE,
     POOLS,
     POOLS_URL,
-    assert_within_rbac,
     create,
-    emulate_cluster,
     llama_config,
     merge_patch,
     obj,
@@ -29,16 +26,10 @@ from operator_harness import (
 from operator_process import OperatorProcess
 from waiting import wait_for_async
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("cluster_within_rbac")]
 APPS = f"/apis/apps/v1/namespaces/{NAMESPACE}"
 LWS = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NAMESPACE}/leaderworkersets"
 SERVE = ["serve", "meta-llama/Llama-3.1-8B", "--port", "8000", "--block-size", "16"]
-
-
-@pytest.fixture(autouse=True)
-def operator_stays_within_its_rbac(kmock: kmock.KubernetesEmulator) -> Iterator[None]:
-    yield
-    assert_within_rbac(kmock)
 
 
 def template(args: list[str], *, env: list[dict[str, Any]] | None = None, pool: str = "llama",
@@ -80,7 +71,6 @@ def configmap_config(k: kmock.KubernetesEmulator, pool: str) -> OffloadingConfig
 
 async def test_a_pool_translates_its_deployments_vllm_container_and_follows_its_changes(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    emulate_cluster(kmock)
     args = [*SERVE, "--kv-transfer-config", KTC]
     env = [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "0"},
            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
@@ -110,7 +100,6 @@ async def test_a_pool_translates_its_deployments_vllm_container_and_follows_its_
 
 async def test_a_missing_workload_waits_with_a_clear_condition_and_is_read_once_it_exists(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    emulate_cluster(kmock)
     args = [*SERVE, "--kv-transfer-config", KTC]
     async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--model-config-check-seconds", "0.3"]):
         await create(kmock, POOLS_URL, workload_pool("llama", "Deployment", "llama-serving"))
@@ -129,7 +118,6 @@ async def test_a_missing_workload_waits_with_a_clear_condition_and_is_read_once_
 
 async def test_a_workload_without_a_vllm_container_is_invalid_saying_how_to_name_it(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
-    emulate_cluster(kmock)
     body = deployment("two", [*SERVE, "--kv-transfer-config", KTC])
     containers = body["spec"]["template"]["spec"]["containers"]
     containers.append(dict(containers[1], name="vllm-2"))
@@ -147,7 +135,6 @@ async def test_injected_kv_transfer_config_is_translated_for_a_statefulset_and_a
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
     """spec.injectKVTransferConfig: a command line without --kv-transfer-config is translated
     with kv-offload's; one with its own keeps it."""
-    emulate_cluster(kmock)
     connector = InjectedConnector(cpu_bytes_to_use=4 << 30, block_size=32)
     statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet",
                    "metadata": {"name": "llama", "namespace": NAMESPACE},
