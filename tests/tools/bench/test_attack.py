@@ -4,9 +4,10 @@ member alive and connected, memory and logs within their targets, the honest loa
 ratio as it was without attackers, and tells a stranger neither the wire version nor
 accepts a replayed handshake.
 
-The honest p99 target is printed by the bench but not asserted here: full runs miss it
-today (1.8-3.8x the runs without attackers, during the siege and the sniffed-key-id step-1
-flood), and in a run this short the host's other load decides it.
+The honest p99 target is printed by the bench, not asserted here: a speed target is read
+from one full run's ratio (README, Security model), and in a run this short the host's
+other load decides it. What a siege must not do to legitimate callers is asserted: a
+member, a pod never seen before, an admin and a scrape are all served while it holds.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def test_a_short_attack_leaves_the_pool_whole_and_the_honest_load_hitting(tmp_pa
                    "local channel garbage", "member of another pool"):
         assert wanted in names, names
     assert all(a["sent"] > 0 for a in report["attacks"]), report["attacks"]
+
+    # While the siege held every stranger's place, the pool's own callers were served: a new
+    # pod's handshake took a stranger's place, a proof on either port opened the data port.
+    during = report["during_siege"]
+    assert all(answer.startswith(("HTTP 200", "AUTH_OK")) for what, answer in during.items()
+               if what != "members connected"), during
 
     # Nothing an outsider sent crashed a parse path or a member.
     assert report["tracebacks"] == {"sidecar-0": {}, "sidecar-1": {}, "sidecar-2": {}}
