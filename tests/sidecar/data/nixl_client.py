@@ -18,7 +18,7 @@ from transport_peers import (
     SESSION_ID,
     SESSION_KEY,
     client_store,
-    fetch_all_then_missing,
+    connect_and_fetch,
     key_of,
     kill_or_corrupt,
     leftovers,
@@ -32,8 +32,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"scenario": args.scenario}
     try:
         if args.scenario == "fetch":
-            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
-            out.update(await fetch_all_then_missing(client, store, keys, args.chunk_bytes))
+            client, seen = await connect_and_fetch(args.address, store, keys, args.chunk_bytes, 20)
+            out.update(seen)
             await client.lookup(keys[:1], timeout=5)  # the RELEASEs went out before this reply
             await client.close()
         elif args.scenario == "bad_auth":

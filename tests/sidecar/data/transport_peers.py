@@ -135,10 +135,15 @@ async def assert_still_serves(address: str, store: Any, **connect_options: Any) 
         await client.close()
 
 
-async def fetch_all_then_missing(client: Any, store: Any, keys: list[bytes], chunk_bytes: int) -> dict[str, Any]:
-    """A connected client's lookups (all held; a gap after 3), its fetch of ``keys`` (identical to
-    what the peer holds?) and a fetch of a key nobody holds."""
-    return {
+async def connect_and_fetch(address: str, store: Any, keys: list[bytes], chunk_bytes: int,
+                            connect_timeout: float) -> tuple[Any, dict[str, Any]]:
+    """A client connected to ``address`` (left open) and what it saw: its lookups (all held; a
+    gap after 3), its fetch of ``keys`` (identical to what the peer holds?) and a fetch of a key
+    nobody holds."""
+    from kv_offload_sidecar.data import connect
+
+    client = await connect(address, SESSION_ID, SESSION_KEY, timeout=connect_timeout)
+    return client, {
         "lookup_all": await client.lookup(keys + [key_of(10_000)], timeout=5),
         "lookup_gap": await client.lookup(keys[:3] + [key_of(10_000)] + keys[3:], timeout=5),
         "fetched": await client.fetch(keys, store, timeout=20),
@@ -154,8 +159,8 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"scenario": args.scenario}
     try:
         if args.scenario == "fetch":
-            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
-            out.update(await fetch_all_then_missing(client, store, keys, args.chunk_bytes))
+            client, seen = await connect_and_fetch(args.address, store, keys, args.chunk_bytes, 10)
+            out.update(seen)
             out["lane_chunks"] = list(client.lane_chunks)
             out["chunk_replies"] = list(client.chunk_replies)
             await client.close()
