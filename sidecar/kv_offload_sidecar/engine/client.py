@@ -170,6 +170,12 @@ class EngineClient:
         return self._att.instance
 
     @property
+    def attached_now(self) -> bool:
+        """Whether a call now would use the current attachment as it is (no re-attachment
+        first, which may block): the sidecar has not seemed to restart."""
+        return not self._stale and not self._closed
+
+    @property
     def region_attached(self) -> bool:
         """Whether the sidecar maps vLLM's rows (``store_rows``/``load_rows`` work)."""
         return self._att.region_id is not None
@@ -285,13 +291,15 @@ class EngineClient:
         """Hit prefix of ``keys`` (local, then on a peer). Late or failed: (0, 0)."""
         return self.lookup_start(keys, timeout).wait()
 
-    def lookup_start(self, keys: Sequence[bytes], timeout: float = 2.0) -> PendingLookup:
+    def lookup_start(self, keys: Sequence[bytes], timeout: float = 2.0, *,
+                     reattach: bool = True) -> PendingLookup:
         """Send a lookup of ``keys`` and return at once; its ``poll()`` reads the answer
-        without blocking, on any thread (``pending_lookup``). Late or failed: (0, 0)."""
+        without blocking, on any thread (``pending_lookup``). Late or failed: (0, 0).
+        Without ``reattach`` it never re-attaches first (a restarted sidecar refuses it)."""
         if not keys:
             return PendingLookup.answered(MISS)
         try:
-            att = self._attachment()
+            att = self._attachment() if reattach else self._att
             conn = self._checkout()
         except _FAILURES as exc:
             self._miss("lookup", exc)

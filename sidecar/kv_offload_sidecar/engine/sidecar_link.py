@@ -157,6 +157,14 @@ class SidecarLink:
         return (client is self._client and checked is not None
                 and getattr(client, "instance", None) == checked)
 
+    def ready_client(self) -> Any:
+        """The client, when it can be used now without waiting (checked, attached as it is);
+        else None (then the lookup thread connects, checks or re-attaches first)."""
+        client = self._client
+        if client is not None and getattr(client, "attached_now", False) and self.matches_now(client):
+            return client
+        return None
+
     def _verify(self, client: Any) -> bool:
         """Compare the sidecar's fingerprint, chunk size and hash seed with this engine's
         (once per sidecar instance). Called with the client lock held."""

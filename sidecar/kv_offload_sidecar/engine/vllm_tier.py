@@ -37,9 +37,13 @@ Threading: every SecondaryTierManager method runs under vLLM's manager lock
 and returns at once. Lookups are batched per scheduler step (flushed in
 ``on_schedule_end``) and answered by a lookup thread; transfers run on a
 transfer thread; results come back through queues drained by the caller.
-A lookup is asked once and its answer pushed back: vLLM's first lookup after
-the answer reached the tier (``lookups_in_flight`` back to 0) returns it, with
-no poll interval between. The sidecar answers a peer hit once the holder's
+A lookup is asked once, at the end of the step that first met its keys: vLLM's
+thread sends it itself once the sidecar is attached and checked (the lookup
+thread otherwise, which connects and checks first), and vLLM's first lookup of
+each step reads the answers that came, one non-blocking read each
+(``pending_lookup``): no other thread needs the GIL between the sidecar's
+answer and HIT, and no poll interval lies between (once ``lookups_in_flight``
+is 0, vLLM's next lookup has the answers). The sidecar answers a peer hit once the holder's
 count is back (the chunks keep arriving while vLLM promotes them; the load
 waits for them) and says when it knew (``known_at``, CLOCK_MONOTONIC, one clock
 in a pod); the tier counts the scheduler steps from there to vLLM's HIT
@@ -95,6 +99,9 @@ _VALID_KEYS = ("host, port, lookup_timeout_seconds, load_timeout_seconds, locali
                "enable_kv_events, backpressure")
 # Seconds between repeated warnings about failing loads.
 _LOAD_WARNING_INTERVAL = 10.0
+# Most keys a lookup vLLM's thread sends itself (a frame of ~38 KB, which a local socket's
+# buffer takes at once, so the send never waits on the sidecar); longer ones go by the thread.
+_DIRECT_LOOKUP_KEYS = 512
 # Latest scheduler steps whose end times the tier keeps (to count steps after an answer).
 _STEP_HISTORY = 4096
 _STOP = object()
@@ -262,15 +269,27 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
 
     @_counts_cpu
     def on_schedule_end(self, context: Any = None) -> None:
-        """Send this step's lookups to the lookup thread as one batch."""
+        """Send this step's lookups: at once when the sidecar's client is ready (checked, no
+        re-attachment due; one small send each, no other thread to wake), else through the
+        lookup thread, which connects or checks first."""
         self._steps += 1
         now = time.monotonic()
         self._step_ends.append(now)
-        if self._batch:
+        if not self._batch:
+            return
+        client = self._link.ready_client()
+        by_thread = {}
+        for req_id, keys in self._batch.items():
+            if client is not None and len(keys) <= _DIRECT_LOOKUP_KEYS:
+                self._pending.append((keys, client, client.lookup_start(
+                    keys, self._lookup_timeout, reattach=False)))
+            else:
+                by_thread[req_id] = keys
+        if by_thread:
             with self._stats_lock:
-                self._lookups_in_flight += len(self._batch)
-            self._lookup_q.put((now, self._batch))
-            self._batch = {}
+                self._lookups_in_flight += len(by_thread)
+            self._lookup_q.put((now, by_thread))
+        self._batch = {}
 
     @property
     def lookups_in_flight(self) -> int:
