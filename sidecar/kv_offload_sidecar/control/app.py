@@ -68,7 +68,7 @@ from kv_offload_sidecar.control.limits import (
     source_of,
 )
 from kv_offload_sidecar.control.location_routes import add_location_routes
-from kv_offload_sidecar.data.before_auth import TrustedSources, freeze_long_lived
+from kv_offload_sidecar.data.before_auth import TrustedSources, freeze_long_lived, thaw_long_lived
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 from kv_offload_sidecar.metrics import metrics_handler
@@ -364,7 +364,9 @@ def create_app(sidecar: Sidecar, dp_index: int, *, guard: ConnectionGuard | None
 class ControlPorts:
     """The control app of every DP port of ``sidecar`` (started: its data server exists),
     behind one ``ConnectionGuard`` whose refusals go to the sidecar's rejection log and whose
-    trusted sources are the data server's (one budget of lines, one set of proven addresses)."""
+    trusted sources are the data server's (one budget of lines, one set of proven addresses).
+    While they listen, what the sidecar held when they started is frozen out of the garbage
+    collector (``before_auth.freeze_long_lived``): no collection a stranger provokes walks it."""
 
     def __init__(self, sidecar: Sidecar) -> None:
         self._sidecar = sidecar
@@ -397,6 +399,7 @@ class ControlPorts:
         while self._runners:
             await self._runners.pop().cleanup()
         self.guard.rejections.flush()
+        thaw_long_lived()
 
     async def _flush_rejections(self) -> None:
         """Write each window's ``... and N more`` line when it ends, even if no rejection follows."""

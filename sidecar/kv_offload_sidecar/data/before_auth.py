@@ -103,6 +103,12 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
+def thaw_long_lived() -> None:
+    """Undo ``freeze_long_lived`` as the sidecar stops (an in-process sidecar of a test leaves
+    nothing the collector can no longer free)."""
+    gc.unfreeze()
+
+
 class TrustedSources:
     """Source addresses that proved something within ``TRUSTED_SOURCE_SECONDS`` (at most
     ``MAX_TRUSTED_SOURCES``, the least recently proven forgotten first); one set per sidecar,

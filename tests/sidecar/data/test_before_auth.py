@@ -14,6 +14,7 @@ from kv_offload_sidecar.data.before_auth import (
     TrustedSources,
     UnauthenticatedLimit,
     freeze_long_lived,
+    thaw_long_lived,
 )
 
 
@@ -85,4 +86,5 @@ def test_what_lives_when_the_sidecar_is_up_is_frozen_out_of_later_collections() 
         later = [[] for _ in range(100)]
         assert gc.get_freeze_count() == frozen and all(gc.is_tracked(x) for x in later)
     finally:
-        gc.unfreeze()
+        thaw_long_lived()
+    assert gc.get_freeze_count() == 0
