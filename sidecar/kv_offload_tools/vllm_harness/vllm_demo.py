@@ -95,25 +95,26 @@ def _start(dep: VllmDeployment, pool: LocalPool, pods: int,
     return started
 
 
-def settle(pool: LocalPool, pods: int, timeout: float = 5.0) -> bool:
-    """Wait until every pod's stored chunks are in its sidecar and in the pool's directory.
+def settle(pool: LocalPool, pods: int, timeout: float = 60.0) -> bool:
+    """Wait until the pool is quiet and its chunk directory current, as the sidecars report it.
 
-    vLLM cascades offloaded chunks to the tier right after a request and the
-    sidecars publish them to the directory periodically; waiting between batches
-    makes the demo's numbers the same from run to run. False if it timed out.
+    vLLM cascades offloaded chunks to the tier right after a request and the sidecars
+    publish them to the directory periodically; waiting between batches until no pod's
+    sidecar has an engine request (a cascaded store) in flight and the directory is current
+    (every member sees the others, nothing unpublished, one owner entry per chunk held)
+    makes the demo's numbers the same from run to run. False if that did not come within
+    ``timeout``, a bound against a hang, not an expected time.
     """
     end = time.monotonic() + timeout
-    previous = None
-    while time.monotonic() < end:
-        views = [pool[i].status() for i in range(pods)]
-        chunks = {v["identity"]: int(v["store"]["chunks"]) for v in views}
-        known = all(v["location"]["pending"] == 0 and v["location"]["members"] == pods for v in views) \
-            and sum(v["location"]["entries"] for v in views) >= sum(chunks.values())
-        if known and chunks == previous:
-            return True
-        previous = chunks
-        time.sleep(0.1)
-    return False
+    while any(pool[i].status()["engine_requests_in_flight"] for i in range(pods)):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    try:
+        pool.wait_directory_current(max(0.1, end - time.monotonic()))
+    except TimeoutError:
+        return False
+    return True
 
 
 def _replay(engines: list[EngineDriverProcess], reports: list[VllmPodReport],
