@@ -14,45 +14,15 @@ import json
 import sys
 from typing import Any
 
-from transport_peers import (
-    SESSION_ID,
-    SESSION_KEY,
-    client_store,
-    connect_and_fetch,
-    key_of,
-    kill_or_corrupt,
-    leftovers,
-)
+from transport_peers import SESSION_ID, SESSION_KEY, client_scenario, key_of
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kv_offload_sidecar.data import TransportError, connect
+    async def released(client: Any, keys: list[bytes]) -> dict[str, Any]:
+        await client.lookup(keys[:1], timeout=5)  # the RELEASEs went out before this reply
+        return {}
 
-    store, keys, stride, killed = client_store(args, "nixl-cli")
-    out: dict[str, Any] = {"scenario": args.scenario}
-    try:
-        if args.scenario == "fetch":
-            client, seen = await connect_and_fetch(args.address, store, keys, args.chunk_bytes, 20)
-            out.update(seen)
-            await client.lookup(keys[:1], timeout=5)  # the RELEASEs went out before this reply
-            await client.close()
-        elif args.scenario == "bad_auth":
-            try:
-                await connect(args.address, SESSION_ID, b"wrong-key", timeout=5)
-                out["error"] = None
-            except TransportError as exc:
-                out["error"] = str(exc)
-        elif args.scenario in ("kill", "corrupt"):
-            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=20)
-            out.update(await kill_or_corrupt(args, client, keys, store, killed))
-        elif args.scenario == "revoke":
-            out.update(await _revoke(args, keys, store))
-        else:
-            raise SystemExit(f"unknown scenario {args.scenario!r}")
-        out.update(leftovers(args, keys, store, stride))
-    finally:
-        store.close()
-    return out
+    return await client_scenario(args, "nixl-cli", 20, released, {"revoke": _revoke})
 
 
 async def _revoke(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 SESSION_ID = b"session-1"
@@ -152,39 +153,53 @@ async def connect_and_fetch(address: str, store: Any, keys: list[bytes], chunk_b
     }
 
 
-async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
+Scenario = Callable[[argparse.Namespace, list[bytes], Any], Awaitable[dict[str, Any]]]
+
+
+async def client_scenario(args: argparse.Namespace, store_name: str, connect_timeout: float,
+                          after_fetch: Callable[[Any, list[bytes]], Awaitable[dict[str, Any]]],
+                          more: Mapping[str, Scenario]) -> dict[str, Any]:
+    """The fetching side of ``args.scenario``, with what it left in its store: the scenarios every
+    transport runs (fetch, bad_auth, kill, corrupt) or one of the transport's own ``more``."""
     from kv_offload_sidecar.data import TransportError, connect
 
-    store, keys, stride, killed = client_store(args, "cli")
+    store, keys, stride, killed = client_store(args, store_name)
     out: dict[str, Any] = {"scenario": args.scenario}
     try:
         if args.scenario == "fetch":
-            client, seen = await connect_and_fetch(args.address, store, keys, args.chunk_bytes, 10)
+            client, seen = await connect_and_fetch(args.address, store, keys, args.chunk_bytes, connect_timeout)
             out.update(seen)
-            out["lane_chunks"] = list(client.lane_chunks)
-            out["chunk_replies"] = list(client.chunk_replies)
+            out.update(await after_fetch(client, keys))
             await client.close()
         elif args.scenario == "bad_auth":
             t0 = time.monotonic()
             try:
-                await connect(args.address, SESSION_ID, b"wrong-key", timeout=2)
+                await connect(args.address, SESSION_ID, b"wrong-key", timeout=5)
                 out["error"] = None
             except TransportError as exc:
                 out["error"] = str(exc)
             out["elapsed"] = time.monotonic() - t0
         elif args.scenario in ("kill", "corrupt"):
-            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
+            client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=connect_timeout)
             out.update(await kill_or_corrupt(args, client, keys, store, killed))
-        elif args.scenario == "garbage":
-            out.update(await _garbage(args, keys, store))
-        elif args.scenario == "before_auth":
-            out.update(await _before_auth(args))
+        elif args.scenario in more:
+            out.update(await more[args.scenario](args, keys, store))
         else:
             raise SystemExit(f"unknown scenario {args.scenario!r}")
         out.update(leftovers(args, keys, store, stride))
     finally:
         store.close()
     return out
+
+
+async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
+    async def lanes(client: Any, keys: list[bytes]) -> dict[str, Any]:
+        return {"lane_chunks": list(client.lane_chunks), "chunk_replies": list(client.chunk_replies)}
+
+    async def before_auth(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:
+        return await _before_auth(args)
+
+    return await client_scenario(args, "cli", 10, lanes, {"garbage": _garbage, "before_auth": before_auth})
 
 
 async def _garbage(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:
