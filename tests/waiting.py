@@ -21,8 +21,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# Seconds before a wait gives up: a safety net against a hang, far above what any wait needs.
-SAFETY_SECONDS = 60.0
+# Seconds before a wait gives up: a safety net against a hang, far above what any wait needs
+# (a real vLLM engine on two busy cores included).
+SAFETY_SECONDS = 120.0
 # Seconds between two probes.
 POLL_SECONDS = 0.05
 

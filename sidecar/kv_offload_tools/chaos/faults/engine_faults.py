@@ -167,7 +167,7 @@ def restart_under_engine(bench: ChaosBench, rounds: int) -> FaultResult:
             if written:
                 break
         bad_before = result.corrupt_delivered
-        if written and bench.wait_visible(keys, 5.0):
+        if written and bench.wait_visible(keys, RECOVERY_SECONDS):
             bench.timed_load(keys, result)  # the hub fetches them from the restarted sidecar
         got, bad = load_and_verify(engine, keys, bench.s.chunk_bytes, 5.0)
         result.loads += 1

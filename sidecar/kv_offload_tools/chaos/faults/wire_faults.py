@@ -280,7 +280,7 @@ async def _reconnect_storm(bench: ChaosBench, rounds: int, probes: int) -> Fault
             bad_before = result.corrupt_delivered
             for name, keys in keys_by.items():
                 await asyncio.to_thread(bench.put_on, name, keys)
-                if await asyncio.to_thread(bench.wait_visible, keys, 5.0):
+                if await asyncio.to_thread(bench.wait_visible, keys, RECOVERY_SECONDS):
                     await asyncio.to_thread(bench.timed_load, keys, result)
             await asyncio.to_thread(bench.check_durable, result)
             if recovered and result.corrupt_delivered == bad_before and result.lost == 0 \
