@@ -65,6 +65,16 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from kv_offload_sidecar.control.channel_fields import (
+    MAX_JOB_ID_CHARS,
+    ChannelError,
+    deadline_of,
+    id_of,
+    job_of,
+    keys_of,
+    rows_of,
+    timeout_of,
+)
 from kv_offload_sidecar.control.fd_frames import FirstFrameError, first_frame
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.store.engine_region import EngineRegion, JobDeadline, RegionError, RowCopier
@@ -75,66 +85,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Longest job id a request may carry (characters).
-MAX_JOB_ID_CHARS = 64
 # Cancels of jobs not (yet) running that a channel remembers (the oldest forgotten first).
 MAX_EARLY_CANCELS = 1024
-
-
-class ChannelError(Exception):
-    """A bad request: answered with its message; ``fatal`` closes the connection."""
-
-    def __init__(self, message: str, *, fatal: bool = False, reason: str = "malformed",
-                 stale: bool = False) -> None:
-        super().__init__(message)
-        self.fatal = fatal
-        self.reason = reason
-        # True when the request names another sidecar instance (the engine must re-attach).
-        self.stale = stale
-
-
-def _keys(req: dict[str, Any]) -> list[bytes]:
-    try:
-        return cp.decode_keys(req.get("keys"))
-    except OverflowError as exc:
-        raise ChannelError(str(exc), reason="oversize") from None
-    except KeyError as exc:
-        raise ChannelError(exc.args[0], reason="bad_key") from None
-    except ValueError as exc:
-        raise ChannelError(str(exc)) from None
-
-
-def _timeout(req: dict[str, Any], default: float) -> float:
-    t = req.get("timeout", default)
-    limit = cp.MAX_TIMEOUT_SECONDS
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= limit:
-        raise ChannelError(f"'timeout' must be seconds in (0, {limit}], got {t!r}")
-    return float(t)
-
-
-def _deadline(req: dict[str, Any]) -> float:
-    """The request's ``deadline`` (``time.monotonic()`` seconds), at most MAX_TIMEOUT_SECONDS ahead."""
-    d = req.get("deadline")
-    now = time.monotonic()
-    if isinstance(d, bool) or not isinstance(d, (int, float)) or not d <= now + cp.MAX_TIMEOUT_SECONDS:
-        raise ChannelError(f"'deadline' must be a time.monotonic() value at most "
-                           f"{cp.MAX_TIMEOUT_SECONDS} s ahead, got {d!r}")
-    return float(d)
-
-
-def _rows(region: EngineRegion, req: dict[str, Any], count: int) -> list[int]:
-    try:
-        return region.check_rows(req.get("rows"), count)
-    except RegionError as exc:
-        raise ChannelError(str(exc)) from None
-
-
-def _job(req: dict[str, Any]) -> str | None:
-    """The request's optional ``job`` id (what ``cancel`` names)."""
-    job = req.get("job")
-    if job is not None and (not isinstance(job, str) or not 0 < len(job) <= MAX_JOB_ID_CHARS):
-        raise ChannelError(f"'job' must be a string of 1..{MAX_JOB_ID_CHARS} characters")
-    return job
 
 
 async def _unless_cancelled(work: Awaitable[Any], stop: asyncio.Event) -> None:
@@ -151,13 +103,6 @@ async def _unless_cancelled(work: Awaitable[Any], stop: asyncio.Event) -> None:
                 await task
     if not task.cancelled():
         task.result()
-
-
-def _id(req: dict[str, Any]) -> int:
-    v = req.get("id")
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ChannelError("'id' must be the integer returned by reserve/load")
-    return v
 
 
 class _Connection:
@@ -200,16 +145,16 @@ class _Connection:
                                f"{sidecar.instance!r} (the sidecar restarted): re-attach the store",
                                stale=True)
         if op == "lookup":
-            keys = _keys(req)
-            local, peer = await sidecar.lookup(keys, _timeout(req, sidecar.settings.fetch_deadline_seconds))
+            keys = keys_of(req)
+            local, peer = await sidecar.lookup(keys, timeout_of(req, sidecar.settings.fetch_deadline_seconds))
             return {"ok": True, "local": local, "peer": peer, "known_at": time.monotonic()}
         if op == "reserve":
-            group = sidecar.reserve(_keys(req))
+            group = sidecar.reserve(keys_of(req))
             rid = next(self._ids)
             self.reservations[rid] = group
             return {"ok": True, "id": rid, "slots": [None if r is None else r.slot for r in group]}
         if op in ("commit", "abort"):
-            group = self.reservations.pop(_id(req), None)
+            group = self.reservations.pop(id_of(req), None)
             if group is None:
                 raise ChannelError("unknown reservation id")
             written = req.get("written") if op == "commit" else None
@@ -228,11 +173,11 @@ class _Connection:
                     res.abort()
             return {"ok": True, "committed": committed}
         if op == "load":
-            keys = _keys(req)
-            timeout = _timeout(req, sidecar.settings.fetch_deadline_seconds)
+            keys = keys_of(req)
+            timeout = timeout_of(req, sidecar.settings.fetch_deadline_seconds)
             pins: list[PinnedChunk] = []
             try:
-                with self.server.running(_job(req), JobDeadline(time.monotonic() + timeout)) as stop:
+                with self.server.running(job_of(req), JobDeadline(time.monotonic() + timeout)) as stop:
                     if not stop.is_set():
                         await _unless_cancelled(sidecar.load_each(keys, timeout, pins.append),
                                                 stop)
@@ -245,7 +190,7 @@ class _Connection:
                 self.pins[pid] = pins
             return {"ok": True, "id": pid, "slots": [p.slot for p in pins]}
         if op == "release":
-            pins = self.pins.pop(_id(req), None)
+            pins = self.pins.pop(id_of(req), None)
             if pins is None:
                 raise ChannelError("unknown load id")
             for p in pins:
@@ -292,14 +237,14 @@ class _Connection:
         return region
 
     async def _store_rows(self, req: dict[str, Any]) -> dict[str, Any]:
-        keys = _keys(req)
-        deadline = JobDeadline(_deadline(req))
-        job = _job(req)
+        keys = keys_of(req)
+        deadline = JobDeadline(deadline_of(req))
+        job = job_of(req)
         region = self._region(req)
         server, metrics = self.server, self.sidecar.metrics.engine_transfer
         group: list[WriteReservation | None] = []
         try:
-            rows = _rows(region, req, len(keys))
+            rows = rows_of(region, req, len(keys))
             group = self.sidecar.reserve(keys)
             todo = [(rows[i], r) for i, r in enumerate(group) if r is not None]
             started = time.perf_counter()
@@ -320,15 +265,15 @@ class _Connection:
     async def _load_rows(self, req: dict[str, Any]) -> dict[str, Any]:
         """Each chunk is copied into its row as soon as it is here (held, or landed from a
         peer), on the copy thread, while the next ones are still on the wire."""
-        keys = _keys(req)
-        deadline = JobDeadline(_deadline(req))
-        job = _job(req)
+        keys = keys_of(req)
+        deadline = JobDeadline(deadline_of(req))
+        job = job_of(req)
         region = self._region(req)
         server, metrics = self.server, self.sidecar.metrics.engine_transfer
         pins: list[PinnedChunk] = []
         copies: list[asyncio.Future[bool]] = []
         try:
-            rows = _rows(region, req, len(keys))
+            rows = rows_of(region, req, len(keys))
 
             def take(pin: PinnedChunk) -> None:
                 copies.append(asyncio.wrap_future(server.copier.submit(
