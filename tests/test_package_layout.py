@@ -143,3 +143,27 @@ def test_runtime_modules_stay_small():
     big = [f"{p.relative_to(REPO)}: {n} lines" for p in runtime_files()
            if (n := len(p.read_text().splitlines())) > MAX_RUNTIME_LINES]
     assert big == []
+
+
+# The tree named after what it holds: each folder's modules and subpackages, exactly, so a
+# module is placed on purpose (the operator by job: command line, pool reconcile, webhook
+# and certificates, translation).
+FOLDERS = {
+    "operator/kv_offload_operator": {
+        "cli", "pools", "webhook", "translation", "handlers", "startup", "options", "leadership",
+        "operator_metrics", "kube_api", "rbac", "quantity"},
+    "operator/kv_offload_operator/cli": {"operator", "translate", "fingerprint", "diff", "webhook_cert"},
+    "operator/kv_offload_operator/pools": {
+        "reconcile", "pool_spec", "pool_source", "kv_transfer", "pool_objects", "pool_key",
+        "key_rotation", "model_config", "model_config_follower", "ready_peers"},
+    "operator/kv_offload_operator/webhook": {"admission", "pod_patch", "pod_host", "tls_server", "certificate"},
+    "operator/kv_offload_operator/translation": {"vllm_args", "kv_cache_geometry", "translate"},
+}
+
+
+def test_each_folder_holds_what_it_is_named_for():
+    def held(folder: Path) -> set[str]:
+        return {p.stem for p in folder.glob("*.py") if p.stem != "__init__"} | {
+            p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+
+    assert {f: held(REPO / f) for f in FOLDERS} == FOLDERS

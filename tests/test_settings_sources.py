@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kv_offload_operator import kv_transfer, model_config, pool_spec
-from kv_offload_operator import main as operator_main
+from kv_offload_operator.pools import kv_transfer, model_config, pool_spec
+from kv_offload_operator.cli import operator as operator_main
 from kv_offload_operator.options import OperatorOptions
 from kv_offload_operator.quantity import format_bytes
 from kv_offload_sidecar import main as sidecar_main

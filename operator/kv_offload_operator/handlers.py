@@ -6,7 +6,7 @@ path ``/inject_sidecar``), and each hands its work to the module named for it:
 ``startup`` (settings, webhook server, API client, followers), ``ready_peers``
 (the pod and pool indexes its follower reads),
 ``reconcile`` (a pool's ConfigMap, Secret, Service and status),
-``model_config_follower``, ``pool_key`` (key rotation) and ``webhook``
+``model_config_follower``, ``pool_key`` (key rotation) and ``webhook.admission``
 (admission of a pod).
 """
 
@@ -19,10 +19,12 @@ from typing import Any
 
 import kopf
 
-from . import model_config_follower, pool_key, ready_peers, startup, webhook
-from .pod_patch import apply_patch
-from .pool_spec import GROUP, PLURAL, POOL_LABEL, VERSION
-from .reconcile import reconcile
+from . import startup
+from .pools import model_config_follower, pool_key, ready_peers
+from .pools.pool_spec import GROUP, PLURAL, POOL_LABEL, VERSION
+from .pools.reconcile import reconcile
+from .webhook import admission
+from .webhook.pod_patch import apply_patch
 
 
 @kopf.on.startup()
@@ -89,6 +91,6 @@ async def inject_sidecar(body: kopf.Body, labels: Mapping[str, str], namespace: 
                          patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Wire a labelled pod into its pool; deny it when the pool is missing or Invalid."""
     pod = json.loads(json.dumps(dict(body)))
-    ops = await webhook.answer(pod, labels[POOL_LABEL], namespace or "default", memo)
+    ops = await admission.answer(pod, labels[POOL_LABEL], namespace or "default", memo)
     if ops:
         patch.fns.append(lambda raw: apply_patch(raw, ops))

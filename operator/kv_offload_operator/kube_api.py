@@ -15,7 +15,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from .pool_spec import GROUP, PLURAL, VERSION
+from .pools.pool_spec import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 

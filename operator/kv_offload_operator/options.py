@@ -1,7 +1,7 @@
 """What `kv-offload operator` is configured with: one frozen struct, its flags declared on its fields.
 
 A field made with ``setting(...)`` is a flag (``setting_flags``): its default and
-help are written here only, and ``main.add_arguments`` builds the parser from
+help are written here only, and ``cli.operator.add_arguments`` builds the parser from
 them. The ``sidecar_*`` defaults are the sidecar's own (``pool_spec``, which
 reads ``SidecarSettings``), so a pool that sets nothing runs a bare sidecar's
 defaults; the chart passes its values over every flag it sets, and
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kv_offload_sidecar.setting_flags import setting
 from kv_offload_sidecar.settings import PEER_COPIES
 
-from .pool_spec import (
+from .pools.pool_spec import (
     DEFAULT_BASE_PORT,
     DEFAULT_DATA_PORT,
     DEFAULT_PEER_COPIES,

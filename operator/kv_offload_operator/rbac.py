@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .leadership import CLUSTER_PEERINGS, NAMESPACED_PEERINGS, PEERING_GROUP
-from .pool_spec import GROUP, PLURAL
+from .pools.pool_spec import GROUP, PLURAL
 
 # (apiGroup, resource) -> verbs. Children are never deleted by the operator:
 # their owner reference deletes them with the pool.

@@ -1,6 +1,6 @@
 """Operator start and stop: every kopf setting, the webhook server, the API client, the followers.
 
-``options.OperatorOptions`` carries the command-line settings (``main.py``) to
+``options.OperatorOptions`` carries the command-line settings (``cli/operator.py``) to
 the startup handler through ``memo.options``; ``configure`` applies all of kopf's
 settings in one place (peering: standalone, or one of several replicas,
 ``leadership``), fills the memo the other handlers use (``api``,
@@ -19,12 +19,13 @@ import shutil
 import kopf
 from prometheus_client import CollectorRegistry
 
-from . import leadership, model_config_follower, pool_key, ready_peers
+from . import leadership
 from .kube_api import api_client
 from .operator_metrics import OperatorMetrics, serve_metrics
 from .options import OperatorOptions
-from .pool_spec import GROUP
-from .tls_server import webhook_server
+from .pools import model_config_follower, pool_key, ready_peers
+from .pools.pool_spec import GROUP
+from .webhook.tls_server import webhook_server
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, *,

@@ -23,10 +23,16 @@ to Python's switch interval (5 ms) while the event loop runs Python. Measured:
 1 GiB of rows copied on one thread in 4 MiB pieces while another thread ran
 Python: 2.1 GB/s at 5 ms against 6.1 GB/s at 0.5 ms (idle: 9-14 GB/s); in
 32 MiB pieces 4.4 against 11.5 GB/s. The sidecar sets ``SWITCH_INTERVAL_SECONDS``.
+
+One core's memcpy bounds a hit in the pod's own sidecar and, on a GPU host, the
+copy of a long prefix into vLLM's rows, so chunks are copied by ``copy_threads()``
+threads: one per core the sidecar may use (affinity and cgroup CPU quota), at
+most ``MAX_COPY_THREADS``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import sys
@@ -38,6 +44,9 @@ NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 # the sidecar's small frames and headers.
 NON_TEMPORAL_THRESHOLD = 1 << 20
 
+# Most threads copying chunks between the store and vLLM's rows: a few cores saturate a
+# socket's memory bandwidth, more only contend.
+MAX_COPY_THREADS = 4
 # Python's switch interval in the sidecar: how long a copy thread waits for the GIL at most
 # (Python's default is 5 ms).
 SWITCH_INTERVAL_SECONDS = 0.0005
@@ -47,6 +56,25 @@ def prepare_for_bulk_copies() -> None:
     """Re-execute with the copy threshold unless it is set, then shorten the switch interval."""
     reexec_for_bulk_copies()
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota
+    (a container's CPU limit) when one is set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def copy_threads() -> int:
+    """How many threads copy chunks: one per usable core, at most ``MAX_COPY_THREADS``."""
+    return min(MAX_COPY_THREADS, usable_cores())
 
 
 def applies_here() -> bool:

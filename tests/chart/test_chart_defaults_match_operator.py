@@ -9,7 +9,7 @@ import re
 
 import yaml
 from chart_support import CHART, find
-from kv_offload_operator import main as operator_main
+from kv_offload_operator.cli import operator as operator_main
 from kv_offload_operator.options import OperatorOptions
 from kv_offload_sidecar.setting_flags import flag_fields, flag_name
 

@@ -10,8 +10,9 @@ import kopf
 import pytest
 import yaml
 from chart_support import CHART, find
-from kv_offload_operator import main as operator_main
-from kv_offload_operator import pod_patch, pool_objects, pool_spec
+from kv_offload_operator.cli import operator as operator_main
+from kv_offload_operator.pools import pool_objects, pool_spec
+from kv_offload_operator.webhook import pod_patch
 
 
 def test_operator_deployment_arguments_parse_with_the_operator_cli(render):

@@ -13,8 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from chart_support import CHART, REPO, find, load_documents
-from kv_offload_operator import pod_patch, pool_source, pool_spec
-from kv_offload_operator.kv_transfer import effective_argv, injected_connector
+from kv_offload_operator.pools import pool_source, pool_spec
+from kv_offload_operator.webhook import pod_patch
+from kv_offload_operator.pools.kv_transfer import effective_argv, injected_connector
 from kv_offload_operator.translation.translate import pool_config
 
 MANIFESTS = CHART / "examples" / "manifests"

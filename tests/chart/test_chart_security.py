@@ -9,8 +9,9 @@ from typing import Any
 import jsonschema
 import yaml
 from chart_support import CHART, FULLNAME, REPO, find, load_documents
-from kv_offload_operator import key_rotation, pod_patch, pool_objects, pool_spec
-from kv_offload_operator import main as operator_main
+from kv_offload_operator.pools import key_rotation, pool_objects, pool_spec
+from kv_offload_operator.webhook import pod_patch
+from kv_offload_operator.cli import operator as operator_main
 from kv_offload_operator.translation.translate import translate
 
 TLS_EXAMPLE = CHART / "examples" / "manifests" / "pool-tls-cert-manager.yaml"

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 from chart_support import CHART, find
-from kv_offload_operator import main as operator_main
-from kv_offload_operator import pod_patch, pool_spec
+from kv_offload_operator.cli import operator as operator_main
+from kv_offload_operator.pools import pool_spec
+from kv_offload_operator.webhook import pod_patch
 
 
 def _operator_args(objects: list[dict[str, Any]]) -> argparse.Namespace:

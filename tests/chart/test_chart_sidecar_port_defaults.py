@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 
 from chart_support import find
-from kv_offload_operator import main as operator_main
-from kv_offload_operator import pod_patch, pool_spec
+from kv_offload_operator.cli import operator as operator_main
+from kv_offload_operator.pools import pool_spec
+from kv_offload_operator.webhook import pod_patch
 
 
 def test_the_chart_ports_are_the_operators_defaults_and_the_network_policys_ports(render):

@@ -27,7 +27,7 @@ import aiohttp
 import kmock
 import pytest
 from chart_support import FULLNAME, NAMESPACE, find, webhook_cert_job_argv
-from kv_offload_operator.webhook_cert import decode_secret_data
+from kv_offload_operator.webhook.certificate import decode_secret_data
 from operator_process import KV_OFFLOAD, OperatorProcess
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_for_async

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 from chart_support import FULLNAME, NAMESPACE, WEBHOOK_DNS, find, webhook_cert_job_argv
-from kv_offload_operator.webhook_cert import decode_secret_data, new_pair, pair_problem
+from kv_offload_operator.webhook.certificate import decode_secret_data, new_pair, pair_problem
 
 SECRET = f"{FULLNAME}-webhook-tls"
 SECRETS_URL = f"/api/v1/namespaces/{NAMESPACE}/secrets"

@@ -7,8 +7,8 @@ from typing import Any
 
 import jsonpatch
 import kubernetes_validate
-from kv_offload_operator import pod_patch as pods
-from kv_offload_operator import pool_spec
+from kv_offload_operator.webhook import pod_patch as pods
+from kv_offload_operator.pools import pool_spec
 from operator_harness import KTC, pool_body
 
 # Kubernetes version whose schemas kubernetes_validate checks objects against.

@@ -6,8 +6,8 @@ import base64
 import datetime
 from typing import Any
 
-from kv_offload_operator import key_rotation as rot
-from kv_offload_operator import pool_objects
+from kv_offload_operator.pools import key_rotation as rot
+from kv_offload_operator.pools import pool_objects
 from pool_support import pool
 
 T0 = datetime.datetime(2026, 3, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)

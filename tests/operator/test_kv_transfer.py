@@ -8,8 +8,8 @@ import shlex
 from typing import Any
 
 import pytest
-from kv_offload_operator import kv_transfer
-from kv_offload_operator import pod_patch as pods
+from kv_offload_operator.pools import kv_transfer
+from kv_offload_operator.webhook import pod_patch as pods
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_operator.translation.vllm_args import parse_vllm_args
 from operator_harness import KTC, llama_config, pool_body

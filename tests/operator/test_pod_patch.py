@@ -9,8 +9,8 @@ from typing import Any
 import jsonpatch
 import kubernetes_validate
 import pytest
-from kv_offload_operator import pod_patch as pods
-from kv_offload_operator import pool_objects, pool_spec
+from kv_offload_operator.webhook import pod_patch as pods
+from kv_offload_operator.pools import pool_objects, pool_spec
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config

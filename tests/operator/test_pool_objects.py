@@ -6,7 +6,7 @@ import base64
 
 import kubernetes_validate
 import pytest
-from kv_offload_operator import pool_objects
+from kv_offload_operator.pools import pool_objects
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config

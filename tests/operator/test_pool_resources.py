@@ -11,8 +11,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kv_offload_operator import pod_host, pool_objects, pool_spec, quantity
-from kv_offload_operator import pod_patch as pods
+from kv_offload_operator import quantity
+from kv_offload_operator.pools import pool_objects, pool_spec
+from kv_offload_operator.webhook import pod_host
+from kv_offload_operator.webhook import pod_patch as pods
 from kv_offload_operator.translation.translate import pool_config
 from operator_harness import LLAMA_ARGS, llama_config, pool_body
 from pool_support import K8S, assert_ucx_sidecars_share_chunks, inject, injected_env, pod, sidecar_spec, vllm

@@ -11,7 +11,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kv_offload_operator import pool_objects, pool_spec
+from kv_offload_operator.pools import pool_objects, pool_spec
 from kv_offload_operator.translation.translate import translate
 from operator_harness import KTC, LLAMA_ARGS, llama_config, pool_body
 from pool_support import K8S, hash_seed_pool, pool, sidecar_spec
@@ -278,7 +278,7 @@ def test_crd_schema_admits_tls_and_the_rotation_grace_and_refuses_a_short_grace(
 
 def test_crd_status_schema_keeps_the_key_rotation_the_operator_writes(crd: dict[str, Any]) -> None:
     """A structural schema prunes undeclared status fields: keyRotation must be declared."""
-    from kv_offload_operator import key_rotation
+    from kv_offload_operator.pools import key_rotation
 
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     declared = schema["properties"]["status"]["properties"]["keyRotation"]["properties"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import kmock
 import pytest
-from kv_offload_operator.kv_transfer import InjectedConnector
+from kv_offload_operator.pools.kv_transfer import InjectedConnector
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import (

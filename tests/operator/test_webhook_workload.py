@@ -12,7 +12,7 @@ from typing import Any
 import kmock
 import pytest
 import pytest_asyncio
-from kv_offload_operator.kv_transfer import InjectedConnector
+from kv_offload_operator.pools.kv_transfer import InjectedConnector
 from operator_harness import KTC, NAMESPACE, POOLS, create, obj, pool_body
 from webhook_support import Cluster, admitted, serving_cluster, vllm_pod
 

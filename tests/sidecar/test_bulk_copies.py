@@ -9,10 +9,12 @@ import sys
 import pytest
 
 from kv_offload_sidecar.bulk_copies import (
+    MAX_COPY_THREADS,
     NON_TEMPORAL_THRESHOLD,
     NON_TEMPORAL_TUNABLE,
     SWITCH_INTERVAL_SECONDS,
     applies_here,
+    copy_threads,
     tunables_with_threshold,
 )
 from kv_offload_sidecar.store.engine_region import COPY_PIECE_BYTES
@@ -52,3 +54,14 @@ def test_the_process_reexecutes_once_with_the_same_pid_the_threshold_and_a_short
     assert len(tunables) == 1 and tunables[0][1] == starts[0], done.stdout
     assert f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}" in tunables[0][2]
     assert f"switch {SWITCH_INTERVAL_SECONDS}" in lines
+
+
+def test_copy_threads_follow_the_cores_the_process_may_use() -> None:
+    code = ("import os\n"
+            "from kv_offload_sidecar.bulk_copies import copy_threads\n"
+            "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+            "print(copy_threads())\n")
+    one_core = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=True)
+    assert one_core.stdout.split() == ["1"]
+    assert 1 <= copy_threads() <= min(MAX_COPY_THREADS, len(os.sched_getaffinity(0)))

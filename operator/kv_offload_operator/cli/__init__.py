@@ -20,13 +20,13 @@ from kv_offload_sidecar.usage import UsageError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "translate": ("kv_offload_operator.cli_translate",
+    "translate": ("kv_offload_operator.cli.translate",
                   "vLLM serve arguments + the model's config.json -> OffloadingConfig JSON"),
-    "fingerprint": ("kv_offload_operator.cli_fingerprint", "print the fingerprint of a config file"),
-    "diff": ("kv_offload_operator.cli_diff", "compare the identity of two config files"),
+    "fingerprint": ("kv_offload_operator.cli.fingerprint", "print the fingerprint of a config file"),
+    "diff": ("kv_offload_operator.cli.diff", "compare the identity of two config files"),
     "sidecar": ("kv_offload_sidecar.main", "run the per-pod sidecar"),
-    "operator": ("kv_offload_operator.main", "run the kopf operator and its webhook"),
-    "webhook-cert": ("kv_offload_operator.cli_webhook_cert",
+    "operator": ("kv_offload_operator.cli.operator", "run the kopf operator and its webhook"),
+    "webhook-cert": ("kv_offload_operator.cli.webhook_cert",
                      "create the webhook's TLS Secret once, or put its CA into the webhook's caBundle"),
     "demo": ("kv_offload_tools.demo", "several sidecars and simulated engines sharing chunks"),
     "install-tier": ("kv_offload_sidecar.install_tier", "copy the vLLM-side tier into a shared volume"),

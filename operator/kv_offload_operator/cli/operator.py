@@ -20,8 +20,8 @@ import sys
 from kv_offload_sidecar.setting_flags import add_flags, flag_fields, flag_values
 from kv_offload_sidecar.usage import UsageError
 
-from .options import OperatorOptions
-from .pool_spec import DEFAULT_SIDECAR_IMAGE
+from ..options import OperatorOptions
+from ..pools.pool_spec import DEFAULT_SIDECAR_IMAGE
 
 # Environment variable naming the sidecar image when --sidecar-image is not given.
 SIDECAR_IMAGE_ENV = "KV_OFFLOAD_SIDECAR_IMAGE"
@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from . import handlers  # noqa: F401 (registers the handlers in kopf's default registry)
-    from .leadership import own_identity, start_priority
+    from .. import handlers  # noqa: F401 (registers the handlers in kopf's default registry)
+    from ..leadership import own_identity, start_priority
 
     options = OperatorOptions(**{
         **flag_values(args, OperatorOptions), "namespaces": tuple(args.namespace),

@@ -2,7 +2,7 @@
 
 ``create`` (a pre-install/pre-upgrade hook) writes the webhook's TLS Secret
 (``ca.crt``, ``tls.crt``, ``tls.key``) when it is missing or cannot serve
-(``webhook_cert.pair_problem``), and otherwise leaves it as it is, so every
+(``webhook.certificate.pair_problem``), and otherwise leaves it as it is, so every
 upgrade keeps the certificate; the Secret carries ``helm.sh/resource-policy:
 keep`` because no release manifest holds it (a Secret rendered by an older
 chart is kept through the upgrade that stops rendering it). ``patch`` (a
@@ -73,8 +73,8 @@ def _b64(pair: Mapping[str, bytes]) -> dict[str, str]:
 async def _create(args: argparse.Namespace, labels: Mapping[str, str]) -> str:
     from kubernetes_asyncio import client as k8s
 
-    from .kube_api import MERGE_PATCH, api_client, read_or_none
-    from .webhook_cert import decode_secret_data, new_pair, pair_problem
+    from ..kube_api import MERGE_PATCH, api_client, read_or_none
+    from ..webhook.certificate import decode_secret_data, new_pair, pair_problem
 
     where = f"Secret {args.namespace}/{args.secret}"
     async with await api_client() as api:
@@ -108,7 +108,7 @@ async def _create(args: argparse.Namespace, labels: Mapping[str, str]) -> str:
 async def _patch(args: argparse.Namespace) -> str:
     from kubernetes_asyncio import client as k8s
 
-    from .kube_api import MERGE_PATCH, api_client
+    from ..kube_api import MERGE_PATCH, api_client
 
     async with await api_client() as api:
         secret = await k8s.CoreV1Api(api).read_namespaced_secret(args.secret, args.namespace)

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .quantity import positive_bytes
-from .translation.vllm_args import parse_vllm_args
+from ..quantity import positive_bytes
+from ..translation.vllm_args import parse_vllm_args
 
 FLAG = "--kv-transfer-config"
 # The secondary tier vLLM loads from the copy the webhook puts on PYTHONPATH.

@@ -28,7 +28,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import kv_transfer
-from .pod_patch import container_argv, find_vllm_container
+from ..webhook.pod_patch import container_argv, find_vllm_container
 from .pool_spec import PoolSpecError
 
 # (apiVersion, kind) -> (group, version, plural) of the workloads spec.targetRef may name.

@@ -28,7 +28,7 @@ from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.setting_flags import field_default
 from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, PEER_COPIES, TRANSPORTS, SidecarSettings
 
-from .quantity import format_bytes, parse_bytes, positive_bytes
+from ..quantity import format_bytes, parse_bytes, positive_bytes
 
 GROUP = "kv-offload.io"
 VERSION = "v1alpha1"

@@ -24,7 +24,7 @@ from kubernetes_asyncio import client as k8s
 
 from . import pool_key
 from . import pool_objects as objects
-from .kube_api import MERGE_PATCH, create_unless_exists, read_or_none
+from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .model_config import model_config
 from .pool_source import vllm_source
 from .pool_spec import (
@@ -33,7 +33,7 @@ from .pool_spec import (
     key_rotation_grace_seconds,
     pool_hash_seed_problem,
 )
-from .translation.translate import TranslationError, pool_config
+from ..translation.translate import TranslationError, pool_config
 
 
 async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Mapping[str, Any],

@@ -18,13 +18,13 @@ import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import pod_patch as patches
-from .kube_api import get_pool
-from .kv_transfer import injected_connector
-from .model_config import model_config
-from .pool_objects import invalid_message
-from .pool_source import vllm_source
-from .pool_spec import POOL_LABEL, SidecarSpec
-from .translation.translate import pool_config
+from ..kube_api import get_pool
+from ..pools.kv_transfer import injected_connector
+from ..pools.model_config import model_config
+from ..pools.pool_objects import invalid_message
+from ..pools.pool_source import vllm_source
+from ..pools.pool_spec import POOL_LABEL, SidecarSpec
+from ..translation.translate import pool_config
 
 
 class Denial(kopf.AdmissionError):

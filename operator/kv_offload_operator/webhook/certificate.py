@@ -4,7 +4,7 @@
 server auth, the webhook Service's DNS names); ``pair_problem`` says why a
 Secret's ``ca.crt``/``tls.crt``/``tls.key`` cannot serve (missing, not
 signed by its CA, another key, a DNS name missing, expiring), or None.
-``cli_webhook_cert`` runs them in the chart's hook Jobs, so ``helm template``
+``cli.webhook_cert`` runs them in the chart's hook Jobs, so ``helm template``
 renders no key material and every render is byte-identical.
 """
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .pool_spec import SHM_HEADROOM_BYTES, SidecarSpec
-from .quantity import format_bytes, parse_bytes
-from .translation.vllm_args import parse_vllm_args
+from ..pools.pool_spec import SHM_HEADROOM_BYTES, SidecarSpec
+from ..quantity import format_bytes, parse_bytes
+from ..translation.vllm_args import parse_vllm_args
 
 # UCX_TLS names that move data through shared memory between processes.
 _SHARED_MEMORY_TLS = frozenset({"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"})

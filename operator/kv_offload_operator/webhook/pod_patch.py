@@ -21,8 +21,9 @@ from typing import Any
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, identity_diff
 
-from . import kv_transfer, pod_host
-from .pool_objects import (
+from . import pod_host
+from ..pools import kv_transfer
+from ..pools.pool_objects import (
     ADMIN_TOKEN_KEY,
     CONFIG_KEY,
     HASH_SEED_KEY,
@@ -32,10 +33,10 @@ from .pool_objects import (
     peers_dns,
     secret_name,
 )
-from .pool_spec import HASH_SEED_ENV, SidecarSpec
-from .quantity import format_bytes
-from .translation.translate import translate
-from .translation.vllm_args import parse_vllm_args
+from ..pools.pool_spec import HASH_SEED_ENV, SidecarSpec
+from ..quantity import format_bytes
+from ..translation.translate import translate
+from ..translation.vllm_args import parse_vllm_args
 
 # Set on injected pods; its value is the pool fingerprint at injection time.
 INJECTED_ANNOTATION = "kv-offload.io/injected"

@@ -65,6 +65,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from kv_offload_sidecar.bulk_copies import copy_threads
 from kv_offload_sidecar.control.channel_fields import (
     MAX_JOB_ID_CHARS,
     ChannelError,
@@ -243,20 +244,23 @@ class _Connection:
         region = self._region(req)
         server, metrics = self.server, self.sidecar.metrics.engine_transfer
         group: list[WriteReservation | None] = []
+        copies: list[asyncio.Future[int | None]] = []
         try:
             rows = rows_of(region, req, len(keys))
             group = self.sidecar.reserve(keys)
             todo = [(rows[i], r) for i, r in enumerate(group) if r is not None]
             started = time.perf_counter()
             with server.running(job, deadline):
-                sums = await server.run_copy(server.copier.rows_to_slots, region,
-                                             [row for row, _ in todo], [r.view for _, r in todo],
-                                             deadline)
+                copies = [server.copy_soon(server.copier.row_to_slot, region, row, r.view, deadline)
+                          for row, r in todo]
+                sums = await asyncio.gather(*copies)
             metrics.labels(op="store", phase="copy").observe(time.perf_counter() - started)
             committed = sum(bool(r.commit(computed_checksum=c)) for (_, r), c in zip(todo, sums)
                             if c is not None)
             return {"ok": True, "committed": committed}
         finally:
+            if copies:  # no slot goes back while its copy may still run
+                await asyncio.gather(*copies, return_exceptions=True)
             for r in group:
                 if r is not None:
                     r.abort()  # no-op once committed
@@ -276,8 +280,8 @@ class _Connection:
             rows = rows_of(region, req, len(keys))
 
             def take(pin: PinnedChunk) -> None:
-                copies.append(asyncio.wrap_future(server.copier.submit(
-                    server.copier.slot_to_row, region, pin.view, rows[len(pins)], deadline)))
+                copies.append(server.copy_soon(server.copier.slot_to_row, region, pin.view,
+                                               rows[len(pins)], deadline))
                 pins.append(pin)
 
             with server.running(job, deadline) as stop:
@@ -314,7 +318,7 @@ class LocalChannelServer:
         self.regions: dict[int, EngineRegion] = {}
         self._region_ids = itertools.count(1)
         # The thread that copies between vLLM's rows and the store's slots.
-        self.copier = RowCopier()
+        self.copier = RowCopier(copy_threads())
         # Jobs running with an id: how to stop each (its deadline, the event its fetch awaits).
         self._jobs: dict[str, tuple[JobDeadline, asyncio.Event]] = {}
         # Ids cancelled before their job came (oldest first).
@@ -402,9 +406,9 @@ class LocalChannelServer:
         if region is not None:
             region.close()
 
-    async def run_copy(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on the copy thread, awaited without blocking the event loop."""
-        return await asyncio.wrap_future(self.copier.submit(fn, *args))
+    def copy_soon(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
+        """``fn(*args)`` on a copy thread, as a future of this event loop."""
+        return asyncio.wrap_future(self.copier.submit(fn, *args))
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()

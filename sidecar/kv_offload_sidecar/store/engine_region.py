@@ -183,7 +183,9 @@ class JobDeadline:
 
 
 class RowCopier:
-    """One thread that copies chunk bytes between the store's slots and an engine's rows.
+    """Threads that copy chunk bytes between the store's slots and an engine's rows, one
+    chunk per task (``bulk_copies.copy_threads()`` of them: one core's memcpy is the
+    bound of a hit in the pod's own sidecar).
 
     Deadlines are ``time.monotonic()`` values (CLOCK_MONOTONIC, one clock for
     every container of a pod): the engine gives up on a job at its deadline and
@@ -192,22 +194,18 @@ class RowCopier:
     stops the same way at its next piece.
     """
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-rows")
+    def __init__(self, threads: int = 1) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-offload-rows")
         self._prefaults = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-prefault")
 
-    def rows_to_slots(self, region: EngineRegion, rows: Sequence[int],
-                      slots: Sequence[memoryview], deadline: JobDeadline) -> list[int | None]:
-        """Copy each row into its slot (same order); each slot's checksum, or None for the
-        chunks not copied before ``deadline`` expired (the caller aborts those)."""
-        sums: list[int | None] = []
-        for row, slot in zip(rows, slots):
-            if deadline.expired():
-                sums.append(None)
-                continue
-            np.copyto(_as_array(slot)[:region.chunk_bytes], region.row(row))
-            sums.append(None if deadline.expired() else chunk_checksum(slot))
-        return sums
+    def row_to_slot(self, region: EngineRegion, row: int, slot: memoryview,
+                    deadline: JobDeadline) -> int | None:
+        """Copy one row into its slot; the slot's checksum, or None when ``deadline`` expired
+        before the copy started or ended (the caller aborts that chunk)."""
+        if deadline.expired():
+            return None
+        np.copyto(_as_array(slot)[:region.chunk_bytes], region.row(row))
+        return None if deadline.expired() else chunk_checksum(slot)
 
     def slot_to_row(self, region: EngineRegion, slot: memoryview, row: int,
                     deadline: JobDeadline) -> bool:
@@ -223,7 +221,7 @@ class RowCopier:
         return True
 
     def submit(self, fn, *args):  # type: ignore[no-untyped-def]
-        """Run ``fn(*args)`` on the copy thread (a concurrent.futures.Future)."""
+        """Run ``fn(*args)`` on a copy thread (a concurrent.futures.Future)."""
         return self._pool.submit(fn, *args)
 
     def prefault(self, region: EngineRegion) -> Future[bool]:

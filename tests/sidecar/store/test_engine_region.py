@@ -77,7 +77,7 @@ def test_a_cancelled_job_copies_nothing_either_way():
         deadline.cancel()
         assert deadline.expired()
         assert copier.submit(copier.slot_to_row, region, slot, 2, deadline).result() is False
-        assert copier.submit(copier.rows_to_slots, region, [1], [slot], deadline).result() == [None]
+        assert copier.submit(copier.row_to_slot, region, 1, slot, deadline).result() is None
         assert engine[:] == before and bytes(slot) == b"\x5a" * CHUNK
         # The same job not cancelled copies.
         live = JobDeadline(time.monotonic() + 600)
