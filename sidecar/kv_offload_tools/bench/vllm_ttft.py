@@ -17,14 +17,20 @@ three engines live at once.
 Reported per size and plane: TTFT (wall time of ``generate`` with
 ``max_tokens=1`` inside the engine's driver) of every source; the peer hit's
 phases: lookup until vLLM saw HIT and its scheduler steps (the tier's
-``vllm:kv_offload_sidecar_lookup_wait_{ms,steps}`` over ``..._waits``), fetch and
-copy (sidecar 1's ``kv_offload_engine_transfer_seconds{op="load"}`` sums; jobs
-may overlap) and the rest; GB/s; CPU-seconds per GB of vLLM's engine-core
-process (where the tier runs) and of the sidecars, for the store and both
+``vllm:kv_offload_sidecar_lookup_wait_{ms,steps}`` over ``..._waits``), the steps
+from the sidecar knowing the hit to vLLM's HIT (``..._lookup_steps_after_arrival``
+over ``..._lookup_arrivals``), fetch and copy (sidecar 1's
+``kv_offload_engine_transfer_seconds{op="load"}`` sums; jobs may overlap) and the
+rest; GB/s; CPU-seconds per GB of the tier's own code in vLLM's engine process
+(``vllm:kv_offload_tier_cpu_seconds``: its threads and the scheduler thread inside
+its calls), of the whole engine-core process (which also steps, and spins on its
+workers, while a request waits for KV) and of the sidecars, for the store and both
 loads; the inter-token latency (p50, p99) of a request B decodes alone, while
-B loads a large prefix from the peer, and while B computes and stores one
-(the single step that prefills the prompt is left out: compute, not offload
-traffic); and memcpy and raw loopback TCP of the same bytes. A metric not
+B loads a large prefix from the peer (until its first token), and while B computes
+and stores one (until vLLM counts the prefix's bytes written to the tier; a safety
+bound from the bytes ends a store that never lands, reported as such; the single
+step that prefills the prompt is left out: compute, not offload traffic); and
+memcpy and raw loopback TCP of the same bytes. A metric not
 exposed by the running code is reported missing, never as zero. Every first
 token differing from the baseline's is printed and fails the run (exit 1), as
 does a plane that failed (the other planes still run).
@@ -59,6 +65,7 @@ from typing import Any
 
 from kv_offload_sidecar.usage import UsageError
 
+from kv_offload_tools.bench.vllm_ttft_measure import QUIET_TOKENS, WARM_TOKENS
 from kv_offload_tools.bench.vllm_ttft_plan import Plan
 from kv_offload_tools.bench.vllm_ttft_report import missing_metrics, plot, table, targets
 from kv_offload_tools.bench.vllm_ttft_run import run_bench
@@ -69,6 +76,9 @@ SPECS = ("CPUTieringSpec", "TieringOffloadingSpec")
 # Largest default prefix of the inter-token runs (MiB): large, and its prefill (one step the
 # decoding request waits out) stays seconds, not tens of seconds, on a CPU.
 ITL_DEFAULT_MAX_MIB = 512
+# Fewest tokens the decoding request may be given: its warm-up, a quiet window and as many
+# again for a traffic window.
+MIN_DECODE_TOKENS = WARM_TOKENS + 2 * QUIET_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,11 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--itl-size-mib", type=int, default=None,
                         help="prefix loaded and stored during the inter-token measurement "
                              f"(default: the largest size up to {ITL_DEFAULT_MAX_MIB}; 0 skips it)")
-    parser.add_argument("--itl-after-s", type=float, default=1.5,
-                        help="seconds the decoding request keeps going after the traffic "
-                             "request's first token (the store runs then; default %(default)s)")
     parser.add_argument("--max-decode-tokens", type=int, default=768,
-                        help="most tokens of the decoding request (default %(default)s)")
+                        help="most tokens of the decoding request, which decodes until the "
+                             "traffic request's bytes have landed; the engines' KV cache holds "
+                             f"them (at least {MIN_DECODE_TOKENS}; default %(default)s)")
     parser.add_argument("--omp-bind", default="0",
                         help="VLLM_CPU_OMP_THREADS_BIND of every engine: the cores its compute "
                              "runs on (default %(default)s; 'auto' is vLLM's own choice)")
@@ -123,10 +132,10 @@ def parse_plan(args: argparse.Namespace) -> Plan:
     itl = args.itl_size_mib
     if itl is None:
         itl = max([s for s in sizes if s <= ITL_DEFAULT_MAX_MIB] or sizes[:1])
-    if itl < 0 or args.itl_after_s <= 0 or args.max_decode_tokens < 32:
-        raise _usage("--itl-size-mib must be >= 0, --itl-after-s > 0, --max-decode-tokens >= 32")
+    if itl < 0 or args.max_decode_tokens < MIN_DECODE_TOKENS:
+        raise _usage(f"--itl-size-mib must be >= 0, --max-decode-tokens >= {MIN_DECODE_TOKENS}")
     return Plan(sizes_mib=tuple(sizes), planes=planes, layers=args.layers, itl_size_mib=itl,
-                max_decode_tokens=args.max_decode_tokens, itl_after_s=args.itl_after_s)
+                max_decode_tokens=args.max_decode_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
     print(table(report))
     for t in report["targets"]:
         value = "missing" if t["value"] is None else f"{t['value']:.3f}"
+        beside = f"; {t['beside']}" if t.get("beside") else ""
         print(f"[target] {t['plane']} {t['size_mib']} MiB: {t['target']}: {value} "
-              f"(limit {t['limit']:.3f}) {'met' if t['met'] else 'NOT met'}")
+              f"(limit {t['limit']:.3f}) {'met' if t['met'] else 'NOT met'}{beside}")
     for name in report["missing_metrics"]:
         print(f"[missing] {name}: not exposed by the code that ran; its phase is reported missing")
     for m in report["mismatches"]:

@@ -12,14 +12,20 @@ Per prefix size, in this order and with one prompt:
    manager empties its primary tier; secondary tiers keep their chunks), same
    prompt: the chunks come from the pod's own sidecar.
 4. peer: once sidecar 1's directory knows sidecar 0's chunks, B asks for the
-   prompt: lookup until vLLM sees HIT (the tier's counters), fetch from the
-   peer and copy into vLLM's rows (sidecar 1's transfer histogram).
+   prompt: lookup until vLLM sees HIT and the scheduler steps from the sidecar
+   knowing the hit to that HIT (the tier's counters), fetch from the peer and copy
+   into vLLM's rows (sidecar 1's transfer histogram).
 
-Every first token is compared with the baseline engine's (no offloading).
+Every first token is compared with the baseline engine's (no offloading). Engine
+CPU is the engine-core process's (``/proc``) and, within it, the tier's own code
+(``vllm:kv_offload_tier_cpu_seconds``): vLLM steps while a request waits for KV, so
+the process total grows with how long a transfer takes, the tier's share with what
+the tier does.
 Inter-token latency: B decodes a short request while (quiet) nothing else
-runs, (load) B loads a large prefix A computed, (store) B computes a large
-prefix and stores it (``decode_latency`` op); the quiet run is made before and
-after the other two and both are pooled, since a shared host drifts.
+runs, (load) B loads a large prefix A computed, until its first token, (store) B
+computes a large prefix, until vLLM counts its bytes written to the tier
+(``decode_latency`` op); the quiet run, ``QUIET_TOKENS`` tokens, is made before
+and after the other two and both are pooled, since a shared host drifts.
 """
 
 from __future__ import annotations
@@ -40,10 +46,14 @@ from kv_offload_tools.bench.vllm_ttft_plan import (
     prompt_key,
 )
 from kv_offload_tools.bench.vllm_ttft_probes import (
+    LOOKUP_ARRIVALS,
+    LOOKUP_LATE_ARRIVALS,
+    LOOKUP_STEPS_AFTER_ARRIVAL,
     LOOKUP_WAIT_MS,
     LOOKUP_WAIT_STEPS,
     LOOKUP_WAITS,
     TIER_CHUNK_HITS,
+    TIER_CPU_SECONDS,
     TIER_READ_BYTES,
     TIER_WRITE_BYTES,
     Probe,
@@ -51,11 +61,17 @@ from kv_offload_tools.bench.vllm_ttft_probes import (
     descendant,
     vllm_value,
 )
+from kv_offload_tools.vllm_harness.decode_latency import store_bound_s
 
 # Seconds to wait for a store to reach the sidecar, or the pool's directory to converge.
 _STORE_DEADLINE_S = 120.0
 # Polling interval of those waits.
 _POLL_S = 0.02
+# Tokens the decoding request decodes after its warm-up in each quiet run (two runs pooled:
+# 64 intervals, about what a 512 MiB load or store window holds here).
+QUIET_TOKENS = 32
+# Tokens the decoding request decodes before the traffic request is added.
+WARM_TOKENS = 8
 
 
 def progress(message: str) -> None:
@@ -64,6 +80,29 @@ def progress(message: str) -> None:
 
 def per_gb(seconds: float | None, nbytes: int) -> float | None:
     return None if seconds is None or nbytes <= 0 else seconds / (nbytes / 1e9)
+
+
+def per_wait(total: float | None, count: float | None, waits: float | None) -> float | None:
+    """``total`` over ``count`` requests; the tier counts only requests that waited, so none
+    waiting is 0, while a counter vLLM does not expose (or none counted among requests that
+    waited: the sidecar did not say when it knew) is missing."""
+    if total is None or count is None or waits is None:
+        return None
+    if count:
+        return total / count
+    return None if waits else 0.0
+
+
+def engine_cpu(d: Mapping[str, Any], engine_role: str, nbytes: int) -> dict[str, Any]:
+    """CPU of an engine-core process over a delta: the whole process, its threads other than
+    the scheduler's, and the tier's own code (its threads and the scheduler inside its calls)."""
+    total = d["cpu_s"].get(engine_role)
+    off_main = d["cpu_s"].get(f"{engine_role}.off_main")
+    tier = d["vllm"].get(f"{engine_role.removeprefix('engine_')}:{TIER_CPU_SECONDS}")
+    return {"engine_cpu_s": total, "engine_cpu_s_per_gb": per_gb(total, nbytes),
+            "engine_off_main_cpu_s": off_main,
+            "engine_off_main_cpu_s_per_gb": per_gb(off_main, nbytes),
+            "tier_cpu_s": tier, "tier_cpu_s_per_gb": per_gb(tier, nbytes)}
 
 
 class PlaneBench:
@@ -200,22 +239,18 @@ class PlaneBench:
         progress(f"{self.plane} {size_mib} MiB: cpu tier {base:.3f} s, own sidecar "
                  f"{row['own_sidecar']['ttft_s']:.3f} s, peer {peer['ttft_s']:.3f} s "
                  f"(lookup {_fmt_ms(peer['lookup_ms'])} in {_fmt(peer['lookup_steps'])} steps, "
+                 f"HIT {_fmt(peer['steps_after_arrival'])} steps after the sidecar knew it, "
                  f"fetch {_fmt_s(peer['phases'].get('load.fetch'))}, "
                  f"copy {_fmt_s(peer['phases'].get('load.copy'))})")
         return row
 
     def _cost(self, d: Mapping[str, Any], nbytes: int, engine_role: str, sidecar_role: str,
               op: str, seconds: float) -> dict[str, Any]:
-        engine_cpu = d["cpu_s"].get(engine_role)
         sidecar_cpu = d["cpu_s"].get(sidecar_role)
         phases = {k: v for k, v in d["phases"].get(sidecar_role, {}).items()
                   if k.startswith(f"{op}.")}
-        off_main = d["cpu_s"].get(f"{engine_role}.off_main")
         return {"seconds": seconds, "rate_gbps": nbytes / 1e9 / seconds if seconds > 0 else None,
-                "engine_cpu_s": engine_cpu, "sidecar_cpu_s": sidecar_cpu,
-                "engine_cpu_s_per_gb": per_gb(engine_cpu, nbytes),
-                "engine_off_main_cpu_s": off_main,
-                "engine_off_main_cpu_s_per_gb": per_gb(off_main, nbytes),
+                **engine_cpu(d, engine_role, nbytes), "sidecar_cpu_s": sidecar_cpu,
                 "sidecar_cpu_s_per_gb": per_gb(sidecar_cpu, nbytes), "phases": phases}
 
     def _summary(self, hit: Mapping[str, Any], nbytes: int, engine_role: str,
@@ -223,10 +258,7 @@ class PlaneBench:
         d = hit["delta"]
         out: dict[str, Any] = {k: hit[k] for k in ("ttft_s", "num_cached_tokens", "first_token",
                                                    "match", "hit")}
-        out["engine_cpu_s"] = d["cpu_s"].get(engine_role)
-        out["engine_cpu_s_per_gb"] = per_gb(out["engine_cpu_s"], nbytes)
-        out["engine_off_main_cpu_s"] = d["cpu_s"].get(f"{engine_role}.off_main")
-        out["engine_off_main_cpu_s_per_gb"] = per_gb(out["engine_off_main_cpu_s"], nbytes)
+        out.update(engine_cpu(d, engine_role, nbytes))
         if sidecar_role is not None:
             cost = self._cost(d, nbytes, engine_role, sidecar_role, "load", hit["ttft_s"])
             out["sidecar_cpu_s"] = cost["sidecar_cpu_s"]
@@ -237,13 +269,18 @@ class PlaneBench:
             waits = v.get(f"{vllm_role}:{LOOKUP_WAITS}")
             wait_ms = v.get(f"{vllm_role}:{LOOKUP_WAIT_MS}")
             steps = v.get(f"{vllm_role}:{LOOKUP_WAIT_STEPS}")
+            arrivals = v.get(f"{vllm_role}:{LOOKUP_ARRIVALS}")
+            # vLLM shows a counter once it first grows: beside the arrivals it is 0 until then.
+            after, late = (v.get(f"{vllm_role}:{name}") for name in
+                           (LOOKUP_STEPS_AFTER_ARRIVAL, LOOKUP_LATE_ARRIVALS))
+            if arrivals is not None:
+                after, late = after or 0.0, late or 0.0
             out["lookup_waits"] = waits
-            # The tier counts only requests that waited: none waited is a 0 ms wait, while
-            # a counter vLLM does not expose at all is missing.
-            out["lookup_ms"] = None if wait_ms is None or waits is None else (
-                wait_ms / waits if waits else 0.0)
-            out["lookup_steps"] = None if steps is None or waits is None else (
-                steps / waits if waits else 0.0)
+            out["lookup_ms"] = per_wait(wait_ms, waits, waits)
+            out["lookup_steps"] = per_wait(steps, waits, waits)
+            out["lookup_arrivals"] = arrivals
+            out["steps_after_arrival"] = per_wait(after, arrivals, waits)
+            out["late_arrivals"] = late
             out["tier_chunk_hits"] = v.get(f"{vllm_role}:{TIER_CHUNK_HITS}")
             out["tier_read_bytes"] = v.get(f"{vllm_role}:{TIER_READ_BYTES}")
         return out
@@ -251,14 +288,15 @@ class PlaneBench:
     # ---- inter-token latency ------------------------------------------------------------
 
     def inter_token(self, size_mib: int) -> dict[str, Any]:
-        """B decodes a short request: alone, while loading a prefix from A's sidecar, and
-        while computing and storing another prefix."""
+        """B decodes a short request: alone, while loading a prefix from A's sidecar (until
+        its first token), and while computing and storing another prefix (until vLLM counts
+        its bytes written to the tier)."""
         plan, a, b = self.plan, self.a, self.b
-        kwargs = {"after_s": plan.itl_after_s, "max_decode_tokens": plan.max_decode_tokens}
+        kwargs = {"warm_tokens": WARM_TOKENS, "quiet_tokens": QUIET_TOKENS,
+                  "max_decode_tokens": plan.max_decode_tokens}
         runs: dict[str, Any] = {}
 
-        quiet_kwargs = {**kwargs, "after_s": 2 * plan.itl_after_s}
-        quiet = [b.decode_latency(decode_prompt("quiet"), None, **quiet_kwargs)]
+        quiet = [b.decode_latency(decode_prompt("quiet"), None, **kwargs)]
 
         load_key, store_key = prompt_key(size_mib, "itl-load"), prompt_key(size_mib, "itl-store")
         load_prompt = prefix_prompt(plan, size_mib, "itl-load")
@@ -272,14 +310,21 @@ class PlaneBench:
         runs["load"] = self._itl(load, "load", load_key)
 
         store_prompt = prefix_prompt(plan, size_mib, "itl-store")
-        written = self.tier_counter(b, TIER_WRITE_BYTES)
-        store = b.decode_latency(decode_prompt("store"), store_prompt, **kwargs)
+        store_bytes = chunks * self.stride_bytes
+        until = {"name": TIER_WRITE_BYTES, "labels": {"tier": self.tier_label},
+                 "at_least": store_bytes}
+        store = b.decode_latency(decode_prompt("store"), store_prompt, **kwargs,
+                                 until_counter=until,
+                                 timeout_s=_STORE_DEADLINE_S + store_bound_s(store_bytes))
         runs["store"] = self._itl(store, "store", store_key)
-        landed = self.tier_counter(b, TIER_WRITE_BYTES) - written
-        runs["store"]["stored_in_window_bytes"] = landed
-        runs["store"]["stored_in_window"] = landed >= chunks * self.stride_bytes
+        runs["store"]["stored_in_window_bytes"] = store["counter_growth"]
+        runs["store"]["stored_in_window"] = store["window_end"] == "stored"
+        traffic = store.get("traffic") or {}
+        runs["store"]["stored_after_first_token_s"] = (
+            None if store["counter_reached_at_s"] is None or "finished_at_s" not in traffic
+            else store["counter_reached_at_s"] - traffic["finished_at_s"])
         # The quiet reference brackets the traffic runs (a busy host drifts): both pooled.
-        quiet.append(b.decode_latency(decode_prompt("quiet"), None, **quiet_kwargs))
+        quiet.append(b.decode_latency(decode_prompt("quiet"), None, **kwargs))
         runs["quiet"] = self._itl_pooled(quiet)
         q99 = runs["quiet"]["p99_ms"]
         for name in ("load", "store"):
@@ -288,7 +333,9 @@ class PlaneBench:
         progress(f"{self.plane} inter-token ({size_mib} MiB): p50/p99 quiet "
                  f"{_fmt(runs['quiet']['p50_ms'])}/{_fmt(q99)} ms, load "
                  f"{_fmt(runs['load']['p50_ms'])}/{_fmt(runs['load']['p99_ms'])} ms, store "
-                 f"{_fmt(runs['store']['p50_ms'])}/{_fmt(runs['store']['p99_ms'])} ms")
+                 f"{_fmt(runs['store']['p50_ms'])}/{_fmt(runs['store']['p99_ms'])} ms "
+                 f"(window ended: load {runs['load']['window_end']}, "
+                 f"store {runs['store']['window_end']})")
         return {"plane": self.plane, "size_mib": size_mib, **runs}
 
     @staticmethod
@@ -332,6 +379,7 @@ class PlaneBench:
         self._check_decode(what, reply)
         out = self._stats(window)
         out["compute_interval_ms"] = reply["intervals_s"][skip] * 1e3 if skip is not None else None
+        out["window_end"] = reply["window_end"]
         traffic = reply.get("traffic")
         if traffic is not None and key is not None:
             out["traffic_num_cached_tokens"] = traffic["num_cached_tokens"]

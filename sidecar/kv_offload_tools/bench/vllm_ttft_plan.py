@@ -46,8 +46,6 @@ class Plan:
     itl_size_mib: int
     # Most tokens the decoding request may produce in one inter-token run.
     max_decode_tokens: int
-    # Seconds the decoding request keeps going after the traffic request finished.
-    itl_after_s: float
 
     @property
     def model_config(self) -> dict[str, int]:

@@ -13,11 +13,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# vLLM counters the tier adds (sum over requests of the wait from a request's first
-# lookup to the step vLLM got its answer; scheduler steps in those waits; requests counted).
-LOOKUP_WAIT_MS = "vllm:kv_offload_sidecar_lookup_wait_ms"
-LOOKUP_WAIT_STEPS = "vllm:kv_offload_sidecar_lookup_wait_steps"
-LOOKUP_WAITS = "vllm:kv_offload_sidecar_lookup_waits"
+# vLLM counters the tier adds (``tier_stats`` documents them): the requests that waited for a
+# lookup answer, milliseconds and scheduler steps of those waits; of them the HITs whose
+# answer said when the sidecar knew it, the steps from there to vLLM's HIT (summed) and
+# those later than the target; the CPU seconds of the tier's own code in vLLM's process.
+from kv_offload_sidecar.engine.tier_stats import (
+    METRIC_LOOKUP_ARRIVALS as LOOKUP_ARRIVALS,
+    METRIC_LOOKUP_LATE_ARRIVALS as LOOKUP_LATE_ARRIVALS,
+    METRIC_LOOKUP_STEPS_AFTER_ARRIVAL as LOOKUP_STEPS_AFTER_ARRIVAL,
+    METRIC_LOOKUP_WAIT_MS as LOOKUP_WAIT_MS,
+    METRIC_LOOKUP_WAIT_STEPS as LOOKUP_WAIT_STEPS,
+    METRIC_LOOKUP_WAITS as LOOKUP_WAITS,
+    METRIC_TIER_CPU_SECONDS as TIER_CPU_SECONDS,
+)
+
+# The tier's counters a Probe reads from an engine.
+TIER_COUNTERS = (LOOKUP_WAIT_MS, LOOKUP_WAIT_STEPS, LOOKUP_WAITS, LOOKUP_ARRIVALS,
+                 LOOKUP_STEPS_AFTER_ARRIVAL, LOOKUP_LATE_ARRIVALS, TIER_CPU_SECONDS)
 # vLLM's own tiering counters, per tier label.
 TIER_READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
@@ -144,7 +156,7 @@ class Probe:
                 snap.cpu[f"{role}.off_main"] = off_main_cpu_seconds(pid)
         for role in (self.engines if vllm_engines is None else vllm_engines):
             m = self.engines[role].metrics(raw=True)
-            for name in (LOOKUP_WAIT_MS, LOOKUP_WAIT_STEPS, LOOKUP_WAITS):
+            for name in TIER_COUNTERS:
                 snap.vllm[f"{role}:{name}"] = vllm_value(m, name)
             for name in (TIER_READ_BYTES, TIER_WRITE_BYTES, TIER_CHUNK_HITS):
                 snap.vllm[f"{role}:{name}"] = vllm_value(m, name, tier=self.tier_label)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kv_offload_sidecar.engine.tier_stats import HIT_STEPS_TARGET
+
 # Sources of a first token, in table and plot order, with their labels.
 SOURCES = {"recompute": "recompute", "cpu_tier": "vLLM CPU-tier hit",
            "own_sidecar": "own-sidecar hit", "peer": "peer hit"}
@@ -26,6 +28,11 @@ def missing_metrics(report: Mapping[str, Any]) -> list[str]:
     out = []
     if rows and all(r["peer"].get("lookup_ms") is None for r in rows):
         out.append("vllm:kv_offload_sidecar_lookup_wait_ms/_steps/_waits (the tier's counters)")
+    if rows and all(r["peer"].get("steps_after_arrival") is None for r in rows):
+        out.append("vllm:kv_offload_sidecar_lookup_steps_after_arrival/_arrivals (the tier's "
+                   "counters, with the sidecar's known_at)")
+    if rows and all(r["store"].get("tier_cpu_s") is None for r in rows):
+        out.append("vllm:kv_offload_tier_cpu_seconds (the tier's counter)")
     for op, phase in (("load", "fetch"), ("load", "copy"), ("store", "copy")):
         where = "peer" if op == "load" else "store"
         if rows and all(_phase(r[where].get("phases"), f"{op}.{phase}") is None for r in rows):
@@ -50,7 +57,8 @@ def table(report: Mapping[str, Any]) -> str:
             f"| {r['own_sidecar']['extra_over_cpu_tier_s']:.3f} s "
             f"| {_f(ref.get('memcpy_s'))} s | {_f(ref.get('raw_tcp_s'))} s "
             f"| {_f(base.get(r['size_mib']))} s |")
-    lines += ["", "| plane | prefix | hit | TTFT | lookup until HIT (steps) | fetch | copy "
+    lines += ["", "| plane | prefix | hit | TTFT | lookup until HIT (steps; after the sidecar "
+              "knew) | fetch | copy "
               "| other phases | rest of the TTFT | chunks from the tier |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -64,20 +72,23 @@ def table(report: Mapping[str, Any]) -> str:
             rest = p["ttft_s"] - sum(known) if known else None
             lines.append(
                 f"| {r['plane']} | {r['size_mib']} MiB | {SOURCES[source]} | {p['ttft_s']:.3f} s "
-                f"| {_f(p.get('lookup_ms'), '{:.0f} ms')} ({_f(p.get('lookup_steps'), '{:.1f}')}) "
+                f"| {_f(p.get('lookup_ms'), '{:.0f} ms')} ({_f(p.get('lookup_steps'), '{:.1f}')}; "
+                f"{_f(p.get('steps_after_arrival'), '{:.1f}')}) "
                 f"| {_f(fetch, '{:.3f} s')} | {_f(copy, '{:.3f} s')} "
                 f"| {', '.join(f'{k} {v:.3f} s' for k, v in other.items()) or '-'} "
                 f"| {_f(rest, '{:.3f} s')} | {_f(p.get('tier_chunk_hits'), '{:.0f}')}/{r['chunks']} |")
-    lines += ["", "| plane | prefix | engine CPU-s/GB: store / own-sidecar load / peer load "
-              "| of which off the scheduler thread | sidecar CPU-s/GB: store / own load / peer load "
-              "| holder sidecar, peer load |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| plane | prefix | tier CPU-s/GB in vLLM's process: store / own-sidecar load "
+              "/ peer load | engine process CPU-s/GB | of which off the scheduler thread "
+              "| sidecar CPU-s/GB: store / own load / peer load | holder sidecar, peer load |",
+              "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         st, own, p = r["store"], r["own_sidecar"], r["peer"]
         holder = p.get("holder_cpu_s")
         holder_gb = None if holder is None else holder / (r["bytes"] / 1e9)
         lines.append(
             f"| {r['plane']} | {r['size_mib']} MiB "
+            f"| {_f(st.get('tier_cpu_s_per_gb'))} / {_f(own.get('tier_cpu_s_per_gb'))} / "
+            f"{_f(p.get('tier_cpu_s_per_gb'))} "
             f"| {_f(st['engine_cpu_s_per_gb'])} / {_f(own['engine_cpu_s_per_gb'])} / "
             f"{_f(p['engine_cpu_s_per_gb'])} "
             f"| {_f(st.get('engine_off_main_cpu_s_per_gb'))} / "
@@ -94,8 +105,9 @@ def table(report: Mapping[str, Any]) -> str:
                      f"| {', '.join(f'{k} {v:.3f} s' for k, v in s['phases'].items()) or 'missing'} |")
     if report.get("inter_token"):
         lines += ["", "| plane | prefix | ITL p50 / p99 quiet | while loading | while storing "
-                  "| p99 / quiet (load, store) | stored within the window |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| p99 / quiet (load, store) | intervals: quiet / load / store "
+                  "| store landed after the first token |",
+                  "|---|---|---|---|---|---|---|---|"]
         for t in report["inter_token"]:
             q, ld, st = t["quiet"], t["load"], t["store"]
             lines.append(
@@ -103,8 +115,17 @@ def table(report: Mapping[str, Any]) -> str:
                 f"{_f(q['p99_ms'], '{:.1f}')} ms | {_f(ld['p50_ms'], '{:.1f}')} / "
                 f"{_f(ld['p99_ms'], '{:.1f}')} ms | {_f(st['p50_ms'], '{:.1f}')} / "
                 f"{_f(st['p99_ms'], '{:.1f}')} ms | {_f(ld['p99_over_quiet'], '{:.2f}')}x, "
-                f"{_f(st['p99_over_quiet'], '{:.2f}')}x | {st.get('stored_in_window')} |")
+                f"{_f(st['p99_over_quiet'], '{:.2f}')}x "
+                f"| {q['intervals']} / {ld['intervals']} / {st['intervals']} "
+                f"| {_stored(st)} |")
     return "\n".join(lines)
+
+
+def _stored(store: Mapping[str, Any]) -> str:
+    """When the store window's bytes landed, or why the window ended without them."""
+    if store.get("stored_in_window"):
+        return _f(store.get("stored_after_first_token_s"), "{:.3f} s")
+    return f"not landed ({store.get('window_end')})"
 
 
 def plot(report: Mapping[str, Any], path: str) -> None:
@@ -156,7 +177,7 @@ TARGET_MIN_MIB = 256
 PEER_OVER_RAW = 1.5
 # A hit in the pod's own sidecar: at most this times one memcpy of the bytes over the CPU tier.
 OWN_OVER_MEMCPY = 1.5
-# CPU-seconds per GB vLLM's engine process may spend storing or loading.
+# CPU-seconds per GB the tier's code in vLLM's engine process may spend storing or loading.
 ENGINE_CPU_S_PER_GB = 0.05
 # The decoding request's p99 inter-token latency under offload traffic over its quiet p99.
 ITL_P99_RATIO = 1.15
@@ -170,9 +191,11 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     refs = {r["size_mib"]: r for r in report["references"]}
     out: list[dict[str, Any]] = []
 
-    def add(name: str, plane: str, size: int | None, value: float | None, limit: float) -> None:
+    def add(name: str, plane: str, size: int | None, value: float | None, limit: float,
+            beside: str = "", met: bool = True) -> None:
         out.append({"target": name, "plane": plane, "size_mib": size, "value": value,
-                    "limit": limit, "met": value is not None and value <= limit})
+                    "limit": limit, "met": met and value is not None and value <= limit,
+                    "beside": beside})
 
     for r in report["rows"]:
         size, plane, ref = r["size_mib"], r["plane"], refs.get(r["size_mib"])
@@ -181,10 +204,18 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
                 r["peer"]["extra_over_cpu_tier_s"], PEER_OVER_RAW * ref["raw_tcp_s"])
             add("own-sidecar extra over CPU tier (s) <= 1.5 x memcpy", plane, size,
                 r["own_sidecar"]["extra_over_cpu_tier_s"], OWN_OVER_MEMCPY * ref["memcpy_s"])
-        for what, v in (("store", r["store"]["engine_cpu_s_per_gb"]),
-                        ("own-sidecar load", r["own_sidecar"]["engine_cpu_s_per_gb"]),
-                        ("peer load", r["peer"]["engine_cpu_s_per_gb"])):
-            add(f"engine CPU-s/GB, {what}", plane, size, v, ENGINE_CPU_S_PER_GB)
+        for what, source in (("store", "store"), ("own-sidecar load", "own_sidecar"),
+                             ("peer load", "peer")):
+            total = r[source]["engine_cpu_s_per_gb"]
+            add(f"tier CPU-s/GB in vLLM's engine process, {what}", plane, size,
+                r[source].get("tier_cpu_s_per_gb"), ENGINE_CPU_S_PER_GB,
+                beside=f"engine process total {_f(total)} CPU-s/GB")
+        peer = r["peer"]
+        late = peer.get("late_arrivals")
+        add(f"peer HIT within {HIT_STEPS_TARGET} scheduler steps of the sidecar knowing it "
+            "(steps, mean)", plane, size, peer.get("steps_after_arrival"), HIT_STEPS_TARGET,
+            beside=f"{_f(late, '{:.0f}')} of {_f(peer.get('lookup_arrivals'), '{:.0f}')} later",
+            met=late == 0)
     for t in report.get("inter_token", []):
         for run in ("load", "store"):
             add(f"ITL p99 while {'loading' if run == 'load' else 'storing'} / quiet", t["plane"], t["size_mib"],

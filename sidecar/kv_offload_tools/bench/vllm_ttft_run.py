@@ -116,7 +116,7 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
                    "kv_cache_bytes": plan.kv_cache_bytes, "primary_bytes": plan.primary_bytes,
                    "store_bytes": plan.store_bytes, "max_model_len": plan.max_model_len,
                    "omp_bind": omp_bind, "spec": spec, "itl_size_mib": plan.itl_size_mib,
-                   "itl_after_s": plan.itl_after_s, "tier_keys": TIER_KEYS},
+                   "max_decode_tokens": plan.max_decode_tokens, "tier_keys": TIER_KEYS},
         "references": references(plan), "rows": [], "inter_token": [], "mismatches": [],
         "planes": {},
     }

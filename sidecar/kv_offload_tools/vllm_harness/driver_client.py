@@ -141,15 +141,19 @@ class EngineDriverProcess(JsonLinesProcess):
 
     def decode_latency(self, decode_prompt: Sequence[int],
                        traffic_prompt: Sequence[int] | None = None, *, warm_tokens: int = 8,
-                       after_s: float = 1.0, max_decode_tokens: int = 1024,
+                       quiet_tokens: int = 32, max_decode_tokens: int = 1024,
+                       until_counter: Mapping[str, Any] | None = None,
                        timeout_s: float = 180.0) -> dict[str, Any]:
         """Inter-token times of ``decode_prompt`` while ``traffic_prompt`` (if any) is
-        served beside it (``decode_latency`` module); the reply as a dict."""
+        served beside it, until the state ``decode_latency`` documents (``until_counter``:
+        ``{"name", "labels", "at_least"}``, a vLLM counter's growth); the reply as a dict."""
         return self.request({
             "op": "decode_latency", "decode_prompt": list(map(int, decode_prompt)),
             "traffic_prompt": None if traffic_prompt is None else list(map(int, traffic_prompt)),
-            "warm_tokens": warm_tokens, "after_s": after_s,
-            "max_decode_tokens": max_decode_tokens, "timeout_s": timeout_s,
+            "warm_tokens": warm_tokens, "quiet_tokens": quiet_tokens,
+            "max_decode_tokens": max_decode_tokens,
+            "until_counter": None if until_counter is None else dict(until_counter),
+            "timeout_s": timeout_s,
         }, timeout_s + 30.0)
 
     def rss(self) -> dict[str, Any]:
