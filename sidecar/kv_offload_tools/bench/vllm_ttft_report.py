@@ -178,7 +178,7 @@ PEER_OVER_RAW = 1.5
 # A hit in the pod's own sidecar: at most this times one memcpy of the bytes over the CPU tier.
 OWN_OVER_MEMCPY = 1.5
 # CPU-seconds per GB the tier's code in vLLM's engine process may spend storing or loading.
-ENGINE_CPU_S_PER_GB = 0.05
+TIER_CPU_S_PER_GB = 0.05
 # The decoding request's p99 inter-token latency under offload traffic over its quiet p99.
 ITL_P99_RATIO = 1.15
 
@@ -208,7 +208,7 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
                              ("peer load", "peer")):
             total = r[source]["engine_cpu_s_per_gb"]
             add(f"tier CPU-s/GB in vLLM's engine process, {what}", plane, size,
-                r[source].get("tier_cpu_s_per_gb"), ENGINE_CPU_S_PER_GB,
+                r[source].get("tier_cpu_s_per_gb"), TIER_CPU_S_PER_GB,
                 beside=f"engine process total {_f(total)} CPU-s/GB")
         peer = r["peer"]
         late = peer.get("late_arrivals")
