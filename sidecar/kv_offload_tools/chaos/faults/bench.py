@@ -85,8 +85,9 @@ class FaultResult:
     notes: list[str] = field(default_factory=list)
     # Time series for the plot: (seconds since start, value) pairs by name.
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    # Fetches that gave up at their deadline, as the fetching side counted them
-    # (kv_offload_peer_fetches_total{result="timeout"} of the hub or of the probe's client).
+    # Loads and fetches that gave up at their deadline and said so: the hub's sidecar answered the
+    # engine's load with a miss itself (the engine's client counted no late or failed answer), or
+    # the probe's client counted its fetch as a timeout (kv_offload_peer_fetches_total{result}).
     deadline_give_ups: int = 0
 
     @property
@@ -320,20 +321,6 @@ class ChaosBench:
         bad_before = result.corrupt_delivered
         self.check_durable(result)
         return result.corrupt_delivered == bad_before and result.lost == 0
-
-    def hub_fetch_timeouts(self) -> float:
-        """The hub's peer fetches that gave up at their deadline so far."""
-        return self.pool["hub"].metric("kv_offload_peer_fetches_total", result="timeout")
-
-    def wait_hub_fetch_timeouts(self, above: float, timeout: float) -> bool:
-        """Until the hub has counted more than ``above`` fetches that gave up at their deadline
-        (the count lands once the fetch has ended, which may be after the engine's load returned)."""
-        end = time.monotonic() + timeout
-        while self.hub_fetch_timeouts() <= above:
-            if time.monotonic() > end:
-                return False
-            time.sleep(0.05)
-        return True
 
     def timed_load(self, keys: list[bytes], result: FaultResult) -> tuple[int, float]:
         """One hub load of ``keys`` with verification; returns (chunks read, seconds)."""

@@ -27,7 +27,7 @@ def test_sigstop_past_the_deadline_turns_the_load_into_a_miss_at_the_deadline_an
     result = sigstop_past_deadline(bench, 1)
     assert_held(result)
     assert result.loads_missed == 1
-    assert result.deadline_give_ups == 1  # the hub's fetch gave up at its deadline (its own count)
+    assert result.deadline_give_ups == 1  # the hub's sidecar answered the miss itself, by its deadline
 
 
 def test_peer_leaving_and_rejoining_serves_again(bench: ChaosBench) -> None:
