@@ -71,25 +71,32 @@ def run_bare_server(views: list[memoryview], commands: Any, emit: Any) -> None:
     pump.join()
 
 
+def fetch_pool(shm_dir: str, prefix: str, nbytes: int) -> tuple[mmap.mmap, Any]:
+    """A bare fetcher's buffer: ``nbytes`` of an unlinked file in ``shm_dir``, mapped, and its
+    numpy bytes with every page faulted in."""
+    import numpy as np
+
+    path = os.path.join(shm_dir, f"{prefix}-{os.getpid()}")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, nbytes)
+        mapped = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    pool = np.frombuffer(mapped, dtype=np.uint8)
+    pool[:] = 0  # fault every page in
+    return mapped, pool
+
+
 class NixlBareFetcher:
     """The fetcher of ``nixl_bare``: whole-chunk READs into a registered buffer, busy-polled."""
 
     def __init__(self, args: argparse.Namespace, size: int, n: int) -> None:
-        import numpy as np
-
         info = json.loads(args.address.split("|")[0])
         self.size, self.n = size, n
         self.remote_chunks = info["chunks"]
-        path = os.path.join(args.shm_dir, f"bench-nixl-bare-{os.getpid()}")
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            os.unlink(path)
-            os.ftruncate(fd, size * n)
-            self.map = mmap.mmap(fd, size * n)
-        finally:
-            os.close(fd)
-        self.pool = np.frombuffer(self.map, dtype=np.uint8)
-        self.pool[:] = 0  # fault every page in
+        self.map, self.pool = fetch_pool(args.shm_dir, "bench-nixl-bare", size * n)
         base = int(self.pool.ctypes.data)
         self.agent = _agent(f"bench-fetcher-{os.getpid()}")
         self.agent.register_memory([(base, size * n, 0, "")], "DRAM")

@@ -152,32 +152,39 @@ def _worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
+_ANSWERED: dict[str, Any] = {}
+
+
+def _command(line: str) -> dict[str, Any] | None:
+    """The command on ``line``: None for ``quit``, ``_ANSWERED`` for ``cpu`` (answered here)."""
+    cmd = json.loads(line)
+    if cmd.get("cmd") == "quit":
+        return None
+    if cmd.get("cmd") == "cpu":
+        _emit({"cpu_seconds": time.process_time()})
+        return _ANSWERED
+    return cmd
+
+
 def _commands() -> Any:
     """Commands until ``quit``; ``cpu`` is answered here, for every kind of worker."""
     for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd.get("cmd") == "quit":
+        cmd = _command(line)
+        if cmd is None:
             return
-        if cmd.get("cmd") == "cpu":
-            _emit({"cpu_seconds": time.process_time()})
-            continue
-        yield cmd
+        if cmd is not _ANSWERED:
+            yield cmd
 
 
 async def _acommands() -> Any:
     """``_commands`` for workers running an event loop."""
     loop = asyncio.get_running_loop()
-    while True:
-        line = await loop.run_in_executor(None, sys.stdin.readline)
-        if not line:
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        cmd = _command(line)
+        if cmd is None:
             return
-        cmd = json.loads(line)
-        if cmd.get("cmd") == "quit":
-            return
-        if cmd.get("cmd") == "cpu":
-            _emit({"cpu_seconds": time.process_time()})
-            continue
-        yield cmd
+        if cmd is not _ANSWERED:
+            yield cmd
 
 
 def _tls_context(args: argparse.Namespace, role: str) -> Any:

@@ -26,8 +26,6 @@ A request with a negative count ends the holder's loop.
 from __future__ import annotations
 
 import argparse
-import mmap
-import os
 import threading
 from typing import Any
 
@@ -135,20 +133,13 @@ class UcxLimitFetcher:
                  lanes: int = 2, verify: bool = True) -> None:
         import numpy as np
         from kv_offload_sidecar.data.ucx.frames import decode_address
+        from kv_offload_tools.bench.nixl_methods import fetch_pool
 
         api, Array, Tag, mask = _ucx()
         self.np, self.Array, self.Tag, self.mask = np, Array, Tag, mask
         self.size, self.n, self.expected = size, n, expected
         self.lanes, self.verify = lanes, verify
-        fd = os.open(os.path.join(args.shm_dir, f"bench-limit-{os.getpid()}"), os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            os.unlink(os.path.join(args.shm_dir, f"bench-limit-{os.getpid()}"))
-            os.ftruncate(fd, size * n)
-            self.map = mmap.mmap(fd, size * n)
-        finally:
-            os.close(fd)
-        self.pool = np.frombuffer(self.map, dtype=np.uint8)
-        self.pool[:] = 0  # fault every page in
+        self.map, self.pool = fetch_pool(args.shm_dir, "bench-limit", size * n)
         self.slots = [self.pool[i * size:(i + 1) * size] for i in range(n)]
         self.workers = [_worker(api, {}), _worker(api, {"RNDV_SCHEME": "get_zcopy"})]
         holder = decode_address(args.address.split("|")[0])
