@@ -33,7 +33,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +167,16 @@ def free_port_block(count: int = 1, host: str = "127.0.0.1", attempts: int = 200
             for t in socks:
                 t.close()
     raise RuntimeError(f"found no block of {count} free ports on {host}")
+
+
+def _until_none(lacking: Callable[[], list[str]], timeout: float, failure: str) -> None:
+    """Until ``lacking()`` names nothing, polled; TimeoutError with ``failure`` and what it names after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while missing := lacking():
+        if time.monotonic() > deadline:
+            raise TimeoutError(failure + "; ".join(missing))
+        time.sleep(0.05)
 
 
 def sidecar_command() -> list[str]:
@@ -396,8 +406,7 @@ class LocalPool:
 
     def wait_connected(self, timeout: float = 60.0) -> None:
         """Until every member has a connected session with every other member."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def missing() -> list[str]:
             members = self.members()
             want = {s.identity for s in members}
             missing = []
@@ -406,17 +415,14 @@ class LocalPool:
                 lacking = (want - {sc.identity}) - got
                 if lacking:
                     missing.append(f"{sc.identity} lacks {sorted(lacking)}")
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError("peers did not connect: " + "; ".join(missing))
-            time.sleep(0.05)
+            return missing
+
+        _until_none(missing, timeout, "peers did not connect: ")
 
     def wait_directory_current(self, timeout: float = 30.0) -> None:
         """Until the pool's chunk directory is current: every member sees all the others, none
         has changes left to publish, and the owners keep one entry per chunk the members hold."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def stale() -> list[str]:
             members = self.members()
             views = {s.identity: s.status()["location"] for s in members}
             stale = [f"{name} sees {v['members']} members, has {v['pending']} changes unpublished"
@@ -425,11 +431,9 @@ class LocalPool:
             kept = sum(v["entries"] for v in views.values())
             if held != kept:
                 stale.append(f"the owners keep {kept} entries for the {held} chunks held")
-            if not stale:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError("the directory did not converge: " + "; ".join(stale))
-            time.sleep(0.05)
+            return stale
+
+        _until_none(stale, timeout, "the directory did not converge: ")
 
     def client(self, index: int, dp_index: int | None = None, timeout: float = 5.0) -> EngineClient:
         return self.sidecars[index].client(dp_index, timeout)
