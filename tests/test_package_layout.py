@@ -147,7 +147,7 @@ def test_runtime_modules_stay_small():
 
 # The tree named after what it holds: each folder's modules and subpackages, exactly, so a
 # module is placed on purpose (the operator by job: command line, pool reconcile, webhook
-# and certificates, translation).
+# and certificates, translation; the sidecar's chunk directory in its own folder).
 FOLDERS = {
     "operator/kv_offload_operator": {
         "cli", "pools", "webhook", "translation", "handlers", "startup", "options", "leadership",
@@ -158,6 +158,9 @@ FOLDERS = {
         "key_rotation", "model_config", "model_config_follower", "ready_peers"},
     "operator/kv_offload_operator/webhook": {"admission", "pod_patch", "pod_host", "tls_server", "certificate"},
     "operator/kv_offload_operator/translation": {"vllm_args", "kv_cache_geometry", "translate"},
+    # The chunk directory: owners, the holder's and the owner's sides, its messages and routes.
+    "sidecar/kv_offload_sidecar/peers/directory": {
+        "location", "ownership", "publisher", "holders", "location_wire", "location_routes"},
 }
 
 

@@ -41,7 +41,7 @@ from kv_offload_sidecar.peers.handshake import (
     make_hello,
 )
 from kv_offload_sidecar.peers.links import PeerManager
-from kv_offload_sidecar.peers.location import Location
+from kv_offload_sidecar.peers.directory.location import Location
 from kv_offload_sidecar.peers.peer_reads import PeerReads
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.prefill_rate import PrefillRateLearner

@@ -22,8 +22,8 @@ from kv_offload_sidecar.peers.handshake import (
     make_hello,
     transcript,
 )
-from kv_offload_sidecar.peers.location_wire import key_digest
-from kv_offload_sidecar.peers.ownership import OwnerTable
+from kv_offload_sidecar.peers.directory.location_wire import key_digest
+from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
 from waiting import SAFETY_SECONDS, wait_for
 

@@ -67,7 +67,7 @@ from kv_offload_sidecar.control.limits import (
     read_body,
     source_of,
 )
-from kv_offload_sidecar.control.location_routes import add_location_routes
+from kv_offload_sidecar.peers.directory.location_routes import add_location_routes
 from kv_offload_sidecar.data.before_auth import TrustedSources, freeze_long_lived, thaw_long_lived
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES

@@ -42,7 +42,7 @@ from kv_offload_sidecar.peers.handshake import (
     HelloMessage,
     Session,
 )
-from kv_offload_sidecar.peers.location_wire import location_auth
+from kv_offload_sidecar.peers.directory.location_wire import location_auth
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 from kv_offload_sidecar.rejections import clip, loads_bounded
@@ -50,7 +50,7 @@ from kv_offload_sidecar.rejections import clip, loads_bounded
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
     from kv_offload_sidecar.peers.discovery import Discovery
-    from kv_offload_sidecar.peers.location import Location
+    from kv_offload_sidecar.peers.directory.location import Location
     from kv_offload_sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)

@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
-from kv_offload_sidecar.peers.location_wire import HolderClaim
+from kv_offload_sidecar.peers.directory.location_wire import HolderClaim
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
     from kv_offload_sidecar.peers.claims import ClaimAudit
     from kv_offload_sidecar.peers.links import PeerLink, PeerManager
-    from kv_offload_sidecar.peers.location import Location
+    from kv_offload_sidecar.peers.directory.location import Location
     from kv_offload_sidecar.store.chunk_store import ChunkStore
 
 log = logging.getLogger(__name__)

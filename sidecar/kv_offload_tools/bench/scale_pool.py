@@ -37,8 +37,8 @@ from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute, PrefillModel
 from kv_offload_sidecar.peers.links import PeerLink
-from kv_offload_sidecar.peers.location import Location
-from kv_offload_sidecar.peers.ownership import OwnerTable
+from kv_offload_sidecar.peers.directory.location import Location
+from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_sidecar.peers.peer_reads import PeerReads
 from prometheus_client import CollectorRegistry
 

@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from kv_offload_sidecar.peers.directory import Directory
-from kv_offload_sidecar.peers.location_wire import PublishBatch, PublishReply
-from kv_offload_sidecar.peers.ownership import BUCKET_BITS, OwnerTable
-from kv_offload_sidecar.peers.publisher import Publisher
+from kv_offload_sidecar.peers.directory.holders import Directory
+from kv_offload_sidecar.peers.directory.location_wire import PublishBatch, PublishReply
+from kv_offload_sidecar.peers.directory.ownership import BUCKET_BITS, OwnerTable
+from kv_offload_sidecar.peers.directory.publisher import Publisher
 
 from kv_offload_tools.bench.scale_measure import HttpOverhead, deep_size
 

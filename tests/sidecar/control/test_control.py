@@ -11,7 +11,7 @@ from kv_offload_sidecar.control.app import SIDECAR_KEY, create_app
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, HelloMessage, make_hello
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
-from kv_offload_sidecar.peers.location_wire import PublishBatch, key_digest, location_auth
+from kv_offload_sidecar.peers.directory.location_wire import PublishBatch, key_digest, location_auth
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
@@ -93,7 +93,7 @@ async def test_accepted_handshake_opens_the_directory_to_the_peer(sidecar_client
     assert sidecar_client.sidecar.location.directory.holders_of(d) == ["peer-x"]
     resp = await location_post(sidecar_client, session, "locate", {"digests": publish(1, [d])["removes"]})
     assert resp.status == 400  # an empty digest list names no key
-    from kv_offload_sidecar.peers.location_wire import LocateQuery
+    from kv_offload_sidecar.peers.directory.location_wire import LocateQuery
     resp = await location_post(sidecar_client, session, "locate", LocateQuery((d,)).to_dict())
     assert resp.status == 200 and await resp.json() == {"holders": []}  # the asker is not named to itself
     assert sidecar_client.sidecar.authorize(session.session_id) == session.session_key

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kv_offload_sidecar.peers.directory import Directory
-from kv_offload_sidecar.peers.location import Location
-from kv_offload_sidecar.peers.location_wire import (
+from kv_offload_sidecar.peers.directory.holders import Directory
+from kv_offload_sidecar.peers.directory.location import Location
+from kv_offload_sidecar.peers.directory.location_wire import (
     MAX_PUBLISH_RECORDS,
     HolderClaim,
     LocateQuery,
@@ -26,8 +26,8 @@ from kv_offload_sidecar.peers.location_wire import (
     key_digest,
     tail_of,
 )
-from kv_offload_sidecar.peers.ownership import BUCKETS, OwnerTable
-from kv_offload_sidecar.peers.publisher import Publisher
+from kv_offload_sidecar.peers.directory.ownership import BUCKETS, OwnerTable
+from kv_offload_sidecar.peers.directory.publisher import Publisher
 
 
 def keys(prefix: str, n: int) -> list[bytes]:

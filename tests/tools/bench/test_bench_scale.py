@@ -9,10 +9,10 @@ import subprocess
 import sys
 import tracemalloc
 
-from kv_offload_sidecar.peers.directory import Directory
-from kv_offload_sidecar.peers.location_wire import PublishBatch
-from kv_offload_sidecar.peers.ownership import OwnerTable
-from kv_offload_sidecar.peers.publisher import Publisher
+from kv_offload_sidecar.peers.directory.holders import Directory
+from kv_offload_sidecar.peers.directory.location_wire import PublishBatch
+from kv_offload_sidecar.peers.directory.ownership import OwnerTable
+from kv_offload_sidecar.peers.directory.publisher import Publisher
 from kv_offload_tools.bench.scale_measure import deep_size, http_overhead
 from kv_offload_tools.bench.scale_sample import SampledView
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
-from kv_offload_sidecar.peers.location_wire import (
+from kv_offload_sidecar.peers.directory.location_wire import (
     LocateQuery,
     LocateReply,
     PublishBatch,

@@ -6,7 +6,7 @@ measured worse, see ``kv-offload bench scale``). Every chunk digest has an
 the members this sidecar is connected to (itself included). Holders tell each
 digest's owner when they gain or lose it (``publisher.Publisher``, batched
 per owner every ``publish_interval_seconds``, POST ``/v1/publish``); owners
-keep who holds what for their buckets (``directory.Directory``). A lookup
+keep who holds what for their buckets (``holders.Directory``). A lookup
 asks the owner of the first key it does not hold (POST ``/v1/locate``, or no
 message when that is this sidecar) and then one holder it names; the holder's
 exchange says how far it holds, and the read goes on from there with the owner of
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kv_offload_sidecar.peers.directory import Directory
-from kv_offload_sidecar.peers.location_wire import (
+from kv_offload_sidecar.peers.directory.holders import Directory
+from kv_offload_sidecar.peers.directory.location_wire import (
     MAX_LOCATE_DIGESTS,
     HolderClaim,
     LocateQuery,
@@ -50,8 +50,8 @@ from kv_offload_sidecar.peers.location_wire import (
     PublishReply,
     key_digest,
 )
-from kv_offload_sidecar.peers.ownership import BUCKETS, OwnerTable
-from kv_offload_sidecar.peers.publisher import Publisher
+from kv_offload_sidecar.peers.directory.ownership import BUCKETS, OwnerTable
+from kv_offload_sidecar.peers.directory.publisher import Publisher
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics

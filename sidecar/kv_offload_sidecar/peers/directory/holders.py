@@ -29,13 +29,13 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from kv_offload_sidecar.peers.location_wire import (
+from kv_offload_sidecar.peers.directory.location_wire import (
     MAX_LOCATE_HOLDERS,
     TAIL_MASK,
     HolderClaim,
     PublishBatch,
 )
-from kv_offload_sidecar.peers.ownership import BUCKET_BITS
+from kv_offload_sidecar.peers.directory.ownership import BUCKET_BITS
 
 # Tails kept per (digest, holder): the chains through it that holder published last.
 TAILS = 4

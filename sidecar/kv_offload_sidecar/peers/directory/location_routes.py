@@ -1,6 +1,6 @@
 """The directory's endpoints on the control port: publishes to owners and owner queries.
 
-``POST /v1/publish`` and ``POST /v1/locate`` (``peers/location_wire.py``)
+``POST /v1/publish`` and ``POST /v1/locate`` (``location_wire``)
 answer only a peer with an inbound session: header ``X-KV-Offload-Session``
 (the session id, hex) and ``X-KV-Offload-Auth`` = HMAC-SHA256(session key,
 "kv-offload location" NUL op NUL body). An unknown session is refused with
@@ -31,7 +31,7 @@ from kv_offload_sidecar.control.limits import (
     source_of,
 )
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
-from kv_offload_sidecar.peers.location_wire import location_auth
+from kv_offload_sidecar.peers.directory.location_wire import location_auth
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 from kv_offload_sidecar.rejections import clip, loads_bounded
 

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kv_offload_sidecar.peers.location_wire import (
+from kv_offload_sidecar.peers.directory.location_wire import (
     MAX_PUBLISH_RECORDS,
     PublishBatch,
     key_digest,
     tail_of,
 )
-from kv_offload_sidecar.peers.ownership import BUCKET_BITS, OwnerTable
+from kv_offload_sidecar.peers.directory.ownership import BUCKET_BITS, OwnerTable
 
 # Pending change value meaning "no longer held".
 REMOVED = -1

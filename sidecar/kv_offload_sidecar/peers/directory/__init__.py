@@ -1,0 +1,8 @@
+"""The chunk directory: which member knows who holds which chunks, spread over the pool.
+
+``location`` is the directory as the sidecar uses it (the scheme and its costs are in its
+docstring); ``ownership`` picks each chunk's owner; ``publisher`` is the holder's side
+(what owners must hear), ``holders`` the owner's side (who holds the chunks it owns);
+``location_wire`` the messages between them and ``location_routes`` their endpoints on
+the control port.
+"""
