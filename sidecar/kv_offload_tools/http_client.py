@@ -1,7 +1,8 @@
 """HTTP to the sidecars on this host (control API and ``/metrics``), never through a proxy.
 
 A proxy from the environment would swallow loopback requests, so every
-request of the tools goes through one opener without proxies.
+request of the tools goes through one opener without proxies. The benches'
+own HTTP stand-ins are served on loopback by ``serve_on_loopback``.
 """
 
 from __future__ import annotations
@@ -38,3 +39,14 @@ def http_text(url: str, timeout: float = 5.0) -> str:
     """The body of a GET that must succeed (``urllib.error.HTTPError`` otherwise)."""
     with _OPENER.open(url, timeout=timeout) as resp:
         return resp.read().decode("utf-8")
+
+
+async def serve_on_loopback(app: Any) -> tuple[Any, int]:
+    """Serve the aiohttp ``app`` on a free loopback port, without an access log: (its runner, to
+    clean up, and the port)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kv_offload_tools.http_client import serve_on_loopback
+
 _ATOMIC = (int, float, str, bytes, bytearray, bool, type(None), complex)
 
 
@@ -81,11 +83,7 @@ async def _measure(samples: int) -> HttpOverhead:
 
     app = web.Application()
     app.router.add_post("/v1/publish", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_on_loopback(app)
     counted = {"up": 0, "down": 0}
 
     async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, way: str) -> None:

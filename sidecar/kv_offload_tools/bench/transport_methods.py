@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kv_offload_tools.bench.nixl_methods import NIXL_METHODS
+from kv_offload_tools.http_client import serve_on_loopback
 
 # Methods measured, in the order of the table.
 METHODS = ("raw_tcp", "memcpy", "tcp", "tcp+tls", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
@@ -292,11 +293,7 @@ async def _aiohttp_server(args: argparse.Namespace, size: int, n: int) -> None:
 
     app = web.Application()
     app.router.add_get("/chunk/{key}", get_chunk)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await serve_on_loopback(app)
     _emit({"address": f"http://127.0.0.1:{port}"})
     async for _ in _acommands():
         pass
