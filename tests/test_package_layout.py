@@ -161,6 +161,8 @@ FOLDERS = {
     # The chunk directory: owners, the holder's and the owner's sides, its messages and routes.
     "sidecar/kv_offload_sidecar/peers/directory": {
         "location", "ownership", "publisher", "holders", "location_wire", "location_routes"},
+    # The sidecar package's subcommands, named after them.
+    "sidecar/kv_offload_sidecar/commands": {"sidecar", "install_tier", "ucx_info", "admin_token"},
 }
 
 

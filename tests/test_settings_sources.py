@@ -21,7 +21,7 @@ from kv_offload_operator.pools import kv_transfer, model_config, pool_spec
 from kv_offload_operator.cli import operator as operator_main
 from kv_offload_operator.options import OperatorOptions
 from kv_offload_operator.quantity import format_bytes
-from kv_offload_sidecar import main as sidecar_main
+from kv_offload_sidecar.commands import sidecar as sidecar_main
 from kv_offload_sidecar.setting_flags import flag_fields, flag_name
 from kv_offload_sidecar.settings import SidecarSettings
 

@@ -1,6 +1,6 @@
 """Everything one sidecar process is configured with, in one frozen struct.
 
-``main.py`` builds a ``SidecarSettings`` from flags, the environment and the
+``commands/sidecar.py`` builds a ``SidecarSettings`` from flags, the environment and the
 pool's ``OffloadingConfig``; the rest of the sidecar only reads it. A field
 made with ``setting(default, help)`` is a ``kv-offload sidecar`` flag whose
 default and help are written only there (``setting_flags``); the operator's

@@ -45,7 +45,7 @@ from kv_offload_sidecar.engine.offloading_config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from kv_offload_sidecar.main import process_alive
+from kv_offload_sidecar.commands.sidecar import process_alive
 from kv_offload_sidecar.peers.handshake import HelloMessage, make_hello
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, effective_hash_seed
 

@@ -275,7 +275,7 @@ def test_a_tls_pool_mounts_its_certificate_secret_read_only_and_passes_the_tls_f
 def test_the_injected_sidecar_flags_parse_with_the_sidecars_own_cli() -> None:
     import argparse
 
-    from kv_offload_sidecar import main as sidecar_main
+    from kv_offload_sidecar.commands import sidecar as sidecar_main
 
     out = inject(pod(vllm()), transport="tcp", tls={"secretName": "llama-tls"})
     parser = argparse.ArgumentParser(exit_on_error=False)
@@ -316,7 +316,7 @@ def test_an_engine_metrics_url_is_passed_only_when_the_pool_sets_one() -> None:
 def test_the_policy_flags_and_nixl_parse_with_the_sidecars_own_cli() -> None:
     import argparse
 
-    from kv_offload_sidecar import main as sidecar_main
+    from kv_offload_sidecar.commands import sidecar as sidecar_main
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     sidecar_main.add_arguments(parser)

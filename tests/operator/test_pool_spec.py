@@ -137,7 +137,7 @@ def test_the_operators_policy_defaults_are_the_sidecars_own() -> None:
     import argparse
     import dataclasses
 
-    from kv_offload_sidecar import main as sidecar_main
+    from kv_offload_sidecar.commands import sidecar as sidecar_main
     from kv_offload_sidecar.settings import PEER_COPIES, SidecarSettings
 
     parser = argparse.ArgumentParser()

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from kv_offload_sidecar.main import add_arguments, build_settings
+from kv_offload_sidecar.commands.sidecar import add_arguments, build_settings
 from kv_offload_sidecar.settings import SidecarSettings
 from kv_offload_tools.http_client import http_json
 from kv_offload_tools.local_pool import (

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_offload_sidecar import ucx_transports as ucx
+from kv_offload_sidecar.commands import ucx_info as ucx
 
 KV_OFFLOAD = str(Path(sys.executable).with_name("kv-offload"))
 

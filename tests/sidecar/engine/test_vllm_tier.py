@@ -19,7 +19,7 @@ from kv_offload_sidecar.engine.vllm_contract import (
     TransferJob,
 )
 from kv_offload_sidecar.engine.vllm_tier import KVOffloadSecondaryTier
-from kv_offload_sidecar.install_tier import tier_files
+from kv_offload_sidecar.commands.install_tier import tier_files
 from kv_offload_tools.engine_sim import SimulatedEngine, SimulatedSpec, trace_tokens
 from kv_offload_tools.local_pool import LocalPool, example_config
 

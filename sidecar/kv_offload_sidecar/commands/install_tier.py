@@ -20,19 +20,21 @@ from kv_offload_sidecar.usage import UsageError
 PACKAGE = "kv_offload_sidecar"
 # The subpackage that runs inside vLLM (standard library + numpy only).
 ENGINE = "engine"
+# The installed package the tier is copied from (this module is in its commands/).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 def tier_files(src: Path | None = None) -> list[Path]:
     """The files the tier needs inside vLLM, relative to the package: its root ``__init__``
     and the ``engine`` subpackage."""
-    src = src or Path(__file__).resolve().parent
+    src = src or PACKAGE_DIR
     return [Path("__init__.py"),
             *sorted(p.relative_to(src) for p in (src / ENGINE).glob("*.py"))]
 
 
 def install(dest: Path) -> Path:
     """Copy the tier's modules into ``dest/kv_offload_sidecar`` atomically."""
-    src = Path(__file__).resolve().parent
+    src = PACKAGE_DIR
     files = tier_files(src)
     if not (src / ENGINE / "vllm_tier.py").exists():
         raise FileNotFoundError(f"kv-offload image is incomplete: missing {ENGINE}/vllm_tier.py")
