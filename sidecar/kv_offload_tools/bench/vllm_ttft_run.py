@@ -8,8 +8,11 @@ live at once and only two hold KV in their primary tiers.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from kv_offload_tools.bench.vllm_ttft_measure import PlaneBench, progress
 from kv_offload_tools.bench.vllm_ttft_plan import (
@@ -90,6 +93,48 @@ def _baseline(deployment: VllmDeployment, baseline: Any, plan: Plan
     return expected, ttfts
 
 
+T = TypeVar("T")
+
+
+def split_cores(omp_bind: str) -> tuple[set[int], set[int]] | None:
+    """(engine cores, sidecar cores): the engines run on the cores their compute is bound
+    to, the sidecars and the references on the others; None for 'auto' or when no core is
+    left over. vLLM's Python threads spin while a request waits (its engine core steps
+    every ~2 ms, and its shared-memory queues busy-poll for a second before they sleep),
+    so unpinned they take the sidecars' core on a small host, as they would not on a GPU
+    node where the vLLM and sidecar containers have CPUs of their own."""
+    if omp_bind == "auto" or not hasattr(os, "sched_getaffinity"):
+        return None
+    engine: set[int] = set()
+    for part in omp_bind.replace("|", ",").split(","):
+        lo, _, hi = part.partition("-")
+        engine.update(range(int(lo), int(hi or lo) + 1))
+    rest = os.sched_getaffinity(0) - engine
+    return (engine, rest) if rest and engine <= os.sched_getaffinity(0) else None
+
+
+@contextlib.contextmanager
+def on_cores(cores: set[int] | None) -> Iterator[None]:
+    """The calling thread (and the processes it starts) on ``cores`` meanwhile."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def pinned(cores: set[int] | None, start: Callable[[], T]) -> Callable[[], T]:
+    """``start`` run on ``cores`` (for start_all's threads)."""
+    def run() -> T:
+        with on_cores(cores):
+            return start()
+    return run
+
+
 def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str, Any]:
     t0 = time.monotonic()
     deployment = VllmDeployment(
@@ -108,6 +153,12 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
              f"{plan.chunk_bytes >> 20} MiB per chunk; engines: KV cache {plan.kv_cache_bytes >> 20} MiB, "
              f"primary tier {plan.primary_bytes >> 20} MiB, max_model_len {plan.max_model_len}; "
              f"sidecar stores {plan.store_bytes >> 20} MiB ({time.monotonic() - t0:.0f} s)")
+    cores = split_cores(omp_bind)
+    engine_cores, sidecar_cores = cores or (None, None)
+    if cores:
+        progress(f"engines on cores {sorted(cores[0])}, sidecars and references on {sorted(cores[1])}")
+    with on_cores(sidecar_cores):
+        refs = references(plan)
     report: dict[str, Any] = {
         "config": {"sizes_mib": list(plan.sizes_mib), "planes": list(plan.planes),
                    "layers": plan.layers, "model": plan.model_config,
@@ -117,13 +168,15 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
                    "store_bytes": plan.store_bytes, "max_model_len": plan.max_model_len,
                    "omp_bind": omp_bind, "spec": spec, "itl_size_mib": plan.itl_size_mib,
                    "max_decode_tokens": plan.max_decode_tokens, "tier_keys": TIER_KEYS},
-        "references": references(plan), "rows": [], "inter_token": [], "mismatches": [],
+        "cores": {"engines": sorted(cores[0]), "sidecars": sorted(cores[1])} if cores else None,
+        "references": refs, "rows": [], "inter_token": [], "mismatches": [],
         "planes": {},
     }
     overlap = plan.kv_cache_bytes <= _OVERLAP_MAX_KV_GIB * GiB
     expected: dict[str, list[int]] | None = None
     if not overlap:
-        baseline = deployment.start_baseline(extra_env=env, llm_kwargs=llm_kwargs)
+        baseline = pinned(engine_cores, lambda: deployment.start_baseline(
+            extra_env=env, llm_kwargs=llm_kwargs))()
         try:
             expected, report["baseline"] = _baseline(deployment, baseline, plan)
             report["vllm_version"] = baseline.ready.get("vllm_version") if baseline.ready else None
@@ -132,7 +185,8 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
     report["errors"] = []
     for plane in plan.planes:
         try:
-            expected = _run_plane(plan, plane, deployment, env, llm_kwargs, expected, report)
+            expected = _run_plane(plan, plane, deployment, env, llm_kwargs, expected, report,
+                                  cores)
         except Exception as exc:  # the other planes still run; the error is reported
             if expected is None:
                 raise
@@ -143,14 +197,18 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
 
 def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str, str],
                llm_kwargs: dict[str, int], expected: dict[str, list[int]] | None,
-               report: dict[str, Any]) -> dict[str, list[int]]:
+               report: dict[str, Any],
+               cores: tuple[set[int], set[int]] | None) -> dict[str, list[int]]:
     """One plane's pool and engines A and B, measured into ``report``; returns the
     baseline's first tokens (computed here when the baseline starts beside A and B)."""
     config = deployment.config
     t_plane = time.monotonic()
-    with LocalPool(2, transport=plane, config=config, capacity_bytes=plan.store_bytes,
-                   publish_interval_seconds=0.05,
-                   fetch_deadline_seconds=FETCH_DEADLINE_S) as pool:
+    engine_cores, sidecar_cores = cores or (None, None)
+    with on_cores(sidecar_cores):
+        pool = LocalPool(2, transport=plane, config=config, capacity_bytes=plan.store_bytes,
+                         publish_interval_seconds=0.05, fetch_deadline_seconds=FETCH_DEADLINE_S)
+        pool.__enter__()
+    try:
         starters = [
             lambda: deployment.start_engine(f"a-{plane}", pool[0].port, tier_keys=TIER_KEYS,
                                             extra_env=env, llm_kwargs=llm_kwargs),
@@ -159,7 +217,7 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
         if expected is None:
             starters.append(lambda: deployment.start_baseline(extra_env=env,
                                                               llm_kwargs=llm_kwargs))
-        engines = start_all(starters)
+        engines = start_all([pinned(engine_cores, start) for start in starters])
         bench: PlaneBench | None = None
         try:
             a, b = engines[0], engines[1]
@@ -181,4 +239,6 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
             if bench is not None:
                 report["mismatches"] += bench.mismatches
             close_all(engines)
+    finally:
+        pool.__exit__(None, None, None)
     return expected

@@ -135,3 +135,13 @@ def test_each_inter_token_window_ends_on_its_state(report) -> None:
     assert itl["store"]["window_end"] == "stored" and itl["store"]["stored_in_window"]
     assert itl["store"]["stored_in_window_bytes"] >= row["bytes"]
     assert itl["store"]["stored_after_first_token_s"] >= 0
+
+
+def test_engines_get_the_compute_cores_and_sidecars_the_others() -> None:
+    from kv_offload_tools.bench.vllm_ttft_run import split_cores
+
+    usable = sorted(os.sched_getaffinity(0))
+    assert split_cores("auto") is None
+    assert split_cores(f"{usable[0]}-{usable[-1]}") is None  # nothing left for the sidecars
+    if len(usable) > 1:
+        assert split_cores(str(usable[0])) == ({usable[0]}, set(usable[1:]))
