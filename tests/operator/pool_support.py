@@ -74,20 +74,10 @@ def injected_env(spec: pool_spec.SidecarSpec) -> dict[str, str]:
 
 def assert_ucx_sidecars_share_chunks(env: dict[str, str]) -> None:
     """Two real ucx sidecar processes with ``env``: chunks stored on one load, byte for byte, on the other."""
-    import os
-
+    from kv_offload_tools.chaos.chunks import chunk_keys, share_through_pool
     from kv_offload_tools.local_pool import LocalPool, example_config
 
     chunk = example_config().kv_bytes_per_chunk
-    keys = [os.urandom(32) + bytes(4) for _ in range(4)]
-    data = {k: os.urandom(chunk) for k in keys}
     with LocalPool(2, transport="ucx", capacity_bytes=64 * chunk, env=env) as pool:
-        a, b = pool.client(0), pool.client(1)
-        assert a.store(keys, lambda i, view: view.__setitem__(slice(None), data[keys[i]])) == 4
-        pool.wait_directory_current()
-        got: dict[int, bytes] = {}
-        assert b.load(keys, lambda i, view: got.__setitem__(i, bytes(view)), 10.0) == 4
-        assert [got[i] for i in range(4)] == [data[k] for k in keys]
+        assert share_through_pool(pool, chunk_keys("injected-env", 4), chunk, timeout=10.0) == (4, 0)
         assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 4 * chunk
-        a.close()
-        b.close()

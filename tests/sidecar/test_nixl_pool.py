@@ -4,7 +4,7 @@ other straight from its store slots, byte-identical; the holder's views die with
 from __future__ import annotations
 
 
-from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
+from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, share_through_pool
 from kv_offload_tools.local_pool import LocalPool
 from waiting import wait_for
 
@@ -17,10 +17,8 @@ def test_a_nixl_pool_shares_chunks_byte_identical():
         chunk = pool.chunk_bytes
         assert all(sc.status()["data_address"].startswith("nixl://") for sc in pool.sidecars)
         keys = chunk_keys("nixl-pool", 12)
-        with pool.client(0) as a, pool.client(1) as b:
-            assert store_chunks(a, keys, chunk) == 12
-            pool.wait_directory_current()
-            assert load_and_verify(b, keys, chunk, timeout=5.0) == (12, 0)
+        assert share_through_pool(pool, keys, chunk, timeout=5.0) == (12, 0)
+        with pool.client(1) as b:
             # Read again: b kept no copy (the pool keeps one, a's), so a's slots are read again.
             assert load_and_verify(b, keys, chunk, timeout=5.0) == (12, 0)
         assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") == 24 * chunk

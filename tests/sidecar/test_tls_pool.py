@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kv_offload_tools.certs import pool_certificates
-from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
+from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, share_through_pool
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride
+
 
 def test_a_tls_pool_shares_chunks_and_a_plain_pod_gets_none(tmp_path):
     files = pool_certificates(tmp_path, ["pool"])["pool"]  # one certificate for the whole pool
@@ -13,10 +14,7 @@ def test_a_tls_pool_shares_chunks_and_a_plain_pod_gets_none(tmp_path):
         chunk = pool.chunk_bytes
         assert all(sc.status()["data_address"].startswith("tls://") for sc in pool.sidecars)
         keys = chunk_keys("tls", 6)
-        with pool.client(0) as a, pool.client(1) as b:
-            assert store_chunks(a, keys, chunk) == 6
-            pool.wait_directory_current()
-            assert load_and_verify(b, keys, chunk) == (6, 0)
+        assert share_through_pool(pool, keys, chunk) == (6, 0)
         assert pool[1].metric("kv_offload_peer_bytes_total", direction="received") >= 6 * chunk
         # a pod of the same pool without TLS never receives a byte over plain TCP
         plain = pool.add(SidecarOverride(extra_args=("--tls-cert-file", "", "--tls-key-file", "",

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from kv_offload_sidecar.engine.client import EngineClient
+
+if TYPE_CHECKING:
+    from kv_offload_tools.local_pool import LocalPool
 
 
 def chunk_content(key: bytes, nbytes: int) -> bytes:
@@ -45,3 +49,17 @@ def load_and_verify(engine: EngineClient, keys: Sequence[bytes], nbytes: int,
 
     n = engine.load(keys, read, timeout)
     return n, bad[0]
+
+
+def share_through_pool(pool: LocalPool, keys: Sequence[bytes], nbytes: int, *, holder: int = 0,
+                       reader: int = 1, timeout: float = 2.0) -> tuple[int, int]:
+    """Store ``keys`` through the engine of sidecar ``holder``, wait until the pool's chunk
+    directory is current, then load them through sidecar ``reader``'s: (chunks read, chunks
+    whose bytes were wrong)."""
+    with pool.client(holder) as writer:
+        written = store_chunks(writer, keys, nbytes)
+        if written != len(keys):
+            raise RuntimeError(f"sidecar {holder} stored {written} of {len(keys)} chunks")
+    pool.wait_directory_current()
+    with pool.client(reader) as loader:
+        return load_and_verify(loader, keys, nbytes, timeout)
