@@ -22,11 +22,11 @@ from collections.abc import Iterator
 
 import pytest
 from kv_offload_sidecar.control.limits import (
-    BODY_SECONDS,
     HANDSHAKE_BURST,
     MAX_UNPROVEN_PER_SOURCE,
     UNPROVEN_REQUEST_SECONDS,
 )
+from kv_offload_sidecar.control.request_limits import BODY_SECONDS
 from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
 from kv_offload_sidecar.peers.pool_keys import admin_token

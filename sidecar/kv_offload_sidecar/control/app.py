@@ -3,7 +3,7 @@
 Endpoints (JSON unless noted; every error is ``{"error": "...", ...}`` with a
 4xx status, never a 500 for bad input; bodies are capped at
 ``settings.max_body_bytes``, handshake bodies at ``MAX_HANDSHAKE_BODY_BYTES``, and
-must arrive within ``limits.BODY_SECONDS``; JSON is parsed with
+must arrive within ``request_limits.BODY_SECONDS``; JSON is parsed with
 ``rejections.loads_bounded``; what a caller may cost before it proves anything is
 ``limits.py``'s, and every refusal is counted in ``protocol_errors{reason}`` and noted
 in one rate-limited ``RejectionLog``):
@@ -51,19 +51,21 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kv_offload_sidecar.control.guarded_site import GuardedSite
 from kv_offload_sidecar.control.limits import (
     GUARD_KEY,
     HANDSHAKE_BURST,
-    REJECTIONS_KEY,
-    SERVER_HEADER,
     UNPROVEN_REQUEST_SECONDS,
-    BodyError,
     ConnectionGuard,
-    GuardedSite,
     guard_middleware,
-    handler_args,
     mark_proven,
     rate_limited_answer,
+)
+from kv_offload_sidecar.control.request_limits import (
+    REJECTIONS_KEY,
+    SERVER_HEADER,
+    BodyError,
+    handler_args,
     read_body,
     source_of,
 )

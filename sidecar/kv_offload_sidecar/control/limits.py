@@ -1,4 +1,4 @@
-"""What a caller of the control port may cost before it proves anything: sizes, times, connections.
+"""What a caller of the control port may cost before it proves anything: connections, time, bytes.
 
 A connection is *unproven* until one of its requests proves something: a handshake
 accepted (the pool key), a directory message whose HMAC verifies (a session), an
@@ -32,32 +32,22 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
 Once ``TRIM_AFTER_STRANGERS`` left unproven and none is left, what they held goes back to
 the system (``data.before_auth.reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``).
 
-Every connection, proven or not: a request line of at most ``MAX_REQUEST_LINE_BYTES``,
-``MAX_HEADERS`` headers of at most ``MAX_HEADER_BYTES`` each (aiohttp answers 400, which
-``ServerLog`` turns into a counted, rate-limited line instead of a traceback), a body
-whole within ``BODY_SECONDS`` (``read_body``; 408 and close otherwise), idle keep-alive
-closed after ``IDLE_SECONDS``. Every refusal increments ``protocol_errors{reason}``;
-its log line goes through one ``RejectionLog`` per sidecar (one line per source and
-reason per minute). Responses say ``Server: kv-offload``, no version.
-
-``GuardedSite`` puts the guard in front of an ``AppRunner``'s server; the control app
-(``app.py``) tells the guard where requests start and end and what proved itself.
+What every request costs, proven or not (line, headers, body, idle time, the Server
+header), is ``request_limits.py``'s; ``guarded_site.GuardedSite`` puts the guard in front
+of an ``AppRunner``'s server; the control app (``app.py``) tells the guard where requests
+start and end (``guard_middleware``) and what proved itself (``mark_proven``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from kv_offload_sidecar.data.before_auth import (
     MAX_TRUSTED_SOURCES,
@@ -66,10 +56,9 @@ from kv_offload_sidecar.data.before_auth import (
     reclaim_memory,
     spread,
 )
-from kv_offload_sidecar.rejections import RejectionLog, clip
-
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
+    from kv_offload_sidecar.rejections import RejectionLog
 
 # Unproven connections one source address may hold open at once (a peer pod handshakes with
 # each of our DP ports, up to 8, at once; a Prometheus scrape holds one).
@@ -89,96 +78,11 @@ MAX_UNPROVEN_BUFFERED_BYTES = 64 * 1024
 # Handshake requests one untrusted source may send in a row (as many as its unproven
 # connections may be open at once: a peer pod's links to each of our DP ports, with retries).
 HANDSHAKE_BURST = MAX_UNPROVEN_PER_SOURCE
-# Connections the control port accepts per pass of the event loop (each costs ~0.1 ms there).
-ACCEPT_BATCH = 16
-# Seconds any request body has to arrive whole once its headers did.
-BODY_SECONDS = 5.0
-# Seconds an idle keep-alive connection stays open (above aiohttp's client pool's 15 s, so
-# a peer's pooled connection is closed by the peer first and never raced).
-IDLE_SECONDS = 30.0
-# Seconds a refused request's unread body is still read and dropped, so its caller sees the
-# answer rather than a reset.
-LINGER_SECONDS = 1.0
-# Longest request line (bytes); ours are "POST /v1/handshake HTTP/1.1" and the like.
-MAX_REQUEST_LINE_BYTES = 2048
-# Longest header line (bytes), e.g. "Authorization: Bearer <admin token>".
-MAX_HEADER_BYTES = 4096
-# Most headers in one request (our clients send fewer than 10).
-MAX_HEADERS = 32
-# The Server header of every answer (aiohttp's would name itself and Python, with versions).
-SERVER_HEADER = "kv-offload"
 # Seconds a refused caller is told to wait (Retry-After of the 503 and the 429), and the delay
 # of a rate-limited handshake's 429.
 RETRY_AFTER_SECONDS = 1
-# The answer to a connection refused at accept (no request of it is parsed).
-_BUSY_BODY = b'{"error": "too many unauthenticated connections; retry later"}'
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nServer: kv-offload\r\nContent-Type: application/json\r\n"
-         b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-         % (RETRY_AFTER_SECONDS, len(_BUSY_BODY), _BUSY_BODY))
 
 GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("kv_offload_connection_guard")
-REJECTIONS_KEY: web.AppKey[RejectionLog] = web.AppKey("kv_offload_rejections", RejectionLog)
-
-
-def handler_args(metrics: SidecarMetrics, rejections: RejectionLog) -> dict[str, Any]:
-    """aiohttp's per-connection settings of a control app (``web.Application(handler_args=...)``)."""
-    return {"keepalive_timeout": IDLE_SECONDS, "lingering_time": LINGER_SECONDS,
-            "max_line_size": MAX_REQUEST_LINE_BYTES, "max_field_size": MAX_HEADER_BYTES,
-            "max_headers": MAX_HEADERS, "logger": ServerLog(metrics, rejections)}
-
-
-class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """aiohttp's server logger on the control port: a request aiohttp could not parse (a line
-    or header too long, too many headers, not HTTP) is counted and noted in the rejection
-    log, one short line, instead of an ERROR with a traceback; anything else is logged as is."""
-
-    def __init__(self, metrics: SidecarMetrics, rejections: RejectionLog) -> None:
-        super().__init__(logging.getLogger("aiohttp.server"), {})
-        self._metrics = metrics
-        self._rejections = rejections
-
-    def log(self, level: int, msg: object, *args: object, exc_info: Any = None, **kwargs: Any) -> None:
-        if isinstance(exc_info, HttpProcessingError):
-            oversize = isinstance(exc_info, LineTooLong) or "Too many headers" in str(exc_info)
-            reason = "oversize" if oversize else "malformed"
-            self._metrics.protocol_errors.labels(reason=reason).inc()
-            source = str(args[0]) if args else "?"
-            self._rejections.reject(source, f"http {reason}",
-                                    f"{type(exc_info).__name__}: {exc_info.message}")
-            return
-        super().log(level, msg, *args, exc_info=exc_info, **kwargs)
-
-
-class BodyError(Exception):
-    """A body refused by ``read_body``: ``status`` 408 or 413, ``reason`` a protocol_errors label."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes and within ``BODY_SECONDS``; BodyError otherwise.
-
-    A declared Content-Length over the limit is refused before a byte is read.
-    """
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise BodyError(413, "oversize", f"request body of {declared} bytes exceeds {limit} bytes: "
-                        f"send a smaller body")
-    body = bytearray()
-    try:
-        async with asyncio.timeout(BODY_SECONDS):
-            while chunk := await request.content.readany():
-                body += chunk
-                if len(body) > limit:
-                    raise BodyError(413, "oversize", f"request body exceeds {limit} bytes: send a "
-                                    f"smaller body")
-    except TimeoutError:
-        raise BodyError(408, "timeout", f"request body not complete within {BODY_SECONDS:g} s: "
-                        f"send the whole body at once") from None
-    return bytes(body)
 
 
 @dataclass(eq=False)
@@ -231,10 +135,6 @@ class ConnectionGuard:
     def open(self) -> int:
         """Admitted connections open now."""
         return len(self._open)
-
-    def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
-        """What ``loop.create_server`` calls per accepted connection, in front of ``server``."""
-        return lambda: _GuardedProtocol(self, server)
 
     # ---- the app's side -------------------------------------------------------------
 
@@ -408,104 +308,6 @@ class ConnectionGuard:
         conn.transport.abort()  # nothing to flush; abort also drops what the kernel still holds
 
 
-class _GuardedProtocol(asyncio.Protocol):
-    """One accepted connection: admitted by the guard, then served by aiohttp's RequestHandler."""
-
-    def __init__(self, guard: ConnectionGuard, server: web.Server) -> None:
-        self._guard = guard
-        self._server = server
-        self._inner: asyncio.Protocol | None = None
-        self._conn: _Connection | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        tcp = transport  # a TCP transport (loop.create_server)
-        peer = tcp.get_extra_info("peername")
-        source = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
-        self._conn = self._guard._admit(source, tcp)  # type: ignore[arg-type]
-        if self._conn is None:
-            tcp.write(_BUSY)  # type: ignore[attr-defined]
-            tcp.close()
-            return
-        self._inner = _ControlRequestHandler.make(self._server)
-        self._inner.connection_made(tcp)
-
-    def data_received(self, data: bytes) -> None:
-        if self._inner is None or self._conn is None:
-            return
-        n = self._guard._received(self._conn, len(data))
-        if n:  # the part within budget (aiohttp answers 400 to a line too long in it)
-            self._inner.data_received(data if n == len(data) else data[:n])
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._inner is not None else None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._conn is not None:
-            self._guard._closed(self._conn)
-        if self._inner is not None:
-            self._inner.connection_lost(exc)
-            self._inner = None
-
-    def pause_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.resume_writing()
-
-
-class _ControlRequestHandler(web.RequestHandler):
-    """aiohttp's connection handler, whose own error answers (400 for a request it could not
-    parse) carry ``SERVER_HEADER`` like every other answer."""
-
-    @classmethod
-    def make(cls, server: web.Server) -> web.RequestHandler:
-        # The settings the runner gave its Server (aiohttp keeps them as ``_kwargs``); without
-        # them, aiohttp's own handler (and its Server header on its 400s).
-        kwargs = getattr(server, "_kwargs", None)
-        if not isinstance(kwargs, dict):
-            return server()
-        return cls(server, loop=asyncio.get_running_loop(), **kwargs)
-
-    def handle_error(self, request: web.BaseRequest, status: int = 500,
-                     exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
-        resp = super().handle_error(request, status, exc, message)
-        resp.headers["Server"] = SERVER_HEADER
-        return resp
-
-
-class GuardedSite(web.BaseSite):
-    """A TCP site whose connections ``guard`` admits and watches before aiohttp serves them."""
-
-    __slots__ = ("_host", "_port", "_guard")
-
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard) -> None:
-        super().__init__(runner)
-        self._host = host
-        self._port = port
-        self._guard = guard
-
-    @property
-    def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
-
-    async def start(self) -> None:
-        await super().start()
-        server = self._runner.server
-        assert server is not None, "start the site after runner.setup()"
-        # asyncio accepts up to its backlog argument per pass of the loop and sets the kernel's
-        # queue to it as well: a short batch keeps a siege's burst of connects from holding the
-        # loop (and the data plane it serves) for tens of milliseconds, and the queue is set
-        # back to the system's longest once it listens, so a burst is queued, not dropped.
-        self._server = await asyncio.get_running_loop().create_server(
-            self._guard.protocol_factory(server), self._host, self._port, reuse_address=True,
-            backlog=ACCEPT_BATCH)
-        for sock in self._server.sockets:
-            with socket.socket(fileno=os.dup(sock.fileno())) as listener:
-                listener.listen(socket.SOMAXCONN)
-
-
 def guard_middleware(guard: ConnectionGuard) -> Callable[..., Awaitable[web.StreamResponse]]:
     """Tells ``guard`` where each request of its connections starts and ends."""
 
@@ -539,15 +341,8 @@ def mark_proven(request: web.Request) -> None:
         guard.proven(request)
 
 
-def source_of(request: web.BaseRequest) -> str:
-    """The caller's address as logged (clipped)."""
-    return clip(request.remote or "?", 64)
-
-
 __all__ = [
-    "BODY_SECONDS", "HANDSHAKE_BURST", "IDLE_SECONDS", "MAX_HEADERS", "MAX_HEADER_BYTES",
-    "MAX_REQUEST_LINE_BYTES", "MAX_UNPROVEN_BUFFERED_BYTES", "MAX_UNPROVEN_CONNECTIONS",
-    "MAX_UNPROVEN_PER_SOURCE", "RETRY_AFTER_SECONDS", "SERVER_HEADER", "TRUSTED_SOURCE_SECONDS",
-    "UNPROVEN_REQUEST_SECONDS", "BodyError", "ConnectionGuard", "GuardedSite", "ServerLog",
-    "guard_middleware", "handler_args", "mark_proven", "rate_limited_answer", "read_body", "source_of",
+    "HANDSHAKE_BURST", "MAX_UNPROVEN_BUFFERED_BYTES", "MAX_UNPROVEN_CONNECTIONS",
+    "MAX_UNPROVEN_PER_SOURCE", "RETRY_AFTER_SECONDS", "TRUSTED_SOURCE_SECONDS",
+    "UNPROVEN_REQUEST_SECONDS", "ConnectionGuard", "guard_middleware", "mark_proven", "rate_limited_answer",
 ]

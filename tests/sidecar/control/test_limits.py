@@ -1,4 +1,5 @@
-"""What a stranger may cost on the control port (control/limits.py), asked over real sockets.
+"""What a stranger may cost on the control port (control/limits.py and request_limits.py),
+asked over real sockets.
 
 The sidecar runs in process behind ``ControlPorts``; clients are raw TCP connections from
 127.0.0.x source addresses, so each test controls every byte and every source. Time limits
@@ -13,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 import pytest
-from kv_offload_sidecar.control import limits
+from kv_offload_sidecar.control import limits, request_limits
 from kv_offload_sidecar.control.app import ControlPorts
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import auth_proof
@@ -47,7 +48,7 @@ async def ports(make_settings):
 @pytest.fixture
 def short_limits(monkeypatch):
     monkeypatch.setattr(limits, "UNPROVEN_REQUEST_SECONDS", 0.3)
-    monkeypatch.setattr(limits, "BODY_SECONDS", 0.3)
+    monkeypatch.setattr(request_limits, "BODY_SECONDS", 0.3)
 
 
 async def connect(ports, source: str = "127.0.0.2"):

@@ -8,7 +8,7 @@ answer only a peer with an inbound session: header ``X-KV-Offload-Session``
 401. The holder of a publish is the session's peer, never a name in the body,
 so a member can only speak for itself. A malformed body is a 400 naming the
 problem; a body over ``settings.max_body_bytes`` is a 413 and one not whole
-within ``limits.BODY_SECONDS`` a 408 (``limits.read_body``; both close the
+within ``request_limits.BODY_SECONDS`` a 408 (``request_limits.read_body``; both close the
 connection); JSON is parsed with ``loads_bounded``. Replies to a session on a key this sidecar no longer uses carry
 ``X-KV-Offload-Rekey: 1`` (the peer re-keys, make before break).
 """
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from kv_offload_sidecar.control.limits import (
+from kv_offload_sidecar.control.limits import mark_proven
+from kv_offload_sidecar.control.request_limits import (
     REJECTIONS_KEY,
     SERVER_HEADER,
     BodyError,
-    mark_proven,
     read_body,
     source_of,
 )
