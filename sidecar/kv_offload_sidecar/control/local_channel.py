@@ -49,7 +49,8 @@ Reservations and pins belong to the connection: when it closes they are
 aborted / released, so a crashed engine leaves nothing half-written or pinned.
 A malformed frame gets an error reply and the connection is closed; every
 parse failure is counted in ``kv_offload_protocol_errors_total`` and never
-raises out of the server.
+raises out of the server. A request whose handling fails unexpectedly gets an
+error reply (one log line) and the connection serves the next.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from kv_offload_sidecar.control.channel_fields import (
 )
 from kv_offload_sidecar.control.fd_frames import FirstFrameError, first_frame
 from kv_offload_sidecar.engine import channel_protocol as cp
+from kv_offload_sidecar.rejections import clip
 from kv_offload_sidecar.store.engine_region import EngineRegion, JobDeadline, RegionError, RowCopier
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 
@@ -497,6 +499,11 @@ class LocalChannelServer:
             except RuntimeError as exc:  # the sidecar is stopping
                 await _send(writer, {"ok": False, "error": str(exc)})
                 return False
+            except Exception as exc:  # a bug or a peer's bad answer: this request fails, not the channel
+                op = clip(str(req.get("op")) if isinstance(req, dict) else "?", 32)
+                log.warning("local channel %s: %s failed: %s: %s", self.path, op, type(exc).__name__, clip(str(exc)))
+                await _send(writer, {"ok": False, "error": f"{op} failed: {type(exc).__name__}"})
+                return True
             await _send(writer, reply)
             return True
         finally:

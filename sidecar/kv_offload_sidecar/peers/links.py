@@ -153,7 +153,8 @@ class PeerManager:
     async def call(self, identity: str, op: str, body: dict[str, Any], timeout: float) -> Any:
         """One location message to a connected peer; its JSON reply. ConnectionError, asyncio.TimeoutError
         or ValueError (a reply too large or not JSON) when it cannot be had (the caller decides
-        whether the peer failed)."""
+        whether the peer failed); any other error of aiohttp's is counted as ``malformed`` and
+        raised as ConnectionError, so no answer of a peer escapes as a traceback."""
         link = self.connected(identity)
         if link is None or link.session is None or self._http is None or op not in LOCATION_OPS:
             raise ConnectionError(f"peer {identity} is not connected")
@@ -171,6 +172,11 @@ class PeerManager:
                     raise ConnectionError(f"{op} to {identity}: HTTP {resp.status}")
         except aiohttp.ClientError as exc:
             raise ConnectionError(f"{op} to {identity} failed: {exc}") from exc
+        except (OSError, asyncio.TimeoutError):  # our ConnectionError above, a timeout
+            raise
+        except Exception as exc:  # aiohttp tripped over what the peer sent: that peer failed
+            self._metrics.protocol_errors.labels(reason="malformed").inc()
+            raise ConnectionError(f"{op} to {identity} failed: {type(exc).__name__}: {clip(str(exc))}") from exc
         if len(reply) > MAX_LOCATION_REPLY_BYTES:
             raise ValueError(f"{op} reply from {identity} exceeds {MAX_LOCATION_REPLY_BYTES} bytes")
         self._metrics.location_messages.labels(kind=op).inc()
