@@ -7,9 +7,7 @@ vLLM's primary region to the sidecar once per attachment (a descriptor over the
 local channel), and the sidecar itself copies stored rows into its slots and
 loaded chunks into vLLM's rows (fetching from a peer pod first when needed),
 so vLLM's engine process moves no KV bytes; lookups ask the sidecar which
-chunks the pool holds. Where the region is not a shared file (or the sidecar
-cannot map it), the tier copies between rows and the sidecar's slots itself
-with ``ctypes.memmove``, which releases the GIL (one info line says which). vLLM resolves an out-of-tree tier class
+chunks the pool holds. vLLM resolves an out-of-tree tier class
 as ``getattr(import_module(module_path), type)``, so ``type`` is the class name.
 
 Add to ``vllm serve`` (``cpu_bytes_to_use`` is the primary tier's size)::
@@ -36,7 +34,8 @@ MISS and stores nothing until a sidecar that matches is back.
 Threading: every SecondaryTierManager method runs under vLLM's manager lock
 and returns at once. Lookups are batched per scheduler step (flushed in
 ``on_schedule_end``) and answered by a lookup thread; transfers run on a
-transfer thread; results come back through queues drained by the caller.
+transfer thread (``tier_transfers``: its copy paths, CPU accounting and drain
+contract); results come back through queues drained by the caller.
 A lookup is asked once, at the end of the step that first met its keys: vLLM's
 thread sends it itself once the sidecar is attached and checked (the lookup
 thread otherwise, which connects and checks first), and vLLM's first lookup of
@@ -58,7 +57,6 @@ from __future__ import annotations
 
 import functools
 import queue
-import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -67,9 +65,9 @@ from typing import Any, ClassVar, TypeVar
 
 from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
 from kv_offload_sidecar.engine.sidecar_attachment import RowRegion
-from kv_offload_sidecar.engine.region_file import copy_released, find_region_file
+from kv_offload_sidecar.engine.region_file import find_region_file
 from kv_offload_sidecar.engine.sidecar_link import SidecarLink, sidecar_address
-from kv_offload_sidecar.engine.tier_records import Job, KeyState, hit_prefix, locality_of
+from kv_offload_sidecar.engine.tier_records import KeyState, hit_prefix, locality_of
 from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of, engine_config
 from kv_offload_sidecar.engine.tier_stats import (
     HIT_STEPS_TARGET,
@@ -77,6 +75,7 @@ from kv_offload_sidecar.engine.tier_stats import (
     TierStats,
     metric_definitions,
 )
+from kv_offload_sidecar.engine.tier_transfers import TierTransfers
 from kv_offload_sidecar.engine.vllm_contract import (
     CacheHitSource,
     JobResult,
@@ -97,8 +96,6 @@ logger = tier_logger(__name__)
 _GENERIC_TIER_KEYS = frozenset({"name"})
 _VALID_KEYS = ("host, port, lookup_timeout_seconds, load_timeout_seconds, locality, "
                "enable_kv_events, backpressure")
-# Seconds between repeated warnings about failing loads.
-_LOAD_WARNING_INTERVAL = 10.0
 # Most keys a lookup vLLM's thread sends itself (a frame of ~38 KB, which a local socket's
 # buffer takes at once, so the send never waits on the sidecar); longer ones go by the thread.
 _DIRECT_LOOKUP_KEYS = 512
@@ -156,10 +153,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._lookup_timeout = float(lookup_timeout_seconds)
         self._load_timeout = float(load_timeout_seconds)
         self._events: list[Any] | None = [] if enable_kv_events else None
-        self._last_load_warning = 0.0
         self.stats = TierStats()
         self._region, self._region_reason = self._shared_region()
-        self._copy_path_logged: bool | None = None
         self._link = SidecarLink(sidecar_address(offloading_spec, host, port),
                                  engine_config(offloading_spec), self._chunk_bytes,
                                  self._load_timeout, self._set_refused, client, self._region)
@@ -175,19 +170,9 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         # time.monotonic() at the end of each of the latest steps (oldest first).
         self._step_ends: deque[float] = deque(maxlen=_STEP_HISTORY)
         self._batch: dict[str, list[bytes]] = {}
-        self._jobs: dict[int, Job] = {}
         # Thread hand-offs.
         self._lookup_q: queue.SimpleQueue = queue.SimpleQueue()
         self._lookup_results: queue.SimpleQueue = queue.SimpleQueue()
-        self._transfer_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._finished: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._pending_transfers = 0
-        self._draining = 0
-        # The job the transfer thread is running (None: none), and this tier's prefix of the
-        # job ids the sidecar knows it by (vLLM's job ids are unique only per engine).
-        self._running: Job | None = None
-        self._job_prefix = secrets.token_hex(6)
         # Requests' lookups handed to the lookup thread and not back from it yet.
         self._lookups_in_flight = 0
         # Lookups sent, whose answers vLLM's thread reads: (keys, client or None, lookup).
@@ -195,10 +180,14 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         # The step whose lookups last polled those answers.
         self._polled_step = -1
         self._stats_lock = threading.Lock()
+        self._transfers = TierTransfers(self._link, self._rows, self._row_stride,
+                                        self._chunk_bytes, self._load_timeout,
+                                        self._region_reason, self.stats, self._stats_lock,
+                                        self._add_cpu)
+        self._jobs = self._transfers.jobs  # submitted and not yet reported finished
         self._threads = [
             threading.Thread(target=self._lookup_worker, name="kv-offload-lookup", daemon=True),
-            threading.Thread(target=self._transfer_worker, name="kv-offload-transfer",
-                             daemon=True),
+            self._transfers.thread,
         ]
         for t in self._threads:
             t.start()
@@ -314,73 +303,39 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
 
     @_counts_cpu
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._submit("store", job_metadata)
+        self._transfers.submit("store", job_metadata)
 
     @_counts_cpu
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._submit("load", job_metadata)
+        self._transfers.submit("load", job_metadata)
 
     @_counts_cpu
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Finished jobs; the keys of a failed (or partly failed) load become MISS here."""
         out = []
-        while True:
-            try:
-                job_id, moved_count, elapsed, ok = self._finished.get_nowait()
-            except queue.Empty:
-                return out
-            job = self._jobs.pop(job_id)
-            moved = job.keys[:moved_count] if job.kind == "load" else job.keys
-            if job.kind == "load" and not ok:
+        for job, moved_count, result in self._transfers.finished():
+            if job.kind == "load" and not result.success:
                 for key in job.keys[moved_count:]:
                     state = self._keys.get(key)
                     if state is not None:
                         state.result = False
-            elif job.kind == "store" and ok and self._events is not None and moved:
-                self._events.append(OffloadingEvent(keys=list(moved), medium=self.medium,
+            elif job.kind == "store" and result.success and self._events is not None and job.keys:
+                self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium,
                                                     removed=False, locality=self.locality))
-            partial = job.kind == "load" and not ok and moved_count > 0
-            out.append(JobResult(job_id=job_id, success=ok,
-                                 successful_keys=tuple(moved) if partial else None,
-                                 transfer_time=elapsed,
-                                 transfer_bytes=moved_count * self._chunk_bytes))
+            out.append(result)
+        return out
 
     @_counts_cpu
     def drain_jobs(self) -> None:
-        """Block until every submitted transfer has finished or failed.
-
-        Jobs not yet started fail at once (reported by get_finished_jobs). A load in
-        progress is cancelled: the sidecar stops it (no fetch awaited further, no copy
-        piece started) and answers with the chunks whole by then, and only that answer
-        ends the job, so nothing of vLLM's memory is written once this returns. A store
-        in progress runs to its end (copies out of vLLM's rows, no network wait). A
-        sidecar that does not answer is waited for until the job's deadline
-        (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store).
-        """
-        with self._idle:
-            self._draining += 1
-            running = self._running
-        try:
-            if running is not None and running.kind == "load":
-                try:
-                    self._link.cancel(self._job_id(running))
-                except Exception as exc:  # the load then ends at its deadline
-                    logger.info("kv-offload: cancelling load job %d failed: %s",
-                                running.job_id, exc)
-            with self._idle:
-                while self._pending_transfers:
-                    self._idle.wait(1.0)
-        finally:
-            with self._idle:
-                self._draining -= 1
+        """Block until every submitted transfer has finished or failed; a load in progress
+        is cancelled and its answer awaited (``TierTransfers.drain``)."""
+        self._transfers.drain()
 
     @property
     def transfers_in_flight(self) -> tuple[int, int]:
         """(store and load jobs submitted and not finished, those of them the transfer thread
         has taken up, e.g. a load waiting on a stalled sidecar)."""
-        with self._idle:
-            pending = self._pending_transfers
-        return pending, max(0, pending - self._transfer_q.qsize())
+        return self._transfers.in_flight
 
     @_counts_cpu
     def has_pending_work(self) -> bool:
@@ -415,7 +370,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         this tier's view of vLLM's primary memory (vLLM then closes its region)."""
         self.drain_jobs()
         self._lookup_q.put(_STOP)
-        self._transfer_q.put(_STOP)
+        self._transfers.stop()
         for t in self._threads:
             t.join()
         self._take_handoffs()
@@ -423,6 +378,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             pending.close()
         self._pending = []
         self._link.close()
+        self._transfers.rows = None
         rows, self._rows = self._rows, None
         if rows is not None:
             rows.release()
@@ -446,32 +402,6 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             return None, reason
         return RowRegion(found, self._row_stride, self._rows.nbytes // self._row_stride,
                          self._chunk_bytes), ""
-
-    def _sidecar_copies(self, client: Any) -> bool:
-        """Whether ``client``'s sidecar copies rows itself; says once which path is used."""
-        attached = bool(getattr(client, "region_attached", False))
-        if self._copy_path_logged is not attached:
-            self._copy_path_logged = attached
-            if attached:
-                logger.info("kv-offload tier: the sidecar maps vLLM's primary region and copies "
-                            "chunks between its rows and the store (vLLM's process moves no "
-                            "KV bytes)")
-            else:
-                why = getattr(client, "region_reason", "") or self._region_reason
-                logger.info("kv-offload tier: the primary region is not shared with the sidecar "
-                            "(%s); the tier copies chunks itself, GIL released", why)
-        return attached
-
-    def _submit(self, kind: str, job: TransferJob) -> None:
-        rows = getattr(job, "chunk_ids", None)
-        if rows is None:  # older vLLM: JobMetadata.block_ids
-            rows = job.block_ids
-        record = Job(kind, int(job.job_id), [bytes(k) for k in job.keys],
-                      [int(r) for r in rows], time.monotonic())
-        self._jobs[record.job_id] = record
-        with self._idle:
-            self._pending_transfers += 1
-        self._transfer_q.put(record)
 
     def _take_handoffs(self) -> None:
         """The lookups the lookup thread sent (or failed) since, into ``_pending``."""
@@ -518,11 +448,6 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
             state = self._keys.get(key)
             if state is not None and state.result is None:
                 state.result, state.known_at = present, known_at
-
-    def _row(self, row: int) -> memoryview:
-        assert self._rows is not None, "kv-offload tier used after shutdown"
-        start = row * self._row_stride
-        return self._rows[start:start + self._chunk_bytes]
 
     def _lookup_worker(self) -> None:
         # Attach now, off vLLM's threads, so the first request's lookup does not pay for the
@@ -588,85 +513,6 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
     def _set_refused(self, refused: str | None) -> None:
         with self._stats_lock:
             self.stats.refused = refused
-
-    def _transfer_worker(self) -> None:
-        mark = time.thread_time()
-        while True:
-            job = self._transfer_q.get()
-            if job is _STOP:
-                return
-            started = time.monotonic()
-            ok, moved = False, 0
-            with self._idle:  # drain_jobs sees this job running, or this sees it draining
-                cancelled = bool(self._draining)
-                self._running = None if cancelled else job
-            if cancelled:
-                logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
-            else:
-                try:
-                    ok, moved = self._load(job) if job.kind == "load" else self._store(job)
-                except Exception as exc:
-                    logger.warning("kv-offload %s job %d failed: %s", job.kind, job.job_id, exc)
-            self._account(job, moved, ok)
-            mark = self._add_cpu(mark)  # counted before the job is reported finished
-            self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
-            with self._idle:
-                self._running = None
-                self._pending_transfers -= 1
-                self._idle.notify_all()
-
-    def _job_id(self, job: Job) -> str:
-        """The id the sidecar knows ``job`` by (what drain_jobs cancels)."""
-        return f"{self._job_prefix}:{job.job_id}"
-
-    def _account(self, job: Job, moved: int, ok: bool) -> None:
-        with self._stats_lock:
-            if job.kind == "load":
-                self.stats.load_seconds.append(time.monotonic() - job.submitted)
-                self.stats.failed_loads += not ok
-                self.stats.bytes_loaded += moved * self._chunk_bytes
-            else:
-                self.stats.failed_stores += not ok
-                self.stats.bytes_stored += moved * self._chunk_bytes
-        if job.kind == "load" and not ok:
-            now = time.monotonic()
-            if now - self._last_load_warning >= _LOAD_WARNING_INTERVAL:
-                self._last_load_warning = now
-                logger.warning("kv-offload: loaded %d of %d chunks of job %d from the sidecar; "
-                               "vLLM recomputes the rest (%d failed loads so far)", moved,
-                               len(job.keys), job.job_id, self.stats.failed_loads)
-
-    def _load(self, job: Job) -> tuple[bool, int]:
-        """(all loaded, leading chunks of ``job`` copied from the sidecar into their rows)."""
-        client = self._link.connected()
-        if client is None:
-            return False, 0
-        if self._sidecar_copies(client):
-            loaded = client.load_rows(job.keys, job.rows, timeout=self._load_timeout,
-                                      job=self._job_id(job))
-        else:
-            def read(i: int, slot: memoryview) -> None:
-                copy_released(self._row(job.rows[i]), slot.cast("B")[:self._chunk_bytes])
-
-            loaded = client.load(job.keys, read, timeout=self._load_timeout,
-                                 job=self._job_id(job))
-        if not self._link.matches(client):
-            loaded = 0  # read from a sidecar that turned out not to match: none of it counts
-        return loaded == len(job.keys), loaded
-
-    def _store(self, job: Job) -> tuple[bool, int]:
-        """(stored, chunks written now); keys the sidecar holds already or has no room
-        for are skipped, which is not a failure."""
-        client = self._link.connected()
-        if client is None:
-            return False, 0
-        if self._sidecar_copies(client):
-            return True, client.store_rows(job.keys, job.rows, strict=True)
-
-        def write(i: int, slot: memoryview) -> None:
-            copy_released(slot.cast("B")[:self._chunk_bytes], self._row(job.rows[i]))
-
-        return True, client.store(job.keys, write, strict=True)
 
 
 __all__ = ["KVOffloadSecondaryTier"]

@@ -469,7 +469,7 @@ def test_the_tier_counts_the_cpu_of_its_threads_and_its_calls_and_not_the_rest_o
         tier.lookup(b"\x01" * 16, ctx)
         assert spent() - before >= 0.2
         # The tier's transfer thread.
-        monkeypatch.setattr(tier, "_store", lambda job: (_burn_cpu(0.2), (True, 0))[1])
+        monkeypatch.setattr(tier._transfers, "_store", lambda job: (_burn_cpu(0.2), (True, 0))[1])
         before = spent()
         tier.submit_store(TransferJob(job_id=41, keys=[b"\x02" * 16], chunk_ids=np.array([0]),
                                       is_promotion=False, req_context=ctx))

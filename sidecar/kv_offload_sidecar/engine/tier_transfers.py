@@ -1,0 +1,237 @@
+"""The tier's store and load jobs: its transfer thread, which runs them one at a time.
+
+vLLM submits a job under its manager lock and the call returns at once; the
+transfer thread takes the jobs in order and results come back through a queue
+vLLM's thread drains (``get_finished_jobs``). The sidecar copies stored rows
+into its slots and loaded chunks into vLLM's rows itself when it maps vLLM's
+primary region; otherwise this thread copies between rows and the sidecar's
+slots with ``ctypes.memmove``, which releases the GIL (one info line says which).
+The thread's CPU is counted as the tier's (``cpu_seconds``) before a job is
+reported finished. ``drain`` (vLLM's ``drain_jobs``) fails the jobs not yet
+started and cancels a running load over the local channel, by the id the
+sidecar knows it by (``<prefix>:<job id>``), then waits for the sidecar's answer.
+Imports: the standard library and this package's tier modules.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kv_offload_sidecar.engine.region_file import copy_released
+from kv_offload_sidecar.engine.sidecar_link import SidecarLink
+from kv_offload_sidecar.engine.tier_records import Job
+from kv_offload_sidecar.engine.tier_stats import TierStats
+from kv_offload_sidecar.engine.vllm_contract import JobResult, TransferJob, tier_logger
+
+logger = tier_logger(__name__)
+
+# Seconds between repeated warnings about failing loads.
+_LOAD_WARNING_INTERVAL = 10.0
+_STOP = object()
+
+
+class TierTransfers:
+    """The transfer thread of one tier and the jobs submitted to it."""
+
+    def __init__(self, link: SidecarLink, rows: memoryview, row_stride: int, chunk_bytes: int,
+                 load_timeout: float, region_reason: str, stats: TierStats,
+                 stats_lock: threading.Lock, add_cpu: Callable[[float], float]) -> None:
+        self._link = link
+        # The tier's view of vLLM's primary rows (None once the tier has shut down).
+        self.rows: memoryview | None = rows
+        self._row_stride = row_stride
+        self._chunk_bytes = chunk_bytes
+        self._load_timeout = load_timeout
+        self._region_reason = region_reason
+        self._stats = stats
+        self._stats_lock = stats_lock
+        self._add_cpu = add_cpu  # counts this thread's CPU as the tier's; returns the new mark
+        self._last_load_warning = 0.0
+        self._copy_path_logged: bool | None = None
+        # Submitted and not yet reported finished, touched only under vLLM's manager lock.
+        self.jobs: dict[int, Job] = {}
+        self._transfer_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending_transfers = 0
+        self._draining = 0
+        # The job the transfer thread is running (None: none), and this tier's prefix of the
+        # job ids the sidecar knows it by (vLLM's job ids are unique only per engine).
+        self._running: Job | None = None
+        self._job_prefix = secrets.token_hex(6)
+        self.thread = threading.Thread(target=self._transfer_worker, name="kv-offload-transfer",
+                                       daemon=True)
+
+    def submit(self, kind: str, job: TransferJob) -> None:
+        """Queue vLLM's ``job`` ("store" or "load") for the transfer thread."""
+        rows = getattr(job, "chunk_ids", None)
+        if rows is None:  # older vLLM: JobMetadata.block_ids
+            rows = job.block_ids
+        record = Job(kind, int(job.job_id), [bytes(k) for k in job.keys],
+                     [int(r) for r in rows], time.monotonic())
+        self.jobs[record.job_id] = record
+        with self._idle:
+            self._pending_transfers += 1
+        self._transfer_q.put(record)
+
+    def finished(self) -> list[tuple[Job, int, JobResult]]:
+        """(job, leading chunks moved, vLLM's result) of each job finished since, no longer
+        in ``jobs``; a partly failed load's result names the chunks it did load."""
+        out = []
+        while True:
+            try:
+                job_id, moved_count, elapsed, ok = self._finished.get_nowait()
+            except queue.Empty:
+                return out
+            job = self.jobs.pop(job_id)
+            moved = job.keys[:moved_count] if job.kind == "load" else job.keys
+            partial = job.kind == "load" and not ok and moved_count > 0
+            out.append((job, moved_count, JobResult(
+                job_id=job_id, success=ok, successful_keys=tuple(moved) if partial else None,
+                transfer_time=elapsed, transfer_bytes=moved_count * self._chunk_bytes)))
+
+    def drain(self) -> None:
+        """Block until every submitted transfer has finished or failed.
+
+        Jobs not yet started fail at once (reported by get_finished_jobs). A load in
+        progress is cancelled: the sidecar stops it (no fetch awaited further, no copy
+        piece started) and answers with the chunks whole by then, and only that answer
+        ends the job, so nothing of vLLM's memory is written once this returns. A store
+        in progress runs to its end (copies out of vLLM's rows, no network wait). A
+        sidecar that does not answer is waited for until the job's deadline
+        (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store).
+        """
+        with self._idle:
+            self._draining += 1
+            running = self._running
+        try:
+            if running is not None and running.kind == "load":
+                try:
+                    self._link.cancel(self._job_id(running))
+                except Exception as exc:  # the load then ends at its deadline
+                    logger.info("kv-offload: cancelling load job %d failed: %s",
+                                running.job_id, exc)
+            with self._idle:
+                while self._pending_transfers:
+                    self._idle.wait(1.0)
+        finally:
+            with self._idle:
+                self._draining -= 1
+
+    @property
+    def in_flight(self) -> tuple[int, int]:
+        """(jobs submitted and not finished, those of them the transfer thread has taken up)."""
+        with self._idle:
+            pending = self._pending_transfers
+        return pending, max(0, pending - self._transfer_q.qsize())
+
+    def stop(self) -> None:
+        """Have the transfer thread end once the jobs queued before have run (join ``thread``)."""
+        self._transfer_q.put(_STOP)
+
+    def _transfer_worker(self) -> None:
+        mark = time.thread_time()
+        while True:
+            job = self._transfer_q.get()
+            if job is _STOP:
+                return
+            started = time.monotonic()
+            ok, moved = False, 0
+            with self._idle:  # drain sees this job running, or this sees it draining
+                cancelled = bool(self._draining)
+                self._running = None if cancelled else job
+            if cancelled:
+                logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
+            else:
+                try:
+                    ok, moved = self._load(job) if job.kind == "load" else self._store(job)
+                except Exception as exc:
+                    logger.warning("kv-offload %s job %d failed: %s", job.kind, job.job_id, exc)
+            self._account(job, moved, ok)
+            mark = self._add_cpu(mark)  # counted before the job is reported finished
+            self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
+            with self._idle:
+                self._running = None
+                self._pending_transfers -= 1
+                self._idle.notify_all()
+
+    def _job_id(self, job: Job) -> str:
+        """The id the sidecar knows ``job`` by (what drain cancels)."""
+        return f"{self._job_prefix}:{job.job_id}"
+
+    def _account(self, job: Job, moved: int, ok: bool) -> None:
+        with self._stats_lock:
+            if job.kind == "load":
+                self._stats.load_seconds.append(time.monotonic() - job.submitted)
+                self._stats.failed_loads += not ok
+                self._stats.bytes_loaded += moved * self._chunk_bytes
+            else:
+                self._stats.failed_stores += not ok
+                self._stats.bytes_stored += moved * self._chunk_bytes
+        if job.kind == "load" and not ok:
+            now = time.monotonic()
+            if now - self._last_load_warning >= _LOAD_WARNING_INTERVAL:
+                self._last_load_warning = now
+                logger.warning("kv-offload: loaded %d of %d chunks of job %d from the sidecar; "
+                               "vLLM recomputes the rest (%d failed loads so far)", moved,
+                               len(job.keys), job.job_id, self._stats.failed_loads)
+
+    def _sidecar_copies(self, client: Any) -> bool:
+        """Whether ``client``'s sidecar copies rows itself; says once which path is used."""
+        attached = bool(getattr(client, "region_attached", False))
+        if self._copy_path_logged is not attached:
+            self._copy_path_logged = attached
+            if attached:
+                logger.info("kv-offload tier: the sidecar maps vLLM's primary region and copies "
+                            "chunks between its rows and the store (vLLM's process moves no "
+                            "KV bytes)")
+            else:
+                why = getattr(client, "region_reason", "") or self._region_reason
+                logger.info("kv-offload tier: the primary region is not shared with the sidecar "
+                            "(%s); the tier copies chunks itself, GIL released", why)
+        return attached
+
+    def _load(self, job: Job) -> tuple[bool, int]:
+        """(all loaded, leading chunks of ``job`` copied from the sidecar into their rows)."""
+        client = self._link.connected()
+        if client is None:
+            return False, 0
+        if self._sidecar_copies(client):
+            loaded = client.load_rows(job.keys, job.rows, timeout=self._load_timeout,
+                                      job=self._job_id(job))
+        else:
+            def read(i: int, slot: memoryview) -> None:
+                copy_released(self._row(job.rows[i]), slot.cast("B")[:self._chunk_bytes])
+
+            loaded = client.load(job.keys, read, timeout=self._load_timeout,
+                                 job=self._job_id(job))
+        if not self._link.matches(client):
+            loaded = 0  # read from a sidecar that turned out not to match: none of it counts
+        return loaded == len(job.keys), loaded
+
+    def _store(self, job: Job) -> tuple[bool, int]:
+        """(stored, chunks written now); keys the sidecar holds already or has no room
+        for are skipped, which is not a failure."""
+        client = self._link.connected()
+        if client is None:
+            return False, 0
+        if self._sidecar_copies(client):
+            return True, client.store_rows(job.keys, job.rows, strict=True)
+
+        def write(i: int, slot: memoryview) -> None:
+            copy_released(slot.cast("B")[:self._chunk_bytes], self._row(job.rows[i]))
+
+        return True, client.store(job.keys, write, strict=True)
+
+    def _row(self, row: int) -> memoryview:
+        assert self.rows is not None, "kv-offload tier used after shutdown"
+        start = row * self._row_stride
+        return self.rows[start:start + self._chunk_bytes]
+
+
+__all__ = ["TierTransfers"]
