@@ -3,11 +3,12 @@
 One ``Sidecar`` per process, all on one asyncio loop. Engine operations
 (``lookup``, ``load``, ``reserve``) come from the local channel or
 ``/v1/lookup``: the local store's prefix first, then for the remaining keys
-the holder that the directory's owner names (``peers.peer_reads``: one owner
-query and one holder exchange, ``fetch_deadline_seconds`` each). An engine
+the holder that the directory's owner names (``peers.peer_reads``: an owner
+query and a holder exchange per holder the prefix spans, ``fetch_deadline_seconds``
+each). An engine
 lookup starts the fetch and its load waits for it; the admin lookup only
 counts. A failed or late peer answer is a miss and the peer is backed off.
-The store's changes feed the directory (``peers.location``). Metrics:
+The store's changes feed the directory (``peers.directory.location``). Metrics:
 ``chunk_lookups{result}`` per chunk key, ``lookup_messages``,
 ``peer_bytes{received}``, ``peer_fetch_duration``, ``peer_fetches{result}``,
 ``location_*``.

@@ -17,7 +17,7 @@ in one rate-limited ``RejectionLog``):
   another config gets 403 with ``reason``, the differing field names and the
   field diff (no secret).
 - ``POST /v1/publish``, ``POST /v1/locate``: the chunk directory's messages
-  (``location_routes.py``, ``peers/location.py``) for a peer with an inbound
+  (``peers/directory/location_routes.py``, ``peers/directory/location.py``) for a peer with an inbound
   session; headers ``X-KV-Offload-Session`` and ``X-KV-Offload-Auth`` (an HMAC
   of the body with the session key). 401 otherwise.
 - Admin (``Authorization: Bearer <token>``: the pool's admin token or the one
