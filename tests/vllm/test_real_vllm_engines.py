@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Callable
 
 import pytest
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, free_port_block
@@ -29,6 +28,7 @@ from kv_offload_tools.vllm_harness.driver_client import (
     start_all,
 )
 from kv_offload_tools.vllm_harness.engine_driver import METRICS_PORT_ENV
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,14 +53,6 @@ TENANT_A, TENANT_B = "tenant-a", "tenant-b"
 TENANT_CHUNKS = len(TENANT_PROMPT) // CHUNK_TOKENS
 PROMPTS = {"shared": SHARED, "partial": PARTIAL, "before_kill": BEFORE_KILL,
            "after_kill": AFTER_KILL, "tenant": TENANT_PROMPT}
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
-    """Until ``predicate()`` holds; ``timeout`` only guards against a hang."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.05)
 
 
 def stored_chunks(pool, index: int) -> float:

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +55,7 @@ import pytest
 from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS, ROW_COPY_GRACE_SECONDS
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED
 from kv_offload_tools.local_pool import LocalPool, example_config
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 try:
@@ -249,14 +250,6 @@ def store_on_a(e: Env, prefix: str) -> tuple[list[str], dict[str, Any]]:
     assert holder_chunks(e) == before + N_KEYS, (r, e.pool[0].status())
     e.pool.wait_directory_current(timeout=WAIT_S)
     return keys, r
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
-    """Until ``predicate()`` holds; ``timeout`` only guards against a hang."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def transfers(d: ManagerDriverProcess) -> dict[str, int]:
