@@ -180,16 +180,19 @@ async def read_json(request: web.Request, limit: int | None = None) -> Any:
         raise
     except Exception as exc:  # truncated upload, reset connection
         refuse(request, "malformed", f"{request.path}: body unreadable ({type(exc).__name__})")
-        raise _bad(f"request body could not be read ({type(exc).__name__}): send the whole body") from None
+        raise _bad(f"request body could not be read ({type(exc).__name__}): send the whole body",
+                   reason="malformed") from None
     try:
         return loads_bounded(raw)
     except ValueError as exc:
         refuse(request, "malformed", f"{request.path}: {exc}")
-        raise _bad(f"request body is not valid JSON ({clip(exc)}): send a JSON object") from None
+        raise _bad(f"request body is not valid JSON ({clip(exc)}): send a JSON object",
+                   reason="malformed") from None
 
 
-def _bad(message: str) -> web.HTTPBadRequest:
-    return web.HTTPBadRequest(text=json.dumps({"error": message}), content_type="application/json")
+def _bad(message: str, **extra: Any) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=json.dumps({"error": message, **extra}),
+                              content_type="application/json")
 
 
 def parse_keys(value: Any, sidecar: Sidecar) -> list[bytes]:

@@ -80,6 +80,19 @@ def _local_recv(sock: socket.socket) -> dict[str, Any] | None:
     return reply
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _strict_json(value: Any) -> bool:
+    """Whether ``value`` is JSON as the channel reads it (no NaN or Infinity)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return False
+    return True
+
+
 def run_local_case(ctx: FuzzContext, case: list) -> str:
     outcome = "answer"
     reservations: dict[int, list[bytes | None]] = {}  # id -> reserved key per position (None: no slot)
@@ -96,7 +109,7 @@ def run_local_case(ctx: FuzzContext, case: list) -> str:
                 raw = req[1] if req[0] == "bytes" else json.dumps(req[1]).encode()
                 sock.sendall(LENGTH.pack(len(raw)) + raw)
                 try:
-                    parsed = json.loads(raw)
+                    parsed = json.loads(raw, parse_constant=_not_json)
                 except (ValueError, UnicodeDecodeError):
                     parsed = None
                     fatal = True
@@ -105,7 +118,10 @@ def run_local_case(ctx: FuzzContext, case: list) -> str:
                 else:
                     req = parsed
             else:
-                sock.sendall(LENGTH.pack(len(json.dumps(req).encode())) + json.dumps(req).encode())
+                raw = json.dumps(req).encode()
+                sock.sendall(LENGTH.pack(len(raw)) + raw)
+                # NaN and Infinity are Python's, not JSON's: the channel refuses such a frame.
+                fatal = not _strict_json(req)
             try:
                 reply = _local_recv(sock)
             except socket.timeout:
