@@ -6,8 +6,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from kv_offload_sidecar.bulk_copies import (
     MAX_COPY_THREADS,
     NON_TEMPORAL_THRESHOLD,
@@ -42,18 +40,20 @@ def test_chunk_pieces_are_at_or_above_the_threshold() -> None:
     assert COPY_PIECE_BYTES >= NON_TEMPORAL_THRESHOLD
 
 
-@pytest.mark.skipif(not applies_here(), reason="the tunable exists on x86-64 glibc only")
-def test_the_process_reexecutes_once_with_the_same_pid_the_threshold_and_a_short_switch() -> None:
+def test_the_process_reexecutes_once_where_the_tunable_exists_and_always_shortens_the_switch() -> None:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     done = subprocess.run([sys.executable, "-c", SHOW_TUNABLES_AFTER_REEXEC], env=env,
                           capture_output=True, text=True, timeout=120, check=True)
     lines = done.stdout.splitlines()
     starts = [line.split()[1] for line in lines if line.startswith("start")]
     tunables = [line.split(maxsplit=2) for line in lines if line.startswith("tunables")]
-    assert len(starts) == 2 and starts[0] == starts[1], done.stdout
     assert len(tunables) == 1 and tunables[0][1] == starts[0], done.stdout
-    assert f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}" in tunables[0][2]
     assert f"switch {SWITCH_INTERVAL_SECONDS}" in lines
+    if applies_here():  # x86-64 glibc: one re-execution, same PID, the threshold set
+        assert len(starts) == 2 and starts[0] == starts[1], done.stdout
+        assert f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}" in tunables[0][2]
+    else:  # elsewhere the tunable does not exist: no re-execution, nothing added
+        assert len(starts) == 1 and len(tunables[0]) == 2, done.stdout
 
 
 def test_copy_threads_follow_the_cores_the_process_may_use() -> None:
