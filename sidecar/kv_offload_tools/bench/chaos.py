@@ -62,6 +62,22 @@ from kv_offload_tools.chaos.report import (
 )
 
 
+# The numeric knobs, in --help order: (flag, type, default, lowest value accepted or None where
+# _check holds it to something else, help).
+_KNOBS: tuple[tuple[str, type, float, int | None, str], ...] = (
+    ("--seconds", float, 900.0, None, "bound on the SIGKILL loop (the longest part of a fault run), seconds"),
+    ("--kills", int, 100, 1, "SIGKILLs of a serving peer that must land while a fetch is in flight"),
+    ("--wire-kills", int, 20, 1, "SIGKILLs of a serving peer at a chosen byte of a fetch (through the fault proxy)"),
+    ("--rounds", int, 5, 1, "rounds of SIGSTOP, reconnect storm, leave/rejoin and restart-under-engine"),
+    ("--wire-rounds", int, 40, 1, "fetches through the fault proxy per wire fault (flip, truncate, delay)"),
+    ("--slot-rounds", int, 40, 1, "loads during which the holder's slot bytes are flipped (--transport nixl)"),
+    ("--servers", int, 3, 1, "server sidecars killed and restarted in turn"),
+    ("--chunk-bytes", int, 64 * 1024, None, "bytes of one chunk"),
+    ("--fuzz-cases", int, 10_000, 6, "hypothesis cases of a --fuzz run"),
+    ("--rss-bound-mib", int, 64, 1, "largest RSS growth of the fuzzed sidecar across the run, MiB"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
@@ -70,33 +86,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=CHAOS_TRANSPORTS, default="tcp",
                    help="data plane of the sidecars of a fault run (nixl adds the slot_flip fault; "
                         "default %(default)s)")
-    p.add_argument("--seconds", type=float, default=900.0,
-                   help="bound on the SIGKILL loop (the longest part of a fault run), seconds")
-    p.add_argument("--kills", type=int, default=100,
-                   help="SIGKILLs of a serving peer that must land while a fetch is in flight")
-    p.add_argument("--wire-kills", type=int, default=20,
-                   help="SIGKILLs of a serving peer at a chosen byte of a fetch (through the fault proxy)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds of SIGSTOP, reconnect storm, leave/rejoin and restart-under-engine")
-    p.add_argument("--wire-rounds", type=int, default=40,
-                   help="fetches through the fault proxy per wire fault (flip, truncate, delay)")
-    p.add_argument("--slot-rounds", type=int, default=40,
-                   help="loads during which the holder's slot bytes are flipped (--transport nixl)")
-    p.add_argument("--servers", type=int, default=3, help="server sidecars killed and restarted in turn")
-    p.add_argument("--chunk-bytes", type=int, default=64 * 1024, help="bytes of one chunk")
-    p.add_argument("--fuzz-cases", type=int, default=10_000, help="hypothesis cases of a --fuzz run")
-    p.add_argument("--rss-bound-mib", type=int, default=64,
-                   help="largest RSS growth of the fuzzed sidecar across the run, MiB")
+    for flag, kind, default, _, text in _KNOBS:
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--plot", default="chaos.png", help="PNG to write ('' for none)")
     p.add_argument("--seed", type=int, default=1, help="seed of kill timings and fault offsets")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name, low in (("kills", 1), ("wire_kills", 1), ("rounds", 1), ("wire_rounds", 1), ("slot_rounds", 1),
-                      ("servers", 1), ("fuzz_cases", 6), ("rss_bound_mib", 1)):
-        if getattr(args, name) < low:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}")
+    for flag, _, _, low, _ in _KNOBS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if low is not None and value < low:
+            raise UsageError(f"{flag} {value} must be at least {low}")
     if args.seconds <= 0:
         raise UsageError(f"--seconds {args.seconds} must be positive")
     if args.chunk_bytes < 4096 or args.chunk_bytes % 4096:
