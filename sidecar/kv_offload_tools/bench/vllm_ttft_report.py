@@ -85,17 +85,10 @@ def table(report: Mapping[str, Any]) -> str:
         st, own, p = r["store"], r["own_sidecar"], r["peer"]
         holder = p.get("holder_cpu_s")
         holder_gb = None if holder is None else holder / (r["bytes"] / 1e9)
-        lines.append(
-            f"| {r['plane']} | {r['size_mib']} MiB "
-            f"| {_f(st.get('tier_cpu_s_per_gb'))} / {_f(own.get('tier_cpu_s_per_gb'))} / "
-            f"{_f(p.get('tier_cpu_s_per_gb'))} "
-            f"| {_f(st['engine_cpu_s_per_gb'])} / {_f(own['engine_cpu_s_per_gb'])} / "
-            f"{_f(p['engine_cpu_s_per_gb'])} "
-            f"| {_f(st.get('engine_off_main_cpu_s_per_gb'))} / "
-            f"{_f(own.get('engine_off_main_cpu_s_per_gb'))} / "
-            f"{_f(p.get('engine_off_main_cpu_s_per_gb'))} "
-            f"| {_f(st['sidecar_cpu_s_per_gb'])} / {_f(own.get('sidecar_cpu_s_per_gb'))} / "
-            f"{_f(p.get('sidecar_cpu_s_per_gb'))} | {_f(holder_gb)} |")
+        # Each CPU figure as "store / own-sidecar load / peer load", in the header's column order.
+        per_gb = " | ".join(" / ".join(_f(side.get(key)) for side in (st, own, p)) for key in (
+            "tier_cpu_s_per_gb", "engine_cpu_s_per_gb", "engine_off_main_cpu_s_per_gb", "sidecar_cpu_s_per_gb"))
+        lines.append(f"| {r['plane']} | {r['size_mib']} MiB | {per_gb} | {_f(holder_gb)} |")
     lines += ["", "| plane | prefix | store: in the sidecar after the first token | rate | phases |",
               "|---|---|---|---|---|"]
     for r in report["rows"]:
