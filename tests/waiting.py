@@ -35,8 +35,15 @@ def _gave_up(what: str, timeout: float, last: object) -> AssertionError:
 def wait_for(what: str, probe: Callable[[], T], timeout: float = SAFETY_SECONDS,
              interval: float = POLL_SECONDS) -> T:
     """``probe()``'s first truthy answer; fails naming ``what`` after ``timeout`` seconds."""
+    return wait_until(what, probe, bool, timeout, interval)
+
+
+def wait_until(what: str, read: Callable[[], T], accept: Callable[[T], object],
+               timeout: float = SAFETY_SECONDS, interval: float = POLL_SECONDS) -> T:
+    """The first value ``read()`` returns that ``accept`` accepts (a snapshot of counters, say):
+    on expiry the failure shows the last snapshot, not merely that a check was false."""
     deadline = time.monotonic() + timeout
-    while not (value := probe()):
+    while not accept(value := read()):
         if time.monotonic() > deadline:
             raise _gave_up(what, timeout, value)
         time.sleep(interval)

@@ -3,7 +3,6 @@ the unauthenticated connections, and the memory handed back after strangers."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 
 from kv_offload_sidecar.data.before_auth import (
@@ -16,6 +15,7 @@ from kv_offload_sidecar.data.before_auth import (
     freeze_long_lived,
     thaw_long_lived,
 )
+from waiting import wait_for_async
 
 
 def test_places_are_limited_per_source_and_in_all_and_given_back() -> None:
@@ -72,9 +72,7 @@ async def test_memory_is_handed_back_once_a_crowd_of_strangers_left_and_not_for_
     for i in range(TRIM_AFTER_STRANGERS):
         limit.leave(f"10.0.0.{i}", proved=False)
     assert limit.trims == 0  # a moment later: their transports free their buffers first
-    deadline = asyncio.get_running_loop().time() + 10
-    while limit.trims == 0 and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
+    await wait_for_async("the strangers' memory handed back", lambda: limit.trims)
     assert limit.trims == 1
 
 

@@ -12,7 +12,6 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kv_offload_sidecar.data import connect
@@ -27,6 +26,7 @@ from peer_processes import PeerProcess
 from raw_wire import authenticated, error_text, read_until_closed, recv_exact
 from raw_wire import dial as stranger
 from transport_peers import SESSION_ID, SESSION_KEY, key_of
+from waiting import wait_until
 
 CHUNK = 256 * 1024
 
@@ -39,18 +39,6 @@ def read_challenge(sock: socket.socket) -> bytes:
     header = proto.decode_header(recv_exact(sock, proto.HEADER_BYTES))
     assert header.type is proto.MessageType.AUTH_CHALLENGE, header
     return recv_exact(sock, header.length)
-
-
-def wait_for(peer: PeerProcess, done: Callable[[dict[str, Any]], bool], what: str,
-             seconds: float = 30) -> dict[str, Any]:
-    """Poll the server's counters until ``done`` holds; the last snapshot."""
-    deadline = time.monotonic() + seconds
-    while True:
-        snapshot = peer.metrics()
-        if done(snapshot):
-            return snapshot
-        assert time.monotonic() < deadline, f"{what}: still {snapshot}"
-        time.sleep(0.02)
 
 
 def vm_kib(pid: int, field: str) -> int:
@@ -76,15 +64,15 @@ def test_auth_frames_announcing_1_mib_are_refused_at_the_header_and_never_alloca
         read_challenge(sock)
         sock.sendall(proto.encode_header(proto.MessageType.AUTH_RESPONSE, 0, 1 << 20) + bytes(100))
         socks.append(sock)
-    wait_for(peer, lambda m: m["protocol_errors"]["oversize"] == 200 and m["unauthenticated"] == 0,
-             "200 refused at the header and closed")
+    wait_until("200 refused at the header and closed", peer.metrics,
+               lambda m: m["protocol_errors"]["oversize"] == 200 and m["unauthenticated"] == 0)
     # Each 1 MiB payload allocated and awaited (as before this limit) would be 200 MiB at peak.
     assert vm_kib(peer.pid, "VmHWM") - peak_before < 16 * 1024
     for sock in socks:
         text = error_text(read_until_closed(sock))
         sock.close()
         assert text.startswith("oversize:") and "before authentication" in text, text
-    wait_for(peer, lambda m: m["memory_reclaims"] >= 1, "the strangers' memory handed back")
+    wait_until("the strangers' memory handed back", peer.metrics, lambda m: m["memory_reclaims"] >= 1)
     assert vm_kib(peer.pid, "VmRSS") - rss_before < 8 * 1024
     assert peer.metrics()["protocol_errors"]["oversize"] == 200
 
@@ -139,7 +127,7 @@ def test_a_stranger_that_stalls_or_drips_before_its_proof_is_cut_at_the_deadline
     dripper.close()
     assert dripped < len(proof)
     assert time.monotonic() - t0 < 5  # the 1 s deadline, not the 12 s drip
-    m = wait_for(peer, lambda m: m["unauthenticated"] == 0, "every stalled connection closed")
+    m = wait_until("every stalled connection closed", peer.metrics, lambda m: m["unauthenticated"] == 0)
     assert m["protocol_errors"]["timeout"] == 4
 
 
@@ -151,11 +139,12 @@ def test_strangers_that_never_finish_the_tls_handshake_are_capped_cut_and_their_
     rss_before, peak_before = vm_kib(peer.pid, "VmRSS"), vm_kib(peer.pid, "VmHWM")
     per, total = MAX_UNAUTHENTICATED_PER_SOURCE, MAX_UNAUTHENTICATED_CONNECTIONS
     held = [stranger(plain, f"127.0.0.{2 + i // per}") for i in range(total)]  # no ClientHello
-    wait_for(peer, lambda m: m["unauthenticated"] == total, "every silent TLS connection admitted")
+    wait_until("every silent TLS connection admitted", peer.metrics,
+               lambda m: m["unauthenticated"] == total)
     refused = stranger(plain, f"127.0.0.{3 + total // per}")
     assert read_until_closed(refused) == b""  # closed at accept: no TLS, so no ERROR frame
     refused.close()
-    m = wait_for(peer, lambda m: m["unauthenticated"] == 0, "the deadline cut them all")
+    m = wait_until("the deadline cut them all", peer.metrics, lambda m: m["unauthenticated"] == 0)
     assert m["protocol_errors"]["timeout"] == total
     assert m["protocol_errors"]["too_many_connections"] == 1
     # asyncio holds 256 KiB per TLS connection in its handshake; the places bound it.
@@ -163,7 +152,7 @@ def test_strangers_that_never_finish_the_tls_handshake_are_capped_cut_and_their_
     for sock in held:
         assert read_until_closed(sock) == b""
         sock.close()
-    wait_for(peer, lambda m: m["memory_reclaims"] >= 1, "the strangers' memory handed back")
+    wait_until("the strangers' memory handed back", peer.metrics, lambda m: m["memory_reclaims"] >= 1)
     assert vm_kib(peer.pid, "VmRSS") - rss_before < 8 * 1024
 
 
@@ -191,12 +180,13 @@ async def test_unauthenticated_connections_per_address_are_capped_and_the_excess
         await client.close()
     for sock in held:
         sock.close()
-    wait_for(peer, lambda m: m["unauthenticated"] == 1, "the held connections' places given back")
+    wait_until("the held connections' places given back", peer.metrics,
+               lambda m: m["unauthenticated"] == 1)
     again = stranger(peer.address, "127.0.0.2")
     read_challenge(again)
     again.close()
     other.close()
-    m = wait_for(peer, lambda m: m["unauthenticated"] == 0, "all closed")
+    m = wait_until("all closed", peer.metrics, lambda m: m["unauthenticated"] == 0)
     assert m["protocol_errors"]["too_many_connections"] == 1
 
 
@@ -220,7 +210,7 @@ async def test_unauthenticated_connections_in_all_are_capped_while_authenticated
         await client.close()
     for sock in held:
         sock.close()
-    wait_for(peer, lambda m: m["unauthenticated"] == 0, "the flood's places given back")
+    wait_until("the flood's places given back", peer.metrics, lambda m: m["unauthenticated"] == 0)
     late = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
     await late.close()
     assert peer.metrics()["protocol_errors"]["too_many_connections"] == 1
@@ -287,7 +277,7 @@ def test_malformed_frames_before_and_after_the_proof_get_a_counted_reason_and_no
     for sock in fuzz:
         read_until_closed(sock)
         sock.close()
-    m = wait_for(peer, lambda m: m["unauthenticated"] == 0, "every stranger closed")
+    m = wait_until("every stranger closed", peer.metrics, lambda m: m["unauthenticated"] == 0)
     counted = m["protocol_errors"]
     assert all(counted[r] >= n for r, n in expected.items()), (counted, expected)
     assert sum(counted.values()) >= sum(expected.values()) + 32  # most fuzz frames are refused
@@ -306,7 +296,7 @@ def test_a_hundred_refusals_from_one_address_cost_one_log_line_and_a_hundred_cou
         sock.sendall(b"JUNK" + bytes(12))
         assert error_text(read_until_closed(sock)).startswith("malformed:")
         sock.close()
-    m = wait_for(peer, lambda m: m["protocol_errors"]["malformed"] == 100, "a hundred counted")
+    m = wait_until("a hundred counted", peer.metrics, lambda m: m["protocol_errors"]["malformed"] == 100)
     assert m["unauthenticated"] == 0
     lines = [line for line in log_file.read_text().splitlines() if "127.0.0.9" in line]
     assert len(lines) == 1 and "rejected 127.0.0.9 (data port): malformed" in lines[0], lines

@@ -12,12 +12,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_PER_SOURCE
 from peer_processes import PEERS_SCRIPT, PeerProcess, run_ucx_client, ucx_env
-from waiting import wait_for
+from waiting import wait_until
 
 TLS = ["sm,self", "tcp,self"]
 CHUNK = 256 * 1024
@@ -141,11 +140,6 @@ def test_bad_frames_get_clear_errors_and_the_server_keeps_serving(
     assert "Traceback" not in log and "rejected ucx attach: malformed" in log, log[-3000:]
 
 
-def _wait_for(peer: PeerProcess, done: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
-    """The peer's metrics once ``done`` accepts them."""
-    return wait_for(what, lambda: next((m for m in [peer.metrics()] if done(m)), None))
-
-
 @pytest.mark.parametrize("tls", TLS)
 def test_before_the_proof_a_big_frame_is_refused_and_one_session_holds_few_places_for_a_short_time(
         tls: str, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
@@ -159,8 +153,8 @@ def test_before_the_proof_a_big_frame_is_refused_and_one_session_holds_few_place
         line = client.stdout.readline()
         assert line, "the UCX client ended before holding its attaches"
         assert json.loads(line) == {"held": MAX_UNAUTHENTICATED_PER_SOURCE}
-        m = _wait_for(peer, lambda m: m["protocol_errors"]["too_many_connections"] == 1,
-                      "the attach past the session's places refused")
+        m = wait_until("the attach past the session's places refused", peer.metrics,
+                       lambda m: m["protocol_errors"]["too_many_connections"] == 1)
         assert m["unauthenticated"] == MAX_UNAUTHENTICATED_PER_SOURCE
         client.stdin.write("go\n")
         client.stdin.flush()
@@ -171,7 +165,7 @@ def test_before_the_proof_a_big_frame_is_refused_and_one_session_holds_few_place
             client.kill()
             client.wait(5)
     assert out["big_proof_reply"].startswith("ERROR oversize:"), out
-    m = _wait_for(peer, lambda m: m["unauthenticated"] == 0, "the held attaches cut at the deadline")
+    m = wait_until("the held attaches cut at the deadline", peer.metrics, lambda m: m["unauthenticated"] == 0)
     assert m["protocol_errors"]["timeout"] == MAX_UNAUTHENTICATED_PER_SOURCE
     assert m["protocol_errors"]["oversize"] == 1
     after = run_ucx_client(peer, "fetch", tls=tls, shm_dir=shm_dir, chunks=4, chunk_bytes=CHUNK)
