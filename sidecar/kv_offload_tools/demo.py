@@ -29,23 +29,20 @@ from kv_offload_tools import scrape
 from kv_offload_tools.engine_sim import RequestResult, SimulatedEngine, trace_tokens
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
 from kv_offload_tools.mooncake_trace import TRACE_SAMPLE, load_trace
+from kv_offload_tools.pod_table import PodCounts, format_table
 
 
 @dataclass
-class PodReport:
-    """What one pod (sidecar + engine) did in the demo."""
+class PodReport(PodCounts):
+    """What one pod (sidecar + simulated engine) did in the demo."""
 
-    name: str
-    metrics_url: str
-    requests: int = 0
+    # Chunk keys the engine's tier looked up.
     lookups: int = 0
-    local_hits: int = 0
-    peer_hits: int = 0
-    misses: int = 0
+    # Loaded bytes that differed from the KV the engine computes (must be 0).
     mismatched_bytes: int = 0
+    # Load jobs that failed in whole or part.
     failed_loads: int = 0
-    bytes_moved: int = 0
-    handshake_rejections: int = 0
+    # Seconds of each load job.
     load_seconds: list[float] = field(default_factory=list)
 
     @property
@@ -63,11 +60,7 @@ class DemoReport:
     def total(self) -> PodReport:
         t = PodReport("total", "")
         for p in self.pods:
-            for name in ("requests", "lookups", "local_hits", "peer_hits", "misses",
-                         "mismatched_bytes", "failed_loads", "bytes_moved",
-                         "handshake_rejections"):
-                setattr(t, name, getattr(t, name) + getattr(p, name))
-            t.load_seconds.extend(p.load_seconds)
+            t.add(p)
         return t
 
 
@@ -102,11 +95,7 @@ def run_demo(pods: int = 3, requests: int | None = None, transport: str = "tcp",
                     st.lookups, st.local_hits, st.peer_hits, st.misses)
                 rep.failed_loads = st.failed_loads
                 rep.load_seconds = list(st.load_seconds)
-                samples = scrape.scrape(rep.metrics_url)
-                rep.bytes_moved = int(scrape.value(samples, "kv_offload_peer_bytes_total",
-                                                   direction="received"))
-                rep.handshake_rejections = int(scrape.value(
-                    samples, "kv_offload_handshakes_total", result="rejected"))
+                rep.read_sidecar(scrape.scrape(rep.metrics_url))
         finally:
             for engine in engines:
                 engine.close()
@@ -181,11 +170,7 @@ def format_report(report: DemoReport) -> str:
                      str(p.peer_hits), str(p.misses), f"{p.hit_ratio:.3f}", _bytes(p.bytes_moved),
                      _ms(p.load_seconds, 0.50), _ms(p.load_seconds, 0.99),
                      str(p.handshake_rejections), str(p.mismatched_bytes), p.metrics_url))
-    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in (head, *rows)]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.insert(len(lines) - 1, lines[1])
-    return "\n".join(lines)
+    return format_table(head, rows)
 
 
 def _bytes(n: int) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kv_offload_tools import scrape
 from kv_offload_tools.engine_sim import trace_tokens
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride
+from kv_offload_tools.pod_table import PodCounts, format_table
 
 from .deployment import VllmDeployment
 from .driver_client import EngineDriverProcess, close_all, metric_value, start_all
@@ -33,22 +34,18 @@ VOCAB = 2048
 
 
 @dataclass
-class VllmPodReport:
+class VllmPodReport(PodCounts):
     """What one pod (sidecar + real vLLM engine) did."""
 
-    name: str
-    metrics_url: str
-    requests: int = 0
+    # Prompt tokens sent, those vLLM reported cached, and of those the ones it counts as p2p hits.
     prompt_tokens: int = 0
     cached_tokens: int = 0
     p2p_tokens: int = 0
+    # Chunks vLLM's tiering counted as hits of the kv-offload tier.
     tier_chunk_hits: int = 0
-    local_hits: int = 0
-    peer_hits: int = 0
-    misses: int = 0
-    bytes_moved: int = 0
-    rejections: int = 0
+    # Outputs that differed from the engine without offloading (must be 0).
     differing_outputs: int = 0
+    # Seconds of each request.
     seconds: list[float] = field(default_factory=list)
 
 
@@ -157,9 +154,7 @@ def _collect(engine: EngineDriverProcess, rep: VllmPodReport, sidecar: dict) -> 
                          ("misses", "miss")):
         setattr(rep, attr, int(scrape.value(sidecar, "kv_offload_chunk_lookups_total",
                                             result=result)))
-    rep.bytes_moved = int(scrape.value(sidecar, "kv_offload_peer_bytes_total",
-                                       direction="received"))
-    rep.rejections = int(scrape.value(sidecar, "kv_offload_handshakes_total", result="rejected"))
+    rep.read_sidecar(sidecar)
 
 
 def format_vllm_report(reports: list[VllmPodReport]) -> str:
@@ -168,16 +163,9 @@ def format_vllm_report(reports: list[VllmPodReport]) -> str:
             "outputs differing", "metrics")
     total = VllmPodReport("total", "")
     for r in reports:
-        for name in ("requests", "prompt_tokens", "cached_tokens", "p2p_tokens", "tier_chunk_hits",
-                     "local_hits", "peer_hits", "misses", "bytes_moved", "rejections",
-                     "differing_outputs"):
-            setattr(total, name, getattr(total, name) + getattr(r, name))
+        total.add(r)
     rows = [(r.name, str(r.requests), str(r.prompt_tokens), str(r.cached_tokens),
              str(r.p2p_tokens), str(r.tier_chunk_hits), str(r.local_hits), str(r.peer_hits),
-             str(r.misses), f"{r.bytes_moved / 2**20:.1f} MiB", str(r.rejections),
+             str(r.misses), f"{r.bytes_moved / 2**20:.1f} MiB", str(r.handshake_rejections),
              str(r.differing_outputs), r.metrics_url) for r in [*reports, total]]
-    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.insert(len(lines) - 1, lines[1])
-    return "\n".join(lines)
+    return format_table(head, rows)
