@@ -30,6 +30,7 @@ from kv_offload_tools.engine_sim import RequestResult, SimulatedEngine, trace_to
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
 from kv_offload_tools.mooncake_trace import TRACE_SAMPLE, load_trace
 from kv_offload_tools.pod_table import PodCounts, format_table
+from kv_offload_tools.progress import to_stderr
 
 
 @dataclass
@@ -212,12 +213,11 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")  # CPU-only host
     if args.engine == "vllm":
         return _run_vllm(args)
-    print(f"[demo] starting {args.pods} sidecars ({args.transport}) and {args.pods} simulated "
-          f"vLLM engines; trace {args.trace}", file=sys.stderr, flush=True)
+    to_stderr(f"[demo] starting {args.pods} sidecars ({args.transport}) and {args.pods} simulated "
+              f"vLLM engines; trace {args.trace}")
     try:
         report = run_demo(args.pods, args.requests, args.transport, args.seconds, args.trace,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True),
-                          intruder=args.intruder)
+                          progress=to_stderr, intruder=args.intruder)
     except ValueError as exc:
         raise UsageError(f"kv-offload demo: {exc}") from None
     print(format_report(report))
@@ -247,11 +247,11 @@ def _run_vllm(args: argparse.Namespace) -> int:
         trace_ids = load_trace(args.trace)[:args.requests or 30]
     except ValueError as exc:
         raise UsageError(f"kv-offload demo: {exc}") from None
-    print(f"[demo] {args.pods} sidecars and {args.pods} real vLLM engines; "
-          f"{len(trace_ids)} requests of {args.trace}", file=sys.stderr, flush=True)
+    to_stderr(f"[demo] {args.pods} sidecars and {args.pods} real vLLM engines; "
+              f"{len(trace_ids)} requests of {args.trace}")
     try:
         reports = run_vllm_demo(args.pods, trace_ids, intruder=args.intruder,
-                                progress=lambda line: print(line, file=sys.stderr, flush=True))
+                                progress=to_stderr)
     except VllmUnavailable as exc:
         raise UsageError(f"kv-offload demo: {exc}") from None
     print(format_vllm_report(reports))

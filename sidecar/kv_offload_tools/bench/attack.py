@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
 from typing import Any
 
@@ -62,6 +61,7 @@ from kv_offload_tools.bench.attack_report import (
 )
 from kv_offload_tools.bench.attack_siege import run_siege
 from kv_offload_tools.bench.attack_sockets import sources
+from kv_offload_tools.progress import timestamped
 
 # Values of a full run and of --short, for the flags left unset.
 FULL = {"connections": 1000, "hold_seconds": 15.0, "repeats": 20, "rejected_handshakes": 200,
@@ -145,8 +145,7 @@ def _raise_fd_limit(need: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     s = _settings(args)
-    progress = (lambda line: None) if args.quiet else (
-        lambda line: print(f"[attack {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True))
+    progress = timestamped("attack", args.quiet)
     _raise_fd_limit(4 * s["connections"] + 1024)
     report = measure(s, progress)
     if args.plot:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict
 from typing import Any
@@ -60,6 +59,7 @@ from kv_offload_tools.chaos.report import (
     plot_faults,
     plot_fuzz,
 )
+from kv_offload_tools.progress import timestamped
 
 
 # The numeric knobs, in --help order: (flag, type, default, lowest value accepted or None where
@@ -113,8 +113,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    progress = (lambda line: None) if args.quiet else (
-        lambda line: print(f"[chaos {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True))
+    progress = timestamped("chaos", args.quiet)
     if args.fuzz:
         return _run_fuzz(args, progress)
     return _run_faults(args, progress)

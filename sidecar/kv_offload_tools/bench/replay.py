@@ -35,7 +35,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ from kv_offload_tools.bench.prefill_model import PrefillSettings, format_rows, p
 from kv_offload_tools.local_pool import LocalPool, example_config
 from kv_offload_tools.mooncake_trace import TraceRequest, load_requests, write_requests
 from kv_offload_tools.prefix_hash import make_offload_key, none_hash, sha256
+from kv_offload_tools.progress import to_stderr
 from kv_offload_tools.workloads import WORKLOADS, ConversationSpec, conversation
 
 ROUTINGS = ("round-robin", "random", "prefix-aware", "session-affine", "prefix-hint")
@@ -664,8 +664,7 @@ def run(args: argparse.Namespace) -> int:
         if args.write_trace:
             _validate(settings)
             write_requests(args.write_trace, load_workload(settings))
-        report = run_replay(settings, sweep, args.plot or None,
-                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+        report = run_replay(settings, sweep, args.plot or None, progress=to_stderr)
     except ValueError as exc:
         raise UsageError(f"kv-offload bench replay: {exc}") from None
     print(json.dumps(asdict(report)) if args.json else format_table(report, prefill))

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -52,6 +51,7 @@ from kv_offload_tools.bench.scale_measure import HttpOverhead, handshake_bytes, 
 from kv_offload_tools.bench.scale_reads import replay_reads, workloads
 from kv_offload_tools.bench.scale_report import format_table, write_plot
 from kv_offload_tools.bench.scale_sample import SampleFigures, sample_pool
+from kv_offload_tools.progress import to_stderr
 from kv_offload_tools.workloads import ConversationSpec, conversation
 
 Progress = Callable[[str], None]
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
                              replay_capacity_chunks=args.replay_capacity_chunks, seed=args.seed,
                              read_replicas=_pods(args.read_replicas, "--read-replicas", "4,8,16"),
                              read_sessions=args.read_sessions, trace=args.trace)
-    report = run_scale(settings, lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_scale(settings, to_stderr)
     if args.plot:
         report["plot"] = write_plot(args.plot, report)
     print(json.dumps(report) if args.json else format_table(report))
