@@ -32,12 +32,13 @@ from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_tools.chaos.chunks import chunk_keys, store_chunks
 from kv_offload_tools.local_pool import LocalPool, example_config
+from waiting import wait_for
 
 CHUNK = 16 * 1024
 # A source address of this host that is neither 127.0.0.1 nor the address dialled:
 # what a caller from another pod looks like to the sidecar.
 FOREIGN_SOURCE = "127.0.0.2"
-# Bound on any one wait (the sidecar's own limits are a few seconds).
+# Socket timeout of a stranger's connection (the sidecar's own limits are a few seconds).
 PATIENCE = 20.0
 
 
@@ -150,13 +151,6 @@ def read_all(sock: socket.socket) -> bytes:
     return out
 
 
-def wait_for(predicate, what: str) -> None:
-    end = time.monotonic() + PATIENCE
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def unproven(sc) -> float:
     """Unproven connections open at ``sc`` held to the limits on strangers. The scrape comes from
     127.0.0.1, where the pool's members dial from: a source that proved itself, not counted."""
@@ -165,7 +159,7 @@ def unproven(sc) -> float:
 
 def test_slow_and_silent_strangers_are_cut_within_seconds_and_their_memory_returned(pool: LocalPool) -> None:
     sc = pool[1]
-    wait_for(lambda: unproven(sc) == 0, "no unproven connection")
+    wait_for("no unproven connection", lambda: unproven(sc) == 0)
     rss_before = sc.rss_bytes()
     partial_body = (b"POST /v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 32000\r\n\r\n"
                     + b'{"step": "hello", "pad": "' + b"x" * 30_000)
@@ -176,13 +170,13 @@ def test_slow_and_silent_strangers_are_cut_within_seconds_and_their_memory_retur
         sock.sendall(kinds[i % 3])
         socks.append(sock)
     started = time.monotonic()
-    wait_for(lambda: unproven(sc) == 240, "240 unproven connections")
+    wait_for("240 unproven connections", lambda: unproven(sc) == 240)
     rss_peak = sc.rss_bytes()
     for sock in socks:
         read_all(sock)  # returns once the sidecar closed it
         sock.close()
     assert time.monotonic() - started < UNPROVEN_REQUEST_SECONDS + BODY_SECONDS
-    wait_for(lambda: unproven(sc) == 0, "the connections to be forgotten")
+    wait_for("the connections to be forgotten", lambda: unproven(sc) == 0)
     assert rss_peak - rss_before < 32 << 20
     assert sc.rss_bytes() - rss_before < 8 << 20
     assert sc.metric("kv_offload_protocol_errors_total", reason="timeout") >= 240
@@ -191,10 +185,10 @@ def test_slow_and_silent_strangers_are_cut_within_seconds_and_their_memory_retur
 
 def test_one_source_holds_at_most_its_share_of_unproven_connections(pool: LocalPool) -> None:
     sc = pool[0]
-    wait_for(lambda: unproven(sc) == 0, "no unproven connection")
+    wait_for("no unproven connection", lambda: unproven(sc) == 0)
     before = sc.metric("kv_offload_protocol_errors_total", reason="too_many_connections")
     held = [connect(sc, "127.0.0.5") for _ in range(MAX_UNPROVEN_PER_SOURCE)]
-    wait_for(lambda: unproven(sc) == MAX_UNPROVEN_PER_SOURCE, "the source's share")
+    wait_for("the source's share", lambda: unproven(sc) == MAX_UNPROVEN_PER_SOURCE)
     extra = connect(sc, "127.0.0.5")
     answer = read_all(extra)
     extra.close()
@@ -203,7 +197,7 @@ def test_one_source_holds_at_most_its_share_of_unproven_connections(pool: LocalP
     assert raw(sc, "GET", "/healthz", source="127.0.0.6")[0] == 200  # other sources are served
     for sock in held:
         sock.close()
-    wait_for(lambda: unproven(sc) == 0, "the held connections to go")
+    wait_for("the held connections to go", lambda: unproven(sc) == 0)
     assert raw(sc, "GET", "/healthz", source="127.0.0.5")[0] == 200
 
 

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import os
 import subprocess
-import time
 
 import pytest
 from kv_offload_sidecar.commands.sidecar import add_arguments, build_settings
@@ -18,6 +17,7 @@ from kv_offload_tools.local_pool import (
     free_port_block,
     sidecar_command,
 )
+from waiting import wait_for
 
 
 @pytest.fixture
@@ -206,15 +206,14 @@ def test_sidecar_stops_gracefully_when_a_watched_non_parent_process_exits(files,
                 proc.wait(10)
 
 
-def wait_ready(proc: subprocess.Popen[str], port: int, timeout: float = 30.0) -> None:
+def wait_ready(proc: subprocess.Popen[str], port: int) -> None:
     """Until the sidecar on ``port`` answers /readyz with 200 (fails if it exits first)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ready() -> bool:
         assert proc.poll() is None, f"sidecar exited with {proc.returncode}: {proc.stderr.read()}"
         try:
-            if http_json(f"http://127.0.0.1:{port}/readyz", timeout=1.0)[0] == 200:
-                return
+            return http_json(f"http://127.0.0.1:{port}/readyz", timeout=1.0)[0] == 200
         except OSError:
-            pass
-        assert time.monotonic() < deadline, "sidecar did not get ready"
-        time.sleep(0.1)
+            return False
+
+    wait_for(f"the sidecar on port {port} ready", ready)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
 
 import pytest
 from kv_offload_sidecar.control import limits, request_limits
@@ -24,10 +23,11 @@ from kv_offload_sidecar.peers.handshake import MAX_HANDSHAKE_BODY_BYTES, Handsha
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
+from waiting import wait_for_async
 
 # The key of the make_settings fixture (tests/sidecar/conftest.py).
 POOL_KEY = b"test-pool-key"
-# Bound on any one wait of a test (far above every shortened limit).
+# Bound on any one read of a test (far above every shortened limit).
 PATIENCE = 10.0
 
 
@@ -65,14 +65,6 @@ async def exchange(ports, data: bytes, source: str = "127.0.0.2") -> bytes:
         writer.close()
 
 
-async def until(predicate: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + PATIENCE
-    while not predicate():
-        assert loop.time() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 def errors(ports, reason: str) -> float:
     return ports.sidecar.registry.get_sample_value("kv_offload_protocol_errors_total", {"reason": reason})
 
@@ -102,7 +94,7 @@ async def test_a_request_whose_headers_never_end_is_cut(ports, short_limits):
     answer = await exchange(ports, b"POST /v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Le")
     assert answer == b""
     assert errors(ports, "timeout") == 1
-    await until(lambda: ports.guard.open == 0, "the connection to be forgotten")
+    await wait_for_async("the connection to be forgotten", lambda: ports.guard.open == 0)
 
 
 async def test_a_silent_connection_is_cut(ports, short_limits):
@@ -133,7 +125,8 @@ async def hold_five(ports, monkeypatch):
         reader, writer = await connect(ports, source)
         writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
         held.append((reader, writer))
-        await until(lambda n=len(held): ports.guard.unproven == n, f"{len(held)} unproven connections")
+        await wait_for_async(f"{len(held)} unproven connections",
+                             lambda n=len(held): ports.guard.unproven == n)
     return held
 
 
@@ -150,7 +143,8 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
     assert errors(ports, "too_many_connections") == 2
     for writer in held:
         writer.close()
-    await until(lambda: ports.guard.unproven == 0 and ports.guard.open == 0, "the held connections to go")
+    await wait_for_async("the held connections to go",
+                         lambda: ports.guard.unproven == 0 and ports.guard.open == 0)
     answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status_of(answer) == 200
 
@@ -163,21 +157,21 @@ async def test_a_newcomer_takes_the_place_of_the_largest_holders_oldest_stranger
     oldest = held[0][0]
     assert await asyncio.wait_for(oldest.read(), PATIENCE) == b""  # 127.0.0.2's first, aborted
     assert errors(ports, "too_many_connections") == 1
-    await until(lambda: ports.guard.unproven == 4, "the newcomer gone, the evicted one forgotten")
+    await wait_for_async("the newcomer gone, the evicted one forgotten", lambda: ports.guard.unproven == 4)
     for _, writer in held:
         writer.close()
-    await until(lambda: ports.guard.open == 0, "the held connections to go")
+    await wait_for_async("the held connections to go", lambda: ports.guard.open == 0)
 
 
 async def test_memory_goes_back_once_strangers_left(ports, monkeypatch):
     monkeypatch.setattr(limits, "TRIM_AFTER_STRANGERS", 3)
     monkeypatch.setattr(limits, "TRIM_INTERVAL_SECONDS", 0.0)
     held = [(await connect(ports, f"127.0.0.{i}"))[1] for i in (2, 3, 4)]
-    await until(lambda: ports.guard.unproven == 3, "3 strangers")
+    await wait_for_async("3 strangers", lambda: ports.guard.unproven == 3)
     assert ports.guard.trims == 0
     for writer in held:
         writer.close()
-    await until(lambda: ports.guard.trims == 1, "the memory to be handed back")
+    await wait_for_async("the memory to be handed back", lambda: ports.guard.trims == 1)
 
 
 async def prove_admin(ports, source: str = "127.0.0.2"):
@@ -192,7 +186,7 @@ async def prove_admin(ports, source: str = "127.0.0.2"):
 async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch):
     monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 1)
     writer = await prove_admin(ports)
-    await until(lambda: ports.guard.unproven == 0, "the admin's connection to be proven")
+    await wait_for_async("the admin's connection to be proven", lambda: ports.guard.unproven == 0)
     assert ports.guard.open == 1  # still open, no longer counted
     assert ports.sidecar.registry.get_sample_value("kv_offload_control_connections",
                                                    {"state": "proven"}) == 1
@@ -204,11 +198,11 @@ async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch
 async def test_a_flood_of_strangers_does_not_refuse_a_source_that_proved_itself(ports, monkeypatch):
     monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 3)
     (await prove_admin(ports, "127.0.0.2")).close()
-    await until(lambda: ports.guard.open == 0, "the member's connection to close")
+    await wait_for_async("the member's connection to close", lambda: ports.guard.open == 0)
     held = []
     for source in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):
         held.append((await connect(ports, source))[1])
-    await until(lambda: ports.guard.unproven == 3, "the strangers to fill the unproven connections")
+    await wait_for_async("the strangers to fill the unproven connections", lambda: ports.guard.unproven == 3)
     stranger = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.6")
     member = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
                             "127.0.0.2")
@@ -277,7 +271,7 @@ async def test_a_new_member_joins_and_connects_while_strangers_fill_every_budget
     monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 2)
     monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 4)
     control = [(await connect(ports, source))[1] for source in ["127.0.0.3"] * 2 + ["127.0.0.4"] * 2]
-    await until(lambda: ports.guard.unproven == 4, "strangers to hold every unproven control place")
+    await wait_for_async("strangers to hold every unproven control place", lambda: ports.guard.unproven == 4)
     data = []
     per_source = MAX_UNAUTHENTICATED_PER_SOURCE
     for i in range(MAX_UNAUTHENTICATED_CONNECTIONS):
@@ -285,8 +279,8 @@ async def test_a_new_member_joins_and_connects_while_strangers_fill_every_budget
         data.append((await asyncio.open_connection(*ports.sidecar.data_address.split("://", 1)[1].rsplit(":", 1),
                                                    local_addr=(source, 0)))[1])
     server = ports.sidecar.data_server
-    await until(lambda: server.unauthenticated == MAX_UNAUTHENTICATED_CONNECTIONS,
-                "strangers to hold every unauthenticated data place")
+    await wait_for_async("strangers to hold every unauthenticated data place",
+                         lambda: server.unauthenticated == MAX_UNAUTHENTICATED_CONNECTIONS)
     assert await open_data_connection(ports, "127.0.0.8", None) is proto.MessageType.ERROR
 
     session = await member_handshake(ports, "127.0.0.9")  # a pod never seen before
