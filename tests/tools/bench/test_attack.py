@@ -13,14 +13,13 @@ member, a pod never seen before, an admin and a scrape are all served while it h
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from refusal import bench, refusal
 
-CLI = [os.path.join(os.path.dirname(sys.executable), "kv-offload"), "bench", "attack"]
+CLI = bench("attack")
 
 
 @pytest.mark.parametrize(("args", "named"), [
@@ -30,10 +29,7 @@ CLI = [os.path.join(os.path.dirname(sys.executable), "kv-offload"), "bench", "at
     (["--members", "1"], "--members 1 must be in 2..8 (one stores, another loads)"),
 ], ids=["connections", "hold-seconds", "sources", "members"])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
-    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert done.stdout == ""
-    assert done.stderr.strip().splitlines() == [named]
+    assert refusal(CLI, *args) == named
 
 
 def test_a_short_attack_leaves_the_pool_whole_and_the_honest_load_hitting(tmp_path: Path) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from refusal import bench, refusal
 
-CLI = [os.path.join(os.path.dirname(sys.executable), "kv-offload"), "bench", "chaos"]
+CLI = bench("chaos")
 
 
 @pytest.mark.parametrize(("args", "named"), [
@@ -28,10 +28,7 @@ CLI = [os.path.join(os.path.dirname(sys.executable), "kv-offload"), "bench", "ch
      "--fuzz runs against a tcp sidecar; --transport nixl applies to the fault run"),
 ], ids=["kills", "fuzz-cases", "seconds", "chunk-bytes", "slot-rounds", "fuzz-nixl"])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
-    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert done.stdout == ""
-    assert done.stderr.strip().splitlines() == [named]
+    assert refusal(CLI, *args) == named
 
 
 def test_a_nixl_run_without_an_importable_nixl_is_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -40,14 +37,9 @@ def test_a_nixl_run_without_an_importable_nixl_is_one_line_and_exit_2(tmp_path: 
     (stub / "__init__.py").write_text('raise ImportError("libnixl.so: cannot open shared object file")\n')
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    done = subprocess.run([*CLI, "--transport", "nixl", "--plot", ""], capture_output=True, text=True,
-                          timeout=60, env=env)
-    assert done.returncode == 2
-    assert done.stdout == ""
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("kv-offload bench chaos --transport nixl: the nixl transport needs NVIDIA NIXL")
-    assert "libnixl.so" in lines[0] and "pip install --no-deps nixl-cu12" in lines[0]
+    line = refusal(CLI, "--transport", "nixl", "--plot", "", env=env)
+    assert line.startswith("kv-offload bench chaos --transport nixl: the nixl transport needs NVIDIA NIXL")
+    assert "libnixl.so" in line and "pip install --no-deps nixl-cu12" in line
 
 
 def test_a_tiny_nixl_fault_run_delivers_nothing_corrupt_and_loses_nothing() -> None:
