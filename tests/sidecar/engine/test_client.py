@@ -19,6 +19,7 @@ from kv_offload_sidecar.engine.client import (
     SidecarUnavailable,
 )
 from kv_offload_tools.local_pool import LocalPool, free_port_block
+from waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -198,10 +199,7 @@ def test_a_started_lookup_is_read_later_without_blocking_on_the_thread_that_poll
     with stopped(pool):
         pending = client.lookup_start(keys, timeout=60.0)
         assert pending.poll() is None and not pending.ready()  # asked, not answered: no wait
-    end = time.monotonic() + 60
-    while not pending.ready():  # the answer is in the socket: a state, polled
-        assert time.monotonic() < end, "the sidecar never answered"
-        time.sleep(0.01)
+    wait_for("the sidecar's answer in the socket", pending.ready)
     reply = pending.poll()
     assert reply == LookupReply(2, 0) and reply.known_at is not None
     assert pending.poll() is reply
@@ -281,10 +279,13 @@ def test_client_reattaches_to_a_restarted_sidecar_without_writing_into_the_old_s
         failed_at = time.monotonic()
         c.lookup(keys)
         assert c.reattach_seconds is None
-        deadline = time.monotonic() + 60  # a hang guard; the loop ends on the client's state
-        while c.instance == old_instance and time.monotonic() < deadline:
-            time.sleep(0.1)
-            c.lookup(keys)
+
+        def reattached() -> bool:
+            if c.instance == old_instance:
+                c.lookup(keys)  # a call is what re-attaches a stale client
+            return c.instance != old_instance
+
+        wait_for("the client re-attached to the restarted sidecar", reattached)
         assert c.instance != old_instance and c.reattaches == 1
         # How long storing was off is known and logged: from the first failed call to the
         # re-attachment, which happened within this wait.

@@ -22,6 +22,7 @@ from kv_offload_sidecar.engine.vllm_tier import KVOffloadSecondaryTier
 from kv_offload_sidecar.commands.install_tier import tier_files
 from kv_offload_tools.engine_sim import SimulatedEngine, SimulatedSpec, trace_tokens
 from kv_offload_tools.local_pool import LocalPool, example_config
+from waiting import wait_for
 
 CONFIG = example_config()
 
@@ -37,13 +38,10 @@ def _engine(pool, i, **kw):
                            name=f"engine-{i}", **kw)
 
 
-def _wait_visible(pool, index, keys, deadline=10.0):
+def _wait_visible(pool, index, keys):
     """Until sidecar ``index`` finds all ``keys`` in the pool (the directory is published
     periodically); asked with the admin lookup, so nothing moves yet."""
-    end = time.monotonic() + deadline
-    while pool[index].hits(keys) < len(keys):
-        assert time.monotonic() < end, "keys never became visible to the peer"
-        time.sleep(0.05)
+    wait_for(f"the keys visible to sidecar {index}", lambda: pool[index].hits(keys) >= len(keys))
 
 
 def test_tier_round_trips_chunks_between_two_engines_through_two_sidecars(pool):
@@ -88,22 +86,19 @@ def test_lookup_the_sidecar_cannot_answer_in_time_becomes_a_miss(pool):
             ctx = ReqContext(req_id="frozen")
             tier.on_new_request(ctx)
             seen = []
-            end = time.monotonic() + 10.0
-            while not seen or seen[-1] is LookupResult.RETRY:
-                assert time.monotonic() < end, "lookup never resolved"
+
+            def resolved():  # vLLM asks again every step until the answer is not RETRY
                 seen.append(tier.lookup(keys[0], ctx))
                 tier.on_schedule_end(None)
-                time.sleep(0.02)
+                return seen[-1] is not LookupResult.RETRY
+
+            wait_for("the lookup resolved", resolved)
             assert seen[0] is LookupResult.RETRY and seen[-1] is LookupResult.MISS
             # A load from the frozen sidecar fails instead of hanging; vLLM recomputes.
             rows = np.array([0], dtype=np.int64)
             tier.submit_load(TransferJob(job_id=7, keys=[keys[0]], chunk_ids=rows,
                                          is_promotion=True, req_context=ctx))
-            results = []
-            while not results:
-                assert time.monotonic() < end, "load never finished"
-                results = list(tier.get_finished_jobs())
-                time.sleep(0.02)
+            results = wait_for("the load finished", lambda: list(tier.get_finished_jobs()))
             assert [(r.job_id, r.success) for r in results] == [(7, False)]
             tier.on_request_finished(ctx)
         finally:
@@ -224,26 +219,27 @@ def test_a_partly_failed_load_reports_what_loaded_and_turns_exactly_the_rest_int
         engine.close()
 
 
-def _finished(tier, count, deadline=10.0):
+def _finished(tier, count):
     """The next ``count`` job results, polled as vLLM polls them."""
-    end = time.monotonic() + deadline
     out = []
-    while len(out) < count:
-        assert time.monotonic() < end, f"only {len(out)} of {count} jobs finished"
+
+    def all_finished():
         out.extend(tier.get_finished_jobs())
-        time.sleep(0.01)
+        return len(out) >= count
+
+    wait_for(f"{count} jobs finished", all_finished)
     return out
 
 
-def _lookup_all(tier, keys, ctx, deadline=10.0):
-    end = time.monotonic() + deadline
-    while True:
+def _lookup_all(tier, keys, ctx):
+    """The lookups of ``keys``, asked again every step (as vLLM does) until none is RETRY."""
+
+    def resolved():
         results = [tier.lookup(k, ctx) for k in keys]
         tier.on_schedule_end(None)
-        if LookupResult.RETRY not in results:
-            return results
-        assert time.monotonic() < end, "lookups never resolved"
-        time.sleep(0.02)
+        return None if LookupResult.RETRY in results else results
+
+    return wait_for("the lookups resolved", resolved)
 
 
 def test_drain_jobs_returns_only_when_every_job_has_finished_or_failed(pool):
@@ -340,25 +336,14 @@ def test_a_new_tier_hands_its_region_to_the_sidecar_before_its_first_lookup(pool
     engine = SimulatedEngine(CONFIG, hash_seed="0", host="127.0.0.1", port=pool[0].port,
                              name="attaches-early")
     try:
-        end = time.monotonic() + 30
-        while True:  # the sidecar maps the engine's memfd rows once the tier's thread attached
+        def sidecar_maps_the_rows():  # the sidecar maps the engine's memfd rows once the tier attached
             with open(f"/proc/{pool[0].proc.pid}/maps") as fh:
-                if any("kv-offload-sim-attaches-early" in line for line in fh):
-                    break
-            assert time.monotonic() < end, "the tier never handed its region over"
-            time.sleep(0.05)
+                return any("kv-offload-sim-attaches-early" in line for line in fh)
+
+        wait_for("the tier's region handed to the sidecar", sidecar_maps_the_rows)
         assert engine.tier.stats.lookups == 0 and engine.tier.sidecar_instance is None
     finally:
         engine.close()
-
-
-def _wait(what, probe, deadline=60.0):
-    """``probe()``'s first truthy answer (a state the tier exposes); the deadline is a safety net."""
-    end = time.monotonic() + deadline
-    while not (value := probe()):
-        assert time.monotonic() < end, f"never saw {what}"
-        time.sleep(0.01)
-    return value
 
 
 def test_a_peer_hit_answered_while_vllm_retries_is_hit_at_its_next_lookup_and_counted_from_the_answer(pool):
@@ -383,7 +368,7 @@ def test_a_peer_hit_answered_while_vllm_retries_is_hit_at_its_next_lookup_and_co
                     assert tier.lookups_in_flight == 1
             finally:
                 pool[1].proc.send_signal(signal.SIGCONT)  # the sidecar answers: the "arrival"
-            _wait("the sidecar's answer in the tier", lambda: tier.lookups_in_flight == 0)
+            wait_for("the sidecar's answer in the tier", lambda: tier.lookups_in_flight == 0)
             for _ in range(extra_steps):  # steps in which vLLM did not ask again
                 tier.on_schedule_end(None)
             # The very next lookup has the answer: no poll interval between answer and HIT.
@@ -428,7 +413,7 @@ def test_drain_jobs_cancels_a_load_stalled_on_a_peer_instead_of_waiting_out_its_
                                          is_promotion=True, req_context=ctx))
             tier.submit_load(TransferJob(job_id=32, keys=keys, chunk_ids=np.array([4, 5]),
                                          is_promotion=True, req_context=ctx))
-            _wait("the first load taken up", lambda: tier.transfers_in_flight == (2, 1))
+            wait_for("the first load taken up", lambda: tier.transfers_in_flight == (2, 1))
             start = time.monotonic()
             tier.drain_jobs()  # what vLLM's reset_cache does
             elapsed = time.monotonic() - start
@@ -473,7 +458,7 @@ def test_the_tier_counts_the_cpu_of_its_threads_and_its_calls_and_not_the_rest_o
         before = spent()
         tier.submit_store(TransferJob(job_id=41, keys=[b"\x02" * 16], chunk_ids=np.array([0]),
                                       is_promotion=False, req_context=ctx))
-        assert _wait("the store job finished", lambda: list(tier.get_finished_jobs()))
+        assert wait_for("the store job finished", lambda: list(tier.get_finished_jobs()))
         assert spent() - before >= 0.2
         tier.on_request_finished(ctx)
     finally:
