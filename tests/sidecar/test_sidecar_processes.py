@@ -14,7 +14,7 @@ import struct
 import threading
 
 import pytest
-from kv_offload_sidecar.engine.client import EngineClient, LookupReply
+from kv_offload_sidecar.engine.client import LookupReply
 from kv_offload_sidecar.peers.handshake import (
     HandshakeInitiator,
     HelloMessage,
@@ -25,34 +25,11 @@ from kv_offload_sidecar.peers.handshake import (
 from kv_offload_sidecar.peers.directory.location_wire import key_digest
 from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
+from sidecar_support import new_keys, read_chunks, write_chunks
 from waiting import SAFETY_SECONDS, wait_for
 
 CHUNK = example_config().kv_bytes_per_chunk
 HANDSHAKES = "kv_offload_handshakes_total"
-
-
-def new_keys(n: int) -> list[bytes]:
-    return [os.urandom(32) + (0).to_bytes(4, "big") for _ in range(n)]
-
-
-def store(client: EngineClient, keys: list[bytes]) -> dict[bytes, bytes]:
-    data = {k: os.urandom(client.slot_bytes) for k in keys}
-
-    def write(i: int, view: memoryview) -> None:
-        view[:] = data[keys[i]]
-
-    assert client.store(keys, write) == len(keys)
-    return data
-
-
-def load(client: EngineClient, keys: list[bytes], timeout: float = 5.0) -> list[bytes]:
-    out: dict[int, bytes] = {}
-
-    def read(i: int, view: memoryview) -> None:
-        out[i] = bytes(view)
-
-    n = client.load(keys, read, timeout)
-    return [out[i] for i in range(n)]
 
 
 def owner_of(pool: LocalPool, key: bytes, asker: int) -> str:
@@ -77,11 +54,11 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lane
     with LocalPool(3, transport=transport, capacity_bytes=256 * CHUNK, extra_args=extra) as pool:
         a, c = pool.client(0), pool.client(2)
         keys = new_keys(8)
-        data = store(a, keys)
+        data = write_chunks(a, keys)
         pool.wait_directory_current()
         messages_before = pool[2].metric("kv_offload_lookup_messages_total")
         assert c.lookup(keys) == LookupReply(local=0, peer=8)
-        assert load(c, keys) == [data[k] for k in keys]
+        assert read_chunks(c, keys) == [data[k] for k in keys]
         # C keeps no copy once loaded (the pool keeps one, at A); per engine request one question
         # to the key's directory owner (none when that is C itself) and one exchange with the
         # holder, whatever the number of peers.
@@ -114,7 +91,7 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lane
 def test_mismatching_peer_is_rejected_and_gets_no_chunk(pool, override, reason):
     a = pool.client(0)
     keys = new_keys(4)
-    store(a, keys)
+    write_chunks(a, keys)
     pool.wait_directory_current()
     before = [s.metric(HANDSHAKES, result="rejected", reason=reason) for s in pool.members()]
     sent_before = pool[0].metric("kv_offload_peer_bytes_total", direction="sent")
@@ -134,7 +111,7 @@ def test_mismatching_peer_is_rejected_and_gets_no_chunk(pool, override, reason):
         try:
             if d.slot_bytes == a.slot_bytes:
                 assert d.lookup(keys) == LookupReply(0, 0)
-                assert load(d, keys) == []
+                assert read_chunks(d, keys) == []
         finally:
             d.close()
         assert intruder.metric("kv_offload_peer_bytes_total", direction="received") == 0
@@ -245,9 +222,9 @@ def _still_serves(pool):
     a, c = pool.client(0), pool.client(2)
     try:
         keys = new_keys(2)
-        data = store(a, keys)
+        data = write_chunks(a, keys)
         pool.wait_directory_current()
-        assert load(c, keys) == [data[k] for k in keys]
+        assert read_chunks(c, keys) == [data[k] for k in keys]
     finally:
         a.close()
         c.close()
@@ -266,13 +243,13 @@ def test_store_stays_within_budget_under_sustained_writes(pool):
         for _ in range(5):  # five times the store's size
             for _ in range(slots // 64):
                 keys = new_keys(64)
-                last = store(b, keys)
+                last = write_chunks(b, keys)
                 assert sc.metric("kv_offload_store_used_bytes") <= capacity
         assert sc.metric("kv_offload_store_chunks") <= slots
         assert sc.metric("kv_offload_evictions_total") >= 4 * slots - 64
         assert os.path.getsize(path) == size <= pool.capacity_bytes
         keys = list(last)
-        assert load(b, keys) == [last[k] for k in keys]  # the newest chunks are whole
+        assert read_chunks(b, keys) == [last[k] for k in keys]  # the newest chunks are whole
     finally:
         b.close()
 
@@ -281,8 +258,8 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
     with LocalPool(3, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as pool:
         a, b, c = pool.client(0), pool.client(1), pool.client(2)
         keys_a, keys_b = new_keys(32), new_keys(4)
-        store(a, keys_a)
-        data_b = store(b, keys_b)
+        write_chunks(a, keys_a)
+        data_b = write_chunks(b, keys_b)
         pool.wait_directory_current()
         assert pool[2].hits(keys_a) == 32  # the admin lookup: nothing moves yet
         victim = pool[0].proc
@@ -303,7 +280,7 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
         # The pool keeps serving: B's chunks still reach C (their directory entries moved on
         # from A within a publish interval).
         pool.wait_directory_current()
-        assert load(c, keys_b) == [data_b[k] for k in keys_b]
+        assert read_chunks(c, keys_b) == [data_b[k] for k in keys_b]
         for cl in (a, b, c):
             cl.close()
 
@@ -314,11 +291,11 @@ def test_peer_joining_at_runtime_is_dialled_back_and_a_leaving_peer_is_a_miss():
         joined = newcomer.client()
         a = pool.client(0)
         keys = new_keys(4)
-        data = store(joined, keys)
+        data = write_chunks(joined, keys)
         pool.wait_directory_current()
-        assert load(a, keys) == [data[k] for k in keys]
+        assert read_chunks(a, keys) == [data[k] for k in keys]
         later = new_keys(2)
-        store(joined, later)
+        write_chunks(joined, later)
         pool.wait_directory_current()
         joined.close()
         assert newcomer.terminate() == 0
@@ -335,7 +312,7 @@ def test_sigterm_lets_an_in_flight_load_finish_then_exits_cleanly():
                    shutdown_grace_seconds=4.0) as pool:
         a, b = pool.client(0), pool.client(1)
         keys = new_keys(4)
-        store(a, keys)
+        write_chunks(a, keys)
         pool.wait_directory_current()
         holder = pool[0].proc
         os.kill(holder.pid, signal.SIGSTOP)  # B's fetch will wait for its deadline

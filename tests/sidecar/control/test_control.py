@@ -9,13 +9,14 @@ import pytest
 from aiohttp import web
 from kv_offload_sidecar.control.app import SIDECAR_KEY, create_app
 from kv_offload_sidecar.lifecycle import running
-from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, HelloMessage, make_hello
+from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator, HelloMessage
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
 from kv_offload_sidecar.peers.directory.location_wire import PublishBatch, key_digest, location_auth
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
 from kv_offload_tools.scrape import parse_metrics
+from sidecar_support import peer_hello
 
 # The key of the make_settings fixture (tests/sidecar/conftest.py).
 POOL_KEY = b"test-pool-key"
@@ -30,15 +31,6 @@ async def sidecar_client(aiohttp_client, make_settings):
         client.sidecar = sidecar
         yield client
         await client.close()
-
-
-def peer_hello(config=None, **changes):
-    cfg = config or example_config()
-    fields = dict(fingerprint=cfg.fingerprint, hash_seed="0", kv_bytes_per_chunk=cfg.kv_bytes_per_chunk,
-                  identity="peer-x", control_address="127.0.0.1:1", data_address="tcp://127.0.0.1:2",
-                  transport="tcp", run_config=cfg.run_config())
-    fields.update(changes)
-    return make_hello(**fields)
 
 
 async def metric(client, name: str, **labels: str) -> float:

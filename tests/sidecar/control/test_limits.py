@@ -19,10 +19,11 @@ from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import auth_proof
 from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_CONNECTIONS, MAX_UNAUTHENTICATED_PER_SOURCE
 from kv_offload_sidecar.lifecycle import running
-from kv_offload_sidecar.peers.handshake import MAX_HANDSHAKE_BODY_BYTES, HandshakeInitiator, make_hello
+from kv_offload_sidecar.peers.handshake import MAX_HANDSHAKE_BODY_BYTES, HandshakeInitiator
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
+from sidecar_support import peer_hello
 from waiting import wait_for_async
 
 # The key of the make_settings fixture (tests/sidecar/conftest.py).
@@ -109,7 +110,7 @@ async def test_an_idle_unproven_keep_alive_connection_is_cut_after_its_answer(po
 
 
 async def test_a_body_that_stops_short_is_408_and_closed(ports, short_limits):
-    step1 = json.dumps(HandshakeInitiator(POOL_KEY, _hello()).step1()).encode()
+    step1 = json.dumps(HandshakeInitiator(POOL_KEY, peer_hello()).step1()).encode()
     answer = await exchange(ports, post("/v1/handshake", step1)[:-10])
     assert status_of(answer) == 408 and b"not complete within" in answer
     assert errors(ports, "timeout") == 1
@@ -213,7 +214,7 @@ async def test_a_flood_of_strangers_does_not_refuse_a_source_that_proved_itself(
 
 async def test_untrusted_handshakes_over_the_burst_get_429_before_their_body_is_read(ports, monkeypatch):
     monkeypatch.setattr(limits, "HANDSHAKE_BURST", 3)
-    step1 = json.dumps(HandshakeInitiator(b"not-the-pool-key", _hello()).step1()).encode()
+    step1 = json.dumps(HandshakeInitiator(b"not-the-pool-key", peer_hello()).step1()).encode()
     answers = [await exchange(ports, post("/v1/handshake", step1, "Connection: close\r\n"))
                for _ in range(4)]
     assert [status_of(a) for a in answers] == [403, 403, 403, 429]
@@ -238,7 +239,7 @@ async def test_a_source_that_proved_itself_is_not_rate_limited(ports, monkeypatc
 async def member_handshake(ports, source: str):
     """Both handshake steps as a pool member from ``source``, each on a new connection; its
     session (None when a step was refused)."""
-    initiator = HandshakeInitiator(POOL_KEY, _hello())
+    initiator = HandshakeInitiator(POOL_KEY, peer_hello())
     answer = await exchange(ports, post("/v1/handshake", json.dumps(initiator.step1()).encode(),
                                         "Connection: close\r\n"), source)
     if status_of(answer) != 200:
@@ -290,13 +291,6 @@ async def test_a_new_member_joins_and_connects_while_strangers_fill_every_budget
         writer.close()
 
 
-def _hello():
-    cfg = example_config()
-    return make_hello(fingerprint=cfg.fingerprint, hash_seed="0", kv_bytes_per_chunk=cfg.kv_bytes_per_chunk,
-                      identity="peer-x", control_address="127.0.0.1:1", data_address="tcp://127.0.0.1:2",
-                      transport="tcp", run_config=cfg.run_config())
-
-
 UNPARSEABLE = {
     "request line of 70 kB": b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
     "header of 70 kB": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 70_000 + b"\r\n\r\n",
@@ -322,7 +316,7 @@ async def test_an_unparseable_request_is_a_counted_400_without_a_traceback(ports
 async def test_rejected_handshakes_write_one_line_per_source_and_reason(ports, caplog):
     caplog.set_level(logging.WARNING)
     for _ in range(30):
-        step1 = json.dumps(HandshakeInitiator(b"not-the-pool-key", _hello()).step1()).encode()
+        step1 = json.dumps(HandshakeInitiator(b"not-the-pool-key", peer_hello()).step1()).encode()
         assert status_of(await exchange(ports, post("/v1/handshake", step1, "Connection: close\r\n"))) == 403
     rejected = ports.sidecar.registry.get_sample_value("kv_offload_handshakes_total",
                                                        {"result": "rejected", "reason": "bad_proof"})

@@ -19,6 +19,7 @@ from kv_offload_sidecar.engine.client import (
     SidecarUnavailable,
 )
 from kv_offload_tools.local_pool import LocalPool, free_port_block
+from sidecar_support import new_keys, read_chunks, write_chunks
 from waiting import wait_for
 
 
@@ -34,30 +35,6 @@ def client(pool):
     c = pool.client(0)
     yield c
     c.close()
-
-
-def new_keys(n: int) -> list[bytes]:
-    return [os.urandom(32) + (0).to_bytes(4, "big") for _ in range(n)]
-
-
-def write_chunks(client: EngineClient, keys: list[bytes]) -> dict[bytes, bytes]:
-    data = {k: os.urandom(client.slot_bytes) for k in keys}
-
-    def write(i: int, view: memoryview) -> None:
-        view[:] = data[keys[i]]
-
-    assert client.store(keys, write) == len(keys)
-    return data
-
-
-def read_chunks(client: EngineClient, keys: list[bytes], timeout: float = 2.0) -> list[bytes]:
-    out: dict[int, bytes] = {}
-
-    def read(i: int, view: memoryview) -> None:
-        out[i] = bytes(view)
-
-    n = client.load(keys, read, timeout)
-    return [out[i] for i in range(n)]
 
 
 def test_store_then_load_is_byte_identical(client):

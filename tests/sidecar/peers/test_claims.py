@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import hashlib
 
 import kv_offload_sidecar.sidecar
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.sidecar import Sidecar
+from kv_offload_tools.chaos.chunks import chunk_keys
+from sidecar_support import Clock, settled
 
-# Seconds a pool of two in-process sidecars may take to form (both links up, the directory
-# settled) before the test gives up: an anti-hang bound, not an expected time.
-SETTLE_BOUND_SECONDS = 60.0
 # Deadline of the victim's requests: an anti-hang bound (the liar answers at once, and an
 # exchange it misses is a failure, not a false claim).
 REQUEST_DEADLINE_SECONDS = 30.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_an_honest_peer_with_a_few_stale_claims_stays_trusted():
@@ -62,25 +51,6 @@ def test_a_peer_claiming_everything_is_left_alone_with_a_doubling_backoff():
     assert audit.distrusted() == set()
 
 
-def _keys(n: int) -> list[bytes]:
-    return [hashlib.sha256(f"claimed/{i}".encode()).digest()[:16] + bytes(4) for i in range(n)]
-
-
-async def _settled(*sidecars: Sidecar) -> None:
-    """Until every sidecar's links to the others are up (each a member of every view) and the
-    chunks recorded anywhere are in their owners' directories."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + SETTLE_BOUND_SECONDS
-    while True:
-        views = [s.location.status() for s in sidecars]
-        if all(v["pending"] == 0 and v["members"] == len(sidecars) for v in views) and \
-                sum(v["entries"] for v in views) == sum(v["keys"] for v in views):
-            return
-        if loop.time() > end:
-            raise AssertionError(f"the pool did not settle: {views}")
-        await asyncio.sleep(0.05)
-
-
 async def test_a_lying_member_costs_the_pool_only_misses_and_few_messages(make_settings, monkeypatch):
     """A compromised member (it holds the pool key) publishes every key the victim asks for."""
     # The audit's clock stands still: the whole test is one back-off period, however slowly
@@ -91,10 +61,10 @@ async def test_a_lying_member_costs_the_pool_only_misses_and_few_messages(make_s
                                     static_peers=(f"127.0.0.1:{liar_settings.base_port}",))
     liar, victim = Sidecar(liar_settings), Sidecar(victim_settings)
     async with running(liar), running(victim):
-        keys = _keys(400)
+        keys = chunk_keys("claimed", 400)
         for k in keys:  # the lie: it tells the owners it holds all of them, its store holds none
             liar.location.record(k, True)
-        await _settled(liar, victim)
+        await settled(liar, victim)
         assert len(liar.location.directory) + len(victim.location.directory) == len(keys)
         answers = [await victim.lookup(keys[i:i + 4], REQUEST_DEADLINE_SECONDS) for i in range(0, 400, 4)]
         loads = [await victim.load(keys[i:i + 4], REQUEST_DEADLINE_SECONDS) for i in range(0, 40, 4)]

@@ -12,25 +12,16 @@ from kv_offload_sidecar.peers.handshake import (
     compare_hello,
     derive_session,
     load_pool_key,
-    make_hello,
 )
 from kv_offload_sidecar.peers.pool_keys import PoolKeys, hkdf, key_id
 from kv_offload_tools.local_pool import example_config
+from sidecar_support import peer_hello
 
 KEY = b"pool-secret-key-0123456789"
 
 
-def hello_for(config=None, **changes) -> HelloMessage:
-    cfg = config or example_config()
-    fields = dict(fingerprint=cfg.fingerprint, hash_seed="0", kv_bytes_per_chunk=cfg.kv_bytes_per_chunk,
-                  identity="a", control_address="127.0.0.1:5710", data_address="tcp://127.0.0.1:5810",
-                  transport="tcp", run_config=cfg.run_config())
-    fields.update(changes)
-    return make_hello(**fields)
-
-
 def full_handshake(client_key, server_key, client_hello: HelloMessage,
-                   server_hello_fn=lambda: hello_for(identity="b")):
+                   server_hello_fn=lambda: peer_hello(identity="b")):
     responder = HandshakeResponder(server_key, server_hello_fn)
     initiator = HandshakeInitiator(client_key, client_hello)
     step2 = initiator.step2(responder.hello(initiator.step1()))
@@ -70,10 +61,10 @@ def test_directory_as_pool_key_file_is_an_error(tmp_path):
 
 
 def test_matching_peers_derive_the_same_session():
-    _, _, inbound, outbound = full_handshake(KEY, KEY, hello_for())
+    _, _, inbound, outbound = full_handshake(KEY, KEY, peer_hello())
     assert inbound.session_id == outbound.session_id
     assert inbound.session_key == outbound.session_key
-    assert inbound.peer.identity == "a" and outbound.peer.identity == "b"
+    assert inbound.peer.identity == "peer-x" and outbound.peer.identity == "b"
     assert KEY not in inbound.session_key and len(inbound.session_id) == 16
     assert inbound.key_id == outbound.key_id == key_id(KEY)
 
@@ -96,8 +87,8 @@ def test_hkdf_matches_rfc5869_test_case_1():
 
 
 def test_pool_key_and_hash_seed_never_appear_in_messages():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b", hash_seed="31337"))
-    initiator = HandshakeInitiator(KEY, hello_for(hash_seed="31337"))
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b", hash_seed="31337"))
+    initiator = HandshakeInitiator(KEY, peer_hello(hash_seed="31337"))
     step1 = initiator.step1()
     reply1 = responder.hello(step1)
     step2 = initiator.step2(reply1)
@@ -108,8 +99,8 @@ def test_pool_key_and_hash_seed_never_appear_in_messages():
 
 
 def test_step1_reply_says_nothing_about_the_pool():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    reply = responder.hello(HandshakeInitiator(KEY, hello_for()).step1())
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    reply = responder.hello(HandshakeInitiator(KEY, peer_hello()).step1())
     assert set(reply) == {"wire_version", "nonce", "key_id"}
 
 
@@ -120,15 +111,15 @@ def test_step1_reply_says_nothing_about_the_pool():
     ({"kv_bytes_per_chunk": 12345}, "chunk_size_mismatch"),
 ])
 def test_server_rejects_differing_key_holder_with_reason(changes, reason):
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    exc = rejection(responder, HandshakeInitiator(KEY, hello_for(**changes)))
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    exc = rejection(responder, HandshakeInitiator(KEY, peer_hello(**changes)))
     assert exc.reason == reason
     assert exc.diff
 
 
 def test_client_runs_the_same_comparison_on_the_servers_hello():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    initiator = HandshakeInitiator(KEY, hello_for())
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    initiator = HandshakeInitiator(KEY, peer_hello())
     _, accepted = responder.proof(initiator.step2(responder.hello(initiator.step1())))
     # a server that accepted but sent another chunk size (a bug or a forgery with the key)
     tampered = {**accepted, "hello": {**accepted["hello"], "kv_bytes_per_chunk": 7}}
@@ -138,8 +129,8 @@ def test_client_runs_the_same_comparison_on_the_servers_hello():
 
 
 def test_missing_fingerprint_is_a_mismatch_not_accepted():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    initiator = HandshakeInitiator(KEY, hello_for())
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    initiator = HandshakeInitiator(KEY, peer_hello())
     step2 = initiator.step2(responder.hello(initiator.step1()))
     del step2["hello"]["fingerprint"]
     initiator_hello = HelloMessage.from_dict(step2["hello"])
@@ -153,11 +144,11 @@ def test_missing_fingerprint_is_a_mismatch_not_accepted():
 
 
 def test_empty_local_fingerprint_rejects_everyone():
-    assert compare_hello(hello_for(fingerprint=""), hello_for(fingerprint=""))[0] == "fingerprint_mismatch"
+    assert compare_hello(peer_hello(fingerprint=""), peer_hello(fingerprint=""))[0] == "fingerprint_mismatch"
 
 
 def test_wire_major_mismatch_is_rejected_minor_is_not():
-    local = hello_for()
+    local = peer_hello()
     other_major = HelloMessage(**{**local.to_dict(), "wire_version": "3.0"})
     other_minor = HelloMessage(**{**local.to_dict(), "wire_version": "2.7"})
     assert compare_hello(local, other_major)[0] == "wire_version_mismatch"
@@ -165,27 +156,27 @@ def test_wire_major_mismatch_is_rejected_minor_is_not():
 
 
 def test_a_wire_1_step_1_is_malformed_and_names_no_version():
-    old = {"step": "hello", "hello": {**hello_for().to_dict(), "wire_version": "1.0", "nonce": "00" * 16}}
+    old = {"step": "hello", "hello": {**peer_hello().to_dict(), "wire_version": "1.0", "nonce": "00" * 16}}
     with pytest.raises(HandshakeError) as exc:
-        HandshakeResponder(KEY, lambda: hello_for(identity="b")).hello(old)
+        HandshakeResponder(KEY, lambda: peer_hello(identity="b")).hello(old)
     assert exc.value.reason == "malformed" and exc.value.diff == []
     assert WIRE_VERSION not in str(exc.value)
 
 
 def test_a_stranger_of_another_wire_version_gets_the_answer_of_any_stranger():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
     answers = []
     for version in (WIRE_VERSION, "1.0", "3.0", "99.1"):
         with pytest.raises(HandshakeError) as exc:
-            responder.hello({**HandshakeInitiator(b"another-key", hello_for()).step1(), "wire_version": version})
+            responder.hello({**HandshakeInitiator(b"another-key", peer_hello()).step1(), "wire_version": version})
         answers.append((exc.value.reason, str(exc.value), exc.value.diff))
     assert answers[0][0] == "bad_proof"
     assert answers.count(answers[0]) == len(answers)
 
 
 def test_a_key_holder_of_another_wire_version_learns_the_mismatch_after_its_proof():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    newer = HandshakeInitiator(KEY, HelloMessage(**{**hello_for().to_dict(), "wire_version": "3.0"}))
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    newer = HandshakeInitiator(KEY, HelloMessage(**{**peer_hello().to_dict(), "wire_version": "3.0"}))
     reply = responder.hello({**newer.step1(), "wire_version": "3.0"})
     assert set(reply) == {"wire_version", "nonce", "key_id"}
     with pytest.raises(HandshakeError) as exc:
@@ -197,15 +188,15 @@ def test_a_key_holder_of_another_wire_version_learns_the_mismatch_after_its_proo
 def test_a_client_proves_its_key_to_a_server_of_another_wire_version():
     # the server's step-1 answer names another major: the client still sends its proof, so the
     # server (which checks it first) can name the mismatch to a key holder
-    initiator = HandshakeInitiator(KEY, hello_for())
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    initiator = HandshakeInitiator(KEY, peer_hello())
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
     reply = {**responder.hello(initiator.step1()), "wire_version": "3.0"}
     assert initiator.step2(reply)["step"] == "proof"
 
 
 def test_fingerprint_rejection_quotes_the_field_diff():
     other = example_config(tokens_per_hash=32, blocks_per_chunk=2)
-    verdict = compare_hello(hello_for(), hello_for(other))
+    verdict = compare_hello(peer_hello(), peer_hello(other))
     assert verdict is not None
     reason, diff = verdict
     assert reason == "fingerprint_mismatch"
@@ -214,8 +205,8 @@ def test_fingerprint_rejection_quotes_the_field_diff():
 
 
 def test_rejection_message_names_fields_but_not_the_seed_value():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b", hash_seed="s3cr3t-seed"))
-    exc = rejection(responder, HandshakeInitiator(KEY, hello_for(hash_seed="other")))
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b", hash_seed="s3cr3t-seed"))
+    exc = rejection(responder, HandshakeInitiator(KEY, peer_hello(hash_seed="other")))
     assert exc.reason == "hash_seed_mismatch"
     assert "hash_seed" in str(exc)
     assert "s3cr3t-seed" not in str(exc) and "s3cr3t-seed" not in " ".join(exc.diff)
@@ -223,11 +214,11 @@ def test_rejection_message_names_fields_but_not_the_seed_value():
 
 def test_a_stranger_learns_nothing_about_the_pool_config():
     # no pool key: refused at step 1 before any hello is exchanged, whatever its config
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
     answers = []
     for changes in ({}, {"fingerprint": "0123456789abcdef"}, {"kv_bytes_per_chunk": 1}):
         with pytest.raises(HandshakeError) as exc:
-            responder.hello(HandshakeInitiator(b"another-key", hello_for(**changes)).step1())
+            responder.hello(HandshakeInitiator(b"another-key", peer_hello(**changes)).step1())
         answers.append((exc.value.reason, str(exc.value), exc.value.diff))
     assert answers[0][0] == "bad_proof" and answers[0][2] == []
     assert answers[0] == answers[1] == answers[2]
@@ -235,12 +226,12 @@ def test_a_stranger_learns_nothing_about_the_pool_config():
 
 def test_a_forged_key_id_still_needs_the_proof():
     # a stranger who copies a member's key id gets a nonce but cannot prove the key
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    stranger = HandshakeInitiator(b"another-key", hello_for())
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    stranger = HandshakeInitiator(b"another-key", peer_hello())
     step1 = {**stranger.step1(), "key_ids": [key_id(KEY).hex()]}
     reply = responder.hello(step1)
     forged = {"step": "proof", "nonce_client": step1["nonce"], "nonce_server": reply["nonce"],
-              "hello": hello_for().to_dict(), "proof": "00" * 32}
+              "hello": peer_hello().to_dict(), "proof": "00" * 32}
     with pytest.raises(HandshakeError) as exc:
         responder.proof(forged)
     assert exc.value.reason == "bad_proof" and exc.value.diff == []
@@ -250,31 +241,31 @@ def test_either_key_works_while_a_rotation_rolls_out():
     old, new = b"old-pool-key-0123456789", b"new-pool-key-0123456789"
     updated, not_yet = PoolKeys(new, old), PoolKeys(old)
     # updated dials not-yet: they agree on the old key
-    _, _, inbound, outbound = full_handshake(updated, not_yet, hello_for())
+    _, _, inbound, outbound = full_handshake(updated, not_yet, peer_hello())
     assert inbound.key_id == outbound.key_id == key_id(old)
     # not-yet dials updated: old key again
-    _, _, inbound, _ = full_handshake(not_yet, updated, hello_for())
+    _, _, inbound, _ = full_handshake(not_yet, updated, peer_hello())
     assert inbound.key_id == key_id(old)
     # both updated: the new key
-    _, _, inbound, _ = full_handshake(PoolKeys(new, old), updated, hello_for())
+    _, _, inbound, _ = full_handshake(PoolKeys(new, old), updated, peer_hello())
     assert inbound.key_id == key_id(new)
     # after the rotation, a pod that only has the new key refuses the old one
-    exc_holder = HandshakeResponder(PoolKeys(new), lambda: hello_for(identity="b"))
+    exc_holder = HandshakeResponder(PoolKeys(new), lambda: peer_hello(identity="b"))
     with pytest.raises(HandshakeError) as exc:
-        exc_holder.hello(HandshakeInitiator(PoolKeys(old), hello_for()).step1())
+        exc_holder.hello(HandshakeInitiator(PoolKeys(old), peer_hello()).step1())
     assert exc.value.reason == "bad_proof"
 
 
 def test_replayed_step2_is_rejected():
-    responder, step2, _, _ = full_handshake(KEY, KEY, hello_for())
+    responder, step2, _, _ = full_handshake(KEY, KEY, peer_hello())
     with pytest.raises(HandshakeError) as exc:
         responder.proof(step2)
     assert exc.value.reason == "replay"
 
 
 def test_replayed_step1_is_rejected():
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    step1 = HandshakeInitiator(KEY, hello_for()).step1()
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    step1 = HandshakeInitiator(KEY, peer_hello()).step1()
     responder.hello(step1)
     with pytest.raises(HandshakeError) as exc:
         responder.hello(step1)
@@ -283,8 +274,8 @@ def test_replayed_step1_is_rejected():
 
 def test_captured_proof_does_not_open_a_new_handshake():
     # an eavesdropper replays a captured step 2 against a new server nonce: the proof fails
-    responder, step2, _, _ = full_handshake(KEY, KEY, hello_for())
-    attacker = HandshakeInitiator(b"guess", hello_for())
+    responder, step2, _, _ = full_handshake(KEY, KEY, peer_hello())
+    attacker = HandshakeInitiator(b"guess", peer_hello())
     step1 = {**attacker.step1(), "key_ids": [key_id(KEY).hex()]}
     reply = responder.hello(step1)
     forged = {**step2, "nonce_client": step1["nonce"], "nonce_server": reply["nonce"]}
@@ -294,7 +285,7 @@ def test_captured_proof_does_not_open_a_new_handshake():
 
 
 def _step1(**changes):
-    return {**HandshakeInitiator(KEY, hello_for()).step1(), **changes}
+    return {**HandshakeInitiator(KEY, peer_hello()).step1(), **changes}
 
 
 @pytest.mark.parametrize("body", [
@@ -304,7 +295,7 @@ def _step1(**changes):
     _step1(wire_version=None),
 ])
 def test_malformed_step1_is_rejected_as_malformed(body):
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
     with pytest.raises(HandshakeError) as exc:
         responder.hello(body)
     assert exc.value.reason == "malformed"
@@ -316,8 +307,8 @@ def test_malformed_step1_is_rejected_as_malformed(body):
     lambda h: h.update(identity="x" * 5000), lambda h: h.pop("data_address"),
 ])
 def test_malformed_hello_in_step2_is_rejected_as_malformed(edit):
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
-    initiator = HandshakeInitiator(KEY, hello_for())
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    initiator = HandshakeInitiator(KEY, peer_hello())
     step2 = initiator.step2(responder.hello(initiator.step1()))
     edit(step2["hello"])
     with pytest.raises(HandshakeError) as exc:
@@ -330,7 +321,7 @@ def test_malformed_hello_in_step2_is_rejected_as_malformed(edit):
     {"nonce_client": "0" * 32, "nonce_server": "0" * 32, "proof": 7},
 ])
 def test_malformed_proof_step_is_rejected(body):
-    responder = HandshakeResponder(KEY, lambda: hello_for(identity="b"))
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
     with pytest.raises(HandshakeError) as exc:
         responder.proof(body)
     assert exc.value.reason in ("malformed", "replay")

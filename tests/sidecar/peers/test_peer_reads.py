@@ -3,31 +3,18 @@ holders, what the asker keeps of fetched chunks, and fetch-or-recompute."""
 
 from __future__ import annotations
 
-import hashlib
 from types import SimpleNamespace
 
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers import peer_reads
 from kv_offload_sidecar.sidecar import UNLOADED_AFTER_DEADLINES, Sidecar
+from kv_offload_tools.chaos.chunks import chunk_keys
+from sidecar_support import Clock, settled
 from waiting import wait_for_async
 
 # Fetch deadline of the tests that must not see a give-up: an anti-hang bound (a busy
 # machine may take longer than a real deadline to answer, and the test would fail on time).
 REQUEST_DEADLINE_SECONDS = 30.0
-
-
-class Clock:
-    """A monotonic clock the test moves."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _keys(tag: str, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest()[:16] + bytes(4) for i in range(n)]
 
 
 def _store(sidecar: Sidecar, keys: list[bytes]) -> None:
@@ -45,28 +32,16 @@ def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]
     return Sidecar(a_settings), Sidecar(b_settings), Sidecar(make_settings(identity="asker", static_peers=peers))
 
 
-async def _settled(*sidecars: Sidecar) -> None:
-    """Until every sidecar is a member of every view (links up) and the chunks recorded anywhere
-    are in their owners' directories."""
-
-    def settled() -> bool:
-        views = [s.location.status() for s in sidecars]
-        return all(v["pending"] == 0 and v["members"] == len(sidecars) for v in views) and \
-            sum(v["entries"] for v in views) == sum(v["keys"] for v in views)
-
-    await wait_for_async(f"the directory settled ({[s.location.status() for s in sidecars]} at the start)", settled)
-
-
 async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_them(make_settings):
     holder_settings = make_settings(identity="holder")
     holder = Sidecar(holder_settings)
     asker = Sidecar(make_settings(identity="asker", peer_copies="cold",
                                   static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
     async with running(holder), running(asker):
-        keys, mine = _keys("chain", 6), _keys("own", 4)
+        keys, mine = chunk_keys("chain", 6), chunk_keys("own", 4)
         _store(holder, keys)
         _store(asker, mine)
-        await _settled(holder, asker)
+        await settled(holder, asker)
         # The admin lookup only counts: nothing moves.
         assert await asker.lookup(keys, 1.0, fetch=False) == (0, 6)
         assert len(asker.store) == 4
@@ -90,10 +65,10 @@ async def test_a_holder_named_for_a_chunk_it_lost_is_one_false_claim_and_a_miss(
     holder = Sidecar(holder_settings)
     asker = Sidecar(make_settings(identity="asker", static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
     async with running(holder), running(asker):
-        keys = _keys("stale", 3)
+        keys = chunk_keys("stale", 3)
         for k in keys:  # published as held, never stored: what an owner names before an eviction is heard
             holder.location.record(k, True)
-        await _settled(holder, asker)  # the asker's link up: else it would not even ask the holder
+        await settled(holder, asker)  # the asker's link up: else it would not even ask the holder
         assert await asker.lookup(keys, REQUEST_DEADLINE_SECONDS) == (0, 0)
         assert await asker.load(keys, REQUEST_DEADLINE_SECONDS) == []
         assert asker.metrics.peer_false_claims._value.get() >= 1
@@ -105,10 +80,10 @@ async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_kee
     holder = Sidecar(holder_settings)
     asker = Sidecar(make_settings(identity="asker", static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
     async with running(holder), running(asker):
-        keys, older = _keys("chain", 6), _keys("older", 3)
+        keys, older = chunk_keys("chain", 6), chunk_keys("older", 3)
         _store(holder, keys)
         _store(holder, older)  # stored after keys: keys are colder at the holder
-        await _settled(holder, asker)
+        await settled(holder, asker)
         assert await asker.lookup(keys, 1.0) == (0, 6)
         pins = await asker.load(keys, 1.0)
         assert [bytes(p.view[:1]) for p in pins] == [b"\0"] * 6 and len(asker.store) == 6
@@ -117,7 +92,7 @@ async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_kee
         # Released: the asker's store is empty again, the holder's copies were touched by the read.
         assert len(asker.store) == 0 and asker.store.stats()["free_slots"] == asker.store.num_slots
         assert list(holder.store._visible)[-6:] == keys
-        await _settled(holder, asker)
+        await settled(holder, asker)
         assert await asker.lookup(keys, 1.0) == (0, 6)  # still in the pool, at the holder
         for p in await asker.load(keys, 1.0):
             p.release()
@@ -126,11 +101,11 @@ async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_kee
 async def test_a_prefix_split_over_two_holders_is_fetched_from_both(make_settings):
     a, b, asker = _two_holders_and_an_asker(make_settings)
     async with running(a), running(b), running(asker):
-        keys = _keys("conversation", 7)
+        keys = chunk_keys("conversation", 7)
         _store(a, keys[:3])  # turn 1 ran on a
         _store(b, keys[3:5])  # turn 2 on b, which dropped the copies of turn 1 it had loaded
         _store(asker, keys[5:6])  # and one chunk the asker computed itself
-        await _settled(a, b, asker)
+        await settled(a, b, asker)
         before = asker.metrics.lookup_messages._value.get()
         assert await asker.lookup(keys, 1.0) == (0, 6)
         pins = await asker.load(keys, 1.0)
@@ -150,9 +125,9 @@ async def test_a_run_slower_to_fetch_than_to_recompute_is_a_miss(make_settings):
     asker = Sidecar(make_settings(identity="asker", prefill_tokens_per_second=1e12,
                                   static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
     async with running(holder), running(asker):
-        first, second = _keys("first", 4), _keys("second", 4)
+        first, second = chunk_keys("first", 4), chunk_keys("second", 4)
         _store(holder, first + second)
-        await _settled(holder, asker)
+        await settled(holder, asker)
         decisions = asker.metrics.fetch_decisions
         # The holder is not measured yet: its run is fetched, and measures it.
         assert await asker.lookup(first, 1.0) == (0, 4)
@@ -172,11 +147,11 @@ async def test_a_run_slower_to_fetch_than_to_recompute_is_a_miss(make_settings):
 async def test_a_route_hint_ranks_the_pods_by_the_prefix_each_holds_and_moves_nothing(make_settings):
     a, b, asker = _two_holders_and_an_asker(make_settings)
     async with running(a), running(b), running(asker):
-        keys = _keys("session", 6)
+        keys = chunk_keys("session", 6)
         _store(a, keys[:5])
         _store(b, keys[:2])
         _store(asker, keys[:1])
-        await _settled(a, b, asker)
+        await settled(a, b, asker)
         order = list(a.store._visible)
         hint = await asker.route_hint(keys, 1.0)
         assert [(h["pod"], h["chunks"]) for h in hint] == [("a", 5), ("b", 2), ("asker", 1)]
@@ -196,9 +171,9 @@ async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_de
                                   static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
     let_go_after = UNLOADED_AFTER_DEADLINES * REQUEST_DEADLINE_SECONDS
     async with running(holder), running(asker):
-        keys, other = _keys("aborted", 3), _keys("other", 1)
+        keys, other = chunk_keys("aborted", 3), chunk_keys("other", 1)
         _store(holder, keys)
-        await _settled(holder, asker)
+        await settled(holder, asker)
         assert await asker.lookup(keys, REQUEST_DEADLINE_SECONDS) == (0, 3)  # the engine never loads it
         await wait_for_async("the fetched chunks in the asker's store", lambda: len(asker.store) == 3)
         clock.now += let_go_after - 0.01
