@@ -259,8 +259,9 @@ class Sidecar:
     async def wait_idle(self, timeout: float) -> bool:
         """Wait (at most ``timeout``) until no engine lookup/load is in flight."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
             return False
         return True
 

@@ -325,6 +325,11 @@ class LocalChannelServer:
         self._jobs: dict[str, tuple[JobDeadline, asyncio.Event]] = {}
         # Ids cancelled before their job came (oldest first).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
+        # Frames being answered (read, reply not yet written) and set when there are none:
+        # stop() lets each reply out before it drops the connections.
+        self._answering = 0
+        self._all_answered = asyncio.Event()
+        self._all_answered.set()
 
     async def start(self) -> None:
         if len(self.path.encode()) > 100:
@@ -350,7 +355,11 @@ class LocalChannelServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        end = asyncio.get_running_loop().time() + grace
         await self.sidecar.wait_idle(grace)
+        with contextlib.suppress(TimeoutError):  # the sidecar's work done, its replies go out
+            async with asyncio.timeout_at(end):
+                await self._all_answered.wait()
         for t in list(self._conns):
             t.cancel()
         if self._conns:
@@ -479,6 +488,8 @@ class LocalChannelServer:
                       fds: list[int]) -> bool:
         """Answer one frame; False when the connection must close."""
         metrics = self.sidecar.metrics
+        self._answering += 1
+        self._all_answered.clear()
         try:
             try:
                 req = cp.decode_body(body)
@@ -507,6 +518,9 @@ class LocalChannelServer:
             await _send(writer, reply)
             return True
         finally:
+            self._answering -= 1
+            if not self._answering:
+                self._all_answered.set()
             for fd in fds:  # a mapping keeps its own reference to the file
                 with contextlib.suppress(OSError):
                     os.close(fd)

@@ -141,8 +141,9 @@ class Discovery:
     async def wait_changed(self, timeout: float) -> bool:
         """Wait until the set may have changed (or ``timeout``); clears the flag."""
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
+        except TimeoutError:
             return False
         self._changed.clear()
         return True

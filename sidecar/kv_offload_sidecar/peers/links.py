@@ -202,6 +202,8 @@ class PeerManager:
     async def close(self) -> None:
         self._closing = True
         tasks = [link.task for link in self._links.values() if link.task] + list(self._retiring)
+        for link in self._links.values():
+            link.wake.set()  # a back-off ends now
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -245,7 +247,7 @@ class PeerManager:
     async def _link_loop(self, link: PeerLink) -> None:
         s = self._settings
         try:
-            while True:
+            while not self._closing:  # also ends a loop whose cancellation got lost
                 self._set_state(link, "connecting")
                 try:
                     await self._connect(link)
@@ -290,10 +292,11 @@ class PeerManager:
         link.retry_at = time.monotonic() + delay
         self._set_state(link, state)
         link.wake.clear()
-        try:
-            await asyncio.wait_for(link.wake.wait(), delay)
-        except asyncio.TimeoutError:
-            pass
+        if self._closing:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await link.wake.wait()
 
     def _leave(self, link: PeerLink) -> None:
         if link.member and link.identity:
@@ -306,7 +309,8 @@ class PeerManager:
         link.failed.clear()
         if data is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(data.close(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await data.close()
 
     async def _establish(self, link: PeerLink) -> tuple[HelloMessage, Session, Any]:
         """Handshake with the peer at ``link.address`` and open a data connection."""
@@ -360,7 +364,8 @@ class PeerManager:
             await asyncio.sleep(delay)
         finally:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(data.close(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await data.close()
 
     def keys_changed(self) -> int:
         """This sidecar's keys changed: links not on the current key re-key; returns how many."""
@@ -410,7 +415,8 @@ class PeerManager:
             if link.data is None or link.data.closed:
                 raise ConnectionError(link.last_error or "data connection closed")
             try:
-                await asyncio.wait_for(link.failed.wait(), s.publish_interval_seconds)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(s.publish_interval_seconds):
+                    await link.failed.wait()
+            except TimeoutError:
                 continue
             raise ConnectionError(link.last_error or "data plane failed")

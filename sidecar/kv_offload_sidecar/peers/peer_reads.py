@@ -120,8 +120,9 @@ class PeerReads:
         """Make ``keys[local:]`` local as far as the pool has them (the first ``local`` are)."""
         found = self._pending(keys, local)
         if found is not None and found[1].task is not None:
-            with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(found[1].task), timeout)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(found[1].task)
             return
         loop = asyncio.get_running_loop()
         end = loop.time() + min(timeout, self._deadline)
@@ -340,7 +341,8 @@ class PeerReads:
             else:
                 coro = link.data.fetch(keys, self._store(), deadline)
             # The transport enforces the deadline; this bound only guards against a hang.
-            got = int(await asyncio.wait_for(coro, deadline + 1.0))
+            async with asyncio.timeout(deadline + 1.0):
+                got = int(await coro)
         except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.warning("peer %s %s failed: %s; a miss, backing the peer off", claim.identity,
                         "fetch" if fetch else "lookup", exc)
@@ -362,8 +364,9 @@ class PeerReads:
     async def _count_of(self, prefetch: _Prefetch, keys: Sequence[bytes], deadline: float) -> int:
         """The prefetch's count, as far as it covers ``keys``; 0 past ``deadline``."""
         try:
-            n = await asyncio.wait_for(asyncio.shield(prefetch.count), deadline)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(deadline):
+                n = await asyncio.shield(prefetch.count)
+        except TimeoutError:
             return 0
         same = 0
         for a, b in zip(prefetch.keys[:n], keys):
