@@ -20,7 +20,16 @@ from prometheus_client import CollectorRegistry
 from raw_wire import authenticated as raw_authenticated
 from raw_wire import dial as raw_connect
 from raw_wire import error_text, read_frame, read_until_closed
-from transport_peers import SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of, hold_chunks, key_of
+from transport_peers import (
+    SESSION_ID,
+    SESSION_KEY,
+    assert_still_serves,
+    chunk_bytes_in,
+    content_of,
+    hold_chunks,
+    key_of,
+    session,
+)
 
 CHUNK = 256 * 1024
 
@@ -46,11 +55,8 @@ async def test_fetch_moves_chunks_byte_identical_into_store_slots(
     metrics = SidecarMetrics(registry)
     store = make_store(metrics=metrics)
     keys = [key_of(i) for i in range(16)]
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, metrics=metrics)
-    try:
+    async with session(peer.address, metrics=metrics) as client:
         assert await client.fetch(keys, store, timeout=10) == 16
-    finally:
-        await client.close()
     for i, key in enumerate(keys):
         assert chunk_bytes_in(store, key) == content_of(i, CHUNK)
     assert_nothing_partial(store)
@@ -61,31 +67,24 @@ async def test_fetch_moves_chunks_byte_identical_into_store_slots(
 
 async def test_lookup_returns_the_leading_hit_prefix(start_peer: Callable[..., PeerProcess]) -> None:
     peer = start_peer("tcp", chunks=8, chunk_bytes=CHUNK)
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
-    try:
-        keys = [key_of(i) for i in range(8)]
+    keys = [key_of(i) for i in range(8)]
+    async with session(peer.address) as client:
         assert await client.lookup(keys, timeout=5) == 8
         assert await client.lookup(keys[:3] + [key_of(999)] + keys[3:], timeout=5) == 3
         assert await client.lookup([key_of(999)] + keys, timeout=5) == 0
         many = await asyncio.gather(*(client.lookup(keys[:n], timeout=5) for n in range(1, 9)))
         assert many == list(range(1, 9))  # concurrent lookups on one connection
-    finally:
-        await client.close()
 
 
 async def test_fetch_stops_at_a_key_the_peer_does_not_hold(
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     peer = start_peer("tcp", chunks=4, chunk_bytes=CHUNK)
     store = make_store()
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
-    try:
-        got = await client.fetch([key_of(0), key_of(999), key_of(1)], store, timeout=5)
-        assert got == 1
+    async with session(peer.address) as client:
+        assert await client.fetch([key_of(0), key_of(999), key_of(1)], store, timeout=5) == 1
         assert not store.contains(key_of(999))
         # the connection stays usable after a miss
         assert await client.fetch([key_of(2), key_of(3)], store, timeout=5) == 2
-    finally:
-        await client.close()
     assert_nothing_partial(store)
 
 
@@ -93,14 +92,11 @@ async def test_keys_already_in_the_store_are_not_fetched_again(
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     peer = start_peer("tcp", chunks=4, chunk_bytes=CHUNK)
     store = make_store()
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
-    try:
+    async with session(peer.address) as client:
         assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
         sent = peer.metrics()["peer_bytes_sent"]
         assert await client.fetch([key_of(0), key_of(1), key_of(2)], store, timeout=5) == 3
         assert peer.metrics()["peer_bytes_sent"] - sent == CHUNK
-    finally:
-        await client.close()
 
 
 async def test_wrong_session_key_is_refused_before_any_chunk_byte(
@@ -229,7 +225,7 @@ async def silent_server(reply: Callable[[socket.socket, bytes], None] | None = N
         await reader.readexactly(header.length)
         if reply is not None:
             writer.write(reply(header))  # type: ignore[arg-type]
-        await asyncio.sleep(30)
+        await reader.read()  # then silent until the client hangs up
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -274,11 +270,10 @@ async def test_in_process_server_serves_what_a_store_holds(make_store: Callable[
     address = await server.start()
     assert address.startswith("tcp://127.0.0.1:")
     dest = make_store()
-    client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5)
     try:
-        assert await client.fetch([key_of(i) for i in range(3)], dest, timeout=5) == 3
+        async with session(address) as client:
+            assert await client.fetch([key_of(i) for i in range(3)], dest, timeout=5) == 3
     finally:
-        await client.close()
         await server.stop(0.5)
     assert_nothing_partial(dest)
     assert metrics.peer_bytes.labels(direction="sent")._value.get() == 3 * CHUNK

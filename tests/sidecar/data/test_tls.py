@@ -25,7 +25,17 @@ from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.certs import CertFiles, pool_certificates
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
-from transport_peers import SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of, hold_chunks, key_of
+from transport_peers import (
+    SESSION_ID,
+    SESSION_KEY,
+    assert_still_serves,
+    chunk_bytes_in,
+    content_of,
+    hold_chunks,
+    key_of,
+    session,
+)
+from waiting import wait_for_async
 
 CHUNK = 256 * 1024
 
@@ -85,17 +95,13 @@ async def test_tls_fetch_moves_chunks_byte_identical(
     metrics = SidecarMetrics(CollectorRegistry())
     store = make_store(slots=chunks + 1, chunk_bytes=chunk_bytes)
     keys = [key_of(i) for i in range(chunks)]
-    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=10, metrics=metrics,
-                           ssl=client_ctx(pool["client"]))
-    try:
+    async with session(peer.address, timeout=10, metrics=metrics, ssl=client_ctx(pool["client"])) as client:
         assert await client.lookup(keys + [key_of(999)], timeout=5) == chunks
         lookups = await asyncio.gather(*(client.lookup(keys[:n], timeout=5) for n in range(1, chunks + 1)))
         assert lookups == list(range(1, chunks + 1))
         assert await client.fetch(keys, store, timeout=30) == chunks
         assert await client.fetch([key_of(999)], store, timeout=5) == 0  # a miss keeps the connection
         assert not client.closed
-    finally:
-        await client.close()
     for i, key in enumerate(keys):
         assert chunk_bytes_in(store, key) == content_of(i, chunk_bytes)
     assert metrics.peer_bytes.labels(direction="received")._value.get() == chunks * chunk_bytes
@@ -112,15 +118,12 @@ async def test_in_process_tls_server_advertises_tls_and_says_goodbye_on_stop(
     address = await server.start()
     assert address.startswith("tls://127.0.0.1:")
     dest = make_store()
-    client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5, ssl=client_ctx(pool["client"]))
-    try:
+    async with session(address, ssl=client_ctx(pool["client"])) as client:
         assert await client.fetch([key_of(i) for i in range(3)], dest, timeout=5) == 3
         await server.stop(0.5)
         with pytest.raises(TransportError):
             await client.lookup([key_of(0)], timeout=2)
         assert client.closed
-    finally:
-        await client.close()
     assert [chunk_bytes_in(dest, key_of(i)) for i in range(3)] == [content_of(i, CHUNK) for i in range(3)]
 
 
@@ -244,7 +247,7 @@ async def test_tls_stream_reads_exactly_across_records_staging_and_direct_reads(
     server = await server_task
     try:
         await server.send([payload[:7], memoryview(payload)[7:]])  # all of it, before any read
-        await asyncio.sleep(0.1)
+        await wait_for_async("the reader's staging full, its reading paused", lambda: client._reading_paused)
         sizes = [16, 2, 3, DIRECT_READ_BYTES - 1, DIRECT_READ_BYTES, 1, 2 * STAGING_BYTES]
         got = bytearray()
         for n in sizes:

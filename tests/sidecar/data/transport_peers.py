@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 SESSION_ID = b"session-1"
@@ -125,15 +126,23 @@ async def serve(args: argparse.Namespace) -> None:
         store.close()
 
 
-async def assert_still_serves(address: str, store: Any, **connect_options: Any) -> None:
-    """An authenticated client of the peer at ``address`` still fetches the two chunks it holds."""
+@contextlib.asynccontextmanager
+async def session(address: str, timeout: float = 5, **connect_options: Any) -> AsyncIterator[Any]:
+    """A client of the peer at ``address`` that proved the test session, closed on leaving
+    (``connect_options``: ``metrics``, ``ssl``)."""
     from kv_offload_sidecar.data import connect
 
-    client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5, **connect_options)
+    client = await connect(address, SESSION_ID, SESSION_KEY, timeout=timeout, **connect_options)
     try:
-        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
+        yield client
     finally:
         await client.close()
+
+
+async def assert_still_serves(address: str, store: Any, **connect_options: Any) -> None:
+    """An authenticated client of the peer at ``address`` still fetches the two chunks it holds."""
+    async with session(address, **connect_options) as client:
+        assert await client.fetch([key_of(0), key_of(1)], store, timeout=5) == 2
 
 
 async def connect_and_fetch(address: str, store: Any, keys: list[bytes], chunk_bytes: int,
