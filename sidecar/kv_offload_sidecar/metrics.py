@@ -124,7 +124,8 @@ class SidecarMetrics:
             "engine_transfer",
             "Seconds of each phase of the engine's store and load jobs on this sidecar: "
             "fetch (waiting for peer chunks), copy (bytes between vLLM's rows and the store), "
-            "checksum (hashing stored chunks).",
+            "checksum (hashing stored chunks); lookup_to_landed: a peer fetch a lookup started, "
+            "from that lookup to its last chunk landed and verified.",
             ["op", "phase"], unit="seconds", namespace=ns, registry=registry,
             buckets=FETCH_DURATION_BUCKETS,
         )

@@ -100,6 +100,7 @@ class PeerReads:
     async def lookup(self, keys: Sequence[bytes], local: int, timeout: float, *, fetch: bool) -> int:
         """Peer hit prefix of ``keys[local:]`` (the first ``local`` are held here); with ``fetch``
         the chunks start coming."""
+        asked_at = asyncio.get_running_loop().time()
         deadline = min(timeout, self._deadline)
         found = self._pending(keys, local)
         if found is not None:
@@ -113,7 +114,7 @@ class PeerReads:
             return 0
         prefetch = _Prefetch(rest, asyncio.get_running_loop().create_future(), holder=holder[1].identity)
         self._inflight[rest[0]] = prefetch
-        prefetch.task = self._spawn(self._prefetch(prefetch, holder))
+        prefetch.task = self._spawn(self._prefetch(prefetch, holder, asked_at))
         return await self._count_of(prefetch, rest, deadline)
 
     async def load(self, keys: Sequence[bytes], local: int, timeout: float) -> None:
@@ -239,10 +240,14 @@ class PeerReads:
                 out.append((link, claim))
         return owner, out
 
-    async def _prefetch(self, prefetch: _Prefetch, holder: tuple[PeerLink, HolderClaim, str]) -> int:
+    async def _prefetch(self, prefetch: _Prefetch, holder: tuple[PeerLink, HolderClaim, str],
+                        asked_at: float) -> int:
         """The lookup's fetch: the first holder's run, then the next holders' runs of the same
         request (a chain whose parts were stored on different pods), each asked as soon as the
-        previous count is back while its chunks still arrive. The count is the whole run."""
+        previous count is back while its chunks still arrive. The count is the whole run.
+        A fetch that brought chunks is timed from the lookup (``asked_at``, the loop's time) to
+        its last chunk landed and verified: the engine's load phase ``lookup_to_landed``
+        (much of the transfer happens before the load asks for it)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self._deadline
         keys, total = prefetch.keys, 0
@@ -268,6 +273,9 @@ class PeerReads:
             got = 0
             for t in exchanges:
                 got += await t
+            if got:
+                self._metrics.engine_transfer.labels(op="load", phase="lookup_to_landed").observe(
+                    asyncio.get_running_loop().time() - asked_at)
             return got
         finally:
             _resolve(prefetch.count, total)

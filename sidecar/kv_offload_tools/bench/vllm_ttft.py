@@ -20,8 +20,10 @@ phases: lookup until vLLM saw HIT and its scheduler steps (the tier's
 ``vllm:kv_offload_sidecar_lookup_wait_{ms,steps}`` over ``..._waits``), the steps
 from the sidecar knowing the hit to vLLM's HIT (``..._lookup_steps_after_arrival``
 over ``..._lookup_arrivals``), fetch and copy (sidecar 1's
-``kv_offload_engine_transfer_seconds{op="load"}`` sums; jobs may overlap) and the
-rest; GB/s; CPU-seconds per GB of the tier's own code in vLLM's engine process
+``kv_offload_engine_transfer_seconds{op="load"}`` sums; jobs may overlap), the span from
+the lookup that started the peer fetch to its last chunk landed (``phase="lookup_to_landed"``:
+most of a transfer happens before the load asks for it) and the rest (outside that span and
+the copy it did not hide); GB/s; CPU-seconds per GB of the tier's own code in vLLM's engine process
 (``vllm:kv_offload_tier_cpu_seconds``: its threads and the scheduler thread inside
 its calls), of the whole engine-core process (which also steps, and spins on its
 workers, while a request waits for KV) and of the sidecars, for the store and both

@@ -241,7 +241,8 @@ class PlaneBench:
                  f"(lookup {_fmt_ms(peer['lookup_ms'])} in {_fmt(peer['lookup_steps'])} steps, "
                  f"HIT {_fmt(peer['steps_after_arrival'])} steps after the sidecar knew it, "
                  f"fetch {_fmt_s(peer['phases'].get('load.fetch'))}, "
-                 f"copy {_fmt_s(peer['phases'].get('load.copy'))})")
+                 f"copy {_fmt_s(peer['phases'].get('load.copy'))}, lookup to last chunk landed "
+                 f"{_fmt_s(peer['phases'].get('load.lookup_to_landed'))})")
         return row
 
     def _cost(self, d: Mapping[str, Any], nbytes: int, engine_role: str, sidecar_role: str,

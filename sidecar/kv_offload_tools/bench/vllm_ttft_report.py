@@ -22,6 +22,23 @@ def _phase(phases: Mapping[str, float] | None, name: str) -> float | None:
     return phases[name]
 
 
+# Phases the peer-hit table has a column for.
+_SHOWN_PHASES = ("load.fetch", "load.copy", "load.lookup_to_landed")
+
+
+def rest_of_ttft(ttft: float, lookup: float | None, fetch: float | None, copy: float | None,
+                 landed: float | None) -> float | None:
+    """The TTFT outside the measured phases. A peer fetch starts at the lookup, so when its
+    span (``landed``: lookup to last chunk landed) is known the rest is the TTFT minus that
+    span and the copy it did not hide (before the lookup, and from the rows loaded to the
+    first token); else minus lookup, fetch and copy (which then miss the transfer done before
+    the load asked for it). None when no phase is known."""
+    if landed is not None:
+        return ttft - landed - (copy or 0.0)
+    known = [x for x in (lookup, fetch, copy) if x is not None]
+    return ttft - sum(known) if known else None
+
+
 def missing_metrics(report: Mapping[str, Any]) -> list[str]:
     """Metrics the run needed and never saw (their phases are reported as missing)."""
     rows = report["rows"]
@@ -33,7 +50,8 @@ def missing_metrics(report: Mapping[str, Any]) -> list[str]:
                    "counters, with the sidecar's known_at)")
     if rows and all(r["store"].get("tier_cpu_s") is None for r in rows):
         out.append("vllm:kv_offload_tier_cpu_seconds (the tier's counter)")
-    for op, phase in (("load", "fetch"), ("load", "copy"), ("store", "copy")):
+    for op, phase in (("load", "fetch"), ("load", "copy"), ("load", "lookup_to_landed"),
+                      ("store", "copy")):
         where = "peer" if op == "load" else "store"
         if rows and all(_phase(r[where].get("phases"), f"{op}.{phase}") is None for r in rows):
             out.append(f'kv_offload_engine_transfer_seconds{{op="{op}",phase="{phase}"}}')
@@ -58,23 +76,24 @@ def table(report: Mapping[str, Any]) -> str:
             f"| {_f(ref.get('memcpy_s'))} s | {_f(ref.get('raw_tcp_s'))} s "
             f"| {_f(base.get(r['size_mib']))} s |")
     lines += ["", "| plane | prefix | hit | TTFT | lookup until HIT (steps; after the sidecar "
-              "knew) | fetch | copy "
+              "knew) | fetch | copy | lookup → last chunk landed "
               "| other phases | rest of the TTFT | chunks from the tier |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         for source in ("own_sidecar", "peer"):
             p = r[source]
             phases = p.get("phases") or {}
             fetch, copy = _phase(phases, "load.fetch"), _phase(phases, "load.copy")
-            other = {k: v for k, v in phases.items() if k not in ("load.fetch", "load.copy")}
+            landed = _phase(phases, "load.lookup_to_landed")
+            other = {k: v for k, v in phases.items() if k not in _SHOWN_PHASES}
             lookup_s = None if p.get("lookup_ms") is None else p["lookup_ms"] / 1e3
-            known = [x for x in (lookup_s, fetch, copy) if x is not None]
-            rest = p["ttft_s"] - sum(known) if known else None
+            rest = rest_of_ttft(p["ttft_s"], lookup_s, fetch, copy, landed)
             lines.append(
                 f"| {r['plane']} | {r['size_mib']} MiB | {SOURCES[source]} | {p['ttft_s']:.3f} s "
                 f"| {_f(p.get('lookup_ms'), '{:.0f} ms')} ({_f(p.get('lookup_steps'), '{:.1f}')}; "
                 f"{_f(p.get('steps_after_arrival'), '{:.1f}')}) "
                 f"| {_f(fetch, '{:.3f} s')} | {_f(copy, '{:.3f} s')} "
+                f"| {'-' if landed is None else f'{landed:.3f} s'} "
                 f"| {', '.join(f'{k} {v:.3f} s' for k, v in other.items()) or '-'} "
                 f"| {_f(rest, '{:.3f} s')} | {_f(p.get('tier_chunk_hits'), '{:.0f}')}/{r['chunks']} |")
     lines += ["", "| plane | prefix | tier CPU-s/GB in vLLM's process: store / own-sidecar load "

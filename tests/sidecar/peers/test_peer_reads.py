@@ -60,6 +60,27 @@ async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_t
         assert await asker.lookup(keys, 1.0) == (6, 0)
 
 
+async def test_a_lookups_fetch_is_timed_from_the_lookup_to_its_last_chunk_landed(make_settings):
+    holder_settings = make_settings(identity="holder")
+    holder = Sidecar(holder_settings)
+    asker = Sidecar(make_settings(identity="asker",
+                                  static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    async with running(holder), running(asker):
+        keys = chunk_keys("timed", 4)
+        _store(holder, keys)
+        await settled(holder, asker)
+        landed = asker.metrics.engine_transfer.labels(op="load", phase="lookup_to_landed")
+        assert await asker.lookup(keys, 1.0, fetch=False) == (0, 4)  # counts only: not timed
+        assert landed._sum.get() == 0
+        assert await asker.lookup(keys, 1.0) == (0, 4)
+        pins = await asker.load(keys, 1.0)
+        for p in pins:
+            p.release()
+        # One observation, covering the lookup and the whole transfer.
+        await wait_for_async("the fetch's span observed", lambda: landed._sum.get() > 0)
+        assert {s.name: s.value for s in landed._samples()}["_count"] == 1
+
+
 async def test_a_holder_named_for_a_chunk_it_lost_is_one_false_claim_and_a_miss(make_settings):
     holder_settings = make_settings(identity="holder")
     holder = Sidecar(holder_settings)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kv_offload_tools.bench.vllm_ttft_measure import QUIET_TOKENS
-from kv_offload_tools.bench.vllm_ttft_report import SOURCES
+from kv_offload_tools.bench.vllm_ttft_report import SOURCES, rest_of_ttft
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -94,8 +94,18 @@ def test_the_peer_hit_is_broken_into_phases(report) -> None:
     # The tier's own CPU in vLLM's process is read for the store and both loads.
     for where in ("store", "own_sidecar", "peer"):
         assert row[where]["tier_cpu_s"] is not None and row[where]["tier_cpu_s"] >= 0, where
-    assert {"load.fetch", "load.copy"} <= set(peer["phases"])
+    assert {"load.fetch", "load.copy", "load.lookup_to_landed"} <= set(peer["phases"])
+    # The fetch the lookup started spans the lookup and the load's fetch phase.
+    assert peer["phases"]["load.lookup_to_landed"] >= peer["phases"]["load.fetch"] > 0
     assert "store.copy" in row["store"]["phases"]
+
+
+def test_the_rest_of_a_peer_hit_is_the_ttft_outside_the_transfer_and_the_unhidden_copy() -> None:
+    # With the span from the lookup to the last chunk landed: lookup and fetch lie inside it.
+    assert rest_of_ttft(1.0, lookup=0.1, fetch=0.5, copy=0.05, landed=0.7) == pytest.approx(0.25)
+    # Without it (an older sidecar), what the phases cover.
+    assert rest_of_ttft(1.0, lookup=0.1, fetch=0.5, copy=0.05, landed=None) == pytest.approx(0.35)
+    assert rest_of_ttft(1.0, lookup=None, fetch=None, copy=None, landed=None) is None
 
 
 def test_the_json_report_has_every_field(report) -> None:
