@@ -20,16 +20,8 @@ from prometheus_client import CollectorRegistry
 from raw_wire import authenticated as raw_authenticated
 from raw_wire import dial as raw_connect
 from raw_wire import error_text, read_frame, read_until_closed
-from transport_peers import (
-    SESSION_ID,
-    SESSION_KEY,
-    assert_still_serves,
-    chunk_bytes_in,
-    content_of,
-    hold_chunks,
-    key_of,
-    session,
-)
+from transport_peers import (SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of,
+                             hold_chunks, key_of, session)
 
 CHUNK = 256 * 1024
 

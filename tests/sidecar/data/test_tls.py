@@ -25,16 +25,8 @@ from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.certs import CertFiles, pool_certificates
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
-from transport_peers import (
-    SESSION_ID,
-    SESSION_KEY,
-    assert_still_serves,
-    chunk_bytes_in,
-    content_of,
-    hold_chunks,
-    key_of,
-    session,
-)
+from transport_peers import (SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of,
+                             hold_chunks, key_of, session)
 from waiting import wait_for_async
 
 CHUNK = 256 * 1024

@@ -375,29 +375,37 @@ def test_on_change_runs_outside_the_lock_and_a_failing_callback_breaks_nothing(
         assert store.keys() == [key(2)]
 
 
+def in_an_engine_process(store: ChunkStore, code: str, *args: object, blocked: tuple[str, ...] = ()) -> str:
+    """The output of ``code`` run by another Python process (an engine in miniature) that first
+    attached ``store``'s file as ``view``, a ChunkStoreView: ``path`` is the file, ``args`` are
+    ``sys.argv[1:]``, and the modules ``blocked`` cannot be imported there."""
+    attach = (f"import sys\n"
+              f"for blocked in {blocked!r}:\n"
+              f"    sys.modules[blocked] = None\n"
+              f"from kv_offload_sidecar.engine.store_view import ChunkStoreView\n"
+              f"path = {store.path!r}\n"
+              f"view = ChunkStoreView.attach(path, {SLOT_BYTES}, {store.num_slots})\n")
+    done = subprocess.run([sys.executable, "-c", attach + code, *map(str, args)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_second_process_attaches_and_shares_slot_bytes_without_a_socket(shm_dir: str) -> None:
     with make_store(shm_dir, 4, name="attach-test") as store:
         assert write(store, 3)
         chunk = store.pin(key(3))
         code = (
-            "import sys\n"
-            "from kv_offload_sidecar.engine.store_view import ChunkStoreView\n"
             "from kv_offload_sidecar.store.checksum import chunk_checksum\n"
-            "path, slot_bytes, num_slots, slot, target = sys.argv[1:]\n"
-            "with ChunkStoreView.attach(path, int(slot_bytes), int(num_slots)) as view:\n"
-            "    print(chunk_checksum(view.slot_view(int(slot))))\n"
-            "    v = view.slot_view(int(target))\n"
-            "    v[:] = bytes(v)[::-1]\n"
-            "    v.release()\n"
+            "slot, target = map(int, sys.argv[1:])\n"
+            "print(chunk_checksum(view.slot_view(slot)))\n"
+            "v = view.slot_view(target)\n"
+            "v[:] = bytes(v)[::-1]\n"
         )
         res = store.begin_write(key(4))
         res.view[:] = payload(4)[::-1]
-        out = subprocess.run(
-            [sys.executable, "-c", code, store.path, str(SLOT_BYTES), str(store.num_slots),
-             str(chunk.slot), str(res.slot)],
-            capture_output=True, text=True, timeout=30, check=True,
-        )
-        assert int(out.stdout) == chunk.checksum == chunk_checksum(payload(3))
+        out = in_an_engine_process(store, code, chunk.slot, res.slot)
+        assert int(out) == chunk.checksum == chunk_checksum(payload(3))
         # The other process wrote the reservation's slot in place.
         assert res.commit(chunk_checksum(payload(4)))
         chunk.release()
@@ -410,11 +418,7 @@ def test_engine_view_maps_every_page_at_attach_and_leaves_the_chunks_intact(shm_
             assert write(store, i)
         slots = {store.pin(key(i)).slot: i for i in range(64)}  # pins keep the slots put
         code = (
-            "import sys\n"
-            "from kv_offload_sidecar.engine.store_view import ChunkStoreView\n"
             "from kv_offload_sidecar.store.checksum import chunk_checksum\n"
-            "path, slot_bytes, num_slots = sys.argv[1:]\n"
-            "view = ChunkStoreView.attach(path, int(slot_bytes), int(num_slots))\n"
             "rss, found = None, False\n"
             "for line in open('/proc/self/smaps'):\n"
             "    if line.rstrip().endswith(' ' + path):\n"
@@ -423,10 +427,9 @@ def test_engine_view_maps_every_page_at_attach_and_leaves_the_chunks_intact(shm_
             "        rss = int(line.split()[1]) * 1024\n"
             "        break\n"
             "print(rss)\n"
-            "print(' '.join(str(chunk_checksum(view.slot_view(s))) for s in range(int(num_slots))))\n"
+            "print(' '.join(str(chunk_checksum(view.slot_view(s))) for s in range(view.num_slots)))\n"
         )
-        out = subprocess.run([sys.executable, "-c", code, store.path, str(SLOT_BYTES), str(store.num_slots)],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.split("\n")
+        out = in_an_engine_process(store, code).split("\n")
         # Mapped at attach, before the engine read a byte.
         assert int(out[0]) == 64 * STRIDE
         checksums = [int(c) for c in out[1].split()]
@@ -543,21 +546,11 @@ def test_engine_side_view_imports_without_xxhash_or_prometheus(shm_dir: str) -> 
     with make_store(shm_dir, 2) as store:
         assert write(store, 9)
         slot = store.pin(key(9))
-        code = (
-            "import sys\n"
-            "for blocked in ('xxhash', 'prometheus_client', 'numpy', 'aiohttp'):\n"
-            "    sys.modules[blocked] = None\n"
-            "from kv_offload_sidecar.engine.store_view import ChunkStoreView\n"
-            "view = ChunkStoreView.attach(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))\n"
-            "sys.stdout.write(bytes(view.slot_view(int(sys.argv[4]))[-8:]).hex())\n"
-        )
-        out = subprocess.run(
-            [sys.executable, "-c", code, store.path, str(SLOT_BYTES), "2", str(slot.slot)],
-            capture_output=True, text=True, timeout=30,
-        )
+        code = "sys.stdout.write(bytes(view.slot_view(int(sys.argv[1]))[-8:]).hex())\n"
+        out = in_an_engine_process(store, code, slot.slot,
+                                   blocked=("xxhash", "prometheus_client", "numpy", "aiohttp"))
         slot.release()
-        assert out.returncode == 0, out.stderr
-        assert bytes.fromhex(out.stdout) == payload(9)[-8:]
+        assert bytes.fromhex(out) == payload(9)[-8:]
 
 
 class ChunkStoreAgainstModel(RuleBasedStateMachine):
