@@ -40,83 +40,80 @@ def pool_labels(pool: str = "llama", **more: str) -> dict[str, str]:
     return {"namespace": "inference", "kv_offload_io_pool": pool, **more}
 
 
+def series(metric: str, labels: str, values: str) -> dict[str, str]:
+    """One input series of a promtool test: ``metric{labels}`` and its values in promtool's
+    expanding notation (``0+5x30``: 0, then 30 steps of +5)."""
+    return {"series": f"{metric}{{{labels}}}", "values": values}
+
+
+HANDSHAKES = "kv_offload_handshakes_total"
+INTEGRITY_FAILURES = "kv_offload_integrity_failures_total"
+LOOKUPS = "kv_offload_chunk_lookups_total"
+FETCHES = "kv_offload_peer_fetches_total"
+ADMISSIONS = "kv_offload_operator_admissions_total"
+WEBHOOK_ERRORS = "kv_offload_operator_webhook_errors_total"
+CONFIG_INFO = "kv_offload_config_info"
+
 # alert -> (input series, [(eval time, [expected labels of each firing alert])])
 CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, list[dict[str, str]]]]]] = {
     "KVOffloadHandshakeRejected": (
-        [{"series": f'kv_offload_handshakes_total{{{target("llama-0")}, result="rejected", '
-                    f'reason="fingerprint_mismatch"}}', "values": "0x10 1x20"},
-         {"series": f'kv_offload_handshakes_total{{{target("llama-0")}, result="accepted", reason="ok"}}',
-          "values": "0+5x30"},
-         {"series": f'kv_offload_handshakes_total{{{target("mistral-0", "mistral")}, result="rejected", '
-                    f'reason="bad_proof"}}', "values": "0x30"},
-         {"series": f'kv_offload_handshakes_total{{{target("x-0", job="other")}, result="rejected", '
-                    f'reason="bad_proof"}}', "values": "0+1x30"}],
+        [series(HANDSHAKES, f'{target("llama-0")}, result="rejected", reason="fingerprint_mismatch"',
+                "0x10 1x20"),
+         series(HANDSHAKES, f'{target("llama-0")}, result="accepted", reason="ok"', "0+5x30"),
+         series(HANDSHAKES, f'{target("mistral-0", "mistral")}, result="rejected", reason="bad_proof"', "0x30"),
+         series(HANDSHAKES, f'{target("x-0", job="other")}, result="rejected", reason="bad_proof"', "0+1x30")],
         [("5m", []),
          ("15m", [pool_labels(reason="fingerprint_mismatch", severity="warning")]),
          ("25m", [])]),
     "KVOffloadIntegrityFailures": (
-        [{"series": f'kv_offload_integrity_failures_total{{{target("llama-0")}}}', "values": "0x10 2x20"},
-         {"series": f'kv_offload_integrity_failures_total{{{target("llama-1")}}}', "values": "0x30"}],
+        [series(INTEGRITY_FAILURES, target("llama-0"), "0x10 2x20"),
+         series(INTEGRITY_FAILURES, target("llama-1"), "0x30")],
         [("5m", []), ("12m", [pool_labels(pod="llama-0", severity="critical")])]),
     "KVOffloadPoolMixedFingerprints": (
-        [{"series": f'kv_offload_config_info{{{target(pod)}, fingerprint="{fp}", transport="ucx"}}',
-          "values": "1x60"}
-         for pod, fp in (("llama-0", "aaaaaaaaaaaaaaaa"), ("llama-1", "bbbbbbbbbbbbbbbb"))] +
-        [{"series": f'kv_offload_config_info{{{target(pod, "mistral")}, fingerprint="cccccccccccccccc", '
-                    f'transport="ucx"}}', "values": "1x60"}
-         for pod in ("mistral-0", "mistral-1")],
+        [series(CONFIG_INFO, f'{target(pod, pool)}, fingerprint="{fp}", transport="ucx"', "1x60")
+         for pod, pool, fp in (("llama-0", "llama", "aaaaaaaaaaaaaaaa"), ("llama-1", "llama", "bbbbbbbbbbbbbbbb"),
+                               ("mistral-0", "mistral", "cccccccccccccccc"),
+                               ("mistral-1", "mistral", "cccccccccccccccc"))],
         [("20m", []),  # a rollout may run two fingerprints for a while
          ("40m", [pool_labels(severity="warning")])]),
     "KVOffloadSidecarDown": (
-        [{"series": f'up{{{target("llama-0")}}}', "values": "1x5 0x20"},
-         {"series": f'up{{{target("llama-1")}}}', "values": "1x25"},
-         {"series": f'up{{{target("x-0", job="other")}}}', "values": "0x25"}],
+        [series("up", target("llama-0"), "1x5 0x20"),
+         series("up", target("llama-1"), "1x25"),
+         series("up", target("x-0", job="other"), "0x25")],
         [("8m", []),
          ("13m", [{"job": SIDECARS, "namespace": "inference", "pod": "llama-0", "kv_offload_io_pool": "llama",
                    "instance": "llama-0:5710", "severity": "warning"}])]),
     "KVOffloadPeerHitRatioDropped": (
         # llama: 60% peer hits for 90 minutes, then 10%. mistral: 60% throughout. cold: 3%, then 0%.
-        [{"series": f'kv_offload_chunk_lookups_total{{{target("llama-0")}, result="peer_hit"}}',
-          "values": "0+6x90 541+1x59"},
-         {"series": f'kv_offload_chunk_lookups_total{{{target("llama-0")}, result="miss"}}',
-          "values": "0+4x90 369+9x59"},
-         {"series": f'kv_offload_chunk_lookups_total{{{target("mistral-0", "mistral")}, result="peer_hit"}}',
-          "values": "0+6x150"},
-         {"series": f'kv_offload_chunk_lookups_total{{{target("mistral-0", "mistral")}, result="miss"}}',
-          "values": "0+4x150"},
-         {"series": f'kv_offload_chunk_lookups_total{{{target("cold-0", "cold")}, result="peer_hit"}}',
-          "values": "0+3x90 270x59"},
-         {"series": f'kv_offload_chunk_lookups_total{{{target("cold-0", "cold")}, result="miss"}}',
-          "values": "0+97x90 8827+100x59"}],
+        [series(LOOKUPS, f'{target(pod, pool)}, result="{result}"', values)
+         for pod, pool, result, values in (
+             ("llama-0", "llama", "peer_hit", "0+6x90 541+1x59"), ("llama-0", "llama", "miss", "0+4x90 369+9x59"),
+             ("mistral-0", "mistral", "peer_hit", "0+6x150"), ("mistral-0", "mistral", "miss", "0+4x150"),
+             ("cold-0", "cold", "peer_hit", "0+3x90 270x59"), ("cold-0", "cold", "miss", "0+97x90 8827+100x59"))],
         [("80m", []), ("100m", []), ("135m", [pool_labels(severity="warning")])]),
     "KVOffloadPeerFetchTimeouts": (
-        [{"series": f'kv_offload_peer_fetches_total{{{target("llama-0")}, result="ok"}}', "values": "0+10x60"},
-         {"series": f'kv_offload_peer_fetches_total{{{target("llama-0")}, result="timeout"}}',
-          "values": "0x20 1+2x39"},
-         {"series": f'kv_offload_peer_fetches_total{{{target("mistral-0", "mistral")}, result="ok"}}',
-          "values": "0+100x60"},
-         {"series": f'kv_offload_peer_fetches_total{{{target("mistral-0", "mistral")}, result="timeout"}}',
-          "values": "0+1x60"}],
+        [series(FETCHES, f'{target(pod, pool)}, result="{result}"', values)
+         for pod, pool, result, values in (
+             ("llama-0", "llama", "ok", "0+10x60"), ("llama-0", "llama", "timeout", "0x20 1+2x39"),
+             ("mistral-0", "mistral", "ok", "0+100x60"), ("mistral-0", "mistral", "timeout", "0+1x60"))],
         [("15m", []), ("27m", []), ("45m", [pool_labels(severity="warning")])]),
     "KVOffloadWebhookDown": (
-        [{"series": f'up{{{operator_target("kvo-kv-offload-a")}}}', "values": "1x5 0x20"},
-         {"series": f'up{{{operator_target("kvo-kv-offload-b")}}}', "values": "1x3 0x22"}],
+        [series("up", operator_target("kvo-kv-offload-a"), "1x5 0x20"),
+         series("up", operator_target("kvo-kv-offload-b"), "1x3 0x22")],
         [("5m", []), ("7m", []), ("10m", [{"severity": "critical"}])]),
     "KVOffloadWebhookNotRedundant": (
-        [{"series": f'up{{{operator_target("kvo-kv-offload-a")}}}', "values": "1x40"},
-         {"series": f'up{{{operator_target("kvo-kv-offload-b")}}}', "values": "1x5 0x35"}],
+        [series("up", operator_target("kvo-kv-offload-a"), "1x40"),
+         series("up", operator_target("kvo-kv-offload-b"), "1x5 0x35")],
         [("15m", []), ("25m", [{"severity": "warning"}])]),
     "KVOffloadWebhookDenials": (
-        [{"series": f'kv_offload_operator_admissions_total{{{operator_target("kvo-kv-offload-a")}, '
-                    f'result="denied", reason="pool_invalid"}}', "values": "0x10 3x20"},
-         {"series": f'kv_offload_operator_admissions_total{{{operator_target("kvo-kv-offload-a")}, '
-                    f'result="allowed", reason="injected"}}', "values": "0+5x30"}],
+        [series(ADMISSIONS, f'{operator_target("kvo-kv-offload-a")}, result="denied", reason="pool_invalid"',
+                "0x10 3x20"),
+         series(ADMISSIONS, f'{operator_target("kvo-kv-offload-a")}, result="allowed", reason="injected"',
+                "0+5x30")],
         [("5m", []), ("12m", [{"reason": "pool_invalid", "severity": "warning"}])]),
     "KVOffloadWebhookErrors": (
-        [{"series": f'kv_offload_operator_webhook_errors_total{{{operator_target("kvo-kv-offload-a")}, '
-                    f'reason="api_error"}}', "values": "0x10 1x20"},
-         {"series": f'kv_offload_operator_webhook_errors_total{{{operator_target("kvo-kv-offload-a")}, '
-                    f'reason="internal_error"}}', "values": "0x30"}],
+        [series(WEBHOOK_ERRORS, f'{operator_target("kvo-kv-offload-a")}, reason="api_error"', "0x10 1x20"),
+         series(WEBHOOK_ERRORS, f'{operator_target("kvo-kv-offload-a")}, reason="internal_error"', "0x30")],
         [("5m", []), ("12m", [{"reason": "api_error", "severity": "critical"}]), ("20m", [])]),
 }
 # The alert whose expected annotations are spelled out (the others compare labels only).
@@ -134,6 +131,15 @@ def rule_groups(render) -> list[dict[str, Any]]:
 def promtool(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([tool_path("promtool"), *args], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
+
+
+def promtool_test(tmp_path: Path, rules: Path, input_series: list[dict[str, str]],
+                  alert_rule_test: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    """``promtool test rules`` of one test over the rule file ``rules``, series sampled every minute."""
+    tests = {"rule_files": [rules.name], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": input_series, "alert_rule_test": alert_rule_test}]}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
+    return promtool(tmp_path, "test", "rules", "tests.yaml")
 
 
 def write_rules(tmp_path: Path, groups: list[dict[str, Any]], keep_annotations: set[str] = frozenset()) -> Path:
@@ -161,20 +167,14 @@ def test_every_alert_of_the_chart_has_a_case_here(rule_groups):
 
 @pytest.mark.parametrize("alert", sorted(CASES))
 def test_alert_fires_for_its_series_and_not_for_the_others(rule_groups, tmp_path, alert):
-    series, evaluations = CASES[alert]
+    inputs, evaluations = CASES[alert]
     rules = write_rules(tmp_path, rule_groups, keep_annotations=set(WITH_ANNOTATIONS))
     annotations = WITH_ANNOTATIONS.get(alert)
-    tests = {"rule_files": [rules.name], "evaluation_interval": "1m", "tests": [{
-        "interval": "1m",
-        "input_series": series,
-        "alert_rule_test": [
-            {"eval_time": at, "alertname": alert,
-             "exp_alerts": [{"exp_labels": labels, **({"exp_annotations": annotations} if annotations else {})}
-                            for labels in firing]}
-            for at, firing in evaluations],
-    }]}
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
-    result = promtool(tmp_path, "test", "rules", "tests.yaml")
+    result = promtool_test(tmp_path, rules, inputs, [
+        {"eval_time": at, "alertname": alert,
+         "exp_alerts": [{"exp_labels": labels, **({"exp_annotations": annotations} if annotations else {})}
+                        for labels in firing]}
+        for at, firing in evaluations])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
@@ -182,13 +182,8 @@ def test_alert_fires_for_its_series_and_not_for_the_others(rule_groups, tmp_path
 def test_promtool_test_fails_when_an_expected_alert_does_not_fire(rule_groups, tmp_path):
     """The harness itself can fail: the integrity alert with no failure in its series."""
     rules = write_rules(tmp_path, rule_groups)
-    tests = {"rule_files": [rules.name], "evaluation_interval": "1m", "tests": [{
-        "interval": "1m",
-        "input_series": [{"series": f'kv_offload_integrity_failures_total{{{target("llama-0")}}}',
-                          "values": "0x30"}],
-        "alert_rule_test": [{"eval_time": "12m", "alertname": "KVOffloadIntegrityFailures",
-                             "exp_alerts": [{"exp_labels": pool_labels(pod="llama-0", severity="critical")}]}],
-    }]}
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
-    result = promtool(tmp_path, "test", "rules", "tests.yaml")
+    result = promtool_test(
+        tmp_path, rules, [series(INTEGRITY_FAILURES, target("llama-0"), "0x30")],
+        [{"eval_time": "12m", "alertname": "KVOffloadIntegrityFailures",
+          "exp_alerts": [{"exp_labels": pool_labels(pod="llama-0", severity="critical")}]}])
     assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
