@@ -1,8 +1,8 @@
 """The few Kubernetes API calls the operator's modules share (kubernetes_asyncio).
 
 The API client from in-cluster or kubeconfig credentials, a read that turns
-404 into None, a create that keeps an object created meanwhile, and the
-pool's status patch. Every verb used here is in ``rbac.OPERATOR_RBAC``.
+404 into None and a create that keeps an object created meanwhile; the pool's
+own calls are ``pools.pool_api``. Every verb used here is in ``rbac.OPERATOR_RBAC``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import kopf
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
-
-from .pools.pool_spec import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -53,14 +51,3 @@ async def create_unless_exists(creator: Callable[[str, Mapping[str, Any]], Await
     except ApiException as exc:
         if exc.status != 409:
             raise
-
-
-async def get_pool(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    """The ``KVOffloadPool`` body; ApiException (404 when it does not exist)."""
-    return await k8s.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-
-
-async def patch_pool_status(api: k8s.ApiClient, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-    """Merge ``status`` into the pool's status subresource."""
-    await k8s.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _content_type=MERGE_PATCH)

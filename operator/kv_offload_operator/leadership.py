@@ -29,7 +29,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -172,32 +172,3 @@ async def follow(memo: kopf.Memo) -> None:
             memo.leading = leading
             memo.metrics.set_leading(leading)
         await asyncio.sleep(interval)
-
-
-async def each_pool_while_leading(memo: kopf.Memo, interval: float, tracked: dict[tuple[str, str], Any],
-                                  visit: Callable[[kopf.Memo, dict[str, Any]], Awaitable[None]],
-                                  what: str) -> None:
-    """Every ``interval`` seconds, on the leading replica only, read each pool in ``tracked``
-    (namespace, name) and ``visit`` its body; a pool that is gone leaves ``tracked``, one
-    pool's failure is logged and the others go on. Runs until cancelled (the followers of
-    model configs and key rotations)."""
-    from .kube_api import get_pool
-
-    while True:
-        await asyncio.sleep(interval)
-        if not memo.leading:  # another replica reconciles
-            continue
-        for namespace, name in list(tracked):
-            try:
-                try:
-                    pool = await get_pool(memo.api, namespace, name)
-                except ApiException as exc:
-                    if exc.status != 404:
-                        raise
-                    tracked.pop((namespace, name), None)
-                    continue
-                await visit(memo, pool)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # one pool's API trouble must not stop the others
-                log.exception(f"Pool {namespace}/{name}: {what} failed; retrying")

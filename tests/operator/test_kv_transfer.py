@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from kv_offload_operator.pools import kv_transfer
+from kv_offload_operator.pools.pool_pod import container_argv
 from kv_offload_operator.webhook import pod_patch as pods
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_operator.translation.vllm_args import parse_vllm_args
@@ -79,7 +80,7 @@ def test_a_single_command_shell_script_gets_the_flag_and_a_compound_one_is_refus
     out = inject_into(body, pod(vllm(command=["/bin/sh", "-c"], args=[script])), validate=True)
     new_script = out["spec"]["containers"][0]["args"][0]
     assert new_script.endswith(" --kv-transfer-config " + shlex.quote(connector.text()))
-    assert parse_vllm_args(pods.container_argv(out["spec"]["containers"][0])).kv_transfer_config == connector.config()
+    assert parse_vllm_args(container_argv(out["spec"]["containers"][0])).kv_transfer_config == connector.config()
     inline = inject_into(body, pod(vllm([], command=["sh", "-c", "vllm serve meta-llama/Llama-3.1-8B"])), validate=True)
     assert inline["spec"]["containers"][0]["command"][2].startswith("vllm serve meta-llama/Llama-3.1-8B --kv-")
     for compound in ("pip install x && vllm serve m", "vllm serve m | tee log", "cd /w; vllm serve m",

@@ -10,7 +10,7 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 from kv_offload_operator.webhook import pod_patch as pods
-from kv_offload_operator.pools import pool_objects, pool_spec
+from kv_offload_operator.pools import pool_objects, pool_pod, pool_spec
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config
@@ -36,7 +36,7 @@ def config() -> OffloadingConfig:
 
 def test_injection_is_idempotent_and_marks_the_pod_with_the_fingerprint() -> None:
     once = inject(pod(vllm()))
-    assert once["metadata"]["annotations"][pods.INJECTED_ANNOTATION] == "abcd" * 4
+    assert once["metadata"]["annotations"][pool_pod.INJECTED_ANNOTATION] == "abcd" * 4
     assert pods.pod_patch(once, pool(), fingerprint="ffff" * 4, sidecar=sidecar_spec()) == []
     kubernetes_validate.validate(once, K8S, strict=True)
 
@@ -48,7 +48,7 @@ def test_user_init_containers_env_and_pythonpath_are_kept() -> None:
     p["spec"]["initContainers"] = [user_init]
     out = inject(p)
     assert [c["name"] for c in out["spec"]["initContainers"]] == \
-        ["fetch-weights", pods.TIER_INIT_NAME, pods.SIDECAR_NAME]
+        ["fetch-weights", pods.TIER_INIT_NAME, pool_pod.SIDECAR_NAME]
     env = {e["name"]: e.get("value") for e in out["spec"]["containers"][0]["env"]}
     assert env["PYTHONPATH"] == "/kv-offload-lib:/opt/extra"
     assert env["VLLM_P2P_SIDE_CHANNEL_PORT"] == "5710"  # ours wins over a stale value
@@ -74,7 +74,8 @@ def test_the_vllm_container_is_found_among_others_or_named_by_annotation() -> No
     two = pod(vllm(), dict(vllm(), name="vllm-2"))
     with pytest.raises(ValueError, match=r"set annotation kv-offload.io/vllm-container"):
         inject(two)
-    named = inject(dict(two, metadata=dict(two["metadata"], annotations={pods.VLLM_CONTAINER_ANNOTATION: "vllm-2"})))
+    annotations = {pool_pod.VLLM_CONTAINER_ANNOTATION: "vllm-2"}
+    named = inject(dict(two, metadata=dict(two["metadata"], annotations=annotations)))
     assert "env" not in named["spec"]["containers"][0] and "env" in named["spec"]["containers"][1]
 
 
@@ -287,7 +288,7 @@ def test_the_injected_sidecar_flags_parse_with_the_sidecars_own_cli() -> None:
 
 
 def _sidecar_flags(out: dict[str, Any]) -> dict[str, str]:
-    sidecar = next(c for c in out["spec"]["initContainers"] if c["name"] == pods.SIDECAR_NAME)
+    sidecar = next(c for c in out["spec"]["initContainers"] if c["name"] == pool_pod.SIDECAR_NAME)
     argv = sidecar["args"]
     return dict(zip(argv[1::2], argv[2::2]))
 

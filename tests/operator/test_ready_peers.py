@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from kv_offload_operator.pools import ready_peers
-from kv_offload_operator.webhook.pod_patch import INJECTED_ANNOTATION, METRICS_PORT_NAME
+from kv_offload_operator.pools.pool_pod import INJECTED_ANNOTATION, METRICS_PORT_NAME
 from kv_offload_sidecar.metrics import PEER_STATES, SidecarMetrics
 from pool_support import inject, pod, sidecar_spec, vllm
 from prometheus_client import CollectorRegistry, generate_latest

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..quantity import positive_bytes
 from ..translation.vllm_args import parse_vllm_args
+from .pool_pod import SHELLS
 
 FLAG = "--kv-transfer-config"
 # The secondary tier vLLM loads from the copy the webhook puts on PYTHONPATH.
@@ -29,7 +30,6 @@ TIER_ENTRY: Mapping[str, str] = {"type": "KVOffloadSecondaryTier",
 DEFAULT_CPU_BYTES = 8 << 30
 # Tokens per offloaded chunk (kv_connector_extra_config.block_size), the README's value.
 DEFAULT_BLOCK_SIZE_TOKENS = 64
-_SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env")
 _SHELL_OPERATORS = set("();<>|&`$")
 
 
@@ -112,7 +112,7 @@ def container_injection(container: Mapping[str, Any], connector: InjectedConnect
     args = [str(a) for a in container.get("args") or []]
     combined = command + args
     flag = [FLAG, connector.text()]
-    if combined and combined[0] in _SHELLS and "-c" in combined:
+    if combined and combined[0] in SHELLS and "-c" in combined:
         at = combined.index("-c") + 1
         if at >= len(combined):
             raise ValueError(f"{where} runs '{combined[0]} -c' without a script")

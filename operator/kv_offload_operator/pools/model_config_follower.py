@@ -25,9 +25,8 @@ from typing import Any
 import kopf
 from kubernetes_asyncio import client as k8s
 
-from ..kube_api import patch_pool_status
-from ..leadership import each_pool_while_leading
 from .model_config import content_digest, model_config_text
+from .pool_api import each_pool_while_leading, patch_pool_status
 from .pool_source import read_workload, template_digest
 from .reconcile import reconcile
 

@@ -27,13 +27,8 @@ from kubernetes_asyncio import client as k8s
 
 from . import key_rotation
 from . import pool_objects as objects
-from ..kube_api import (
-    MERGE_PATCH,
-    create_unless_exists,
-    patch_pool_status,
-    read_or_none,
-)
-from ..leadership import each_pool_while_leading
+from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
+from .pool_api import each_pool_while_leading, patch_pool_status
 from .pool_spec import key_rotation_grace_seconds
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ pool's pods run, as the translator and the webhook read them: with
 ``spec.targetRef`` the workload's pod template is read (one ``get``; a
 LeaderWorkerSet's leaderTemplate, else its workerTemplate) and its vLLM
 container found the way the webhook finds it in a pod
-(``pod_patch.find_vllm_container``: the container running vllm, or the one
+(``pool_pod.find_vllm_container``: the container running vllm, or the one
 the template's ``kv-offload.io/vllm-container`` annotation names); with
 ``spec.injectKVTransferConfig`` a command line without
 ``--kv-transfer-config`` gets ours (``kv_transfer``). Nothing is copied into
@@ -28,7 +28,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import kv_transfer
-from ..webhook.pod_patch import container_argv, find_vllm_container
+from .pool_pod import container_argv, find_vllm_container
 from .pool_spec import PoolSpecError
 
 # (apiVersion, kind) -> (group, version, plural) of the workloads spec.targetRef may name.

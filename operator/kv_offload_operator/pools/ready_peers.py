@@ -47,8 +47,8 @@ from kv_offload_sidecar.metrics import NAMESPACE as SIDECAR_METRICS_NAMESPACE
 from kv_offload_sidecar.metrics import PEER_STATES
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..kube_api import patch_pool_status
-from ..webhook.pod_patch import INJECTED_ANNOTATION, METRICS_PORT_NAME, SIDECAR_NAME
+from .pool_api import patch_pool_status
+from .pool_pod import INJECTED_ANNOTATION, METRICS_PORT_NAME, SIDECAR_NAME
 
 log = logging.getLogger(__name__)
 

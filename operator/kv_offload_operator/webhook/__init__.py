@@ -4,4 +4,5 @@
 what the pod shares with its node); ``tls_server`` serves the webhook over HTTPS with a
 certificate that follows the files on disk; ``certificate`` makes and checks the
 self-managed serving certificate the chart's hook Jobs write (``kv-offload webhook-cert``).
+It builds on ``pools`` (a pool's spec, objects and pods), which never imports it.
 """

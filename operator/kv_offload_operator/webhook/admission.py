@@ -18,9 +18,9 @@ import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import pod_patch as patches
-from ..kube_api import get_pool
 from ..pools.kv_transfer import injected_connector
 from ..pools.model_config import model_config
+from ..pools.pool_api import get_pool
 from ..pools.pool_objects import invalid_message
 from ..pools.pool_source import vllm_source
 from ..pools.pool_spec import POOL_LABEL, SidecarSpec

@@ -14,7 +14,6 @@ reaches the running sidecar (the kubelet updates the files in place) and
 from __future__ import annotations
 
 import copy
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,15 +32,18 @@ from ..pools.pool_objects import (
     peers_dns,
     secret_name,
 )
+from ..pools.pool_pod import (  # the names injection marks a pod with, and its vLLM container
+    INJECTED_ANNOTATION,
+    METRICS_PORT_NAME,
+    SIDECAR_NAME,
+    container_argv,
+    find_vllm_container,
+)
 from ..pools.pool_spec import HASH_SEED_ENV, SidecarSpec
 from ..quantity import format_bytes
 from ..translation.translate import translate
 from ..translation.vllm_args import parse_vllm_args
 
-# Set on injected pods; its value is the pool fingerprint at injection time.
-INJECTED_ANNOTATION = "kv-offload.io/injected"
-# Optional pod annotation naming the vLLM container when it cannot be guessed.
-VLLM_CONTAINER_ANNOTATION = "kv-offload.io/vllm-container"
 # Where the sidecar finds the pool's config.
 CONFIG_DIR = "/etc/kv-offload"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
@@ -55,16 +57,12 @@ TLS_DIR = "/etc/kv-offload-tls"
 # Shared volume holding the vLLM-side tier, first on vLLM's PYTHONPATH.
 TIER_DIR = "/kv-offload-lib"
 SHM_DIR = "/dev/shm"
-SIDECAR_NAME = "kv-offload-sidecar"
 TIER_INIT_NAME = "kv-offload-install-tier"
 CONFIG_VOLUME = "kv-offload-config"
 POOL_SECRET_VOLUME = "kv-offload-pool-key"
 TLS_VOLUME = "kv-offload-tls"
 SHM_VOLUME = "kv-offload-shm"
 TIER_VOLUME = "kv-offload-lib"
-# Name of the sidecar's first control port on every pod, whatever its DP start
-# rank: the PodMonitor scrapes /metrics there. Other control ports: kvo-ctrl-<i>.
-METRICS_PORT_NAME = "kvo-metrics"
 # UCX settings of an injected ucx sidecar unless spec.sidecar.env overrides
 # them: TCP reaches peers on other nodes, sm/self serve peers on the same host;
 # 1 MiB TCP segments instead of UCX's 8 KiB ones. UCX_TLS is this default
@@ -78,43 +76,9 @@ STARTUP_BASE_FAILURES = 60
 CONTAINER_SECURITY: Mapping[str, Any] = {
     "runAsNonRoot": True, "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
-_SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env")
 
 
 # ---- reading the pod ------------------------------------------------------------
-
-def container_argv(container: Mapping[str, Any]) -> list[str]:
-    """The command line a container runs; ``sh -c "..."`` scripts are split."""
-    argv = [str(a) for a in (container.get("command") or [])] + \
-           [str(a) for a in (container.get("args") or [])]
-    if argv and argv[0] in _SHELLS and "-c" in argv:
-        i = argv.index("-c")
-        if i + 1 < len(argv):
-            return shlex.split(argv[i + 1])
-    return argv
-
-
-def _runs_vllm(argv: Sequence[str]) -> bool:
-    return any(a == "vllm" or a.endswith("/vllm") or a.startswith("vllm.") for a in argv)
-
-
-def find_vllm_container(pod: Mapping[str, Any]) -> int:
-    """Index of the vLLM container in ``spec.containers``; ValueError says how to name it."""
-    containers = (pod.get("spec") or {}).get("containers") or []
-    wanted = ((pod.get("metadata") or {}).get("annotations") or {}).get(VLLM_CONTAINER_ANNOTATION)
-    if wanted:
-        for i, c in enumerate(containers):
-            if c.get("name") == wanted:
-                return i
-        raise ValueError(f"annotation {VLLM_CONTAINER_ANNOTATION}={wanted!r} names no container of the pod")
-    candidates = [i for i, c in enumerate(containers) if _runs_vllm(container_argv(c))]
-    if len(candidates) == 1:
-        return candidates[0]
-    if not candidates and len(containers) == 1:
-        return 0
-    raise ValueError(f"cannot tell which container runs vLLM ({len(candidates)} candidates); "
-                     f"set annotation {VLLM_CONTAINER_ANNOTATION}: <container name>")
-
 
 def pod_dp_indices(container: Mapping[str, Any]) -> tuple[int, ...]:
     """Global data-parallel indices the vLLM container serves (from its args)."""

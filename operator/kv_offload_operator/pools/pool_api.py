@@ -1,0 +1,62 @@
+"""The pool through the API: its body read, its status patched, and the followers' round over their pools.
+
+``get_pool`` and ``patch_pool_status`` (kubernetes_asyncio) serve the webhook's
+admission and the followers that write a pool's status between reconciliations
+(``model_config_follower``, ``pool_key``, ``ready_peers``); ``each_pool_while_leading``
+is the round of the first two, on the leading replica only (``memo.leading``,
+kept by ``leadership``). Every verb used here is in ``rbac.OPERATOR_RBAC``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import kopf
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from ..kube_api import MERGE_PATCH
+from .pool_spec import GROUP, PLURAL, VERSION
+
+log = logging.getLogger(__name__)
+
+
+async def get_pool(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    """The ``KVOffloadPool`` body; ApiException (404 when it does not exist)."""
+    return await k8s.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+async def patch_pool_status(api: k8s.ApiClient, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    """Merge ``status`` into the pool's status subresource."""
+    await k8s.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _content_type=MERGE_PATCH)
+
+
+async def each_pool_while_leading(memo: kopf.Memo, interval: float, tracked: dict[tuple[str, str], Any],
+                                  visit: Callable[[kopf.Memo, dict[str, Any]], Awaitable[None]],
+                                  what: str) -> None:
+    """Every ``interval`` seconds, on the leading replica only, read each pool in ``tracked``
+    (namespace, name) and ``visit`` its body; a pool that is gone leaves ``tracked``, one
+    pool's failure is logged and the others go on. Runs until cancelled (the followers of
+    model configs and key rotations)."""
+    while True:
+        await asyncio.sleep(interval)
+        if not memo.leading:  # another replica reconciles
+            continue
+        for namespace, name in list(tracked):
+            try:
+                try:
+                    pool = await get_pool(memo.api, namespace, name)
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+                    tracked.pop((namespace, name), None)
+                    continue
+                await visit(memo, pool)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one pool's API trouble must not stop the others
+                log.exception(f"Pool {namespace}/{name}: {what} failed; retrying")
