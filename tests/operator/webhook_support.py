@@ -131,15 +131,16 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def serving_cluster(workdir: Path, pools: Sequence[dict[str, Any]], *, status_field: str = "fingerprint",
                           seed: Callable[[kmock.KubernetesEmulator], Awaitable[None]] | None = None,
-                          ) -> AsyncIterator[Cluster]:
-    """An emulated cluster (``seed`` creates its first objects) and an operator whose webhook serves
-    a test CA's certificate, once it has processed ``pools`` (each shows ``status_field``) and
-    listens; on leaving, the operator's API requests are checked against the chart's RBAC."""
+                          operator_args: Sequence[str] = ()) -> AsyncIterator[Cluster]:
+    """An emulated cluster (``seed`` creates its first objects) and an operator (run with
+    ``operator_args``) whose webhook serves a test CA's certificate, once it has processed ``pools``
+    (each shows ``status_field``) and listens; on leaving, the operator's API requests are checked
+    against the chart's RBAC."""
     async with kmock.KubernetesEmulator() as api, kmock.Server(api):
         emulate_cluster(api)
         if seed is not None:
             await seed(api)
-        async with OperatorProcess(workdir, str(api.url), webhook_tls=True) as operator:
+        async with OperatorProcess(workdir, str(api.url), extra_args=operator_args, webhook_tls=True) as operator:
             for body in pools:
                 await create(api, POOLS_URL, body)
             for name in (body["metadata"]["name"] for body in pools):
