@@ -62,8 +62,6 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.bulk_copies import copy_threads
@@ -77,6 +75,7 @@ from kv_offload_sidecar.control.channel_fields import (
     rows_of,
     timeout_of,
 )
+from kv_offload_sidecar.control.channel_jobs import ChannelJobs, unless_cancelled
 from kv_offload_sidecar.control.fd_frames import FirstFrameError, first_frame
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.rejections import clip
@@ -87,26 +86,6 @@ if TYPE_CHECKING:
     from kv_offload_sidecar.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
-
-# Cancels of jobs not (yet) running that a channel remembers (the oldest forgotten first).
-MAX_EARLY_CANCELS = 1024
-
-
-async def _unless_cancelled(work: Awaitable[Any], stop: asyncio.Event) -> None:
-    """Await ``work`` until it ends or ``stop`` is set (then it is cancelled and awaited)."""
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if not task.cancelled():
-        task.result()
-
 
 class _Connection:
     """State of one engine connection: its reservations and pins."""
@@ -180,9 +159,9 @@ class _Connection:
             timeout = timeout_of(req, sidecar.settings.fetch_deadline_seconds)
             pins: list[PinnedChunk] = []
             try:
-                with self.server.running(job_of(req), JobDeadline(time.monotonic() + timeout)) as stop:
+                with self.server.jobs.running(job_of(req), JobDeadline(time.monotonic() + timeout)) as stop:
                     if not stop.is_set():
-                        await _unless_cancelled(sidecar.load_each(keys, timeout, pins.append),
+                        await unless_cancelled(sidecar.load_each(keys, timeout, pins.append),
                                                 stop)
             except BaseException:
                 for p in pins:
@@ -205,7 +184,7 @@ class _Connection:
                     isinstance(j, str) and 0 < len(j) <= MAX_JOB_ID_CHARS for j in jobs):
                 raise ChannelError(f"'jobs' must list job ids (strings of 1..{MAX_JOB_ID_CHARS} "
                                    f"characters)")
-            return {"ok": True, "cancelled": self.server.cancel(jobs)}
+            return {"ok": True, "cancelled": self.server.jobs.cancel(jobs)}
         if op == "store_rows":
             return await self._store_rows(req)
         if op == "load_rows":
@@ -252,7 +231,7 @@ class _Connection:
             group = self.sidecar.reserve(keys)
             todo = [(rows[i], r) for i, r in enumerate(group) if r is not None]
             started = time.perf_counter()
-            with server.running(job, deadline):
+            with server.jobs.running(job, deadline):
                 copies = [server.copy_soon(server.copier.row_to_slot, region, row, r.view, deadline)
                           for row, r in todo]
                 sums = await asyncio.gather(*copies)
@@ -286,11 +265,11 @@ class _Connection:
                                                rows[len(pins)], deadline))
                 pins.append(pin)
 
-            with server.running(job, deadline) as stop:
+            with server.jobs.running(job, deadline) as stop:
                 started = time.perf_counter()
                 remaining = deadline.at - time.monotonic()
                 if remaining > 0 and not stop.is_set():
-                    await _unless_cancelled(self.sidecar.load_each(keys, remaining, take), stop)
+                    await unless_cancelled(self.sidecar.load_each(keys, remaining, take), stop)
                 fetched = time.perf_counter()
                 metrics.labels(op="load", phase="fetch").observe(fetched - started)
                 whole = await asyncio.gather(*copies)
@@ -321,10 +300,8 @@ class LocalChannelServer:
         self._region_ids = itertools.count(1)
         # The thread that copies between vLLM's rows and the store's slots.
         self.copier = RowCopier(copy_threads())
-        # Jobs running with an id: how to stop each (its deadline, the event its fetch awaits).
-        self._jobs: dict[str, tuple[JobDeadline, asyncio.Event]] = {}
-        # Ids cancelled before their job came (oldest first).
-        self._early_cancels: OrderedDict[str, None] = OrderedDict()
+        # Jobs running with an id, and cancels that came before their job.
+        self.jobs = ChannelJobs()
         # Frames being answered (read, reply not yet written) and set when there are none:
         # stop() lets each reply out before it drops the connections.
         self._answering = 0
@@ -370,42 +347,6 @@ class LocalChannelServer:
         await asyncio.get_running_loop().run_in_executor(None, self.copier.close)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-
-    @contextlib.contextmanager
-    def running(self, job: str | None, deadline: JobDeadline) -> Iterator[asyncio.Event]:
-        """Register job ``job`` (None: no id, not cancellable) while it runs; the event is set
-        when it is cancelled (at once when its cancel came first)."""
-        stop = asyncio.Event()
-        if job is None or job in self._jobs:  # an id in use twice: the first one keeps it
-            yield stop
-            return
-        self._jobs[job] = (deadline, stop)
-        if job in self._early_cancels:
-            del self._early_cancels[job]
-            deadline.cancel()
-            stop.set()
-        try:
-            yield stop
-        finally:
-            del self._jobs[job]
-
-    def cancel(self, jobs: list[str]) -> int:
-        """Stop the running jobs named; remember the others (their request may come later).
-        Returns how many were running."""
-        n = 0
-        for job in jobs:
-            found = self._jobs.get(job)
-            if found is None:
-                self._early_cancels[job] = None
-                self._early_cancels.move_to_end(job)
-                while len(self._early_cancels) > MAX_EARLY_CANCELS:
-                    self._early_cancels.popitem(last=False)
-                continue
-            deadline, stop = found
-            deadline.cancel()
-            stop.set()
-            n += 1
-        return n
 
     def register_region(self, region: EngineRegion) -> int:
         rid = next(self._region_ids)
