@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from kv_offload_tools.local_pool import LocalPool, make_workdir, sweep_stale_workdirs
+from waiting import wait_for
 
 # Runs in a child process: start a pool, report its sidecars, then wait to be killed.
 OWNER_SCRIPT = """
@@ -33,14 +33,6 @@ def pid_running(pid: int) -> bool:
         return False
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def test_sidecars_exit_and_unlink_their_stores_when_the_pool_owner_is_sigkilled():
     owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT], stdout=subprocess.PIPE, text=True)
     info = None
@@ -52,8 +44,8 @@ def test_sidecars_exit_and_unlink_their_stores_when_the_pool_owner_is_sigkilled(
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
         # The sidecars notice their parent is gone and shut down gracefully.
-        wait_until(lambda: not any(pid_running(p) for p in info["pids"]), 30.0,
-                   f"sidecars {info['pids']} to exit after their parent was killed")
+        wait_for(f"sidecars {info['pids']} to exit after their parent was killed",
+                 lambda: not any(pid_running(p) for p in info["pids"]))
         assert [p for p in info["stores"] if os.path.exists(p)] == []
         # The owner's work directory is named after it; the next pool removes it.
         assert os.path.isdir(info["workdir"])
@@ -99,8 +91,8 @@ def test_sidecars_added_by_identity_dial_only_the_peers_named():
         assert pool["a"] is a and pool[1] is b
         assert pool.members() == []  # outside the full mesh: nothing waits for their connections
         # a learns of b from its handshake and dials it back.
-        wait_until(lambda: {p["identity"] for p in a.peers() if p["state"] == "connected"} == {"b"},
-                   30.0, "a to connect to b")
+        wait_for("a to connect to b",
+                 lambda: {p["identity"] for p in a.peers() if p["state"] == "connected"} == {"b"})
         assert 0 < b.metric("kv_offload_store_capacity_bytes") <= 2 << 20
         assert a.rss_bytes() > 0
         with pytest.raises(ValueError, match="already has a sidecar called 'a'"):
