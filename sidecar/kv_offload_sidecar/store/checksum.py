@@ -3,7 +3,8 @@
 The store computes it when a chunk is committed and the data plane verifies it
 before a received chunk becomes visible. ``xxhash`` reads the caller's buffer
 through the buffer protocol, so a ``memoryview`` over a shared-memory slot is
-hashed without copying it.
+hashed without copying it. ``chunk_hasher`` takes the same digest piece by piece,
+for a transport that hashes each piece while it is still in the cache.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import xxhash
 # What chunk_checksum accepts (any C-contiguous buffer-protocol object works;
 # collections.abc.Buffer only exists from Python 3.12).
 BytesLike = bytes | bytearray | memoryview | mmap.mmap
+
+
+def chunk_hasher() -> xxhash.xxh3_64:
+    """A streaming XXH3-64: ``update`` each piece in order, then ``intdigest()`` equals
+    ``chunk_checksum`` of the pieces joined."""
+    return xxhash.xxh3_64()
 
 
 def chunk_checksum(buf: BytesLike) -> int:

@@ -35,6 +35,7 @@ from kv_offload_sidecar.data.tcp.sockets import (
 )
 from kv_offload_sidecar.data.tcp.tls_stream import open_tls
 from kv_offload_sidecar.rejections import clip
+from kv_offload_sidecar.store.checksum import chunk_hasher
 
 if TYPE_CHECKING:
     from ssl import SSLContext
@@ -246,6 +247,16 @@ class TcpPeerDataClient(FramedPeerDataClient):
             raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
                                       f"under request id {header.request_id}")
         proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
-        await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES)
+        if isinstance(stream, SocketStream):
+            # Each piece hashed as it lands, from the cache: no second pass over the slot
+            # from memory. Only this reader writes the reserved slot, so the digest of the
+            # pieces is the slot's.
+            hasher = chunk_hasher()
+            await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES,
+                                   on_piece=hasher.update)
+            computed: int | None = hasher.intdigest()
+        else:
+            await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES)
+            computed = None
         del self._chunks[header.request_id]
-        commit_received(p, prefix.checksum, self._metrics)
+        commit_received(p, prefix.checksum, self._metrics, computed)

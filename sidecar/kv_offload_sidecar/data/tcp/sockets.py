@@ -15,13 +15,17 @@ import logging
 import select
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kv_offload_sidecar.data import protocol as proto
 
 log = logging.getLogger(__name__)
 
+
+# Most bytes one receive takes when each piece is handed on (``recv_exactly``'s ``on_piece``):
+# what one core's cache holds, so the piece is read back from it and not from memory.
+PIECE_BYTES = 1 << 20
 
 # Socket buffer size asked for on data connections; 0 leaves Linux's autotuning on,
 # which grows the buffers past net.core.*mem_max (a fixed size would cap them there).
@@ -39,12 +43,14 @@ def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) ->
 
 
 async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                       view: memoryview | bytearray, *, batch_bytes: int = 0) -> None:
+                       view: memoryview | bytearray, *, batch_bytes: int = 0,
+                       on_piece: Callable[[memoryview], object] | None = None) -> None:
     """Fill ``view`` completely from ``sock``; ConnectionError on EOF.
 
     ``batch_bytes``: for a large read, ask the kernel (SO_RCVLOWAT) to wake the loop
     only once that much has arrived, so a chunk costs a few event-loop wake-ups
-    instead of one per segment burst.
+    instead of one per segment burst. ``on_piece``: called with each piece received, in
+    order, right after it landed (at most ``PIECE_BYTES``: still in the cache).
     """
     with memoryview(view) as mv:
         got, n = 0, len(mv)
@@ -56,8 +62,12 @@ async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                     if want != lowat:
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                         lowat = want
-                with mv[got:] as rest:
+                end = n if on_piece is None else min(n, got + PIECE_BYTES)
+                with mv[got:end] as rest:
                     k = await loop.sock_recv_into(sock, rest)
+                    if k and on_piece is not None:
+                        with rest[:k] as piece:
+                            on_piece(piece)
                 if k == 0:
                     raise ConnectionError(f"connection closed after {got} of {n} bytes")
                 got += k
@@ -193,8 +203,10 @@ class SocketStream:
         self._sock = sock
         self._loop = asyncio.get_running_loop()
 
-    async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0) -> None:
-        await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes)
+    async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
+                        on_piece: Callable[[memoryview], object] | None = None) -> None:
+        """``on_piece``: see ``recv_exactly`` (plain connections only)."""
+        await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes, on_piece=on_piece)
 
     async def send(self, buffers: Sequence) -> None:
         await send_all(self._loop, self._sock, buffers)
