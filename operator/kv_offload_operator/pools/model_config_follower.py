@@ -26,6 +26,7 @@ import kopf
 from kubernetes_asyncio import client as k8s
 
 from .model_config import content_digest, model_config_text
+from . import pool_api
 from .pool_api import each_pool_while_leading, patch_pool_status
 from .pool_source import read_workload, template_digest
 from .reconcile import reconcile
@@ -35,11 +36,8 @@ log = logging.getLogger(__name__)
 
 def track(memo: kopf.Memo, event_type: str | None, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
     """Remember (or forget) the pool ``namespace/name`` as one to follow."""
-    key = (namespace, name)
-    if event_type == "DELETED" or not (spec.get("modelConfigRef") or spec.get("targetRef")):
-        memo.model_config_refs.pop(key, None)
-    else:
-        memo.model_config_refs[key] = True
+    wanted = bool(spec.get("modelConfigRef") or spec.get("targetRef"))
+    pool_api.track(memo.model_config_refs, event_type, namespace, name, wanted)
 
 
 async def follow(memo: kopf.Memo) -> None:
@@ -48,9 +46,8 @@ async def follow(memo: kopf.Memo) -> None:
                                   _recheck, "re-reading its model config or workload")
 
 
-async def _recheck(memo: kopf.Memo, body: dict[str, Any]) -> None:
+async def _recheck(memo: kopf.Memo, namespace: str, name: str, body: dict[str, Any]) -> None:
     api: k8s.ApiClient = memo.api
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     spec, status = body.get("spec") or {}, body.get("status") or {}
     changed = await _changed(api, namespace, spec, status)
     if changed is None:

@@ -2,9 +2,10 @@
 
 ``get_pool`` and ``patch_pool_status`` (kubernetes_asyncio) serve the webhook's
 admission and the followers that write a pool's status between reconciliations
-(``model_config_follower``, ``pool_key``, ``ready_peers``); ``each_pool_while_leading``
-is the round of the first two, on the leading replica only (``memo.leading``,
-kept by ``leadership``). Every verb used here is in ``rbac.OPERATOR_RBAC``.
+(``model_config_follower``, ``pool_key``, ``ready_peers``). The first two follow the
+pools an ``on.event`` handler remembers (``track``) and visit each of them every
+interval, on the leading replica only (``each_pool_while_leading``; ``memo.leading``
+is kept by ``leadership``). Every verb used here is in ``rbac.OPERATOR_RBAC``.
 """
 
 from __future__ import annotations
@@ -35,11 +36,21 @@ async def patch_pool_status(api: k8s.ApiClient, namespace: str, name: str, statu
         GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _content_type=MERGE_PATCH)
 
 
+def track(tracked: dict[tuple[str, str], Any], event_type: str | None, namespace: str, name: str,
+          wanted: bool) -> None:
+    """Remember the pool ``namespace/name`` in ``tracked`` while a follower ``wanted`` it, forget it
+    once it is not (or deleted)."""
+    if wanted and event_type != "DELETED":
+        tracked[(namespace, name)] = True
+    else:
+        tracked.pop((namespace, name), None)
+
+
 async def each_pool_while_leading(memo: kopf.Memo, interval: float, tracked: dict[tuple[str, str], Any],
-                                  visit: Callable[[kopf.Memo, dict[str, Any]], Awaitable[None]],
+                                  visit: Callable[[kopf.Memo, str, str, dict[str, Any]], Awaitable[None]],
                                   what: str) -> None:
     """Every ``interval`` seconds, on the leading replica only, read each pool in ``tracked``
-    (namespace, name) and ``visit`` its body; a pool that is gone leaves ``tracked``, one
+    and ``visit(memo, namespace, name, body)``; a pool that is gone leaves ``tracked``, one
     pool's failure is logged and the others go on. Runs until cancelled (the followers of
     model configs and key rotations)."""
     while True:
@@ -55,7 +66,7 @@ async def each_pool_while_leading(memo: kopf.Memo, interval: float, tracked: dic
                         raise
                     tracked.pop((namespace, name), None)
                     continue
-                await visit(memo, pool)
+                await visit(memo, namespace, name, pool)
             except asyncio.CancelledError:
                 raise
             except Exception:  # one pool's API trouble must not stop the others

@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 from kubernetes_asyncio import client as k8s
 
-from . import key_rotation
+from . import key_rotation, pool_api
 from . import pool_objects as objects
 from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .pool_api import each_pool_while_leading, patch_pool_status
@@ -75,11 +75,8 @@ async def ensure(memo: kopf.Memo, pool: Mapping[str, Any]) -> None:
 def track(memo: kopf.Memo, event_type: str | None, namespace: str, name: str,
           annotations: Mapping[str, str], status: Mapping[str, Any]) -> None:
     """Remember (or forget) the pool ``namespace/name`` as one whose key rotation needs a step."""
-    key = (namespace, name)
-    if event_type != "DELETED" and key_rotation.needs_attention(annotations, status):
-        memo.key_rotations[key] = True
-    else:
-        memo.key_rotations.pop(key, None)
+    wanted = key_rotation.needs_attention(annotations, status)
+    pool_api.track(memo.key_rotations, event_type, namespace, name, wanted)
 
 
 async def follow(memo: kopf.Memo) -> None:
@@ -88,10 +85,9 @@ async def follow(memo: kopf.Memo) -> None:
                                   step, "the key rotation step")
 
 
-async def step(memo: kopf.Memo, pool: dict[str, Any]) -> None:
+async def step(memo: kopf.Memo, namespace: str, name: str, pool: dict[str, Any]) -> None:
     """Read the pool's Secret, write the next rotation step and ``status.keyRotation``."""
     api: k8s.ApiClient = memo.api
-    namespace, name = pool["metadata"]["namespace"], pool["metadata"]["name"]
     try:
         grace = key_rotation_grace_seconds(pool)
     except ValueError as exc:  # the pool shows it as Invalid; the rotation waits for a fix
