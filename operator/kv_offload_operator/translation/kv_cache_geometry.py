@@ -94,21 +94,21 @@ class KVCacheGeometry:
     cache_dtype: str
 
 
-def _field(cfg: Mapping[str, Any], name: str, *, required: bool = True) -> Any:
+def _optional_positive(cfg: Mapping[str, Any], name: str) -> int | None:
+    """``cfg[name]``, a positive integer, or None when the model config has no such field."""
     value = cfg.get(name)
-    if value is None and required:
-        raise GeometryError(
-            f"model config has no '{name}': give the model's Hugging Face config.json "
-            f"(architectures without '{name}' are not supported)")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise GeometryError(f"model config '{name}' must be a positive integer, got {value!r}")
     return value
 
 
-def _positive(cfg: Mapping[str, Any], name: str, *, required: bool = True) -> int | None:
-    value = _field(cfg, name, required=required)
+def _positive(cfg: Mapping[str, Any], name: str) -> int:
+    """``cfg[name]``, a positive integer the geometry cannot do without."""
+    value = _optional_positive(cfg, name)
     if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise GeometryError(f"model config '{name}' must be a positive integer, got {value!r}")
+        raise GeometryError(
+            f"model config has no '{name}': give the model's Hugging Face config.json "
+            f"(architectures without '{name}' are not supported)")
     return value
 
 
@@ -261,13 +261,11 @@ def kv_cache_geometry(
             f"model config has '{ssm_key or 'model_type'}': {name} mixes Mamba/linear-attention "
             "layers with attention, and kv-offload supports attention-only models")
     num_layers = _positive(cfg, "num_hidden_layers")
-    assert num_layers is not None
     model_dtype = resolve_model_dtype(cfg, dtype)
     cache_dtype, dtype_bytes = resolve_cache_dtype(cfg, kv_cache_dtype, model_dtype)
     use_mla = cfg.get("kv_lora_rank") is not None
     tp = tensor_parallel_size
     num_heads = _positive(cfg, "num_attention_heads")
-    assert num_heads is not None
     if num_heads % tp:
         raise GeometryError(
             f"Total number of attention heads ({num_heads}) must be divisible by tensor "
@@ -275,16 +273,14 @@ def kv_cache_geometry(
     if use_mla:
         kv_lora_rank = _positive(cfg, "kv_lora_rank")
         rope = _positive(cfg, "qk_rope_head_dim")
-        assert kv_lora_rank is not None and rope is not None
-        total_kv_heads = _positive(cfg, "num_key_value_heads", required=False) or num_heads
+        total_kv_heads = _optional_positive(cfg, "num_key_value_heads") or num_heads
         base = LayerSpec(MLA, block_size, 1, kv_lora_rank + rope, 0, dtype_bytes)
         kinds: list[tuple[str, int | None]] = [(MLA, None)] * num_layers
     else:
-        total_kv_heads = _positive(cfg, "num_key_value_heads", required=False) or num_heads
-        head_dim = _positive(cfg, "head_dim", required=False)
+        total_kv_heads = _optional_positive(cfg, "num_key_value_heads") or num_heads
+        head_dim = _optional_positive(cfg, "head_dim")
         if head_dim is None:
             hidden = _positive(cfg, "hidden_size")
-            assert hidden is not None
             if hidden % num_heads:
                 raise GeometryError(
                     f"model config hidden_size {hidden} is not a multiple of num_attention_heads "
