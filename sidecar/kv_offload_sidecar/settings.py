@@ -18,7 +18,6 @@ from typing import ClassVar
 
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
-from kv_offload_sidecar.peers.discovery import DNS_INTERVAL_SECONDS
 from kv_offload_sidecar.setting_flags import setting
 
 # The data plane's port when none is given.
@@ -61,8 +60,9 @@ class SidecarSettings:
     """The settings of one sidecar; a field made with ``setting(...)`` is a ``kv-offload sidecar`` flag."""
 
     # Constants: no user or test sets them (a knob nobody turns is not a flag).
-    # Seconds between DNS re-resolutions of peers_dns (how soon a new pod is dialled).
-    dns_interval_seconds: ClassVar[float] = DNS_INTERVAL_SECONDS
+    # Seconds between DNS re-resolutions of peers_dns: how soon a new pod is dialled (pods
+    # that reach us first are dialled back at once, and nobody tuned it).
+    dns_interval_seconds: ClassVar[float] = 10.0
     # Deadline of one handshake (both HTTP steps) with a peer.
     handshake_timeout_seconds: ClassVar[float] = 5.0
     # First back-off delay after a peer failed; doubles up to backoff_max_seconds.

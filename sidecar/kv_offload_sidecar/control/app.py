@@ -17,7 +17,7 @@ in one rate-limited ``RejectionLog``):
   another config gets 403 with ``reason``, the differing field names and the
   field diff (no secret).
 - ``POST /v1/publish``, ``POST /v1/locate``: the chunk directory's messages
-  (``peers/directory/location_routes.py``, ``peers/directory/location.py``) for a peer with an inbound
+  (``control/location_routes.py``, ``peers/directory/location.py``) for a peer with an inbound
   session; headers ``X-KV-Offload-Session`` and ``X-KV-Offload-Auth`` (an HMAC
   of the body with the session key). 401 otherwise.
 - Admin (``Authorization: Bearer <token>``: the pool's admin token or the one
@@ -69,7 +69,7 @@ from kv_offload_sidecar.control.request_limits import (
     read_body,
     source_of,
 )
-from kv_offload_sidecar.peers.directory.location_routes import add_location_routes
+from kv_offload_sidecar.control.location_routes import add_location_routes
 from kv_offload_sidecar.data.before_auth import TrustedSources, freeze_long_lived, thaw_long_lived
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES

@@ -22,12 +22,12 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from kv_offload_sidecar.engine.ports import DEFAULT_BASE_PORT
+from kv_offload_sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)
 
-# Seconds between re-resolutions of the pool's DNS name: how soon a new pod is dialled (a
-# constant: pods that reach us first are dialled back at once, and nobody tuned it).
-DNS_INTERVAL_SECONDS = 10.0
+# Seconds between re-resolutions of the pool's DNS name (the settings' constant).
+DNS_INTERVAL_SECONDS = SidecarSettings.dns_interval_seconds
 
 # Resolver: name -> list of IP strings. The default asks the system resolver.
 Resolver = Callable[[str], Awaitable[list[str]]]

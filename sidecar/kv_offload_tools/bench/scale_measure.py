@@ -72,7 +72,7 @@ class HttpOverhead:
 async def _measure(samples: int) -> HttpOverhead:
     import aiohttp
     from aiohttp import web
-    from kv_offload_sidecar.peers.directory.location_routes import REPLY_HEADERS
+    from kv_offload_sidecar.control.location_routes import REPLY_HEADERS
     from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER, SKIPPED_REQUEST_HEADERS
 
     reply = json.dumps({"resync": False}, separators=(",", ":")).encode()
