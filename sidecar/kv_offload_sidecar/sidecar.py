@@ -51,6 +51,7 @@ from kv_offload_sidecar.rejections import RejectionLog
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, SidecarSettings
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
+from kv_offload_sidecar.waits import set_within
 
 log = logging.getLogger(__name__)
 
@@ -258,12 +259,7 @@ class Sidecar:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait (at most ``timeout``) until no engine lookup/load is in flight."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._idle.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await set_within(self._idle, timeout)
 
     # ---- engine operations ------------------------------------------------------
 

@@ -352,14 +352,8 @@ class EngineClient:
             with self._connection() as conn:
                 reply = self._call(conn, att, {"op": "reserve", "keys": cp.encode_keys(keys)},
                                    CONTROL_TIMEOUT_SECONDS)
-                rid, slots = reply["id"], reply["slots"]
-                for i, slot in enumerate(slots):
-                    if slot is not None:
-                        try:
-                            self._with_slot(att, slot, lambda v, i=i: write_fn(i, v))
-                        except BaseException as exc:  # the engine's own error: give back, re-raise
-                            user_exc = exc
-                            break
+                rid = reply["id"]
+                user_exc = self._each_slot(att, reply["slots"], write_fn)  # raised once given back
                 if user_exc is not None:
                     self._call(conn, att, {"op": "abort", "id": rid}, CONTROL_TIMEOUT_SECONDS)
                 else:
@@ -393,12 +387,7 @@ class EngineClient:
                     req["job"] = job
                 reply = self._call(conn, att, req, timeout + REPLY_GRACE_SECONDS)
                 pid, slots = reply["id"], reply["slots"]
-                for i, slot in enumerate(slots):
-                    try:
-                        self._with_slot(att, slot, lambda v, i=i: read_fn(i, v))
-                    except BaseException as exc:  # the engine's own error: release, re-raise
-                        user_exc = exc
-                        break
+                user_exc = self._each_slot(att, slots, read_fn)  # raised once released
                 read = len(slots) if user_exc is None else 0
                 if slots:
                     try:
@@ -475,15 +464,24 @@ class EngineClient:
             return 0
 
     @staticmethod
-    def _with_slot(att: Attachment, slot: int, fn: Callable[[memoryview], None]) -> None:
-        view = att.view.slot_view(slot)
-        try:
-            fn(view)
-        finally:
+    def _each_slot(att: Attachment, slots: Sequence[int | None],
+                   fn: Callable[[int, memoryview], None]) -> BaseException | None:
+        """``fn(i, view of slots[i])`` for each slot (None: skipped) until one raises; returns
+        that error of the engine's own (the caller gives the slots back, then raises it)."""
+        for i, slot in enumerate(slots):
+            if slot is None:
+                continue
+            view = att.view.slot_view(slot)
             try:
-                view.release()
-            except BufferError:  # the callback kept a derived view
-                pass
+                fn(i, view)
+            except BaseException as exc:
+                return exc
+            finally:
+                try:
+                    view.release()
+                except BufferError:  # the callback kept a derived view
+                    pass
+        return None
 
     def close(self) -> None:
         """Close connections and unmap the store (the sidecar keeps its file)."""

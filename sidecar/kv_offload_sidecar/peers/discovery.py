@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from kv_offload_sidecar.engine.ports import DEFAULT_BASE_PORT
 from kv_offload_sidecar.settings import SidecarSettings
+from kv_offload_sidecar.waits import set_within
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,7 @@ class Discovery:
 
     async def wait_changed(self, timeout: float) -> bool:
         """Wait until the set may have changed (or ``timeout``); clears the flag."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._changed.wait()
-        except TimeoutError:
+        if not await set_within(self._changed, timeout):
             return False
         self._changed.clear()
         return True

@@ -45,6 +45,7 @@ from kv_offload_sidecar.peers.handshake import (
 from kv_offload_sidecar.peers.directory.location_wire import location_auth
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
+from kv_offload_sidecar.waits import set_within
 from kv_offload_sidecar.rejections import clip, loads_bounded
 
 if TYPE_CHECKING:
@@ -292,11 +293,8 @@ class PeerManager:
         link.retry_at = time.monotonic() + delay
         self._set_state(link, state)
         link.wake.clear()
-        if self._closing:
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(delay):
-                await link.wake.wait()
+        if not self._closing:
+            await set_within(link.wake, delay)
 
     def _leave(self, link: PeerLink) -> None:
         if link.member and link.identity:
@@ -414,9 +412,6 @@ class PeerManager:
                 await self._rekey(link)
             if link.data is None or link.data.closed:
                 raise ConnectionError(link.last_error or "data connection closed")
-            try:
-                async with asyncio.timeout(s.publish_interval_seconds):
-                    await link.failed.wait()
-            except TimeoutError:
+            if not await set_within(link.failed, s.publish_interval_seconds):
                 continue
             raise ConnectionError(link.last_error or "data plane failed")
