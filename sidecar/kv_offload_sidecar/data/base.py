@@ -87,6 +87,18 @@ def count_protocol_error(metrics: SidecarMetrics | None, reason: str) -> None:
 class DataPlaneServer(abc.ABC):
     """Serves this sidecar's chunks to authenticated peers."""
 
+    def __init__(self, store: StoreLike, authorize: Authorize, metrics: SidecarMetrics | None, *,
+                 chunk_bytes: int, auth_timeout: float, send_timeout: float) -> None:
+        if chunk_bytes != store.slot_bytes:
+            raise ValueError(f"chunk_bytes={chunk_bytes} differs from the store's slot_bytes="
+                             f"{store.slot_bytes}; pass the pool's kv_bytes_per_chunk to both")
+        self._store = store
+        self._authorize = authorize
+        self._metrics = metrics
+        self._chunk_bytes = chunk_bytes
+        self._auth_timeout = auth_timeout
+        self._send_timeout = send_timeout
+
     @abc.abstractmethod
     async def start(self) -> str:
         """Start serving; return the address to advertise in the handshake."""

@@ -127,18 +127,11 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         ssl: SSLContext | None = None,
         rejections: RejectionLog | None = None,
     ) -> None:
-        if chunk_bytes != store.slot_bytes:
-            raise ValueError(f"chunk_bytes={chunk_bytes} differs from the store's slot_bytes="
-                             f"{store.slot_bytes}; pass the pool's kv_bytes_per_chunk to both")
-        self._store = store
-        self._authorize = authorize
-        self._metrics = metrics
+        super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
+                         auth_timeout=auth_timeout, send_timeout=send_timeout)
         self._host = host
         self._port = port
-        self._chunk_bytes = chunk_bytes
         self._advertise_host = advertise_host
-        self._auth_timeout = auth_timeout
-        self._send_timeout = send_timeout
         self._buffer_bytes = socket_buffer_bytes
         self._ssl = ssl
         self._listener: socket.socket | None = None

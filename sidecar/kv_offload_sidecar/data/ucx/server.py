@@ -103,16 +103,9 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
         rejections: RejectionLog | None = None,
     ) -> None:
-        if chunk_bytes != store.slot_bytes:
-            raise ValueError(f"chunk_bytes={chunk_bytes} differs from the store's slot_bytes="
-                             f"{store.slot_bytes}; pass the pool's kv_bytes_per_chunk to both")
         del host, port  # UCX endpoints come from worker addresses, not a port
-        self._store = store
-        self._authorize = authorize
-        self._metrics = metrics
-        self._chunk_bytes = chunk_bytes
-        self._auth_timeout = auth_timeout
-        self._send_timeout = send_timeout
+        super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
+                         auth_timeout=auth_timeout, send_timeout=send_timeout)
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: dict[int, asyncio.Task[None]] = {}
         self._connections: dict[int, _ServerConnection] = {}
