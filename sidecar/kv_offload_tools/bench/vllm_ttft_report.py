@@ -12,6 +12,11 @@ SOURCES = {"recompute": "recompute", "cpu_tier": "vLLM CPU-tier hit",
            "own_sidecar": "own-sidecar hit", "peer": "peer hit"}
 
 
+def _header(*columns: str) -> list[str]:
+    """A markdown table's header row and the separator row under it."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def _f(v: float | None, fmt: str = "{:.3f}") -> str:
     return "missing" if v is None else fmt.format(v)
 
@@ -62,9 +67,9 @@ def table(report: Mapping[str, Any]) -> str:
     """Markdown tables: TTFT per source, the peer hit's phases, CPU per GB, inter-token latency."""
     refs = {r["size_mib"]: r for r in report["references"]}
     base = {r["size_mib"]: r["ttft_s"] for r in report.get("baseline", [])}
-    lines = ["| plane | prefix (KV) | recompute | vLLM CPU-tier hit | own-sidecar hit | peer hit "
-             "| peer extra over CPU tier | peer rate | own extra | memcpy | raw TCP | no-offload engine |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = _header("plane", "prefix (KV)", "recompute", "vLLM CPU-tier hit", "own-sidecar hit", "peer hit",
+                    "peer extra over CPU tier", "peer rate", "own extra", "memcpy", "raw TCP",
+                    "no-offload engine")
     for r in report["rows"]:
         ref = refs.get(r["size_mib"], {})
         lines.append(
@@ -75,10 +80,9 @@ def table(report: Mapping[str, Any]) -> str:
             f"| {r['own_sidecar']['extra_over_cpu_tier_s']:.3f} s "
             f"| {_f(ref.get('memcpy_s'))} s | {_f(ref.get('raw_tcp_s'))} s "
             f"| {_f(base.get(r['size_mib']))} s |")
-    lines += ["", "| plane | prefix | hit | TTFT | lookup until HIT (steps; after the sidecar "
-              "knew) | fetch | copy | lookup → last chunk landed "
-              "| other phases | rest of the TTFT | chunks from the tier |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", *_header("plane", "prefix", "hit", "TTFT", "lookup until HIT (steps; after the sidecar knew)",
+                           "fetch", "copy", "lookup → last chunk landed", "other phases",
+                           "rest of the TTFT", "chunks from the tier")]
     for r in report["rows"]:
         for source in ("own_sidecar", "peer"):
             p = r[source]
@@ -96,10 +100,9 @@ def table(report: Mapping[str, Any]) -> str:
                 f"| {'-' if landed is None else f'{landed:.3f} s'} "
                 f"| {', '.join(f'{k} {v:.3f} s' for k, v in other.items()) or '-'} "
                 f"| {_f(rest, '{:.3f} s')} | {_f(p.get('tier_chunk_hits'), '{:.0f}')}/{r['chunks']} |")
-    lines += ["", "| plane | prefix | tier CPU-s/GB in vLLM's process: store / own-sidecar load "
-              "/ peer load | engine process CPU-s/GB | of which off the scheduler thread "
-              "| sidecar CPU-s/GB: store / own load / peer load | holder sidecar, peer load |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", *_header("plane", "prefix", "tier CPU-s/GB in vLLM's process: store / own-sidecar load / peer load",
+                           "engine process CPU-s/GB", "of which off the scheduler thread",
+                           "sidecar CPU-s/GB: store / own load / peer load", "holder sidecar, peer load")]
     for r in report["rows"]:
         st, own, p = r["store"], r["own_sidecar"], r["peer"]
         holder = p.get("holder_cpu_s")
@@ -108,18 +111,16 @@ def table(report: Mapping[str, Any]) -> str:
         per_gb = " | ".join(" / ".join(_f(side.get(key)) for side in (st, own, p)) for key in (
             "tier_cpu_s_per_gb", "engine_cpu_s_per_gb", "engine_off_main_cpu_s_per_gb", "sidecar_cpu_s_per_gb"))
         lines.append(f"| {r['plane']} | {r['size_mib']} MiB | {per_gb} | {_f(holder_gb)} |")
-    lines += ["", "| plane | prefix | store: in the sidecar after the first token | rate | phases |",
-              "|---|---|---|---|---|"]
+    lines += ["", *_header("plane", "prefix", "store: in the sidecar after the first token", "rate", "phases")]
     for r in report["rows"]:
         s = r["store"]
         lines.append(f"| {r['plane']} | {r['size_mib']} MiB | {s['seconds']:.3f} s "
                      f"| {_f(s['rate_gbps'], '{:.2f} GB/s')} "
                      f"| {', '.join(f'{k} {v:.3f} s' for k, v in s['phases'].items()) or 'missing'} |")
     if report.get("inter_token"):
-        lines += ["", "| plane | prefix | ITL p50 / p99 quiet | while loading | while storing "
-                  "| p99 / quiet (load, store) | intervals: quiet / load / store "
-                  "| store landed after the first token |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", *_header("plane", "prefix", "ITL p50 / p99 quiet", "while loading", "while storing",
+                               "p99 / quiet (load, store)", "intervals: quiet / load / store",
+                               "store landed after the first token")]
         for t in report["inter_token"]:
             q, ld, st = t["quiet"], t["load"], t["store"]
             lines.append(
