@@ -152,24 +152,6 @@ def test_without_spec_hash_seed_the_seed_comes_from_the_pool_secret_and_is_nowhe
     assert "--hash-seed" not in out["spec"]["initContainers"][1]["args"]
 
 
-@pytest.mark.parametrize("container, said", [
-    (vllm(env=[{"name": "PYTHONHASHSEED", "value": "0"}]), "sets PYTHONHASHSEED='0'"),
-    (vllm(env=[{"name": "PYTHONHASHSEED", "valueFrom": {"secretKeyRef": {"name": "x", "key": "y"}}}]),
-     "sets PYTHONHASHSEED with valueFrom"),
-    (vllm(command=["/bin/sh", "-c"], args=[
-        f"PYTHONHASHSEED=0 vllm serve meta-llama/Llama-3.1-8B --kv-transfer-config '{KTC}'"]),
-     "command line sets PYTHONHASHSEED='0'"),
-])
-def test_a_vllm_container_setting_any_hash_seed_in_a_secret_seed_pool_is_refused(
-        container: dict[str, Any], said: str) -> None:
-    with pytest.raises(ValueError) as info:
-        inject_into(hash_seed_pool(), pod(container))
-    message = str(info.value)
-    assert message.startswith(f"the vLLM container {said} but the pool has no spec.hashSeed")
-    assert "Secret 'llama-pool-key', key 'hash-seed'" in message
-    assert "remove PYTHONHASHSEED from the container, or set spec.hashSeed on the pool" in message
-
-
 def test_a_vllm_container_already_setting_the_pools_seed_keeps_one_entry() -> None:
     out = inject_into(hash_seed_pool("42"), pod(vllm(env=[{"name": "PYTHONHASHSEED", "value": "42"}])))
     assert env_of(out["spec"]["containers"][0])["PYTHONHASHSEED"] == "42"
@@ -178,19 +160,32 @@ def test_a_vllm_container_already_setting_the_pools_seed_keeps_one_entry() -> No
     assert env_of(out["spec"]["containers"][0])["PYTHONHASHSEED"] == "42"
 
 
-@pytest.mark.parametrize("container, said", [
-    (vllm(env=[{"name": "PYTHONHASHSEED", "value": "7"}]), "sets PYTHONHASHSEED='7'"),
-    (vllm(command=["/bin/sh", "-c"], args=[
+# The hash seed a container sets must be the pool's: a pool whose seed is a secret (no
+# spec.hashSeed) refuses any, a pool with spec.hashSeed another; each error says how to fix it.
+SECRET_SEED = ("but the pool has no spec.hashSeed", "Secret 'llama-pool-key', key 'hash-seed'",
+               "remove PYTHONHASHSEED from the container, or set spec.hashSeed on the pool")
+OTHER_SEED = ("spec.hashSeed is '0'", "remove PYTHONHASHSEED", "spec.hashSeed: '7'")
+
+
+@pytest.mark.parametrize("seed, container, said, fix", [
+    (None, vllm(env=[{"name": "PYTHONHASHSEED", "value": "0"}]), "sets PYTHONHASHSEED='0'", SECRET_SEED),
+    (None, vllm(env=[{"name": "PYTHONHASHSEED", "valueFrom": {"secretKeyRef": {"name": "x", "key": "y"}}}]),
+     "sets PYTHONHASHSEED with valueFrom", SECRET_SEED),
+    (None, vllm(command=["/bin/sh", "-c"], args=[
+        f"PYTHONHASHSEED=0 vllm serve meta-llama/Llama-3.1-8B --kv-transfer-config '{KTC}'"]),
+     "command line sets PYTHONHASHSEED='0'", SECRET_SEED),
+    ("0", vllm(env=[{"name": "PYTHONHASHSEED", "value": "7"}]), "sets PYTHONHASHSEED='7'", OTHER_SEED),
+    ("0", vllm(command=["/bin/sh", "-c"], args=[
         f"PYTHONHASHSEED=7 vllm serve meta-llama/Llama-3.1-8B --kv-transfer-config '{KTC}'"]),
-     "command line sets PYTHONHASHSEED='7'"),
+     "command line sets PYTHONHASHSEED='7'", OTHER_SEED),
 ])
-def test_a_vllm_container_with_another_hash_seed_is_refused_saying_how_to_fix_it(
-        container: dict[str, Any], said: str) -> None:
+def test_a_vllm_container_setting_a_hash_seed_other_than_the_pools_is_refused_saying_how_to_fix_it(
+        seed: str | None, container: dict[str, Any], said: str, fix: tuple[str, ...]) -> None:
     with pytest.raises(ValueError) as info:
-        inject_into(hash_seed_pool("0"), pod(container))
+        inject_into(hash_seed_pool(seed), pod(container))
     message = str(info.value)
-    assert said in message and "spec.hashSeed is '0'" in message
-    assert "remove PYTHONHASHSEED" in message and "spec.hashSeed: '7'" in message
+    assert message.startswith("the vLLM container") and said in message
+    assert all(part in message for part in fix), message
 
 
 def test_a_hash_seed_from_value_from_is_refused_because_it_cannot_be_checked() -> None:
