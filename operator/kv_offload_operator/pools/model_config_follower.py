@@ -27,7 +27,7 @@ from kubernetes_asyncio import client as k8s
 
 from .model_config import content_digest, model_config_text
 from . import pool_api
-from .pool_api import each_pool_while_leading, patch_pool_status
+from .pool_api import patch_pool_status
 from .pool_source import read_workload, template_digest
 from .reconcile import reconcile
 
@@ -36,14 +36,7 @@ log = logging.getLogger(__name__)
 
 def track(memo: kopf.Memo, event_type: str | None, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
     """Remember (or forget) the pool ``namespace/name`` as one to follow."""
-    wanted = bool(spec.get("modelConfigRef") or spec.get("targetRef"))
-    pool_api.track(memo.model_config_refs, event_type, namespace, name, wanted)
-
-
-async def follow(memo: kopf.Memo) -> None:
-    """Re-check every tracked pool each ``model_config_check_seconds``, until cancelled."""
-    await each_pool_while_leading(memo, memo.options.model_config_check_seconds, memo.model_config_refs,
-                                  _recheck, "re-reading its model config or workload")
+    FOLLOWER.track(memo, event_type, namespace, name, bool(spec.get("modelConfigRef") or spec.get("targetRef")))
 
 
 async def _recheck(memo: kopf.Memo, namespace: str, name: str, body: dict[str, Any]) -> None:
@@ -60,6 +53,12 @@ async def _recheck(memo: kopf.Memo, namespace: str, name: str, body: dict[str, A
         log.warning(f"Pool {namespace}/{name}: {exc}")
     if patch.status:
         await patch_pool_status(api, namespace, name, patch.status)
+
+
+# Re-checks every tracked pool each ``model_config_check_seconds``, until cancelled.
+FOLLOWER = pool_api.PoolFollower("model_config_refs", "model_config_check_seconds", _recheck,
+                                 "re-reading its model config or workload")
+follow = FOLLOWER.follow
 
 
 async def _changed(api: k8s.ApiClient, namespace: str, spec: Mapping[str, Any],

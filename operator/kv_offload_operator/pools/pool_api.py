@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -71,3 +72,25 @@ async def each_pool_while_leading(memo: kopf.Memo, interval: float, tracked: dic
                 raise
             except Exception:  # one pool's API trouble must not stop the others
                 log.exception(f"Pool {namespace}/{name}: {what} failed; retrying")
+
+
+@dataclass(frozen=True)
+class PoolFollower:
+    """A follower of pools: the ones an ``on.event`` handler said it wants (``track``),
+    each visited every interval on the leading replica (``follow``, a startup task)."""
+
+    # The memo attribute holding the followed pools ((namespace, name) -> True).
+    tracked: str
+    # The operator option holding the seconds between two rounds.
+    interval: str
+    # What a round does to one pool: ``visit(memo, namespace, name, body)``.
+    visit: Callable[[kopf.Memo, str, str, dict[str, Any]], Awaitable[None]]
+    # What a failed visit is logged as.
+    what: str
+
+    def track(self, memo: kopf.Memo, event_type: str | None, namespace: str, name: str, wanted: bool) -> None:
+        track(getattr(memo, self.tracked), event_type, namespace, name, wanted)
+
+    async def follow(self, memo: kopf.Memo) -> None:
+        await each_pool_while_leading(memo, getattr(memo.options, self.interval), getattr(memo, self.tracked),
+                                      self.visit, self.what)

@@ -28,7 +28,7 @@ from kubernetes_asyncio import client as k8s
 from . import key_rotation, pool_api
 from . import pool_objects as objects
 from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
-from .pool_api import each_pool_while_leading, patch_pool_status
+from .pool_api import patch_pool_status
 from .pool_spec import key_rotation_grace_seconds
 
 log = logging.getLogger(__name__)
@@ -75,14 +75,7 @@ async def ensure(memo: kopf.Memo, pool: Mapping[str, Any]) -> None:
 def track(memo: kopf.Memo, event_type: str | None, namespace: str, name: str,
           annotations: Mapping[str, str], status: Mapping[str, Any]) -> None:
     """Remember (or forget) the pool ``namespace/name`` as one whose key rotation needs a step."""
-    wanted = key_rotation.needs_attention(annotations, status)
-    pool_api.track(memo.key_rotations, event_type, namespace, name, wanted)
-
-
-async def follow(memo: kopf.Memo) -> None:
-    """Step every tracked pool's rotation each ``key_rotation_check_seconds``, until cancelled."""
-    await each_pool_while_leading(memo, memo.options.key_rotation_check_seconds, memo.key_rotations,
-                                  step, "the key rotation step")
+    FOLLOWER.track(memo, event_type, namespace, name, key_rotation.needs_attention(annotations, status))
 
 
 async def step(memo: kopf.Memo, namespace: str, name: str, pool: dict[str, Any]) -> None:
@@ -109,6 +102,11 @@ async def step(memo: kopf.Memo, namespace: str, name: str, pool: dict[str, Any])
             _log_step(namespace, name, step_plan)
     if step_plan.status is not None and _shown(step_plan.status) != _shown(shown):
         await patch_pool_status(api, namespace, name, {"keyRotation": dict(step_plan.status)})
+
+
+# Steps every tracked pool's rotation each ``key_rotation_check_seconds``, until cancelled.
+FOLLOWER = pool_api.PoolFollower("key_rotations", "key_rotation_check_seconds", step, "the key rotation step")
+follow = FOLLOWER.follow
 
 
 def _shown(status: Mapping[str, Any] | None) -> dict[str, Any]:
