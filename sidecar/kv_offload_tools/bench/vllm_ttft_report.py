@@ -9,7 +9,8 @@ from kv_offload_sidecar.engine.tier_stats import HIT_STEPS_TARGET
 
 # Sources of a first token, in table and plot order, with their labels.
 SOURCES = {"recompute": "recompute", "cpu_tier": "vLLM CPU-tier hit",
-           "own_sidecar": "own-sidecar hit", "peer": "peer hit"}
+           "own_sidecar": "own-sidecar hit", "peer": "peer hit",
+           "peer_cold": "peer hit, B's first prompt this long"}
 
 
 def _header(*columns: str) -> list[str]:
@@ -69,7 +70,7 @@ def table(report: Mapping[str, Any]) -> str:
     base = {r["size_mib"]: r["ttft_s"] for r in report.get("baseline", [])}
     lines = _header("plane", "prefix (KV)", "recompute", "vLLM CPU-tier hit", "own-sidecar hit", "peer hit",
                     "peer extra over CPU tier", "peer rate", "own extra", "memcpy", "raw TCP",
-                    "no-offload engine")
+                    "no-offload engine", SOURCES["peer_cold"])
     for r in report["rows"]:
         ref = refs.get(r["size_mib"], {})
         lines.append(
@@ -79,12 +80,13 @@ def table(report: Mapping[str, Any]) -> str:
             f"| {_f(r['peer']['rate_gbps'], '{:.2f} GB/s')} "
             f"| {r['own_sidecar']['extra_over_cpu_tier_s']:.3f} s "
             f"| {_f(ref.get('memcpy_s'))} s | {_f(ref.get('raw_tcp_s'))} s "
-            f"| {_f(base.get(r['size_mib']))} s |")
+            f"| {_f(base.get(r['size_mib']))} s "
+            f"| {r['peer_cold']['ttft_s']:.3f} s |")
     lines += ["", *_header("plane", "prefix", "hit", "TTFT", "lookup until HIT (steps; after the sidecar knew)",
                            "fetch", "copy", "lookup → last chunk landed", "other phases",
                            "rest of the TTFT", "chunks from the tier")]
     for r in report["rows"]:
-        for source in ("own_sidecar", "peer"):
+        for source in ("own_sidecar", "peer_cold", "peer"):
             p = r[source]
             phases = p.get("phases") or {}
             fetch, copy = _phase(phases, "load.fetch"), _phase(phases, "load.copy")
@@ -150,9 +152,9 @@ def plot(report: Mapping[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    markers = {"recompute": "o", "cpu_tier": "s", "own_sidecar": "^", "peer": "D"}
+    markers = {"recompute": "o", "cpu_tier": "s", "own_sidecar": "^", "peer": "D", "peer_cold": "v"}
     colors = {"recompute": "tab:blue", "cpu_tier": "tab:orange", "own_sidecar": "tab:green",
-              "peer": "tab:red"}
+              "peer": "tab:red", "peer_cold": "tab:purple"}
     styles = {"tcp": "-", "ucx": "--", "nixl": ":"}
     planes = sorted({r["plane"] for r in report["rows"]}, key=lambda p: list(styles).index(p)
                     if p in styles else 9)

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -67,15 +66,16 @@ def test_each_hit_came_from_where_it_says(report) -> None:
     (row,) = report["rows"]
     chunks, tokens = row["chunks"], row["tokens"]
     assert row["recompute"]["num_cached_tokens"] == 0
-    for source in ("cpu_tier", "own_sidecar", "peer"):
+    for source in ("cpu_tier", "own_sidecar", "peer", "peer_cold"):
         assert row[source]["num_cached_tokens"] >= tokens, source
     # The own-sidecar and peer hits were served by the tier (vLLM's primary tier held nothing).
-    for source in ("own_sidecar", "peer"):
+    for source in ("own_sidecar", "peer", "peer_cold"):
         assert row[source]["tier_chunk_hits"] == chunks, source
         assert row[source]["tier_read_bytes"] >= row["bytes"], source
-    peer = row["peer"]
-    assert peer["sidecar_peer_hits"] == chunks
-    assert peer["peer_bytes_received"] >= row["bytes"]
+    # Both peer hits, B's first and the one timed like for like, fetched every chunk from sidecar 0.
+    for peer in (row["peer"], row["peer_cold"]):
+        assert peer["sidecar_peer_hits"] == chunks
+        assert peer["peer_bytes_received"] >= row["bytes"]
     # Sidecar 0 holds what engine A stored.
     assert row["store"]["seconds"] > 0
 
@@ -125,7 +125,9 @@ def test_the_json_report_has_every_field(report) -> None:
     assert HIT_FIELDS <= set(row["cpu_tier"])
     for source in ("own_sidecar", "peer"):
         assert TIER_HIT_FIELDS <= set(row[source]), source
-    assert {"holder_cpu_s", "peer_bytes_received", "sidecar_peer_hits"} <= set(row["peer"])
+    assert TIER_HIT_FIELDS - {"extra_over_cpu_tier_s", "rate_gbps"} <= set(row["peer_cold"])
+    for peer in (row["peer"], row["peer_cold"]):
+        assert {"holder_cpu_s", "peer_bytes_received", "sidecar_peer_hits"} <= set(peer)
     assert STORE_FIELDS <= set(row["store"])
     for source in ("own_sidecar", "peer"):
         assert row[source]["engine_cpu_s"] is not None and row[source]["sidecar_cpu_s"] is not None
