@@ -358,7 +358,7 @@ class PeerReads:
             return 0
         finally:
             if fetch:
-                self._forget(keys[got:max(got, asked)])
+                self._forget_unlanded(keys[got:max(got, asked)])
         if not fetch:
             speeds.observe_latency(claim.identity, loop.time() - started)
         elif got:
@@ -394,6 +394,16 @@ class PeerReads:
     def _forget(self, keys: list[bytes]) -> None:
         for k in keys:
             self._fetched.pop(k, None)
+
+    def _forget_unlanded(self, keys: list[bytes]) -> None:
+        """Forget the ``keys`` an exchange did not bring, keeping those that landed: a load
+        that took its last chunk cancels the exchange before it counts them, and they are
+        still copies the load must drop (or demote) once released."""
+        try:
+            store = self._store()
+        except RuntimeError:  # stopping: nothing is loaded any more
+            store = None
+        self._forget([k for k in keys if store is None or not store.contains(k)])
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

@@ -3,6 +3,7 @@ holders, what the asker keeps of fetched chunks, and fetch-or-recompute."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 from kv_offload_sidecar.lifecycle import running
@@ -94,6 +95,32 @@ async def test_a_holder_named_for_a_chunk_it_lost_is_one_false_claim_and_a_miss(
         assert await asker.load(keys, REQUEST_DEADLINE_SECONDS) == []
         assert asker.metrics.peer_false_claims._value.get() >= 1
         assert len(asker.store) == 0
+
+
+async def test_a_load_that_has_every_chunk_before_its_exchange_ends_still_drops_the_copies(make_settings):
+    # The load takes the last chunk as it lands and cancels the exchange, which has not
+    # counted it yet: the chunks that landed are still copies, dropped once released.
+    holder_settings = make_settings(identity="holder")
+    holder = Sidecar(holder_settings)
+    asker = Sidecar(make_settings(identity="asker", static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    async with running(holder), running(asker):
+        keys = chunk_keys("lingering", 4)
+        _store(holder, keys)
+        await settled(holder, asker)
+        data = asker.peers.connected("holder").data
+        fetch = data.fetch
+
+        async def fetch_then_linger(*args, **kwargs):
+            got = await fetch(*args, **kwargs)
+            await asyncio.Event().wait()  # still finishing when the load holds every chunk
+            return got
+
+        data.fetch = fetch_then_linger
+        pins = await asker.load(keys, REQUEST_DEADLINE_SECONDS)
+        assert [p.key for p in pins] == keys
+        for p in pins:
+            p.release()
+        assert len(asker.store) == 0 and len(holder.store) == 4
 
 
 async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_keeps_them_hot(make_settings):
