@@ -82,7 +82,8 @@ async def run_fetch(
     ``first`` keys until it arrives and none past it after. Returns the leading keys
     visible at the end. On any failure or deadline
     calls ``fail(exc)`` (the transport closes the connection, so nothing writes
-    into the slots any more) and aborts every open reservation.
+    into the slots any more) and aborts every open reservation; a cancel once every
+    chunk asked for is in (a load that holds them all) leaves the connection open.
     """
     plan = FetchPlan(list(keys))
     window = max(window, WINDOW_BYTES // max(store.slot_bytes, 1))
@@ -165,6 +166,14 @@ async def run_fetch(
     except IntegrityError as err:
         _fail_plan(plan, fail, err)
         _observe(metrics, "integrity", started)
+        raise
+    except asyncio.CancelledError as err:
+        if any(not p.done.done() for p in plan.pending.values()):
+            _fail_plan(plan, fail, err)  # bytes may still land in a slot: the connection ends
+            _observe(metrics, "error", started)
+        else:  # every chunk asked for is in (a load that had them all stopped waiting): the
+            plan.pending.clear()  # connection keeps serving; tearing it down costs a reconnect
+            _observe(metrics, "ok", started)
         raise
     except BaseException as err:
         _fail_plan(plan, fail, err)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+
+import pytest
 
 from kv_offload_sidecar.data import connect
 from kv_offload_sidecar.store.chunk_store import ChunkStore
@@ -33,5 +36,29 @@ async def test_the_count_arrives_before_the_chunks_and_bounds_what_is_fetched(
         assert await client.fetch_counted(missing, store, 5.0, first=1, on_count=counts.append) == 0
         assert counts == [0] and len(store) == 8
         assert store.used_bytes == len(store) * store.slot_stride  # no slot left reserved
+    finally:
+        await client.close()
+
+
+async def test_a_fetch_cancelled_once_every_chunk_is_in_leaves_the_connection_serving(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
+    # A load that holds every chunk stops waiting for the exchange (it cancels it): with
+    # nothing still on the wire the connection is not torn down (a reconnect costs a handshake).
+    peer = start_peer("tcp", chunks=8, chunk_bytes=CHUNK)
+    keys = [key_of(i) for i in range(8)]
+    fetching: list[asyncio.Task[int]] = []
+
+    def cancel_when_all_in(_key: bytes, present: bool) -> None:
+        if present and len(store) == len(keys):
+            fetching[0].cancel()
+
+    store = make_store(slots=20, on_change=cancel_when_all_in)
+    client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
+    try:
+        fetching.append(asyncio.create_task(client.fetch(keys, store, 10.0)))
+        with pytest.raises(asyncio.CancelledError):
+            await fetching[0]
+        assert len(store) == len(keys) and not client.closed
+        assert await client.lookup(keys, 5.0) == len(keys)  # the same connection still answers
     finally:
         await client.close()
