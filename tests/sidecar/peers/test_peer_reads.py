@@ -25,6 +25,13 @@ def _store(sidecar: Sidecar, keys: list[bytes]) -> None:
         r.commit()
 
 
+def _holder_and_asker(make_settings, **asker: object) -> tuple[Sidecar, Sidecar]:
+    """Sidecar "holder" and sidecar "asker" (linked to it, with ``asker``'s settings)."""
+    holder_settings = make_settings(identity="holder")
+    peers = (f"127.0.0.1:{holder_settings.base_port}",)
+    return Sidecar(holder_settings), Sidecar(make_settings(identity="asker", static_peers=peers, **asker))
+
+
 def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]:
     """Sidecars "a" and "b" (linked) and "asker" (linked to both)."""
     a_settings = make_settings(identity="a")
@@ -34,10 +41,7 @@ def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]
 
 
 async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_them(make_settings):
-    holder_settings = make_settings(identity="holder")
-    holder = Sidecar(holder_settings)
-    asker = Sidecar(make_settings(identity="asker", peer_copies="cold",
-                                  static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    holder, asker = _holder_and_asker(make_settings, peer_copies="cold")
     async with running(holder), running(asker):
         keys, mine = chunk_keys("chain", 6), chunk_keys("own", 4)
         _store(holder, keys)
@@ -62,10 +66,7 @@ async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_t
 
 
 async def test_a_lookups_fetch_is_timed_from_the_lookup_to_its_last_chunk_landed(make_settings):
-    holder_settings = make_settings(identity="holder")
-    holder = Sidecar(holder_settings)
-    asker = Sidecar(make_settings(identity="asker",
-                                  static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):
         keys = chunk_keys("timed", 4)
         _store(holder, keys)
@@ -83,9 +84,7 @@ async def test_a_lookups_fetch_is_timed_from_the_lookup_to_its_last_chunk_landed
 
 
 async def test_a_holder_named_for_a_chunk_it_lost_is_one_false_claim_and_a_miss(make_settings):
-    holder_settings = make_settings(identity="holder")
-    holder = Sidecar(holder_settings)
-    asker = Sidecar(make_settings(identity="asker", static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):
         keys = chunk_keys("stale", 3)
         for k in keys:  # published as held, never stored: what an owner names before an eviction is heard
@@ -100,9 +99,7 @@ async def test_a_holder_named_for_a_chunk_it_lost_is_one_false_claim_and_a_miss(
 async def test_a_load_that_has_every_chunk_before_its_exchange_ends_still_drops_the_copies(make_settings):
     # The load takes the last chunk as it lands and cancels the exchange, which has not
     # counted it yet: the chunks that landed are still copies, dropped once released.
-    holder_settings = make_settings(identity="holder")
-    holder = Sidecar(holder_settings)
-    asker = Sidecar(make_settings(identity="asker", static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):
         keys = chunk_keys("lingering", 4)
         _store(holder, keys)
@@ -124,9 +121,7 @@ async def test_a_load_that_has_every_chunk_before_its_exchange_ends_still_drops_
 
 
 async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_keeps_them_hot(make_settings):
-    holder_settings = make_settings(identity="holder")
-    holder = Sidecar(holder_settings)
-    asker = Sidecar(make_settings(identity="asker", static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):
         keys, older = chunk_keys("chain", 6), chunk_keys("older", 3)
         _store(holder, keys)
@@ -167,11 +162,8 @@ async def test_a_prefix_split_over_two_holders_is_fetched_from_both(make_setting
 
 
 async def test_a_run_slower_to_fetch_than_to_recompute_is_a_miss(make_settings):
-    holder_settings = make_settings(identity="holder")
-    holder = Sidecar(holder_settings)
     # 16 tokens per chunk at 10^12 tokens/s: recomputing 4 chunks takes 64 ps, never slower than a fetch.
-    asker = Sidecar(make_settings(identity="asker", prefill_tokens_per_second=1e12,
-                                  static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    holder, asker = _holder_and_asker(make_settings, prefill_tokens_per_second=1e12)
     async with running(holder), running(asker):
         first, second = chunk_keys("first", 4), chunk_keys("second", 4)
         _store(holder, first + second)
@@ -213,10 +205,7 @@ async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_de
     # the event loop's own time, with a deadline that only bounds a hang).
     clock = Clock()
     monkeypatch.setattr(peer_reads, "time", SimpleNamespace(monotonic=clock))
-    holder_settings = make_settings(identity="holder")
-    holder = Sidecar(holder_settings)
-    asker = Sidecar(make_settings(identity="asker", fetch_deadline_seconds=REQUEST_DEADLINE_SECONDS,
-                                  static_peers=(f"127.0.0.1:{holder_settings.base_port}",)))
+    holder, asker = _holder_and_asker(make_settings, fetch_deadline_seconds=REQUEST_DEADLINE_SECONDS)
     let_go_after = UNLOADED_AFTER_DEADLINES * REQUEST_DEADLINE_SECONDS
     async with running(holder), running(asker):
         keys, other = chunk_keys("aborted", 3), chunk_keys("other", 1)
