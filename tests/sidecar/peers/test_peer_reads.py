@@ -32,6 +32,14 @@ def _holder_and_asker(make_settings, **asker: object) -> tuple[Sidecar, Sidecar]
     return Sidecar(holder_settings), Sidecar(make_settings(identity="asker", static_peers=peers, **asker))
 
 
+async def _held(holder: Sidecar, asker: Sidecar, tag: str, n: int) -> list[bytes]:
+    """``n`` chunk keys stored at ``holder``, once the directory says so to ``asker``."""
+    keys = chunk_keys(tag, n)
+    _store(holder, keys)
+    await settled(holder, asker)
+    return keys
+
+
 def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]:
     """Sidecars "a" and "b" (linked) and "asker" (linked to both)."""
     a_settings = make_settings(identity="a")
@@ -68,9 +76,7 @@ async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_t
 async def test_a_lookups_fetch_is_timed_from_the_lookup_to_its_last_chunk_landed(make_settings):
     holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):
-        keys = chunk_keys("timed", 4)
-        _store(holder, keys)
-        await settled(holder, asker)
+        keys = await _held(holder, asker, "timed", 4)
         landed = asker.metrics.engine_transfer.labels(op="load", phase="lookup_to_landed")
         assert await asker.lookup(keys, 1.0, fetch=False) == (0, 4)  # counts only: not timed
         assert landed._sum.get() == 0
@@ -101,9 +107,7 @@ async def test_a_load_that_has_every_chunk_before_its_exchange_ends_still_drops_
     # counted it yet: the chunks that landed are still copies, dropped once released.
     holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):
-        keys = chunk_keys("lingering", 4)
-        _store(holder, keys)
-        await settled(holder, asker)
+        keys = await _held(holder, asker, "lingering", 4)
         data = asker.peers.connected("holder").data
         fetch = data.fetch
 
