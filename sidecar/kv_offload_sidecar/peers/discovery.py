@@ -27,9 +27,6 @@ from kv_offload_sidecar.waits import set_within
 
 log = logging.getLogger(__name__)
 
-# Seconds between re-resolutions of the pool's DNS name (the settings' constant).
-DNS_INTERVAL_SECONDS = SidecarSettings.dns_interval_seconds
-
 # Resolver: name -> list of IP strings. The default asks the system resolver.
 Resolver = Callable[[str], Awaitable[list[str]]]
 
@@ -87,7 +84,7 @@ class Discovery:
 
     def __init__(self, *, static_peers: Iterable[str] = (), dns_name: str = "",
                  base_port: int = DEFAULT_BASE_PORT, dp_size: int = 1,
-                 interval_seconds: float = DNS_INTERVAL_SECONDS,
+                 interval_seconds: float = SidecarSettings.dns_interval_seconds,
                  own_addresses: Iterable[str] = (), resolver: Resolver | None = None) -> None:
         self._static = set(parse_peer_list(list(static_peers)))
         self._dns_name = dns_name
