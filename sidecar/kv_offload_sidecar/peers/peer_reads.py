@@ -275,7 +275,7 @@ class PeerReads:
                 got += await t
             if got:
                 self._metrics.engine_transfer.labels(op="load", phase="lookup_to_landed").observe(
-                    asyncio.get_running_loop().time() - asked_at)
+                    loop.time() - asked_at)
             return got
         finally:
             _resolve(prefetch.count, total)
