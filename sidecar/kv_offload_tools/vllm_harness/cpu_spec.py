@@ -167,11 +167,23 @@ class _CopyDirection(SingleDirectionOffloadingHandler):
             src_off, dst_off = src_end, dst_end
         assert src_off == len(src_blocks) and dst_off == len(dst_blocks)
 
-        for src, dst, size in zip(
-            all_src[:op_idx].tolist(), all_dst[:op_idx].tolist(), all_sizes[:op_idx].tolist()
-        ):
+        for src, dst, size in zip(*merge_adjacent(all_src[:op_idx], all_dst[:op_idx],
+                                                  all_sizes[:op_idx])):
             ctypes.memmove(dst, src, size)
         return num_bytes
+
+
+def merge_adjacent(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
+                   ) -> tuple[list[int], list[int], list[int]]:
+    """The copies ``(src[i], dst[i], sizes[i])`` with each run whose next copy continues both
+    its source and its destination joined into one: the same bytes in fewer ``memmove``s,
+    each of which hands the GIL back and takes it again."""
+    if len(sizes) == 0:
+        return [], [], []
+    continues = (src[:-1] + sizes[:-1] == src[1:]) & (dst[:-1] + sizes[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    return (src[starts].tolist(), dst[starts].tolist(),
+            np.add.reduceat(sizes, starts).tolist())
 
 
 def _copy_cores() -> set[int] | None:
@@ -182,31 +194,62 @@ def _copy_cores() -> set[int] | None:
     return others or None
 
 
+class _CopyJobs:
+    """The jobs submitted and not yet reported, and the results waiting for ``get_finished``."""
+
+    def __init__(self) -> None:
+        self._pending: set[int] = set()  # submitted, not yet returned by take_finished
+        self._finished: deque[TransferResult] = deque()
+        self._done = threading.Condition()
+
+    def submitted(self, job_id: int) -> None:
+        with self._done:
+            self._pending.add(job_id)
+
+    def finished(self, result: TransferResult) -> None:
+        with self._done:
+            self._finished.append(result)
+            self._done.notify_all()
+
+    def take_finished(self) -> list[TransferResult]:
+        with self._done:
+            results = list(self._finished)
+            self._finished.clear()
+            self._pending.difference_update(r.job_id for r in results)
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until every job of ``job_ids`` still pending has finished."""
+        with self._done:
+            self._done.wait_for(lambda: not (
+                (job_ids & self._pending) - {r.job_id for r in self._finished}))
+
+
 class _CopyStream:
     """One copy direction's ordered queue and the thread that runs it, as a device stream.
 
-    Jobs run in submission order on a thread of their own, off the engine's compute cores
-    (``_copy_cores``), the way a GPU's copy engine runs beside its compute: the engine's
-    step returns at once and ``get_finished`` reports the job once its bytes are in place.
+    Jobs run in submission order on a thread of their own, on ``cores`` (``_copy_cores``:
+    off the engine's compute cores), the way a GPU's copy engine runs beside its compute:
+    the engine's step returns at once and the job is reported once its bytes are in place.
     """
 
     def __init__(self, name: str, handler: _CopyDirection, cores: set[int] | None,
-                 finished: deque[TransferResult], done: threading.Condition) -> None:
+                 jobs: _CopyJobs) -> None:
         self._handler = handler
         self._cores = cores
-        self._finished = finished
-        self._done = done
-        self._jobs: queue.SimpleQueue[tuple[int, LoadStoreSpec, LoadStoreSpec] | None] = (
+        self._jobs = jobs
+        self._queue: queue.SimpleQueue[tuple[int, LoadStoreSpec, LoadStoreSpec] | None] = (
             queue.SimpleQueue())
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        self._jobs.put((job_id, src, dst))
+        self._jobs.submitted(job_id)
+        self._queue.put((job_id, src, dst))
 
     def close(self) -> None:
         """Run the jobs already queued, then end the thread."""
-        self._jobs.put(None)
+        self._queue.put(None)
         self._thread.join()
 
     def _serve(self) -> None:
@@ -215,7 +258,7 @@ class _CopyStream:
                 os.sched_setaffinity(0, self._cores)
             except OSError:  # a cpuset that excludes them: stay where the engine put us
                 pass
-        while (job := self._jobs.get()) is not None:
+        while (job := self._queue.get()) is not None:
             job_id, src, dst = job
             start = time.perf_counter()
             try:
@@ -223,11 +266,9 @@ class _CopyStream:
             except Exception:  # reported failed, as a device copy error would be
                 logger.exception("CPUTieringSpec: copy job %d failed", job_id)
                 size, ok = 0, False
-            with self._done:
-                self._finished.append(TransferResult(
-                    job_id=job_id, success=ok, transfer_size=size,
-                    transfer_time=time.perf_counter() - start))
-                self._done.notify_all()
+            self._jobs.finished(TransferResult(
+                job_id=job_id, success=ok, transfer_size=size,
+                transfer_time=time.perf_counter() - start))
 
 
 class ThreadedCPUOffloadingWorker(OffloadingWorker):
@@ -272,21 +313,18 @@ class ThreadedCPUOffloadingWorker(OffloadingWorker):
                 canonical_layout=canonical_layout,
             )
 
-        self._finished: deque[TransferResult] = deque()
-        self._done = threading.Condition()
-        self._pending: set[int] = set()
+        self._jobs = _CopyJobs()
         self.copy_cores = _copy_cores()
         self._store = _CopyStream("kv-copy-store", direction(to_region=True),
-                                  self.copy_cores, self._finished, self._done)
+                                  self.copy_cores, self._jobs)
         self._load = _CopyStream("kv-copy-load", direction(to_region=False),
-                                 self.copy_cores, self._finished, self._done)
+                                 self.copy_cores, self._jobs)
 
     @override
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         """Engine KV -> primary region, on the store stream."""
-        self._pending.add(job_id)
         self._store.submit(job_id, src_spec, dst_spec)
         return True
 
@@ -299,24 +337,17 @@ class ThreadedCPUOffloadingWorker(OffloadingWorker):
         expedited: bool = False,  # vLLM 0.33 passes this; the load stream runs in order
     ) -> bool:
         """Primary region -> engine KV, on the load stream."""
-        self._pending.add(job_id)
         self._load.submit(job_id, src_spec, dst_spec)
         return True
 
     @override
     def get_finished(self) -> list[TransferResult]:
-        with self._done:
-            results = list(self._finished)
-            self._finished.clear()
-        self._pending.difference_update(r.job_id for r in results)
-        return results
+        return self._jobs.take_finished()
 
     @override
     def wait(self, job_ids: set[int]) -> None:
         """Block until every job in ``job_ids`` has finished (it stays for ``get_finished``)."""
-        with self._done:
-            self._done.wait_for(lambda: not (
-                (job_ids & self._pending) - {r.job_id for r in self._finished}))
+        self._jobs.wait(job_ids)
 
     @override
     def shutdown(self) -> None:
