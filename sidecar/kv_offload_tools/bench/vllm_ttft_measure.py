@@ -25,11 +25,15 @@ Inter-token latency: B decodes a short request while (quiet) nothing else
 runs, (load) B loads a large prefix A computed, until its first token, (store) B
 computes a large prefix, until vLLM counts its bytes written to the tier
 (``decode_latency`` op); the quiet run, ``QUIET_TOKENS`` tokens, is made before
-and after the other two and both are pooled, since a shared host drifts.
+and after the other two and both are pooled, since a shared host drifts. One more
+run, ``memcpy_beside``, decodes as quietly while the bench repeats a bare memcpy of
+the prefix's bytes on the sidecars' cores: the cores share one memory bus, so any
+byte movement beside the engine slows its decoding, and that run says by how much.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -61,6 +65,7 @@ from kv_offload_tools.bench.vllm_ttft_probes import (
     descendant,
     vllm_value,
 )
+from kv_offload_tools.bench.vllm_ttft_refs import memcpy_loop
 from kv_offload_tools.vllm_harness.decode_latency import store_bound_s
 
 # Seconds to wait for a store to reach the sidecar, or the pool's directory to converge.
@@ -335,17 +340,24 @@ class PlaneBench:
         runs["store"]["stored_after_first_token_s"] = (
             None if store["counter_reached_at_s"] is None or "finished_at_s" not in traffic
             else store["counter_reached_at_s"] - traffic["finished_at_s"])
+        # The same bytes copied over and over on the sidecars' cores, no offload traffic: what
+        # the memory bus the cores share costs decoding, whatever moves the bytes.
+        with memcpy_loop(chunks * self.stride_bytes, os.sched_getaffinity(self.pids["sidecar_0"])):
+            beside = b.decode_latency(decode_prompt("quiet"), None, **kwargs)
+        runs["memcpy_beside"] = self._itl_pooled([beside])
         # The quiet reference brackets the traffic runs (a busy host drifts): both pooled.
         quiet.append(b.decode_latency(decode_prompt("quiet"), None, **kwargs))
         runs["quiet"] = self._itl_pooled(quiet)
         q99 = runs["quiet"]["p99_ms"]
-        for name in ("load", "store"):
+        for name in ("load", "store", "memcpy_beside"):
             p99 = runs[name]["p99_ms"]
             runs[name]["p99_over_quiet"] = p99 / q99 if p99 is not None and q99 else None
         progress(f"{self.plane} inter-token ({size_mib} MiB): p50/p99 quiet "
                  f"{_fmt(runs['quiet']['p50_ms'])}/{_fmt(q99)} ms, load "
                  f"{_fmt(runs['load']['p50_ms'])}/{_fmt(runs['load']['p99_ms'])} ms, store "
-                 f"{_fmt(runs['store']['p50_ms'])}/{_fmt(runs['store']['p99_ms'])} ms "
+                 f"{_fmt(runs['store']['p50_ms'])}/{_fmt(runs['store']['p99_ms'])} ms, a bare "
+                 f"memcpy loop beside {_fmt(runs['memcpy_beside']['p50_ms'])}/"
+                 f"{_fmt(runs['memcpy_beside']['p99_ms'])} ms "
                  f"(window ended: load {runs['load']['window_end']}, "
                  f"store {runs['store']['window_end']})")
         return {"plane": self.plane, "size_mib": size_mib, **runs}

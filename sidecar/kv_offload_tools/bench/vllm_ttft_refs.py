@@ -6,18 +6,26 @@ prefix's size (best of ``repeats``), what a copy of those bytes costs one core.
 (``sendall`` of 8 MiB pieces) and received with ``recv_into`` into one
 pre-faulted buffer, connect to last byte (best of ``repeats``): the socket
 limit a TCP data plane is held to.
+``memcpy_loop``: ``numpy.copyto`` of a prefix's bytes repeated on a thread of
+this process (the sidecars' core) while its block runs: what bare byte
+movement beside the engine costs the engine's decoding through the memory bus
+the cores share, the floor under any design that moves the bytes on this host.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["memcpy_seconds", "raw_tcp_seconds"]
+__all__ = ["memcpy_loop", "memcpy_seconds", "raw_tcp_seconds"]
 
 # Bytes per send/recv call of the raw TCP reference.
 _PIECE = 8 << 20
@@ -76,3 +84,25 @@ def raw_tcp_seconds(size: int, repeats: int = 3) -> float:
         finally:
             sender.wait(timeout=30)
     return best
+
+
+@contextlib.contextmanager
+def memcpy_loop(size: int, cores: set[int]) -> Iterator[None]:
+    """While the block runs, repeat ``numpy.copyto`` of ``size`` bytes on another thread of
+    this process, pinned to ``cores`` (the copy releases the GIL)."""
+    src = np.full(size, 7, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    stop = threading.Event()
+
+    def copy() -> None:
+        os.sched_setaffinity(0, cores)
+        while not stop.is_set():
+            np.copyto(dst, src)
+
+    thread = threading.Thread(target=copy, name="memcpy-loop", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -147,6 +147,10 @@ def test_each_inter_token_window_ends_on_its_state(report) -> None:
     assert itl["store"]["window_end"] == "stored" and itl["store"]["stored_in_window"]
     assert itl["store"]["stored_in_window_bytes"] >= row["bytes"]
     assert itl["store"]["stored_after_first_token_s"] >= 0
+    # The bare memcpy reference decodes as many tokens as a quiet run, beside the copies.
+    beside = itl["memcpy_beside"]
+    assert [r["intervals"] for r in beside["runs"]] == [QUIET_TOKENS]
+    assert beside["p99_over_quiet"] > 0
 
 
 def test_engines_get_the_compute_cores_and_sidecars_the_others() -> None:
