@@ -17,7 +17,7 @@ the session key (``frames``, ``exports``). The view is revoked (deregistered, un
 when the connection ends or its session is no longer authorised. A FETCH is answered with
 CHUNK_AT (key, checksum, slot) per chunk, the chunk pinned under a lease until the fetcher
 RELEASEs it; the fetcher's lanes (``runtime``: one thread and one NIXL agent each, so both
-cores copy) READ it in pieces and hash each piece while it is in cache; the chunk becomes
+cores copy) READ it as one transfer and hash the slot in one GIL-free call; the chunk becomes
 visible only when the checksum matches the holder's. A chunk that changed after its lease
 ran out fails that check and is never stored or handed to vLLM.
 
