@@ -3,8 +3,9 @@
 The store computes it when a chunk is committed and the data plane verifies it
 before a received chunk becomes visible. ``xxhash`` reads the caller's buffer
 through the buffer protocol, so a ``memoryview`` over a shared-memory slot is
-hashed without copying it. ``chunk_hasher`` takes the same digest piece by piece,
-for a transport that hashes each piece while it is still in the cache.
+hashed without copying it. ``chunk_hasher`` takes the same digest piece by piece
+(``CACHED_PIECE_BYTES`` each), for a copy or a transport that hashes each piece while
+it is still in the cache.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 import mmap
 
 import xxhash
+
+# Bytes hashed at a time right after they were copied or received: what one core's cache
+# holds, so the hash reads them from the cache and not from memory a second time.
+CACHED_PIECE_BYTES = 1 << 20
 
 # What chunk_checksum accepts (any C-contiguous buffer-protocol object works;
 # collections.abc.Buffer only exists from Python 3.12).

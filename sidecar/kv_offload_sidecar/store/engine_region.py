@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from kv_offload_sidecar.store.checksum import chunk_checksum
+from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES, chunk_hasher
 
 # Largest region the sidecar maps (bytes): a bound on what a local client can make it map.
 MAX_REGION_BYTES = 1 << 42
@@ -201,11 +201,25 @@ class RowCopier:
     def row_to_slot(self, region: EngineRegion, row: int, slot: memoryview,
                     deadline: JobDeadline) -> int | None:
         """Copy one row into its slot; the slot's checksum, or None when ``deadline`` expired
-        before the copy started or ended (the caller aborts that chunk)."""
+        before the copy started or ended (the caller aborts that chunk).
+
+        Copied and hashed ``CACHED_PIECE_BYTES`` at a time, each piece hashed from the row
+        right after its copy read it into the cache (the copy's stores bypass the cache):
+        one pass over memory fewer than hashing the slot afterwards. Should the row change
+        between the two, the checksum is not the slot's, and every later read of the chunk
+        fails its verification."""
         if deadline.expired():
             return None
-        np.copyto(_as_array(slot)[:region.chunk_bytes], region.row(row))
-        return None if deadline.expired() else chunk_checksum(slot)
+        n = region.chunk_bytes
+        src, dst = region.row(row), _as_array(slot)
+        hasher = chunk_hasher()
+        for start in range(0, n, CACHED_PIECE_BYTES):
+            end = min(n, start + CACHED_PIECE_BYTES)
+            np.copyto(dst[start:end], src[start:end])
+            hasher.update(src[start:end])
+        if n < len(slot):  # bytes of the slot past the chunk count as the store hashes them
+            hasher.update(dst[n:])
+        return None if deadline.expired() else hasher.intdigest()
 
     def slot_to_row(self, region: EngineRegion, slot: memoryview, row: int,
                     deadline: JobDeadline) -> bool:

@@ -7,7 +7,8 @@ import asyncio
 import os
 import socket
 
-from kv_offload_sidecar.data.tcp.sockets import PIECE_BYTES, recv_exactly
+from kv_offload_sidecar.data.tcp.sockets import recv_exactly
+from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 from kv_offload_sidecar.store.checksum import chunk_checksum, chunk_hasher
 
 
@@ -16,7 +17,7 @@ async def test_the_pieces_handed_on_are_the_received_bytes_in_order_and_hash_as_
     a, b = socket.socketpair()
     a.setblocking(False)
     b.setblocking(False)
-    data = os.urandom(3 * PIECE_BYTES + 12345)
+    data = os.urandom(3 * CACHED_PIECE_BYTES + 12345)
     dest = bytearray(len(data))
     hasher, sizes = chunk_hasher(), []
 
@@ -32,5 +33,5 @@ async def test_the_pieces_handed_on_are_the_received_bytes_in_order_and_hash_as_
         a.close()
         b.close()
     assert dest == data
-    assert sum(sizes) == len(data) and max(sizes) <= PIECE_BYTES
+    assert sum(sizes) == len(data) and max(sizes) <= CACHED_PIECE_BYTES
     assert hasher.intdigest() == chunk_checksum(data)

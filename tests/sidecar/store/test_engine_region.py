@@ -1,5 +1,6 @@
 """EngineRegion and RowCopier in the sidecar's process: pre-faulting keeps every byte and
-gives way to a close, and a cancelled job touches no row."""
+gives way to a close, a cancelled job touches no row, and a stored row's checksum is
+its slot's."""
 
 import mmap
 import os
@@ -84,6 +85,31 @@ def test_a_cancelled_job_copies_nothing_either_way():
         assert copier.submit(copier.slot_to_row, region, slot, 2, live).result() is True
         assert np.frombuffer(engine, np.uint8)[2 * STRIDE:2 * STRIDE + CHUNK].tobytes() == \
             b"\x5a" * CHUNK
+    finally:
+        copier.close()
+        region.close()
+        engine.close()
+        os.close(fd)
+
+
+def test_a_stored_rows_checksum_is_its_slots_over_several_cache_pieces():
+    from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES, chunk_checksum
+
+    chunk = 2 * CACHED_PIECE_BYTES + 4096  # pieces, and a last one shorter than a piece
+    stride = chunk + mmap.PAGESIZE
+    fd = os.memfd_create("kv-offload-test-region", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 2 * stride)
+    engine = mmap.mmap(fd, 2 * stride)
+    engine[:] = os.urandom(2 * stride)
+    region = EngineRegion(fd, offset=0, row_stride=stride, num_rows=2, chunk_bytes=chunk)
+    copier = RowCopier()
+    try:
+        for slot_bytes in (chunk, chunk + 512):  # a slot as long as the chunk, and longer
+            slot = memoryview(bytearray(b"\x33" * slot_bytes))
+            checksum = copier.submit(copier.row_to_slot, region, 1, slot,
+                                     JobDeadline(time.monotonic() + 600)).result()
+            assert bytes(slot[:chunk]) == engine[stride:stride + chunk]
+            assert checksum == chunk_checksum(slot)
     finally:
         copier.close()
         region.close()

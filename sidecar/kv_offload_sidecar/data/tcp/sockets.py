@@ -19,13 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
 log = logging.getLogger(__name__)
 
-
-# Most bytes one receive takes when each piece is handed on (``recv_exactly``'s ``on_piece``):
-# what one core's cache holds, so the piece is read back from it and not from memory.
-PIECE_BYTES = 1 << 20
 
 # Socket buffer size asked for on data connections; 0 leaves Linux's autotuning on,
 # which grows the buffers past net.core.*mem_max (a fixed size would cap them there).
@@ -50,7 +47,7 @@ async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
     ``batch_bytes``: for a large read, ask the kernel (SO_RCVLOWAT) to wake the loop
     only once that much has arrived, so a chunk costs a few event-loop wake-ups
     instead of one per segment burst. ``on_piece``: called with each piece received, in
-    order, right after it landed (at most ``PIECE_BYTES``: still in the cache).
+    order, right after it landed (at most ``CACHED_PIECE_BYTES``: still in the cache).
     """
     with memoryview(view) as mv:
         got, n = 0, len(mv)
@@ -62,7 +59,7 @@ async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                     if want != lowat:
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                         lowat = want
-                end = n if on_piece is None else min(n, got + PIECE_BYTES)
+                end = n if on_piece is None else min(n, got + CACHED_PIECE_BYTES)
                 with mv[got:end] as rest:
                     k = await loop.sock_recv_into(sock, rest)
                     if k and on_piece is not None:
