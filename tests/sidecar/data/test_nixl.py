@@ -11,12 +11,14 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import auth_proof
+from kv_offload_sidecar.data.nixl.runtime import WIREUP_SECONDS
 from kv_offload_sidecar.data.tcp.sockets import split_host_port
 from peer_processes import HERE, PeerProcess
 from transport_peers import SESSION_ID, SESSION_KEY
@@ -50,6 +52,7 @@ def test_fetch_reads_chunks_byte_identical_and_releases_every_lease(
         start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
     peer = start_peer("nixl", chunks=16, chunk_bytes=CHUNK)
     assert peer.address.startswith("nixl://")
+    before = time.monotonic()
     out = run_client(peer, "fetch", shm_dir=shm_dir, chunks=16)
     assert out["lookup_all"] == 16 and out["lookup_gap"] == 3
     assert out["fetched"] == 16 and out["identical"]
@@ -58,6 +61,10 @@ def test_fetch_reads_chunks_byte_identical_and_releases_every_lease(
     state = peer.ask("nixl")
     assert state["exported_views"] == 1  # one view for the one authenticated connection
     assert state["leased"] == 0 and state["pinned"] == 0  # every chunk released after its read
+    # Answering the FETCH opened the serving lane's wire-up window (CLOCK_MONOTONIC is one
+    # clock for both processes), so the fetcher lane's first READ did not wait for its
+    # once-a-second progress.
+    assert state["serving_hot_until"] >= before + WIREUP_SECONDS
     wait_for("the closed connection's view revoked", lambda: peer.ask("nixl")["live_views"] == 0)
     assert peer.metrics()["peer_bytes_sent"] == 16 * CHUNK
 
@@ -117,7 +124,8 @@ def test_an_unauthenticated_client_gets_no_registration_and_no_metadata(
     assert [t for t, _ in got] == [proto.MessageType.ERROR], got
     assert got[0][1].startswith(b"unauthenticated:")
     assert all(t is not proto.MessageType.NIXL_METADATA for t, _ in got)
-    assert peer.ask("nixl") == {"live_views": 0, "exported_views": 0, "leased": 0, "pinned": 0}
+    assert peer.ask("nixl") == {"live_views": 0, "exported_views": 0, "leased": 0, "pinned": 0,
+                                "serving_hot_until": 0.0}
     assert peer.metrics()["protocol_errors"]["unauthenticated"] == 1
 
 

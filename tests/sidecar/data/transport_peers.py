@@ -117,8 +117,11 @@ async def serve(args: argparse.Namespace) -> None:
                     live_views,
                 )
 
+                runtime = getattr(server, "_runtime", None)
                 print(json.dumps({"live_views": live_views(), "exported_views": exported_views(),
-                                  "leased": server.leased, "pinned": store.stats()["pinned"]}), flush=True)
+                                  "leased": server.leased, "pinned": store.stats()["pinned"],
+                                  "serving_hot_until": runtime.serving_hot_until if runtime else 0.0}),
+                      flush=True)
             elif cmd in ("quit", ""):
                 break
     finally:

@@ -9,7 +9,11 @@ connection's view of the store (``exports``). An idle lane sleeps in its queue. 
 endpoint's wire-up needs both agents to progress, so for ``WIREUP_SECONDS`` after a view was
 exported (holder) or a holder's metadata loaded (fetcher) every lane calls NIXL's progress
 (``get_new_notifs``) every ``HOT_PUMP_SECONDS``; otherwise only lane 0 does, every
-``IDLE_PUMP_SECONDS``: no busy progress thread.
+``IDLE_PUMP_SECONDS``: no busy progress thread. A fetcher's lane wires its endpoint up at
+its first READ, which may come long after the connection's window: so a holder's lane 0
+also pumps hot for ``WIREUP_SECONDS`` after each FETCH it answers (``serving_window``).
+Without that, the first READ on a connection waited for the holder's once-a-second
+progress: 0.65-0.80 s for 128 MiB, against 0.04 s once wired up.
 """
 
 from __future__ import annotations
@@ -283,7 +287,8 @@ class Lane:
         last_pump = 0.0
         while True:
             now = time.monotonic()
-            hot = now < self.runtime.hot_until
+            hot = now < self.runtime.hot_until or (
+                self.index == 0 and now < self.runtime.serving_hot_until)
             pumps = hot or self.index == 0
             wait = HOT_PUMP_SECONDS if hot else IDLE_PUMP_SECONDS
             if pumps and now - last_pump >= wait:
@@ -329,8 +334,10 @@ class NixlRuntime:
         self.loop = loop
         self.nixl = import_nixl()
         self.nixl_bindings = importlib.import_module(f"{NIXL_MODULE}._bindings")
-        # Monotonic time until which lane 0 progresses every HOT_PUMP_SECONDS.
+        # Monotonic time until which every lane progresses every HOT_PUMP_SECONDS.
         self.hot_until = 0.0
+        # Monotonic time until which lane 0 (the serving agent) progresses that often.
+        self.serving_hot_until = 0.0
         prefix = f"kvo-{os.getpid()}-{secrets.token_hex(4)}"
         self.lanes = [Lane(self, i, f"{prefix}-{i}") for i in range(lanes)]
         self._turn = itertools.count()
@@ -366,6 +373,15 @@ class NixlRuntime:
         self.hot_until = time.monotonic() + WIREUP_SECONDS
         for lane in self.lanes:
             lane.post(lambda lane: None)  # wake it now
+
+    def serving_window(self) -> None:
+        """Lane 0 progresses often for the next ``WIREUP_SECONDS``: a FETCH was answered, and
+        the fetcher lane that READs it may be wiring its endpoint up to lane 0's agent."""
+        now = time.monotonic()
+        cold = now >= self.serving_hot_until
+        self.serving_hot_until = now + WIREUP_SECONDS
+        if cold:
+            self.serving.post(lambda lane: None)  # wake it now
 
     def pick_lane(self) -> Lane:
         """The lane with the fewest read jobs queued (ties in turn)."""

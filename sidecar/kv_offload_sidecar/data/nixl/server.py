@@ -128,6 +128,8 @@ class NixlDataPlaneServer(TcpDataPlaneServer):
         if state is None or state.extra is None:
             return
         leases: Leases = state.extra.leases
+        assert self._runtime is not None
+        self._runtime.serving_window()  # the fetcher lane's first READ may wire up now
         frames: list = []
         for i, key in enumerate(keys):
             rid = (request_id + i) % proto.REQUEST_ID_MOD
