@@ -5,9 +5,9 @@ metadata, loaded into every lane's agent. A FETCH is answered with CHUNK_AT fram
 offered chunk becomes a read job on the least busy lane, which READs it into the
 reservation's slot as one transfer and then hashes the slot in one call. The loop then
 commits the slot with that checksum against the holder's (a mismatch is an IntegrityError
-and nothing is stored) and RELEASEs the request id, batched into the next message. A slot a lane may still
-write into is never handed back early: its reservation's abort waits for the lane
-(``_GuardedReservation``). Any failed read closes the connection.
+and nothing is stored) and RELEASEs the request id, batched into the next message. A slot
+a lane may still write into is never handed back early: its reservation's abort waits for
+the lane (``_GuardedReservation``). Any failed read closes the connection.
 """
 
 from __future__ import annotations
