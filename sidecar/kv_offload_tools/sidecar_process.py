@@ -174,12 +174,17 @@ class SidecarProcess:
     def peers(self) -> list[dict[str, Any]]:
         return self.get("/v1/peers")[1]["peers"]
 
-    def hits(self, keys: Sequence[bytes], timeout: float = 5.0) -> int:
-        """Leading ``keys`` it or the pool holds, asked with the admin lookup (nothing moves)."""
+    def held(self, keys: Sequence[bytes], timeout: float = 5.0) -> tuple[int, int]:
+        """Leading ``keys`` it holds itself and, after those, the pool holds: ``(local, peer)``,
+        asked with the admin lookup (nothing moves)."""
         code, body = self.post("/v1/lookup", {"keys": [k.hex() for k in keys]}, timeout=timeout)
         if code != 200 or not isinstance(body, dict):
             raise RuntimeError(f"{self.identity}: /v1/lookup answered {code}: {body!r}")
-        return int(body["local"]) + int(body["peer"])
+        return int(body["local"]), int(body["peer"])
+
+    def hits(self, keys: Sequence[bytes], timeout: float = 5.0) -> int:
+        """Leading ``keys`` it or the pool holds (``held``, added)."""
+        return sum(self.held(keys, timeout))
 
     def metrics_text(self) -> str:
         return http_text(self.url + "/metrics")

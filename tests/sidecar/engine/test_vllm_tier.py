@@ -38,13 +38,6 @@ def _engine(pool, i, **kw):
                            name=f"engine-{i}", **kw)
 
 
-def _local_hits(pool, index, keys) -> int:
-    """Leading ``keys`` sidecar ``index`` holds itself (the admin lookup: nothing moves)."""
-    code, body = pool[index].post("/v1/lookup", {"keys": [k.hex() for k in keys]})
-    assert code == 200, body
-    return int(body["local"])
-
-
 def _wait_visible(pool, index, keys):
     """Until sidecar ``index`` finds all ``keys`` in the pool (the directory is published
     periodically); asked with the admin lookup, so nothing moves yet."""
@@ -384,7 +377,7 @@ def test_a_peer_hit_answered_while_vllm_retries_is_hit_at_its_next_lookup_and_co
             # The first lookup's fetch lands in the background; the next request stops the
             # sidecar again, so it must have landed first for the next lookups to be local.
             wait_for("the fetched chunks in sidecar 1's own store",
-                     lambda: _local_hits(pool, 1, keys) == len(keys))
+                     lambda: pool[1].held(keys)[0] == len(keys))
         stats = tier.stats
         # The first request's lookup fetched the chunks: the next two found them in sidecar 1.
         assert (stats.peer_hits - before.peer_hits, stats.local_hits - before.local_hits) == (3, 6)
