@@ -8,11 +8,13 @@ install fails these tests instead of skipping them.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,8 +126,8 @@ def test_an_unauthenticated_client_gets_no_registration_and_no_metadata(
     assert [t for t, _ in got] == [proto.MessageType.ERROR], got
     assert got[0][1].startswith(b"unauthenticated:")
     assert all(t is not proto.MessageType.NIXL_METADATA for t, _ in got)
-    assert peer.ask("nixl") == {"live_views": 0, "exported_views": 0, "leased": 0, "pinned": 0,
-                                "serving_hot_until": 0.0}
+    assert peer.ask("nixl") == {"live_views": 0, "exported_views": 0, "dark_views": 0, "leased": 0,
+                                "pinned": 0, "serving_hot_until": 0.0}
     assert peer.metrics()["protocol_errors"]["unauthenticated"] == 1
 
 
@@ -180,6 +182,57 @@ def test_a_view_is_revoked_when_its_session_ends_so_kept_metadata_reads_nothing(
     assert out["raw_read_after"].startswith("failed"), out
     assert str(out["fetch_after"]).startswith("error")
     assert out["visible_intact"] and out["slots_in_use"] == out["visible"] == 2
+
+
+def test_a_revoked_views_range_stays_dark_until_the_next_view_takes_it(
+        start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
+    peer = start_peer("nixl", chunks=4, chunk_bytes=CHUNK)
+    for n in (1, 2):
+        out = run_client(peer, "fetch", shm_dir=shm_dir, chunks=4)
+        assert out["fetched"] == 4 and out["identical"]
+        wait_for("the closed connection's view revoked", lambda: peer.ask("nixl")["live_views"] == 0)
+        state = peer.ask("nixl")
+        # The second connection's view took the first one's dark range: the address space
+        # held stays at the most views live at once.
+        assert (state["exported_views"], state["dark_views"]) == (n, 1)
+
+
+def _read_own(address: int, length: int) -> int:
+    """``process_vm_readv`` of this process's own ``address`` (what a cma READ does)."""
+    import ctypes
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(length)
+    local, remote = IoVec(ctypes.addressof(buf), length), IoVec(address, length)
+    got = libc.process_vm_readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return got if got >= 0 else -ctypes.get_errno()
+
+
+def test_a_dark_range_reads_nothing_by_address_and_is_lent_again_readable(tmp_path: Path) -> None:
+    import errno
+    import mmap
+
+    from kv_offload_sidecar.data.nixl import exports
+
+    path = tmp_path / "store"
+    path.write_bytes(b"K" * (2 * mmap.PAGESIZE))
+    mapping, key = exports._lend_range(str(path), 2 * mmap.PAGESIZE)
+    base = exports._address_of(mapping)
+    assert _read_own(base, 16) == 16
+    exports._darken(key, mapping)
+    try:
+        assert exports.dark_views() == 1
+        assert _read_own(base, 16) == -errno.EFAULT  # by address alone, as cma reads
+        again, key2 = exports._lend_range(str(path), 2 * mmap.PAGESIZE)
+        assert (exports._address_of(again), key2, exports.dark_views()) == (base, key, 0)
+        assert again[:4] == b"KKKK" and _read_own(base, 16) == 16
+        exports._darken(key2, again)
+    finally:
+        assert exports.forget_dark_views(str(path)) == 1
+    assert exports.dark_views() == 0
 
 
 def test_a_corrupted_chunk_fails_its_checksum_and_is_not_stored(

@@ -113,12 +113,14 @@ async def serve(args: argparse.Namespace) -> None:
                 print(json.dumps({"sessions": 0}), flush=True)
             elif cmd == "nixl":
                 from kv_offload_sidecar.data.nixl.exports import (
+                    dark_views,
                     exported_views,
                     live_views,
                 )
 
                 runtime = getattr(server, "_runtime", None)
                 print(json.dumps({"live_views": live_views(), "exported_views": exported_views(),
+                                  "dark_views": dark_views(),
                                   "leased": server.leased, "pinned": store.stats()["pinned"],
                                   "serving_hot_until": runtime.serving_hot_until if runtime else 0.0}),
                       flush=True)

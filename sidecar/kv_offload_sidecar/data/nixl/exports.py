@@ -4,8 +4,21 @@
 file, registered with lane 0's agent; the connection receives the partial agent metadata
 of that registration only (its remote key and the agent's connection info), sealed under
 its session key. When the connection ends (closed, failed, or its session no longer
-authorised) the view is deregistered and unmapped, so the remote key and the addresses it
-names are dead: a late READ through them fails instead of reading the store.
+authorised) the view is deregistered and its address range made inaccessible (PROT_NONE,
+its page-table entries dropped), so the remote key and the addresses it names are dead: a
+late READ through them fails instead of reading the store. Deregistering alone is not
+enough: over cma (UCX's choice between processes of one PID namespace) a READ is a
+``process_vm_readv`` of the holder's address, which the kernel checks against the
+holder's mappings, not against NIXL's registrations. An unmapped range would leave a hole
+that the holder's next large allocation may fill, and a kept address would then read that
+memory; a PROT_NONE range reads nothing.
+
+The dark ranges are kept, one per revoked view, and the next view takes the one darkest
+longest instead of mapping anew, so the address space held never exceeds the most views
+live at once. (Over cma, metadata kept past its revoke can again read the store once its
+range is lent to a new connection; a process that cma reaches could read the holder's
+memory without any metadata anyway, since the kernel only asks that it may ptrace the
+holder. On RDMA transports the deregistered remote key fails every late READ.)
 
 ``Leases``: a chunk offered to a fetcher (CHUNK_AT) stays pinned -- neither evicted nor
 overwritten -- until the fetcher RELEASEs it, its lease of ``lease_seconds`` runs out, or
@@ -15,10 +28,12 @@ checksum then fails and the chunk is not stored.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import time
+from collections import deque
 from typing import Any
 
 from kv_offload_sidecar.data.nixl.frames import ExportedView
@@ -33,6 +48,27 @@ DEFAULT_LEASE_SECONDS = 10.0
 _live: set[int] = set()
 # Views ever exported by this process.
 _exported = [0]
+# Revoked views' mappings, dark (PROT_NONE), oldest first, by the store file's (device,
+# inode, mapped size): each is lent again to a later view of that file instead of a new mapping.
+_dark: dict[tuple[int, int, int], deque[mmap.mmap]] = {}
+
+# mprotect's "no access" (the mmap module names only PROT_READ, PROT_WRITE, PROT_EXEC).
+PROT_NONE = 0
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _protect(base: int, size: int, prot: int) -> None:
+    if _libc.mprotect(base, size, prot) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mprotect of a store view: {os.strerror(err)}")
+
+
+def _address_of(mapping: mmap.mmap) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(mapping, dtype=np.uint8).ctypes.data)
 
 
 def live_views() -> int:
@@ -45,13 +81,63 @@ def exported_views() -> int:
     return _exported[0]
 
 
+def dark_views() -> int:
+    """Ranges of revoked views kept inaccessible, waiting to be lent to a later view."""
+    return sum(len(q) for q in _dark.values())
+
+
+def forget_dark_views(path: str) -> int:
+    """Unmap the dark ranges of the store file at ``path`` (its server stopped; they would
+    keep the file's memory alive after it is removed). How many went."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    n = 0
+    for key in [k for k in _dark if k[:2] == (st.st_dev, st.st_ino)]:
+        for mapping in _dark.pop(key):
+            mapping.close()
+            n += 1
+    return n
+
+
+def _lend_range(path: str, size: int) -> tuple[mmap.mmap, tuple[int, int, int]]:
+    """A read-only mapping of ``path``'s first ``size`` bytes (the range darkest longest, or
+    a new one) and the key its range goes back under."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, size)
+        waiting = _dark.get(key)
+        if waiting:
+            mapping = waiting.popleft()
+            _protect(_address_of(mapping), size, mmap.PROT_READ)
+            return mapping, key
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), key
+    finally:
+        os.close(fd)
+
+
+def _darken(key: tuple[int, int, int], mapping: mmap.mmap) -> None:
+    """Make ``mapping`` unreadable by anyone (cma included) and keep its range for a later view."""
+    try:
+        _protect(_address_of(mapping), key[2], PROT_NONE)
+    except OSError as exc:  # never leave it readable: give the range back instead
+        log.warning("NIXL: %s; unmapping the view", exc)
+        mapping.close()
+        return
+    mapping.madvise(mmap.MADV_DONTNEED)  # its page tables go; the store's pages stay in the file
+    _dark.setdefault(key, deque()).append(mapping)
+
+
 class StoreView:
     """One connection's read-only, registered mapping of the store file."""
 
     def __init__(self, runtime: NixlRuntime, mapping: mmap.mmap, base: int, registration: Any,
-                 exported: ExportedView) -> None:
+                 exported: ExportedView, range_key: tuple[int, int, int]) -> None:
         self._runtime = runtime
         self._mapping = mapping
+        self._range_key = range_key
         self._registration = registration
         self.base = base
         # What the connection is told (sealed): geometry, agent name, partial metadata.
@@ -62,15 +148,9 @@ class StoreView:
     @classmethod
     async def create(cls, runtime: NixlRuntime, store: Any) -> StoreView:
         """Map ``store``'s file read-only and register the mapping with lane 0's agent."""
-        import numpy as np
-
         size = store.num_slots * store.slot_stride
-        fd = os.open(store.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        base = int(np.frombuffer(mapping, dtype=np.uint8).ctypes.data)
+        mapping, range_key = _lend_range(store.path, size)
+        base = _address_of(mapping)
 
         def register(lane: Any) -> tuple[Any, bytes]:
             reg = lane.agent.register_memory([(base, size, 0, "")], "DRAM")
@@ -83,15 +163,15 @@ class StoreView:
         try:
             registration, metadata = await runtime.serving.call(register)
         except BaseException:
-            mapping.close()
+            _darken(range_key, mapping)
             raise
         runtime.wireup_window()
         exported = ExportedView(base, store.slot_stride, store.slot_bytes, store.num_slots,
                                 runtime.serving.name, metadata)
-        return cls(runtime, mapping, base, registration, exported)
+        return cls(runtime, mapping, base, registration, exported, range_key)
 
     async def revoke(self) -> None:
-        """Deregister and unmap: the remote key and addresses given out are dead. Idempotent."""
+        """Deregister and darken: the remote key and addresses given out are dead. Idempotent."""
         if self._registration is None:
             return
         registration, self._registration = self._registration, None
@@ -100,7 +180,7 @@ class StoreView:
         except Exception as exc:
             log.warning("NIXL: deregistering a connection's view failed: %s", exc)
         finally:
-            self._mapping.close()
+            _darken(self._range_key, self._mapping)
             _live.discard(id(self))
 
 

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import Authorize, StoreLike
-from kv_offload_sidecar.data.nixl.exports import DEFAULT_LEASE_SECONDS, Leases, StoreView
+from kv_offload_sidecar.data.nixl.exports import (
+    DEFAULT_LEASE_SECONDS,
+    Leases,
+    StoreView,
+    forget_dark_views,
+)
 from kv_offload_sidecar.data.nixl.frames import decode_release, encode_chunk_at, encode_metadata
 from kv_offload_sidecar.data.nixl.runtime import NixlRuntime
 from kv_offload_sidecar.data.tcp.server import TcpDataPlaneServer, _ConnState
@@ -79,6 +84,7 @@ class NixlDataPlaneServer(TcpDataPlaneServer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await super().stop(grace_seconds)
+        forget_dark_views(self._store.path)  # every view was revoked; the store may go now
 
     @property
     def leased(self) -> int:
