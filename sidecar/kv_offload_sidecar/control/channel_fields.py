@@ -62,6 +62,14 @@ def rows_of(region: EngineRegion, req: dict[str, Any], count: int) -> list[int]:
         raise ChannelError(str(exc)) from None
 
 
+def flag_of(req: dict[str, Any], name: str) -> bool:
+    """The request's optional boolean field ``name`` (absent: False)."""
+    v = req.get(name, False)
+    if not isinstance(v, bool):
+        raise ChannelError(f"'{name}' must be true or false, got {v!r}")
+    return v
+
+
 def job_of(req: dict[str, Any]) -> str | None:
     """The request's optional ``job`` id (what ``cancel`` names)."""
     job = req.get("job")

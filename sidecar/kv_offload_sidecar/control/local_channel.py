@@ -13,9 +13,12 @@ Ops:
   does the copies of ``store_rows`` / ``load_rows`` itself (vLLM's process
   moves no KV bytes). The region lives until that connection closes (after
   the jobs using it end). A descriptor on any other frame is closed unused.
-- ``store_rows {region, keys, rows, deadline}`` -> ``{committed}``: reserves
+- ``store_rows {region, keys, rows, deadline, paced?}`` -> ``{committed}``: reserves
   slots, copies each reserved key's row into its slot, checksums and commits
-  those copied by ``deadline``.
+  those copied by ``deadline``. ``"paced": true`` (the engine has no other
+  store waiting) spreads the copies (``engine_region.STORE_COPY_SHARE``) over the
+  first half of the time to the deadline, so a store costs the engine's decoding
+  less memory bandwidth; loads never wait behind a store's copies.
 - ``load_rows {region, keys, rows, deadline}`` -> ``{loaded}``: makes the hit
   prefix local (fetching from peers until ``deadline``), copies the pinned
   chunks into their rows (no piece started after ``deadline``) and releases the
@@ -69,6 +72,7 @@ from kv_offload_sidecar.control.channel_fields import (
     MAX_JOB_ID_CHARS,
     ChannelError,
     deadline_of,
+    flag_of,
     id_of,
     job_of,
     keys_of,
@@ -222,6 +226,7 @@ class _Connection:
         keys = keys_of(req)
         deadline = JobDeadline(deadline_of(req))
         job = job_of(req)
+        paced = flag_of(req, "paced")
         region = self._region(req)
         server, metrics = self.server, self.sidecar.metrics.engine_transfer
         group: list[WriteReservation | None] = []
@@ -232,7 +237,8 @@ class _Connection:
             todo = [(rows[i], r) for i, r in enumerate(group) if r is not None]
             started = time.perf_counter()
             with server.jobs.running(job, deadline):
-                copies = [server.copy_soon(server.copier.row_to_slot, region, row, r.view, deadline)
+                copies = [asyncio.wrap_future(server.copier.store(region, row, r.view, deadline,
+                                                                  paced))
                           for row, r in todo]
                 sums = await asyncio.gather(*copies)
             metrics.labels(op="store", phase="copy").observe(time.perf_counter() - started)
@@ -261,8 +267,8 @@ class _Connection:
             rows = rows_of(region, req, len(keys))
 
             def take(pin: PinnedChunk) -> None:
-                copies.append(server.copy_soon(server.copier.slot_to_row, region, pin.view,
-                                               rows[len(pins)], deadline))
+                copies.append(asyncio.wrap_future(server.copier.load(region, pin.view,
+                                                                     rows[len(pins)], deadline)))
                 pins.append(pin)
 
             with server.jobs.running(job, deadline) as stop:
@@ -357,10 +363,6 @@ class LocalChannelServer:
         region = self.regions.pop(rid, None)
         if region is not None:
             region.close()
-
-    def copy_soon(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
-        """``fn(*args)`` on a copy thread, as a future of this event loop."""
-        return asyncio.wrap_future(self.copier.submit(fn, *args))
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()

@@ -405,14 +405,16 @@ class EngineClient:
             raise user_exc
         return read
 
-    def store_rows(self, keys: Sequence[bytes], rows: Sequence[int], *, strict: bool = False) -> int:
+    def store_rows(self, keys: Sequence[bytes], rows: Sequence[int], *, strict: bool = False,
+                   paced: bool = False) -> int:
         """The sidecar copies ``rows`` (vLLM's) into its store; returns how many it committed.
 
         Keys the sidecar holds already or has no room for are skipped. A failed
         store is counted and returns 0, or with ``strict`` raises ``SidecarUnavailable``.
+        ``paced``: the sidecar spreads the copies over the first half of the deadline.
         """
         return self._row_job("store_rows", "committed", keys, rows, CONTROL_TIMEOUT_SECONDS,
-                             strict=strict)
+                             strict=strict, extra={"paced": True} if paced else None)
 
     def load_rows(self, keys: Sequence[bytes], rows: Sequence[int], timeout: float = 2.0, *,
                   job: str | None = None) -> int:
@@ -439,7 +441,8 @@ class EngineClient:
             return 0
 
     def _row_job(self, op: str, answer: str, keys: Sequence[bytes], rows: Sequence[int],
-                 timeout: float, *, strict: bool, job: str | None = None) -> int:
+                 timeout: float, *, strict: bool, job: str | None = None,
+                 extra: dict[str, Any] | None = None) -> int:
         """One store_rows/load_rows request: the sidecar touches no row after ``timeout``
         (its deadline), and the answer is awaited ``ROW_COPY_GRACE_SECONDS`` longer."""
         if not keys:
@@ -454,6 +457,7 @@ class EngineClient:
                    "rows": [int(r) for r in rows], "deadline": deadline}
             if job is not None:
                 req["job"] = job
+            req.update(extra or {})
             with self._connection() as conn:
                 reply = self._call(conn, att, req, timeout + ROW_COPY_GRACE_SECONDS)
             return int(reply[answer])

@@ -1,12 +1,16 @@
-"""The tier's store and load jobs: its transfer thread, which runs them one at a time.
+"""The tier's store and load jobs: its transfer threads, one per direction.
 
-vLLM submits a job under its manager lock and the call returns at once; the
-transfer thread takes the jobs in order and results come back through a queue
-vLLM's thread drains (``get_finished_jobs``). The sidecar copies stored rows
+vLLM submits a job under its manager lock and the call returns at once; each
+direction's thread takes its jobs in order (as vLLM's own CPU offloading worker
+runs one stream per direction), so a load never waits behind a store, and
+results come back through a queue vLLM's thread drains (``get_finished_jobs``).
+A store sent while no other store waits asks the sidecar to pace its copies
+(``paced``: background work, lighter on the memory bus vLLM's decoding uses);
+with stores queued behind it, it runs flat out. The sidecar copies stored rows
 into its slots and loaded chunks into vLLM's rows itself when it maps vLLM's
 primary region; otherwise this thread copies between rows and the sidecar's
 slots with ``ctypes.memmove``, which releases the GIL (one info line says which).
-The thread's CPU is counted as the tier's (``cpu_seconds``) before a job is
+The threads' CPU is counted as the tier's (``cpu_seconds``) before a job is
 reported finished. ``drain`` (vLLM's ``drain_jobs``) fails the jobs not yet
 started and cancels a running load over the local channel, by the id the
 sidecar knows it by (``<prefix>:<job id>``), then waits for the sidecar's answer.
@@ -55,17 +59,20 @@ class TierTransfers:
         self._copy_path_logged: bool | None = None
         # Submitted and not yet reported finished, touched only under vLLM's manager lock.
         self.jobs: dict[int, Job] = {}
-        self._transfer_q: queue.SimpleQueue = queue.SimpleQueue()
+        # Each direction's jobs, in the order vLLM submitted them.
+        self._queues: dict[str, queue.SimpleQueue] = {"load": queue.SimpleQueue(),
+                                                      "store": queue.SimpleQueue()}
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending_transfers = 0
         self._draining = 0
-        # The job the transfer thread is running (None: none), and this tier's prefix of the
-        # job ids the sidecar knows it by (vLLM's job ids are unique only per engine).
-        self._running: Job | None = None
+        # The job each direction's thread is running, and this tier's prefix of the job ids
+        # the sidecar knows them by (vLLM's job ids are unique only per engine).
+        self._running: dict[str, Job] = {}
         self._job_prefix = secrets.token_hex(6)
-        self.thread = threading.Thread(target=self._transfer_worker, name="kv-offload-transfer",
-                                       daemon=True)
+        self.threads = [threading.Thread(target=self._transfer_worker, args=(kind,),
+                                         name=f"kv-offload-{kind}", daemon=True)
+                        for kind in self._queues]
 
     def submit(self, kind: str, job: TransferJob) -> None:
         """Queue vLLM's ``job`` ("store" or "load") for the transfer thread."""
@@ -77,7 +84,7 @@ class TierTransfers:
         self.jobs[record.job_id] = record
         with self._idle:
             self._pending_transfers += 1
-        self._transfer_q.put(record)
+        self._queues[kind].put(record)
 
     def finished(self) -> list[tuple[Job, int, JobResult]]:
         """(job, leading chunks moved, vLLM's result) of each job finished since, no longer
@@ -108,9 +115,9 @@ class TierTransfers:
         """
         with self._idle:
             self._draining += 1
-            running = self._running
+            running = self._running.get("load")
         try:
-            if running is not None and running.kind == "load":
+            if running is not None:
                 try:
                     self._link.cancel(self._job_id(running))
                 except Exception as exc:  # the load then ends at its deadline
@@ -125,26 +132,29 @@ class TierTransfers:
 
     @property
     def in_flight(self) -> tuple[int, int]:
-        """(jobs submitted and not finished, those of them the transfer thread has taken up)."""
+        """(jobs submitted and not finished, those of them the transfer threads have taken up)."""
         with self._idle:
             pending = self._pending_transfers
-        return pending, max(0, pending - self._transfer_q.qsize())
+        return pending, max(0, pending - sum(q.qsize() for q in self._queues.values()))
 
     def stop(self) -> None:
-        """Have the transfer thread end once the jobs queued before have run (join ``thread``)."""
-        self._transfer_q.put(_STOP)
+        """Have the transfer threads end once the jobs queued before have run (join ``threads``)."""
+        for q in self._queues.values():
+            q.put(_STOP)
 
-    def _transfer_worker(self) -> None:
+    def _transfer_worker(self, kind: str) -> None:
         mark = time.thread_time()
+        jobs = self._queues[kind]
         while True:
-            job = self._transfer_q.get()
+            job = jobs.get()
             if job is _STOP:
                 return
             started = time.monotonic()
             ok, moved = False, 0
             with self._idle:  # drain sees this job running, or this sees it draining
                 cancelled = bool(self._draining)
-                self._running = None if cancelled else job
+                if not cancelled:
+                    self._running[kind] = job
             if cancelled:
                 logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
             else:
@@ -156,7 +166,7 @@ class TierTransfers:
             mark = self._add_cpu(mark)  # counted before the job is reported finished
             self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
             with self._idle:
-                self._running = None
+                self._running.pop(kind, None)
                 self._pending_transfers -= 1
                 self._idle.notify_all()
 
@@ -221,7 +231,8 @@ class TierTransfers:
         if client is None:
             return False, 0
         if self._sidecar_copies(client):
-            return True, client.store_rows(job.keys, job.rows, strict=True)
+            paced = self._queues["store"].empty()  # nothing waits behind it: background pace
+            return True, client.store_rows(job.keys, job.rows, strict=True, paced=paced)
 
         def write(i: int, slot: memoryview) -> None:
             copy_released(slot.cast("B")[:self._chunk_bytes], self._row(job.rows[i]))

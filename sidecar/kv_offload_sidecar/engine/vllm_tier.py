@@ -187,7 +187,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._jobs = self._transfers.jobs  # submitted and not yet reported finished
         self._threads = [
             threading.Thread(target=self._lookup_worker, name="kv-offload-lookup", daemon=True),
-            self._transfers.thread,
+            *self._transfers.threads,
         ]
         for t in self._threads:
             t.start()
@@ -333,8 +333,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
 
     @property
     def transfers_in_flight(self) -> tuple[int, int]:
-        """(store and load jobs submitted and not finished, those of them the transfer thread
-        has taken up, e.g. a load waiting on a stalled sidecar)."""
+        """(store and load jobs submitted and not finished, those of them the transfer threads
+        have taken up, e.g. a load waiting on a stalled sidecar)."""
         return self._transfers.in_flight
 
     @_counts_cpu

@@ -70,7 +70,7 @@ def test_the_sidecar_stores_rows_and_loads_them_into_other_rows_byte_identical(p
         keys = _keys(2)
         data = [region.fill(1), region.fill(3)]
         stores, loads = _copies(pool, "store"), _copies(pool, "load")
-        assert client.store_rows(keys, [1, 3]) == 2
+        assert client.store_rows(keys, [1, 3], paced=True) == 2  # paced: the same bytes
         assert client.load_rows(keys, [5, 6]) == 2
         assert [region.chunk(5), region.chunk(6)] == data
         # Only the named rows' chunk bytes changed: padding and other rows keep their guard.
@@ -212,6 +212,8 @@ def test_the_region_is_unmapped_once_the_connection_that_attached_it_closes(pool
     ({"op": "attach_region", "offset": 0, "row_stride": STRIDE, "num_rows": ROWS,
       "chunk_bytes": SLOT}, "first frame"),
     ({"op": "store_rows", "region": 12345, "keys": [], "rows": [], "deadline": 0}, "unknown region"),
+    ({"op": "store_rows", "region": 12345, "keys": [], "rows": [], "deadline": 0, "paced": "yes"},
+     "'paced' must be true or false, got 'yes'"),
 ])
 def test_region_requests_without_a_region_are_answered_with_the_reason(pool, req, phrase):
     s = _channel(pool)

@@ -284,9 +284,11 @@ def test_shutdown_releases_every_view_of_the_primary_region_so_vllm_can_close_it
     ctx = ReqContext(req_id="views")
     tier.submit_store(TransferJob(job_id=1, keys=[key], chunk_ids=np.array([0]),
                                   is_promotion=False, req_context=ctx))
+    # vLLM loads a key once its store finished (stores and loads run on threads of their own).
+    assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(1, True)]
     tier.submit_load(TransferJob(job_id=2, keys=[key], chunk_ids=np.array([1]),
                                  is_promotion=True, req_context=ctx))
-    assert [(r.job_id, r.success) for r in _finished(tier, 2)] == [(1, True), (2, True)]
+    assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(2, True)]
     tier.shutdown()
     # What vLLM does at its own shutdown: release its view, then close the mmap.
     view.release()
@@ -427,6 +429,47 @@ def test_drain_jobs_cancels_a_load_stalled_on_a_peer_instead_of_waiting_out_its_
         # answered: drain_jobs did not wait for the load's 60 s deadline.
         assert {r.job_id: r.success for r in tier.get_finished_jobs()} == {31: False, 32: False}
         assert tier.transfers_in_flight == (0, 0) and elapsed < 30.0, elapsed
+        tier.on_request_finished(ctx)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_store_finishes_while_a_load_is_stalled_on_a_peer(patient_pool):
+    pool = patient_pool
+    a, b = _engine(pool, 0), _engine(pool, 1, load_timeout_seconds=60.0)
+    tier = b.tier
+    try:
+        tokens = trace_tokens([121, 122], a.layout.tokens_per_chunk)
+        assert a.run_request(tokens).stored_chunks == 2
+        keys = a.hasher.chunk_keys(tokens)
+        _wait_visible(pool, 1, keys)
+        b.run_request(trace_tokens([123], b.layout.tokens_per_chunk))  # b's tier attached, checked
+        new_keys = b.hasher.chunk_keys(trace_tokens([124, 125], b.layout.tokens_per_chunk))
+        ctx = ReqContext(req_id="stalled")
+        tier.on_new_request(ctx)
+        results = {}
+        pool[0].proc.send_signal(signal.SIGSTOP)  # the holder stalls: the fetch hangs
+        try:
+            tier.submit_load(TransferJob(job_id=41, keys=keys, chunk_ids=np.array([2, 3]),
+                                         is_promotion=True, req_context=ctx))
+            wait_for("the load taken up", lambda: tier.transfers_in_flight == (1, 1))
+            tier.submit_store(TransferJob(job_id=42, keys=new_keys, chunk_ids=np.array([4, 5]),
+                                          is_promotion=False, req_context=ctx))
+
+            def store_done() -> bool:
+                results.update({r.job_id: r.success for r in tier.get_finished_jobs()})
+                return 42 in results
+
+            # Loads and stores have a thread each: the store does not wait behind the load.
+            wait_for("the store finished beside the stalled load", store_done)
+            assert results == {42: True} and tier.transfers_in_flight == (1, 1)
+            tier.drain_jobs()
+        finally:
+            pool[0].proc.send_signal(signal.SIGCONT)
+        results.update({r.job_id: r.success for r in tier.get_finished_jobs()})
+        assert results == {41: False, 42: True}
+        assert pool[1].held(new_keys)[0] == 2  # the store landed in b's own sidecar
         tier.on_request_finished(ctx)
     finally:
         a.close()

@@ -77,12 +77,12 @@ def test_a_cancelled_job_copies_nothing_either_way():
         deadline = JobDeadline(time.monotonic() + 600)
         deadline.cancel()
         assert deadline.expired()
-        assert copier.submit(copier.slot_to_row, region, slot, 2, deadline).result() is False
-        assert copier.submit(copier.row_to_slot, region, 1, slot, deadline).result() is None
+        assert copier.load(region, slot, 2, deadline).result() is False
+        assert copier.store(region, 1, slot, deadline).result() is None
         assert engine[:] == before and bytes(slot) == b"\x5a" * CHUNK
         # The same job not cancelled copies.
         live = JobDeadline(time.monotonic() + 600)
-        assert copier.submit(copier.slot_to_row, region, slot, 2, live).result() is True
+        assert copier.load(region, slot, 2, live).result() is True
         assert np.frombuffer(engine, np.uint8)[2 * STRIDE:2 * STRIDE + CHUNK].tobytes() == \
             b"\x5a" * CHUNK
     finally:
@@ -104,10 +104,11 @@ def test_a_stored_rows_checksum_is_its_slots_over_several_cache_pieces():
     region = EngineRegion(fd, offset=0, row_stride=stride, num_rows=2, chunk_bytes=chunk)
     copier = RowCopier()
     try:
-        for slot_bytes in (chunk, chunk + 512):  # a slot as long as the chunk, and longer
+        # A slot as long as the chunk, and longer; copied flat out and paced.
+        for slot_bytes, paced in ((chunk, False), (chunk + 512, False), (chunk, True)):
             slot = memoryview(bytearray(b"\x33" * slot_bytes))
-            checksum = copier.submit(copier.row_to_slot, region, 1, slot,
-                                     JobDeadline(time.monotonic() + 600)).result()
+            checksum = copier.store(region, 1, slot, JobDeadline(time.monotonic() + 600),
+                                    paced).result()
             assert bytes(slot[:chunk]) == engine[stride:stride + chunk]
             assert checksum == chunk_checksum(slot)
     finally:
@@ -115,3 +116,29 @@ def test_a_stored_rows_checksum_is_its_slots_over_several_cache_pieces():
         region.close()
         engine.close()
         os.close(fd)
+
+
+def test_a_load_is_copied_while_a_paced_store_is_still_copying():
+    from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
+
+    chunk = 32 * CACHED_PIECE_BYTES  # a paced store of 32 pieces, pausing after each
+    fd = os.memfd_create("kv-offload-test-region", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 2 * chunk)
+    region = EngineRegion(fd, offset=0, row_stride=chunk, num_rows=2, chunk_bytes=chunk)
+    copier = RowCopier(1)  # one copy thread for loads, one for stores
+    try:
+        deadline = JobDeadline(time.monotonic() + 600)
+        stored = copier.store(region, 0, memoryview(bytearray(chunk)), deadline, True)
+        loaded = copier.load(region, memoryview(bytearray(b"\x77" * chunk)), 1, deadline)
+        assert loaded.result() is True
+        assert not stored.done()  # the load did not wait behind the store's copies
+        assert stored.result() is not None
+    finally:
+        copier.close()
+        region.close()
+        os.close(fd)
+
+
+def test_a_job_is_in_the_first_half_of_its_window_until_half_its_time_went():
+    assert JobDeadline(time.monotonic() + 600).in_first_half()
+    assert not JobDeadline(time.monotonic() - 1).in_first_half()  # deadline already past
