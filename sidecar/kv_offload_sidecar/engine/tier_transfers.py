@@ -109,7 +109,8 @@ class TierTransfers:
         progress is cancelled: the sidecar stops it (no fetch awaited further, no copy
         piece started) and answers with the chunks whole by then, and only that answer
         ends the job, so nothing of vLLM's memory is written once this returns. A store
-        in progress runs to its end (copies out of vLLM's rows, no network wait). A
+        in progress runs to its end (copies out of vLLM's rows, no network wait; a paced
+        one within half its deadline, then flat out). A
         sidecar that does not answer is waited for until the job's deadline
         (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store).
         """
