@@ -400,19 +400,26 @@ def patient_pool():
         yield p
 
 
+def _held_by_a_patient_peer(pool, a, b, seed):
+    """Engine a stores two chunks (seeds ``seed``, ``seed + 1``) that sidecar 1 then finds at
+    sidecar 0, and b's tier is attached; their keys and a request context open in b's tier."""
+    tokens = trace_tokens([seed, seed + 1], a.layout.tokens_per_chunk)
+    assert a.run_request(tokens).stored_chunks == 2
+    keys = a.hasher.chunk_keys(tokens)
+    _wait_visible(pool, 1, keys)
+    b.run_request(trace_tokens([seed + 2], b.layout.tokens_per_chunk))  # b's tier attached, checked
+    ctx = ReqContext(req_id="stalled")
+    b.tier.on_new_request(ctx)
+    return keys, ctx
+
+
 def test_drain_jobs_cancels_a_load_stalled_on_a_peer_instead_of_waiting_out_its_deadline(
         patient_pool):
     pool = patient_pool
     a, b = _engine(pool, 0), _engine(pool, 1, load_timeout_seconds=60.0)
     tier = b.tier
     try:
-        tokens = trace_tokens([111, 112], a.layout.tokens_per_chunk)
-        assert a.run_request(tokens).stored_chunks == 2
-        keys = a.hasher.chunk_keys(tokens)
-        _wait_visible(pool, 1, keys)
-        b.run_request(trace_tokens([113], b.layout.tokens_per_chunk))  # b's tier attached, checked
-        ctx = ReqContext(req_id="stalled")
-        tier.on_new_request(ctx)
+        keys, ctx = _held_by_a_patient_peer(pool, a, b, 111)
         pool[0].proc.send_signal(signal.SIGSTOP)  # the holder stalls: the fetch hangs
         try:
             tier.submit_load(TransferJob(job_id=31, keys=keys, chunk_ids=np.array([2, 3]),
@@ -440,14 +447,8 @@ def test_a_store_finishes_while_a_load_is_stalled_on_a_peer(patient_pool):
     a, b = _engine(pool, 0), _engine(pool, 1, load_timeout_seconds=60.0)
     tier = b.tier
     try:
-        tokens = trace_tokens([121, 122], a.layout.tokens_per_chunk)
-        assert a.run_request(tokens).stored_chunks == 2
-        keys = a.hasher.chunk_keys(tokens)
-        _wait_visible(pool, 1, keys)
-        b.run_request(trace_tokens([123], b.layout.tokens_per_chunk))  # b's tier attached, checked
+        keys, ctx = _held_by_a_patient_peer(pool, a, b, 121)
         new_keys = b.hasher.chunk_keys(trace_tokens([124, 125], b.layout.tokens_per_chunk))
-        ctx = ReqContext(req_id="stalled")
-        tier.on_new_request(ctx)
         results = {}
         pool[0].proc.send_signal(signal.SIGSTOP)  # the holder stalls: the fetch hangs
         try:
