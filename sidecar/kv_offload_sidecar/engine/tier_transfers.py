@@ -66,9 +66,10 @@ class TierTransfers:
         self._idle = threading.Condition()
         self._pending_transfers = 0
         self._draining = 0
-        # The job each direction's thread is running, and this tier's prefix of the job ids
-        # the sidecar knows them by (vLLM's job ids are unique only per engine).
-        self._running: dict[str, Job] = {}
+        # The load the load thread is running (what drain cancels; None: none), and this
+        # tier's prefix of the job ids the sidecar knows them by (vLLM's job ids are unique
+        # only per engine).
+        self._running_load: Job | None = None
         self._job_prefix = secrets.token_hex(6)
         self.threads = [threading.Thread(target=self._transfer_worker, args=(kind,),
                                          name=f"kv-offload-{kind}", daemon=True)
@@ -116,7 +117,7 @@ class TierTransfers:
         """
         with self._idle:
             self._draining += 1
-            running = self._running.get("load")
+            running = self._running_load
         try:
             if running is not None:
                 try:
@@ -154,8 +155,8 @@ class TierTransfers:
             ok, moved = False, 0
             with self._idle:  # drain sees this job running, or this sees it draining
                 cancelled = bool(self._draining)
-                if not cancelled:
-                    self._running[kind] = job
+                if not cancelled and kind == "load":
+                    self._running_load = job
             if cancelled:
                 logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
             else:
@@ -167,7 +168,8 @@ class TierTransfers:
             mark = self._add_cpu(mark)  # counted before the job is reported finished
             self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
             with self._idle:
-                self._running.pop(kind, None)
+                if kind == "load":
+                    self._running_load = None
                 self._pending_transfers -= 1
                 self._idle.notify_all()
 
