@@ -435,6 +435,7 @@ class Sidecar:
             "peers": states,
             "inbound_sessions": len(self._inbound),
             "engine_requests_in_flight": self._inflight,
+            "peer_fetches_in_flight": self.reads.fetches_in_flight,
             "store": None if store is None else {
                 "path": store.path, "num_slots": store.num_slots, "slot_bytes": store.slot_bytes,
                 "slot_stride": store.slot_stride, "capacity_bytes": store.capacity_bytes,

@@ -285,6 +285,33 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
             cl.close()
 
 
+def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
+    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=1.0) as pool:
+        a, b = pool.client(0), pool.client(1)
+        landed, stalled = new_keys(4), new_keys(4)
+        write_chunks(a, landed + stalled)
+        pool.wait_directory_current()
+        assert b.lookup(landed) == LookupReply(0, 4)  # the count; the chunks follow
+        wait_for("B's fetch to land", lambda: pool[1].status()["store"]["chunks"] == 4)
+        wait_for("B's fetch to end", lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
+        holder = pool[0].proc
+        os.kill(holder.pid, signal.SIGSTOP)  # the holder never answers the next one
+        try:
+            result: list[LookupReply] = []
+            t = threading.Thread(target=lambda: result.append(b.lookup(stalled, timeout=5.0)))
+            t.start()
+            wait_for("B's lookup to fetch from the stopped holder",
+                     lambda: pool[1].status()["peer_fetches_in_flight"] == 1)
+            t.join(SAFETY_SECONDS)
+            assert result == [LookupReply(0, 0)]  # past the fetch deadline: a miss
+            wait_for("the stalled fetch to end at its deadline",
+                     lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        a.close()
+        b.close()
+
+
 def test_peer_joining_at_runtime_is_dialled_back_and_a_leaving_peer_is_a_miss():
     with LocalPool(2, capacity_bytes=256 * CHUNK) as pool:
         newcomer = pool.add()  # only it knows the others; they learn of it from its handshake

@@ -454,6 +454,12 @@ def test_e_reset_cache_while_promotion_stalled(env: Env):
     promotions_before = len(env.b.stats()["jobs"][0]["promotions"])
     lookup_until_hit_pending(env, keys, req)
     sc = env.pool[1]  # B's own sidecar
+    # The lookup's fetch landed and ended before the freeze, so the freeze stalls the
+    # promotion's load alone: a fetch frozen mid-way would end past its deadline when the
+    # sidecar resumes, and B's sidecar would back the holder off (a MISS until it reconnects).
+    wait_for("B's sidecar to hold the chunks its lookup fetched, with no fetch in flight",
+             lambda: sc.held([bytes.fromhex(k) for k in keys])[0] == N_KEYS
+             and sc.status()["peer_fetches_in_flight"] == 0)
     os.kill(sc.proc.pid, signal.SIGSTOP)
     try:
         step = env.b.end_step()  # submits the promotion: its load now waits on a frozen sidecar

@@ -95,6 +95,12 @@ class PeerReads:
         self._fetched: OrderedDict[bytes, float] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    @property
+    def fetches_in_flight(self) -> int:
+        """Fetches lookups started whose exchanges have not all ended (landed, failed or past
+        their deadline)."""
+        return len(self._inflight)
+
     # ---- engine operations ---------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[bytes], local: int, timeout: float, *, fetch: bool) -> int:
