@@ -13,9 +13,10 @@ Ops:
   does the copies of ``store_rows`` / ``load_rows`` itself (vLLM's process
   moves no KV bytes). The region lives until that connection closes (after
   the jobs using it end). A descriptor on any other frame is closed unused.
-- ``store_rows {region, keys, rows, deadline, paced?}`` -> ``{committed}``: reserves
-  slots, copies each reserved key's row into its slot, checksums and commits
-  those copied by ``deadline``. ``"paced": true`` (the engine has no other
+- ``store_rows {region, keys, rows, deadline, paced?}`` -> ``{committed, cut}``: reserves
+  slots (keys held already or without room are skipped), copies each reserved key's
+  row into its slot, checksums and commits those copied by ``deadline``; ``cut``
+  reserved keys did not land (the deadline or a cancel came first). ``"paced": true`` (the engine has no other
   store waiting) spreads the copies (``engine_region.STORE_COPY_SHARE``) over the
   first half of the time to the deadline, so a store costs the engine's decoding
   less memory bandwidth; loads never wait behind a store's copies.
@@ -244,7 +245,7 @@ class _Connection:
             metrics.labels(op="store", phase="copy").observe(time.perf_counter() - started)
             committed = sum(bool(r.commit(computed_checksum=c)) for (_, r), c in zip(todo, sums)
                             if c is not None)
-            return {"ok": True, "committed": committed}
+            return {"ok": True, "committed": committed, "cut": len(todo) - committed}
         finally:
             if copies:  # no slot goes back while its copy may still run
                 await asyncio.gather(*copies, return_exceptions=True)

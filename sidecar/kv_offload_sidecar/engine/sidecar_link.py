@@ -134,12 +134,12 @@ class SidecarLink:
                     return None
             return None
 
-    def cancel(self, job: str) -> None:
-        """Ask the sidecar to stop job ``job`` now (through the client attached, without
+    def cancel(self, jobs: list[str]) -> None:
+        """Ask the sidecar to stop ``jobs`` now (through the client attached, without
         connecting or checking: a job runs only on a client that was)."""
         client = self._client  # read without the lock: connected() may hold it while connecting
         if client is not None:
-            client.cancel([job])
+            client.cancel(jobs)
 
     def matches(self, client: Any) -> bool:
         """Whether ``client`` is still attached to a sidecar instance that matches this engine.

@@ -12,8 +12,10 @@ primary region; otherwise this thread copies between rows and the sidecar's
 slots with ``ctypes.memmove``, which releases the GIL (one info line says which).
 The threads' CPU is counted as the tier's (``cpu_seconds``) before a job is
 reported finished. ``drain`` (vLLM's ``drain_jobs``) fails the jobs not yet
-started and cancels a running load over the local channel, by the id the
-sidecar knows it by (``<prefix>:<job id>``), then waits for the sidecar's answer.
+started and cancels the running load and store over the local channel, by the ids
+the sidecar knows them by (``<prefix>:<job id>``), then waits for the sidecar's answers.
+A store is reported successful only when every chunk the sidecar reserved for it
+landed; keys it held already or had no room for are skipped, not failed.
 Imports: the standard library and this package's tier modules.
 """
 
@@ -26,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kv_offload_sidecar.engine.client import StoreCut
 from kv_offload_sidecar.engine.region_file import copy_released
 from kv_offload_sidecar.engine.sidecar_link import SidecarLink
 from kv_offload_sidecar.engine.tier_records import Job
@@ -66,10 +69,10 @@ class TierTransfers:
         self._idle = threading.Condition()
         self._pending_transfers = 0
         self._draining = 0
-        # The load the load thread is running (what drain cancels; None: none), and this
-        # tier's prefix of the job ids the sidecar knows them by (vLLM's job ids are unique
-        # only per engine).
-        self._running_load: Job | None = None
+        # The job each direction's thread is running (what drain cancels; None: none), and
+        # this tier's prefix of the job ids the sidecar knows them by (vLLM's job ids are
+        # unique only per engine).
+        self._running: dict[str, Job | None] = dict.fromkeys(self._queues)
         self._job_prefix = secrets.token_hex(6)
         self.threads = [threading.Thread(target=self._transfer_worker, args=(kind,),
                                          name=f"kv-offload-{kind}", daemon=True)
@@ -106,25 +109,25 @@ class TierTransfers:
     def drain(self) -> None:
         """Block until every submitted transfer has finished or failed.
 
-        Jobs not yet started fail at once (reported by get_finished_jobs). A load in
-        progress is cancelled: the sidecar stops it (no fetch awaited further, no copy
-        piece started) and answers with the chunks whole by then, and only that answer
-        ends the job, so nothing of vLLM's memory is written once this returns. A store
-        in progress runs to its end (copies out of vLLM's rows, no network wait; a paced
-        one within half its deadline, then flat out). A
+        Jobs not yet started fail at once (reported by get_finished_jobs). The load and
+        the store in progress are cancelled: the sidecar stops them (no fetch awaited
+        further, no copy piece started) and answers with the chunks whole by then, and
+        only that answer ends a job, so nothing of vLLM's memory is read or written once
+        this returns. A cancelled load reports the chunks it loaded; a cancelled store
+        whose chunks did not all land fails (what landed stays in the sidecar). A
         sidecar that does not answer is waited for until the job's deadline
         (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store).
         """
         with self._idle:
             self._draining += 1
-            running = self._running_load
+            running = [job for job in self._running.values() if job is not None]
         try:
-            if running is not None:
+            if running:
                 try:
-                    self._link.cancel(self._job_id(running))
-                except Exception as exc:  # the load then ends at its deadline
-                    logger.info("kv-offload: cancelling load job %d failed: %s",
-                                running.job_id, exc)
+                    self._link.cancel([self.sidecar_job_id(job.job_id) for job in running])
+                except Exception as exc:  # the jobs then end at their deadlines
+                    logger.info("kv-offload: cancelling jobs %s failed: %s",
+                                [job.job_id for job in running], exc)
             with self._idle:
                 while self._pending_transfers:
                     self._idle.wait(1.0)
@@ -155,8 +158,8 @@ class TierTransfers:
             ok, moved = False, 0
             with self._idle:  # drain sees this job running, or this sees it draining
                 cancelled = bool(self._draining)
-                if not cancelled and kind == "load":
-                    self._running_load = job
+                if not cancelled:
+                    self._running[kind] = job
             if cancelled:
                 logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
             else:
@@ -168,14 +171,13 @@ class TierTransfers:
             mark = self._add_cpu(mark)  # counted before the job is reported finished
             self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
             with self._idle:
-                if kind == "load":
-                    self._running_load = None
+                self._running[kind] = None
                 self._pending_transfers -= 1
                 self._idle.notify_all()
 
-    def _job_id(self, job: Job) -> str:
-        """The id the sidecar knows ``job`` by (what drain cancels)."""
-        return f"{self._job_prefix}:{job.job_id}"
+    def sidecar_job_id(self, job_id: int) -> str:
+        """The id the sidecar knows vLLM's job ``job_id`` by (what drain cancels)."""
+        return f"{self._job_prefix}:{job_id}"
 
     def _account(self, job: Job, moved: int, ok: bool) -> None:
         with self._stats_lock:
@@ -216,13 +218,13 @@ class TierTransfers:
             return False, 0
         if self._sidecar_copies(client):
             loaded = client.load_rows(job.keys, job.rows, timeout=self._load_timeout,
-                                      job=self._job_id(job))
+                                      job=self.sidecar_job_id(job.job_id))
         else:
             def read(i: int, slot: memoryview) -> None:
                 copy_released(self._row(job.rows[i]), slot.cast("B")[:self._chunk_bytes])
 
             loaded = client.load(job.keys, read, timeout=self._load_timeout,
-                                 job=self._job_id(job))
+                                 job=self.sidecar_job_id(job.job_id))
         if not self._link.matches(client):
             loaded = 0  # read from a sidecar that turned out not to match: none of it counts
         return loaded == len(job.keys), loaded
@@ -235,7 +237,12 @@ class TierTransfers:
             return False, 0
         if self._sidecar_copies(client):
             paced = self._queues["store"].empty()  # nothing waits behind it: background pace
-            return True, client.store_rows(job.keys, job.rows, strict=True, paced=paced)
+            try:
+                return True, client.store_rows(job.keys, job.rows, strict=True, paced=paced,
+                                               job=self.sidecar_job_id(job.job_id))
+            except StoreCut as cut:  # past its deadline, or cancelled by drain
+                logger.debug("kv-offload store job %d: %s", job.job_id, cut)
+                return False, cut.committed
 
         def write(i: int, slot: memoryview) -> None:
             copy_released(slot.cast("B")[:self._chunk_bytes], self._row(job.rows[i]))

@@ -327,8 +327,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
 
     @_counts_cpu
     def drain_jobs(self) -> None:
-        """Block until every submitted transfer has finished or failed; a load in progress
-        is cancelled and its answer awaited (``TierTransfers.drain``)."""
+        """Block until every submitted transfer has finished or failed; the load and the
+        store in progress are cancelled and their answers awaited (``TierTransfers.drain``)."""
         self._transfers.drain()
 
     @property

@@ -231,7 +231,8 @@ class RowCopier:
     def row_to_slot(region: EngineRegion, row: int, slot: memoryview, deadline: JobDeadline,
                     paced: bool = False) -> int | None:
         """Copy one row into its slot; the slot's checksum, or None when ``deadline`` expired
-        before the copy started or ended (the caller aborts that chunk).
+        (or the job was cancelled) before the copy ended: no piece of the row is read after
+        that, and the caller aborts the chunk.
 
         Copied and hashed ``CACHED_PIECE_BYTES`` at a time, each piece hashed from the row
         right after its copy read it into the cache (the copy's stores bypass the cache):
@@ -239,13 +240,13 @@ class RowCopier:
         between the two, the checksum is not the slot's, and every later read of the chunk
         fails its verification. ``paced``: after each piece, pause so that copying takes
         ``STORE_COPY_SHARE`` of the time, while the job is in the first half of its window."""
-        if deadline.expired():
-            return None
         n = region.chunk_bytes
         src, dst = region.row(row), _as_array(slot)
         hasher = chunk_hasher()
         pause = 1 / STORE_COPY_SHARE - 1
         for start in range(0, n, CACHED_PIECE_BYTES):
+            if deadline.expired():
+                return None
             end = min(n, start + CACHED_PIECE_BYTES)
             began = time.perf_counter()
             np.copyto(dst[start:end], src[start:end])

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from kv_offload_sidecar.engine.client import EngineClient, RowRegion
+from kv_offload_sidecar.engine.client import EngineClient, RowRegion, StoreCut
 from kv_offload_sidecar.engine.region_file import find_region_file
 from kv_offload_tools.local_pool import LocalPool
 from waiting import wait_for
@@ -144,7 +144,7 @@ def test_nothing_is_read_or_written_past_a_jobs_deadline(pool):
         late = time.monotonic() - 1.0
         reply = _call(s, {"op": "store_rows", "region": rid, "keys": [keys[0].hex()], "rows": [2],
                           "deadline": late})
-        assert reply == {"ok": True, "committed": 0}
+        assert reply == {"ok": True, "committed": 0, "cut": 1}  # reserved, never landed
         assert pool[0].hits(keys) == 0
         reply = _call(s, {"op": "store_rows", "region": rid, "keys": [keys[0].hex()], "rows": [2],
                           "deadline": time.monotonic() + 5})
@@ -157,6 +157,25 @@ def test_nothing_is_read_or_written_past_a_jobs_deadline(pool):
     finally:
         s.close()
         keeper.close()
+
+
+def test_a_cancelled_store_lands_nothing_and_a_strict_one_is_not_reported_stored(pool):
+    region = Region("cut")
+    client = _client(pool, region)
+    try:
+        keys = _keys(2)
+        region.fill(0), region.fill(1)
+        assert client.cancel(["tier-a:s1"]) == 0  # before its request: remembered
+        with pytest.raises(StoreCut) as cut:
+            client.store_rows(keys, [0, 1], strict=True, job="tier-a:s1")
+        assert cut.value.committed == 0
+        assert pool[0].hits(keys) == 0
+        # Not cancelled, it lands; stored again, the held keys are skipped, which is no cut.
+        assert client.store_rows(keys, [0, 1], strict=True, job="tier-a:s2") == 2
+        assert client.store_rows(keys, [0, 1], strict=True) == 0
+        assert pool[0].hits(keys) == 2
+    finally:
+        client.close()
 
 
 def test_a_load_cancelled_before_its_request_came_answers_at_once_and_writes_no_row(pool):

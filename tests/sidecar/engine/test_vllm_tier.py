@@ -270,6 +270,31 @@ def test_drain_jobs_returns_only_when_every_job_has_finished_or_failed(pool):
         engine.close()
 
 
+def test_a_store_the_sidecar_cut_short_is_reported_failed_and_not_stored(pool):
+    engine = _engine(pool, 1)
+    tier = engine.tier
+    tokens_per_chunk = engine.layout.tokens_per_chunk
+    try:
+        assert engine.run_request(trace_tokens([131], tokens_per_chunk)).stored_chunks == 1
+        keys = engine.hasher.chunk_keys(trace_tokens([132, 133], tokens_per_chunk))
+        ctx = ReqContext(req_id="cut")
+        failed = tier.stats.failed_stores
+        # What drain_jobs sends for a running store, here before the store comes.
+        with pool.client(1) as other:
+            assert other.cancel([tier._transfers.sidecar_job_id(61)]) == 0
+        tier.submit_store(TransferJob(job_id=61, keys=keys, chunk_ids=np.array([4, 5]),
+                                      is_promotion=False, req_context=ctx))
+        assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(61, False)]
+        assert tier.stats.failed_stores == failed + 1
+        assert pool[1].held(keys)[0] == 0
+        tier.submit_store(TransferJob(job_id=62, keys=keys, chunk_ids=np.array([4, 5]),
+                                      is_promotion=False, req_context=ctx))
+        assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(62, True)]
+        assert pool[1].held(keys)[0] == 2
+    finally:
+        engine.close()
+
+
 def test_shutdown_releases_every_view_of_the_primary_region_so_vllm_can_close_it(pool, tmp_path,
                                                                                  monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "0")

@@ -7,6 +7,7 @@ import os
 import time
 
 import numpy as np
+from waiting import wait_for
 from kv_offload_sidecar.store.engine_region import (
     PREFAULT_PIECE_BYTES,
     EngineRegion,
@@ -136,6 +137,31 @@ def test_a_load_is_copied_while_a_paced_store_is_still_copying():
     finally:
         copier.close()
         region.close()
+        os.close(fd)
+
+
+def test_a_store_cancelled_mid_copy_reads_no_further_piece_of_its_row():
+    from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
+
+    chunk = 64 * CACHED_PIECE_BYTES  # a paced store of 64 pieces, pausing after each
+    fd = os.memfd_create("kv-offload-test-region", os.MFD_CLOEXEC)
+    os.ftruncate(fd, chunk)
+    engine = mmap.mmap(fd, chunk)
+    engine[:] = b"\x11" * chunk
+    region = EngineRegion(fd, offset=0, row_stride=chunk, num_rows=1, chunk_bytes=chunk)
+    copier = RowCopier(1)
+    try:
+        slot = memoryview(bytearray(chunk))
+        deadline = JobDeadline(time.monotonic() + 600)
+        stored = copier.store(region, 0, slot, deadline, True)
+        wait_for("the store's first piece copied", lambda: slot[0] == 0x11, interval=0.001)
+        deadline.cancel()  # what drain_jobs' cancel does
+        assert stored.result() is None  # not committed
+        assert bytes(slot[-CACHED_PIECE_BYTES:]) == bytes(CACHED_PIECE_BYTES)  # never copied
+    finally:
+        copier.close()
+        region.close()
+        engine.close()
         os.close(fd)
 
 
