@@ -16,10 +16,11 @@ Ops:
 - ``store_rows {region, keys, rows, deadline, paced?}`` -> ``{committed, cut}``: reserves
   slots (keys held already or without room are skipped), copies each reserved key's
   row into its slot, checksums and commits those copied by ``deadline``; ``cut``
-  reserved keys did not land (the deadline or a cancel came first). ``"paced": true`` (the engine has no other
-  store waiting) spreads the copies (``engine_region.STORE_COPY_SHARE``) over the
-  first half of the time to the deadline, so a store costs the engine's decoding
-  less memory bandwidth; loads never wait behind a store's copies.
+  reserved keys did not land (the deadline or a cancel came first). ``"paced": true``
+  (the engine has no other store waiting) spreads the copies
+  (``engine_region.STORE_COPY_SHARE``) over the first half of the time to the
+  deadline, so a store costs the engine's decoding less memory bandwidth; loads
+  never wait behind a store's copies.
 - ``load_rows {region, keys, rows, deadline}`` -> ``{loaded}``: makes the hit
   prefix local (fetching from peers until ``deadline``), copies the pinned
   chunks into their rows (no piece started after ``deadline``) and releases the

@@ -26,10 +26,9 @@ connection kept open for the attachment's life) and then
 instead of copying: the sidecar copies, and vLLM's process moves no KV bytes.
 ``region_attached`` says whether that worked (``region_reason`` why not).
 ``load``/``load_rows``/``store_rows`` may name a ``job`` (an id the caller chooses);
-``cancel(jobs)`` makes the sidecar stop those at once (no fetch awaited further, no copy
-piece started): the cancelled call then returns what was whole by then, and its return
-means the sidecar touches none of its rows any more. A cancelled (or late) strict
-``store_rows`` raises ``StoreCut``: none of it is reported stored unless all of it landed.
+``cancel(jobs)`` makes the sidecar stop those at once (no fetch awaited, no copy piece
+started): the call then returns what was whole by then, and its return means the sidecar
+touches none of its rows any more (a strict store cut short raises ``StoreCut``).
 
 A restarted sidecar (new instance, new store file) is noticed at the first failed call; the
 client re-attaches (and hands the region over again) at its first call at least
@@ -81,12 +80,11 @@ class SidecarUnavailable(ConnectionError):
 
 
 class StoreCut(Exception):
-    """A strict ``store_rows`` whose reserved chunks did not all land (its deadline or a
-    cancel came first); ``committed`` of them did."""
+    """A strict ``store_rows`` whose reserved chunks did not all land (deadline or cancel)."""
 
     def __init__(self, message: str, committed: int) -> None:
         super().__init__(message)
-        self.committed = committed
+        self.committed = committed  # the chunks of it that did land
 
 
 class _Dropped(Exception):
@@ -419,31 +417,29 @@ class EngineClient:
                    paced: bool = False, job: str | None = None) -> int:
         """The sidecar copies ``rows`` (vLLM's) into its store; returns how many it committed.
 
-        Keys the sidecar holds already or has no room for are skipped. A failed
-        store is counted and returns 0, or with ``strict`` raises ``SidecarUnavailable``;
-        with ``strict``, one whose reserved chunks did not all land by its deadline (or
-        before a ``cancel`` of ``job``) raises ``StoreCut``. ``paced``: the sidecar spreads
-        the copies over the first half of the deadline.
+        Keys the sidecar holds already or has no room for are skipped. A failed store is
+        counted and returns 0, or with ``strict`` raises ``SidecarUnavailable`` (``StoreCut``
+        when reserved chunks did not land by its deadline or a ``cancel`` of ``job``).
+        ``paced``: the sidecar spreads the copies over the first half of the deadline.
         """
-        reply = self._row_job("store_rows", "committed", keys, rows, CONTROL_TIMEOUT_SECONDS, strict=strict,
-                              job=job, extra={"paced": True} if paced else None)
-        committed, cut = int(reply.get("committed", 0)), int(reply.get("cut", 0))
-        if strict and cut > 0:
-            raise StoreCut(f"{cut} of the {len(keys)} chunks stored did not land by the job's "
-                           f"deadline or its cancel", committed)
-        return committed
+        reply = self._row_job("store_rows", "committed", keys, rows, CONTROL_TIMEOUT_SECONDS,
+                              strict=strict, job=job, extra={"paced": True} if paced else None)
+        if strict and reply.get("cut", 0) > 0:
+            raise StoreCut(f"{reply['cut']} of {len(keys)} chunks did not land by the job's "
+                           f"deadline or its cancel", reply["committed"])
+        return reply.get("committed", 0)
 
     def load_rows(self, keys: Sequence[bytes], rows: Sequence[int], timeout: float = 2.0, *,
                   job: str | None = None) -> int:
         """The sidecar makes the leading held ``keys`` local and copies them into ``rows``;
         returns how many leading rows now hold their chunk. Late or failed: 0. ``job``: an
         id ``cancel`` can name."""
-        return int(self._row_job("load_rows", "loaded", keys, rows, timeout, strict=False,
-                                 job=job).get("loaded", 0))
+        return self._row_job("load_rows", "loaded", keys, rows, timeout, strict=False,
+                             job=job).get("loaded", 0)
 
     def cancel(self, jobs: Sequence[str]) -> int:
-        """Make the sidecar stop the ``load``/``load_rows``/``store_rows`` calls named ``jobs`` now (also
-        one whose request it has not read yet); how many were running (0 on failure or no
+        """Make the sidecar stop the calls named ``jobs`` (``load``, ``load_rows``, ``store_rows``)
+        now, also one whose request it has not read yet; how many were running (0 on failure or no
         answer within ``REPLY_GRACE_SECONDS``: a sidecar that does not answer at once is
         stalled, and the calls end at their deadlines)."""
         if not jobs:
@@ -462,9 +458,8 @@ class EngineClient:
                  timeout: float, *, strict: bool, job: str | None = None,
                  extra: dict[str, Any] | None = None) -> dict[str, int]:
         """One store_rows/load_rows request: the sidecar touches no row after ``timeout``
-        (its deadline), and the answer is awaited ``ROW_COPY_GRACE_SECONDS`` longer.
-        Returns the answer's counts, ``answer`` among them ({} when it failed and not
-        ``strict``)."""
+        (its deadline), and the answer is awaited ``ROW_COPY_GRACE_SECONDS`` longer: its
+        counts, ``answer`` among them ({} when it failed and not ``strict``)."""
         if not keys:
             return {}
         what = op.removesuffix("_rows")
@@ -480,10 +475,7 @@ class EngineClient:
             req.update(extra or {})
             with self._connection() as conn:
                 reply = self._call(conn, att, req, timeout + ROW_COPY_GRACE_SECONDS)
-            counts = {answer: int(reply[answer])}
-            if "cut" in reply:
-                counts["cut"] = int(reply["cut"])
-            return counts
+            return {k: int(reply[k]) for k in (answer, "cut") if k == answer or k in reply}
         except (*_FAILURES, SidecarUnavailable) as exc:
             self._miss(what, exc)
             if strict:
