@@ -286,7 +286,8 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
 
 
 def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
-    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=1.0) as pool:
+    # The stalled fetch shows for its whole deadline: seconds, against 50 ms between probes.
+    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as pool:
         a, b = pool.client(0), pool.client(1)
         # Keys whose location B keeps itself: locating them does not ask the stopped holder.
         landed, stalled = new_keys(4), [k for k in new_keys(64)

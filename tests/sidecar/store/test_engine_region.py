@@ -19,12 +19,12 @@ CHUNK = 16384
 STRIDE = CHUNK + mmap.PAGESIZE
 
 
-def _region_file(rows: int) -> tuple[int, mmap.mmap]:
+def _region_file(rows: int, stride: int = STRIDE) -> tuple[int, mmap.mmap]:
     """A memfd of ``rows`` rows of random bytes (the engine's side of the region)."""
     fd = os.memfd_create("kv-offload-test-region", os.MFD_CLOEXEC)
-    os.ftruncate(fd, rows * STRIDE)
-    engine = mmap.mmap(fd, rows * STRIDE)
-    engine[:] = os.urandom(rows * STRIDE)
+    os.ftruncate(fd, rows * stride)
+    engine = mmap.mmap(fd, rows * stride)
+    engine[:] = os.urandom(rows * stride)
     return fd, engine
 
 
@@ -98,10 +98,7 @@ def test_a_stored_rows_checksum_is_its_slots_over_several_cache_pieces():
 
     chunk = 2 * CACHED_PIECE_BYTES + 4096  # pieces, and a last one shorter than a piece
     stride = chunk + mmap.PAGESIZE
-    fd = os.memfd_create("kv-offload-test-region", os.MFD_CLOEXEC)
-    os.ftruncate(fd, 2 * stride)
-    engine = mmap.mmap(fd, 2 * stride)
-    engine[:] = os.urandom(2 * stride)
+    fd, engine = _region_file(2, stride)
     region = EngineRegion(fd, offset=0, row_stride=stride, num_rows=2, chunk_bytes=chunk)
     copier = RowCopier()
     try:
@@ -123,8 +120,7 @@ def test_a_load_is_copied_while_a_paced_store_is_still_copying():
     from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
     chunk = 32 * CACHED_PIECE_BYTES  # a paced store of 32 pieces, pausing after each
-    fd = os.memfd_create("kv-offload-test-region", os.MFD_CLOEXEC)
-    os.ftruncate(fd, 2 * chunk)
+    fd, engine = _region_file(2, chunk)
     region = EngineRegion(fd, offset=0, row_stride=chunk, num_rows=2, chunk_bytes=chunk)
     copier = RowCopier(1)  # one copy thread for loads, one for stores
     try:
@@ -137,6 +133,7 @@ def test_a_load_is_copied_while_a_paced_store_is_still_copying():
     finally:
         copier.close()
         region.close()
+        engine.close()
         os.close(fd)
 
 
@@ -144,10 +141,8 @@ def test_a_store_cancelled_mid_copy_reads_no_further_piece_of_its_row():
     from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
     chunk = 64 * CACHED_PIECE_BYTES  # a paced store of 64 pieces, pausing after each
-    fd = os.memfd_create("kv-offload-test-region", os.MFD_CLOEXEC)
-    os.ftruncate(fd, chunk)
-    engine = mmap.mmap(fd, chunk)
-    engine[:] = b"\x11" * chunk
+    fd, engine = _region_file(1, chunk)
+    engine[:] = b"\x11" * chunk  # a byte the empty slot does not hold
     region = EngineRegion(fd, offset=0, row_stride=chunk, num_rows=1, chunk_bytes=chunk)
     copier = RowCopier(1)
     try:
