@@ -30,6 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kv_offload_sidecar.loop_stalls import LoopStalls
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.peers.discovery import Discovery, format_peer
@@ -108,7 +109,8 @@ class Sidecar:
                                deadline_seconds=settings.fetch_deadline_seconds,
                                cost=FetchOrRecompute(PrefillModel(
                                    settings.prefill_tokens_per_second, cfg.tokens_per_chunk,
-                                   settings.kv_bytes_per_chunk)))
+                                   settings.kv_bytes_per_chunk)),
+                               stalls=LoopStalls())
         # Learns the engine's prefill rate from its /metrics (--engine-metrics-url), if given.
         self.prefill_learner: PrefillRateLearner | None = None
         self.name = store_name(settings.identity)
@@ -221,7 +223,8 @@ class Sidecar:
         self._tasks = [asyncio.create_task(self.discovery.run(), name="discovery"),
                        asyncio.create_task(self.peers.run(), name="peers"),
                        asyncio.create_task(self.location.run(), name="location"),
-                       asyncio.create_task(self._reload_keys(), name="pool keys")]
+                       asyncio.create_task(self._reload_keys(), name="pool keys"),
+                       asyncio.create_task(self.reads.stalls.run(), name="loop stalls")]
         if self.settings.engine_metrics_url:
             self.prefill_learner = PrefillRateLearner(
                 self.settings.engine_metrics_url, self.settings.engine_metrics_interval_seconds,
@@ -436,6 +439,7 @@ class Sidecar:
             "inbound_sessions": len(self._inbound),
             "engine_requests_in_flight": self._inflight,
             "peer_fetches_in_flight": self.reads.fetches_in_flight,
+            "loop_stalls": self.reads.stalls.view(),
             "store": None if store is None else {
                 "path": store.path, "num_slots": store.num_slots, "slot_bytes": store.slot_bytes,
                 "slot_stride": store.slot_stride, "capacity_bytes": store.capacity_bytes,

@@ -12,6 +12,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 
 import pytest
 from kv_offload_sidecar.engine.client import LookupReply
@@ -311,6 +312,48 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
                      lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
         finally:
             os.kill(holder.pid, signal.SIGCONT)
+        a.close()
+        b.close()
+
+
+def test_a_fetch_that_missed_its_deadline_while_the_fetcher_itself_was_stopped_does_not_back_the_holder_off():
+    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=1.0) as pool:
+        a, b = pool.client(0), pool.client(1)
+        # Keys whose location B keeps itself: B's only message is the exchange with the holder.
+        keys = [k for k in new_keys(64) if owner_of(pool, k, asker=1) == pool[1].identity]
+        stalled, later = keys[:4], keys[4:8]
+        write_chunks(a, stalled + later)
+        pool.wait_directory_current()
+        holder, fetcher = pool[0].proc, pool[1].proc
+        exchanges = pool[1].metric("kv_offload_lookup_messages_total")
+        os.kill(holder.pid, signal.SIGSTOP)  # the exchange waits on the holder...
+        try:
+            result: list[LookupReply] = []
+            t = threading.Thread(target=lambda: result.append(b.lookup(stalled, timeout=10.0)))
+            t.start()
+            wait_for("B's exchange with the stopped holder to begin",
+                     lambda: pool[1].metric("kv_offload_lookup_messages_total") == exchanges + 1)
+            os.kill(fetcher.pid, signal.SIGSTOP)  # ...and its deadline passes while B itself is stopped
+            time.sleep(1.5)
+            os.kill(fetcher.pid, signal.SIGCONT)
+            t.join(SAFETY_SECONDS)
+            assert result == [LookupReply(0, 0)]  # past the deadline: a miss
+            stalls = wait_for("B to see its own stall excuse the failed exchange",
+                              lambda: (st := pool[1].status()["loop_stalls"])["peer_failures_excused"] and st)
+            assert stalls["count"] >= 1 and stalls["longest_seconds"] >= 1.0
+            # The data connection closed at the deadline; the link redials at once, without a failure
+            # counted (the holder, still stopped, has not answered the handshake yet).
+            link = wait_for("B's link to redial the holder", lambda: next(
+                (p for p in pool[1].peers() if p["identity"] == pool[0].identity and p["state"] == "connecting"),
+                None))
+            assert link["failures"] == 0 and link["last_error"].startswith("fetch")
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+            os.kill(fetcher.pid, signal.SIGCONT)
+        wait_for("B's link to the holder to connect again",
+                 lambda: pool[1].metric("kv_offload_peers", state="connected") == 1)
+        pool.wait_directory_current()  # the holder's entries, dropped while it was not a member
+        assert b.lookup(later) == LookupReply(0, 4)
         a.close()
         b.close()
 

@@ -7,7 +7,9 @@ share of the directory) -> watch the connection (no traffic: a closed data
 connection or a failure the engine path reports ends it) -> on any failure
 close, the peer leaves the membership (``member_left``) and the link backs off
 exponentially (``backoff_initial_seconds`` doubling to ``backoff_max_seconds``; a handshake
-from that peer cuts the wait short, ``wake``); a rejected handshake backs off
+from that peer cuts the wait short, ``wake``), except after a failure the engine path
+reports as not the peer's (this sidecar itself stalled, ``loop_stalls``): that link
+reconnects at once and its failure is not counted; a rejected handshake backs off
 the same way (the peer may be fixed by a rollout) and shows as state
 ``rejected``. The other direction is the peer's own link to us (it dials us;
 inbound sessions live in sessions.py), so each pair handshakes both ways.
@@ -98,6 +100,8 @@ class PeerLink:
     member: bool = False
     # Set by a handshake from this peer: a link backing off retries now.
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # The last failure reported was not the peer's: reconnect without backing off.
+    retry_now: bool = False
 
     def view(self) -> dict[str, Any]:
         return {
@@ -140,9 +144,20 @@ class PeerManager:
                 return link
         return None
 
-    def report_failure(self, link: PeerLink, error: str) -> None:
-        """The engine path saw this peer fail: reset and back it off."""
+    def report_failure(self, link: PeerLink, error: str, *, peer_at_fault: bool = True) -> None:
+        """The engine path saw an exchange with this peer fail: reset the link and back it off,
+        or, when not ``peer_at_fault``, reconnect at once (also cutting short a back-off the
+        link's own watch began when it saw the connection close first)."""
         link.last_error = error
+        if link.state != "connected":  # its watch already saw the connection close
+            if not peer_at_fault and link.state == "backoff":
+                link.retry_now = True
+                link.wake.set()
+            return
+        if not link.failed.is_set():
+            link.retry_now = not peer_at_fault
+        elif peer_at_fault:  # any failure the peer's own backs it off
+            link.retry_now = False
         link.failed.set()
 
     def wake(self, address: str) -> None:
@@ -271,6 +286,7 @@ class PeerManager:
                     continue
                 link.failures = 0
                 link.last_error = ""
+                link.failed.clear()  # a late report about the connection before is not this one's
                 self._set_state(link, "connected")
                 log.info("peer %s (%s) connected", link.address, link.identity)
                 link.member = True
@@ -287,6 +303,9 @@ class PeerManager:
             raise
 
     async def _back_off(self, link: PeerLink, state: str) -> None:
+        if link.retry_now:  # not the peer's failure: no wait, nothing counted
+            link.retry_now = False
+            return
         s = self._settings
         link.failures += 1
         delay = min(s.backoff_max_seconds, s.backoff_initial_seconds * 2 ** (link.failures - 1))
@@ -295,6 +314,9 @@ class PeerManager:
         link.wake.clear()
         if not self._closing:
             await set_within(link.wake, delay)
+        if link.retry_now:  # the wait was cut short for that reason
+            link.failures -= 1
+            link.retry_now = False
 
     def _leave(self, link: PeerLink) -> None:
         if link.member and link.identity:

@@ -19,7 +19,8 @@ back. Before each holder, ``fetch_cost`` decides whether fetching its claimed
 run beats the engine recomputing it; when not, the rest is a miss.
 
 Every failure or deadline is a miss; a failing peer is reported for back-off
-(``links.PeerManager.report_failure``). An owner that names a holder without
+(``links.PeerManager.report_failure``), unless the exchange spanned a stall of this
+sidecar's own loop (``loop_stalls``). An owner that names a holder without
 the chunk, and a holder named for a chunk it lacks, each count one false
 claim (``claims.ClaimAudit``, keys ``owner:<id>`` and ``<id>``); distrusted
 ones are not asked. What is done with fetched chunks once loaded is the
@@ -41,6 +42,7 @@ from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
 from kv_offload_sidecar.peers.directory.location_wire import HolderClaim
 
 if TYPE_CHECKING:
+    from kv_offload_sidecar.loop_stalls import LoopStalls
     from kv_offload_sidecar.metrics import SidecarMetrics
     from kv_offload_sidecar.peers.claims import ClaimAudit
     from kv_offload_sidecar.peers.links import PeerLink, PeerManager
@@ -81,9 +83,11 @@ class PeerReads:
 
     def __init__(self, *, location: Location, peers: PeerManager, claims: ClaimAudit,
                  metrics: SidecarMetrics, store: Callable[[], ChunkStore], deadline_seconds: float,
-                 cost: FetchOrRecompute) -> None:
+                 cost: FetchOrRecompute, stalls: LoopStalls) -> None:
         # Fetch or recompute, from the peers' measured speeds and the engine's prefill rate.
         self.cost = cost
+        # This sidecar's own stalls: a failure across one is not the peer's.
+        self.stalls = stalls
         self._location = location
         self._peers = peers
         self._claims = claims
@@ -228,6 +232,7 @@ class PeerReads:
                 self._metrics.route_hint_messages.labels(kind="locate").inc()
             else:
                 self._metrics.lookup_messages.inc()
+        started = asyncio.get_running_loop().time()
         try:
             owner, holders = await self._location.locate(keys, deadline)
         except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
@@ -235,7 +240,7 @@ class PeerReads:
                         "no routing hint" if hint else "a miss")
             link = self._peers.connected(owner)
             if link is not None and not hint:
-                self._peers.report_failure(link, f"locate: {exc}")
+                self._blame(link, f"locate: {exc}", started)
             return None
         out = []
         for claim in holders:
@@ -358,9 +363,8 @@ class PeerReads:
             async with asyncio.timeout(deadline + 1.0):
                 got = int(await coro)
         except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            log.warning("peer %s %s failed: %s; a miss, backing the peer off", claim.identity,
-                        "fetch" if fetch else "lookup", exc)
-            self._peers.report_failure(link, f"{'fetch' if fetch else 'lookup'}: {exc}")
+            log.warning("peer %s %s failed: %s; a miss", claim.identity, "fetch" if fetch else "lookup", exc)
+            self._blame(link, f"{'fetch' if fetch else 'lookup'}: {exc}", started)
             return 0
         finally:
             if fetch:
@@ -374,6 +378,15 @@ class PeerReads:
         if owner != self._location.identity:
             self._claims.record(OWNER_PREFIX + owner, 1, backed)
         return got
+
+    def _blame(self, link: PeerLink, error: str, started: float) -> None:
+        """Report a failed exchange; the peer is backed off unless this sidecar itself
+        stalled during it (``loop_stalls``)."""
+        at_fault = not self.stalls.excuse(started)
+        if not at_fault:
+            log.warning("peer %s is not backed off: this sidecar itself stalled during the exchange; "
+                        "its link reconnects now", link.identity)
+        self._peers.report_failure(link, error, peer_at_fault=at_fault)
 
     async def _count_of(self, prefetch: _Prefetch, keys: Sequence[bytes], deadline: float) -> int:
         """The prefetch's count, as far as it covers ``keys``; 0 past ``deadline``."""

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kv_offload_sidecar.loop_stalls import LoopStalls
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute, PrefillModel
@@ -217,7 +218,8 @@ class Member:
         self.reads = PeerReads(location=self.location, peers=peers, claims=ClaimAudit(clock=clock),  # type: ignore[arg-type]
                                metrics=self.metrics, store=lambda: self.store,
                                deadline_seconds=DEADLINE_SECONDS,
-                               cost=FetchOrRecompute(PrefillModel(0.0, TOKENS_PER_CHUNK, CHUNK_BYTES)))
+                               cost=FetchOrRecompute(PrefillModel(0.0, TOKENS_PER_CHUNK, CHUNK_BYTES)),
+                               stalls=LoopStalls())  # never run: the model's loop does not stall
 
     def messages(self) -> int:
         """The member's kv_offload_lookup_messages_total."""

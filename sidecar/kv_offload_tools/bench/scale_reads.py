@@ -7,8 +7,9 @@ stores; the Mooncake trace with 3,000-chunk stores; round-robin routing) through
 the same in-process pool (``scale_lookups.replay_lookups``: every member's real
 ``Location`` and ``PeerReads``) at a few replica counts, so its messages per
 request can be set beside those the real processes counted. The directory is
-up to date at every request (a publish between two requests), as in ``bench
-replay``, whose sidecars publish every 50 ms between requests about 100 ms apart.
+up to date at every request (a publish between two requests); ``bench replay``'s
+sidecars publish every 50 ms while its requests come about 21 ms apart, so there a
+chunk stored within the last publish interval is not known yet.
 """
 
 from __future__ import annotations
