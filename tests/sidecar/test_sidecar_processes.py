@@ -317,7 +317,9 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
 
 
 def test_a_fetch_that_missed_its_deadline_while_the_fetcher_itself_was_stopped_does_not_back_the_holder_off():
-    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=1.0) as pool:
+    # Seconds B's exchange may take: far longer than the probe that sees it begin and the stop after.
+    deadline = 3.0
+    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=deadline) as pool:
         a, b = pool.client(0), pool.client(1)
         # Keys whose location B keeps itself: B's only message is the exchange with the holder.
         keys = [k for k in new_keys(64) if owner_of(pool, k, asker=1) == pool[1].identity]
@@ -329,12 +331,12 @@ def test_a_fetch_that_missed_its_deadline_while_the_fetcher_itself_was_stopped_d
         os.kill(holder.pid, signal.SIGSTOP)  # the exchange waits on the holder...
         try:
             result: list[LookupReply] = []
-            t = threading.Thread(target=lambda: result.append(b.lookup(stalled, timeout=10.0)))
+            t = threading.Thread(target=lambda: result.append(b.lookup(stalled, timeout=3 * deadline)))
             t.start()
             wait_for("B's exchange with the stopped holder to begin",
                      lambda: pool[1].metric("kv_offload_lookup_messages_total") == exchanges + 1)
             os.kill(fetcher.pid, signal.SIGSTOP)  # ...and its deadline passes while B itself is stopped
-            time.sleep(1.5)
+            time.sleep(deadline + 0.5)
             os.kill(fetcher.pid, signal.SIGCONT)
             t.join(SAFETY_SECONDS)
             assert result == [LookupReply(0, 0)]  # past the deadline: a miss
