@@ -104,13 +104,15 @@ class Sidecar:
             own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
         self.peers = PeerManager(settings, self.metrics, self.discovery, self.location, self.local_hello,
                                  keys=self.keys, data_options=self._tls_options("client"))
+        # Stalls of this process's own loop (a peer is not blamed for them).
+        self.stalls = LoopStalls()
         self.reads = PeerReads(location=self.location, peers=self.peers, claims=self.claims,
                                metrics=self.metrics, store=self._require_store,
                                deadline_seconds=settings.fetch_deadline_seconds,
                                cost=FetchOrRecompute(PrefillModel(
                                    settings.prefill_tokens_per_second, cfg.tokens_per_chunk,
                                    settings.kv_bytes_per_chunk)),
-                               stalls=LoopStalls())
+                               stalls=self.stalls)
         # Learns the engine's prefill rate from its /metrics (--engine-metrics-url), if given.
         self.prefill_learner: PrefillRateLearner | None = None
         self.name = store_name(settings.identity)
@@ -224,7 +226,7 @@ class Sidecar:
                        asyncio.create_task(self.peers.run(), name="peers"),
                        asyncio.create_task(self.location.run(), name="location"),
                        asyncio.create_task(self._reload_keys(), name="pool keys"),
-                       asyncio.create_task(self.reads.stalls.run(), name="loop stalls")]
+                       asyncio.create_task(self.stalls.run(), name="loop stalls")]
         if self.settings.engine_metrics_url:
             self.prefill_learner = PrefillRateLearner(
                 self.settings.engine_metrics_url, self.settings.engine_metrics_interval_seconds,
@@ -439,7 +441,7 @@ class Sidecar:
             "inbound_sessions": len(self._inbound),
             "engine_requests_in_flight": self._inflight,
             "peer_fetches_in_flight": self.reads.fetches_in_flight,
-            "loop_stalls": self.reads.stalls.view(),
+            "loop_stalls": self.stalls.view(),
             "store": None if store is None else {
                 "path": store.path, "num_slots": store.num_slots, "slot_bytes": store.slot_bytes,
                 "slot_stride": store.slot_stride, "capacity_bytes": store.capacity_bytes,

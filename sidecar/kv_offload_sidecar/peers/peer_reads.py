@@ -87,7 +87,7 @@ class PeerReads:
         # Fetch or recompute, from the peers' measured speeds and the engine's prefill rate.
         self.cost = cost
         # This sidecar's own stalls: a failure across one is not the peer's.
-        self.stalls = stalls
+        self._stalls = stalls
         self._location = location
         self._peers = peers
         self._claims = claims
@@ -382,7 +382,7 @@ class PeerReads:
     def _blame(self, link: PeerLink, error: str, started: float) -> None:
         """Report a failed exchange; the peer is backed off unless this sidecar itself
         stalled during it (``loop_stalls``)."""
-        at_fault = not self.stalls.excuse(started)
+        at_fault = not self._stalls.excuse(started)
         if not at_fault:
             log.warning("peer %s is not backed off: this sidecar itself stalled during the exchange; "
                         "its link reconnects now", link.identity)
