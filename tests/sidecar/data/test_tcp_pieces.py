@@ -7,7 +7,8 @@ import asyncio
 import os
 import socket
 
-from kv_offload_sidecar.data.tcp.sockets import recv_exactly
+from kv_offload_sidecar.data.tcp.client import RECV_BATCH_BYTES, RECV_PIECE_BYTES
+from kv_offload_sidecar.data.tcp.sockets import recv_exactly, tune_socket
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 from kv_offload_sidecar.store.checksum import chunk_checksum, chunk_hasher
 
@@ -34,4 +35,35 @@ async def test_the_pieces_handed_on_are_the_received_bytes_in_order_and_hash_as_
         b.close()
     assert dest == data
     assert sum(sizes) == len(data) and max(sizes) <= CACHED_PIECE_BYTES
+    assert hasher.intdigest() == chunk_checksum(data)
+
+
+async def test_the_clients_batch_and_piece_sizes_complete_a_chunk_over_tcp_in_pieces_of_at_most_their_size() -> None:
+    # The client's SO_RCVLOWAT batch must always be reached on a real TCP connection (a
+    # low-water mark the receive buffer cannot hold would never wake the loop), and no piece
+    # handed to the hasher may be larger than the client asked for.
+    loop = asyncio.get_running_loop()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    tune_socket(a)
+    tune_socket(b)
+    data = os.urandom(2 * RECV_PIECE_BYTES + 3 * RECV_BATCH_BYTES + 4321)
+    dest = bytearray(len(data))
+    hasher, sizes = chunk_hasher(), []
+
+    def on_piece(piece: memoryview) -> None:
+        sizes.append(len(piece))
+        hasher.update(piece)
+
+    try:
+        sending = asyncio.ensure_future(loop.sock_sendall(a, data))
+        await asyncio.wait_for(recv_exactly(loop, b, dest, batch_bytes=RECV_BATCH_BYTES,
+                                            on_piece=on_piece, piece_bytes=RECV_PIECE_BYTES), 60)
+        await sending
+    finally:
+        a.close()
+        b.close()
+    assert dest == data
+    assert sum(sizes) == len(data) and max(sizes) <= RECV_PIECE_BYTES
     assert hasher.intdigest() == chunk_checksum(data)

@@ -46,7 +46,14 @@ log = logging.getLogger(__name__)
 
 
 # Chunk bytes the client lets arrive before the loop wakes up to take them (SO_RCVLOWAT).
-RECV_BATCH_BYTES = 512 << 10
+# Well under half of any receive buffer the kernel grows to, so the wake-up always comes.
+RECV_BATCH_BYTES = 2 << 20
+
+# Most bytes one receive takes before they are hashed: still in the last-level cache, and
+# few enough wake-ups that a 512 MiB fetch spends its time in the copy, not in the loop
+# (4 MiB with 2 MiB batches: 0.13 s per 512 MiB against 0.16-0.18 s with 1 MiB / 512 KiB,
+# sender and receiver on one core, measured side by side).
+RECV_PIECE_BYTES = 4 << 20
 
 
 # Seconds a lookup with nothing else in flight polls for its reply before sleeping.
@@ -253,7 +260,7 @@ class TcpPeerDataClient(FramedPeerDataClient):
             # pieces is the slot's.
             hasher = chunk_hasher()
             await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES,
-                                   on_piece=hasher.update)
+                                   on_piece=hasher.update, piece_bytes=RECV_PIECE_BYTES)
             computed: int | None = hasher.intdigest()
         else:
             await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES)

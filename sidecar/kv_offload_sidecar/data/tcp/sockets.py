@@ -41,13 +41,14 @@ def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) ->
 
 async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                        view: memoryview | bytearray, *, batch_bytes: int = 0,
-                       on_piece: Callable[[memoryview], object] | None = None) -> None:
+                       on_piece: Callable[[memoryview], object] | None = None,
+                       piece_bytes: int = CACHED_PIECE_BYTES) -> None:
     """Fill ``view`` completely from ``sock``; ConnectionError on EOF.
 
     ``batch_bytes``: for a large read, ask the kernel (SO_RCVLOWAT) to wake the loop
     only once that much has arrived, so a chunk costs a few event-loop wake-ups
     instead of one per segment burst. ``on_piece``: called with each piece received, in
-    order, right after it landed (at most ``CACHED_PIECE_BYTES``: still in the cache).
+    order, right after it landed (at most ``piece_bytes``: still in the cache).
     """
     with memoryview(view) as mv:
         got, n = 0, len(mv)
@@ -59,7 +60,7 @@ async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                     if want != lowat:
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                         lowat = want
-                end = n if on_piece is None else min(n, got + CACHED_PIECE_BYTES)
+                end = n if on_piece is None else min(n, got + piece_bytes)
                 with mv[got:end] as rest:
                     k = await loop.sock_recv_into(sock, rest)
                     if k and on_piece is not None:
@@ -201,9 +202,11 @@ class SocketStream:
         self._loop = asyncio.get_running_loop()
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
-                        on_piece: Callable[[memoryview], object] | None = None) -> None:
-        """``on_piece``: see ``recv_exactly`` (plain connections only)."""
-        await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes, on_piece=on_piece)
+                        on_piece: Callable[[memoryview], object] | None = None,
+                        piece_bytes: int = CACHED_PIECE_BYTES) -> None:
+        """``on_piece``, ``piece_bytes``: see ``recv_exactly`` (plain connections only)."""
+        await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes,
+                           on_piece=on_piece, piece_bytes=piece_bytes)
 
     async def send(self, buffers: Sequence) -> None:
         await send_all(self._loop, self._sock, buffers)
