@@ -15,6 +15,9 @@ Per prefix size, in this order and with one prompt:
    prompt: lookup until vLLM sees HIT and the scheduler steps from the sidecar
    knowing the hit to that HIT (the tier's counters), fetch from the peer and copy
    into vLLM's rows (sidecar 1's transfer histogram).
+5. peer_cpu_tier: ``reset_prefix_cache()`` on B, same prompt: B's own CPU-tier hit of
+   what the peer hit loaded, the reference of the peer hit's extra (the own-sidecar
+   hit's is A's CPU-tier hit): each sidecar hit against vLLM's own on the same engine.
 
 Every first token is compared with the baseline engine's (no offloading). Engine
 CPU is the engine-core process's (``/proc``) and, within it, the tier's own code
@@ -237,12 +240,19 @@ class PlaneBench:
         row["peer_cold"] = self._peer_hit(prompt, key, nbytes)
         b.reset_prefix_cache(reset_connector=True)
         row["peer"] = peer = self._peer_hit(prompt, key, nbytes)
-        base = row["cpu_tier"]["ttft_s"]
-        for source in ("own_sidecar", "peer"):
-            extra = row[source]["ttft_s"] - base
+
+        # 5. B's own CPU-tier hit: the peer hit left the prefix in B's primary tier. The peer
+        # hit's extra is taken over this one, same engine and same promotion work (the two
+        # engines' CPU-tier hits differ by tens of milliseconds on this host).
+        b.reset_prefix_cache()
+        hit = self._hit(b, "b", prompt, key, "peer_cpu_tier", ("b",))
+        row["peer_cpu_tier"] = self._summary(hit, nbytes, "engine_b", None, "b")
+        for source, base in (("own_sidecar", "cpu_tier"), ("peer", "peer_cpu_tier")):
+            extra = row[source]["ttft_s"] - row[base]["ttft_s"]
             row[source]["extra_over_cpu_tier_s"] = extra
             row[source]["rate_gbps"] = nbytes / 1e9 / extra if extra > 0 else None
-        progress(f"{self.plane} {size_mib} MiB: cpu tier {base:.3f} s, own sidecar "
+        progress(f"{self.plane} {size_mib} MiB: cpu tier {row['cpu_tier']['ttft_s']:.3f} s "
+                 f"(B's {row['peer_cpu_tier']['ttft_s']:.3f} s), own sidecar "
                  f"{row['own_sidecar']['ttft_s']:.3f} s, peer {peer['ttft_s']:.3f} s "
                  f"(B's first prompt this long {row['peer_cold']['ttft_s']:.3f} s) "
                  f"(lookup {_fmt_ms(peer['lookup_ms'])} in {_fmt(peer['lookup_steps'])} steps, "

@@ -66,7 +66,7 @@ def test_each_hit_came_from_where_it_says(report) -> None:
     (row,) = report["rows"]
     chunks, tokens = row["chunks"], row["tokens"]
     assert row["recompute"]["num_cached_tokens"] == 0
-    for source in ("cpu_tier", "own_sidecar", "peer", "peer_cold"):
+    for source in ("cpu_tier", "own_sidecar", "peer", "peer_cpu_tier", "peer_cold"):
         assert row[source]["num_cached_tokens"] >= tokens, source
     # The own-sidecar and peer hits were served by the tier (vLLM's primary tier held nothing).
     for source in ("own_sidecar", "peer", "peer_cold"):
@@ -76,6 +76,13 @@ def test_each_hit_came_from_where_it_says(report) -> None:
     for peer in (row["peer"], row["peer_cold"]):
         assert peer["sidecar_peer_hits"] == chunks
         assert peer["peer_bytes_received"] >= row["bytes"]
+    # B's CPU-tier hit came from vLLM's primary tier, where the peer hit left the prefix.
+    assert row["peer_cpu_tier"]["tier_chunk_hits"] == 0
+    # Each sidecar hit's extra is taken over vLLM's own CPU-tier hit on the same engine.
+    assert row["own_sidecar"]["extra_over_cpu_tier_s"] == pytest.approx(
+        row["own_sidecar"]["ttft_s"] - row["cpu_tier"]["ttft_s"])
+    assert row["peer"]["extra_over_cpu_tier_s"] == pytest.approx(
+        row["peer"]["ttft_s"] - row["peer_cpu_tier"]["ttft_s"])
     # Sidecar 0 holds what engine A stored.
     assert row["store"]["seconds"] > 0
 
@@ -122,7 +129,8 @@ def test_the_json_report_has_every_field(report) -> None:
     (row,) = report["rows"]
     assert ROW_FIELDS <= set(row)
     assert {"ttft_s", "num_cached_tokens", "first_token", "match"} <= set(row["recompute"])
-    assert HIT_FIELDS <= set(row["cpu_tier"])
+    for source in ("cpu_tier", "peer_cpu_tier"):
+        assert HIT_FIELDS <= set(row[source]), source
     for source in ("own_sidecar", "peer"):
         assert TIER_HIT_FIELDS <= set(row[source]), source
     assert TIER_HIT_FIELDS - {"extra_over_cpu_tier_s", "rate_gbps"} <= set(row["peer_cold"])
