@@ -19,6 +19,11 @@ Per prefix size, in this order and with one prompt:
    what the peer hit loaded, the reference of the peer hit's extra (the own-sidecar
    hit's is A's CPU-tier hit): each sidecar hit against vLLM's own on the same engine.
 
+Before anything is timed on one engine, the bench waits until the other is idle
+(``settle``): here both share the engines' cores, and vLLM's processes keep polling for
+about a second after a request, which slowed the other engine's decode steps up to 2.5x
+and its TTFT by tens of ms; two pods on a node each have CPUs of their own.
+
 Every first token is compared with the baseline engine's (no offloading). Engine
 CPU is the engine-core process's (``/proc``) and, within it, the tier's own code
 (``vllm:kv_offload_tier_cpu_seconds``): vLLM steps while a request waits for KV, so
@@ -66,6 +71,7 @@ from kv_offload_tools.bench.vllm_ttft_probes import (
     Probe,
     delta,
     descendant,
+    tree_cpu_seconds,
     vllm_value,
 )
 from kv_offload_tools.bench.vllm_ttft_refs import memcpy_loop
@@ -75,6 +81,12 @@ from kv_offload_tools.vllm_harness.decode_latency import store_bound_s
 _STORE_DEADLINE_S = 120.0
 # Polling interval of those waits.
 _POLL_S = 0.02
+# The other engine is idle once its processes spend at most this share of a core over
+# _IDLE_WINDOW_S seconds (vLLM's processes keep polling for about a second after a request).
+_IDLE_CORE_SHARE = 0.1
+_IDLE_WINDOW_S = 0.2
+# Longest wait for the other engine to go idle: a safety net, counted in the report if hit.
+_IDLE_DEADLINE_S = 15.0
 # Tokens the decoding request decodes after its warm-up in each quiet run (two runs pooled:
 # 64 intervals, about what a 512 MiB load or store window holds here).
 QUIET_TOKENS = 32
@@ -130,6 +142,10 @@ class PlaneBench:
                 raise RuntimeError(f"no VLLM::EngineCore process under the driver {eng.pid}")
             pids[role] = core
         self.pids = pids
+        # Each engine's driver, the root of its processes.
+        self.engine_roots = {"a": a.pid, "b": b.pid}
+        # Times a request was timed with the other engine still busy (its idle wait ran out).
+        self.busy_neighbour = 0
         self.probe = Probe(pids, {"a": a, "b": b}, {"sidecar_0": pool[0], "sidecar_1": pool[1]},
                            tier_label)
         self.mismatches: list[dict[str, Any]] = []
@@ -162,9 +178,30 @@ class PlaneBench:
         self._wait("the store to reach the sidecar",
                    lambda: self.tier_counter(engine, TIER_WRITE_BYTES) >= want)
 
+    def settle(self, role: str) -> None:
+        """Until engine ``role`` ("a" or "b") is idle: both engines share the engines' cores
+        here, and vLLM's processes keep polling for about a second after a request (up to
+        2.5x the other engine's decode steps and tens of ms of its TTFT measured so), which
+        two pods on a GPU node, each with CPUs of its own, do not pay. Called before
+        anything is timed on the other engine."""
+        root, end = self.engine_roots[role], time.monotonic() + _IDLE_DEADLINE_S
+        last = tree_cpu_seconds(root)
+        while True:
+            time.sleep(_IDLE_WINDOW_S)
+            now = tree_cpu_seconds(root)
+            if now - last <= _IDLE_CORE_SHARE * _IDLE_WINDOW_S:
+                return
+            if time.monotonic() > end:
+                self.busy_neighbour += 1
+                progress(f"WARNING {self.plane}: engine {role.upper()} still busy after "
+                         f"{_IDLE_DEADLINE_S:.0f} s; timing the other engine beside it")
+                return
+            last = now
+
     def _hit(self, engine: Any, role: str, prompt: list[int], key: str, what: str,
              vllm_roles: tuple[str, ...]) -> dict[str, Any]:
-        """One request with max_tokens=1 and the counters around it."""
+        """One request with max_tokens=1 and the counters around it, the other engine idle."""
+        self.settle("b" if role == "a" else "a")
         before = self.probe.snapshot(vllm_roles)
         (out,) = engine.generate([prompt], max_tokens=1)
         ttft = engine.last_generate_s
@@ -205,6 +242,7 @@ class PlaneBench:
         # The prefill is one step and vLLM stores a request's blocks after the step that
         # computed them, so the store is timed (and its CPU counted) from the first token on.
         written = self.tier_counter(a, TIER_WRITE_BYTES)
+        self.settle("b")
         t0 = time.monotonic()
         (out,) = a.generate([prompt], max_tokens=1)
         ttft = a.last_generate_s
@@ -323,6 +361,7 @@ class PlaneBench:
                   "max_decode_tokens": plan.max_decode_tokens}
         runs: dict[str, Any] = {}
 
+        self.settle("a")
         quiet = [b.decode_latency(decode_prompt("quiet"), None, **kwargs)]
 
         load_key, store_key = prompt_key(size_mib, "itl-load"), prompt_key(size_mib, "itl-store")
@@ -333,6 +372,7 @@ class PlaneBench:
         self._check("itl load prompt on A", load_key, out)
         self.wait_written(a, written, chunks)
         self.pool.wait_directory_current(timeout=_STORE_DEADLINE_S)
+        self.settle("a")
         load = b.decode_latency(decode_prompt("load"), load_prompt, **kwargs)
         runs["load"] = self._itl(load, "load", load_key)
 
@@ -340,6 +380,7 @@ class PlaneBench:
         store_bytes = chunks * self.stride_bytes
         until = {"name": TIER_WRITE_BYTES, "labels": {"tier": self.tier_label},
                  "at_least": store_bytes}
+        self.settle("a")
         store = b.decode_latency(decode_prompt("store"), store_prompt, **kwargs,
                                  until_counter=until,
                                  timeout_s=_STORE_DEADLINE_S + store_bound_s(store_bytes))
@@ -353,9 +394,11 @@ class PlaneBench:
         # The same bytes copied over and over on the sidecars' cores, no offload traffic: what
         # the memory bus the cores share costs decoding, whatever moves the bytes.
         with memcpy_loop(chunks * self.stride_bytes, os.sched_getaffinity(self.pids["sidecar_0"])):
+            self.settle("a")
             beside = b.decode_latency(decode_prompt("quiet"), None, **kwargs)
         runs["memcpy_beside"] = self._itl_pooled([beside])
         # The quiet reference brackets the traffic runs (a busy host drifts): both pooled.
+        self.settle("a")
         quiet.append(b.decode_latency(decode_prompt("quiet"), None, **kwargs))
         runs["quiet"] = self._itl_pooled(quiet)
         q99 = runs["quiet"]["p99_ms"]

@@ -89,6 +89,19 @@ def _processes() -> dict[int, tuple[int, str]]:
     return out
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of process ``root`` and every process under it (those alive now)."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in _processes().items():
+        children.setdefault(ppid, []).append(pid)
+    total, stack = 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        total += cpu_seconds(pid) or 0.0
+        stack.extend(children.get(pid, []))
+    return total
+
+
 def descendant(root: int, comm_prefix: str) -> int | None:
     """The first process under ``root`` whose name starts with ``comm_prefix``
     (vLLM names its processes ``VLLM::EngineCore`` and ``VLLM::Worker``)."""

@@ -233,7 +233,7 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
                 report["rows"].append(bench.measure_size(size))
             if plan.itl_size_mib:
                 report["inter_token"].append(bench.inter_token(plan.itl_size_mib))
-            report["planes"][plane] = {"pids": bench.pids,
+            report["planes"][plane] = {"pids": bench.pids, "busy_neighbour": bench.busy_neighbour,
                                        "seconds": round(time.monotonic() - t_plane, 1)}
         finally:
             if bench is not None:
