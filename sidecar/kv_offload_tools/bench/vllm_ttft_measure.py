@@ -98,6 +98,28 @@ def progress(message: str) -> None:
     print(f"[bench vllm] {message}", file=sys.stderr, flush=True)
 
 
+def itl_window(reply: Mapping[str, Any]) -> list[float]:
+    """D's intervals after the traffic request was added (or the quiet mark), without the
+    one step that prefilled the traffic request."""
+    times = reply["token_times_s"]
+    start = reply["window_start_s"]
+    skip = reply["compute_interval_index"]
+    return [iv for i, (iv, end) in enumerate(zip(reply["intervals_s"], times[1:]))
+            if end > start and i != skip]
+
+
+def itl_stats(window: list[float]) -> dict[str, Any]:
+    """Count, p50, p99, max and mean (ms) of a window's intervals (seconds)."""
+    out: dict[str, Any] = {"intervals": len(window)}
+    if window:
+        ms = np.array(window) * 1e3
+        out.update(p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
+                   max_ms=float(ms.max()), mean_ms=float(statistics.fmean(ms)))
+    else:
+        out.update(p50_ms=None, p99_ms=None, max_ms=None, mean_ms=None)
+    return out
+
+
 def per_gb(seconds: float | None, nbytes: int) -> float | None:
     return None if seconds is None or nbytes <= 0 else seconds / (nbytes / 1e9)
 
@@ -415,21 +437,11 @@ class PlaneBench:
                  f"store {runs['store']['window_end']})")
         return {"plane": self.plane, "size_mib": size_mib, **runs}
 
-    @staticmethod
-    def _window(reply: Mapping[str, Any]) -> list[float]:
-        """D's intervals after the traffic request was added (or the quiet mark), without
-        the one step that prefilled the traffic request."""
-        times = reply["token_times_s"]
-        start = reply["window_start_s"]
-        skip = reply["compute_interval_index"]
-        return [iv for i, (iv, end) in enumerate(zip(reply["intervals_s"], times[1:]))
-                if end > start and i != skip]
-
     def _itl_pooled(self, replies: list[Mapping[str, Any]]) -> dict[str, Any]:
         for reply in replies:
             self._check_decode("quiet", reply)
-        out = self._stats([iv for r in replies for iv in self._window(r)])
-        out["runs"] = [self._stats(self._window(r)) for r in replies]
+        out = itl_stats([iv for r in replies for iv in itl_window(r)])
+        out["runs"] = [itl_stats(itl_window(r)) for r in replies]
         out["compute_interval_ms"] = None
         return out
 
@@ -439,22 +451,14 @@ class PlaneBench:
             self._check(f"itl {what} decoding request", dkey, {"token_ids":
                         reply["decode_token_ids"][:len(self.expected[dkey])]})
 
-    @staticmethod
-    def _stats(window: list[float]) -> dict[str, Any]:
-        out: dict[str, Any] = {"intervals": len(window)}
-        if window:
-            ms = np.array(window) * 1e3
-            out.update(p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
-                       max_ms=float(ms.max()), mean_ms=float(statistics.fmean(ms)))
-        else:
-            out.update(p50_ms=None, p99_ms=None, max_ms=None, mean_ms=None)
-        return out
-
     def _itl(self, reply: Mapping[str, Any], what: str, key: str | None = None) -> dict[str, Any]:
         skip = reply["compute_interval_index"]
-        window = self._window(reply)
+        window = itl_window(reply)
         self._check_decode(what, reply)
-        out = self._stats(window)
+        out = itl_stats(window)
+        # Each interval of the window in order, so a slow step can be placed (first after the
+        # traffic's prefill, or spread over the transfer).
+        out["intervals_ms"] = [round(iv * 1e3, 1) for iv in window]
         out["compute_interval_ms"] = reply["intervals_s"][skip] * 1e3 if skip is not None else None
         out["window_end"] = reply["window_end"]
         traffic = reply.get("traffic")

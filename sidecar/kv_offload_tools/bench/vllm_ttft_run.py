@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from kv_offload_tools.bench.vllm_ttft_measure import PlaneBench, progress
+from kv_offload_tools.bench.vllm_ttft_no_offload import no_offload_reference, store_over_no_offload
 from kv_offload_tools.bench.vllm_ttft_plan import (
     BLOCK_TOKENS,
     CHUNK_TOKENS,
@@ -73,9 +74,10 @@ def references(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _baseline(deployment: VllmDeployment, baseline: Any, plan: Plan
-              ) -> tuple[dict[str, list[int]], list[dict[str, Any]]]:
+              ) -> tuple[dict[str, list[int]], list[dict[str, Any]], dict[str, Any] | None]:
     """The baseline's first tokens of every prompt (and first tokens of the decoding
-    requests), and its TTFT per size (recompute without any offloading)."""
+    requests), its TTFT per size (recompute without any offloading), and the store window's
+    reference without offloading (``vllm_ttft_no_offload``)."""
     expected: dict[str, list[int]] = {}
     ttfts: list[dict[str, Any]] = []
     baseline.generate([_warm_prompt("baseline")], max_tokens=1)
@@ -90,7 +92,7 @@ def _baseline(deployment: VllmDeployment, baseline: Any, plan: Plan
         expected[key] = out["token_ids"]
     progress(f"baseline: first tokens of {len(expected)} prompts; recompute "
              + ", ".join(f"{t['size_mib']} MiB {t['ttft_s']:.3f} s" for t in ttfts))
-    return expected, ttfts
+    return expected, ttfts, no_offload_reference(baseline, plan) if plan.itl_size_mib else None
 
 
 T = TypeVar("T")
@@ -178,7 +180,8 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
         baseline = pinned(engine_cores, lambda: deployment.start_baseline(
             extra_env=env, llm_kwargs=llm_kwargs))()
         try:
-            expected, report["baseline"] = _baseline(deployment, baseline, plan)
+            expected, report["baseline"], report["no_offload"] = _baseline(
+                deployment, baseline, plan)
             report["vllm_version"] = baseline.ready.get("vllm_version") if baseline.ready else None
         finally:
             baseline.close()
@@ -222,7 +225,8 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
         try:
             a, b = engines[0], engines[1]
             if expected is None:
-                expected, report["baseline"] = _baseline(deployment, engines[2], plan)
+                expected, report["baseline"], report["no_offload"] = _baseline(
+                    deployment, engines[2], plan)
                 report["vllm_version"] = engines[2].ready.get("vllm_version")
                 engines[2].close()
             progress(f"{plane}: sidecars and engines up ({time.monotonic() - t_plane:.0f} s)")
@@ -232,7 +236,10 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
             for size in plan.sizes_mib:
                 report["rows"].append(bench.measure_size(size))
             if plan.itl_size_mib:
-                report["inter_token"].append(bench.inter_token(plan.itl_size_mib))
+                itl = bench.inter_token(plan.itl_size_mib)
+                itl["store"]["p99_over_no_offload"] = store_over_no_offload(
+                    itl, report.get("no_offload"))
+                report["inter_token"].append(itl)
             report["planes"][plane] = {"pids": bench.pids, "busy_neighbour": bench.busy_neighbour,
                                        "seconds": round(time.monotonic() - t_plane, 1)}
         finally:

@@ -9,6 +9,9 @@ prefix this engine computes and then stores, or none (the quiet reference).
 D's window ends on a state, then D is aborted (``window_end`` says which):
 
 - ``traffic_finished``: T has its token (a load: every loaded chunk is in vLLM's rows);
+- ``tokens_after_traffic``: with ``tokens_after_traffic`` (and no ``until_counter``), D has
+  decoded that many tokens after T's token: the steps after a prefill on an engine without
+  offloading, the reference of a store window;
 - ``stored``: with ``until_counter``, T has finished and the engine's own vLLM counter
   (e.g. the tier's ``vllm:kv_offload_tiering_write_bytes``, which vLLM records as this
   process steps the engine) has grown by ``at_least`` since T was added: the store cascade
@@ -27,7 +30,8 @@ Request and reply (``engine_driver`` documents the protocol)::
 
     {"op": "decode_latency", "decode_prompt": [ids], "traffic_prompt": [ids] | null,
      "warm_tokens": 8, "quiet_tokens": 32, "max_decode_tokens": 1024, "timeout_s": 120,
-     "until_counter": {"name": str, "labels": {...}, "at_least": float} | null}
+     "until_counter": {"name": str, "labels": {...}, "at_least": float} | null,
+     "tokens_after_traffic": int | null}
     -> {"intervals_s": [...], "token_times_s": [...], "compute_interval_index": int | null,
         "decode_token_ids": [...], "traffic": {"token_ids", "num_cached_tokens",
         "added_at_s", "finished_at_s"} | null, "window_start_s", "window_end",
@@ -90,6 +94,7 @@ def decode_latency(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     timeout_s = float(cmd.get("timeout_s", 120.0))
     traffic_prompt = cmd.get("traffic_prompt")
     until = cmd.get("until_counter")
+    after = cmd.get("tokens_after_traffic")
     stamp = f"{time.monotonic_ns()}"
     decode_id, traffic_id = f"itl-decode-{stamp}", f"itl-traffic-{stamp}"
 
@@ -103,6 +108,7 @@ def decode_latency(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     compute_index: int | None = None
     quiet_mark: float | None = None  # without traffic: when T would have been added
     quiet_from = 0  # D's tokens at the quiet mark
+    done_from = 0  # D's tokens when T finished
     decode_finished = False
     end: str | None = None
     while end is None:
@@ -129,6 +135,8 @@ def decode_latency(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             decode_tokens = ids
             if traffic_finished_now and len(token_times) >= 2:
                 compute_index = len(token_times) - 2
+            if traffic_finished_now:
+                done_from = len(token_times)
             decode_finished = decode_finished or out.finished
         if len(token_times) >= warm:
             if traffic_prompt is not None and traffic_added is None:
@@ -142,7 +150,10 @@ def decode_latency(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             if quiet_mark is not None and len(token_times) - quiet_from >= quiet_tokens:
                 end = "quiet_tokens"
         elif traffic_done is not None:
-            if until is None:
+            if until is None and after is not None:
+                if len(token_times) - done_from >= int(after):
+                    end = "tokens_after_traffic"
+            elif until is None:
                 end = "traffic_finished"
             else:  # read only once T is done: the store cascade starts after its prefill
                 growth = _counter(until["name"], until.get("labels", {})) - counter_start

@@ -143,6 +143,7 @@ class EngineDriverProcess(JsonLinesProcess):
                        traffic_prompt: Sequence[int] | None = None, *, warm_tokens: int = 8,
                        quiet_tokens: int = 32, max_decode_tokens: int = 1024,
                        until_counter: Mapping[str, Any] | None = None,
+                       tokens_after_traffic: int | None = None,
                        timeout_s: float = 180.0) -> dict[str, Any]:
         """Inter-token times of ``decode_prompt`` while ``traffic_prompt`` (if any) is
         served beside it, until the state ``decode_latency`` documents (``until_counter``:
@@ -153,6 +154,7 @@ class EngineDriverProcess(JsonLinesProcess):
             "warm_tokens": warm_tokens, "quiet_tokens": quiet_tokens,
             "max_decode_tokens": max_decode_tokens,
             "until_counter": None if until_counter is None else dict(until_counter),
+            "tokens_after_traffic": tokens_after_traffic,
             "timeout_s": timeout_s,
         }, timeout_s + 30.0)
 
