@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from kv_offload_tools.bench.vllm_ttft_measure import PlaneBench, progress
-from kv_offload_tools.bench.vllm_ttft_no_offload import no_offload_reference, store_over_no_offload
+from kv_offload_tools.bench.vllm_ttft_no_offload import (
+    REFERENCES, prefill_reference, store_over_reference)
 from kv_offload_tools.bench.vllm_ttft_plan import (
     BLOCK_TOKENS,
     CHUNK_TOKENS,
@@ -74,10 +75,9 @@ def references(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _baseline(deployment: VllmDeployment, baseline: Any, plan: Plan
-              ) -> tuple[dict[str, list[int]], list[dict[str, Any]], dict[str, Any] | None]:
+              ) -> tuple[dict[str, list[int]], list[dict[str, Any]]]:
     """The baseline's first tokens of every prompt (and first tokens of the decoding
-    requests), its TTFT per size (recompute without any offloading), and the store window's
-    reference without offloading (``vllm_ttft_no_offload``)."""
+    requests), and its TTFT per size (recompute without any offloading)."""
     expected: dict[str, list[int]] = {}
     ttfts: list[dict[str, Any]] = []
     baseline.generate([_warm_prompt("baseline")], max_tokens=1)
@@ -92,7 +92,16 @@ def _baseline(deployment: VllmDeployment, baseline: Any, plan: Plan
         expected[key] = out["token_ids"]
     progress(f"baseline: first tokens of {len(expected)} prompts; recompute "
              + ", ".join(f"{t['size_mib']} MiB {t['ttft_s']:.3f} s" for t in ttfts))
-    return expected, ttfts, no_offload_reference(baseline, plan) if plan.itl_size_mib else None
+    return expected, ttfts
+
+
+def _store_references(plan: Plan, engines: dict[str, Any], report: dict[str, Any]) -> None:
+    """The store window on the reference engines (``vllm_ttft_no_offload``), each closed after."""
+    for which, engine in engines.items():
+        try:
+            report["store_references"][which] = prefill_reference(engine, plan, which)
+        finally:
+            engine.close()
 
 
 T = TypeVar("T")
@@ -176,15 +185,23 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
     }
     overlap = plan.kv_cache_bytes <= _OVERLAP_MAX_KV_GIB * GiB
     expected: dict[str, list[int]] | None = None
+    report["store_references"] = {}
     if not overlap:
         baseline = pinned(engine_cores, lambda: deployment.start_baseline(
             extra_env=env, llm_kwargs=llm_kwargs))()
         try:
-            expected, report["baseline"], report["no_offload"] = _baseline(
-                deployment, baseline, plan)
+            expected, report["baseline"] = _baseline(deployment, baseline, plan)
             report["vllm_version"] = baseline.ready.get("vllm_version") if baseline.ready else None
-        finally:
+        except BaseException:
             baseline.close()
+            raise
+        if not plan.itl_size_mib:
+            baseline.close()
+        else:  # one engine at a time: the host's RAM is shared
+            _store_references(plan, {"no_connector": baseline}, report)
+            cpu_only = pinned(engine_cores, lambda: deployment.start_cpu_tier_only(
+                extra_env=env, llm_kwargs=llm_kwargs))()
+            _store_references(plan, {"cpu_tier_only": cpu_only}, report)
     report["errors"] = []
     for plane in plan.planes:
         try:
@@ -220,15 +237,20 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
         if expected is None:
             starters.append(lambda: deployment.start_baseline(extra_env=env,
                                                               llm_kwargs=llm_kwargs))
+            if plan.itl_size_mib:
+                starters.append(lambda: deployment.start_cpu_tier_only(extra_env=env,
+                                                                       llm_kwargs=llm_kwargs))
         engines = start_all([pinned(engine_cores, start) for start in starters])
         bench: PlaneBench | None = None
         try:
             a, b = engines[0], engines[1]
             if expected is None:
-                expected, report["baseline"], report["no_offload"] = _baseline(
-                    deployment, engines[2], plan)
+                expected, report["baseline"] = _baseline(deployment, engines[2], plan)
                 report["vllm_version"] = engines[2].ready.get("vllm_version")
-                engines[2].close()
+                if plan.itl_size_mib:
+                    _store_references(plan, dict(zip(REFERENCES, engines[2:])), report)
+                else:
+                    engines[2].close()
             progress(f"{plane}: sidecars and engines up ({time.monotonic() - t_plane:.0f} s)")
             bench = PlaneBench(plan, plane, pool, a, b, expected, f"1:{TIER_TYPE}",
                                config.host_chunk_stride_bytes)
@@ -237,8 +259,9 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
                 report["rows"].append(bench.measure_size(size))
             if plan.itl_size_mib:
                 itl = bench.inter_token(plan.itl_size_mib)
-                itl["store"]["p99_over_no_offload"] = store_over_no_offload(
-                    itl, report.get("no_offload"))
+                for which in REFERENCES:
+                    itl["store"][f"p99_over_{which}"] = store_over_reference(
+                        itl, report["store_references"].get(which))
                 report["inter_token"].append(itl)
             report["planes"][plane] = {"pids": bench.pids, "busy_neighbour": bench.busy_neighbour,
                                        "seconds": round(time.monotonic() - t_plane, 1)}

@@ -81,16 +81,20 @@ class VllmDeployment:
 
     # ---- what the user writes -----------------------------------------------
 
-    def extra_config(self, tier_keys: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """kv_connector_extra_config: vLLM's tiering spec (CPU worker) with the kv-offload tier."""
+    def extra_config(self, tier_keys: Mapping[str, Any] | None = None, *,
+                     with_tier: bool = True) -> dict[str, Any]:
+        """kv_connector_extra_config: vLLM's tiering spec (CPU worker) with the kv-offload tier
+        (``with_tier=False``: vLLM's own CPU tier alone)."""
         tier = {"type": TIER_TYPE, "module_path": TIER_MODULE, **(tier_keys or {})}
         return {**self.spec, "cpu_bytes_to_use": self.cpu_bytes, "block_size": self.chunk_tokens,
-                "secondary_tiers": [tier]}
+                "secondary_tiers": [tier] if with_tier else []}
 
     def kv_transfer_config(self, engine_id: str,
-                           tier_keys: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                           tier_keys: Mapping[str, Any] | None = None, *,
+                           with_tier: bool = True) -> dict[str, Any]:
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "engine_id": engine_id, "kv_connector_extra_config": self.extra_config(tier_keys)}
+                "engine_id": engine_id,
+                "kv_connector_extra_config": self.extra_config(tier_keys, with_tier=with_tier)}
 
     def vllm_serve_line(self, model_dir: str | Path | None = None) -> str:
         """The ``vllm serve`` command the engines are equivalent to (what the operator translates).
@@ -142,6 +146,19 @@ class VllmDeployment:
         """An engine without any KV offloading: the outputs every offloading run must equal."""
         return EngineDriverProcess(
             str(self.model_dir), python=self.python, kv_transfer_config=None,
+            block_size=self.block_size, env=self.engine_env("127.0.0.1", 1, extra_env),
+            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s,
+            llm_kwargs=llm_kwargs)
+
+    def start_cpu_tier_only(self, name: str = "cpu-tier-only",
+                            ready_timeout_s: float = 300.0, *,
+                            extra_env: Mapping[str, str] | None = None,
+                            llm_kwargs: Mapping[str, Any] | None = None) -> EngineDriverProcess:
+        """An engine with vLLM's own offloading and no kv-offload tier: the same connector,
+        spec and primary CPU tier as ``start_engine``'s, no secondary tier."""
+        return EngineDriverProcess(
+            str(self.model_dir), python=self.python,
+            kv_transfer_config=self.kv_transfer_config(f"{name}-{os.getpid()}", with_tier=False),
             block_size=self.block_size, env=self.engine_env("127.0.0.1", 1, extra_env),
             stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s,
             llm_kwargs=llm_kwargs)

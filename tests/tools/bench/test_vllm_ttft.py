@@ -19,7 +19,8 @@ import sys
 import pytest
 
 from kv_offload_tools.bench.vllm_ttft_measure import QUIET_TOKENS
-from kv_offload_tools.bench.vllm_ttft_no_offload import AFTER_PREFILL_TOKENS, PREFILL_RUNS
+from kv_offload_tools.bench.vllm_ttft_no_offload import (
+    AFTER_PREFILL_TOKENS, PREFILL_RUNS, REFERENCES)
 from kv_offload_tools.bench.vllm_ttft_report import SOURCES, rest_of_ttft
 
 pytestmark = pytest.mark.timeout(600)
@@ -117,7 +118,7 @@ def test_the_rest_of_a_peer_hit_is_the_ttft_outside_the_transfer_and_the_unhidde
 
 
 def test_the_json_report_has_every_field(report) -> None:
-    assert {"config", "references", "baseline", "no_offload", "rows", "inter_token",
+    assert {"config", "references", "baseline", "store_references", "rows", "inter_token",
             "mismatches", "errors",
             "missing_metrics", "targets", "planes", "plot", "elapsed_s",
             "vllm_version"} <= set(report)
@@ -125,7 +126,7 @@ def test_the_json_report_has_every_field(report) -> None:
     names = {t["target"] for t in report["targets"]}
     assert {"tier CPU-s/GB in vLLM's engine process, peer load",
             "ITL p99 while loading / quiet",
-            "ITL p99 while storing / the same window without offloading"} <= names
+            "ITL p99 while storing / the same window with vLLM's CPU tier alone"} <= names
     assert any(n.startswith("peer HIT within 2 scheduler steps") for n in names)
     (ref,) = report["references"]
     assert ref["memcpy_s"] > 0 and ref["raw_tcp_s"] > 0 and ref["bytes"] == 8 << 20
@@ -164,17 +165,19 @@ def test_each_inter_token_window_ends_on_its_state(report) -> None:
     assert beside["p99_over_quiet"] > 0
 
 
-def test_the_store_window_is_held_to_the_same_window_without_offloading(report) -> None:
+def test_the_store_window_is_held_to_the_same_window_on_engines_without_the_tier(report) -> None:
     (itl,) = report["inter_token"]
-    ref = report["no_offload"]
-    # The baseline engine decoded beside PREFILL_RUNS fresh prefills, each window running
-    # AFTER_PREFILL_TOKENS tokens past the prefix's first token, and two quiet runs.
-    assert len(ref["prefill_runs"]) == PREFILL_RUNS
-    assert all(r["intervals"] >= AFTER_PREFILL_TOKENS for r in ref["prefill_runs"])
-    assert ref["quiet"]["intervals"] == 2 * QUIET_TOKENS
-    assert ref["prefill_over_quiet"] > 0
-    assert itl["store"]["p99_over_no_offload"] == pytest.approx(
-        itl["store"]["p99_ms"] / (itl["quiet"]["p99_ms"] * ref["prefill_over_quiet"]))
+    refs = report["store_references"]
+    assert set(refs) == set(REFERENCES)
+    for which, ref in refs.items():
+        # The reference engine decoded beside PREFILL_RUNS fresh prefills, each window running
+        # AFTER_PREFILL_TOKENS tokens past the prefix's first token, and two quiet runs.
+        assert len(ref["prefill_runs"]) == PREFILL_RUNS, which
+        assert all(r["intervals"] >= AFTER_PREFILL_TOKENS for r in ref["prefill_runs"]), which
+        assert ref["quiet"]["intervals"] == 2 * QUIET_TOKENS, which
+        assert ref["prefill_over_quiet"] > 0, which
+        assert itl["store"][f"p99_over_{which}"] == pytest.approx(
+            itl["store"]["p99_ms"] / (itl["quiet"]["p99_ms"] * ref["prefill_over_quiet"]))
 
 
 def test_engines_get_the_compute_cores_and_sidecars_the_others() -> None:
