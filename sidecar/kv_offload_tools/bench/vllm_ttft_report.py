@@ -74,7 +74,7 @@ def table(report: Mapping[str, Any]) -> str:
                     SOURCES["peer_cpu_tier"], "peer extra over B's CPU tier", "peer rate", "own extra",
                     "memcpy", "raw TCP", "no-offload engine", SOURCES["peer_cold"])
     for r in report["rows"]:
-        ref = refs.get(r["size_mib"], {})
+        ref = r.get("reference") or refs.get(r["size_mib"], {})
         lines.append(
             f"| {r['plane']} | {r['size_mib']} MiB | {r['recompute']['ttft_s']:.3f} s "
             f"| {r['cpu_tier']['ttft_s']:.3f} s | {r['own_sidecar']['ttft_s']:.3f} s "
@@ -223,7 +223,8 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "beside": beside})
 
     for r in report["rows"]:
-        size, plane, ref = r["size_mib"], r["plane"], refs.get(r["size_mib"])
+        size, plane = r["size_mib"], r["plane"]
+        ref = r.get("reference") or refs.get(size)  # the row's own, measured just before it
         if size >= TARGET_MIN_MIB and ref:
             add("peer extra over B's CPU tier (s) <= 1.5 x raw TCP", plane, size,
                 r["peer"]["extra_over_cpu_tier_s"], PEER_OVER_RAW * ref["raw_tcp_s"])

@@ -1,9 +1,11 @@
 """The run of `bench vllm`: references, the baseline engine, then per data plane a pool of two
 sidecars and engines A and B (``vllm_ttft_measure``), returning the JSON report.
 
-Engines start side by side (``start_all``); the baseline runs first and is closed
-before the planes' engines write any offloaded bytes, so at most three engines
-live at once and only two hold KV in their primary tiers.
+Engines start side by side (``start_all``); the baseline and the store window's reference
+engine with vLLM's CPU tier alone (``vllm_ttft_no_offload``) run first, one at a time, or
+beside the first plane's idle engines when every KV cache is small, and are closed before
+the planes' engines write any offloaded bytes. Each row's memcpy and raw-TCP references are
+measured again just before the row (``reference``): a target is a ratio to them.
 """
 
 from __future__ import annotations
@@ -63,15 +65,13 @@ def _warm_prompt(plane: str) -> list[int]:
     return prompt(f"warm/{plane}", 2 * CHUNK_TOKENS + 1)
 
 
-def references(plan: Plan) -> list[dict[str, Any]]:
-    out = []
-    for size in plan.sizes_mib:
-        nbytes = plan.prefix_bytes(size)
-        mem, tcp = memcpy_seconds(nbytes), raw_tcp_seconds(nbytes)
-        out.append({"size_mib": size, "bytes": nbytes, "memcpy_s": mem, "raw_tcp_s": tcp,
-                    "memcpy_gbps": nbytes / 1e9 / mem, "raw_tcp_gbps": nbytes / 1e9 / tcp})
-        progress(f"reference {size} MiB: memcpy {mem:.3f} s, raw TCP {tcp:.3f} s")
-    return out
+def reference(plan: Plan, size: int, where: str = "") -> dict[str, Any]:
+    """memcpy and raw TCP of one prefix's bytes, now (on the calling thread's cores)."""
+    nbytes = plan.prefix_bytes(size)
+    mem, tcp = memcpy_seconds(nbytes), raw_tcp_seconds(nbytes)
+    progress(f"{where}reference {size} MiB: memcpy {mem:.3f} s, raw TCP {tcp:.3f} s")
+    return {"size_mib": size, "bytes": nbytes, "memcpy_s": mem, "raw_tcp_s": tcp,
+            "memcpy_gbps": nbytes / 1e9 / mem, "raw_tcp_gbps": nbytes / 1e9 / tcp}
 
 
 def _baseline(deployment: VllmDeployment, baseline: Any, plan: Plan
@@ -169,7 +169,7 @@ def run_bench(plan: Plan, workdir: str, *, omp_bind: str, spec: str) -> dict[str
     if cores:
         progress(f"engines on cores {sorted(cores[0])}, sidecars and references on {sorted(cores[1])}")
     with on_cores(sidecar_cores):
-        refs = references(plan)
+        refs = [reference(plan, size) for size in plan.sizes_mib]
     report: dict[str, Any] = {
         "config": {"sizes_mib": list(plan.sizes_mib), "planes": list(plan.planes),
                    "layers": plan.layers, "model": plan.model_config,
@@ -256,7 +256,13 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
                                config.host_chunk_stride_bytes)
             bench.warm(_warm_prompt(plane))
             for size in plan.sizes_mib:
-                report["rows"].append(bench.measure_size(size))
+                # The row's own references, moments before it: the host's speed drifts by
+                # tens of percent within a run, and each target is a ratio to them.
+                with on_cores(sidecar_cores):
+                    ref = reference(plan, size, f"{plane}: ")
+                row = bench.measure_size(size)
+                row["reference"] = ref
+                report["rows"].append(row)
             if plan.itl_size_mib:
                 itl = bench.inter_token(plan.itl_size_mib)
                 for which in REFERENCES:

@@ -21,7 +21,7 @@ import pytest
 from kv_offload_tools.bench.vllm_ttft_measure import QUIET_TOKENS
 from kv_offload_tools.bench.vllm_ttft_no_offload import (
     AFTER_PREFILL_TOKENS, PREFILL_RUNS, REFERENCES)
-from kv_offload_tools.bench.vllm_ttft_report import SOURCES, rest_of_ttft
+from kv_offload_tools.bench.vllm_ttft_report import SOURCES, rest_of_ttft, targets
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -117,6 +117,21 @@ def test_the_rest_of_a_peer_hit_is_the_ttft_outside_the_transfer_and_the_unhidde
     assert rest_of_ttft(1.0, lookup=None, fetch=None, copy=None, landed=None) is None
 
 
+def test_a_rows_targets_are_ratios_to_its_own_references_not_the_runs_first() -> None:
+    hit = {"extra_over_cpu_tier_s": 0.3, "engine_cpu_s_per_gb": 0.1, "tier_cpu_s_per_gb": 0.01}
+    row = {"plane": "tcp", "size_mib": 512, "store": dict(hit), "own_sidecar": dict(hit),
+           "peer": {**hit, "steps_after_arrival": 0, "late_arrivals": 0, "lookup_arrivals": 1},
+           "reference": {"size_mib": 512, "raw_tcp_s": 0.25, "memcpy_s": 0.1}}
+    first = {"size_mib": 512, "raw_tcp_s": 0.1, "memcpy_s": 0.01}
+    got = {t["target"]: t for t in targets({"references": [first], "rows": [row]})}
+    peer = got["peer extra over B's CPU tier (s) <= 1.5 x raw TCP"]
+    assert peer["limit"] == pytest.approx(1.5 * 0.25) and peer["met"]
+    # Without its own references a row falls back to the run's first ones.
+    del row["reference"]
+    got = {t["target"]: t for t in targets({"references": [first], "rows": [row]})}
+    assert not got["peer extra over B's CPU tier (s) <= 1.5 x raw TCP"]["met"]
+
+
 def test_the_json_report_has_every_field(report) -> None:
     assert {"config", "references", "baseline", "store_references", "rows", "inter_token",
             "mismatches", "errors",
@@ -132,6 +147,8 @@ def test_the_json_report_has_every_field(report) -> None:
     assert ref["memcpy_s"] > 0 and ref["raw_tcp_s"] > 0 and ref["bytes"] == 8 << 20
     (row,) = report["rows"]
     assert ROW_FIELDS <= set(row)
+    # The row's own references, measured just before it, of the same bytes.
+    assert row["reference"]["bytes"] == ref["bytes"] and row["reference"]["raw_tcp_s"] > 0
     assert {"ttft_s", "num_cached_tokens", "first_token", "match"} <= set(row["recompute"])
     for source in ("cpu_tier", "peer_cpu_tier"):
         assert HIT_FIELDS <= set(row[source]), source
