@@ -108,9 +108,13 @@ def itl_window(reply: Mapping[str, Any]) -> list[float]:
             if end > start and i != skip]
 
 
-def itl_stats(window: list[float]) -> dict[str, Any]:
-    """Count, p50, p99, max and mean (ms) of a window's intervals (seconds)."""
+def itl_stats(window: list[float], *, with_intervals: bool = False) -> dict[str, Any]:
+    """Count, p50, p99, max and mean (ms) of a window's intervals (seconds); with
+    ``with_intervals`` each interval too, in order, so a slow step can be placed (first
+    after the traffic's prefill, or spread over the transfer)."""
     out: dict[str, Any] = {"intervals": len(window)}
+    if with_intervals:
+        out["intervals_ms"] = [round(iv * 1e3, 1) for iv in window]
     if window:
         ms = np.array(window) * 1e3
         out.update(p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
@@ -455,10 +459,7 @@ class PlaneBench:
         skip = reply["compute_interval_index"]
         window = itl_window(reply)
         self._check_decode(what, reply)
-        out = itl_stats(window)
-        # Each interval of the window in order, so a slow step can be placed (first after the
-        # traffic's prefill, or spread over the transfer).
-        out["intervals_ms"] = [round(iv * 1e3, 1) for iv in window]
+        out = itl_stats(window, with_intervals=True)
         out["compute_interval_ms"] = reply["intervals_s"][skip] * 1e3 if skip is not None else None
         out["window_end"] = reply["window_end"]
         traffic = reply.get("traffic")

@@ -55,9 +55,7 @@ def prefill_reference(engine: Any, plan: Plan, which: str) -> dict[str, Any]:
         raise RuntimeError(f"a {which} prefill window ended on {sorted(ended)}, not after "
                            f"{AFTER_PREFILL_TOKENS} tokens: raise --max-decode-tokens")
     q = itl_stats([iv for r in quiet for iv in itl_window(r)])
-    runs = [itl_stats(itl_window(r)) for r in prefill]
-    for stats, reply in zip(runs, prefill):
-        stats["intervals_ms"] = [round(iv * 1e3, 1) for iv in itl_window(reply)]
+    runs = [itl_stats(itl_window(r), with_intervals=True) for r in prefill]
     p99 = statistics.median(r["p99_ms"] for r in runs)
     ratio = p99 / q["p99_ms"] if q["p99_ms"] else None
     progress(f"{REFERENCES[which]} ({size} MiB prefilled beside the decoding request): p99 "

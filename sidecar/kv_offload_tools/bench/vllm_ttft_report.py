@@ -74,7 +74,7 @@ def table(report: Mapping[str, Any]) -> str:
                     SOURCES["peer_cpu_tier"], "peer extra over B's CPU tier", "peer rate", "own extra",
                     "memcpy", "raw TCP", "no-offload engine", SOURCES["peer_cold"])
     for r in report["rows"]:
-        ref = r.get("reference") or refs.get(r["size_mib"], {})
+        ref = _row_reference(r, refs) or {}
         lines.append(
             f"| {r['plane']} | {r['size_mib']} MiB | {r['recompute']['ttft_s']:.3f} s "
             f"| {r['cpu_tier']['ttft_s']:.3f} s | {r['own_sidecar']['ttft_s']:.3f} s "
@@ -143,6 +143,12 @@ def table(report: Mapping[str, Any]) -> str:
                 f"| {q['intervals']} / {ld['intervals']} / {st['intervals']} "
                 f"| {_stored(st)} |")
     return "\n".join(lines)
+
+
+def _row_reference(row: Mapping[str, Any], first: Mapping[int, Any]) -> Mapping[str, Any] | None:
+    """A row's memcpy and raw-TCP reference: its own, measured just before it, or (reports
+    from before rows had one) the run's first of that size."""
+    return row.get("reference") or first.get(row["size_mib"])
 
 
 def _stored(store: Mapping[str, Any]) -> str:
@@ -223,8 +229,7 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "beside": beside})
 
     for r in report["rows"]:
-        size, plane = r["size_mib"], r["plane"]
-        ref = r.get("reference") or refs.get(size)  # the row's own, measured just before it
+        size, plane, ref = r["size_mib"], r["plane"], _row_reference(r, refs)
         if size >= TARGET_MIN_MIB and ref:
             add("peer extra over B's CPU tier (s) <= 1.5 x raw TCP", plane, size,
                 r["peer"]["extra_over_cpu_tier_s"], PEER_OVER_RAW * ref["raw_tcp_s"])
@@ -242,18 +247,18 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
             "(steps, mean)", plane, size, peer.get("steps_after_arrival"), HIT_STEPS_TARGET,
             beside=f"{_f(late, '{:.0f}')} of {_f(peer.get('lookup_arrivals'), '{:.0f}')} later",
             met=late == 0)
+    # A store window starts with a prefill and vLLM's own primary-tier store, which slow the
+    # next steps without the tier too: it is held to the same window on an engine with
+    # vLLM's CPU tier alone (vllm_ttft_no_offload), the engine without any connector beside.
+    store_refs = report.get("store_references") or {}
+    ratios = ", ".join(
+        f"{REFERENCES[w]} {_f(store_refs.get(w, {}).get('prefill_over_quiet'), '{:.2f}')}x"
+        for w in REFERENCES)
     for t in report.get("inter_token", []):
         memcpy = _f(t.get("memcpy_beside", {}).get("p99_over_quiet"), "{:.2f}")
         add("ITL p99 while loading / quiet", t["plane"], t["size_mib"],
             t["load"]["p99_over_quiet"], ITL_P99_RATIO,
             beside=f"a bare memcpy loop of the bytes beside: {memcpy}x")
-        # A store window starts with a prefill and vLLM's own primary-tier store, which slow
-        # the next steps without the tier too: it is held to the same window on an engine
-        # with vLLM's CPU tier alone (vllm_ttft_no_offload), the engine without any
-        # connector printed beside it.
-        refs = report.get("store_references") or {}
-        ratios = ", ".join(f"{REFERENCES[w]} {_f(refs.get(w, {}).get('prefill_over_quiet'), '{:.2f}')}x"
-                           for w in REFERENCES)
         st = t["store"]
         add("ITL p99 while storing / the same window with vLLM's CPU tier alone", t["plane"],
             t["size_mib"], st.get("p99_over_cpu_tier_only"), ITL_P99_RATIO,
