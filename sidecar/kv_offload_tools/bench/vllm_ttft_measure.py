@@ -52,8 +52,10 @@ import numpy as np
 
 from kv_offload_tools.bench.vllm_ttft_plan import (
     CHUNK_TOKENS,
+    WINDOW_RUNS,
     Plan,
     decode_prompt,
+    itl_role,
     prefix_prompt,
     prompt_key,
 )
@@ -122,6 +124,14 @@ def itl_stats(window: list[float], *, with_intervals: bool = False) -> dict[str,
     else:
         out.update(p50_ms=None, p99_ms=None, max_ms=None, mean_ms=None)
     return out
+
+
+def median_window(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Traffic windows of one kind as one figure: the window whose p99 is the median (its
+    p50, intervals and end state with it; an odd count), each window under ``runs``."""
+    timed = sorted((w for w in windows if w["p99_ms"] is not None), key=lambda w: w["p99_ms"])
+    middle = timed[(len(timed) - 1) // 2] if timed else windows[0]
+    return {**middle, "runs": windows}
 
 
 def per_gb(seconds: float | None, nbytes: int) -> float | None:
@@ -381,44 +391,22 @@ class PlaneBench:
     def inter_token(self, size_mib: int) -> dict[str, Any]:
         """B decodes a short request: alone, while loading a prefix from A's sidecar (until
         its first token), and while computing and storing another prefix (until vLLM counts
-        its bytes written to the tier)."""
-        plan, a, b = self.plan, self.a, self.b
+        its bytes written to the tier); ``WINDOW_RUNS`` load and store windows, each beside a
+        fresh prefix, whose p99s' median is the figure (``median_window``)."""
         kwargs = {"warm_tokens": WARM_TOKENS, "quiet_tokens": QUIET_TOKENS,
-                  "max_decode_tokens": plan.max_decode_tokens}
+                  "max_decode_tokens": self.plan.max_decode_tokens}
         runs: dict[str, Any] = {}
-
+        b = self.b
         self.settle("a")
         quiet = [b.decode_latency(decode_prompt("quiet"), None, **kwargs)]
-
-        load_key, store_key = prompt_key(size_mib, "itl-load"), prompt_key(size_mib, "itl-store")
-        load_prompt = prefix_prompt(plan, size_mib, "itl-load")
-        chunks = plan.prefix_tokens(size_mib) // CHUNK_TOKENS
-        written = self.tier_counter(a, TIER_WRITE_BYTES)
-        (out,) = a.generate([load_prompt], max_tokens=1)
-        self._check("itl load prompt on A", load_key, out)
-        self.wait_written(a, written, chunks)
-        self.pool.wait_directory_current(timeout=_STORE_DEADLINE_S)
-        self.settle("a")
-        load = b.decode_latency(decode_prompt("load"), load_prompt, **kwargs)
-        runs["load"] = self._itl(load, "load", load_key)
-
-        store_prompt = prefix_prompt(plan, size_mib, "itl-store")
-        store_bytes = chunks * self.stride_bytes
-        until = {"name": TIER_WRITE_BYTES, "labels": {"tier": self.tier_label},
-                 "at_least": store_bytes}
-        self.settle("a")
-        store = b.decode_latency(decode_prompt("store"), store_prompt, **kwargs,
-                                 until_counter=until,
-                                 timeout_s=_STORE_DEADLINE_S + store_bound_s(store_bytes))
-        runs["store"] = self._itl(store, "store", store_key)
-        runs["store"]["stored_in_window_bytes"] = store["counter_growth"]
-        runs["store"]["stored_in_window"] = store["window_end"] == "stored"
-        traffic = store.get("traffic") or {}
-        runs["store"]["stored_after_first_token_s"] = (
-            None if store["counter_reached_at_s"] is None or "finished_at_s" not in traffic
-            else store["counter_reached_at_s"] - traffic["finished_at_s"])
+        loads, stores = [], []
+        for run in range(WINDOW_RUNS):
+            loads.append(self._load_window(size_mib, itl_role("load", run), kwargs))
+            stores.append(self._store_window(size_mib, itl_role("store", run), kwargs))
+        runs["load"], runs["store"] = median_window(loads), median_window(stores)
         # The same bytes copied over and over on the sidecars' cores, no offload traffic: what
         # the memory bus the cores share costs decoding, whatever moves the bytes.
+        chunks = self.plan.prefix_tokens(size_mib) // CHUNK_TOKENS
         with memcpy_loop(chunks * self.stride_bytes, os.sched_getaffinity(self.pids["sidecar_0"])):
             self.settle("a")
             beside = b.decode_latency(decode_prompt("quiet"), None, **kwargs)
@@ -437,9 +425,41 @@ class PlaneBench:
                  f"{_fmt(runs['store']['p50_ms'])}/{_fmt(runs['store']['p99_ms'])} ms, a bare "
                  f"memcpy loop beside {_fmt(runs['memcpy_beside']['p50_ms'])}/"
                  f"{_fmt(runs['memcpy_beside']['p99_ms'])} ms "
-                 f"(window ended: load {runs['load']['window_end']}, "
-                 f"store {runs['store']['window_end']})")
+                 f"(each window's p99: load {_p99s(loads)}, store {_p99s(stores)} ms; ended: "
+                 f"load {_ends(loads)}, store {_ends(stores)})")
         return {"plane": self.plane, "size_mib": size_mib, **runs}
+
+    def _load_window(self, size_mib: int, role: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A computes a fresh prefix and stores it; B decodes while loading it from A's sidecar."""
+        a, b = self.a, self.b
+        key, traffic = prompt_key(size_mib, role), prefix_prompt(self.plan, size_mib, role)
+        chunks = self.plan.prefix_tokens(size_mib) // CHUNK_TOKENS
+        written = self.tier_counter(a, TIER_WRITE_BYTES)
+        (out,) = a.generate([traffic], max_tokens=1)
+        self._check(f"itl {role} prompt on A", key, out)
+        self.wait_written(a, written, chunks)
+        self.pool.wait_directory_current(timeout=_STORE_DEADLINE_S)
+        self.settle("a")
+        return self._itl(b.decode_latency(decode_prompt("load"), traffic, **kwargs), "load", key)
+
+    def _store_window(self, size_mib: int, role: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """B decodes while computing a fresh prefix, until vLLM counts its bytes stored."""
+        key, traffic = prompt_key(size_mib, role), prefix_prompt(self.plan, size_mib, role)
+        store_bytes = self.plan.prefix_tokens(size_mib) // CHUNK_TOKENS * self.stride_bytes
+        until = {"name": TIER_WRITE_BYTES, "labels": {"tier": self.tier_label},
+                 "at_least": store_bytes}
+        self.settle("a")
+        store = self.b.decode_latency(decode_prompt("store"), traffic, **kwargs,
+                                      until_counter=until,
+                                      timeout_s=_STORE_DEADLINE_S + store_bound_s(store_bytes))
+        out = self._itl(store, "store", key)
+        out["stored_in_window_bytes"] = store["counter_growth"]
+        out["stored_in_window"] = store["window_end"] == "stored"
+        traffic_times = store.get("traffic") or {}
+        out["stored_after_first_token_s"] = (
+            None if store["counter_reached_at_s"] is None or "finished_at_s" not in traffic_times
+            else store["counter_reached_at_s"] - traffic_times["finished_at_s"])
+        return out
 
     def _itl_pooled(self, replies: list[Mapping[str, Any]]) -> dict[str, Any]:
         for reply in replies:
@@ -468,6 +488,14 @@ class PlaneBench:
             out["traffic_seconds"] = traffic["finished_at_s"] - traffic["added_at_s"]
             out["traffic_match"] = self._check(f"itl {what} prompt", key, traffic)
         return out
+
+
+def _p99s(windows: list[dict[str, Any]]) -> str:
+    return "/".join(_fmt(w["p99_ms"]) for w in windows)
+
+
+def _ends(windows: list[dict[str, Any]]) -> str:
+    return ", ".join(sorted({w["window_end"] for w in windows}))
 
 
 def _fmt(v: float | None) -> str:

@@ -8,7 +8,7 @@ prefill ran at up to 2.4x its quiet p99 with vLLM's CPU tier alone and no kv-off
 and at up to 1.4x with no connector at all. So the same window is measured on two engines
 beside the planes' (``REFERENCES``): the baseline (no connector) and one with vLLM's
 offloading and its primary CPU tier but no secondary tier. Each decodes the request beside
-``PREFILL_RUNS`` fresh prefixes of the store window's size, for ``AFTER_PREFILL_TOKENS``
+``WINDOW_RUNS`` fresh prefixes of the store window's size, for ``AFTER_PREFILL_TOKENS``
 tokens after each prefix's first token.
 
 Those engines run before the planes (or beside the first plane's idle engines), when the
@@ -24,17 +24,15 @@ from typing import Any
 
 from kv_offload_tools.bench.vllm_ttft_measure import (
     QUIET_TOKENS, WARM_TOKENS, itl_stats, itl_window, progress)
-from kv_offload_tools.bench.vllm_ttft_plan import Plan, decode_prompt, prefix_prompt
+from kv_offload_tools.bench.vllm_ttft_plan import (
+    WINDOW_RUNS, Plan, decode_prompt, itl_role, prefix_prompt)
 
-__all__ = ["AFTER_PREFILL_TOKENS", "PREFILL_RUNS", "REFERENCES", "prefill_reference",
+__all__ = ["AFTER_PREFILL_TOKENS", "REFERENCES", "prefill_reference",
            "store_over_reference"]
 
 # Tokens D decodes after the prefilled prefix's first token: about what a 512 MiB store
 # window holds here before its bytes land (15-25 intervals).
 AFTER_PREFILL_TOKENS = 20
-# Prefill windows measured per engine; their p99s' median is the reference (each window is
-# one sample, as a plane's store window is).
-PREFILL_RUNS = 3
 # The reference engines, by the report key under ``store_references``: what each lacks.
 REFERENCES = {"no_connector": "no offloading at all",
               "cpu_tier_only": "vLLM's own CPU tier alone, no kv-offload tier"}
@@ -47,9 +45,9 @@ def prefill_reference(engine: Any, plan: Plan, which: str) -> dict[str, Any]:
               "max_decode_tokens": plan.max_decode_tokens}
     quiet = [engine.decode_latency(decode_prompt("quiet"), None, **kwargs) for _ in range(2)]
     prefill = [engine.decode_latency(decode_prompt("store"),
-                                     prefix_prompt(plan, size, f"itl-reference-{i}"),
+                                     prefix_prompt(plan, size, itl_role("reference", i)),
                                      tokens_after_traffic=AFTER_PREFILL_TOKENS, **kwargs)
-               for i in range(PREFILL_RUNS)]
+               for i in range(WINDOW_RUNS)]
     ended = {r["window_end"] for r in prefill}
     if ended != {"tokens_after_traffic"}:
         raise RuntimeError(f"a {which} prefill window ended on {sorted(ended)}, not after "
@@ -60,7 +58,7 @@ def prefill_reference(engine: Any, plan: Plan, which: str) -> dict[str, Any]:
     ratio = p99 / q["p99_ms"] if q["p99_ms"] else None
     progress(f"{REFERENCES[which]} ({size} MiB prefilled beside the decoding request): p99 "
              f"quiet {q['p99_ms']:.1f} ms, after the prefill {p99:.1f} ms (median of "
-             f"{PREFILL_RUNS}), {ratio or 0:.2f}x")
+             f"{WINDOW_RUNS}), {ratio or 0:.2f}x")
     return {"engine": REFERENCES[which], "size_mib": size, "quiet": q, "prefill_runs": runs,
             "prefill_p99_ms": p99, "prefill_over_quiet": ratio}
 

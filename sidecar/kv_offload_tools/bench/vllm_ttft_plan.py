@@ -30,6 +30,10 @@ DECODE_PROMPT_TOKENS = 32
 _TOKEN_RANGE = (10, 2000)
 # Chunks of slack in vLLM's primary tier and in each sidecar's store.
 _SLACK_CHUNKS = 4
+# Traffic windows behind each inter-token figure (load, store, and the reference engines'
+# prefill), each beside a fresh prefix: a window holds 10-25 intervals, so its p99 is about
+# its slowest step, and the figure is the median of the windows' p99s.
+WINDOW_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,12 @@ def prompt(seed: str, tokens: int) -> list[int]:
 def prompt_key(size_mib: int, role: str = "prefix") -> str:
     """The key of a prompt in the baseline's first tokens."""
     return f"{role}/{size_mib}"
+
+
+def itl_role(what: str, run: int) -> str:
+    """The role of the traffic prompt of one inter-token window (``what``: load, store,
+    reference): each window's prefix is fresh."""
+    return f"itl-{what}-{run}"
 
 
 def prefix_prompt(plan: Plan, size_mib: int, role: str = "prefix") -> list[int]:

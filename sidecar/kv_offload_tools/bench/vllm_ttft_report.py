@@ -123,7 +123,9 @@ def table(report: Mapping[str, Any]) -> str:
                      f"| {_f(s['rate_gbps'], '{:.2f} GB/s')} "
                      f"| {', '.join(f'{k} {v:.3f} s' for k, v in s['phases'].items()) or 'missing'} |")
     if report.get("inter_token"):
-        lines += ["", *_header("plane", "prefix", "ITL p50 / p99 quiet", "while loading", "while storing",
+        lines += ["", *_header("plane", "prefix", "ITL p50 / p99 quiet",
+                               "while loading (median window; each window's p99)",
+                               "while storing (median window; each window's p99)",
                                "p99 / quiet (load, store)",
                                "store p99 / same window: CPU tier alone, no connector",
                                "a bare memcpy loop beside: p99 / quiet",
@@ -133,9 +135,8 @@ def table(report: Mapping[str, Any]) -> str:
             mb = t.get("memcpy_beside", {})
             lines.append(
                 f"| {t['plane']} | {t['size_mib']} MiB | {_f(q['p50_ms'], '{:.1f}')} / "
-                f"{_f(q['p99_ms'], '{:.1f}')} ms | {_f(ld['p50_ms'], '{:.1f}')} / "
-                f"{_f(ld['p99_ms'], '{:.1f}')} ms | {_f(st['p50_ms'], '{:.1f}')} / "
-                f"{_f(st['p99_ms'], '{:.1f}')} ms | {_f(ld['p99_over_quiet'], '{:.2f}')}x, "
+                f"{_f(q['p99_ms'], '{:.1f}')} ms | {_window(ld)} | {_window(st)} "
+                f"| {_f(ld['p99_over_quiet'], '{:.2f}')}x, "
                 f"{_f(st['p99_over_quiet'], '{:.2f}')}x "
                 f"| {_f(st.get('p99_over_cpu_tier_only'), '{:.2f}')}x, "
                 f"{_f(st.get('p99_over_no_connector'), '{:.2f}')}x "
@@ -143,6 +144,13 @@ def table(report: Mapping[str, Any]) -> str:
                 f"| {q['intervals']} / {ld['intervals']} / {st['intervals']} "
                 f"| {_stored(st)} |")
     return "\n".join(lines)
+
+
+def _window(w: Mapping[str, Any]) -> str:
+    """A traffic window's p50 / p99, and each run's p99 where it is a median of runs."""
+    runs = w.get("runs") or []
+    each = f" ({', '.join(_f(r['p99_ms'], '{:.1f}') for r in runs)})" if runs else ""
+    return f"{_f(w['p50_ms'], '{:.1f}')} / {_f(w['p99_ms'], '{:.1f}')} ms{each}"
 
 
 def _row_reference(row: Mapping[str, Any], first: Mapping[int, Any]) -> Mapping[str, Any] | None:

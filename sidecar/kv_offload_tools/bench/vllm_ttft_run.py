@@ -23,8 +23,10 @@ from kv_offload_tools.bench.vllm_ttft_plan import (
     BLOCK_TOKENS,
     CHUNK_TOKENS,
     GiB,
+    WINDOW_RUNS,
     Plan,
     decode_prompt,
+    itl_role,
     prefix_prompt,
     prompt,
     prompt_key,
@@ -50,8 +52,11 @@ def _prompts(plan: Plan) -> dict[str, list[int]]:
     """Every prompt whose first token the baseline must give, by key."""
     out = {prompt_key(size): prefix_prompt(plan, size) for size in plan.sizes_mib}
     if plan.itl_size_mib:
-        for role in ("itl-load", "itl-store"):
-            out[prompt_key(plan.itl_size_mib, role)] = prefix_prompt(plan, plan.itl_size_mib, role)
+        for what in ("load", "store"):
+            for run in range(WINDOW_RUNS):
+                role = itl_role(what, run)
+                out[prompt_key(plan.itl_size_mib, role)] = prefix_prompt(plan, plan.itl_size_mib,
+                                                                         role)
     return out
 
 
