@@ -72,13 +72,22 @@ def _prompt(ids: list[int]) -> Any:
     return TokensPrompt(prompt_token_ids=[int(t) for t in ids])
 
 
-def _counter(name: str, labels: Mapping[str, str]) -> float:
-    """Sum of this process's Prometheus samples ``name`` (or ``name_total``) with ``labels``."""
-    from prometheus_client import REGISTRY
+def _counter(name: str, labels: Mapping[str, str], registry: Any = None) -> float:
+    """Sum of this process's Prometheus samples ``name`` (or ``name_total``) with ``labels``.
 
+    Read once per step of a store window, so only the collectors registered under that name
+    are collected: collecting all of vLLM's metrics took about 1 ms here, on the engines'
+    core, in store windows alone (their references end on a token count, read nothing)."""
+    if registry is None:
+        from prometheus_client import REGISTRY as registry
+
+    names = {name, f"{name}_total", name.removesuffix("_total")}
+    by_name = getattr(registry, "_names_to_collectors", None)  # prometheus_client's own index
+    collectors = {by_name[n] for n in names if n in by_name} if by_name is not None else set()
+    metrics = ([m for c in collectors for m in c.collect()] if collectors
+               else registry.collect())
     want = set(labels.items())
-    return float(sum(s.value for metric in REGISTRY.collect() if metric.name in
-                     (name, name.removesuffix("_total"))
+    return float(sum(s.value for metric in metrics if metric.name in names
                      for s in metric.samples if s.name in (name, f"{name}_total")
                      and want <= set(s.labels.items())))
 
