@@ -34,11 +34,11 @@ runs, (load) B loads a large prefix A computed, until its first token, (store) B
 computes a large prefix, until vLLM counts its bytes written to the tier
 (``decode_latency`` op); load and store each ``WINDOW_RUNS`` times beside a fresh
 prefix, the median window by p99 (``median_window``) standing for them; the quiet run,
-``QUIET_TOKENS`` tokens, is made before and after the others and both are pooled,
-since a shared host drifts. One more
-run, ``memcpy_beside``, decodes as quietly while the bench repeats a bare memcpy of
-the prefix's bytes on the sidecars' cores: the cores share one memory bus, so any
-byte movement beside the engine slows its decoding, and that run says by how much.
+``QUIET_TOKENS`` tokens, is made before and after the others and both are pooled, since
+a shared host drifts. One more run, ``memcpy_beside``, decodes as quietly while the
+bench repeats a bare memcpy of the prefix's bytes on the sidecars' cores: the cores share
+one memory bus, so any byte movement beside the engine slows its decoding, and that run
+says by how much.
 """
 
 from __future__ import annotations
