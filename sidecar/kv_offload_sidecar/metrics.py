@@ -129,6 +129,12 @@ class SidecarMetrics:
             ["op", "phase"], unit="seconds", namespace=ns, registry=registry,
             buckets=FETCH_DURATION_BUCKETS,
         )
+        self.peer_chunks_into_rows = Counter(
+            "peer_chunks_into_rows",
+            "Chunks fetched from peers that landed straight in vLLM's rows, verified (a load job "
+            "offered them): neither stored here nor copied by this sidecar.",
+            namespace=ns, registry=registry,
+        )
         self.peer_fetches = Counter(
             "peer_fetches",
             "Fetches of chunks from peers, by outcome.",

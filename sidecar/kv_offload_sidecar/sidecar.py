@@ -46,6 +46,7 @@ from kv_offload_sidecar.peers.links import PeerManager
 from kv_offload_sidecar.peers.directory.location import Location
 from kv_offload_sidecar.peers.peer_reads import PeerReads
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
+from kv_offload_sidecar.peers.row_landings import Landing, RowLandings
 from kv_offload_sidecar.peers.prefill_rate import PrefillRateLearner
 from kv_offload_sidecar.peers.sessions import InboundSessions
 from kv_offload_sidecar.rejections import RejectionLog
@@ -106,13 +107,15 @@ class Sidecar:
                                  keys=self.keys, data_options=self._tls_options("client"))
         # Stalls of this process's own loop (a peer is not blamed for them).
         self.stalls = LoopStalls()
+        # Rows of vLLM's that load jobs offer to the peer chunks they wait for.
+        self.landings = RowLandings(on_landed=self._wake_arrivals)
         self.reads = PeerReads(location=self.location, peers=self.peers, claims=self.claims,
                                metrics=self.metrics, store=self._require_store,
                                deadline_seconds=settings.fetch_deadline_seconds,
                                cost=FetchOrRecompute(PrefillModel(
                                    settings.prefill_tokens_per_second, cfg.tokens_per_chunk,
                                    settings.kv_bytes_per_chunk)),
-                               stalls=self.stalls)
+                               stalls=self.stalls, landings=self.landings)
         # Learns the engine's prefill rate from its /metrics (--engine-metrics-url), if given.
         self.prefill_learner: PrefillRateLearner | None = None
         self.name = store_name(settings.identity)
@@ -324,16 +327,19 @@ class Sidecar:
         arrived.set()
 
     async def load_each(self, keys: Sequence[bytes], timeout: float,
-                        take: Callable[[PinnedChunk], None]) -> int:
+                        take: Callable[[PinnedChunk | None], None],
+                        rows: Sequence[Landing | None] = ()) -> int:
         """Make the leading ``keys`` local (fetching from a peer) and hand each pin to ``take``
         as soon as its chunk is here, in key order (local ones at once, so incoming chunks
         cannot evict them; fetched ones as they land), so the caller can copy a chunk while
-        the next is still on the wire. Returns how many pins it handed over; the caller
-        releases them."""
+        the next is still on the wire. ``rows``: the rows the caller offered per key
+        (``row_landings``); a chunk that landed in its row is handed over as None, and a
+        pin is never taken for a row a transport is receiving into. Returns how many keys
+        it handed over; the caller releases the pins."""
         with self._engine_op():
             store = self._require_store()
             n = 0
-            while n < len(keys) and (pin := store.pin(keys[n])) is not None:
+            while n < len(keys) and (pin := self._take_pin(store, keys[n], rows, n)) is not None:
                 take(pin)
                 n += 1
             if n < len(keys):
@@ -341,8 +347,9 @@ class Sidecar:
                 try:
                     while n < len(keys):
                         arrived = self._arrived
-                        pin = store.pin(keys[n])
-                        if pin is not None:
+                        row = rows[n] if n < len(rows) else None
+                        pin = self._take_pin(store, keys[n], rows, n)
+                        if pin is not None or (row is not None and row.landed):
                             take(pin)
                             n += 1
                         elif fetch.done():
@@ -366,13 +373,31 @@ class Sidecar:
                 UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
             return n
 
+    @staticmethod
+    def _take_pin(store: ChunkStore, key: bytes, rows: Sequence[Landing | None],
+                  n: int) -> PinnedChunk | None:
+        """A pin of ``key`` when its offered row (if any) is still open (which it withdraws):
+        a row a transport took gets the chunk from it, never from a copy beside it."""
+        row = rows[n] if n < len(rows) else None
+        if row is not None and not row.open:
+            return None
+        pin = store.pin(key)
+        if pin is not None and row is not None:
+            row.withdraw()
+        return pin
+
     async def load(self, keys: Sequence[bytes], timeout: float) -> list[PinnedChunk]:
         """Make the leading ``keys`` local (fetching from a peer) and pin them: ``load_each``
         collecting the pins. Returns pins for the hit prefix; the caller releases them (on an
         error none is left pinned)."""
         pins: list[PinnedChunk] = []
+
+        def take(pin: PinnedChunk | None) -> None:
+            if pin is not None:  # always: no rows are offered here
+                pins.append(pin)
+
         try:
-            await self.load_each(keys, timeout, pins.append)
+            await self.load_each(keys, timeout, take)
         except BaseException:
             for p in pins:
                 p.release()

@@ -24,7 +24,9 @@ Ops:
 - ``load_rows {region, keys, rows, deadline}`` -> ``{loaded}``: makes the hit
   prefix local (fetching from peers until ``deadline``), copies the pinned
   chunks into their rows (no piece started after ``deadline``) and releases the
-  pins; ``loaded`` leading keys are whole in vLLM's rows.
+  pins; a chunk still on its way from a peer may land in its row instead
+  (``peers.row_landings``: verified there, not stored); ``loaded`` leading keys
+  are whole in vLLM's rows.
   ``deadline`` is a ``time.monotonic()`` value: CLOCK_MONOTONIC is one clock for
   every container of a pod. The engine gives up at the deadline (plus a grace
   for the piece in flight) and may then reuse the rows, so nothing is read from
@@ -89,6 +91,7 @@ from kv_offload_sidecar.store.engine_region import EngineRegion, JobDeadline, Re
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 
 if TYPE_CHECKING:
+    from kv_offload_sidecar.peers.row_landings import Landing
     from kv_offload_sidecar.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
@@ -257,7 +260,8 @@ class _Connection:
 
     async def _load_rows(self, req: dict[str, Any]) -> dict[str, Any]:
         """Each chunk is copied into its row as soon as it is here (held, or landed from a
-        peer), on the copy thread, while the next ones are still on the wire."""
+        peer), on the copy thread, while the next ones are still on the wire; a chunk still
+        to come from a peer may land in its row straight away (``peers.row_landings``)."""
         keys = keys_of(req)
         deadline = JobDeadline(deadline_of(req))
         job = job_of(req)
@@ -265,19 +269,26 @@ class _Connection:
         server, metrics = self.server, self.sidecar.metrics.engine_transfer
         pins: list[PinnedChunk] = []
         copies: list[asyncio.Future[bool]] = []
+        offers: list[Landing | None] = []
         try:
             rows = rows_of(region, req, len(keys))
+            offers = self._offer_rows(region, keys, rows)
 
-            def take(pin: PinnedChunk) -> None:
-                copies.append(asyncio.wrap_future(server.copier.load(region, pin.view,
-                                                                     rows[len(pins)], deadline)))
+            def take(pin: PinnedChunk | None) -> None:
+                row = rows[len(copies)]
+                if pin is None:  # it landed in its row, verified
+                    landed = asyncio.get_running_loop().create_future()
+                    landed.set_result(True)
+                    copies.append(landed)
+                    return
+                copies.append(asyncio.wrap_future(server.copier.load(region, pin.view, row, deadline)))
                 pins.append(pin)
 
             with server.jobs.running(job, deadline) as stop:
                 started = time.perf_counter()
                 remaining = deadline.at - time.monotonic()
                 if remaining > 0 and not stop.is_set():
-                    await unless_cancelled(self.sidecar.load_each(keys, remaining, take), stop)
+                    await unless_cancelled(self.sidecar.load_each(keys, remaining, take, offers), stop)
                 fetched = time.perf_counter()
                 metrics.labels(op="load", phase="fetch").observe(fetched - started)
                 whole = await asyncio.gather(*copies)
@@ -286,11 +297,23 @@ class _Connection:
             loaded = next((i for i, ok in enumerate(whole) if not ok), len(whole))
             return {"ok": True, "loaded": loaded}
         finally:
+            self.sidecar.landings.release(offers)  # no transport writes a row past this
             if copies:  # no pin goes back while its copy may still run
                 await asyncio.gather(*copies, return_exceptions=True)
             for p in pins:
                 p.release()
             region.release()
+
+
+    def _offer_rows(self, region: EngineRegion, keys: list[bytes], rows: list[int]) -> list[Landing | None]:
+        """Offer the rows of the keys the store lacks to the fetches bringing them (None per key
+        not offered): only when fetched chunks are dropped after the load anyway
+        (``--peer-copies drop``) and a row holds exactly a slot's bytes."""
+        sidecar, store = self.sidecar, self.sidecar.store
+        if sidecar.settings.peer_copies != "drop" or store is None or region.chunk_bytes != store.slot_bytes:
+            return []
+        return [None if store.contains(key) else sidecar.landings.offer(key, memoryview(region.row(row)))
+                for key, row in zip(keys, rows)]
 
 
 class LocalChannelServer:

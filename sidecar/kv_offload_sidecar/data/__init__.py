@@ -35,20 +35,21 @@ if TYPE_CHECKING:
         DataPlaneServer,
         IntegrityError,
         PeerDataClient,
+        ReceiveStopped,
         StoreLike,
         TransportError,
     )
     from kv_offload_sidecar.data.planes import connect, make_server
 
 __all__ = [
-    "Authorize", "DataPlaneServer", "IntegrityError", "PeerDataClient",
+    "Authorize", "DataPlaneServer", "IntegrityError", "PeerDataClient", "ReceiveStopped",
     "StoreLike", "TransportError", "connect", "make_server", "parse_address",
 ]
 
 # Public name -> the module that defines it.
 _HOMES = {
     "Authorize": "base", "DataPlaneServer": "base", "IntegrityError": "base",
-    "PeerDataClient": "base", "StoreLike": "base", "TransportError": "base",
+    "PeerDataClient": "base", "ReceiveStopped": "base", "StoreLike": "base", "TransportError": "base",
     "connect": "planes", "make_server": "planes", "parse_address": "address",
 }
 

@@ -5,7 +5,8 @@ with the server's 16-byte nonce; the client answers with the session id it got
 from the control-plane handshake and HMAC-SHA256(session_key, nonce) (``auth_proof``,
 checked by ``serving.check_auth``). Only then may it send LOOKUP and FETCH. A fetch reserves
 store slots first (``store.begin_write``), the transport receives the chunk bytes
-straight into ``reservation.view`` and commits with the checksum the holder sent; any
+straight into ``reservation.view`` (TCP: into ``reservation.receive_view``, which may be
+an offered row of vLLM's, ``peers.row_landings``) and commits with the checksum the holder sent; any
 error, deadline or closed connection aborts every reservation still open, so a chunk is
 in the receiving store whole and verified or not at all.
 
@@ -42,12 +43,18 @@ class IntegrityError(TransportError):
     """A received chunk did not match its checksum; it was not stored."""
 
 
+class ReceiveStopped(TransportError):
+    """This side ended the connection mid-chunk: the load job that offered the chunk's row
+    (``peers.row_landings``) ended first. Not the holder's fault."""
+
+
 class ReservationLike(Protocol):
     """``chunk_store.WriteReservation`` as the transports use it."""
 
     key: bytes
     view: memoryview
 
+    def receive_view(self, stop: Callable[[], None]) -> memoryview: ...
     def commit(self, expected_checksum: int | None = None, *,
                computed_checksum: int | None = None) -> bool: ...
     def abort(self) -> None: ...
@@ -110,6 +117,11 @@ class DataPlaneServer(abc.ABC):
 
 class PeerDataClient(abc.ABC):
     """One authenticated connection to a peer's data plane."""
+
+    # Whether the plane decides where a chunk's bytes go at its first byte
+    # (``reservation.receive_view``), so a chunk may land in a row a load job offered
+    # (``peers.row_landings``); a plane that places its reads when it requests them does not.
+    receives_into_offered_rows = False
 
     @abc.abstractmethod
     async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:

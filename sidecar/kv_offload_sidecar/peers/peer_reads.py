@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
+from kv_offload_sidecar.peers.row_landings import LandingStore, RowLandings
 from kv_offload_sidecar.peers.directory.location_wire import HolderClaim
 
 if TYPE_CHECKING:
+    from kv_offload_sidecar.data.base import PeerDataClient
     from kv_offload_sidecar.loop_stalls import LoopStalls
     from kv_offload_sidecar.metrics import SidecarMetrics
     from kv_offload_sidecar.peers.claims import ClaimAudit
@@ -83,7 +85,7 @@ class PeerReads:
 
     def __init__(self, *, location: Location, peers: PeerManager, claims: ClaimAudit,
                  metrics: SidecarMetrics, store: Callable[[], ChunkStore], deadline_seconds: float,
-                 cost: FetchOrRecompute, stalls: LoopStalls) -> None:
+                 cost: FetchOrRecompute, stalls: LoopStalls, landings: RowLandings | None = None) -> None:
         # Fetch or recompute, from the peers' measured speeds and the engine's prefill rate.
         self.cost = cost
         # This sidecar's own stalls: a failure across one is not the peer's.
@@ -94,6 +96,8 @@ class PeerReads:
         self._metrics = metrics
         self._store = store
         self._deadline = deadline_seconds
+        # Rows of vLLM's that load jobs offer to the chunks they wait for (fetches may land there).
+        self._landings = landings
         self._inflight: dict[bytes, _Prefetch] = {}
         # Fetched chunks not loaded yet -> when they were asked (oldest first).
         self._fetched: OrderedDict[bytes, float] = OrderedDict()
@@ -324,7 +328,7 @@ class PeerReads:
         """One exchange with the holder (a count, a fetch, or both; ``hint``: a routing hint's
         count); 0 on any failure. Its timing feeds the peer's moving averages
         (``fetch_cost.PeerSpeeds``)."""
-        from kv_offload_sidecar.data import TransportError
+        from kv_offload_sidecar.data import ReceiveStopped, TransportError
 
         if deadline <= 0:
             return 0
@@ -356,12 +360,17 @@ class PeerReads:
             elif on_count is not None:
                 # One key ahead of the count: a claim may be stale, and a slot reserved past the
                 # holder's run would evict one of our chunks for nothing.
-                coro = link.data.fetch_counted(keys, self._store(), deadline, first=1, on_count=counted)
+                coro = link.data.fetch_counted(keys, self._fetch_store(link.data), deadline,
+                                               first=1, on_count=counted)
             else:
-                coro = link.data.fetch(keys, self._store(), deadline)
+                coro = link.data.fetch(keys, self._fetch_store(link.data), deadline)
             # The transport enforces the deadline; this bound only guards against a hang.
             async with asyncio.timeout(deadline + 1.0):
                 got = int(await coro)
+        except ReceiveStopped as exc:  # a load job of ours ended mid-chunk: the link reconnects
+            log.info("peer %s fetch stopped: %s", claim.identity, exc)
+            self._peers.report_failure(link, str(exc), peer_at_fault=False)
+            return 0
         except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.warning("peer %s %s failed: %s; a miss", claim.identity, "fetch" if fetch else "lookup", exc)
             self._blame(link, f"{'fetch' if fetch else 'lookup'}: {exc}", started)
@@ -378,6 +387,13 @@ class PeerReads:
         if owner != self._location.identity:
             self._claims.record(OWNER_PREFIX + owner, 1, backed)
         return got
+
+    def _fetch_store(self, client: PeerDataClient) -> ChunkStore | LandingStore:
+        """The store a fetch lands in: with the rows load jobs offer, where the plane can use them."""
+        store = self._store()
+        if self._landings is None or not client.receives_into_offered_rows:
+            return store
+        return LandingStore(store, self._landings, self._metrics)
 
     def _blame(self, link: PeerLink, error: str, started: float) -> None:
         """Report a failed exchange; the peer is backed off unless this sidecar itself

@@ -370,7 +370,8 @@ class ChunkStore:
         self._notify(key, True)
         return True
 
-    def _count_integrity_failure(self) -> None:
+    def count_integrity_failure(self) -> None:
+        """Count one received chunk that failed its checksum."""
         with self._lock:
             self._integrity_failures += 1
         if self._metrics is not None:

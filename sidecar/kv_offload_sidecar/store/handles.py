@@ -8,6 +8,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kv_offload_sidecar.store.chunk_store import ChunkStore
 
 
@@ -49,13 +51,18 @@ class WriteReservation:
             self._store._finish_write(self.key, self.slot, None)
             return False
         if expected_checksum is not None and checksum != expected_checksum:
-            self._store._count_integrity_failure()
+            self._store.count_integrity_failure()
             self._store._finish_write(self.key, self.slot, None)
             self._release_view()
             return False
         ok = self._store._finish_write(self.key, self.slot, checksum)
         self._release_view()
         return ok
+
+    def receive_view(self, stop: Callable[[], None]) -> memoryview:
+        """Where a transport receives the chunk: the slot (``stop`` is not needed here; see
+        ``peers.row_landings``, whose reservations may answer a row of vLLM's instead)."""
+        return self.view
 
     def abort(self) -> None:
         """Free the slot; the key stays invisible. Idempotent."""

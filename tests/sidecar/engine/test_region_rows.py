@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, RowRegion, StoreCut
 from kv_offload_sidecar.engine.region_file import find_region_file
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride
 from waiting import wait_for
 
 SLOT = 16384
@@ -258,3 +258,51 @@ def test_a_region_larger_than_its_file_is_refused(pool):
 def test_an_anonymous_region_is_not_offered_and_the_client_says_why():
     found, reason = find_region_file(memoryview(bytearray(4096)))
     assert found is None and "anonymous" in reason
+
+
+@pytest.fixture(scope="module")
+def trio():
+    """A holder (0), a pod that drops fetched chunks once loaded (1, the default) and one that
+    keeps them at its cold end (2, ``--peer-copies cold``)."""
+    cold = SidecarOverride(extra_args=("--peer-copies", "cold"), joins=True)
+    with LocalPool(3, capacity_bytes=64 * SLOT, overrides={2: cold}) as p:
+        p.wait_connected()
+        yield p
+
+
+def _into_rows(pool, i):
+    return pool[i].metric("kv_offload_peer_chunks_into_rows_total")
+
+
+@pytest.mark.parametrize("loader, lands_in_rows", [(1, True), (2, False)])
+def test_a_peer_chunk_lands_straight_in_the_row_its_load_job_names_unless_copies_are_kept(
+        trio, loader, lands_in_rows):
+    holder_region, region = Region(f"holder-{loader}"), Region(f"loader-{loader}")
+    holder, client = _client_of(trio, 0, holder_region), _client_of(trio, loader, region)
+    try:
+        keys = _keys(3)
+        data = [holder_region.fill(r) for r in range(3)]
+        assert holder.store_rows(keys, [0, 1, 2]) == 3
+        wait_for("the holder's chunks visible to the loader", lambda: trio[loader].hits(keys) >= 3)
+        into_rows, copies = _into_rows(trio, loader), trio[loader].metric(
+            "kv_offload_engine_transfer_seconds_count", op="load", phase="copy")
+        # No lookup first: the job offers its rows before the fetch starts.
+        assert client.load_rows(keys, [5, 6, 7], timeout=10.0) == 3
+        assert [region.chunk(r) for r in (5, 6, 7)] == data
+        untouched = [r for r in range(ROWS) if r not in (5, 6, 7)]
+        assert (region.rows[untouched] == 0xEE).all() and (region.rows[[5, 6, 7], SLOT:] == 0xEE).all()
+        assert _into_rows(trio, loader) - into_rows == (3 if lands_in_rows else 0)
+        assert trio[loader].metric("kv_offload_engine_transfer_seconds_count", op="load",
+                                   phase="copy") == copies + 1
+        # Landed in rows, the chunks were never stored at the loader; copied, they were
+        # stored first and kept (cold) once loaded.
+        assert trio[loader].held(keys)[0] == (0 if lands_in_rows else 3)
+    finally:
+        holder.close()
+        client.close()
+
+
+def _client_of(pool, i, region):
+    c = EngineClient.connect("127.0.0.1", pool[i].port, region=region.spec)
+    assert c.region_attached, c.region_reason
+    return c

@@ -84,6 +84,8 @@ class NixlPeerDataClient(TcpPeerDataClient):
     # Whether lanes hash what they read; False only for `kv-offload bench transport`'s
     # nixl_unverified row (the sidecar never changes it).
     verify = True
+    # Its reads into registered store slots are placed when requested.
+    receives_into_offered_rows = False
 
     def __init__(self, stream: DataStream, metrics: SidecarMetrics | None, window: int) -> None:
         super().__init__(stream, metrics, max(window, NIXL_WINDOW))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.address import check_tls_policy, parse_address
-from kv_offload_sidecar.data.base import TransportError, auth_proof, count_protocol_error
+from kv_offload_sidecar.data.base import ReceiveStopped, TransportError, auth_proof, count_protocol_error
 from kv_offload_sidecar.data.fetch import DEFAULT_WINDOW, PendingChunk, answer_lookup, commit_received
 from kv_offload_sidecar.data.peer_client import (
     FramedPeerDataClient,
@@ -64,6 +64,7 @@ class TcpPeerDataClient(FramedPeerDataClient):
     """An authenticated TCP connection to one peer's data plane."""
 
     _send_errors = (OSError, proto.ProtocolError)
+    receives_into_offered_rows = True
 
     def __init__(self, stream: DataStream, metrics: SidecarMetrics | None, window: int) -> None:
         super().__init__(metrics, window)
@@ -198,6 +199,11 @@ class TcpPeerDataClient(FramedPeerDataClient):
             self._chunks[(rid + j) % proto.REQUEST_ID_MOD] = p
         await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
 
+    def _stop_receiving(self) -> None:
+        """The load job that offered a chunk's row ended mid-chunk: end the connection now
+        (the reader is cancelled before its next write into the row)."""
+        self._fail(ReceiveStopped("a load job ended while its chunk was arriving in its row"))
+
     def _fail(self, exc: BaseException) -> None:
         super()._fail(exc)
         reader = self._reader
@@ -254,16 +260,17 @@ class TcpPeerDataClient(FramedPeerDataClient):
             raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
                                       f"under request id {header.request_id}")
         proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
+        view = p.reservation.receive_view(self._stop_receiving)
         if isinstance(stream, SocketStream):
             # Each piece hashed as it lands, from the cache: no second pass over the slot
             # from memory. Only this reader writes the reserved slot, so the digest of the
             # pieces is the slot's.
             hasher = chunk_hasher()
-            await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES,
+            await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES,
                                    on_piece=hasher.update, piece_bytes=RECV_PIECE_BYTES)
             computed: int | None = hasher.intdigest()
         else:
-            await stream.recv_into(p.reservation.view, batch_bytes=RECV_BATCH_BYTES)
+            await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES)
             computed = None
         del self._chunks[header.request_id]
         commit_received(p, prefix.checksum, self._metrics, computed)

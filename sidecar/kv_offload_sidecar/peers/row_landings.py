@@ -1,0 +1,231 @@
+"""Rows of vLLM's primary region offered to the peer chunks a load job is waiting for.
+
+A ``load_rows`` job knows each key's row before its chunk is here; most of a peer hit's
+bytes are still on the wire when the job comes (the lookup started the fetch a few
+scheduler steps earlier). The job offers the rows of the keys its sidecar lacks
+(``RowLandings.offer``). A transport that decides where a chunk's bytes go at its first
+byte (TCP: at the chunk frame's header) asks its reservation (``LandingReservation.
+receive_view``) and receives straight into the offered row instead of the store slot it
+reserved, so the sidecar does not copy the chunk a second time: on a host where the
+sidecars share one core, that copy was a sixth of a peer hit's extra time.
+
+Contract:
+- A chunk in a row is verified like one in a slot (its checksum over the row's bytes)
+  before its offer counts as landed; one that fails is never loaded (the job's loaded
+  prefix ends before it, vLLM recomputes it) and counts as an integrity failure.
+- The store does not get a chunk that landed in a row: the pool keeps it at its holder,
+  as ``--peer-copies drop`` would have dropped it after the load anyway (under ``cold`` no
+  row is offered, so fetched chunks stay).
+- Only the rows a job names are written, and only while the job runs: its offers are
+  withdrawn when it ends (answered, past its deadline or cancelled); an offer taken and
+  still receiving is stopped then (``Landing.withdraw`` calls the transport's ``stop``,
+  which ends the connection, so nothing writes into the row after the job answered).
+- One offer per key at a time; the slot reserved for the chunk stays reserved until the
+  chunk is verified (the fetch window's back-pressure is unchanged) and is then freed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kv_offload_sidecar.store.checksum import chunk_checksum
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.data.base import ReservationLike
+    from kv_offload_sidecar.metrics import SidecarMetrics
+    from kv_offload_sidecar.store.chunk_store import ChunkStore
+
+
+class LandingState(enum.Enum):
+    """Where an offered row stands."""
+
+    OFFERED = "offered"  # no transport took it (yet)
+    RECEIVING = "receiving"  # a transport is receiving the chunk into the row
+    LANDED = "landed"  # the whole chunk is in the row, verified
+    FAILED = "failed"  # taken, but the chunk did not land whole and verified
+    WITHDRAWN = "withdrawn"  # the job ended before a transport took it
+
+
+class Landing:
+    """One row offered for one key's chunk."""
+
+    def __init__(self, key: bytes, view: memoryview, on_end: Callable[[Landing], None]) -> None:
+        # The key whose chunk the row waits for.
+        self.key = key
+        # The row's chunk bytes (writable; valid while the job holds the region).
+        self.view = view
+        # Where the offer stands.
+        self.state = LandingState.OFFERED
+        self._on_end = on_end
+        self._stop: Callable[[], None] | None = None
+
+    def take(self, stop: Callable[[], None]) -> memoryview | None:
+        """The row to receive into, or None when the offer is not open. ``stop``: what ends
+        the receiving should the job end first (it must stop every write into the row)."""
+        if self.state is not LandingState.OFFERED:
+            return None
+        self.state, self._stop = LandingState.RECEIVING, stop
+        return self.view
+
+    def finish(self, ok: bool) -> None:
+        """The transport is done with the row: the chunk is whole and verified (``ok``), or not."""
+        if self.state is LandingState.RECEIVING:
+            self.state = LandingState.LANDED if ok else LandingState.FAILED
+            self._stop = None
+            self._on_end(self)
+
+    def withdraw(self) -> None:
+        """The job ends (or took the chunk from the store): no transport may start on the row,
+        and one still receiving is stopped now."""
+        stop = self._stop
+        if self.state is LandingState.OFFERED:
+            self.state = LandingState.WITHDRAWN
+            self._on_end(self)
+        elif self.state is LandingState.RECEIVING:
+            self.state = LandingState.FAILED
+            self._stop = None
+            self._on_end(self)
+            if stop is not None:
+                stop()
+
+    @property
+    def open(self) -> bool:
+        """No transport took the row yet."""
+        return self.state is LandingState.OFFERED
+
+    @property
+    def landed(self) -> bool:
+        return self.state is LandingState.LANDED
+
+
+class RowLandings:
+    """The rows offered now, by key (one sidecar; used on its event loop only)."""
+
+    def __init__(self, on_landed: Callable[[], None]) -> None:
+        # Called whenever a chunk landed in its row, verified (wakes the job waiting for it).
+        self._on_landed = on_landed
+        self._offers: dict[bytes, Landing] = {}
+
+    def offer(self, key: bytes, view: memoryview) -> Landing | None:
+        """Offer ``view`` (a row's chunk bytes) for ``key``'s chunk; None when the key is
+        offered already (that job keeps it; this one takes the chunk from the store)."""
+        if key in self._offers:
+            return None
+        landing = Landing(key, view, self._ended)
+        self._offers[key] = landing
+        return landing
+
+    def take(self, key: bytes, stop: Callable[[], None]) -> memoryview | None:
+        """The open row offered for ``key`` (now taken), or None."""
+        landing = self._offers.get(key)
+        return None if landing is None else landing.take(stop)
+
+    def landing(self, key: bytes) -> Landing | None:
+        """The offer for ``key`` while its job runs."""
+        return self._offers.get(key)
+
+    def __len__(self) -> int:
+        return len(self._offers)
+
+    def _ended(self, landing: Landing) -> None:
+        if landing.state is LandingState.LANDED:
+            self._on_landed()
+            return  # stays until its job withdraws it: contains() answers from it
+        if self._offers.get(landing.key) is landing:
+            del self._offers[landing.key]
+
+    def release(self, landings: Sequence[Landing | None]) -> None:
+        """A job's offers end with it: withdrawn, a receive still running stopped."""
+        for landing in landings:
+            if landing is None:
+                continue
+            landing.withdraw()
+            if self._offers.get(landing.key) is landing:
+                del self._offers[landing.key]
+
+
+class LandingReservation:
+    """A store slot reserved for a fetched chunk that may land in an offered row instead."""
+
+    def __init__(self, slot: ReservationLike, store: ChunkStore, landings: RowLandings,
+                 metrics: SidecarMetrics | None) -> None:
+        self.key = slot.key
+        # The slot's view and index (what the transports that place their reads when they
+        # request a chunk use: UCX, NIXL).
+        self.view = slot.view
+        self.slot = getattr(slot, "slot", None)
+        self._slot = slot
+        self._store = store
+        self._landings = landings
+        self._metrics = metrics
+        self._row: Landing | None = None
+
+    def receive_view(self, stop: Callable[[], None]) -> memoryview:
+        """Where the chunk's bytes go, decided now (at the chunk's first byte): an offered row,
+        else the slot. ``stop``: ends the receiving (see ``Landing.take``)."""
+        if self._row is None:
+            landing = self._landings.landing(self.key)
+            if landing is not None and landing.take(stop) is not None:
+                self._row = landing
+                return landing.view
+        return self.view if self._row is None else self._row.view
+
+    def commit(self, expected_checksum: int | None = None, *,
+               computed_checksum: int | None = None) -> bool:
+        """The slot's commit; for a chunk in a row: verify it there and free the slot."""
+        row = self._row
+        if row is None:
+            return self._slot.commit(expected_checksum, computed_checksum=computed_checksum)
+        self._slot.abort()
+        if row.state is not LandingState.RECEIVING:
+            return False  # the job ended meanwhile: nothing trustworthy landed
+        checksum = chunk_checksum(row.view) if computed_checksum is None else computed_checksum
+        ok = expected_checksum is None or checksum == expected_checksum
+        if not ok:
+            self._store.count_integrity_failure()
+        elif self._metrics is not None:
+            self._metrics.peer_chunks_into_rows.inc()
+        row.finish(ok)
+        return ok
+
+    def abort(self) -> None:
+        self._slot.abort()
+        if self._row is not None:
+            self._row.finish(False)
+
+
+class LandingStore:
+    """The store as a fetch sees it, with offered rows: reservations that may land in a row,
+    and a chunk that landed in its row counts as present."""
+
+    def __init__(self, store: ChunkStore, landings: RowLandings,
+                 metrics: SidecarMetrics | None = None) -> None:
+        self._store = store
+        self._landings = landings
+        self._metrics = metrics
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._store.slot_bytes
+
+    def contains(self, key: bytes) -> bool:
+        if self._store.contains(key):
+            return True
+        landing = self._landings.landing(key)
+        return landing is not None and landing.landed
+
+    def lookup_prefix(self, keys: Sequence[bytes], *, touch: bool = True) -> int:
+        return self._store.lookup_prefix(keys, touch=touch)
+
+    def begin_write(self, key: bytes) -> LandingReservation | None:
+        slot = self._store.begin_write(key)
+        return None if slot is None else LandingReservation(slot, self._store, self._landings,
+                                                            self._metrics)
+
+    def pin(self, key: bytes):  # noqa: ANN201 (the store's PinnedChunk)
+        return self._store.pin(key)
+
+
+__all__ = ["Landing", "LandingReservation", "LandingState", "LandingStore", "RowLandings"]
