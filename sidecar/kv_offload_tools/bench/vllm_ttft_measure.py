@@ -1,7 +1,8 @@
 """The measurements of `bench vllm` on one data plane: two pods, each a real vLLM engine
 beside its sidecar (engine A with sidecar 0, engine B with sidecar 1).
 
-Per prefix size, in this order and with one prompt:
+Per prefix size, in this order and with one prompt (2 and 3 in turns, ``HIT_RUNS`` times
+each, and so 4 and 5, each figure the median hit: ``vllm_ttft_figures.median_hit``):
 
 1. recompute: A computes the prompt (nothing offloaded holds it). vLLM then
    stores its chunks into its primary CPU tier and cascades them to the tier,
@@ -44,16 +45,23 @@ says by how much.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
+from kv_offload_tools.bench.vllm_ttft_figures import (
+    engine_cpu,
+    itl_stats,
+    itl_window,
+    median_hit,
+    median_window,
+    per_gb,
+    per_wait,
+)
 from kv_offload_tools.bench.vllm_ttft_plan import (
     CHUNK_TOKENS,
+    HIT_RUNS,
     WINDOW_RUNS,
     Plan,
     decode_prompt,
@@ -69,7 +77,6 @@ from kv_offload_tools.bench.vllm_ttft_probes import (
     LOOKUP_WAIT_STEPS,
     LOOKUP_WAITS,
     TIER_CHUNK_HITS,
-    TIER_CPU_SECONDS,
     TIER_READ_BYTES,
     TIER_WRITE_BYTES,
     Probe,
@@ -100,67 +107,6 @@ WARM_TOKENS = 8
 
 def progress(message: str) -> None:
     print(f"[bench vllm] {message}", file=sys.stderr, flush=True)
-
-
-def itl_window(reply: Mapping[str, Any]) -> list[float]:
-    """D's intervals after the traffic request was added (or the quiet mark), without the
-    one step that prefilled the traffic request."""
-    times = reply["token_times_s"]
-    start = reply["window_start_s"]
-    skip = reply["compute_interval_index"]
-    return [iv for i, (iv, end) in enumerate(zip(reply["intervals_s"], times[1:]))
-            if end > start and i != skip]
-
-
-def itl_stats(window: list[float], *, with_intervals: bool = False) -> dict[str, Any]:
-    """Count, p50, p99, max and mean (ms) of a window's intervals (seconds); with
-    ``with_intervals`` each interval too, in order, so a slow step can be placed (first
-    after the traffic's prefill, or spread over the transfer)."""
-    out: dict[str, Any] = {"intervals": len(window)}
-    if with_intervals:
-        out["intervals_ms"] = [round(iv * 1e3, 1) for iv in window]
-    if window:
-        ms = np.array(window) * 1e3
-        out.update(p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
-                   max_ms=float(ms.max()), mean_ms=float(statistics.fmean(ms)))
-    else:
-        out.update(p50_ms=None, p99_ms=None, max_ms=None, mean_ms=None)
-    return out
-
-
-def median_window(windows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Traffic windows of one kind as one figure: the window whose p99 is the median (its
-    p50, intervals and end state with it; an odd count), each window under ``runs``."""
-    timed = sorted((w for w in windows if w["p99_ms"] is not None), key=lambda w: w["p99_ms"])
-    middle = timed[(len(timed) - 1) // 2] if timed else windows[0]
-    return {**middle, "runs": windows}
-
-
-def per_gb(seconds: float | None, nbytes: int) -> float | None:
-    return None if seconds is None or nbytes <= 0 else seconds / (nbytes / 1e9)
-
-
-def per_wait(total: float | None, count: float | None, waits: float | None) -> float | None:
-    """``total`` over ``count`` requests; the tier counts only requests that waited, so none
-    waiting is 0, while a counter vLLM does not expose (or none counted among requests that
-    waited: the sidecar did not say when it knew) is missing."""
-    if total is None or count is None or waits is None:
-        return None
-    if count:
-        return total / count
-    return None if waits else 0.0
-
-
-def engine_cpu(d: Mapping[str, Any], engine_role: str, nbytes: int) -> dict[str, Any]:
-    """CPU of an engine-core process over a delta: the whole process, its threads other than
-    the scheduler's, and the tier's own code (its threads and the scheduler inside its calls)."""
-    total = d["cpu_s"].get(engine_role)
-    off_main = d["cpu_s"].get(f"{engine_role}.off_main")
-    tier = d["vllm"].get(f"{engine_role.removeprefix('engine_')}:{TIER_CPU_SECONDS}")
-    return {"engine_cpu_s": total, "engine_cpu_s_per_gb": per_gb(total, nbytes),
-            "engine_off_main_cpu_s": off_main,
-            "engine_off_main_cpu_s_per_gb": per_gb(off_main, nbytes),
-            "tier_cpu_s": tier, "tier_cpu_s_per_gb": per_gb(tier, nbytes)}
 
 
 class PlaneBench:
@@ -297,39 +243,44 @@ class PlaneBench:
         progress(f"{self.plane} {size_mib} MiB: recompute {ttft:.3f} s; in sidecar 0 "
                  f"{store_s:.3f} s after the first token")
 
-        # 2. vLLM's own CPU tier.
-        a.reset_prefix_cache()
-        hit = self._hit(a, "a", prompt, key, "cpu_tier", ("a",))
-        row["cpu_tier"] = self._summary(hit, nbytes, "engine_a", None, None)
-
-        # 3. the pod's own sidecar: vLLM's primary tier emptied.
-        a.reset_prefix_cache(reset_connector=True)
-        hit = self._hit(a, "a", prompt, key, "own_sidecar", ("a",))
-        row["own_sidecar"] = self._summary(hit, nbytes, "engine_a", "sidecar_0", "a")
+        # 2. and 3., HIT_RUNS times in turns: vLLM's own CPU tier, then the pod's own sidecar
+        # with vLLM's primary tier emptied (whose hit fills it again for the next CPU-tier hit).
+        cpu, own = [], []
+        for _ in range(HIT_RUNS):
+            a.reset_prefix_cache()
+            hit = self._hit(a, "a", prompt, key, "cpu_tier", ("a",))
+            cpu.append(self._summary(hit, nbytes, "engine_a", None, None))
+            a.reset_prefix_cache(reset_connector=True)
+            hit = self._hit(a, "a", prompt, key, "own_sidecar", ("a",))
+            own.append(self._summary(hit, nbytes, "engine_a", "sidecar_0", "a"))
+        row["cpu_tier"], row["own_sidecar"] = median_hit(cpu), median_hit(own)
 
         # 4. a peer hit: B loads what A's sidecar holds. B's first prompt this long pays the
         # engine's own first-time costs of a context that long (A paid them in its recompute):
         # that hit is kept apart (peer_cold), and the peer hit is timed again with B's prefix
-        # cache and primary tier emptied (its sidecar dropped the fetched copies once loaded,
-        # so the chunks come from sidecar 0 again), like for like with A's CPU-tier hit.
+        # cache and primary tier emptied (its sidecar kept no copy of what it fetched, so the
+        # chunks come from sidecar 0 again), like for like with A's CPU-tier hit.
+        # 5. in turns with it, B's own CPU-tier hit: the peer hit left the prefix in B's
+        # primary tier. The peer hit's extra is taken over this one, same engine and same
+        # promotion work (the two engines' CPU-tier hits differ by tens of ms on this host).
         self.pool.wait_directory_current(timeout=_STORE_DEADLINE_S)
         row["peer_cold"] = self._peer_hit(prompt, key, nbytes)
-        b.reset_prefix_cache(reset_connector=True)
-        row["peer"] = peer = self._peer_hit(prompt, key, nbytes)
-
-        # 5. B's own CPU-tier hit: the peer hit left the prefix in B's primary tier. The peer
-        # hit's extra is taken over this one, same engine and same promotion work (the two
-        # engines' CPU-tier hits differ by tens of milliseconds on this host).
-        b.reset_prefix_cache()
-        hit = self._hit(b, "b", prompt, key, "peer_cpu_tier", ("b",))
-        row["peer_cpu_tier"] = self._summary(hit, nbytes, "engine_b", None, "b")
+        peers, peer_cpu = [], []
+        for _ in range(HIT_RUNS):
+            b.reset_prefix_cache(reset_connector=True)
+            peers.append(self._peer_hit(prompt, key, nbytes))
+            b.reset_prefix_cache()
+            hit = self._hit(b, "b", prompt, key, "peer_cpu_tier", ("b",))
+            peer_cpu.append(self._summary(hit, nbytes, "engine_b", None, "b"))
+        row["peer"] = peer = median_hit(peers)
+        row["peer_cpu_tier"] = median_hit(peer_cpu)
         for source, base in (("own_sidecar", "cpu_tier"), ("peer", "peer_cpu_tier")):
             extra = row[source]["ttft_s"] - row[base]["ttft_s"]
             row[source]["extra_over_cpu_tier_s"] = extra
             row[source]["rate_gbps"] = nbytes / 1e9 / extra if extra > 0 else None
-        progress(f"{self.plane} {size_mib} MiB: cpu tier {row['cpu_tier']['ttft_s']:.3f} s "
-                 f"(B's {row['peer_cpu_tier']['ttft_s']:.3f} s), own sidecar "
-                 f"{row['own_sidecar']['ttft_s']:.3f} s, peer {peer['ttft_s']:.3f} s "
+        progress(f"{self.plane} {size_mib} MiB (median of [runs]): cpu tier "
+                 f"{_ttfts(row['cpu_tier'])} (B's {_ttfts(row['peer_cpu_tier'])}), own sidecar "
+                 f"{_ttfts(row['own_sidecar'])}, peer {_ttfts(peer)} "
                  f"(B's first prompt this long {row['peer_cold']['ttft_s']:.3f} s) "
                  f"(lookup {_fmt_ms(peer['lookup_ms'])} in {_fmt(peer['lookup_steps'])} steps, "
                  f"HIT {_fmt(peer['steps_after_arrival'])} steps after the sidecar knew it, "
@@ -490,6 +441,12 @@ class PlaneBench:
             out["traffic_seconds"] = traffic["finished_at_s"] - traffic["added_at_s"]
             out["traffic_match"] = self._check(f"itl {what} prompt", key, traffic)
         return out
+
+
+def _ttfts(hit: Mapping[str, Any]) -> str:
+    """A median hit's TTFT and, in brackets, each run's."""
+    runs = "/".join(f"{t:.3f}" for t in hit["ttft_runs_s"])
+    return f"{hit['ttft_s']:.3f} s [{runs}]"
 
 
 def _p99s(windows: list[dict[str, Any]]) -> str:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kv_offload_tools.bench.vllm_ttft_measure import (
-    QUIET_TOKENS, WARM_TOKENS, itl_stats, itl_window, progress)
+from kv_offload_tools.bench.vllm_ttft_figures import itl_stats, itl_window
+from kv_offload_tools.bench.vllm_ttft_measure import QUIET_TOKENS, WARM_TOKENS, progress
 from kv_offload_tools.bench.vllm_ttft_plan import (
     WINDOW_RUNS, Plan, decode_prompt, itl_role, prefix_prompt)
 

@@ -34,6 +34,10 @@ _SLACK_CHUNKS = 4
 # prefill), each beside a fresh prefix: a window holds 10-25 intervals, so its p99 is about
 # its slowest step, and the figure is the median of the windows' p99s.
 WINDOW_RUNS = 3
+# Hits behind each TTFT figure of a sidecar hit and of its CPU-tier reference, taken in turns
+# (``vllm_ttft_figures.median_hit``): one TTFT is one request, and the own-sidecar target's
+# margin (half a memcpy) is what two runs of one hit differ by here.
+HIT_RUNS = 3
 
 
 @dataclass(frozen=True)

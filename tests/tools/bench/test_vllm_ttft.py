@@ -20,7 +20,7 @@ import pytest
 
 from kv_offload_tools.bench.vllm_ttft_measure import QUIET_TOKENS
 from kv_offload_tools.bench.vllm_ttft_no_offload import AFTER_PREFILL_TOKENS, REFERENCES
-from kv_offload_tools.bench.vllm_ttft_plan import WINDOW_RUNS
+from kv_offload_tools.bench.vllm_ttft_plan import HIT_RUNS, WINDOW_RUNS
 from kv_offload_tools.bench.vllm_ttft_report import SOURCES, rest_of_ttft, targets
 
 pytestmark = pytest.mark.timeout(600)
@@ -88,6 +88,12 @@ def test_each_hit_came_from_where_it_says(report) -> None:
         row["peer"]["ttft_s"] - row["peer_cpu_tier"]["ttft_s"])
     # Sidecar 0 holds what engine A stored.
     assert row["store"]["seconds"] > 0
+    # Each sidecar hit and its CPU-tier reference were taken HIT_RUNS times, each a full hit;
+    # the figure is the median run.
+    for source in ("cpu_tier", "own_sidecar", "peer", "peer_cpu_tier"):
+        runs = row[source]["ttft_runs_s"]
+        assert len(runs) == HIT_RUNS and row[source]["ttft_s"] == sorted(runs)[(HIT_RUNS - 1) // 2]
+        assert row[source]["full_hit_runs"] == [True] * HIT_RUNS, source
 
 
 def test_the_peer_hit_is_broken_into_phases(report) -> None:
