@@ -6,8 +6,10 @@ scheduler steps earlier). The job offers the rows of the keys its sidecar lacks
 (``RowLandings.offer``). A transport that decides where a chunk's bytes go at its first
 byte (TCP: at the chunk frame's header) asks its reservation (``LandingReservation.
 receive_view``) and receives straight into the offered row instead of the store slot it
-reserved, so the sidecar does not copy the chunk a second time: on a host where the
-sidecars share one core, that copy was a sixth of a peer hit's extra time.
+reserved, so the sidecar does not copy the chunk a second time. Where both pods' sidecars
+shared one core (``bench vllm`` here), that copy took a tcp peer fetch of 512 MiB from
+about raw TCP's time to 1.35-1.7x it. UCX and NIXL place their reads when they request
+a chunk, before the job's rows are known, and do not take offers.
 
 Contract:
 - A chunk in a row is verified like one in a slot (its checksum over the row's bytes)
