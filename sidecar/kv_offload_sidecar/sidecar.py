@@ -339,7 +339,7 @@ class Sidecar:
         with self._engine_op():
             store = self._require_store()
             n = 0
-            while n < len(keys) and (pin := self._take_pin(store, keys[n], rows, n)) is not None:
+            while n < len(keys) and (pin := self._take_pin(store, keys[n], _row(rows, n))) is not None:
                 take(pin)
                 n += 1
             if n < len(keys):
@@ -347,8 +347,8 @@ class Sidecar:
                 try:
                     while n < len(keys):
                         arrived = self._arrived
-                        row = rows[n] if n < len(rows) else None
-                        pin = self._take_pin(store, keys[n], rows, n)
+                        row = _row(rows, n)
+                        pin = self._take_pin(store, keys[n], row)
                         if pin is not None or (row is not None and row.landed):
                             take(pin)
                             n += 1
@@ -374,11 +374,9 @@ class Sidecar:
             return n
 
     @staticmethod
-    def _take_pin(store: ChunkStore, key: bytes, rows: Sequence[Landing | None],
-                  n: int) -> PinnedChunk | None:
+    def _take_pin(store: ChunkStore, key: bytes, row: Landing | None) -> PinnedChunk | None:
         """A pin of ``key`` when its offered row (if any) is still open (which it withdraws):
         a row a transport took gets the chunk from it, never from a copy beside it."""
-        row = rows[n] if n < len(rows) else None
         if row is not None and not row.open:
             return None
         pin = store.pin(key)
@@ -496,3 +494,8 @@ class Sidecar:
             "store": {"path": store.path, "slot_bytes": store.slot_bytes,
                       "slot_stride": store.slot_stride, "num_slots": store.num_slots},
         }
+
+
+def _row(rows: Sequence[Landing | None], n: int) -> Landing | None:
+    """The row offered for the ``n``-th key, if any."""
+    return rows[n] if n < len(rows) else None

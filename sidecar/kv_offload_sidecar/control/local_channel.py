@@ -304,7 +304,6 @@ class _Connection:
                 p.release()
             region.release()
 
-
     def _offer_rows(self, region: EngineRegion, keys: list[bytes], rows: list[int]) -> list[Landing | None]:
         """Offer the rows of the keys the store lacks to the fetches bringing them (None per key
         not offered): only when fetched chunks are dropped after the load anyway

@@ -119,11 +119,6 @@ class RowLandings:
         self._offers[key] = landing
         return landing
 
-    def take(self, key: bytes, stop: Callable[[], None]) -> memoryview | None:
-        """The open row offered for ``key`` (now taken), or None."""
-        landing = self._offers.get(key)
-        return None if landing is None else landing.take(stop)
-
     def landing(self, key: bytes) -> Landing | None:
         """The offer for ``key`` while its job runs."""
         return self._offers.get(key)

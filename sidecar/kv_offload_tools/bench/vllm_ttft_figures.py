@@ -51,8 +51,8 @@ def itl_stats(window: list[float], *, with_intervals: bool = False) -> dict[str,
 def median_window(windows: list[dict[str, Any]]) -> dict[str, Any]:
     """Traffic windows of one kind as one figure: the window whose p99 is the median (its
     p50, intervals and end state with it; an odd count), each window under ``runs``."""
-    timed = sorted((w for w in windows if w["p99_ms"] is not None), key=lambda w: w["p99_ms"])
-    middle = timed[(len(timed) - 1) // 2] if timed else windows[0]
+    timed = [w for w in windows if w["p99_ms"] is not None]
+    middle = _median_by(timed, "p99_ms") if timed else windows[0]
     return {**middle, "runs": windows}
 
 
@@ -60,9 +60,14 @@ def median_hit(hits: list[dict[str, Any]]) -> dict[str, Any]:
     """Repeated hits of one source as one figure: the hit whose TTFT is the median (its
     phases, CPU and counters with it; an odd count), each run's TTFT under ``ttft_runs_s``
     and whether it was a full hit under ``full_hit_runs``."""
-    middle = sorted(hits, key=lambda h: h["ttft_s"])[(len(hits) - 1) // 2]
+    middle = _median_by(hits, "ttft_s")
     return {**middle, "ttft_runs_s": [h["ttft_s"] for h in hits],
             "full_hit_runs": [h.get("hit") for h in hits]}
+
+
+def _median_by(runs: list[dict[str, Any]], field: str) -> dict[str, Any]:
+    """The run whose ``field`` is the median (the lower middle of an even count)."""
+    return sorted(runs, key=lambda r: r[field])[(len(runs) - 1) // 2]
 
 
 def per_gb(seconds: float | None, nbytes: int) -> float | None:

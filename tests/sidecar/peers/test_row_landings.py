@@ -33,9 +33,9 @@ def test_a_key_is_offered_once_and_its_row_taken_once() -> None:
     offer = landings.offer(_key(1), memoryview(bytearray(CHUNK)))
     assert offer is not None and landings.offer(_key(1), memoryview(bytearray(CHUNK))) is None
     stops: list[str] = []
-    assert landings.take(_key(1), lambda: stops.append("first")) is offer.view
-    assert landings.take(_key(1), lambda: stops.append("second")) is None
-    assert landings.take(_key(2), lambda: None) is None  # never offered
+    assert offer.take(lambda: stops.append("first")) is offer.view
+    assert offer.take(lambda: stops.append("second")) is None
+    assert landings.landing(_key(2)) is None  # never offered
     landings.release([offer])  # still receiving: stopped once, with the first taker's stop
     assert stops == ["first"] and offer.state is LandingState.FAILED and len(landings) == 0
 
@@ -45,7 +45,8 @@ def test_an_open_offer_withdrawn_is_never_taken_and_frees_the_key() -> None:
     offer = landings.offer(_key(1), memoryview(bytearray(CHUNK)))
     assert offer is not None
     offer.withdraw()
-    assert offer.state is LandingState.WITHDRAWN and landings.take(_key(1), lambda: None) is None
+    assert offer.state is LandingState.WITHDRAWN and offer.take(lambda: None) is None
+    assert landings.landing(_key(1)) is None
     assert landings.offer(_key(1), memoryview(bytearray(CHUNK))) is not None  # the key is free again
 
 
