@@ -10,6 +10,7 @@ install test (``tests/chart``) import it from here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -27,10 +28,15 @@ SIDECAR_IMAGE = "registry.example/kv-offload:test"
 KV_OFFLOAD = str(Path(sys.executable).with_name("kv-offload"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: every socket stays bound until all are picked (one
+    socket at a time, the kernel may hand out the port it just freed again: the operator
+    once got the same port for --webhook-port and --health-port and refused to start)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def write_kubeconfig(path: Path, server: str, token: str = "test-token") -> Path:
@@ -53,9 +59,7 @@ class OperatorProcess:
         # With webhook_tls, the webhook serves a certificate of a fresh test CA (``ca``, trusted by ``Webhook``).
         self.ca: Path | None = make_tls(workdir / "certs") if webhook_tls else None
         self.kubeconfig = write_kubeconfig(workdir / "kubeconfig", server, token)
-        self.health_port = free_port()
-        self.webhook_port = free_port()
-        self.metrics_port = free_port()
+        self.health_port, self.webhook_port, self.metrics_port = free_ports(3)
         self.env = dict(env or {})
         self.extra_args = [*(["--webhook-cert-dir", str(workdir / "certs")] if webhook_tls else []), *extra_args]
         self.scope = list(scope)

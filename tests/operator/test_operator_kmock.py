@@ -34,7 +34,7 @@ from operator_harness import (
     pool_body,
     requests_to,
 )
-from operator_process import KV_OFFLOAD, SIDECAR_IMAGE, OperatorProcess, free_port
+from operator_process import KV_OFFLOAD, SIDECAR_IMAGE, OperatorProcess, free_ports
 from waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
@@ -428,7 +428,8 @@ def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tm
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(tmp_path / "absent"), HOME=str(tmp_path))
-    no_credentials = run("-n", "ns1", "--health-port", str(free_port()), "--webhook-port", str(free_port()),
+    health, webhook = free_ports(2)
+    no_credentials = run("-n", "ns1", "--health-port", str(health), "--webhook-port", str(webhook),
                          env=env)
     assert no_credentials.returncode == 1
     assert no_credentials.stderr.strip().splitlines()[-1].startswith(
