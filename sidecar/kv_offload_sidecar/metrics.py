@@ -150,6 +150,12 @@ class SidecarMetrics:
             "Known peer sidecars, by session state.",
             ["state"], namespace=ns, registry=registry,
         )
+        self.peer_data_lanes = Gauge(
+            "peer_data_lanes",
+            "Data connections open to connected peers, all together (a fetch from one peer "
+            "stripes its chunks over that peer's).",
+            namespace=ns, registry=registry,
+        )
         self.store_used_bytes = Gauge(
             "store_used_bytes",
             "Bytes of the chunk store's slots in use (visible chunks and writes in progress).",

@@ -83,6 +83,27 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lane
     assert set(codes.values()) == {0}  # SIGTERM is a graceful exit
 
 
+def test_peers_stripe_fetches_over_the_fewer_lanes_both_offer_shown_in_status_and_metrics():
+    with LocalPool(2, transport="tcp", capacity_bytes=64 * CHUNK, extra_args=("--data-lanes", "3")) as pool:
+        narrow = pool.add(SidecarOverride(extra_args=("--data-lanes", "2"), joins=True))
+        wait_for("each sidecar's link to the other two to be up", lambda: all(
+            sum(p["state"] == "connected" for p in sc.peers()) == 2 for sc in pool.members()))
+        assert pool[0].status()["data_lanes_offered"] == 3
+        assert pool[0].status()["data_lanes"] == {pool[1].identity: 3, narrow.identity: 2}
+        assert narrow.status()["data_lanes"] == {pool[0].identity: 2, pool[1].identity: 2}
+        assert {p["identity"]: p["data_lanes"] for p in pool[1].peers()} == \
+            {pool[0].identity: 3, narrow.identity: 2}
+        assert pool[0].metric("kv_offload_peer_data_lanes") == 5
+        a, c = pool.client(0), pool.client(2)
+        keys = new_keys(12)
+        data = write_chunks(a, keys)
+        pool.wait_directory_current()
+        assert c.lookup(keys) == LookupReply(local=0, peer=12)
+        assert read_chunks(c, keys) == [data[k] for k in keys]
+        a.close()
+        c.close()
+
+
 @pytest.mark.parametrize("override, reason", [
     (SidecarOverride(config=example_config(tokens_per_hash=32)), "fingerprint_mismatch"),
     (SidecarOverride(pool_key=b"another-pool-key"), "bad_proof"),

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from kv_offload_sidecar.data.lanes import data_lanes_of, lane_count, lanes_offered
 from kv_offload_sidecar.metrics import PEER_STATES
 from kv_offload_sidecar.peers.handshake import (
     MAX_HANDSHAKE_BODY_BYTES,
@@ -109,6 +110,7 @@ class PeerLink:
             "failures": self.failures, "last_error": self.last_error,
             "data_address": self.session.peer.data_address if self.session else None,
             "key_id": self.session.key_id.hex() if self.session else None,
+            "data_lanes": data_lanes_of(self.data) if self.state == "connected" else 0,
             "retry_in_seconds": max(0.0, round(self.retry_at - time.monotonic(), 3))
             if self.state in ("backoff", "rejected") else 0.0,
         }
@@ -253,6 +255,8 @@ class PeerManager:
                 counts[link.state] += 1
         for state, n in counts.items():
             self._metrics.peers.labels(state=state).set(n)
+        self._metrics.peer_data_lanes.set(sum(data_lanes_of(link.data) for link in self._links.values()
+                                              if link.state == "connected"))
 
     def _set_state(self, link: PeerLink, state: str) -> None:
         link.state = state
@@ -352,9 +356,10 @@ class PeerManager:
             link.identity = remote.identity
             raise HandshakeError("alias", f"{remote.identity} already connected via {other.address}")
         self._metrics.handshakes.labels(result="accepted", reason="ok").inc()
+        lanes = lane_count(lanes_offered(s.data_lanes), remote.data_lanes)
         data = await data_connect(remote.data_address, session.session_id, session.session_key,
                                   timeout=s.handshake_timeout_seconds, metrics=self._metrics,
-                                  **self._data_options)
+                                  lanes=lanes, **self._data_options)
         return remote, session, data
 
     async def _connect(self, link: PeerLink) -> None:
