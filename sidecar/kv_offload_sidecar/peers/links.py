@@ -129,10 +129,11 @@ class PeerManager:
 
     def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, discovery: Discovery,
                  location: Location, local_hello: Callable[[], HelloMessage], *,
-                 keys: PoolKeys, data_options: dict[str, Any] | None = None) -> None:
+                 keys: PoolKeys, data_options: Callable[[], dict[str, Any]] = dict) -> None:
         self._settings = settings
         self._keys = keys
-        self._data_options = dict(data_options or {})
+        # The data-plane options of a new connection (the live TLS client context), read at each one.
+        self._data_options = data_options
         self._metrics = metrics
         self._discovery = discovery
         self._location = location
@@ -364,7 +365,7 @@ class PeerManager:
         self._metrics.handshakes.labels(result="accepted", reason="ok").inc()
         data = await data_connect(remote.data_address, session.session_id, session.session_key,
                                   timeout=s.handshake_timeout_seconds, metrics=self._metrics,
-                                  **self._data_options)
+                                  **self._data_options())
         return remote, session, data
 
     async def _connect(self, link: PeerLink) -> None:
