@@ -70,9 +70,10 @@ class SidecarSettings:
     dns_interval_seconds: ClassVar[float] = 10.0
     # Deadline of one handshake (both HTTP steps) with a peer.
     handshake_timeout_seconds: ClassVar[float] = 5.0
-    # First back-off delay after a peer failed; doubles up to backoff_max_seconds.
+    # Cap of the first back-off delay after a peer failed (the delay is drawn below it: full
+    # jitter); the cap doubles per failure up to backoff_max_seconds.
     backoff_initial_seconds: ClassVar[float] = 0.5
-    # Longest back-off delay of a failing or rejecting peer.
+    # Largest cap of the back-off delay of a failing or rejecting peer.
     backoff_max_seconds: ClassVar[float] = 30.0
     # Largest accepted HTTP request body on the control ports, in bytes.
     max_body_bytes: ClassVar[int] = 256 * 1024

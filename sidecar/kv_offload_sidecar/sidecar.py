@@ -105,7 +105,7 @@ class Sidecar:
             interval_seconds=settings.dns_interval_seconds,
             own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
         self.peers = PeerManager(settings, self.metrics, self.discovery, self.location, self.local_hello,
-                                 keys=self.keys, data_options=self._tls_options("client"))
+                                 keys=self.keys, data_options=lambda: self._tls_options("client"))
         # Stalls of this process's own loop (a peer is not blamed for them).
         self.stalls = LoopStalls()
         # Rows of vLLM's that load jobs offer to the peer chunks they wait for.
@@ -182,7 +182,8 @@ class Sidecar:
         return session.key_id != self.keys.offered_ids()[0]
 
     def _reload_tls(self) -> None:
-        """A renewed certificate (cert-manager rewrote the Secret) goes into the live contexts."""
+        """A renewed certificate or CA bundle (cert-manager rewrote the Secret) replaces the
+        contexts: new data connections, both ways, use it (``data/tls.py``)."""
         if self.tls is None:
             return
         try:
