@@ -188,7 +188,8 @@ def _model_report(config: dict[str, Any], geometry: Geometry, plan: dict[str, An
             hit = pool["hits"].get(n)
             if hit is not None:
                 row["peer"].append({"lanes": pool["lanes"], **hit,
-                                    "speedup": speedup(p.seconds, hit["hit_s"]) if p.seconds else None})
+                                    "speedup": speedup(p.seconds, hit["hit_s"]) if p.seconds else None,
+                                    "ratio_to_raw_tcp": hit["fetch_gbps"] / pool["raw_tcp"]["gbps"]})
         rows.append(row)
     first = next(iter(prefill.values()))
     return {"geometry": geometry.summary(), "prefill_layers_timed": first.layers_timed,
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from kv_offload_tools.bench.gpu_peer import cpu_list, split_cpus
+    from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus
     from kv_offload_tools.bench.gpu_prefill import device
     from kv_offload_tools.bench.gpu_report import plot, table, targets
 

@@ -21,7 +21,9 @@ the rows copied to the device cache (synchronized): the three phases of a hit. T
 rows must hold the holder's bytes (digests compared; on the first run the device copy of
 the first chunk is compared with its row too), and are zeroed again before the next run.
 The sidecars' CPU-seconds (``/proc/<pid>/stat``) are read before the lookup and after
-the rows landed. A run that misses (fewer chunks found or loaded) is reported as one.
+the rows landed. A run that misses (fewer chunks found or loaded) is reported as one. Last,
+with the sidecars idle, raw TCP with as many streams as lanes (one for the sidecars' own
+choice), pinned the same way, moves the longest hit's bytes (``gpu_raw_tcp``): the limit.
 """
 
 from __future__ import annotations
@@ -41,12 +43,16 @@ from kv_offload_sidecar.engine.client import EngineClient, RowRegion
 from kv_offload_sidecar.engine.region_file import find_region_file
 from kv_offload_tools.bench.attack_pool import cpu_seconds
 from kv_offload_tools.bench.gpu_geometry import Geometry
+from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus, started_on
+from kv_offload_tools.bench.gpu_raw_tcp import raw_tcp
 from kv_offload_tools.local_pool import LocalPool
 
 # Chunks per store_rows call: each call must land within the client's control deadline.
 STORE_BATCH_BYTES = 512 << 20
 # Seconds the fetcher may take to see every stored chunk at its peer (directory publish).
 VISIBLE_TIMEOUT_S = 60.0
+# Most bytes of the raw TCP reference (the longest hit's KV, up to this).
+RAW_TCP_MAX_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -61,38 +67,6 @@ class PeerSettings:
     timeout_s: float = 120.0
     # Folder of the region file (vLLM maps its primary tier from /dev/shm).
     shm_dir: str = "/dev/shm"
-
-
-def split_cpus(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(holder's, fetcher's) CPUs: the first and second half of ``cpus`` (one CPU: both)."""
-    ordered = sorted(cpus)
-    half = max(1, len(ordered) // 2)
-    return ordered[:half], (ordered[half:] or ordered)
-
-
-def cpu_list(cpus: Sequence[int]) -> str:
-    """``0-7``-style list of CPU numbers."""
-    out, ordered = [], sorted(cpus)
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-@contextlib.contextmanager
-def started_on(cpus: Sequence[int]) -> Iterator[None]:
-    """Processes started meanwhile by this thread inherit ``cpus`` as their affinity (so a
-    sidecar sees its CPUs from its first instruction on and derives its lanes from them)."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, set(cpus))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def _digest(row: np.ndarray) -> int:
@@ -350,7 +324,11 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
                          f"{'' if hit['identical'] else '  BYTES DIFFER'}"
                          f"{'' if hit['all_loaded'] else '  MISSED'}")
             status = pair.pool["fetcher"].status()
-        return {"lanes": label, "store_s": store_s, "store_gbps": chunks * geometry.chunk_bytes / store_s / 1e9,
+            raw = raw_tcp(lanes or 1, min(chunks * geometry.chunk_bytes, RAW_TCP_MAX_BYTES), settings.repeats,
+                          *cpus)
+            progress(f"raw TCP, {raw['streams']} streams, same pinning: {raw['gbps']:.2f} GB/s, CPU s/GB "
+                     f"sender {raw['sender_cpu_s_per_gb']:.2f} receiver {raw['receiver_cpu_s_per_gb']:.2f}")
+        return {"raw_tcp": raw, "lanes": label, "store_s": store_s, "store_gbps": chunks * geometry.chunk_bytes / store_s / 1e9,
                 "holder_cpus": cpu_list(cpus[0]), "fetcher_cpus": cpu_list(cpus[1]),
                 "fetcher_status_lanes": _lanes_seen(status), "hits": hits}
     finally:

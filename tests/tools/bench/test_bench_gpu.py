@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from kv_offload_tools.bench.gpu import peer_lengths, sweep_lengths
 from kv_offload_tools.bench.gpu_geometry import Geometry, breakeven_gbps, load_model_config, speedup
-from kv_offload_tools.bench.gpu_peer import HostRows, cpu_list, split_cpus
+from kv_offload_tools.bench.gpu_peer import HostRows
+from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus
+from kv_offload_tools.bench.gpu_raw_tcp import _shares, raw_tcp
 from kv_offload_tools.bench.gpu_prefill import SLICE_LAYERS, layers_to_time, weight_bytes
 
 GiB = 1 << 30
@@ -75,6 +77,12 @@ def test_peer_hits_are_left_out_past_the_kv_limit_or_the_free_shared_memory():
 def test_lane_sweeps_run_at_the_asked_lengths_else_the_shortest_and_longest():
     assert sweep_lengths([1024, 2048, 16384, 49152], [2048, 16384]) == [2048, 16384]
     assert sweep_lengths([256, 512, 1024], [2048, 16384]) == [256, 1024]
+
+
+def test_raw_tcp_streams_split_the_bytes_and_land_them_all():
+    assert _shares(10, 4) == [3, 3, 2, 2] and sum(_shares(1 << 20, 8)) == 1 << 20
+    raw = raw_tcp(2, 1 << 20, 1, *split_cpus(os.sched_getaffinity(0)))
+    assert raw["streams"] == 2 and raw["gbps"] > 0 and len(raw["runs_s"]) == 1
 
 
 def test_holder_and_fetcher_get_half_the_cpus_each():
@@ -145,8 +153,13 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
         assert hit["speedup"] == pytest.approx(row["recompute_s"] / hit["hit_s"])
         assert hit["fetch_gbps"] > 0 and hit["hit_gbps"] > 0
         assert hit["holder_cpu_s_per_gb"] >= 0 and hit["fetcher_cpu_s_per_gb"] >= 0
+        assert hit["ratio_to_raw_tcp"] > 0
     (pool,) = m["pools"]
     assert pool["lanes"] == "default" and pool["store_s"] > 0
+    # raw TCP with one stream (the sidecars' own lane choice), the longest hit's bytes
+    raw = pool["raw_tcp"]
+    assert raw["streams"] == 1 and raw["bytes"] == m["rows"][-1]["kv_bytes"] and raw["gbps"] > 0
+    assert len(raw["runs_s"]) == 2 and raw["sender_cpu_s_per_gb"] >= 0 and raw["receiver_cpu_s_per_gb"] >= 0
     assert report["targets"] == []  # a 2-core host measures none of the GPU targets
     assert plot.stat().st_size > 0
     assert "[bench gpu" in done.stderr
