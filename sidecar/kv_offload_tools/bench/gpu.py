@@ -20,11 +20,12 @@ from the repository root, about 4-6 minutes with these defaults (both models; 1K
 for recompute, the peer hits up to --max-kv-gib 8 of KV, so 70B's up to 16K; lanes 1, 2 and
 4 at 2K and 16K tokens, 8 lanes at every length)::
 
-    PYTHONPATH=$PWD/sidecar:$PWD/operator python3 -m kv_offload_operator.cli bench gpu \\
-        --plane tcp --lanes 1,2,4,8 --json --plot $OUT/bench-gpu.png \\
-        > $OUT/bench-gpu.json 2> $OUT/bench-gpu.log; tail -40 $OUT/bench-gpu.log
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/sidecar:$PWD/operator timeout 560 python3 -m \\
+        kv_offload_operator.cli bench gpu --plane tcp --lanes 1,2,4,8 --json $OUT/bench-gpu.json \\
+        --plot $OUT/bench-gpu.png 2>&1 | tee $OUT/bench-gpu.log
 
-(``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run.)
+(the JSON is written after each model, so a run cut short keeps the models it finished;
+``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run.)
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ DEFAULT_CHUNK_TOKENS = 128
 # Largest KV (GiB) of a prompt whose peer hit is measured (its rows and both stores live in
 # /dev/shm at once: three times this).
 DEFAULT_MAX_KV_GIB = 8.0
+# --json without a path: the report goes to stdout as JSON.
+JSON_TO_STDOUT = "-"
 # /dev/shm bytes a peer hit of B bytes needs: the rows, the holder's store, the fetcher's.
 SHM_COPIES = 3
 
@@ -89,7 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a lookup or a load may take (default %(default)s)")
     parser.add_argument("--shm-dir", default="/dev/shm",
                         help="folder of the rows and the sidecars' stores (default %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--json", nargs="?", const=JSON_TO_STDOUT, default="", metavar="PATH",
+                        help="print one JSON object instead of the table; with PATH, write it there "
+                             "(after each model) and print the table")
     parser.add_argument("--plot", default="kv-offload-bench-gpu.png",
                         help="PNG written with the results (default %(default)s; '' for none)")
 
@@ -222,12 +227,15 @@ def run(args: argparse.Namespace) -> int:
              f"CPUs {report['pinning']['holder']}, fetcher on {report['pinning']['fetcher']}")
     for config, geometry in plan["configs"]:
         report["models"].append(_model_report(config, geometry, plan, args, dev, progress))
-    report["elapsed_s"] = round(time.monotonic() - t0, 1)
-    report["targets"] = targets(report)
-    if args.plot:
-        plot(report, args.plot)
-        report["plot"] = os.path.abspath(args.plot)
-    print(json.dumps(report, indent=1) if args.json else table(report))
+        report["elapsed_s"] = round(time.monotonic() - t0, 1)
+        report["targets"] = targets(report)
+        if args.plot:
+            plot(report, args.plot)
+            report["plot"] = os.path.abspath(args.plot)
+        if args.json not in ("", JSON_TO_STDOUT):  # after each model: a run cut short keeps what it measured
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=1)
+    print(json.dumps(report, indent=1) if args.json == JSON_TO_STDOUT else table(report))
     bad = [f"{m['geometry']['name']} {r['tokens']} lanes {p['lanes']}" for m in report["models"]
            for r in m["rows"] for p in r["peer"] if not (p["identical"] and p["all_loaded"])]
     for b in bad:

@@ -69,6 +69,15 @@ class PeerSettings:
     shm_dir: str = "/dev/shm"
 
 
+def _cuda_success(rc: Any) -> bool:
+    """Whether a cudart call's result (an error enum, or a tuple starting with one) is success."""
+    code = rc[0] if isinstance(rc, tuple) else rc
+    try:
+        return int(code) == 0
+    except (TypeError, ValueError):
+        return "success" in str(code).lower()
+
+
 def _digest(row: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(row))
 
@@ -95,8 +104,7 @@ class HostRows:
             import torch
 
             rc = torch.cuda.cudart().cudaHostRegister(self.rows.ctypes.data, self.size, 0)
-            code = int(rc[0] if isinstance(rc, tuple) else rc)
-            if code != 0:
+            if not _cuda_success(rc):
                 raise RuntimeError(f"cudaHostRegister of the {self.size}-byte region failed: {rc}")
             self.registered = self.rows.ctypes.data
 
@@ -334,3 +342,7 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
     finally:
         del kv
         host.close()
+        if dev == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()

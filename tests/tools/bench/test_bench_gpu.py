@@ -121,16 +121,17 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
     model = tmp_path / "tiny" / "config.json"
     model.parent.mkdir()
     model.write_text(json.dumps(config))
-    plot = tmp_path / "gpu.png"
+    plot, out = tmp_path / "gpu.png", tmp_path / "gpu.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([_blocked_modules(tmp_path / "absent"), *sys.path])
     done = subprocess.run(
         [sys.executable, "-m", "kv_offload_operator.cli", "bench", "gpu", "--models", str(model),
-         "--lengths", "256,512", "--chunk-tokens", "64", "--repeats", "2", "--json", "--plot", str(plot),
+         "--lengths", "256,512", "--chunk-tokens", "64", "--repeats", "2", "--json", str(out), "--plot", str(plot),
          "--shm-dir", shm_dir, "--timeout-s", "30"],
         capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    report = json.loads(out.read_text())
+    assert "tiny: 2 KiB of KV per token" in done.stdout  # the table, with the JSON in its file
     assert report["device"] == "cpu" and report["plane"] == "tcp" and report["lanes"] == ["default"]
     assert set(report["pinning"]) == {"holder", "fetcher"}
     (m,) = report["models"]
