@@ -22,8 +22,8 @@ rows must hold the holder's bytes (digests compared; on the first run the device
 the first chunk is compared with its row too), and are zeroed again before the next run.
 The sidecars' CPU-seconds (``/proc/<pid>/stat``) are read before the lookup and after
 the rows landed. A run that misses (fewer chunks found or loaded) is reported as one. Last,
-with the sidecars idle, raw TCP with as many streams as lanes (one for the sidecars' own
-choice), pinned the same way, moves the longest hit's bytes (``gpu_raw_tcp``): the limit.
+with the sidecars idle, raw TCP with as many streams as lanes (as the fetcher's status says it
+runs when the sidecars chose; one where it says nothing), pinned the same way, moves the longest hit's bytes (``gpu_raw_tcp``): the limit.
 """
 
 from __future__ import annotations
@@ -280,19 +280,12 @@ def _median_run(runs: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
             "all_loaded": all(r["loaded"] == r["chunks"] for r in runs)}
 
 
-def _lanes_seen(status: Any) -> Any:
-    """Whatever the fetcher's /v1/status says about lanes (keys naming them), or None."""
-    if isinstance(status, dict):
-        found = {k: v for k, v in status.items() if "lane" in k}
-        for k, v in status.items():
-            inner = _lanes_seen(v) if isinstance(v, (dict, list)) else None
-            if inner:
-                found[k] = inner
-        return found or None
-    if isinstance(status, list):
-        found_list = [x for x in (_lanes_seen(v) for v in status) if x]
-        return found_list or None
-    return None
+def lanes_in_use(status: Any, peer: str = "holder") -> int | None:
+    """The lanes a fetcher's ``/v1/status`` says it runs to ``peer`` (``data_lanes``), or None
+    where it says nothing (a sidecar without lanes)."""
+    lanes = status.get("data_lanes") if isinstance(status, dict) else None
+    value = lanes.get(peer) if isinstance(lanes, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | None,
@@ -331,14 +324,14 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
                          f"{hit['holder_cpu_s_per_gb']:.2f} fetcher {hit['fetcher_cpu_s_per_gb']:.2f}"
                          f"{'' if hit['identical'] else '  BYTES DIFFER'}"
                          f"{'' if hit['all_loaded'] else '  MISSED'}")
-            status = pair.pool["fetcher"].status()
-            raw = raw_tcp(lanes or 1, min(chunks * geometry.chunk_bytes, RAW_TCP_MAX_BYTES), settings.repeats,
+            in_use = lanes_in_use(pair.pool["fetcher"].status())
+            raw = raw_tcp(lanes or in_use or 1, min(chunks * geometry.chunk_bytes, RAW_TCP_MAX_BYTES), settings.repeats,
                           *cpus)
             progress(f"raw TCP, {raw['streams']} streams, same pinning: {raw['gbps']:.2f} GB/s, CPU s/GB "
                      f"sender {raw['sender_cpu_s_per_gb']:.2f} receiver {raw['receiver_cpu_s_per_gb']:.2f}")
         return {"raw_tcp": raw, "lanes": label, "store_s": store_s, "store_gbps": chunks * geometry.chunk_bytes / store_s / 1e9,
                 "holder_cpus": cpu_list(cpus[0]), "fetcher_cpus": cpu_list(cpus[1]),
-                "fetcher_status_lanes": _lanes_seen(status), "hits": hits}
+                "lanes_in_use": in_use, "hits": hits}
     finally:
         del kv
         host.close()

@@ -69,7 +69,7 @@ def table(report: Mapping[str, Any]) -> str:
                      f"{model['prefill_layers_timed']} of {g['layers']} layers"
                      + (f" x{model['layer_scale']:g}" if model["layer_scale"] != 1 else ""))
         lines.append(f"{'tokens':>7} {'KV MiB':>8} {'recompute ms':>12} {'break-even':>10}  {'lanes':>7} "
-                     f"{'hit ms':>8} {'lookup':>7} {'fetch':>8} {'h2d':>7} {'GB/s':>6} {'speedup':>7} "
+                     f"{'hit ms':>8} {'lookup':>7} {'fetch':>8} {'h2d':>7} {'GB/s':>6} {'x raw':>5} {'speedup':>7} "
                      f"{'CPU s/GB holder/fetcher':>23}")
         for row in model["rows"]:
             head = (f"{row['tokens']:>7} {row['kv_bytes'] / 2**20:>8.1f} {_ms(row['recompute_s']):>12} "
@@ -85,14 +85,15 @@ def table(report: Mapping[str, Any]) -> str:
                 head = " " * len(head)
         for pool in model["pools"]:
             raw = pool["raw_tcp"]
-            lines.append(f"lanes {pool['lanes']}: stored in {pool['store_s'] * 1e3:.0f} ms "
+            used = "" if pool["lanes_in_use"] is None else f" ({pool['lanes_in_use']} in use)"
+            lines.append(f"lanes {pool['lanes']}{used}: stored in {pool['store_s'] * 1e3:.0f} ms "
                          f"({pool['store_gbps']:.2f} GB/s until the fetcher saw it); raw TCP with "
                          f"{raw['streams']} streams, same pinning: {raw['gbps']:.2f} GB/s, CPU s/GB "
                          f"sender {raw['sender_cpu_s_per_gb']:.2f} receiver {raw['receiver_cpu_s_per_gb']:.2f}")
     for t in report.get("targets", []):
         lines.append(f"[target] {t['target']} at {t['tokens']} tokens: {t['value']:.2f} (limit {t['limit']:g}) "
                      f"{'met' if t['met'] else 'NOT met'}")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _gbps(value: float | None) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from kv_offload_tools.bench.gpu import peer_lengths, sweep_lengths
 from kv_offload_tools.bench.gpu_geometry import Geometry, breakeven_gbps, load_model_config, speedup
-from kv_offload_tools.bench.gpu_peer import HostRows
+from kv_offload_tools.bench.gpu_peer import HostRows, lanes_in_use
 from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus
 from kv_offload_tools.bench.gpu_raw_tcp import _shares, raw_tcp
 from kv_offload_tools.bench.gpu_prefill import SLICE_LAYERS, layers_to_time, weight_bytes
@@ -83,6 +83,12 @@ def test_raw_tcp_streams_split_the_bytes_and_land_them_all():
     assert _shares(10, 4) == [3, 3, 2, 2] and sum(_shares(1 << 20, 8)) == 1 << 20
     raw = raw_tcp(2, 1 << 20, 1, *split_cpus(os.sched_getaffinity(0)))
     assert raw["streams"] == 2 and raw["gbps"] > 0 and len(raw["runs_s"]) == 1
+
+
+def test_the_lanes_in_use_are_read_from_the_fetchers_status_where_it_states_them():
+    assert lanes_in_use({"data_lanes": {"holder": 4}, "data_lanes_offered": 8}) == 4
+    assert lanes_in_use({"data_lanes": {}}) is None
+    assert lanes_in_use({"identity": "fetcher"}) is None  # a sidecar without lanes
 
 
 def test_holder_and_fetcher_get_half_the_cpus_each():
@@ -157,9 +163,10 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
         assert hit["ratio_to_raw_tcp"] > 0
     (pool,) = m["pools"]
     assert pool["lanes"] == "default" and pool["store_s"] > 0
+    assert pool["lanes_in_use"] in (None, 1)  # the sidecars' own choice on one CPU each
     # raw TCP with one stream (the sidecars' own lane choice), the longest hit's bytes
     raw = pool["raw_tcp"]
-    assert raw["streams"] == 1 and raw["bytes"] == m["rows"][-1]["kv_bytes"] and raw["gbps"] > 0
+    assert raw["streams"] == (pool["lanes_in_use"] or 1) and raw["bytes"] == m["rows"][-1]["kv_bytes"] and raw["gbps"] > 0
     assert len(raw["runs_s"]) == 2 and raw["sender_cpu_s_per_gb"] >= 0 and raw["receiver_cpu_s_per_gb"] >= 0
     assert report["targets"] == []  # a 2-core host measures none of the GPU targets
     assert plot.stat().st_size > 0
