@@ -43,6 +43,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "scale": ("kv_offload_tools.bench.scale", "where-is-what memory and traffic as the pool grows"),
     "vllm": ("kv_offload_tools.bench.vllm_ttft",
              "time to first token inside real vLLM engines: recompute, local and peer hits"),
+    "gpu": ("kv_offload_tools.bench.gpu",
+            "recompute on the GPU against a peer hit landing in GPU memory, per prompt length"),
     "attack": ("kv_offload_tools.bench.attack",
                "hostile clients against a live pool: memory, logs and the honest load"),
 }

@@ -1,0 +1,42 @@
+"""Where `bench gpu`'s processes run: the holder's side (its sidecar, raw TCP's sender) on the
+first half of this machine's CPUs, the fetcher's side (its sidecar, raw TCP's receiver) on the
+second half (one CPU: both on it), each given its CPUs before it starts, so a sidecar derives
+its lanes from the CPUs it will run on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+
+
+def split_cpus(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(holder's, fetcher's) CPUs: the first and second half of ``cpus`` (one CPU: both)."""
+    ordered = sorted(cpus)
+    half = max(1, len(ordered) // 2)
+    return ordered[:half], (ordered[half:] or ordered)
+
+
+def cpu_list(cpus: Sequence[int]) -> str:
+    """``0-7``-style list of CPU numbers."""
+    out, ordered = [], sorted(cpus)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+@contextlib.contextmanager
+def started_on(cpus: Sequence[int]) -> Iterator[None]:
+    """Processes started meanwhile by this thread inherit ``cpus`` as their affinity (so a
+    sidecar sees its CPUs from its first instruction on and derives its lanes from them)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -1,0 +1,133 @@
+"""What `bench gpu` prints and draws of its report: a table per model, the issue's targets
+where the run measured them, and a PNG of recompute against the peer hit per prompt length
+(one line per lane count)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Lane counts the issue's scaling target compares (4 lanes >= 3x one lane).
+_SCALING = (1, 4, 3.0)
+# Lane count and share of raw TCP with as many streams it must reach (8 lanes >= 0.8x).
+_RAW = (8, 0.8)
+# Prompt length and speedup the issue's GPU target names (16K tokens: the hit 2x faster).
+_SPEEDUP = (16384, 2.0)
+# Model the issue's targets are stated for.
+_TARGET_MODEL = "llama-3.1-8b"
+# Fewest CPUs the targets hold on (a GPU host; a 2-core host cannot give lanes cores).
+_TARGET_CPUS = 8
+
+
+def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The issue's `bench gpu` targets this run measured (on a host with 8 or more CPUs)."""
+    out: list[dict[str, Any]] = []
+    if report["cpus"] < _TARGET_CPUS:
+        return out
+    for model in report["models"]:
+        if model["geometry"]["name"] != _TARGET_MODEL:
+            continue
+        one, many, ratio = _SCALING
+        for row in model["rows"]:
+            by_lanes = {p["lanes"]: p for p in row["peer"]}
+            if one in by_lanes and many in by_lanes:
+                value = by_lanes[many]["fetch_gbps"] / by_lanes[one]["fetch_gbps"]
+                out.append({"target": f"{many} lanes >= {ratio:g}x the rate of {one} lane",
+                            "tokens": row["tokens"], "value": value, "limit": ratio, "met": value >= ratio})
+            if _RAW[0] in by_lanes and row is _longest(model["rows"], _RAW[0]):
+                value = by_lanes[_RAW[0]]["ratio_to_raw_tcp"]
+                out.append({"target": f"{_RAW[0]} lanes >= {_RAW[1]:g}x raw TCP with {_RAW[0]} streams",
+                            "tokens": row["tokens"], "value": value, "limit": _RAW[1], "met": value >= _RAW[1]})
+            if row["tokens"] == _SPEEDUP[0] and row["peer"] and row["recompute_s"]:
+                best = max(row["peer"], key=lambda p: p["speedup"] or 0)
+                out.append({"target": f"peer hit >= {_SPEEDUP[1]:g}x faster than recompute",
+                            "tokens": row["tokens"], "lanes": best["lanes"], "value": best["speedup"],
+                            "limit": _SPEEDUP[1], "met": best["speedup"] >= _SPEEDUP[1]})
+    return out
+
+
+def _longest(rows: Sequence[Mapping[str, Any]], lanes: int) -> Mapping[str, Any] | None:
+    """The row of the longest prompt with a hit at ``lanes`` lanes."""
+    measured = [r for r in rows if any(p["lanes"] == lanes for p in r["peer"])]
+    return measured[-1] if measured else None
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def table(report: Mapping[str, Any]) -> str:
+    """The report as text: one block per model, one line per length and lane setting."""
+    lines = [f"bench gpu on {report['device']} (torch {report['torch']}, transformers "
+             f"{report['transformers']}), plane {report['plane']}, {report['cpus']} CPUs: holder "
+             f"sidecar on CPUs {report['pinning']['holder']}, fetcher on {report['pinning']['fetcher']}"]
+    for model in report["models"]:
+        g = model["geometry"]
+        lines.append("")
+        lines.append(f"{g['name']}: {g['kv_bytes_per_token'] // 1024} KiB of KV per token, chunks of "
+                     f"{g['tokens_per_chunk']} tokens ({g['chunk_bytes'] / 2**20:.1f} MiB); recompute on "
+                     f"{model['prefill_layers_timed']} of {g['layers']} layers"
+                     + (f" x{model['layer_scale']:g}" if model["layer_scale"] != 1 else ""))
+        lines.append(f"{'tokens':>7} {'KV MiB':>8} {'recompute ms':>12} {'break-even':>10}  {'lanes':>7} "
+                     f"{'hit ms':>8} {'lookup':>7} {'fetch':>8} {'h2d':>7} {'GB/s':>6} {'x raw':>5} {'speedup':>7} "
+                     f"{'CPU s/GB holder/fetcher':>23}")
+        for row in model["rows"]:
+            head = (f"{row['tokens']:>7} {row['kv_bytes'] / 2**20:>8.1f} {_ms(row['recompute_s']):>12} "
+                    f"{_gbps(row['breakeven_gbps']):>10}")
+            if not row["peer"]:
+                lines.append(f"{head}  {row.get('peer_skipped', '')}")
+            for p in row["peer"]:
+                lines.append(
+                    f"{head}  {p['lanes']!s:>7} {_ms(p['hit_s']):>8} {_ms(p['lookup_s']):>7} "
+                    f"{_ms(p['fetch_s']):>8} {_ms(p['h2d_s']):>7} {p['fetch_gbps']:>6.2f} {p['ratio_to_raw_tcp']:>5.2f} "
+                    f"{_speedup(p['speedup']):>7} {p['holder_cpu_s_per_gb']:>11.2f}/{p['fetcher_cpu_s_per_gb']:<11.2f}"
+                    f"{'' if p['identical'] else ' BYTES DIFFER'}{'' if p['all_loaded'] else ' MISSED'}")
+                head = " " * len(head)
+        for pool in model["pools"]:
+            raw = pool["raw_tcp"]
+            used = "" if pool["lanes_in_use"] is None else f" ({pool['lanes_in_use']} in use)"
+            lines.append(f"lanes {pool['lanes']}{used}: stored in {pool['store_s'] * 1e3:.0f} ms "
+                         f"({pool['store_gbps']:.2f} GB/s until the fetcher saw it); raw TCP with "
+                         f"{raw['streams']} streams, same pinning: {raw['gbps']:.2f} GB/s, CPU s/GB "
+                         f"sender {raw['sender_cpu_s_per_gb']:.2f} receiver {raw['receiver_cpu_s_per_gb']:.2f}")
+    for t in report.get("targets", []):
+        lines.append(f"[target] {t['target']} at {t['tokens']} tokens: {t['value']:.2f} (limit {t['limit']:g}) "
+                     f"{'met' if t['met'] else 'NOT met'}")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _gbps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} GB/s"
+
+
+def _speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def plot(report: Mapping[str, Any], path: str) -> None:
+    """PNG: per model, recompute and the peer hit (one line per lane setting) against tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models: Sequence[Mapping[str, Any]] = report["models"]
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(6.5 * max(1, len(models)), 4.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in model["rows"] if r["recompute_s"] is not None]
+        ax.plot([r["tokens"] for r in rows], [r["recompute_s"] for r in rows], "k-o", label="recompute")
+        lanes = sorted({p["lanes"] for r in model["rows"] for p in r["peer"]}, key=str)
+        for label in lanes:
+            points = [(r["tokens"], p["hit_s"]) for r in model["rows"] for p in r["peer"] if p["lanes"] == label]
+            ax.plot([t for t, _ in points], [s for _, s in points], "o--",
+                    label=f"peer hit, lanes {label}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{model['geometry']['name']} on {report['device']}, {report['plane']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

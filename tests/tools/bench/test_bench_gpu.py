@@ -1,0 +1,173 @@
+"""`kv-offload bench gpu`: the geometry and break-even arithmetic, the rows' verification, and a
+CPU run of the whole bench (tiny model, real sidecars) whose fetched rows must be the holder's bytes.
+
+No speed is asserted here: the numbers are the benchmark's output, not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kv_offload_tools.bench.gpu import peer_lengths, sweep_lengths
+from kv_offload_tools.bench.gpu_geometry import Geometry, breakeven_gbps, load_model_config, speedup
+from kv_offload_tools.bench.gpu_peer import HostRows, lanes_in_use
+from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus
+from kv_offload_tools.bench.gpu_raw_tcp import _shares, raw_tcp
+from kv_offload_tools.bench.gpu_prefill import SLICE_LAYERS, layers_to_time, weight_bytes
+
+GiB = 1 << 30
+# Modules the GPU machine's python lacks: the bench and its sidecars must run without them.
+ABSENT_ON_GPU_MACHINE = ("cryptography", "kopf", "kubernetes_asyncio", "ucxx", "nixl")
+
+
+def _geometry(model: str, chunk_tokens: int = 128) -> Geometry:
+    name, config = load_model_config(model)
+    return Geometry.of(name, config, chunk_tokens)
+
+
+def test_llama_8b_and_70b_geometry_is_layers_x_2_x_kv_heads_x_head_dim_x_2_bytes_per_token():
+    small, big = _geometry("llama-3.1-8b"), _geometry("llama-3.1-70b")
+    assert small.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2 == 128 << 10
+    assert big.kv_bytes_per_token == 80 * 2 * 8 * 128 * 2 == 320 << 10
+    # vLLM's rows: worker_kv_bytes_per_block (16-token blocks) x blocks_per_chunk.
+    assert small.pool.worker_kv_bytes_per_block == 16 * small.kv_bytes_per_token
+    assert (small.tokens_per_block, small.blocks_per_chunk) == (16, 8)
+    assert small.chunk_bytes == small.pool.kv_bytes_per_chunk == 16 << 20
+    assert small.row_stride == small.chunk_bytes  # already page-aligned
+    assert small.layer_block_bytes * small.layers * small.blocks_per_chunk == small.chunk_bytes
+    # a prompt moves its whole chunks only: the tail shorter than a chunk is recomputed
+    assert small.chunks(2048) == 16 and small.kv_bytes(2048) == 256 << 20
+    assert small.chunks(2048 + 127) == 16
+
+
+def test_break_even_is_kv_bytes_over_recompute_time():
+    # the issue's H200 figures: Llama-3.1-8B, 2K tokens, 256 MiB recomputed in 62 ms
+    assert breakeven_gbps(256 << 20, 0.062) == pytest.approx(4.33, abs=0.01)
+    assert breakeven_gbps(2 * GiB, 0.599) == pytest.approx(3.59, abs=0.01)
+    assert speedup(0.599, 0.2995) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="positive"):
+        breakeven_gbps(1, 0.0)
+
+
+def test_a_model_too_big_for_half_the_gpu_is_timed_on_a_layer_slice():
+    _, small = load_model_config("llama-3.1-8b")
+    _, big = load_model_config("llama-3.1-70b")
+    h200 = 141 * 10**9
+    assert weight_bytes(small) == pytest.approx(16.06e9, rel=0.01)  # 8.03 B parameters in bf16
+    assert weight_bytes(big) == pytest.approx(141.1e9, rel=0.01)
+    assert layers_to_time(small, h200) == 32
+    assert layers_to_time(big, h200) == SLICE_LAYERS
+    assert layers_to_time(big, None) == 80  # the CPU: no memory limit applied
+
+
+def test_peer_hits_are_left_out_past_the_kv_limit_or_the_free_shared_memory():
+    g = _geometry("llama-3.1-70b")  # 320 KiB per token: 48K tokens are 15 GiB of KV
+    fits, skipped = peer_lengths(g, [2048, 16384, 49152], 8 * GiB, 64 * GiB)
+    assert fits == [2048, 16384] and set(skipped) == {49152}
+    assert "--max-kv-gib 8" in skipped[49152]
+    fits, skipped = peer_lengths(g, [2048, 16384], 8 * GiB, 4 * GiB)
+    assert fits == [2048] and "shared memory" in skipped[16384]
+
+
+def test_lane_sweeps_run_at_the_asked_lengths_else_the_shortest_and_longest():
+    assert sweep_lengths([1024, 2048, 16384, 49152], [2048, 16384]) == [2048, 16384]
+    assert sweep_lengths([256, 512, 1024], [2048, 16384]) == [256, 1024]
+
+
+def test_raw_tcp_streams_split_the_bytes_and_land_them_all():
+    assert _shares(10, 4) == [3, 3, 2, 2] and sum(_shares(1 << 20, 8)) == 1 << 20
+    raw = raw_tcp(2, 1 << 20, 1, *split_cpus(os.sched_getaffinity(0)))
+    assert raw["streams"] == 2 and raw["gbps"] > 0 and len(raw["runs_s"]) == 1
+
+
+def test_the_lanes_in_use_are_read_from_the_fetchers_status_where_it_states_them():
+    assert lanes_in_use({"data_lanes": {"holder": 4}, "data_lanes_offered": 8}) == 4
+    assert lanes_in_use({"data_lanes": {}}) is None
+    assert lanes_in_use({"identity": "fetcher"}) is None  # a sidecar without lanes
+
+
+def test_holder_and_fetcher_get_half_the_cpus_each():
+    assert split_cpus(range(16)) == (list(range(8)), list(range(8, 16)))
+    assert split_cpus([0, 1]) == ([0], [1])
+    assert split_cpus([3]) == ([3], [3])
+    assert cpu_list([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+
+
+def test_rows_verification_tells_landed_chunks_from_zeroed_or_corrupted_ones(shm_dir: str):
+    rows = HostRows(shm_dir, 4, 8192, 4096 + 512, "cpu")
+    try:
+        digests = rows.fill(4)
+        assert len(set(digests)) == 4  # each chunk's bytes differ from the others'
+        assert rows.matches(digests)
+        rows.zero(4)
+        assert not rows.matches(digests)
+        assert rows.fill(4) == digests  # the same content again
+        rows.chunk(3)[100] ^= 1
+        assert not rows.matches(digests)
+        assert (rows.rows[:, 4096 + 512:] == 0).all()  # padding past the chunk untouched
+    finally:
+        rows.close()
+
+
+def _blocked_modules(path: Path) -> str:
+    """A folder of stand-ins for what the GPU machine lacks: importing one fails."""
+    for name in ABSENT_ON_GPU_MACHINE:
+        (path / name).mkdir(parents=True)
+        (path / name / "__init__.py").write_text(f"raise ImportError('{name} is not on the GPU machine')\n")
+    return str(path)
+
+
+def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase(tmp_path: Path, shm_dir: str):
+    config = dict(load_model_config("tiny-llama")[1], num_hidden_layers=2)
+    model = tmp_path / "tiny" / "config.json"
+    model.parent.mkdir()
+    model.write_text(json.dumps(config))
+    plot, out = tmp_path / "gpu.png", tmp_path / "gpu.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([_blocked_modules(tmp_path / "absent"), *sys.path])
+    done = subprocess.run(
+        [sys.executable, "-m", "kv_offload_operator.cli", "bench", "gpu", "--models", str(model),
+         "--lengths", "256,512", "--chunk-tokens", "64", "--repeats", "2", "--json", str(out), "--plot", str(plot),
+         "--shm-dir", shm_dir, "--timeout-s", "30"],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "tiny: 2 KiB of KV per token" in done.stdout  # the table, with the JSON in its file
+    assert report["device"] == "cpu" and report["plane"] == "tcp" and report["lanes"] == ["default"]
+    assert set(report["pinning"]) == {"holder", "fetcher"}
+    (m,) = report["models"]
+    g = m["geometry"]
+    assert g["name"] == "tiny" and g["kv_bytes_per_token"] == 2 * 2 * 4 * 64 * 2
+    assert g["chunk_bytes"] == 64 * g["kv_bytes_per_token"]  # 128 KiB chunks
+    assert m["prefill_layers_timed"] == 2 and m["layer_scale"] == 1
+    assert [r["tokens"] for r in m["rows"]] == [256, 512]
+    for row in m["rows"]:
+        assert row["chunks"] == row["tokens"] // 64
+        assert row["kv_bytes"] == row["chunks"] * g["chunk_bytes"]
+        assert row["recompute_s"] > 0 and len(row["recompute_runs_s"]) == 2
+        assert row["breakeven_gbps"] == pytest.approx(row["kv_bytes"] / row["recompute_s"] / 1e9)
+        (hit,) = row["peer"]
+        # the fetcher found every chunk at its peer and landed all of them, byte for byte
+        assert (hit["found_local"], hit["found_peer"], hit["loaded"]) == (0, row["chunks"], row["chunks"])
+        assert hit["identical"] and hit["all_loaded"]
+        assert hit["hit_s"] == pytest.approx(hit["lookup_s"] + hit["fetch_s"] + hit["h2d_s"])
+        assert min(hit["lookup_s"], hit["fetch_s"], hit["h2d_s"]) > 0 and len(hit["hit_runs_s"]) == 2
+        assert hit["speedup"] == pytest.approx(row["recompute_s"] / hit["hit_s"])
+        assert hit["fetch_gbps"] > 0 and hit["hit_gbps"] > 0
+        assert hit["holder_cpu_s_per_gb"] >= 0 and hit["fetcher_cpu_s_per_gb"] >= 0
+        assert hit["ratio_to_raw_tcp"] > 0
+    (pool,) = m["pools"]
+    assert pool["lanes"] == "default" and pool["store_s"] > 0
+    assert pool["lanes_in_use"] in (None, 1)  # the sidecars' own choice on one CPU each
+    # raw TCP with one stream (the sidecars' own lane choice), the longest hit's bytes
+    raw = pool["raw_tcp"]
+    assert raw["streams"] == (pool["lanes_in_use"] or 1) and raw["bytes"] == m["rows"][-1]["kv_bytes"] and raw["gbps"] > 0
+    assert len(raw["runs_s"]) == 2 and raw["sender_cpu_s_per_gb"] >= 0 and raw["receiver_cpu_s_per_gb"] >= 0
+    assert report["targets"] == []  # a 2-core host measures none of the GPU targets
+    assert plot.stat().st_size > 0
+    assert "[bench gpu" in done.stderr
