@@ -21,7 +21,10 @@ the rows copied to the device cache (synchronized): the three phases of a hit. T
 rows must hold the holder's bytes (digests compared; on the first run the device copy of
 the first chunk is compared with its row too), and are zeroed again before the next run.
 The sidecars' CPU-seconds (``/proc/<pid>/stat``) are read before the lookup and after
-the rows landed. A run that misses (fewer chunks found or loaded) is reported as one. Last,
+the rows landed, and a thread polls the fetcher's ``/healthz`` all the while (its p99: how
+long the fetcher's event loop keeps a probe waiting while chunks move). The store is sent as
+the tier sends it beside an engine on a GPU (not paced) and timed until it landed in the
+holder, against one thread's memcpy of the same bytes taken just before. A run that misses (fewer chunks found or loaded) is reported as one. Last,
 with the sidecars idle, raw TCP with as many streams as lanes (as the fetcher's status says it
 runs when the sidecars chose; one where it says nothing), pinned the same way, moves the longest hit's bytes (``gpu_raw_tcp``): the limit.
 """
@@ -29,8 +32,10 @@ runs when the sidecars chose; one where it says nothing), pinned the same way, m
 from __future__ import annotations
 
 import contextlib
+import http.client
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +45,7 @@ import numpy as np
 import xxhash
 
 from kv_offload_sidecar.engine.client import EngineClient, RowRegion
+from kv_offload_sidecar.engine.engine_platform import paces_stores
 from kv_offload_sidecar.engine.region_file import find_region_file
 from kv_offload_tools.bench.attack_pool import cpu_seconds
 from kv_offload_tools.bench.gpu_geometry import Geometry
@@ -53,6 +59,51 @@ STORE_BATCH_BYTES = 512 << 20
 VISIBLE_TIMEOUT_S = 60.0
 # Most bytes of the raw TCP reference (the longest hit's KV, up to this).
 RAW_TCP_MAX_BYTES = 2 << 30
+# Bytes of the buffer the store's memcpy reference copies into, over and over (past the caches).
+MEMCPY_PIECE_BYTES = 256 << 20
+# Seconds between two /healthz polls of the fetcher while a hit runs.
+HEALTH_POLL_INTERVAL_S = 0.002
+# The engine this bench stands for computes on a GPU: its tier's stores are not paced.
+ENGINE_DEVICE_TYPE = "cuda"
+
+
+class HealthPolls:
+    """While in its ``with`` block, a thread asks a sidecar's ``/healthz`` over and over on one
+    kept-alive connection, ``HEALTH_POLL_INTERVAL_S`` apart: how long its event loop keeps a
+    poll waiting (a kubelet's probe, Prometheus) while the chunks move."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="healthz-polls", daemon=True)
+        # Seconds each poll took, request to whole answer.
+        self.seconds: list[float] = []
+
+    def __enter__(self) -> "HealthPolls":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self._port, timeout=10)
+        try:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                conn.request("GET", "/healthz")
+                conn.getresponse().read()
+                self.seconds.append(time.perf_counter() - t0)
+                self._stop.wait(HEALTH_POLL_INTERVAL_S)
+        finally:
+            conn.close()
+
+    def p99_ms(self) -> float | None:
+        if not self.seconds:
+            return None
+        ordered = sorted(self.seconds)
+        return 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 @dataclass(frozen=True)
@@ -224,15 +275,33 @@ def _pair(geometry: Geometry, chunks: int, host: HostRows, settings: PeerSetting
         pool.stop()
 
 
-def _store(pair: _Pair, keys: Sequence[bytes], geometry: Geometry, timeout_s: float) -> float:
-    """Store ``keys`` (rows 0..) into the holder; seconds until the fetcher sees them all."""
+def memcpy_seconds(host: HostRows, count: int) -> float:
+    """Seconds one thread of this process takes to copy the chunk bytes of rows 0..count-1
+    (into a reused buffer of ``MEMCPY_PIECE_BYTES``, past the caches): a store's reference."""
+    piece = np.zeros(MEMCPY_PIECE_BYTES, dtype=np.uint8)
+    piece[:] = 1  # every page faulted in before the clock starts
+    rows_per_piece = max(1, MEMCPY_PIECE_BYTES // host.chunk_bytes)
+    t0 = time.perf_counter()
+    for start in range(0, count, rows_per_piece):
+        for j, r in enumerate(range(start, min(count, start + rows_per_piece))):
+            off = (j * host.chunk_bytes) % MEMCPY_PIECE_BYTES
+            np.copyto(piece[off:off + host.chunk_bytes], host.chunk(r))
+    return time.perf_counter() - t0
+
+
+def _store(pair: _Pair, keys: Sequence[bytes], geometry: Geometry, timeout_s: float) -> tuple[float, float]:
+    """Store ``keys`` (rows 0..) into the holder as the tier beside an engine on a GPU sends
+    them (``engine_platform.paces_stores``: not paced); seconds until they landed in the
+    holder, and until the fetcher sees them all."""
     batch = max(1, STORE_BATCH_BYTES // geometry.chunk_bytes)
+    paced = paces_stores(ENGINE_DEVICE_TYPE)
     t0 = time.perf_counter()
     for i in range(0, len(keys), batch):
         rows = list(range(i, min(i + batch, len(keys))))
-        stored = pair.holder.store_rows(keys[i:i + len(rows)], rows, strict=True)
+        stored = pair.holder.store_rows(keys[i:i + len(rows)], rows, strict=True, paced=paced)
         if stored != len(rows):
             raise RuntimeError(f"the holder stored {stored} of {len(rows)} chunks (rows {rows[0]}..)")
+    landed_s = time.perf_counter() - t0
     fetcher = pair.pool["fetcher"]
     deadline = time.monotonic() + min(timeout_s, VISIBLE_TIMEOUT_S)
     while fetcher.held(keys) != (0, len(keys)):
@@ -240,7 +309,7 @@ def _store(pair: _Pair, keys: Sequence[bytes], geometry: Geometry, timeout_s: fl
             raise TimeoutError(f"the fetcher does not see the {len(keys)} stored chunks at its peer: "
                                f"{fetcher.held(keys)}")
         time.sleep(0.005)
-    return time.perf_counter() - t0
+    return landed_s, time.perf_counter() - t0
 
 
 def _hit(pair: _Pair, keys: Sequence[bytes], host: HostRows, kv: DeviceKV, digests: Sequence[int],
@@ -249,11 +318,12 @@ def _hit(pair: _Pair, keys: Sequence[bytes], host: HostRows, kv: DeviceKV, diges
     n = len(keys)
     pids = {role: pair.pool[role].proc.pid for role in ("holder", "fetcher")}  # type: ignore[union-attr]
     cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
-    t0 = time.perf_counter()
-    reply = pair.fetcher.lookup(keys, timeout=settings.timeout_s)
-    t1 = time.perf_counter()
-    loaded = pair.fetcher.load_rows(keys, list(range(n)), timeout=settings.timeout_s)
-    t2 = time.perf_counter()
+    with HealthPolls(pair.pool["fetcher"].port) as polls:
+        t0 = time.perf_counter()
+        reply = pair.fetcher.lookup(keys, timeout=settings.timeout_s)
+        t1 = time.perf_counter()
+        loaded = pair.fetcher.load_rows(keys, list(range(n)), timeout=settings.timeout_s)
+        t2 = time.perf_counter()
     cpu1 = {role: cpu_seconds(pid) for role, pid in pids.items()}
     kv.copy_in(host, loaded)
     t3 = time.perf_counter()
@@ -265,7 +335,8 @@ def _hit(pair: _Pair, keys: Sequence[bytes], host: HostRows, kv: DeviceKV, diges
            "found_local": reply.local, "found_peer": reply.peer, "loaded": loaded,
            "identical": identical,
            "holder_cpu_s_per_gb": (cpu1["holder"] - cpu0["holder"]) / gb,
-           "fetcher_cpu_s_per_gb": (cpu1["fetcher"] - cpu0["fetcher"]) / gb}
+           "fetcher_cpu_s_per_gb": (cpu1["fetcher"] - cpu0["fetcher"]) / gb,
+           "healthz_polls": len(polls.seconds), "healthz_p99_ms": polls.p99_ms()}
     host.zero(n)
     return out
 
@@ -277,7 +348,10 @@ def _median_run(runs: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
             "hit_gbps": kv_bytes / middle["hit_s"] / 1e9,
             "hit_runs_s": [r["hit_s"] for r in runs],
             "identical": all(r["identical"] for r in runs),
-            "all_loaded": all(r["loaded"] == r["chunks"] for r in runs)}
+            "all_loaded": all(r["loaded"] == r["chunks"] for r in runs),
+            # the worst run's: a probe may come during any of them
+            "healthz_p99_ms": max((r["healthz_p99_ms"] for r in runs if r["healthz_p99_ms"] is not None),
+                                  default=None)}
 
 
 def lanes_in_use(status: Any, peer: str = "holder") -> int | None:
@@ -302,11 +376,13 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
         kv = DeviceKV(geometry, chunks, dev)
         digests = host.fill(chunks)
         label = "default" if lanes is None else lanes
+        memcpy_s = memcpy_seconds(host, chunks)
         with _pair(geometry, chunks, host, settings, lanes, cpus) as pair:
-            store_s = _store(pair, keys, geometry, settings.timeout_s)
+            landed_s, store_s = _store(pair, keys, geometry, settings.timeout_s)
             host.zero(chunks)
             progress(f"{geometry.name} lanes {label}: stored {chunks} chunks "
-                     f"({chunks * geometry.chunk_bytes / 2**20:.0f} MiB) in the holder, visible to the "
+                     f"({chunks * geometry.chunk_bytes / 2**20:.0f} MiB) in the holder in {landed_s:.3f} s "
+                     f"({landed_s / memcpy_s:.2f}x a memcpy of its bytes, {memcpy_s:.3f} s), visible to the "
                      f"fetcher after {store_s:.3f} s")
             _hit(pair, keys[:1], host, kv, digests, settings, check_device=False)  # connections warm
             hits: dict[int, dict[str, Any]] = {}
@@ -330,6 +406,8 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
             progress(f"raw TCP, {raw['streams']} streams, same pinning: {raw['gbps']:.2f} GB/s, CPU s/GB "
                      f"sender {raw['sender_cpu_s_per_gb']:.2f} receiver {raw['receiver_cpu_s_per_gb']:.2f}")
         return {"raw_tcp": raw, "lanes": label, "store_s": store_s, "store_gbps": chunks * geometry.chunk_bytes / store_s / 1e9,
+                "store_landed_s": landed_s, "store_memcpy_s": memcpy_s, "store_bytes": chunks * geometry.chunk_bytes,
+                "store_paced": paces_stores(ENGINE_DEVICE_TYPE),
                 "holder_cpus": cpu_list(cpus[0]), "fetcher_cpus": cpu_list(cpus[1]),
                 "lanes_in_use": in_use, "hits": hits}
     finally:

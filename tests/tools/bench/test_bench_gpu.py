@@ -162,13 +162,23 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
         assert hit["fetch_gbps"] > 0 and hit["hit_gbps"] > 0
         assert hit["holder_cpu_s_per_gb"] >= 0 and hit["fetcher_cpu_s_per_gb"] >= 0
         assert hit["ratio_to_raw_tcp"] > 0
+        # the fetcher's event loop answered /healthz polls all through the hit
+        assert hit["healthz_polls"] >= 1 and hit["healthz_p99_ms"] > 0
     (pool,) = m["pools"]
     assert pool["lanes"] == "default" and pool["store_s"] > 0
+    # stored as beside an engine on a GPU (not paced), landed before the fetcher saw it, against
+    # a memcpy of the same bytes
+    assert not pool["store_paced"] and 0 < pool["store_landed_s"] <= pool["store_s"]
+    assert pool["store_memcpy_s"] > 0 and pool["store_bytes"] == m["rows"][-1]["kv_bytes"]
     assert pool["lanes_in_use"] in (None, 1)  # the sidecars' own choice on one CPU each
     # raw TCP with one stream (the sidecars' own lane choice), the longest hit's bytes
     raw = pool["raw_tcp"]
     assert raw["streams"] == (pool["lanes_in_use"] or 1) and raw["bytes"] == m["rows"][-1]["kv_bytes"] and raw["gbps"] > 0
     assert len(raw["runs_s"]) == 2 and raw["sender_cpu_s_per_gb"] >= 0 and raw["receiver_cpu_s_per_gb"] >= 0
-    assert report["targets"] == []  # a 2-core host measures none of the GPU targets
+    # a 2-core host measures none of the GPU targets, only the store's (these prompts' KV is
+    # under the 1 GiB of the /healthz target)
+    (store,) = report["targets"]
+    assert store["target"].startswith("an unpaced store lands in the holder within 2.5x a memcpy")
+    assert store["value"] == pytest.approx(pool["store_landed_s"] / pool["store_memcpy_s"])
     assert plot.stat().st_size > 0
     assert "[bench gpu" in done.stderr
