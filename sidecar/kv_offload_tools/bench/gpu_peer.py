@@ -23,7 +23,9 @@ the first chunk is compared with its row too), and are zeroed again before the n
 The sidecars' CPU-seconds (``/proc/<pid>/stat``) are read before the lookup and after
 the rows landed. A run that misses (fewer chunks found or loaded) is reported as one. Last,
 with the sidecars idle, raw TCP with as many streams as lanes (as the fetcher's status says it
-runs when the sidecars chose; one where it says nothing), pinned the same way, moves the longest hit's bytes (``gpu_raw_tcp``): the limit.
+runs when the sidecars chose; one where it says nothing), pinned the same way, moves the
+longest hit's bytes (``gpu_raw_tcp``): the limit. Before the timed runs, one untimed hit of the
+shortest prompt opens the connections.
 """
 
 from __future__ import annotations
@@ -308,7 +310,8 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
             progress(f"{geometry.name} lanes {label}: stored {chunks} chunks "
                      f"({chunks * geometry.chunk_bytes / 2**20:.0f} MiB) in the holder, visible to the "
                      f"fetcher after {store_s:.3f} s")
-            _hit(pair, keys[:1], host, kv, digests, settings, check_device=False)  # connections warm
+            warm = geometry.chunks(lengths[0])  # enough chunks to open every lane's connection
+            _hit(pair, keys[:warm], host, kv, digests, settings, check_device=False)
             hits: dict[int, dict[str, Any]] = {}
             for tokens in lengths:
                 n = geometry.chunks(tokens)
@@ -325,11 +328,12 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
                          f"{'' if hit['identical'] else '  BYTES DIFFER'}"
                          f"{'' if hit['all_loaded'] else '  MISSED'}")
             in_use = lanes_in_use(pair.pool["fetcher"].status())
-            raw = raw_tcp(lanes or in_use or 1, min(chunks * geometry.chunk_bytes, RAW_TCP_MAX_BYTES), settings.repeats,
-                          *cpus)
+            raw = raw_tcp(lanes or in_use or 1, min(chunks * geometry.chunk_bytes, RAW_TCP_MAX_BYTES),
+                          settings.repeats, *cpus)
             progress(f"raw TCP, {raw['streams']} streams, same pinning: {raw['gbps']:.2f} GB/s, CPU s/GB "
                      f"sender {raw['sender_cpu_s_per_gb']:.2f} receiver {raw['receiver_cpu_s_per_gb']:.2f}")
-        return {"raw_tcp": raw, "lanes": label, "store_s": store_s, "store_gbps": chunks * geometry.chunk_bytes / store_s / 1e9,
+        return {"raw_tcp": raw, "lanes": label, "store_s": store_s,
+                "store_gbps": chunks * geometry.chunk_bytes / store_s / 1e9,
                 "holder_cpus": cpu_list(cpus[0]), "fetcher_cpus": cpu_list(cpus[1]),
                 "lanes_in_use": in_use, "hits": hits}
     finally:
