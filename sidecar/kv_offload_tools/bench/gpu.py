@@ -9,7 +9,14 @@ phase (lookup, fetch, host to device), the speedup, the fetch rate, the break-ev
 rate (KV bytes / recompute time) and the sidecars' CPU-seconds per GB (``gpu_geometry``
 holds the arithmetic). ``--lanes 1,2,4,8`` repeats the hit per lane count (the sidecars'
 ``--data-lanes``): the last count at every length, the others at ``--sweep-lengths`` only.
-Progress lines on stderr; a table, or with ``--json`` one JSON object, on stdout; a PNG.
+Beside each lane count, raw TCP with as many streams, pinned as the sidecars are
+(``gpu_raw_tcp``; the holder's side on the first half of the CPUs, the fetcher's on the
+second, ``gpu_pinning``), and the issue's GPU targets where the run measured them
+(``gpu_report``). Progress lines on stderr; a table, or with ``--json`` one JSON object, on
+stdout (``--json PATH``: the JSON in a file, the table on stdout); a PNG.
+The 70B's figures are one GPU's equivalent: recompute of all 80 layers (timed on 8, scaled)
+against a hit of all its KV into one GPU; a TP8 pod divides the recompute by up to 8 over the
+same bytes, so its break-even rate is up to 8 times the one reported.
 
 Without CUDA the same code runs on the CPU (float32 prefill, CPU tensors for the KV cache,
 no cudaHostRegister) with the tiny model and short prompts by default: a check of the
