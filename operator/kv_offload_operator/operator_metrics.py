@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
+from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -140,8 +141,6 @@ def _known(value: str, allowed: tuple[str, ...]) -> str:
 
 async def serve_metrics(registry: CollectorRegistry, addr: str, port: int) -> web.AppRunner:
     """Serve ``registry`` at ``http://addr:port/metrics``; stop with ``await runner.cleanup()``."""
-    from prometheus_client.aiohttp import make_aiohttp_handler
-
     app = web.Application()
     app.router.add_get("/metrics", make_aiohttp_handler(registry=registry))
     runner = web.AppRunner(app, access_log=None)

@@ -6,7 +6,7 @@ its values from one of the small fixed tuples below and each allowed series is
 pre-created with ``.labels(...)`` so dashboards see zeros instead of gaps. No
 label ever carries a key, request id or peer address.
 
-Serve with ``metrics_handler(registry)`` on the control app's ``/metrics``: anyone who
+Served with prometheus_client's ``make_aiohttp_handler(registry=...)`` on the control app's ``/metrics``: anyone who
 reaches the control port may read it, so nothing here says what the handshake says only
 to a pool-key holder: config_info carries ``CONFIG_INFO_LABELS`` and no model, dtype or
 wire version (admins read those in ``/v1/status``).
@@ -14,7 +14,7 @@ wire version (admins read those in ``/v1/status``).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -150,6 +150,12 @@ class SidecarMetrics:
             "Known peer sidecars, by session state.",
             ["state"], namespace=ns, registry=registry,
         )
+        self.peer_data_lanes = Gauge(
+            "peer_data_lanes",
+            "Data connections open to connected peers, all together (a fetch from one peer "
+            "stripes its chunks over that peer's).",
+            namespace=ns, registry=registry,
+        )
         self.store_used_bytes = Gauge(
             "store_used_bytes",
             "Bytes of the chunk store's slots in use (visible chunks and writes in progress).",
@@ -268,24 +274,3 @@ def exported_metric_names(registry: CollectorRegistry) -> set[str]:
     Used to check that dashboard PromQL only names series that exist.
     """
     return {sample.name for family in registry.collect() for sample in family.samples}
-
-
-def metrics_handler(registry: CollectorRegistry) -> Callable[..., Awaitable[object]]:
-    """An aiohttp handler serving ``registry`` in the Prometheus text format."""
-    try:
-        from prometheus_client.aiohttp import make_aiohttp_handler
-    except ImportError:  # prometheus-client older than 0.22
-        return _fallback_handler(registry)
-    return make_aiohttp_handler(registry=registry)
-
-
-def _fallback_handler(registry: CollectorRegistry) -> Callable[..., Awaitable[object]]:
-    from aiohttp import web
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    async def handle_metrics(request: web.Request) -> web.StreamResponse:
-        return web.Response(
-            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
-
-    return handle_metrics

@@ -7,9 +7,9 @@ of pairs remembered is bounded, so a flood from many sources costs a bounded
 number of lines. Every event still goes to the ``kv_offload_*`` counters,
 which the caller increments itself.
 
-``loads_bounded`` parses untrusted JSON with a bounded nesting depth and
-number size: anything else is a ``ValueError`` naming what is wrong, never a
-``RecursionError`` or a 4,300-digit integer conversion.
+``loads_bounded`` parses untrusted JSON with a bounded nesting depth (numbers
+bounded by the interpreter): anything else is a ``ValueError`` naming what is
+wrong, never a ``RecursionError`` (``engine/bounded_json.py``).
 
 ``clip`` shortens a value for a log line.
 """
@@ -23,11 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 # Untrusted JSON is parsed by the one bounded parser both sides of the local channel use.
-from kv_offload_sidecar.engine.bounded_json import (
-    MAX_JSON_DEPTH,
-    MAX_NUMBER_CHARS,
-    loads_bounded,
-)
+from kv_offload_sidecar.engine.bounded_json import MAX_JSON_DEPTH, loads_bounded
 
 # Longest value written into a log line (characters).
 CLIP_CHARS = 120
@@ -108,5 +104,4 @@ class RejectionLog:
                            f"{self._interval:.0f} s")
 
 
-__all__ = ["CLIP_CHARS", "MAX_JSON_DEPTH", "MAX_NUMBER_CHARS", "RejectionLog", "clip",
-           "loads_bounded"]
+__all__ = ["CLIP_CHARS", "MAX_JSON_DEPTH", "RejectionLog", "clip", "loads_bounded"]

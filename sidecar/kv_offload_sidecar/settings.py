@@ -20,6 +20,11 @@ from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.setting_flags import setting
 
+# Most connections one fetch stripes over (``data.lanes``): past 8 streams loopback TCP on a
+# 16-core host (10.8 GB/s) already passes a GPU's break-even several times, and each lane
+# holds a thread and socket buffers on both ends.
+MAX_DATA_LANES = 8
+
 # The data plane's port when none is given.
 DEFAULT_DATA_PORT = 5810
 # Used as hash seed when neither the pool config nor PYTHONHASHSEED names one.
@@ -65,9 +70,10 @@ class SidecarSettings:
     dns_interval_seconds: ClassVar[float] = 10.0
     # Deadline of one handshake (both HTTP steps) with a peer.
     handshake_timeout_seconds: ClassVar[float] = 5.0
-    # First back-off delay after a peer failed; doubles up to backoff_max_seconds.
+    # Cap of the first back-off delay after a peer failed (the delay is drawn below it: full
+    # jitter); the cap doubles per failure up to backoff_max_seconds.
     backoff_initial_seconds: ClassVar[float] = 0.5
-    # Longest back-off delay of a failing or rejecting peer.
+    # Largest cap of the back-off delay of a failing or rejecting peer.
     backoff_max_seconds: ClassVar[float] = 30.0
     # Largest accepted HTTP request body on the control ports, in bytes.
     max_body_bytes: ClassVar[int] = 256 * 1024
@@ -127,6 +133,9 @@ class SidecarSettings:
                                       "e.g. http://127.0.0.1:8000/metrics ('': the configured rate only)",
                                       metavar="URL")
     engine_metrics_interval_seconds: float = setting(15.0, "seconds between scrapes of --engine-metrics-url")
+    data_lanes: int = setting(0, "connections a fetch from one peer stripes its chunks over, each moving "
+                              "bytes on its own thread; the fewer of both sidecars' offers is used (0: one "
+                              f"per core this process may use, at most {MAX_DATA_LANES})", metavar="N")
     tls_cert_file: str = setting("", "PEM certificate of this sidecar: TLS on the tcp data plane (with "
                                  "--tls-key-file and --tls-ca-file; '': plain TCP)", metavar="PEM")
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file", metavar="PEM")
@@ -171,6 +180,9 @@ class SidecarSettings:
         if self.engine_metrics_interval_seconds <= 0:
             raise ValueError(f"engine_metrics_interval_seconds must be positive, "
                              f"got {self.engine_metrics_interval_seconds}")
+        if not 0 <= self.data_lanes <= MAX_DATA_LANES:
+            raise ValueError(f"data_lanes {self.data_lanes} must be 0 (one per usable core) "
+                             f"or 1-{MAX_DATA_LANES}")
         if self.key_reload_seconds <= 0:
             raise ValueError(f"key_reload_seconds must be positive, got {self.key_reload_seconds}")
         if not self.identity:

@@ -30,6 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kv_offload_sidecar.data.lanes import data_lanes_of, lanes_offered
 from kv_offload_sidecar.loop_stalls import LoopStalls
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.claims import ClaimAudit
@@ -104,7 +105,7 @@ class Sidecar:
             interval_seconds=settings.dns_interval_seconds,
             own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
         self.peers = PeerManager(settings, self.metrics, self.discovery, self.location, self.local_hello,
-                                 keys=self.keys, data_options=self._tls_options("client"))
+                                 keys=self.keys, data_options=lambda: self._tls_options("client"))
         # Stalls of this process's own loop (a peer is not blamed for them).
         self.stalls = LoopStalls()
         # Rows of vLLM's that load jobs offer to the peer chunks they wait for.
@@ -147,7 +148,8 @@ class Sidecar:
         return make_hello(fingerprint=s.config.fingerprint, hash_seed=s.hash_seed,
                           kv_bytes_per_chunk=s.kv_bytes_per_chunk, identity=s.identity,
                           control_address=self.control_address, data_address=self.data_address,
-                          transport=s.transport, run_config=s.config.run_config())
+                          transport=s.transport, run_config=s.config.run_config(),
+                          data_lanes=lanes_offered(s.data_lanes))
 
     def accept_session(self, session: Session) -> None:
         """A peer proved the pool key: authorise its data connections, dial it back."""
@@ -180,7 +182,8 @@ class Sidecar:
         return session.key_id != self.keys.offered_ids()[0]
 
     def _reload_tls(self) -> None:
-        """A renewed certificate (cert-manager rewrote the Secret) goes into the live contexts."""
+        """A renewed certificate or CA bundle (cert-manager rewrote the Secret) replaces the
+        contexts: new data connections, both ways, use it (``data/tls.py``)."""
         if self.tls is None:
             return
         try:
@@ -461,6 +464,10 @@ class Sidecar:
             "dp_indices": list(s.dp_indices),
             "data_address": self.data_address,
             "peers": states,
+            # Lanes this sidecar offers; each connected peer's count is in /v1/peers.
+            "data_lanes_offered": lanes_offered(s.data_lanes),
+            "data_lanes": {link.identity: data_lanes_of(link.data) for link in self.peers.links()
+                           if link.state == "connected" and link.identity},
             "inbound_sessions": len(self._inbound),
             "engine_requests_in_flight": self._inflight,
             "peer_fetches_in_flight": self.reads.fetches_in_flight,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from aiohttp import web
 from kv_offload_sidecar.metrics import (
     CONFIG_INFO_LABELS,
     FETCH_RESULTS,
@@ -16,7 +15,6 @@ from kv_offload_sidecar.metrics import (
     PROTOCOL_ERROR_REASONS,
     SidecarMetrics,
     exported_metric_names,
-    metrics_handler,
 )
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -136,20 +134,6 @@ def test_a_second_metrics_set_on_the_same_registry_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         SidecarMetrics(registry)
-
-
-async def test_metrics_handler_serves_the_registry_over_aiohttp(
-    aiohttp_client, metrics: SidecarMetrics, registry: CollectorRegistry
-) -> None:
-    metrics.chunk_lookups.labels(result="local_hit").inc(7)
-    app = web.Application()
-    app.router.add_get("/metrics", metrics_handler(registry))
-    client = await aiohttp_client(app)
-    response = await client.get("/metrics")
-    assert response.status == 200
-    assert response.headers["Content-Type"].startswith("text/plain")
-    body = await response.text()
-    assert 'kv_offload_chunk_lookups_total{result="local_hit"} 7.0' in body
 
 
 def test_reason_labels_match_the_protocol_and_handshake_modules() -> None:

@@ -50,6 +50,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kv_offload_sidecar.control.guarded_site import GuardedSite
 from kv_offload_sidecar.control.limits import (
@@ -73,7 +74,6 @@ from kv_offload_sidecar.control.location_routes import add_location_routes
 from kv_offload_sidecar.data.before_auth import TrustedSources, freeze_long_lived, thaw_long_lived
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
-from kv_offload_sidecar.metrics import metrics_handler
 from kv_offload_sidecar.peers.handshake import (
     MAX_HANDSHAKE_BODY_BYTES,
     REASONS,
@@ -355,7 +355,7 @@ def create_app(sidecar: Sidecar, dp_index: int, *, guard: ConnectionGuard | None
     app.on_response_prepare.append(_server_header)
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
-    app.router.add_get("/metrics", metrics_handler(sidecar.registry))
+    app.router.add_get("/metrics", make_aiohttp_handler(registry=sidecar.registry))
     app.router.add_post("/v1/handshake", handle_handshake)
     add_location_routes(app, SIDECAR_KEY)
     app.router.add_post("/v1/lookup", handle_lookup)

@@ -58,9 +58,13 @@ async def connect(
     timeout: float,
     metrics: SidecarMetrics | None = None,
     ssl: SSLContext | None = None,
+    lanes: int = 1,
     **options: Any,
 ) -> PeerDataClient:
     """Open an authenticated data connection to the peer at ``address``.
+
+    ``lanes``: connections a fetch stripes its chunks over (``data.lanes``), on tcp and
+    tls; UCX and NIXL move a fetch over one endpoint (their own progress threads and lanes).
 
     ``ssl`` (``tls.client_context``): this pod requires TLS; only a ``tls://`` peer is
     accepted then, and only without it a ``tcp://`` or ``ucx://`` one. Raises
@@ -70,10 +74,11 @@ async def connect(
     """
     scheme, _ = parse_address(address)
     if scheme in ("tcp", "tls"):
+        from kv_offload_sidecar.data.lanes import open_lanes
         from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient
 
-        return await TcpPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
-                                               metrics=metrics, ssl=ssl, **options)
+        return await open_lanes(lanes, lambda: TcpPeerDataClient.connect(
+            address, session_id, session_key, timeout=timeout, metrics=metrics, ssl=ssl, **options))
     check_tls_policy(address, scheme, ssl)
     if scheme == "nixl":
         from kv_offload_sidecar.data.nixl.client import NixlPeerDataClient

@@ -12,6 +12,16 @@ Every sidecar is both a server and a client, so its certificate must be usable f
 with a handshake of the certificate against itself, in memory: a certificate the pool's
 peers would refuse (another CA, expired, one usage missing) fails at startup instead of
 at every connection. Loading errors are ``ValueError``s naming the file and what to change.
+
+Renewal and CA rotation (``TlsContexts.reload``): a changed, valid set of files is loaded
+into fresh contexts that replace the old ones, so a CA removed from the bundle is no
+longer trusted (loading into a live context only ever adds). The rule for connections:
+every TLS handshake after the reload, in either direction, uses the new set; a
+connection already open keeps the peer its own handshake verified until it closes (TLS
+checks a certificate once; the peer also holds a session of the pool key, and a peer
+left on a removed CA fails its next handshake when that connection ends). Server
+contexts issue no session tickets, so no peer resumes past a reload without showing
+its certificate again.
 """
 
 from __future__ import annotations
@@ -52,7 +62,9 @@ def client_context(cert_file: str, key_file: str, ca_file: str) -> ssl.SSLContex
 
 def _context(server_side: bool, cert_file: str, key_file: str, ca_file: str) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
-    if not server_side:
+    if server_side:
+        context.num_tickets = 0  # no resumption: every handshake shows a certificate to the live CA set
+    else:
         context.check_hostname = False  # dialled by pod IP; the session HMAC proves the peer
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.verify_mode = ssl.CERT_REQUIRED
@@ -141,19 +153,30 @@ def _no_passphrase() -> bytes:
 
 
 class TlsContexts:
-    """The live server and client contexts of one sidecar, renewed in place from their files.
+    """The live server and client contexts of one sidecar, renewed from their files.
 
-    cert-manager renews a certificate by rewriting the mounted Secret; ``reload()``
-    (called with the key files' reload) loads a changed, valid set into the same
-    contexts, so new connections use it without a restart; a changed set that does
-    not load (half written, wrong key) is skipped and the old one stays.
+    cert-manager renews a certificate (or rotates the CA bundle) by rewriting the mounted
+    Secret; ``reload()`` (called with the key files' reload) builds fresh contexts from a
+    changed, valid set and swaps them in; a changed set that does not load (half written,
+    wrong key) is skipped and the old contexts stay. ``client`` is the context a new outbound
+    connection takes (read it at each connection). ``server`` is the one object the data
+    server holds: it hands every incoming handshake to the current server context (its
+    ``sni_callback``, which OpenSSL calls at every ClientHello, with or without a name).
     """
 
     def __init__(self, cert_file: str, key_file: str, ca_file: str) -> None:
         self.files = (cert_file, key_file, ca_file)
         self.server = server_context(*self.files)
         self.client = client_context(*self.files)
+        # The server context of the files as last loaded (``server`` itself until a reload).
+        self._current_server = self.server
+        self.server.sni_callback = self._to_current
         self._stamp = self._read_stamp()
+
+    def _to_current(self, connection: ssl.SSLObject, _name: str | None, _context: ssl.SSLContext) -> None:
+        if self._current_server is not self.server:
+            connection.context = self._current_server
+        return None
 
     def _read_stamp(self) -> tuple[bytes, ...]:
         out = []
@@ -166,17 +189,14 @@ class TlsContexts:
         return tuple(out)
 
     def reload(self) -> bool:
-        """Load changed files into the live contexts; True when they were renewed.
+        """Swap in contexts built from changed files; True when they were renewed.
 
         Raises ValueError (naming the file) when the changed files do not load; the
-        contexts then keep the old certificate."""
+        contexts in use then stay."""
         stamp = self._read_stamp()
         if stamp == self._stamp:
             return False
-        cert_file, key_file, ca_file = self.files
-        server_context(*self.files)  # validates the new set (ValueError) before touching the live ones
-        for context in (self.server, self.client):
-            context.load_verify_locations(cafile=ca_file)
-            context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+        server, client = server_context(*self.files), client_context(*self.files)
+        self._current_server, self.client = server, client
         self._stamp = stamp
         return True

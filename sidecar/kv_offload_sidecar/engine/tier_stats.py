@@ -50,6 +50,8 @@ class TierStats:
     failed_loads: int = 0
     # Store jobs that failed (the chunks stay only in vLLM's primary tier).
     failed_stores: int = 0
+    # Store jobs the sidecar was asked to pace (the engine computes on the host's CPU).
+    paced_stores: int = 0
     # Seconds from submit_load to its result, for the latest load jobs (bounded).
     load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
     # Requests that waited (RETRY) for their first lookup answer.

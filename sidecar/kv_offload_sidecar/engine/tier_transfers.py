@@ -4,9 +4,10 @@ vLLM submits a job under its manager lock and the call returns at once; each
 direction's thread takes its jobs in order (as vLLM's own CPU offloading worker
 runs one stream per direction), so a load never waits behind a store, and
 results come back through a queue vLLM's thread drains (``get_finished_jobs``).
-A store sent while no other store waits asks the sidecar to pace its copies
-(``paced``: background work, lighter on the memory bus vLLM's decoding uses);
-with stores queued behind it, it runs flat out. The sidecar copies stored rows
+Beside an engine that computes on the host's CPU (``engine_platform``), a store sent
+while no other store waits asks the sidecar to pace its copies (``paced``: background
+work, lighter on the memory bus vLLM's decoding uses); with stores queued behind it, or
+beside an engine computing on a GPU, it runs flat out. The sidecar copies stored rows
 into its slots and loaded chunks into vLLM's rows itself when it maps vLLM's
 primary region; otherwise this thread copies between rows and the sidecar's
 slots with ``ctypes.memmove``, which releases the GIL (one info line says which).
@@ -47,8 +48,12 @@ class TierTransfers:
 
     def __init__(self, link: SidecarLink, rows: memoryview, row_stride: int, chunk_bytes: int,
                  load_timeout: float, region_reason: str, stats: TierStats,
-                 stats_lock: threading.Lock, add_cpu: Callable[[float], float]) -> None:
+                 stats_lock: threading.Lock, add_cpu: Callable[[float], float], *,
+                 paces_stores: bool = True) -> None:
         self._link = link
+        # Whether a store with nothing queued behind it asks the sidecar to pace its copies
+        # (``engine_platform.paces_stores``: the engine computes on the host's CPU).
+        self.paces_stores = paces_stores
         # The tier's view of vLLM's primary rows (None once the tier has shut down).
         self.rows: memoryview | None = rows
         self._row_stride = row_stride
@@ -236,7 +241,11 @@ class TierTransfers:
         if client is None:
             return False, 0
         if self._sidecar_copies(client):
-            paced = self._queues["store"].empty()  # nothing waits behind it: background pace
+            # Paced only beside an engine computing on these cores, and with nothing queued behind it.
+            paced = self.paces_stores and self._queues["store"].empty()
+            if paced:
+                with self._stats_lock:
+                    self._stats.paced_stores += 1
             try:
                 return True, client.store_rows(job.keys, job.rows, strict=True, paced=paced,
                                                job=self.sidecar_job_id(job.job_id))

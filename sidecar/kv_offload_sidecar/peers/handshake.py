@@ -58,6 +58,8 @@ WIRE_MAJOR = 2
 WIRE_MINOR = 0
 WIRE_VERSION = f"{WIRE_MAJOR}.{WIRE_MINOR}"
 NONCE_BYTES = 16
+# Largest data_lanes a hello may state (a sidecar offers at most data.lanes.MAX_DATA_LANES).
+MAX_HELLO_LANES = 64
 SESSION_ID_BYTES = 16
 REASONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
            "wire_version_mismatch", "bad_proof", "malformed", "replay")
@@ -142,6 +144,9 @@ class HelloMessage:
     transport: str
     # Sender's run config (fingerprint input), so a receiver can log a field diff.
     run_config: Mapping[str, Any] | None = None
+    # Data connections the sender can run to one peer at once (``data.lanes.lanes_offered``:
+    # its usable cores, capped); None (a sender that states none) counts as one lane.
+    data_lanes: int | None = None
 
     @classmethod
     def from_dict(cls, d: Any) -> "HelloMessage":
@@ -162,6 +167,7 @@ class HelloMessage:
             raise HandshakeError("malformed", "hello is missing field 'kv_bytes_per_chunk'")
         kwargs["kv_bytes_per_chunk"] = d["kv_bytes_per_chunk"]
         kwargs["run_config"] = d.get("run_config")
+        kwargs["data_lanes"] = d.get("data_lanes")
         hello = cls(**kwargs)
         hello.validate()
         return hello
@@ -190,6 +196,11 @@ class HelloMessage:
                                  f"'ucx' or 'nixl'")
         if self.run_config is not None and not isinstance(self.run_config, Mapping):
             raise HandshakeError("malformed", "hello run_config must be an object or absent")
+        lanes = self.data_lanes
+        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
+                                  or not 1 <= lanes <= MAX_HELLO_LANES):
+            raise HandshakeError("malformed", f"hello data_lanes must be an integer from 1 to "
+                                 f"{MAX_HELLO_LANES} or absent, got {_shown(lanes)}")
 
     def sealed(self, key: bytes, nonce_client: bytes, nonce_server: bytes) -> "HelloMessage":
         """This local hello as sent: its hash seed replaced by ``seal_seed``."""
@@ -197,6 +208,8 @@ class HelloMessage:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.data_lanes is None:  # as a sender that states none sent it (the transcript)
+            del d["data_lanes"]
         if self.run_config is not None:
             d["run_config"] = json.loads(json.dumps(self.run_config))
         return d
@@ -457,13 +470,14 @@ class HandshakeInitiator:
 
 def make_hello(*, fingerprint: str, hash_seed: str, kv_bytes_per_chunk: int, identity: str,
                control_address: str, data_address: str, transport: str,
-               run_config: Mapping[str, Any] | None = None) -> HelloMessage:
+               run_config: Mapping[str, Any] | None = None,
+               data_lanes: int | None = None) -> HelloMessage:
     """A local hello (its plain hash seed is sealed per handshake)."""
     return HelloMessage(
         wire_version=WIRE_VERSION, fingerprint=fingerprint, hash_seed=hash_seed,
         kv_bytes_per_chunk=kv_bytes_per_chunk, identity=identity,
         control_address=control_address, data_address=data_address, transport=transport,
-        run_config=run_config)
+        run_config=run_config, data_lanes=data_lanes)
 
 
 __all__ = [

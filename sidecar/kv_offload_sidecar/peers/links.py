@@ -6,8 +6,10 @@ the session -> the peer is a *member* (``Location.member_joined``: it owns its
 share of the directory) -> watch the connection (no traffic: a closed data
 connection or a failure the engine path reports ends it) -> on any failure
 close, the peer leaves the membership (``member_left``) and the link backs off
-exponentially (``backoff_initial_seconds`` doubling to ``backoff_max_seconds``; a handshake
-from that peer cuts the wait short, ``wake``), except after a failure the engine path
+exponentially with full jitter (``backoff_delay``: a uniform draw below a cap that starts at
+``backoff_initial_seconds`` and doubles up to ``backoff_max_seconds``, so the pool's pods do not
+all re-handshake a restarted peer at the same instants; a handshake from that peer cuts the
+wait short, ``wake``), except after a failure the engine path
 reports as not the peer's (this sidecar itself stalled, ``loop_stalls``): that link
 reconnects at once and its failure is not counted; a rejected handshake backs off
 the same way (the peer may be fixed by a rollout) and shows as state
@@ -28,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from kv_offload_sidecar.data.lanes import data_lanes_of, lane_count, lanes_offered
 from kv_offload_sidecar.metrics import PEER_STATES
 from kv_offload_sidecar.peers.handshake import (
     MAX_HANDSHAKE_BODY_BYTES,
@@ -68,6 +72,13 @@ MAX_REFUSAL_DIFF_LINES = 64
 LOCATION_OPS = ("publish", "locate")
 # Headers aiohttp would add to every peer request that no peer reads (bytes on every message).
 SKIPPED_REQUEST_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
+
+
+def backoff_delay(failures: int, initial: float, maximum: float,
+                  draw: Callable[[], float] = random.random) -> float:
+    """Seconds to wait after ``failures`` consecutive failures: full jitter, a uniform draw below
+    ``initial * 2 ** (failures - 1)`` capped at ``maximum``."""
+    return draw() * min(maximum, initial * 2 ** (failures - 1))
 
 
 @dataclass
@@ -109,6 +120,7 @@ class PeerLink:
             "failures": self.failures, "last_error": self.last_error,
             "data_address": self.session.peer.data_address if self.session else None,
             "key_id": self.session.key_id.hex() if self.session else None,
+            "data_lanes": data_lanes_of(self.data) if self.state == "connected" else 0,
             "retry_in_seconds": max(0.0, round(self.retry_at - time.monotonic(), 3))
             if self.state in ("backoff", "rejected") else 0.0,
         }
@@ -119,10 +131,11 @@ class PeerManager:
 
     def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, discovery: Discovery,
                  location: Location, local_hello: Callable[[], HelloMessage], *,
-                 keys: PoolKeys, data_options: dict[str, Any] | None = None) -> None:
+                 keys: PoolKeys, data_options: Callable[[], dict[str, Any]] = dict) -> None:
         self._settings = settings
         self._keys = keys
-        self._data_options = dict(data_options or {})
+        # The data-plane options of a new connection (the live TLS client context), read at each one.
+        self._data_options = data_options
         self._metrics = metrics
         self._discovery = discovery
         self._location = location
@@ -253,6 +266,8 @@ class PeerManager:
                 counts[link.state] += 1
         for state, n in counts.items():
             self._metrics.peers.labels(state=state).set(n)
+        self._metrics.peer_data_lanes.set(sum(data_lanes_of(link.data) for link in self._links.values()
+                                              if link.state == "connected"))
 
     def _set_state(self, link: PeerLink, state: str) -> None:
         link.state = state
@@ -308,7 +323,7 @@ class PeerManager:
             return
         s = self._settings
         link.failures += 1
-        delay = min(s.backoff_max_seconds, s.backoff_initial_seconds * 2 ** (link.failures - 1))
+        delay = backoff_delay(link.failures, s.backoff_initial_seconds, s.backoff_max_seconds)
         link.retry_at = time.monotonic() + delay
         self._set_state(link, state)
         link.wake.clear()
@@ -352,9 +367,10 @@ class PeerManager:
             link.identity = remote.identity
             raise HandshakeError("alias", f"{remote.identity} already connected via {other.address}")
         self._metrics.handshakes.labels(result="accepted", reason="ok").inc()
+        lanes = lane_count(lanes_offered(s.data_lanes), remote.data_lanes)
         data = await data_connect(remote.data_address, session.session_id, session.session_key,
                                   timeout=s.handshake_timeout_seconds, metrics=self._metrics,
-                                  **self._data_options)
+                                  lanes=lanes, **self._data_options())
         return remote, session, data
 
     async def _connect(self, link: PeerLink) -> None:

@@ -23,6 +23,9 @@ import hashlib
 import hmac
 import logging
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 log = logging.getLogger(__name__)
 
 KEY_ID_BYTES = 8
@@ -33,14 +36,8 @@ _ADMIN_LABEL = b"kv-offload admin token v1"
 
 
 def hkdf(key: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
-    """HKDF-SHA256 (RFC 5869): extract with ``salt``, expand with ``info``."""
-    prk = hmac.new(salt or b"\0" * 32, key, hashlib.sha256).digest()
-    out, block, counter = b"", b"", 1
-    while len(out) < length:
-        block = hmac.new(prk, block + info + bytes([counter]), hashlib.sha256).digest()
-        out += block
-        counter += 1
-    return out[:length]
+    """HKDF-SHA256 (RFC 5869, cryptography's): extract with ``salt``, expand with ``info``."""
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt or None, info=info).derive(key)
 
 
 def key_id(key: bytes) -> bytes:

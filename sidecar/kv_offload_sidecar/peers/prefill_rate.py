@@ -17,6 +17,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from prometheus_client.parser import text_string_to_metric_families
+
 log = logging.getLogger(__name__)
 
 # The sums of vLLM's histograms the rate is the ratio of (all engines and label sets added).
@@ -30,25 +32,24 @@ WEIGHT = 0.3
 
 def prefill_totals(text: str) -> tuple[float, float] | None:
     """(prefill tokens computed, prefill seconds) summed over a Prometheus text page;
-    None when the page has neither."""
-    tokens = seconds = 0.0
+    None when the page has neither. Each line naming one of the two sums is read by
+    prometheus_client's parser (the value, not a trailing timestamp; label values with
+    spaces or braces); a line it refuses is skipped."""
+    sums = {TOKENS_SUM: 0.0, SECONDS_SUM: 0.0}
     seen = False
     for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name not in (TOKENS_SUM, SECONDS_SUM):
+        if not line.startswith((TOKENS_SUM, SECONDS_SUM)):
             continue
         try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
+            samples = [s for family in text_string_to_metric_families(line + "\n")
+                       for s in family.samples]
+        except ValueError:
             continue
-        seen = True
-        if name == TOKENS_SUM:
-            tokens += value
-        else:
-            seconds += value
-    return (tokens, seconds) if seen else None
+        for sample in samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+                seen = True
+    return (sums[TOKENS_SUM], sums[SECONDS_SUM]) if seen else None
 
 
 class PrefillRateLearner:

@@ -4,7 +4,10 @@ Every method (``transport_methods.py``: raw TCP, memcpy, the sidecar's TCP
 transport plain and under TLS, its UCX transport, bare ucxx, one aiohttp GET per
 chunk) moves the same chunks between two separate processes, pull model (request
 -> last byte in the fetcher's own preallocated memory), side by side in
-interleaved rounds so each ratio compares numbers taken moments apart. Plus the
+interleaved rounds so each ratio compares numbers taken moments apart. Holders (servers)
+run on the first half of the CPUs and fetchers (clients) on the rest, as two pods' sidecars
+would; each side's CPU-seconds per GB is reported apart (raw TCP's: its sender's and its
+receiver's), and the TCP transport with 2 and 4 lanes beside raw TCP with as many streams. Plus the
 round trip of a 32-key peer lookup on the transports' persistent connection
 against a raw 64-byte TCP round trip. Prints a table (median GB/s, min-max, ratio
 to raw TCP in the same round, CPU-seconds per GB of both processes), the targets,
@@ -32,6 +35,7 @@ from typing import Any
 from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools.bench.transport_methods import (
+    LANES_TWIN,
     LOOKUP_KEYS,
     LOOKUP_METHODS,
     METHODS,
@@ -43,6 +47,7 @@ from kv_offload_tools.bench.transport_methods import (
 from kv_offload_tools.bench.transport_report import (
     ceilings,
     fmt_size,
+    lanes_scaling,
     percentiles,
     plot,
     table,
@@ -169,6 +174,17 @@ class _Worker:
                 self.proc.wait(5)
 
 
+def pinning() -> dict[str, list[int]]:
+    """The CPUs of each side: the holder (server) the first half of this process's CPUs, the
+    fetcher (client) the rest, as two pods' sidecars would each have their own; both all
+    of them on a one-CPU host."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // 2
+    if half == 0:
+        return {"holder": cpus, "fetcher": cpus}
+    return {"holder": cpus[:half], "fetcher": cpus[half:]}
+
+
 def _spawn(role: str, method: str, chunk_bytes: int, chunks: int, args: argparse.Namespace,
            session_key: str, address: str = "", tls_dir: str = "") -> _Worker:
     env = dict(os.environ)
@@ -177,7 +193,9 @@ def _spawn(role: str, method: str, chunk_bytes: int, chunks: int, args: argparse
             del env[key]
     cmd = worker_argv(role, method, chunk_bytes, chunks * chunk_bytes, args.shm_dir, session_key, address,
                       args.ucx_env, tls_dir)
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    cpus = set(pinning()["holder" if role == "server" else "fetcher"])
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))
     return _Worker(proc, f"{role}:{method}:{chunk_bytes}")
 
 
@@ -199,6 +217,8 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
     session_key = secrets.token_hex(32)
     gbps: dict[tuple[str, int], list[float]] = {}
     cpu: dict[tuple[str, int], list[float]] = {}  # CPU-seconds per GB, both processes
+    side_cpu: dict[tuple[str, int, str], list[float]] = {}  # ... of the holder, of the fetcher
+    lanes_ratios: dict[tuple[str, int], list[float]] = {}  # GB/s vs raw TCP with as many streams
     ratios: dict[tuple[str, int], list[float]] = {}
     twin_ratios: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (GB/s, CPU s/GB) vs the twin
     identical: dict[tuple[str, int], bool] = {}
@@ -233,7 +253,10 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
                     out = clients[m].ask({"cmd": "fetch", "seconds": args.seconds})
                     after = server.ask({"cmd": "cpu"})["cpu_seconds"] if server else 0.0
                     round_gbps[m] = out["gbps"]
-                    round_cpu[m] = (out["cpu_seconds"] + after - before) / (out["bytes"] / 1e9)
+                    gb = out["bytes"] / 1e9
+                    round_cpu[m] = (out["cpu_seconds"] + after - before) / gb
+                    side_cpu.setdefault((m, size, "holder"), []).append((after - before) / gb)
+                    side_cpu.setdefault((m, size, "fetcher"), []).append(out["cpu_seconds"] / gb)
                     gbps.setdefault((m, size), []).append(out["gbps"])
                     cpu.setdefault((m, size), []).append(round_cpu[m])
                     identical[(m, size)] = identical.get((m, size), True) and out["identical"]
@@ -242,6 +265,8 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
                               f"{'' if out['identical'] else '  BYTES DIFFER'}")
                 for m in methods:
                     ratios.setdefault((m, size), []).append(round_gbps[m] / round_gbps["raw_tcp"])
+                    if m in LANES_TWIN and LANES_TWIN[m] in round_gbps:
+                        lanes_ratios.setdefault((m, size), []).append(round_gbps[m] / round_gbps[LANES_TWIN[m]])
                     if m in PLAIN_TWIN:
                         twin = PLAIN_TWIN[m]
                         twin_ratios.setdefault((m, size), []).append(
@@ -262,8 +287,13 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
                 "gbps_max": max(values),
                 "ratio_to_raw_tcp": statistics.median(ratios[(m, size)]),
                 "cpu_seconds_per_gb": statistics.median(cpu[(m, size)]),
+                "holder_cpu_seconds_per_gb": statistics.median(side_cpu[(m, size, "holder")]),
+                "fetcher_cpu_seconds_per_gb": statistics.median(side_cpu[(m, size, "fetcher")]),
                 "rounds": len(values), "identical": identical[(m, size)],
             }
+            if (m, size) in lanes_ratios:
+                row.update(streams_twin=LANES_TWIN[m],
+                           ratio_to_streams_twin=statistics.median(lanes_ratios[(m, size)]))
             if m in PLAIN_TWIN:
                 pairs = twin_ratios[(m, size)]
                 row.update(compared_to=PLAIN_TWIN[m],
@@ -272,11 +302,12 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
             results.append(row)
     report = {"results": results, "lookup": lookup, "ucx_settings": ucx_settings, "idle": idle,
               "rounds": args.rounds,
-              "seconds_per_measurement": args.seconds, "cpus": os.cpu_count()}
+              "seconds_per_measurement": args.seconds, "cpus": os.cpu_count(), "pinning": pinning()}
     report["targets"] = targets(report)
     report["ceilings"] = ceilings(report)
     report["tls"] = tls_overhead(report)
     report["verification"] = verification_cost(report)
+    report["lanes"] = lanes_scaling(report)
     return report
 
 

@@ -9,9 +9,12 @@ CPU-seconds and whether the last set arrived byte-identical, and ``{"cmd": "rtt"
 with lookup and raw round trips. Every worker answers ``{"cmd": "cpu"}`` with the
 CPU-seconds its process has used (all threads). The methods:
 
-- ``raw_tcp``: the limit: blocking ``sendall`` / ``recv_into`` a preallocated buffer.
+- ``raw_tcp``: the limit: blocking ``sendall`` / ``recv_into`` a preallocated buffer;
+  ``raw_tcp_2streams`` / ``raw_tcp_4streams``: the same over 2 / 4 connections at once (a
+  fetch's chunks split between them, each received on its own thread).
 - ``memcpy``: one core copying (``numpy.copyto``), in one process.
 - ``tcp``: the sidecar's TCP transport, a peer fetch into store slots, checksums verified.
+- ``tcp_2lanes`` / ``tcp_4lanes``: the TCP transport with 2 / 4 lanes (``data.lanes``).
 - ``tcp+tls``: the same over mutual TLS 1.3 (``--tls-dir`` holds a throw-away pool CA,
   ``server.crt``/``.key`` and ``client.crt``/``.key``; ``kv_offload_tools.certs``).
 - ``ucx_sm`` / ``ucx_tcp``: the sidecar's UCX transport with ``UCX_TLS=sm,self`` / ``tcp,self``
@@ -44,8 +47,16 @@ from kv_offload_tools.bench.nixl_methods import NIXL_METHODS
 from kv_offload_tools.http_client import serve_on_loopback
 
 # Methods measured, in the order of the table.
-METHODS = ("raw_tcp", "memcpy", "tcp", "tcp+tls", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
+METHODS = ("raw_tcp", "memcpy", "tcp", "tcp+tls", "raw_tcp_2streams", "tcp_2lanes", "raw_tcp_4streams",
+           "tcp_4lanes", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
            "ucx_tcp", "aiohttp_get", *NIXL_METHODS)
+# Raw TCP methods: method -> streams (a fetch's chunks split over that many connections, each
+# received on a thread of its own).
+RAW_STREAMS = {"raw_tcp": 1, "raw_tcp_2streams": 2, "raw_tcp_4streams": 4}
+# The sidecar's TCP transport with lanes (``data.lanes``): method -> lanes.
+TCP_LANES = {"tcp_2lanes": 2, "tcp_4lanes": 4}
+# Each laned row against raw TCP with as many streams, in the same round.
+LANES_TWIN = {"tcp_2lanes": "raw_tcp_2streams", "tcp_4lanes": "raw_tcp_4streams"}
 # Keys per lookup request.
 LOOKUP_KEYS = 32
 # Session of the benchmark's data connections.
@@ -64,7 +75,7 @@ TCP_METHODS = ("tcp", "tcp+tls")
 # Rows measured against another row of the same round besides raw TCP: method -> its plain twin.
 PLAIN_TWIN = {"tcp+tls": "tcp", "nixl": "nixl_unverified"}
 # Methods whose client is handed the raw TCP server's address too (``|``-separated).
-RAW_ALONGSIDE = (*TCP_METHODS, *UCX_TLS, "nixl", "nixl_unverified")
+RAW_ALONGSIDE = (*TCP_METHODS, *TCP_LANES, *UCX_TLS, "nixl", "nixl_unverified")
 
 
 def parse_ucx_env(text: str) -> dict[str, str]:
@@ -138,7 +149,7 @@ def _worker_main(args: argparse.Namespace) -> int:
     chunks = args.set_bytes // size
     try:
         if args.role == "server":
-            if method == "raw_tcp":
+            if method in RAW_STREAMS:
                 _raw_server(size, chunks)
             elif method == "aiohttp_get":
                 asyncio.run(_aiohttp_server(args, size, chunks))
@@ -337,8 +348,8 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
 
 async def _make_fetcher(method: str, args: argparse.Namespace, size: int, n: int,
                         expected: list[int]) -> Any:
-    if method == "raw_tcp":
-        return _RawFetcher(args.address, size, n)
+    if method in RAW_STREAMS:
+        return _RawFetcher(args.address, size, n, RAW_STREAMS[method])
     if method in UCX_BARE:
         from kv_offload_tools.bench.ucx_limit import UcxLimitFetcher
 
@@ -374,28 +385,39 @@ def _echo_once(sock: socket.socket) -> float:
 
 
 class _RawFetcher:
-    """The limit: blocking ``recv_into`` a preallocated pool, no checksum, no bookkeeping."""
+    """The limit: blocking ``recv_into`` a preallocated pool, no checksum, no bookkeeping;
+    with ``streams`` > 1 the set is split into that many runs, each requested and received on
+    its own connection and thread."""
 
-    def __init__(self, address: str, size: int, n: int) -> None:
+    def __init__(self, address: str, size: int, n: int, streams: int = 1) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.socks = [socket.create_connection((host, int(port))) for _ in range(streams)]
+        for sock in self.socks:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.size, self.n = size, n
         self.pool = bytearray(size * n)
         self.views = [memoryview(self.pool)[i * size:(i + 1) * size] for i in range(n)]
+        self.runs = [range(j * n // streams, (j + 1) * n // streams) for j in range(streams)]
+        self.threads = ThreadPoolExecutor(streams) if streams > 1 else None
 
-    def _fetch(self, s: int) -> None:
-        self.sock.sendall(struct.pack("!QQ", self.n, s * self.n).ljust(64, b"\0"))
-        for v in self.views:
-            got = 0
+    def _fetch_run(self, sock: socket.socket, s: int, run: range) -> None:
+        sock.sendall(struct.pack("!QQ", len(run), s * self.n + run.start).ljust(64, b"\0"))
+        for i in run:
+            v, got = self.views[i], 0
             while got < self.size:
-                k = self.sock.recv_into(v[got:], self.size - got)
+                k = sock.recv_into(v[got:], self.size - got)
                 if not k:
                     raise ConnectionError("raw server closed")
                 got += k
 
     async def fetch_set(self, s: int) -> None:
-        self._fetch(s)
+        if self.threads is None:
+            self._fetch_run(self.socks[0], s, self.runs[0])
+            return
+        for f in [self.threads.submit(self._fetch_run, sock, s, run) for sock, run in zip(self.socks, self.runs)]:
+            f.result()
 
     def digests(self, s: int) -> list[int]:
         import xxhash
@@ -406,7 +428,10 @@ class _RawFetcher:
         return [], []
 
     async def close(self) -> None:
-        self.sock.close()
+        for sock in self.socks:
+            sock.close()
+        if self.threads is not None:
+            self.threads.shutdown()
 
 
 class _MemcpyFetcher:
@@ -473,12 +498,14 @@ class _TransportFetcher(_StoreFetcher):
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.session_key = bytes.fromhex(args.session_key)
         self.ssl = _tls_context(args, "client")
+        self.method = args.method
         self.client: Any = None
 
     async def open(self) -> None:
         from kv_offload_sidecar.data import connect
 
-        self.client = await connect(self.address, SESSION_ID, self.session_key, timeout=30, ssl=self.ssl)
+        self.client = await connect(self.address, SESSION_ID, self.session_key, timeout=30, ssl=self.ssl,
+                                    lanes=TCP_LANES.get(self.method, 1))
 
     async def fetch_set(self, s: int) -> None:
         keys = self.keys[s * self.n:(s + 1) * self.n]

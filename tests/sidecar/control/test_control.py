@@ -56,7 +56,9 @@ async def handshake(client, key: bytes = POOL_KEY, hello=None):
 async def test_health_readiness_and_metrics_are_served(sidecar_client):
     assert (await sidecar_client.get("/healthz")).status == 200
     assert (await sidecar_client.get("/readyz")).status == 200
-    text = await (await sidecar_client.get("/metrics")).text()
+    response = await sidecar_client.get("/metrics")
+    assert response.headers["Content-Type"].startswith("text/plain")
+    text = await response.text()
     assert f'fingerprint="{example_config().fingerprint}"' in text
     assert "kv_offload_store_capacity_bytes" in text
 

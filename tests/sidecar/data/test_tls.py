@@ -330,3 +330,85 @@ def test_a_renewed_certificate_is_loaded_into_the_live_contexts(tmp_path, pool, 
     with pytest.raises(ValueError, match="--tls-"):
         live.reload()
     assert memory_handshake(live.server, client_ctx(foreign["client"])) == seen
+
+
+# ------------------------------------------------------------------ CA rotation
+
+
+@pytest.fixture
+def rotation(tmp_path: Path, pool: dict[str, CertFiles], foreign: dict[str, CertFiles]) -> CertFiles:
+    """This sidecar's files mid-rotation from ``pool``'s CA to ``foreign``'s: a certificate of the
+    new CA, and a CA bundle that still trusts the old one."""
+    mine = CertFiles(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), str(tmp_path / "ca.crt"))
+    Path(mine.cert_file).write_bytes(Path(foreign["server"].cert_file).read_bytes())
+    Path(mine.key_file).write_bytes(Path(foreign["server"].key_file).read_bytes())
+    Path(mine.ca_file).write_bytes(Path(pool["server"].ca_file).read_bytes()
+                                   + Path(foreign["server"].ca_file).read_bytes())
+    return mine
+
+
+def old_ca_server_ctx(old: CertFiles, bundle: str) -> ssl.SSLContext:
+    """A peer still on the old CA's certificate, trusting the bundle."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_cert_chain(old.cert_file, old.key_file)
+    ctx.load_verify_locations(bundle)
+    return ctx
+
+
+def test_a_ca_removed_from_the_bundle_is_no_longer_trusted_after_reload(
+        rotation: CertFiles, pool: dict[str, CertFiles], foreign: dict[str, CertFiles]) -> None:
+    from kv_offload_sidecar.data.tls import TlsContexts
+
+    live = TlsContexts(rotation.cert_file, rotation.key_file, rotation.ca_file)
+    old_client = unchecked_client_ctx(pool["client"].cert_file, pool["client"].key_file, rotation.ca_file)
+    new_client = unchecked_client_ctx(foreign["client"].cert_file, foreign["client"].key_file, rotation.ca_file)
+    old_server = old_ca_server_ctx(pool["server"], rotation.ca_file)
+    assert memory_handshake(live.server, old_client) and memory_handshake(old_server, live.client) is not None
+    # The rotation ends: the old CA leaves the bundle.
+    Path(rotation.ca_file).write_bytes(Path(foreign["server"].ca_file).read_bytes())
+    assert live.reload() is True
+    with pytest.raises(ssl.SSLError):  # a peer dialling us with the old CA's certificate
+        memory_handshake(live.server, old_client)
+    with pytest.raises(ssl.SSLCertVerificationError):  # a peer we dial that serves one
+        memory_handshake(old_server, live.client)
+    assert memory_handshake(live.server, new_client)
+    assert memory_handshake(old_ca_server_ctx(foreign["server"], rotation.ca_file), live.client)
+
+
+async def test_after_a_ca_rotation_open_connections_stay_and_new_ones_are_checked_against_the_new_bundle(
+        make_store: Callable[..., ChunkStore], rotation: CertFiles, pool: dict[str, CertFiles],
+        foreign: dict[str, CertFiles]) -> None:
+    from kv_offload_sidecar.data.tls import TlsContexts
+
+    live = TlsContexts(rotation.cert_file, rotation.key_file, rotation.ca_file)
+    source = make_store()
+    hold_chunks(source, 2, CHUNK)
+    server = make_server("tcp", source, {SESSION_ID: SESSION_KEY}.get, None, chunk_bytes=CHUNK, ssl=live.server)
+    address = await server.start()
+    old_client = unchecked_client_ctx(pool["client"].cert_file, pool["client"].key_file, rotation.ca_file)
+    try:
+        async with session(address, ssl=old_client) as opened_before:
+            Path(rotation.ca_file).write_bytes(Path(foreign["server"].ca_file).read_bytes())
+            assert live.reload() is True
+            # The rule (data/tls.py): a connection keeps the peer its handshake verified.
+            assert await opened_before.fetch([key_of(0), key_of(1)], make_store(), timeout=5) == 2
+            with pytest.raises(TransportError):
+                await connect(address, SESSION_ID, SESSION_KEY, timeout=5, ssl=old_client)
+        new_client = unchecked_client_ctx(foreign["client"].cert_file, foreign["client"].key_file,
+                                          rotation.ca_file)
+        await assert_still_serves(address, make_store(), ssl=new_client)
+    finally:
+        await server.stop(0.5)
+
+
+def test_a_sidecars_next_outbound_connection_takes_the_reloaded_client_context(
+        make_settings: Callable[..., object], rotation: CertFiles, foreign: dict[str, CertFiles]) -> None:
+    from kv_offload_sidecar.sidecar import Sidecar
+
+    sidecar = Sidecar(make_settings(tls_cert_file=rotation.cert_file, tls_key_file=rotation.key_file,
+                                    tls_ca_file=rotation.ca_file))
+    before = sidecar.peers._data_options()["ssl"]
+    Path(rotation.ca_file).write_bytes(Path(foreign["server"].ca_file).read_bytes())
+    sidecar._reload_tls()
+    assert sidecar.peers._data_options()["ssl"] is sidecar.tls.client is not before

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -291,6 +292,24 @@ def test_a_store_the_sidecar_cut_short_is_reported_failed_and_not_stored(pool):
                                       is_promotion=False, req_context=ctx))
         assert [(r.job_id, r.success) for r in _finished(tier, 1)] == [(62, True)]
         assert pool[1].held(keys)[0] == 2
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("device_type, paced, tokens", [("cpu", True, 141), ("cuda", False, 142),
+                                                        (None, True, 143)], ids=["cpu", "gpu", "unknown"])
+def test_stores_are_paced_only_beside_an_engine_that_computes_on_the_host_cpu(pool, monkeypatch,
+                                                                              device_type, paced, tokens):
+    if device_type is None:  # not inside vLLM: the platform cannot be read
+        monkeypatch.delitem(sys.modules, "vllm.platforms", raising=False)
+    else:  # vLLM's platform object as the tier reads it in vLLM's process
+        monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(
+            current_platform=types.SimpleNamespace(device_type=device_type)))
+    engine = _engine(pool, 0)
+    try:
+        assert engine.tier._transfers.paces_stores is paced
+        assert engine.run_request(trace_tokens([tokens], engine.layout.tokens_per_chunk)).stored_chunks == 1
+        assert engine.tier.stats.paced_stores == int(paced)
     finally:
         engine.close()
 

@@ -138,7 +138,8 @@ async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_kee
             p.release()
         # Released: the asker's store is empty again, the holder's copies were touched by the read.
         assert len(asker.store) == 0 and asker.store.stats()["free_slots"] == asker.store.num_slots
-        assert list(holder.store._visible)[-6:] == keys
+        # (every one of them hotter than the older chunks; lanes may serve them in any order)
+        assert set(list(holder.store._visible)[-6:]) == set(keys)
         await settled(holder, asker)
         assert await asker.lookup(keys, 1.0) == (0, 6)  # still in the pool, at the holder
         for p in await asker.load(keys, 1.0):

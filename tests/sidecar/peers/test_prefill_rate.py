@@ -36,3 +36,16 @@ def test_the_rate_is_learnt_between_scrapes_and_averaged():
     assert learner.observe((3500.0, 0.8)) == approx(5000.0)
     assert learnt[-1] == approx(10_000.0 + 0.3 * (5000.0 - 10_000.0))
     assert learner.observe((10.0, 0.01)) is None  # the engine restarted: counters went back
+
+
+def test_a_sample_is_read_as_its_value_not_its_timestamp():
+    # The exposition format lets a sample end in a timestamp (ms); a label value may hold spaces.
+    text = ('vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="a b} c"} 1200.0 1700000000000\n'
+            "vllm:request_prefill_time_seconds_sum 0.4 1700000000000\n")
+    assert prefill_totals(text) == (1200.0, 0.4)
+
+
+def test_a_malformed_line_is_skipped_and_the_rest_of_the_page_counts():
+    text = ("vllm:request_prefill_kv_computed_tokens_sum{engine=\"0\" 12\n"
+            + page(1000, 0.5))
+    assert prefill_totals(text) == (1000.0, 0.5)

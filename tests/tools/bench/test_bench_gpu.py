@@ -21,8 +21,9 @@ from kv_offload_tools.bench.gpu_raw_tcp import _shares, raw_tcp
 from kv_offload_tools.bench.gpu_prefill import SLICE_LAYERS, layers_to_time, weight_bytes
 
 GiB = 1 << 30
-# Modules the GPU machine's python lacks: the bench and its sidecars must run without them.
-ABSENT_ON_GPU_MACHINE = ("cryptography", "kopf", "kubernetes_asyncio", "ucxx", "nixl")
+# Modules the GPU machine's python lacks: the bench and its sidecars must run without them
+# (cryptography, which the sidecar needs, travels there as a wheel).
+ABSENT_ON_GPU_MACHINE = ("kopf", "kubernetes_asyncio", "ucxx", "nixl")
 
 
 def _geometry(model: str, chunk_tokens: int = 128) -> Geometry:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kv_offload_tools.bench.transport import METHODS
 
 CLI = [os.path.join(os.path.dirname(sys.executable), "kv-offload"), "bench", "transport"]
@@ -34,7 +36,19 @@ def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, s
         assert r["identical"], f"{method} moved bytes that differ from the source"
         assert r["ratio_to_raw_tcp"] > 0
         assert r["cpu_seconds_per_gb"] > 0
+        # each side's CPU apart (memcpy has no holder), adding up to both processes'
+        assert r["fetcher_cpu_seconds_per_gb"] > 0 and r["holder_cpu_seconds_per_gb"] >= 0
+        assert r["holder_cpu_seconds_per_gb"] + r["fetcher_cpu_seconds_per_gb"] == pytest.approx(
+            r["cpu_seconds_per_gb"])
     assert results["raw_tcp"]["ratio_to_raw_tcp"] == 1.0
+    # holder and fetcher on CPUs of their own (this host has two at least)
+    pins = report["pinning"]
+    assert pins["holder"] and pins["fetcher"] and not set(pins["holder"]) & set(pins["fetcher"])
+    # lanes against raw TCP with as many streams, in the same rounds
+    assert {(ln["method"], ln["compared_to"]) for ln in report["lanes"]} == {
+        ("tcp_2lanes", "raw_tcp_2streams"), ("tcp_4lanes", "raw_tcp_4streams")}
+    assert all(ln["ratio_to_streams"] > 0 and ln["ratio_to_one_lane"] > 0 for ln in report["lanes"])
+
     tls = results["tcp+tls"]
     assert tls["compared_to"] == "tcp" and tls["ratio_to_twin"] > 0 and tls["cpu_ratio_to_twin"] > 0
     assert report["tls"] == [{"method": "tcp+tls", "compared_to": "tcp", "chunk_bytes": 65536,

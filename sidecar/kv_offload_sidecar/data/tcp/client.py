@@ -201,10 +201,14 @@ class TcpPeerDataClient(FramedPeerDataClient):
 
     def _stop_receiving(self) -> None:
         """The load job that offered a chunk's row ended mid-chunk: end the connection now
-        (the reader is cancelled before its next write into the row)."""
+        (the connection's thread has stopped writing into the row when this returns)."""
         self._fail(ReceiveStopped("a load job ended while its chunk was arriving in its row"))
 
     def _fail(self, exc: BaseException) -> None:
+        # First stop the connection's thread: a chunk it is receiving into a slot or an
+        # offered row gets no byte more once this returns (the slot may be aborted and
+        # reused, the row handed back to vLLM).
+        self._stream.abort()
         super()._fail(exc)
         reader = self._reader
         if reader is None or reader.done():

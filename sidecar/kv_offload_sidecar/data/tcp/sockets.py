@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
 log = logging.getLogger(__name__)
@@ -194,21 +195,36 @@ class DataStream(Protocol):
 
 
 class SocketStream:
-    """A plain connection: the non-blocking socket, zero-copy both ways."""
+    """A plain connection: the non-blocking socket, zero-copy both ways.
+
+    Transfers of at least ``OFF_LOOP_BYTES`` (a chunk's payload, a group of chunks) run on
+    the connection's own thread (``stream_worker.StreamWorker``) with the GIL released, so
+    the event loop stays free and several connections use several cores; once such a call
+    returns or raises, the thread no longer touches its buffers. ``abort`` and ``close``
+    stop the thread first."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
         self._sock = sock
         self._loop = asyncio.get_running_loop()
+        self._worker = StreamWorker(sock, "kv-offload-tcp-stream")
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
                         piece_bytes: int = CACHED_PIECE_BYTES) -> None:
         """``on_piece``, ``piece_bytes``: see ``recv_exactly`` (plain connections only)."""
+        if len(view) >= OFF_LOOP_BYTES:
+            with memoryview(view) as mv:
+                await self._worker.run(lambda: self._worker.receive(
+                    mv, piece_bytes if on_piece is not None else len(mv), batch_bytes, on_piece))
+            return
         await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes,
                            on_piece=on_piece, piece_bytes=piece_bytes)
 
     async def send(self, buffers: Sequence) -> None:
+        if sum(len(b) for b in buffers) >= OFF_LOOP_BYTES:
+            await self._worker.run(lambda: self._worker.send(buffers))
+            return
         await send_all(self._loop, self._sock, buffers)
 
     def send_now(self, frame: list) -> list:
@@ -231,6 +247,9 @@ class SocketStream:
                     pass
 
     def abort(self) -> None:
+        """Stop both directions now; the connection's thread, if it is moving bytes, has
+        stopped touching its buffers when this returns."""
+        self._worker.stop()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
 

@@ -1,0 +1,148 @@
+"""Lanes: one holder's chunks fetched over several connections at once.
+
+One TCP connection moves what one core can copy out of the kernel and hash (about 2 GB/s
+on the hosts measured here; 1.9 GB/s over loopback into a registered region on a 16-core
+GPU host), below the 3-10 GB/s a peer hit must deliver to beat a GPU's recompute. Each
+connection moves its chunks on a thread of its own (``tcp.stream_worker``), on both ends,
+so ``n`` connections use up to ``n`` cores on each side.
+
+How many: ``lane_count`` of the two sidecars' offers, each the cores its process may use
+(affinity and cgroup quota, ``bulk_copies.usable_cores``) or its ``--data-lanes``, capped
+at ``MAX_DATA_LANES``. The handshake's hello carries the offer (``data_lanes``); a peer
+that does not state one gets one lane. The count is shown per peer in ``/v1/peers`` and in
+all as ``kv_offload_peer_data_lanes``.
+
+``LanedPeerDataClient`` keeps the contract of one connection (``data.base.PeerDataClient``):
+a LOOKUP goes on the first lane; a fetch is one ``fetch.run_fetch`` whose requests are
+striped over the lanes (chunk ``i`` of a fetch on lane ``i % n``), so its window, the
+count bound, its deadline and every chunk's verification are those of a single
+connection's fetch. Any lane that fails ends them all (the link reconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kv_offload_sidecar.bulk_copies import usable_cores
+from kv_offload_sidecar.data.base import PeerDataClient, StoreLike, TransportError
+from kv_offload_sidecar.data.fetch import PendingChunk, lookup_then_fetch, run_fetch
+from kv_offload_sidecar.settings import MAX_DATA_LANES
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.data.peer_client import FramedPeerDataClient
+    from kv_offload_sidecar.metrics import SidecarMetrics
+
+# Chunks in flight per lane at least, so each lane's next chunk is asked for while its
+# current one arrives.
+CHUNKS_PER_LANE = 2
+
+
+def lanes_offered(setting: int) -> int:
+    """What this sidecar offers its peers: ``--data-lanes`` when set (> 0), else one lane per
+    usable core, at most ``MAX_DATA_LANES`` either way."""
+    return max(1, min(MAX_DATA_LANES, setting if setting > 0 else usable_cores()))
+
+
+def lane_count(own: int, peer: int | None) -> int:
+    """Lanes between two sidecars: the smaller offer (a peer stating none gets one lane)."""
+    return max(1, min(MAX_DATA_LANES, own, peer or 1))
+
+
+def data_lanes_of(client: object) -> int:
+    """Connections behind a peer's data client (0 for none)."""
+    if client is None:
+        return 0
+    return client.lanes if isinstance(client, LanedPeerDataClient) else 1
+
+
+async def open_lanes(n: int, open_one: Callable[[], Awaitable[FramedPeerDataClient]]) -> PeerDataClient:
+    """``n`` connections made by ``open_one`` as one client (the connection itself when
+    ``n`` is 1). The first is opened alone (a holder that refuses us refuses once), the
+    rest together; if any fails, those opened are closed and the error raised."""
+    first = await open_one()
+    if n <= 1:
+        return first
+    rest = await asyncio.gather(*(open_one() for _ in range(n - 1)), return_exceptions=True)
+    opened = [first, *(c for c in rest if not isinstance(c, BaseException))]
+    error = next((c for c in rest if isinstance(c, BaseException)), None)
+    if error is not None:
+        for client in opened:
+            with contextlib.suppress(Exception):
+                await client.close()
+        raise error
+    return LanedPeerDataClient(opened)
+
+
+class LanedPeerDataClient(PeerDataClient):
+    """Several authenticated connections to one holder, used as one."""
+
+    def __init__(self, lanes: Sequence[FramedPeerDataClient]) -> None:
+        if not lanes:
+            raise ValueError("a laned client needs at least one connection")
+        self._lanes = list(lanes)
+        first = self._lanes[0]
+        self._metrics: SidecarMetrics | None = first._metrics
+        self._window = max(first._window, CHUNKS_PER_LANE * len(self._lanes))
+        self.receives_into_offered_rows = first.receives_into_offered_rows
+
+    @property
+    def lanes(self) -> int:
+        return len(self._lanes)
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None or any(lane.closed for lane in self._lanes)
+
+    def _check_open(self) -> None:
+        for lane in self._lanes:
+            if lane.closed and self._error is None:
+                self._error = lane._error
+        super()._check_open()
+
+    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
+        self._check_open()
+        return await self._lanes[0].lookup(keys, timeout)
+
+    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
+                    count: asyncio.Future[int] | None = None, first: int = 1) -> int:
+        self._check_open()
+        return await run_fetch(keys, store, timeout, window=self._window,
+                               send_requests=self._request_chunks, fail=self._fail,
+                               metrics=self._metrics, count=count, first=first)
+
+    async def fetch_counted(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
+                            first: int, on_count: Callable[[int], None]) -> int:
+        self._check_open()
+        return await lookup_then_fetch(
+            self.lookup(keys, timeout),
+            lambda count: self.fetch(keys, store, timeout, count=count, first=first), on_count)
+
+    async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
+        n = len(self._lanes)
+        stripes: list[list[tuple[int, PendingChunk]]] = [[] for _ in range(n)]
+        for index, pending in batch:
+            stripes[index % n].append((index, pending))
+        await asyncio.gather(*(lane._request_chunks(stripe)
+                               for lane, stripe in zip(self._lanes, stripes, strict=True) if stripe))
+
+    def _fail(self, exc: BaseException) -> None:
+        """End every lane (each stops its thread's writes first, see ``tcp.client``)."""
+        if self._error is None:
+            self._error = exc
+        for lane in self._lanes:
+            lane._fail(exc)
+
+    async def close(self) -> None:
+        results = await asyncio.gather(*(lane.close() for lane in self._lanes), return_exceptions=True)
+        if self._error is None:
+            self._error = TransportError("closed by this side")
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+
+
+__all__ = ["CHUNKS_PER_LANE", "LanedPeerDataClient", "MAX_DATA_LANES", "data_lanes_of", "lane_count",
+           "lanes_offered", "open_lanes"]

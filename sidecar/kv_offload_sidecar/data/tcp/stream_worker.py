@@ -1,0 +1,157 @@
+"""A plain data connection's own thread: chunk bytes moved off the event loop.
+
+A chunk's bytes are the plane's whole cost: receiving them (a copy out of the kernel), hashing
+them and sending them (a copy into it). On the event loop they ran on one thread with the rest
+of the sidecar, so one connection could use one core at most and every other request (a
+``/healthz`` poll, a lookup, the directory) waited behind each piece. ``StreamWorker`` runs
+those large transfers on a thread of the connection's own: the socket calls and the hash
+release the GIL, so lanes (``data.lanes``) on several connections spread over the cores.
+
+Contract:
+- One transfer at a time per direction's owner (the connection's reader, or its writer); the
+  loop awaits it, and nothing else touches the socket in that direction meanwhile.
+- ``stop()`` (from the loop's thread) returns only once the thread can no longer touch the
+  buffer it was given: it sets a flag, wakes the thread (``shutdown``) and waits for the one
+  socket call in progress, if any, to end (a non-blocking call: microseconds to a piece's
+  copy). So a row a load job offered is not written after the job ended, and a slot is not
+  read after its pin was released.
+- A transfer awaited by a task that is cancelled, or that fails, stops the thread the same
+  way before the exception leaves ``run``: when ``run`` returns or raises, the buffers are free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kv_offload_sidecar.data.base import ReceiveStopped
+
+# Transfers of at least this many bytes run on the connection's thread; smaller ones (frames,
+# headers, small chunks) stay on the loop, where a thread hop would cost more than the copy.
+OFF_LOOP_BYTES = 1 << 20
+
+# Milliseconds one poll waits before the thread looks at its stop flag again (a stop also
+# wakes it at once through ``shutdown``; this bounds the wait when it raced the poll).
+POLL_MILLISECONDS = 50
+
+
+class StreamStopped(ReceiveStopped):
+    """The connection's thread was stopped while a transfer was under way."""
+
+
+class StreamWorker:
+    """The thread of one socket, and the lock that makes ``stop`` wait for its last call."""
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        self._sock = sock
+        self._name = name
+        self._executor: ThreadPoolExecutor | None = None
+        # Held by the thread around each socket call that touches a transfer's buffer.
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    async def run(self, work: Callable[[], object]) -> object:
+        """Run ``work`` (``self.receive``/``self.send`` bound by the caller) on the thread."""
+        if self._stopped:
+            raise StreamStopped("the connection was stopped")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, work)
+        try:
+            return await fut
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the thread's transfers for good; returns once no socket call is under way."""
+        if not self._stopped:
+            self._stopped = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:  # the call in progress, if any, ends; none starts after it
+            pass
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    def receive(self, view: memoryview, piece_bytes: int, batch_bytes: int,
+                on_piece: Callable[[memoryview], object] | None) -> None:
+        """(On the thread.) Fill ``view`` from the socket, ``on_piece`` called with each piece
+        right after it landed; ConnectionError on EOF, ``StreamStopped`` once stopped."""
+        sock, got, n = self._sock, 0, len(view)
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        lowat = 1
+        try:
+            while got < n:
+                want = max(1, min(n - got, batch_bytes))
+                if batch_bytes and want != lowat:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
+                with self._lock:
+                    if self._stopped:
+                        raise StreamStopped("the connection was stopped mid-chunk")
+                    try:
+                        k = sock.recv_into(view[got:min(n, got + piece_bytes)])
+                    except (BlockingIOError, InterruptedError):
+                        k = -1
+                if k < 0:  # nothing there yet: sleep until the batch has arrived
+                    self._wait(poller)
+                    continue
+                if k == 0:
+                    raise ConnectionError(f"connection closed after {got} of {n} bytes")
+                if on_piece is not None:
+                    on_piece(view[got:got + k])
+                got += k
+        finally:
+            if lowat != 1:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+    def send(self, buffers: Sequence) -> None:
+        """(On the thread.) Send ``buffers`` in order with gathered ``sendmsg`` calls."""
+        sock = self._sock
+        views = [memoryview(b) for b in buffers if len(b)]
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLOUT)
+        try:
+            while views:
+                with self._lock:
+                    if self._stopped:
+                        raise StreamStopped("the connection was stopped mid-send")
+                    try:
+                        sent = sock.sendmsg(views)
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0
+                while sent and views:
+                    first = views[0]
+                    if sent >= len(first):
+                        sent -= len(first)
+                        views.pop(0).release()
+                    else:
+                        views[0] = first[sent:]
+                        first.release()
+                        sent = 0
+                if views:
+                    self._wait(poller)
+        finally:
+            for v in views:
+                v.release()
+
+    def _wait(self, poller: select.poll) -> bool:
+        """Poll once; True when the socket is ready (or in error: the next call says which)."""
+        if self._stopped:
+            raise StreamStopped("the connection was stopped")
+        return bool(poller.poll(POLL_MILLISECONDS))
+
+
+__all__ = ["OFF_LOOP_BYTES", "POLL_MILLISECONDS", "StreamStopped", "StreamWorker"]
