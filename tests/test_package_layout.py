@@ -183,7 +183,8 @@ FOLDERS = {
     "operator/kv_offload_operator": {
         "cli", "pools", "webhook", "translation", "handlers", "startup", "options", "leadership",
         "operator_metrics", "kube_api", "rbac", "quantity"},
-    "operator/kv_offload_operator/cli": {"operator", "translate", "fingerprint", "diff", "webhook_cert"},
+    # ``__main__``: ``python -m kv_offload_operator.cli`` where no ``kv-offload`` script is installed.
+    "operator/kv_offload_operator/cli": {"operator", "translate", "fingerprint", "diff", "webhook_cert", "__main__"},
     "operator/kv_offload_operator/pools": {
         "reconcile", "pool_spec", "pool_source", "kv_transfer", "pool_objects", "pool_key",
         "key_rotation", "model_config", "model_config_follower", "ready_peers", "pool_pod", "pool_api"},

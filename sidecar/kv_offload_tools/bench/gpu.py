@@ -9,7 +9,14 @@ phase (lookup, fetch, host to device), the speedup, the fetch rate, the break-ev
 rate (KV bytes / recompute time) and the sidecars' CPU-seconds per GB (``gpu_geometry``
 holds the arithmetic). ``--lanes 1,2,4,8`` repeats the hit per lane count (the sidecars'
 ``--data-lanes``): the last count at every length, the others at ``--sweep-lengths`` only.
-Progress lines on stderr; a table, or with ``--json`` one JSON object, on stdout; a PNG.
+Beside each lane count, raw TCP with as many streams, pinned as the sidecars are
+(``gpu_raw_tcp``; the holder's side on the first half of the CPUs, the fetcher's on the
+second, ``gpu_pinning``), and the issue's GPU targets where the run measured them
+(``gpu_report``). Progress lines on stderr; a table, or with ``--json`` one JSON object, on
+stdout (``--json PATH``: the JSON in a file, the table on stdout); a PNG.
+The 70B's figures are one GPU's equivalent: recompute of all 80 layers (timed on 8, scaled)
+against a hit of all its KV into one GPU; a TP8 pod divides the recompute by up to 8 over the
+same bytes, so its break-even rate is up to 8 times the one reported.
 
 Without CUDA the same code runs on the CPU (float32 prefill, CPU tensors for the KV cache,
 no cudaHostRegister) with the tiny model and short prompts by default: a check of the
@@ -42,6 +49,7 @@ from typing import Any
 from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools.bench.gpu_geometry import Geometry, breakeven_gbps, load_model_config, speedup
+from kv_offload_tools.bench.gpu_peer import PeerSettings
 from kv_offload_tools.progress import timestamped
 
 PLANES = ("tcp", "ucx", "nixl")
@@ -73,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="",
                         help="comma-separated prompt lengths in tokens (default "
                              f"{','.join(map(str, GPU_LENGTHS))} with CUDA, {','.join(map(str, CPU_LENGTHS))} without)")
-    parser.add_argument("--plane", choices=PLANES, default="tcp", help="the sidecars' data plane (default %(default)s)")
+    parser.add_argument("--plane", choices=PLANES, default=PeerSettings.plane, help="the sidecars' data plane (default %(default)s)")
     parser.add_argument("--lanes", default="",
                         help="comma-separated lane counts, each a pair of sidecars started with --data-lanes N "
                              "(default: one pair, the sidecars' own choice)")
@@ -84,14 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
                         help="tokens per chunk, vLLM's block_size in kv_connector_extra_config, a multiple "
                              "of 16 (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=PeerSettings.repeats,
                         help="timed runs per length, after a warm-up; the median is reported (default %(default)s)")
     parser.add_argument("--max-kv-gib", type=float, default=DEFAULT_MAX_KV_GIB,
                         help="peer hits only for prompts with at most this much KV (default %(default)s)")
-    parser.add_argument("--timeout-s", type=float, default=120.0,
+    parser.add_argument("--timeout-s", type=float, default=PeerSettings.timeout_s,
                         help="seconds a lookup or a load may take (default %(default)s)")
-    parser.add_argument("--shm-dir", default="/dev/shm",
-                        help="folder of the rows and the sidecars' stores (default %(default)s)")
+    parser.add_argument("--shm-dir", default=PeerSettings.shm_dir,
+                        help="folder of the rows' file, vLLM's region; the sidecars' stores are in their "
+                             "pool's folder under /dev/shm (default %(default)s)")
     parser.add_argument("--json", nargs="?", const=JSON_TO_STDOUT, default="", metavar="PATH",
                         help="print one JSON object instead of the table; with PATH, write it there "
                              "(after each model) and print the table")
@@ -162,7 +171,7 @@ def peer_lengths(geometry: Geometry, lengths: Sequence[int], max_kv_bytes: float
 
 def _model_report(config: dict[str, Any], geometry: Geometry, plan: dict[str, Any],
                   args: argparse.Namespace, dev: str, progress: Callable[[str], None]) -> dict[str, Any]:
-    from kv_offload_tools.bench.gpu_peer import PeerSettings, measure_peer_hits
+    from kv_offload_tools.bench.gpu_peer import measure_peer_hits
     from kv_offload_tools.bench.gpu_prefill import measure_prefill
 
     lengths = plan["lengths"]

@@ -24,9 +24,12 @@ The sidecars' CPU-seconds (``/proc/<pid>/stat``) are read before the lookup and 
 the rows landed, and a thread polls the fetcher's ``/healthz`` all the while (its p99: how
 long the fetcher's event loop keeps a probe waiting while chunks move). The store is sent as
 the tier sends it beside an engine on a GPU (not paced) and timed until it landed in the
-holder, against one thread's memcpy of the same bytes taken just before. A run that misses (fewer chunks found or loaded) is reported as one. Last,
+holder, against one thread's memcpy of the same bytes taken just before. A run that misses
+(fewer chunks found or loaded) is reported as one. Last,
 with the sidecars idle, raw TCP with as many streams as lanes (as the fetcher's status says it
-runs when the sidecars chose; one where it says nothing), pinned the same way, moves the longest hit's bytes (``gpu_raw_tcp``): the limit.
+runs when the sidecars chose; one where it says nothing), pinned the same way, moves the
+longest hit's bytes (``gpu_raw_tcp``): the limit. Before the timed runs, one untimed hit of the
+shortest prompt opens the connections.
 """
 
 from __future__ import annotations
@@ -384,7 +387,8 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
                      f"({chunks * geometry.chunk_bytes / 2**20:.0f} MiB) in the holder in {landed_s:.3f} s "
                      f"({landed_s / memcpy_s:.2f}x a memcpy of its bytes, {memcpy_s:.3f} s), visible to the "
                      f"fetcher after {store_s:.3f} s")
-            _hit(pair, keys[:1], host, kv, digests, settings, check_device=False)  # connections warm
+            warm = geometry.chunks(lengths[0])  # enough chunks to open every lane's connection
+            _hit(pair, keys[:warm], host, kv, digests, settings, check_device=False)
             hits: dict[int, dict[str, Any]] = {}
             for tokens in lengths:
                 n = geometry.chunks(tokens)
@@ -401,11 +405,12 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
                          f"{'' if hit['identical'] else '  BYTES DIFFER'}"
                          f"{'' if hit['all_loaded'] else '  MISSED'}")
             in_use = lanes_in_use(pair.pool["fetcher"].status())
-            raw = raw_tcp(lanes or in_use or 1, min(chunks * geometry.chunk_bytes, RAW_TCP_MAX_BYTES), settings.repeats,
-                          *cpus)
+            raw = raw_tcp(lanes or in_use or 1, min(chunks * geometry.chunk_bytes, RAW_TCP_MAX_BYTES),
+                          settings.repeats, *cpus)
             progress(f"raw TCP, {raw['streams']} streams, same pinning: {raw['gbps']:.2f} GB/s, CPU s/GB "
                      f"sender {raw['sender_cpu_s_per_gb']:.2f} receiver {raw['receiver_cpu_s_per_gb']:.2f}")
-        return {"raw_tcp": raw, "lanes": label, "store_s": store_s, "store_gbps": chunks * geometry.chunk_bytes / store_s / 1e9,
+        return {"raw_tcp": raw, "lanes": label, "store_s": store_s,
+                "store_gbps": chunks * geometry.chunk_bytes / store_s / 1e9,
                 "store_landed_s": landed_s, "store_memcpy_s": memcpy_s, "store_bytes": chunks * geometry.chunk_bytes,
                 "store_paced": paces_stores(ENGINE_DEVICE_TYPE),
                 "holder_cpus": cpu_list(cpus[0]), "fetcher_cpus": cpu_list(cpus[1]),

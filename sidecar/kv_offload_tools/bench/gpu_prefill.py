@@ -84,15 +84,9 @@ def _build(model_config: Mapping[str, Any], layers: int, dev: str) -> Any:
     fields["num_hidden_layers"] = layers
     config = AutoConfig.for_model(**fields)
     config._attn_implementation = "sdpa"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # weights made in their dtype, not made in fp32 and cast
-    try:
-        with torch.device(dev):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    finally:
-        torch.set_default_dtype(before)
-    return model.to(dtype).eval()
+    with torch.device(dev):  # made on the device in float32, then cast (as prefill_h200.py did)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
 
 
 def _sync(dev: str) -> None:

@@ -106,8 +106,9 @@ def table(report: Mapping[str, Any]) -> str:
             for p in row["peer"]:
                 lines.append(
                     f"{head}  {p['lanes']!s:>7} {_ms(p['hit_s']):>8} {_ms(p['lookup_s']):>7} "
-                    f"{_ms(p['fetch_s']):>8} {_ms(p['h2d_s']):>7} {p['fetch_gbps']:>6.2f} {p['ratio_to_raw_tcp']:>5.2f} "
-                    f"{_speedup(p['speedup']):>7} {p['holder_cpu_s_per_gb']:>11.2f}/{p['fetcher_cpu_s_per_gb']:<11.2f}"
+                    f"{_ms(p['fetch_s']):>8} {_ms(p['h2d_s']):>7} {p['fetch_gbps']:>6.2f} "
+                    f"{p['ratio_to_raw_tcp']:>5.2f} {_speedup(p['speedup']):>7} "
+                    f"{p['holder_cpu_s_per_gb']:>11.2f}/{p['fetcher_cpu_s_per_gb']:<11.2f}"
                     f"{'' if p['identical'] else ' BYTES DIFFER'}{'' if p['all_loaded'] else ' MISSED'}")
                 head = " " * len(head)
         for pool in model["pools"]:

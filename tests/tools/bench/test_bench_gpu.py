@@ -171,9 +171,10 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
     assert not pool["store_paced"] and 0 < pool["store_landed_s"] <= pool["store_s"]
     assert pool["store_memcpy_s"] > 0 and pool["store_bytes"] == m["rows"][-1]["kv_bytes"]
     assert pool["lanes_in_use"] in (None, 1)  # the sidecars' own choice on one CPU each
-    # raw TCP with one stream (the sidecars' own lane choice), the longest hit's bytes
+    # raw TCP with as many streams as the sidecars' own lane choice, the longest hit's bytes
     raw = pool["raw_tcp"]
-    assert raw["streams"] == (pool["lanes_in_use"] or 1) and raw["bytes"] == m["rows"][-1]["kv_bytes"] and raw["gbps"] > 0
+    assert raw["streams"] == (pool["lanes_in_use"] or 1) and raw["gbps"] > 0
+    assert raw["bytes"] == m["rows"][-1]["kv_bytes"]
     assert len(raw["runs_s"]) == 2 and raw["sender_cpu_s_per_gb"] >= 0 and raw["receiver_cpu_s_per_gb"] >= 0
     # a 2-core host measures none of the GPU targets, only the store's (these prompts' KV is
     # under the 1 GiB of the /healthz target)
