@@ -19,6 +19,7 @@ an engine sharing the host's cores safe.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 # vLLM's device type of its CPU platform.
@@ -43,4 +44,13 @@ def paces_stores(device_type: str | None) -> bool:
     return device_type is None or device_type == CPU_DEVICE_TYPE
 
 
-__all__ = ["CPU_DEVICE_TYPE", "engine_device_type", "paces_stores"]
+def engine_paces_stores(logger: logging.Logger) -> bool:
+    """``paces_stores`` for the engine of this process, said once on ``logger``."""
+    device_type = engine_device_type()
+    paced = paces_stores(device_type)
+    logger.info("kv-offload tier: the engine computes on %s: stores are %s", device_type or "an unknown device",
+                "paced while no other store waits" if paced else "not paced")
+    return paced
+
+
+__all__ = ["CPU_DEVICE_TYPE", "engine_device_type", "engine_paces_stores", "paces_stores"]

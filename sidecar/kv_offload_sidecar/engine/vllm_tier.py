@@ -63,7 +63,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from kv_offload_sidecar.engine.engine_platform import engine_device_type, paces_stores
+from kv_offload_sidecar.engine.engine_platform import engine_paces_stores
 from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
 from kv_offload_sidecar.engine.sidecar_attachment import RowRegion
 from kv_offload_sidecar.engine.region_file import find_region_file
@@ -181,13 +181,10 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         # The step whose lookups last polled those answers.
         self._polled_step = -1
         self._stats_lock = threading.Lock()
-        device_type = engine_device_type()
-        logger.info("kv-offload tier: the engine computes on %s: stores are %s", device_type or "an "
-                    "unknown device", "paced while none waits" if paces_stores(device_type) else "not paced")
         self._transfers = TierTransfers(self._link, self._rows, self._row_stride,
                                         self._chunk_bytes, self._load_timeout,
                                         self._region_reason, self.stats, self._stats_lock,
-                                        self._add_cpu, paces_stores=paces_stores(device_type))
+                                        self._add_cpu, paces_stores=engine_paces_stores(logger))
         self._jobs = self._transfers.jobs  # submitted and not yet reported finished
         self._threads = [
             threading.Thread(target=self._lookup_worker, name="kv-offload-lookup", daemon=True),
