@@ -176,10 +176,8 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
     assert raw["streams"] == (pool["lanes_in_use"] or 1) and raw["gbps"] > 0
     assert raw["bytes"] == m["rows"][-1]["kv_bytes"]
     assert len(raw["runs_s"]) == 2 and raw["sender_cpu_s_per_gb"] >= 0 and raw["receiver_cpu_s_per_gb"] >= 0
-    # a 2-core host measures none of the GPU targets, only the store's (these prompts' KV is
-    # under the 1 GiB of the /healthz target)
-    (store,) = report["targets"]
-    assert store["target"].startswith("an unpaced store lands in the holder within 2.5x a memcpy")
-    assert store["value"] == pytest.approx(pool["store_landed_s"] / pool["store_memcpy_s"])
+    # a 2-core host measures none of the GPU targets, and these prompts' KV is under the 1 GiB
+    # the store's and the /healthz targets are stated for
+    assert report["targets"] == []
     assert plot.stat().st_size > 0
     assert "[bench gpu" in done.stderr
