@@ -22,16 +22,18 @@ Without CUDA the same code runs on the CPU (float32 prefill, CPU tensors for the
 no cudaHostRegister) with the tiny model and short prompts by default: a check of the
 code, not a measurement (the tests run it so).
 
-On the GPU machine (16 CPUs, one H200; python3 with torch and transformers, no install),
-from the repository root, about 4-6 minutes with these defaults (both models; 1K-48K tokens
-for recompute, the peer hits up to --max-kv-gib 8 of KV, so 70B's up to 16K; lanes 1, 2 and
-4 at 2K and 16K tokens, 8 lanes at every length)::
+On the GPU machine (16 CPUs, one H200; python3 with torch and transformers), from the
+repository root, after the carried wheels' install (it exports ``PYTHONPATH=/tmp/site``: the
+sidecar needs ``cryptography``, absent there, and the sidecars inherit the path), about 4-6
+minutes with these defaults (both models; 1K-48K tokens for recompute, the peer hits up to
+--max-kv-gib 8 of KV, so 70B's up to 16K; lanes 1, 2 and 4 at 2K and 16K tokens, 8 lanes at
+every length)::
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/sidecar:$PWD/operator timeout 560 python3 -m \\
-        kv_offload_operator.cli bench gpu --plane tcp --lanes 1,2,4,8 --json $OUT/bench-gpu.json \\
-        --plot $OUT/bench-gpu.png 2>&1 | tee $OUT/bench-gpu.log
+    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/sidecar:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}
+    timeout 560 python3 -m kv_offload_operator.cli bench gpu --plane tcp --lanes 1,2,4,8 \\
+        --json $OUT/bench-gpu.json --plot $OUT/bench-gpu.png 2>&1 | tee $OUT/bench-gpu.log
 
-(the JSON is written after each model, so a run cut short keeps the models it finished;
+(The JSON is written after each model, so a run cut short keeps the models it finished;
 ``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run.)
 """
 

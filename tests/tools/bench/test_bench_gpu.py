@@ -19,6 +19,7 @@ from kv_offload_tools.bench.gpu_peer import HostRows, lanes_in_use
 from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus
 from kv_offload_tools.bench.gpu_raw_tcp import _shares, raw_tcp
 from kv_offload_tools.bench.gpu_prefill import SLICE_LAYERS, layers_to_time, weight_bytes
+from kv_offload_tools.bench.gpu_report import targets
 
 GiB = 1 << 30
 # Modules the GPU machine's python lacks: the bench and its sidecars must run without them
@@ -181,3 +182,25 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
     assert report["targets"] == []
     assert plot.stat().st_size > 0
     assert "[bench gpu" in done.stderr
+
+
+def _peer(lanes: int, gbps: float, raw_ratio: float, speedup_: float) -> dict:
+    return {"lanes": lanes, "fetch_gbps": gbps, "ratio_to_raw_tcp": raw_ratio, "speedup": speedup_}
+
+
+def test_gpu_targets_are_judged_on_hosts_with_eight_cpus_for_llama_8b():
+    rows = [{"tokens": 2048, "recompute_s": 0.062, "peer": [_peer(1, 1.5, 0.8, 0.5), _peer(4, 5.0, 0.9, 1.4),
+                                                            _peer(8, 9.0, 0.85, 2.2)]},
+            {"tokens": 16384, "recompute_s": 0.6, "peer": [_peer(1, 1.8, 0.9, 0.9), _peer(4, 5.0, 0.9, 1.9),
+                                                             _peer(8, 8.0, 0.7, 2.5)]}]
+    report = {"cpus": 16, "models": [{"geometry": {"name": "llama-3.1-8b"}, "rows": rows}]}
+    got = {(t["target"], t["tokens"]): (round(t["value"], 3), t["met"]) for t in targets(report)}
+    assert got == {
+        ("4 lanes >= 3x the rate of 1 lane", 2048): (3.333, True),
+        ("4 lanes >= 3x the rate of 1 lane", 16384): (2.778, False),
+        # raw TCP with 8 streams is judged at the longest prompt with an 8-lane hit
+        ("8 lanes >= 0.8x raw TCP with 8 streams", 16384): (0.7, False),
+        ("peer hit >= 2x faster than recompute", 16384): (2.5, True),
+    }
+    assert targets({**report, "cpus": 2}) == []  # a small host cannot give lanes cores
+    assert targets({**report, "models": [{"geometry": {"name": "tiny"}, "rows": rows}]}) == []
