@@ -189,11 +189,11 @@ def _peer(lanes: int, gbps: float, raw_ratio: float, speedup_: float) -> dict:
 
 
 def test_gpu_targets_are_judged_on_hosts_with_eight_cpus_for_llama_8b():
-    rows = [{"tokens": 2048, "recompute_s": 0.062, "peer": [_peer(1, 1.5, 0.8, 0.5), _peer(4, 5.0, 0.9, 1.4),
+    rows = [{"tokens": 2048, "kv_bytes": 256 << 20, "recompute_s": 0.062, "peer": [_peer(1, 1.5, 0.8, 0.5), _peer(4, 5.0, 0.9, 1.4),
                                                             _peer(8, 9.0, 0.85, 2.2)]},
-            {"tokens": 16384, "recompute_s": 0.6, "peer": [_peer(1, 1.8, 0.9, 0.9), _peer(4, 5.0, 0.9, 1.9),
+            {"tokens": 16384, "kv_bytes": 2 << 30, "recompute_s": 0.6, "peer": [_peer(1, 1.8, 0.9, 0.9), _peer(4, 5.0, 0.9, 1.9),
                                                              _peer(8, 8.0, 0.7, 2.5)]}]
-    report = {"cpus": 16, "models": [{"geometry": {"name": "llama-3.1-8b"}, "rows": rows}]}
+    report = {"cpus": 16, "models": [{"geometry": {"name": "llama-3.1-8b"}, "rows": rows, "pools": []}]}
     got = {(t["target"], t["tokens"]): (round(t["value"], 3), t["met"]) for t in targets(report)}
     assert got == {
         ("4 lanes >= 3x the rate of 1 lane", 2048): (3.333, True),
@@ -203,4 +203,20 @@ def test_gpu_targets_are_judged_on_hosts_with_eight_cpus_for_llama_8b():
         ("peer hit >= 2x faster than recompute", 16384): (2.5, True),
     }
     assert targets({**report, "cpus": 2}) == []  # a small host cannot give lanes cores
-    assert targets({**report, "models": [{"geometry": {"name": "tiny"}, "rows": rows}]}) == []
+    assert targets({**report, "models": [{"geometry": {"name": "tiny"}, "rows": rows, "pools": []}]}) == []
+
+
+def test_the_store_and_healthz_targets_are_judged_on_any_host_from_one_gib():
+    hit = {"lanes": 2, "healthz_p99_ms": 12.0}
+    rows = [{"tokens": 1024, "kv_bytes": 128 << 20, "peer": [{**hit, "healthz_p99_ms": 50.0}]},
+            {"tokens": 8192, "kv_bytes": 1 << 30, "peer": [hit]}]
+    pools = [{"lanes": 2, "store_paced": False, "store_bytes": 1 << 30, "store_landed_s": 0.3,
+              "store_memcpy_s": 0.15},
+             {"lanes": 4, "store_paced": False, "store_bytes": 512 << 20, "store_landed_s": 9.0,
+              "store_memcpy_s": 0.1}]
+    report = {"cpus": 2, "models": [{"geometry": {"name": "tiny"}, "rows": rows, "pools": pools}]}
+    got = {(t["target"], t["tokens"]): (round(t["value"], 3), t["met"]) for t in targets(report)}
+    assert got == {
+        ("an unpaced store lands in the holder within 2.5x a memcpy of its bytes (lanes 2)", 8192): (2.0, True),
+        ("the fetcher answers /healthz with p99 <= 10 ms while 1 GiB arrive (lanes 2)", 8192): (12.0, False),
+    }  # the 512 MiB store and the 128 MiB hit are under the 1 GiB the targets are stated for
