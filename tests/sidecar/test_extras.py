@@ -11,9 +11,8 @@ import sys
 
 import pytest
 from kv_offload_sidecar.extras import EXTRAS, NIXL_PACKAGE, missing, require
-from kv_offload_tools.http_client import http_json
 from kv_offload_tools.local_pool import example_config, free_port_block
-from waiting import wait_for
+from test_main import wait_ready
 
 # What a base install lacks (and the tools' own modules, which the image lacks too).
 NOT_IN_THE_BASE = ("ucxx", "nixl_cu12", "kopf", "kubernetes_asyncio", "torch", "matplotlib", "hypothesis",
@@ -32,12 +31,8 @@ def base_install_cli(*argv: str) -> list[str]:
 
 
 @pytest.fixture
-def files(tmp_path):
-    config = tmp_path / "offloading_config.json"
-    config.write_text(example_config().to_json())
-    key = tmp_path / "pool.key"
-    key.write_bytes(b"k3y\n")
-    return ["--config", str(config), "--pool-key-file", str(key), "--shm-dir", str(tmp_path),
+def sidecar_args(files, tmp_path) -> list[str]:
+    return ["--config", files[0], "--pool-key-file", files[1], "--shm-dir", str(tmp_path),
             "--capacity-bytes", str(4 << 20)]
 
 
@@ -45,20 +40,13 @@ def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=os.environ.copy())
 
 
-def test_the_tcp_sidecar_runs_on_the_base_install(files):
+def test_the_tcp_sidecar_runs_on_the_base_install(sidecar_args):
     port = free_port_block(1)
-    proc = subprocess.Popen(base_install_cli("sidecar", *files, "--transport", "tcp", "--host", "127.0.0.1",
+    proc = subprocess.Popen(base_install_cli("sidecar", *sidecar_args, "--transport", "tcp", "--host", "127.0.0.1",
                                              "--base-port", str(port), "--data-port", "0"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        def ready() -> bool:
-            assert proc.poll() is None, f"the sidecar exited with {proc.returncode}: {proc.stderr.read()}"
-            try:
-                return http_json(f"http://127.0.0.1:{port}/readyz", timeout=1.0)[0] == 200
-            except OSError:
-                return False
-
-        wait_for("the tcp sidecar ready without ucxx, NIXL or kopf", ready)
+        wait_ready(proc, port)
     finally:
         proc.terminate()
         assert proc.wait(30) == 0, proc.stderr.read()
@@ -68,8 +56,8 @@ def test_the_tcp_sidecar_runs_on_the_base_install(files):
     ("ucx", "'ucx' extra", "pip install 'kv-offload[ucx]'"),
     ("nixl", "'nixl' extra", f"pip install --no-deps {NIXL_PACKAGE}"),
 ])
-def test_a_data_plane_whose_extra_is_missing_is_one_line_naming_it(files, transport, extra, install):
-    done = run(base_install_cli("sidecar", *files, "--transport", transport))
+def test_a_data_plane_whose_extra_is_missing_is_one_line_naming_it(sidecar_args, transport, extra, install):
+    done = run(base_install_cli("sidecar", *sidecar_args, "--transport", transport))
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1
     assert f"--transport {transport} needs" in done.stderr and extra in done.stderr and install in done.stderr
