@@ -174,12 +174,13 @@ def kopf_runs(operator: OperatorProcess) -> bool:
     return said[0] >= 0 and said[1].startswith("Resuming")
 
 
-def model_config_writers(k: kmock.KubernetesEmulator, since: int) -> set[str]:
-    """The replicas (bearer tokens) whose model-config follower wrote a pool's status since
-    request ``since`` (kopf's handlers do not run then: no pool changed)."""
+def follower_writers(k: kmock.KubernetesEmulator, since: int, field: str = "modelConfigDigest") -> set[str]:
+    """The replicas (bearer tokens) that wrote ``field`` into a pool's status since request
+    ``since``: the model-config follower's (kopf's handlers do not run then: no pool changed),
+    or with ``peerStates`` the ready-peers follower's."""
     return {r.headers.get("Authorization", "").removeprefix("Bearer ") for r in list(k)[since:]
             if str(r.method.value).upper() == "PATCH" and r.subresource == "status"
-            and "modelConfigDigest" in ((r.data or {}).get("status") or {})}
+            and field in ((r.data or {}).get("status") or {})}
 
 
 async def test_the_followers_run_where_kopf_lets_its_handlers_run_across_a_leader_change_and_a_paused_leader(
@@ -189,7 +190,7 @@ async def test_the_followers_run_where_kopf_lets_its_handlers_run_across_a_leade
     await create(kmock, model_url, {"apiVersion": "v1", "kind": "ConfigMap",
                                     "metadata": {"name": "llama-model", "namespace": NAMESPACE},
                                     "data": {"config.json": json.dumps(llama_config())}})
-    a, b = two_replicas(kmock, tmp_path, "--model-config-check-seconds", "0.3")
+    a, b = two_replicas(kmock, tmp_path, "--model-config-check-seconds", "0.3", "--ready-peers-check-seconds", "0.3")
 
     async def edit_model_and_see_who_follows(layers: int) -> set[str]:
         """Edit the followed ConfigMap (kopf watches no ConfigMap) and wait for the pool's new digest."""
@@ -199,7 +200,7 @@ async def test_the_followers_run_where_kopf_lets_its_handlers_run_across_a_leade
         await wait_for_async(f"the {layers}-layer model translated",
                              lambda: status_of(kmock, "llama").get("modelConfigDigest") not in (None, before))
         await asyncio.sleep(1.0)  # three follower rounds: a second replica's write would be here by now
-        return model_config_writers(kmock, since)
+        return follower_writers(kmock, since)
 
     await a.start()
     try:
@@ -217,6 +218,9 @@ async def test_the_followers_run_where_kopf_lets_its_handlers_run_across_a_leade
 
         # The leader is paused (SIGSTOP: a VM stall, a frozen container): its record expires and
         # kopf resumes b.
+        # The ready-peers follower counted the pool on a alone (b's, paused, wrote nothing).
+        await wait_for_async("a's ready-peers count", lambda: "peerStates" in status_of(kmock, "llama"))
+        assert follower_writers(kmock, 0, "peerStates") == {"replica-a"}
         a.proc.send_signal(signal.SIGSTOP)
         await wait_for_async("kopf resuming b", lambda: kopf_runs(b), timeout=LIFETIME * 6)
         await wait_leader_gauge(b, 1, timeout=LIFETIME * 2)
