@@ -22,6 +22,7 @@ _OPERATOR = ("operator", "pip install 'kv-offload[operator]'")
 # Optional top-level module -> (the extra that brings it, the command that installs it).
 EXTRAS: dict[str, tuple[str, str]] = {
     "ucxx": ("ucx", "pip install 'kv-offload[ucx]'"),
+    "libucx": ("ucx", "pip install 'kv-offload[ucx]'"),
     "nixl_cu12": ("nixl", f"pip install --no-deps {NIXL_PACKAGE}"),
     "kopf": _OPERATOR,
     "kubernetes_asyncio": _OPERATOR,

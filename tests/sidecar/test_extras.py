@@ -15,7 +15,7 @@ from kv_offload_tools.local_pool import example_config, free_port_block
 from test_main import wait_ready
 
 # What a base install lacks (and the tools' own modules, which the image lacks too).
-NOT_IN_THE_BASE = ("ucxx", "nixl_cu12", "kopf", "kubernetes_asyncio", "torch", "matplotlib", "hypothesis",
+NOT_IN_THE_BASE = ("ucxx", "libucx", "nixl_cu12", "kopf", "kubernetes_asyncio", "torch", "matplotlib", "hypothesis",
                    "kv_offload_tools")
 # Runs `kv-offload` with those modules hidden, after reporting any of them that got imported.
 _SCRIPT = """import sys
@@ -68,6 +68,12 @@ def test_the_operator_without_its_extra_is_one_line_naming_it():
     assert done.returncode == 2, done.stderr
     assert done.stderr == ("kv-offload operator needs kopf, which is not installed (the 'operator' extra): "
                            "pip install 'kv-offload[operator]'\n")
+
+
+def test_ucx_info_without_the_ucx_extra_is_one_line_naming_it():
+    done = run(base_install_cli("ucx-info"))
+    assert (done.returncode, done.stderr) == (2, "kv-offload ucx-info needs libucx, which is not installed "
+                                                 "(the 'ucx' extra): pip install 'kv-offload[ucx]'\n")
 
 
 def test_a_tool_without_its_extra_is_one_line_naming_it():
