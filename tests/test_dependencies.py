@@ -42,3 +42,19 @@ def test_each_floor_has_every_module_the_code_imports_from_it():
             assert floor(distribution) >= added, (
                 f"{module} is imported but pyproject.toml allows {distribution} {floor(distribution)}; "
                 f"it exists from {added}")
+
+
+def test_the_base_install_brings_no_data_plane_library_operator_runtime_or_tool():
+    base = {Requirement(line).name for line in pyproject()["project"]["dependencies"]}
+    assert not base & {"ucxx-cu12", "nixl-cu12", "kopf", "kubernetes-asyncio", "torch"}
+    extras = pyproject()["project"]["optional-dependencies"]
+    named = {extra: {Requirement(line).name for line in lines} for extra, lines in extras.items()}
+    assert named["ucx"] == {"ucxx-cu12"} and named["nixl"] == {"nixl-cu12"}
+    assert named["operator"] == {"kopf", "kubernetes-asyncio"}
+
+
+def test_the_dev_venv_installs_every_extra_it_tests():
+    dev = (REPO / "dev").read_text()
+    assert '-e ".[tools,test,ucx,operator]"' in dev
+    test = {Requirement(line) for line in pyproject()["project"]["optional-dependencies"]["test"]}
+    assert any(r.name == "kv-offload" and {"tools", "ucx", "operator"} <= r.extras for r in test)

@@ -13,11 +13,20 @@ leader, and when the leader stops (its record is removed at once) or dies
 (its record expires after ``--peering-lifetime-seconds``) the next oldest
 resumes.
 
-kopf pauses only its own watches; the operator's followers (model config,
-key rotation) ask ``memo.leading``, which ``follow`` keeps by reading the
-same peering objects with kopf's rule (``leader_of``). ``ensure_peering``
-creates the peering objects at startup when they are missing, once their
-CRD is served (the chart installs it in the same release).
+kopf pauses only its own watches and daemons, and exposes that state to no
+handler; the operator's followers (model config, key rotation, ready peers:
+loops over objects we do not own, where a kopf daemon would put a finalizer
+on each, kopf #1074) ask ``memo.leading``, which ``follow`` keeps by reading
+the same peering objects and asking what kopf asks of its own replica
+(``paused_by``, kopf's ``process_peering_event``): is there a live record of
+another replica with a higher priority than ours, or the same? Our own record
+counts for nothing, as in kopf (a replica that was paused, SIGSTOP, or whose
+keep-alive is late runs on while no higher peer is alive).
+tests/operator/test_operator_ha.py runs two replicas with kopf's own peering
+and holds the followers to the replica kopf lets run, across a leader change
+and a paused leader. ``ensure_peering`` creates the peering objects at
+startup when they are missing, once their CRD is served (the chart installs
+it in the same release).
 """
 
 from __future__ import annotations
@@ -63,29 +72,32 @@ def start_priority(started: float | None = None, tiebreak: int | None = None) ->
     return -(int(started * 1000) * 1000 + tiebreak)
 
 
-def leader_of(status: Mapping[str, Any] | None, now: datetime.datetime) -> str | None:
-    """The identity kopf lets run in a peering object with this ``status``, or None (no live
-    peer, or a tie at the top, where kopf pauses every tied peer)."""
-    live: list[tuple[int, str]] = []
-    for identity, record in (status or {}).items():
-        if not isinstance(record, Mapping):
+def paused_by(status: Mapping[str, Any] | None, identity: str, priority: int,
+              now: datetime.datetime) -> list[str]:
+    """The replicas for which kopf pauses replica ``identity`` of ``priority`` in a peering object
+    with this ``status`` (kopf's ``process_peering_event``): those with a live record (its
+    ``lastseen`` plus ``lifetime`` after ``now``) and a higher priority, or else those of the
+    same priority (a tie pauses both). Empty: kopf lets it run. Its own record is not read."""
+    higher: list[str] = []
+    same: list[str] = []
+    for other, record in (status or {}).items():
+        if other == identity or not isinstance(record, Mapping):
             continue
         try:
             lastseen = datetime.datetime.fromisoformat(str(record["lastseen"]))
             lifetime = datetime.timedelta(seconds=int(record.get("lifetime", 60)))
-            priority = int(record.get("priority", 0))
+            theirs = int(record.get("priority", 0))
         except (KeyError, TypeError, ValueError):
             continue
         if lastseen.tzinfo is None:
             lastseen = lastseen.replace(tzinfo=datetime.timezone.utc)
-        if lastseen + lifetime > now:
-            live.append((priority, str(identity)))
-    if not live:
-        return None
-    live.sort(reverse=True)
-    if len(live) > 1 and live[0][0] == live[1][0]:
-        return None
-    return live[0][1]
+        if lastseen + lifetime <= now:
+            continue
+        if theirs > priority:
+            higher.append(str(other))
+        elif theirs == priority:
+            same.append(str(other))
+    return higher or same
 
 
 def _scopes(namespaces: Sequence[str], clusterwide: bool) -> list[str | None]:
@@ -142,13 +154,13 @@ async def ensure_peering(api: k8s.ApiClient, name: str, namespaces: Sequence[str
                                           f"(HTTP {exc.status} {exc.reason}): {hint}") from None
 
 
-async def is_leading(api: k8s.ApiClient, name: str, identity: str, namespaces: Sequence[str],
+async def is_leading(api: k8s.ApiClient, name: str, identity: str, priority: int, namespaces: Sequence[str],
                      clusterwide: bool) -> bool:
     """True when kopf lets this replica run in every peering object it belongs to."""
     now = datetime.datetime.now(datetime.timezone.utc)
     for namespace in _scopes(namespaces, clusterwide):
         body = await _read(api, name, namespace)
-        if leader_of(body.get("status"), now) != identity:
+        if paused_by(body.get("status"), identity, priority, now):
             return False
     return True
 
@@ -160,7 +172,7 @@ async def follow(memo: kopf.Memo) -> None:
     while True:
         try:
             leading = await is_leading(memo.api, options.peering_name, options.identity,
-                                       options.namespaces, options.clusterwide)
+                                       options.peering_priority, options.namespaces, options.clusterwide)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # unreadable: keep the last answer, kopf keeps its own

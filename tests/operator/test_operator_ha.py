@@ -9,7 +9,9 @@ what is told by its credentials: each has its own bearer token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,8 @@ import kmock
 import pytest
 from kv_offload_operator.rbac import operator_rbac
 from metrics_support import value, wait_for_metrics
-from operator_harness import NAMESPACE, PEERINGS, POOLS, POOLS_URL, create, emulate_cluster, obj, pool_body
+from operator_harness import LLAMA_ARGS, NAMESPACE, PEERINGS, POOLS, POOLS_URL, create, emulate_cluster
+from operator_harness import llama_config, merge_patch, obj, pool_body
 from operator_process import OperatorProcess, make_tls
 from waiting import wait_for_async
 from webhook_support import Webhook, vllm_pod
@@ -72,19 +75,23 @@ def status_of(k: kmock.KubernetesEmulator, name: str) -> dict[str, Any]:
     return (obj(k, POOLS, name) or {}).get("status") or {}
 
 
+def two_replicas(k: kmock.KubernetesEmulator, tmp_path: Path, *extra_args: str) -> tuple[OperatorProcess, ...]:
+    """Replicas a and b (not started) with kopf peering, each with its own bearer token."""
+    replicas = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        replicas.append(OperatorProcess(
+            tmp_path / name, str(k.url), token=f"replica-{name}", env={"POD_ID": f"kv-offload-{name}"},
+            extra_args=["--peering", PEERING, "--peering-lifetime-seconds", str(LIFETIME), *extra_args]))
+    return tuple(replicas)
+
+
 async def test_two_replicas_both_admit_pods_only_the_oldest_reconciles_and_the_survivor_takes_over(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
     emulate_cluster(kmock)
     certs = tmp_path / "certs"
     ca = make_tls(certs)
-    replicas = {}
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        replicas[name] = OperatorProcess(
-            tmp_path / name, str(kmock.url), token=f"replica-{name}", env={"POD_ID": f"kv-offload-{name}"},
-            extra_args=["--peering", PEERING, "--peering-lifetime-seconds", str(LIFETIME),
-                        "--webhook-cert-dir", str(certs), "--ready-peers-check-seconds", "0.3"])
-    a, b = replicas["a"], replicas["b"]
+    a, b = two_replicas(kmock, tmp_path, "--webhook-cert-dir", str(certs), "--ready-peers-check-seconds", "0.3")
     await a.start()
     try:
         await wait_leader_gauge(a, 1)
@@ -158,8 +165,92 @@ async def test_two_replicas_both_admit_pods_only_the_oldest_reconciles_and_the_s
                 await operator.stop()
 
 
-def test_kopfs_rule_is_read_back_the_highest_live_priority_leads_a_tie_or_nobody_alive_leads_none():
-    from kv_offload_operator.leadership import leader_of, start_priority
+def kopf_runs(operator: OperatorProcess) -> bool:
+    """What kopf itself last said in the replica's log: it resumed (runs) or paused. kopf starts
+    a replica with peering paused and says so only once it resumes."""
+    log = operator.log()
+    said = max((log.rfind(line), line) for line in (
+        "Resuming operations after the pause", "Pausing operations in favour of", "Pausing all operators"))
+    return said[0] >= 0 and said[1].startswith("Resuming")
+
+
+def follower_writers(k: kmock.KubernetesEmulator, since: int, field: str = "modelConfigDigest") -> set[str]:
+    """The replicas (bearer tokens) that wrote ``field`` into a pool's status since request
+    ``since``: the model-config follower's (kopf's handlers do not run then: no pool changed),
+    or with ``peerStates`` the ready-peers follower's."""
+    return {r.headers.get("Authorization", "").removeprefix("Bearer ") for r in list(k)[since:]
+            if str(r.method.value).upper() == "PATCH" and r.subresource == "status"
+            and field in ((r.data or {}).get("status") or {})}
+
+
+async def test_the_followers_run_where_kopf_lets_its_handlers_run_across_a_leader_change_and_a_paused_leader(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    model_url = f"/api/v1/namespaces/{NAMESPACE}/configmaps"
+    await create(kmock, model_url, {"apiVersion": "v1", "kind": "ConfigMap",
+                                    "metadata": {"name": "llama-model", "namespace": NAMESPACE},
+                                    "data": {"config.json": json.dumps(llama_config())}})
+    a, b = two_replicas(kmock, tmp_path, "--model-config-check-seconds", "0.3", "--ready-peers-check-seconds", "0.3")
+
+    async def edit_model_and_see_who_follows(layers: int) -> set[str]:
+        """Edit the followed ConfigMap (kopf watches no ConfigMap) and wait for the pool's new digest."""
+        since, before = len(list(kmock)), status_of(kmock, "llama").get("modelConfigDigest")
+        await merge_patch(kmock, f"{model_url}/llama-model",
+                          {"data": {"config.json": json.dumps(dict(llama_config(), num_hidden_layers=layers))}})
+        await wait_for_async(f"the {layers}-layer model translated",
+                             lambda: status_of(kmock, "llama").get("modelConfigDigest") not in (None, before))
+        await asyncio.sleep(1.0)  # three follower rounds: a second replica's write would be here by now
+        return follower_writers(kmock, since)
+
+    await a.start()
+    try:
+        await wait_for_async("kopf running a", lambda: kopf_runs(a))
+        await b.start()
+        await wait_leader_gauge(b, 0)
+        await wait_for_async("b's paused pool watch", lambda: "Pausing the watch-stream for kvoffloadpools" in b.log())
+        body = pool_body("llama")
+        del body["spec"]["modelConfig"]
+        body["spec"]["modelConfigRef"] = {"name": "llama-model"}
+        await create(kmock, POOLS_URL, body)
+        await wait_for_async("the pool translated", lambda: status_of(kmock, "llama").get("fingerprint"))
+        assert kopf_runs(a) and not kopf_runs(b)
+        assert await edit_model_and_see_who_follows(16) == {"replica-a"}
+
+        # The leader is paused (SIGSTOP: a VM stall, a frozen container): its record expires and
+        # kopf resumes b.
+        # The ready-peers follower counted the pool on a alone (b's, paused, wrote nothing).
+        await wait_for_async("a's ready-peers count", lambda: "peerStates" in status_of(kmock, "llama"))
+        assert follower_writers(kmock, 0, "peerStates") == {"replica-a"}
+        a.proc.send_signal(signal.SIGSTOP)
+        await wait_for_async("kopf resuming b", lambda: kopf_runs(b), timeout=LIFETIME * 6)
+        await wait_leader_gauge(b, 1, timeout=LIFETIME * 2)
+        assert await edit_model_and_see_who_follows(24) == {"replica-b"}
+
+        # It comes back: kopf lets the older replica run again and pauses b.
+        a.proc.send_signal(signal.SIGCONT)
+        await wait_for_async("kopf pausing b for a", lambda: not kopf_runs(b), timeout=LIFETIME * 6)
+        assert kopf_runs(a)
+        await wait_leader_gauge(b, 0, timeout=LIFETIME * 2)
+        await wait_leader_gauge(a, 1, timeout=LIFETIME * 2)
+        assert await edit_model_and_see_who_follows(20) == {"replica-a"}
+        # Kopf's own handlers agree: a spec change is reconciled by a alone.
+        since = len(list(kmock))
+        await merge_patch(kmock, f"{POOLS_URL}/llama", {"metadata": {"generation": 2},
+                                                        "spec": {"vllmArgs": [*LLAMA_ARGS, "--max-model-len", "8192"]}})
+        await wait_for_async("the spec change reconciled",
+                             lambda: status_of(kmock, "llama").get("observedGeneration") == 2)
+        await asyncio.sleep(1.0)
+        assert set(writes_by(kmock, since)) == {"replica-a"}
+    finally:
+        for operator in (a, b):
+            if operator.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    operator.proc.send_signal(signal.SIGCONT)
+                await operator.stop()
+
+
+def test_kopfs_rule_is_asked_for_this_replica_a_live_higher_or_equal_peer_pauses_it_its_own_record_never():
+    from kv_offload_operator.leadership import paused_by, start_priority
 
     now = datetime.datetime(2026, 3, 1, 12, 0, tzinfo=datetime.timezone.utc)
 
@@ -170,12 +261,15 @@ def test_kopfs_rule_is_read_back_the_highest_live_priority_leads_a_tie_or_nobody
     older, younger = start_priority(1000.0, 5), start_priority(1000.5, 0)
     assert older > younger and abs(older) < 2 ** 53
     assert start_priority(1000.0, 1) != start_priority(1000.0, 2)  # same millisecond, still no tie
-    assert leader_of({"a": seen(1, older), "b": seen(1, younger)}, now) == "a"
-    assert leader_of({"a": seen(31, older), "b": seen(1, younger)}, now) == "b"  # a's record expired
-    assert leader_of({"a": seen(1, 7), "b": seen(1, 7)}, now) is None  # kopf pauses both
-    assert leader_of({"a": seen(40, older)}, now) is None
-    assert leader_of({"a": None, "b": {"priority": "x"}, "c": seen(1, younger)}, now) == "c"  # cleaned or odd records
-    assert leader_of(None, now) is None
+    both = {"a": seen(1, older), "b": seen(1, younger)}
+    assert paused_by(both, "a", older, now) == [] and paused_by(both, "b", younger, now) == ["a"]
+    assert paused_by({"a": seen(31, older), "b": seen(1, younger)}, "b", younger, now) == []  # a's expired
+    assert paused_by({"a": seen(1, 7), "b": seen(1, 7)}, "a", 7, now) == ["b"]  # a tie: kopf pauses both
+    # A replica back from a pause (SIGSTOP) whose own record expired still runs, as kopf lets it.
+    assert paused_by({"a": seen(40, older), "b": seen(1, younger)}, "a", older, now) == []
+    assert paused_by({"a": None, "b": {"priority": "x"}, "c": seen(1, younger)}, "d", younger - 1, now) == ["c"]
+    assert paused_by(None, "a", older, now) == [] and paused_by({}, "a", older, now) == []
+
 
 
 async def test_a_replica_that_may_not_create_its_peering_object_exits_saying_what_to_grant(

@@ -25,3 +25,13 @@ def make_settings(shm_dir: str) -> Callable[..., SidecarSettings]:
         return SidecarSettings(**fields)  # type: ignore[arg-type]
 
     return build
+
+
+@pytest.fixture
+def files(tmp_path) -> tuple[str, str]:
+    """(config file, pool key file) of a `kv-offload sidecar` command line (the key: ``k3y``)."""
+    config = tmp_path / "offloading_config.json"
+    config.write_text(example_config().to_json())
+    key = tmp_path / "pool.key"
+    key.write_bytes(b"k3y\n")
+    return str(config), str(key)

@@ -20,15 +20,6 @@ from kv_offload_tools.local_pool import (
 from waiting import wait_for
 
 
-@pytest.fixture
-def files(tmp_path):
-    config = tmp_path / "offloading_config.json"
-    config.write_text(example_config().to_json())
-    key = tmp_path / "pool.key"
-    key.write_bytes(b"k3y\n")
-    return str(config), str(key)
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)

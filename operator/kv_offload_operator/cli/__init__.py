@@ -16,6 +16,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kv_offload_sidecar.extras import EXTRAS, TOOLS, missing
 from kv_offload_sidecar.usage import UsageError
 
 # command -> (module, one-line help)
@@ -92,12 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(" ".join(str(exc).split()), file=sys.stderr)
         return 2
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("kv_offload_tools"):
-            print(f"kv-offload: this command is a tool outside the image ({exc.name} is not "
-                  f"installed): pip install 'kv-offload[tools]' from a checkout", file=sys.stderr)
-            return 2
-        raise
+    except ModuleNotFoundError as exc:  # a part whose extra is not installed
+        top = (exc.name or "").split(".")[0]
+        part = TOOLS if top == "kv_offload_tools" else EXTRAS.get(top)
+        if part is None:
+            raise
+        command = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+        print(missing(top, f"kv-offload {command}", part), file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

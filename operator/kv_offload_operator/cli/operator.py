@@ -17,6 +17,7 @@ import math
 import os
 import sys
 
+from kv_offload_sidecar.extras import require
 from kv_offload_sidecar.setting_flags import add_flags, flag_fields, flag_values
 from kv_offload_sidecar.usage import UsageError
 
@@ -45,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
     problem = _flag_problem(args)
     if problem:
         raise UsageError(f"kv-offload operator: {problem}")
+    try:
+        require("kv-offload operator", "kopf", "kubernetes_asyncio")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     import kopf
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from kv_offload_sidecar.bulk_copies import prepare_for_bulk_copies
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import load_config_file
+from kv_offload_sidecar.extras import require
 from kv_offload_sidecar.peers.discovery import parse_peer_list
 from kv_offload_sidecar.peers.handshake import load_pool_key
 from kv_offload_sidecar.peers.pool_keys import load_optional_key
@@ -221,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         settings = build_settings(args)
         parent = parent_pid(args)
         if settings.transport == "ucx":
+            require("--transport ucx", "ucxx")
             configure_ucx(ucx_tls(args), ucx_lanes(args))
         elif settings.transport == "nixl":
             from kv_offload_sidecar.data.nixl.runtime import configure_nixl_env

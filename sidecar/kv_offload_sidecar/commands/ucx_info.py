@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kv_offload_sidecar.extras import missing as missing_extra
 from kv_offload_sidecar.usage import UsageError
 
 # Transports libuct has built in (no module needed).
@@ -94,8 +95,7 @@ def load_ucx() -> tuple[ctypes.CDLL, str]:
     try:
         import libucx
     except ImportError:
-        raise UsageError("kv-offload ucx-info: the libucx package (from ucxx-cu12) is not installed, so the "
-                         "sidecar has no UCX; install kv-offload's runtime dependencies") from None
+        raise UsageError(missing_extra("libucx", "kv-offload ucx-info")) from None
     libraries = libucx.load_library()
     ucp = libraries[-1]
     if ucp is None:

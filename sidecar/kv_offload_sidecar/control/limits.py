@@ -4,15 +4,13 @@ A connection is *unproven* until one of its requests proves something: a handsha
 accepted (the pool key), a directory message whose HMAC verifies (a session), an
 admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it to:
 
-- at most ``MAX_UNPROVEN_PER_SOURCE`` open from one source address (one more is answered
-  ``503`` and closed at accept, nothing of aiohttp built for it, counted as
-  ``too_many_connections``) and ``MAX_UNPROVEN_CONNECTIONS`` from all: when they are all
-  taken, a newcomer from a source holding fewer than the largest holder less one takes the
-  place of that holder's oldest connection (which is aborted and counted as
-  ``too_many_connections``), else it gets the ``503``. So a siege from many addresses
-  never locks out a pod it has not seen: the siege's sources lose a connection each time.
-  A source address that proved something in the last ``TRUSTED_SOURCE_SECONDS`` (a
-  member's pod; ``before_auth.TrustedSources``, shared with the data port) is not held to
+- at most ``MAX_UNPROVEN_PER_SOURCE`` open from one source address and
+  ``MAX_UNPROVEN_CONNECTIONS`` from all, with a newcomer taking the place of the largest
+  holder's oldest when all are taken: ``data.before_auth.StrangerLimit``, the one mechanism
+  and set of constants of every port (a refused one is answered ``503`` and closed at
+  accept, nothing of aiohttp built for it; an evicted one is aborted; both are counted as
+  ``too_many_connections``). A source address that proved something in the last
+  ``TRUSTED_SOURCE_SECONDS`` (a member's pod; shared with the data port) is not held to
   these two at all;
 - at most ``HANDSHAKE_BURST`` handshake requests in a row, then one per
   ``UNPROVEN_REQUEST_SECONDS / HANDSHAKE_BURST`` on average, per source address that is
@@ -29,8 +27,8 @@ admin token, or a caller inside the pod. Until then ``ConnectionGuard`` holds it
   (``oversize``): more is read and dropped until the deadline above closes it, so an
   answer aiohttp already owes it (a 400 for a line too long) still reaches it.
 
-Once ``TRIM_AFTER_STRANGERS`` left unproven and none is left, what they held goes back to
-the system (``data.before_auth.reclaim_memory``, at most every ``TRIM_INTERVAL_SECONDS``).
+Once enough strangers left and none is left, what they held goes back to the system
+(``StrangerLimit``, ``data.before_auth.reclaim_memory``).
 
 What every request costs, proven or not (line, headers, body, idle time, the Server
 header), is ``request_limits.py``'s; ``guarded_site.GuardedSite`` puts the guard in front
@@ -51,33 +49,28 @@ from aiohttp import web
 
 from kv_offload_sidecar.data.before_auth import (
     MAX_TRUSTED_SOURCES,
+    MAX_UNPROVEN_CONNECTIONS,
+    MAX_UNPROVEN_PER_SOURCE,
     TRUSTED_SOURCE_SECONDS,
+    Place,
+    StrangerLimit,
     TrustedSources,
-    reclaim_memory,
     spread,
 )
+
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
     from kv_offload_sidecar.rejections import RejectionLog
 
-# Unproven connections one source address may hold open at once (a peer pod handshakes with
-# each of our DP ports, up to 8, at once; a Prometheus scrape holds one).
-MAX_UNPROVEN_PER_SOURCE = 32
-# Unproven connections all sources together may hold open at once.
-MAX_UNPROVEN_CONNECTIONS = 256
-# Unproven connections that must have left before their memory is handed back to the system.
-TRIM_AFTER_STRANGERS = 32
-# Least seconds between two such hand-backs (a full collection and a heap trim cost milliseconds).
-TRIM_INTERVAL_SECONDS = 10.0
 # Seconds an unproven connection has to deliver a whole request line and headers, from
 # connecting or from its last answer (a peer's step 2 follows step 1 within milliseconds).
 UNPROVEN_REQUEST_SECONDS = 5.0
 # Bytes an unproven connection may send while none of its requests is handled (the headers
 # and the first part of a body that arrive with them).
 MAX_UNPROVEN_BUFFERED_BYTES = 64 * 1024
-# Handshake requests one untrusted source may send in a row (as many as its unproven
-# connections may be open at once: a peer pod's links to each of our DP ports, with retries).
-HANDSHAKE_BURST = MAX_UNPROVEN_PER_SOURCE
+# Handshake requests one untrusted source may send in a row (both steps of a peer pod's
+# links to each of our DP ports, up to 8, with retries).
+HANDSHAKE_BURST = 32
 # Seconds a refused caller is told to wait (Retry-After of the 503 and the 429), and the delay
 # of a rate-limited handshake's 429.
 RETRY_AFTER_SECONDS = 1
@@ -91,8 +84,9 @@ class _Connection:
 
     source: str
     transport: asyncio.Transport
-    # Counted against the unproven limits (its source was not trusted when it connected).
-    counted: bool
+    # Its place among the unproven connections (not counted once proven or when its source was
+    # trusted at accept).
+    place: Place
     proven: bool = False
     # Requests of this connection being handled now (pipelining makes it more than one).
     handling: int = 0
@@ -111,25 +105,24 @@ class ConnectionGuard:
                  trusted: TrustedSources | None = None) -> None:
         self.metrics = metrics
         self.rejections = rejections
-        # Open unproven connections by source address, oldest first, and all of them.
-        self._unproven: dict[str, OrderedDict[_Connection, None]] = {}
-        self._unproven_total = 0
-        # Source addresses that proved something lately (the data port's set, when shared).
-        self.trusted = trusted if trusted is not None else TrustedSources()
+        # The unproven connections' places (source addresses that proved something lately are
+        # the data port's set, when shared).
+        self.limit = StrangerLimit(trusted)
+        self.trusted = self.limit.trusted
         # Untrusted source address -> [handshake tokens left, monotonic time they were counted].
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()
-        # Unproven connections gone since the last hand-back of memory, and when that was.
-        self._departed = 0
-        self._trimmed_at = float("-inf")
-        # Hand-backs of memory so far (tests read it).
-        self.trims = 0
         # Open connections (admitted), by transport.
         self._open: dict[asyncio.BaseTransport, _Connection] = {}
 
     @property
     def unproven(self) -> int:
         """Open connections held to the unproven limits (``control_connections{state="unproven"}``)."""
-        return self._unproven_total
+        return self.limit.count
+
+    @property
+    def trims(self) -> int:
+        """Hand-backs of the memory departed strangers held."""
+        return self.limit.trims
 
     @property
     def open(self) -> int:
@@ -160,9 +153,7 @@ class ConnectionGuard:
         if conn is not None and not conn.proven:
             conn.proven = True
             self._disarm(conn)
-            if conn.counted:
-                conn.counted = False
-                self._release(conn)
+            self.limit.leave(conn.place, proved=True)
             self._count()
         if conn is not None:
             self.trusted.proved(conn.source)
@@ -198,48 +189,23 @@ class ConnectionGuard:
     # ---- the protocol's side ----------------------------------------------------------
 
     def _admit(self, source: str, transport: asyncio.Transport) -> _Connection | None:
-        if source in self.trusted:
-            conn = _Connection(source, transport, counted=False)
-            self._open[transport] = conn
-            self._arm(conn)
-            self._count()
-            return conn
-        held = self._unproven.get(source)
-        if held is not None and len(held) >= MAX_UNPROVEN_PER_SOURCE:
-            self.refuse(source, "too_many_connections",
-                        f"{MAX_UNPROVEN_PER_SOURCE} unauthenticated connections from it are open")
+        place = self.limit.admit(source)
+        if isinstance(place, str):
+            self.refuse(source, "too_many_connections", place)
             return None
-        if self._unproven_total >= MAX_UNPROVEN_CONNECTIONS and not self._evict_for(source):
-            self.refuse(source, "too_many_connections",
-                        f"{MAX_UNPROVEN_CONNECTIONS} unauthenticated connections are open")
-            return None
-        conn = _Connection(source, transport, counted=True)
-        self._unproven.setdefault(source, OrderedDict())[conn] = None
-        self._unproven_total += 1
+        conn = _Connection(source, transport, place)
+        if place.counted:
+            place.evict = lambda why: self._evict(conn, why)
         self._open[transport] = conn
         self._arm(conn)
         self._count()
         return conn
 
-    def _evict_for(self, source: str) -> bool:
-        """Make room for a newcomer from ``source``: abort the oldest unproven connection of
-        the source holding the most, if that is more than ``source`` would hold with it."""
-        if not self._unproven:
-            return False
-        mine = len(self._unproven.get(source, ()))
-        victim_source, held = max(self._unproven.items(), key=lambda kv: len(kv[1]))
-        if len(held) <= mine + 1:
-            return False
-        victim = next(iter(held))
-        victim.counted = False
-        self._release(victim)
-        self._departed += 1
-        self._disarm(victim)
-        self.refuse(victim_source, "too_many_connections",
-                    f"its oldest unauthenticated connection closed for a newcomer "
-                    f"({MAX_UNPROVEN_CONNECTIONS} were open)")
-        victim.transport.abort()
-        return True
+    def _evict(self, conn: _Connection, why: str) -> None:
+        """A newcomer takes the place of ``conn`` (an unproven connection of the largest holder)."""
+        self._disarm(conn)
+        self.refuse(conn.source, "too_many_connections", why)
+        conn.transport.abort()
 
     def _received(self, conn: _Connection, nbytes: int) -> int:
         """How many of ``nbytes`` just received to pass on: all but what takes an unproven
@@ -261,33 +227,13 @@ class ConnectionGuard:
     def _closed(self, conn: _Connection) -> None:
         self._disarm(conn)
         if self._open.pop(conn.transport, None) is not None:
-            if conn.counted:
-                conn.counted = False
-                self._release(conn)
-                self._departed += 1
+            self.limit.leave(conn.place, proved=False)  # nothing when it proved itself or was evicted
             self._count()
-            if (self._unproven_total == 0 and self._departed >= TRIM_AFTER_STRANGERS
-                    and time.monotonic() - self._trimmed_at >= TRIM_INTERVAL_SECONDS):
-                self._departed = 0
-                self._trimmed_at = time.monotonic()
-                asyncio.get_running_loop().call_soon(self._reclaim)
-
-    def _reclaim(self) -> None:
-        reclaim_memory()
-        self.trims += 1
 
     def _count(self) -> None:
-        unproven = self._unproven_total
+        unproven = self.limit.count
         self.metrics.control_connections.labels(state="unproven").set(unproven)
         self.metrics.control_connections.labels(state="proven").set(len(self._open) - unproven)
-
-    def _release(self, conn: _Connection) -> None:
-        held = self._unproven.get(conn.source)
-        if held is None or held.pop(conn, False) is False:
-            return
-        self._unproven_total -= 1
-        if not held:
-            del self._unproven[conn.source]
 
     def _arm(self, conn: _Connection) -> None:
         self._disarm(conn)

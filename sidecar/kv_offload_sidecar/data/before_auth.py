@@ -1,22 +1,27 @@
-"""What a data connection may cost its server before it proves its session.
+"""What a stranger may cost a server before it proves anything: one mechanism for every port.
 
-No frame longer than ``protocol.MAX_UNAUTHENTICATED_PAYLOAD`` (refused at its header),
-every step from accept to AUTH_OK within ``auth_timeout`` (``DEFAULT_AUTH_TIMEOUT``; up to
-``DEADLINE_SPREAD`` more at random, ``spread``, so a burst does not expire at once), at
-most ``MAX_UNAUTHENTICATED_PER_SOURCE`` such connections per source address and
-``MAX_UNAUTHENTICATED_CONNECTIONS`` in all (``UnauthenticatedLimit``: more are refused at
-accept, counted as ``too_many_connections``; a connection past the deadline as
-``timeout``), and what departed strangers held handed back (``reclaim_memory``).
-A source address that proved something lately (``TrustedSources``: a session on this
-data port, or a handshake, session HMAC or admin token on the sidecar's control ports,
-which share the server's set) is not held to the two connection limits, so a flood of
-strangers never refuses a member's new data connection; its connections still get the
-frame limit and the deadline.
-Every refusal is counted in ``protocol_errors{reason}``; its log line goes through a
-``rejections.RejectionLog`` (``refuse``: one line per source and reason per interval,
-values clipped). Once authenticated, none of these limits applies. What the sidecar holds
-once it is up is frozen out of the garbage collector (``freeze_long_lived``), so neither
-that hand-back nor the collections a flood's allocations trigger stall the event loop.
+``StrangerLimit`` holds the unproven connections of one server (the data plane's, or the
+control ports' guard, ``control/limits.py``): at most ``MAX_UNPROVEN_PER_SOURCE`` from one
+source address and ``MAX_UNPROVEN_CONNECTIONS`` from all. When all are taken, a newcomer
+from a source holding fewer than the largest holder less one takes the place of that
+holder's oldest connection (closed and counted as ``too_many_connections``), else it is
+refused (counted the same); so a siege from many addresses never locks out a pod it has
+not seen. A source address that proved something lately (``TrustedSources``: a session
+on the data port, or a handshake, session HMAC or admin token on the control ports; one
+set per sidecar) is not held to these limits at all, so a flood of strangers never
+refuses a member. Once ``TRIM_AFTER_STRANGERS`` left without a proof and none is left,
+what they held goes back to the system (``reclaim_memory``, ``TRIM_DELAY_SECONDS`` later
+and at most every ``TRIM_INTERVAL_SECONDS``).
+
+On the data port: no frame longer than ``protocol.MAX_UNAUTHENTICATED_PAYLOAD`` (refused
+at its header), every step from accept to AUTH_OK within ``auth_timeout``
+(``DEFAULT_AUTH_TIMEOUT``; up to ``DEADLINE_SPREAD`` more at random, ``spread``, so a burst
+does not expire at once; past it ``timeout``). Every refusal is counted in
+``protocol_errors{reason}``; its log line goes through a ``rejections.RejectionLog``
+(``refuse``: one line per source and reason per interval, values clipped). Once
+authenticated, none of these limits applies. What the sidecar holds once it is up is
+frozen out of the garbage collector (``freeze_long_lived``), so neither that hand-back nor
+the collections a flood's allocations trigger stall the event loop.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import gc
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data.base import count_protocol_error
@@ -37,10 +44,13 @@ if TYPE_CHECKING:
 
 # Seconds a new connection has for every step before AUTH_OK together (TLS, challenge, proof).
 DEFAULT_AUTH_TIMEOUT = 5.0
-# Unauthenticated connections one source address may hold at once (a peer opens one per link).
-MAX_UNAUTHENTICATED_PER_SOURCE = 8
-# Unauthenticated connections a server holds at once from all sources; more are refused.
-MAX_UNAUTHENTICATED_CONNECTIONS = 64
+# Unproven connections one source address may hold open at once on one server (a peer pod
+# handshakes with each of our DP ports, up to 8, at once; opens a data connection per link,
+# UCX lanes each; a Prometheus scrape holds one).
+MAX_UNPROVEN_PER_SOURCE = 16
+# Unproven connections all sources together may hold open at once on one server (asyncio
+# holds 256 KiB per TLS connection in its handshake: 16 MiB at most on a TLS data port).
+MAX_UNPROVEN_CONNECTIONS = 64
 # Connections ended without a proof after which, once none is left, the heap is trimmed.
 TRIM_AFTER_STRANGERS = 16
 # Seconds from the last unauthenticated connection's end to the heap trim (its buffers go first).
@@ -136,57 +146,90 @@ class TrustedSources:
         return False
 
 
-class UnauthenticatedLimit:
-    """Counts a server's connections that have not proved a session yet, per source and in
-    all: ``admit(source)`` takes a place or says why not, ``leave(source, proved)`` gives it
-    back (and a proof makes the source ``trusted``). A trusted source takes places but is
-    never refused. Once ``TRIM_AFTER_STRANGERS`` left without a proof and none is left, the
-    memory they held goes back to the system (``reclaim_memory``, at most every
-    ``TRIM_INTERVAL_SECONDS``)."""
+@dataclass(eq=False)
+class Place:
+    """One connection's place among a server's unproven ones."""
 
-    def __init__(self, per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE,
-                 total: int = MAX_UNAUTHENTICATED_CONNECTIONS,
-                 trusted: TrustedSources | None = None) -> None:
-        self._per_source = per_source
-        self._total = total
-        # Sources exempt from both limits (the sidecar's control ports read and add to it too).
+    source: str
+    # Held to the limits (its source was not trusted when it connected, and it is still held).
+    counted: bool
+    # Closes the connection when a newcomer takes its place, given the reason (None: until the
+    # connection runs, it cannot be).
+    evict: Callable[[str], None] | None = None
+
+
+class StrangerLimit:
+    """The unproven connections of one server, per source and in all (the event loop's; not
+    thread-safe): ``admit(source)`` gives a ``Place`` or the reason of a refusal, ``leave(place,
+    proved)`` gives it back (a proof makes the source ``trusted``)."""
+
+    def __init__(self, trusted: TrustedSources | None = None) -> None:
+        # Most unproven connections of one source, and of all (tests lower them).
+        self.per_source = MAX_UNPROVEN_PER_SOURCE
+        self.total = MAX_UNPROVEN_CONNECTIONS
+        # Strangers gone before the memory is handed back (tests lower it).
+        self.trim_after = TRIM_AFTER_STRANGERS
+        # Sources exempt from both limits (a sidecar's data and control ports share the set).
         self.trusted = trusted if trusted is not None else TrustedSources()
-        self._by_source: dict[str, int] = {}
-        # Unauthenticated connections now.
+        # Counted places by source, oldest first.
+        self._held: dict[str, OrderedDict[Place, None]] = {}
+        # Counted places now.
         self.count = 0
-        # Connections that left without a proof since the heap was last trimmed.
+        # Places left without a proof since the heap was last trimmed.
         self._strangers = 0
         # Heap trims so far (tests read it).
         self.trims = 0
         self._trim_at: asyncio.TimerHandle | None = None
         self._trimmed = -TRIM_INTERVAL_SECONDS  # monotonic time of the last trim
 
-    def admit(self, source: str) -> str | None:
-        """Take a place for a new connection from ``source``; None when admitted, else the
-        reason it is refused (nothing taken then)."""
-        held = self._by_source.get(source, 0)
-        if source not in self.trusted:
-            if self.count >= self._total:
-                return f"too many unauthenticated connections ({self._total} from all sources)"
-            if held >= self._per_source:
-                return f"too many unauthenticated connections from one address ({self._per_source})"
-        self._by_source[source] = held + 1
+    def admit(self, source: str) -> Place | str:
+        """A place for a new connection from ``source``, or why it is refused (nothing taken)."""
+        if source in self.trusted:
+            return Place(source, counted=False)
+        held = self._held.get(source)
+        if held is not None and len(held) >= self.per_source:
+            return f"too many unauthenticated connections from this address ({self.per_source})"
+        if self.count >= self.total and not self._evict_for(source):
+            return f"too many unauthenticated connections from all sources ({self.total})"
+        place = Place(source, counted=True)
+        self._held.setdefault(source, OrderedDict())[place] = None
         self.count += 1
-        return None
+        return place
 
-    def leave(self, source: str, proved: bool) -> None:
-        """The connection from ``source`` authenticated (``proved``) or ended without a proof."""
-        held = self._by_source.get(source, 0)
-        if held <= 1:
-            self._by_source.pop(source, None)
-        else:
-            self._by_source[source] = held - 1
-        self.count = max(0, self.count - 1)
+    def leave(self, place: Place, proved: bool) -> None:
+        """The connection of ``place`` proved itself (``proved``; it stays open, no longer
+        counted) or ended without a proof. Again for the same place: nothing."""
         if proved:
-            self.trusted.proved(source)
-        else:
+            self.trusted.proved(place.source)
+        if not place.counted:
+            return
+        self._release(place, stranger=not proved)
+
+    def _evict_for(self, source: str) -> bool:
+        """Make room for a newcomer from ``source``: close the oldest connection of the source
+        holding the most, if that is more than ``source`` would hold with it."""
+        if not self._held:
+            return False
+        mine = len(self._held.get(source, ()))
+        held = max(self._held.values(), key=len)
+        victim = next((p for p in held if p.evict is not None), None)
+        if len(held) <= mine + 1 or victim is None:
+            return False
+        self._release(victim, stranger=True)
+        assert victim.evict is not None
+        victim.evict(f"its oldest unauthenticated connection closed for a newcomer ({self.total} were open)")
+        return True
+
+    def _release(self, place: Place, *, stranger: bool) -> None:
+        place.counted = False
+        held = self._held.get(place.source)
+        if held is not None and held.pop(place, False) is None:
+            self.count -= 1
+            if not held:
+                del self._held[place.source]
+        if stranger:
             self._strangers += 1
-        if self.count == 0 and self._strangers >= TRIM_AFTER_STRANGERS and self._trim_at is None:
+        if self.count == 0 and self._strangers >= self.trim_after and self._trim_at is None:
             # Later: a closed TLS transport frees its buffers a few loop passes after close().
             delay = max(TRIM_DELAY_SECONDS, self._trimmed + TRIM_INTERVAL_SECONDS - time.monotonic())
             self._trim_at = asyncio.get_running_loop().call_later(delay, self._trim)
@@ -202,7 +245,7 @@ class UnauthenticatedLimit:
 class CountsStrangers:
     """What a data-plane server says of its connections before the proof (its ``_limit``)."""
 
-    _limit: UnauthenticatedLimit
+    _limit: StrangerLimit
 
     @property
     def trusted_sources(self) -> TrustedSources:
@@ -212,7 +255,8 @@ class CountsStrangers:
 
     @property
     def unauthenticated(self) -> int:
-        """Connections accepted that have not proved a session yet."""
+        """Connections accepted that have not proved a session yet and are held to the limits
+        (a trusted source's are not)."""
         return self._limit.count
 
     @property

@@ -135,7 +135,7 @@ class PeerManager:
         self._settings = settings
         self._keys = keys
         # The data-plane options of a new connection (the live TLS client context), read at each one.
-        self._data_options = data_options
+        self._data_options: Callable[[], dict[str, Any]] = data_options
         self._metrics = metrics
         self._discovery = discovery
         self._location = location

@@ -17,7 +17,6 @@ from kv_offload_sidecar.control import limits, request_limits
 from kv_offload_sidecar.control.app import ControlPorts
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import auth_proof
-from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_CONNECTIONS, MAX_UNAUTHENTICATED_PER_SOURCE
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.handshake import MAX_HANDSHAKE_BODY_BYTES, HandshakeInitiator
 from kv_offload_sidecar.peers.pool_keys import admin_token
@@ -116,11 +115,10 @@ async def test_a_body_that_stops_short_is_408_and_closed(ports, short_limits):
     assert errors(ports, "timeout") == 1
 
 
-async def hold_five(ports, monkeypatch):
+async def hold_five(ports):
     """Limits of 3 per source and 5 in all, all held by strangers (3 from 127.0.0.2, then 2 from
     127.0.0.3), each a request begun and never ended; their (reader, writer), oldest first."""
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 3)
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 5)
+    ports.guard.limit.per_source, ports.guard.limit.total = 3, 5
     held = []
     for source in ["127.0.0.2"] * 3 + ["127.0.0.3"] * 2:
         reader, writer = await connect(ports, source)
@@ -131,8 +129,8 @@ async def hold_five(ports, monkeypatch):
     return held
 
 
-async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections(ports, monkeypatch):
-    held = [writer for _, writer in await hold_five(ports, monkeypatch)]
+async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections(ports):
+    held = [writer for _, writer in await hold_five(ports)]
     assert ports.sidecar.registry.get_sample_value("kv_offload_control_connections",
                                                    {"state": "unproven"}) == 5
     same_source = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.2")
@@ -150,8 +148,8 @@ async def test_one_source_and_all_sources_hold_only_so_many_unproven_connections
     assert status_of(answer) == 200
 
 
-async def test_a_newcomer_takes_the_place_of_the_largest_holders_oldest_stranger(ports, monkeypatch):
-    held = await hold_five(ports, monkeypatch)
+async def test_a_newcomer_takes_the_place_of_the_largest_holders_oldest_stranger(ports):
+    held = await hold_five(ports)
     answer = await exchange(ports, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
                             "127.0.0.4")
     assert status_of(answer) == 200
@@ -164,9 +162,8 @@ async def test_a_newcomer_takes_the_place_of_the_largest_holders_oldest_stranger
     await wait_for_async("the held connections to go", lambda: ports.guard.open == 0)
 
 
-async def test_memory_goes_back_once_strangers_left(ports, monkeypatch):
-    monkeypatch.setattr(limits, "TRIM_AFTER_STRANGERS", 3)
-    monkeypatch.setattr(limits, "TRIM_INTERVAL_SECONDS", 0.0)
+async def test_memory_goes_back_once_strangers_left(ports):
+    ports.guard.limit.trim_after = 3
     held = [(await connect(ports, f"127.0.0.{i}"))[1] for i in (2, 3, 4)]
     await wait_for_async("3 strangers", lambda: ports.guard.unproven == 3)
     assert ports.guard.trims == 0
@@ -184,8 +181,8 @@ async def prove_admin(ports, source: str = "127.0.0.2"):
     return writer
 
 
-async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch):
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 1)
+async def test_a_proven_connection_leaves_the_unproven_limits(ports):
+    ports.guard.limit.per_source = 1
     writer = await prove_admin(ports)
     await wait_for_async("the admin's connection to be proven", lambda: ports.guard.unproven == 0)
     assert ports.guard.open == 1  # still open, no longer counted
@@ -196,8 +193,8 @@ async def test_a_proven_connection_leaves_the_unproven_limits(ports, monkeypatch
     writer.close()
 
 
-async def test_a_flood_of_strangers_does_not_refuse_a_source_that_proved_itself(ports, monkeypatch):
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 3)
+async def test_a_flood_of_strangers_does_not_refuse_a_source_that_proved_itself(ports):
+    ports.guard.limit.total = 3
     (await prove_admin(ports, "127.0.0.2")).close()
     await wait_for_async("the member's connection to close", lambda: ports.guard.open == 0)
     held = []
@@ -268,21 +265,19 @@ async def open_data_connection(ports, source: str, session):
         writer.close()
 
 
-async def test_a_new_member_joins_and_connects_while_strangers_fill_every_budget(ports, monkeypatch):
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_PER_SOURCE", 2)
-    monkeypatch.setattr(limits, "MAX_UNPROVEN_CONNECTIONS", 4)
+async def test_a_new_member_joins_and_connects_while_strangers_fill_every_budget(ports):
+    for limit in (ports.guard.limit, ports.sidecar.data_server._limit):
+        limit.per_source, limit.total = 2, 4
     control = [(await connect(ports, source))[1] for source in ["127.0.0.3"] * 2 + ["127.0.0.4"] * 2]
     await wait_for_async("strangers to hold every unproven control place", lambda: ports.guard.unproven == 4)
-    data = []
-    per_source = MAX_UNAUTHENTICATED_PER_SOURCE
-    for i in range(MAX_UNAUTHENTICATED_CONNECTIONS):
-        source = f"127.0.1.{i // per_source + 3}"
-        data.append((await asyncio.open_connection(*ports.sidecar.data_address.split("://", 1)[1].rsplit(":", 1),
-                                                   local_addr=(source, 0)))[1])
+    host, port = ports.sidecar.data_address.split("://", 1)[1].rsplit(":", 1)
+    data = [(await asyncio.open_connection(host, int(port), local_addr=(source, 0)))[1]
+            for source in ["127.0.1.3"] * 2 + ["127.0.1.4"] * 2]
     server = ports.sidecar.data_server
-    await wait_for_async("strangers to hold every unauthenticated data place",
-                         lambda: server.unauthenticated == MAX_UNAUTHENTICATED_CONNECTIONS)
-    assert await open_data_connection(ports, "127.0.0.8", None) is proto.MessageType.ERROR
+    await wait_for_async("strangers to hold every unauthenticated data place", lambda: server.unauthenticated == 4)
+    # One of their sources more is refused; another takes a stranger's place (the one mechanism).
+    assert await open_data_connection(ports, "127.0.1.4", None) is proto.MessageType.ERROR
+    assert await open_data_connection(ports, "127.0.0.8", None) is proto.MessageType.AUTH_CHALLENGE
 
     session = await member_handshake(ports, "127.0.0.9")  # a pod never seen before
     assert session is not None

@@ -17,8 +17,8 @@ import pytest
 from kv_offload_sidecar.data import connect
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.before_auth import (
-    MAX_UNAUTHENTICATED_CONNECTIONS,
-    MAX_UNAUTHENTICATED_PER_SOURCE,
+    MAX_UNPROVEN_CONNECTIONS,
+    MAX_UNPROVEN_PER_SOURCE,
 )
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.certs import pool_certificates
@@ -137,13 +137,14 @@ def test_strangers_that_never_finish_the_tls_handshake_are_capped_cut_and_their_
     peer = start_peer("tcp", chunks=2, chunk_bytes=CHUNK, auth_timeout=3.0, certs=certs)
     plain = "tcp://" + peer.address.removeprefix("tls://")
     rss_before, peak_before = vm_kib(peer.pid, "VmRSS"), vm_kib(peer.pid, "VmHWM")
-    per, total = MAX_UNAUTHENTICATED_PER_SOURCE, MAX_UNAUTHENTICATED_CONNECTIONS
+    per, total = MAX_UNPROVEN_PER_SOURCE, MAX_UNPROVEN_CONNECTIONS
     held = [stranger(plain, f"127.0.0.{2 + i // per}") for i in range(total)]  # no ClientHello
     wait_until("every silent TLS connection admitted", peer.metrics,
                lambda m: m["unauthenticated"] == total)
-    refused = stranger(plain, f"127.0.0.{3 + total // per}")
-    assert read_until_closed(refused) == b""  # closed at accept: no TLS, so no ERROR frame
-    refused.close()
+    newcomer = stranger(plain, f"127.0.0.{3 + total // per}")  # takes the oldest one's place
+    assert read_until_closed(held[0]) == b""  # closed for it: no TLS, so no ERROR frame
+    assert read_until_closed(newcomer) == b""  # then cut at the deadline like the rest
+    newcomer.close()
     m = wait_until("the deadline cut them all", peer.metrics, lambda m: m["unauthenticated"] == 0)
     assert m["protocol_errors"]["timeout"] == total
     assert m["protocol_errors"]["too_many_connections"] == 1
@@ -162,14 +163,14 @@ def test_strangers_that_never_finish_the_tls_handshake_are_capped_cut_and_their_
 async def test_unauthenticated_connections_per_address_are_capped_and_the_excess_refused_and_counted(
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     peer = start_peer("tcp", chunks=2, chunk_bytes=CHUNK)
-    held = [stranger(peer.address, "127.0.0.2") for _ in range(MAX_UNAUTHENTICATED_PER_SOURCE)]
+    held = [stranger(peer.address, "127.0.0.2") for _ in range(MAX_UNPROVEN_PER_SOURCE)]
     for sock in held:
         read_challenge(sock)
-    assert peer.metrics()["unauthenticated"] == MAX_UNAUTHENTICATED_PER_SOURCE
+    assert peer.metrics()["unauthenticated"] == MAX_UNPROVEN_PER_SOURCE
     extra = stranger(peer.address, "127.0.0.2")
     text = error_text(read_until_closed(extra))  # refused at accept, not cut at the deadline
     extra.close()
-    assert text.startswith("too_many_connections:") and "from one address" in text, text
+    assert text.startswith("too_many_connections:") and "from this address" in text, text
     other = stranger(peer.address, "127.0.0.3")  # another address is still admitted
     read_challenge(other)
     client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
@@ -194,12 +195,12 @@ async def test_unauthenticated_connections_in_all_are_capped_while_authenticated
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     peer = start_peer("tcp", chunks=4, chunk_bytes=CHUNK)
     client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)  # before the flood
-    per = MAX_UNAUTHENTICATED_PER_SOURCE
-    held = [stranger(peer.address, f"127.0.0.{2 + i // per}") for i in range(MAX_UNAUTHENTICATED_CONNECTIONS)]
+    # One place each: no source holds more than a newcomer would, so none is closed for it.
+    held = [stranger(peer.address, f"127.0.{1 + i // 200}.{2 + i % 200}") for i in range(MAX_UNPROVEN_CONNECTIONS)]
     for sock in held:
         read_challenge(sock)
-    assert peer.metrics()["unauthenticated"] == MAX_UNAUTHENTICATED_CONNECTIONS
-    fresh = stranger(peer.address, f"127.0.0.{3 + MAX_UNAUTHENTICATED_CONNECTIONS // per}")
+    assert peer.metrics()["unauthenticated"] == MAX_UNPROVEN_CONNECTIONS
+    fresh = stranger(peer.address, "127.0.9.9")
     text = error_text(read_until_closed(fresh))
     fresh.close()
     assert text.startswith("too_many_connections:") and "from all sources" in text, text
@@ -213,6 +214,24 @@ async def test_unauthenticated_connections_in_all_are_capped_while_authenticated
     wait_until("the flood's places given back", peer.metrics, lambda m: m["unauthenticated"] == 0)
     late = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
     await late.close()
+
+
+def test_a_newcomer_takes_the_place_of_the_largest_holders_oldest_stranger(
+        start_peer: Callable[..., PeerProcess]) -> None:
+    peer = start_peer("tcp", chunks=2, chunk_bytes=CHUNK)
+    per = MAX_UNPROVEN_PER_SOURCE
+    held = [stranger(peer.address, f"127.0.0.{2 + i // per}") for i in range(MAX_UNPROVEN_CONNECTIONS)]
+    for sock in held:
+        read_challenge(sock)
+    newcomer = stranger(peer.address, "127.0.9.9")  # a pod the siege has not seen
+    read_challenge(newcomer)
+    assert read_until_closed(held[0]) == b""  # the first source's oldest, closed for it
+    m = wait_until("the newcomer counted in the closed one's place", peer.metrics,
+                   lambda m: m["protocol_errors"]["too_many_connections"] == 1)
+    assert m["unauthenticated"] == MAX_UNPROVEN_CONNECTIONS
+    for sock in held + [newcomer]:
+        sock.close()
+    wait_until("the places given back", peer.metrics, lambda m: m["unauthenticated"] == 0)
     assert peer.metrics()["protocol_errors"]["too_many_connections"] == 1
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_PER_SOURCE
+from kv_offload_sidecar.data.before_auth import MAX_UNPROVEN_PER_SOURCE
 from peer_processes import PEERS_SCRIPT, PeerProcess, run_ucx_client, ucx_env
 from waiting import wait_until
 
@@ -152,10 +152,10 @@ def test_before_the_proof_a_big_frame_is_refused_and_one_session_holds_few_place
         assert client.stdout is not None and client.stdin is not None
         line = client.stdout.readline()
         assert line, "the UCX client ended before holding its attaches"
-        assert json.loads(line) == {"held": MAX_UNAUTHENTICATED_PER_SOURCE}
+        assert json.loads(line) == {"held": MAX_UNPROVEN_PER_SOURCE}
         m = wait_until("the attach past the session's places refused", peer.metrics,
                        lambda m: m["protocol_errors"]["too_many_connections"] == 1)
-        assert m["unauthenticated"] == MAX_UNAUTHENTICATED_PER_SOURCE
+        assert m["unauthenticated"] == MAX_UNPROVEN_PER_SOURCE
         client.stdin.write("go\n")
         client.stdin.flush()
         out = json.loads(client.stdout.readlines()[-1])
@@ -166,7 +166,7 @@ def test_before_the_proof_a_big_frame_is_refused_and_one_session_holds_few_place
             client.wait(5)
     assert out["big_proof_reply"].startswith("ERROR oversize:"), out
     m = wait_until("the held attaches cut at the deadline", peer.metrics, lambda m: m["unauthenticated"] == 0)
-    assert m["protocol_errors"]["timeout"] == MAX_UNAUTHENTICATED_PER_SOURCE
+    assert m["protocol_errors"]["timeout"] == MAX_UNPROVEN_PER_SOURCE
     assert m["protocol_errors"]["oversize"] == 1
     after = run_ucx_client(peer, "fetch", tls=tls, shm_dir=shm_dir, chunks=4, chunk_bytes=CHUNK)
     assert after["fetched"] == 4 and after["identical"]

@@ -278,12 +278,12 @@ async def _garbage(args: argparse.Namespace, keys: list[bytes], store: Any) -> d
 
 async def _before_auth(args: argparse.Namespace) -> dict[str, Any]:
     """What an attached client may cost before its proof: a 4 KiB AUTH_RESPONSE is refused
-    (ERROR oversize); then ``MAX_UNAUTHENTICATED_PER_SOURCE`` attaches of one session that never
+    (ERROR oversize); then ``MAX_UNPROVEN_PER_SOURCE`` attaches of one session that never
     answer their challenge, and one more, which the server refuses. Prints ``{"held": n}`` once
     they are held and keeps them until a line arrives on stdin (the test reads the server's
     counters meanwhile)."""
     from kv_offload_sidecar.data import protocol as proto
-    from kv_offload_sidecar.data.before_auth import MAX_UNAUTHENTICATED_PER_SOURCE
+    from kv_offload_sidecar.data.before_auth import MAX_UNPROVEN_PER_SOURCE
     from kv_offload_sidecar.data.ucx import frames as ucx
     from kv_offload_sidecar.data.ucx.runtime import UcxRuntime
 
@@ -311,11 +311,11 @@ async def _before_auth(args: argparse.Namespace) -> dict[str, Any]:
     kind, text = await reply(s2c)
     out["big_proof_reply"] = f"{kind} {text.decode()}"
     held = 0
-    for cid in range(3001, 3001 + MAX_UNAUTHENTICATED_PER_SOURCE):
+    for cid in range(3001, 3001 + MAX_UNPROVEN_PER_SOURCE):
         _, s2c = await attach(cid)
         kind, _ = await reply(s2c)
         held += kind == "AUTH_CHALLENGE"
-    await attach(3001 + MAX_UNAUTHENTICATED_PER_SOURCE)  # one more of the same session: refused
+    await attach(3001 + MAX_UNPROVEN_PER_SOURCE)  # one more of the same session: refused
     print(json.dumps({"held": held}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     rt.abort(ep)

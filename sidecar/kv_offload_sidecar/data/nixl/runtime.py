@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import importlib.util
+import importlib
 import itertools
 import logging
 import os
@@ -32,12 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kv_offload_sidecar.extras import NIXL_PACKAGE, require
+
 log = logging.getLogger(__name__)
 
-# What the nixl transport imports, and the wheel it comes from (installed with --no-deps: its
-# declared torch and numpy requirements serve GPU paths only; numpy is ours anyway).
+# What the nixl transport imports; the wheel it comes from is extras.NIXL_PACKAGE (installed
+# with --no-deps: its declared torch and numpy requirements serve GPU paths only).
 NIXL_MODULE = "nixl_cu12"
-NIXL_PACKAGE = "nixl-cu12==1.5.1"
 # Lane threads (agents) of a process: 2 lets both cores of a small host copy.
 DEFAULT_LANES = 2
 # Bytes of one descriptor of a chunk's READ (a chunk is read as one transfer of its pieces).
@@ -61,8 +62,7 @@ def configure_nixl_env(tls: str | None = None) -> dict[str, str]:
     UCX's own choice: cma between processes of one PID namespace, rc/dc with an RDMA device,
     TCP otherwise). UCX logs to stderr. ValueError naming the package when it is missing.
     """
-    if importlib.util.find_spec(NIXL_MODULE) is None:
-        raise ValueError(f"--transport nixl needs NVIDIA NIXL: pip install --no-deps {NIXL_PACKAGE}")
+    require("--transport nixl", NIXL_MODULE)
     if tls is not None:
         if not tls.strip():
             raise ValueError("--ucx-tls is empty: give UCX transports such as rc,cma,tcp,self")

@@ -26,7 +26,8 @@ from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, StoreLike
 from kv_offload_sidecar.data.before_auth import (
     DEFAULT_AUTH_TIMEOUT,
     CountsStrangers,
-    UnauthenticatedLimit,
+    Place,
+    StrangerLimit,
     refuse,
     spread,
 )
@@ -139,7 +140,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         self._conns: set[asyncio.Task[None]] = set()
         self._states: dict[int, _ConnState] = {}
         # Connections not yet authenticated, per source address and in all (bounded).
-        self._limit = UnauthenticatedLimit()
+        self._limit = StrangerLimit()
         # Refusals' log lines: one per source and reason per interval, with a count (the
         # sidecar's own when it passes one, so both ports share one budget of lines).
         self._rejections = rejections if rejections is not None else RejectionLog(log)
@@ -204,19 +205,25 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
                 await asyncio.sleep(ACCEPT_RETRY_SECONDS)
                 continue
             source = str(addr[0]) if isinstance(addr, tuple) and addr else "?"
-            why = self._limit.admit(source)
-            if why is not None:
-                self._refuse_at_accept(conn, source, why)
+            place = self._limit.admit(source)
+            if isinstance(place, str):
+                self._refuse_at_accept(conn, source, place)
                 continue
             try:
                 tune_socket(conn, self._buffer_bytes)
             except OSError:  # the client already went away
-                self._limit.leave(source, proved=False)
+                self._limit.leave(place, proved=False)
                 conn.close()
                 continue
-            task = asyncio.create_task(self._serve(conn, source), name="tcp-data-conn")
+            task = asyncio.create_task(self._serve(conn, place), name="tcp-data-conn")
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
+            place.evict = lambda why, task=task, source=source: self._evict(task, source, why)
+
+    def _evict(self, task: asyncio.Task[None], source: str, why: str) -> None:
+        """A newcomer takes this unproven connection's place: counted, and its task ends it."""
+        refuse(self._metrics, self._rejections, log_source(source), "too_many_connections", why)
+        task.cancel()
 
     def _refuse_at_accept(self, conn: socket.socket, source: str, why: str) -> None:
         """Over an unauthenticated-connection limit: counted, an ERROR frame when plain (one
@@ -228,7 +235,8 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
                 conn.send(proto.join(proto.encode_error(0, "too_many_connections", why)))
         conn.close()
 
-    async def _serve(self, conn: socket.socket, source: str) -> None:
+    async def _serve(self, conn: socket.socket, place: Place) -> None:
+        source = place.source
         loop = asyncio.get_running_loop()
         deadline = loop.time() + spread(self._auth_timeout)  # every step up to AUTH_OK together
         admitted = True  # holds a place in self._limit until authenticated or ended
@@ -262,7 +270,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
                 await stream.send(proto.encode_auth_ok())
                 state.extra = await self._on_authenticated(stream, answer.session_id, nonce)
             admitted = False
-            self._limit.leave(source, proved=True)
+            self._limit.leave(place, proved=True)
             busy = state.busy
             writer = asyncio.create_task(self._write_loop(stream, id(conn), queue, busy),
                                          name="tcp-data-writer")
@@ -319,7 +327,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
             log.debug("TCP data plane: unexpected error", exc_info=True)
         finally:
             if admitted:
-                self._limit.leave(source, proved=False)
+                self._limit.leave(place, proved=False)
             self._states.pop(id(conn), None)
             half_sent = state.busy[0]
             if writer is not None and not writer.done():

@@ -31,7 +31,8 @@ from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, StoreLike, 
 from kv_offload_sidecar.data.before_auth import (
     DEFAULT_AUTH_TIMEOUT,
     CountsStrangers,
-    UnauthenticatedLimit,
+    Place,
+    StrangerLimit,
     refuse,
 )
 from kv_offload_sidecar.data.serving import (
@@ -110,7 +111,7 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
         self._conns: dict[int, asyncio.Task[None]] = {}
         self._connections: dict[int, _ServerConnection] = {}
         # Connections attached but not yet through the nonce challenge, per session and in all.
-        self._limit = UnauthenticatedLimit()
+        self._limit = StrangerLimit()
         # Refusals' log lines: one per source and reason per interval, with a count (the
         # sidecar's own when it passes one).
         self._rejections = rejections if rejections is not None else RejectionLog(log)
@@ -158,9 +159,9 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
                     raise proto.ProtocolError("malformed", "UCX_ATTACH reuses a live connection id")
                 if len(self._conns) >= MAX_SERVER_CONNECTIONS:
                     raise proto.ProtocolError("too_many_connections", "too many UCX data connections")
-                why = self._limit.admit(source)  # replays of one attach hold few places
-                if why is not None:
-                    raise proto.ProtocolError("too_many_connections", why)
+                place = self._limit.admit(source)  # replays of one attach hold few places
+                if isinstance(place, str):
+                    raise proto.ProtocolError("too_many_connections", place)
             except proto.ProtocolError as exc:
                 refuse(self._metrics, self._rejections, source, exc.reason, exc.message)
                 continue
@@ -172,12 +173,18 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
                 await asyncio.sleep(0)
                 continue
             cid = attach.connection_id
-            task = asyncio.create_task(self._serve(rt, attach, source), name="ucx-data-conn")
+            task = asyncio.create_task(self._serve(rt, attach, place), name="ucx-data-conn")
             self._conns[cid] = task
             task.add_done_callback(lambda _t, cid=cid: self._conns.pop(cid, None))
+            place.evict = lambda why, task=task, source=source: self._evict(task, source, why)
 
-    async def _serve(self, rt: UcxRuntime, attach: proto.UcxAttach, source: str) -> None:
-        admitted = [True]  # holds a place in self._limit until the proof or the end
+    def _evict(self, task: asyncio.Task[None], source: str, why: str) -> None:
+        """A newcomer takes this unproven connection's place: counted, and its task ends it."""
+        refuse(self._metrics, self._rejections, source, "too_many_connections", why)
+        task.cancel()
+
+    async def _serve(self, rt: UcxRuntime, attach: proto.UcxAttach, place: Place) -> None:
+        source = place.source
         try:
             try:
                 ep = rt.endpoint(attach.worker_address)
@@ -185,7 +192,7 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
                 refuse(self._metrics, self._rejections, source, "malformed",
                        f"cannot reach an attaching client: {describe(exc)}")
                 return
-            conn = _ServerConnection(self, rt, ep, attach.connection_id, source, admitted)
+            conn = _ServerConnection(self, rt, ep, attach.connection_id, place)
             self._connections[attach.connection_id] = conn
             try:
                 await conn.run()
@@ -193,8 +200,7 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
                 self._connections.pop(attach.connection_id, None)
                 conn.abort()
         finally:
-            if admitted[0]:
-                self._limit.leave(source, proved=False)
+            self._limit.leave(place, proved=False)  # nothing when it proved itself
 
 
 class _ServerConnection:
@@ -209,12 +215,12 @@ class _ServerConnection:
     """
 
     def __init__(self, server: UcxDataPlaneServer, rt: UcxRuntime, ep: Any, cid: int,
-                 source: str, admitted: list[bool]) -> None:
+                 place: Place) -> None:
         self.server = server
         # Who the refusals of this connection are logged under (its session).
-        self.source = source
-        # [True] while the connection holds a place among the server's unauthenticated ones.
-        self.admitted = admitted
+        self.source = place.source
+        # Its place among the server's unauthenticated connections (given back at the proof).
+        self.place = place
         self.rt = rt
         self.ep = ep
         self.cid = cid
@@ -247,9 +253,7 @@ class _ServerConnection:
                     raise proto.ProtocolError("unauthenticated", f"{header.type.name} before AUTH_RESPONSE")
                 check_auth(srv._authorize, nonce, proto.decode_auth_response(payload))
                 await rt.send(self.ep, join_parts(proto.encode_auth_ok()), self.s2c)
-            if self.admitted[0]:
-                self.admitted[0] = False
-                srv._limit.leave(self.source, proved=True)
+            srv._limit.leave(self.place, proved=True)
             while self.failed is None:
                 buf = await rt.recv_frame(self.c2s, CONTROL_BUFFER_BYTES)
                 self.last = time.monotonic()
