@@ -60,7 +60,7 @@ WORKDIR /src
 RUN python3 -m venv /opt/kv-offload
 COPY pyproject.toml README.md ./
 COPY sidecar/kv_offload_sidecar/ sidecar/kv_offload_sidecar/
-COPY operator/ operator/
+COPY operator/kv_offload_operator/ operator/kv_offload_operator/
 # A regular (non-editable) install of the project and its runtime
 # dependencies, ucxx-cu12 among them, with the libucx wheel of the UCX
 # release built above; no test extra. Where the network intercepts TLS, the build is given
@@ -91,11 +91,18 @@ LABEL org.opencontainers.image.title="kv-offload" \
       io.kv-offload.ucx="${UCX_TARBALL:-the libucx-cu12 wheel: no RDMA}" \
       io.kv-offload.ucx-transports="${UCX_TARBALL:+rc, ud, dc, rdmacm, }tcp, sm, cma"
 # rdma-core's user-space verbs, rdmacm and NIC provider libraries (mlx5, efa,
-# ...) for the UCX of /opt/ucx; the NIC and its kernel driver come from the node.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends \
-       libibverbs1=44.0-2 librdmacm1=44.0-2 ibverbs-providers=44.0-2 libnuma1=2.0.16-1 \
-    && rm -rf /var/lib/apt/lists/* \
+# ...) for the UCX of /opt/ucx, only when it was built (UCX_TARBALL); the NIC and its
+# kernel driver come from the node. Without it nothing in the image links them, and
+# they must not be there: NIXL bundles its own libibverbs and libnl, which would load
+# Debian's verbs providers (found through /etc/libibverbs.d) and with them a second
+# libibverbs, libnl and libnl-route into the nixl sidecar, whose exit then crashed
+# (SIGSEGV in rtnl_tc_unregister, run by both libnl-route copies' destructors).
+RUN if [ -n "${UCX_TARBALL}" ]; then \
+       apt-get update \
+       && apt-get install -y --no-install-recommends \
+          libibverbs1=44.0-2 librdmacm1=44.0-2 ibverbs-providers=44.0-2 libnuma1=2.0.16-1 \
+       && rm -rf /var/lib/apt/lists/*; \
+    fi \
     && groupadd --system --gid 10001 kv-offload \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin kv-offload
