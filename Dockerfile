@@ -73,12 +73,20 @@ RUN --mount=type=secret,id=pip-ca \
     && ! /opt/kv-offload/bin/python -c "import kv_offload_tools" 2>/dev/null
 # NVIDIA NIXL for --transport nixl (one-sided reads), pinned and installed without its
 # dependencies as ./dev does: its declared requirements serve GPU paths only. Its kernels
-# for GPU expert parallelism and its C headers are never imported here.
+# for GPU expert parallelism and its C headers are never imported here. Its bundled UCX's
+# EFA module goes too: it is the one library of the wheel that links a system library
+# rdma-core provides (libefa.so.1, not bundled), so where Debian's rdma-core is installed
+# it loads Debian's libefa, libibverbs, libnl-3 and libnl-route-3 beside NIXL's bundled
+# copies; the second libnl-route's destructor then runs rtnl_tc_unregister against the
+# first's tables at exit, and every nixl sidecar died with SIGSEGV (exit 139) after a
+# clean stop. Without the module each library is loaded once (EFA devices are AWS's; NIXL's
+# mlx5 and verbs modules use its bundled rdma-core).
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
     && /opt/kv-offload/bin/pip install --no-cache-dir --no-deps "nixl-cu12==1.5.1" \
     && rm -rf /opt/kv-offload/lib/python3.11/site-packages/nixl_ep_cu12 \
        /opt/kv-offload/include/site/python3.11/nixl-cu12 \
+       /opt/kv-offload/lib/python3.11/site-packages/nixl_cu12.libs/ucx/libuct_ib_efa.so* \
     && /opt/kv-offload/bin/python -c "import nixl_cu12"
 
 FROM ${BASE_IMAGE}
@@ -91,12 +99,9 @@ LABEL org.opencontainers.image.title="kv-offload" \
       io.kv-offload.ucx="${UCX_TARBALL:-the libucx-cu12 wheel: no RDMA}" \
       io.kv-offload.ucx-transports="${UCX_TARBALL:+rc, ud, dc, rdmacm, }tcp, sm, cma"
 # rdma-core's user-space verbs, rdmacm and NIC provider libraries (mlx5, efa,
-# ...) for the UCX of /opt/ucx, only when it was built (UCX_TARBALL); the NIC and its
-# kernel driver come from the node. Without it nothing in the image links them, and
-# they must not be there: NIXL bundles its own libibverbs and libnl, which would load
-# Debian's verbs providers (found through /etc/libibverbs.d) and with them a second
-# libibverbs, libnl and libnl-route into the nixl sidecar, whose exit then crashed
-# (SIGSEGV in rtnl_tc_unregister, run by both libnl-route copies' destructors).
+# ...) for the UCX of /opt/ucx, only when it was built (UCX_TARBALL): nothing else in
+# the image links them (NIXL bundles its own). The NIC and its kernel driver come from
+# the node.
 RUN if [ -n "${UCX_TARBALL}" ]; then \
        apt-get update \
        && apt-get install -y --no-install-recommends \

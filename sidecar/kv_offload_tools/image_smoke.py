@@ -11,7 +11,11 @@ sidecars check each chunk's xxh3 on the way in as well); ``/readyz`` and
 ``/metrics`` answer on both; then each gets SIGTERM (podman passes it on) and must
 exit 0. ``--rounds N`` repeats that per plane (two stops a round). Then the
 image's ``kv-offload operator --help``, ``webhook-cert --help`` and ``translate``
-(of a small Llama config) must exit 0 with their output.
+(of a small Llama config) must exit 0 with their output. Last, NIXL beside
+Debian's rdma-core (what an image built with a UCX_TARBALL carries): a container
+installs ``libibverbs1`` and ``ibverbs-providers`` from Debian's archive, starts
+a NIXL agent and exits; it must exit 0 with one libibverbs and one libnl-route in
+the process (two copies crashed every nixl sidecar at exit).
 
 The containers run as root here because the pool's files are the host user's; in
 a pod the image runs as its numeric non-root user. Exit status: 0 when every
@@ -134,6 +138,27 @@ def check_commands(image: str) -> list[Check]:
     return checks
 
 
+# Run as root in a container of the image: Debian's rdma-core, then a NIXL agent that exits.
+NIXL_BESIDE_RDMA_CORE = r"""
+apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends \
+  libibverbs1 ibverbs-providers >/dev/null || exit 3
+exec /opt/kv-offload/bin/python -c '
+import nixl_cu12 as n
+n.nixl_agent("smoke", n.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
+maps = {line.split()[-1] for line in open("/proc/self/maps") if ".so" in line}
+print(sum("libibverbs" in m for m in maps), sum("libnl-route" in m for m in maps))
+'
+"""
+
+
+def check_nixl_beside_rdma_core(image: str) -> Check:
+    proc = subprocess.run([*PODMAN, "run", *RUN_FLAGS, "--entrypoint", "/bin/bash", image,
+                           "-c", NIXL_BESIDE_RDMA_CORE], capture_output=True, text=True, timeout=600)
+    copies = proc.stdout.split()[-2:] if proc.stdout.split() else []
+    return Check("nixl beside Debian's rdma-core", proc.returncode == 0 and copies == ["1", "1"],
+                 f"exit {proc.returncode}, libibverbs and libnl-route copies loaded: {copies or proc.stderr[-300:]}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_offload_tools.image_smoke", description=__doc__.split("\n")[0])
     parser.add_argument("image", help="the image to check, e.g. localhost/kv-offload:0.1.0")
@@ -147,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for round_no in range(1, args.rounds + 1):
             checks.append(check_plane(args.image, plane, round_no))
             print(f"[{'ok' if checks[-1].ok else 'FAILED'}] {checks[-1].name}: {checks[-1].detail}", flush=True)
-    for check in check_commands(args.image):
+    for check in [*check_commands(args.image), check_nixl_beside_rdma_core(args.image)]:
         checks.append(check)
         print(f"[{'ok' if check.ok else 'FAILED'}] {check.name}: {check.detail}", flush=True)
     failed = [c for c in checks if not c.ok]
