@@ -5,6 +5,9 @@ What ``./dev image`` runs after building. Per data plane (tcp, ucx, nixl) a
 with podman (runc; the host's network, PID and IPC namespaces, as two sidecars of
 one node on the host network; the pool's work directory bind-mounted at the same
 path, so config, keys, stores and local sockets are where the host side looks).
+The containers run on one read-only copy of the image's root filesystem (buildah
+mounts it once, with the image's entrypoint and environment): on vfs storage a
+container of its own copies the whole image, half a minute each here.
 The two handshake on loopback; one stores chunks through its engine channel and
 the other loads them from it, every byte compared with what was stored (the
 sidecars check each chunk's xxh3 on the way in as well); ``/readyz`` and
@@ -43,7 +46,8 @@ PLANES = ("tcp", "ucx", "nixl")
 CHUNKS = 8
 # podman as ./dev image runs it: buildah's storage (vfs), runc, and rlimits the
 # container may set where the host's hard limits are lower than podman's defaults.
-PODMAN = ("podman", "--storage-driver", "vfs", "--runtime", "runc")
+STORAGE = ("--storage-driver", "vfs")
+PODMAN = ("podman", *STORAGE, "--runtime", "runc")
 RUN_FLAGS = ("--rm", "--network", "host", "--pid", "host", "--ipc", "host", "--user", "0:0",
              "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096")
 # Environment the sidecar reads (the rest of the host's stays out of the container).
@@ -71,20 +75,46 @@ class Check:
     detail: str
 
 
-def podman_launcher(image: str, workdir: str) -> Callable[[Sequence[str], Mapping[str, str]], list[str]]:
-    """A LocalPool launcher running ``kv-offload ARGS`` in a container of ``image``."""
-    def launch(args: Sequence[str], env: Mapping[str, str]) -> list[str]:
-        passed = [f"--env={k}={v}" for k, v in sorted(env.items())
+class ImageRoot:
+    """The image's root filesystem, mounted once (buildah), for containers run from it."""
+
+    def __init__(self, image: str) -> None:
+        self.image = image
+        inspect = subprocess.run(["buildah", *STORAGE, "inspect", "--type", "image", image],
+                                 capture_output=True, text=True, check=True)
+        config = json.loads(inspect.stdout)["OCIv1"]["config"]
+        # The image's environment, entrypoint and working directory, as podman would apply them.
+        self.env = tuple(config.get("Env") or ())
+        self.entrypoint = tuple(config.get("Entrypoint") or ())
+        self.workdir = config.get("WorkingDir") or "/"
+        self.container = subprocess.run(["buildah", *STORAGE, "from", "-q", image], capture_output=True,
+                                        text=True, check=True).stdout.strip()
+        self.path = subprocess.run(["buildah", *STORAGE, "mount", self.container], capture_output=True,
+                                   text=True, check=True).stdout.strip()
+
+    def argv(self, args: Sequence[str], env: Mapping[str, str] | None = None,
+             volumes: Sequence[str] = ()) -> list[str]:
+        """``podman run`` of the image's entrypoint with ``args``; ``env`` adds the sidecar's own."""
+        passed = [f"--env={k}={v}" for k, v in sorted((env or {}).items())
                   if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)]
-        return [*PODMAN, "run", *RUN_FLAGS, "-v", f"{workdir}:{workdir}", *passed, image, *args]
-    return launch
+        mounts = [f"--volume={v}:{v}" for v in volumes]
+        return [*PODMAN, "run", *RUN_FLAGS, "--read-only", "--tmpfs", "/tmp", "--workdir", self.workdir,
+                *[f"--env={e}" for e in self.env], *passed, *mounts, "--rootfs", self.path,
+                *self.entrypoint, *args]
+
+    def launcher(self, workdir: str) -> Callable[[Sequence[str], Mapping[str, str]], list[str]]:
+        """A LocalPool launcher running ``kv-offload ARGS`` from the image, ``workdir`` shared."""
+        return lambda args, env: self.argv(args, env, volumes=[workdir])
+
+    def close(self) -> None:
+        subprocess.run(["buildah", *STORAGE, "rm", self.container], capture_output=True)
 
 
-def check_plane(image: str, plane: str, round_no: int) -> Check:
+def check_plane(root: ImageRoot, plane: str, round_no: int) -> Check:
     """Two sidecars of ``image`` on ``plane``: handshake, a chunk each way checked, probes, SIGTERM -> 0."""
     name = f"{plane} round {round_no}"
     workdir = tempfile.mkdtemp(prefix="kvo-image-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    pool = LocalPool(2, transport=plane, workdir=workdir, launcher=podman_launcher(image, workdir),
+    pool = LocalPool(2, transport=plane, workdir=workdir, launcher=root.launcher(workdir),
                      fetch_deadline_seconds=5.0)
     failure = ""
     try:
@@ -107,17 +137,11 @@ def check_plane(image: str, plane: str, round_no: int) -> Check:
                            f"/readyz and /metrics {probes}; exit codes on SIGTERM {codes}")
 
 
-def run_in_image(image: str, args: Sequence[str], volume: str | None = None) -> subprocess.CompletedProcess[str]:
-    mount = ["-v", f"{volume}:{volume}:ro"] if volume else []
-    return subprocess.run([*PODMAN, "run", *RUN_FLAGS, *mount, image, *args],
-                          capture_output=True, text=True, timeout=300)
-
-
-def check_commands(image: str) -> list[Check]:
+def check_commands(root: ImageRoot) -> list[Check]:
     """The image's operator, webhook-cert and translate commands run."""
     checks = []
     for args, expect in ((["operator", "--help"], "usage"), (["webhook-cert", "--help"], "usage")):
-        proc = run_in_image(image, args)
+        proc = subprocess.run(root.argv(args), capture_output=True, text=True, timeout=300)
         checks.append(Check(" ".join(args), proc.returncode == 0 and expect in proc.stdout,
                             f"exit {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[:1]}"))
     tmp = tempfile.mkdtemp(prefix="kvo-image-translate-")
@@ -125,8 +149,9 @@ def check_commands(image: str) -> list[Check]:
         config = os.path.join(tmp, "config.json")
         with open(config, "w") as fh:
             json.dump(TINY_LLAMA, fh)
-        proc = run_in_image(image, ["translate", "--vllm-args", f"vllm serve tiny --kv-transfer-config '{TIER}'",
-                                    "--model-config", config], volume=tmp)
+        proc = subprocess.run(root.argv(["translate", "--vllm-args", f"vllm serve tiny --kv-transfer-config '{TIER}'",
+                                         "--model-config", config], volumes=[tmp]),
+                              capture_output=True, text=True, timeout=300)
         try:
             fingerprint = json.loads(proc.stdout).get("fingerprint", "")
         except ValueError:
@@ -159,6 +184,11 @@ def check_nixl_beside_rdma_core(image: str) -> Check:
                  f"exit {proc.returncode}, libibverbs and libnl-route copies loaded: {copies or proc.stderr[-300:]}")
 
 
+def report(checks: list[Check], check: Check) -> None:
+    checks.append(check)
+    print(f"[{'ok' if check.ok else 'FAILED'}] {check.name}: {check.detail}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_offload_tools.image_smoke", description=__doc__.split("\n")[0])
     parser.add_argument("image", help="the image to check, e.g. localhost/kv-offload:0.1.0")
@@ -168,13 +198,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     checks: list[Check] = []
-    for plane in args.planes.split(","):
-        for round_no in range(1, args.rounds + 1):
-            checks.append(check_plane(args.image, plane, round_no))
-            print(f"[{'ok' if checks[-1].ok else 'FAILED'}] {checks[-1].name}: {checks[-1].detail}", flush=True)
-    for check in [*check_commands(args.image), check_nixl_beside_rdma_core(args.image)]:
-        checks.append(check)
-        print(f"[{'ok' if check.ok else 'FAILED'}] {check.name}: {check.detail}", flush=True)
+    root = ImageRoot(args.image)
+    try:
+        for plane in args.planes.split(","):
+            for round_no in range(1, args.rounds + 1):
+                report(checks, check_plane(root, plane, round_no))
+        for check in check_commands(root):
+            report(checks, check)
+    finally:
+        root.close()
+    report(checks, check_nixl_beside_rdma_core(args.image))
     failed = [c for c in checks if not c.ok]
     print(f"image smoke test of {args.image}: {len(checks) - len(failed)}/{len(checks)} checks passed "
           f"in {time.monotonic() - started:.0f} s", flush=True)
