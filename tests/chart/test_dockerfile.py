@@ -209,3 +209,20 @@ def test_image_installs_nixl_pinned_like_dev_without_its_dependencies():
     dev = (DOCKERFILE.parent / "dev").read_text()
     pin = dev.split('NIXL_PKG="', 1)[1].split('"', 1)[0]
     assert f'--no-deps "{pin}"' in text
+
+
+def test_the_charts_default_image_is_what_dev_image_builds(render):
+    """./dev image tags kv-offload:<the chart's appVersion>; the chart pulls exactly that by default,
+    and the package inside has the same version."""
+    import yaml
+
+    app_version = yaml.safe_load((REPO / "charts" / "kv-offload" / "Chart.yaml").read_text())["appVersion"]
+    dev = (REPO / "dev").read_text()
+    assert 'IMAGE_NAME=kv-offload\n' in dev and 'tag="$IMAGE_NAME:$(image_tag)"' in dev
+    tag = subprocess.run(["bash", "-c", 'eval "$(sed -n "/^image_tag() {/,/^}/p" dev)"; image_tag'],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert tag == app_version
+    (deployment,) = [o for o in render() if o["kind"] == "Deployment"]
+    assert {c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]} == {f"kv-offload:{app_version}"}
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'\nversion = "{app_version}"\n' in pyproject
