@@ -111,7 +111,8 @@ class ImageRoot:
 
 
 def check_plane(root: ImageRoot, plane: str, round_no: int) -> Check:
-    """Two sidecars of ``image`` on ``plane``: handshake, a chunk each way checked, probes, SIGTERM -> 0."""
+    """Two sidecars from the image on ``plane``: handshake, chunks from one to the other checked,
+    probes, SIGTERM -> 0."""
     name = f"{plane} round {round_no}"
     workdir = tempfile.mkdtemp(prefix="kvo-image-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     pool = LocalPool(2, transport=plane, workdir=workdir, launcher=root.launcher(workdir),
