@@ -196,7 +196,8 @@ class LocalPool:
                  publish_interval_seconds: float = 0.2, shutdown_grace_seconds: float = 2.0,
                  overrides: Mapping[int, SidecarOverride] | None = None,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
-                 workdir: str | None = None, log_level: str = "INFO") -> None:
+                 workdir: str | None = None, log_level: str = "INFO",
+                 launcher: Callable[[Sequence[str], Mapping[str, str]], list[str]] | None = None) -> None:
         # Sidecars start() launches (add() launches more).
         self.n = n
         self.transport = transport
@@ -216,6 +217,9 @@ class LocalPool:
         self.env = dict(env or {})
         self.extra_args = tuple(extra_args)
         self.log_level = log_level
+        # (kv-offload arguments, environment) -> the argv that runs them; None runs this
+        # interpreter's kv-offload (image_smoke runs the image's, in a container).
+        self.launcher = launcher
         self._own_workdir = workdir is None
         # Config, key, logs, store files and local sockets (the sidecars' --shm-dir).
         self.workdir = workdir or make_workdir()
@@ -307,7 +311,7 @@ class LocalPool:
         """A SidecarProcess (not started) whose static peers are the addresses ``peers``."""
         o = override or SidecarOverride()
         transport = o.transport or self.transport
-        argv = [*sidecar_command(), "sidecar",
+        args = ["sidecar",
                 "--config", self._config_file(o.config or self.config),
                 "--pool-key-file", os.path.join(self._secret_dir(identity, o.pool_key or self.pool_key), "key"),
                 "--previous-pool-key-file", os.path.join(self.workdir, f"{identity}-secret", "previous-key"),
@@ -322,9 +326,11 @@ class LocalPool:
                 "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
                 *self.extra_args, *o.extra_args]
         if peers:
-            argv += ["--peers", ",".join(peers)]
+            args += ["--peers", ",".join(peers)]
+        env = self._environment(override)
+        argv = self.launcher(args, env) if self.launcher else [*sidecar_command(), *args]
         return SidecarProcess(len(self.sidecars), identity, base_port, self.dp_indices, transport, argv,
-                              self._environment(override), os.path.join(self.workdir, f"{identity}.log"),
+                              env, os.path.join(self.workdir, f"{identity}.log"),
                               expect_connect, admin_token=self.admin_token)
 
     def start(self, timeout: float = 60.0) -> "LocalPool":

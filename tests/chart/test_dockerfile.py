@@ -45,12 +45,12 @@ def test_hadolint_flags_a_careless_dockerfile(tmp_path):
     assert {"DL3007", "DL3013"} <= {f["code"] for f in findings}
 
 
-def test_image_is_multi_stage_from_a_pinned_slim_python_311():
+def test_image_is_multi_stage_from_one_base_argument_defaulting_to_a_pinned_slim_python_311():
     bases = [args for word, args in instructions() if word == "FROM"]
     assert len(bases) >= 2
-    for base in bases:
-        image = base.split()[0]
-        assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", image), image
+    assert {base.split()[0] for base in bases} == {"${BASE_IMAGE}"}
+    default = arg_default(stages()["global"], "BASE_IMAGE")
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", default), default
     assert any(word == "COPY" and args.startswith("--from=") for word, args in instructions())
 
 
@@ -131,44 +131,69 @@ def arg_default(stage: list[tuple[str, str]], name: str) -> str:
     return value
 
 
-def test_a_ucx_with_verbs_and_rdmacm_is_built_from_the_checksummed_release_of_the_wheel_ucxx_uses():
+def test_a_ucx_with_verbs_and_rdmacm_is_built_from_a_checksummed_tarball_in_the_build_context():
     import libucx
 
     by_stage = stages()
     version = arg_default(by_stage["global"], "UCX_VERSION")
     assert version == libucx.__version__  # the release ucxx is built against here (its ABI)
+    assert arg_default(by_stage["global"], "UCX_TARBALL") == '""'  # none: the wheel's UCX
     ucx = by_stage["ucx"]
     assert re.fullmatch(r"[0-9a-f]{64}", arg_default(ucx, "UCX_SHA256"))
-    runs = [a for w, a in ucx if w == "RUN"]
-    fetch = next(r for r in runs if "ucx.tar.gz" in r)
-    assert "https://github.com/openucx/ucx/releases/download/v${UCX_VERSION}/ucx-${UCX_VERSION}.tar.gz" in fetch
-    assert 'echo "${UCX_SHA256}  ucx.tar.gz" | sha256sum --check --strict' in fetch
-    assert fetch.index("sha256sum") < fetch.index("tar -xzf")  # nothing unpacked before the check
-    configure = next(r for r in runs if "./configure" in r)
+    (build,) = [a for w, a in ucx if w == "RUN"]
+    assert "https://" not in DOCKERFILE.read_text().split("FROM", 1)[1]  # nothing fetched but packages
+    assert build.startswith("--mount=type=bind,target=/context")
+    assert 'if [ -z "${UCX_TARBALL}" ]; then exit 0; fi' in build
+    assert 'echo "${UCX_SHA256}  /context/${UCX_TARBALL}" | sha256sum --check --strict' in build
+    assert build.index("sha256sum") < build.index("tar -xzf")  # nothing unpacked before the check
     for option in ("--prefix=/opt/ucx", "--with-verbs", "--with-rdmacm", "--enable-mt", "--enable-cma"):
-        assert option in configure.split()
-    assert "libuct_ib.so" in configure and "libuct_rdmacm.so" in configure  # the build fails without them
-    apt = next(r for r in runs if "apt-get install" in r)
-    assert {"libibverbs-dev", "librdmacm-dev"} <= {p.split("=")[0] for p in apt.split() if "=" in p}
+        assert option in build.split()
+    assert "libuct_ib.so" in build and "libuct_rdmacm.so" in build  # the build fails without them
+    assert {"libibverbs-dev", "librdmacm-dev"} <= {p.split("=")[0] for p in build.split() if "=" in p}
     # The image's pip resolves ucxx against the libucx wheel of that same release.
     build_runs = " ".join(a for w, a in by_stage["build"] if w == "RUN")
     assert '"libucx-cu12==${UCX_VERSION}"' in build_runs
 
 
-def test_the_final_image_loads_the_rdma_ucx_and_checks_its_transports_at_build_time():
+def test_the_final_image_checks_and_labels_the_ucx_it_runs_and_has_rdma_core_only_with_it():
     final = stages()["final"]
     assert ("COPY", "--from=ucx /opt/ucx /opt/ucx") in final
     env = " ".join(a for w, a in final if w == "ENV")
     assert "LD_LIBRARY_PATH=/opt/ucx/lib" in env and "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true" in env
     runs = [a for w, a in final if w == "RUN"]
-    assert any(r.split() == ["kv-offload", "ucx-info", "--require", "rc,ud,rdmacm,tcp,sm", "--match-wheel"]
-               for r in runs)
+    # RDMA asked for (UCX_TARBALL) is checked, never silently missing; else tcp and sm.
+    assert any(r.split() == ["kv-offload", "ucx-info", "--require", '"${UCX_TARBALL:+rc,ud,rdmacm,}tcp,sm"',
+                             "--match-wheel"] for r in runs)
+    labels = " ".join(a for w, a in final if w == "LABEL")
+    assert 'io.kv-offload.ucx="${UCX_TARBALL:-the libucx-cu12 wheel: no RDMA}"' in labels
+    assert 'io.kv-offload.ucx-transports="${UCX_TARBALL:+rc, ud, dc, rdmacm, }tcp, sm, cma"' in labels
     runtime = next(r for r in runs if "apt-get install" in r)
+    assert runtime.startswith('if [ -n "${UCX_TARBALL}" ]; then')  # NIXL's own verbs otherwise
     assert {"libibverbs1", "librdmacm1", "ibverbs-providers"} <= {p.split("=")[0] for p in runtime.split() if "=" in p}
     # The check runs before USER (as root, at build time) and the image still ends non-root.
     words = [w for w, _ in final]
     check = next(i for i, (w, a) in enumerate(final) if w == "RUN" and "ucx-info" in a)
     assert check < words.index("USER")
+
+
+def test_pip_in_the_build_trusts_a_ca_bundle_given_as_a_secret_never_a_layer():
+    pip_runs = [a for w, a in stages()["build"] if w == "RUN" and "pip install" in a]
+    assert len(pip_runs) == 2
+    for run in pip_runs:
+        assert run.startswith("--mount=type=secret,id=pip-ca ")
+        assert "export PIP_CERT=/run/secrets/pip-ca" in run
+    assert "ca-certificates.crt" not in DOCKERFILE.read_text()
+
+
+def test_the_build_context_is_an_allowlist_of_what_the_dockerfile_copies():
+    ignore = [line for line in (REPO / ".dockerignore").read_text().splitlines()
+              if line and not line.startswith("#")]
+    assert ignore[0] == "*"
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copied = {src.rstrip("/") for word, args in instructions() if word == "COPY" and not args.startswith("--from=")
+              for src in args.split()[:-1]}
+    assert copied <= allowed
+    assert ".venv" not in allowed and "tests" not in allowed
 
 
 def test_hadolint_flags_rdma_packages_installed_unpinned_with_recommends_and_lists_kept(tmp_path):
@@ -186,3 +211,20 @@ def test_image_installs_nixl_pinned_like_dev_without_its_dependencies():
     dev = (DOCKERFILE.parent / "dev").read_text()
     pin = dev.split('NIXL_PKG="', 1)[1].split('"', 1)[0]
     assert f'--no-deps "{pin}"' in text
+
+
+def test_the_charts_default_image_is_what_dev_image_builds(render):
+    """./dev image tags kv-offload:<the chart's appVersion>; the chart pulls exactly that by default,
+    and the package inside has the same version."""
+    import yaml
+
+    app_version = yaml.safe_load((REPO / "charts" / "kv-offload" / "Chart.yaml").read_text())["appVersion"]
+    dev = (REPO / "dev").read_text()
+    assert 'IMAGE_NAME=kv-offload\n' in dev and 'tag="$IMAGE_NAME:$(image_tag)"' in dev
+    tag = subprocess.run(["bash", "-c", 'eval "$(sed -n "/^image_tag() {/,/^}/p" dev)"; image_tag'],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert tag == app_version
+    (deployment,) = [o for o in render() if o["kind"] == "Deployment"]
+    assert {c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]} == {f"kv-offload:{app_version}"}
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'\nversion = "{app_version}"\n' in pyproject

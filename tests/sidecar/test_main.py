@@ -144,6 +144,18 @@ def test_unusable_ucx_tls_from_flag_or_env_stops_ucx_sidecar_with_one_line(files
     assert "Traceback" not in proc.stderr
 
 
+def test_rdma_asked_of_a_ucx_built_without_it_stops_the_ucx_sidecar_with_one_line(files):
+    """The libucx wheel (this venv's UCX) has no verbs: a pool's rdma-rc preset must not run
+    silently over tcp on it."""
+    argv = ["--config", files[0], "--pool-key-file", files[1], "--transport", "ucx", "--host", "127.0.0.1",
+            "--base-port", str(free_port_block(1)), "--data-port", "0", "--ucx-tls", "rc,sm,self,tcp"]
+    proc = run_cli(argv)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("kv-offload sidecar: UCX_TLS='rc,sm,self,tcp' asks for rc, which the UCX")
+    assert "UCX_TARBALL" in line and "--ucx-tls" in line
+
+
 @pytest.mark.parametrize("flag, env, named", [(["--ucx-lanes", "3"], None, "--ucx-lanes '3'"),
                                               ([], {"KV_OFFLOAD_UCX_LANES": "two"},
                                                "KV_OFFLOAD_UCX_LANES 'two'")], ids=["flag", "env"])

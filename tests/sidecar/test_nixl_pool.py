@@ -28,3 +28,16 @@ def test_a_nixl_pool_shares_chunks_byte_identical():
         wait_for("the holder counting every chunk sent",
                  lambda: pool[0].metric("kv_offload_peer_bytes_total", direction="sent") >= 24 * chunk)
         assert pool[0].metric("kv_offload_peer_bytes_total", direction="sent") == 24 * chunk
+
+
+def test_nixl_sidecars_stopped_by_sigterm_exit_0_every_time():
+    """A stop is a clean exit, not a crash in a library's destructor (the image's nixl
+    sidecars once exited 139 at every stop)."""
+    for round_no in range(2):
+        pool = LocalPool(2, transport="nixl", capacity_bytes=CHUNK_SLOTS * 16384 * 16).start()
+        try:
+            keys = chunk_keys(f"nixl-stop-{round_no}", 4)
+            assert share_through_pool(pool, keys, pool.chunk_bytes, timeout=5.0) == (4, 0)
+        finally:
+            codes = pool.stop()
+        assert codes == {"sidecar-0": 0, "sidecar-1": 0}

@@ -34,6 +34,7 @@ from kv_offload_sidecar.peers.handshake import load_pool_key
 from kv_offload_sidecar.peers.pool_keys import load_optional_key
 from kv_offload_sidecar.setting_flags import add_flags, flag_fields, flag_values
 from kv_offload_sidecar.settings import SidecarSettings, effective_hash_seed
+from kv_offload_sidecar.commands.ucx_info import rdma_not_compiled_in
 from kv_offload_sidecar.usage import UsageError
 
 log = logging.getLogger("kv_offload_sidecar")
@@ -223,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
         parent = parent_pid(args)
         if settings.transport == "ucx":
             require("--transport ucx", "ucxx")
-            configure_ucx(ucx_tls(args), ucx_lanes(args))
+            tls = ucx_tls(args)
+            configure_ucx(tls, ucx_lanes(args))
+            if (problem := rdma_not_compiled_in(tls)) is not None:
+                raise ValueError(problem)
         elif settings.transport == "nixl":
             from kv_offload_sidecar.data.nixl.runtime import configure_nixl_env
             configure_nixl_env(args.ucx_tls)

@@ -13,6 +13,10 @@ installation, when it ships one, adds the transports usable on this host and
 their devices (an RDMA transport needs an RDMA device besides its module).
 ``RLIMIT_MEMLOCK`` is reported because registering memory for RDMA pins it.
 
+``rdma_not_compiled_in`` is the sidecar's start check: UCX_TLS that names an RDMA
+transport the loaded UCX was built without (the libucx wheel has no verbs) stops the
+ucx sidecar with one line, so a pool never runs without RDMA while asking for it.
+
 ``--require rc,rdmacm`` exits 1 with one line when a transport is not compiled
 in, ``--match-wheel`` when the loaded UCX is another release than the libucx
 wheel ucxx was built with; UCX libraries loaded from two directories always
@@ -58,6 +62,9 @@ ALIASES: Mapping[str, tuple[str, ...]] = {
     "sm": ("posix", "sysv"), "shm": ("posix", "sysv"), "mm": ("posix", "sysv"),
     "cuda": ("cuda_copy",), "ib": ("rc_verbs", "rc_mlx5"),
 }
+# UCX_TLS names that ask for RDMA (verbs, mlx5, EFA or the rdmacm connection manager).
+RDMA_NAMES = frozenset({"rc", "ud", "dc", "ib", "rdmacm", "rc_verbs", "ud_verbs", "rc_mlx5",
+                        "dc_mlx5", "ud_mlx5", "srd"})
 _LIB = re.compile(r"/libuc[mpst](_signal)?\.so[.0-9]*$")
 
 
@@ -139,6 +146,26 @@ def missing_transports(required: Sequence[str], transports: Sequence[str], modul
         if not have.intersection(options) and name not in modules:
             missing.append(name)
     return tuple(missing)
+
+
+def rdma_not_compiled_in(tls: str) -> str | None:
+    """Why ``UCX_TLS=tls`` cannot have the RDMA it names with the UCX ucxx loads, or None
+    (no RDMA named, a "^" exclusion list, or every named RDMA transport compiled in)."""
+    asked = [name for name in (n.strip() for n in tls.split(",")) if name in RDMA_NAMES]
+    if not asked or tls.strip().startswith("^"):
+        return None
+    ucp, _ = load_ucx()
+    libucs = next((p for p in mapped_ucx_libraries() if re.search(r"/libucs\.so", p)), "")
+    module_dir = os.environ.get("UCX_MODULE_DIR") or os.path.join(os.path.dirname(libucs), "ucx")
+    modules = modules_in(module_dir)
+    missing = missing_transports(asked, compiled_transports(modules), modules)
+    if not missing:
+        return None
+    return (f"UCX_TLS={tls!r} asks for {', '.join(missing)}, which the UCX this sidecar runs "
+            f"({os.path.dirname(libucs) or 'unknown'}) was built without (transports: "
+            f"{', '.join(compiled_transports(modules))}): build the image with a UCX source "
+            f"(UCX_TARBALL, see docs/image.md) for RDMA, or pick transports it has with --ucx-tls "
+            f"(e.g. tcp,sm,self)")
 
 
 def parse_ucx_info_devices(text: str) -> dict[str, list[str]]:
