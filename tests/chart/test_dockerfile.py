@@ -66,8 +66,9 @@ def test_image_runs_as_a_numeric_non_root_user_with_entrypoint_kv_offload():
 def test_image_installs_the_project_with_ucxx_and_without_torch_or_pip_cache():
     text = DOCKERFILE.read_text()
     runs = " ".join(args for word, args in instructions() if word == "RUN")
-    assert "pip install --no-cache-dir /src" in runs
-    assert "import kv_offload_sidecar, kv_offload_operator, ucxx" in runs
+    # the extras a pod runs: the ucx plane and the operator, not the tools or tests
+    assert 'pip install --no-cache-dir "/src[ucx,operator]"' in runs
+    assert "import kv_offload_sidecar, kv_offload_operator, ucxx, kopf" in runs
     assert "torch" not in runs and "[test]" not in text
     import tomllib
 
