@@ -23,7 +23,10 @@ Scenarios (in file order; each stores its own chunks through A):
      re-lookups are MISS without another promotion, within deadlines;
   d  the same with SIGKILL (holder, then B's sidecar, which then restarts);
   e  reset_cache while B's promotion is stalled on its SIGSTOPped sidecar
-     returns within the tier's deadlines without vLLM's ``assert not self._jobs``;
+     returns within the tier's deadlines without vLLM's ``assert not self._jobs``
+     (0.34: nor its deferred-release assertions); a promotion the tier gives up on
+     there holds its rows out of reuse until the resumed sidecar answers (0.34's
+     deferred release; 0.33 frees them at once, as before);
   f  shutdown closes vLLM's primary region (no BufferError) and the process exits.
 Both managers are built in vLLM's order: the engine core builds its scheduler (so
 the manager and our tier) before ``init_none_hash`` resolves the prefix-hash seed,
@@ -505,6 +508,55 @@ def test_e_reset_cache_while_promotion_stalled(env: Env):
     loaded = env.b.load(keys, "e-req-2")
     assert loaded["match"] == [True] * N_KEYS and loaded["digests"] == stored["digests"]
     env.b.finish("e-req-2")
+
+
+def test_e_a_load_the_tier_gives_up_on_holds_its_rows_until_no_byte_can_land(env: Env,
+                                                                               release: str):
+    """0.34: B's promotion on its SIGSTOPped sidecar fails past the load deadline with a
+    deferred release; vLLM keeps the rows out of reuse until the sidecar, resumed, answers
+    (its answer: no byte lands any more). 0.33: the failed rows are free at once, as before."""
+    keys, _ = store_on_a(env, "g")
+    req = "g-req"
+    hold = "vllm:kv_offload_tiering_deferred_release_hold_seconds"
+    holds_before = series(env.b.stats(), hold, TIER_LABEL)  # e's reset released one too
+    lookup_until_hit_pending(env, keys, req)
+    sc = env.pool[1]
+    wait_for("B's sidecar to hold the chunks its lookup fetched, with no fetch in flight",
+             lambda: sc.held([bytes.fromhex(k) for k in keys])[0] == N_KEYS
+             and sc.status()["peer_fetches_in_flight"] == 0)
+    os.kill(sc.proc.pid, signal.SIGSTOP)
+    try:
+        env.b.end_step()  # submits the promotion: its load waits on the stopped sidecar
+        wait_for("B's tier to start the promotion's load", lambda: transfers(env.b)["started"] == 1)
+        failed = env.b.lookup(keys, req, max_s=LOAD_BOUND_S + 5)  # steps until it failed
+        assert failed["final"] == ["MISS"] and not failed["timed_out"], failed
+        st = env.b.stats()
+        (job,) = [j for j in st["jobs"][0]["promotions"] if j["req_id"] == req]
+        rows = sorted(job["chunk_ids"])
+        held = st["deferred"]
+        if release == "0.33.0":  # no deferred release: the rows are free for reuse at once
+            assert job["result"]["deferred_release"] is False and held["jobs"] is None
+            assert set(rows) <= set(held["free_rows"]), (rows, held)
+            return
+        assert job["result"]["success"] is False and job["result"]["deferred_release"], job
+        assert held["jobs"] == 1 and held["rows"] == rows and held["primary_chunks"] == N_KEYS
+        assert not set(rows) & set(held["free_rows"]), (rows, held)  # out of reuse
+        env.b.end_step()
+        assert env.b.stats()["deferred"]["jobs"] == 1  # held while the sidecar is stopped
+    finally:
+        os.kill(sc.proc.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+
+    def released() -> bool:
+        env.b.end_step()  # vLLM applies a set event on its polling path
+        return env.b.stats()["deferred"]["jobs"] == 0
+    wait_for("vLLM to release the rows once the resumed sidecar answered", released)
+    env.timings["g_release_after_resume_s"] = round(time.monotonic() - t0, 3)
+    after = env.b.stats()
+    assert after["deferred"]["primary_chunks"] == 0
+    assert set(rows) <= set(after["deferred"]["free_rows"])
+    assert series(after, hold, TIER_LABEL) == holds_before + 1, after["vllm"].get(hold)
+    env.b.finish(req)
 
 
 def test_f_shutdown_releases_primary_region_and_exits(env: Env):

@@ -60,7 +60,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
@@ -77,6 +77,7 @@ from kv_offload_sidecar.engine.tier_stats import (
 )
 from kv_offload_sidecar.engine.tier_transfers import TierTransfers
 from kv_offload_sidecar.engine.vllm_contract import (
+    EVENT_REQ_CONTEXT,
     CacheHitSource,
     JobResult,
     Locality,
@@ -320,15 +321,18 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                     if state is not None:
                         state.result = False
             elif job.kind == "store" and result.success and self._events is not None and job.keys:
+                origin = {"req_context": job.req_context} if EVENT_REQ_CONTEXT else {}
                 self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium,
-                                                    removed=False, locality=self.locality))
+                                                    removed=False, locality=self.locality,
+                                                    **origin))
             out.append(result)
         return out
 
     @_counts_cpu
     def drain_jobs(self) -> None:
         """Block until every submitted transfer has finished or failed; the load and the
-        store in progress are cancelled and their answers awaited (``TierTransfers.drain``)."""
+        store in progress are cancelled and their answers awaited, and every failed load's
+        deferred release is set (``TierTransfers.drain``)."""
         self._transfers.drain()
 
     @property
@@ -341,10 +345,6 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._batch or any(
             s.result is None for s in self._keys.values()))
-
-    @_counts_cpu
-    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        return None
 
     @_counts_cpu
     def take_events(self) -> Iterable[Any]:
@@ -373,6 +373,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._transfers.stop()
         for t in self._threads:
             t.join()
+        if self._transfers.releases is not None:
+            self._transfers.releases.close()
         self._take_handoffs()
         for _, _, pending in self._pending:
             pending.close()
