@@ -26,6 +26,15 @@ the port), ``lookup_timeout_seconds`` (a lookup unanswered by then is a miss),
 ``locality`` (``REMOTE``, the default, or ``LOCAL``), ``enable_kv_events``, and
 vLLM's own ``backpressure`` (handled by vLLM, honoured through the base class).
 
+Releases: vLLM 0.32, 0.33 and 0.34 load it unchanged (``vllm_contract`` says what differs).
+From 0.34 on, a load the tier gives up on while its sidecar may still write vLLM's rows
+(no answer by the deadline plus ``ROW_COPY_GRACE_SECONDS``) carries
+``JobResult.deferred_release``, set once no byte can land any more (``tier_releases``),
+and ``drain_jobs`` sets every such event before it returns; store events carry the
+request's ``req_context``. An engine whose workers span nodes cannot use the tier (it
+sees only its own node's slots of each chunk): vLLM 0.34 refuses to start one, and
+kv-offload's operator refuses such a pool whatever the release.
+
 Fail closed: at each (re)connection the tier compares the sidecar's
 fingerprint, chunk size and hash seed with the config vLLM handed it; on any
 difference it logs one error line naming the fields, answers every lookup
