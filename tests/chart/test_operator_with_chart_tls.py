@@ -145,7 +145,7 @@ async def test_operator_answers_health_webhook_and_metrics_with_the_chart_argume
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"generateName": "llama-", "namespace": POD_NAMESPACE,
                             "labels": {"kv-offload.io/pool": "no-such-pool"}},
-               "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
+               "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.34.0",
                                         "args": ["vllm", "serve", "meta-llama/Llama-3.1-8B"]}]}}
         review = admission_review(pod)
         url = f"https://127.0.0.1:{webhook_port}{hook['clientConfig']['service']['path']}"

@@ -37,7 +37,7 @@ def pod(*containers: dict[str, Any], **meta: Any) -> dict[str, Any]:
 
 
 def vllm(args: list[str] | None = None, **extra: Any) -> dict[str, Any]:
-    return {"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", "command": ["vllm"],
+    return {"name": "vllm", "image": "vllm/vllm-openai:v0.34.0", "command": ["vllm"],
             "args": args if args is not None else ["serve", "meta-llama/Llama-3.1-8B", "--kv-transfer-config", KTC],
             **extra}
 

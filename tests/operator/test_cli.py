@@ -66,8 +66,24 @@ def test_translate_rank_and_data_parallel_index(tmp_path):
 
 
 def test_translate_env_option_reaches_the_translation(tmp_path):
-    d = translate_to(tmp_path / "v1.json", LLAMA_CMD, "--env", "VLLM_USE_V2_MODEL_RUNNER=0")
+    d = translate_to(tmp_path / "v1.json", LLAMA_CMD, "--env", "VLLM_USE_V2_MODEL_RUNNER=0",
+                     "--vllm-version", "0.33")
     assert d["parallel"]["is_parallelism_agnostic"] is True
+
+
+def test_translate_follows_the_vllm_version_and_refuses_a_v1_runner_line_on_034(tmp_path):
+    default_blocks = LLAMA_CMD.replace("--block-size 16 ", "")  # 16 tokens on 0.33, 64 on 0.34
+    on_033 = translate_to(tmp_path / "a.json", default_blocks, "--vllm-version", "0.33")
+    on_034 = translate_to(tmp_path / "b.json", default_blocks, "--vllm-version", "0.34.0")
+    assert (on_033["groups"][0]["tokens_per_block"], on_034["groups"][0]["tokens_per_block"]) == (16, 64)
+    proc = run("translate", "--vllm-args", LLAMA_CMD, "--model-config", LLAMA_CONFIG,
+               "--env", "VLLM_USE_V2_MODEL_RUNNER=0")  # the newest release, 0.34
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert ("VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been "
+            "removed. Unset this variable.") in proc.stderr
+    proc = run("translate", "--vllm-args", LLAMA_CMD, "--model-config", LLAMA_CONFIG,
+               "--vllm-version", "0.31")
+    assert proc.returncode == 2 and "use one of 0.32, 0.33, 0.34" in proc.stderr
 
 
 def test_fingerprint_prints_the_fingerprint(tmp_path):

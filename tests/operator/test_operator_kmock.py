@@ -254,7 +254,7 @@ def sidecar_pod(name: str, port: int, fingerprint: str | None, *, sidecar: str =
                                          "restartPolicy": "Always",
                                          "ports": [{"name": "kvo-metrics", "containerPort": port},
                                                    {"name": "kvo-data", "containerPort": 5810}]}],
-                     "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+                     "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.34.0"}]},
             "status": status}
 
 

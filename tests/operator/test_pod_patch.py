@@ -64,7 +64,7 @@ def test_pythonpath_from_value_from_is_refused_with_what_to_change() -> None:
 
 def test_the_vllm_container_is_found_among_others_or_named_by_annotation() -> None:
     proxy = {"name": "proxy", "image": "envoy", "args": ["--config", "/etc/envoy.yaml"]}
-    api_server = {"name": "engine", "image": "vllm/vllm-openai:v0.11.0",
+    api_server = {"name": "engine", "image": "vllm/vllm-openai:v0.34.0",
                   "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
                   "args": ["--model", "meta-llama/Llama-3.1-8B", "--kv-transfer-config", KTC]}
     out = inject(pod(proxy, api_server))

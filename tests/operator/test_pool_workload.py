@@ -33,9 +33,9 @@ SERVE = ["serve", "meta-llama/Llama-3.1-8B", "--port", "8000", "--block-size", "
 
 
 def template(args: list[str], *, env: list[dict[str, Any]] | None = None, pool: str = "llama",
-             proxy: bool = True) -> dict[str, Any]:
+             proxy: bool = True, image: str = "vllm/vllm-openai:v0.34.0") -> dict[str, Any]:
     """A pod template like vLLM's Kubernetes guide: the vLLM container beside a proxy."""
-    containers = [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", "command": ["vllm"], "args": args,
+    containers = [{"name": "vllm", "image": image, "command": ["vllm"], "args": args,
                    "env": env or []}]
     if proxy:
         containers.insert(0, {"name": "proxy", "image": "envoyproxy/envoy:v1.31", "args": ["-c", "/etc/envoy.yaml"]})
@@ -74,12 +74,16 @@ async def test_a_pool_translates_its_deployments_vllm_container_and_follows_its_
     args = [*SERVE, "--kv-transfer-config", KTC]
     env = [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "0"},
            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
-    expected = pool_config(["vllm", *args], llama_config(), env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
-    assert expected.fingerprint != pool_config(["vllm", *args], llama_config()).fingerprint  # the env matters
+    v1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    # The image names vLLM 0.33, whose rules apply (0.34 has no V1 runner and refuses the env).
+    image = "vllm/vllm-openai:v0.33.0"
+    expected = pool_config(["vllm", *args], llama_config(), env=v1, vllm_version="0.33")
+    assert expected.fingerprint != pool_config(["vllm", *args], llama_config(),
+                                               vllm_version="0.33").fingerprint  # the env matters
     wider = [*SERVE[:-1], "32", "--kv-transfer-config", KTC]
-    changed = pool_config(["vllm", *wider], llama_config(), env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    changed = pool_config(["vllm", *wider], llama_config(), env=v1, vllm_version="0.33")
     assert changed.fingerprint != expected.fingerprint
-    await create(kmock, f"{APPS}/deployments", deployment("llama", args, env=env))
+    await create(kmock, f"{APPS}/deployments", deployment("llama", args, env=env, image=image))
     async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--model-config-check-seconds", "0.3"]):
         await create(kmock, POOLS_URL, workload_pool("llama", "Deployment", "llama"))
         fingerprint = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
@@ -89,8 +93,9 @@ async def test_a_pool_translates_its_deployments_vllm_container_and_follows_its_
         digest = status_of(kmock, "llama")["workloadDigest"]
 
         # The Deployment's vLLM args change: the pool is translated again, without a spec change.
+        assert status_of(kmock, "llama")["vllmVersion"] == "0.33 (from the vLLM image tag (vllm/vllm-openai:v0.33.0))"
         await merge_patch(kmock, f"{APPS}/deployments/llama",
-                          {"spec": {"template": template(wider, env=env)}})
+                          {"spec": {"template": template(wider, env=env, image=image)}})
         await wait_for_async("the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint")
                              == changed.fingerprint)
         assert configmap_config(kmock, "llama") == changed
@@ -129,6 +134,33 @@ async def test_a_workload_without_a_vllm_container_is_invalid_saying_how_to_name
         assert invalid["message"] == ("Deployment 'two' named by spec.targetRef: cannot tell which container runs "
                                       "vLLM (2 candidates); set annotation kv-offload.io/vllm-container: "
                                       "<container name> on its pod template")
+
+
+async def test_a_workload_the_release_refuses_or_spanning_nodes_is_invalid_saying_why(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    v1 = [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "0"}]
+    await create(kmock, f"{APPS}/deployments", deployment("v1", [*SERVE, "--kv-transfer-config", KTC], env=v1))
+    wide = deployment("wide", [*SERVE, "-tp", "8", "--kv-transfer-config", KTC])
+    wide["spec"]["template"]["spec"]["containers"][1]["resources"] = {"limits": {"nvidia.com/gpu": 4}}
+    await create(kmock, f"{APPS}/deployments", wide)
+    await create(kmock, f"{APPS}/deployments",
+                 deployment("nodes", [*SERVE, "-tp", "8", "--nnodes", "2", "--kv-transfer-config", KTC]))
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        for name in ("v1", "wide", "nodes"):
+            await create(kmock, POOLS_URL, workload_pool(name, "Deployment", name))
+
+        def invalid(name: str) -> str | None:
+            c = condition(status_of(kmock, name), "Invalid")
+            return c.get("message") if c.get("status") == "True" else None
+
+        message = await wait_for_async("v1's Invalid condition", lambda: invalid("v1"))
+        assert message == ("vLLM 0.34 does not start with this line: VLLM_USE_V2_MODEL_RUNNER=0 is no longer "
+                           "supported: Model Runner V1 has been removed. Unset this variable.")
+        message = await wait_for_async("wide's Invalid condition", lambda: invalid("wide"))
+        assert "has 8 workers (tensor 8 x pipeline 1 x prefill context 1) but its pod has 4 accelerators" in message
+        assert "give each engine at most one node's GPUs" in message
+        message = await wait_for_async("nodes' Invalid condition", lambda: invalid("nodes"))
+        assert message.startswith("the vLLM line spans 2 nodes per engine (--nnodes 2, --data-parallel-size 1)")
 
 
 async def test_injected_kv_transfer_config_is_translated_for_a_statefulset_and_a_leader_worker_set(

@@ -45,7 +45,7 @@ def vllm_pod(pool: str | None = "llama", *, script: str | None = None,
         "spec": {
             "containers": [{
                 "name": "vllm",
-                "image": "vllm/vllm-openai:v0.11.0",
+                "image": "vllm/vllm-openai:v0.34.0",
                 "command": ["/bin/sh", "-c"],
                 "args": [script],
                 "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}],

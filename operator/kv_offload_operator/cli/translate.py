@@ -1,4 +1,8 @@
-"""`kv-offload translate`: vLLM serve arguments + the model's config.json -> OffloadingConfig JSON."""
+"""`kv-offload translate`: vLLM serve arguments + the model's config.json -> OffloadingConfig JSON.
+
+``--vllm-version X.Y`` names the vLLM release the engines run (its rules apply;
+default: the newest supported). A line that release would not start with, or
+cannot offload from, exits 2 with the reason."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import sys
 from typing import Any
 
 from kv_offload_sidecar.usage import UsageError
+
+from kv_offload_operator.translation.vllm_releases import NEWEST, supported
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker rank in [0, world_size); 0 (the scheduler side) gives the pool identity")
     parser.add_argument("--data-parallel-index", type=int, default=None, metavar="I",
                         help="global data-parallel index of the engine (default: the pod's first)")
+    parser.add_argument("--vllm-version", default=None, metavar="X.Y",
+                        help=f"the vLLM release the engines run, one of {supported()} "
+                             f"(default: {NEWEST}, the newest)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable of the vLLM container (repeatable), "
                              "e.g. VLLM_USE_V2_MODEL_RUNNER=0")
@@ -50,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     model_config = load_model_config(args.model_config)
     try:
         config = translate(args.vllm_args, model_config, rank=args.rank,
-                           data_parallel_index=args.data_parallel_index, env=env)
+                           data_parallel_index=args.data_parallel_index, env=env,
+                           vllm_version=args.vllm_version)
         text = config.to_json()
     except ValueError as exc:
         raise UsageError(f"kv-offload translate: {exc}") from None

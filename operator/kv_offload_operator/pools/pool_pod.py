@@ -21,8 +21,28 @@ SIDECAR_NAME = "kv-offload-sidecar"
 # Name of the sidecar's first control port on every pod, whatever its DP start
 # rank: the PodMonitor scrapes /metrics there. Other control ports: kvo-ctrl-<i>.
 METRICS_PORT_NAME = "kvo-metrics"
+# Extended resources that count a container's accelerators (one per engine worker).
+ACCELERATOR_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/xe", "gpu.intel.com/i915",
+                         "habana.ai/gaudi")
 # A command line starting with one of these and holding ``-c`` runs a shell script.
 SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env")
+
+
+def container_accelerators(container: Mapping[str, Any]) -> int | None:
+    """The accelerators a container's resources ask for (``ACCELERATOR_RESOURCES``, limits,
+    else requests): its share of one node; None when it names none. ValueError for a
+    count that is not an integer."""
+    resources = container.get("resources") or {}
+    for section in ("limits", "requests"):
+        amounts = resources.get(section) or {}
+        counts = [amounts[name] for name in ACCELERATOR_RESOURCES if name in amounts]
+        if counts:
+            try:
+                return sum(int(str(c)) for c in counts)
+            except ValueError:
+                raise ValueError(f"the vLLM container's resources.{section} name an accelerator "
+                                 f"count that is not an integer: {counts!r}") from None
+    return None
 
 
 def container_argv(container: Mapping[str, Any]) -> list[str]:

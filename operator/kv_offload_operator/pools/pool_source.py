@@ -13,6 +13,10 @@ the spec: ``status.workloadDigest`` (the digest of what was read) tells the
 follower when to translate again. A workload that does not exist (yet) is a
 ``kopf.TemporaryError`` (the pool waits, Ready=False with the reason); one
 without a usable vLLM container is a ``PoolSpecError``.
+
+``source_release(source, spec)``: the vLLM release the pool's pods run, whose
+rules the translation follows: the vLLM container's image tag when it names a
+release, else ``spec.vllmVersion``, else the newest supported release.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import kv_transfer
-from .pool_pod import container_argv, find_vllm_container
+from .pool_pod import container_accelerators, container_argv, find_vllm_container
 from .pool_spec import PoolSpecError
+from ..translation.vllm_releases import VllmRelease, pool_release
 
 # (apiVersion, kind) -> (group, version, plural) of the workloads spec.targetRef may name.
 WORKLOAD_KINDS: Mapping[tuple[str, str], tuple[str, str, str]] = {
@@ -51,6 +56,11 @@ class VllmSource:
     digest: str | None = None
     # Where the command line was read, for messages: "spec.vllmArgs" or "Deployment 'llama' container 'vllm'".
     where: str = "spec.vllmArgs"
+    # The vLLM container's image (None for spec.vllmArgs): its tag may name the vLLM release.
+    image: str | None = None
+    # Accelerators the vLLM container's resources ask for (``ACCELERATOR_RESOURCES``; None: it
+    # names none, or spec.vllmArgs): one node's share, which no engine's workers may exceed.
+    accelerators: int | None = None
 
 
 def workload_ref(spec: Mapping[str, Any]) -> tuple[tuple[str, str, str], str, str] | None:
@@ -103,7 +113,20 @@ def template_source(kind: str, name: str, workload: Mapping[str, Any]) -> VllmSo
     argv = tuple(container_argv(container))
     env = {str(e["name"]): str(e["value"]) for e in container.get("env") or [] if "value" in e}
     return VllmSource(argv=argv, env=env, digest=template_digest(kind, workload),
-                      where=f"{kind} {name!r} container {container.get('name')!r}")
+                      where=f"{kind} {name!r} container {container.get('name')!r}",
+                      image=container.get("image"), accelerators=container_accelerators(container))
+
+
+def source_release(source: VllmSource, spec: Mapping[str, Any]) -> tuple[VllmRelease, str]:
+    """(the vLLM release the pool's pods run, where that was read): the vLLM container's
+    image tag when it names a release, else ``spec.vllmVersion``, else the newest supported.
+    PoolSpecError for a release kv-offload does not support."""
+    version = spec.get("vllmVersion")
+    try:
+        return pool_release(source.image, None if version is None else str(version))
+    except ValueError as exc:
+        where = f"{source.where} image {source.image!r}" if source.image else "spec.vllmVersion"
+        raise PoolSpecError(f"{where}: {exc}") from None
 
 
 async def read_workload(api: k8s.ApiClient, namespace: str,
@@ -146,4 +169,5 @@ async def vllm_source(api: k8s.ApiClient, namespace: str, spec: Mapping[str, Any
         argv = kv_transfer.effective_argv(source.argv, connector, source.where)
     except ValueError as exc:
         raise PoolSpecError(str(exc)) from None
-    return VllmSource(argv=tuple(argv), env=source.env, digest=source.digest, where=source.where)
+    return VllmSource(argv=tuple(argv), env=source.env, digest=source.digest, where=source.where,
+                      image=source.image, accelerators=source.accelerators)

@@ -26,7 +26,7 @@ from . import pool_key
 from . import pool_objects as objects
 from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .model_config import model_config
-from .pool_source import vllm_source
+from .pool_source import source_release, vllm_source
 from .pool_spec import (
     PoolSpecError,
     SidecarSpec,
@@ -74,7 +74,9 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
     try:
         model = await model_config(api, namespace, pool["spec"], patch)
         source = await vllm_source(api, namespace, pool["spec"], patch)
-        config = pool_config(list(source.argv), model, env=source.env)
+        release, release_source = source_release(source, pool["spec"])
+        config = pool_config(list(source.argv), model, env=source.env,
+                             vllm_version=release.version, accelerators=source.accelerators)
         sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image,
                                         default_base_port=memo.options.sidecar_base_port,
                                         default_data_port=memo.options.sidecar_data_port,
@@ -110,12 +112,14 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
         patch.status["readyPeers"] = 0
     patch.status["fingerprint"] = config.fingerprint
     patch.status["namespaceDigest"] = config.namespace_digest
+    patch.status["vllmVersion"] = f"{release.version} (from {release_source})"
     patch.status["configMap"] = objects.configmap_name(name)
     patch.status["observedGeneration"] = generation
     patch.status["conditions"] = objects.pool_conditions(
         status.get("conditions"), invalid_message=None, generation=generation, now=now)
     logger.info(f"Pool {namespace}/{name}: fingerprint {config.fingerprint}, "
-                f"ConfigMap {objects.configmap_name(name)} written.")
+                f"ConfigMap {objects.configmap_name(name)} written "
+                f"(vLLM {release.version}'s rules, from {release_source}).")
 
 
 async def _ensure_configmap(core: k8s.CoreV1Api, cm: Mapping[str, Any]) -> None:

@@ -4,7 +4,9 @@ Input: the real ``vllm serve`` command line and the model's Hugging Face
 config.json. Output: the frozen ``OffloadingConfig`` that released vLLM's
 ``build_offloading_config`` (``vllm/distributed/kv_transfer/kv_connector/v1/
 offloading/config.py``) produces, so that its fingerprint equals the one
-vLLM's P2P tier computes. ``translate`` gives one worker ``rank`` of the engine
+vLLM's P2P tier computes. The rules are those of the vLLM release the engines
+run (``vllm_version``; ``vllm_releases``: the newest supported when not given).
+``translate`` gives one worker ``rank`` of the engine
 with global data-parallel index ``data_parallel_index``; ``pool_config`` gives
 what every engine of the deployment shares (the pool's ConfigMap), with no
 per-engine value in it. Pure: no I/O, no vLLM import. Every problem is a
@@ -35,9 +37,8 @@ from .kv_cache_geometry import (
     kv_cache_geometry,
 )
 from .vllm_args import VllmServeArgs, parse_vllm_args
+from .vllm_releases import V1_RUNNER_REMOVED, VllmRelease, release
 
-# CacheConfig.DEFAULT_BLOCK_SIZE: what FlashAttention runs with when --block-size is absent.
-DEFAULT_BLOCK_SIZE = 16
 OFFLOADING_CONNECTOR = "OffloadingConnector"
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # The layout OffloadingConnector asks for (get_required_kvcache_layout).
@@ -167,14 +168,82 @@ def _tokens_per_hash(args: VllmServeArgs, group_block_sizes: Sequence[int]) -> i
     return tokens_per_hash
 
 
-def _use_v2_model_runner(args: VllmServeArgs) -> bool:
-    """VllmConfig.use_v2_model_runner: on by default unless the env or a feature says no."""
+def _use_v2_model_runner(args: VllmServeArgs, rel: VllmRelease) -> bool:
+    """VllmConfig.use_v2_model_runner: on by default unless the env or a feature says no
+    (always on where the release has no V1 runner: ``_check_model_runner`` refuses the env)."""
+    if not rel.v1_model_runner:
+        return True
     explicit = _env_flag(args.env, "VLLM_USE_V2_MODEL_RUNNER")
     if explicit is not None:
         return explicit
     if args.distributed_executor_backend == "external_launcher" and args.pipeline_parallel_size > 1:
         return False
     return True
+
+
+def _check_model_runner(args: VllmServeArgs, rel: VllmRelease) -> None:
+    """A release without the V1 runner stops at start (``validate_environ``) when
+    VLLM_USE_V2_MODEL_RUNNER is set to anything but 1: so does the translation."""
+    value = args.env.get("VLLM_USE_V2_MODEL_RUNNER")
+    if not rel.v1_model_runner and value is not None and value != "1":
+        raise TranslationError(f"vLLM {rel.version} does not start with this line: "
+                               + V1_RUNNER_REMOVED.format(value=value))
+
+
+_ONE_NODE_HINT = ("kv-offload's tier runs in the engine core and sees only its own node's "
+                  "workers' KV (vLLM 0.34 refuses secondary tiers there; 0.32 and 0.33 start "
+                  "and lack the other nodes' share of every chunk): give each engine at most one "
+                  "node's GPUs (--tensor-parallel-size x --pipeline-parallel-size) and scale out "
+                  "with --data-parallel-size or more replicas")
+
+
+def _check_single_node(args: VllmServeArgs, nnodes_within_dp: int,
+                       accelerators: int | None) -> None:
+    """An engine whose workers span nodes cannot offload to kv-offload (``_ONE_NODE_HINT``):
+    more than one node per engine (--nnodes), or more workers than the pod's accelerators
+    (``accelerators``: the vLLM container's share of its node; None: unknown)."""
+    if nnodes_within_dp > 1:
+        raise TranslationError(
+            f"the vLLM line spans {nnodes_within_dp} nodes per engine (--nnodes {args.nnodes}, "
+            f"--data-parallel-size {args.data_parallel_size}): " + _ONE_NODE_HINT)
+    world = (args.tensor_parallel_size * args.pipeline_parallel_size
+             * args.prefill_context_parallel_size)
+    if accelerators is not None and world > accelerators:
+        raise TranslationError(
+            f"an engine of the vLLM line has {world} workers (tensor {args.tensor_parallel_size} "
+            f"x pipeline {args.pipeline_parallel_size} x prefill context "
+            f"{args.prefill_context_parallel_size}) but its pod has {accelerators} "
+            "accelerators, so its workers span nodes: " + _ONE_NODE_HINT)
+
+
+# SpeculativeConfig.needs_eagle_block_drop: drafters that read the next token's hidden state.
+_LOOKAHEAD_METHODS = ("eagle", "eagle3", "mtp")
+
+
+def _check_hash_lookahead(args: VllmServeArgs, rel: VllmRelease) -> None:
+    """Where the release hashes the drafter's lookahead tokens into block hashes
+    (``VllmConfig._resolve_num_hash_lookahead_tokens``: an EAGLE-like method, its block
+    drop and lookahead hashes not disabled; OffloadingConnector supports them), the
+    pool's chunk keys differ from those of any engine without it for the same prompt,
+    and vLLM's fingerprint does not record it: refused, saying how to share anyway."""
+    spec = args.speculative_config
+    if not rel.hash_lookahead or not spec:
+        return
+    if spec.get("disable_lookahead_block_hashes") or spec.get("disable_eagle_block_drop"):
+        return
+    method = spec.get("method")
+    fix = ("add \"disable_lookahead_block_hashes\": true to --speculative-config on every pod "
+           "of the pool (vLLM's own setting for engines that share a KV store)")
+    if method is None and spec.get("model") is not None:
+        raise TranslationError(
+            f"--speculative-config names a draft model but no method, and vLLM {rel.version} "
+            "detects EAGLE/MTP drafters from the checkpoint and then hashes their lookahead "
+            "tokens into the chunk keys: state \"method\" in --speculative-config, or " + fix)
+    if method in _LOOKAHEAD_METHODS:
+        raise TranslationError(
+            f"vLLM {rel.version} hashes the {method} drafter's lookahead tokens into its block "
+            "hashes, so these engines' chunk keys differ from any engine's without it for the "
+            "same prompt and the pool fingerprint cannot tell them apart: " + fix)
 
 
 def _nnodes_within_dp(args: VllmServeArgs) -> int:
@@ -220,8 +289,8 @@ def _certifiable(geometry: KVCacheGeometry, tp: int) -> bool:
     return any(group.layer_names for group in geometry.groups)
 
 
-def _layout_flags(args: VllmServeArgs, geometry: KVCacheGeometry,
-                  canonical_layout: bool) -> tuple[bool, bool]:
+def _layout_flags(args: VllmServeArgs, geometry: KVCacheGeometry, canonical_layout: bool,
+                  rel: VllmRelease) -> tuple[bool, bool]:
     """(is_parallelism_agnostic, replicated_layout) as build_offloading_config decides them."""
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     dcp, pcp = args.decode_context_parallel_size, args.prefill_context_parallel_size
@@ -237,9 +306,10 @@ def _layout_flags(args: VllmServeArgs, geometry: KVCacheGeometry,
         and pp == 1 and pcp == 1 and dcp == 1 and world_size == tp
         and backend == "mp" and nnodes_within_dp == 1
     )
-    # Only one head-sharded full-attention group on the V1 runner is portable as is.
+    # Only one head-sharded full-attention group on the V1 runner is portable as is
+    # (releases without the V1 runner: only canonical pages are).
     is_parallelism_agnostic = (
-        not _use_v2_model_runner(args)
+        not _use_v2_model_runner(args, rel)
         and single is not None and single.kind == FULL
         and single.num_kv_heads * tp == geometry.total_num_kv_heads
         and dcp == 1 and pcp == 1
@@ -260,7 +330,8 @@ def _layout_flags(args: VllmServeArgs, geometry: KVCacheGeometry,
 
 def translate(vllm_args: Sequence[str] | str | VllmServeArgs, model_config: Mapping[str, Any], *,
               rank: int = 0, data_parallel_index: int | None = None,
-              env: Mapping[str, str] | None = None) -> OffloadingConfig:
+              env: Mapping[str, str] | None = None, vllm_version: str | None = None,
+              accelerators: int | None = None) -> OffloadingConfig:
     """The OffloadingConfig one worker of one engine of this deployment builds.
 
     ``vllm_args`` is the ``vllm serve`` command line (string or argv list, or
@@ -269,14 +340,19 @@ def translate(vllm_args: Sequence[str] | str | VllmServeArgs, model_config: Mapp
     whose fingerprint is the pool's); ``data_parallel_index`` the engine's
     global DP index (default: the first DP rank the command line runs);
     ``env`` the container's environment variables (override NAME=value
-    prefixes of the command line), e.g. ``VLLM_USE_V2_MODEL_RUNNER``.
+    prefixes of the command line), e.g. ``VLLM_USE_V2_MODEL_RUNNER``;
+    ``vllm_version`` the vLLM release the engines run ("0.34"; None: the newest
+    supported); ``accelerators`` the GPUs of the pod running the vLLM container
+    (None: unknown): an engine with more workers spans nodes and is refused.
     """
     return _build(_parsed(vllm_args, env), model_config, rank=rank,
-                  data_parallel_index=data_parallel_index, pool=False)
+                  data_parallel_index=data_parallel_index, pool=False,
+                  rel=_release(vllm_version), accelerators=accelerators)
 
 
 def pool_config(vllm_args: Sequence[str] | str | VllmServeArgs, model_config: Mapping[str, Any], *,
-                env: Mapping[str, str] | None = None) -> OffloadingConfig:
+                env: Mapping[str, str] | None = None, vllm_version: str | None = None,
+                accelerators: int | None = None) -> OffloadingConfig:
     """The OffloadingConfig every engine of this deployment shares: the pool's ConfigMap.
 
     Equal to ``translate(..., rank=0)`` (same fingerprint) except that nothing
@@ -285,7 +361,15 @@ def pool_config(vllm_args: Sequence[str] | str | VllmServeArgs, model_config: Ma
     ``_dp<N>`` suffix. Every pod mounts this one ConfigMap; the DP ranks a pod
     serves come from the pod itself (the webhook's ``--dp-indices``).
     """
-    return _build(_parsed(vllm_args, env), model_config, rank=0, data_parallel_index=0, pool=True)
+    return _build(_parsed(vllm_args, env), model_config, rank=0, data_parallel_index=0, pool=True,
+                  rel=_release(vllm_version), accelerators=accelerators)
+
+
+def _release(vllm_version: str | None) -> VllmRelease:
+    try:
+        return release(vllm_version)
+    except ValueError as exc:
+        raise TranslationError(str(exc)) from None
 
 
 def _parsed(vllm_args: Sequence[str] | str | VllmServeArgs, env: Mapping[str, str] | None) -> VllmServeArgs:
@@ -321,12 +405,17 @@ def _data_parallel_place(args: VllmServeArgs, index: int | None, *,
 
 
 def _build(args: VllmServeArgs, model_config: Mapping[str, Any], *, rank: int,
-           data_parallel_index: int | None, pool: bool) -> OffloadingConfig:
-    """build_offloading_config for worker ``rank`` of one engine, or of the pool (``pool``)."""
+           data_parallel_index: int | None, pool: bool, rel: VllmRelease,
+           accelerators: int | None) -> OffloadingConfig:
+    """build_offloading_config of release ``rel`` for worker ``rank`` of one engine, or of
+    the pool (``pool``)."""
     if not isinstance(model_config, Mapping):
         raise TranslationError("the model config must be a JSON object (the model's config.json)")
     if not args.model:
         raise TranslationError("the vLLM args name no model: give 'vllm serve MODEL ...' or --model MODEL")
+    _check_model_runner(args, rel)
+    _check_hash_lookahead(args, rel)
+    _check_single_node(args, _nnodes_within_dp(args), accelerators)
     ktc = _connector_config(args)
     extra = ktc["kv_connector_extra_config"]
 
@@ -346,7 +435,7 @@ def _build(args: VllmServeArgs, model_config: Mapping[str, Any], *, rank: int,
         raise TranslationError(
             "MLA models get their block size from the GPU's attention backend (64 for FlashMLA, "
             "128 for CUTLASS MLA): pass --block-size explicitly to vLLM and to kv-offload")
-    block_size = args.block_size or DEFAULT_BLOCK_SIZE
+    block_size = args.block_size or rel.default_block_size
     try:
         geometry = kv_cache_geometry(
             model_config,
@@ -377,7 +466,8 @@ def _build(args: VllmServeArgs, model_config: Mapping[str, Any], *, rank: int,
     )
 
     canonical_layout = bool(extra.get("canonical_layout", False))
-    is_parallelism_agnostic, replicated_layout = _layout_flags(args, geometry, canonical_layout)
+    is_parallelism_agnostic, replicated_layout = _layout_flags(args, geometry, canonical_layout,
+                                                               rel)
 
     engine_id = str(ktc.get("engine_id") or _default_engine_id(args.model)) + engine_id_suffix
     events = args.kv_events_config or {}

@@ -76,6 +76,9 @@ class VllmServeArgs:
     nnodes: int = 1
     # --kv-events-config as a JSON object; None when absent.
     kv_events_config: Mapping[str, Any] | None = None
+    # -sc/--speculative-config as a JSON object (dotted overrides merged in), e.g.
+    # {"method": "eagle3", "model": "...", "num_speculative_tokens": 3}; None when absent.
+    speculative_config: Mapping[str, Any] | None = None
     # NAME=value assignments that preceded the command (e.g. VLLM_USE_V2_MODEL_RUNNER=0).
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -163,6 +166,7 @@ _VALUE_FLAGS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "--distributed-executor-backend": ("distributed_executor_backend", _str),
     "--nnodes": ("nnodes", _positive_int),
     "--kv-events-config": ("kv_events_config", _json_object),
+    "--speculative-config": ("speculative_config", _json_object),
 }
 # Boolean flags kv-offload reads: flag -> (field, value it sets).
 _BOOL_FLAGS: dict[str, tuple[str, bool]] = {
@@ -181,6 +185,7 @@ _ALIASES = {
     "-dcp": "--decode-context-parallel-size",
     "-pcp": "--prefill-context-parallel-size",
     "-n": "--nnodes",
+    "-sc": "--speculative-config",
 }
 # Flags of `vllm serve` that take no value; any other unknown flag without
 # `=` consumes the next word as its value when that word is not a flag.
@@ -318,7 +323,7 @@ def parse_vllm_args(argv: Sequence[str] | str) -> VllmServeArgs:
             i += 1
         else:
             value = None
-        if dot and base in ("--kv-transfer-config", "--kv-events-config"):
+        if dot and base in ("--kv-transfer-config", "--kv-events-config", "--speculative-config"):
             if value is None:
                 raise VllmArgsError(f"{word} needs a value, e.g. {name} VALUE")
             dotted.append((base, sub, value))

@@ -22,7 +22,7 @@ from ..pools.kv_transfer import injected_connector
 from ..pools.model_config import model_config
 from ..pools.pool_api import get_pool
 from ..pools.pool_objects import invalid_message
-from ..pools.pool_source import vllm_source
+from ..pools.pool_source import source_release, vllm_source
 from ..pools.pool_spec import POOL_LABEL, SidecarSpec
 from ..translation.translate import pool_config
 
@@ -81,7 +81,9 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
     try:
         model = await model_config(memo.api, namespace, pool["spec"])
         source = await vllm_source(memo.api, namespace, pool["spec"])  # spec.vllmArgs or spec.targetRef
-        config = pool_config(list(source.argv), model, env=source.env)
+        release, _ = source_release(source, pool["spec"])
+        config = pool_config(list(source.argv), model, env=source.env,
+                             vllm_version=release.version, accelerators=source.accelerators)
     except (ValueError, kopf.TemporaryError) as exc:
         raise Denial(
             "pool_not_translated", f"{where} cannot be read back ({exc}); retry once the operator has reconciled it.",
@@ -92,7 +94,7 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
             f"still {fingerprint}); retry in a moment.", code=503)
     try:
         problem = patches.pod_identity_problem(pod, config, model, connector=injected_connector(pool["spec"]),
-                                               source=source.where)
+                                               source=source.where, vllm_version=release.version)
         sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image,
                                         default_base_port=memo.options.sidecar_base_port,
                                         default_data_port=memo.options.sidecar_data_port,

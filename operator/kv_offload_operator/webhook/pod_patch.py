@@ -36,12 +36,14 @@ from ..pools.pool_pod import (  # the names injection marks a pod with, and its 
     INJECTED_ANNOTATION,
     METRICS_PORT_NAME,
     SIDECAR_NAME,
+    container_accelerators,
     container_argv,
     find_vllm_container,
 )
 from ..pools.pool_spec import HASH_SEED_ENV, SidecarSpec
 from ..quantity import format_bytes
 from ..translation.translate import translate
+from ..translation.vllm_releases import release_of_image
 from ..translation.vllm_args import parse_vllm_args
 
 # Where the sidecar finds the pool's config.
@@ -96,7 +98,8 @@ def is_injected(pod: Mapping[str, Any]) -> bool:
 def pod_identity_problem(pod: Mapping[str, Any], pool_config: OffloadingConfig,
                          model_config: Mapping[str, Any], *,
                          connector: kv_transfer.InjectedConnector | None = None,
-                         source: str = "spec.vllmArgs") -> str | None:
+                         source: str = "spec.vllmArgs",
+                         vllm_version: str | None = None) -> str | None:
     """None when the pod's vLLM container translates to the pool's fingerprint.
 
     Otherwise a clause naming both fingerprints and every identity field that
@@ -105,13 +108,16 @@ def pod_identity_problem(pod: Mapping[str, Any], pool_config: OffloadingConfig,
     (the translator's message) when the pod's arguments do not translate.
     ``connector``: the pool's ``spec.injectKVTransferConfig``, added to a command
     line without ``--kv-transfer-config`` as the webhook will; ``source``: where the
-    pool's command line comes from (``pool_source.VllmSource.where``).
+    pool's command line comes from (``pool_source.VllmSource.where``); ``vllm_version``: the
+    pool's vLLM release, used unless the pod's image tag names its own.
     """
     container = ((pod.get("spec") or {}).get("containers") or [])[find_vllm_container(pod)]
     env = {str(e["name"]): str(e["value"]) for e in container.get("env") or [] if "value" in e}
     argv = kv_transfer.effective_argv(container_argv(container), connector,
                                       f"the vLLM container {container.get('name')!r}")
-    pod_config = translate(argv, model_config, env=env)
+    version = release_of_image(container.get("image")) or vllm_version
+    pod_config = translate(argv, model_config, env=env, vllm_version=version,
+                           accelerators=container_accelerators(container))
     if pod_config.fingerprint == pool_config.fingerprint:
         return None
     diff = "; ".join(identity_diff(pool_config, pod_config)) or "no field diff"

@@ -30,7 +30,8 @@ Ops:
   ``deadline`` is a ``time.monotonic()`` value: CLOCK_MONOTONIC is one clock for
   every container of a pod. The engine gives up at the deadline (plus a grace
   for the piece in flight) and may then reuse the rows, so nothing is read from
-  or written to them after it.
+  or written to them after it; with vLLM 0.34 it holds them until this answer
+  comes, however late (``engine.channel_protocol``), so the answer is always sent.
 - ``load``, ``load_rows`` and ``store_rows`` may carry ``"job"``, an id the engine
   chooses (a string of at most ``MAX_JOB_ID_CHARS``); ``cancel {jobs: [id]}`` ->
   ``{cancelled}`` (how many were running) makes those jobs stop at once: no

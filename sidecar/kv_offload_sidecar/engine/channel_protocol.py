@@ -11,6 +11,14 @@ region file's descriptor) and copies between its rows and the store's slots
 maps the store file and copies into or out of the slots a reply names.
 Bodies are parsed with ``bounded_json.loads_bounded`` (bounded depth and
 number size) on both sides.
+
+A ``load_rows`` answer is sent only once no byte of the job lands in vLLM's rows any
+more (the receive into an offered row stopped, the copy thread done), and it is always
+sent, on the connection that asked, however late: a sidecar answers each connection's
+requests in order. So an engine that gave up waiting (a stalled sidecar, past the
+deadline plus ``ROW_COPY_GRACE_SECONDS``) keeps that connection and reads the late
+answer, or its end (the sidecar is gone), as the notice that the rows are its own
+again (vLLM 0.34's deferred release: ``engine.tier_releases``). No field was added for it.
 """
 
 from __future__ import annotations

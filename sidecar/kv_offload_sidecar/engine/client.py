@@ -361,7 +361,7 @@ class EngineClient:
                 reply = self._call(conn, att, {"op": "reserve", "keys": cp.encode_keys(keys)},
                                    CONTROL_TIMEOUT_SECONDS)
                 rid = reply["id"]
-                user_exc = self._each_slot(att, reply["slots"], write_fn)  # raised once given back
+                user_exc = att.each_slot(reply["slots"], write_fn)  # raised once given back
                 if user_exc is not None:
                     self._call(conn, att, {"op": "abort", "id": rid}, CONTROL_TIMEOUT_SECONDS)
                 else:
@@ -395,7 +395,7 @@ class EngineClient:
                     req["job"] = job
                 reply = self._call(conn, att, req, timeout + REPLY_GRACE_SECONDS)
                 pid, slots = reply["id"], reply["slots"]
-                user_exc = self._each_slot(att, slots, read_fn)  # raised once released
+                user_exc = att.each_slot(slots, read_fn)  # raised once released
                 read = len(slots) if user_exc is None else 0
                 if slots:
                     try:
@@ -434,8 +434,17 @@ class EngineClient:
         """The sidecar makes the leading held ``keys`` local and copies them into ``rows``;
         returns how many leading rows now hold their chunk. Late or failed: 0. ``job``: an
         id ``cancel`` can name."""
-        return self._row_job("load_rows", "loaded", keys, rows, timeout, strict=False,
-                             job=job).get("loaded", 0)
+        return self.load_rows_held(keys, rows, timeout, job=job, hold_late=False)[0]
+
+    def load_rows_held(self, keys: Sequence[bytes], rows: Sequence[int], timeout: float = 2.0,
+                       *, job: str | None = None, hold_late: bool = True) -> tuple[int, Any]:
+        """``load_rows``, and the connection of a sidecar that has not answered by then (else
+        None; closed unless ``hold_late``): its job may write ``rows`` until its answer, or
+        the connection's end, arrives there. The caller owns (closes) it."""
+        held: list[LocalConn] = []
+        reply = self._row_job("load_rows", "loaded", keys, rows, timeout, strict=False, job=job,
+                              held=held if hold_late else None)
+        return reply.get("loaded", 0), (held[0] if held else None)
 
     def cancel(self, jobs: Sequence[str]) -> int:
         """Make the sidecar stop the calls named ``jobs`` (``load``, ``load_rows``, ``store_rows``)
@@ -456,10 +465,11 @@ class EngineClient:
 
     def _row_job(self, op: str, answer: str, keys: Sequence[bytes], rows: Sequence[int],
                  timeout: float, *, strict: bool, job: str | None = None,
-                 extra: dict[str, Any] | None = None) -> dict[str, int]:
+                 extra: dict[str, Any] | None = None, held: list | None = None) -> dict[str, int]:
         """One store_rows/load_rows request: the sidecar touches no row after ``timeout``
         (its deadline), and the answer is awaited ``ROW_COPY_GRACE_SECONDS`` longer: its
-        counts, ``answer`` among them ({} when it failed and not ``strict``)."""
+        counts, ``answer`` among them ({} when it failed and not ``strict``). ``held``
+        takes a connection whose answer is still due, instead of closing it."""
         if not keys:
             return {}
         what = op.removesuffix("_rows")
@@ -473,34 +483,23 @@ class EngineClient:
             if job is not None:
                 req["job"] = job
             req.update(extra or {})
-            with self._connection() as conn:
+            conn, ok = self._checkout(), False
+            try:
                 reply = self._call(conn, att, req, timeout + ROW_COPY_GRACE_SECONDS)
+                ok = True
+            except Late:
+                if held is not None:  # the answer is still due on it: the caller's now
+                    held.append(conn)
+                raise
+            finally:
+                if conn not in (held or ()):
+                    self._checkin(conn, ok)
             return {k: int(reply[k]) for k in (answer, "cut") if k == answer or k in reply}
         except (*_FAILURES, SidecarUnavailable) as exc:
             self._miss(what, exc)
             if strict:
                 raise SidecarUnavailable(f"{what} of {len(keys)} chunks failed: {exc}") from None
             return {}
-
-    @staticmethod
-    def _each_slot(att: Attachment, slots: Sequence[int | None],
-                   fn: Callable[[int, memoryview], None]) -> BaseException | None:
-        """``fn(i, view of slots[i])`` for each slot (None: skipped) until one raises; returns
-        that error of the engine's own (the caller gives the slots back, then raises it)."""
-        for i, slot in enumerate(slots):
-            if slot is None:
-                continue
-            view = att.view.slot_view(slot)
-            try:
-                fn(i, view)
-            except BaseException as exc:
-                return exc
-            finally:
-                try:
-                    view.release()
-                except BufferError:  # the callback kept a derived view
-                    pass
-        return None
 
     def close(self) -> None:
         """Close connections and unmap the store (the sidecar keeps its file)."""

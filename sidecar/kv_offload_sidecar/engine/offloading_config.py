@@ -18,9 +18,10 @@ FINGERPRINT_HEX_LEN = 16
 NAMESPACE_DIGEST_HEX_LEN = 12
 # SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT (mmap.PAGESIZE on x86-64 / arm64 4K).
 HOST_PAGE_BYTES = 4096
-# vLLM's CANONICAL_FORMAT_VERSION (canonical_mapping.py), as the fingerprint records it:
-# vLLM main is at 2 (PCP recorded as a replica axis); the 0.33.0 wheel still says 1.
-CANONICAL_FORMAT_VERSION = 2
+# vLLM's CANONICAL_FORMAT_VERSION (distributed/kv_transfer/kv_connector/v1/offloading/
+# canonical_mapping.py), as the fingerprint records it: 1 in every supported release
+# (0.32.0, 0.33.0, 0.34.0); vLLM's main branch has moved on to 2, which no release carries.
+CANONICAL_FORMAT_VERSION = 1
 # Legacy family spellings of vLLM's canonical_format_id.
 _CANONICAL_FAMILY = {"LBNHC": "nhd", "LBHNC": "hnd"}
 
@@ -265,7 +266,7 @@ class OffloadingConfig:
 
 
 def canonical_format_id(kv_cache_layout: str) -> str:
-    """vLLM's canonical_format_id: ``"v2-" + family``."""
+    """vLLM's canonical_format_id: ``f"v{CANONICAL_FORMAT_VERSION}-" + family``."""
     family = _CANONICAL_FAMILY.get(kv_cache_layout, kv_cache_layout.lower())
     return f"v{CANONICAL_FORMAT_VERSION}-{family}"
 

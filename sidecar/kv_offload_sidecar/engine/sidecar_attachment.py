@@ -11,7 +11,7 @@ that connection closes). Standard library only.
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,25 @@ class Attachment:
         self._region_conn: LocalConn | None = None
         if region is not None:
             self._attach_region(socket_path, region, timeout)
+
+    def each_slot(self, slots: Sequence[int | None],
+                  fn: Callable[[int, memoryview], None]) -> BaseException | None:
+        """``fn(i, view of slots[i])`` for each slot (None: skipped) until one raises; returns
+        that error of the engine's own (the caller gives the slots back, then raises it)."""
+        for i, slot in enumerate(slots):
+            if slot is None:
+                continue
+            view = self.view.slot_view(slot)
+            try:
+                fn(i, view)
+            except BaseException as exc:
+                return exc
+            finally:
+                try:
+                    view.release()
+                except BufferError:  # the callback kept a derived view
+                    pass
+        return None
 
     def _attach_region(self, socket_path: str, region: RowRegion, timeout: float) -> None:
         try:

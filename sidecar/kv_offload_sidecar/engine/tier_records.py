@@ -25,6 +25,8 @@ class Job:
     keys: list[bytes]
     rows: list[int]
     submitted: float
+    # vLLM's ReqContext of the job's request (what a stored chunk's event names, 0.34 on).
+    req_context: Any = None
 
 
 def locality_of(value: Any) -> Locality:

@@ -17,6 +17,12 @@ started and cancels the running load and store over the local channel, by the id
 the sidecar knows them by (``<prefix>:<job id>``), then waits for the sidecar's answers.
 A store is reported successful only when every chunk the sidecar reserved for it
 landed; keys it held already or had no room for are skipped, not failed.
+A load the sidecar (copying into vLLM's rows itself) has not answered by its deadline
+plus ``ROW_COPY_GRACE_SECONDS`` fails; where vLLM's ``JobResult`` has
+``deferred_release`` (0.34 on), its result carries an event set only once no byte of
+it can land in the rows any more (``tier_releases``), and ``drain`` sets every such
+event before it returns, after ``REPLY_GRACE_SECONDS`` at most; earlier releases
+report the failure as before (vLLM may reuse the rows at once).
 Imports: the standard library and this package's tier modules.
 """
 
@@ -29,12 +35,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kv_offload_sidecar.engine.client import StoreCut
+from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS, ROW_COPY_GRACE_SECONDS, StoreCut
 from kv_offload_sidecar.engine.region_file import copy_released
 from kv_offload_sidecar.engine.sidecar_link import SidecarLink
 from kv_offload_sidecar.engine.tier_records import Job
+from kv_offload_sidecar.engine.tier_releases import DeferredReleases
 from kv_offload_sidecar.engine.tier_stats import TierStats
-from kv_offload_sidecar.engine.vllm_contract import JobResult, TransferJob, tier_logger
+from kv_offload_sidecar.engine.vllm_contract import (
+    DEFERRED_RELEASE,
+    JobResult,
+    TransferJob,
+    tier_logger,
+)
 
 logger = tier_logger(__name__)
 
@@ -79,6 +91,9 @@ class TierTransfers:
         # unique only per engine).
         self._running: dict[str, Job | None] = dict.fromkeys(self._queues)
         self._job_prefix = secrets.token_hex(6)
+        # Failed loads whose rows the stalled sidecar may still write (vLLM 0.34 on; None:
+        # the release has no deferred_release, vLLM may reuse such rows at once).
+        self.releases: DeferredReleases | None = DeferredReleases() if DEFERRED_RELEASE else None
         self.threads = [threading.Thread(target=self._transfer_worker, args=(kind,),
                                          name=f"kv-offload-{kind}", daemon=True)
                         for kind in self._queues]
@@ -89,7 +104,7 @@ class TierTransfers:
         if rows is None:  # older vLLM: JobMetadata.block_ids
             rows = job.block_ids
         record = Job(kind, int(job.job_id), [bytes(k) for k in job.keys],
-                     [int(r) for r in rows], time.monotonic())
+                     [int(r) for r in rows], time.monotonic(), getattr(job, "req_context", None))
         self.jobs[record.job_id] = record
         with self._idle:
             self._pending_transfers += 1
@@ -101,15 +116,17 @@ class TierTransfers:
         out = []
         while True:
             try:
-                job_id, moved_count, elapsed, ok = self._finished.get_nowait()
+                job_id, moved_count, elapsed, ok, release = self._finished.get_nowait()
             except queue.Empty:
                 return out
             job = self.jobs.pop(job_id)
             moved = job.keys[:moved_count] if job.kind == "load" else job.keys
             partial = job.kind == "load" and not ok and moved_count > 0
+            deferred = {} if release is None else {"deferred_release": release}
             out.append((job, moved_count, JobResult(
                 job_id=job_id, success=ok, successful_keys=tuple(moved) if partial else None,
-                transfer_time=elapsed, transfer_bytes=moved_count * self._chunk_bytes)))
+                transfer_time=elapsed, transfer_bytes=moved_count * self._chunk_bytes,
+                **deferred)))
 
     def drain(self) -> None:
         """Block until every submitted transfer has finished or failed.
@@ -121,7 +138,9 @@ class TierTransfers:
         this returns. A cancelled load reports the chunks it loaded; a cancelled store
         whose chunks did not all land fails (what landed stays in the sidecar). A
         sidecar that does not answer is waited for until the job's deadline
-        (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store).
+        (``load_timeout_seconds`` for a load, the sidecar's control timeout for a store);
+        then every deferred release is set, the sidecars' answers still due awaited
+        ``REPLY_GRACE_SECONDS`` at most (``DeferredReleases.release_all``).
         """
         with self._idle:
             self._draining += 1
@@ -136,6 +155,8 @@ class TierTransfers:
             with self._idle:
                 while self._pending_transfers:
                     self._idle.wait(1.0)
+            if self.releases is not None:
+                self.releases.release_all(REPLY_GRACE_SECONDS)
         finally:
             with self._idle:
                 self._draining -= 1
@@ -160,7 +181,7 @@ class TierTransfers:
             if job is _STOP:
                 return
             started = time.monotonic()
-            ok, moved = False, 0
+            ok, moved, release = False, 0, None
             with self._idle:  # drain sees this job running, or this sees it draining
                 cancelled = bool(self._draining)
                 if not cancelled:
@@ -169,12 +190,15 @@ class TierTransfers:
                 logger.info("kv-offload %s job %d cancelled by drain_jobs", job.kind, job.job_id)
             else:
                 try:
-                    ok, moved = self._load(job) if job.kind == "load" else self._store(job)
+                    if job.kind == "load":
+                        ok, moved, release = self._load(job)
+                    else:
+                        ok, moved = self._store(job)
                 except Exception as exc:
                     logger.warning("kv-offload %s job %d failed: %s", job.kind, job.job_id, exc)
             self._account(job, moved, ok)
             mark = self._add_cpu(mark)  # counted before the job is reported finished
-            self._finished.put((job.job_id, moved, time.monotonic() - started, ok))
+            self._finished.put((job.job_id, moved, time.monotonic() - started, ok, release))
             with self._idle:
                 self._running[kind] = None
                 self._pending_transfers -= 1
@@ -216,14 +240,22 @@ class TierTransfers:
                             "(%s); the tier copies chunks itself, GIL released", why)
         return attached
 
-    def _load(self, job: Job) -> tuple[bool, int]:
-        """(all loaded, leading chunks of ``job`` copied from the sidecar into their rows)."""
+    def _load(self, job: Job) -> tuple[bool, int, threading.Event | None]:
+        """(all loaded, leading chunks of ``job`` copied from the sidecar into their rows,
+        the release event of a failed load whose rows the sidecar may still write)."""
         client = self._link.connected()
         if client is None:
-            return False, 0
+            return False, 0, None
+        release = None
         if self._sidecar_copies(client):
-            loaded = client.load_rows(job.keys, job.rows, timeout=self._load_timeout,
-                                      job=self.sidecar_job_id(job.job_id))
+            loaded, late = client.load_rows_held(job.keys, job.rows, timeout=self._load_timeout,
+                                                 job=self.sidecar_job_id(job.job_id),
+                                                 hold_late=self.releases is not None)
+            if late is not None and self.releases is not None:
+                release = self.releases.defer(late)
+                logger.warning("kv-offload load job %d: the sidecar has not answered %.1f s past "
+                               "its deadline; vLLM holds its %d rows until it does",
+                               job.job_id, ROW_COPY_GRACE_SECONDS, len(job.rows))
         else:
             def read(i: int, slot: memoryview) -> None:
                 copy_released(self._row(job.rows[i]), slot.cast("B")[:self._chunk_bytes])
@@ -232,7 +264,7 @@ class TierTransfers:
                                  job=self.sidecar_job_id(job.job_id))
         if not self._link.matches(client):
             loaded = 0  # read from a sidecar that turned out not to match: none of it counts
-        return loaded == len(job.keys), loaded
+        return loaded == len(job.keys), loaded, release
 
     def _store(self, job: Job) -> tuple[bool, int]:
         """(stored, chunks written now); keys the sidecar holds already or has no room

@@ -1,22 +1,40 @@
 """vLLM's secondary-tier contract: its own classes inside vLLM, same-shaped stand-ins outside.
 
-Inside vLLM (0.32 and 0.33, the releases kv-offload supports) the tier must
+Inside vLLM (0.32, 0.33 and 0.34, the releases kv-offload supports) the tier must
 subclass vLLM's ``SecondaryTierManager`` and exchange vLLM's own types, so
 this module re-exports them from ``vllm.v1.kv_offload``. Outside vLLM (the
 simulated engine, the demo, unit tests) it defines stand-ins with the same
-names, fields and constructor signature as vLLM 0.33's, so the tier runs
+names, fields and constructor signature as vLLM 0.34's, so the tier runs
 unchanged; the stand-ins are never proof of compatibility (the real-vLLM
-tests are).
+tests are: tests/vllm/test_vllm_tiering_manager.py drives 0.33's and 0.34's
+managers, test_real_vllm_engines 0.32's engines).
+
+What differs between the releases, and how the tier meets each:
+- ``JobResult.deferred_release`` (0.34): a failed promotion whose I/O may still write
+  into vLLM's rows carries an event; vLLM keeps the rows out of reuse until it is set,
+  and ``drain_jobs`` must set every such event before it returns. ``DEFERRED_RELEASE``
+  says whether vLLM's ``JobResult`` has it (``tier_transfers``, ``tier_releases``);
+  without it a failed load is reported as before.
+- ``OffloadingEvent.req_context`` (0.34): the request a stored event came from;
+  ``EVENT_REQ_CONTEXT`` says whether it exists (the tier fills it then).
+- ``SecondaryTierManager.touch`` is gone in 0.34 (0.32/0.33's base class keeps a no-op,
+  which the tier inherits); ``ReqContext`` gained token counts the tier does not read;
+  ``CacheHitSource`` is a ``StrEnum`` (its values are unchanged).
+- Constructor, the six abstract methods, ``LookupResult``, ``drain_jobs``, ``shutdown``
+  and ``reset_cache`` are as in 0.33; the primary region file is still
+  ``/dev/shm/vllm_offload_{engine_id}.mmap``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -98,6 +116,7 @@ except ImportError:
         ownership: str | None = None
         removal_expected: bool = False
         metadata_only: bool = False
+        req_context: Any = field(default=None, repr=False, compare=False)
 
     @dataclass
     class RequestOffloadingContext:  # type: ignore[no-redef]
@@ -132,9 +151,10 @@ except ImportError:
         successful_keys: Collection[bytes] | None = None
         transfer_time: float | None = None
         transfer_bytes: int | None = None
+        deferred_release: threading.Event | None = None
 
     class SecondaryTierManager(ABC):  # type: ignore[no-redef]
-        """Stand-in for vLLM's SecondaryTierManager (vLLM 0.33's constructor)."""
+        """Stand-in for vLLM's SecondaryTierManager (vLLM 0.34's: no ``touch``)."""
 
         medium: ClassVar[Medium | None] = None
         cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -179,6 +199,12 @@ except ImportError:
             return None
 
 
+# Whether vLLM's JobResult carries deferred_release (0.34 on) and its OffloadingEvent
+# req_context (0.34 on).
+DEFERRED_RELEASE = "deferred_release" in {f.name for f in dataclasses.fields(JobResult)}
+EVENT_REQ_CONTEXT = "req_context" in {f.name for f in dataclasses.fields(OffloadingEvent)}
+
+
 def tier_logger(name: str) -> logging.Logger:
     """The tier's logger: inside vLLM a child of vLLM's, so its lines appear in vLLM's log."""
     return logging.getLogger(f"vllm.{name}" if VLLM_AVAILABLE else name)
@@ -214,7 +240,7 @@ def connector_stats() -> Any:
 
 
 __all__ = [
-    "CacheHitSource", "JobResult", "Locality", "LookupResult", "Medium",
+    "CacheHitSource", "DEFERRED_RELEASE", "EVENT_REQ_CONTEXT", "JobResult", "Locality", "LookupResult", "Medium",
     "OffloadingCounterMetadata", "OffloadingEvent", "OffloadingGaugeMetadata", "ReqContext",
     "RequestOffloadingContext", "SecondaryTierManager", "TransferJob", "VLLM_AVAILABLE",
     "connector_stats", "tier_logger", "vllm_hash_seed",

@@ -26,6 +26,15 @@ the port), ``lookup_timeout_seconds`` (a lookup unanswered by then is a miss),
 ``locality`` (``REMOTE``, the default, or ``LOCAL``), ``enable_kv_events``, and
 vLLM's own ``backpressure`` (handled by vLLM, honoured through the base class).
 
+Releases: vLLM 0.32, 0.33 and 0.34 load it unchanged (``vllm_contract`` says what differs).
+From 0.34 on, a load the tier gives up on while its sidecar may still write vLLM's rows
+(no answer by the deadline plus ``ROW_COPY_GRACE_SECONDS``) carries
+``JobResult.deferred_release``, set once no byte can land any more (``tier_releases``),
+and ``drain_jobs`` sets every such event before it returns; store events carry the
+request's ``req_context``. An engine whose workers span nodes cannot use the tier (it
+sees only its own node's slots of each chunk): vLLM 0.34 refuses to start one, and
+kv-offload's operator refuses such a pool whatever the release.
+
 Fail closed: at each (re)connection the tier compares the sidecar's
 fingerprint, chunk size and hash seed with the config vLLM handed it; on any
 difference it logs one error line naming the fields, answers every lookup
@@ -60,7 +69,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from kv_offload_sidecar.engine.engine_platform import engine_paces_stores
@@ -78,6 +87,7 @@ from kv_offload_sidecar.engine.tier_stats import (
 )
 from kv_offload_sidecar.engine.tier_transfers import TierTransfers
 from kv_offload_sidecar.engine.vllm_contract import (
+    EVENT_REQ_CONTEXT,
     CacheHitSource,
     JobResult,
     Locality,
@@ -321,15 +331,18 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                     if state is not None:
                         state.result = False
             elif job.kind == "store" and result.success and self._events is not None and job.keys:
+                origin = {"req_context": job.req_context} if EVENT_REQ_CONTEXT else {}
                 self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium,
-                                                    removed=False, locality=self.locality))
+                                                    removed=False, locality=self.locality,
+                                                    **origin))
             out.append(result)
         return out
 
     @_counts_cpu
     def drain_jobs(self) -> None:
         """Block until every submitted transfer has finished or failed; the load and the
-        store in progress are cancelled and their answers awaited (``TierTransfers.drain``)."""
+        store in progress are cancelled and their answers awaited, and every failed load's
+        deferred release is set (``TierTransfers.drain``)."""
         self._transfers.drain()
 
     @property
@@ -342,10 +355,6 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._batch or any(
             s.result is None for s in self._keys.values()))
-
-    @_counts_cpu
-    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        return None
 
     @_counts_cpu
     def take_events(self) -> Iterable[Any]:
@@ -374,6 +383,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._transfers.stop()
         for t in self._threads:
             t.join()
+        if self._transfers.releases is not None:
+            self._transfers.releases.close()
         self._take_handoffs()
         for _, _, pending in self._pending:
             pending.close()

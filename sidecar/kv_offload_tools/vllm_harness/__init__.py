@@ -8,8 +8,8 @@ Modules:
   engine_driver       -- JSON-lines driver around vllm.LLM (run with vLLM's python).
   decode_latency      -- the engine driver's decode_latency op: inter-token times of one
                          request while another's prefix is loaded or stored.
-  manager_driver      -- JSON-lines driver around vLLM 0.33's TieringOffloadingManager
-                         (run with vLLM's python, as a script).
+  manager_driver      -- JSON-lines driver around a vLLM release's TieringOffloadingManager
+                         (0.33, 0.34; run with vLLM's python, as a script).
   json_lines_process  -- JsonLinesProcess: the clients' side (stdlib only).
   driver_client       -- EngineDriverProcess: standard-library client for engine_driver.
   manager_client      -- ManagerDriverProcess: standard-library client for manager_driver.

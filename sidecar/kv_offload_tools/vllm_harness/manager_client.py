@@ -51,8 +51,8 @@ class ManagerDriverProcess(JsonLinesProcess):
     Args:
         python: vLLM venv's python executable.
         spec: the driver spec (see ``manager_driver``'s docstring).
-        pythonpath: entries put first on PYTHONPATH, in order (vLLM 0.33's
-            sources, then the ``install-tier`` destination).
+        pythonpath: entries put first on PYTHONPATH, in order (a vLLM
+            release's sources, then the ``install-tier`` destination).
         env: base environment (default: a copy of ``os.environ`` without
             PYTHONPATH/PYTHONHOME).
         extra_env: variables set on top (e.g. ``PYTHONHASHSEED``).

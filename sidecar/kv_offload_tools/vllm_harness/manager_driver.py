@@ -4,10 +4,10 @@ Run with vLLM's python, as a script (not ``-m``), so that the only
 ``kv_offload_sidecar`` it can import is the copy ``kv-offload install-tier``
 put on ``PYTHONPATH`` (as in production)::
 
-    PYTHONPATH=<vllm-0.33.0 sources>:<install-tier DEST> PYTHONHASHSEED=0 \\
+    PYTHONPATH=<vllm-0.33.0 or vllm-0.34.0 sources>:<install-tier DEST> PYTHONHASHSEED=0 \\
         python manager_driver.py --spec-json '{...}'
 
-The manager is built the way vLLM builds it: vLLM 0.33's frozen
+The manager is built the way vLLM builds it: the release's frozen
 ``OffloadingConfig`` structs (from the sidecar's config JSON plus this engine's
 ``engine_id`` and ``kv_connector_extra_config``), then
 ``TieringOffloadingSpec(config).get_manager()``, which creates the shared
@@ -157,6 +157,7 @@ class _Recorder:
                        "successful_keys": None if r.successful_keys is None
                        else len(r.successful_keys),
                        "transfer_time": r.transfer_time, "transfer_bytes": r.transfer_bytes,
+                       "deferred_release": getattr(r, "deferred_release", None) is not None,
                        "reported_at": now}
                 with self.lock:
                     self.results[int(r.job_id)] = rec
@@ -552,7 +553,18 @@ class Driver:
         return {"vllm": self._stats_dict(), "tiers": self.tier_stats(),
                 "tier_labels": [f"{i + 1}:{t.tier_type}" for i, t in enumerate(self.tiers)],
                 "jobs": [r.summary() for r in self.recorders],
-                "manager_jobs": len(self.manager._jobs)}
+                "manager_jobs": len(self.manager._jobs), "deferred": self._deferred()}
+
+    def _deferred(self) -> dict[str, Any]:
+        """Failed promotions whose rows vLLM holds until their tier's event: ``jobs``, their
+        ``rows`` and the primary tier's count (None where the release has no deferred
+        release, before 0.34), and ``free_rows``, the released rows vLLM may reuse now."""
+        held = getattr(self.manager, "_deferred_releases", None)
+        return {"jobs": None if held is None else len(held),
+                "rows": None if held is None else
+                sorted(int(c) for d in held.values() for c in d.chunk_ids),
+                "primary_chunks": getattr(self.primary, "num_deferred_release_chunks", None),
+                "free_rows": sorted(int(c) for c in self.primary._free_list)}
 
     def op_take_events(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
         with self.manager.lock:

@@ -1,9 +1,12 @@
 """Characterization of translate(): vLLM serve args + HF config.json -> OffloadingConfig.
 
-Expected values follow released vLLM (0.33): build_offloading_config,
+Expected values follow released vLLM 0.33 (``translate`` and ``pool_config`` here are
+the module's with ``vllm_version="0.33"``): build_offloading_config,
 AttentionSpec.page_size_bytes, the hybrid grouping and resolve_kv_cache_block_sizes.
 Fingerprints are recomputed here from vLLM's FileMapper run config (first 16 hex of
-the sha256 of its sorted compact JSON), not from the module.
+the sha256 of its sorted compact JSON), not from the module. What 0.34 changes is in
+``test_translate_vllm034``; tests/vllm/test_release_offloading_configs.py holds the
+output equal to each release's own build_offloading_config.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import hashlib
 import json
 from pathlib import Path
 
+import functools
+
 import pytest
-from kv_offload_operator.translation.translate import (
-    TranslationError,
-    pool_config,
-    translate,
-)
+from kv_offload_operator.translation import translate as translation
+from kv_offload_operator.translation.translate import TranslationError
+
+translate = functools.partial(translation.translate, vllm_version="0.33")
+pool_config = functools.partial(translation.pool_config, vllm_version="0.33")
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 LLAMA = json.loads((FIXTURES / "llama-3.1-8b.json").read_text())
@@ -298,7 +303,7 @@ def test_pure_mla_with_tp_only_uses_the_replicated_layout():
 
 @pytest.mark.parametrize("flags", [
     "-tp 4 -pp 2", "-tp 4 -dcp 2", "-tp 4 --distributed-executor-backend ray",
-    "-tp 4 --nnodes 2", "-tp 4 -pcp 2",
+    "-tp 4 -pcp 2",
 ])
 def test_replicated_layout_needs_single_node_mp_tp_only(flags):
     cfg = translate(f"vllm serve deepseek-ai/DeepSeek-V2-Lite --block-size 64 {flags} " + ktc(), DEEPSEEK)
@@ -317,17 +322,17 @@ def test_canonical_layout_certifies_head_sharded_attention():
         "model_name": LLAMA_NAME, "tokens_per_hash": 16, "blocks_per_file": 1,
         "tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1, "dtype": "bfloat16",
         "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": layers(range(32))}],
-        "inference_engine": "vllm", "canonical_format": "v2-hnd",
+        "inference_engine": "vllm", "canonical_format": "v1-hnd",
     })
     nhd = translate("VLLM_KV_CACHE_LAYOUT=NHD " + cmd, LLAMA)
     assert nhd.kv_cache_layout == "LBNHC"
-    assert nhd.run_config()["canonical_format"] == "v2-nhd"
+    assert nhd.run_config()["canonical_format"] == "v1-nhd"
 
 
 def test_canonical_layout_is_not_certified_across_pipeline_stages():
     cfg = translate(f"vllm serve {LLAMA_NAME} -pp 2 " + ktc({"canonical_layout": True}), LLAMA)
     assert cfg.parallel.is_parallelism_agnostic is False
-    assert cfg.run_config()["canonical_format"] == "v2-hnd"
+    assert cfg.run_config()["canonical_format"] == "v1-hnd"
 
 
 def test_canonical_layout_of_pure_mla_is_replicated_even_on_one_gpu():

