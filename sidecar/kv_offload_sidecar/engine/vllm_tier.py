@@ -1,14 +1,13 @@
 """kv-offload as a vLLM secondary tier: offloaded chunks flow through the pod's sidecar.
 
-vLLM's ``TieringOffloadingSpec`` keeps offloaded chunks in a CPU primary tier
-(one shared-memory row per chunk) and cascades them to secondary tiers. This
-module is such a tier, loaded from ``module_path``: it hands the file behind
-vLLM's primary region to the sidecar once per attachment (a descriptor over the
-local channel), and the sidecar itself copies stored rows into its slots and
-loaded chunks into vLLM's rows (fetching from a peer pod first when needed),
-so vLLM's engine process moves no KV bytes; lookups ask the sidecar which
-chunks the pool holds. vLLM resolves an out-of-tree tier class
-as ``getattr(import_module(module_path), type)``, so ``type`` is the class name.
+vLLM's ``TieringOffloadingSpec`` keeps offloaded chunks in a CPU primary tier (one
+shared-memory row per chunk) and cascades them to secondary tiers. This module is such a
+tier, loaded from ``module_path``: it hands the file behind vLLM's primary region to the
+sidecar once per attachment (a descriptor over the local channel), and the sidecar itself
+copies stored rows into its slots and loaded chunks into vLLM's rows (fetching from a peer
+pod first when needed), so vLLM's engine process moves no KV bytes; lookups ask the sidecar
+which chunks the pool holds. vLLM resolves an out-of-tree tier class as
+``getattr(import_module(module_path), type)``, so ``type`` is the class name.
 
 Add to ``vllm serve`` (``cpu_bytes_to_use`` is the primary tier's size)::
 
@@ -35,30 +34,21 @@ request's ``req_context``. An engine whose workers span nodes cannot use the tie
 sees only its own node's slots of each chunk): vLLM 0.34 refuses to start one, and
 kv-offload's operator refuses such a pool whatever the release.
 
-Fail closed: at each (re)connection the tier compares the sidecar's
-fingerprint, chunk size and hash seed with the config vLLM handed it; on any
-difference it logs one error line naming the fields, answers every lookup
-MISS and stores nothing until a sidecar that matches is back.
+Fail closed: at each (re)connection the tier compares the sidecar's fingerprint, chunk size
+and hash seed with vLLM's config; on any difference it logs one error line naming the fields,
+answers every lookup MISS and stores nothing until a sidecar that matches is back.
 
-Threading: every SecondaryTierManager method runs under vLLM's manager lock
-and returns at once. Lookups are batched per scheduler step (flushed in
-``on_schedule_end``) and answered by a lookup thread; transfers run on a
-transfer thread (``tier_transfers``: its copy paths, CPU accounting and drain
-contract); results come back through queues drained by the caller.
-A lookup is asked once, at the end of the step that first met its keys: vLLM's
-thread sends it itself once the sidecar is attached and checked (the lookup
-thread otherwise, which connects and checks first), and vLLM's first lookup of
-each step reads the answers that came, one non-blocking read each
-(``pending_lookup``): no other thread needs the GIL between the sidecar's
-answer and HIT, and no poll interval lies between (once ``lookups_in_flight``
-is 0, vLLM's next lookup has the answers). The sidecar answers a peer hit once the holder's
-count is back (the chunks keep arriving while vLLM promotes them; the load
-waits for them) and says when it knew (``known_at``, CLOCK_MONOTONIC, one clock
-in a pod); the tier counts the scheduler steps from there to vLLM's HIT
-(``tier_stats``: ``..._lookup_steps_after_arrival`` over ``..._lookup_arrivals``).
-The CPU the tier's own code takes in vLLM's process (its two threads, and the
-scheduler thread inside the entry points vLLM calls, by ``time.thread_time()``)
-is ``vllm:kv_offload_tier_cpu_seconds``; the rest of the process's CPU is vLLM's.
+Threading: every SecondaryTierManager method runs under vLLM's manager lock and returns
+at once. Lookups are batched per scheduler step (flushed in ``on_schedule_end``): vLLM's
+thread sends them itself once the sidecar is attached and checked (else the lookup thread,
+which connects and checks first), and its first lookup of each step reads the answers that
+came, one non-blocking read each (``pending_lookup``): no other thread needs the GIL between
+the sidecar's answer and HIT. Transfers run on transfer threads (``tier_transfers``); results
+come back through queues. A peer hit is answered once the holder's count is back (the chunks
+keep coming; the load waits for them), with ``known_at`` (CLOCK_MONOTONIC): the steps from
+there to vLLM's HIT are counted (``tier_stats``). The CPU of the tier's own code in vLLM's
+process (its threads, and vLLM's thread inside the entry points, by ``time.thread_time()``)
+is ``vllm:kv_offload_tier_cpu_seconds``.
 Imports: the standard library, numpy, and this package's tier modules.
 """
 
