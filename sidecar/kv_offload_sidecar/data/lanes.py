@@ -24,16 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.bulk_copies import usable_cores
-from kv_offload_sidecar.data.base import PeerDataClient, StoreLike, TransportError
-from kv_offload_sidecar.data.fetch import PendingChunk, lookup_then_fetch, run_fetch
+from kv_offload_sidecar.data.base import PeerDataClient, TransportError
+from kv_offload_sidecar.data.fetch import PendingChunk
+from kv_offload_sidecar.data.peer_client import FramedPeerDataClient
 from kv_offload_sidecar.settings import MAX_DATA_LANES
 
-if TYPE_CHECKING:
-    from kv_offload_sidecar.data.peer_client import FramedPeerDataClient
-    from kv_offload_sidecar.metrics import SidecarMetrics
 
 # Chunks in flight per lane at least, so each lane's next chunk is asked for while its
 # current one arrives.
@@ -76,16 +73,16 @@ async def open_lanes(n: int, open_one: Callable[[], Awaitable[FramedPeerDataClie
     return LanedPeerDataClient(opened)
 
 
-class LanedPeerDataClient(PeerDataClient):
-    """Several authenticated connections to one holder, used as one."""
+class LanedPeerDataClient(FramedPeerDataClient):
+    """Several authenticated connections to one holder, used as one: the framed client's
+    fetch (``fetch.run_fetch``) with its requests striped over the lanes."""
 
     def __init__(self, lanes: Sequence[FramedPeerDataClient]) -> None:
         if not lanes:
             raise ValueError("a laned client needs at least one connection")
+        first = lanes[0]
+        super().__init__(first._metrics, max(first._window, CHUNKS_PER_LANE * len(lanes)))
         self._lanes = list(lanes)
-        first = self._lanes[0]
-        self._metrics: SidecarMetrics | None = first._metrics
-        self._window = max(first._window, CHUNKS_PER_LANE * len(self._lanes))
         self.receives_into_offered_rows = first.receives_into_offered_rows
 
     @property
@@ -105,20 +102,6 @@ class LanedPeerDataClient(PeerDataClient):
     async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
         self._check_open()
         return await self._lanes[0].lookup(keys, timeout)
-
-    async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
-                    count: asyncio.Future[int] | None = None, first: int = 1) -> int:
-        self._check_open()
-        return await run_fetch(keys, store, timeout, window=self._window,
-                               send_requests=self._request_chunks, fail=self._fail,
-                               metrics=self._metrics, count=count, first=first)
-
-    async def fetch_counted(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
-                            first: int, on_count: Callable[[int], None]) -> int:
-        self._check_open()
-        return await lookup_then_fetch(
-            self.lookup(keys, timeout),
-            lambda count: self.fetch(keys, store, timeout, count=count, first=first), on_count)
 
     async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
         n = len(self._lanes)

@@ -18,7 +18,8 @@ from kv_offload_sidecar.settings import MAX_DATA_LANES
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
-from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of, session
+from transport_peers import (SESSION_ID, SESSION_KEY, assert_nothing_partial, chunk_bytes_in, content_of, key_of,
+                             kill_at_first_chunk, session)
 
 BIG = 2 * OFF_LOOP_BYTES
 
@@ -67,33 +68,20 @@ async def test_a_corrupt_chunk_on_any_lane_fails_the_fetch_and_is_not_stored(
         await client.fetch([key_of(i) for i in range(6)], store, timeout=20)
     assert not store.contains(key_of(4)) and metrics.integrity_failures._value.get() == 1
     assert client.closed and all(lane.closed for lane in client._lanes)  # every lane ends
-    names = {key_of(i): i for i in range(6)}
-    for key in store.keys():
-        assert chunk_bytes_in(store, key) == content_of(names[key], BIG)
-    assert store.used_bytes == len(store) * store.slot_stride  # no slot left reserved
+    assert_nothing_partial(store, BIG)
 
 
 async def test_a_holder_killed_mid_fetch_ends_every_lane_leaving_nothing_partial(
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     peer = start_peer("tcp", chunks=24, chunk_bytes=BIG)
-    killed: list[bool] = []
-
-    def kill_on_first_chunk(key: bytes, present: bool) -> None:
-        if present and not killed:
-            killed.append(True)
-            os.kill(peer.pid, signal.SIGKILL)
-
-    store = make_store(slots=26, chunk_bytes=BIG, on_change=kill_on_first_chunk)
+    store = make_store(slots=26, chunk_bytes=BIG, on_change=kill_at_first_chunk(peer.pid))
     client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5, lanes=2)
     with pytest.raises(TransportError) as failed:
         await client.fetch([key_of(i) for i in range(24)], store, timeout=20)
     assert "deadline" not in str(failed.value)
-    assert killed and client.closed
+    assert client.closed and peer.proc.wait(5) == -signal.SIGKILL  # killed at the first chunk
     assert 1 <= len(store) < 24
-    names = {key_of(i): i for i in range(24)}
-    for key in store.keys():
-        assert chunk_bytes_in(store, key) == content_of(names[key], BIG)
-    assert store.used_bytes == len(store) * store.slot_stride
+    assert_nothing_partial(store, BIG)
 
 
 async def test_laned_chunks_land_in_offered_rows(

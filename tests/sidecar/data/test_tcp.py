@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import struct
@@ -20,18 +19,10 @@ from prometheus_client import CollectorRegistry
 from raw_wire import authenticated as raw_authenticated
 from raw_wire import dial as raw_connect
 from raw_wire import error_text, read_frame, read_until_closed
-from transport_peers import (SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of,
-                             hold_chunks, key_of, session)
+from transport_peers import (SESSION_ID, SESSION_KEY, assert_nothing_partial, assert_still_serves, chunk_bytes_in, content_of,
+                             hold_chunks, key_of, kill_at_first_chunk, session)
 
 CHUNK = 256 * 1024
-
-
-def assert_nothing_partial(store: ChunkStore, chunk_bytes: int = CHUNK) -> None:
-    """Every visible chunk is byte-identical to its source; no slot is held by a write."""
-    keys = {key_of(i): i for i in range(200)}
-    for key in store.keys():
-        assert chunk_bytes_in(store, key) == content_of(keys[key], chunk_bytes)
-    assert store.used_bytes == len(store) * store.slot_stride
 
 
 # ------------------------------------------------------------------ raw sockets
@@ -51,7 +42,7 @@ async def test_fetch_moves_chunks_byte_identical_into_store_slots(
         assert await client.fetch(keys, store, timeout=10) == 16
     for i, key in enumerate(keys):
         assert chunk_bytes_in(store, key) == content_of(i, CHUNK)
-    assert_nothing_partial(store)
+    assert_nothing_partial(store, CHUNK)
     assert metrics.peer_bytes.labels(direction="received")._value.get() == 16 * CHUNK
     assert metrics.peer_fetches.labels(result="ok")._value.get() == 1
     assert peer.metrics()["peer_bytes_sent"] == 16 * CHUNK
@@ -77,7 +68,7 @@ async def test_fetch_stops_at_a_key_the_peer_does_not_hold(
         assert not store.contains(key_of(999))
         # the connection stays usable after a miss
         assert await client.fetch([key_of(2), key_of(3)], store, timeout=5) == 2
-    assert_nothing_partial(store)
+    assert_nothing_partial(store, CHUNK)
 
 
 async def test_keys_already_in_the_store_are_not_fetched_again(
@@ -142,7 +133,7 @@ async def test_bad_frames_get_clear_errors_and_the_server_keeps_serving_others(
         assert await good.fetch([key_of(i) for i in range(4)], store, timeout=5) == 4
     finally:
         await good.close()
-    assert_nothing_partial(store)
+    assert_nothing_partial(store, CHUNK)
     errors = peer.metrics()["protocol_errors"]
     assert {r: errors[r] for r in cases} == dict.fromkeys(cases, 1.0)
     assert peer.alive()
@@ -163,19 +154,12 @@ async def test_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_par
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     big = 1 << 20
     peer = start_peer("tcp", chunks=48, chunk_bytes=big)
-    killed: list[bool] = []
-
-    def kill_on_first_chunk(key: bytes, present: bool) -> None:
-        if present and not killed:
-            killed.append(True)
-            os.kill(peer.pid, signal.SIGKILL)
-
-    store = make_store(slots=50, chunk_bytes=big, on_change=kill_on_first_chunk)
+    store = make_store(slots=50, chunk_bytes=big, on_change=kill_at_first_chunk(peer.pid))
     client = await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
     with pytest.raises(TransportError) as failed:
         await client.fetch([key_of(i) for i in range(48)], store, timeout=5)
     assert "deadline" not in str(failed.value)  # it ended with the connection, not by the deadline
-    assert killed and client.closed
+    assert client.closed and peer.proc.wait(5) == -signal.SIGKILL  # killed at the first chunk
     assert 1 <= len(store) < 48
     assert_nothing_partial(store, big)
 
@@ -192,7 +176,7 @@ async def test_corrupted_chunk_fails_its_checksum_and_is_not_stored(
     assert store.contains(key_of(0))
     assert metrics.integrity_failures._value.get() == 1
     assert metrics.peer_fetches.labels(result="integrity")._value.get() == 1
-    assert_nothing_partial(store)
+    assert_nothing_partial(store, CHUNK)
 
 
 async def test_chunk_of_another_size_is_refused_and_nothing_stored(
@@ -267,7 +251,7 @@ async def test_in_process_server_serves_what_a_store_holds(make_store: Callable[
             assert await client.fetch([key_of(i) for i in range(3)], dest, timeout=5) == 3
     finally:
         await server.stop(0.5)
-    assert_nothing_partial(dest)
+    assert_nothing_partial(dest, CHUNK)
     assert metrics.peer_bytes.labels(direction="sent")._value.get() == 3 * CHUNK
 
 

@@ -373,6 +373,26 @@ def leftovers(args: argparse.Namespace, keys: list[bytes], store: Any, stride: i
             "slots_in_use": store.used_bytes // stride}
 
 
+def assert_nothing_partial(store: Any, chunk_bytes: int) -> None:
+    """Every visible chunk is byte-identical to its source; no slot is held by a write."""
+    keys = {key_of(i): i for i in range(200)}
+    for key in store.keys():
+        assert chunk_bytes_in(store, key) == content_of(keys[key], chunk_bytes)
+    assert store.used_bytes == len(store) * store.slot_stride
+
+
+def kill_at_first_chunk(pid: int) -> Callable[[bytes, bool], None]:
+    """A store's ``on_change``: SIGKILL process ``pid`` when the first chunk becomes visible."""
+    killed: list[bool] = []
+
+    def on_change(key: bytes, present: bool) -> None:
+        if present and not killed:
+            killed.append(True)
+            os.kill(pid, signal.SIGKILL)
+
+    return on_change
+
+
 def chunk_bytes_in(store: Any, key: bytes) -> bytes:
     """The bytes of the visible chunk ``key`` of a ChunkStore (AssertionError when not visible)."""
     pin = store.pin(key)

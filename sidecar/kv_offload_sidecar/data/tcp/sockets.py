@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker
+from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker, drop_sent, send_some
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
 log = logging.getLogger(__name__)
@@ -81,19 +81,7 @@ async def send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, buffers
     views = [memoryview(b) for b in buffers if len(b)]
     try:
         while views:
-            try:
-                sent = sock.sendmsg(views)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            while sent and views:
-                first = views[0]
-                if sent >= len(first):
-                    sent -= len(first)
-                    views.pop(0).release()
-                else:
-                    views[0] = first[sent:]
-                    first.release()
-                    sent = 0
+            drop_sent(views, send_some(sock, views))
             if views:
                 await _writable(loop, sock)
     finally:

@@ -40,6 +40,28 @@ OFF_LOOP_BYTES = 1 << 20
 POLL_MILLISECONDS = 50
 
 
+def send_some(sock: socket.socket, views: list[memoryview]) -> int:
+    """One gathered ``sendmsg`` of ``views`` on a non-blocking socket: the bytes it took (0
+    when the socket buffer is full)."""
+    try:
+        return sock.sendmsg(views)
+    except (BlockingIOError, InterruptedError):
+        return 0
+
+
+def drop_sent(views: list[memoryview], sent: int) -> None:
+    """Take the ``sent`` bytes a gathered send took off the front of ``views`` (released)."""
+    while sent and views:
+        first = views[0]
+        if sent >= len(first):
+            sent -= len(first)
+            views.pop(0).release()
+        else:
+            views[0] = first[sent:]
+            first.release()
+            sent = 0
+
+
 class StreamStopped(ReceiveStopped):
     """The connection's thread was stopped while a transfer was under way."""
 
@@ -128,19 +150,8 @@ class StreamWorker:
                 with self._lock:
                     if self._stopped:
                         raise StreamStopped("the connection was stopped mid-send")
-                    try:
-                        sent = sock.sendmsg(views)
-                    except (BlockingIOError, InterruptedError):
-                        sent = 0
-                while sent and views:
-                    first = views[0]
-                    if sent >= len(first):
-                        sent -= len(first)
-                        views.pop(0).release()
-                    else:
-                        views[0] = first[sent:]
-                        first.release()
-                        sent = 0
+                    sent = send_some(sock, views)
+                drop_sent(views, sent)
                 if views:
                     self._wait(poller)
         finally:
@@ -154,4 +165,4 @@ class StreamWorker:
         return bool(poller.poll(POLL_MILLISECONDS))
 
 
-__all__ = ["OFF_LOOP_BYTES", "POLL_MILLISECONDS", "StreamStopped", "StreamWorker"]
+__all__ = ["OFF_LOOP_BYTES", "POLL_MILLISECONDS", "StreamStopped", "StreamWorker", "drop_sent", "send_some"]
