@@ -135,6 +135,16 @@ class SidecarSpec:
         return UCX_TRANSPORT_PRESETS[self.ucx_transports]
 
     @classmethod
+    def with_operator_defaults(cls, pool: Mapping[str, Any], options: Any) -> SidecarSpec:
+        """``from_pool`` with the operator's ``--sidecar-*`` flags (an ``OperatorOptions``) as
+        the defaults."""
+        return cls.from_pool(pool, default_image=options.sidecar_image,
+                             default_base_port=options.sidecar_base_port,
+                             default_data_port=options.sidecar_data_port,
+                             default_prefill_tokens_per_second=options.sidecar_prefill_tokens_per_second,
+                             default_peer_copies=options.sidecar_peer_copies)
+
+    @classmethod
     def from_pool(cls, pool: Mapping[str, Any], *, default_image: str, default_base_port: int = DEFAULT_BASE_PORT,
                   default_data_port: int = DEFAULT_DATA_PORT,
                   default_prefill_tokens_per_second: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,

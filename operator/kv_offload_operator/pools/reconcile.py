@@ -77,11 +77,7 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
         release, release_source = source_release(source, pool["spec"])
         config = pool_config(list(source.argv), model, env=source.env,
                              vllm_version=release.version, accelerators=source.accelerators)
-        sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image,
-                                        default_base_port=memo.options.sidecar_base_port,
-                                        default_data_port=memo.options.sidecar_data_port,
-                                        default_prefill_tokens_per_second=memo.options.sidecar_prefill_tokens_per_second,
-                                        default_peer_copies=memo.options.sidecar_peer_copies)
+        sidecar = SidecarSpec.with_operator_defaults(pool, memo.options)
         seed_problem = pool_hash_seed_problem(config, sidecar.hash_seed)
         if seed_problem is not None:
             raise PoolSpecError(seed_problem)

@@ -95,11 +95,7 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
     try:
         problem = patches.pod_identity_problem(pod, config, model, connector=injected_connector(pool["spec"]),
                                                source=source.where, vllm_version=release.version)
-        sidecar = SidecarSpec.from_pool(pool, default_image=memo.options.sidecar_image,
-                                        default_base_port=memo.options.sidecar_base_port,
-                                        default_data_port=memo.options.sidecar_data_port,
-                                        default_prefill_tokens_per_second=memo.options.sidecar_prefill_tokens_per_second,
-                                        default_peer_copies=memo.options.sidecar_peer_copies)
+        sidecar = SidecarSpec.with_operator_defaults(pool, memo.options)
         ops = patches.pod_patch(pod, pool, fingerprint=fingerprint, sidecar=sidecar)
     except ValueError as exc:
         problem = str(exc)

@@ -112,6 +112,7 @@ class Geometry:
 
     @property
     def tokens_per_chunk(self) -> int:
+        """Tokens one chunk holds: its blocks' tokens."""
         return self.tokens_per_block * self.blocks_per_chunk
 
     @property
