@@ -100,8 +100,9 @@ class Geometry:
                        head_dim=head_dim, dtype_bytes=_DTYPE_BYTES[dtype],
                        tokens_per_block=pool.groups[0].tokens_per_block,
                        blocks_per_chunk=pool.cache.blocks_per_chunk, pool=pool)
-        if geometry.chunk_bytes != pool.kv_bytes_per_chunk:
-            raise ValueError(f"model {name!r}: {geometry.chunk_bytes} bytes per chunk from its shape, "
+        shaped = geometry.kv_bytes_per_token * geometry.tokens_per_chunk
+        if shaped != pool.kv_bytes_per_chunk:
+            raise ValueError(f"model {name!r}: {shaped} bytes per chunk from its shape, "
                              f"{pool.kv_bytes_per_chunk} from the translated pool config")
         return geometry
 
@@ -117,8 +118,9 @@ class Geometry:
 
     @property
     def chunk_bytes(self) -> int:
-        """Bytes of one chunk: a row's payload in vLLM's primary tier."""
-        return self.kv_bytes_per_token * self.tokens_per_chunk
+        """Bytes of one chunk, the pool config's (``of`` checks it against the model's shape):
+        a row's payload in vLLM's primary tier."""
+        return self.pool.kv_bytes_per_chunk
 
     @property
     def row_stride(self) -> int:
