@@ -17,7 +17,7 @@ from kv_offload_operator.webhook import pod_host
 from kv_offload_operator.webhook import pod_patch as pods
 from kv_offload_operator.translation.translate import pool_config
 from operator_harness import LLAMA_ARGS, llama_config, pool_body
-from pool_support import K8S, assert_ucx_sidecars_share_chunks, inject, injected_env, pod, sidecar_spec, vllm
+from pool_support import K8S, inject, injected_env, pod, sidecar_spec, vllm
 
 CRD_PATH = Path(__file__).parents[2] / "charts" / "kv-offload" / "files" / "crd-kvoffloadpools.yaml"
 GI = 1 << 30
@@ -210,12 +210,20 @@ def test_printer_columns_show_ready_and_reason_from_the_ready_condition() -> Non
 
 
 @pytest.mark.timeout(120)
-def test_real_ucx_sidecars_with_the_rdma_preset_fall_back_to_tcp_and_share_chunks_without_an_rdma_device() -> None:
-    """The env an rdma-rc pool injects (UCX_TLS=rc,sm,self,tcp), in real sidecar processes on a host
-    without an RDMA device: UCX leaves rc out and the chunks still move (UCX_TLS=rc alone finds no
-    device at all). What RDMA itself moves is not measured here."""
+def test_real_ucx_sidecars_with_the_rdma_preset_refuse_a_ucx_built_without_rdma_saying_what_to_change() -> None:
+    """The env an rdma-rc pool injects (UCX_TLS=rc,sm,self,tcp), in a real sidecar process whose
+    UCX (the ucxx wheel's, as in an image built without a UCX source) has no rc compiled in:
+    the sidecar exits 2 with one line naming the missing transport and how to build the image
+    with RDMA, rather than running without the RDMA the pool asked for. (With rc compiled in
+    and no RDMA device on the node, UCX leaves rc out and uses the rest; no such UCX is here.)"""
+    from kv_offload_tools.local_pool import LocalPool, example_config
+
     spec = sidecar_spec(ucxTransports="rdma-rc", rdma={"resources": {"rdma/ib": 1}})
     injected = injected_env(spec)
     assert injected["UCX_TLS"] == "rc,sm,self,tcp"
     injected["PYTHONHASHSEED"] = "4321"
-    assert_ucx_sidecars_share_chunks(injected)
+    pool = LocalPool(1, transport="ucx", capacity_bytes=64 * example_config().kv_bytes_per_chunk, env=injected)
+    with pytest.raises(RuntimeError, match=r"exited with code 2:[\s\S]*UCX_TLS='rc,sm,self,tcp' asks for rc, "
+                       r"which the UCX this sidecar runs .* was built without .*UCX_TARBALL"):
+        with pool:
+            pass
