@@ -7,7 +7,8 @@ chunk) moves the same chunks between two separate processes, pull model (request
 interleaved rounds so each ratio compares numbers taken moments apart. Holders (servers)
 run on the first half of the CPUs and fetchers (clients) on the rest, as two pods' sidecars
 would; each side's CPU-seconds per GB is reported apart (raw TCP's: its sender's and its
-receiver's), and the TCP transport with 2 and 4 lanes beside raw TCP with as many streams. Plus the
+receiver's), and the TCP transport with 2 and 4 lanes (and 2 under TLS) beside raw TCP with as
+many streams. Plus the
 round trip of a 32-key peer lookup on the transports' persistent connection
 against a raw 64-byte TCP round trip. Prints a table (median GB/s, min-max, ratio
 to raw TCP in the same round, CPU-seconds per GB of both processes), the targets,
@@ -41,6 +42,7 @@ from kv_offload_tools.bench.transport_methods import (
     METHODS,
     PLAIN_TWIN,
     RAW_ALONGSIDE,
+    TLS_METHODS,
     parse_ucx_env,
     worker_argv,
 )
@@ -205,7 +207,7 @@ def _progress(message: str) -> None:
 
 def _orchestrate(args: argparse.Namespace, sizes: list[int], methods: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kv-offload-bench-tls-") as tls_dir:
-        if any(m in PLAIN_TWIN for m in methods):
+        if any(m in TLS_METHODS for m in methods):
             from kv_offload_tools.certs import pool_certificates
 
             pool_certificates(tls_dir, ["server", "client"])  # a throw-away pool CA for tcp+tls

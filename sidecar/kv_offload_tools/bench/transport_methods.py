@@ -16,7 +16,8 @@ CPU-seconds its process has used (all threads). The methods:
 - ``tcp``: the sidecar's TCP transport, a peer fetch into store slots, checksums verified.
 - ``tcp_2lanes`` / ``tcp_4lanes``: the TCP transport with 2 / 4 lanes (``data.lanes``).
 - ``tcp+tls``: the same over mutual TLS 1.3 (``--tls-dir`` holds a throw-away pool CA,
-  ``server.crt``/``.key`` and ``client.crt``/``.key``; ``kv_offload_tools.certs``).
+  ``server.crt``/``.key`` and ``client.crt``/``.key``; ``kv_offload_tools.certs``);
+  ``tls_2lanes``: under TLS with 2 lanes.
 - ``ucx_sm`` / ``ucx_tcp``: the sidecar's UCX transport with ``UCX_TLS=sm,self`` / ``tcp,self``
   (one lane: the holder copies every chunk, the default).
 - ``ucx_sm_2lanes``: the UCX transport over ``sm`` with two lanes (``--ucx-lanes 2``: every
@@ -47,16 +48,20 @@ from kv_offload_tools.bench.nixl_methods import NIXL_METHODS
 from kv_offload_tools.http_client import serve_on_loopback
 
 # Methods measured, in the order of the table.
-METHODS = ("raw_tcp", "memcpy", "tcp", "tcp+tls", "raw_tcp_2streams", "tcp_2lanes", "raw_tcp_4streams",
+METHODS = ("raw_tcp", "memcpy", "tcp", "tcp+tls", "raw_tcp_2streams", "tcp_2lanes", "tls_2lanes", "raw_tcp_4streams",
            "tcp_4lanes", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
            "ucx_tcp", "aiohttp_get", *NIXL_METHODS)
 # Raw TCP methods: method -> streams (a fetch's chunks split over that many connections, each
 # received on a thread of its own).
 RAW_STREAMS = {"raw_tcp": 1, "raw_tcp_2streams": 2, "raw_tcp_4streams": 4}
 # The sidecar's TCP transport with lanes (``data.lanes``): method -> lanes.
-TCP_LANES = {"tcp_2lanes": 2, "tcp_4lanes": 4}
+TCP_LANES = {"tcp_2lanes": 2, "tcp_4lanes": 4, "tls_2lanes": 2}
 # Each laned row against raw TCP with as many streams, in the same round.
-LANES_TWIN = {"tcp_2lanes": "raw_tcp_2streams", "tcp_4lanes": "raw_tcp_4streams"}
+LANES_TWIN = {"tcp_2lanes": "raw_tcp_2streams", "tcp_4lanes": "raw_tcp_4streams", "tls_2lanes": "raw_tcp_2streams"}
+# Each laned row's one-lane form (the scaling the lanes bring).
+ONE_LANE = {"tcp_2lanes": "tcp", "tcp_4lanes": "tcp", "tls_2lanes": "tcp+tls"}
+# Methods under TLS (their workers load the throw-away pool's certificates).
+TLS_METHODS = ("tcp+tls", "tls_2lanes")
 # Keys per lookup request.
 LOOKUP_KEYS = 32
 # Session of the benchmark's data connections.
@@ -201,7 +206,7 @@ async def _acommands() -> Any:
 
 def _tls_context(args: argparse.Namespace, role: str) -> Any:
     """The worker's TLS context (``tcp+tls``), else None."""
-    if args.method != "tcp+tls":
+    if args.method not in TLS_METHODS:
         return None
     from kv_offload_sidecar.data import tls
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kv_offload_tools.bench.transport_methods import LOOKUP_KEYS, METHODS
+from kv_offload_tools.bench.transport_methods import LOOKUP_KEYS, METHODS, ONE_LANE
 
 # Targets: (description, method, chunk sizes, baseline, minimum ratio of their GB/s).
 TARGETS = (
@@ -111,14 +111,15 @@ def verification_cost(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def lanes_scaling(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per laned row: its GB/s against raw TCP with as many streams in the same rounds, and
-    against the transport's one lane."""
+    against the transport's one lane (``ONE_LANE``)."""
     by = {(r["method"], r["chunk_bytes"]): r for r in report["results"]}
     out = []
     for (method, size), r in by.items():
         if "streams_twin" not in r:
             continue
-        one = by.get(("tcp", size))
+        one = by.get((ONE_LANE[method], size))
         out.append({"method": method, "chunk_bytes": size, "compared_to": r["streams_twin"],
+                    "one_lane": ONE_LANE[method],
                     "ratio_to_streams": r["ratio_to_streams_twin"],
                     "ratio_to_one_lane": r["gbps_median"] / one["gbps_median"] if one else None})
     return out
@@ -166,7 +167,8 @@ def table(report: dict[str, Any]) -> str:
                      f"moves {v['throughput_ratio']:.2f}x the GB/s of nixl_unverified at {v['cpu_ratio']:.2f}x its "
                      f"CPU-seconds per GB (+{v['extra_cpu_seconds_per_gb']:.3f} CPU-s/GB)")
     for ln in report.get("lanes", []):
-        one = "" if ln["ratio_to_one_lane"] is None else f", {ln['ratio_to_one_lane']:.2f}x one lane (tcp)"
+        one = ("" if ln["ratio_to_one_lane"] is None
+               else f", {ln['ratio_to_one_lane']:.2f}x one lane ({ln['one_lane']})")
         lines.append(f"[lanes] at {fmt_size(ln['chunk_bytes'])}: {ln['method']} moves {ln['ratio_to_streams']:.2f}x "
                      f"the GB/s of {ln['compared_to']}{one}")
     for m, idle in (report.get("idle") or {}).items():

@@ -7,17 +7,16 @@ import os
 import signal
 import socket
 import ssl
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from kv_offload_sidecar.data import TransportError, connect, make_server
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.tcp.tls_stream import (
-    DIRECT_READ_BYTES,
-    STAGING_BYTES,
-    open_tls,
-)
+from kv_offload_sidecar.data.base import ReceiveStopped
+from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
+from kv_offload_sidecar.data.tcp.tls_stream import TlsStream, open_tls
 from kv_offload_sidecar.data.tls import client_context, memory_handshake, server_context
 from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.metrics import SidecarMetrics
@@ -224,35 +223,80 @@ async def test_tls_pod_refuses_a_ucx_peer_and_tls_is_tcp_only(pool: dict[str, Ce
 # ------------------------------------------------------------------ the stream
 
 
-async def test_tls_stream_reads_exactly_across_records_staging_and_direct_reads(
-        pool: dict[str, CertFiles]) -> None:
-    """Odd-sized reads, reads that straddle staged and direct bytes, and a writer far ahead of
-    the reader (the staging buffer fills, reading pauses, nothing is lost or reordered)."""
+async def tls_pair(pool: dict[str, CertFiles]) -> tuple[TlsStream, TlsStream]:
+    """A server and a client stream over a socket pair, handshaken."""
     s, c = pool["server"], pool["client"]
-    payload = os.urandom(3 * STAGING_BYTES + 12345)
     a, b = socket.socketpair()
     for sock in (a, b):
         sock.setblocking(False)
     server_task = asyncio.create_task(open_tls(a, server_context(s.cert_file, s.key_file, s.ca_file),
                                                server_side=True, timeout=5))
     client = await open_tls(b, client_ctx(c), server_side=False, timeout=5)
-    server = await server_task
+    return await server_task, client
+
+
+async def test_tls_stream_reads_exactly_across_records_on_the_loop_and_on_its_thread(
+        pool: dict[str, CertFiles]) -> None:
+    """Odd-sized reads straddling records, a chunk-sized read decrypted and hashed on the
+    connection's own thread (not the loop's), and a writer far ahead of the reader (it waits
+    for the socket; nothing is lost or reordered)."""
+    server, client = await tls_pair(pool)
+    payload = os.urandom(3 * OFF_LOOP_BYTES + 12345)
     try:
-        await server.send([payload[:7], memoryview(payload)[7:]])  # all of it, before any read
-        await wait_for_async("the reader's staging full, its reading paused", lambda: client._reading_paused)
-        sizes = [16, 2, 3, DIRECT_READ_BYTES - 1, DIRECT_READ_BYTES, 1, 2 * STAGING_BYTES]
+        sending = asyncio.create_task(server.send([payload[:7], memoryview(payload)[7:]]))
         got = bytearray()
-        for n in sizes:
+        for n in [16, 2, 3, 65535, 1]:
             buf = bytearray(n)
             await client.recv_into(buf)
             got += buf
+        assert not sending.done()  # the writer is ahead, held back by the socket
+        big = bytearray(OFF_LOOP_BYTES + 5)
+        pieces: list[bytes] = []
+        threads: set[int] = set()
+
+        def on_piece(piece: memoryview) -> None:
+            threads.add(threading.get_ident())
+            pieces.append(bytes(piece))
+
+        await client.recv_into(big, on_piece=on_piece, piece_bytes=256 << 10)
+        assert threads and threading.get_ident() not in threads  # decrypted off the loop
+        assert b"".join(pieces) == big and len(pieces) > 1
+        got += big
         rest = bytearray(len(payload) - len(got))
         await client.recv_into(memoryview(rest))
         got += rest
+        await sending
         assert bytes(got) == payload
-        server.close()
+        server.close()  # close_notify: the reader sees the end, not a TLS error
         with pytest.raises(ConnectionError, match="after 0 of 10 bytes"):
             await client.recv_into(bytearray(10))
+    finally:
+        client.close()
+        server.close()
+
+
+async def test_aborting_a_tls_stream_stops_its_thread_mid_chunk_and_wakes_loop_readers(
+        pool: dict[str, CertFiles]) -> None:
+    """A chunk half received on the thread and a header awaited on the loop both end at
+    abort(), and no byte lands in the chunk's buffer after abort() returned."""
+    server, client = await tls_pair(pool)
+    try:
+        big = bytearray(OFF_LOOP_BYTES)
+        landed: list[int] = []
+        receiving = asyncio.create_task(client.recv_into(
+            big, on_piece=lambda piece: landed.append(len(piece)), piece_bytes=16 << 10))
+        await server.send([os.urandom(OFF_LOOP_BYTES // 2)])  # half a chunk, then silence
+        await wait_for_async("half the chunk landed", lambda: sum(landed) >= OFF_LOOP_BYTES // 2)
+        header = asyncio.create_task(server.recv_into(bytearray(16)))
+        await asyncio.sleep(0)
+        client.abort()
+        after = bytes(big)
+        server.abort()
+        with pytest.raises(ReceiveStopped):
+            await receiving
+        with pytest.raises(ConnectionError):
+            await header
+        assert bytes(big) == after
     finally:
         client.close()
         server.close()

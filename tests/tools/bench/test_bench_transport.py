@@ -46,7 +46,9 @@ def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, s
     assert pins["holder"] and pins["fetcher"] and not set(pins["holder"]) & set(pins["fetcher"])
     # lanes against raw TCP with as many streams, in the same rounds
     assert {(ln["method"], ln["compared_to"]) for ln in report["lanes"]} == {
-        ("tcp_2lanes", "raw_tcp_2streams"), ("tcp_4lanes", "raw_tcp_4streams")}
+        ("tcp_2lanes", "raw_tcp_2streams"), ("tcp_4lanes", "raw_tcp_4streams"), ("tls_2lanes", "raw_tcp_2streams")}
+    assert {(ln["method"], ln["one_lane"]) for ln in report["lanes"]} == {
+        ("tcp_2lanes", "tcp"), ("tcp_4lanes", "tcp"), ("tls_2lanes", "tcp+tls")}
     assert all(ln["ratio_to_streams"] > 0 and ln["ratio_to_one_lane"] > 0 for ln in report["lanes"])
 
     tls = results["tcp+tls"]

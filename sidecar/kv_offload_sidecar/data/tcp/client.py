@@ -104,6 +104,7 @@ class TcpPeerDataClient(FramedPeerDataClient):
                 except BaseException:
                     if stream is not None:
                         stream.abort()
+                        stream.close()
                     sock.close()
                     raise
         except TimeoutError:
@@ -265,16 +266,12 @@ class TcpPeerDataClient(FramedPeerDataClient):
                                       f"under request id {header.request_id}")
         proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
         view = p.reservation.receive_view(self._stop_receiving)
-        if isinstance(stream, SocketStream):
-            # Each piece hashed as it lands, from the cache: no second pass over the slot
-            # from memory. Only this reader writes the reserved slot, so the digest of the
-            # pieces is the slot's.
-            hasher = chunk_hasher()
-            await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES,
-                                   on_piece=hasher.update, piece_bytes=RECV_PIECE_BYTES)
-            computed: int | None = hasher.intdigest()
-        else:
-            await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES)
-            computed = None
+        # Each piece hashed as it lands, from the cache (on the connection's thread for a
+        # chunk): no second pass over the slot from memory. Only this reader writes the
+        # reserved slot, so the digest of the pieces is the slot's.
+        hasher = chunk_hasher()
+        await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES,
+                               on_piece=hasher.update, piece_bytes=RECV_PIECE_BYTES)
+        computed = hasher.intdigest()
         del self._chunks[header.request_id]
         commit_received(p, prefix.checksum, self._metrics, computed)

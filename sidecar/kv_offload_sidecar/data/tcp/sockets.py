@@ -5,6 +5,7 @@ scatter-gather sends, frame reads and the ``tcp://host:port`` address.
 has the same methods over TLS. Both: ``recv_into`` (fill a buffer exactly), ``send`` (buffers
 in order), ``send_now`` (a small frame without awaiting), ``goodbye``, ``abort``, ``close``;
 ``sock`` is the socket only on a plain connection (its peek and poll tricks need cleartext).
+Both move a chunk's bytes on the connection's own thread (``stream_worker``).
 """
 
 from __future__ import annotations
@@ -162,8 +163,11 @@ class DataStream(Protocol):
     # The socket when the connection is plain; None under TLS.
     sock: socket.socket | None
 
-    async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0) -> None:
-        """Fill ``view`` completely; ConnectionError on EOF."""
+    async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
+                        on_piece: Callable[[memoryview], object] | None = None,
+                        piece_bytes: int = CACHED_PIECE_BYTES) -> None:
+        """Fill ``view`` completely, ``on_piece`` called with each piece as it lands (see
+        ``recv_exactly``); ConnectionError on EOF."""
 
     async def send(self, buffers: Sequence) -> None:
         """Send ``buffers`` in order; once it returns, they may be reused or released."""
@@ -200,7 +204,7 @@ class SocketStream:
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
                         piece_bytes: int = CACHED_PIECE_BYTES) -> None:
-        """``on_piece``, ``piece_bytes``: see ``recv_exactly`` (plain connections only)."""
+        """``on_piece``, ``piece_bytes``: see ``recv_exactly``."""
         if len(view) >= OFF_LOOP_BYTES:
             with memoryview(view) as mv:
                 await self._worker.run(lambda: self._worker.receive(

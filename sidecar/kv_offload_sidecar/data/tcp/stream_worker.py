@@ -17,6 +17,9 @@ Contract:
   read after its pin was released.
 - A transfer awaited by a task that is cancelled, or that fails, stops the thread the same
   way before the exception leaves ``run``: when ``run`` returns or raises, the buffers are free.
+- The socket calls themselves are ``recv_some`` and ``send_views``: a plain socket's here, a
+  TLS socket's in ``tls_stream.TlsWorker`` (whose loop-side calls take the same ``lock``, as
+  an OpenSSL connection must not be used by two threads at once).
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class StreamWorker:
         self._name = name
         self._executor: ThreadPoolExecutor | None = None
         # Held by the thread around each socket call that touches a transfer's buffer.
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._stopped = False
 
     @property
@@ -94,24 +97,29 @@ class StreamWorker:
             self.stop()
             raise
 
-    def stop(self) -> None:
-        """Stop the thread's transfers for good; returns once no socket call is under way."""
+    def stop(self, *, shutdown: bool = True) -> None:
+        """Stop the thread's transfers for good; returns once no socket call is under way.
+        ``shutdown``: also end both directions of the socket, which wakes a waiting thread
+        at once (without it, the thread sees the flag within ``POLL_MILLISECONDS``)."""
         if not self._stopped:
             self._stopped = True
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-        with self._lock:  # the call in progress, if any, ends; none starts after it
+            if shutdown:
+                with contextlib.suppress(OSError):
+                    # The plain socket's shutdown: an SSLSocket's own drops its TLS state.
+                    socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
+        with self.lock:  # the call in progress, if any, ends; none starts after it
             pass
         if self._executor is not None:
             self._executor.shutdown(wait=False)
 
     def receive(self, view: memoryview, piece_bytes: int, batch_bytes: int,
                 on_piece: Callable[[memoryview], object] | None) -> None:
-        """(On the thread.) Fill ``view`` from the socket, ``on_piece`` called with each piece
-        right after it landed; ConnectionError on EOF, ``StreamStopped`` once stopped."""
-        sock, got, n = self._sock, 0, len(view)
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
+        """(On the thread.) Fill ``view`` from the socket, ``on_piece`` called with each
+        ``piece_bytes`` (or the rest) right after they landed, still in the cache;
+        ConnectionError on EOF, ``StreamStopped`` once stopped."""
+        sock, got, n, done = self._sock, 0, len(view), 0
+        poller, events = select.poll(), select.POLLIN
+        poller.register(sock.fileno(), events)
         lowat = 1
         try:
             while got < n:
@@ -119,44 +127,62 @@ class StreamWorker:
                 if batch_bytes and want != lowat:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     lowat = want
-                with self._lock:
+                with self.lock:
                     if self._stopped:
                         raise StreamStopped("the connection was stopped mid-chunk")
-                    try:
-                        k = sock.recv_into(view[got:min(n, got + piece_bytes)])
-                    except (BlockingIOError, InterruptedError):
-                        k = -1
-                if k < 0:  # nothing there yet: sleep until the batch has arrived
+                    k, wait = self.recv_some(view[got:min(n, got + piece_bytes)])
+                if wait:  # nothing there yet: sleep until the batch has arrived
+                    if wait != events:
+                        poller.modify(sock.fileno(), events := wait)
                     self._wait(poller)
                     continue
                 if k == 0:
                     raise ConnectionError(f"connection closed after {got} of {n} bytes")
-                if on_piece is not None:
-                    on_piece(view[got:got + k])
                 got += k
+                if on_piece is not None and (got - done >= piece_bytes or got == n):
+                    on_piece(view[done:got])
+                    done = got
         finally:
             if lowat != 1:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     def send(self, buffers: Sequence) -> None:
-        """(On the thread.) Send ``buffers`` in order with gathered ``sendmsg`` calls."""
+        """(On the thread.) Send ``buffers`` in order (``send_views`` calls)."""
         sock = self._sock
         views = [memoryview(b) for b in buffers if len(b)]
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLOUT)
+        poller, events = select.poll(), select.POLLOUT
+        poller.register(sock.fileno(), events)
         try:
             while views:
-                with self._lock:
+                with self.lock:
                     if self._stopped:
                         raise StreamStopped("the connection was stopped mid-send")
-                    sent = send_some(sock, views)
+                    sent, wait = self.send_views(views)
                 drop_sent(views, sent)
-                if views:
+                if wait:
+                    if wait != events:
+                        poller.modify(sock.fileno(), events := wait)
                     self._wait(poller)
         finally:
             for v in views:
                 v.release()
+
+    # ---- one socket call each (under ``lock``): what differs between plain and TLS
+
+    def recv_some(self, view: memoryview) -> tuple[int, int]:
+        """One receive into ``view``: (bytes landed, 0) with 0 bytes at EOF, or (0, the poll
+        events to wait for) when nothing can be read yet."""
+        try:
+            return self._sock.recv_into(view), 0
+        except (BlockingIOError, InterruptedError):
+            return 0, select.POLLIN
+
+    def send_views(self, views: list[memoryview]) -> tuple[int, int]:
+        """One gathered send of ``views``: (bytes taken, 0), or (0, the poll events to wait
+        for) when the socket takes nothing now."""
+        sent = send_some(self._sock, views)
+        return sent, (0 if sent else select.POLLOUT)
 
     def _wait(self, poller: select.poll) -> bool:
         """Poll once; True when the socket is ready (or in error: the next call says which)."""
