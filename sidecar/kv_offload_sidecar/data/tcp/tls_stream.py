@@ -88,36 +88,30 @@ async def _ready(loop: asyncio.AbstractEventLoop, fd: int, events: int,
             waiters.discard(fut)
 
 
-def _lost(exc: ssl.SSLError) -> ConnectionError:
-    """A TLS failure on an established connection (a bad record, an alert from the peer)."""
-    return ConnectionError(f"TLS connection lost: {exc}")
+def _ssl_call(call: Callable[[memoryview], int], view: memoryview) -> tuple[int, int]:
+    """One OpenSSL read or write: (its result, 0), or (0, the poll events it must wait for);
+    ConnectionError when the connection failed (a bad record, an alert from the peer)."""
+    try:
+        return call(view), 0
+    except ssl.SSLWantReadError:
+        return 0, select.POLLIN
+    except ssl.SSLWantWriteError:
+        return 0, select.POLLOUT
+    except ssl.SSLError as exc:
+        raise ConnectionError(f"TLS connection lost: {exc}") from exc
 
 
 class TlsWorker(StreamWorker):
     """``StreamWorker`` whose socket calls go through OpenSSL."""
 
     def recv_some(self, view: memoryview) -> tuple[int, int]:
-        try:
-            return self._sock.recv_into(view), 0  # 0 at close_notify or at EOF
-        except ssl.SSLWantReadError:
-            return 0, select.POLLIN
-        except ssl.SSLWantWriteError:
-            return 0, select.POLLOUT
-        except ssl.SSLError as exc:
-            raise _lost(exc) from exc
+        return _ssl_call(self._sock.recv_into, view)  # 0 bytes at close_notify or at EOF
 
     def send_views(self, views: list[memoryview]) -> tuple[int, int]:
         # The same first piece until OpenSSL takes it: a retry after SSLWantWriteError must
         # pass the same bytes.
         with views[0][:WRITE_PIECE_BYTES] as piece:
-            try:
-                return self._sock.send(piece), 0
-            except ssl.SSLWantWriteError:
-                return 0, select.POLLOUT
-            except ssl.SSLWantReadError:
-                return 0, select.POLLIN
-            except ssl.SSLError as exc:
-                raise _lost(exc) from exc
+            return _ssl_call(self._sock.send, piece)
 
 
 def _joined(buffers: Sequence) -> list:
