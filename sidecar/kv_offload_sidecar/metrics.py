@@ -152,8 +152,8 @@ class SidecarMetrics:
         )
         self.peer_data_lanes = Gauge(
             "peer_data_lanes",
-            "Data connections open to connected peers, all together (a fetch from one peer "
-            "stripes its chunks over that peer's).",
+            "Lanes to connected peers, all together: the data connections a fetch from one peer "
+            "stripes its chunks over (tcp, ucx), or this process's read threads (nixl).",
             namespace=ns, registry=registry,
         )
         self.store_used_bytes = Gauge(

@@ -134,8 +134,9 @@ class SidecarSettings:
                                       metavar="URL")
     engine_metrics_interval_seconds: float = setting(15.0, "seconds between scrapes of --engine-metrics-url")
     data_lanes: int = setting(0, "connections a fetch from one peer stripes its chunks over, each moving "
-                              "bytes on its own thread; the fewer of both sidecars' offers is used (0: one "
-                              f"per core this process may use, at most {MAX_DATA_LANES})", metavar="N")
+                              "bytes on its own thread; the fewer of both sidecars' offers is used (nixl: "
+                              "this sidecar's read threads) (0: one per core this process may use, at "
+                              f"most {MAX_DATA_LANES})", metavar="N")
     tls_cert_file: str = setting("", "PEM certificate of this sidecar: TLS on the tcp data plane (with "
                                  "--tls-key-file and --tls-ca-file; '': plain TCP)", metavar="PEM")
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file", metavar="PEM")

@@ -229,8 +229,9 @@ def run(args: argparse.Namespace) -> int:
             if (problem := rdma_not_compiled_in(tls)) is not None:
                 raise ValueError(problem)
         elif settings.transport == "nixl":
+            from kv_offload_sidecar.data.lanes import lanes_offered
             from kv_offload_sidecar.data.nixl.runtime import configure_nixl_env
-            configure_nixl_env(args.ucx_tls)
+            configure_nixl_env(args.ucx_tls, lanes=lanes_offered(settings.data_lanes))
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"kv-offload sidecar: {exc}") from None
     if parent and os.getppid() != parent and not process_alive(parent):

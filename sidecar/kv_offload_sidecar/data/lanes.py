@@ -49,10 +49,11 @@ def lane_count(own: int, peer: int | None) -> int:
 
 
 def data_lanes_of(client: object) -> int:
-    """Connections behind a peer's data client (0 for none)."""
+    """Lanes behind a peer's data client (0 for none): its connections (tcp, ucx), or the
+    process's read threads (nixl)."""
     if client is None:
         return 0
-    return client.lanes if isinstance(client, LanedPeerDataClient) else 1
+    return int(getattr(client, "lanes", 1))
 
 
 async def open_lanes(n: int, open_one: Callable[[], Awaitable[FramedPeerDataClient]]) -> PeerDataClient:

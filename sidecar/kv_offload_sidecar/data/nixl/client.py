@@ -108,6 +108,12 @@ class NixlPeerDataClient(TcpPeerDataClient):
         self._wake_pending = False
         self._wake_lock = threading.Lock()
 
+    @property
+    def lanes(self) -> int:
+        """This process's read lanes, each reading and hashing chunks on its own thread (the
+        reads are one-sided: the holder's cores take no part, so its offer does not count)."""
+        return len(self._runtime.lanes) if self._runtime is not None else 1
+
     @classmethod
     async def _after_auth(cls, stream: DataStream, session_key: bytes, nonce: bytes,
                           metrics: SidecarMetrics | None) -> object:

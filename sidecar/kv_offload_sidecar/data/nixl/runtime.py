@@ -2,8 +2,8 @@
 
 A one-sided READ over CMA is a kernel copy made inside NIXL's post call, which releases
 the GIL; so every agent lives in its own thread (a *lane*) and the asyncio loop only hands
-work to lanes and takes their results (``call_soon_threadsafe``). With two lanes both cores
-copy. A lane reads a chunk as one transfer of its ``PIECE_BYTES`` pieces and then hashes the
+work to lanes and takes their results (``call_soon_threadsafe``). A sidecar runs one lane
+per core it may use (``configure_nixl_env``), so its cores copy side by side. A lane reads a chunk as one transfer of its ``PIECE_BYTES`` pieces and then hashes the
 slot in one GIL-free call (xxh3): two GIL hand-offs per chunk, whatever its size. Lane 0's
 agent also serves: it registers each peer connection's view of the store (``exports``). An idle lane sleeps in its queue. A new
 endpoint's wire-up needs both agents to progress, so for ``WIREUP_SECONDS`` after a view was
@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 # What the nixl transport imports; the wheel it comes from is extras.NIXL_PACKAGE (installed
 # with --no-deps: its declared torch and numpy requirements serve GPU paths only).
 NIXL_MODULE = "nixl_cu12"
-# Lane threads (agents) of a process: 2 lets both cores of a small host copy.
+# Lane threads (agents) of a process that did not configure them (tests, benches); a
+# sidecar runs its ``--data-lanes`` offer (``data.lanes.lanes_offered``: one per usable core,
+# at most 8), so a fetcher's reads and checksums spread over the cores it is given.
 DEFAULT_LANES = 2
 # Bytes of one descriptor of a chunk's READ (a chunk is read as one transfer of its pieces).
 PIECE_BYTES = 512 << 10
@@ -52,17 +54,23 @@ IDLE_PUMP_SECONDS = 1.0
 # Seconds one piece's READ may stay in progress before the lane gives up on it.
 READ_TIMEOUT_SECONDS = 10.0
 
-_state: dict[str, Any] = {"runtime": None}
+_state: dict[str, Any] = {"runtime": None, "lanes": DEFAULT_LANES}
 
 
-def configure_nixl_env(tls: str | None = None) -> dict[str, str]:
+def configure_nixl_env(tls: str | None = None, lanes: int | None = None) -> dict[str, str]:
     """Prepare this process for the nixl transport (before ``nixl_cu12`` is imported).
 
     ``tls``: ``UCX_TLS`` for NIXL's bundled UCX (default: what the environment says, else
     UCX's own choice: cma between processes of one PID namespace, rc/dc with an RDMA device,
-    TCP otherwise). UCX logs to stderr. ValueError naming the package when it is missing.
+    TCP otherwise). ``lanes``: the lane threads (agents) the process's runtime will start
+    (default ``DEFAULT_LANES``). UCX logs to stderr. ValueError naming the package when it is
+    missing.
     """
     require("--transport nixl", NIXL_MODULE)
+    if lanes is not None:
+        if lanes < 1:
+            raise ValueError(f"NIXL lanes={lanes!r}; use 1 or more")
+        _state["lanes"] = lanes
     if tls is not None:
         if not tls.strip():
             raise ValueError("--ucx-tls is empty: give UCX transports such as rc,cma,tcp,self")
@@ -345,12 +353,13 @@ class NixlRuntime:
         self._local: dict[int, tuple[Any, list[SlotTable]]] = {}
 
     @classmethod
-    async def get(cls, lanes: int = DEFAULT_LANES) -> NixlRuntime:
-        """The process's runtime, created (agents started) at first use."""
+    async def get(cls, lanes: int | None = None) -> NixlRuntime:
+        """The process's runtime, created (agents started) at first use, with ``lanes`` lanes
+        (default: ``configure_nixl_env``'s)."""
         loop = asyncio.get_running_loop()
         rt = _state["runtime"]
         if rt is None:
-            rt = _state["runtime"] = cls(loop, lanes)
+            rt = _state["runtime"] = cls(loop, lanes or _state["lanes"])
             atexit.register(_close_at_exit)
             try:
                 await loop.run_in_executor(None, lambda: [lane.wait_ready() for lane in rt.lanes])

@@ -85,6 +85,11 @@ class UcxPeerDataClient(FramedPeerDataClient):
         self._requested = 0  # chunks requested over this connection
         self._replies = [0, 0]  # messages carrying chunk replies, CHUNK/CHUNK_MISSING frames in them
 
+    @property
+    def lanes(self) -> int:
+        """Connections to the peer: this one, and its partner when it has one."""
+        return 1 if self._partner is None else 2
+
     @classmethod
     async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
                       timeout: float, metrics: SidecarMetrics | None = None,
