@@ -34,7 +34,8 @@ every length)::
         --json $OUT/bench-gpu.json --plot $OUT/bench-gpu.png 2>&1 | tee $OUT/bench-gpu.log
 
 (The JSON is written after each model, so a run cut short keeps the models it finished;
-``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run.)
+``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run; ``--plane tls`` for the
+same hits under mutual TLS 1.3, whose lanes each decrypt on a core of their own.)
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from kv_offload_tools.bench.gpu_geometry import Geometry, breakeven_gbps, load_m
 from kv_offload_tools.bench.gpu_peer import PeerSettings
 from kv_offload_tools.progress import timestamped
 
-PLANES = ("tcp", "ucx", "nixl")
+PLANES = ("tcp", "tls", "ucx", "nixl")
 # Defaults on a GPU: the issue's models and prompt lengths.
 GPU_MODELS = ("llama-3.1-8b", "llama-3.1-70b")
 GPU_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 49152)

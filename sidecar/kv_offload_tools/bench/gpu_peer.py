@@ -38,6 +38,7 @@ import contextlib
 import http.client
 import mmap
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +55,7 @@ from kv_offload_tools.bench.attack_pool import cpu_seconds
 from kv_offload_tools.bench.gpu_geometry import Geometry
 from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus, started_on
 from kv_offload_tools.bench.gpu_raw_tcp import raw_tcp
+from kv_offload_tools.certs import pool_certificates
 from kv_offload_tools.local_pool import LocalPool
 
 # Chunks per store_rows call: each call must land within the client's control deadline.
@@ -113,7 +115,8 @@ class HealthPolls:
 class PeerSettings:
     """How the peer hits run."""
 
-    # Data plane of both sidecars (their --transport): tcp, ucx or nixl.
+    # Data plane of both sidecars: their --transport (tcp, ucx or nixl), or tls (tcp under
+    # mutual TLS 1.3, certificates of a throw-away pool CA).
     plane: str = "tcp"
     # Runs per prompt length; the reported hit is the median run.
     repeats: int = 3
@@ -256,7 +259,13 @@ def _pair(geometry: Geometry, chunks: int, host: HostRows, settings: PeerSetting
           lanes: int | None, cpus: tuple[list[int], list[int]]) -> Iterator[_Pair]:
     capacity = (chunks + 2) * geometry.row_stride
     extra = ("--data-lanes", str(lanes)) if lanes is not None else ()
-    pool = LocalPool(0, transport=settings.plane, config=geometry.pool, capacity_bytes=capacity,
+    transport = settings.plane
+    certs = tempfile.TemporaryDirectory(prefix="kv-offload-bench-gpu-tls-")
+    if settings.plane == "tls":
+        files = pool_certificates(certs.name, ["pool"])["pool"]
+        transport, extra = "tcp", (*extra, "--tls-cert-file", files.cert_file, "--tls-key-file",
+                                   files.key_file, "--tls-ca-file", files.ca_file)
+    pool = LocalPool(0, transport=transport, config=geometry.pool, capacity_bytes=capacity,
                      fetch_deadline_seconds=settings.timeout_s, publish_interval_seconds=0.1,
                      extra_args=extra, log_level="WARNING", workdir=None)
     clients: list[EngineClient] = []
@@ -276,6 +285,7 @@ def _pair(geometry: Geometry, chunks: int, host: HostRows, settings: PeerSetting
         for client in clients:
             client.close()
         pool.stop()
+        certs.cleanup()
 
 
 def memcpy_seconds(host: HostRows, count: int) -> float:
@@ -404,7 +414,8 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
                          f"{hit['holder_cpu_s_per_gb']:.2f} fetcher {hit['fetcher_cpu_s_per_gb']:.2f}"
                          f"{'' if hit['identical'] else '  BYTES DIFFER'}"
                          f"{'' if hit['all_loaded'] else '  MISSED'}")
-            in_use = lanes_in_use(pair.pool["fetcher"].status())
+            fetcher_status = pair.pool["fetcher"].status()
+            in_use = lanes_in_use(fetcher_status)
             raw = raw_tcp(lanes or in_use or 1, min(chunks * geometry.chunk_bytes, RAW_TCP_MAX_BYTES),
                           settings.repeats, *cpus)
             progress(f"raw TCP, {raw['streams']} streams, same pinning: {raw['gbps']:.2f} GB/s, CPU s/GB "
@@ -414,7 +425,8 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
                 "store_landed_s": landed_s, "store_memcpy_s": memcpy_s, "store_bytes": chunks * geometry.chunk_bytes,
                 "store_paced": paces_stores(ENGINE_DEVICE_TYPE),
                 "holder_cpus": cpu_list(cpus[0]), "fetcher_cpus": cpu_list(cpus[1]),
-                "lanes_in_use": in_use, "hits": hits}
+                "lanes_in_use": in_use, "data_scheme": str(fetcher_status.get("data_address", "")).split("://")[0],
+                "hits": hits}
     finally:
         del kv
         host.close()

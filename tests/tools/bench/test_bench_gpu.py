@@ -166,7 +166,7 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
         # the fetcher's event loop answered /healthz polls all through the hit
         assert hit["healthz_polls"] >= 1 and hit["healthz_p99_ms"] > 0
     (pool,) = m["pools"]
-    assert pool["lanes"] == "default" and pool["store_s"] > 0
+    assert pool["lanes"] == "default" and pool["store_s"] > 0 and pool["data_scheme"] == "tcp"
     # stored as beside an engine on a GPU (not paced), landed before the fetcher saw it, against
     # a memcpy of the same bytes
     assert not pool["store_paced"] and 0 < pool["store_landed_s"] <= pool["store_s"]
@@ -182,6 +182,26 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
     assert report["targets"] == []
     assert plot.stat().st_size > 0
     assert "[bench gpu" in done.stderr
+
+
+def test_the_tls_plane_moves_the_hit_under_mutual_tls_into_the_rows(tmp_path: Path, shm_dir: str):
+    config = dict(load_model_config("tiny-llama")[1], num_hidden_layers=2)
+    model = tmp_path / "tiny" / "config.json"
+    model.parent.mkdir()
+    model.write_text(json.dumps(config))
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "kv_offload_operator.cli", "bench", "gpu", "--models", str(model), "--plane", "tls",
+         "--lengths", "256", "--chunk-tokens", "64", "--repeats", "1", "--json", str(out),
+         "--plot", str(tmp_path / "gpu.png"), "--shm-dir", shm_dir, "--timeout-s", "30"],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (m,) = report["models"]
+    (pool,) = m["pools"]
+    assert report["plane"] == "tls" and pool["data_scheme"] == "tls"
+    (hit,) = m["rows"][0]["peer"]
+    assert hit["identical"] and hit["all_loaded"] and hit["loaded"] == m["rows"][0]["chunks"]
 
 
 def _peer(lanes: int, gbps: float, raw_ratio: float, speedup_: float) -> dict:
