@@ -18,8 +18,9 @@ One OpenSSL connection must never be used by two threads at once: every call int
 the loop or from the thread, holds the worker's ``lock`` (one record's work at most, so the
 loop waits microseconds when it meets the thread). A write OpenSSL could not finish
 (``SSLWantWriteError``) is retried with the same bytes before any other write, as OpenSSL
-requires: the thread retries its piece; a small frame that met a full socket is handed back
-whole (``send_now``) and goes out first on the writer's next ``send``.
+requires, by the ``send`` that started it; so ``send_now`` writes nothing itself (a frame
+it wrote into a full socket would bind the next write, whoever makes it) and hands the
+frame to the writer.
 """
 
 from __future__ import annotations
@@ -145,8 +146,6 @@ class TlsStream:
         # Loop-side waits for the socket, woken by abort()/close() (a closed descriptor
         # would never report ready).
         self._waiters: set[asyncio.Future[None]] = set()
-        # A small frame OpenSSL could not finish writing: it goes out first on the next send.
-        self._unfinished: bytes | None = None
 
     async def _on_loop(self, call: Callable[[], tuple[int, int]]) -> int:
         """Run one OpenSSL call on the loop (under the worker's lock) until it needs no wait."""
@@ -184,9 +183,6 @@ class TlsStream:
 
     async def send(self, buffers: Sequence) -> None:
         buffers = _joined(buffers)
-        if self._unfinished is not None:  # retried first, as OpenSSL requires
-            buffers.insert(0, self._unfinished)
-            self._unfinished = None
         if sum(len(b) for b in buffers) >= OFF_LOOP_BYTES:
             await self._worker.run(lambda: self._worker.send(buffers))
             return
@@ -199,16 +195,8 @@ class TlsStream:
                 v.release()
 
     def send_now(self, frame: list) -> list:
-        """One write of a small frame if the connection is idle; what is left for ``send``."""
-        data = proto.join(frame)
-        if self._unfinished is not None or self._worker.stopped:
-            return [data]
-        with self._worker.lock, memoryview(data) as mv:
-            sent, wait = self._worker.send_views([mv])
-        if wait:
-            self._unfinished = data  # send() writes it first, whole
-            return []
-        return [data[sent:]] if sent < len(data) else []
+        """The whole frame, joined, for ``send`` (see the module docstring)."""
+        return [proto.join(frame)]
 
     async def goodbye(self, *, send_close: bool, seconds: float) -> None:
         """CLOSE (when ``send_close``), then read and discard until the client closes (it
