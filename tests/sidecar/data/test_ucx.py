@@ -110,11 +110,13 @@ def test_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_partial(
     assert out["slots_in_use"] == out["visible"]  # every reservation was released
 
 
+# A chunk below OFF_LOOP_BYTES is verified on the loop, a larger one on a checksum thread.
+@pytest.mark.parametrize("chunk_bytes", [CHUNK, 2 << 20], ids=["on-loop", "checksum-thread"])
 @pytest.mark.parametrize("tls", TLS)
 def test_corrupted_chunk_fails_its_checksum_and_is_not_stored(
-        tls: str, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
-    peer = start_peer("ucx", tls=tls, chunks=4, chunk_bytes=CHUNK, corrupt="1")
-    out = run_ucx_client(peer, "corrupt", tls=tls, shm_dir=shm_dir, chunks=4, chunk_bytes=CHUNK,
+        tls: str, chunk_bytes: int, start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
+    peer = start_peer("ucx", tls=tls, chunks=4, chunk_bytes=chunk_bytes, corrupt="1")
+    out = run_ucx_client(peer, "corrupt", tls=tls, shm_dir=shm_dir, chunks=4, chunk_bytes=chunk_bytes,
                          corrupt="1")
     assert out["error"].startswith("integrity:")
     assert not out["corrupt_visible"]

@@ -3,7 +3,8 @@
 The client posts each chunk's receive on its reserved slot *before* it sends
 the FETCH, so the bytes never wait in UCX's unexpected queue, keeps
 ``UCX_WINDOW`` chunks in flight, and verifies each checksum before the chunk
-becomes visible. With two lanes every ``GET_LANE_EVERY``-th chunk goes over a
+becomes visible (a chunk of ``OFF_LOOP_BYTES`` or more on one of the process's checksum
+threads, ``data.checksum_threads``, so the loop keeps progressing UCX meanwhile). With two lanes every ``GET_LANE_EVERY``-th chunk goes over a
 second connection whose copies the fetcher's core makes; a failure of either
 fails both.
 """
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import TransportError, auth_proof, count_protocol_error
+from kv_offload_sidecar.data.checksum_threads import checksum_off_loop, hashes_off_loop
 from kv_offload_sidecar.data.fetch import PendingChunk, answer_lookup, commit_received
 from kv_offload_sidecar.data.peer_client import (
     FramedPeerDataClient,
@@ -217,8 +219,27 @@ class UcxPeerDataClient(FramedPeerDataClient):
             st.p.reservation.abort()
             if not st.p.done.done():
                 st.p.done.set_result(False)
+        elif hashes_off_loop(st.p.nbytes):
+            self._verify_off_loop(st.p, st.checksum)
         else:
             commit_received(st.p, st.checksum, self._metrics)
+
+    def _verify_off_loop(self, p: PendingChunk, checksum: int) -> None:
+        """Hash the slot on a checksum thread, then commit it on the loop (the fetch may have
+        given up meanwhile: its abort makes the commit a no-op)."""
+        try:
+            digest = checksum_off_loop(p.reservation.view)
+        except RuntimeError:  # the interpreter is shutting down: no new threads; hash here
+            commit_received(p, checksum, self._metrics)
+            return
+
+        def verified(f: asyncio.Future[int]) -> None:
+            if f.cancelled() or f.exception() is not None:  # the view was released meanwhile
+                commit_received(p, checksum, self._metrics)
+            else:
+                commit_received(p, checksum, self._metrics, f.result())
+
+        digest.add_done_callback(verified)
 
     def _in_flight(self) -> Iterator[PendingChunk]:
         return (st.p for st in self._chunks.values())

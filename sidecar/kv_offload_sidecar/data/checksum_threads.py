@@ -1,0 +1,62 @@
+"""Received chunks verified off the event loop, on the cores the sidecar may use.
+
+A plane whose bytes land without the sidecar's Python touching them (UCX: the
+rendezvous copies straight into the store slot) still has to hash each chunk
+before it becomes visible. Hashed on the event loop, a 16 MiB chunk holds the
+loop for 1-2 ms (XXH3 at 7-12 GB/s on one core) while UCX's progress, lookups and
+every other peer wait, and the hashes of a fetch all run on one core. Here they
+run on ``checksum_threads()`` threads, one per core the process may use
+(``bulk_copies.usable_cores``: affinity and cgroup quota), at most
+``MAX_DATA_LANES``; python-xxhash releases the GIL while it hashes, so the threads
+hash in parallel with each other and with the loop.
+
+``checksum_off_loop(buf)`` returns an asyncio future of ``chunk_checksum(buf)``.
+Below ``OFF_LOOP_BYTES`` (the threshold the TCP plane moves bytes off the loop
+at) the hand-off costs more than the hash: callers hash such chunks in place.
+The caller keeps ``buf`` valid until the future is done; a reservation aborted
+meanwhile only makes the digest moot (its ``commit`` then answers False).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from kv_offload_sidecar.bulk_copies import usable_cores
+from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
+from kv_offload_sidecar.settings import MAX_DATA_LANES
+from kv_offload_sidecar.store.checksum import BytesLike, chunk_checksum
+
+# Name prefix of the threads that verify checksums (seen in py-spy and /proc).
+THREAD_PREFIX = "kv-offload-checksum"
+
+_lock = threading.Lock()
+_pool: dict[str, ThreadPoolExecutor] = {}
+
+
+def checksum_threads() -> int:
+    """Threads that verify received chunks: one per usable core, at most ``MAX_DATA_LANES``."""
+    return max(1, min(MAX_DATA_LANES, usable_cores()))
+
+
+def hashes_off_loop(nbytes: int) -> bool:
+    """Whether a chunk of ``nbytes`` is worth handing to a checksum thread."""
+    return nbytes >= OFF_LOOP_BYTES
+
+
+def checksum_off_loop(buf: BytesLike) -> asyncio.Future[int]:
+    """``chunk_checksum(buf)`` computed on one of the process's checksum threads."""
+    return asyncio.get_running_loop().run_in_executor(_executor(), chunk_checksum, buf)
+
+
+def _executor() -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pool.get("pool")
+        if pool is None:
+            pool = _pool["pool"] = ThreadPoolExecutor(max_workers=checksum_threads(),
+                                                      thread_name_prefix=THREAD_PREFIX)
+        return pool
+
+
+__all__ = ["THREAD_PREFIX", "checksum_off_loop", "checksum_threads", "hashes_off_loop"]

@@ -1,0 +1,47 @@
+"""Received chunks hashed on the process's checksum threads, not on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+from kv_offload_sidecar.data.checksum_threads import (THREAD_PREFIX, checksum_off_loop, checksum_threads,
+                                                      hashes_off_loop)
+from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
+from kv_offload_sidecar.settings import MAX_DATA_LANES
+from kv_offload_sidecar.store.checksum import chunk_checksum
+
+
+async def test_a_chunk_is_hashed_on_a_checksum_thread_to_the_same_digest() -> None:
+    chunks = [os.urandom(OFF_LOOP_BYTES) + bytes([i]) for i in range(4)]
+    digests = await asyncio.gather(*(checksum_off_loop(memoryview(c)) for c in chunks))
+    assert digests == [chunk_checksum(c) for c in chunks]
+    assert len(set(digests)) == 4
+    assert any(t.name.startswith(THREAD_PREFIX) for t in threading.enumerate())
+    assert not threading.current_thread().name.startswith(THREAD_PREFIX)
+
+
+async def test_a_released_buffer_fails_the_hash_instead_of_reading_freed_memory() -> None:
+    view = memoryview(bytearray(OFF_LOOP_BYTES))
+    view.release()
+    with pytest.raises(TypeError, match="C-contiguous bytes-like"):
+        await checksum_off_loop(view)
+
+
+def test_only_chunks_worth_a_thread_hand_off_leave_the_loop() -> None:
+    assert hashes_off_loop(OFF_LOOP_BYTES)
+    assert not hashes_off_loop(OFF_LOOP_BYTES - 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_checksum_threads_follow_the_cores_the_process_may_use() -> None:
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert checksum_threads() == 1
+        os.sched_setaffinity(0, before)
+        assert checksum_threads() == max(1, min(MAX_DATA_LANES, len(before)))
+    finally:
+        os.sched_setaffinity(0, before)
