@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -30,9 +32,25 @@ async def test_a_released_buffer_fails_the_hash_instead_of_reading_freed_memory(
         await checksum_off_loop(view)
 
 
-def test_only_chunks_worth_a_thread_hand_off_leave_the_loop() -> None:
-    assert hashes_off_loop(OFF_LOOP_BYTES)
-    assert not hashes_off_loop(OFF_LOOP_BYTES - 1)
+def _hands_off_with_cores(cores: set[int], nbytes: int) -> bool:
+    """``hashes_off_loop(nbytes)`` in a fresh process allowed only ``cores``."""
+    code = (f"import os; os.sched_setaffinity(0, {sorted(cores)!r}); "
+            "from kv_offload_sidecar.data.checksum_threads import hashes_off_loop; "
+            f"print(hashes_off_loop({nbytes}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_a_chunk_leaves_the_loop_only_when_big_enough_and_a_second_core_can_hash_it() -> None:
+    cores = os.sched_getaffinity(0)
+    one = {min(cores)}
+    assert not _hands_off_with_cores(one, OFF_LOOP_BYTES)  # one core: a thread only takes turns
+    if len(cores) > 1:
+        two = set(sorted(cores)[:2])
+        assert _hands_off_with_cores(two, OFF_LOOP_BYTES)
+        assert not _hands_off_with_cores(two, OFF_LOOP_BYTES - 1)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
