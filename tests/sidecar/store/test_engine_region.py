@@ -2,9 +2,11 @@
 gives way to a close, a cancelled job touches no row, and a stored row's checksum is
 its slot's."""
 
+import contextlib
 import mmap
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from waiting import wait_for
@@ -26,6 +28,23 @@ def _region_file(rows: int, stride: int = STRIDE) -> tuple[int, mmap.mmap]:
     engine = mmap.mmap(fd, rows * stride)
     engine[:] = os.urandom(rows * stride)
     return fd, engine
+
+
+@contextlib.contextmanager
+def _copying(rows: int, stride: int = STRIDE,
+             chunk: int = CHUNK) -> Iterator[tuple[mmap.mmap, EngineRegion, RowCopier]]:
+    """A region of ``rows`` random rows (the engine's mapping, the sidecar's region) and a
+    copier, all closed afterwards."""
+    fd, engine = _region_file(rows, stride)
+    region = EngineRegion(fd, offset=0, row_stride=stride, num_rows=rows, chunk_bytes=chunk)
+    copier = RowCopier()  # one copy thread for loads, one for stores
+    try:
+        yield engine, region, copier
+    finally:
+        copier.close()
+        region.close()
+        engine.close()
+        os.close(fd)
 
 
 def _kernel() -> tuple[int, int]:
@@ -69,10 +88,7 @@ def test_prefault_of_a_closing_region_stops_and_the_region_unmaps_after_its_last
 
 
 def test_a_cancelled_job_copies_nothing_either_way():
-    fd, engine = _region_file(4)
-    region = EngineRegion(fd, offset=0, row_stride=STRIDE, num_rows=4, chunk_bytes=CHUNK)
-    copier = RowCopier()
-    try:
+    with _copying(4) as (engine, region, copier):
         slot = memoryview(bytearray(b"\x5a" * CHUNK))
         before = engine[:]
         deadline = JobDeadline(time.monotonic() + 600)
@@ -86,11 +102,6 @@ def test_a_cancelled_job_copies_nothing_either_way():
         assert copier.load(region, slot, 2, live).result() is True
         assert np.frombuffer(engine, np.uint8)[2 * STRIDE:2 * STRIDE + CHUNK].tobytes() == \
             b"\x5a" * CHUNK
-    finally:
-        copier.close()
-        region.close()
-        engine.close()
-        os.close(fd)
 
 
 def test_a_stored_rows_checksum_is_its_slots_over_several_cache_pieces():
@@ -98,10 +109,7 @@ def test_a_stored_rows_checksum_is_its_slots_over_several_cache_pieces():
 
     chunk = 2 * CACHED_PIECE_BYTES + 4096  # pieces, and a last one shorter than a piece
     stride = chunk + mmap.PAGESIZE
-    fd, engine = _region_file(2, stride)
-    region = EngineRegion(fd, offset=0, row_stride=stride, num_rows=2, chunk_bytes=chunk)
-    copier = RowCopier()
-    try:
+    with _copying(2, stride, chunk) as (engine, region, copier):
         # A slot as long as the chunk, and longer; copied flat out and paced.
         for slot_bytes, paced in ((chunk, False), (chunk + 512, False), (chunk, True)):
             slot = memoryview(bytearray(b"\x33" * slot_bytes))
@@ -109,43 +117,27 @@ def test_a_stored_rows_checksum_is_its_slots_over_several_cache_pieces():
                                     paced).result()
             assert bytes(slot[:chunk]) == engine[stride:stride + chunk]
             assert checksum == chunk_checksum(slot)
-    finally:
-        copier.close()
-        region.close()
-        engine.close()
-        os.close(fd)
 
 
 def test_a_load_is_copied_while_a_paced_store_is_still_copying():
     from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
     chunk = 32 * CACHED_PIECE_BYTES  # a paced store of 32 pieces, pausing after each
-    fd, engine = _region_file(2, chunk)
-    region = EngineRegion(fd, offset=0, row_stride=chunk, num_rows=2, chunk_bytes=chunk)
-    copier = RowCopier(1)  # one copy thread for loads, one for stores
-    try:
+    with _copying(2, chunk, chunk) as (_engine, region, copier):
         deadline = JobDeadline(time.monotonic() + 600)
         stored = copier.store(region, 0, memoryview(bytearray(chunk)), deadline, True)
         loaded = copier.load(region, memoryview(bytearray(b"\x77" * chunk)), 1, deadline)
         assert loaded.result() is True
         assert not stored.done()  # the load did not wait behind the store's copies
         assert stored.result() is not None
-    finally:
-        copier.close()
-        region.close()
-        engine.close()
-        os.close(fd)
 
 
 def test_a_store_cancelled_mid_copy_reads_no_further_piece_of_its_row():
     from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
     chunk = 64 * CACHED_PIECE_BYTES  # a paced store of 64 pieces, pausing after each
-    fd, engine = _region_file(1, chunk)
-    engine[:] = b"\x11" * chunk  # a byte the empty slot does not hold
-    region = EngineRegion(fd, offset=0, row_stride=chunk, num_rows=1, chunk_bytes=chunk)
-    copier = RowCopier(1)
-    try:
+    with _copying(1, chunk, chunk) as (engine, region, copier):
+        engine[:] = b"\x11" * chunk  # a byte the empty slot does not hold
         slot = memoryview(bytearray(chunk))
         deadline = JobDeadline(time.monotonic() + 600)
         stored = copier.store(region, 0, slot, deadline, True)
@@ -153,11 +145,6 @@ def test_a_store_cancelled_mid_copy_reads_no_further_piece_of_its_row():
         deadline.cancel()  # what drain_jobs' cancel does
         assert stored.result() is None  # not committed
         assert bytes(slot[-CACHED_PIECE_BYTES:]) == bytes(CACHED_PIECE_BYTES)  # never copied
-    finally:
-        copier.close()
-        region.close()
-        engine.close()
-        os.close(fd)
 
 
 def test_a_job_is_in_the_first_half_of_its_window_until_half_its_time_went():
