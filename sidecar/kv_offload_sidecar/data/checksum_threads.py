@@ -31,7 +31,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from kv_offload_sidecar.bulk_copies import usable_cores
-from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
+from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, spare_core
 from kv_offload_sidecar.settings import MAX_DATA_LANES
 from kv_offload_sidecar.store.checksum import BytesLike, chunk_checksum
 
@@ -39,9 +39,8 @@ from kv_offload_sidecar.store.checksum import BytesLike, chunk_checksum
 THREAD_PREFIX = "kv-offload-checksum"
 
 _lock = threading.Lock()
-# The process's checksum threads, made at first use, and how many there are.
+# The process's checksum threads, made at first use.
 _pool: dict[str, ThreadPoolExecutor] = {}
-_threads: dict[str, int] = {}
 
 
 def checksum_threads() -> int:
@@ -51,12 +50,9 @@ def checksum_threads() -> int:
 
 def hashes_off_loop(nbytes: int) -> bool:
     """Whether a chunk of ``nbytes`` is worth handing to a checksum thread: a chunk of at
-    least ``OFF_LOOP_BYTES``, in a process with more than one usable core (counted once,
-    when the threads are made)."""
-    if nbytes < OFF_LOOP_BYTES:
-        return False
-    _executor()
-    return _threads["n"] > 1
+    least ``OFF_LOOP_BYTES``, in a process with more than one usable core (``spare_core``,
+    the rule a TCP connection hashes its pieces beside its receive by)."""
+    return nbytes >= OFF_LOOP_BYTES and spare_core()
 
 
 def checksum_off_loop(buf: BytesLike) -> asyncio.Future[int]:
@@ -68,8 +64,7 @@ def _executor() -> ThreadPoolExecutor:
     with _lock:
         pool = _pool.get("pool")
         if pool is None:
-            _threads["n"] = checksum_threads()
-            pool = _pool["pool"] = ThreadPoolExecutor(max_workers=_threads["n"],
+            pool = _pool["pool"] = ThreadPoolExecutor(max_workers=checksum_threads(),
                                                       thread_name_prefix=THREAD_PREFIX)
         return pool
 

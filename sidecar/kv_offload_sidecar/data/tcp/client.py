@@ -266,9 +266,10 @@ class TcpPeerDataClient(FramedPeerDataClient):
                                       f"under request id {header.request_id}")
         proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
         view = p.reservation.receive_view(self._stop_receiving)
-        # Each piece hashed as it lands, from the cache (on the connection's thread for a
-        # chunk): no second pass over the slot from memory. Only this reader writes the
-        # reserved slot, so the digest of the pieces is the slot's.
+        # Each piece hashed as it lands, from the cache (for a chunk: on the connection's
+        # thread, or on its hashing thread while the next piece arrives where a second core
+        # is usable, ``stream_worker.spare_core``): no second pass over the slot from memory.
+        # Only this reader writes the reserved slot, so the digest of the pieces is the slot's.
         hasher = chunk_hasher()
         await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES,
                                on_piece=hasher.update, piece_bytes=RECV_PIECE_BYTES)

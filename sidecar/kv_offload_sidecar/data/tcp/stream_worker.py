@@ -7,6 +7,15 @@ of the sidecar, so one connection could use one core at most and every other req
 those large transfers on a thread of the connection's own: the socket calls and the hash
 release the GIL, so lanes (``data.lanes``) on several connections spread over the cores.
 
+Receiving and hashing a chunk on one thread makes a lane as slow as the two together: on the
+H200 host one lane moved 3.1 GB/s (0.82x raw TCP's one stream) with its fetcher busy 1.16
+CPU-seconds per second, its receive (about 0.2 CPU-s/GB) waiting for each piece's hash
+(about 0.15 at XXH3's 6.7 GB/s there). Where the process may use a second core
+(``spare_core``), each piece that landed is hashed on the connection's second thread while
+the next one is received, and the last one, which the chunk waits for anyway, on the
+receiving thread (a chunk of one piece never leaves it); with one core the two would only
+take turns, so every piece is hashed on the receiving thread as before.
+
 Contract:
 - One transfer at a time per direction's owner (the connection's reader, or its writer); the
   loop awaits it, and nothing else touches the socket in that direction meanwhile.
@@ -17,6 +26,10 @@ Contract:
   read after its pin was released.
 - A transfer awaited by a task that is cancelled, or that fails, stops the thread the same
   way before the exception leaves ``run``: when ``run`` returns or raises, the buffers are free.
+- Hashing is stopped the same way, on either thread: ``stop()`` also waits for the piece
+  being hashed, if any (``_hash_lock``), and no piece is hashed after it; a receive returns
+  only once every piece it handed over is hashed, and raises ``StreamStopped`` when one was
+  skipped (its digest would be wrong, not the bytes).
 - The socket calls themselves are ``recv_some`` and ``send_views``: a plain socket's here, a
   TLS socket's in ``tls_stream.TlsWorker`` (whose loop-side calls take the same ``lock``, as
   an OpenSSL connection must not be used by two threads at once).
@@ -25,13 +38,16 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kv_offload_sidecar.bulk_copies import usable_cores
 from kv_offload_sidecar.data.base import ReceiveStopped
 
 # Transfers of at least this many bytes run on the connection's thread; smaller ones (frames,
@@ -41,6 +57,14 @@ OFF_LOOP_BYTES = 1 << 20
 # Milliseconds one poll waits before the thread looks at its stop flag again (a stop also
 # wakes it at once through ``shutdown``; this bounds the wait when it raced the poll).
 POLL_MILLISECONDS = 50
+
+
+@functools.cache
+def spare_core() -> bool:
+    """Whether this process may use more than one core (``usable_cores``: affinity and
+    cgroup quota, counted once): only then does a hash handed to another thread run beside
+    the work it was taken from instead of taking turns with it."""
+    return usable_cores() > 1
 
 
 def send_some(sock: socket.socket, views: list[memoryview]) -> int:
@@ -76,8 +100,12 @@ class StreamWorker:
         self._sock = sock
         self._name = name
         self._executor: ThreadPoolExecutor | None = None
+        # The second thread, hashing received pieces (made at the first one handed over).
+        self._hasher: ThreadPoolExecutor | None = None
         # Held by the thread around each socket call that touches a transfer's buffer.
         self.lock = threading.Lock()
+        # Held around each piece hashed, on either thread.
+        self._hash_lock = threading.Lock()
         self._stopped = False
 
     @property
@@ -109,18 +137,25 @@ class StreamWorker:
                     socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
         with self.lock:  # the call in progress, if any, ends; none starts after it
             pass
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+        with self._hash_lock:  # the piece being hashed, if any, is done; none starts after it
+            pass
+        for executor in (self._executor, self._hasher):
+            if executor is not None:
+                executor.shutdown(wait=False)
 
     def receive(self, view: memoryview, piece_bytes: int, batch_bytes: int,
                 on_piece: Callable[[memoryview], object] | None) -> None:
         """(On the thread.) Fill ``view`` from the socket, ``on_piece`` called with each
-        ``piece_bytes`` (or the rest) right after they landed, still in the cache;
-        ConnectionError on EOF, ``StreamStopped`` once stopped."""
+        ``piece_bytes`` (or the rest) in order right after they landed, still in the cache:
+        on the hashing thread while the next piece arrives when there is a ``spare_core``
+        (the last one here, once the others are done), else all here; ConnectionError on EOF,
+        ``StreamStopped`` once stopped."""
         sock, got, n, done = self._sock, 0, len(view), 0
         poller, events = select.poll(), select.POLLIN
         poller.register(sock.fileno(), events)
         lowat = 1
+        beside = on_piece is not None and spare_core()
+        handed: list[concurrent.futures.Future[bool]] = []
         try:
             while got < n:
                 want = max(1, min(n - got, batch_bytes))
@@ -140,12 +175,42 @@ class StreamWorker:
                     raise ConnectionError(f"connection closed after {got} of {n} bytes")
                 got += k
                 if on_piece is not None and (got - done >= piece_bytes or got == n):
-                    on_piece(view[done:got])
+                    if beside and got < n:
+                        handed.append(self._hand_over(on_piece, view[done:got]))
+                    else:  # the last piece is waited for anyway: hashed here, after the others
+                        concurrent.futures.wait(handed)
+                        if not self._hash_piece(on_piece, view[done:got]):
+                            raise StreamStopped("the connection was stopped mid-chunk")
                     done = got
         finally:
             if lowat != 1:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            concurrent.futures.wait(handed)  # no piece of ``view`` is hashed after this
+        if not all(fut.result() for fut in handed):
+            raise StreamStopped("the connection was stopped while a piece was being hashed")
+
+    def _hand_over(self, on_piece: Callable[[memoryview], object],
+                   piece: memoryview) -> concurrent.futures.Future[bool]:
+        """Queue ``on_piece(piece)`` on the hashing thread (pieces run in the order given)."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name + "-hash")
+        try:
+            return self._hasher.submit(self._hash_piece, on_piece, piece)
+        except RuntimeError:  # shut down by stop() since the piece landed
+            piece.release()
+            raise StreamStopped("the connection was stopped mid-chunk") from None
+
+    def _hash_piece(self, on_piece: Callable[[memoryview], object], piece: memoryview) -> bool:
+        """``on_piece(piece)`` (on either thread); False, untouched, once stopped."""
+        try:
+            with self._hash_lock:
+                if self._stopped:
+                    return False
+                on_piece(piece)
+                return True
+        finally:
+            piece.release()
 
     def send(self, buffers: Sequence) -> None:
         """(On the thread.) Send ``buffers`` in order (``send_views`` calls)."""
@@ -191,4 +256,5 @@ class StreamWorker:
         return bool(poller.poll(POLL_MILLISECONDS))
 
 
-__all__ = ["OFF_LOOP_BYTES", "POLL_MILLISECONDS", "StreamStopped", "StreamWorker", "drop_sent", "send_some"]
+__all__ = ["OFF_LOOP_BYTES", "POLL_MILLISECONDS", "StreamStopped", "StreamWorker", "drop_sent", "send_some",
+           "spare_core"]
