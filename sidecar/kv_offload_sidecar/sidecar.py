@@ -84,7 +84,8 @@ class Sidecar:
         cfg = settings.config
         self.metrics.set_config_info(fingerprint=cfg.fingerprint, transport=settings.transport)
         # The model identity its engine gave it: nothing is shared before (peers/model_gate.py).
-        self.model = ModelGate(settings.declared_identity, on_adopted=self._identity_adopted,
+        self.model = ModelGate(cfg.fingerprint, settings.declared_identity,
+                               on_adopted=self._identity_adopted,
                                on_refused=self.metrics.engine_refusals.inc)
         # Refused input of both ports (control and data) is noted here: one budget of lines.
         self.rejections = RejectionLog(log, interval=REJECTION_LOG_SECONDS, max_pairs=REJECTION_LOG_PAIRS)
@@ -506,11 +507,13 @@ class Sidecar:
     def local_socket_path(self, dp_index: int) -> str:
         return f"{self.settings.shm_dir.rstrip('/')}/kv-offload-{self.name}-dp{dp_index}.sock"
 
-    def local_info(self, dp_index: int, model_identity: Any = None) -> dict[str, Any]:
+    def local_info(self, dp_index: int, model_identity: Any = None,
+                   fingerprint: Any = None) -> dict[str, Any]:
         """What an engine checks before using this sidecar; ``model_identity`` (the engine's, as
-        its tier states it) is offered to the gate, and a refusal comes back in the answer."""
+        its tier states it, with its ``fingerprint``) is offered to the gate, and a refusal
+        comes back in the answer."""
         store = self._require_store()
-        refused = "" if model_identity is None else self.model.offer(model_identity)
+        refused = "" if model_identity is None else self.model.offer(model_identity, fingerprint)
         return {
             "socket": self.local_socket_path(dp_index),
             "dp_index": dp_index,

@@ -122,11 +122,16 @@ def test_counters_move_the_exposed_series(metrics: SidecarMetrics, registry: Col
     assert series[("kv_offload_store_used_bytes", ())] == 8192
 
 
-def test_config_info_shows_the_fingerprint_and_transport_only(metrics: SidecarMetrics,
-                                                              registry: CollectorRegistry) -> None:
+def test_config_info_shows_the_fingerprint_transport_and_model_identity_digest_only(
+        metrics: SidecarMetrics, registry: CollectorRegistry) -> None:
     metrics.set_config_info(fingerprint="00ff00ff00ff00ff", transport="ucx")
     infos = [labels for name, labels, value in _samples(registry) if name == "kv_offload_config_info"]
-    assert infos == [{"fingerprint": "00ff00ff00ff00ff", "transport": "ucx"}]
+    assert infos == [{"fingerprint": "00ff00ff00ff00ff", "transport": "ucx", "model_identity": ""}]
+    metrics.set_config_info(fingerprint="00ff00ff00ff00ff", transport="ucx",
+                            model_identity="3f2a3f2a3f2a3f2a")
+    infos = [labels for name, labels, value in _samples(registry) if name == "kv_offload_config_info"]
+    assert infos == [{"fingerprint": "00ff00ff00ff00ff", "transport": "ucx",
+                      "model_identity": "3f2a3f2a3f2a3f2a"}]
 
 
 def test_a_second_metrics_set_on_the_same_registry_is_refused(

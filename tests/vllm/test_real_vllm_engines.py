@@ -94,8 +94,10 @@ def pool(deployment):
     learn = SidecarOverride(extra_args=(
         "--engine-metrics-url", f"http://127.0.0.1:{ENGINE_B_METRICS_PORT}/metrics",
         "--engine-metrics-interval-seconds", "0.5"), joins=True)
+    # No stand-in identity: the sidecars share once the real engines gave them theirs.
     with LocalPool(2, config=deployment.config, capacity_bytes=64 << 20, overrides={1: learn},
-                   publish_interval_seconds=0.05, fetch_deadline_seconds=2.0) as p:
+                   publish_interval_seconds=0.05, fetch_deadline_seconds=2.0,
+                   model_identity=None) as p:
         yield p
 
 
@@ -130,6 +132,7 @@ def engines(deployment, pool):
         baseline.close()
         attach(a, pool, 0, seed=900)
         attach(b, pool, 1, seed=901)
+        pool.wait_connected(WAIT_S)  # A's and B's identities are equal: their sidecars share
         yield a, b, expected
     finally:
         close_all(started)
@@ -362,3 +365,41 @@ def test_an_engine_whose_config_differs_from_its_sidecar_serves_misses_and_says_
         in refusals[0]
     assert "ERROR" in refusals[0]
 
+
+
+@pytest.fixture(scope="module")
+def retrained(deployment, pool, engines):
+    """Engine E: A's command line, path and config.json, with other weights (a rollout rewrote
+    them in place), beside its own sidecar E, which joins the pool's mesh."""
+    with deployment.other_weights_in_place(seed=1):
+        sidecar_e = pool.add(wait_connected=False)
+        (e,) = start_all([lambda: deployment.start_engine("e", sidecar_e.port)])
+    try:
+        yield sidecar_e, e
+    finally:
+        close_all([e])
+
+
+def test_an_engine_with_other_weights_at_the_same_path_shares_no_byte_with_the_pool(
+        pool, engines, retrained):
+    """The fingerprint (command line, path, config.json) is A's; only the weights differ."""
+    sidecar_e, e = retrained
+    wait_for("sidecar E's handshakes with the pool to be refused for its model identity",
+             lambda: sidecar_e.metric("kv_offload_handshakes_total", result="rejected",
+                                      reason="model_mismatch") >= 1)
+    mine, theirs = sidecar_e.status()["model_identity"], pool[0].status()["model_identity"]
+    assert sidecar_e.status()["fingerprint"] == pool[0].status()["fingerprint"]
+    assert mine["weights"] != theirs["weights"] and mine["weights"].startswith("files:")
+    assert {k: v for k, v in mine.items() if k not in ("weights", "digest")} == \
+        {k: v for k, v in theirs.items() if k not in ("weights", "digest")}
+    held = stored_chunks(pool, 0)
+    assert held > 0  # A's chunks of SHARED are in the pool
+    (out,) = e.generate([SHARED], max_tokens=MAX_TOKENS)
+    # E computed the whole prompt itself: nothing came from a pod of the other weights.
+    assert out["num_cached_tokens"] == 0
+    assert sidecar_e.metric("kv_offload_peer_bytes_total", direction="received") == 0
+    assert sidecar_e.metric("kv_offload_chunk_lookups_total", result="peer_hit") == 0
+    assert value(samples(e), "vllm:kv_offload_sidecar_refused") == 0  # E matches its sidecar
+    log = open(sidecar_e.log_path).read()
+    assert f"weights: {mine['weights']} != {theirs['weights']}" in log \
+        or f"weights: {theirs['weights']} != {mine['weights']}" in log

@@ -61,6 +61,7 @@ import pytest
 from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS, ROW_COPY_GRACE_SECONDS
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED
 from kv_offload_tools.local_pool import LocalPool, example_config
+from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,7 +158,8 @@ def _spec(pool: LocalPool, sidecar: int, name: str, order: str,
             "type": TIER_TYPE, "module_path": "kv_offload_sidecar.engine.vllm_tier",
             "host": pool[sidecar].host, "port": pool[sidecar].port,
             "lookup_timeout_seconds": LOOKUP_TIMEOUT_S,
-            "load_timeout_seconds": LOAD_TIMEOUT_S, **tier_extra}],
+            "load_timeout_seconds": LOAD_TIMEOUT_S,
+            "model_identity": STAND_IN_IDENTITY.to_dict(), **tier_extra}],
     }
 
 

@@ -256,6 +256,9 @@ async def handle_handshake(request: web.Request) -> web.StreamResponse:
         sidecar.metrics.handshakes.labels(result="rejected", reason="malformed").inc()
         raise
     step = body.get("step") if isinstance(body, dict) else None
+    if not sidecar.model.known.is_set():  # it shares nothing yet: a wait, not a refusal
+        return json_error(503, "not ready: this sidecar's engine has not stated its model "
+                               "identity yet (vLLM is starting); try again later")
     try:
         if step == "hello":
             return web.json_response(sidecar.responder.hello(body))

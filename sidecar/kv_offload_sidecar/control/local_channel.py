@@ -6,7 +6,7 @@ maps the store file (``/v1/local`` and ``info`` give its path and geometry)
 and reads/writes the slots this channel hands out.
 
 Ops:
-- ``info {model_identity?}`` -> ``{"instance", "store": {path, slot_bytes, slot_stride,
+- ``info {model_identity?, fingerprint?}`` -> ``{"instance", "store": {path, slot_bytes, slot_stride,
   num_slots}, "model_identity_refused", ...}``: the engine's tier states its model identity
   with every ``info`` (``peers.model_gate``: adopted by the first, compared after; a refusal
   says why, and the tier then uses nothing of the sidecar's)
@@ -133,7 +133,8 @@ class _Connection:
         op = req["op"]
         sidecar = self.sidecar
         if op == "info":
-            return {"ok": True, **sidecar.local_info(self.dp_index, req.get("model_identity"))}
+            return {"ok": True, **sidecar.local_info(self.dp_index, req.get("model_identity"),
+                                                     req.get("fingerprint"))}
         instance = req.get("instance")
         if instance is not None and instance != sidecar.instance:
             raise ChannelError(f"request names sidecar instance {instance!r} but this is "

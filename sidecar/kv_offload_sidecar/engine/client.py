@@ -106,11 +106,15 @@ class EngineClient:
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 5.0,
-                 region: RowRegion | None = None, model_identity: ModelIdentity | None = None) -> None:
+                 region: RowRegion | None = None, model_identity: ModelIdentity | None = None,
+                 fingerprint: str | None = None) -> None:
         self.socket_path = socket_path
         # The engine's model identity, stated with every ``info`` (the sidecar shares nothing
         # before an engine stated one; ``peers.model_gate``). None: state none (tools, tests).
         self.model_identity = model_identity
+        # The engine's fingerprint, stated with it (the sidecar adopts no identity of an
+        # engine of another fingerprint). None: not stated.
+        self.fingerprint = fingerprint
         self._timeout = timeout
         self._region = region
         self._idle: list[LocalConn] = []
@@ -135,7 +139,8 @@ class EngineClient:
     @classmethod
     def connect(cls, host: str = ports.DEFAULT_HOST, port: int = ports.DEFAULT_BASE_PORT,
                 timeout: float = 5.0, region: RowRegion | None = None,
-                model_identity: ModelIdentity | None = None) -> "EngineClient":
+                model_identity: ModelIdentity | None = None,
+                fingerprint: str | None = None) -> "EngineClient":
         """Ask the sidecar control port ``host:port`` (one DP rank's port) for its local channel."""
         try:
             http_conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -156,7 +161,8 @@ class EngineClient:
         if resp.status != 200 or not isinstance(info, dict) or not isinstance(info.get("socket"), str):
             raise SidecarUnavailable(f"sidecar at {host}:{port} answered /v1/local with HTTP {resp.status}: "
                                      f"{body[:200]!r}")
-        return cls(info["socket"], timeout=timeout, region=region, model_identity=model_identity)
+        return cls(info["socket"], timeout=timeout, region=region, model_identity=model_identity,
+                   fingerprint=fingerprint)
 
     @classmethod
     def from_env(cls, dp_index: int = 0, timeout: float = 5.0,
@@ -205,6 +211,8 @@ class EngineClient:
             req: dict[str, Any] = {"op": "info"}
             if self.model_identity is not None:
                 req["model_identity"] = self.model_identity.to_dict()
+                if self.fingerprint is not None:
+                    req["fingerprint"] = self.fingerprint
             reply = conn.call(req, self._timeout)
         if not reply.get("ok") or not isinstance(reply.get("store"), dict) or "instance" not in reply:
             raise SidecarUnavailable(f"sidecar local channel {self.socket_path!r} refused info: "

@@ -113,7 +113,8 @@ class SidecarLink:
         try:
             self._client = EngineClient.connect(*self.address, timeout=self._timeout,
                                                 region=self._region,
-                                                model_identity=self.model_identity)
+                                                model_identity=self.model_identity,
+                                                fingerprint=self._engine.fingerprint)
         except Exception:
             self._next_connect = time.monotonic() + RECONNECT_SECONDS
             raise

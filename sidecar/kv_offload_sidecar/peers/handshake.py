@@ -26,7 +26,9 @@ to anyone who has not proven the pool key first:
    Accepted: ``{"status": "accepted", "hello": H_s, "proof": HMAC(K, "server"
    || T || H_s)}``; the client checks that proof and runs the same comparison.
 
-The hash seed never crosses the wire: a hello carries ``HMAC(K, nonces ||
+A sidecar whose engine has not stated its model identity yet shares nothing: its
+control port answers both steps with 503 (control/app.py), a wait the caller backs off
+from, not a refusal it counts. The hash seed never crosses the wire: a hello carries ``HMAC(K, nonces ||
 seed)`` (``seal_seed``), equal on both sides only when the seeds are. Sessions:
 ``session_key = HKDF(K, salt = N_c || N_s, info = "kv-offload session v2" ||
 key_id)``, ``session_id = sha256("kv-offload session id v2" || N_c || N_s)[:16]``.

@@ -4,6 +4,8 @@ The tier inside vLLM computes the engine's ``ModelIdentity`` from vLLM's own con
 the weights it loaded, and states it with every ``info`` of the local channel. The gate:
 - before any engine stated one, the sidecar shares nothing: it dials no peer and its
   hello states no identity, so every peer refuses it (``model_mismatch``);
+- refuses the identity of an engine of another fingerprint (that engine refuses the
+  sidecar too: ``engine.sidecar_match``), so it never becomes the sidecar's;
 - refuses an identity that contradicts the part the pool's ConfigMap declares
   (``model_identity.declared_mismatches``: the command line says ``--revision abc`` and
   the engine runs ``def``), so a pod whose config and engine disagree shares nothing;
@@ -34,9 +36,11 @@ MAX_LOGGED_REFUSALS = 32
 class ModelGate:
     """The adopted model identity and the engines refused."""
 
-    def __init__(self, declared: Mapping[str, str],
+    def __init__(self, fingerprint: str, declared: Mapping[str, str],
                  on_adopted: Callable[[ModelIdentity], None] = lambda _: None,
                  on_refused: Callable[[], None] = lambda: None) -> None:
+        # The pool's fingerprint (an engine of another one is not this sidecar's).
+        self.fingerprint = fingerprint
         # The fields the pool's ConfigMap declares (the command line's part).
         self.declared = dict(declared)
         # The identity this sidecar shares under (None: no engine has stated one yet).
@@ -47,8 +51,12 @@ class ModelGate:
         self._on_refused = on_refused
         self._logged: set[str] = set()
 
-    def offer(self, raw: Any) -> str:
-        """An engine states its identity: "" when it may use this sidecar, else why not."""
+    def offer(self, raw: Any, fingerprint: Any = None) -> str:
+        """An engine states its identity (and its fingerprint, when it says it): "" when it may
+        use this sidecar, else why not."""
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            return self._refuse(f"the engine's fingerprint {str(fingerprint)[:32]!r} is not the "
+                                f"pool's {self.fingerprint!r}: its identity is not adopted")
         try:
             identity = ModelIdentity.from_dict(raw)
         except ValueError as exc:

@@ -17,7 +17,8 @@ runs ``--baseline-seconds`` without attackers, then strangers (source addresses
    by anyone on the pod network) while a member keeps handshaking;
 3. the data port and the local channel (``attack_wire``): malformed and oversized
    frames before authentication, garbage frames on the engine's Unix socket; and a
-   real sidecar of another pool (another key) trying to join.
+   real sidecar of another pool (another key) trying to join, and a key holder whose
+   engine runs other weights under the same name and path asking for the honest chunks.
 
 Once the attackers are gone and the target's descriptors are back, the load runs half
 as long again without attackers: both quiet runs together are the reference of the
@@ -186,7 +187,7 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
                                 sources(s["sources"]), watch, honest, progress, s["repeats"],
                                 s["rejected_handshakes"])
             ctx.deadline = time.monotonic() + ATTACK_BUDGET_SECONDS["short" if s["short"] else "full"]
-            leaked, replays = _attacks(ctx, s)
+            leaked, replays, other_weights_bytes = _attacks(ctx, s)
             t2 = time.monotonic()
             attacked = honest.stats(t1, t2)
             after = _settle(watch, before, progress)
@@ -218,13 +219,13 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
         "server_headers": sorted(ctx.server_headers), "during_siege": ctx.during_siege,
         "tracebacks": {k: _count(v) for k, v in tracebacks.items()},
         "targets": targets(pool_fig, results, tracebacks, connected, baseline, attacked,
-                           ctx.siege_connections, leaked, replays),
+                           ctx.siege_connections, leaked, replays, other_weights_bytes),
         "_series": _series(watch, honest, t0),
     }
     return report
 
 
-def _attacks(ctx: AttackContext, s: dict[str, Any]) -> tuple[bool, int]:
+def _attacks(ctx: AttackContext, s: dict[str, Any]) -> tuple[bool, int, int]:
     run_siege(ctx, s["connections"], s["hold_seconds"])
     for attack in (attack_control.public_metrics, attack_control.oversized_http, attack_control.deep_json, attack_control.huge_integers,
                    attack_control.malformed_step, attack_control.rejected_flood):
@@ -235,7 +236,8 @@ def _attacks(ctx: AttackContext, s: dict[str, Any]) -> tuple[bool, int]:
     attack_wire.data_frames(ctx)
     attack_wire.local_garbage(ctx)
     attack_wire.other_pool_member(ctx)
-    return leaked, replays
+    other_weights_bytes = attack_wire.other_weights_member(ctx)
+    return leaked, replays, other_weights_bytes
 
 
 def _settle(watch: PoolWatch, before: Any, progress: Any) -> Any:

@@ -42,7 +42,8 @@ def pool_figures(before: Any, peak: dict[str, tuple[int, int]], after: Any, log_
 
 def targets(pool: dict[str, Any], results: list[dict[str, Any]], tracebacks: dict[str, list[str]],
             connected: dict[str, str], baseline: dict[str, float], attacked: dict[str, float],
-            connections: int, leaked_version: bool, replays_accepted: int) -> list[dict[str, Any]]:
+            connections: int, leaked_version: bool, replays_accepted: int,
+            other_weights_bytes: int = 0) -> list[dict[str, Any]]:
     """Every target: what was measured, the limit, PASS or FAIL."""
     m = pool["members"]
     worst_peak = max(m, key=lambda k: m[k]["rss_peak_growth"])
@@ -73,6 +74,8 @@ def targets(pool: dict[str, Any], results: list[dict[str, Any]], tracebacks: dic
          p99_ratio <= P99_RATIO_LIMIT),
         ("no wire version told before the proof", "told" if leaked_version else "not told", not leaked_version),
         ("replayed handshake steps refused", f"{replays_accepted} accepted", replays_accepted == 0),
+        ("0 chunk bytes to a key holder of other weights (same name and path)",
+         f"{other_weights_bytes} bytes", other_weights_bytes == 0),
     ]
     return [{"target": t, "measured": v, "pass": ok} for t, v, ok in rows]
 

@@ -12,6 +12,10 @@
   answer rather than a dropped connection.
 - ``other_pool_member``: a real sidecar of another pool (same config, another
   key) dialling the members; they must refuse it and never connect to it.
+- ``other_weights_member``: a real sidecar holding the pool's key and config whose
+  engine runs other weights under the same model name and path (a rollout to
+  retrained weights): the members must refuse it (``model_mismatch``), and its
+  engine's lookups of the honest load's chunks must get no byte.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import time
 
 from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.peers.handshake import HandshakeError
 
@@ -30,6 +35,7 @@ from kv_offload_tools.bench.attack_sockets import frame_names
 from kv_offload_tools.chaos.chunks import chunk_keys
 from kv_offload_tools.chaos.probes import probe_handshake
 from kv_offload_tools.local_pool import SidecarOverride
+from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 
 # Seconds a sidecar of another pool is given to be refused by the members.
 OTHER_POOL_SECONDS = 30.0
@@ -131,3 +137,46 @@ def other_pool_member(ctx: AttackContext) -> None:
                     result.note(f"the refusal told another pool's member a field diff: {str(exc)[:160]}")
         finally:
             foreign.terminate()
+
+
+# The stand-in engines' identity with other weights under the same name and path.
+OTHER_WEIGHTS = ModelIdentity(**{**STAND_IN_IDENTITY.to_dict(), "weights": "files:0therwe1ghts0000"})
+# Honest rounds whose chunks the other-weights sidecar's engine asks for (the latest ones).
+OTHER_WEIGHTS_ROUNDS = 16
+
+
+def other_weights_member(ctx: AttackContext, chunks_per_round: int = 4) -> int:
+    """A key holder whose engine runs other weights dials the members and asks for the honest
+    load's chunks; returns the chunk bytes it received (must be 0)."""
+    members = [m for m in ctx.pool.members() if m is not ctx.target]
+    before = ctx.target.metric("kv_offload_handshakes_total", result="rejected", reason="model_mismatch")
+    with measured(ctx, "other weights, same name and path", "pool") as result:
+        other = ctx.pool.add(SidecarOverride(model_identity=OTHER_WEIGHTS), identity="other-weights",
+                             peers=[ctx.target.identity, *(m.identity for m in members[:1])],
+                             wait_connected=False)
+        try:
+            deadline = time.monotonic() + OTHER_POOL_SECONDS
+            refused = 0.0
+            while time.monotonic() < deadline and refused < 1:
+                refused = ctx.target.metric("kv_offload_handshakes_total", result="rejected",
+                                            reason="model_mismatch") - before
+                time.sleep(0.2)
+            result.answers[f"handshakes refused by {ctx.target.identity} (model_mismatch)"] = int(refused)
+            rounds = len(ctx.honest.rounds)
+            keys = [k for r in range(max(0, rounds - OTHER_WEIGHTS_ROUNDS), rounds)
+                    for k in chunk_keys(f"honest/{r}", chunks_per_round)]
+            with other.client() as engine:
+                for i in range(0, len(keys), chunks_per_round):
+                    reply = engine.lookup(keys[i:i + chunks_per_round])
+                    result.sent += 1
+                    result.answers[f"lookup: {reply.peer} peer hits"] = \
+                        result.answers.get(f"lookup: {reply.peer} peer hits", 0) + 1
+            received = int(other.metric("kv_offload_peer_bytes_total", direction="received"))
+            result.answers[f"chunk bytes received: {received}"] = 1
+            if refused < 1:
+                result.note("the members did not refuse a sidecar of other weights")
+            if received:
+                result.note(f"a sidecar of other weights RECEIVED {received} chunk bytes")
+            return received
+        finally:
+            other.terminate()

@@ -231,7 +231,8 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
     engine_cores, sidecar_cores = cores or (None, None)
     with on_cores(sidecar_cores):
         pool = LocalPool(2, transport=plane, config=config, capacity_bytes=plan.store_bytes,
-                         publish_interval_seconds=0.05, fetch_deadline_seconds=FETCH_DEADLINE_S)
+                         publish_interval_seconds=0.05, fetch_deadline_seconds=FETCH_DEADLINE_S,
+                         model_identity=None)  # the engines state it
         pool.__enter__()
     try:
         starters = [
@@ -248,6 +249,7 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
         engines = start_all([pinned(engine_cores, start) for start in starters])
         bench: PlaneBench | None = None
         try:
+            pool.wait_connected(120)  # the sidecars share once their engines attached
             a, b = engines[0], engines[1]
             if expected is None:
                 expected, report["baseline"] = _baseline(deployment, engines[2], plan)

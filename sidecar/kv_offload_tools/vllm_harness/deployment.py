@@ -14,11 +14,13 @@ Runs in the project's venv; engines run in vLLM's venv (``driver_client``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +177,26 @@ class VllmDeployment:
             if not target.exists():
                 os.link(f, target)
         return dest
+
+    @contextlib.contextmanager
+    def other_weights_in_place(self, seed: int = 1) -> Iterator[Path]:
+        """The model's weights rewritten in place with ``seed``'s (a rollout to retrained
+        weights: the same path and config.json, other bytes), put back on exit; yields the path.
+        Engines started inside load the other weights; those running keep theirs."""
+        other = self.workdir / f"{self.model_dir.name}-seed-{seed}"
+        env = {**os.environ, "PYTHONPATH": str(_SIDECAR_DIR)}
+        subprocess.run([self.python, "-m", "kv_offload_tools.vllm_harness.model", str(other),
+                        "--seed", str(seed), "--config", json.dumps(self.model_overrides)],
+                       check=True, env=env, capture_output=True, timeout=300)
+        names = sorted(f.name for f in other.glob("*.safetensors"))
+        originals = {n: (self.model_dir / n).read_bytes() for n in names}
+        try:
+            for n in names:
+                shutil.copyfile(other / n, self.model_dir / n)
+            yield self.model_dir
+        finally:
+            for n, data in originals.items():
+                (self.model_dir / n).write_bytes(data)
 
     def config_for(self, model_dir: str | Path) -> OffloadingConfig:
         """The pool config (what the operator writes) for engines serving ``model_dir``."""

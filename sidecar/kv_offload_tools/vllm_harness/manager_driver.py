@@ -24,6 +24,8 @@ lookups followed by ``on_schedule_end(ScheduleEndContext(...))``.
      "secondary_tiers": [{"type": "KVOffloadSecondaryTier",
                           "module_path": "kv_offload_sidecar.engine.vllm_tier", ...}],
      "extra_config": {...},           # optional, more kv_connector_extra_config keys
+     # a tier entry's "model_identity" (a ModelIdentity dict) is what this stand-in engine
+     # states (no VllmConfig builds the tier here to read one from)
      "init_none_hash": "after"}       # "after" (default) | "before" | "never"
 
 ``init_none_hash``: a vLLM engine core builds its scheduler (hence this
@@ -78,6 +80,16 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable, Mapping, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
+
+
+def _tier_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A secondary_tiers entry as vLLM's factory gets it; its "model_identity" dict becomes the
+    ModelIdentity the tier states (the tier takes it as a constructor argument)."""
+    out = dict(entry)
+    if isinstance(out.get("model_identity"), Mapping):
+        from kv_offload_sidecar.engine.model_identity import ModelIdentity
+        out["model_identity"] = ModelIdentity.from_dict(out["model_identity"])
+    return out
 
 logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                     format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -211,7 +223,7 @@ class Driver:
         oc = spec["offloading_config"]
         extra = dict(spec.get("extra_config") or {})
         extra["cpu_bytes_to_use"] = int(spec["cpu_bytes_to_use"])
-        extra["secondary_tiers"] = [dict(t) for t in spec.get("secondary_tiers", [])]
+        extra["secondary_tiers"] = [_tier_entry(t) for t in spec.get("secondary_tiers", [])]
         p = oc["parallel"]
         config = OffloadingConfig(
             groups=tuple(OffloadingGroupConfig(tokens_per_block=int(g["tokens_per_block"]),

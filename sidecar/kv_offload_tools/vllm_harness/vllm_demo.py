@@ -18,6 +18,9 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 
 from kv_offload_tools import scrape
 from kv_offload_tools.engine_sim import trace_tokens
@@ -58,16 +61,19 @@ def run_vllm_demo(pods: int, trace_ids: Sequence[Sequence[int]], *, intruder: bo
         dep = VllmDeployment(workdir)
         tpc = dep.config.tokens_per_chunk
         prompts = [trace_tokens(ids, tpc, vocab_size=VOCAB)[:MAX_PROMPT_TOKENS] for ids in trace_ids]
+        # The sidecars share once their engines gave them the model identity (model_identity=None).
         with LocalPool(pods, config=dep.config, capacity_bytes=256 << 20,
-                       publish_interval_seconds=0.1) as pool:
-            if intruder:
-                pool.add(SidecarOverride(hash_seed="4242"), wait_connected=False)
-                say("[demo] added an intruder sidecar with another hash seed; the pods must "
-                    "reject it")
+                       publish_interval_seconds=0.1, model_identity=None) as pool:
             say(f"[demo] starting {pods} vLLM engines and one without offloading "
                 f"(about a minute on 2 cores)")
             engines = _start(dep, pool, pods, say)
             try:
+                pool.wait_connected(120)
+                if intruder:
+                    pool.add(SidecarOverride(hash_seed="4242", model_identity=engine_identity(pool[0])),
+                             wait_connected=False)
+                    say("[demo] added an intruder sidecar of the same model with another hash "
+                        "seed; the pods must reject it")
                 baseline = engines.pop()
                 expected = [o["token_ids"] for o in baseline.generate(prompts, MAX_TOKENS,
                                                                       timeout_s=600)]
@@ -80,6 +86,13 @@ def run_vllm_demo(pods: int, trace_ids: Sequence[Sequence[int]], *, intruder: bo
             finally:
                 close_all(engines)
     return reports
+
+
+def engine_identity(sidecar: Any) -> ModelIdentity:
+    """The model identity the engine beside ``sidecar`` gave it (its /v1/status)."""
+    stated = dict(sidecar.status()["model_identity"])
+    stated.pop("digest", None)
+    return ModelIdentity.from_dict(stated)
 
 
 def _start(dep: VllmDeployment, pool: LocalPool, pods: int,

@@ -23,6 +23,7 @@ from kv_offload_sidecar.engine.vllm_tier import KVOffloadSecondaryTier
 from kv_offload_sidecar.commands.install_tier import tier_files
 from kv_offload_tools.engine_sim import SimulatedEngine, SimulatedSpec, trace_tokens
 from kv_offload_tools.local_pool import LocalPool, example_config
+from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 from waiting import wait_for
 
 CONFIG = example_config()
@@ -116,7 +117,9 @@ def test_tier_is_built_the_way_vllms_factory_builds_out_of_tree_tiers(pool, monk
     # primary_kv_view=..., tier_type=type, **rest of the entry).
     entry = {"type": "KVOffloadSecondaryTier", "module_path": "kv_offload_sidecar.engine.vllm_tier",
              "host": "127.0.0.1", "port": pool[0].port, "enable_kv_events": True,
-             "locality": "REMOTE"}
+             "locality": "REMOTE",
+             # Outside vLLM no VllmConfig builds the tier: the stand-in engine's identity.
+             "model_identity": STAND_IN_IDENTITY}
     config = dict(entry)
     tier_type = config.pop("type")
     cls = getattr(importlib.import_module(config.pop("module_path")), tier_type)
@@ -323,7 +326,8 @@ def test_shutdown_releases_every_view_of_the_primary_region_so_vllm_can_close_it
     with open(path, "r+b") as fh:
         region = mmap.mmap(fh.fileno(), 4 * 16384)
     view = memoryview(np.frombuffer(region, dtype=np.uint8).reshape(4, 16384))
-    tier = KVOffloadSecondaryTier(SimulatedSpec(CONFIG), view, host="127.0.0.1", port=pool[0].port)
+    tier = KVOffloadSecondaryTier(SimulatedSpec(CONFIG), view, host="127.0.0.1", port=pool[0].port,
+                                  model_identity=STAND_IN_IDENTITY)
     key = b"\x43" * 32 + b"\x00\x00\x00\x00"
     ctx = ReqContext(req_id="views")
     tier.submit_store(TransferJob(job_id=1, keys=[key], chunk_ids=np.array([0]),

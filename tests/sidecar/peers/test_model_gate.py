@@ -8,12 +8,13 @@ from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.peers.model_gate import ModelGate
 from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 
+FINGERPRINT = "0123456789abcdef"
 OTHER = ModelIdentity(**{**STAND_IN_IDENTITY.to_dict(), "weights": "files:9c1d000000000000"})
 
 
 def gate(declared=None):
     adopted, refusals = [], []
-    g = ModelGate(declared or {}, on_adopted=adopted.append, on_refused=lambda: refusals.append(1))
+    g = ModelGate(FINGERPRINT, declared or {}, on_adopted=adopted.append, on_refused=lambda: refusals.append(1))
     return g, adopted, refusals
 
 
@@ -60,3 +61,11 @@ async def test_waiters_wake_when_the_identity_comes():
     assert not waiter.done()
     g.offer(STAND_IN_IDENTITY.to_dict())
     await asyncio.wait_for(waiter, 5)
+
+
+def test_the_identity_of_an_engine_of_another_fingerprint_is_not_adopted():
+    g, adopted, refusals = gate()
+    why = g.offer(STAND_IN_IDENTITY.to_dict(), "ffffffffffffffff")
+    assert "fingerprint 'ffffffffffffffff' is not the pool's" in why
+    assert g.identity is None and adopted == [] and refusals == [1]
+    assert g.offer(STAND_IN_IDENTITY.to_dict(), FINGERPRINT) == "" and g.identity == STAND_IN_IDENTITY

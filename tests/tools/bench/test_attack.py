@@ -48,7 +48,8 @@ def test_a_short_attack_leaves_the_pool_whole_and_the_honest_load_hitting(tmp_pa
                    "request line 70 kB", "header 70 kB", "300 headers", "bearer token 9 kB",
                    "deeply nested JSON", "5000-digit integers", "rejected handshake flood",
                    "other wire version", "replayed handshake steps", "malformed frames (tcp)",
-                   "local channel garbage", "member of another pool"):
+                   "local channel garbage", "member of another pool",
+                   "other weights, same name and path"):
         assert wanted in names, names
     assert all(a["sent"] > 0 for a in report["attacks"]), report["attacks"]
 
@@ -77,6 +78,10 @@ def test_a_short_attack_leaves_the_pool_whole_and_the_honest_load_hitting(tmp_pa
     # A stranger learns nothing before the proof and cannot replay a member's handshake.
     assert verdicts["no wire version told before the proof"]["pass"]
     assert verdicts["replayed handshake steps refused"]["pass"]
+    # A key holder of other weights under the same name and path is refused and gets no byte.
+    other = next(a for a in report["attacks"] if a["name"] == "other weights, same name and path")
+    assert any("(model_mismatch)" in k and v >= 1 for k, v in other["answers"].items()), other
+    assert verdicts["0 chunk bytes to a key holder of other weights"]["pass"], verdicts
     # The siege's memory came back; the rejections were summarised, not logged one by one.
     assert verdicts["RSS growth at peak <= 32 MiB"]["pass"], verdicts
     assert verdicts["RSS growth after <= 8 MiB"]["pass"], verdicts
