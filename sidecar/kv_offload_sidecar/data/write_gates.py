@@ -87,9 +87,10 @@ class WriteGate:
         with self._lock:
             self.deadline = min(self.deadline, deadline)
 
-    def open(self) -> bool:
-        """Whether a write could start now (a hint: only ``writing`` decides)."""
-        return not self._revoked and time.monotonic() < self.deadline - MARGIN_SECONDS
+    def open(self, deadline: float = math.inf) -> bool:
+        """Whether a write could start now, were the deadline brought forward to ``deadline``
+        (a hint: only ``writing`` decides)."""
+        return not self._revoked and time.monotonic() < min(self.deadline, deadline) - MARGIN_SECONDS
 
     @contextlib.contextmanager
     def writing(self, nbytes: int) -> Iterator[None]:

@@ -84,9 +84,9 @@ class Landing:
         if self.state is not LandingState.OFFERED:
             return None
         if gate is not None:
-            gate.tighten(self.deadline)
-            if not gate.open():
+            if not gate.open(self.deadline):
                 return None  # the slot, then: no row is taken that could not be written in time
+            gate.tighten(self.deadline)
         self.state, self._stop, self._gate = LandingState.RECEIVING, stop, gate
         return self.view
 
