@@ -25,7 +25,7 @@ from kv_offload_sidecar.data.write_gates import late_writes
 from kv_offload_sidecar.peers.row_landings import LandingState, LandingStore, RowLandings
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.certs import CertFiles, pool_certificates
-from peer_processes import PeerProcess
+from peer_processes import PeerProcess, run_ucx_client
 from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
 from waiting import wait_for, wait_for_async
 
@@ -156,3 +156,17 @@ async def test_a_loop_blocked_past_the_row_deadline_writes_nothing_into_rows_onc
             assert chunk_bytes_in(store, key) == content_of(i, SMALL_CHUNK)
     landings.release(offers)
     await client.close()
+
+
+def test_a_ucx_slot_a_stopped_holder_may_still_write_is_not_reused_until_its_write_is_over(
+        start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
+    # put_zcopy over shared memory: the holder writes into the fetcher's slot itself, resumed or not.
+    peer = start_peer("ucx", tls="sm,self", chunks=3, chunk_bytes=BIG_CHUNK)
+    out = run_ucx_client(peer, "late_holder", tls="sm,self", shm_dir=shm_dir, chunks=3,
+                         chunk_bytes=BIG_CHUNK, timeout=120)
+    assert out["stopped_mid_chunk"] and out["partial"], out
+    assert "deadline" in out["error"], out
+    assert out["held_after_failure"] == 1, out  # quarantined while the holder may write
+    assert not out["overwritten_while_free"], out
+    assert out["held_at_end"] == 0 and out["quarantined"] == 0, out  # freed once the write was over
+    assert out["refetched"] == 3 and out["visible_intact"], out  # the reused slot verifies
