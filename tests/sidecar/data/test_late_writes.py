@@ -166,7 +166,7 @@ def test_a_ucx_slot_a_stopped_holder_may_still_write_is_not_reused_until_its_wri
                          chunk_bytes=BIG_CHUNK, timeout=120)
     assert out["stopped_mid_chunk"] and out["partial"], out
     assert "deadline" in out["error"], out
-    assert out["held_after_failure"] == 1, out  # quarantined while the holder may write
+    assert out["held_by_failure"] == 1, out  # quarantined while the holder may write
     assert not out["overwritten_while_free"], out
     assert out["held_at_end"] == 0 and out["quarantined"] == 0, out  # freed once the write was over
     assert out["refetched"] == 3 and out["visible_intact"], out  # the reused slot verifies

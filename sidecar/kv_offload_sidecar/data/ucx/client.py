@@ -389,11 +389,13 @@ class _DrainedReservation:
         data = self._data
         if data is None or (data.done() and not data.cancelled() and data.exception() is None):
             self._res.abort()
-        else:
+        elif not self._abort_wanted:
             self._abort_wanted = True  # freed by _received, if ever
+            _held.add(self)
 
     def _received(self, data: asyncio.Future[None]) -> None:
         if self._abort_wanted and not data.cancelled() and data.exception() is None:
+            _held.discard(self)
             self._res.abort()
 
 
@@ -401,6 +403,16 @@ class _DrainedReservation:
 _draining: set[asyncio.Task[None]] = set()
 # Slots left quarantined by connections whose receives never completed.
 _quarantine = {"slots": 0}
+
+
+# Reservations aborted while their receive was still posted, not freed yet.
+_held: set[_DrainedReservation] = set()
+
+
+def slots_held_after_failure() -> int:
+    """Store slots failed connections keep reserved now: their receive was still posted when
+    their fetch gave up (freed when it completes; never, once quarantined)."""
+    return len(_held)
 
 
 def quarantined_slots() -> int:
