@@ -277,7 +277,7 @@ class _Connection:
         offers: list[Landing | None] = []
         try:
             rows = rows_of(region, req, len(keys))
-            offers = self._offer_rows(region, keys, rows)
+            offers = self._offer_rows(region, keys, rows, deadline.at)
 
             def take(pin: PinnedChunk | None) -> None:
                 row = rows[len(copies)]
@@ -309,14 +309,16 @@ class _Connection:
                 p.release()
             region.release()
 
-    def _offer_rows(self, region: EngineRegion, keys: list[bytes], rows: list[int]) -> list[Landing | None]:
+    def _offer_rows(self, region: EngineRegion, keys: list[bytes], rows: list[int],
+                    deadline: float) -> list[Landing | None]:
         """Offer the rows of the keys the store lacks to the fetches bringing them (None per key
-        not offered): only when fetched chunks are dropped after the load anyway
-        (``--peer-copies drop``) and a row holds exactly a slot's bytes."""
+        not offered) until the job's ``deadline`` (``row_landings``: no write into a row starts
+        after it, even while the loop is late): only when fetched chunks are dropped after the
+        load anyway (``--peer-copies drop``) and a row holds exactly a slot's bytes."""
         sidecar, store = self.sidecar, self.sidecar.store
         if sidecar.settings.peer_copies != "drop" or store is None or region.chunk_bytes != store.slot_bytes:
             return []
-        return [None if store.contains(key) else sidecar.landings.offer(key, memoryview(region.row(row)))
+        return [None if store.contains(key) else sidecar.landings.offer(key, memoryview(region.row(row)), deadline)
                 for key, row in zip(keys, rows)]
 
 

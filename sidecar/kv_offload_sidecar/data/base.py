@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from kv_offload_sidecar.data.write_gates import WriteGate
     from kv_offload_sidecar.metrics import SidecarMetrics
 
 # Returns the session key of an authenticated session id, or None.
@@ -45,7 +46,13 @@ class IntegrityError(TransportError):
 
 class ReceiveStopped(TransportError):
     """This side ended the connection mid-chunk: the load job that offered the chunk's row
-    (``peers.row_landings``) ended first. Not the holder's fault."""
+    (``peers.row_landings``) ended first, or the fetch reached its deadline while the bytes
+    were still coming (``write_gates.LateWrite``). Not the holder's fault."""
+
+
+class CommitRefused(ReceiveStopped):
+    """A chunk arrived whole but this side could not store it (the store closed, its
+    reservation or its row's load job ended first): not the holder's fault."""
 
 
 class ReservationLike(Protocol):
@@ -54,7 +61,7 @@ class ReservationLike(Protocol):
     key: bytes
     view: memoryview
 
-    def receive_view(self, stop: Callable[[], None]) -> memoryview: ...
+    def receive_view(self, stop: Callable[[], None], gate: WriteGate | None = None) -> memoryview: ...
     def commit(self, expected_checksum: int | None = None, *,
                computed_checksum: int | None = None) -> bool: ...
     def abort(self) -> None: ...
@@ -78,6 +85,13 @@ class StoreLike(Protocol):
     def lookup_prefix(self, keys: Sequence[bytes], *, touch: bool = True) -> int: ...
     def begin_write(self, key: bytes) -> ReservationLike | None: ...
     def pin(self, key: bytes) -> PinLike | None: ...
+
+
+def commit_failure(reservation: object) -> str | None:
+    """Why ``reservation``'s failed commit was this side's doing (its ``refused``: the store
+    closed, the reservation or the row's job ended first); None when the bytes failed their
+    checksum, the holder's fault."""
+    return getattr(reservation, "refused", None)
 
 
 def auth_proof(session_key: bytes, nonce: bytes) -> bytes:

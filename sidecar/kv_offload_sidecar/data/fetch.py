@@ -2,7 +2,19 @@
 slots, each chunk committed only whole and verified (``commit_received``), every reservation
 still open aborted on any failure or deadline (``run_fetch``); a LOOKUP with its FETCH right
 behind it, the count bounding the fetch as soon as it arrives (``lookup_then_fetch``); and the
-LOOKUP_REPLY bookkeeping."""
+LOOKUP_REPLY bookkeeping.
+
+Contract:
+- Each requested chunk carries a ``write_gates.WriteGate`` with the fetch's deadline
+  (``PendingChunk.gate``): a transport writes into the chunk's slot (or the row it lands in)
+  only under it, so no write starts past the deadline even while the event loop is late; a
+  failed fetch revokes every gate before it aborts the reservations (no write is then in
+  progress, none comes later: the slots may be reused).
+- A commit that fails is the holder's fault (``IntegrityError``, counted as an integrity
+  failure) only when the bytes failed their checksum; one that fails for a reason of this
+  side's (the store closed, the reservation or the row's job ended first) fails the chunk
+  with ``CommitRefused``, a ``ReceiveStopped``: the holder is not blamed.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +25,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import IntegrityError, ReservationLike, StoreLike, TransportError
+from kv_offload_sidecar.data.base import (
+    CommitRefused,
+    IntegrityError,
+    ReservationLike,
+    StoreLike,
+    TransportError,
+    commit_failure,
+)
+from kv_offload_sidecar.data.write_gates import WriteGate
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
@@ -38,6 +58,8 @@ class PendingChunk:
     nbytes: int
     # True once the reservation was committed.
     committed: bool = False
+    # The right to write into the chunk's slot or row, until the fetch's deadline.
+    gate: WriteGate = field(default_factory=WriteGate)
 
 
 @dataclass
@@ -88,6 +110,7 @@ async def run_fetch(
     plan = FetchPlan(list(keys))
     window = max(window, WINDOW_BYTES // max(store.slot_bytes, 1))
     started = time.monotonic()
+    deadline = started + timeout  # the writers' own (``PendingChunk.gate``), loop or no loop
     next_index = 0
     stop_at = len(plan.keys)
     result = "ok"
@@ -132,7 +155,8 @@ async def run_fetch(
                             stop_at = next_index  # no slot even with nothing in flight: stop here
                         break  # else retry once a chunk in flight lands (it becomes evictable)
                     fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-                    batch.append((next_index, PendingChunk(key, res, fut, store.slot_bytes)))
+                    batch.append((next_index, PendingChunk(key, res, fut, store.slot_bytes,
+                                                           gate=WriteGate(deadline))))
                     next_index += 1
                 if batch:
                     for i, p in batch:
@@ -224,7 +248,9 @@ async def lookup_then_fetch(lookup: Coroutine[Any, Any, int],
 
 
 def _fail_plan(plan: FetchPlan, fail: Callable[[BaseException], object], exc: BaseException) -> None:
-    fail(exc)  # closes the connection first: nothing writes into the slots after this
+    for p in plan.pending.values():
+        p.gate.revoke()  # no write into a slot or row is under way, and none starts
+    fail(exc)  # closes the connection: nothing writes into the slots after this
     for p in plan.pending.values():
         if not p.committed:
             p.reservation.abort()
@@ -267,6 +293,12 @@ def commit_received(p: PendingChunk, checksum: int, metrics: SidecarMetrics | No
         if metrics is not None:
             metrics.peer_bytes.labels(direction="received").inc(p.nbytes)
         p.done.set_result(True)
-    else:
+        return
+    local = commit_failure(p.reservation)
+    if local is None:
         p.done.set_exception(IntegrityError(
             f"chunk {p.key.hex()} failed its checksum; not stored (peer sent corrupt data)"))
+    else:
+        p.done.set_exception(CommitRefused(
+            f"chunk {p.key.hex()} arrived whole but was not stored: {local} (this side's doing, "
+            "not the peer's)"))

@@ -20,8 +20,14 @@ Contract:
   row is offered, so fetched chunks stay).
 - Only the rows a job names are written, and only while the job runs: its offers are
   withdrawn when it ends (answered, past its deadline or cancelled); an offer taken and
-  still receiving is stopped then (``Landing.withdraw`` calls the transport's ``stop``,
-  which ends the connection, so nothing writes into the row after the job answered).
+  still receiving is stopped then (``Landing.withdraw`` revokes the transfer's write gate,
+  which returns once no write into the row is under way, then calls the transport's
+  ``stop``, which ends the connection, so nothing writes into the row after the job answered).
+- A row is written only before its job's deadline, whatever the event loop is doing: the
+  transfer that takes it writes under a ``data.write_gates.WriteGate`` whose deadline is the
+  job's when that comes first (``Landing.take``), checked by the writing thread itself before
+  each piece; vLLM reuses the row once its tier gives up at that deadline, even when this
+  sidecar's loop is too late to withdraw the offer.
 - One offer per key at a time; the slot reserved for the chunk stays reserved until the
   chunk is verified (the fetch window's back-pressure is unchanged) and is then freed.
 """
@@ -29,6 +35,7 @@ Contract:
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -36,6 +43,7 @@ from kv_offload_sidecar.store.checksum import chunk_checksum
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.data.base import ReservationLike
+    from kv_offload_sidecar.data.write_gates import WriteGate
     from kv_offload_sidecar.metrics import SidecarMetrics
     from kv_offload_sidecar.store.chunk_store import ChunkStore
 
@@ -53,22 +61,33 @@ class LandingState(enum.Enum):
 class Landing:
     """One row offered for one key's chunk."""
 
-    def __init__(self, key: bytes, view: memoryview, on_end: Callable[[Landing], None]) -> None:
+    def __init__(self, key: bytes, view: memoryview, on_end: Callable[[Landing], None],
+                 deadline: float = math.inf) -> None:
         # The key whose chunk the row waits for.
         self.key = key
         # The row's chunk bytes (writable; valid while the job holds the region).
         self.view = view
+        # The job's deadline (time.monotonic()): no write into the row starts after it.
+        self.deadline = deadline
         # Where the offer stands.
         self.state = LandingState.OFFERED
         self._on_end = on_end
         self._stop: Callable[[], None] | None = None
+        self._gate: WriteGate | None = None
 
-    def take(self, stop: Callable[[], None]) -> memoryview | None:
-        """The row to receive into, or None when the offer is not open. ``stop``: what ends
-        the receiving should the job end first (it must stop every write into the row)."""
+    def take(self, stop: Callable[[], None], gate: WriteGate | None = None) -> memoryview | None:
+        """The row to receive into, or None when the offer is not open or its job's deadline
+        is too near. ``stop``: what ends the receiving should the job end first (it must stop
+        every write into the row); ``gate``: the transfer's write gate, which every write into
+        the row must hold (``write_gates``): brought forward to the job's deadline here, and
+        revoked when the job ends."""
         if self.state is not LandingState.OFFERED:
             return None
-        self.state, self._stop = LandingState.RECEIVING, stop
+        if gate is not None:
+            if not gate.open(self.deadline):
+                return None  # the slot, then: no row is taken that could not be written in time
+            gate.tighten(self.deadline)
+        self.state, self._stop, self._gate = LandingState.RECEIVING, stop, gate
         return self.view
 
     def finish(self, ok: bool) -> None:
@@ -81,13 +100,15 @@ class Landing:
     def withdraw(self) -> None:
         """The job ends (or took the chunk from the store): no transport may start on the row,
         and one still receiving is stopped now."""
-        stop = self._stop
+        stop, gate = self._stop, self._gate
         if self.state is LandingState.OFFERED:
             self.state = LandingState.WITHDRAWN
             self._on_end(self)
         elif self.state is LandingState.RECEIVING:
             self.state = LandingState.FAILED
-            self._stop = None
+            self._stop = self._gate = None
+            if gate is not None:
+                gate.revoke()  # no write into the row is under way now, and none starts
             self._on_end(self)
             if stop is not None:
                 stop()
@@ -110,12 +131,13 @@ class RowLandings:
         self._on_landed = on_landed
         self._offers: dict[bytes, Landing] = {}
 
-    def offer(self, key: bytes, view: memoryview) -> Landing | None:
-        """Offer ``view`` (a row's chunk bytes) for ``key``'s chunk; None when the key is
-        offered already (that job keeps it; this one takes the chunk from the store)."""
+    def offer(self, key: bytes, view: memoryview, deadline: float = math.inf) -> Landing | None:
+        """Offer ``view`` (a row's chunk bytes) for ``key``'s chunk until ``deadline`` (the job's,
+        a time.monotonic() value); None when the key is offered already (that job keeps it;
+        this one takes the chunk from the store)."""
         if key in self._offers:
             return None
-        landing = Landing(key, view, self._ended)
+        landing = Landing(key, view, self._ended, deadline)
         self._offers[key] = landing
         return landing
 
@@ -158,13 +180,15 @@ class LandingReservation:
         self._landings = landings
         self._metrics = metrics
         self._row: Landing | None = None
+        # Why the last commit failed for a reason of this side's (see WriteReservation.refused).
+        self.refused: str | None = None
 
-    def receive_view(self, stop: Callable[[], None]) -> memoryview:
+    def receive_view(self, stop: Callable[[], None], gate: WriteGate | None = None) -> memoryview:
         """Where the chunk's bytes go, decided now (at the chunk's first byte): an offered row,
-        else the slot. ``stop``: ends the receiving (see ``Landing.take``)."""
+        else the slot. ``stop``, ``gate``: end the receiving, and every write (see ``Landing.take``)."""
         if self._row is None:
             landing = self._landings.landing(self.key)
-            if landing is not None and landing.take(stop) is not None:
+            if landing is not None and landing.take(stop, gate) is not None:
                 self._row = landing
                 return landing.view
         return self.view if self._row is None else self._row.view
@@ -174,9 +198,12 @@ class LandingReservation:
         """The slot's commit; for a chunk in a row: verify it there and free the slot."""
         row = self._row
         if row is None:
-            return self._slot.commit(expected_checksum, computed_checksum=computed_checksum)
+            ok = self._slot.commit(expected_checksum, computed_checksum=computed_checksum)
+            self.refused = getattr(self._slot, "refused", None)
+            return ok
         self._slot.abort()
         if row.state is not LandingState.RECEIVING:
+            self.refused = "its row's load job had already ended"
             return False  # the job ended meanwhile: nothing trustworthy landed
         checksum = chunk_checksum(row.view) if computed_checksum is None else computed_checksum
         ok = expected_checksum is None or checksum == expected_checksum

@@ -29,6 +29,9 @@ class WriteReservation:
         self.slot = slot
         # Writable view of exactly slot_bytes.
         self.view = view
+        # Why the last commit failed for a reason of this side's (None: it did not, or the
+        # bytes failed their checksum).
+        self.refused: str | None = None
         self._done = False
 
     def commit(self, expected_checksum: int | None = None, *, computed_checksum: int | None = None) -> bool:
@@ -42,6 +45,7 @@ class WriteReservation:
         landed); the slot is then not hashed a second time.
         """
         if self._done:
+            self.refused = "its slot reservation had already ended"
             return False
         self._done = True
         try:
@@ -49,6 +53,7 @@ class WriteReservation:
                         else int(computed_checksum))
         except TypeError:  # the caller released the view: nothing trustworthy to publish
             self._store._finish_write(self.key, self.slot, None)
+            self.refused = "its slot's view was released"
             return False
         if expected_checksum is not None and checksum != expected_checksum:
             self._store.count_integrity_failure()
@@ -56,12 +61,15 @@ class WriteReservation:
             self._release_view()
             return False
         ok = self._store._finish_write(self.key, self.slot, checksum)
+        if not ok:
+            self.refused = ("the store is closed" if self._store.closed
+                            else "its slot reservation had already ended")
         self._release_view()
         return ok
 
-    def receive_view(self, stop: Callable[[], None]) -> memoryview:
-        """Where a transport receives the chunk: the slot (``stop`` is not needed here; see
-        ``peers.row_landings``, whose reservations may answer a row of vLLM's instead)."""
+    def receive_view(self, stop: Callable[[], None], gate: object = None) -> memoryview:
+        """Where a transport receives the chunk: the slot (``stop`` and ``gate`` are not needed
+        here; see ``peers.row_landings``, whose reservations may answer a row of vLLM's instead)."""
         return self.view
 
     def abort(self) -> None:

@@ -83,7 +83,7 @@ def test_corrupted_chunk_on_either_of_two_lanes_fails_its_checksum_and_is_not_st
                          chunk_bytes=CHUNK, lanes=2, corrupt=corrupt)
     assert out["error"].startswith("integrity:")
     assert not out["corrupt_visible"]
-    assert out["visible_intact"] and out["slots_in_use"] == out["visible"]
+    assert out["visible_intact"] and out["slots_in_use"] == out["visible"] + out["held_after_failure"]
 
 
 @pytest.mark.parametrize("tls", TLS)
@@ -107,7 +107,9 @@ def test_server_killed_mid_fetch_fails_within_deadline_leaving_nothing_partial(
     assert out["killed"] and out["error"], out  # the fetching process survived and raised
     assert 1 <= out["visible"] < 48
     assert out["visible_intact"]
-    assert out["slots_in_use"] == out["visible"]  # every reservation was released
+    # Every reservation was released, but those a receive was still posted into: the dead
+    # holder's writes cannot be told over (ucx.client: kept, then quarantined).
+    assert out["slots_in_use"] == out["visible"] + out["held_after_failure"]
 
 
 # A chunk below OFF_LOOP_BYTES is verified on the loop, a larger one on a checksum thread.

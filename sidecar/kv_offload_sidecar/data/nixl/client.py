@@ -8,12 +8,18 @@ commits the slot with that checksum against the holder's (a mismatch is an Integ
 and nothing is stored) and RELEASEs the request id, batched into the next message. A slot
 a lane may still write into is never handed back early: its reservation's abort waits for
 the lane (``_GuardedReservation``). Any failed read closes the connection.
+
+A read job starts only while its chunk's write gate is open (``write_gates``: before the
+fetch's deadline, and not given up), checked on the lane itself: a loop that is late does not
+let queued reads land after the deadline. A READ is one call per chunk, so one started just
+before the deadline may end after it, into a slot still reserved (its abort waits, above).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -26,6 +32,7 @@ from kv_offload_sidecar.data.nixl.frames import ExportedView, decode_chunk_at, d
 from kv_offload_sidecar.data.nixl.runtime import Lane, LaneError, NixlRuntime, SlotTable
 from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient
 from kv_offload_sidecar.data.tcp.sockets import read_frame
+from kv_offload_sidecar.data.write_gates import LateWrite
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.data.tcp.sockets import DataStream
@@ -51,6 +58,11 @@ class _GuardedReservation:
         # True from the read job's submission until the loop learns the lane finished.
         self.reading = False
         self._abort_wanted = False
+
+    @property
+    def refused(self) -> str | None:
+        """Why the last commit failed for a reason of this side's (``data.base.commit_failure``)."""
+        return getattr(self._res, "refused", None)
 
     def commit(self, expected_checksum: int | None = None, *, computed_checksum: int | None = None) -> bool:
         return self._res.commit(expected_checksum, computed_checksum=computed_checksum)
@@ -219,6 +231,10 @@ class NixlPeerDataClient(TcpPeerDataClient):
         def job(lane: Lane) -> None:
             if p.done.done():  # the fetch already failed: do not touch the slot
                 digest, error = None, TransportError("fetch ended before the read started")
+            elif not p.gate.open():  # past the fetch's deadline, however late the loop is
+                digest, error = None, LateWrite("the fetch reached its deadline before the read started")
+                with contextlib.suppress(LateWrite):
+                    p.gate.check()  # counted (late_writes)
             else:
                 try:
                     digest, error = lane.read(name, local, res.slot, far, remote_slot, res.view, verify), None
@@ -256,7 +272,7 @@ class NixlPeerDataClient(TcpPeerDataClient):
         if p.done.done():
             return
         if error is not None:
-            self._fail(TransportError(f"NIXL read failed: {error}"))
+            self._fail(error if isinstance(error, LateWrite) else TransportError(f"NIXL read failed: {error}"))
             return
         commit_received(p, checksum, self._metrics, checksum if digest is None else digest)
 

@@ -265,14 +265,16 @@ class TcpPeerDataClient(FramedPeerDataClient):
             raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
                                       f"under request id {header.request_id}")
         proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
-        view = p.reservation.receive_view(self._stop_receiving)
+        view = p.reservation.receive_view(self._stop_receiving, p.gate)
         # Each piece hashed as it lands, from the cache (for a chunk: on the connection's
         # thread, or on its hashing thread while the next piece arrives where a second core
         # is usable, ``stream_worker.spare_core``): no second pass over the slot from memory.
         # Only this reader writes the reserved slot, so the digest of the pieces is the slot's.
+        # Every receive into the slot or row holds the chunk's gate: none starts past the
+        # fetch's (or the row's job's) deadline, even while this loop is late (``write_gates``).
         hasher = chunk_hasher()
-        await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES,
-                               on_piece=hasher.update, piece_bytes=RECV_PIECE_BYTES)
+        await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES, on_piece=hasher.update,
+                               piece_bytes=RECV_PIECE_BYTES, gate=p.gate)
         computed = hasher.intdigest()
         del self._chunks[header.request_id]
         commit_received(p, prefix.checksum, self._metrics, computed)

@@ -21,6 +21,7 @@ from typing import Protocol
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker, drop_sent, send_some
+from kv_offload_sidecar.data.write_gates import WriteGate
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,15 @@ def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) ->
 async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                        view: memoryview | bytearray, *, batch_bytes: int = 0,
                        on_piece: Callable[[memoryview], object] | None = None,
-                       piece_bytes: int = CACHED_PIECE_BYTES) -> None:
+                       piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
     """Fill ``view`` completely from ``sock``; ConnectionError on EOF.
 
     ``batch_bytes``: for a large read, ask the kernel (SO_RCVLOWAT) to wake the loop
     only once that much has arrived, so a chunk costs a few event-loop wake-ups
     instead of one per segment burst. ``on_piece``: called with each piece received, in
-    order, right after it landed (at most ``piece_bytes``: still in the cache).
+    order, right after it landed (at most ``piece_bytes``: still in the cache). ``gate``:
+    each receive into ``view`` is made under it (``write_gates``): a loop that resumes past
+    the transfer's deadline writes nothing more (``LateWrite``).
     """
     with memoryview(view) as mv:
         got, n = 0, len(mv)
@@ -64,7 +67,10 @@ async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                         lowat = want
                 end = n if on_piece is None else min(n, got + piece_bytes)
                 with mv[got:end] as rest:
-                    k = await loop.sock_recv_into(sock, rest)
+                    if gate is None:
+                        k = await loop.sock_recv_into(sock, rest)
+                    else:
+                        k = await _gated_recv_into(loop, sock, rest, gate)
                     if k and on_piece is not None:
                         with rest[:k] as piece:
                             on_piece(piece)
@@ -75,6 +81,25 @@ async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
             if lowat != 1:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+
+async def _gated_recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
+                           gate: WriteGate) -> int:
+    """One ``recv_into`` of ``view`` under ``gate``, once ``sock`` is readable (``sock_recv_into``
+    would make the call inside its readiness callback, past any check made before it)."""
+    while True:
+        with gate.writing(len(view)):
+            try:
+                return sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                pass
+        fut = loop.create_future()
+        fd = sock.fileno()
+        loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            loop.remove_reader(fd)
 
 
 async def send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, buffers: Sequence) -> None:
@@ -165,9 +190,10 @@ class DataStream(Protocol):
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
-                        piece_bytes: int = CACHED_PIECE_BYTES) -> None:
+                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
         """Fill ``view`` completely, ``on_piece`` called with each piece as it lands (see
-        ``recv_exactly``); ConnectionError on EOF."""
+        ``recv_exactly``); ConnectionError on EOF. ``gate``: every receive into ``view``, on
+        the loop or on the connection's thread, is made under it (``write_gates``)."""
 
     async def send(self, buffers: Sequence) -> None:
         """Send ``buffers`` in order; once it returns, they may be reused or released."""
@@ -203,15 +229,15 @@ class SocketStream:
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
-                        piece_bytes: int = CACHED_PIECE_BYTES) -> None:
-        """``on_piece``, ``piece_bytes``: see ``recv_exactly``."""
+                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
+        """``on_piece``, ``piece_bytes``, ``gate``: see ``recv_exactly``."""
         if len(view) >= OFF_LOOP_BYTES:
             with memoryview(view) as mv:
                 await self._worker.run(lambda: self._worker.receive(
-                    mv, piece_bytes if on_piece is not None else len(mv), batch_bytes, on_piece))
+                    mv, piece_bytes if on_piece is not None else len(mv), batch_bytes, on_piece, gate))
             return
         await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes,
-                           on_piece=on_piece, piece_bytes=piece_bytes)
+                           on_piece=on_piece, piece_bytes=piece_bytes, gate=gate)
 
     async def send(self, buffers: Sequence) -> None:
         if sum(len(b) for b in buffers) >= OFF_LOOP_BYTES:

@@ -49,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kv_offload_sidecar.bulk_copies import usable_cores
 from kv_offload_sidecar.data.base import ReceiveStopped
+from kv_offload_sidecar.data.write_gates import WriteGate
 
 # Transfers of at least this many bytes run on the connection's thread; smaller ones (frames,
 # headers, small chunks) stay on the loop, where a thread hop would cost more than the copy.
@@ -144,12 +145,14 @@ class StreamWorker:
                 executor.shutdown(wait=False)
 
     def receive(self, view: memoryview, piece_bytes: int, batch_bytes: int,
-                on_piece: Callable[[memoryview], object] | None) -> None:
+                on_piece: Callable[[memoryview], object] | None, gate: WriteGate | None = None) -> None:
         """(On the thread.) Fill ``view`` from the socket, ``on_piece`` called with each
         ``piece_bytes`` (or the rest) in order right after they landed, still in the cache:
         on the hashing thread while the next piece arrives when there is a ``spare_core``
         (the last one here, once the others are done), else all here; ConnectionError on EOF,
-        ``StreamStopped`` once stopped."""
+        ``StreamStopped`` once stopped. ``gate``: each receive into ``view`` is made under it
+        (``write_gates``), so none starts past the transfer's deadline whatever the loop does;
+        ``LateWrite`` then, and the thread stops (the rest of the chunk is never read)."""
         sock, got, n, done = self._sock, 0, len(view), 0
         poller, events = select.poll(), select.POLLIN
         poller.register(sock.fileno(), events)
@@ -162,14 +165,18 @@ class StreamWorker:
                 if batch_bytes and want != lowat:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     lowat = want
-                with self.lock:
+                with self.lock, view[got:min(n, got + piece_bytes)] as target:
                     if self._stopped:
                         raise StreamStopped("the connection was stopped mid-chunk")
-                    k, wait = self.recv_some(view[got:min(n, got + piece_bytes)])
+                    if gate is None:
+                        k, wait = self.recv_some(target)
+                    else:
+                        with gate.writing(len(target)):
+                            k, wait = self.recv_some(target)
                 if wait:  # nothing there yet: sleep until the batch has arrived
                     if wait != events:
                         poller.modify(sock.fileno(), events := wait)
-                    self._wait(poller)
+                    self._wait(poller, gate)
                     continue
                 if k == 0:
                     raise ConnectionError(f"connection closed after {got} of {n} bytes")
@@ -249,10 +256,14 @@ class StreamWorker:
         sent = send_some(self._sock, views)
         return sent, (0 if sent else select.POLLOUT)
 
-    def _wait(self, poller: select.poll) -> bool:
-        """Poll once; True when the socket is ready (or in error: the next call says which)."""
+    def _wait(self, poller: select.poll, gate: WriteGate | None = None) -> bool:
+        """Poll once; True when the socket is ready (or in error: the next call says which).
+        ``gate``: ``LateWrite`` once it is shut (the thread ends at the deadline, not when the
+        peer sends again)."""
         if self._stopped:
             raise StreamStopped("the connection was stopped")
+        if gate is not None and not gate.open():
+            gate.check()
         return bool(poller.poll(POLL_MILLISECONDS))
 
 

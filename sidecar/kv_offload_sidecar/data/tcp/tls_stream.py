@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker, drop_sent
+from kv_offload_sidecar.data.write_gates import WriteGate
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
 # Buffers smaller than this are joined into one write (one TLS record instead of several).
@@ -102,6 +103,12 @@ def _ssl_call(call: Callable[[memoryview], int], view: memoryview) -> tuple[int,
         raise ConnectionError(f"TLS connection lost: {exc}") from exc
 
 
+def _gated(gate: WriteGate, nbytes: int, call: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+    """``call()`` (one read into a transfer's target) under ``gate``."""
+    with gate.writing(nbytes):
+        return call()
+
+
 class TlsWorker(StreamWorker):
     """``StreamWorker`` whose socket calls go through OpenSSL."""
 
@@ -160,20 +167,22 @@ class TlsStream:
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
-                        piece_bytes: int = CACHED_PIECE_BYTES) -> None:
+                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
         """Fill ``view`` completely; ConnectionError when the connection ends first.
         ``on_piece``: called with each piece as it lands (``sockets.recv_exactly``);
-        ``batch_bytes`` is a plain-socket knob (TLS records already batch)."""
+        ``batch_bytes`` is a plain-socket knob (TLS records already batch). ``gate``: each
+        decrypting read into ``view`` is made under it (``write_gates``)."""
         with memoryview(view) as mv:
             n = len(mv)
             if n >= OFF_LOOP_BYTES:
                 await self._worker.run(lambda: self._worker.receive(
-                    mv, piece_bytes if on_piece is not None else n, 0, on_piece))
+                    mv, piece_bytes if on_piece is not None else n, 0, on_piece, gate))
                 return
             got = 0
             while got < n:
                 with mv[got:] as rest:
-                    k = await self._on_loop(lambda: self._worker.recv_some(rest))
+                    k = await self._on_loop(lambda: self._worker.recv_some(rest) if gate is None
+                                            else _gated(gate, len(rest), lambda: self._worker.recv_some(rest)))
                 if k == 0:
                     raise ConnectionError(f"connection closed after {got} of {n} bytes")
                 if on_piece is not None:

@@ -7,6 +7,16 @@ becomes visible (a chunk of ``OFF_LOOP_BYTES`` or more on one of the process's c
 threads, ``data.checksum_threads``, so the loop keeps progressing UCX meanwhile). With two lanes every ``GET_LANE_EVERY``-th chunk goes over a
 second connection whose copies the fetcher's core makes; a failure of either
 fails both.
+
+A slot is handed back only once no byte can land in it. A receive UCX has matched may still
+complete after this side gave up: with ``put_zcopy`` over shared memory the holder writes
+into the slot itself (a CMA write), whenever it runs again, and closing the endpoint does not
+stop it. So a failed connection does not close its endpoint while receives into slots are
+still posted: it keeps progressing them (``_drain``) and frees each slot when its receive
+completes (the holder's writes are over; the bytes are dropped), then closes. Receives still
+posted after ``DRAIN_SECONDS`` (a holder stopped or dead) leave their slots quarantined: never
+reused by this process (``quarantined_slots``), rather than risk a later chunk, committed with
+its checksum, being overwritten.
 """
 
 from __future__ import annotations
@@ -57,6 +67,10 @@ log = logging.getLogger(__name__)
 # fetcher verifies the previous ones; deeper than TCP's window because every chunk waits
 # for a rendezvous round trip between the two processes).
 UCX_WINDOW = 32
+
+# Seconds a failed connection keeps progressing the receives still posted into slots before it
+# closes its endpoint; a slot whose receive did not complete by then is never reused.
+DRAIN_SECONDS = 30.0
 
 # With two lanes, every GET_LANE_EVERY-th chunk of a fetch takes the fetcher-copied lane: the
 # fetcher's core also verifies every chunk, so it takes the smaller share of the copying.
@@ -195,7 +209,9 @@ class UcxPeerDataClient(FramedPeerDataClient):
         self._requested += len(batch)
         rid = self._rids(len(batch))
         for j, (_, p) in enumerate(batch):
+            p.reservation = _DrainedReservation(p.reservation)
             data = self._rt.post_recv(self._ep, p.reservation.view, data_tag(self._cid, rid + j))
+            p.reservation.posted(data)
             self._chunks[rid + j] = _UcxChunk(p, data)
             data.add_done_callback(lambda _f, r=rid + j: self._data_arrived(r))
         await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
@@ -255,12 +271,33 @@ class UcxPeerDataClient(FramedPeerDataClient):
         await super().close()
 
     def _connection_failed(self, err: TransportError) -> None:
-        """Close the endpoint (cancelling receives into slots: no byte lands in a slot after
-        this) and fail the partner connection too."""
-        self._rt.abort(self._ep)
-        _release_connection_id(self._cid)
+        """Close the endpoint once no receive into a slot is posted any more (``_drain``: a
+        matched one may still be written by the holder) and fail the partner connection too."""
+        posted = [st.data for st in self._chunks.values() if not st.data.done()]
+        if posted:
+            task = asyncio.get_running_loop().create_task(self._drain(posted), name="ucx-drain")
+            _draining.add(task)
+            task.add_done_callback(_draining.discard)
+        else:
+            self._rt.abort(self._ep)
+            _release_connection_id(self._cid)
         if self._partner is not None:
             self._partner._fail(err)
+
+    async def _drain(self, posted: list[asyncio.Future[None]]) -> None:
+        """Progress the receives still posted into slots until they complete (each frees its
+        slot then, ``_DrainedReservation``) or ``DRAIN_SECONDS`` pass, then close the endpoint."""
+        try:
+            await asyncio.wait(posted, timeout=DRAIN_SECONDS)
+        finally:
+            left = sum(1 for f in posted if not f.done())
+            if left:
+                _quarantine["slots"] += left
+                log.error("UCX: %d receives into store slots were still posted %.0f s after their "
+                          "connection failed (a holder stopped or gone); their slots are never "
+                          "reused by this process", left, DRAIN_SECONDS)
+            self._rt.abort(self._ep)
+            _release_connection_id(self._cid)
 
     async def _read_loop(self) -> None:
         try:
@@ -320,6 +357,68 @@ class _UcxChunk:
     replied: bool = False
     # The holder's checksum (None: CHUNK_MISSING).
     checksum: int | None = None
+
+
+class _DrainedReservation:
+    """A reservation whose slot a posted UCX receive may still write into: ``abort`` frees the
+    slot only once that receive completed without error (the holder's writes are over); one
+    that failed or was cancelled with the endpoint leaves the slot quarantined."""
+
+    def __init__(self, reservation: Any) -> None:
+        self._res = reservation
+        self.key = reservation.key
+        self.view = reservation.view
+        self._data: asyncio.Future[None] | None = None
+        self._abort_wanted = False
+
+    @property
+    def refused(self) -> str | None:
+        return getattr(self._res, "refused", None)
+
+    def posted(self, data: asyncio.Future[None]) -> None:
+        self._data = data
+        data.add_done_callback(self._received)
+
+    def receive_view(self, stop: Any, gate: Any = None) -> memoryview:
+        return self.view
+
+    def commit(self, expected_checksum: int | None = None, *, computed_checksum: int | None = None) -> bool:
+        return self._res.commit(expected_checksum, computed_checksum=computed_checksum)
+
+    def abort(self) -> None:
+        data = self._data
+        if data is None or (data.done() and not data.cancelled() and data.exception() is None):
+            self._res.abort()
+        elif not self._abort_wanted:
+            self._abort_wanted = True  # freed by _received, if ever
+            _held.add(self)
+
+    def _received(self, data: asyncio.Future[None]) -> None:
+        if self._abort_wanted and not data.cancelled() and data.exception() is None:
+            _held.discard(self)
+            self._res.abort()
+
+
+# Tasks draining failed connections (kept referenced until they end).
+_draining: set[asyncio.Task[None]] = set()
+# Slots left quarantined by connections whose receives never completed.
+_quarantine = {"slots": 0}
+
+
+# Reservations aborted while their receive was still posted, not freed yet.
+_held: set[_DrainedReservation] = set()
+
+
+def slots_held_after_failure() -> int:
+    """Store slots failed connections keep reserved now: their receive was still posted when
+    their fetch gave up (freed when it completes; never, once quarantined)."""
+    return len(_held)
+
+
+def quarantined_slots() -> int:
+    """Store slots this process never reuses: a failed UCX connection's receive into them was
+    still posted ``DRAIN_SECONDS`` after the failure."""
+    return _quarantine["slots"]
 
 
 # Connection ids in use by this process's clients (a tag's high half).
