@@ -144,6 +144,12 @@ def config_json(config: OffloadingConfig, declared: Mapping[str, str]) -> str:
     return json.dumps(config_document(config, declared), indent=2)
 
 
+def status_text(declared: Mapping[str, str]) -> str:
+    """The pool's ``status.declaredModelIdentity``: the canonical JSON of the declared fields
+    (one string, so a merge patch replaces it whole; ``{}`` when none is stated)."""
+    return canonical_json(parse_declared(declared))
+
+
 def read_declared(document: Mapping[str, Any]) -> dict[str, str] | None:
     """The declared identity of a config document; None for one written before identities
     (no ``model_identity`` key). ``ValueError`` naming the key when it is malformed."""
