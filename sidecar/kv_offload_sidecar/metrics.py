@@ -32,6 +32,7 @@ HANDSHAKE_RESULTS = ("accepted", "rejected")
 HANDSHAKE_REASONS = (
     "ok",
     "fingerprint_mismatch",
+    "model_mismatch",
     "hash_seed_mismatch",
     "chunk_size_mismatch",
     "wire_version_mismatch",
@@ -69,8 +70,10 @@ FETCH_DECISIONS = ("fetch", "recompute")
 # Label names of the config_info series (one series per process). Not the model or dtype (they
 # tell a stranger what the pool serves) nor the wire version (which software answers): the
 # handshake says those only after the proof. The fingerprint is shown (the operator's READY
-# PEERS and the mixed-fingerprint alert read it; a hash that names no model and opens nothing).
-CONFIG_INFO_LABELS = ("fingerprint", "transport")
+# PEERS and the mixed-fingerprint alert read it; a hash that names no model and opens nothing),
+# and so is the model identity's digest ("" until the engine gave it: the pool's status counts
+# the pods of each identity, e.g. old and new weights during a rolling update).
+CONFIG_INFO_LABELS = ("fingerprint", "transport", "model_identity")
 
 # Histogram buckets for one peer fetch (seconds): 0.5 ms .. 10 s, covering a
 # shared-memory hop up to a multi-chunk fetch over a slow link.
@@ -196,6 +199,12 @@ class SidecarMetrics:
             "Messages sent to peers to answer engine lookups and loads (owner queries and holder exchanges).",
             namespace=ns, registry=registry,
         )
+        self.engine_refusals = Counter(
+            "engine_refusals",
+            "Engine attachments refused because their model identity contradicts the pool's "
+            "ConfigMap or the identity this sidecar adopted (peers/model_gate.py).",
+            namespace=ns, registry=registry,
+        )
         self.peer_false_claims = Counter(
             "peer_false_claims",
             "Chunks an owner or holder claimed that the holder's answer did not back (a liar is then left alone).",
@@ -263,9 +272,10 @@ class SidecarMetrics:
         for direction in LOCATION_BYTES_DIRECTIONS:
             self.location_bytes.labels(direction=direction)
 
-    def set_config_info(self, *, fingerprint: str, transport: str) -> None:
-        """Publish ``kv_offload_config_info{fingerprint,transport} 1``."""
-        self.config_info.info({"fingerprint": fingerprint, "transport": transport})
+    def set_config_info(self, *, fingerprint: str, transport: str, model_identity: str = "") -> None:
+        """Publish ``kv_offload_config_info{fingerprint,transport,model_identity} 1``."""
+        self.config_info.info({"fingerprint": fingerprint, "transport": transport,
+                               "model_identity": model_identity})
 
 
 def exported_metric_names(registry: CollectorRegistry) -> set[str]:

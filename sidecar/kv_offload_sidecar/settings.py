@@ -80,6 +80,9 @@ class SidecarSettings:
 
     config: OffloadingConfig = setting(
         help="offloading_config.json of the pool (the operator's ConfigMap)", metavar="FILE", required=True)
+    # The model identity fields the pool's ConfigMap declares (its "model_identity": the
+    # vllm serve line's part, engine/model_identity.DECLARED_FIELDS), read from the config file.
+    declared_identity: Mapping[str, str] = field(default_factory=dict)
     # Shared pool secret proving membership (read from pool_key_file); never sent, never logged.
     pool_key: bytes = field(default=b"", repr=False)
     host: str = setting(ports.DEFAULT_HOST, "address to bind and advertise to peers (the routable pod IP)",

@@ -44,6 +44,7 @@ from kv_offload_sidecar.peers.handshake import (
     make_hello,
 )
 from kv_offload_sidecar.peers.links import PeerManager
+from kv_offload_sidecar.peers.model_gate import ModelGate
 from kv_offload_sidecar.peers.directory.location import Location
 from kv_offload_sidecar.peers.peer_reads import PeerReads
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
@@ -82,6 +83,9 @@ class Sidecar:
         self.metrics = SidecarMetrics(self.registry)
         cfg = settings.config
         self.metrics.set_config_info(fingerprint=cfg.fingerprint, transport=settings.transport)
+        # The model identity its engine gave it: nothing is shared before (peers/model_gate.py).
+        self.model = ModelGate(settings.declared_identity, on_adopted=self._identity_adopted,
+                               on_refused=self.metrics.engine_refusals.inc)
         # Refused input of both ports (control and data) is noted here: one budget of lines.
         self.rejections = RejectionLog(log, interval=REJECTION_LOG_SECONDS, max_pairs=REJECTION_LOG_PAIRS)
         self.location = Location(settings.identity, interval_seconds=settings.publish_interval_seconds,
@@ -149,7 +153,12 @@ class Sidecar:
                           kv_bytes_per_chunk=s.kv_bytes_per_chunk, identity=s.identity,
                           control_address=self.control_address, data_address=self.data_address,
                           transport=s.transport, run_config=s.config.run_config(),
-                          data_lanes=lanes_offered(s.data_lanes))
+                          data_lanes=lanes_offered(s.data_lanes), model_identity=self.model.identity)
+
+    def _identity_adopted(self, identity: Any) -> None:
+        s = self.settings
+        self.metrics.set_config_info(fingerprint=s.config.fingerprint, transport=s.transport,
+                                     model_identity=identity.digest)
 
     def accept_session(self, session: Session) -> None:
         """A peer proved the pool key: authorise its data connections, dial it back."""
@@ -229,7 +238,7 @@ class Sidecar:
             self.store = None
             raise
         self._tasks = [asyncio.create_task(self.discovery.run(), name="discovery"),
-                       asyncio.create_task(self.peers.run(), name="peers"),
+                       asyncio.create_task(self._peers_once_identified(), name="peers"),
                        asyncio.create_task(self.location.run(), name="location"),
                        asyncio.create_task(self._reload_keys(), name="pool keys"),
                        asyncio.create_task(self.stalls.run(), name="loop stalls")]
@@ -246,6 +255,14 @@ class Sidecar:
         log.info("sidecar %s ready: control %s, data %s, store %s (%d slots of %d bytes)",
                  s.identity, ",".join(map(str, s.control_ports)), self.data_address,
                  self.store.path, self.store.num_slots, self.store.slot_bytes)
+
+    async def _peers_once_identified(self) -> None:
+        """Peer links start once an engine gave this sidecar its model identity: before, it has
+        no chunk to share and would be refused by every peer (``model_mismatch``)."""
+        if not self.model.known.is_set():
+            log.info("waiting for the engine's model identity before dialling peers")
+            await self.model.known.wait()
+        await self.peers.run()
 
     async def stop(self) -> None:
         """Graceful stop: in-flight engine work gets the grace bound, then close all."""
@@ -456,6 +473,9 @@ class Sidecar:
             "ready": self.ready,
             "fingerprint": s.config.fingerprint,
             "model": s.config.model.name,
+            # What its engine stated (None: no engine yet), and the ConfigMap's declared part.
+            "model_identity": self.model.view(),
+            "declared_model_identity": dict(s.declared_identity),
             "kv_bytes_per_chunk": s.kv_bytes_per_chunk,
             "wire_version": WIRE_VERSION,
             "transport": s.transport,
@@ -486,8 +506,11 @@ class Sidecar:
     def local_socket_path(self, dp_index: int) -> str:
         return f"{self.settings.shm_dir.rstrip('/')}/kv-offload-{self.name}-dp{dp_index}.sock"
 
-    def local_info(self, dp_index: int) -> dict[str, Any]:
+    def local_info(self, dp_index: int, model_identity: Any = None) -> dict[str, Any]:
+        """What an engine checks before using this sidecar; ``model_identity`` (the engine's, as
+        its tier states it) is offered to the gate, and a refusal comes back in the answer."""
         store = self._require_store()
+        refused = "" if model_identity is None else self.model.offer(model_identity)
         return {
             "socket": self.local_socket_path(dp_index),
             "dp_index": dp_index,
@@ -498,6 +521,9 @@ class Sidecar:
             "run_config": self.settings.config.run_config(),
             "kv_bytes_per_chunk": self.settings.config.kv_bytes_per_chunk,
             "hash_seed": self.settings.hash_seed,
+            "model_identity": None if self.model.identity is None else self.model.identity.digest,
+            # Why the engine that asked is refused ("" when it is not, or stated no identity).
+            "model_identity_refused": refused,
             "store": {"path": store.path, "slot_bytes": store.slot_bytes,
                       "slot_stride": store.slot_stride, "num_slots": store.num_slots},
         }

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of
 from kv_offload_sidecar.engine.store_view import slot_stride_for
@@ -39,6 +40,7 @@ from kv_offload_sidecar.engine.vllm_contract import (
 from kv_offload_sidecar.engine.vllm_tier import KVOffloadSecondaryTier
 
 from kv_offload_tools.prefix_hash import PrefixHasher
+from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 
 _DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "float32": torch.float32, "float": torch.float32, "fp8": torch.uint8,
@@ -177,7 +179,7 @@ class SimulatedEngine:
                  port: int | None = None, num_rows: int = 64, hash_algo: str = "sha256",
                  step_seconds: float = 0.002, lookup_timeout_seconds: float = 0.5,
                  load_timeout_seconds: float = 5.0, client: Any = None,
-                 name: str = "engine") -> None:
+                 name: str = "engine", model_identity: ModelIdentity = STAND_IN_IDENTITY) -> None:
         self.config = config
         self.name = name
         self.layout = RowLayout.from_config(config)
@@ -194,7 +196,8 @@ class SimulatedEngine:
         self.tier = KVOffloadSecondaryTier(
             SimulatedSpec(config), self._view, "KVOffloadSecondaryTier", host=host, port=port,
             lookup_timeout_seconds=lookup_timeout_seconds,
-            load_timeout_seconds=load_timeout_seconds, client=client)
+            load_timeout_seconds=load_timeout_seconds, client=client,
+            model_identity=model_identity)
         self.tier.engine_hash_seed = hash_seed  # what this engine hashes with, not this process's env
         self._step = step_seconds
         self._job_ids = itertools.count()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_offload_sidecar.engine.client import EngineClient
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine.offloading_config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -50,7 +51,7 @@ from kv_offload_sidecar.peers.handshake import HelloMessage, make_hello
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, effective_hash_seed
 
 # Re-exported: the tests import these helpers from here.
-from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY, SidecarProcess
 
 DEFAULT_POOL_KEY = b"local-pool-key-not-a-secret"
 
@@ -96,6 +97,8 @@ class SidecarOverride:
     # The sidecar still joins the pool's mesh (the override only adds flags that keep it
     # compatible); by default an overridden sidecar is expected to be refused.
     joins: bool = False
+    # Another model identity for its stand-in engine to state (None: the pool's).
+    model_identity: ModelIdentity | None = None
 
 
 # Prefix of LocalPool work directories: "{prefix}{owner pid}-{random}".
@@ -197,7 +200,8 @@ class LocalPool:
                  overrides: Mapping[int, SidecarOverride] | None = None,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
                  workdir: str | None = None, log_level: str = "INFO",
-                 launcher: Callable[[Sequence[str], Mapping[str, str]], list[str]] | None = None) -> None:
+                 launcher: Callable[[Sequence[str], Mapping[str, str]], list[str]] | None = None,
+                 model_identity: ModelIdentity | None = STAND_IN_IDENTITY) -> None:
         # Sidecars start() launches (add() launches more).
         self.n = n
         self.transport = transport
@@ -220,6 +224,10 @@ class LocalPool:
         # (kv-offload arguments, environment) -> the argv that runs them; None runs this
         # interpreter's kv-offload (image_smoke runs the image's, in a container).
         self.launcher = launcher
+        # What each sidecar's stand-in engine states once it is ready (sidecars share nothing
+        # before); None: real engines will (then ``start`` does not wait for the mesh, which
+        # forms once the engines attached: ``wait_connected``).
+        self.model_identity = model_identity
         self._own_workdir = workdir is None
         # Config, key, logs, store files and local sockets (the sidecars' --shm-dir).
         self.workdir = workdir or make_workdir()
@@ -248,7 +256,8 @@ class LocalPool:
         return make_hello(
             fingerprint=self.config.fingerprint, hash_seed=self.hash_seed,
             kv_bytes_per_chunk=self.chunk_bytes, identity=identity, control_address="127.0.0.1:9",
-            data_address="tcp://127.0.0.1:9", transport="tcp", run_config=self.config.run_config())
+            data_address="tcp://127.0.0.1:9", transport="tcp", run_config=self.config.run_config(),
+            model_identity=self.model_identity or STAND_IN_IDENTITY)
 
     # ---- files ----------------------------------------------------------------
 
@@ -331,7 +340,8 @@ class LocalPool:
         argv = self.launcher(args, env) if self.launcher else [*sidecar_command(), *args]
         return SidecarProcess(len(self.sidecars), identity, base_port, self.dp_indices, transport, argv,
                               env, os.path.join(self.workdir, f"{identity}.log"),
-                              expect_connect, admin_token=self.admin_token)
+                              expect_connect, admin_token=self.admin_token,
+                              model_identity=o.model_identity or self.model_identity)
 
     def start(self, timeout: float = 60.0) -> "LocalPool":
         """Start the N sidecars and wait until all are ready and connected."""
@@ -346,7 +356,8 @@ class LocalPool:
                 self.sidecars.append(sc)
                 sc.start(wait=False)
             self.wait_ready(timeout)
-            self.wait_connected(timeout)
+            if self.model_identity is not None:
+                self.wait_connected(timeout)
         except BaseException:
             self.stop()
             raise
@@ -374,7 +385,8 @@ class LocalPool:
                            capacity_bytes, expect_connect=mesh and (override is None or override.joins))
         self.sidecars.append(sc)
         sc.start(timeout=timeout)
-        if sc.expect_connect if wait_connected is None else wait_connected:
+        if (sc.expect_connect and sc.model_identity is not None) if wait_connected is None \
+                else wait_connected:
             self.wait_connected(timeout)
         return sc
 
@@ -387,7 +399,7 @@ class LocalPool:
         else:
             sc.terminate()
         sc.start(timeout=timeout)
-        if sc.expect_connect:
+        if sc.expect_connect and sc.model_identity is not None:
             self.wait_connected(timeout)
         return sc
 

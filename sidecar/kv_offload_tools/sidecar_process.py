@@ -18,9 +18,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_offload_sidecar.engine.client import EngineClient
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 
 from kv_offload_tools.http_client import http_json, http_text
 from kv_offload_tools.scrape import Samples, parse_metrics, value
+
+
+# The model identity the tools' stand-in engines state (a simulated engine, a test's
+# EngineClient): every sidecar of a LocalPool shares under it unless told otherwise.
+STAND_IN_IDENTITY = ModelIdentity(weights="stand-in:kv-offload-tools", dtype="float16",
+                                  kv_cache_dtype="float16", kv_layout="stand-in/LBHNC/cpu",
+                                  block_size="16", hash_algo="sha256")
 
 
 class SidecarProcess:
@@ -28,7 +36,8 @@ class SidecarProcess:
 
     def __init__(self, index: int, identity: str, base_port: int, dp_indices: tuple[int, ...],
                  transport: str, argv: Sequence[str], env: Mapping[str, str], log_path: str,
-                 expect_connect: bool, admin_token: str = "") -> None:
+                 expect_connect: bool, admin_token: str = "",
+                 model_identity: ModelIdentity | None = STAND_IN_IDENTITY) -> None:
         # Position in the pool (0-based).
         self.index = index
         # --identity of the sidecar.
@@ -50,6 +59,9 @@ class SidecarProcess:
         self.expect_connect = expect_connect
         # Bearer token of its admin endpoints (/v1/status, /v1/peers, /v1/lookup); "" = none.
         self.admin_token = admin_token
+        # The identity a stand-in engine states once it is ready (and every client it hands
+        # out): the sidecar shares nothing before an engine did. None: a real engine states it.
+        self.model_identity = model_identity
         # The running (or last) process; None before the first start.
         self.proc: subprocess.Popen[bytes] | None = None
         # Times started (an engine client made before a restart maps the old store).
@@ -71,7 +83,8 @@ class SidecarProcess:
             self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until it answers ``/readyz`` with 200; RuntimeError if it exits first, TimeoutError."""
+        """Until it answers ``/readyz`` with 200 (then a stand-in engine states ``model_identity``
+        to it); RuntimeError if it exits first, TimeoutError."""
         deadline = time.monotonic() + timeout
         while True:
             if not self.alive():
@@ -79,6 +92,8 @@ class SidecarProcess:
                 raise RuntimeError(f"{self.identity} exited with code {code}:\n{self.log_tail()}")
             with contextlib.suppress(OSError):
                 if self.get("/readyz", timeout=2.0)[0] == 200:
+                    if self.model_identity is not None:
+                        self.client().close()  # a stand-in engine states the identity
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.identity} not ready in time:\n{self.log_tail()}")
@@ -201,4 +216,5 @@ class SidecarProcess:
     def client(self, dp_index: int | None = None, timeout: float = 5.0) -> EngineClient:
         """A new EngineClient of one DP port (the first by default); it maps the current store."""
         idx = self.dp_indices[0] if dp_index is None else dp_index
-        return EngineClient.connect(self.host, self.base_port + idx, timeout)
+        return EngineClient.connect(self.host, self.base_port + idx, timeout,
+                                    model_identity=self.model_identity)

@@ -14,6 +14,7 @@ from kv_offload_sidecar.peers.handshake import HelloMessage, make_hello
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
+from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 from waiting import wait_for_async
 
 # ------------------------------------------------------------------ chunks through an engine client
@@ -55,7 +56,7 @@ def peer_hello(config: OffloadingConfig | None = None, **changes: object) -> Hel
     fields: dict[str, object] = dict(
         fingerprint=cfg.fingerprint, hash_seed="0", kv_bytes_per_chunk=cfg.kv_bytes_per_chunk,
         identity="peer-x", control_address="127.0.0.1:1", data_address="tcp://127.0.0.1:2",
-        transport="tcp", run_config=cfg.run_config())
+        transport="tcp", run_config=cfg.run_config(), model_identity=STAND_IN_IDENTITY)
     fields.update(changes)
     return make_hello(**fields)  # type: ignore[arg-type]
 
@@ -81,3 +82,9 @@ async def settled(*sidecars: Sidecar) -> None:
 
     await wait_for_async(f"the directory settled ({[s.location.status() for s in sidecars]} at the start)",
                          formed)
+
+
+def identified(sidecar: Sidecar) -> Sidecar:
+    """``sidecar`` after a stand-in engine stated its model identity (it shares nothing before)."""
+    assert sidecar.model.offer(STAND_IN_IDENTITY.to_dict()) == ""
+    return sidecar

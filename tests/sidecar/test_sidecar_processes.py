@@ -26,6 +26,7 @@ from kv_offload_sidecar.peers.handshake import (
 from kv_offload_sidecar.peers.directory.location_wire import key_digest
 from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
+from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 from sidecar_support import new_keys, read_chunks, write_chunks
 from waiting import SAFETY_SECONDS, wait_for
 
@@ -150,7 +151,8 @@ def test_empty_or_missing_fingerprint_is_rejected(pool, fingerprint):
     cfg = example_config()
     hello = make_hello(fingerprint=fingerprint or "", hash_seed=pool.hash_seed, kv_bytes_per_chunk=CHUNK,
                        identity="intruder", control_address="127.0.0.1:1",
-                       data_address="tcp://127.0.0.1:1", transport="tcp", run_config=cfg.run_config())
+                       data_address="tcp://127.0.0.1:1", transport="tcp", run_config=cfg.run_config(),
+                       model_identity=STAND_IN_IDENTITY)
     initiator = HandshakeInitiator(pool.pool_key, hello)
     before = pool[0].metric(HANDSHAKES, result="rejected", reason="fingerprint_mismatch")
     code, reply = pool[0].post("/v1/handshake", initiator.step1())

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from kv_offload_sidecar.bulk_copies import prepare_for_bulk_copies
 from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.model_identity import declared_in_file
 from kv_offload_sidecar.engine.offloading_config import load_config_file
 from kv_offload_sidecar.extras import require
 from kv_offload_sidecar.peers.discovery import parse_peer_list
@@ -76,6 +77,7 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
     """Flags + environment + config -> settings; ValueError is one line for the user."""
     values = flag_values(args, SidecarSettings)
     config = values["config"] = load_config_file(args.config)
+    values["declared_identity"] = declared_in_file(args.config)
     values["pool_key"] = load_pool_key(args.pool_key_file)
     values["previous_pool_key"] = load_optional_key(args.previous_pool_key_file)
     values["admin_token"] = load_optional_key(args.admin_token_file)

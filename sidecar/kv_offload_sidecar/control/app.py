@@ -99,7 +99,7 @@ ADMIN_HELP = ("send 'Authorization: Bearer <token>' with the pool's admin token 
               "the pool Secret) or the token 'kv-offload admin-token --pool-key-file <key file>' prints")
 # Handshake rejections a caller gets only after proving the pool key: their log line carries
 # the field diff (a key holder's, bounded by the hello's field limits).
-PROVEN_REJECTIONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
+PROVEN_REJECTIONS = ("fingerprint_mismatch", "model_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
                      "wire_version_mismatch")
 # Longest detail of a proven peer's rejection line (the field diff an operator needs).
 PROVEN_DETAIL_CHARS = 2000

@@ -6,7 +6,10 @@ maps the store file (``/v1/local`` and ``info`` give its path and geometry)
 and reads/writes the slots this channel hands out.
 
 Ops:
-- ``info`` -> ``{"instance", "store": {path, slot_bytes, slot_stride, num_slots}, ...}``
+- ``info {model_identity?}`` -> ``{"instance", "store": {path, slot_bytes, slot_stride,
+  num_slots}, "model_identity_refused", ...}``: the engine's tier states its model identity
+  with every ``info`` (``peers.model_gate``: adopted by the first, compared after; a refusal
+  says why, and the tier then uses nothing of the sidecar's)
 - ``attach_region {offset, row_stride, num_rows, chunk_bytes}``, sent as the
   first frame of a connection with the descriptor of the file behind vLLM's
   primary region (SCM_RIGHTS) -> ``{region}``: the sidecar maps those rows and
@@ -130,7 +133,7 @@ class _Connection:
         op = req["op"]
         sidecar = self.sidecar
         if op == "info":
-            return {"ok": True, **sidecar.local_info(self.dp_index)}
+            return {"ok": True, **sidecar.local_info(self.dp_index, req.get("model_identity"))}
         instance = req.get("instance")
         if instance is not None and instance != sidecar.instance:
             raise ChannelError(f"request names sidecar instance {instance!r} but this is "

@@ -55,6 +55,7 @@ from typing import Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
 from kv_offload_sidecar.engine.sidecar_attachment import Attachment, Late, LocalConn, RowRegion
 
@@ -105,8 +106,11 @@ class EngineClient:
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 5.0,
-                 region: RowRegion | None = None) -> None:
+                 region: RowRegion | None = None, model_identity: ModelIdentity | None = None) -> None:
         self.socket_path = socket_path
+        # The engine's model identity, stated with every ``info`` (the sidecar shares nothing
+        # before an engine stated one; ``peers.model_gate``). None: state none (tools, tests).
+        self.model_identity = model_identity
         self._timeout = timeout
         self._region = region
         self._idle: list[LocalConn] = []
@@ -130,7 +134,8 @@ class EngineClient:
 
     @classmethod
     def connect(cls, host: str = ports.DEFAULT_HOST, port: int = ports.DEFAULT_BASE_PORT,
-                timeout: float = 5.0, region: RowRegion | None = None) -> "EngineClient":
+                timeout: float = 5.0, region: RowRegion | None = None,
+                model_identity: ModelIdentity | None = None) -> "EngineClient":
         """Ask the sidecar control port ``host:port`` (one DP rank's port) for its local channel."""
         try:
             http_conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -151,7 +156,7 @@ class EngineClient:
         if resp.status != 200 or not isinstance(info, dict) or not isinstance(info.get("socket"), str):
             raise SidecarUnavailable(f"sidecar at {host}:{port} answered /v1/local with HTTP {resp.status}: "
                                      f"{body[:200]!r}")
-        return cls(info["socket"], timeout=timeout, region=region)
+        return cls(info["socket"], timeout=timeout, region=region, model_identity=model_identity)
 
     @classmethod
     def from_env(cls, dp_index: int = 0, timeout: float = 5.0,
@@ -197,7 +202,10 @@ class EngineClient:
 
     def _info(self) -> dict[str, Any]:
         with self._connection() as conn:
-            reply = conn.call({"op": "info"}, self._timeout)
+            req: dict[str, Any] = {"op": "info"}
+            if self.model_identity is not None:
+                req["model_identity"] = self.model_identity.to_dict()
+            reply = conn.call(req, self._timeout)
         if not reply.get("ok") or not isinstance(reply.get("store"), dict) or "instance" not in reply:
             raise SidecarUnavailable(f"sidecar local channel {self.socket_path!r} refused info: "
                                      f"{reply.get('error')}")

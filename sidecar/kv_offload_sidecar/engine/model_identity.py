@@ -51,7 +51,7 @@ class ModelIdentity:
     code_revision: str = ""
     # The quantization method vLLM runs ("" for none), from --quantization or the model's config.
     quantization: str = ""
-    # --hf-overrides as canonical JSON ("" when not given).
+    # --hf-overrides as canonical JSON ("" when not given; ``overrides_text``).
     hf_overrides: str = ""
     # 16 hex of the effective model config (config.json after overrides: RoPE and the rest).
     model_config: str = ""
@@ -161,6 +161,32 @@ def parse_declared(d: Any) -> dict[str, str]:
     return out
 
 
+def declared_in_file(path: str) -> dict[str, str]:
+    """The declared identity of a ConfigMap-style offloading_config.json ({} when it has none).
+
+    ``ValueError`` names the file; the config itself is checked by ``load_config_file``."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the model identity of {path!r}: {exc}") from None
+    try:
+        return parse_declared(data.get("model_identity") if isinstance(data, Mapping) else None)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def overrides_text(value: Any) -> str:
+    """``--hf-overrides`` as the identity records it: its canonical JSON, or (past
+    ``MAX_FIELD_CHARS // 2``) ``sha256:<16 hex>`` of it; "" for none."""
+    if not value:
+        return ""
+    text = canonical_json(value)
+    if len(text) <= MAX_FIELD_CHARS // 2:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGEST_HEX_LEN]
+
+
 def canonical_json(value: Any) -> str:
     """The one spelling of a JSON value (sorted keys, no spaces) the identity records."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
@@ -175,5 +201,5 @@ def _shown(value: str) -> str:
     return short(value) if value else "<none>"
 
 
-__all__ = ["DECLARED_FIELDS", "ModelIdentity", "canonical_json", "declared_mismatches",
-           "parse_declared"]
+__all__ = ["DECLARED_FIELDS", "ModelIdentity", "canonical_json", "declared_in_file",
+           "declared_mismatches", "overrides_text", "parse_declared"]

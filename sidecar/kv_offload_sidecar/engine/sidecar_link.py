@@ -2,7 +2,8 @@
 
 Fail closed: at each (re)attachment the link compares the sidecar's
 fingerprint, chunk size and hash seed (its local channel's ``info``) with the
-config vLLM handed the tier and the seed vLLM resolved; on any difference it
+config vLLM handed the tier and the seed vLLM resolved, and states the engine's
+model identity, which the sidecar compares (and refuses); on any difference it
 logs one error line naming the fields, hands out no client (every lookup is a
 miss, nothing is stored) and checks again every ``RECHECK_SECONDS``.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.engine.sidecar_match import mismatches, refusal_message
 from kv_offload_sidecar.engine.vllm_contract import tier_logger, vllm_hash_seed
@@ -56,8 +58,11 @@ class SidecarLink:
 
     def __init__(self, address: tuple[str, int], engine: OffloadingConfig, chunk_bytes: int,
                  timeout: float, on_refused: Callable[[str | None], None],
-                 client: Any = None, region: Any = None) -> None:
+                 client: Any = None, region: Any = None,
+                 model_identity: ModelIdentity | None = None) -> None:
         self.address = address
+        # This engine's model identity, stated to every sidecar attached (None: none).
+        self.model_identity = model_identity
         # vLLM's primary rows to hand to each sidecar attached (an EngineClient RowRegion).
         self._region = region
         self._engine = engine
@@ -107,7 +112,8 @@ class SidecarLink:
 
         try:
             self._client = EngineClient.connect(*self.address, timeout=self._timeout,
-                                                region=self._region)
+                                                region=self._region,
+                                                model_identity=self.model_identity)
         except Exception:
             self._next_connect = time.monotonic() + RECONNECT_SECONDS
             raise

@@ -66,7 +66,9 @@ def mismatches(engine: OffloadingConfig, engine_seed: str | None,
 
     Compared: the fingerprint (with a field diff when the sidecar states its
     run config), kv_bytes_per_chunk against the sidecar's slot size, and the
-    hash seed. An empty or missing fingerprint or seed is a difference.
+    hash seed. An empty or missing fingerprint or seed is a difference. The
+    sidecar compares the model identity the engine stated (``peers.model_gate``)
+    and says why it refused it (``model_identity_refused``).
     """
     out: list[str] = []
     theirs = info.get("fingerprint")
@@ -83,6 +85,9 @@ def mismatches(engine: OffloadingConfig, engine_seed: str | None,
     seed = info.get("hash_seed")
     if engine_seed is None or seed is None or str(seed) != str(engine_seed):
         out.append(f"hash_seed: {_seed(engine_seed)} != {_seed(seed)}")
+    refused = info.get("model_identity_refused")
+    if refused:
+        out.append(f"model_identity: {str(refused)[:1000]}")
     return out
 
 

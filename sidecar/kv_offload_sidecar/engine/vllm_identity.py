@@ -28,7 +28,7 @@ import logging
 import time
 from typing import Any
 
-from kv_offload_sidecar.engine.model_identity import ModelIdentity, canonical_json
+from kv_offload_sidecar.engine.model_identity import ModelIdentity, canonical_json, overrides_text
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, canonical_format_id
 from kv_offload_sidecar.engine.weights_digest import weights_identity
 
@@ -113,7 +113,7 @@ def _overrides(value: Any) -> str:
         return ""
     if callable(value):
         return f"callable:{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
-    return canonical_json(value)
+    return overrides_text(value)
 
 
 def _config_digest(hf_config: Any) -> str:

@@ -18,7 +18,10 @@ to anyone who has not proven the pool key first:
    of both nonces, the key id and ``H_c``. The server checks the proof first
    (a bad one is ``bad_proof`` and learns nothing), then compares ``H_c`` with
    its own hello and rejects on any difference (wire major version,
-   fingerprint -- an empty or missing one is a difference -- hash seed,
+   fingerprint -- an empty or missing one is a difference -- model identity
+   (``engine/model_identity``: weights, revision, quantization, overrides, KV
+   layout...; a sidecar whose engine has not given it one yet states none, and
+   none, or one with unknown weights, equals nothing), hash seed,
    kv_bytes_per_chunk) with the field diff, which only a key holder sees.
    Accepted: ``{"status": "accepted", "hello": H_s, "proof": HMAC(K, "server"
    || T || H_s)}``; the client checks that proof and runs the same comparison.
@@ -45,6 +48,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine.offloading_config import identity_diff
 from kv_offload_sidecar.peers.pool_keys import (
     KEY_ID_BYTES,
@@ -55,13 +59,14 @@ from kv_offload_sidecar.peers.pool_keys import (
 from kv_offload_sidecar.rejections import clip
 
 WIRE_MAJOR = 2
-WIRE_MINOR = 0
+# 2.1: hellos carry the model identity (a 2.0 hello states none, so it is refused).
+WIRE_MINOR = 1
 WIRE_VERSION = f"{WIRE_MAJOR}.{WIRE_MINOR}"
 NONCE_BYTES = 16
 # Largest data_lanes a hello may state (a sidecar offers at most data.lanes.MAX_DATA_LANES).
 MAX_HELLO_LANES = 64
 SESSION_ID_BYTES = 16
-REASONS = ("fingerprint_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
+REASONS = ("fingerprint_mismatch", "model_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
            "wire_version_mismatch", "bad_proof", "malformed", "replay")
 # Longest accepted string field of a hello (identity, control address, seed digest).
 MAX_FIELD_CHARS = 1024
@@ -147,6 +152,9 @@ class HelloMessage:
     # Data connections the sender can run to one peer at once (``data.lanes.lanes_offered``:
     # its usable cores, capped); None (a sender that states none) counts as one lane.
     data_lanes: int | None = None
+    # The model identity its engine gave it (``ModelIdentity.to_dict``); None: no engine has
+    # attached yet (then it shares nothing, and is refused by every peer).
+    model_identity: Mapping[str, str] | None = None
 
     @classmethod
     def from_dict(cls, d: Any) -> "HelloMessage":
@@ -168,6 +176,7 @@ class HelloMessage:
         kwargs["kv_bytes_per_chunk"] = d["kv_bytes_per_chunk"]
         kwargs["run_config"] = d.get("run_config")
         kwargs["data_lanes"] = d.get("data_lanes")
+        kwargs["model_identity"] = d.get("model_identity")
         hello = cls(**kwargs)
         hello.validate()
         return hello
@@ -201,6 +210,16 @@ class HelloMessage:
                                   or not 1 <= lanes <= MAX_HELLO_LANES):
             raise HandshakeError("malformed", f"hello data_lanes must be an integer from 1 to "
                                  f"{MAX_HELLO_LANES} or absent, got {_shown(lanes)}")
+        if self.model_identity is not None:
+            try:
+                ModelIdentity.from_dict(self.model_identity)
+            except ValueError as exc:
+                raise HandshakeError("malformed", f"hello {clip(str(exc), 200)}") from None
+
+    @property
+    def model(self) -> ModelIdentity | None:
+        """The model identity this hello states (None: none)."""
+        return None if self.model_identity is None else ModelIdentity.from_dict(self.model_identity)
 
     def sealed(self, key: bytes, nonce_client: bytes, nonce_server: bytes) -> "HelloMessage":
         """This local hello as sent: its hash seed replaced by ``seal_seed``."""
@@ -210,6 +229,10 @@ class HelloMessage:
         d = asdict(self)
         if self.data_lanes is None:  # as a sender that states none sent it (the transcript)
             del d["data_lanes"]
+        if self.model_identity is None:
+            del d["model_identity"]
+        else:
+            d["model_identity"] = dict(self.model_identity)
         if self.run_config is not None:
             d["run_config"] = json.loads(json.dumps(self.run_config))
         return d
@@ -243,8 +266,10 @@ def compare_hello(local: HelloMessage, remote: HelloMessage) -> tuple[str, list[
     """Fail-closed comparison of two sealed hellos. None when compatible, else ``(reason, diff_lines)``.
 
     The reason is the first failing check in the order wire version,
-    fingerprint, hash seed, chunk size; the diff lists every difference, with
-    an ``identity_diff`` of the run configs when both are known.
+    fingerprint, model identity, hash seed, chunk size; the diff lists every
+    difference, with an ``identity_diff`` of the run configs when both are known
+    and a ``ModelIdentity.diff`` of the model identities (``weights: files:3f2a..
+    != files:9c1d..``).
     """
     diff: list[str] = []
     reasons: list[str] = []
@@ -256,6 +281,14 @@ def compare_hello(local: HelloMessage, remote: HelloMessage) -> tuple[str, list[
         diff.append(f"fingerprint: {local.fingerprint or '<empty>'} != {remote.fingerprint or '<empty>'}")
         if local.run_config is not None and remote.run_config is not None:
             diff.extend(identity_diff(local.run_config, remote.run_config))
+    mine, theirs = local.model, remote.model
+    if mine is None or not mine.matches(theirs):
+        reasons.append("model_mismatch")
+        if mine is None:
+            diff.append("model_identity: <none: this sidecar's engine has not attached> != "
+                        + (theirs.digest if theirs is not None else "<none>"))
+        else:
+            diff.extend(mine.diff(theirs))
     if not _same_text(local.hash_seed, remote.hash_seed):
         reasons.append("hash_seed_mismatch")
         diff.append("hash_seed: differs (every pod of a pool must get the pool's PYTHONHASHSEED; "
@@ -471,13 +504,15 @@ class HandshakeInitiator:
 def make_hello(*, fingerprint: str, hash_seed: str, kv_bytes_per_chunk: int, identity: str,
                control_address: str, data_address: str, transport: str,
                run_config: Mapping[str, Any] | None = None,
-               data_lanes: int | None = None) -> HelloMessage:
+               data_lanes: int | None = None,
+               model_identity: ModelIdentity | None = None) -> HelloMessage:
     """A local hello (its plain hash seed is sealed per handshake)."""
     return HelloMessage(
         wire_version=WIRE_VERSION, fingerprint=fingerprint, hash_seed=hash_seed,
         kv_bytes_per_chunk=kv_bytes_per_chunk, identity=identity,
         control_address=control_address, data_address=data_address, transport=transport,
-        run_config=run_config, data_lanes=data_lanes)
+        run_config=run_config, data_lanes=data_lanes,
+        model_identity=None if model_identity is None else model_identity.to_dict())
 
 
 __all__ = [

@@ -258,7 +258,8 @@ def member_initiator(ctx: AttackContext) -> HandshakeInitiator:
     hello = make_hello(fingerprint=pool.config.fingerprint, hash_seed=pool.hash_seed,
                        kv_bytes_per_chunk=pool.chunk_bytes, identity=member.identity,
                        control_address=member.address, data_address=member.status()["data_address"],
-                       transport=pool.transport, run_config=pool.config.run_config())
+                       transport=pool.transport, run_config=pool.config.run_config(),
+                       model_identity=pool.model_identity)
     return HandshakeInitiator(pool.pool_key, hello)
 
 

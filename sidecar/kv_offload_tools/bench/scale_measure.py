@@ -130,13 +130,15 @@ def handshake_bytes(overhead: HttpOverhead) -> int:
     from kv_offload_sidecar.peers.handshake import HandshakeInitiator, HandshakeResponder, make_hello
 
     from kv_offload_tools.local_pool import example_config
+    from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 
     config = example_config()
 
     def hello(identity: str) -> Any:
         return make_hello(fingerprint=config.fingerprint, hash_seed="0", kv_bytes_per_chunk=config.kv_bytes_per_chunk,
                           identity=identity, control_address="10.0.0.1:5710", data_address="tcp://10.0.0.1:5810",
-                          transport="tcp", run_config=config.run_config())
+                          transport="tcp", run_config=config.run_config(),
+                          model_identity=STAND_IN_IDENTITY)
 
     key = b"bench-scale-pool-key"
     responder = HandshakeResponder(key, lambda: hello("pod-0"))

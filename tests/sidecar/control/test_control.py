@@ -16,7 +16,7 @@ from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
 from kv_offload_tools.scrape import parse_metrics
-from sidecar_support import peer_hello
+from sidecar_support import identified, peer_hello
 
 # The key of the make_settings fixture (tests/sidecar/conftest.py).
 POOL_KEY = b"test-pool-key"
@@ -25,7 +25,7 @@ POOL_KEY = b"test-pool-key"
 
 @pytest.fixture
 async def sidecar_client(aiohttp_client, make_settings):
-    sidecar = Sidecar(make_settings())
+    sidecar = identified(Sidecar(make_settings()))
     async with running(sidecar, control_ports=False):
         client = await aiohttp_client(create_app(sidecar, 0))
         client.sidecar = sidecar
@@ -273,7 +273,7 @@ async def test_inbound_peer_is_dialled_back(sidecar_client):
 
 
 async def test_stop_unlinks_store_and_socket(make_settings):
-    sidecar = Sidecar(make_settings())
+    sidecar = identified(Sidecar(make_settings()))
     async with running(sidecar):
         store_path = sidecar.store.path
         socket_path = sidecar.local_socket_path(0)
@@ -285,7 +285,7 @@ async def test_stop_unlinks_store_and_socket(make_settings):
 def test_create_app_keeps_state_under_typed_keys(make_settings):
     from kv_offload_sidecar.control.app import DP_INDEX_KEY
 
-    sidecar = Sidecar(make_settings())
+    sidecar = identified(Sidecar(make_settings()))
     app = create_app(sidecar, 3)
     assert isinstance(app, web.Application)
     assert app[SIDECAR_KEY] is sidecar and app[DP_INDEX_KEY] == 3
@@ -304,7 +304,7 @@ async def test_admin_endpoints_need_the_admin_token(sidecar_client, method, path
 
 
 async def test_a_configured_admin_token_opens_the_admin_endpoints(aiohttp_client, make_settings):
-    sidecar = Sidecar(make_settings(admin_token=b"ops-secret"))
+    sidecar = identified(Sidecar(make_settings(admin_token=b"ops-secret")))
     async with running(sidecar, control_ports=False):
         client = await aiohttp_client(create_app(sidecar, 0))
         assert (await client.get("/v1/status", headers={"Authorization": "Bearer ops-secret"})).status == 200

@@ -22,7 +22,7 @@ from kv_offload_sidecar.peers.handshake import MAX_HANDSHAKE_BODY_BYTES, Handsha
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
-from sidecar_support import peer_hello
+from sidecar_support import identified, peer_hello
 from waiting import wait_for_async
 
 # The key of the make_settings fixture (tests/sidecar/conftest.py).
@@ -33,7 +33,7 @@ PATIENCE = 10.0
 
 @pytest.fixture
 async def ports(make_settings):
-    sidecar = Sidecar(make_settings())
+    sidecar = identified(Sidecar(make_settings()))
     async with running(sidecar, control_ports=False):
         control = ControlPorts(sidecar)
         await control.start()

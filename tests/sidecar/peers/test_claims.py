@@ -9,7 +9,7 @@ from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.chaos.chunks import chunk_keys
-from sidecar_support import Clock, settled
+from sidecar_support import Clock, identified, settled
 
 # Deadline of the victim's requests: an anti-hang bound (the liar answers at once, and an
 # exchange it misses is a failure, not a false claim).
@@ -59,7 +59,7 @@ async def test_a_lying_member_costs_the_pool_only_misses_and_few_messages(make_s
     liar_settings = make_settings(identity="liar")
     victim_settings = make_settings(identity="victim", fetch_deadline_seconds=REQUEST_DEADLINE_SECONDS,
                                     static_peers=(f"127.0.0.1:{liar_settings.base_port}",))
-    liar, victim = Sidecar(liar_settings), Sidecar(victim_settings)
+    liar, victim = identified(Sidecar(liar_settings)), identified(Sidecar(victim_settings))
     async with running(liar), running(victim):
         keys = chunk_keys("claimed", 400)
         for k in keys:  # the lie: it tells the owners it holds all of them, its store holds none

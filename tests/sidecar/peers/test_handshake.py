@@ -14,10 +14,14 @@ from kv_offload_sidecar.peers.handshake import (
     load_pool_key,
 )
 from kv_offload_sidecar.peers.pool_keys import PoolKeys, hkdf, key_id
+from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_tools.local_pool import example_config
+from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 from sidecar_support import peer_hello
 
 KEY = b"pool-secret-key-0123456789"
+# The stand-in engines' identity with other weights (a rollout to retrained weights).
+OTHER_WEIGHTS = ModelIdentity(**{**STAND_IN_IDENTITY.to_dict(), "weights": "files:9c1d000000000000"})
 
 
 def full_handshake(client_key, server_key, client_hello: HelloMessage,
@@ -109,6 +113,8 @@ def test_step1_reply_says_nothing_about_the_pool():
     ({"fingerprint": ""}, "fingerprint_mismatch"),
     ({"hash_seed": "42"}, "hash_seed_mismatch"),
     ({"kv_bytes_per_chunk": 12345}, "chunk_size_mismatch"),
+    ({"model_identity": OTHER_WEIGHTS}, "model_mismatch"),
+    ({"model_identity": None}, "model_mismatch"),
 ])
 def test_server_rejects_differing_key_holder_with_reason(changes, reason):
     responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
@@ -192,6 +198,23 @@ def test_a_client_proves_its_key_to_a_server_of_another_wire_version():
     responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
     reply = {**responder.hello(initiator.step1()), "wire_version": "3.0"}
     assert initiator.step2(reply)["step"] == "proof"
+
+
+def test_other_weights_under_the_same_fingerprint_are_rejected_with_the_field_diff():
+    verdict = compare_hello(peer_hello(), peer_hello(model_identity=OTHER_WEIGHTS))
+    assert verdict is not None
+    reason, diff = verdict
+    assert reason == "model_mismatch"
+    assert diff == [f"weights: {STAND_IN_IDENTITY.weights} != files:9c1d000000000000"]
+
+
+def test_a_sidecar_without_its_engines_identity_rejects_everyone():
+    reason, diff = compare_hello(peer_hello(model_identity=None), peer_hello())
+    assert reason == "model_mismatch"
+    assert "this sidecar's engine has not attached" in diff[0]
+    unknown = ModelIdentity(**{**STAND_IN_IDENTITY.to_dict(), "weights": ""})
+    assert compare_hello(peer_hello(model_identity=unknown),
+                         peer_hello(model_identity=unknown))[0] == "model_mismatch"
 
 
 def test_fingerprint_rejection_quotes_the_field_diff():
@@ -305,6 +328,8 @@ def test_malformed_step1_is_rejected_as_malformed(body):
     lambda h: h.update(kv_bytes_per_chunk="16"), lambda h: h.update(kv_bytes_per_chunk=True),
     lambda h: h.update(identity=5), lambda h: h.update(transport="carrier-pigeon"),
     lambda h: h.update(identity="x" * 5000), lambda h: h.pop("data_address"),
+    lambda h: h.update(model_identity={"weights": 5}), lambda h: h.update(model_identity=[]),
+    lambda h: h.update(model_identity={"tokenizer": "x"}),
 ])
 def test_malformed_hello_in_step2_is_rejected_as_malformed(edit):
     responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))

@@ -10,7 +10,7 @@ from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers import peer_reads
 from kv_offload_sidecar.sidecar import UNLOADED_AFTER_DEADLINES, Sidecar
 from kv_offload_tools.chaos.chunks import chunk_keys
-from sidecar_support import Clock, settled
+from sidecar_support import Clock, identified, settled
 from waiting import wait_for_async
 
 # Fetch deadline of the tests that must not see a give-up: an anti-hang bound (a busy
@@ -29,7 +29,8 @@ def _holder_and_asker(make_settings, **asker: object) -> tuple[Sidecar, Sidecar]
     """Sidecar "holder" and sidecar "asker" (linked to it, with ``asker``'s settings)."""
     holder_settings = make_settings(identity="holder")
     peers = (f"127.0.0.1:{holder_settings.base_port}",)
-    return Sidecar(holder_settings), Sidecar(make_settings(identity="asker", static_peers=peers, **asker))
+    return identified(Sidecar(holder_settings)), identified(Sidecar(
+        make_settings(identity="asker", static_peers=peers, **asker)))
 
 
 async def _held(holder: Sidecar, asker: Sidecar, tag: str, n: int) -> list[bytes]:
@@ -45,7 +46,8 @@ def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]
     a_settings = make_settings(identity="a")
     b_settings = make_settings(identity="b", static_peers=(f"127.0.0.1:{a_settings.base_port}",))
     peers = (f"127.0.0.1:{a_settings.base_port}", f"127.0.0.1:{b_settings.base_port}")
-    return Sidecar(a_settings), Sidecar(b_settings), Sidecar(make_settings(identity="asker", static_peers=peers))
+    return identified(Sidecar(a_settings)), identified(Sidecar(b_settings)), identified(Sidecar(
+        make_settings(identity="asker", static_peers=peers)))
 
 
 async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_them(make_settings):
