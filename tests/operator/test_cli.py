@@ -96,13 +96,13 @@ def test_fingerprint_prints_the_fingerprint_then_the_declared_model_identity(tmp
     assert second.startswith("model identity (command line): block_size=16 (digest ")
 
 
-def test_fingerprint_of_a_config_from_before_model_identities_says_so(tmp_path):
+def test_fingerprint_of_a_config_from_before_model_identities_declares_none(tmp_path):
     d = translate_to(tmp_path / "a.json")
     del d["model_identity"]
     old = write(tmp_path, "old.json", json.dumps(d))
     proc = run("fingerprint", old)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[1].startswith("model identity (command line): not recorded")
+    assert proc.stdout.splitlines()[1].startswith("model identity (command line): none stated")
 
 
 QWEN_CMD = "vllm serve Qwen/Qwen3-8B --kv-offloading-size 8"

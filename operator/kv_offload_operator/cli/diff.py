@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kv_offload_operator.cli.fingerprint import declared_of_file
     from kv_offload_operator.translation.declared_identity import declared_diff, declared_digest
+    from kv_offload_sidecar.engine.model_identity import declared_in_file
     from kv_offload_sidecar.engine.offloading_config import (
         identity_diff,
         load_config_file,
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         a = load_config_file(args.a)
         b = load_config_file(args.b)
-        declared_a, declared_b = declared_of_file(args.a) or {}, declared_of_file(args.b) or {}
+        declared_a, declared_b = declared_in_file(args.a), declared_in_file(args.b)
     except ValueError as exc:
         raise UsageError(f"kv-offload diff: {exc}") from None
     lines = identity_diff(a, b) + declared_diff(declared_a, declared_b)

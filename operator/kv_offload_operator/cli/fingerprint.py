@@ -18,33 +18,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kv_offload_operator.translation.declared_identity import declared_digest, describe
+    from kv_offload_sidecar.engine.model_identity import declared_in_file
     from kv_offload_sidecar.engine.offloading_config import load_config_file
 
     try:
         config = load_config_file(args.config)
-        declared = declared_of_file(args.config)
+        declared = declared_in_file(args.config)
     except ValueError as exc:
         raise UsageError(f"kv-offload fingerprint: {exc}") from None
     print(config.fingerprint)
-    if declared is None:
-        print("model identity (command line): not recorded (a config written before model "
-              "identities: translate it again)")
-    else:
-        print(f"model identity (command line): {describe(declared)} "
-              f"(digest {declared_digest(declared)})")
+    print(f"model identity (command line): {describe(declared)} (digest {declared_digest(declared)})")
     return 0
 
-
-def declared_of_file(path: str) -> dict[str, str] | None:
-    """The file's declared identity (None: written before identities); ValueError naming
-    the file when it is malformed. Call after ``load_config_file`` has read it."""
-    import json
-
-    from kv_offload_operator.translation.declared_identity import read_declared
-
-    with open(path, encoding="utf-8") as fh:
-        document = json.load(fh)
-    try:
-        return read_declared(document)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None

@@ -14,8 +14,8 @@ Contract: each declared value is spelled exactly as the engine's tier computes i
   ``compressed-tensors``, as vLLM normalizes it); not declared where the checkpoint is
   quantized with a method vLLM's override pass may run under another name depending
   on the GPU (``gptq`` -> ``gptq_marlin``: ``PLATFORM_RENAMED_METHODS``).
-- ``hf_overrides``: ``canonical_json`` of ``--hf-overrides`` (dotted overrides merged),
-  when not empty.
+- ``hf_overrides``: ``--hf-overrides`` (dotted overrides merged) as ``overrides_text``
+  spells it (its canonical JSON, or a digest of a long one), when not empty.
 - ``dtype``: ``--dtype`` as the torch dtype name (``half`` -> ``float16``,
   ``float`` -> ``float32``).
 - ``kv_cache_dtype``: ``--kv-cache-dtype`` as given.
@@ -40,6 +40,7 @@ from kv_offload_sidecar.engine.model_identity import (
     DECLARED_FIELDS,
     DIGEST_HEX_LEN,
     canonical_json,
+    overrides_text,
     parse_declared,
 )
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
@@ -71,7 +72,7 @@ def declared_identity(vllm_args: Sequence[str] | str | VllmServeArgs,
         "revision": args.revision or "",
         "code_revision": args.code_revision or "",
         "quantization": _quantization(args, model_config),
-        "hf_overrides": canonical_json(dict(args.hf_overrides)) if args.hf_overrides else "",
+        "hf_overrides": overrides_text(dict(args.hf_overrides or {})),
         "dtype": _dtype(args, model_config),
         "kv_cache_dtype": "" if args.kv_cache_dtype == _AUTO else args.kv_cache_dtype,
         "block_size": "" if args.block_size is None else str(args.block_size),
@@ -148,11 +149,3 @@ def status_text(declared: Mapping[str, str]) -> str:
     """The pool's ``status.declaredModelIdentity``: the canonical JSON of the declared fields
     (one string, so a merge patch replaces it whole; ``{}`` when none is stated)."""
     return canonical_json(parse_declared(declared))
-
-
-def read_declared(document: Mapping[str, Any]) -> dict[str, str] | None:
-    """The declared identity of a config document; None for one written before identities
-    (no ``model_identity`` key). ``ValueError`` naming the key when it is malformed."""
-    if MODEL_IDENTITY_KEY not in document:
-        return None
-    return parse_declared(document[MODEL_IDENTITY_KEY])

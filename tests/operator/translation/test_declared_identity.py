@@ -13,14 +13,15 @@ from kv_offload_operator.translation.declared_identity import (
     declared_digest,
     declared_identity,
     describe,
-    read_declared,
 )
 from kv_offload_operator.translation.translate import TranslationError, pool_config
 from kv_offload_operator.translation.vllm_args import parse_vllm_args
 from kv_offload_sidecar.engine.model_identity import (
     DECLARED_FIELDS,
     ModelIdentity,
+    declared_in_file,
     declared_mismatches,
+    overrides_text,
 )
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 
@@ -139,7 +140,7 @@ def test_diff_names_each_differing_declared_field_and_describe_lists_them():
     assert describe({}).startswith("none stated")
 
 
-def test_the_config_document_round_trips_and_loads_as_the_plain_config():
+def test_the_config_document_round_trips_and_loads_as_the_plain_config(tmp_path):
     line = f"{QWEN} --revision abc123"
     config = pool_config(line, LLAMA)
     text = config_json(config, declared_identity(line, LLAMA))
@@ -147,13 +148,16 @@ def test_the_config_document_round_trips_and_loads_as_the_plain_config():
     assert document == json.loads(json.dumps(config_document(config, {"revision": "abc123"})))
     assert document == {**json.loads(config.to_json()), "model_identity": {"revision": "abc123"}}
     assert OffloadingConfig.from_json(text) == config
-    assert read_declared(document) == {"revision": "abc123"}
-    assert read_declared(config.to_dict()) is None
+    path = tmp_path / "offloading_config.json"
+    path.write_text(text)
+    assert declared_in_file(str(path)) == {"revision": "abc123"}  # as the sidecar reads it
 
 
-def test_a_malformed_document_identity_names_the_key():
-    with pytest.raises(ValueError, match="model_identity.*weights"):
-        read_declared({"model_identity": {"weights": "files:00"}})
+def test_long_hf_overrides_are_declared_as_the_engine_digests_them():
+    long = json.dumps({"rope_scaling": {"factor": 4.0, "note": "x" * 300}})
+    declared = declared_identity(f"{QWEN} --hf-overrides '{long}'", LLAMA)
+    assert declared["hf_overrides"] == overrides_text(json.loads(long))
+    assert declared["hf_overrides"].startswith("sha256:")
 
 
 def test_parsed_args_are_accepted_as_they_are():
