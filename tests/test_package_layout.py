@@ -190,7 +190,7 @@ FOLDERS = {
         "key_rotation", "model_config", "model_config_follower", "ready_peers", "pool_pod", "pool_api"},
     "operator/kv_offload_operator/webhook": {"admission", "pod_patch", "pod_host", "tls_server", "certificate"},
     "operator/kv_offload_operator/translation": {"vllm_args", "kv_cache_geometry", "translate",
-                                                 "vllm_releases"},
+                                                 "vllm_releases", "declared_identity"},
     # The chunk directory: owners, the holder's and the owner's sides, its messages (its
     # endpoints are the control port's, control/location_routes.py, like the handshake's).
     "sidecar/kv_offload_sidecar/peers/directory": {

@@ -18,6 +18,11 @@ a pool, pod or namespace name. ``serve_metrics`` runs ``/metrics`` on
 - ``pools{condition}``: pools by condition, as their status shows them
   (reported by the replica that reconciles; 0 on the others).
 - ``leader``: 1 on the replica that runs the reconciler, 0 on the others.
+- ``pools_with_mixed_model_identities``: pools whose answering sidecars show more
+  than one model identity their engines attached with (``ready_peers``; each pool's
+  identities and pod counts are in its ``status.modelIdentities``, and per pod in the
+  sidecars' ``kv_offload_config_info{model_identity}``). Expected during a rolling
+  update to other weights; reported by the leader, 0 on the others.
 """
 
 from __future__ import annotations
@@ -98,6 +103,11 @@ class OperatorMetrics:
             ["reason"], namespace=ns, registry=registry)
         self.leader = Gauge("leader", "1 on the replica that runs the reconciler, 0 on the others.",
                             namespace=ns, registry=registry)
+        self.pools_with_mixed_model_identities = Gauge(
+            "pools_with_mixed_model_identities",
+            "Pools whose sidecars show more than one attached model identity (old and new weights "
+            "during a rolling update: they never share across); see status.modelIdentities.",
+            namespace=ns, registry=registry)
         self._pools = _PoolConditions()
         registry.register(self._pools)
         ProcessCollector(registry=registry)
@@ -131,6 +141,8 @@ class OperatorMetrics:
         only there (the others' view of them is not kept current)."""
         self.leader.set(1 if leading else 0)
         self._pools.reporting = leading
+        if not leading:
+            self.pools_with_mixed_model_identities.set(0)
 
 
 def _known(value: str, allowed: tuple[str, ...]) -> str:

@@ -51,7 +51,7 @@ def test_prometheus_rule_has_each_monitors_alerts_only_with_that_monitor(render,
     alerts = {g: {r["alert"] for r in groups[g]["rules"] if "alert" in r} for g in groups}
     assert alerts["kv-offload.sidecars"] == {
         "KVOffloadHandshakeRejected", "KVOffloadIntegrityFailures", "KVOffloadPoolMixedFingerprints",
-        "KVOffloadSidecarDown", "KVOffloadPeerHitRatioDropped", "KVOffloadPeerFetchTimeouts"}
+        "KVOffloadPoolMixedModelIdentities", "KVOffloadSidecarDown", "KVOffloadPeerHitRatioDropped", "KVOffloadPeerFetchTimeouts"}
     assert alerts["kv-offload.operator"] == {"KVOffloadWebhookDown", "KVOffloadWebhookNotRedundant",
                                              "KVOffloadWebhookDenials", "KVOffloadWebhookErrors"}
     for group, job in (("kv-offload.sidecars", f"{FULLNAME}-sidecars"), ("kv-offload.operator", f"{FULLNAME}-operator")):

@@ -76,6 +76,15 @@ CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, list[dict[str, str]
                                ("mistral-1", "mistral", "cccccccccccccccc"))],
         [("20m", []),  # a rollout may run two fingerprints for a while
          ("40m", [pool_labels(severity="warning")])]),
+    "KVOffloadPoolMixedModelIdentities": (
+        [series(CONFIG_INFO, f'{target(pod, pool)}, fingerprint="{"a" * 16}", transport="ucx", '
+                f'model_identity="{identity}"', "1x60")
+         for pod, pool, identity in (("llama-0", "llama", "0a" * 8), ("llama-1", "llama", "0b" * 8),
+                                     ("llama-2", "llama", ""),  # its engine has not attached yet
+                                     ("mistral-0", "mistral", "0c" * 8),
+                                     ("mistral-1", "mistral", ""))],  # one identity and a pod loading
+        [("20m", []),  # a rollout to other weights may run two identities for a while
+         ("40m", [pool_labels(severity="warning")])]),
     "KVOffloadSidecarDown": (
         [series("up", target("llama-0"), "1x5 0x20"),
          series("up", target("llama-1"), "1x25"),

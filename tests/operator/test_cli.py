@@ -86,11 +86,59 @@ def test_translate_follows_the_vllm_version_and_refuses_a_v1_runner_line_on_034(
     assert proc.returncode == 2 and "use one of 0.32, 0.33, 0.34" in proc.stderr
 
 
-def test_fingerprint_prints_the_fingerprint(tmp_path):
+def test_fingerprint_prints_the_fingerprint_then_the_declared_model_identity(tmp_path):
     d = translate_to(tmp_path / "a.json")
     proc = run("fingerprint", str(tmp_path / "a.json"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == d["fingerprint"] + "\n"
+    first, second = proc.stdout.splitlines()
+    assert first == d["fingerprint"]
+    assert d["model_identity"] == {"block_size": "16"}
+    assert second.startswith("model identity (command line): block_size=16 (digest ")
+
+
+def test_fingerprint_of_a_config_from_before_model_identities_declares_none(tmp_path):
+    d = translate_to(tmp_path / "a.json")
+    del d["model_identity"]
+    old = write(tmp_path, "old.json", json.dumps(d))
+    proc = run("fingerprint", old)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1].startswith("model identity (command line): none stated")
+
+
+QWEN_CMD = "vllm serve Qwen/Qwen3-8B --kv-offloading-size 8"
+ROPE = '{"rope_scaling":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}}'
+# Issue 47: one fingerprint, four different KV bytes.
+ISSUE_47 = {"abc123": "--revision abc123", "def456": "--revision def456",
+            "fp8": "--quantization fp8", "rope": f"--hf-overrides '{ROPE}'"}
+
+
+def test_issue_47_lines_share_a_fingerprint_but_translate_and_fingerprint_tell_them_apart(tmp_path):
+    docs = {k: translate_to(tmp_path / f"{k}.json", f"{QWEN_CMD} {flag}")
+            for k, flag in ISSUE_47.items()}
+    assert len({d["fingerprint"] for d in docs.values()}) == 1
+    assert docs["abc123"]["model_identity"] == {"revision": "abc123"}
+    assert docs["fp8"]["model_identity"] == {"quantization": "fp8"}
+    assert json.loads(docs["rope"]["model_identity"]["hf_overrides"])["rope_scaling"]["factor"] == 4.0
+    shown = {run("fingerprint", str(tmp_path / f"{k}.json")).stdout for k in ISSUE_47}
+    assert len(shown) == 4
+
+
+def test_diff_names_the_differing_revision_and_exits_1(tmp_path):
+    translate_to(tmp_path / "a.json", f"{QWEN_CMD} --revision abc123")
+    translate_to(tmp_path / "b.json", f"{QWEN_CMD} --revision def456")
+    proc = run("diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.splitlines() == ['model_identity.revision: "abc123" != "def456"']
+
+
+def test_diff_of_serving_flags_tokenizer_and_chat_template_is_the_same_identity(tmp_path):
+    translate_to(tmp_path / "a.json", f"{QWEN_CMD} --revision abc123")
+    translate_to(tmp_path / "b.json", f"{QWEN_CMD} --revision abc123 --max-num-seqs 64 "
+                 "--served-model-name qwen --port 8001 --gpu-memory-utilization 0.8 --seed 7 "
+                 "--tokenizer Qwen/Qwen3-8B --chat-template /t/chat.jinja")
+    proc = run("diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.startswith("same identity")
 
 
 def test_diff_of_two_ranks_of_one_pool_is_empty(tmp_path):

@@ -17,7 +17,9 @@ from typing import Any
 import aiohttp
 import kmock
 import pytest
+from aiohttp import web
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride
 from operator_harness import (
     KTC,
@@ -34,7 +36,10 @@ from operator_harness import (
     pool_body,
     requests_to,
 )
+from metrics_support import value, wait_for_metrics
 from operator_process import KV_OFFLOAD, SIDECAR_IMAGE, OperatorProcess, free_ports
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
 from waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,6 +142,30 @@ async def test_an_update_changes_fingerprint_configmap_and_service_but_never_the
         assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == \
             {"kvo-ctrl-0": 5710, "kvo-ctrl-1": 5711, "kvo-data": 5810}
         assert obj(kmock, "v1/secrets", "llama-pool-key")["data"]["key"] == key_before
+
+
+async def test_a_changed_revision_rewrites_the_declared_model_identity_under_the_same_fingerprint(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    """Issue 47: --revision leaves vLLM's fingerprint alone; the pool's ConfigMap and status
+    carry it as the declared model identity, and a new revision replaces it."""
+    emulate_cluster(kmock)
+
+    def declared() -> dict[str, str]:
+        cm = obj(kmock, "v1/configmaps", "llama-offloading-config") or {"data": {}}
+        return json.loads(cm["data"].get("offloading_config.json") or "{}").get("model_identity", {})
+
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, pool_body("llama", vllm_args=[*LLAMA_ARGS, "--revision", "abc123"]))
+        fp = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        assert declared() == {"revision": "abc123", "block_size": "16"}
+        assert status_of(kmock, "llama")["declaredModelIdentity"] == '{"block_size":"16","revision":"abc123"}'
+
+        await merge_patch(kmock, f"{POOLS_URL}/llama", {"metadata": {"generation": 2},
+                                                        "spec": {"vllmArgs": LLAMA_ARGS}})
+        await wait_for_async("the revision gone", lambda: status_of(kmock, "llama").get(
+            "declaredModelIdentity") == '{"block_size":"16"}')
+        assert declared() == {"block_size": "16"}
+        assert status_of(kmock, "llama")["fingerprint"] == fp
 
 
 async def test_a_data_parallel_pools_configmap_holds_no_engines_own_values(
@@ -321,6 +350,56 @@ async def test_ready_peers_counts_the_sidecars_that_report_a_connected_peer_on_t
     counts = [r.data["status"] for r in requests_to(kmock, "PATCH") if r.subresource == "status"
               and "peerStates" in ((r.data or {}).get("status") or {})]
     assert len(counts) >= 4 and all(a != b for a, b in itertools.pairwise(counts)), counts
+
+
+async def serve_sidecar_metrics(fingerprint: str, model_identity: str, port: int) -> web.AppRunner:
+    """A pod's kvo-metrics port answering what a sidecar of ``model_identity`` exports (the
+    sidecar's own SidecarMetrics, one connected peer) on 127.0.0.1:``port``."""
+    metrics = SidecarMetrics(CollectorRegistry())
+    metrics.peers.labels(state="connected").set(1)
+    metrics.set_config_info(fingerprint=fingerprint, transport="tcp", model_identity=model_identity)
+    app = web.Application()
+    app.router.add_get("/metrics", make_aiohttp_handler(registry=metrics.registry))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def test_a_rolling_update_to_other_weights_shows_each_model_identity_with_its_pods(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    """status.modelIdentities counts the pool's sidecars by the model identity their engines
+    attached with: old and new weights under one fingerprint while a rollout runs, then one."""
+    emulate_cluster(kmock)
+    pods_url = f"/api/v1/namespaces/{NAMESPACE}/pods"
+    old, new = "0a" * 8, "0b" * 8
+    async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--ready-peers-check-seconds", "0.3"]) \
+            as operator:
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        fp = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+        pods = {"old-0": old, "old-1": old, "old-2": old, "new-0": new, "new-1": ""}  # new-1 still loading
+        ports = dict(zip(pods, free_ports(len(pods))))
+        runners = [await serve_sidecar_metrics(fp, identity, ports[name]) for name, identity in pods.items()]
+        try:
+            for name, port in ports.items():
+                await create(kmock, pods_url, sidecar_pod(name, port, fp))
+
+            def identities() -> list[dict[str, Any]] | None:
+                return status_of(kmock, "llama").get("modelIdentities")
+
+            midway = [{"identity": old, "pods": 3}, {"identity": "", "pods": 1}, {"identity": new, "pods": 1}]
+            await wait_for_async("both identities with their pods", lambda: identities() == midway)
+            mixed = "kv_offload_operator_pools_with_mixed_model_identities"
+            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 1, log=operator.log)
+
+            for name in ("old-0", "old-1", "old-2"):  # the rollout replaces the old pods
+                assert (await kmock.delete(f"{pods_url}/{name}")).status == 200
+            done = [{"identity": "", "pods": 1}, {"identity": new, "pods": 1}]
+            await wait_for_async("the new identity alone", lambda: identities() == done)
+            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 0, log=operator.log)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
 
 
 async def test_model_config_ref_reads_the_model_config_from_a_configmap(

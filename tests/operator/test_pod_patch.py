@@ -114,6 +114,19 @@ def test_a_pod_translating_to_another_fingerprint_is_named_with_its_field_diff(c
         pods.pod_identity_problem(pod(vllm(["serve", "meta-llama/Llama-3.1-8B"])), config, llama_config())
 
 
+def test_a_pod_declaring_another_model_identity_is_named_with_the_declared_field_diff(
+        config: OffloadingConfig) -> None:
+    line = ["serve", "meta-llama/Llama-3.1-8B", "--block-size", "16", "--kv-transfer-config", KTC]
+    declared = {"revision": "abc123", "block_size": "16"}
+    same = pod(vllm([*line, "--revision", "abc123", "--port", "8000", "--max-num-seqs", "8"]))
+    assert pods.pod_identity_problem(same, config, llama_config(), declared=declared) is None
+    other = pod(vllm([*line, "--revision", "def456"]))
+    problem = pods.pod_identity_problem(other, config, llama_config(), declared=declared)
+    assert problem is not None
+    assert 'model_identity.revision: "abc123" != "def456"' in problem
+    assert pods.pod_identity_problem(other, config, llama_config()) is None  # no pool identity given
+
+
 def resolved_env(container: dict[str, Any], secret: dict[str, Any]) -> dict[str, str]:
     """A container's env as the kubelet gives it: plain values, and secretKeyRefs into ``secret``."""
     env: dict[str, str] = {}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import kubernetes_validate
 import pytest
 from kv_offload_operator.pools import pool_objects
 from kv_offload_operator.translation.translate import pool_config
+from kv_offload_sidecar.engine.model_identity import parse_declared
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config
 from pool_support import K8S, pool, sidecar_spec
@@ -19,9 +21,12 @@ def config() -> OffloadingConfig:
 
 
 def test_configmap_holds_the_config_json_that_loads_back_equal_and_is_owned_by_the_pool(config: OffloadingConfig) -> None:
-    cm = pool_objects.configmap_for(pool(), config)
+    cm = pool_objects.configmap_for(pool(), config, {"revision": "abc123"})
     assert cm["metadata"]["name"] == "llama-offloading-config"
     assert OffloadingConfig.from_json(cm["data"]["offloading_config.json"]) == config
+    document = json.loads(cm["data"]["offloading_config.json"])
+    assert parse_declared(document["model_identity"]) == {"revision": "abc123"}
+    assert document["fingerprint"] == config.fingerprint
     assert cm["metadata"]["ownerReferences"] == [{
         "apiVersion": "kv-offload.io/v1alpha1", "kind": "KVOffloadPool", "name": "llama",
         "uid": "uid-llama", "controller": True, "blockOwnerDeletion": True}]

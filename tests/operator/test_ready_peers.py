@@ -19,20 +19,24 @@ from prometheus_client import CollectorRegistry, generate_latest
 CRD_PATH = Path(__file__).parents[2] / "charts" / "kv-offload" / "files" / "crd-kvoffloadpools.yaml"
 
 
-def exposition(fingerprint: str | None = "ab" * 8, **peers: int) -> str:
+def exposition(fingerprint: str | None = "ab" * 8, model_identity: str = "", **peers: int) -> str:
     """A sidecar's whole /metrics text (every family it exports) with these peer session counts."""
     metrics = SidecarMetrics(CollectorRegistry())
     for state, n in peers.items():
         metrics.peers.labels(state=state).set(n)
     metrics.handshakes.labels(result="accepted", reason="ok").inc(7)
     if fingerprint is not None:
-        metrics.set_config_info(fingerprint=fingerprint, transport="tcp")
+        metrics.set_config_info(fingerprint=fingerprint, transport="tcp", model_identity=model_identity)
     return generate_latest(metrics.registry).decode()
 
 
 def test_a_sidecars_peer_states_and_fingerprint_are_read_from_its_whole_exposition() -> None:
     assert ready_peers.read_metrics(exposition(connected=2, rejected=1)) == ready_peers.SidecarAnswer(
-        {"connecting": 0, "connected": 2, "backoff": 0, "rejected": 1}, "ab" * 8)
+        {"connecting": 0, "connected": 2, "backoff": 0, "rejected": 1}, "ab" * 8, "")
+    assert ready_peers.read_metrics(exposition(model_identity="12" * 8)).model_identity == "12" * 8
+    older = 'kv_offload_config_info{fingerprint="abababababababab",transport="tcp"} 1.0\n'
+    assert ready_peers.read_metrics(older) == ready_peers.SidecarAnswer(
+        dict.fromkeys(PEER_STATES, 0), "ab" * 8, None)
     assert ready_peers.read_metrics(exposition(None)) == ready_peers.SidecarAnswer(dict.fromkeys(PEER_STATES, 0))
     assert ready_peers.read_metrics("# a metrics page without the families\nup 1\n") == \
         ready_peers.SidecarAnswer(dict.fromkeys(PEER_STATES, 0), None)
@@ -62,9 +66,35 @@ def test_a_sidecar_counts_when_it_runs_the_pools_fingerprint_and_reports_a_conne
     ], fp)
     assert counted.ready_peers == 3 and counted.unanswered == 2
     assert counted.peer_states == {"connecting": 2, "connected": 4, "backoff": 1, "rejected": 3}
-    assert counted.status() == {"readyPeers": 3, "peerStates": counted.peer_states, "unansweredSidecars": 2}
+    assert counted.status() == {"readyPeers": 3, "peerStates": counted.peer_states, "unansweredSidecars": 2,
+                                "modelIdentities": []}
     assert ready_peers.count([], fp).status() == {"readyPeers": 0, "peerStates": dict.fromkeys(PEER_STATES, 0),
-                                                  "unansweredSidecars": 0}
+                                                  "unansweredSidecars": 0, "modelIdentities": []}
+
+
+def test_model_identities_are_counted_per_pod_over_the_sidecars_of_the_pools_fingerprint() -> None:
+    fp, old, new = "ab" * 8, "0a" * 8, "0b" * 8
+
+    def says(identity: str | None, fingerprint: str = fp) -> tuple[ready_peers.SidecarEndpoint,
+                                                                   ready_peers.SidecarAnswer]:
+        return (ready_peers.SidecarEndpoint("p", fp, "10.0.0.1", 5710),
+                ready_peers.SidecarAnswer({"connected": 1}, fingerprint, identity))
+
+    counted = ready_peers.count([
+        says(old), says(old), says(new),  # a rolling update to other weights, midway
+        says(""),  # its engine has not attached yet
+        says(None),  # a sidecar older than model identities: not counted
+        says(new, fingerprint="cd" * 8),  # an older fingerprint's sidecar: not this pool's count
+    ], fp)
+    assert counted.model_identities == ((old, 2), ("", 1), (new, 1))
+    assert counted.status()["modelIdentities"] == [
+        {"identity": old, "pods": 2}, {"identity": "", "pods": 1}, {"identity": new, "pods": 1}]
+    assert counted.mixed_model_identities
+    settled = ready_peers.count([says(new), says(new), says("")], fp)
+    assert not settled.mixed_model_identities  # one identity and a pod still loading
+    shown = ready_peers.pool_peer_status({"fingerprint": fp, **settled.status()})
+    assert settled.shown_in(shown)
+    assert not counted.shown_in(shown)
 
 
 def test_the_asked_address_is_the_pod_ip_and_the_kvo_metrics_port_the_webhook_gives_the_sidecar() -> None:
@@ -105,4 +135,6 @@ def test_the_crd_keeps_every_status_field_the_count_writes() -> None:
                                   ready_peers.SidecarAnswer({"connected": 1}, "f"))], "f").status()
     assert set(written) <= set(status)
     assert set(written["peerStates"]) == set(status["peerStates"]["properties"]) == set(PEER_STATES)
+    identity_item = status["modelIdentities"]["items"]["properties"]
+    assert written["modelIdentities"] == [] and set(identity_item) == {"identity", "pods"}
     assert all(status[k]["type"] == "integer" for k in ("readyPeers", "unansweredSidecars"))

@@ -1,6 +1,6 @@
 """Real AdmissionReview posts over HTTPS to the running operator's webhook.
 
-One emulated cluster (kmock) with six pools and one `kv-offload operator`
+One emulated cluster (kmock) with seven pools and one `kv-offload operator`
 process serve the whole module; each test posts its own pods.
 """
 
@@ -16,7 +16,7 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 import pytest_asyncio
-from operator_harness import KTC, POOLS, obj, pool_body
+from operator_harness import KTC, LLAMA_ARGS, POOLS, POOLS_URL, merge_patch, obj, pool_body
 from operator_process import SIDECAR_IMAGE
 from webhook_support import Cluster, serving_cluster, vllm_pod
 
@@ -50,7 +50,8 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
     pools = (pool_body("llama", sidecar={"capacityBytes": 8 << 30}),
              pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS), seeded,
              pool_body("tls", sidecar={"transport": "tcp", "tls": {"secretName": "tls-pool-cert"}}),
-             pool_body("tls-ucx", sidecar={"tls": {"secretName": "tls-pool-cert"}}))
+             pool_body("tls-ucx", sidecar={"tls": {"secretName": "tls-pool-cert"}}),
+             pool_body("revised", vllm_args=[*LLAMA_ARGS, "--revision", "abc123"]))
     async with serving_cluster(tmp_path_factory.mktemp("webhook"), pools, status_field="conditions") as c:
         yield c
 
@@ -173,6 +174,39 @@ async def test_a_pod_whose_vllm_args_give_another_fingerprint_is_denied_with_the
     assert message.startswith("The pod cannot join KVOffloadPool 'llama' in namespace 'ns1': ")
     assert "tokens_per_block" in message
     assert "match the pool's spec.vllmArgs" in message
+
+
+def revised_pod(revision: str) -> dict[str, Any]:
+    return vllm_pod("revised", script=(
+        f"vllm serve meta-llama/Llama-3.1-8B --port 8000 --block-size 16 --revision {revision} "
+        f"--kv-transfer-config '{KTC}'"))
+
+
+async def test_a_pod_whose_vllm_args_declare_another_revision_is_denied_with_the_declared_field_diff(
+        cluster: Cluster) -> None:
+    assert obj(cluster.api, POOLS, "revised")["status"]["declaredModelIdentity"] == \
+        '{"block_size":"16","revision":"abc123"}'
+    response = await cluster.webhook.admit(revised_pod("def456"))
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert message.startswith("The pod cannot join KVOffloadPool 'revised' in namespace 'ns1': ")
+    assert 'model_identity.revision: "abc123" != "def456"' in message
+    response = await cluster.webhook.admit(revised_pod("abc123"))
+    assert response["allowed"] is True, response
+
+
+async def test_a_pool_whose_status_still_declares_another_identity_asks_pods_to_retry(
+        cluster: Cluster) -> None:
+    url = f"{POOLS_URL}/revised"
+    shown = obj(cluster.api, POOLS, "revised")["status"]["declaredModelIdentity"]
+    await merge_patch(cluster.api, url, {"status": {"declaredModelIdentity": '{"revision":"old"}'}})
+    try:
+        response = await cluster.webhook.admit(revised_pod("abc123"))
+    finally:
+        await merge_patch(cluster.api, url, {"status": {"declaredModelIdentity": shown}})
+    assert response["allowed"] is False
+    assert response["status"]["code"] == 503
+    assert "is being updated (its spec declares model identity" in response["status"]["message"]
 
 
 async def test_a_pod_whose_vllm_sets_another_hash_seed_is_denied_saying_to_remove_it_or_set_hash_seed(

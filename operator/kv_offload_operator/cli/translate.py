@@ -1,5 +1,9 @@
 """`kv-offload translate`: vLLM serve arguments + the model's config.json -> OffloadingConfig JSON.
 
+The JSON is the pool ConfigMap's ``offloading_config.json``: the config, its
+``fingerprint`` and ``namespace_digest``, and ``model_identity`` (the fields of the
+model identity the line states: ``translation.declared_identity``).
+
 ``--vllm-version X.Y`` names the vLLM release the engines run (its rules apply;
 default: the newest supported). A line that release would not start with, or
 cannot offload from, exits 2 with the reason."""
@@ -48,6 +52,7 @@ def load_model_config(path: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kv_offload_operator.translation.declared_identity import config_json, declared_identity
     from kv_offload_operator.translation.translate import translate
 
     env = {}
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         config = translate(args.vllm_args, model_config, rank=args.rank,
                            data_parallel_index=args.data_parallel_index, env=env,
                            vllm_version=args.vllm_version)
-        text = config.to_json()
+        text = config_json(config, declared_identity(args.vllm_args, model_config))
     except ValueError as exc:
         raise UsageError(f"kv-offload translate: {exc}") from None
     sys.stdout.write(text + "\n")

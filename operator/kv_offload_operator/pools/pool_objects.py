@@ -19,6 +19,7 @@ from typing import Any
 
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 
+from ..translation.declared_identity import config_json
 from .pool_spec import GROUP, KIND, MAX_HASH_SEED, POOL_LABEL, VERSION, SidecarSpec
 
 # Key of the ConfigMap (and file name in the pod) holding the OffloadingConfig JSON.
@@ -71,16 +72,20 @@ def _child_meta(pool: Mapping[str, Any], name: str) -> dict[str, Any]:
             "ownerReferences": [owner_reference(pool)]}
 
 
-def configmap_for(pool: Mapping[str, Any], config: OffloadingConfig) -> dict[str, Any]:
+def configmap_for(pool: Mapping[str, Any], config: OffloadingConfig,
+                  declared: Mapping[str, str]) -> dict[str, Any]:
     """ConfigMap ``<pool>-offloading-config`` with key ``offloading_config.json``.
 
     ``config`` is the pool's (``translation.translate.pool_config``): every
     pod mounts this one ConfigMap, so it carries no engine's DP index or
     engine id suffix; each pod's DP ranks come from the pod (``--dp-indices``).
+    ``declared`` is the model identity its command line states
+    (``translation.declared_identity``), written as ``model_identity`` beside the
+    fingerprint: each sidecar refuses an engine that contradicts it.
     """
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _child_meta(pool, configmap_name(pool["metadata"]["name"])),
-            "data": {CONFIG_KEY: config.to_json()}}
+            "data": {CONFIG_KEY: config_json(config, declared)}}
 
 
 def _b64(value: bytes) -> str:

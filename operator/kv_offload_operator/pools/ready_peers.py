@@ -30,6 +30,16 @@ over the pool's sidecars that run its current fingerprint: ``sum by (state)
 pool sidecars that did not answer) when they differ from what the pool shows
 (kopf's pool index ``pool_peer_status``). A new pool shows 0 from its first
 reconciliation on (``reconcile``).
+
+``status.modelIdentities``: the model identities (config_info's ``model_identity``
+label, 16 hex of what each engine loaded) of the pool's answering sidecars that run its
+current fingerprint, as ``[{"identity", "pods"}]``, most pods first. A sidecar whose
+engine has not attached yet shows ``""`` and is counted under identity ``""``; one whose
+config_info has no such label (a sidecar older than model identities) is not counted.
+Two identities are a rolling update to other weights (old and new pods each share with
+their own kind, never across); the operator's
+``kv_offload_operator_pools_with_mixed_model_identities`` counts the pools showing more
+than one non-empty identity.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ log = logging.getLogger(__name__)
 
 # The sidecar's gauge of peer sessions by state (connecting|connected|backoff|rejected).
 PEERS_METRIC = f"{SIDECAR_METRICS_NAMESPACE}_peers"
-# The sidecar's identity series (its labels: fingerprint, model, dtype, transport, wire_version).
+# The sidecar's identity series (its labels: fingerprint, transport, model_identity).
 CONFIG_INFO_METRIC = f"{SIDECAR_METRICS_NAMESPACE}_config_info"
 # Seconds one sidecar has to answer /metrics (connect and body).
 SCRAPE_TIMEOUT_SECONDS = 2.0
@@ -93,6 +103,9 @@ class SidecarAnswer:
     states: Mapping[str, int]
     # kv_offload_config_info's fingerprint label; None when it shows none.
     fingerprint: str | None = None
+    # kv_offload_config_info's model_identity label: 16 hex, "" before its engine attached,
+    # None when the series has no such label (a sidecar older than model identities).
+    model_identity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,8 @@ class PoolPeerStatus:
     ready_peers: int | None
     peer_states: Mapping[str, int] | None
     unanswered: int | None
+    # status.modelIdentities as (identity, pods) pairs; None when the status has none.
+    model_identities: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,14 +127,23 @@ class PeerCount:
     ready_peers: int
     peer_states: dict[str, int]
     unanswered: int
+    # (model identity, pods showing it), most pods first, then by identity.
+    model_identities: tuple[tuple[str, int], ...] = ()
 
     def status(self) -> dict[str, Any]:
         return {"readyPeers": self.ready_peers, "peerStates": dict(self.peer_states),
-                "unansweredSidecars": self.unanswered}
+                "unansweredSidecars": self.unanswered,
+                "modelIdentities": [{"identity": i, "pods": n} for i, n in self.model_identities]}
+
+    @property
+    def mixed_model_identities(self) -> bool:
+        """More than one identity among the sidecars whose engine has attached."""
+        return sum(1 for identity, _ in self.model_identities if identity) > 1
 
     def shown_in(self, shown: PoolPeerStatus | None) -> bool:
-        return shown is not None and (shown.ready_peers, dict(shown.peer_states or {}), shown.unanswered) == \
-            (self.ready_peers, self.peer_states, self.unanswered)
+        return shown is not None and (shown.ready_peers, dict(shown.peer_states or {}), shown.unanswered,
+                                      shown.model_identities) == \
+            (self.ready_peers, self.peer_states, self.unanswered, self.model_identities)
 
 
 def sidecar_is_running(status: Mapping[str, Any] | None, annotations: Mapping[str, str] | None,
@@ -156,13 +180,18 @@ def pool_peer_status(status: Mapping[str, Any] | None) -> PoolPeerStatus:
     """The index value of a pool."""
     status = status or {}
     states = status.get("peerStates")
+    identities = status.get("modelIdentities")
     return PoolPeerStatus(fingerprint=status.get("fingerprint"), ready_peers=status.get("readyPeers"),
                           peer_states=dict(states) if isinstance(states, Mapping) else None,
-                          unanswered=status.get("unansweredSidecars"))
+                          unanswered=status.get("unansweredSidecars"),
+                          model_identities=tuple((str(e.get("identity", "")), e.get("pods"))
+                                                 for e in identities if isinstance(e, Mapping))
+                          if isinstance(identities, list) else None)
 
 
 def read_metrics(text: str) -> SidecarAnswer:
-    """``kv_offload_peers`` by state and the config_info fingerprint from a sidecar's /metrics text.
+    """``kv_offload_peers`` by state and the config_info fingerprint and model identity from a
+    sidecar's /metrics text.
 
     Only those two families' lines go to prometheus_client's parser (a sidecar's whole
     exposition is mostly histograms the operator does not need); ValueError when they
@@ -172,7 +201,7 @@ def read_metrics(text: str) -> SidecarAnswer:
                    for prefix, end in (("", "{"), ("", " "), ("# HELP ", " "), ("# TYPE ", " ")))
     lines = [line for line in text.splitlines() if line.startswith(wanted)]
     states = dict.fromkeys(PEER_STATES, 0)
-    fingerprint = None
+    fingerprint = model_identity = None
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             if sample.name == PEERS_METRIC:
@@ -181,7 +210,8 @@ def read_metrics(text: str) -> SidecarAnswer:
                     states[state] = int(sample.value)
             elif sample.name == CONFIG_INFO_METRIC and sample.value == 1:
                 fingerprint = sample.labels.get("fingerprint") or None
-    return SidecarAnswer(states, fingerprint)
+                model_identity = sample.labels.get("model_identity")
+    return SidecarAnswer(states, fingerprint, model_identity)
 
 
 async def ask(session: aiohttp.ClientSession, url: str, timeout: float) -> SidecarAnswer | None:
@@ -203,10 +233,12 @@ async def ask(session: aiohttp.ClientSession, url: str, timeout: float) -> Sidec
 def count(answers: Iterable[tuple[SidecarEndpoint, SidecarAnswer | None]], fingerprint: str) -> PeerCount:
     """A pool's count from its running sidecars' answers (None: did not answer).
 
-    Only sidecars that run ``fingerprint`` (their config_info's, else their pod's) count and
-    add their sessions to the states; every one that did not answer is unanswered."""
+    Only sidecars that run ``fingerprint`` (their config_info's, else their pod's) count, add
+    their sessions to the states and their model identity to the identities; every one that
+    did not answer is unanswered."""
     ready, unanswered = 0, 0
     states = dict.fromkeys(PEER_STATES, 0)
+    identities: dict[str, int] = {}
     for endpoint, answer in answers:
         if answer is None:
             unanswered += 1
@@ -217,7 +249,10 @@ def count(answers: Iterable[tuple[SidecarEndpoint, SidecarAnswer | None]], finge
             ready += 1
         for state in states:
             states[state] += int(answer.states.get(state, 0))
-    return PeerCount(ready, states, unanswered)
+        if answer.model_identity is not None:
+            identities[answer.model_identity] = identities.get(answer.model_identity, 0) + 1
+    ranked = tuple(sorted(identities.items(), key=lambda item: (-item[1], item[0])))
+    return PeerCount(ready, states, unanswered, ranked)
 
 
 async def check(memo: kopf.Memo, sidecars: kopf.Index, pools: kopf.Index, timeout: float,
@@ -236,6 +271,7 @@ async def check(memo: kopf.Memo, sidecars: kopf.Index, pools: kopf.Index, timeou
     for gone in set(written) - set(shown):
         del written[gone]
     if not shown:
+        memo.metrics.pools_with_mixed_model_identities.set(0)
         return
     limit = asyncio.Semaphore(SCRAPE_CONCURRENCY)
     connector = aiohttp.TCPConnector(limit=SCRAPE_CONCURRENCY, force_close=True)
@@ -249,8 +285,11 @@ async def check(memo: kopf.Memo, sidecars: kopf.Index, pools: kopf.Index, timeou
 
         pending = {key: asyncio.gather(*(ask_one(s) for s in endpoints)) for key, endpoints in asked.items()}
         answers = {key: await gathering for key, gathering in pending.items()}
+    counts = {key: count(answered, shown[key].fingerprint or "") for key, answered in answers.items()}
+    memo.metrics.pools_with_mixed_model_identities.set(
+        sum(1 for new in counts.values() if new.mixed_model_identities))
     for key, answered in answers.items():
-        new = count(answered, shown[key].fingerprint or "")
+        new = counts[key]
         if new.shown_in(shown[key]) or written.get(key) == (shown[key], new):
             continue
         namespace, name = key

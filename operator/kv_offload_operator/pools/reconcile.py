@@ -6,7 +6,7 @@ OffloadingConfig, with no engine's own values: every pod mounts it); the Secret 
 completed when an older operator wrote it (``pool_key.ensure``; only a
 requested rotation changes its key, ``pool_key.follow``); the Service ports
 follow the pool's DP size. The status (fingerprint, namespace digest,
-ConfigMap name, conditions; ``readyPeers`` 0 until the ready-peers follower
+the declared model identity, ConfigMap name, conditions; ``readyPeers`` 0 until the ready-peers follower
 counts) goes to ``patch.status`` also when the reconciliation fails, so a
 pool that can never work shows ``Invalid`` with the translator's message.
 """
@@ -33,6 +33,7 @@ from .pool_spec import (
     key_rotation_grace_seconds,
     pool_hash_seed_problem,
 )
+from ..translation.declared_identity import declared_identity, status_text
 from ..translation.translate import TranslationError, pool_config
 
 
@@ -77,6 +78,7 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
         release, release_source = source_release(source, pool["spec"])
         config = pool_config(list(source.argv), model, env=source.env,
                              vllm_version=release.version, accelerators=source.accelerators)
+        declared = declared_identity(list(source.argv), model)
         sidecar = SidecarSpec.with_operator_defaults(pool, memo.options)
         seed_problem = pool_hash_seed_problem(config, sidecar.hash_seed)
         if seed_problem is not None:
@@ -96,7 +98,7 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
         raise
 
     core = k8s.CoreV1Api(api)
-    await _ensure_configmap(core, objects.configmap_for(pool, config))
+    await _ensure_configmap(core, objects.configmap_for(pool, config, declared))
     try:
         await pool_key.ensure(memo, pool)
     except kopf.TemporaryError as exc:
@@ -108,6 +110,7 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
         patch.status["readyPeers"] = 0
     patch.status["fingerprint"] = config.fingerprint
     patch.status["namespaceDigest"] = config.namespace_digest
+    patch.status["declaredModelIdentity"] = status_text(declared)
     patch.status["vllmVersion"] = f"{release.version} (from {release_source})"
     patch.status["configMap"] = objects.configmap_name(name)
     patch.status["observedGeneration"] = generation

@@ -5,8 +5,8 @@ Accepts ``vllm serve MODEL ...``, ``python -m vllm.entrypoints.openai.api_server
 flags alone, as one shell string or an argv list, optionally preceded by
 ``NAME=value`` environment assignments (kept in ``env``). Both ``--flag value``
 and ``--flag=value`` forms, vLLM's short flags (``-tp``, ``-pp``, ``-dp``,
-``-dcp``, ``-pcp``, ...), underscores in flag names and ``--kv-transfer-config.KEY
-value`` dotted overrides are understood. Flags kv-offload does not need are
+``-dcp``, ``-pcp``, ``-q``, ...), underscores in flag names and ``--kv-transfer-config.KEY
+value`` (or ``--hf-overrides.KEY value``) dotted overrides are understood. Flags kv-offload does not need are
 skipped, with their value. Standard library only: the translator and the
 operator's webhook (a pod's own DP ranks and ``PYTHONHASHSEED``) use it.
 """
@@ -81,6 +81,15 @@ class VllmServeArgs:
     speculative_config: Mapping[str, Any] | None = None
     # NAME=value assignments that preceded the command (e.g. VLLM_USE_V2_MODEL_RUNNER=0).
     env: Mapping[str, str] = field(default_factory=dict)
+    # --revision: the weights' hub revision (branch, tag or commit); None = the default branch.
+    revision: str | None = None
+    # --code-revision: the hub revision of the model's remote code; None when not given.
+    code_revision: str | None = None
+    # -q/--quantization: the method asked for, e.g. "fp8"; None = the checkpoint's own, if any.
+    quantization: str | None = None
+    # --hf-overrides as a JSON object (dotted overrides merged in), e.g.
+    # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}; None when absent.
+    hf_overrides: Mapping[str, Any] | None = None
 
     def pod_dp_indices(self) -> tuple[int, ...]:
         """Global data-parallel indices of the engines this pod runs.
@@ -167,7 +176,14 @@ _VALUE_FLAGS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "--nnodes": ("nnodes", _positive_int),
     "--kv-events-config": ("kv_events_config", _json_object),
     "--speculative-config": ("speculative_config", _json_object),
+    "--revision": ("revision", _str),
+    "--code-revision": ("code_revision", _str),
+    "--quantization": ("quantization", _str),
+    "--hf-overrides": ("hf_overrides", _json_object),
 }
+# Flags whose JSON object takes ``--flag.key.path value`` overrides.
+_DOTTED_JSON_FLAGS = ("--kv-transfer-config", "--kv-events-config", "--speculative-config",
+                      "--hf-overrides")
 # Boolean flags kv-offload reads: flag -> (field, value it sets).
 _BOOL_FLAGS: dict[str, tuple[str, bool]] = {
     "--enable-prefix-caching": ("enable_prefix_caching", True),
@@ -186,6 +202,7 @@ _ALIASES = {
     "-pcp": "--prefill-context-parallel-size",
     "-n": "--nnodes",
     "-sc": "--speculative-config",
+    "-q": "--quantization",
 }
 # Flags of `vllm serve` that take no value; any other unknown flag without
 # `=` consumes the next word as its value when that word is not a flag.
@@ -323,7 +340,7 @@ def parse_vllm_args(argv: Sequence[str] | str) -> VllmServeArgs:
             i += 1
         else:
             value = None
-        if dot and base in ("--kv-transfer-config", "--kv-events-config", "--speculative-config"):
+        if dot and base in _DOTTED_JSON_FLAGS:
             if value is None:
                 raise VllmArgsError(f"{word} needs a value, e.g. {name} VALUE")
             dotted.append((base, sub, value))

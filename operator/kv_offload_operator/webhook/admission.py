@@ -24,6 +24,7 @@ from ..pools.pool_api import get_pool
 from ..pools.pool_objects import invalid_message
 from ..pools.pool_source import source_release, vllm_source
 from ..pools.pool_spec import POOL_LABEL, SidecarSpec
+from ..translation.declared_identity import declared_identity, status_text
 from ..translation.translate import pool_config
 
 
@@ -84,6 +85,7 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
         release, _ = source_release(source, pool["spec"])
         config = pool_config(list(source.argv), model, env=source.env,
                              vllm_version=release.version, accelerators=source.accelerators)
+        declared = declared_identity(list(source.argv), model)
     except (ValueError, kopf.TemporaryError) as exc:
         raise Denial(
             "pool_not_translated", f"{where} cannot be read back ({exc}); retry once the operator has reconciled it.",
@@ -92,9 +94,16 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
         raise Denial(
             "pool_updating", f"{where} is being updated (its spec gives fingerprint {config.fingerprint}, its status "
             f"still {fingerprint}); retry in a moment.", code=503)
+    # Absent on a pool this operator version has not reconciled yet: its ConfigMap declares none.
+    shown = (pool.get("status") or {}).get("declaredModelIdentity")
+    if shown is not None and shown != status_text(declared):
+        raise Denial(
+            "pool_updating", f"{where} is being updated (its spec declares model identity "
+            f"{status_text(declared)}, its status still {shown}); retry in a moment.", code=503)
     try:
         problem = patches.pod_identity_problem(pod, config, model, connector=injected_connector(pool["spec"]),
-                                               source=source.where, vllm_version=release.version)
+                                               source=source.where, vllm_version=release.version,
+                                               declared=declared)
         sidecar = SidecarSpec.with_operator_defaults(pool, memo.options)
         ops = patches.pod_patch(pod, pool, fingerprint=fingerprint, sidecar=sidecar)
     except ValueError as exc:

@@ -5,7 +5,8 @@ native sidecar (its DP ranks read from the pod's own vLLM arguments, passed
 as ``--dp-indices``), the config / pool Secret / TLS / shm / tier volumes and
 the vLLM container's env and mounts (and, opted in, its ``--kv-transfer-config``:
 ``kv_transfer``; what the pod shares with its node: ``pod_host``); ``pod_identity_problem`` refuses a pod
-whose own vLLM arguments translate to another fingerprint than its pool's.
+whose own vLLM arguments translate to another fingerprint than its pool's, or declare
+another model identity (``translation.declared_identity``).
 The pool Secret is mounted whole, without ``subPath``, so a rotated key
 reaches the running sidecar (the kubelet updates the files in place) and
 ``previous-key`` appears and goes with the Secret entry.
@@ -42,6 +43,7 @@ from ..pools.pool_pod import (  # the names injection marks a pod with, and its 
 )
 from ..pools.pool_spec import HASH_SEED_ENV, SidecarSpec
 from ..quantity import format_bytes
+from ..translation.declared_identity import declared_diff, declared_identity
 from ..translation.translate import translate
 from ..translation.vllm_releases import release_of_image
 from ..translation.vllm_args import parse_vllm_args
@@ -99,8 +101,10 @@ def pod_identity_problem(pod: Mapping[str, Any], pool_config: OffloadingConfig,
                          model_config: Mapping[str, Any], *,
                          connector: kv_transfer.InjectedConnector | None = None,
                          source: str = "spec.vllmArgs",
-                         vllm_version: str | None = None) -> str | None:
-    """None when the pod's vLLM container translates to the pool's fingerprint.
+                         vllm_version: str | None = None,
+                         declared: Mapping[str, str] | None = None) -> str | None:
+    """None when the pod's vLLM container translates to the pool's fingerprint (and, given
+    the pool's ``declared`` model identity, declares the same: ``declared_identity``).
 
     Otherwise a clause naming both fingerprints and every identity field that
     differs: such a pod would never share with its pool, so it is refused at
@@ -119,7 +123,15 @@ def pod_identity_problem(pod: Mapping[str, Any], pool_config: OffloadingConfig,
     pod_config = translate(argv, model_config, env=env, vllm_version=version,
                            accelerators=container_accelerators(container))
     if pod_config.fingerprint == pool_config.fingerprint:
-        return None
+        if declared is None:
+            return None
+        pod_declared = declared_identity(argv, model_config)
+        declared_lines = declared_diff(declared, pod_declared)
+        if not declared_lines:
+            return None
+        return (f"its vLLM arguments declare another model identity than the pool's (pool != "
+                f"pod: {'; '.join(declared_lines)}), so its KV bytes differ under the same "
+                f"fingerprint; make the container's vllm serve arguments match the pool's {source}")
     diff = "; ".join(identity_diff(pool_config, pod_config)) or "no field diff"
     return (f"its vLLM arguments give fingerprint {pod_config.fingerprint} but the pool's is "
             f"{pool_config.fingerprint} (pool != pod: {diff}); make the container's vllm serve "

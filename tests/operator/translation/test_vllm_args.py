@@ -158,3 +158,14 @@ def test_bad_values_name_the_flag(cmd, message):
     assert message in str(err.value)
     assert isinstance(err.value, ValueError)
     assert "\n" not in str(err.value)
+
+
+def test_identity_flags_revision_quantization_and_hf_overrides_are_read():
+    args = parse_vllm_args(
+        "vllm serve org/m --revision abc123 --code_revision=c1 -q fp8 "
+        "--hf-overrides '{\"rope_scaling\": {\"factor\": 4}}' --hf-overrides.rope_scaling.rope_type yarn")
+    assert (args.revision, args.code_revision, args.quantization) == ("abc123", "c1", "fp8")
+    assert args.hf_overrides == {"rope_scaling": {"factor": 4, "rope_type": "yarn"}}
+    assert args.model == "org/m"
+    assert (parse_vllm_args("vllm serve org/m --quantization=awq").quantization,
+            parse_vllm_args("vllm serve org/m").revision) == ("awq", None)
