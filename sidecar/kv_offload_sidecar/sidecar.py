@@ -84,9 +84,8 @@ class Sidecar:
         cfg = settings.config
         self.metrics.set_config_info(fingerprint=cfg.fingerprint, transport=settings.transport)
         # The model identity its engine gave it: nothing is shared before (peers/model_gate.py).
-        self.model = ModelGate(cfg.fingerprint, settings.declared_identity,
-                               on_adopted=self._identity_adopted,
-                               on_refused=self.metrics.engine_refusals.inc)
+        self.model = ModelGate(cfg.fingerprint, settings.declared_identity, self.metrics,
+                               transport=settings.transport)
         # Refused input of both ports (control and data) is noted here: one budget of lines.
         self.rejections = RejectionLog(log, interval=REJECTION_LOG_SECONDS, max_pairs=REJECTION_LOG_PAIRS)
         self.location = Location(settings.identity, interval_seconds=settings.publish_interval_seconds,
@@ -155,11 +154,6 @@ class Sidecar:
                           control_address=self.control_address, data_address=self.data_address,
                           transport=s.transport, run_config=s.config.run_config(),
                           data_lanes=lanes_offered(s.data_lanes), model_identity=self.model.identity)
-
-    def _identity_adopted(self, identity: Any) -> None:
-        s = self.settings
-        self.metrics.set_config_info(fingerprint=s.config.fingerprint, transport=s.transport,
-                                     model_identity=identity.digest)
 
     def accept_session(self, session: Session) -> None:
         """A peer proved the pool key: authorise its data connections, dial it back."""
@@ -239,7 +233,7 @@ class Sidecar:
             self.store = None
             raise
         self._tasks = [asyncio.create_task(self.discovery.run(), name="discovery"),
-                       asyncio.create_task(self._peers_once_identified(), name="peers"),
+                       asyncio.create_task(self.model.once_known(self.peers.run), name="peers"),
                        asyncio.create_task(self.location.run(), name="location"),
                        asyncio.create_task(self._reload_keys(), name="pool keys"),
                        asyncio.create_task(self.stalls.run(), name="loop stalls")]
@@ -256,14 +250,6 @@ class Sidecar:
         log.info("sidecar %s ready: control %s, data %s, store %s (%d slots of %d bytes)",
                  s.identity, ",".join(map(str, s.control_ports)), self.data_address,
                  self.store.path, self.store.num_slots, self.store.slot_bytes)
-
-    async def _peers_once_identified(self) -> None:
-        """Peer links start once an engine gave this sidecar its model identity: before, it has
-        no chunk to share and would be refused by every peer (``model_mismatch``)."""
-        if not self.model.known.is_set():
-            log.info("waiting for the engine's model identity before dialling peers")
-            await self.model.known.wait()
-        await self.peers.run()
 
     async def stop(self) -> None:
         """Graceful stop: in-flight engine work gets the grace bound, then close all."""
@@ -474,8 +460,7 @@ class Sidecar:
             "ready": self.ready,
             "fingerprint": s.config.fingerprint,
             "model": s.config.model.name,
-            # What its engine stated (None: no engine yet), and the ConfigMap's declared part.
-            "model_identity": self.model.view(),
+            "model_identity": self.model.view(),  # None: no engine stated it yet
             "declared_model_identity": dict(s.declared_identity),
             "kv_bytes_per_chunk": s.kv_bytes_per_chunk,
             "wire_version": WIRE_VERSION,
@@ -509,9 +494,7 @@ class Sidecar:
 
     def local_info(self, dp_index: int, model_identity: Any = None,
                    fingerprint: Any = None) -> dict[str, Any]:
-        """What an engine checks before using this sidecar; ``model_identity`` (the engine's, as
-        its tier states it, with its ``fingerprint``) is offered to the gate, and a refusal
-        comes back in the answer."""
+        """What an engine checks; the identity it states goes to the gate (a refusal comes back)."""
         store = self._require_store()
         refused = "" if model_identity is None else self.model.offer(model_identity, fingerprint)
         return {
@@ -525,8 +508,7 @@ class Sidecar:
             "kv_bytes_per_chunk": self.settings.config.kv_bytes_per_chunk,
             "hash_seed": self.settings.hash_seed,
             "model_identity": None if self.model.identity is None else self.model.identity.digest,
-            # Why the engine that asked is refused ("" when it is not, or stated no identity).
-            "model_identity_refused": refused,
+            "model_identity_refused": refused,  # why the engine that asked is refused, or ""
             "store": {"path": store.path, "slot_bytes": store.slot_bytes,
                       "slot_stride": store.slot_stride, "num_slots": store.num_slots},
         }

@@ -216,5 +216,5 @@ class SidecarProcess:
     def client(self, dp_index: int | None = None, timeout: float = 5.0) -> EngineClient:
         """A new EngineClient of one DP port (the first by default); it maps the current store."""
         idx = self.dp_indices[0] if dp_index is None else dp_index
-        return EngineClient.connect(self.host, self.base_port + idx, timeout,
-                                    model_identity=self.model_identity)
+        states = None if self.model_identity is None else self.model_identity.statement()
+        return EngineClient.connect(self.host, self.base_port + idx, timeout, states=states)

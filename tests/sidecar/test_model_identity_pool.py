@@ -33,7 +33,7 @@ def test_a_sidecar_shares_nothing_until_its_engine_states_the_model_identity():
                                    HandshakeInitiator(pool.pool_key, pool.local_hello()).step1())
         assert code == 503 and "engine has not stated its model identity" in reply["error"]
         assert pool[0].metric("kv_offload_handshakes_total", result="rejected") == 0
-        engines = [EngineClient.connect(sc.host, sc.port, model_identity=STAND_IN_IDENTITY)
+        engines = [EngineClient.connect(sc.host, sc.port, states=STAND_IN_IDENTITY.statement())
                    for sc in pool.sidecars]
         pool.wait_connected()
         keys = new_keys(4)
@@ -84,7 +84,7 @@ def test_an_engine_of_other_weights_is_refused_by_a_sidecar_that_serves_another_
     with LocalPool(1, capacity_bytes=64 * CHUNK) as pool:
         sc = pool[0]
         before = sc.metric("kv_offload_engine_refusals_total")
-        other = EngineClient.connect(sc.host, sc.port, model_identity=RETRAINED)
+        other = EngineClient.connect(sc.host, sc.port, states=RETRAINED.statement())
         assert "another model identity" in other.info()["model_identity_refused"]
         assert sc.metric("kv_offload_engine_refusals_total") == before + 2  # connect, info()
         assert sc.status()["model_identity"]["digest"] == STAND_IN_IDENTITY.digest

@@ -55,7 +55,6 @@ from typing import Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.engine import ports
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
 from kv_offload_sidecar.engine.sidecar_attachment import Attachment, Late, LocalConn, RowRegion
 
@@ -106,15 +105,10 @@ class EngineClient:
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 5.0,
-                 region: RowRegion | None = None, model_identity: ModelIdentity | None = None,
-                 fingerprint: str | None = None) -> None:
+                 region: RowRegion | None = None, states: Mapping[str, Any] | None = None) -> None:
         self.socket_path = socket_path
-        # The engine's model identity, stated with every ``info`` (the sidecar shares nothing
-        # before an engine stated one; ``peers.model_gate``). None: state none (tools, tests).
-        self.model_identity = model_identity
-        # The engine's fingerprint, stated with it (the sidecar adopts no identity of an
-        # engine of another fingerprint). None: not stated.
-        self.fingerprint = fingerprint
+        # What the engine states with every ``info`` (``ModelIdentity.statement``: its identity).
+        self.states = dict(states or {})
         self._timeout = timeout
         self._region = region
         self._idle: list[LocalConn] = []
@@ -139,8 +133,7 @@ class EngineClient:
     @classmethod
     def connect(cls, host: str = ports.DEFAULT_HOST, port: int = ports.DEFAULT_BASE_PORT,
                 timeout: float = 5.0, region: RowRegion | None = None,
-                model_identity: ModelIdentity | None = None,
-                fingerprint: str | None = None) -> "EngineClient":
+                states: Mapping[str, Any] | None = None) -> "EngineClient":
         """Ask the sidecar control port ``host:port`` (one DP rank's port) for its local channel."""
         try:
             http_conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -161,8 +154,7 @@ class EngineClient:
         if resp.status != 200 or not isinstance(info, dict) or not isinstance(info.get("socket"), str):
             raise SidecarUnavailable(f"sidecar at {host}:{port} answered /v1/local with HTTP {resp.status}: "
                                      f"{body[:200]!r}")
-        return cls(info["socket"], timeout=timeout, region=region, model_identity=model_identity,
-                   fingerprint=fingerprint)
+        return cls(info["socket"], timeout=timeout, region=region, states=states)
 
     @classmethod
     def from_env(cls, dp_index: int = 0, timeout: float = 5.0,
@@ -208,12 +200,7 @@ class EngineClient:
 
     def _info(self) -> dict[str, Any]:
         with self._connection() as conn:
-            req: dict[str, Any] = {"op": "info"}
-            if self.model_identity is not None:
-                req["model_identity"] = self.model_identity.to_dict()
-                if self.fingerprint is not None:
-                    req["fingerprint"] = self.fingerprint
-            reply = conn.call(req, self._timeout)
+            reply = conn.call({"op": "info", **self.states}, self._timeout)
         if not reply.get("ok") or not isinstance(reply.get("store"), dict) or "instance" not in reply:
             raise SidecarUnavailable(f"sidecar local channel {self.socket_path!r} refused info: "
                                      f"{reply.get('error')}")

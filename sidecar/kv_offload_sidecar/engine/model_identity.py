@@ -94,6 +94,12 @@ class ModelIdentity:
                        "are never shared)")
         return out
 
+    def statement(self, fingerprint: str | None = None) -> dict[str, Any]:
+        """What an engine states to its sidecar with every ``info`` (``EngineClient(states=)``):
+        this identity and, when given, the engine's fingerprint."""
+        return {"model_identity": self.to_dict(),
+                **({} if fingerprint is None else {"fingerprint": fingerprint})}
+
     def matches(self, other: ModelIdentity | None) -> bool:
         """Equal, with known weights: chunks of one are chunks of the other."""
         return other is not None and self.comparable and self == other

@@ -20,6 +20,7 @@ from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.engine.sidecar_match import mismatches, refusal_message
+from kv_offload_sidecar.engine.vllm_identity import this_engine_identity
 from kv_offload_sidecar.engine.vllm_contract import tier_logger, vllm_hash_seed
 
 logger = tier_logger(__name__)
@@ -61,8 +62,9 @@ class SidecarLink:
                  client: Any = None, region: Any = None,
                  model_identity: ModelIdentity | None = None) -> None:
         self.address = address
-        # This engine's model identity, stated to every sidecar attached (None: none).
-        self.model_identity = model_identity
+        # This engine's model identity (``vllm_identity``: read from the VllmConfig building the
+        # tier, unless given), stated to every sidecar attached.
+        self.model_identity = model_identity or this_engine_identity(engine)
         # vLLM's primary rows to hand to each sidecar attached (an EngineClient RowRegion).
         self._region = region
         self._engine = engine
@@ -113,8 +115,8 @@ class SidecarLink:
         try:
             self._client = EngineClient.connect(*self.address, timeout=self._timeout,
                                                 region=self._region,
-                                                model_identity=self.model_identity,
-                                                fingerprint=self._engine.fingerprint)
+                                                states=self.model_identity.statement(
+                                                    self._engine.fingerprint))
         except Exception:
             self._next_connect = time.monotonic() + RECONNECT_SECONDS
             raise

@@ -239,9 +239,40 @@ def connector_stats() -> Any:
     return OffloadingConnectorStats()
 
 
+def current_vllm_config() -> Any:
+    """The ``VllmConfig`` vLLM set as current in this process, or None (outside vLLM, or unset)."""
+    if not VLLM_AVAILABLE:
+        return None
+    try:
+        from vllm.config import get_current_vllm_config_or_none  # type: ignore
+    except ImportError:
+        return None
+    return get_current_vllm_config_or_none()
+
+
+def vllm_platform() -> Any:
+    """vLLM's ``current_platform`` (the device the engine runs on), or None outside vLLM."""
+    if not VLLM_AVAILABLE:
+        return None
+    try:
+        from vllm.platforms import current_platform  # type: ignore
+    except ImportError:
+        return None
+    return current_platform
+
+
+def vllm_version() -> str:
+    """The vLLM release this process runs ("0.32.0"), or "" outside vLLM."""
+    if not VLLM_AVAILABLE:
+        return ""
+    from vllm import __version__  # type: ignore
+    return str(__version__)
+
+
 __all__ = [
     "CacheHitSource", "DEFERRED_RELEASE", "EVENT_REQ_CONTEXT", "JobResult", "Locality", "LookupResult", "Medium",
     "OffloadingCounterMetadata", "OffloadingEvent", "OffloadingGaugeMetadata", "ReqContext",
     "RequestOffloadingContext", "SecondaryTierManager", "TransferJob", "VLLM_AVAILABLE",
-    "connector_stats", "tier_logger", "vllm_hash_seed",
+    "connector_stats", "current_vllm_config", "tier_logger", "vllm_hash_seed", "vllm_platform",
+    "vllm_version",
 ]

@@ -18,21 +18,28 @@ builds the tier inside ``Scheduler.__init__`` -> ``OffloadingConnector.__init__`
   they live in this process (else the configured one, or ``auto``, which vLLM resolves
   from the platform, release and dtypes), the resolved ``kv_cache_layout``, and the
   device type with its compute capability; and vLLM's release (major.minor).
-A field vLLM does not have in a release reads as "". Imports vLLM lazily (only inside vLLM).
+A field vLLM does not have in a release reads as "". vLLM's own objects come through
+``vllm_contract`` (None outside vLLM).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
-import logging
 import time
 from typing import Any
 
 from kv_offload_sidecar.engine.model_identity import ModelIdentity, canonical_json, overrides_text
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, canonical_format_id
+from kv_offload_sidecar.engine.vllm_contract import (
+    current_vllm_config,
+    tier_logger,
+    vllm_platform,
+    vllm_version,
+)
 from kv_offload_sidecar.engine.weights_digest import weights_identity
 
-log = logging.getLogger(__name__)
+logger = tier_logger(__name__)
 
 # Effective-config keys that do not change a chunk's bytes (names, tokenizer ids, versions).
 NON_KV_CONFIG_KEYS = frozenset({
@@ -47,11 +54,7 @@ MAX_FRAMES = 40
 
 def find_vllm_config() -> Any | None:
     """vLLM's current ``VllmConfig``, else the nearest caller's ``vllm_config`` (None: none)."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none  # type: ignore[import-not-found]
-        current = get_current_vllm_config_or_none()
-    except ImportError:
-        current = None
+    current = current_vllm_config()
     if current is not None and getattr(current, "model_config", None) is not None:
         return current
     frame = inspect.currentframe()
@@ -66,6 +69,19 @@ def find_vllm_config() -> Any | None:
     finally:
         del frame
     return None
+
+
+def this_engine_identity(config: OffloadingConfig) -> ModelIdentity:
+    """This engine's model identity, from the VllmConfig that builds the tier, logged with what
+    it cost; outside vLLM (no VllmConfig) one whose weights are unknown, which shares nothing."""
+    vllm_config = find_vllm_config()
+    if vllm_config is None:
+        logger.error("kv-offload tier: no vLLM config to read the model identity from; this "
+                     "engine's chunks stay in its pod (pass model_identity outside vLLM)")
+        return ModelIdentity()
+    identity, what = engine_identity(vllm_config, config)
+    logger.info("kv-offload tier: model identity %s: %s", identity.digest, what)
+    return identity
 
 
 def engine_identity(vllm_config: Any, config: OffloadingConfig) -> tuple[ModelIdentity, str]:
@@ -124,7 +140,6 @@ def _config_digest(hf_config: Any) -> str:
     except Exception:  # noqa: BLE001 - a config vLLM loaded but cannot dump: name it by type
         return f"type:{type(hf_config).__name__}"
     kept = {k: v for k, v in d.items() if k not in NON_KV_CONFIG_KEYS}
-    import hashlib
     return hashlib.sha256(canonical_json(kept).encode()).hexdigest()[:16]
 
 
@@ -156,9 +171,8 @@ def _backend(vllm_config: Any) -> str:
 
 
 def _device() -> str:
-    try:
-        from vllm.platforms import current_platform  # type: ignore[import-not-found]
-    except ImportError:
+    current_platform = vllm_platform()
+    if current_platform is None:
         return "unknown"
     kind = str(getattr(current_platform, "device_type", "") or "unknown")
     try:
@@ -169,12 +183,7 @@ def _device() -> str:
 
 
 def _release() -> str:
-    try:
-        from vllm import __version__  # type: ignore[import-not-found]
-    except ImportError:
-        return ""
-    parts = str(__version__).split(".")
-    return ".".join(parts[:2])
+    return ".".join(vllm_version().split(".")[:2])
 
 
-__all__ = ["engine_identity", "find_vllm_config"]
+__all__ = ["engine_identity", "find_vllm_config", "this_engine_identity"]

@@ -34,11 +34,9 @@ request's ``req_context``. An engine whose workers span nodes cannot use the tie
 sees only its own node's slots of each chunk): vLLM 0.34 refuses to start one, and
 kv-offload's operator refuses such a pool whatever the release.
 
-Fail closed: at each (re)connection the tier compares the sidecar's fingerprint, chunk size
-and hash seed with vLLM's config, and states the engine's model identity (``vllm_identity``:
-the weights vLLM loaded, its model config and KV layout), which the sidecar compares with its
-ConfigMap and shares under; on any difference it logs one error line naming the fields,
-answers every lookup MISS and stores nothing until a sidecar that matches is back.
+Fail closed: at each (re)connection the tier compares the sidecar's fingerprint, chunk size and
+hash seed with vLLM's config and states the model identity (``vllm_identity``); on any difference
+it logs one error line naming the fields, answers MISS and stores nothing until one matches.
 
 Threading: every SecondaryTierManager method runs under vLLM's manager lock and returns
 at once. Lookups are batched per scheduler step (flushed in ``on_schedule_end``): vLLM's
@@ -65,8 +63,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from kv_offload_sidecar.engine.engine_platform import engine_paces_stores
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
-from kv_offload_sidecar.engine.vllm_identity import engine_identity, find_vllm_config
 from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
 from kv_offload_sidecar.engine.sidecar_attachment import RowRegion
 from kv_offload_sidecar.engine.region_file import find_region_file
@@ -110,19 +106,6 @@ _STOP = object()
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
-def _engine_identity(config: Any) -> ModelIdentity:
-    """This engine's model identity, from the VllmConfig that builds the tier; outside vLLM
-    (no VllmConfig to read) an identity whose weights are unknown, which shares nothing."""
-    vllm_config = find_vllm_config()
-    if vllm_config is None:
-        logger.error("kv-offload tier: no vLLM config to read the model identity from; this "
-                     "engine's chunks stay in its pod (pass model_identity outside vLLM)")
-        return ModelIdentity()
-    identity, what = engine_identity(vllm_config, config)
-    logger.info("kv-offload tier: model identity %s: %s", identity.digest, what)
-    return identity
-
-
 def _counts_cpu(method: _Method) -> _Method:
     """An entry point vLLM's scheduler thread calls: its CPU time goes to ``stats.cpu_seconds``."""
     @functools.wraps(method)
@@ -149,8 +132,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
                  port: int | str | None = None, lookup_timeout_seconds: float = 0.5,
                  load_timeout_seconds: float = 5.0, locality: Any = Locality.REMOTE,
                  enable_kv_events: bool = False, client: Any = None,
-                 model_identity: ModelIdentity | None = None,
-                 **tier_kwargs: Any) -> None:
+                 model_identity: Any = None, **tier_kwargs: Any) -> None:
         unknown = sorted(set(tier_kwargs) - _GENERIC_TIER_KEYS)
         if unknown:
             raise ValueError(f"kv-offload tier: unknown key(s) {unknown} in the secondary_tiers "
@@ -174,13 +156,9 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._events: list[Any] | None = [] if enable_kv_events else None
         self.stats = TierStats()
         self._region, self._region_reason = self._shared_region()
-        config = engine_config(offloading_spec)
-        # What the sidecar shares under: this engine's weights, model config and KV layout.
-        self.model_identity = model_identity or _engine_identity(config)
-        self._link = SidecarLink(sidecar_address(offloading_spec, host, port),
-                                 config, self._chunk_bytes,
-                                 self._load_timeout, self._set_refused, client, self._region,
-                                 self.model_identity)
+        self._link = SidecarLink(sidecar_address(offloading_spec, host, port), engine_config(
+            offloading_spec), self._chunk_bytes, self._load_timeout, self._set_refused, client,
+            self._region, model_identity)
         self.address = self._link.address
         self._reporter = StatsReporter()
 

@@ -19,16 +19,13 @@ to anyone who has not proven the pool key first:
    (a bad one is ``bad_proof`` and learns nothing), then compares ``H_c`` with
    its own hello and rejects on any difference (wire major version,
    fingerprint -- an empty or missing one is a difference -- model identity
-   (``engine/model_identity``: weights, revision, quantization, overrides, KV
-   layout...; a sidecar whose engine has not given it one yet states none, and
-   none, or one with unknown weights, equals nothing), hash seed,
+   (``engine/model_identity``; none, or unknown weights, equals nothing), hash seed,
    kv_bytes_per_chunk) with the field diff, which only a key holder sees.
    Accepted: ``{"status": "accepted", "hello": H_s, "proof": HMAC(K, "server"
    || T || H_s)}``; the client checks that proof and runs the same comparison.
 
-A sidecar whose engine has not stated its model identity yet shares nothing: its
-control port answers both steps with 503 (control/app.py), a wait the caller backs off
-from, not a refusal it counts. The hash seed never crosses the wire: a hello carries ``HMAC(K, nonces ||
+A sidecar whose engine has not stated its model identity answers 503 (a wait, not a refusal).
+The hash seed never crosses the wire: a hello carries ``HMAC(K, nonces ||
 seed)`` (``seal_seed``), equal on both sides only when the seeds are. Sessions:
 ``session_key = HKDF(K, salt = N_c || N_s, info = "kv-offload session v2" ||
 key_id)``, ``session_id = sha256("kv-offload session id v2" || N_c || N_s)[:16]``.
@@ -61,8 +58,7 @@ from kv_offload_sidecar.peers.pool_keys import (
 from kv_offload_sidecar.rejections import clip
 
 WIRE_MAJOR = 2
-# 2.1: hellos carry the model identity (a 2.0 hello states none, so it is refused).
-WIRE_MINOR = 1
+WIRE_MINOR = 1  # 2.1: hellos carry the model identity (a 2.0 hello states none: refused)
 WIRE_VERSION = f"{WIRE_MAJOR}.{WIRE_MINOR}"
 NONCE_BYTES = 16
 # Largest data_lanes a hello may state (a sidecar offers at most data.lanes.MAX_DATA_LANES).

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.engine.model_identity import ModelIdentity, declared_mismatches
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +40,7 @@ class ModelGate:
     """The adopted model identity and the engines refused."""
 
     def __init__(self, fingerprint: str, declared: Mapping[str, str],
-                 on_adopted: Callable[[ModelIdentity], None] = lambda _: None,
-                 on_refused: Callable[[], None] = lambda: None) -> None:
+                 metrics: SidecarMetrics | None = None, *, transport: str = "") -> None:
         # The pool's fingerprint (an engine of another one is not this sidecar's).
         self.fingerprint = fingerprint
         # The fields the pool's ConfigMap declares (the command line's part).
@@ -47,9 +49,18 @@ class ModelGate:
         self.identity: ModelIdentity | None = None
         # Set once an identity is adopted (peer links wait for it).
         self.known = asyncio.Event()
-        self._on_adopted = on_adopted
-        self._on_refused = on_refused
+        # Counts refusals (engine_refusals) and shows the adopted digest (config_info).
+        self._metrics = metrics
+        self._transport = transport
         self._logged: set[str] = set()
+
+    async def once_known(self, start: Callable[[], Awaitable[None]]) -> None:
+        """``start()`` once an engine stated an identity (peer links: before, this sidecar has
+        nothing to share and answers every handshake 503)."""
+        if not self.known.is_set():
+            log.info("waiting for the engine's model identity before dialling peers")
+            await self.known.wait()
+        await start()
 
     def offer(self, raw: Any, fingerprint: Any = None) -> str:
         """An engine states its identity (and its fingerprint, when it says it): "" when it may
@@ -69,7 +80,9 @@ class ModelGate:
         if self.identity is None:
             self.identity = identity
             self.known.set()
-            self._on_adopted(identity)
+            if self._metrics is not None:
+                self._metrics.set_config_info(fingerprint=self.fingerprint, transport=self._transport,
+                                              model_identity=identity.digest)
             if identity.comparable:
                 log.info("engine attached: model identity %s (%s); sharing with peers of the "
                          "same identity", identity.digest, identity.weights)
@@ -91,7 +104,8 @@ class ModelGate:
         return {"digest": self.identity.digest, **self.identity.to_dict()}
 
     def _refuse(self, why: str) -> str:
-        self._on_refused()
+        if self._metrics is not None:
+            self._metrics.engine_refusals.inc()
         if why not in self._logged and len(self._logged) < MAX_LOGGED_REFUSALS:
             self._logged.add(why)
             log.error("refusing the engine: %s", why)
