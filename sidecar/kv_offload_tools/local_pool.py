@@ -23,6 +23,7 @@ for hand-driven peers.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -201,7 +202,8 @@ class LocalPool:
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
                  workdir: str | None = None, log_level: str = "INFO",
                  launcher: Callable[[Sequence[str], Mapping[str, str]], list[str]] | None = None,
-                 model_identity: ModelIdentity | None = STAND_IN_IDENTITY) -> None:
+                 model_identity: ModelIdentity | None = STAND_IN_IDENTITY,
+                 declared_identity: Mapping[str, str] | None = None) -> None:
         # Sidecars start() launches (add() launches more).
         self.n = n
         self.transport = transport
@@ -228,6 +230,9 @@ class LocalPool:
         # before); None: real engines will (then ``start`` does not wait for the mesh, which
         # forms once the engines attached: ``wait_connected``).
         self.model_identity = model_identity
+        # What the pool's config file declares of the identity (its "model_identity", as the
+        # operator's ConfigMap states the vllm serve line's part); {}: nothing.
+        self.declared_identity = dict(declared_identity or {})
         self._own_workdir = workdir is None
         # Config, key, logs, store files and local sockets (the sidecars' --shm-dir).
         self.workdir = workdir or make_workdir()
@@ -271,7 +276,8 @@ class LocalPool:
     def _config_file(self, config: OffloadingConfig) -> str:
         key = f"config-{config.fingerprint}-{config.kv_bytes_per_chunk}.json"
         if key not in self._files:
-            self._files[key] = self._file(key, config.to_json().encode())
+            document = {**config.to_dict(), "model_identity": self.declared_identity}
+            self._files[key] = self._file(key, json.dumps(document, indent=2).encode())
         return self._files[key]
 
     def _secret_dir(self, identity: str, key: bytes) -> str:

@@ -89,3 +89,19 @@ def test_an_engine_of_other_weights_is_refused_by_a_sidecar_that_serves_another_
         assert sc.metric("kv_offload_engine_refusals_total") == before + 2  # connect, info()
         assert sc.status()["model_identity"]["digest"] == STAND_IN_IDENTITY.digest
         other.close()
+
+
+def test_an_engine_contradicting_the_configmaps_declared_identity_is_refused_and_shares_nothing():
+    with LocalPool(1, capacity_bytes=64 * CHUNK, model_identity=None,
+                   declared_identity={"revision": "abc123"}) as pool:
+        sc = pool[0]
+        engine = EngineClient.connect(sc.host, sc.port, states=STAND_IN_IDENTITY.statement())
+        refused = engine.info()["model_identity_refused"]
+        assert "contradicts the pool's ConfigMap (revision: <none> != abc123)" in refused
+        assert sc.status()["model_identity"] is None  # nothing adopted: it shares nothing
+        assert sc.status()["declared_model_identity"] == {"revision": "abc123"}
+        engine.close()
+        declared = ModelIdentity(**{**STAND_IN_IDENTITY.to_dict(), "revision": "abc123"})
+        with EngineClient.connect(sc.host, sc.port, states=declared.statement()) as ok:
+            assert ok.info()["model_identity_refused"] == ""
+        assert sc.status()["model_identity"]["revision"] == "abc123"

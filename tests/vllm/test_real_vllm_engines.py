@@ -97,7 +97,7 @@ def pool(deployment):
     # No stand-in identity: the sidecars share once the real engines gave them theirs.
     with LocalPool(2, config=deployment.config, capacity_bytes=64 << 20, overrides={1: learn},
                    publish_interval_seconds=0.05, fetch_deadline_seconds=2.0,
-                   model_identity=None) as p:
+                   model_identity=None, declared_identity=deployment.declared_identity) as p:
         yield p
 
 

@@ -232,7 +232,8 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
     with on_cores(sidecar_cores):
         pool = LocalPool(2, transport=plane, config=config, capacity_bytes=plan.store_bytes,
                          publish_interval_seconds=0.05, fetch_deadline_seconds=FETCH_DEADLINE_S,
-                         model_identity=None)  # the engines state it
+                         model_identity=None,  # the engines state it
+                         declared_identity=deployment.declared_identity)
         pool.__enter__()
     try:
         starters = [

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from kv_offload_operator.translation.declared_identity import declared_identity
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.commands.install_tier import install
@@ -82,6 +83,9 @@ class VllmDeployment:
         with open(self.model_dir / "config.json", encoding="utf-8") as fh:
             self.model_config = json.load(fh)
         self.config: OffloadingConfig = self.config_for(self.model_dir)
+        # What the ConfigMap declares of the model identity (the serve line's part): every
+        # sidecar of the deployment checks its engine's identity against it.
+        self.declared_identity = declared_identity(self.vllm_serve_line(), self.model_config)
 
     # ---- what the user writes -----------------------------------------------
 

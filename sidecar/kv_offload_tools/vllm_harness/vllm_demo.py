@@ -63,7 +63,8 @@ def run_vllm_demo(pods: int, trace_ids: Sequence[Sequence[int]], *, intruder: bo
         prompts = [trace_tokens(ids, tpc, vocab_size=VOCAB)[:MAX_PROMPT_TOKENS] for ids in trace_ids]
         # The sidecars share once their engines gave them the model identity (model_identity=None).
         with LocalPool(pods, config=dep.config, capacity_bytes=256 << 20,
-                       publish_interval_seconds=0.1, model_identity=None) as pool:
+                       publish_interval_seconds=0.1, model_identity=None,
+                       declared_identity=dep.declared_identity) as pool:
             say(f"[demo] starting {pods} vLLM engines and one without offloading "
                 f"(about a minute on 2 cores)")
             engines = _start(dep, pool, pods, say)
