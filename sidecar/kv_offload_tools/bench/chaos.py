@@ -7,10 +7,14 @@ short, plus ``--wire-kills`` kills at a chosen byte of a fetch), SIGSTOP past
 the fetch deadline, flipped, truncated and delayed bytes on the wire
 (``chaos.fault_proxy``), reconnect storms, peers leaving and rejoining, a
 sidecar restarting under its engine, and writes at ten times the store
-budget. Prints one table row per fault class (or JSON with ``--json``),
+budget. Then the "late writer" row (``chaos.faults.late_writer_row``, ``--late-writer-runs``
+runs of each case per plane, tcp and tls, whatever ``--transport``; ``--late-writer-only``
+runs it alone): a holder SIGSTOPped mid-chunk and resumed past the fetcher's deadline, and the
+fetcher's loop blocked past it while the holder keeps sending; no byte may land in a slot or
+row after the deadline. Prints one table row per fault class (or JSON with ``--json``),
 writes a PNG (``--plot``), and exits 1 when any invariant broke: a corrupt
 chunk delivered, a chunk lost that should have survived, the store above its
-budget, or a fault the pool did not survive.
+budget, a fault the pool did not survive, or a byte written after a deadline.
 
 ``--transport nixl`` runs the same scenarios against nixl sidecars (requests on the tcp
 transport's connection, chunk bytes READ one-sidedly from the holder's store slot): the
@@ -46,6 +50,7 @@ from kv_offload_tools.chaos.faults.engine_faults import (
     sigstop_past_deadline,
     write_flood,
 )
+from kv_offload_tools.chaos.faults.late_writer_row import LateWriterResult, late_writer
 from kv_offload_tools.chaos.faults.slot_faults import slot_flip
 from kv_offload_tools.chaos.faults.wire_faults import (
     damaged_wire,
@@ -56,6 +61,7 @@ from kv_offload_tools.chaos.pool import CHAOS_TRANSPORTS, require_transport
 from kv_offload_tools.chaos.report import (
     faults_table,
     fuzz_table,
+    late_writer_table,
     plot_faults,
     plot_fuzz,
 )
@@ -72,6 +78,7 @@ _KNOBS: tuple[tuple[str, type, float, int | None, str], ...] = (
     ("--wire-rounds", int, 40, 1, "fetches through the fault proxy per wire fault (flip, truncate, delay)"),
     ("--slot-rounds", int, 40, 1, "loads during which the holder's slot bytes are flipped (--transport nixl)"),
     ("--servers", int, 3, 1, "server sidecars killed and restarted in turn"),
+    ("--late-writer-runs", int, 5, 0, "runs of each late-writer case per plane (0: no late-writer row)"),
     ("--chunk-bytes", int, 64 * 1024, None, "bytes of one chunk"),
     ("--fuzz-cases", int, 10_000, 6, "hypothesis cases of a --fuzz run"),
     ("--rss-bound-mib", int, 64, 1, "largest RSS growth of the fuzzed sidecar across the run, MiB"),
@@ -88,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default %(default)s)")
     for flag, kind, default, _, text in _KNOBS:
         p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument("--late-writer-only", action="store_true",
+                   help="run the late-writer row alone (no other fault class)")
     p.add_argument("--plot", default="chaos.png", help="PNG to write ('' for none)")
     p.add_argument("--seed", type=int, default=1, help="seed of kill timings and fault offsets")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -102,6 +111,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--seconds {args.seconds} must be positive")
     if args.chunk_bytes < 4096 or args.chunk_bytes % 4096:
         raise UsageError(f"--chunk-bytes {args.chunk_bytes} must be a positive multiple of 4096")
+    if args.late_writer_only and (args.fuzz or args.late_writer_runs < 1):
+        raise UsageError("--late-writer-only needs --late-writer-runs of at least 1 and no --fuzz")
     if args.fuzz and args.transport != "tcp":
         raise UsageError(f"--fuzz runs against a tcp sidecar; --transport {args.transport} applies to "
                          "the fault run")
@@ -147,24 +158,36 @@ def _run_faults(args: argparse.Namespace, progress: Any) -> int:
     settings = BenchSettings(chunk_bytes=args.chunk_bytes, servers=args.servers, seed=args.seed,
                              transport=args.transport)
     started = time.monotonic()
-    results = run_faults(settings, kills=args.kills, wire_kills=args.wire_kills, seconds=args.seconds,
-                         rounds=args.rounds, wire_rounds=args.wire_rounds, slot_rounds=args.slot_rounds,
-                         progress=progress)
+    results: list[FaultResult] = []
+    if not args.late_writer_only:
+        results = run_faults(settings, kills=args.kills, wire_kills=args.wire_kills, seconds=args.seconds,
+                             rounds=args.rounds, wire_rounds=args.wire_rounds, slot_rounds=args.slot_rounds,
+                             progress=progress)
+    late: list[LateWriterResult] = []
+    if args.late_writer_runs:
+        late = late_writer(args.late_writer_runs, progress)
     elapsed = time.monotonic() - started
-    ok = all(r.ok for r in results)
+    ok = all(r.ok for r in results) and all(r.ok for r in late)
     if args.plot:
-        plot_faults(results, settings, args.plot)
+        plot_faults(results, settings, args.plot, late)
         progress(f"wrote {args.plot}")
     if args.json:
-        print(json.dumps({"settings": asdict(settings), "seconds": round(elapsed, 1),
-                          "ok": ok, "faults": [r.to_dict() for r in results]}, indent=2))
+        print(json.dumps({"settings": asdict(settings), "seconds": round(elapsed, 1), "ok": ok,
+                          "faults": [r.to_dict() for r in results],
+                          "late_writer": [r.to_dict() for r in late]}, indent=2))
     else:
-        print(faults_table(results))
-        print(f"\n{len(results)} fault classes on {settings.transport} sidecars in {elapsed:.0f} s: "
-              f"{'all invariants held' if ok else 'INVARIANTS BROKEN'}")
+        if results:
+            print(faults_table(results))
+        if late:
+            print(("\n" if results else "") + late_writer_table(late))
+        print(f"\n{len(results)} fault classes on {settings.transport} sidecars, late writer on "
+              f"{len(late)} planes, in {elapsed:.0f} s: {'all invariants held' if ok else 'INVARIANTS BROKEN'}")
         for r in results:
             for note in r.notes:
                 print(f"- {r.fault}: {note}")
+        for lw in late:
+            for note in lw.notes:
+                print(f"- late writer on {lw.plane}: {note}")
     return 0 if ok else 1
 
 

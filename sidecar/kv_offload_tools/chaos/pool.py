@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 
 from kv_offload_tools.local_pool import LocalPool, example_config
@@ -43,9 +45,10 @@ def chaos_config(chunk_bytes: int) -> OffloadingConfig:
 
 
 def chaos_pool(chunk_bytes: int, capacity_bytes: int, *, fetch_deadline_seconds: float = 1.0,
-               shutdown_grace_seconds: float = 3.0, transport: str = "tcp") -> LocalPool:
+               shutdown_grace_seconds: float = 3.0, transport: str = "tcp",
+               extra_args: Sequence[str] = ()) -> LocalPool:
     """An empty pool (sidecars join with ``add``, by identity) of ``transport`` sidecars logging
-    warnings."""
+    warnings (``extra_args``: flags of every sidecar, e.g. TLS certificates)."""
     return LocalPool(0, transport=transport, config=chaos_config(chunk_bytes), capacity_bytes=capacity_bytes,
-                     fetch_deadline_seconds=fetch_deadline_seconds,
+                     fetch_deadline_seconds=fetch_deadline_seconds, extra_args=extra_args,
                      shutdown_grace_seconds=shutdown_grace_seconds, log_level="WARNING")

@@ -1,11 +1,13 @@
-"""Tables and plots of the chaos runs: one row per fault class, one per fuzz target."""
+"""Tables and plots of the chaos runs: one row per fault class (and one per plane of the late
+writer), one per fuzz target."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kv_offload_tools.chaos.faults.bench import BenchSettings, FaultResult
+from kv_offload_tools.chaos.faults.late_writer_row import ROW_SECONDS, LateWriterResult
 
 if TYPE_CHECKING:  # the fuzz runner imports hypothesis, which a fault run does not need
     from kv_offload_tools.chaos.fuzz.runner import FuzzResult
@@ -26,14 +28,39 @@ def faults_table(results: Sequence[FaultResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_faults(results: Sequence[FaultResult], settings: BenchSettings, path: str) -> None:
-    """Three panels: faults injected/survived, worst give-up vs the deadline, store bytes vs budget."""
+def late_writer_table(results: Sequence[LateWriterResult]) -> str:
+    """The late-writer figures as a markdown table, one row per plane."""
+    lines = ["| late writer | runs of each case | holder stopped mid-chunk | loop blocked with rows "
+             "filling | bytes after a deadline | writes refused (stopped / blocked) | "
+             "chunks stored after a cut, verified | unexpected endings | seconds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.plane} | {r.runs} | {r.holder_stopped_in_flight} | {r.loop_blocked_in_flight} | "
+                     f"{r.bytes_after_deadline} | {r.writes_refused} ({r.refused_holder_stopped} / "
+                     f"{r.refused_loop_blocked}) | {r.chunks_stored}, {r.chunks_verified} | "
+                     f"{r.unexpected_endings} | {r.seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def plot_faults(results: Sequence[FaultResult], settings: BenchSettings, path: str,
+                late: Sequence[LateWriterResult] = ()) -> None:
+    """Three panels: faults injected/survived, worst give-up vs the deadline, store bytes vs budget;
+    a fourth with ``late``: writes refused and bytes written after a deadline per plane (only
+    that one without ``results``: a --late-writer-only run)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    if not results:
+        fig, ax = plt.subplots(figsize=(7, 5.2))
+        _plot_late_writer(ax, late)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
+
+    fig, axes = plt.subplots(1, 4 if late else 3, figsize=(23 if late else 17, 5.2))
     names = [r.fault for r in results]
     xs = range(len(results))
     ax = axes[0]
@@ -65,9 +92,26 @@ def plot_faults(results: Sequence[FaultResult], settings: BenchSettings, path: s
         ax.set_ylabel("MiB")
         ax.legend(loc="lower right")
     ax.set_title("Store bytes in use vs budget (10x writes)")
+    if late:
+        _plot_late_writer(axes[3], late)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_late_writer(ax: Any, late: Sequence[LateWriterResult]) -> None:
+    xs = range(len(late))
+    refused = [r.writes_refused for r in late]
+    after = [r.bytes_after_deadline for r in late]
+    ax.bar([x - 0.2 for x in xs], refused, 0.4, label="writes refused by the gates")
+    ax.bar([x + 0.2 for x in xs], after, 0.4, color="red", label="bytes written after a deadline")
+    for x, r in zip(xs, late):
+        ax.annotate(f"{r.bytes_after_deadline} B late", (x + 0.2, r.bytes_after_deadline), ha="center",
+                    va="bottom", color="red" if r.bytes_after_deadline else "black", fontsize=8)
+    ax.set_xticks(list(xs), [f"{r.plane}\n{r.runs} runs each" for r in late])
+    ax.set_ylabel("writes / bytes")
+    ax.set_title(f"Late writer (rows due in {ROW_SECONDS:g} s):\nholder SIGSTOP/SIGCONT, fetcher loop blocked")
+    ax.legend()
 
 
 def fuzz_table(result: FuzzResult) -> str:

@@ -1,6 +1,7 @@
 """`kv-offload bench chaos`: bad input is one line and exit 2, before any sidecar starts; a
 tiny fault run on nixl sidecars delivers nothing corrupt, loses nothing, and refuses the
-chunks whose holder slots were flipped under its READs.
+chunks whose holder slots were flipped under its READs; the late-writer row alone writes no
+byte after a deadline on tcp and tls, and its gates refused the late writes.
 
 The fault and fuzz runs themselves are tested under tests/tools/chaos.
 """
@@ -26,7 +27,11 @@ CLI = bench("chaos")
     (["--slot-rounds", "0"], "--slot-rounds 0 must be at least 1"),
     (["--fuzz", "--transport", "nixl"],
      "--fuzz runs against a tcp sidecar; --transport nixl applies to the fault run"),
-], ids=["kills", "fuzz-cases", "seconds", "chunk-bytes", "slot-rounds", "fuzz-nixl"])
+    (["--late-writer-runs", "-1"], "--late-writer-runs -1 must be at least 0"),
+    (["--late-writer-only", "--late-writer-runs", "0"],
+     "--late-writer-only needs --late-writer-runs of at least 1 and no --fuzz"),
+], ids=["kills", "fuzz-cases", "seconds", "chunk-bytes", "slot-rounds", "fuzz-nixl", "late-writer-runs",
+        "late-writer-only"])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
     assert refusal(CLI, *args) == named
 
@@ -62,3 +67,21 @@ def test_a_tiny_nixl_fault_run_delivers_nothing_corrupt_and_loses_nothing() -> N
     assert slot["integrity_rejected"] > 0  # the first round flips before the READs: always refused
     assert slot["loads_missed"] >= 1
     assert report["ok"] is True
+
+
+def test_the_late_writer_row_writes_no_byte_after_a_deadline_and_its_gates_refused() -> None:
+    """Two runs of each late-writer case on tcp and tls holder sidecars (~20 s)."""
+    done = subprocess.run([*CLI, "--late-writer-only", "--late-writer-runs", "2", "--json", "--quiet",
+                           "--plot", ""], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert report["faults"] == [] and report["ok"] is True
+    planes = {r["plane"]: r for r in report["late_writer"]}
+    assert set(planes) == {"tcp", "tls"}
+    for r in planes.values():
+        assert r["runs"] == 2 and r["holder_stopped_in_flight"] >= 1, r  # a SIGSTOP landed mid-chunk
+        assert r["bytes_after_deadline"] == 0, r
+        # Each resumed holder's bytes were refused by the gate.
+        assert r["refused_holder_stopped"] >= r["holder_stopped_in_flight"], r
+        assert r["chunks_verified"] == r["chunks_stored"] >= 4, r  # the reused slot verifies
+        assert r["unexpected_endings"] == 0, r
