@@ -87,7 +87,9 @@ def test_the_translation_commands_run_on_the_base_install(tmp_path):
     config.write_text(example_config().to_json())
     done = run(base_install_cli("fingerprint", str(config)))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == example_config().fingerprint
+    first, second = done.stdout.splitlines()
+    assert first == example_config().fingerprint
+    assert second.startswith("model identity (command line): ")
 
 
 def test_every_optional_module_names_an_extra_of_pyproject():
