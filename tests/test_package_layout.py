@@ -10,6 +10,7 @@ crossed by importing late or by spawning a process.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -206,3 +207,12 @@ def test_each_folder_holds_what_it_is_named_for():
             p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
 
     assert {f: held(REPO / f) for f in FOLDERS} == FOLDERS
+
+
+def test_nothing_in_the_sidecar_or_the_tier_waits_with_select_select():
+    # select.select raises ValueError for a descriptor of 1,024 or more (issue 48): a sidecar
+    # of a large pool and vLLM's process (the tier runs inside it) get there. poll(2) it is.
+    pattern = re.compile(r"\bselect\.select\(|from select import[^\n]*\bselect\b")
+    bad = [f"{p.relative_to(REPO)}:{n}" for p in (REPO / "sidecar" / "kv_offload_sidecar").rglob("*.py")
+           for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert bad == []

@@ -16,13 +16,13 @@ blocking ``lookup``). One thread at a time. Standard library only.
 
 from __future__ import annotations
 
-import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
+from kv_offload_sidecar.engine.readiness import readable
 from kv_offload_sidecar.engine.sidecar_attachment import Late, LocalConn
 
 # Bytes read at once (a lookup's answer is one small frame).
@@ -76,8 +76,7 @@ class PendingLookup:
         """Whether ``poll()`` would return the answer (it is in, the channel closed, or late)."""
         if self._done is not None or self._conn is None:
             return True
-        readable, _, _ = select.select([self._conn.sock], [], [], 0)
-        return bool(readable) or time.monotonic() > self.deadline
+        return readable(self._conn.sock) or time.monotonic() > self.deadline
 
     def poll(self) -> LookupReply | None:
         """The answer once it is whole; None while it is not (one non-blocking read)."""
@@ -116,7 +115,7 @@ class PendingLookup:
         """Block until the answer (or the deadline)."""
         while (reply := self.poll()) is None:
             assert self._conn is not None
-            select.select([self._conn.sock], [], [], max(0.0, self.deadline - time.monotonic()))
+            readable(self._conn.sock, max(0.0, self.deadline - time.monotonic()))
         return reply
 
     def close(self) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import select
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from typing import Protocol
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker, drop_sent, send_some
 from kv_offload_sidecar.data.write_gates import WriteGate
+from kv_offload_sidecar.engine.readiness import readable
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def poll_readable(sock: socket.socket, seconds: float) -> None:
     without the process going to sleep in epoll and paying the wake-up."""
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        if select.select([sock], [], [], 0)[0]:
+        if readable(sock):
             return
 
 
