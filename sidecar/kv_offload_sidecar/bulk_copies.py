@@ -26,17 +26,18 @@ Python: 2.1 GB/s at 5 ms against 6.1 GB/s at 0.5 ms (idle: 9-14 GB/s); in
 
 One core's memcpy bounds a hit in the pod's own sidecar and, on a GPU host, the
 copy of a long prefix into vLLM's rows, so chunks are copied by ``copy_threads()``
-threads: one per core the sidecar may use (affinity and cgroup CPU quota), at
-most ``MAX_COPY_THREADS``.
+threads: one per core of the sidecar's CPU budget (``cpu_budget``: affinity, cgroup
+CPU quota, else the container's request), at most ``MAX_COPY_THREADS``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import sys
 from collections.abc import Mapping
+
+from kv_offload_sidecar.cpu_budget import cpu_budget
 
 # glibc tunable: the copy size from which memcpy uses non-temporal stores.
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
@@ -58,23 +59,9 @@ def prepare_for_bulk_copies() -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
 
 
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota
-    (a container's CPU limit) when one is set."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
-
-
 def copy_threads() -> int:
-    """How many threads copy chunks: one per usable core, at most ``MAX_COPY_THREADS``."""
-    return min(MAX_COPY_THREADS, usable_cores())
+    """How many threads copy chunks: one per core of the CPU budget, at most ``MAX_COPY_THREADS``."""
+    return min(MAX_COPY_THREADS, cpu_budget().cpus)
 
 
 def applies_here() -> bool:

@@ -5,8 +5,7 @@ One ``Sidecar`` per process, all on one asyncio loop. Engine operations
 ``/v1/lookup``: the local store's prefix first, then for the remaining keys
 the holder that the directory's owner names (``peers.peer_reads``: an owner
 query and a holder exchange per holder the prefix spans, ``fetch_deadline_seconds``
-each). An engine
-lookup starts the fetch and its load waits for it; the admin lookup only
+each). An engine lookup starts the fetch and its load waits for it; the admin lookup only
 counts. A failed or late peer answer is a miss and the peer is backed off.
 The store's changes feed the directory (``peers.directory.location``). Metrics:
 ``chunk_lookups{result}`` per chunk key, ``lookup_messages``,
@@ -30,6 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kv_offload_sidecar.cpu_budget import cpu_budget
 from kv_offload_sidecar.data.lanes import data_lanes_of, lanes_offered
 from kv_offload_sidecar.loop_stalls import LoopStalls
 from kv_offload_sidecar.metrics import SidecarMetrics
@@ -472,6 +472,7 @@ class Sidecar:
             "peers": states,
             # Lanes this sidecar offers; each connected peer's count is in /v1/peers.
             "data_lanes_offered": lanes_offered(s.data_lanes),
+            "cpu_budget": cpu_budget().view(),  # cores lanes and thread pools follow, and from where
             "data_lanes": {link.identity: data_lanes_of(link.data) for link in self.peers.links()
                            if link.state == "connected" and link.identity},
             "inbound_sessions": len(self._inbound),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
@@ -12,6 +13,7 @@ import pytest
 from kv_offload_operator.webhook import pod_patch as pods
 from kv_offload_operator.pools import pool_objects, pool_pod, pool_spec
 from kv_offload_operator.translation.translate import pool_config
+from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV, read_cpu_budget
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config
 from pool_support import (
@@ -155,6 +157,32 @@ def test_vllm_and_sidecar_get_the_pools_hash_seed_which_the_sidecar_states_in_it
     config = pool_config(LLAMA_ARGS, llama_config())
     assert effective_hash_seed(config, sidecar_env) == wanted
     kubernetes_validate.validate(out, K8S, strict=True)
+
+
+@pytest.mark.parametrize("resources, cpus", [
+    (None, 1),  # the default request, 250m: one core
+    ({"requests": {"cpu": "2500m"}}, 2),
+    ({"requests": {"cpu": "3"}, "limits": {"memory": "16Gi"}}, 3),
+])
+def test_the_sidecar_gets_its_cpu_request_through_the_downward_api_and_sizes_its_threads_by_it(
+        tmp_path: Path, resources: dict[str, Any] | None, cpus: int) -> None:
+    out = inject_into(hash_seed_pool(**({"resources": resources} if resources else {})), pod(vllm()), validate=True)
+    sidecar = out["spec"]["initContainers"][1]
+    assert env_of(sidecar)[CPU_REQUEST_ENV] == {"resourceFieldRef": {
+        "containerName": sidecar["name"], "resource": "requests.cpu", "divisor": "1m"}}
+    # As the kubelet resolves it: the named container's request in divisors (millicores).
+    given = sidecar["resources"]["requests"]["cpu"]
+    millicores = int(given[:-1]) if given.endswith("m") else int(given) * 1000
+    # What the sidecar makes of it where no cgroup sets a limit.
+    budget = read_cpu_budget(tmp_path / "proc", tmp_path / "cgroup", environ={CPU_REQUEST_ENV: str(millicores)},
+                             affinity=8)
+    assert (budget.cpus, budget.source) == (cpus, f"CPU request {millicores}m ({CPU_REQUEST_ENV})")
+
+
+def test_spec_sidecar_env_may_not_set_the_cpu_request_the_webhook_passes() -> None:
+    with pytest.raises(ValueError, match=rf"spec\.sidecar\.env\[0\] sets {CPU_REQUEST_ENV}, which the operator "
+                       r"sets itself: remove it and use spec\.sidecar\.resources\.requests\.cpu instead"):
+        sidecar_spec(env=[{"name": CPU_REQUEST_ENV, "value": "4000"}])
 
 
 def test_without_spec_hash_seed_the_seed_comes_from_the_pool_secret_and_is_nowhere_in_the_pod_spec() -> None:

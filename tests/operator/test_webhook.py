@@ -110,6 +110,9 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
     secret = obj(cluster.api, "v1/secrets", "llama-pool-key")
     assert base64.b64decode(secret["data"]["hash-seed"]).isdigit()
     assert sidecar_env["UCX_TLS"]["value"] == "tcp,sm,self"
+    # Its CPU request (the downward API), the CPU budget of its threads where no limit is set.
+    assert sidecar_env["KV_OFFLOAD_CPU_REQUEST_MILLICORES"]["valueFrom"] == {"resourceFieldRef": {
+        "containerName": "kv-offload-sidecar", "resource": "requests.cpu", "divisor": "1m"}}
     assert mounts_of(vllm)["/dev/shm"] == mounts_of(sidecar)["/dev/shm"] == "kv-offload-shm"
     assert mounts_of(vllm)["/kv-offload-lib"] == "kv-offload-lib"
 

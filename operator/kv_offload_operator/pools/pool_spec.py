@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.setting_flags import field_default
@@ -70,7 +71,8 @@ MAX_HASH_SEED = 4294967295
 # Variables the operator sets on the sidecar itself -> the pool field to use instead.
 _OPERATOR_SIDECAR_ENV: Mapping[str, str] = {ports.ENV_HOST: "spec.sidecar.basePort",
                                             ports.ENV_PORT: "spec.sidecar.basePort",
-                                            HASH_SEED_ENV: "spec.hashSeed"}
+                                            HASH_SEED_ENV: "spec.hashSeed",
+                                            CPU_REQUEST_ENV: "spec.sidecar.resources.requests.cpu"}
 DEFAULT_SIDECAR_CPU = "250m"
 # Seconds a rotated-out pool key stays accepted (spec.keyRotationGraceSeconds).
 DEFAULT_KEY_ROTATION_GRACE_SECONDS = 600

@@ -18,6 +18,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, identity_diff
 
@@ -223,14 +224,22 @@ def sidecar_ports(sidecar: SidecarSpec, dp_indices: Sequence[int]) -> list[dict[
 
 def sidecar_env(sidecar: SidecarSpec, *, pool_name: str) -> list[dict[str, Any]]:
     """The sidecar's env: side channel, the pool's PYTHONHASHSEED (the hash seed
-    it states in the handshake), UCX defaults (ucx transport), then
-    ``spec.sidecar.env``, which replaces a UCX default of the same name."""
+    it states in the handshake), UCX defaults (ucx transport), its own CPU request
+    (``cpu_request_env``), then ``spec.sidecar.env``, which replaces a UCX default of the
+    same name."""
     env = side_channel_env(sidecar.base_port) + [hash_seed_env(sidecar, pool_name)]
     user = {str(e["name"]) for e in sidecar.env}
     if sidecar.transport == "ucx":
         ucx = dict(UCX_SIDECAR_ENV, UCX_TLS=sidecar.ucx_tls)
         env += [{"name": k, "value": v} for k, v in ucx.items() if k not in user]
-    return env + [copy.deepcopy(dict(e)) for e in sidecar.env]
+    return env + [cpu_request_env()] + [copy.deepcopy(dict(e)) for e in sidecar.env]
+
+
+def cpu_request_env() -> dict[str, Any]:
+    """The sidecar container's CPU request in whole millicores (downward API): the sidecar's
+    CPU budget where no CPU limit is set (``kv_offload_sidecar.cpu_budget``)."""
+    return {"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
+        "containerName": SIDECAR_NAME, "resource": "requests.cpu", "divisor": "1m"}}}
 
 
 def tier_init_container(sidecar: SidecarSpec) -> dict[str, Any]:

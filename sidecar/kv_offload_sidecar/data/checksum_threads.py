@@ -5,8 +5,8 @@ rendezvous copies straight into the store slot) still has to hash each chunk
 before it becomes visible. Hashed on the event loop, a 16 MiB chunk holds the
 loop for 1-2 ms (XXH3 at 7-12 GB/s on one core) while UCX's progress, lookups and
 every other peer wait, and the hashes of a fetch all run on one core. Here they
-run on ``checksum_threads()`` threads, one per core the process may use
-(``bulk_copies.usable_cores``: affinity and cgroup quota), at most
+run on ``checksum_threads()`` threads, one per core of the process's CPU budget
+(``cpu_budget``: affinity, cgroup quota, else the container's request), at most
 ``MAX_DATA_LANES``; python-xxhash releases the GIL while it hashes, so the threads
 hash in parallel with each other and with the loop.
 
@@ -30,7 +30,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from kv_offload_sidecar.bulk_copies import usable_cores
+from kv_offload_sidecar.cpu_budget import cpu_budget
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, spare_core
 from kv_offload_sidecar.settings import MAX_DATA_LANES
 from kv_offload_sidecar.store.checksum import BytesLike, chunk_checksum
@@ -44,13 +44,13 @@ _pool: dict[str, ThreadPoolExecutor] = {}
 
 
 def checksum_threads() -> int:
-    """Threads that verify received chunks: one per usable core, at most ``MAX_DATA_LANES``."""
-    return max(1, min(MAX_DATA_LANES, usable_cores()))
+    """Threads that verify received chunks: one per core of the CPU budget, at most ``MAX_DATA_LANES``."""
+    return max(1, min(MAX_DATA_LANES, cpu_budget().cpus))
 
 
 def hashes_off_loop(nbytes: int) -> bool:
     """Whether a chunk of ``nbytes`` is worth handing to a checksum thread: a chunk of at
-    least ``OFF_LOOP_BYTES``, in a process with more than one usable core (``spare_core``,
+    least ``OFF_LOOP_BYTES``, in a process whose CPU budget has more than one core (``spare_core``,
     the rule a TCP connection hashes its pieces beside its receive by)."""
     return nbytes >= OFF_LOOP_BYTES and spare_core()
 

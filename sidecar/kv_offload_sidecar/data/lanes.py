@@ -7,7 +7,7 @@ connection moves its chunks on a thread of its own (``tcp.stream_worker``), on b
 so ``n`` connections use up to ``n`` cores on each side.
 
 How many: ``lane_count`` of the two sidecars' offers, each the cores its process may use
-(affinity and cgroup quota, ``bulk_copies.usable_cores``) or its ``--data-lanes``, capped
+(its CPU budget, ``cpu_budget``) or its ``--data-lanes``, capped
 at ``MAX_DATA_LANES``. The handshake's hello carries the offer (``data_lanes``); a peer
 that does not state one gets one lane. The count is shown per peer in ``/v1/peers`` and in
 all as ``kv_offload_peer_data_lanes``.
@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
-from kv_offload_sidecar.bulk_copies import usable_cores
+from kv_offload_sidecar.cpu_budget import cpu_budget
 from kv_offload_sidecar.data.base import PeerDataClient, TransportError
 from kv_offload_sidecar.data.fetch import PendingChunk
 from kv_offload_sidecar.data.peer_client import FramedPeerDataClient
@@ -39,8 +39,8 @@ CHUNKS_PER_LANE = 2
 
 def lanes_offered(setting: int) -> int:
     """What this sidecar offers its peers: ``--data-lanes`` when set (> 0), else one lane per
-    usable core, at most ``MAX_DATA_LANES`` either way."""
-    return max(1, min(MAX_DATA_LANES, setting if setting > 0 else usable_cores()))
+    core of the CPU budget, at most ``MAX_DATA_LANES`` either way."""
+    return max(1, min(MAX_DATA_LANES, setting if setting > 0 else cpu_budget().cpus))
 
 
 def lane_count(own: int, peer: int | None) -> int:

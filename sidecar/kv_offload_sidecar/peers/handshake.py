@@ -148,7 +148,7 @@ class HelloMessage:
     # Sender's run config (fingerprint input), so a receiver can log a field diff.
     run_config: Mapping[str, Any] | None = None
     # Data connections the sender can run to one peer at once (``data.lanes.lanes_offered``:
-    # its usable cores, capped); None (a sender that states none) counts as one lane.
+    # its CPU budget, ``cpu_budget``, capped); None (a sender that states none) counts as one lane.
     data_lanes: int | None = None
     # The model identity its engine gave it (``ModelIdentity.to_dict``); None: no engine has
     # attached yet (then it shares nothing, and is refused by every peer).

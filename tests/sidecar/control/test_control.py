@@ -267,6 +267,19 @@ async def test_status_and_peers_views(sidecar_client):
     assert (await (await sidecar_client.get("/v1/peers", headers=ADMIN)).json()) == {"peers": []}
 
 
+async def test_status_shows_the_cpu_budget_and_where_it_came_from(sidecar_client, monkeypatch):
+    from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV, cpu_budget, read_cpu_budget
+
+    monkeypatch.setenv(CPU_REQUEST_ENV, "1000")  # a one-core request: the budget where no limit is set
+    cpu_budget.cache_clear()
+    try:
+        status = await (await sidecar_client.get("/v1/status", headers=ADMIN)).json()
+        assert status["cpu_budget"] == read_cpu_budget().view()
+        assert status["cpu_budget"]["cpus"] >= 1 and status["cpu_budget"]["from"]
+    finally:
+        cpu_budget.cache_clear()
+
+
 async def test_inbound_peer_is_dialled_back(sidecar_client):
     await handshake(sidecar_client, hello=peer_hello(control_address="127.0.0.1:9"))
     assert "127.0.0.1:9" in sidecar_client.sidecar.discovery.current()

@@ -9,6 +9,7 @@ import sys
 import threading
 
 import pytest
+from kv_offload_sidecar.cpu_budget import cpu_budget
 from kv_offload_sidecar.data.checksum_threads import (THREAD_PREFIX, checksum_off_loop, checksum_threads,
                                                       hashes_off_loop)
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
@@ -51,12 +52,15 @@ def test_a_chunk_leaves_the_loop_only_when_big_enough_and_a_second_core_can_hash
     assert not _hands_off_with_cores(two, OFF_LOOP_BYTES - 1)
 
 
-def test_checksum_threads_follow_the_cores_the_process_may_use() -> None:
+def test_checksum_threads_follow_the_cpu_budget() -> None:
     before = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {min(before)})
+        cpu_budget.cache_clear()
         assert checksum_threads() == 1
         os.sched_setaffinity(0, before)
-        assert checksum_threads() == max(1, min(MAX_DATA_LANES, len(before)))
+        cpu_budget.cache_clear()
+        assert checksum_threads() == max(1, min(MAX_DATA_LANES, cpu_budget().cpus))
     finally:
         os.sched_setaffinity(0, before)
+        cpu_budget.cache_clear()

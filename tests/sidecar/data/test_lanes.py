@@ -4,11 +4,11 @@ own thread (``tcp.stream_worker``)."""
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Callable
 
 import pytest
+from kv_offload_sidecar.cpu_budget import cpu_budget
 from kv_offload_sidecar.data import IntegrityError, TransportError, connect
 from kv_offload_sidecar.data.lanes import LanedPeerDataClient, data_lanes_of, lane_count, lanes_offered
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
@@ -29,7 +29,7 @@ def test_lanes_are_the_fewer_of_both_offers_and_one_for_a_peer_that_states_none(
     assert lane_count(4, None) == 1
     assert lane_count(64, 64) == MAX_DATA_LANES
     assert lanes_offered(3) == 3 and lanes_offered(99) == MAX_DATA_LANES
-    assert 1 <= lanes_offered(0) == min(MAX_DATA_LANES, len(os.sched_getaffinity(0)))
+    assert 1 <= lanes_offered(0) == min(MAX_DATA_LANES, cpu_budget().cpus)
 
 
 async def test_a_fetch_stripes_its_chunks_over_every_lane_and_lands_them_byte_identical(

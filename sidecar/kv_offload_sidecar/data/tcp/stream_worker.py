@@ -40,14 +40,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kv_offload_sidecar.bulk_copies import usable_cores
+from kv_offload_sidecar.cpu_budget import cpu_budget
 from kv_offload_sidecar.data.base import ReceiveStopped
 from kv_offload_sidecar.data.write_gates import WriteGate
 
@@ -60,12 +59,11 @@ OFF_LOOP_BYTES = 1 << 20
 POLL_MILLISECONDS = 50
 
 
-@functools.cache
 def spare_core() -> bool:
-    """Whether this process may use more than one core (``usable_cores``: affinity and
-    cgroup quota, counted once): only then does a hash handed to another thread run beside
+    """Whether this process's CPU budget has more than one core (``cpu_budget``, read
+    once): only then does a hash handed to another thread run beside
     the work it was taken from instead of taking turns with it."""
-    return usable_cores() > 1
+    return cpu_budget().cpus > 1
 
 
 def send_some(sock: socket.socket, views: list[memoryview]) -> int:
