@@ -117,7 +117,7 @@ def _filling(row: memoryview) -> bool:
     return row[:WATCHED_BYTES] != bytes([GUARD]) * WATCHED_BYTES
 
 
-def _block_until(probe: Callable[[], object], bound: float = HANG_BOUND_SECONDS) -> bool:
+def block_until(probe: Callable[[], object], bound: float = HANG_BOUND_SECONDS) -> bool:
     """Block the calling thread (the fetcher's loop) until ``probe()``; False past ``bound``."""
     end = time.monotonic() + bound
     while not probe():
@@ -200,7 +200,7 @@ async def holder_stopped_past_deadline(connect: Connect, store: Any, keys: Seque
             row[:] = bytes([SENTINEL]) * nbytes
             os.kill(holder_pid, signal.SIGCONT)
             # The connection's thread refuses the rest or writes it into the row (a bug).
-            _block_until(lambda: refusals(before) or row[-1] != SENTINEL)
+            block_until(lambda: refusals(before) or row[-1] != SENTINEL)
     finally:
         os.kill(holder_pid, signal.SIGCONT)
     out.outcome = await _settle(fetch)
@@ -218,7 +218,7 @@ async def holder_stopped_past_deadline(connect: Connect, store: Any, keys: Seque
         out.refetched = await client.fetch([keys[1], keys[0]], store, timeout=60)
     finally:
         await _close(client)
-    out.verified = sum(_verifies(store, k, expected) for k in keys[:2])
+    out.verified = sum(verifies(store, k, expected) for k in keys[:2])
     return out
 
 
@@ -252,7 +252,7 @@ async def loop_blocked_past_deadline(connect: Connect, store: Any, keys: Sequenc
     out.refused = refusals(before)
     stored = [k for k in keys if store.contains(k)]
     out.stored = len(stored)
-    out.verified = sum(_verifies(store, k, expected) for k in stored)
+    out.verified = sum(verifies(store, k, expected) for k in stored)
     landings.release(offers)
     await _close(client)
     return out
@@ -263,7 +263,8 @@ def ended_as_expected(outcome: object) -> bool:
     return isinstance(outcome, (int, ReceiveStopped))
 
 
-def _verifies(store: Any, key: bytes, expected: Expected) -> bool:
+def verifies(store: Any, key: bytes, expected: Expected) -> bool:
+    """Whether chunk ``key`` is visible in ``store`` with the bytes ``expected(key)``."""
     pin = store.pin(key)
     if pin is None:
         return False
@@ -275,6 +276,6 @@ def _verifies(store: Any, key: bytes, expected: Expected) -> bool:
 
 __all__ = [
     "BIG_CHUNK", "GUARD", "SENTINEL", "SMALL_CHUNK", "SMALL_CHUNKS", "HolderStoppedRun",
-    "LoopBlockedRun", "ended_as_expected", "guarded_row", "holder_stopped_past_deadline",
-    "loop_blocked_past_deadline", "refusals",
+    "LoopBlockedRun", "block_until", "changed_bytes", "ended_as_expected", "guarded_row",
+    "holder_stopped_past_deadline", "loop_blocked_past_deadline", "refusals", "verifies",
 ]

@@ -32,12 +32,13 @@ def late_writer_table(results: Sequence[LateWriterResult]) -> str:
     """The late-writer figures as a markdown table, one row per plane."""
     lines = ["| late writer | runs of each case | holder stopped mid-chunk | loop blocked with rows "
              "filling | bytes after a deadline | writes refused (stopped / blocked) | "
-             "chunks stored after a cut, verified | unexpected endings | seconds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "slots held mid-write (ucx, nixl) | chunks stored after a cut, verified | "
+             "unexpected endings | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.plane} | {r.runs} | {r.holder_stopped_in_flight} | {r.loop_blocked_in_flight} | "
                      f"{r.bytes_after_deadline} | {r.writes_refused} ({r.refused_holder_stopped} / "
-                     f"{r.refused_loop_blocked}) | {r.chunks_stored}, {r.chunks_verified} | "
+                     f"{r.refused_loop_blocked}) | {r.slots_held} | {r.chunks_stored}, {r.chunks_verified} | "
                      f"{r.unexpected_endings} | {r.seconds:.0f} |")
     return "\n".join(lines)
 

@@ -36,13 +36,14 @@ def make_store(shm_dir: str) -> Iterator[Callable[..., ChunkStore]]:
 
 @pytest.fixture
 def start_peer(shm_dir: str) -> Iterator[Callable[..., PeerProcess]]:
-    """Start a chunk server process: ``start_peer(kind="tcp", chunks=16, chunk_bytes=..., corrupt="",
+    """Start a chunk server process: ``start_peer(kind="tcp", tls=None, chunks=16, chunk_bytes=..., corrupt="",
     auth_timeout=5.0, certs=None, log_file="")`` (auth_timeout also bounds a frame stalled mid-payload
     and a TLS handshake; ``certs``, a ``kv_offload_tools.certs.CertFiles``, serves TCP under TLS;
-    ``log_file`` receives its log from INFO up)."""
+    ``log_file`` receives its log from INFO up; ``tls``: ``UCX_TLS`` of a ucx server, default
+    "sm,self", or of a nixl server's UCX, default the suite's)."""
     started: list[PeerProcess] = []
 
-    def start(kind: str = "tcp", *, tls: str = "sm,self", chunks: int = 16,
+    def start(kind: str = "tcp", *, tls: str | None = None, chunks: int = 16,
               chunk_bytes: int = 256 * 1024, corrupt: str = "", auth_timeout: float = 5.0,
               certs: Any = None, log_file: str = "") -> PeerProcess:
         extra_args = [] if certs is None else ["--tls-cert-file", certs.cert_file, "--tls-key-file",
@@ -50,11 +51,11 @@ def start_peer(shm_dir: str) -> Iterator[Callable[..., PeerProcess]]:
         if log_file:
             extra_args += ["--log-file", log_file]
         proc = subprocess.Popen(
-            [sys.executable, PEERS_SCRIPT, "serve", "--kind", kind, "--tls", tls,
+            [sys.executable, PEERS_SCRIPT, "serve", "--kind", kind, "--tls", tls or "sm,self",
              "--chunks", str(chunks), "--chunk-bytes", str(chunk_bytes), "--corrupt", corrupt,
              "--shm-dir", shm_dir, "--auth-timeout", str(auth_timeout), *extra_args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=ucx_env(tls) if kind == "ucx" else None,
+            env=ucx_env(tls or "sm,self") if kind == "ucx" or tls else None,
         )
         assert proc.stdout is not None
         line = proc.stdout.readline()

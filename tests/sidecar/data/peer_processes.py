@@ -66,6 +66,21 @@ def ucx_env(tls: str) -> dict[str, str]:
     return env
 
 
+def run_late_slot_writer(peer: PeerProcess, plane: str, *, tls: str, shm_dir: str, chunks: int,
+                         chunk_bytes: int, runs: int = 1, cases: str = "",
+                         timeout: float = 120) -> list[dict[str, Any]]:
+    """Run ``kv_offload_tools.chaos.late_slot_writer`` (the fetcher of the UCX and NIXL late-writer
+    cases) in its own process against ``peer``, which holds chunks 0..``chunks``-1 of
+    ``transport_peers``; its ``SlotRun`` dicts."""
+    from kv_offload_tools.chaos.late_slot_writer import run_fetcher
+    from transport_peers import SESSION_ID, SESSION_KEY, content_of, key_of
+
+    return run_fetcher(plane, ucx_tls=tls, address=peer.address, holder_pid=peer.pid,
+                       session=(SESSION_ID, SESSION_KEY),
+                       contents={key_of(i): content_of(i, chunk_bytes) for i in range(chunks)},
+                       shm_dir=shm_dir, runs=runs, cases=cases, env=ucx_env(tls), timeout=timeout)
+
+
 def run_ucx_client(peer: PeerProcess, scenario: str, *, tls: str, shm_dir: str, chunks: int,
                    chunk_bytes: int, timeout: float = 60, lanes: int = 1,
                    corrupt: str = "") -> dict[str, Any]:

@@ -213,77 +213,7 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
     async def before_auth(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:
         return await _before_auth(args)
 
-    return await client_scenario(args, "cli", 10, lanes, {"garbage": _garbage, "before_auth": before_auth,
-                                                         "late_holder": _late_holder})
-
-
-async def _late_holder(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:
-    """The holder is stopped (SIGSTOP) while it writes the first chunk into its slot, past the
-    fetch's deadline, and resumed (SIGCONT) once the fetch gave up, the slot filled with a
-    sentinel: the slot must be free only once the holder's write is over (then the sentinel
-    is gone: the slot was quarantined meanwhile) or keep the sentinel (nothing came)."""
-    import threading
-
-    from kv_offload_sidecar.data import TransportError, connect
-    from kv_offload_sidecar.data.ucx.client import quarantined_slots
-
-    first: list[Any] = []
-
-    class Watched:
-        """The store, with the first reservation's slot remembered."""
-
-        slot_bytes = store.slot_bytes
-        contains, lookup_prefix, pin = store.contains, store.lookup_prefix, store.pin
-
-        def begin_write(self, key: bytes) -> Any:
-            res = store.begin_write(key)
-            if res is not None and not first:
-                first.append(res)
-            return res
-
-    def stop_when_filling() -> None:
-        while not first:
-            pass
-        view, zeros = first[0].view, bytes(4096)
-        while view[:4096] == zeros:
-            pass
-        os.kill(args.server_pid, signal.SIGSTOP)
-
-    stopper = threading.Thread(target=stop_when_filling, daemon=True)
-    stopper.start()
-    client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
-    out: dict[str, Any] = {}
-    try:
-        await client.fetch(keys[:1], Watched(), timeout=1.0)
-        out["error"] = None
-    except TransportError as exc:
-        out["error"] = str(exc)
-    out["stopped_mid_chunk"] = not stopper.is_alive()
-    stride = store.slot_stride
-    slot = first[0].slot
-    raw = store._mv[slot * stride: slot * stride + args.chunk_bytes]  # the slot, reserved or not
-    out["partial"] = raw[-4096:] == bytes(4096)
-    out["held_by_failure"] = store.used_bytes // stride
-    raw[:] = b"\x5a" * args.chunk_bytes
-    os.kill(args.server_pid, signal.SIGCONT)
-    # Until the slot is free again (the holder's write over) or, should it be free already,
-    # the holder's late bytes overwrote the sentinel.
-    until = time.monotonic() + 10
-    while store.used_bytes and time.monotonic() < until:
-        await asyncio.sleep(0.01)
-    while store.used_bytes == 0 and raw[:] == b"\x5a" * args.chunk_bytes and time.monotonic() < until:
-        await asyncio.sleep(0.01)
-    out["overwritten_while_free"] = store.used_bytes == 0 and raw[:] != b"\x5a" * args.chunk_bytes \
-        and out["held_by_failure"] == 0
-    out["held_at_end"] = store.used_bytes // stride
-    out["quarantined"] = quarantined_slots()
-    raw.release()
-    await client.close()
-    # The slot is reused: every chunk fetched now verifies and stays intact.
-    client = await connect(args.address, SESSION_ID, SESSION_KEY, timeout=10)
-    out["refetched"] = await client.fetch(keys, store, timeout=20)
-    await client.close()
-    return out
+    return await client_scenario(args, "cli", 10, lanes, {"garbage": _garbage, "before_auth": before_auth})
 
 
 async def _garbage(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:

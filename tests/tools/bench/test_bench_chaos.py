@@ -70,18 +70,23 @@ def test_a_tiny_nixl_fault_run_delivers_nothing_corrupt_and_loses_nothing() -> N
 
 
 def test_the_late_writer_row_writes_no_byte_after_a_deadline_and_its_gates_refused() -> None:
-    """Two runs of each late-writer case on tcp and tls holder sidecars (~20 s)."""
+    """Two runs of each late-writer case on tcp, tls, ucx and nixl holder sidecars (~40 s)."""
     done = subprocess.run([*CLI, "--late-writer-only", "--late-writer-runs", "2", "--json", "--quiet",
-                           "--plot", ""], capture_output=True, text=True, timeout=150)
+                           "--plot", ""], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     report = json.loads(done.stdout)
     assert report["faults"] == [] and report["ok"] is True
     planes = {r["plane"]: r for r in report["late_writer"]}
-    assert set(planes) == {"tcp", "tls"}
+    assert set(planes) == {"tcp", "tls", "ucx", "nixl"}
     for r in planes.values():
-        assert r["runs"] == 2 and r["holder_stopped_in_flight"] >= 1, r  # a SIGSTOP landed mid-chunk
-        assert r["bytes_after_deadline"] == 0, r
-        # Each resumed holder's bytes were refused by the gate.
-        assert r["refused_holder_stopped"] >= r["holder_stopped_in_flight"], r
+        assert r["runs"] == 2 and r["bytes_after_deadline"] == 0, r
         assert r["chunks_verified"] == r["chunks_stored"] >= 4, r  # the reused slot verifies
         assert r["unexpected_endings"] == 0, r
+    for r in (planes["tcp"], planes["tls"]):
+        assert r["holder_stopped_in_flight"] >= 1, r  # a SIGSTOP landed mid-chunk
+        # Each resumed holder's bytes were refused by the gate.
+        assert r["refused_holder_stopped"] >= r["holder_stopped_in_flight"], r
+    # ucx: the stopped holder's slot stayed held until its write was over.
+    assert planes["ucx"]["slots_held"] == planes["ucx"]["holder_stopped_in_flight"] >= 1, planes["ucx"]
+    # nixl: every READ posted past the deadline was refused by the lane's gate check.
+    assert planes["nixl"]["refused_loop_blocked"] == planes["nixl"]["loop_blocked_in_flight"] == 2, planes["nixl"]

@@ -1,9 +1,8 @@
 """The chaos bench's "late writer" row: no byte lands in a slot or a row after its transfer's
 deadline, per data plane, against real holder sidecars (issue 47, item 6).
 
-Per plane (``LATE_WRITER_PLANES``: tcp, and tls, the tcp transport with the pool's
-certificates) this process is the fetcher: it does the pool handshake with a holder sidecar
-of a pool of its own (one holder of ``BIG_CHUNK`` chunks, one of ``SMALL_CHUNK`` chunks, each
+Per socket plane (tcp, and tls, the tcp transport with the pool's certificates) this process
+is the fetcher: it does the pool handshake with a holder sidecar of a pool of its own (one holder of ``BIG_CHUNK`` chunks, one of ``SMALL_CHUNK`` chunks, each
 chunk ``chunk_content(key)``), connects to its data port with the plane's client, and runs the
 two cases of ``chaos.late_writer`` ``runs`` times each, on the process's chaos loop
 (``chaos.loop``), which they block on purpose:
@@ -11,6 +10,14 @@ two cases of ``chaos.late_writer`` ``runs`` times each, on the process's chaos l
 - ``holder_stopped``: the holder sidecar SIGSTOPped mid-chunk, the loop blocked past the row's
   deadline, the holder SIGCONTed; then two chunks fetched into the reused slot must verify.
 - ``loop_blocked``: the loop blocked past the rows' deadline while the holder keeps sending.
+
+ucx and nixl (``SLOT_PLANES``): the cases of ``chaos.late_slot_writer`` (the ones the tests run),
+``runs`` times in a fetcher process of their own (UCX and NIXL read their environment once per
+process) against one holder sidecar of ``BIG_CHUNK`` chunks of the plane: ucx its
+``holder_stopped`` (the holder's put_zcopy stopped mid-chunk past the fetch's deadline: the
+slot must stay held until the write is over, ``slots_held``), nixl its ``loop_blocked`` (the
+read job posted past the deadline: the lane's gate must refuse the READ). NIXL's
+holder_stopped needs UCX's tcp transport, where the holder crashes today (see that module).
 
 Figures per plane (``LateWriterResult``): runs of each case, runs in which the fault struck a
 transfer in flight, bytes written into a row or slot after the deadline (sentinel bytes
@@ -45,7 +52,12 @@ from kv_offload_tools.chaos.probes import probe_handshake
 from kv_offload_tools.local_pool import LocalPool
 
 # The planes the row runs on.
-LATE_WRITER_PLANES = ("tcp", "tls")
+LATE_WRITER_PLANES = ("tcp", "tls", "ucx", "nixl")
+# Planes whose bytes the holder writes (UCX) or the fetcher READs (NIXL) into a slot without a
+# socket: their cases (``chaos.late_slot_writer``) run in a fetcher process of their own.
+SLOT_PLANES = ("ucx", "nixl")
+# UCX_TLS of the ucx holders and their fetcher: put_zcopy over shared memory.
+UCX_ROW_TLS = "sm,self"
 # Seconds from a row's offer to its deadline: far above the first byte's arrival on this host,
 # short so a run is quick (a run whose first byte came later counts as not in flight).
 ROW_SECONDS = 0.5
@@ -63,8 +75,13 @@ class LateWriterResult:
     runs: int = 0
     # Runs in which the holder was stopped mid-chunk before the row's deadline.
     holder_stopped_in_flight: int = 0
-    # Runs in which rows were still being filled when the loop was blocked past their deadline.
+    # Runs in which rows were still being filled when the loop was blocked past their deadline
+    # (nixl: the read job was posted past the fetch's deadline).
     loop_blocked_in_flight: int = 0
+    # The cases run ("holder_stopped", "loop_blocked"; ucx runs the first, nixl the second).
+    cases: tuple[str, ...] = ("holder_stopped", "loop_blocked")
+    # ucx, nixl: slots still held once the fetch had given up while a write could go on.
+    slots_held: int = 0
     # Bytes written into a row or slot after its deadline (must be 0).
     bytes_after_deadline: int = 0
     # Writes the gates refused (past the deadline or given up) in each case.
@@ -88,8 +105,9 @@ class LateWriterResult:
     @property
     def ok(self) -> bool:
         return (self.bytes_after_deadline == 0 and self.chunks_verified == self.chunks_stored
-                and self.unexpected_endings == 0 and self.holder_stopped_in_flight > 0
-                and self.loop_blocked_in_flight > 0)
+                and self.unexpected_endings == 0
+                and ("holder_stopped" not in self.cases or self.holder_stopped_in_flight > 0)
+                and ("loop_blocked" not in self.cases or self.loop_blocked_in_flight > 0))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -102,7 +120,7 @@ def late_writer(runs: int, progress: Progress | None = None,
                 planes: tuple[str, ...] = LATE_WRITER_PLANES) -> list[LateWriterResult]:
     """``runs`` runs of each case per plane; one result per plane."""
     progress = progress or (lambda line: None)
-    return [_plane(plane, runs, progress) for plane in planes]
+    return [(_slot_plane if plane in SLOT_PLANES else _plane)(plane, runs, progress) for plane in planes]
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,9 @@ class _Holder:
     keys: list[bytes]
     connect: Callable[[], Any]
     pid: int
+    # The holder's data address and the session (id, key) of the handshake.
+    address: str = ""
+    session: tuple[bytes, bytes] = (b"", b"")
 
 
 def _plane(plane: str, runs: int, progress: Progress) -> LateWriterResult:
@@ -157,6 +178,46 @@ def _plane(plane: str, runs: int, progress: Progress) -> LateWriterResult:
     return result
 
 
+def _slot_plane(plane: str, runs: int, progress: Progress) -> LateWriterResult:
+    """ucx, nixl: the plane's cases (``late_slot_writer.PLANE_CASES``) run ``runs`` times by a
+    fetcher process of their own against one holder sidecar of ``BIG_CHUNK`` chunks."""
+    import os
+
+    from kv_offload_tools.chaos.late_slot_writer import PLANE_CASES, run_fetcher
+
+    cases = PLANE_CASES[plane]
+    result = LateWriterResult(plane, runs=runs, cases=cases)
+    started = time.monotonic()
+    tls = UCX_ROW_TLS if plane == "ucx" else os.environ.get("UCX_TLS", "")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_"))}
+    if tls:
+        env["UCX_TLS"] = tls
+    with _holder(plane, BIG_CHUNK, 2, None, env) as big:
+        fetched = run_fetcher(plane, ucx_tls=tls, address=big.address, holder_pid=big.pid,
+                              session=big.session, contents=_contents(big.keys, BIG_CHUNK),
+                              shm_dir=big.pool.workdir, runs=runs, env=env, timeout=60 + 30 * runs)
+    for i, run in enumerate(fetched):
+        case = run["case"]
+        if case == "holder_stopped":
+            result.holder_stopped_in_flight += run["in_flight"]
+            result.refused_holder_stopped += run["refused"]
+        else:
+            result.loop_blocked_in_flight += run["in_flight"]
+            result.refused_loop_blocked += run["refused"]
+        result.slots_held += run["held_by_failure"]
+        result.bytes_after_deadline += run["bytes_after_deadline"]
+        result.chunks_stored += run["refetched"]
+        result.chunks_verified += run["verified"]
+        if "deadline" not in (run["error"] or "") or run["held_at_end"] or run["refetch_error"]:
+            result.unexpected_endings += 1
+            result.notes.append(f"run {i // len(cases)} {case}: the fetch ended with {run['error']!r}, "
+                                f"{run['held_at_end']} slots held after, refetch: {run['refetch_error']!r}")
+    progress(f"late writer on {plane}: {runs} runs, {result.bytes_after_deadline} bytes after a "
+             f"deadline, {result.writes_refused} writes refused, {result.slots_held} slots held")
+    result.seconds = round(time.monotonic() - started, 1)
+    return result
+
+
 def _contents(keys: list[bytes], nbytes: int) -> dict[bytes, bytes]:
     return {key: chunk_content(key, nbytes) for key in keys}
 
@@ -182,8 +243,10 @@ def _certificates(plane: str) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _holder(plane: str, chunk_bytes: int, chunks: int, certs: Any) -> Iterator[_Holder]:
-    """A one-sidecar pool holding ``chunks`` chunks of ``chunk_bytes``, and a connect to it."""
+def _holder(plane: str, chunk_bytes: int, chunks: int, certs: Any,
+            env: dict[str, str] | None = None) -> Iterator[_Holder]:
+    """A one-sidecar pool holding ``chunks`` chunks of ``chunk_bytes``, and a connect to it
+    (``env``: the sidecar's UCX environment, e.g. its UCX_TLS)."""
     from kv_offload_sidecar.data import connect
 
     ctx = None
@@ -195,14 +258,17 @@ def _holder(plane: str, chunk_bytes: int, chunks: int, certs: Any) -> Iterator[_
         extra = ("--tls-cert-file", files.cert_file, "--tls-key-file", files.key_file,
                  "--tls-ca-file", files.ca_file)
         ctx = client_context(mine.cert_file, mine.key_file, mine.ca_file)
-    with chaos_pool(chunk_bytes, (chunks + 2) * _stride(chunk_bytes), extra_args=extra) as pool:
+    transport = plane if plane in SLOT_PLANES else "tcp"
+    with chaos_pool(chunk_bytes, (chunks + 2) * _stride(chunk_bytes), extra_args=extra,
+                    transport=transport) as pool:
+        pool.env.update({k: v for k, v in (env or {}).items() if k.startswith("UCX_")})
         sc = pool.add(identity="holder", peers=[])
         keys = chunk_keys(f"late-writer-{chunk_bytes}", chunks)
         with sc.client() as engine:
             if store_chunks(engine, keys, chunk_bytes) != chunks:
                 raise RuntimeError(f"the {plane} holder stored fewer than {chunks} chunks")
         hello = pool.local_hello(identity="late-writer")
-        scheme = "tls" if ctx is not None else "tcp"
+        scheme = "tls" if ctx is not None else transport
         hello = dataclasses.replace(hello, data_address=f"{scheme}://127.0.0.1:9")
         probe = probe_handshake(sc, pool.pool_key, hello)
         session = probe.session
@@ -212,7 +278,8 @@ def _holder(plane: str, chunk_bytes: int, chunks: int, certs: Any) -> Iterator[_
                            timeout=10, ssl=ctx)
 
         assert sc.proc is not None
-        yield _Holder(pool, keys, connect_holder, sc.proc.pid)
+        yield _Holder(pool, keys, connect_holder, sc.proc.pid, probe.server_hello.data_address,
+                      (session.session_id, session.session_key))
 
 
 __all__ = ["LATE_WRITER_PLANES", "LateWriterResult", "late_writer"]
