@@ -50,7 +50,9 @@ async def _revoke(args: argparse.Namespace, keys: list[bytes], store: Any) -> di
                 finally:
                     lane.unload_remote(name, now=True, table=far)
             digest = await lane.call(read)
-            return "read" if digest is not None else "none"
+            if digest is None:
+                return "none"
+            return "read" if any(res.view) else "zeros"  # a dark range reads zeros
         except LaneError as exc:
             return f"failed: {exc}"
         finally:

@@ -144,9 +144,6 @@ def test_a_nixl_slot_a_stopped_holder_still_serves_is_not_reused_until_the_read_
     assert run["held_at_end"] == 0, run  # freed once the READ was over
 
 
-@pytest.mark.xfail(strict=True, reason="a NIXL holder over UCX's tcp transport dies (SIGSEGV) when "
-                   "it darkens (PROT_NONE) the view of a connection that closed while its UCX still "
-                   "sends a READ's bytes from it (data.nixl.exports.StoreView.revoke)")
 def test_a_nixl_holder_whose_fetcher_gave_up_mid_read_over_tcp_serves_on(
         start_peer: Callable[..., PeerProcess], shm_dir: str) -> None:
     peer, run = _nixl_over_tcp_holder_stopped(start_peer, shm_dir)

@@ -4,14 +4,17 @@
 file, registered with lane 0's agent; the connection receives the partial agent metadata
 of that registration only (its remote key and the agent's connection info), sealed under
 its session key. When the connection ends (closed, failed, or its session no longer
-authorised) the view is deregistered and its address range made inaccessible (PROT_NONE,
-its page-table entries dropped), so the remote key and the addresses it names are dead: a
-late READ through them fails instead of reading the store. Deregistering alone is not
-enough: over cma (UCX's choice between processes of one PID namespace) a READ is a
-``process_vm_readv`` of the holder's address, which the kernel checks against the
-holder's mappings, not against NIXL's registrations. An unmapped range would leave a hole
-that the holder's next large allocation may fill, and a kept address would then read that
-memory; a PROT_NONE range reads nothing.
+authorised) the view is deregistered and its address range *darkened*: the store file's
+mapping there is replaced in place (``MAP_FIXED``) by an anonymous read-only mapping of
+zeros, so the remote key and the addresses it names are dead: a late READ through them
+reads zeros (its checksum fails) instead of the store. Deregistering alone is not enough:
+over cma (UCX's choice between processes of one PID namespace) a READ is a
+``process_vm_readv`` of the holder's address, which the kernel checks against the holder's
+mappings, not against NIXL's registrations. An unmapped range would leave a hole that the
+holder's next large allocation may fill, and a kept address would then read that memory.
+Zeros rather than PROT_NONE: over UCX's tcp transport the holder's own UCX sends a READ's
+bytes from the range, and a send still under way when the fetcher gave up and the view was
+revoked would fault on a PROT_NONE page and kill the holder; it reads zeros instead.
 
 The dark ranges are kept, one per revoked view, and the next view takes the one darkest
 longest instead of mapping anew, so the address space held never exceeds the most views
@@ -48,21 +51,25 @@ DEFAULT_LEASE_SECONDS = 10.0
 _live: set[int] = set()
 # Views ever exported by this process.
 _exported = [0]
-# Revoked views' mappings, dark (PROT_NONE), oldest first, by the store file's (device,
+# Revoked views' mappings, dark (zeros), oldest first, by the store file's (device,
 # inode, mapped size): each is lent again to a later view of that file instead of a new mapping.
 _dark: dict[tuple[int, int, int], deque[mmap.mmap]] = {}
 
-# mprotect's "no access" (the mmap module names only PROT_READ, PROT_WRITE, PROT_EXEC).
-PROT_NONE = 0
+# mmap(2)'s MAP_FIXED on Linux (the mmap module does not name it): replace what is mapped there.
+MAP_FIXED = 0x10
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long)
 
 
-def _protect(base: int, size: int, prot: int) -> None:
-    if _libc.mprotect(base, size, prot) != 0:
+def _map_over(base: int, size: int, flags: int, fd: int = -1) -> None:
+    """Map ``fd`` (-1: anonymous zeros) read-only over ``[base, base + size)`` in place."""
+    got = _libc.mmap(base, size, mmap.PROT_READ, flags | MAP_FIXED, fd, 0)
+    if got is None or got == ctypes.c_void_p(-1).value or got != base:
         err = ctypes.get_errno()
-        raise OSError(err, f"mprotect of a store view: {os.strerror(err)}")
+        raise OSError(err, f"remapping a store view: {os.strerror(err)}")
 
 
 def _address_of(mapping: mmap.mmap) -> int:
@@ -82,7 +89,7 @@ def exported_views() -> int:
 
 
 def dark_views() -> int:
-    """Ranges of revoked views kept inaccessible, waiting to be lent to a later view."""
+    """Ranges of revoked views kept dark (reading zeros), waiting to be lent to a later view."""
     return sum(len(q) for q in _dark.values())
 
 
@@ -111,7 +118,7 @@ def _lend_range(path: str, size: int) -> tuple[mmap.mmap, tuple[int, int, int]]:
         waiting = _dark.get(key)
         if waiting:
             mapping = waiting.popleft()
-            _protect(_address_of(mapping), size, mmap.PROT_READ)
+            _map_over(_address_of(mapping), size, mmap.MAP_SHARED, fd)  # the store again
             return mapping, key
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), key
     finally:
@@ -119,14 +126,14 @@ def _lend_range(path: str, size: int) -> tuple[mmap.mmap, tuple[int, int, int]]:
 
 
 def _darken(key: tuple[int, int, int], mapping: mmap.mmap) -> None:
-    """Make ``mapping`` unreadable by anyone (cma included) and keep its range for a later view."""
+    """Make ``mapping``'s range read zeros for anyone (cma included), never the store, and
+    keep the range for a later view."""
     try:
-        _protect(_address_of(mapping), key[2], PROT_NONE)
+        _map_over(_address_of(mapping), key[2], mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as exc:  # never leave it readable: give the range back instead
         log.warning("NIXL: %s; unmapping the view", exc)
         mapping.close()
         return
-    mapping.madvise(mmap.MADV_DONTNEED)  # its page tables go; the store's pages stay in the file
     _dark.setdefault(key, deque()).append(mapping)
 
 
