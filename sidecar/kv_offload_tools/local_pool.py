@@ -194,6 +194,9 @@ def sidecar_command() -> list[str]:
 class LocalPool:
     """Sidecar processes on 127.0.0.1 sharing one config and pool key; a context manager."""
 
+    # What a sidecar of the pool is (a NetnsPool's run in network namespaces).
+    process_class: type[SidecarProcess] = SidecarProcess
+
     def __init__(self, n: int = 3, *, transport: str = "tcp", config: OffloadingConfig | None = None,
                  pool_key: bytes = DEFAULT_POOL_KEY, capacity_bytes: int = 32 << 20,
                  dp_indices: Sequence[int] = (0,), fetch_deadline_seconds: float = 2.0,
@@ -344,7 +347,7 @@ class LocalPool:
             args += ["--peers", ",".join(peers)]
         env = self._environment(override)
         argv = self.launcher(args, env) if self.launcher else [*sidecar_command(), *args]
-        return SidecarProcess(len(self.sidecars), identity, base_port, self.dp_indices, transport, argv,
+        return self.process_class(len(self.sidecars), identity, base_port, self.dp_indices, transport, argv,
                               env, os.path.join(self.workdir, f"{identity}.log"),
                               expect_connect, admin_token=self.admin_token,
                               model_identity=o.model_identity or self.model_identity)

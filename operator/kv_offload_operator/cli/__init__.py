@@ -48,6 +48,8 @@ BENCHES: dict[str, tuple[str, str]] = {
             "recompute on the GPU against a peer hit landing in GPU memory, per prompt length"),
     "attack": ("kv_offload_tools.bench.attack",
                "hostile clients against a live pool: memory, logs and the honest load"),
+    "netns": ("kv_offload_tools.bench.netns",
+              "pods in network namespaces: what silent and asymmetric partitions cost today"),
 }
 
 

@@ -1,0 +1,128 @@
+"""NetnsPool: a LocalPool whose sidecars run one per pod namespace of a PodNetwork.
+
+Each sidecar runs inside its pod's namespace (``ip netns exec``, through LocalPool's
+launcher hook), binds the pod's address (``--host``) on the same control port as
+every other pod (``base_port``, as pods of one Deployment do), and finds its peers
+only by the pool's name (``--peers-dns``), which its namespace's hosts file maps to
+every pod. Work directory, store files and local channel sockets are LocalPool's
+(shared memory, the same in every network namespace).
+
+The process that drives the pool (a test, the bench) stays in its own namespace;
+``NetnsSidecar`` enters the pod's namespace for each control-API request and for
+connecting an engine client (``ip.inside``), so a client made by ``client()``
+is the pod's own engine: its control-port request comes from inside the pod, and
+its local channel is the Unix socket. The pool's faults are its network's:
+``pool.net.partition(...)``, ``pool.net.cap_bandwidth(...)``.
+
+``stop`` stops the sidecars, then destroys the network (nothing left with its prefix).
+``add`` is not supported yet (the mesh is the pods ``start`` made).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kv_offload_sidecar.engine.client import EngineClient
+
+from kv_offload_tools.http_client import http_text
+from kv_offload_tools.local_pool import LocalPool, SidecarOverride, sidecar_command
+from kv_offload_tools.netns.ip import inside
+from kv_offload_tools.netns.network import Pod, PodNetwork
+from kv_offload_tools.sidecar_process import SidecarProcess
+
+# Control port of every pod's sidecar (the sidecar's default, as in a real pool).
+DEFAULT_BASE_PORT = 5710
+# The headless Service's stand-in name.
+DEFAULT_POOL_NAME = "pool.kvo.test"
+
+
+class NetnsSidecar(SidecarProcess):
+    """A sidecar in a pod namespace; its control API and engine clients are reached from inside it."""
+
+    # The pod's network namespace (set by NetnsPool before the first start).
+    netns: str = ""
+
+    def get(self, path: str, timeout: float = 5.0, *, auth: bool = True) -> tuple[int, Any]:
+        with inside(self.netns):
+            return super().get(path, timeout, auth=auth)
+
+    def post(self, path: str, body: Any, timeout: float = 5.0, *, auth: bool = True) -> tuple[int, Any]:
+        with inside(self.netns):
+            return super().post(path, body, timeout, auth=auth)
+
+    def metrics_text(self) -> str:
+        with inside(self.netns):
+            return http_text(self.url + "/metrics")
+
+    def client(self, dp_index: int | None = None, timeout: float = 5.0) -> EngineClient:
+        with inside(self.netns):
+            return super().client(dp_index, timeout)
+
+
+class NetnsPool(LocalPool):
+    """``n`` pods, each a namespace with one sidecar; a context manager (see the module docstring)."""
+
+    process_class = NetnsSidecar
+
+    def __init__(self, n: int = 3, *, pool_name: str = DEFAULT_POOL_NAME,
+                 base_port: int = DEFAULT_BASE_PORT, **kwargs: Any) -> None:
+        if "launcher" in kwargs:
+            raise TypeError("NetnsPool launches its sidecars itself (ip netns exec)")
+        super().__init__(n, launcher=self._launch, **kwargs)
+        self.base_port = base_port
+        # The router and pod namespaces (made by start).
+        self.net = PodNetwork(pool_name)
+        self._pods: dict[str, Pod] = {}
+
+    def start(self, timeout: float = 60.0) -> "NetnsPool":
+        """Make the network, start one sidecar per pod, wait until all are ready and connected."""
+        try:
+            self.net.create(self.n)
+            for pod in self.net.pods:
+                identity = f"pod-{pod.index}"
+                self._pods[identity] = pod
+                override = self.overrides.get(pod.index)
+                sc = self._sidecar(identity, self.base_port, (), override, None,
+                                   expect_connect=override is None or override.joins)
+                self.sidecars.append(sc)
+                sc.start(wait=False)
+            self.wait_ready(timeout)
+            if self.model_identity is not None:
+                self.wait_connected(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _sidecar(self, identity: str, base_port: int, peers: Sequence[str],
+                 override: SidecarOverride | None, capacity_bytes: int | None,
+                 expect_connect: bool) -> SidecarProcess:
+        sc = super()._sidecar(identity, base_port, peers, override, capacity_bytes, expect_connect)
+        pod = self._pods[identity]
+        sc.host = pod.ip
+        sc.netns = pod.netns  # type: ignore[attr-defined]
+        return sc
+
+    def _launch(self, args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+        """``ip netns exec <pod> kv-offload sidecar ... --host <pod ip> --peers-dns <pool name>``."""
+        argv = list(args)
+        pod = self._pods[argv[argv.index("--identity") + 1]]
+        argv[argv.index("--host") + 1] = pod.ip
+        return [shutil.which("ip") or "ip", "netns", "exec", pod.netns, *sidecar_command(), *argv,
+                "--peers-dns", self.net.pool_name]
+
+    def pod(self, key: int | str) -> Pod:
+        """The pod of a sidecar (by position or identity)."""
+        return self._pods[self[key].identity]
+
+    def add(self, *args: Any, **kwargs: Any) -> SidecarProcess:
+        raise NotImplementedError("NetnsPool does not add sidecars after start yet")
+
+    def stop(self, timeout: float = 10.0) -> dict[str, int]:
+        """Stop every sidecar, then remove the network."""
+        try:
+            return super().stop(timeout)
+        finally:
+            self.net.destroy()

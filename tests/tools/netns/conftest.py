@@ -1,0 +1,53 @@
+"""Fixtures of the network-namespace tests: a bare PodNetwork and a NetnsPool of three pods.
+
+Both skip, saying why, where this process may not make network namespaces (not root,
+not Linux, a container without CAP_SYS_ADMIN). Teardown removes every namespace the
+fixture made (``PodNetwork.destroy`` fails the test when one is left).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from kv_offload_tools.netns.ip import unavailable
+from kv_offload_tools.netns.network import PodNetwork
+from kv_offload_tools.netns.pool import NetnsPool
+
+
+@pytest.fixture(scope="session")
+def netns_permitted() -> None:
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def net(netns_permitted: None) -> Iterator[PodNetwork]:
+    """Three pod namespaces and their router, no processes; faults healed after each test."""
+    network = PodNetwork().create(3)
+    try:
+        yield network
+    finally:
+        network.destroy()
+
+
+@pytest.fixture
+def clean_net(net: PodNetwork) -> Iterator[PodNetwork]:
+    """``net`` with no partition or cap left by the test."""
+    try:
+        yield net
+    finally:
+        net.heal()
+        for pod in net.pods:
+            net.uncap(pod)
+
+
+@pytest.fixture(scope="module")
+def netns_pool(netns_permitted: None) -> Iterator[NetnsPool]:
+    """Three pods, one sidecar each (tcp, 16 KiB chunks), peers found by the pool name."""
+    pool = NetnsPool(3, fetch_deadline_seconds=1.0).start()
+    try:
+        yield pool
+    finally:
+        pool.stop()
