@@ -10,6 +10,7 @@ import logging
 import pytest
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.sidecar import Sidecar
+from sidecar_support import identified
 from waiting import SAFETY_SECONDS, wait_for_async
 
 
@@ -46,7 +47,7 @@ async def test_running_serves_every_control_port_behind_the_connection_guard(mak
 
 async def test_both_ports_note_their_refusals_in_the_sidecars_one_rejection_log(make_settings, caplog):
     caplog.set_level(logging.WARNING)
-    sidecar = Sidecar(make_settings())
+    sidecar = identified(Sidecar(make_settings()))  # 503 before: a wait, not a refusal
     async with running(sidecar):
         body = json.dumps({"step": "hello", "wire_version": "1.0", "nonce": "00" * 16,
                            "key_ids": ["00" * 8]}).encode()
