@@ -357,20 +357,25 @@ class LocalPool:
         try:
             ports = [free_port_block(max(self.dp_indices) + 1) for _ in range(self.n)]
             addrs = [f"127.0.0.1:{p + self.dp_indices[0]}" for p in ports]
-            for i in range(self.n):
-                peers = [a for j, a in enumerate(addrs) if j != i]
-                override = self.overrides.get(i)
-                sc = self._sidecar(f"sidecar-{i}", ports[i], peers, override, None,
-                                   expect_connect=override is None or override.joins)
-                self.sidecars.append(sc)
-                sc.start(wait=False)
-            self.wait_ready(timeout)
-            if self.model_identity is not None:
-                self.wait_connected(timeout)
+            self._start_members([(f"sidecar-{i}", ports[i], [a for j, a in enumerate(addrs) if j != i])
+                                 for i in range(self.n)], timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_members(self, members: Sequence[tuple[str, int, Sequence[str]]], timeout: float) -> None:
+        """One sidecar per ``(identity, base port, static peers)``, the i-th with override i;
+        waits until all are ready and (with stand-in engines) connected."""
+        for i, (identity, port, peers) in enumerate(members):
+            override = self.overrides.get(i)
+            sc = self._sidecar(identity, port, peers, override, None,
+                               expect_connect=override is None or override.joins)
+            self.sidecars.append(sc)
+            sc.start(wait=False)
+        self.wait_ready(timeout)
+        if self.model_identity is not None:
+            self.wait_connected(timeout)
 
     def add(self, override: SidecarOverride | None = None, *, identity: str | None = None,
             peers: Sequence[str] | None = None, capacity_bytes: int | None = None,

@@ -80,17 +80,8 @@ class NetnsPool(LocalPool):
         """Make the network, start one sidecar per pod, wait until all are ready and connected."""
         try:
             self.net.create(self.n)
-            for pod in self.net.pods:
-                identity = f"pod-{pod.index}"
-                self._pods[identity] = pod
-                override = self.overrides.get(pod.index)
-                sc = self._sidecar(identity, self.base_port, (), override, None,
-                                   expect_connect=override is None or override.joins)
-                self.sidecars.append(sc)
-                sc.start(wait=False)
-            self.wait_ready(timeout)
-            if self.model_identity is not None:
-                self.wait_connected(timeout)
+            self._pods = {f"pod-{pod.index}": pod for pod in self.net.pods}
+            self._start_members([(identity, self.base_port, ()) for identity in self._pods], timeout)
         except BaseException:
             self.stop()
             raise
