@@ -52,6 +52,11 @@ class CpuBudget:
     # Sources skipped because they could not be read or parsed, one line each (empty: none).
     ignored: tuple[str, ...] = ()
 
+    @property
+    def said(self) -> tuple[int, str]:
+        """``(cpus, source)``, as the sidecar's start line says them."""
+        return self.cpus, self.source
+
     def view(self) -> dict[str, object]:
         return {"cpus": self.cpus, "from": self.source, "ignored": list(self.ignored)}
 
@@ -59,8 +64,8 @@ class CpuBudget:
 @functools.cache
 def cpu_budget() -> CpuBudget:
     """This process's budget, read at first use (``cpu_budget.cache_clear()`` reads it again)."""
-    budget = read_cpu_budget()
-    log.info("CPU budget: %d cpus from %s", budget.cpus, budget.source)
+    budget = read_cpu_budget()  # said once the sidecar is ready (its start line), not before:
+    log.debug("CPU budget: %d cpus from %s", budget.cpus, budget.source)  # a bad flag is one line
     return budget
 
 

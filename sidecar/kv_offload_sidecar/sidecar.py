@@ -247,9 +247,9 @@ class Sidecar:
             log.warning("the prefix-hash seed is the public default %r: anyone who knows a prompt can "
                         "compute its chunk keys; give the pool a secret seed (the operator generates one "
                         "unless spec.hashSeed is set)", DEFAULT_HASH_SEED)
-        log.info("sidecar %s ready: control %s, data %s, store %s (%d slots of %d bytes)",
-                 s.identity, ",".join(map(str, s.control_ports)), self.data_address,
-                 self.store.path, self.store.num_slots, self.store.slot_bytes)
+        log.info("sidecar %s ready: control %s, data %s, store %s (%d slots of %d bytes), %d cpus "
+                 "from %s", s.identity, ",".join(map(str, s.control_ports)), self.data_address,
+                 self.store.path, self.store.num_slots, self.store.slot_bytes, *cpu_budget().said)
 
     async def stop(self) -> None:
         """Graceful stop: in-flight engine work gets the grace bound, then close all."""
