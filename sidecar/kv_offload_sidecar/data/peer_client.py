@@ -109,7 +109,7 @@ class FramedPeerDataClient(PeerDataClient):
         sent = time.monotonic()
         try:
             await self._send(proto.encode_lookup(rid, []))
-            await answer_or_silence(fut, lambda: self.heard_at, sent, silence, float("inf"))
+            await answer_or_silence(fut, lambda: self.heard_at, silence)
             return time.monotonic() - sent
         except TimeoutError:
             exc = TransportError(f"peer silent: no frame for {silence:.3g}s after a heartbeat")
@@ -171,13 +171,15 @@ class FramedPeerDataClient(PeerDataClient):
             reader.cancel()
 
 
-async def answer_or_silence(fut: asyncio.Future[Any], heard: Any, since: float, silence: float,
-                            limit: float) -> Any:
+async def answer_or_silence(fut: asyncio.Future[Any], heard: Callable[[], float], silence: float,
+                            within: float = float("inf")) -> Any:
     """``fut``'s result, waited for while the peer is heard from: TimeoutError once nothing
     came from it (``heard()``, the monotonic time of its last frame) for ``silence`` seconds
-    since ``since`` or its last frame, or at the monotonic time ``limit``. ``fut`` is not
+    since this call or its last frame, or after ``within`` seconds at most. ``fut`` is not
     cancelled. Before giving up the loop takes a turn, so a frame that arrived while this
     loop was busy is read first."""
+    since = time.monotonic()
+    limit = since + within
     while True:
         now = time.monotonic()
         end = min(max(since, heard()) + silence, limit)

@@ -415,12 +415,11 @@ class PeerReads:
         link = self._peers.connected(identity)
         data = link.data if link is not None else None
         silence = link.round_trips.answer_silence(deadline) if link is not None else deadline
-        now = time.monotonic()
         try:
-            return await answer_or_silence(fut, (lambda: data.heard_at) if data is not None else (lambda: now),
-                                           now, silence, now + deadline)
+            return await answer_or_silence(fut, (lambda: data.heard_at) if data is not None else float,
+                                           silence, deadline)
         except TimeoutError:
-            if silence < deadline and time.monotonic() < now + deadline:
+            if silence < deadline:
                 log.info("peer %s silent for %.0f ms: a miss (its heartbeat decides whether it is lost)",
                          identity, silence * 1e3)
             return default
