@@ -85,6 +85,13 @@ def backoff_delay(failures: int, initial: float, maximum: float,
     return draw() * min(maximum, initial * 2 ** (failures - 1))
 
 
+def backoff_cap(state: str, maximum: float) -> float:
+    """The largest back-off cap of a link in ``state``: ``maximum`` for a rejecting peer (a
+    rollout may fix it), ``HEAL_BACKOFF_MAX_SECONDS`` at most for a lost or unreachable one,
+    so a healed partition is seen within 5 s (``liveness``)."""
+    return maximum if state == "rejected" else min(maximum, HEAL_BACKOFF_MAX_SECONDS)
+
+
 @dataclass
 class PeerLink:
     """Our outbound relation with one peer control address."""
@@ -335,8 +342,7 @@ class PeerManager:
             return
         s = self._settings
         link.failures += 1
-        cap = s.backoff_max_seconds if state == "rejected" else min(s.backoff_max_seconds, HEAL_BACKOFF_MAX_SECONDS)
-        delay = backoff_delay(link.failures, s.backoff_initial_seconds, cap)
+        delay = backoff_delay(link.failures, s.backoff_initial_seconds, backoff_cap(state, s.backoff_max_seconds))
         link.retry_at = time.monotonic() + delay
         self._set_state(link, state)
         link.wake.clear()

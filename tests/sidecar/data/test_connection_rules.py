@@ -22,7 +22,7 @@ from kv_offload_sidecar.peers.liveness import LOST_AFTER_SECONDS
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from peer_processes import PeerProcess
 from transport_peers import SESSION_ID, SESSION_KEY, session
-from waiting import wait_for_async
+from waiting import wait_for, wait_for_async
 
 
 async def test_a_retired_key_ends_the_open_data_connections_of_its_sessions(
@@ -95,7 +95,8 @@ async def test_a_heartbeat_fails_once_the_holder_is_silent_for_the_lost_after_ti
         try:
             started = time.monotonic()
             with pytest.raises(TransportError, match="silent"):
-                await client.ping(LOST_AFTER_SECONDS)
+                async with asyncio.timeout(LOST_AFTER_SECONDS + 2.0):  # a hang fails too
+                    await client.ping(LOST_AFTER_SECONDS)
             took = time.monotonic() - started
         finally:
             os.kill(peer.pid, signal.SIGCONT)
@@ -110,8 +111,9 @@ async def test_both_ends_of_a_data_connection_carry_keepalive_and_a_user_timeout
         sock = client._stream.sock
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_SECONDS * 1000
-        # The server's end (another process): ss shows its keepalive timer.
+        # The server's end (another process): ss shows its keepalive timer once its last
+        # frame was acknowledged (a retransmission timer until then).
         port = peer.address.rsplit(":", 1)[1]
-        shown = subprocess.run(["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
-                               capture_output=True, text=True, check=True).stdout
-        assert shown.strip() and "timer:(keepalive" in shown, shown
+        wait_for("the server's end on a keepalive timer", lambda: "timer:(keepalive" in subprocess.run(
+            ["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
+            capture_output=True, text=True, check=True).stdout)
