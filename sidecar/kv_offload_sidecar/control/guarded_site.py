@@ -5,7 +5,8 @@ connection the guard refuses at accept is answered ``503`` (``Retry-After:
 RETRY_AFTER_SECONDS``) and closed, nothing of aiohttp built for it; an admitted one is served
 by aiohttp's ``RequestHandler``, which sees only the bytes within the guard's budget and
 whose own error answers carry ``SERVER_HEADER``. At most ``ACCEPT_BATCH`` connections are
-accepted per pass of the event loop; the kernel's queue is the system's longest.
+accepted per pass of the event loop; the kernel's queue is the system's longest. Accepted
+connections inherit the listener's keepalive and ``TCP_USER_TIMEOUT`` (``keepalive``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from kv_offload_sidecar.control.limits import RETRY_AFTER_SECONDS, ConnectionGuard, _Connection
 from kv_offload_sidecar.control.request_limits import SERVER_HEADER
+from kv_offload_sidecar.keepalive import keep_alive
 
 # Connections the control port accepts per pass of the event loop (each costs ~0.1 ms there).
 ACCEPT_BATCH = 16
@@ -124,6 +126,7 @@ class GuardedSite(web.BaseSite):
         for sock in self._server.sockets:
             with socket.socket(fileno=os.dup(sock.fileno())) as listener:
                 listener.listen(socket.SOMAXCONN)
+                keep_alive(listener)
 
 
 __all__ = ["ACCEPT_BATCH", "GuardedSite"]

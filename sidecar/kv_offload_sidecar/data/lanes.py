@@ -91,6 +91,15 @@ class LanedPeerDataClient(FramedPeerDataClient):
         return len(self._lanes)
 
     @property
+    def heard_at(self) -> float:
+        """The last frame from the holder on any lane (monotonic)."""
+        return max(lane.heard_at for lane in self._lanes)
+
+    @heard_at.setter
+    def heard_at(self, _value: float) -> None:  # each lane's reader keeps its own
+        pass
+
+    @property
     def closed(self) -> bool:
         return self._error is not None or any(lane.closed for lane in self._lanes)
 

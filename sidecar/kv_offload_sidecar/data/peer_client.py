@@ -7,13 +7,16 @@ LOOKUP_REPLY, chunks requested and not yet in), runs a fetch through the fetch e
 flight when the connection ends. A plane keeps only how bytes move: ``_send`` (one frame
 out), ``_rids`` (its request ids), ``_request_chunks`` (ask for a batch, with the slots to
 receive into), the reader task that answers the futures, and what ending the connection
-means for it (``_connection_failed``).
+means for it (``_connection_failed``). ``heard_at`` is the monotonic time of the last frame
+the reader took from the holder; ``ping`` is the links' heartbeat (``peers.liveness``): an
+empty LOOKUP, which every plane's server answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +44,8 @@ class FramedPeerDataClient(PeerDataClient):
         self._lookups: dict[int, tuple[asyncio.Future[int], int]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
+        # Monotonic time of the last frame from the holder (the reader sets it).
+        self.heard_at = time.monotonic()
 
     async def _send(self, frame: list) -> None:
         """Send one frame (a list of buffers) to the holder."""
@@ -93,6 +98,31 @@ class FramedPeerDataClient(PeerDataClient):
         finally:
             self._lookups.pop(rid, None)
 
+    async def ping(self, silence: float) -> float:
+        """One heartbeat: an empty LOOKUP; its round trip in seconds. When nothing at all came
+        from the holder for ``silence`` seconds after it left, the connection fails
+        (TransportError): a pong late behind chunks still arriving is no failure."""
+        self._check_open()
+        rid = self._rids(1)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._lookups[rid] = (fut, 0)
+        sent = time.monotonic()
+        try:
+            await self._send(proto.encode_lookup(rid, []))
+            await answer_or_silence(fut, lambda: self.heard_at, silence)
+            return time.monotonic() - sent
+        except TimeoutError:
+            exc = TransportError(f"peer silent: no frame for {silence:.3g}s after a heartbeat")
+            self._fail(exc)
+            raise exc from None
+        except TransportError:
+            raise
+        except self._send_errors as exc:
+            self._fail(exc)
+            raise TransportError(f"heartbeat failed: {exc}") from exc
+        finally:
+            self._lookups.pop(rid, None)
+
     async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
                     count: asyncio.Future[int] | None = None, first: int = 1) -> int:
         """Receive chunks straight into ``store`` slots; leading keys now visible (``count``,
@@ -139,6 +169,29 @@ class FramedPeerDataClient(PeerDataClient):
         reader = self._reader
         if reader is not None and reader is not asyncio.current_task() and not reader.done():
             reader.cancel()
+
+
+async def answer_or_silence(fut: asyncio.Future[Any], heard: Callable[[], float], silence: float,
+                            within: float = float("inf")) -> Any:
+    """``fut``'s result, waited for while the peer is heard from: TimeoutError once nothing
+    came from it (``heard()``, the monotonic time of its last frame) for ``silence`` seconds
+    since this call or its last frame, or after ``within`` seconds at most. ``fut`` is not
+    cancelled. Before giving up the loop takes a turn, so a frame that arrived while this
+    loop was busy is read first."""
+    since = time.monotonic()
+    limit = since + within
+    while True:
+        now = time.monotonic()
+        end = min(max(since, heard()) + silence, limit)
+        if end <= now:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            now = time.monotonic()
+            if not fut.done() and min(max(since, heard()) + silence, limit) <= now:
+                raise TimeoutError
+        if fut.done():
+            return fut.result()
+        await asyncio.wait({fut}, timeout=max(0.0, end - now))
 
 
 def raise_if_refused(header: proto.Header, payload: bytes | bytearray | memoryview | None) -> None:

@@ -1,6 +1,22 @@
 """What the planes' servers share: the session check that opens every connection (the
 nonce sent, the client's proof checked with ``base.auth_proof``), the deadline of a chunk's
-send, a stopping server's grace, and unexpected errors told in one line."""
+send, a stopping server's grace, unexpected errors told in one line, and the rules of the
+authenticated connections (``ProvenConnections``):
+
+- at most ``per_session`` of them per session (a peer's link holds one session, two while it
+  re-keys): the lanes this sidecar offers plus ``SESSION_CONNECTION_MARGIN``
+  (``DEFAULT_CONNECTIONS_PER_SESSION``: the most any client may ask); one more is refused at
+  its proof with ``ERROR too_many_connections`` and counted;
+- every ``SWEEP_SECONDS`` a server ends (counted and logged like a refusal) the connections
+  whose session ended, i.e. its pool key was retired and the grace passed
+  (``peers.sessions.RETIRE_GRACE_SECONDS``): within the grace plus ``SWEEP_SECONDS``; reason
+  ``unauthenticated``;
+- and those that received nothing, not even the heartbeat their client sends every
+  ``peers.liveness.HEARTBEAT_SECONDS``, for ``SILENT_CLOSE_SECONDS``: an idle connection
+  nobody pings (a client gone behind a partition, a replaced connection left open) is closed
+  within ``SILENT_CLOSE_SECONDS + SWEEP_SECONDS`` (5.5 s; its link reconnects on demand);
+  reason ``timeout``.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +25,26 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sized
+from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import Authorize, auth_proof
 from kv_offload_sidecar.rejections import clip
+from kv_offload_sidecar.settings import MAX_DATA_LANES
 
 log = logging.getLogger(__name__)
 
 # Seconds the server waits for one chunk to leave before giving up on a client.
 DEFAULT_SEND_TIMEOUT = 30.0
+# Seconds an authenticated connection may receive nothing (not even a heartbeat) before it is closed.
+SILENT_CLOSE_SECONDS = 5.0
+# Seconds between a server's sweeps of its authenticated connections.
+SWEEP_SECONDS = 0.5
+# Authenticated connections a session may hold beyond the lanes offered (a reconnect overlapping).
+SESSION_CONNECTION_MARGIN = 2
+# Authenticated connections per session unless the server is told its offer of lanes.
+DEFAULT_CONNECTIONS_PER_SESSION = MAX_DATA_LANES + SESSION_CONNECTION_MARGIN
 
 
 def make_nonce() -> bytes:
@@ -54,3 +79,48 @@ async def wait_until_idle(tasks: Sized, connections: Mapping[Any, Any], grace_se
 def describe(exc: BaseException) -> str:
     """An unexpected exception as one short line (its type and clipped text, no traceback)."""
     return f"{type(exc).__name__}: {clip(exc)}"
+
+
+class ProvenConnections:
+    """A server's authenticated connections by session: bounded per session, swept for ended
+    sessions and silence (see the module). A connection is any object with ``session_id``
+    and ``heard`` (the monotonic time it last received a frame)."""
+
+    def __init__(self, authorize: Authorize, per_session: int = DEFAULT_CONNECTIONS_PER_SESSION) -> None:
+        if per_session < 1:
+            raise ValueError(f"connections_per_session={per_session}; use at least 1")
+        self._authorize = authorize
+        self.per_session = per_session
+        self._by_session: dict[bytes, set[Any]] = {}
+
+    def admit(self, conn: Any) -> None:
+        """Count ``conn`` under its session; ``ProtocolError('too_many_connections')`` past the bound."""
+        held = self._by_session.setdefault(bytes(conn.session_id), set())
+        if len(held) >= self.per_session:
+            raise proto.ProtocolError(
+                "too_many_connections", f"session {bytes(conn.session_id).hex()[:16]} already holds "
+                f"{len(held)} data connections, the most one session may (connections_per_session="
+                f"{self.per_session}: the lanes offered + {SESSION_CONNECTION_MARGIN})")
+        held.add(conn)
+
+    def leave(self, conn: Any) -> None:
+        held = self._by_session.get(bytes(conn.session_id))
+        if held is not None:
+            held.discard(conn)
+            if not held:
+                del self._by_session[bytes(conn.session_id)]
+
+    def to_end(self, now: float) -> Iterator[tuple[Any, str, str]]:
+        """``(connection, reason, message)`` of each connection to end now."""
+        for session_id, held in list(self._by_session.items()):
+            try:
+                ended = not self._authorize(session_id)
+            except Exception:
+                ended = True
+            for conn in list(held):
+                if ended:
+                    yield conn, "unauthenticated", ("its session ended (the pool key it was made with "
+                                                    "was retired); handshake again")
+                elif now - conn.heard >= SILENT_CLOSE_SECONDS:
+                    yield conn, "timeout", (f"nothing received for {SILENT_CLOSE_SECONDS:.3g}s, "
+                                            "not even a heartbeat")

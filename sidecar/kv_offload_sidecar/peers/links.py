@@ -4,10 +4,12 @@ For every address discovery offers, one ``PeerLink`` task loops:
 handshake (``POST /v1/handshake``, both steps) -> data-plane connect with
 the session -> the peer is a *member* (``Location.member_joined``: it owns its
 share of the directory) -> watch the connection (no traffic: a closed data
-connection or a failure the engine path reports ends it) -> on any failure
+connection, a failure the engine path reports or a silent heartbeat ends it: the liveness
+rules and their detection times are in ``liveness``) -> on any failure
 close, the peer leaves the membership (``member_left``) and the link backs off
 exponentially with full jitter (``backoff_delay``: a uniform draw below a cap that starts at
-``backoff_initial_seconds`` and doubles up to ``backoff_max_seconds``, so the pool's pods do not
+``backoff_initial_seconds`` and doubles up to ``liveness.HEAL_BACKOFF_MAX_SECONDS`` for a lost
+or unreachable peer, ``backoff_max_seconds`` for a rejecting one, so the pool's pods do not
 all re-handshake a restarted peer at the same instants; a handshake from that peer cuts the
 wait short, ``wake``), except after a failure the engine path
 reports as not the peer's (this sidecar itself stalled, ``loop_stalls``): that link
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from kv_offload_sidecar.data.lanes import data_lanes_of, lane_count, lanes_offered
+from kv_offload_sidecar.keepalive import keep_alive
 from kv_offload_sidecar.metrics import PEER_STATES
 from kv_offload_sidecar.peers.handshake import (
     MAX_HANDSHAKE_BODY_BYTES,
@@ -49,6 +52,7 @@ from kv_offload_sidecar.peers.handshake import (
     Session,
 )
 from kv_offload_sidecar.peers.directory.location_wire import location_auth
+from kv_offload_sidecar.peers.liveness import HEAL_BACKOFF_MAX_SECONDS, HEARTBEAT_SECONDS, RoundTrips, heartbeat
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 from kv_offload_sidecar.waits import set_within
@@ -79,6 +83,13 @@ def backoff_delay(failures: int, initial: float, maximum: float,
     """Seconds to wait after ``failures`` consecutive failures: full jitter, a uniform draw below
     ``initial * 2 ** (failures - 1)`` capped at ``maximum``."""
     return draw() * min(maximum, initial * 2 ** (failures - 1))
+
+
+def backoff_cap(state: str, maximum: float) -> float:
+    """The largest back-off cap of a link in ``state``: ``maximum`` for a rejecting peer (a
+    rollout may fix it), ``HEAL_BACKOFF_MAX_SECONDS`` at most for a lost or unreachable one,
+    so a healed partition is seen within 5 s (``liveness``)."""
+    return maximum if state == "rejected" else min(maximum, HEAL_BACKOFF_MAX_SECONDS)
 
 
 @dataclass
@@ -113,6 +124,8 @@ class PeerLink:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     # The last failure reported was not the peer's: reconnect without backing off.
     retry_now: bool = False
+    # The peer's round trips, from the heartbeats (``liveness``).
+    round_trips: RoundTrips = field(default_factory=RoundTrips)
 
     def view(self) -> dict[str, Any]:
         return {
@@ -121,6 +134,7 @@ class PeerLink:
             "data_address": self.session.peer.data_address if self.session else None,
             "key_id": self.session.key_id.hex() if self.session else None,
             "data_lanes": data_lanes_of(self.data) if self.state == "connected" else 0,
+            "rtt_ms": round(self.round_trips.srtt * 1e3, 3) if self.round_trips.srtt is not None else None,
             "retry_in_seconds": max(0.0, round(self.retry_at - time.monotonic(), 3))
             if self.state in ("backoff", "rejected") else 0.0,
         }
@@ -173,6 +187,11 @@ class PeerManager:
             link.retry_now = False
         link.failed.set()
 
+    def answer_silence(self, identity: str, cap: float) -> float:
+        """Seconds a request waits through without a frame from this peer (``liveness``)."""
+        link = self.connected(identity)
+        return cap if link is None else link.round_trips.answer_silence(cap)
+
     def wake(self, address: str) -> None:
         """The peer at ``address`` just handshook with us: a link backing off retries now."""
         link = self._links.get(address)
@@ -219,7 +238,7 @@ class PeerManager:
         """Follow discovery forever (cleanup_ctx task)."""
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self._settings.handshake_timeout_seconds),
-            connector=aiohttp.TCPConnector(limit=0), trust_env=False,
+            connector=aiohttp.TCPConnector(limit=0, socket_factory=_keepalive_socket), trust_env=False,
             skip_auto_headers=SKIPPED_REQUEST_HEADERS)
         try:
             while True:
@@ -323,7 +342,7 @@ class PeerManager:
             return
         s = self._settings
         link.failures += 1
-        delay = backoff_delay(link.failures, s.backoff_initial_seconds, s.backoff_max_seconds)
+        delay = backoff_delay(link.failures, s.backoff_initial_seconds, backoff_cap(state, s.backoff_max_seconds))
         link.retry_at = time.monotonic() + delay
         self._set_state(link, state)
         link.wake.clear()
@@ -443,13 +462,27 @@ class PeerManager:
                     "".join(f"\n  {line}" for line in exc.diff))
 
     async def _watch(self, link: PeerLink) -> None:
-        """While connected: re-key when asked, end when the data connection closed or failed."""
-        s = self._settings
+        """While connected: a heartbeat every ``HEARTBEAT_SECONDS`` (``liveness``), re-key when
+        asked, end when the data connection closed, failed or went silent."""
         while True:
             if link.rekey:
                 await self._rekey(link)
             if link.data is None or link.data.closed:
                 raise ConnectionError(link.last_error or "data connection closed")
-            if not await set_within(link.failed, s.publish_interval_seconds):
-                continue
-            raise ConnectionError(link.last_error or "data plane failed")
+            try:
+                await heartbeat(link.data, link.round_trips)
+            except Exception as exc:
+                link.last_error = link.last_error or f"liveness: {exc}"
+                raise
+            if await set_within(link.failed, HEARTBEAT_SECONDS):
+                raise ConnectionError(link.last_error or "data plane failed")
+
+
+def _keepalive_socket(addr_info: Any) -> Any:
+    """A socket of the links' HTTP client, with the kernel's liveness rule (``keepalive``)."""
+    import socket
+
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    keep_alive(sock)
+    return sock

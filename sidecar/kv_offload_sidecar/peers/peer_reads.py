@@ -18,6 +18,11 @@ up to ``MAX_HOLDERS`` holders, each asked as soon as the previous count is
 back. Before each holder, ``fetch_cost`` decides whether fetching its claimed
 run beats the engine recomputing it; when not, the rest is a miss.
 
+A request waits for a peer's first answer (the owner's locate, a holder's count) only while
+that peer is heard from (``liveness``: it gives up after the peer's answer silence, about
+50 ms at a small round trip, and the exchange runs on to the fetch deadline in the
+background); the chunks themselves get the fetch deadline.
+
 Every failure or deadline is a miss; a failing peer is reported for back-off
 (``links.PeerManager.report_failure``), unless the exchange spanned a stall of this
 sidecar's own loop (``loop_stalls``). An owner that names a holder without
@@ -34,9 +39,11 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kv_offload_sidecar.peers.liveness import answer_or_silence
 
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
 from kv_offload_sidecar.peers.row_landings import LandingStore, RowLandings
@@ -64,6 +71,8 @@ MAX_FETCHED = 65536
 MAX_HOLDERS = 8
 # Prefix of an owner's key in the claim audit.
 OWNER_PREFIX = "owner:"
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -162,8 +171,9 @@ class PeerReads:
         if found is None:
             return []
         owner, asked = found
-        counts = await asyncio.gather(*(self._exchange(link, claim, owner, rest, end - loop.time(),
-                                                       fetch=False, hint=True) for link, claim in asked))
+        counts = await asyncio.gather(*(self._answer(
+            self._exchange(link, claim, owner, rest, end - loop.time(), fetch=False, hint=True),
+            claim.identity, end - loop.time(), 0) for link, claim in asked))
         return sorted(((link, n) for (link, _), n in zip(asked, counts) if n > 0), key=lambda x: -x[1])
 
     def _pending(self, keys: Sequence[bytes], local: int) -> tuple[int, _Prefetch] | None:
@@ -237,15 +247,22 @@ class PeerReads:
             else:
                 self._metrics.lookup_messages.inc()
         started = asyncio.get_running_loop().time()
-        try:
-            owner, holders = await self._location.locate(keys, deadline)
-        except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            log.warning("owner %s could not say where chunks are (%s); %s", owner, exc,
-                        "no routing hint" if hint else "a miss")
-            link = self._peers.connected(owner)
-            if link is not None and not hint:
-                self._blame(link, f"locate: {exc}", started)
+
+        async def ask(owner: str = owner) -> tuple[str, list[HolderClaim]] | None:
+            try:
+                return await self._location.locate(keys, deadline)
+            except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
+                log.warning("owner %s could not say where chunks are (%s); %s", owner, exc,
+                            "no routing hint" if hint else "a miss")
+                link = self._peers.connected(owner)
+                if link is not None and not hint:
+                    self._blame(link, f"locate: {exc}", started)
+                return None
+
+        found = await self._answer(ask(), owner, deadline, None)
+        if found is None:
             return None
+        owner, holders = found
         out = []
         for claim in holders:
             if claim.identity in distrusted or claim.identity == self._location.identity:
@@ -304,7 +321,8 @@ class PeerReads:
             holder = await self._holder(keys, end - loop.time())
             if holder is None:
                 break
-            n = await self._exchange(*holder, keys, end - loop.time(), fetch=False)
+            n = await self._answer(self._exchange(*holder, keys, end - loop.time(), fetch=False),
+                                   holder[1].identity, end - loop.time(), 0)
             rest = self._after_run(keys, n)
             total += len(keys) - len(rest)
             if n == 0 or not rest:
@@ -388,6 +406,24 @@ class PeerReads:
             self._claims.record(OWNER_PREFIX + owner, 1, backed)
         return got
 
+    async def _answer(self, work: Awaitable[T], identity: str, deadline: float, default: T) -> T:
+        """``work``'s result, waited for while the peer ``identity`` is heard from on its data
+        connection (``liveness.answer_or_silence``, with the peer's answer silence), ``deadline``
+        seconds at most; else ``default`` (a miss), and ``work`` runs on in the background to
+        its own deadline (its failure is blamed there)."""
+        fut = work if isinstance(work, asyncio.Future) else self._spawn(work)
+        link = self._peers.connected(identity)
+        data = link.data if link is not None else None
+        silence = link.round_trips.answer_silence(deadline) if link is not None else deadline
+        try:
+            return await answer_or_silence(fut, (lambda: data.heard_at) if data is not None else float,
+                                           silence, deadline)
+        except TimeoutError:
+            if silence < deadline:
+                log.info("peer %s silent for %.0f ms: a miss (its heartbeat decides whether it is lost)",
+                         identity, silence * 1e3)
+            return default
+
     def _fetch_store(self, client: PeerDataClient) -> ChunkStore | LandingStore:
         """The store a fetch lands in: with the rows load jobs offer, where the plane can use them."""
         store = self._store()
@@ -405,12 +441,9 @@ class PeerReads:
         self._peers.report_failure(link, error, peer_at_fault=at_fault)
 
     async def _count_of(self, prefetch: _Prefetch, keys: Sequence[bytes], deadline: float) -> int:
-        """The prefetch's count, as far as it covers ``keys``; 0 past ``deadline``."""
-        try:
-            async with asyncio.timeout(deadline):
-                n = await asyncio.shield(prefetch.count)
-        except TimeoutError:
-            return 0
+        """The prefetch's count, as far as it covers ``keys``; 0 past ``deadline`` or once the
+        holder was silent for its answer silence."""
+        n = await self._answer(prefetch.count, prefetch.holder, deadline, 0)
         same = 0
         for a, b in zip(prefetch.keys[:n], keys):
             if a != b:

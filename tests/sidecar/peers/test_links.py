@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from kv_offload_sidecar.peers.links import backoff_delay
+from kv_offload_sidecar.peers.liveness import ANSWER_FLOOR_SECONDS, HEAL_BACKOFF_MAX_SECONDS, RoundTrips
+from kv_offload_sidecar.peers.links import backoff_cap, backoff_delay
 
 
 def test_the_delay_is_drawn_between_zero_and_the_doubling_cap():
@@ -21,3 +22,23 @@ def test_pods_failing_together_retry_spread_over_the_window():
     assert 0.0 <= min(delays) < 0.1 and 3.9 < max(delays) < 4.0
     assert len(set(delays)) == 1000
     assert 1.8 < sum(delays) / len(delays) < 2.2
+
+
+def test_a_lost_or_unreachable_peer_is_retried_within_the_heal_cap_and_a_rejecting_one_backs_off_further():
+    assert backoff_cap("backoff", 30.0) == HEAL_BACKOFF_MAX_SECONDS <= 2.0
+    assert backoff_cap("rejected", 30.0) == 30.0
+    assert backoff_delay(20, 0.5, backoff_cap("backoff", 30.0), draw=lambda: 0.999) < 2.0
+
+
+def test_the_answer_silence_follows_the_measured_round_trips_between_the_floor_and_the_deadline():
+    rtt = RoundTrips()
+    assert rtt.answer_silence(2.0) == 2.0  # no sample yet: the whole deadline
+    for _ in range(20):
+        rtt.observe(0.001)
+    assert rtt.answer_silence(2.0) == ANSWER_FLOOR_SECONDS  # a small round trip: the floor
+    for _ in range(20):
+        rtt.observe(0.2)
+    assert 0.4 < rtt.answer_silence(2.0) < 2.0  # 2 x (srtt + 4 rttvar): follows a slow peer
+    for _ in range(5):
+        rtt.observe(3.0)
+    assert rtt.answer_silence(2.0) == 2.0  # never past the deadline

@@ -4,9 +4,10 @@ A connection authenticates exactly as on the TCP transport (nonce, session HMAC)
 then does it get a ``StoreView`` and its sealed NIXL_METADATA; nothing about the holder's
 memory reaches a connection before that. A FETCH is answered with a CHUNK_AT (key,
 checksum, slot; the chunk pinned under a lease) or CHUNK_MISSING per key, no chunk bytes:
-the fetcher READs them itself. Every ``SWEEP_SECONDS`` the server ends leases that ran out
-and closes connections whose session is no longer authorised (its key was retired); a
-connection that ends has its view revoked before its pins are released.
+the fetcher READs them itself. Every ``SWEEP_SECONDS`` the server ends leases that ran out;
+the TCP server closes connections whose session is no longer authorised (its key was
+retired, ``serving.ProvenConnections``); a connection that ends has its view revoked before
+its pins are released.
 """
 
 from __future__ import annotations
@@ -155,10 +156,3 @@ class NixlDataPlaneServer(TcpDataPlaneServer):
                 expired = conn.leases.expire()
                 if expired:
                     log.info("NIXL data plane: %d leases ran out unreleased", expired)
-                try:
-                    authorised = bool(self._authorize(conn.session_id))
-                except Exception:
-                    authorised = False
-                if not authorised:
-                    log.info("NIXL data plane: a connection's session ended; revoking its view")
-                    conn.stream.abort()  # its reader ends, then _on_closed revokes the view

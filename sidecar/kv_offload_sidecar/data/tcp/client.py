@@ -12,6 +12,7 @@ import asyncio
 import logging
 import socket
 import ssl as ssl_module
+import time
 from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.data import protocol as proto
@@ -222,6 +223,7 @@ class TcpPeerDataClient(FramedPeerDataClient):
         try:
             while True:
                 await stream.recv_into(header_buf)
+                self.heard_at = time.monotonic()
                 header = proto.decode_header(header_buf)
                 mtype = header.type
                 if mtype is proto.MessageType.CHUNK:
@@ -273,7 +275,12 @@ class TcpPeerDataClient(FramedPeerDataClient):
         # Every receive into the slot or row holds the chunk's gate: none starts past the
         # fetch's (or the row's job's) deadline, even while this loop is late (``write_gates``).
         hasher = chunk_hasher()
-        await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES, on_piece=hasher.update,
+
+        def on_piece(piece: memoryview) -> None:
+            hasher.update(piece)
+            self.heard_at = time.monotonic()  # bytes still coming: the holder is alive
+
+        await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES, on_piece=on_piece,
                                piece_bytes=RECV_PIECE_BYTES, gate=p.gate)
         computed = hasher.intdigest()
         del self._chunks[header.request_id]

@@ -9,7 +9,10 @@ Until a connection has proved its session it is held to the limits of ``data.bef
 place among ``MAX_UNAUTHENTICATED_PER_SOURCE`` per address and
 ``MAX_UNAUTHENTICATED_CONNECTIONS`` in all (else refused at accept), the TLS handshake and
 the proof within ``auth_timeout`` together, and frames of at most
-``proto.MAX_UNAUTHENTICATED_PAYLOAD`` bytes. Authenticated connections are not limited.
+``proto.MAX_UNAUTHENTICATED_PAYLOAD`` bytes. Authenticated connections follow
+``serving.ProvenConnections``: at most ``connections_per_session`` per session, ended when their
+session ends (a retired key) or after ``SILENT_CLOSE_SECONDS`` without a frame; every socket
+carries the kernel's keepalive and ``TCP_USER_TIMEOUT`` (``keepalive``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from kv_offload_sidecar.data.before_auth import (
     spread,
 )
 from kv_offload_sidecar.data.serving import (
+    DEFAULT_CONNECTIONS_PER_SESSION,
     DEFAULT_SEND_TIMEOUT,
+    SWEEP_SECONDS,
+    ProvenConnections,
     check_auth,
     describe,
     make_nonce,
@@ -93,9 +99,17 @@ def log_source(source: str) -> str:
 class _ConnState:
     """What stop() needs to know about one server connection."""
 
-    def __init__(self, queue: asyncio.Queue) -> None:
+    def __init__(self, queue: asyncio.Queue, source: str) -> None:
         # Replies waiting for the writer.
         self.queue = queue
+        # The client's address, as refusals are logged.
+        self.source = source
+        # The session it proved (b"" before the proof).
+        self.session_id = b""
+        # Monotonic time of the last frame read (``ProvenConnections`` sweeps on it).
+        self.heard = time.monotonic()
+        # The task serving it.
+        self.task = asyncio.current_task()
         # [True] while the writer sends an item.
         self.busy = [False]
         # Monotonic time of the last frame read or reply sent.
@@ -127,9 +141,13 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
         ssl: SSLContext | None = None,
         rejections: RejectionLog | None = None,
+        connections_per_session: int = DEFAULT_CONNECTIONS_PER_SESSION,
     ) -> None:
         super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
                          auth_timeout=auth_timeout, send_timeout=send_timeout)
+        # Authenticated connections by session: bounded, swept for ended sessions and silence.
+        self._proven = ProvenConnections(authorize, connections_per_session)
+        self._sweeper_task: asyncio.Task[None] | None = None
         self._host = host
         self._port = port
         self._advertise_host = advertise_host
@@ -169,7 +187,19 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         scheme = "tls" if self._ssl is not None else "tcp"
         self.address = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         self._accept_task = asyncio.create_task(self._accept_loop(), name="tcp-data-accept")
+        self._sweeper_task = asyncio.create_task(self._sweep_proven(), name="tcp-data-sweep")
         return self.address
+
+    async def _sweep_proven(self) -> None:
+        """End the authenticated connections whose session ended or that went silent."""
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            for state, reason, message in list(self._proven.to_end(time.monotonic())):
+                refuse(self._metrics, self._rejections, log_source(state.source), reason, message)
+                self._proven.leave(state)
+                state.closing = True  # a goodbye: CLOSE unless a chunk is half sent
+                if state.task is not None:
+                    state.task.cancel()
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
         """Stop accepting at once; keep serving open connections (a fetch in flight keeps
@@ -177,10 +207,11 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         ``grace_seconds`` pass, then close them cleanly: a CLOSE frame (when no chunk
         is half sent), ``shutdown(SHUT_WR)``, up to ``GOODBYE_DRAIN_SECONDS`` reading
         until the client closes too, then ``close``."""
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
+        for task in (self._accept_task, self._sweeper_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._listener is not None:
             self._listener.close()
         await wait_until_idle(self._conns, self._states, grace_seconds)
@@ -243,7 +274,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         stream: DataStream | None = None
         header_buf = bytearray(proto.HEADER_BYTES)
         queue: asyncio.Queue[tuple[int, list[bytes]] | list] = asyncio.Queue(SERVER_QUEUE_FRAMES)
-        state = self._states[id(conn)] = _ConnState(queue)
+        state = self._states[id(conn)] = _ConnState(queue, source)
         writer: asyncio.Task[None] | None = None
         step = "TLS handshake"
         try:
@@ -267,6 +298,8 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
                         "answer the nonce with AUTH_RESPONSE first")
                 answer = proto.decode_auth_response(payload)
                 check_auth(self._authorize, nonce, answer)
+                state.session_id = answer.session_id
+                self._proven.admit(state)  # refused past connections_per_session
                 await stream.send(proto.encode_auth_ok())
                 state.extra = await self._on_authenticated(stream, answer.session_id, nonce)
             admitted = False
@@ -277,7 +310,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
             while True:
                 header, payload = await read_frame(stream, header_buf, self._chunk_bytes,
                                                    payload_timeout=self._auth_timeout)
-                state.last = time.monotonic()
+                state.last = state.heard = time.monotonic()
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP and payload is not None:
                     keys = proto.decode_keys(payload)
@@ -328,6 +361,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         finally:
             if admitted:
                 self._limit.leave(place, proved=False)
+            self._proven.leave(state)
             self._states.pop(id(conn), None)
             half_sent = state.busy[0]
             if writer is not None and not writer.done():

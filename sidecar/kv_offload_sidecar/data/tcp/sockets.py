@@ -22,6 +22,7 @@ from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker, drop_sent, send_some
 from kv_offload_sidecar.data.write_gates import WriteGate
 from kv_offload_sidecar.engine.readiness import readable
+from kv_offload_sidecar.keepalive import keep_alive
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,11 @@ SOCKET_BUFFER_BYTES = 0
 
 
 def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
-    """Non-blocking, no Nagle delay; fixed buffer sizes only when asked."""
+    """Non-blocking, no Nagle delay, the kernel's liveness rule (``keepalive``); fixed buffer
+    sizes only when asked."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    keep_alive(sock)
     if buffer_bytes:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             with contextlib.suppress(OSError):

@@ -217,6 +217,7 @@ class UcxPeerDataClient(FramedPeerDataClient):
         await self._send(proto.encode_fetch(rid, [p.key for _, p in batch]))
 
     def _data_arrived(self, request_id: int) -> None:
+        self.heard_at = time.monotonic()
         st = self._chunks.get(request_id)
         if st is None or st.data.cancelled():
             return
@@ -303,6 +304,7 @@ class UcxPeerDataClient(FramedPeerDataClient):
         try:
             while True:
                 buf = await self._rt.recv_frame(self._s2c, CONTROL_BUFFER_BYTES)
+                self.heard_at = time.monotonic()
                 frames = split_frames(buf)
                 for header, payload in frames:
                     self._on_frame(header, payload)

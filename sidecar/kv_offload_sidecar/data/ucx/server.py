@@ -13,6 +13,9 @@ endpoint exists until the attach MAC verifies; then one session holds at most
 (``MAX_UNAUTHENTICATED_CONNECTIONS`` in all; more are refused as ``too_many_connections``),
 each for at most ``auth_timeout``, its proof a message of at most
 ``UNAUTHENTICATED_BUFFER_BYTES``. Refusals are counted and logged through a ``RejectionLog``.
+Proven connections follow ``serving.ProvenConnections`` (a bound per session, ended when
+their session ends or after ``SILENT_CLOSE_SECONDS`` without a frame); UCX's own keepalive
+is left as configured: the links' heartbeats cover UCX endpoints.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ from kv_offload_sidecar.data.before_auth import (
     refuse,
 )
 from kv_offload_sidecar.data.serving import (
+    DEFAULT_CONNECTIONS_PER_SESSION,
     DEFAULT_SEND_TIMEOUT,
+    SWEEP_SECONDS,
+    ProvenConnections,
     check_auth,
     describe,
     make_nonce,
@@ -103,11 +109,15 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
         auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
         rejections: RejectionLog | None = None,
+        connections_per_session: int = DEFAULT_CONNECTIONS_PER_SESSION,
     ) -> None:
         del host, port  # UCX endpoints come from worker addresses, not a port
         super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
                          auth_timeout=auth_timeout, send_timeout=send_timeout)
         self._accept_task: asyncio.Task[None] | None = None
+        # Authenticated connections by session: bounded, swept for ended sessions and silence.
+        self._proven = ProvenConnections(authorize, connections_per_session)
+        self._sweeper_task: asyncio.Task[None] | None = None
         self._conns: dict[int, asyncio.Task[None]] = {}
         self._connections: dict[int, _ServerConnection] = {}
         # Connections attached but not yet through the nonce challenge, per session and in all.
@@ -123,15 +133,28 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
         register_server(self)
         self.address = encode_address(rt.address)
         self._accept_task = asyncio.create_task(self._accept_loop(rt), name="ucx-data-accept")
+        self._sweeper_task = asyncio.create_task(self._sweep_proven(), name="ucx-data-sweep")
         return self.address
+
+    async def _sweep_proven(self) -> None:
+        """End the proven connections whose session ended or that went silent."""
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            for conn, reason, message in list(self._proven.to_end(time.monotonic())):
+                refuse(self._metrics, self._rejections, conn.source, reason, message)
+                self._proven.leave(conn)
+                task = self._conns.get(conn.cid)
+                if task is not None:
+                    task.cancel()
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
         """Stop accepting at once; keep serving open connections until each has been idle
         ``IDLE_CLOSE_SECONDS`` or ``grace_seconds`` pass, then abort them."""
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._accept_task
+        for task in (self._accept_task, self._sweeper_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         await wait_until_idle(self._conns, self._connections, grace_seconds)
         still = list(self._conns.values())
         for t in still:
@@ -236,6 +259,9 @@ class _ServerConnection:
         self.aborted = False
         # Monotonic time of the last frame received or chunk sent.
         self.last = time.monotonic()
+        # The session it proved (b"" before), and when it last received a frame (the sweep's).
+        self.session_id = b""
+        self.heard = self.last
 
     def idle(self, now: float) -> bool:
         return not self.outstanding and now - self.last >= IDLE_CLOSE_SECONDS
@@ -251,12 +277,15 @@ class _ServerConnection:
                 header, payload = parse_frame(buf, srv._chunk_bytes)
                 if header.type is not proto.MessageType.AUTH_RESPONSE:
                     raise proto.ProtocolError("unauthenticated", f"{header.type.name} before AUTH_RESPONSE")
-                check_auth(srv._authorize, nonce, proto.decode_auth_response(payload))
+                answer = proto.decode_auth_response(payload)
+                check_auth(srv._authorize, nonce, answer)
+                self.session_id = answer.session_id
+                srv._proven.admit(self)  # refused past connections_per_session
                 await rt.send(self.ep, join_parts(proto.encode_auth_ok()), self.s2c)
             srv._limit.leave(self.place, proved=True)
             while self.failed is None:
                 buf = await rt.recv_frame(self.c2s, CONTROL_BUFFER_BYTES)
-                self.last = time.monotonic()
+                self.last = self.heard = time.monotonic()
                 header, payload = parse_frame(buf, srv._chunk_bytes)
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP:
@@ -283,6 +312,7 @@ class _ServerConnection:
         except Exception as exc:
             log.info("UCX data plane: connection ended: %s", describe(exc))
         finally:
+            srv._proven.leave(self)
             if self.outstanding:
                 self.fail(TransportError("connection ended with chunk sends in flight"))
 

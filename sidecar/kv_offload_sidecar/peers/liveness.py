@@ -1,0 +1,85 @@
+"""Liveness of a peer link, and how long a request waits for a peer's first answer.
+
+Rules (each with its detection time; the TCP ones are in ``keepalive``, the servers' in
+``data.serving``):
+
+- **Heartbeat.** A connected link pings every data connection of its peer (every lane) each
+  ``HEARTBEAT_SECONDS``: an empty LOOKUP, a frame every plane's server already answers on
+  the authenticated connection (``FramedPeerDataClient.ping``). A ping fails when *nothing*
+  came from the peer on that connection for ``LOST_AFTER_SECONDS`` after it left (a pong
+  queued behind chunks still arriving is no failure), and then the link is lost: it
+  leaves the membership and reconnects. A peer cut off silently is declared lost within
+  ``HEARTBEAT_SECONDS + LOST_AFTER_SECONDS`` (1.0 s), with or without requests to it.
+- **Answer deadline.** Each pong is a round-trip sample (``RoundTrips``: RFC 6298's smoothed
+  round trip and deviation). A request waits for a peer's first answer (an owner's locate, a
+  holder's count) only while the peer is heard from: it gives up once nothing came from
+  that peer for ``answer_silence()`` = max(``ANSWER_FLOOR_SECONDS``, ``ANSWER_RTT_FACTOR`` x
+  (srtt + 4 x rttvar)) since it asked, bounded by the fetch deadline (the whole fetch deadline
+  before the first sample). Giving up is a miss, not a failure: the exchange itself runs on
+  to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
+  one late answer, decides that the peer is lost. A request that touches a silently cut
+  peer before the heartbeat noticed pays about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small
+  round trip; after, none (the peer is no member and no holder).
+- **Heal.** A link lost to liveness or unreachable backs off below at most
+  ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
+  ``SidecarSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait
+  (``PeerManager.wake``), so a healed peer is connected again within 5 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from kv_offload_sidecar.data.peer_client import answer_or_silence
+
+__all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "RoundTrips",
+           "answer_or_silence", "heartbeat"]
+
+# Seconds between heartbeats of a connected link.
+HEARTBEAT_SECONDS = 0.25
+# Seconds without any frame from the peer after a heartbeat left before the link is lost.
+LOST_AFTER_SECONDS = 0.75
+# Least silence a request waits through for a peer's first answer (seconds).
+ANSWER_FLOOR_SECONDS = 0.05
+# How many times the peer's round-trip bound (srtt + 4 rttvar) a request waits through.
+ANSWER_RTT_FACTOR = 2.0
+# Cap of the back-off delay of a link lost to liveness or unreachable (seconds).
+HEAL_BACKOFF_MAX_SECONDS = 2.0
+
+
+class RoundTrips:
+    """A peer's smoothed round trip and its deviation (RFC 6298), from heartbeat samples."""
+
+    def __init__(self) -> None:
+        # Smoothed round trip (seconds); None before the first sample.
+        self.srtt: float | None = None
+        # Smoothed deviation of the round trip (seconds).
+        self.rttvar = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = seconds, seconds / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - seconds)
+            self.srtt = 0.875 * self.srtt + 0.125 * seconds
+
+    def answer_silence(self, cap: float) -> float:
+        """Seconds a request waits through without a frame from the peer (see the module)."""
+        if self.srtt is None:
+            return cap
+        return min(cap, max(ANSWER_FLOOR_SECONDS, ANSWER_RTT_FACTOR * (self.srtt + 4 * self.rttvar)))
+
+
+def lanes_of(client: Any) -> Sequence[Any]:
+    """The connections behind a data client (its lanes, or itself)."""
+    return getattr(client, "_lanes", None) or [client]
+
+
+async def heartbeat(client: Any, round_trips: RoundTrips) -> None:
+    """One heartbeat on every connection of ``client``; each pong a round-trip sample.
+    ``TransportError`` (the connection failed) when a connection went silent."""
+    rtts = await asyncio.gather(*(lane.ping(LOST_AFTER_SECONDS) for lane in lanes_of(client)))
+    for rtt in rtts:
+        round_trips.observe(rtt)
