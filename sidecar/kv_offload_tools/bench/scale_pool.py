@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -144,6 +145,11 @@ class HolderData:
         self.identity = identity
         self.store = store
         self.wire = wire
+
+    @property
+    def heard_at(self) -> float:
+        """When the holder was last heard from: now (it answers in process, never silent)."""
+        return time.monotonic()
 
     def _count(self, keys: Sequence[bytes]) -> int:
         self.wire.holder_exchanges += 1
