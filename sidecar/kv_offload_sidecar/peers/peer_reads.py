@@ -237,14 +237,18 @@ class PeerReads:
             else:
                 self._metrics.lookup_messages.inc()
         started = asyncio.get_running_loop().time()
-        try:
-            owner, holders = await self._location.locate(keys, deadline)
-        except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            log.warning("owner %s could not say where chunks are (%s); %s", owner, exc,
-                        "no routing hint" if hint else "a miss")
-            link = self._peers.connected(owner)
+
+        def failed(asked: str, exc: Exception, *, last: bool = False) -> None:
+            log.warning("owner %s could not say where chunks are (%s); %s", asked, exc,
+                        "the runner-up is asked" if not last else "no routing hint" if hint else "a miss")
+            link = self._peers.connected(asked)
             if link is not None and not hint:
                 self._blame(link, f"locate: {exc}", started)
+
+        try:
+            owner, holders = await self._location.locate(keys, deadline, failed)
+        except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            failed(self._location.owners_of(keys[0])[-1], exc, last=True)
             return None
         out = []
         for claim in holders:
