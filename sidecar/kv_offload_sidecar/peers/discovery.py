@@ -2,7 +2,8 @@
 
 Sources, merged into one set:
 - a static list (``--peers h:p,...``), fixed for the process lifetime;
-- the DNS name of the pool's headless Service (``--peers-dns``), re-resolved
+- the DNS name of the pool's headless Service (``--peers-dns``; a name ending in
+  ``.svc`` gets the pod's cluster domain, ``cluster_domain.qualify``), re-resolved
   every ``interval_seconds``; each address is tried on ``base + i`` for every
   DP index ``i`` in ``range(data_parallel_size)``, so pods join and leave the
   set while traffic runs. A failed resolution keeps the last answer;
@@ -22,6 +23,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from kv_offload_sidecar.engine.ports import DEFAULT_BASE_PORT
+from kv_offload_sidecar.peers.cluster_domain import qualify
 from kv_offload_sidecar.settings import SidecarSettings
 from kv_offload_sidecar.waits import set_within
 
@@ -87,7 +89,7 @@ class Discovery:
                  interval_seconds: float = SidecarSettings.dns_interval_seconds,
                  own_addresses: Iterable[str] = (), resolver: Resolver | None = None) -> None:
         self._static = set(parse_peer_list(list(static_peers)))
-        self._dns_name = dns_name
+        self._dns_name = qualify(dns_name)
         self._base_port = base_port
         self._dp_size = max(1, dp_size)
         self._interval = interval_seconds
