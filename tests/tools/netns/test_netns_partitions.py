@@ -23,3 +23,5 @@ def test_a_pod_that_cannot_dial_another_still_finds_what_a_third_pod_stores(netn
     assert not figures["errors"]
     for reader, windows in figures["readers"].items():
         assert windows["during"]["requests"] > 0 and windows["during"]["hit_ratio"] >= 0.95, (reader, figures)
+    # the pod that cannot dial its peer shows it; the others reach everyone
+    assert figures["unreachable_peers"] == {"pod-0": 1.0, "pod-1": 0.0, "pod-2": 0.0}, figures
