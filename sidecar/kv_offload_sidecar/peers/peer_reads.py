@@ -238,9 +238,8 @@ class PeerReads:
                 self._metrics.lookup_messages.inc()
         started = asyncio.get_running_loop().time()
 
-        def failed(asked: str, exc: Exception, *, last: bool = False) -> None:
-            log.warning("owner %s could not say where chunks are (%s); %s", asked, exc,
-                        "the runner-up is asked" if not last else "no routing hint" if hint else "a miss")
+        def failed(asked: str, exc: Exception) -> None:
+            log.warning("owner %s could not say where chunks are (%s)", asked, exc)
             link = self._peers.connected(asked)
             if link is not None and not hint:
                 self._blame(link, f"locate: {exc}", started)
@@ -248,7 +247,7 @@ class PeerReads:
         try:
             owner, holders = await self._location.locate(keys, deadline, failed)
         except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            failed(self._location.owners_of(keys[0])[-1], exc, last=True)
+            log.warning("no owner could say where chunks are (%s); %s", exc, "no routing hint" if hint else "a miss")
             return None
         out = []
         for claim in holders:

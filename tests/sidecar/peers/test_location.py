@@ -416,3 +416,23 @@ async def test_a_locate_the_primary_owner_cannot_answer_goes_to_the_runner_up():
         owner, holders = await a.locate([k], 1.0, lambda o, exc: failed.append(o))
         assert owner != "b" and holders[0].identity == "c"
     assert behind_b and failed == ["b"] * len(behind_b)
+
+
+async def test_a_primary_owner_that_hangs_is_hedged_by_the_runner_up_before_the_deadline():
+    net = Net(["a", "b", "c"])
+    held = keys("hedge", 60)
+    net.store("c", held)
+    await net.settle()
+    a = net.nodes["a"]
+    reach, silence = a._call, asyncio.Event()
+
+    async def b_silent(target: str, op: str, body: dict, timeout: float):
+        if target == "b":
+            await silence.wait()  # cut off without an answer
+        return await reach(target, op, body, timeout)
+
+    a._call = b_silent
+    k = next(k for k in held if a.owner_of(k) == "b")
+    owner, holders = await asyncio.wait_for(a.locate([k], 4.0), 3.0)  # the hedge: after 1 s
+    assert owner != "b" and holders[0].identity == "c"
+    silence.set()

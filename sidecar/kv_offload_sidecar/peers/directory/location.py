@@ -67,6 +67,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Share of a lookup's deadline after which the runner-up owner is asked too (a hedged request:
+# a primary that hangs, cut off without an answer, costs this much instead of the deadline).
+HEDGE_FRACTION = 0.25
+
 # Sends one location message: (peer identity, "publish" | "locate", body, timeout) -> reply body.
 Call = Callable[[str, str, dict[str, Any], float], Awaitable[Any]]
 
@@ -214,29 +218,58 @@ class Location:
 
     async def locate(self, keys: Sequence[bytes], timeout: float,
                      failed: Callable[[str, Exception], None] | None = None) -> tuple[str, tuple[HolderClaim, ...]]:
-        """``(owner asked, holders of keys[0] best first)``: the primary owner's answer, or the
-        runner-up's when the primary cannot answer (``failed(owner, error)`` is told first);
-        raises when no owner can answer."""
+        """``(owner that answered, holders of keys[0] best first)``: the primary owner's answer,
+        or the runner-up's when the primary failed or has not answered within
+        ``HEDGE_FRACTION`` of ``timeout`` (the primary's call goes on; ``failed(owner, error)``
+        hears of each owner that fails, even after the answer); raises when none answers."""
         digests = tuple(key_digest(k) for k in keys[:MAX_LOCATE_DIGESTS])
         owners = self.table.owners_of(digests[0])
-        end = asyncio.get_running_loop().time() + timeout
-        for owner in owners:
-            if owner == self.identity:
-                return owner, self.directory.locate(digests, exclude=self.identity)
-            if self._call is None:
-                return owner, ()
+        if owners[0] == self.identity:
+            return owners[0], self.directory.locate(digests, exclude=self.identity)
+        if self._call is None:
+            return owners[0], ()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        asks = {self._ask(owners[0], digests, timeout, failed): owners[0]}
+        done, _ = await asyncio.wait(asks, timeout=timeout * HEDGE_FRACTION if len(owners) > 1 else timeout)
+        for t in done:
+            if t.exception() is None:
+                return owners[0], t.result()
+        if len(owners) > 1:
+            if owners[1] == self.identity:
+                return owners[1], self.directory.locate(digests, exclude=self.identity)
+            asks[self._ask(owners[1], digests, max(0.0, end - loop.time()), failed)] = owners[1]
+        pending = {t for t in asks if not t.done()}
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=max(0.0, end - loop.time()),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+            for t in done:
+                if t.exception() is None:
+                    return asks[t], t.result()
+        errors = [t.exception() for t in asks if t.done()]
+        raise errors[-1] if errors else asyncio.TimeoutError("no owner answered in time")  # type: ignore[misc]
+
+    def _ask(self, owner: str, digests: tuple[int, ...], timeout: float,
+             failed: Callable[[str, Exception], None] | None) -> asyncio.Task[tuple[HolderClaim, ...]]:
+        """One locate call to ``owner``, as a task that tells ``failed`` when it fails."""
+        assert self._call is not None
+        call = self._call
+
+        async def ask() -> tuple[HolderClaim, ...]:
             try:
-                left = end - asyncio.get_running_loop().time()
-                if left <= 0:
-                    raise asyncio.TimeoutError(f"no time left to ask {owner}")
-                reply = await self._call(owner, "locate", LocateQuery(digests).to_dict(), left)
-                return owner, LocateReply.from_dict(reply).holders
+                return LocateReply.from_dict(await call(owner, "locate", LocateQuery(digests).to_dict(), timeout)).holders
             except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
-                if owner == owners[-1]:
-                    raise
                 if failed is not None:
                     failed(owner, exc)
-        raise AssertionError("a table always has an owner")
+                raise
+
+        task = asyncio.create_task(ask(), name=f"locate {owner}")
+        self._tasks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        return task
 
     # ---- views ------------------------------------------------------------------------
 
