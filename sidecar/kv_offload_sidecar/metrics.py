@@ -153,6 +153,12 @@ class SidecarMetrics:
             "Known peer sidecars, by session state.",
             ["state"], namespace=ns, registry=registry,
         )
+        self.peers_unreachable = Gauge(
+            "peers_unreachable",
+            "Peers that reached this sidecar (an inbound session) but that it cannot dial back "
+            "(its link failed and has not connected since): this side of an asymmetric partition.",
+            namespace=ns, registry=registry,
+        )
         self.peer_data_lanes = Gauge(
             "peer_data_lanes",
             "Lanes to connected peers, all together: the data connections a fetch from one peer "

@@ -36,13 +36,7 @@ from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.peers.discovery import Discovery, format_peer
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute, PrefillModel
-from kv_offload_sidecar.peers.handshake import (
-    WIRE_VERSION,
-    HandshakeResponder,
-    HelloMessage,
-    Session,
-    make_hello,
-)
+from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeResponder, HelloMessage, Session, make_hello
 from kv_offload_sidecar.peers.links import PeerManager
 from kv_offload_sidecar.peers.model_gate import ModelGate
 from kv_offload_sidecar.peers.directory.location import Location
@@ -50,6 +44,7 @@ from kv_offload_sidecar.peers.peer_reads import PeerReads
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.row_landings import Landing, RowLandings
 from kv_offload_sidecar.peers.prefill_rate import PrefillRateLearner
+from kv_offload_sidecar.peers.reachability import unreachable
 from kv_offload_sidecar.peers.sessions import InboundSessions
 from kv_offload_sidecar.rejections import RejectionLog
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, SidecarSettings
@@ -131,6 +126,8 @@ class Sidecar:
         self.data_address = ""
         self.ready = False
         self._inbound = InboundSessions()
+        self.metrics.peers_unreachable.set_function(
+            lambda: len(unreachable(self.peers.links(), self._inbound.peers())))
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight = 0
         self._idle = asyncio.Event()

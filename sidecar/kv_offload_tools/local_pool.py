@@ -453,16 +453,17 @@ class LocalPool:
 
     def wait_directory_current(self, timeout: float = 30.0) -> None:
         """Until the pool's chunk directory is current: every member sees all the others, none
-        has changes left to publish, and the owners keep one entry per chunk the members hold."""
+        has changes left to publish, and the owners keep one entry per chunk the members hold
+        and owner it has (``owners_per_chunk``: two, or one in a pool of one)."""
         def stale() -> list[str]:
             members = self.members()
             views = {s.identity: s.status()["location"] for s in members}
             stale = [f"{name} sees {v['members']} members, has {v['pending']} changes unpublished"
                      for name, v in views.items() if v["members"] != len(members) or v["pending"]]
-            held = sum(v["keys"] for v in views.values())
+            held = sum(v["keys"] * v["owners_per_chunk"] for v in views.values())
             kept = sum(v["entries"] for v in views.values())
             if held != kept:
-                stale.append(f"the owners keep {kept} entries for the {held} chunks held")
+                stale.append(f"the owners keep {kept} entries for the {held} (chunk, owner) pairs held")
             return stale
 
         _until_none(stale, timeout, "the directory did not converge: ")

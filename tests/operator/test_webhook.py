@@ -76,7 +76,7 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
         "--pool-key-file": "/etc/kv-offload-pool-key/key",
         "--previous-pool-key-file": "/etc/kv-offload-pool-key/previous-key",
         "--admin-token-file": "/etc/kv-offload-pool-key/admin-token",
-        "--peers-dns": "llama-peers.ns1.svc.cluster.local",
+        "--peers-dns": "llama-peers.ns1.svc",
         "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
         "--transport": "ucx", "--prefill-tokens-per-second": "0", "--peer-copies": "drop",
         "--dp-indices": "0", "--shm-dir": "/dev/shm"}

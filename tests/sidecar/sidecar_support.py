@@ -78,7 +78,7 @@ async def settled(*sidecars: Sidecar) -> None:
     def formed() -> bool:
         views = [s.location.status() for s in sidecars]
         return all(v["pending"] == 0 and v["members"] == len(sidecars) for v in views) and \
-            sum(v["entries"] for v in views) == sum(v["keys"] for v in views)
+            sum(v["entries"] for v in views) == sum(v["keys"] * v["owners_per_chunk"] for v in views)
 
     await wait_for_async(f"the directory settled ({[s.location.status() for s in sidecars]} at the start)",
                          formed)

@@ -54,8 +54,9 @@ def service_name(pool_name: str) -> str:
 
 
 def peers_dns(pool_name: str, namespace: str) -> str:
-    """Fully qualified DNS name of the pool's headless Service."""
-    return f"{service_name(pool_name)}.{namespace}.svc.cluster.local"
+    """DNS name of the pool's headless Service without the cluster domain (clusters are not
+    all ``cluster.local``): the sidecar appends its pod's (``peers.cluster_domain``)."""
+    return f"{service_name(pool_name)}.{namespace}.svc"
 
 
 def owner_reference(pool: Mapping[str, Any]) -> dict[str, Any]:

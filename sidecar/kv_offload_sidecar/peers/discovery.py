@@ -2,11 +2,17 @@
 
 Sources, merged into one set:
 - a static list (``--peers h:p,...``), fixed for the process lifetime;
-- the DNS name of the pool's headless Service (``--peers-dns``), re-resolved
+- the DNS name of the pool's headless Service (``--peers-dns``; a name ending in
+  ``.svc`` gets the pod's cluster domain, ``cluster_domain.qualify``), re-resolved
   every ``interval_seconds``; each address is tried on ``base + i`` for every
   DP index ``i`` in ``range(data_parallel_size)``, so pods join and leave the
   set while traffic runs. A failed resolution keeps the last answer;
-- dynamic addresses of peers that handshook with us (they dial, we dial back).
+- dynamic addresses of peers that handshook with us (they dial, we dial back),
+  forgotten again (``forget_unreachable``, each pass of the links' loop) once our link to one
+  has failed ``FORGET_AFTER_FAILURES`` times in a row (the pod left) or at once when it refused
+  our proof (``bad_proof``: the address now belongs to a pod of another pool), so departed
+  addresses are not dialled for ever and a reused one raises one refusal, not a stream.
+  The peer is learnt again if it handshakes with us again.
 
 The sidecar's own addresses are never offered. Addresses that turn out to be
 another DP port of an already connected peer are de-duplicated by identity in
@@ -20,12 +26,17 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 from kv_offload_sidecar.engine.ports import DEFAULT_BASE_PORT
+from kv_offload_sidecar.peers.cluster_domain import qualify
 from kv_offload_sidecar.settings import SidecarSettings
 from kv_offload_sidecar.waits import set_within
 
 log = logging.getLogger(__name__)
+
+# Consecutive failed attempts after which a dynamic (learnt) address is forgotten.
+FORGET_AFTER_FAILURES = 5
 
 # Resolver: name -> list of IP strings. The default asks the system resolver.
 Resolver = Callable[[str], Awaitable[list[str]]]
@@ -87,7 +98,7 @@ class Discovery:
                  interval_seconds: float = SidecarSettings.dns_interval_seconds,
                  own_addresses: Iterable[str] = (), resolver: Resolver | None = None) -> None:
         self._static = set(parse_peer_list(list(static_peers)))
-        self._dns_name = dns_name
+        self._dns_name = qualify(dns_name)
         self._base_port = base_port
         self._dp_size = max(1, dp_size)
         self._interval = interval_seconds
@@ -116,6 +127,20 @@ class Discovery:
         if addr in self._dynamic:
             self._dynamic.discard(addr)
             self._changed.set()
+
+    def forget_unreachable(self, links: Iterable[Any]) -> list[str]:
+        """Forget the dynamic addresses whose link (``address``, ``state``, ``failures``,
+        ``last_error``) failed too often or was refused with bad_proof; returns them."""
+        gone = []
+        for link in links:
+            if link.address not in self._dynamic or link.address in self._static | self._dns:
+                continue
+            refused = link.state == "rejected" and "bad_proof" in link.last_error
+            if refused or link.failures >= FORGET_AFTER_FAILURES:
+                log.info("forgetting learnt peer %s (%s)", link.address, link.last_error or "unreachable")
+                self.remove_dynamic(link.address)
+                gone.append(link.address)
+        return gone
 
     async def resolve_once(self) -> set[str]:
         """Re-resolve the DNS name; keeps the last answer when resolution fails."""

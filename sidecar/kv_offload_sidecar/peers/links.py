@@ -242,6 +242,7 @@ class PeerManager:
             skip_auto_headers=SKIPPED_REQUEST_HEADERS)
         try:
             while True:
+                self._discovery.forget_unreachable(self._links.values())
                 self._sync(self._discovery.current())
                 await self._discovery.wait_changed(1.0)
         finally:

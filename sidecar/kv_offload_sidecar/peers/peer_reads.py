@@ -248,21 +248,20 @@ class PeerReads:
                 self._metrics.lookup_messages.inc()
         started = asyncio.get_running_loop().time()
 
-        async def ask(owner: str = owner) -> tuple[str, list[HolderClaim]] | None:
-            try:
-                return await self._location.locate(keys, deadline)
-            except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
-                log.warning("owner %s could not say where chunks are (%s); %s", owner, exc,
-                            "no routing hint" if hint else "a miss")
-                link = self._peers.connected(owner)
-                if link is not None and not hint:
-                    self._blame(link, f"locate: {exc}", started)
-                return None
+        def failed(asked: str, exc: Exception) -> None:
+            log.warning("owner %s could not say where chunks are (%s)", asked, exc)
+            link = self._peers.connected(asked)
+            if link is not None and not hint:
+                self._blame(link, f"locate: {exc}", started)
 
-        found = await self._answer(ask(), owner, deadline, None)
-        if found is None:
+        # The runner-up is asked once the primary has been silent for its answer silence.
+        primary = self._peers.connected(owner)
+        hedge = primary.round_trips.answer_silence(deadline) if primary is not None else None
+        try:
+            owner, holders = await self._location.locate(keys, deadline, failed, hedge_after=hedge)
+        except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            log.warning("no owner could say where chunks are (%s); %s", exc, "no routing hint" if hint else "a miss")
             return None
-        owner, holders = found
         out = []
         for claim in holders:
             if claim.identity in distrusted or claim.identity == self._location.identity:

@@ -64,6 +64,10 @@ class InboundSessions:
             del self._retired[kid]
         return sum(1 for s in self._sessions.values() if s.key_id in key_ids)
 
+    def peers(self) -> set[tuple[str, str]]:
+        """(identity, control address) of the peers with a session."""
+        return {(s.peer.identity, s.peer.control_address) for s in self._sessions.values()}
+
     def counts_by_key(self) -> dict[str, int]:
         """Live sessions per key id (hex), for /v1/status."""
         out: dict[str, int] = {}

@@ -133,9 +133,11 @@ def report(f: dict[str, Any]) -> str:
             f"  directory reconverged after the heal: {f['reconverged_after_idle']}"]
     asym = f["asymmetric"]
     out += ["", f"asymmetric: {asym['a']} cannot reach {asym['b']}'s control port; {asym['c']} stores",
-            f"{'reader':<10}{'hit before':>12}{'hit during':>12}{'p99 during ms':>15}{'members seen':>14}  connected"]
+            f"{'reader':<10}{'hit before':>12}{'hit during':>12}{'p99 during ms':>15}{'members seen':>14}"
+            f"{'unreachable':>13}  connected"]
     for pod, s in asym["readers"].items():
         out.append(f"{pod:<10}{_ms(s['before']['hit_ratio']):>12}{_ms(s['during']['hit_ratio']):>12}"
-                   f"{_ms(s['during']['p99_ms']):>15}{asym['members_seen'][pod]:>14}  "
+                   f"{_ms(s['during']['p99_ms']):>15}{asym['members_seen'][pod]:>14}"
+                   f"{_ms(asym['unreachable_peers'][pod]):>13}  "
                    f"{','.join(asym['connected_views'][pod])}")
     return "\n".join(out)

@@ -19,7 +19,8 @@ chunk it holds waits once that time is over.
 
 ``asymmetric``: one pod (``a``) cannot reach another's (``b``) control port, ``b`` reaches
 ``a``; a third (``c``) stores, every other pod reads: per reader, the hit share of ``c``'s
-chunks before and during the partition, and what each pod's sidecar calls the others.
+chunks before and during the partition, what each pod's sidecar calls the others, and the
+peers each counts as reaching it but unreachable (``kv_offload_peers_unreachable``).
 """
 
 from __future__ import annotations
@@ -190,6 +191,8 @@ def asymmetric(pool: NetnsPool, a: int, b: int, c: int, *, before: float, during
                                               if p["state"] == "connected") for i in range(len(pool.sidecars))}
             members = {pool[i].identity: pool[i].status()["location"]["members"]
                        for i in range(len(pool.sidecars))}
+            unreachable = {pool[i].identity: _gauge(pool[i].metrics_text(), "kv_offload_peers_unreachable")
+                           for i in range(len(pool.sidecars))}
         finally:
             t_end = time.monotonic()
             pool.net.heal()
@@ -198,7 +201,16 @@ def asymmetric(pool: NetnsPool, a: int, b: int, c: int, *, before: float, during
         "before": summary([q for q in requests if q.reader == r and q.at < t_cut]),
         "during": summary([q for q in requests if q.reader == r and q.at >= t_cut])} for r in readers}
     return {"a": pool[a].identity, "b": pool[b].identity, "c": pool[c].identity, "readers": per_pod,
-            "connected_views": views, "members_seen": members, "errors": work.errors}
+            "connected_views": views, "members_seen": members, "unreachable_peers": unreachable,
+            "errors": work.errors}
+
+
+def _gauge(metrics_text: str, name: str) -> float | None:
+    """The value of an unlabelled metric in a /metrics text."""
+    for line in metrics_text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
 
 
 def _until(probe: Callable[[], object], timeout: float) -> bool:

@@ -20,6 +20,8 @@ buckets to their new owners (measured) and drop its entries (measured).
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import random
 import time
@@ -54,6 +56,13 @@ class SampledView:
 
     def owner_of(self, digest: int) -> str:
         return self._table.owner_of(digest)
+
+    def owners_of(self, digest: int) -> list[str]:
+        """The digest's owners that are sampled (the others are modelled: nobody writes to them)."""
+        return [o for o in self._table.owners_of(digest) if o in self._owners]
+
+    def owned_mask(self, identity: str) -> Any:
+        return self._table.owned_mask(identity)
 
 
 @dataclass

@@ -65,7 +65,7 @@ async def test_a_lying_member_costs_the_pool_only_misses_and_few_messages(make_s
         for k in keys:  # the lie: it tells the owners it holds all of them, its store holds none
             liar.location.record(k, True)
         await settled(liar, victim)
-        assert len(liar.location.directory) + len(victim.location.directory) == len(keys)
+        assert len(liar.location.directory) + len(victim.location.directory) == 2 * len(keys)  # two owners
         answers = [await victim.lookup(keys[i:i + 4], REQUEST_DEADLINE_SECONDS) for i in range(0, 400, 4)]
         loads = [await victim.load(keys[i:i + 4], REQUEST_DEADLINE_SECONDS) for i in range(0, 40, 4)]
         assert all(a == (0, 0) for a in answers) and all(p == [] for p in loads)  # only misses

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
-from kv_offload_sidecar.peers.discovery import Discovery, parse_peer, parse_peer_list
+from kv_offload_sidecar.peers.discovery import FORGET_AFTER_FAILURES, Discovery, parse_peer, parse_peer_list
 from waiting import SAFETY_SECONDS
 
 
@@ -92,3 +93,18 @@ async def test_dynamic_peers_are_added_once_and_removable():
     assert d.current() == {"h:1", "g:2"}
     d.remove_dynamic("g:2")
     assert d.current() == {"h:1"}
+
+
+def test_learnt_peers_are_forgotten_once_unreachable_or_refusing_our_proof_but_static_ones_stay():
+    d = Discovery(static_peers=["10.0.0.1:5710"])
+    for addr in ("10.0.0.2:5710", "10.0.0.3:5710", "10.0.0.4:5710"):
+        d.add_dynamic(addr)
+    links = [SimpleNamespace(address="10.0.0.1:5710", state="backoff", failures=99, last_error=""),
+             SimpleNamespace(address="10.0.0.2:5710", state="backoff", failures=FORGET_AFTER_FAILURES,
+                             last_error="ConnectError"),
+             SimpleNamespace(address="10.0.0.3:5710", state="rejected", failures=1,
+                             last_error="peer rejected us: handshake rejected (bad_proof): ..."),
+             SimpleNamespace(address="10.0.0.4:5710", state="backoff", failures=FORGET_AFTER_FAILURES - 1,
+                             last_error="ConnectError")]
+    assert sorted(d.forget_unreachable(links)) == ["10.0.0.2:5710", "10.0.0.3:5710"]
+    assert d.current() == {"10.0.0.1:5710", "10.0.0.4:5710"}

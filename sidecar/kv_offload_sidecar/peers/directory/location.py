@@ -1,28 +1,37 @@
 """Where chunks are: a directory spread over the pool's members, one share per member.
 
 Scheme (a rendezvous-hashed directory; Summary Cache's per-peer summaries
-measured worse, see ``kv-offload bench scale``). Every chunk digest has an
-*owner*: the member that ``ownership.OwnerTable`` picks for its bucket among
-the members this sidecar is connected to (itself included). Holders tell each
-digest's owner when they gain or lose it (``publisher.Publisher``, batched
+measured worse, see ``kv-offload bench scale``). Every chunk digest has two
+*owners*: the best two members that ``ownership.OwnerTable`` picks for its bucket
+among the members this sidecar is connected to (itself included). Holders tell
+both owners of a digest when they gain or lose it (``publisher.Publisher``, batched
 per owner every ``publish_interval_seconds``, POST ``/v1/publish``); owners
 keep who holds what for their buckets (``holders.Directory``). A lookup
-asks the owner of the first key it does not hold (POST ``/v1/locate``, or no
-message when that is this sidecar) and then one holder it names; the holder's
+asks the primary owner of the first key it does not hold (POST ``/v1/locate``, or no
+message when that is this sidecar; the runner-up when the primary cannot answer) and then one holder it names; the holder's
 exchange says how far it holds, and the read goes on from there with the owner of
 the next key (``peer_reads.PeerReads``). So:
 
-- memory per sidecar: its own digests plus about ``pool chunks / members``
+- memory per sidecar: its own digests plus about ``2 x pool chunks / members``
   directory entries, whatever the number of members;
-- background traffic per sidecar: its own changes (each to one owner) and
+- background traffic per sidecar: its own changes (each to two owners) and
   the changes of others that it owns, about the same; never a pull per peer;
 - a lookup of a prefix that k holders hold in turn: at most 2k + 1 messages (an
   owner question and an exchange per holder, and one question for the first key
   nobody holds), 3.0 / 5.0 / 7.0 / 9.0 for k = 1..4 in ``kv-offload bench scale``;
 - a member that joins receives from each other member the digests of the
-  buckets it takes over, and sends its own; one that leaves hands its buckets
-  to their runners-up, to which the holders resend those digests. Nothing
-  else moves, no snapshot goes to anybody.
+  buckets it becomes an owner of, and sends its own; the owner it pushes out of
+  a bucket drops it, and the holders send that owner removes of what they hold
+  there (a publish that crossed the join would stay there otherwise); one
+  that leaves hands its places to the next best, to which the holders resend
+  those digests. Nothing else moves, no snapshot goes to anybody.
+
+Why two owners: two members whose views differ by one member X (X is cut
+off from one of them only, an asymmetric partition) share an owner of
+every bucket: X's buckets' runner-up is the other's primary. So a chunk a
+third member published is found from both views. What the member that
+cannot reach X holds is published to owners X's readers may not ask (about
+1/N of its chunks are then missed by the others).
 
 Staleness: a change reaches its owner within one interval (plus a round
 trip). A chunk stored meanwhile is not found yet (a miss); one evicted
@@ -57,6 +66,10 @@ if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
+
+# Share of a lookup's deadline after which the runner-up owner is asked too (a hedged request:
+# a primary that hangs, cut off without an answer, costs this much instead of the deadline).
+HEDGE_FRACTION = 0.25
 
 # Sends one location message: (peer identity, "publish" | "locate", body, timeout) -> reply body.
 Call = Callable[[str, str, dict[str, Any], float], Awaitable[Any]]
@@ -99,12 +112,13 @@ class Location:
         """A peer's session is up: it owns its share of the buckets from now on."""
         if identity == self.identity or identity in self.table:
             return
-        mine = self.table.owned_mask(self.identity)
-        moved = self.table.add(identity)
+        _, ousted = self.table.join(identity)
         self.publisher.owner_joined(identity, resync_me=not self.directory.has_stream(identity))
-        lost = moved[mine[moved]]
-        if lost.size:  # those entries now belong to the newcomer (the holders resend them there)
-            self._drop_buckets(lost)
+        for owner, buckets in ousted:
+            if owner == self.identity:  # those entries now belong to the newcomer (the holders resend them there)
+                self._drop_buckets(buckets)
+            else:  # what we published there, it no longer owns (a crossing publish would stay)
+                self.publisher.retract(owner, buckets.tolist())
         self._gauge()
 
     def member_left(self, identity: str) -> None:
@@ -199,21 +213,72 @@ class Location:
     def owner_of(self, key: bytes) -> str:
         return self.table.owner_of(key_digest(key))
 
-    async def locate(self, keys: Sequence[bytes], timeout: float) -> tuple[str, tuple[HolderClaim, ...]]:
-        """``(owner asked, holders of keys[0] best first)``; raises when the owner cannot answer."""
+    def owners_of(self, key: bytes) -> list[str]:
+        return self.table.owners_of(key_digest(key))
+
+    async def locate(self, keys: Sequence[bytes], timeout: float,
+                     failed: Callable[[str, Exception], None] | None = None, *,
+                     hedge_after: float | None = None) -> tuple[str, tuple[HolderClaim, ...]]:
+        """``(owner that answered, holders of keys[0] best first)``: the primary owner's answer,
+        or the runner-up's when the primary failed or has not answered within
+        ``HEDGE_FRACTION`` of ``timeout`` (or ``hedge_after`` seconds, when sooner: the
+        primary's answer silence, ``peers.liveness``; the primary's call goes on;
+        ``failed(owner, error)`` hears of each owner that fails, even after the answer);
+        raises when none answers."""
         digests = tuple(key_digest(k) for k in keys[:MAX_LOCATE_DIGESTS])
-        owner = self.table.owner_of(digests[0])
-        if owner == self.identity:
-            return owner, self.directory.locate(digests, exclude=self.identity)
+        owners = self.table.owners_of(digests[0])
+        if owners[0] == self.identity:
+            return owners[0], self.directory.locate(digests, exclude=self.identity)
         if self._call is None:
-            return owner, ()
-        reply = await self._call(owner, "locate", LocateQuery(digests).to_dict(), timeout)
-        return owner, LocateReply.from_dict(reply).holders
+            return owners[0], ()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        asks = {self._ask(owners[0], digests, timeout, failed): owners[0]}
+        hedge = min(timeout * HEDGE_FRACTION, timeout if hedge_after is None else hedge_after)
+        done, _ = await asyncio.wait(asks, timeout=hedge if len(owners) > 1 else timeout)
+        for t in done:
+            if t.exception() is None:
+                return owners[0], t.result()
+        if len(owners) > 1:
+            if owners[1] == self.identity:
+                return owners[1], self.directory.locate(digests, exclude=self.identity)
+            asks[self._ask(owners[1], digests, max(0.0, end - loop.time()), failed)] = owners[1]
+        pending = {t for t in asks if not t.done()}
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=max(0.0, end - loop.time()),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+            for t in done:
+                if t.exception() is None:
+                    return asks[t], t.result()
+        errors = [t.exception() for t in asks if t.done()]
+        raise errors[-1] if errors else asyncio.TimeoutError("no owner answered in time")  # type: ignore[misc]
+
+    def _ask(self, owner: str, digests: tuple[int, ...], timeout: float,
+             failed: Callable[[str, Exception], None] | None) -> asyncio.Task[tuple[HolderClaim, ...]]:
+        """One locate call to ``owner``, as a task that tells ``failed`` when it fails."""
+        assert self._call is not None
+        call = self._call
+
+        async def ask() -> tuple[HolderClaim, ...]:
+            try:
+                return LocateReply.from_dict(await call(owner, "locate", LocateQuery(digests).to_dict(), timeout)).holders
+            except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
+                if failed is not None:
+                    failed(owner, exc)
+                raise
+
+        task = asyncio.create_task(ask(), name=f"locate {owner}")
+        self._tasks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        return task
 
     # ---- views ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         return {"epoch": self.publisher.epoch, "keys": len(self.publisher),
                 "pending": self.publisher.pending() + len(self._busy), "members": len(self.table),
-                "entries": len(self.directory),
+                "entries": len(self.directory), "owners_per_chunk": self.table.owners_per_bucket(),
                 "owned_buckets": int(self.table.buckets_of(self.identity).size)}

@@ -3,12 +3,18 @@
 The store reports every chunk that becomes visible or goes (``record``, its
 ``on_change``). The publisher keeps the set of digests held and the net
 changes since the last publish; at each publish interval ``take`` groups the
-changes by owner (``ownership.OwnerTable``) into ``PublishBatch`` messages,
-one stream per owner numbered by ``seq``. An owner that is new to this
+changes by owner (``ownership.OwnerTable``: each digest goes to every owner of its
+bucket) into ``PublishBatch`` messages, one stream per owner numbered by ``seq``. An owner that is new to this
 sidecar's view, that asked for a resync, or whose last message failed gets
 the full share instead (``reset``: every held digest in its buckets). When
 members leave, ``republish`` sends the digests of their buckets to the
-buckets' new owners. So a membership change moves only the share it changes.
+buckets' new owners. When a member joins, the members it pushes out of some
+buckets' owners are sent removes of what we hold there (``retract``): they drop
+those buckets themselves when they see the join, but a change of ours may reach
+them after that (they saw the join first, or it was in flight), and that entry
+would stay there for ever. So a membership change moves only the share it
+changes, and once every member sees the same members, every owner keeps exactly
+what the holders hold in its buckets.
 
 Tails. Every add carries a 4-byte tail: the last key of the chain the chunk
 came in (a store batch, a fetched run; ``hint_chain``), or of a later chain
@@ -85,6 +91,7 @@ class Publisher:
         self._due: set[str] = set()  # owners whose stream owes a reset or a request for their share
         self._overflow = False
         self._round = 0
+        self._retract: dict[str, set[int]] = {}  # owner -> buckets it no longer owns (send removes)
 
     # ---- fed by the store and the engine path -----------------------------------------------
 
@@ -182,7 +189,7 @@ class Publisher:
     def pending(self) -> int:
         """Changes not yet handed out, plus owners owed their full share or a request for ours."""
         with self._lock:
-            return len(self._pending) + len(self._chains) + len(self._due)
+            return len(self._pending) + len(self._chains) + len(self._due) + len(self._retract)
 
     # ---- membership and replies ------------------------------------------------------------
 
@@ -198,6 +205,13 @@ class Publisher:
         with self._lock:
             self._streams.pop(owner, None)
             self._due.discard(owner)
+            self._retract.pop(owner, None)
+
+    def retract(self, owner: str, buckets: Iterable[int]) -> None:
+        """``owner`` no longer owns ``buckets``: send it removes of what we hold there."""
+        with self._lock:
+            if owner in self._streams:
+                self._retract.setdefault(owner, set()).update(int(b) for b in buckets)
 
     def needs_reset(self, owner: str) -> None:
         """The owner refused a message (resync) or a send failed: send it the full share next."""
@@ -247,29 +261,33 @@ class Publisher:
             resets = {o for o in self._due if self._streams[o].reset and o not in busy and o in table}
             changes: dict[str, tuple[list[tuple[int, int]], list[int]]] = {}  # adds carry COPY
             keep: dict[int, int] = {}
+            self._take_retractions(table, busy, resets, changes)
+            told = set()  # kept digests some owner heard of (no longer fresh)
             for d, value in self._pending.items():
-                owner = table.owner_of(d)
-                if owner in busy:
-                    keep[d] = value
-                    continue
-                if owner not in self._streams:  # an owner we never wrote to: it gets the full share
-                    self._streams[owner] = _Stream()
-                    resets.add(owner)
-                if owner in resets:
-                    continue
-                adds, removes = changes.setdefault(owner, ([], []))
-                if value == REMOVED:
-                    removes.append(d)
-                else:
-                    adds.append((d, value))
+                for owner in table.owners_of(d):
+                    if owner in busy:  # (the others hear it again next time: adds and removes repeat)
+                        keep[d] = value
+                        continue
+                    told.add(d)
+                    if owner not in self._streams:  # an owner we never wrote to: it gets the full share
+                        self._streams[owner] = _Stream()
+                        resets.add(owner)
+                    if owner in resets:
+                        continue
+                    adds, removes = changes.setdefault(owner, ([], []))
+                    if value == REMOVED:
+                        removes.append(d)
+                    else:
+                        adds.append((d, value))
             self._pending = keep
             self._fresh.intersection_update(keep)
+            self._fresh.difference_update(told)
             if resets:
                 shares: dict[str, list[tuple[int, int]]] = {o: [] for o in resets}
                 for d, value in self._held.items():
-                    owner = table.owner_of(d)
-                    if owner in shares:
-                        shares[owner].append((d, value))
+                    for owner in table.owners_of(d):
+                        if owner in shares:
+                            shares[owner].append((d, value))
                 for owner, adds in shares.items():
                     changes[owner] = (adds, [])
             asking = set()
@@ -291,6 +309,25 @@ class Publisher:
             self._due = {o for o in self._due
                          if o in self._streams and (self._streams[o].reset or self._streams[o].ask_from >= 0)}
             return out
+
+    def _take_retractions(self, table: OwnerTable, busy: Collection[str], resets: set[str],
+                          changes: dict[str, tuple[list[tuple[int, int]], list[int]]]) -> None:
+        """Removes for the owners pushed out of buckets (a reset, or owning them again, makes
+        them moot; a busy owner gets them next time)."""
+        shift = 64 - BUCKET_BITS
+        for owner in list(self._retract):
+            if owner in busy:
+                continue
+            buckets = self._retract.pop(owner)
+            if owner not in table or owner in resets or owner not in self._streams:
+                continue
+            mask = np.zeros(1 << BUCKET_BITS, dtype=bool)
+            mask[list(buckets)] = True
+            mask &= ~table.owned_mask(owner)
+            gone = [d for d in self._held if mask[d >> shift]]
+            gone += [d for d, v in self._pending.items() if v == REMOVED and mask[d >> shift]]
+            if gone:
+                changes.setdefault(owner, ([], []))[1].extend(gone)
 
     def _split(self, stream: _Stream, reset: bool, ask: bool, adds: list[tuple[int, int]],
                removes: list[int]) -> list[PublishBatch]:
