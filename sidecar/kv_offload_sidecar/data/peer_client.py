@@ -122,6 +122,8 @@ class FramedPeerDataClient(PeerDataClient):
             raise TransportError(f"heartbeat failed: {exc}") from exc
         finally:
             self._lookups.pop(rid, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # failed with the connection: retrieved (no "never retrieved" log)
 
     async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
                     count: asyncio.Future[int] | None = None, first: int = 1) -> int:

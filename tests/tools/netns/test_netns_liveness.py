@@ -32,8 +32,8 @@ def _cut(pool: NetnsPool, pod: int) -> None:
 
 
 def test_an_idle_pod_cut_off_silently_is_dropped_within_a_second_and_back_within_five_after_the_heal(
-        netns_pool: NetnsPool):
-    pool = netns_pool
+        fresh_netns_pool: NetnsPool):
+    pool = fresh_netns_pool
     for viewer in (0, 1):
         assert wait_for("everyone connected to pod-2", lambda v=viewer: _connected(pool, v, 2))
     try:
@@ -57,8 +57,8 @@ def test_an_idle_pod_cut_off_silently_is_dropped_within_a_second_and_back_within
 
 
 def test_a_lookup_that_touches_a_pod_just_cut_off_misses_after_the_answer_floor_not_the_deadline(
-        netns_pool: NetnsPool):
-    pool = netns_pool
+        fresh_netns_pool: NetnsPool):
+    pool = fresh_netns_pool
     keys = chunk_keys("cut-holder", 4)
     with pool.client(2) as writer:
         assert store_chunks(writer, keys, pool.chunk_bytes) == len(keys)
