@@ -401,6 +401,15 @@ def test_b_promotes_peer_chunks_with_a_bytes(env: Env):
     env.b.finish(req)
 
 
+def wait_fetched(e: Env, keys: list[str]) -> None:
+    """Until B's sidecar holds the chunks its lookup's fetch brought, with no fetch in flight:
+    the HIT is announced once the holder's count is back, while the chunks still arrive."""
+    sc = e.pool[1]
+    wait_for("B's sidecar to hold the chunks its lookup fetched, with no fetch in flight",
+             lambda: sc.held([bytes.fromhex(k) for k in keys])[0] == N_KEYS
+             and sc.status()["peer_fetches_in_flight"] == 0)
+
+
 def promotion_survives(e: Env, keys: list[str], req: str, stored: dict[str, Any]) -> None:
     """Resume B after the holder went away: the chunks its HIT announced were already on their
     way into B's sidecar (the lookup started the fetch), so the promotion succeeds."""
@@ -417,6 +426,7 @@ def test_c_holder_restarted_after_hit(env: Env):
     peer_hits = env.b.stats()["tiers"][0]["peer_hits"]
     lookup_until_hit_pending(env, keys, req)
     assert env.b.stats()["tiers"][0]["peer_hits"] == peer_hits + N_KEYS  # the tier said HIT
+    wait_fetched(env, keys)
     env.timings["c_restart_s"] = restart(env, 0)  # the new instance starts empty
     assert holder_chunks(env) == 0
     promotion_survives(env, keys, req, stored)
@@ -457,6 +467,7 @@ def test_d_holder_killed_after_hit(env: Env):
     keys, stored = store_on_a(env, "d")
     req = "d-req"
     lookup_until_hit_pending(env, keys, req)
+    wait_fetched(env, keys)
     env.pool[0].kill()  # SIGKILL; the next store_on_a starts it again
     promotion_survives(env, keys, req, stored)
     keys, _ = store_on_a(env, "d2")
@@ -479,9 +490,7 @@ def test_e_reset_cache_while_promotion_stalled(env: Env):
     # The lookup's fetch landed and ended before the freeze, so the freeze stalls the
     # promotion's load alone: a fetch frozen mid-way would end past its deadline when the
     # sidecar resumes, and B's sidecar would back the holder off (a MISS until it reconnects).
-    wait_for("B's sidecar to hold the chunks its lookup fetched, with no fetch in flight",
-             lambda: sc.held([bytes.fromhex(k) for k in keys])[0] == N_KEYS
-             and sc.status()["peer_fetches_in_flight"] == 0)
+    wait_fetched(env, keys)
     os.kill(sc.proc.pid, signal.SIGSTOP)
     try:
         step = env.b.end_step()  # submits the promotion: its load now waits on a frozen sidecar
