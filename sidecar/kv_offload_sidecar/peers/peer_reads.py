@@ -25,7 +25,12 @@ background); the chunks themselves get the fetch deadline.
 
 Every failure or deadline is a miss; a failing peer is reported for back-off
 (``links.PeerManager.report_failure``), unless the exchange spanned a stall of this
-sidecar's own loop (``loop_stalls``). An owner that names a holder without
+sidecar's own loop (``loop_stalls``). The engine path's failures of a peer count on until
+it serves an exchange again (``_unserved``; the link's own count restarts at each reconnect),
+so the back-off of a peer that keeps failing requests grows (0.5, 1, 2 s caps) instead of
+starting over at each reconnect; a fetch that ran out of its deadline is observed as a
+transfer at the rate it managed (``PeerSpeeds.observe_cut_short``), so a slow holder is
+priced out (``fetch_cost``) instead of costing each request the whole deadline. An owner that names a holder without
 the chunk, and a holder named for a chunk it lacks, each count one false
 claim (``claims.ClaimAudit``, keys ``owner:<id>`` and ``<id>``); distrusted
 ones are not asked. What is done with fetched chunks once loaded is the
@@ -71,6 +76,8 @@ MAX_FETCHED = 65536
 MAX_HOLDERS = 8
 # Prefix of an owner's key in the claim audit.
 OWNER_PREFIX = "owner:"
+# A fetch that failed after this share of its deadline ran out of it (a rate, not an error).
+CUT_SHORT_SHARE = 0.9
 
 T = TypeVar("T")
 
@@ -111,6 +118,8 @@ class PeerReads:
         # Fetched chunks not loaded yet -> when they were asked (oldest first).
         self._fetched: OrderedDict[bytes, float] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Peer identity -> exchanges failed (its fault) since it last served one.
+        self._unserved: dict[str, int] = {}
 
     @property
     def fetches_in_flight(self) -> int:
@@ -390,6 +399,10 @@ class PeerReads:
             return 0
         except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.warning("peer %s %s failed: %s; a miss", claim.identity, "fetch" if fetch else "lookup", exc)
+            if fetch and loop.time() - started >= CUT_SHORT_SHARE * deadline:
+                landed = sum(1 for k in keys[:asked] if self._store().contains(k))
+                speeds.observe_cut_short(claim.identity, landed * self._store().slot_bytes,
+                                         loop.time() - counted_at, self._store().slot_bytes)
             self._blame(link, f"{'fetch' if fetch else 'lookup'}: {exc}", started)
             return 0
         finally:
@@ -399,6 +412,8 @@ class PeerReads:
             speeds.observe_latency(claim.identity, loop.time() - started)
         elif got:
             speeds.observe_transfer(claim.identity, got * self._store().slot_bytes, loop.time() - counted_at)
+        if got or not fetch:
+            self._unserved.pop(claim.identity, None)
         backed = 1 if got else 0
         self._claims.record(claim.identity, 1, backed)
         if owner != self._location.identity:
@@ -437,6 +452,9 @@ class PeerReads:
         if not at_fault:
             log.warning("peer %s is not backed off: this sidecar itself stalled during the exchange; "
                         "its link reconnects now", link.identity)
+        elif link.identity is not None:  # the back-off goes on from the failures before the reconnect
+            n = self._unserved[link.identity] = self._unserved.get(link.identity, 0) + 1
+            link.failures = max(link.failures, n - 1)
         self._peers.report_failure(link, error, peer_at_fault=at_fault)
 
     async def _count_of(self, prefetch: _Prefetch, keys: Sequence[bytes], deadline: float) -> int:
