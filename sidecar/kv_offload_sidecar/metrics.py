@@ -39,6 +39,7 @@ HANDSHAKE_REASONS = (
     "bad_proof",
     "malformed",
     "replay",
+    "other_pool",
 )
 # state label of peers: the lifecycle of a peer session.
 PEER_STATES = ("connecting", "connected", "backoff", "rejected")

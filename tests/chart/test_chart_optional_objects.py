@@ -50,7 +50,7 @@ def test_prometheus_rule_has_each_monitors_alerts_only_with_that_monitor(render,
     assert set(groups) == {"kv-offload.sidecars", "kv-offload.operator"}
     alerts = {g: {r["alert"] for r in groups[g]["rules"] if "alert" in r} for g in groups}
     assert alerts["kv-offload.sidecars"] == {
-        "KVOffloadHandshakeRejected", "KVOffloadIntegrityFailures", "KVOffloadPoolMixedFingerprints",
+        "KVOffloadHandshakeRejected", "KVOffloadPeerOutsidePool", "KVOffloadIntegrityFailures", "KVOffloadPoolMixedFingerprints",
         "KVOffloadPoolMixedModelIdentities", "KVOffloadSidecarDown", "KVOffloadPeerHitRatioDropped", "KVOffloadPeerFetchTimeouts"}
     assert alerts["kv-offload.operator"] == {"KVOffloadWebhookDown", "KVOffloadWebhookNotRedundant",
                                              "KVOffloadWebhookDenials", "KVOffloadWebhookErrors"}

@@ -61,10 +61,16 @@ CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, list[dict[str, str]
                 "0x10 1x20"),
          series(HANDSHAKES, f'{target("llama-0")}, result="accepted", reason="ok"', "0+5x30"),
          series(HANDSHAKES, f'{target("mistral-0", "mistral")}, result="rejected", reason="bad_proof"', "0x30"),
-         series(HANDSHAKES, f'{target("x-0", job="other")}, result="rejected", reason="bad_proof"', "0+1x30")],
+         series(HANDSHAKES, f'{target("x-0", job="other")}, result="rejected", reason="bad_proof"', "0+1x30"),
+         series(HANDSHAKES, f'{target("qwen-0", "qwen")}, result="rejected", reason="other_pool"', "0+1x30")],
         [("5m", []),
          ("15m", [pool_labels(reason="fingerprint_mismatch", severity="warning")]),
          ("25m", [])]),
+    "KVOffloadPeerOutsidePool": (
+        [series(HANDSHAKES, f'{target("llama-0")}, result="rejected", reason="other_pool"', "0+1x60"),
+         series(HANDSHAKES, f'{target("qwen-0", "qwen")}, result="rejected", reason="other_pool"', "0+1x10 10x50"),
+         series(HANDSHAKES, f'{target("mistral-0", "mistral")}, result="rejected", reason="bad_proof"', "0+1x60")],
+        [("20m", []), ("45m", [pool_labels(severity="warning")])]),
     "KVOffloadIntegrityFailures": (
         [series(INTEGRITY_FAILURES, target("llama-0"), "0x10 2x20"),
          series(INTEGRITY_FAILURES, target("llama-1"), "0x30")],

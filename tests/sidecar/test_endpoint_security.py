@@ -129,7 +129,7 @@ def test_handshake_without_the_pool_key_learns_nothing_whatever_its_wire_version
         answers.add(body)
     assert len(answers) == 1
     reply = json.loads(answers.pop())
-    assert reply["reason"] == "bad_proof" and reply["diff"] == [] and reply["fields"] == []
+    assert reply["reason"] == "other_pool" and reply["diff"] == [] and reply["fields"] == []
 
 
 def test_public_metrics_name_no_model_dtype_or_wire_version(pool: LocalPool) -> None:

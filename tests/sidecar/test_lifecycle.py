@@ -54,7 +54,7 @@ async def test_both_ports_note_their_refusals_in_the_sidecars_one_rejection_log(
         answer = await http(sidecar.settings.control_port(0),
                             b"POST /v1/handshake HTTP/1.1\r\nHost: sidecar\r\nConnection: close\r\n"
                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        assert answer.startswith(b"HTTP/1.1 403") and b"bad_proof" in answer, answer
+        assert answer.startswith(b"HTTP/1.1 403") and b"other_pool" in answer, answer
         host, port = sidecar.data_address.removeprefix("tcp://").rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0))
         await reader.read(1)  # the challenge has come: what follows is a frame
@@ -63,5 +63,5 @@ async def test_both_ports_note_their_refusals_in_the_sidecars_one_rejection_log(
         writer.close()
         await wait_for_async("both refusals noted", lambda: sidecar.rejections.lines == 2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected 127.0.0.2")]
-    assert [line.split(":")[1] for line in lines] == [" handshake bad_proof", " malformed"], lines
+    assert [line.split(":")[1] for line in lines] == [" handshake other_pool", " malformed"], lines
     assert "(data port)" in lines[1]

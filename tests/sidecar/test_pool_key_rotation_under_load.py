@@ -112,7 +112,7 @@ def test_rotating_the_pool_key_under_load_loses_nothing() -> None:
         # a peer that still holds only the old key is now refused
         intruder = pool.add(identity="stale-pod", peers=[pool[0].identity], wait_connected=False)
         wait_for("the stale pod's rejection",
-                 lambda: pool[0].metric("kv_offload_handshakes_total", reason="bad_proof") >= 1)
+                 lambda: pool[0].metric("kv_offload_handshakes_total", reason="other_pool") >= 1)
         assert all(p["state"] != "connected" for p in intruder.peers())
         # the admin token derived from the old key no longer opens the admin endpoints
         code, _ = pool[0].get("/v1/status", auth=False)

@@ -107,7 +107,7 @@ def test_peers_stripe_fetches_over_the_fewer_lanes_both_offer_shown_in_status_an
 
 @pytest.mark.parametrize("override, reason", [
     (SidecarOverride(config=example_config(tokens_per_hash=32)), "fingerprint_mismatch"),
-    (SidecarOverride(pool_key=b"another-pool-key"), "bad_proof"),
+    (SidecarOverride(pool_key=b"another-pool-key"), "other_pool"),
     (SidecarOverride(hash_seed="12345"), "hash_seed_mismatch"),
     (SidecarOverride(config=example_config(worker_kv_bytes_per_block=8192)), "chunk_size_mismatch"),
 ], ids=["fingerprint", "pool-key", "hash-seed", "chunk-size"])

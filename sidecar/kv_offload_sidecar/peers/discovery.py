@@ -10,7 +10,8 @@ Sources, merged into one set:
 - dynamic addresses of peers that handshook with us (they dial, we dial back),
   forgotten again (``forget_unreachable``, each pass of the links' loop) once our link to one
   has failed ``FORGET_AFTER_FAILURES`` times in a row (the pod left) or at once when it refused
-  our proof (``bad_proof``: the address now belongs to a pod of another pool), so departed
+  us as a stranger (``other_pool``: the address now belongs to a pod of another pool; or
+  ``bad_proof``), so departed
   addresses are not dialled for ever and a reused one raises one refusal, not a stream.
   The peer is learnt again if it handshakes with us again.
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # Consecutive failed attempts after which a dynamic (learnt) address is forgotten.
 FORGET_AFTER_FAILURES = 5
+# Refusals after which a dynamic address is forgotten at once (its pod is not of this pool).
+REFUSED_STRANGER = ("(other_pool)", "(bad_proof)")
 
 # Resolver: name -> list of IP strings. The default asks the system resolver.
 Resolver = Callable[[str], Awaitable[list[str]]]
@@ -130,12 +133,12 @@ class Discovery:
 
     def forget_unreachable(self, links: Iterable[Any]) -> list[str]:
         """Forget the dynamic addresses whose link (``address``, ``state``, ``failures``,
-        ``last_error``) failed too often or was refused with bad_proof; returns them."""
+        ``last_error``) failed too often or refused us (other_pool, bad_proof); returns them."""
         gone = []
         for link in links:
             if link.address not in self._dynamic or link.address in self._static | self._dns:
                 continue
-            refused = link.state == "rejected" and "bad_proof" in link.last_error
+            refused = link.state == "rejected" and any(r in link.last_error for r in REFUSED_STRANGER)
             if refused or link.failures >= FORGET_AFTER_FAILURES:
                 log.info("forgetting learnt peer %s (%s)", link.address, link.last_error or "unreachable")
                 self.remove_dynamic(link.address)

@@ -8,15 +8,15 @@ to anyone who has not proven the pool key first:
    "key_ids": [...]}`` (ids of the keys it holds, current first;
    ``pool_keys.key_id``). The server answers ``{"wire_version", "nonce": N_s,
    "key_id"}``: the id of a key both hold (its current one when the client has
-   it). A client holding none of the server's keys is refused (``bad_proof``),
-   whatever wire version it names: step 1 checks only the syntax of the
-   version, so a stranger of another version gets the very bytes of any
-   stranger, and a key holder of another version learns of the mismatch in
-   step 2, after its proof.
+   it). A client holding none of the server's keys is refused (``other_pool``: another pool's
+   sidecar at a departed member's address, a pod a rotation missed, or any stranger), whatever
+   wire version it names: step 1 checks only the syntax of the version, so a stranger of another
+   version gets the very bytes of any stranger, and a key holder of another version learns of
+   the mismatch in step 2, after its proof.
 2. client -> server ``{"step": "proof", "nonce_client", "nonce_server",
    "hello": H_c, "proof": HMAC(K, "client" || T)}`` with ``T`` the transcript
-   of both nonces, the key id and ``H_c``. The server checks the proof first
-   (a bad one is ``bad_proof`` and learns nothing), then compares ``H_c`` with
+   of both nonces, the key id and ``H_c``. The server checks the proof first (a bad one,
+   a key named and not proven, is ``bad_proof`` and learns nothing), then compares ``H_c`` with
    its own hello and rejects on any difference (wire major version,
    fingerprint -- an empty or missing one is a difference -- model identity
    (``engine/model_identity``; none, or unknown weights, equals nothing), hash seed,
@@ -65,7 +65,7 @@ NONCE_BYTES = 16
 MAX_HELLO_LANES = 64
 SESSION_ID_BYTES = 16
 REASONS = ("fingerprint_mismatch", "model_mismatch", "hash_seed_mismatch", "chunk_size_mismatch",
-           "wire_version_mismatch", "bad_proof", "malformed", "replay")
+           "wire_version_mismatch", "bad_proof", "malformed", "replay", "other_pool")
 # Longest accepted string field of a hello (identity, control address, seed digest).
 MAX_FIELD_CHARS = 1024
 # Longest accepted data address (a UCX worker address in base64: hundreds of bytes, a few KiB
@@ -405,7 +405,7 @@ class HandshakeResponder:
         ids = [_hex_field({"key_id": k}, "key_id", KEY_ID_BYTES) for k in offered]
         kid = self.keys.choose(ids)
         if kid is None:
-            raise HandshakeError("bad_proof", "handshake rejected (bad_proof): the peer holds none of "
+            raise HandshakeError("other_pool", "handshake rejected (other_pool): the peer holds none of "
                                  "this pool's keys")
         if nonce_c in self._used:
             raise HandshakeError("replay", "handshake rejected (replay): client nonce already used")

@@ -150,13 +150,13 @@ async def test_mismatching_key_holder_is_rejected_with_reason_and_fields(sidecar
     assert await metric(sidecar_client, "kv_offload_handshakes_total", result="rejected", reason=reason) == 1
 
 
-async def test_wrong_pool_key_is_rejected_as_bad_proof_at_step_1(sidecar_client):
+async def test_wrong_pool_key_is_rejected_as_another_pool_at_step_1(sidecar_client):
     initiator = HandshakeInitiator(b"not-the-key", peer_hello())
     resp = await sidecar_client.post("/v1/handshake", json=initiator.step1())
     body = await resp.json()
-    assert resp.status == 403 and body["reason"] == "bad_proof"
+    assert resp.status == 403 and body["reason"] == "other_pool"
     assert body["fields"] == [] and body["diff"] == [] and "hello" not in body
-    assert await metric(sidecar_client, "kv_offload_handshakes_total", reason="bad_proof") == 1
+    assert await metric(sidecar_client, "kv_offload_handshakes_total", reason="other_pool") == 1
 
 
 async def test_a_stranger_of_another_wire_version_gets_the_bytes_of_any_stranger(sidecar_client):
@@ -168,7 +168,7 @@ async def test_a_stranger_of_another_wire_version_gets_the_bytes_of_any_stranger
         answers.add(await resp.read())
     assert len(answers) == 1
     answer = answers.pop()
-    assert b"bad_proof" in answer and WIRE_VERSION.encode() not in answer
+    assert b"other_pool" in answer and WIRE_VERSION.encode() not in answer
 
 
 async def test_a_key_holder_of_another_wire_version_is_told_after_its_proof(sidecar_client):

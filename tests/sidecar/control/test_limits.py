@@ -219,7 +219,7 @@ async def test_untrusted_handshakes_over_the_burst_get_429_before_their_body_is_
     assert b"too many handshakes" in answers[-1]
     assert errors(ports, "rate_limited") == 1
     assert ports.sidecar.registry.get_sample_value("kv_offload_handshakes_total",
-                                                   {"result": "rejected", "reason": "bad_proof"}) == 3
+                                                   {"result": "rejected", "reason": "other_pool"}) == 3
     other = await exchange(ports, post("/v1/handshake", step1, "Connection: close\r\n"), "127.0.0.3")
     assert status_of(other) == 403  # another source has its own bucket
 
@@ -314,9 +314,9 @@ async def test_rejected_handshakes_write_one_line_per_source_and_reason(ports, c
         step1 = json.dumps(HandshakeInitiator(b"not-the-pool-key", peer_hello()).step1()).encode()
         assert status_of(await exchange(ports, post("/v1/handshake", step1, "Connection: close\r\n"))) == 403
     rejected = ports.sidecar.registry.get_sample_value("kv_offload_handshakes_total",
-                                                       {"result": "rejected", "reason": "bad_proof"})
+                                                       {"result": "rejected", "reason": "other_pool"})
     assert rejected == 30
-    lines = [r for r in caplog.records if "bad_proof" in r.getMessage()]
+    lines = [r for r in caplog.records if "other_pool" in r.getMessage()]
     assert len(lines) == 1 and "127.0.0.2" in lines[0].getMessage()
 
 

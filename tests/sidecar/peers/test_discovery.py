@@ -103,7 +103,7 @@ def test_learnt_peers_are_forgotten_once_unreachable_or_refusing_our_proof_but_s
              SimpleNamespace(address="10.0.0.2:5710", state="backoff", failures=FORGET_AFTER_FAILURES,
                              last_error="ConnectError"),
              SimpleNamespace(address="10.0.0.3:5710", state="rejected", failures=1,
-                             last_error="peer rejected us: handshake rejected (bad_proof): ..."),
+                             last_error="peer rejected us: handshake rejected (other_pool): ..."),
              SimpleNamespace(address="10.0.0.4:5710", state="backoff", failures=FORGET_AFTER_FAILURES - 1,
                              last_error="ConnectError")]
     assert sorted(d.forget_unreachable(links)) == ["10.0.0.2:5710", "10.0.0.3:5710"]

@@ -176,7 +176,7 @@ def test_a_stranger_of_another_wire_version_gets_the_answer_of_any_stranger():
         with pytest.raises(HandshakeError) as exc:
             responder.hello({**HandshakeInitiator(b"another-key", peer_hello()).step1(), "wire_version": version})
         answers.append((exc.value.reason, str(exc.value), exc.value.diff))
-    assert answers[0][0] == "bad_proof"
+    assert answers[0][0] == "other_pool"
     assert answers.count(answers[0]) == len(answers)
 
 
@@ -243,7 +243,7 @@ def test_a_stranger_learns_nothing_about_the_pool_config():
         with pytest.raises(HandshakeError) as exc:
             responder.hello(HandshakeInitiator(b"another-key", peer_hello(**changes)).step1())
         answers.append((exc.value.reason, str(exc.value), exc.value.diff))
-    assert answers[0][0] == "bad_proof" and answers[0][2] == []
+    assert answers[0][0] == "other_pool" and answers[0][2] == []
     assert answers[0] == answers[1] == answers[2]
 
 
@@ -276,7 +276,7 @@ def test_either_key_works_while_a_rotation_rolls_out():
     exc_holder = HandshakeResponder(PoolKeys(new), lambda: peer_hello(identity="b"))
     with pytest.raises(HandshakeError) as exc:
         exc_holder.hello(HandshakeInitiator(PoolKeys(old), peer_hello()).step1())
-    assert exc.value.reason == "bad_proof"
+    assert exc.value.reason == "other_pool"
 
 
 def test_replayed_step2_is_rejected():

@@ -124,7 +124,7 @@ def step1_oracle(ctx: FuzzContext, body: dict[str, Any]) -> str:
     """What the sidecar must answer to a step-1 body: accept, a reason, or any 4xx.
 
     Which wire version a body names never matters here, only that it reads "major.minor": a
-    stranger of any version gets the same ``bad_proof``, and a key holder of another version
+    stranger of any version gets the same ``other_pool``, and a key holder of another version
     is answered like any member and told only after its proof (step 2, ``compare_hello``).
     """
     if body.get("step") != "hello":
@@ -139,7 +139,7 @@ def step1_oracle(ctx: FuzzContext, body: dict[str, Any]) -> str:
             or not all(isinstance(k, str) and len(k) == 2 * KEY_ID_BYTES and _is_hex(k) for k in ids)):
         return "malformed"
     if key_id(ctx.pool.pool_key).hex() not in [k.lower() for k in ids]:
-        return "bad_proof"
+        return "other_pool"
     seen = ctx.seen_nonces.get(nonce)
     if seen is not None:
         age = time.monotonic() - seen
