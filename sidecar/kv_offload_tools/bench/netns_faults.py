@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kv_offload_tools.bench.netns_load import PoolLoad
 from kv_offload_tools.bench.netns_scenarios import STALL_FRACTION, summary
 from kv_offload_tools.chaos.chunks import chunk_keys, share_through_pool
+from kv_offload_tools.local_pool import SidecarOverride, example_config
 from kv_offload_tools.netns.pool import NetnsPool
 
 # A survivor's descriptors and RSS count as flat within these of round 1.
@@ -102,13 +103,19 @@ def churn(pool: NetnsPool, stay: Sequence[int], rounds: int, *, timeout: float =
     """Figures of the pods outside ``stay`` stopped and started ``rounds`` times (module docstring)."""
     stay = list(stay)
     movers = [i for i in range(len(pool.sidecars)) if i not in stay]
+    live_addresses = {pool[i].address for i in stay}
     per_round: list[dict[str, Any]] = []
     for n in range(rounds):
         t0 = time.monotonic()
+        for i in movers:  # all at once, as a scale-down does
+            pool[i].sigterm()
         for i in movers:
             pool.stop_pod(i)
         left_connected = _wait_links(pool, stay, live=set(stay), timeout=timeout)
         gone_s = round(time.monotonic() - t0, 2)
+        forgotten = _until(lambda: all({p["address"] for p in pool[v].peers()} <= live_addresses for v in stay),
+                           timeout)
+        forgotten_s = round(time.monotonic() - t0, 2) if forgotten else None
         footprint = {pool[i].identity: process_footprint(pool[i].proc.pid) for i in stay}  # type: ignore[union-attr]
         t1 = time.monotonic()
         for i in movers:
@@ -119,6 +126,7 @@ def churn(pool: NetnsPool, stay: Sequence[int], rounds: int, *, timeout: float =
         keys = chunk_keys(f"churn-{n}-{time.monotonic_ns()}", 4)
         shared = share_through_pool(pool, keys, pool.chunk_bytes, holder=movers[0], reader=stay[0])
         per_round.append({"round": n + 1, "departed_links_left": left_connected, "seconds_until_links_live": gone_s,
+                          "seconds_until_departed_forgotten": forgotten_s,
                           "seconds_until_rejoined": back_s, "shared": list(shared),
                           "fds": {k: v[0] for k, v in footprint.items()},
                           "rss_mib": {k: round(v[1] / 2**20, 1) for k, v in footprint.items()}})
@@ -141,3 +149,84 @@ def _wait_links(pool: NetnsPool, viewers: Sequence[int], *, live: set[int], time
     while (n := stale()) and time.monotonic() < deadline:
         time.sleep(POLL_SECONDS)
     return n
+
+
+def _until(probe: Callable[[], object], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+HANDSHAKES = "kv_offload_handshakes_total"
+# Reasons a refusal may carry here (handshake.REASONS with the alerting one first).
+REFUSALS = ("bad_proof", "other_pool")
+
+
+def _refusals(pool: NetnsPool, i: int) -> dict[str, float]:
+    return {r: pool[i].metric(HANDSHAKES, result="rejected", reason=r) for r in REFUSALS}
+
+
+def reused_address(pool: NetnsPool, departed: int, *, stale_seconds: float,
+                   timeout: float = 60.0) -> dict[str, Any]:
+    """Figures of a departed pod's address taken by a sidecar of another pool (module docstring)."""
+    members = [i for i in range(len(pool.sidecars)) if i != departed]
+    address = pool[departed].address
+    before = {i: _refusals(pool, i) for i in members}
+    pool.stop_pod(departed)
+    pool.net.list_pod(pool.pod(departed))  # the name's answer still lists it (stale)
+    other = pool.start_pod(departed, SidecarOverride(config=example_config(tokens_per_hash=32),
+                                                     pool_key=b"another pool's key, not ours"))
+    t0 = time.monotonic()
+    refused = _until(lambda: all(_refusals(pool, i)["other_pool"] > before[i]["other_pool"] for i in members),
+                     timeout)
+    time.sleep(max(0.0, t0 + stale_seconds - time.monotonic()))  # the stale answer lasts this long
+    during = {i: _refusals(pool, i) for i in members}
+    states = sorted({p["state"] for i in members for p in pool[i].peers() if p["address"] == address})
+    t_unlisted = time.monotonic()
+    pool.net.list_pod(pool.pod(departed), False)  # the endpoint goes
+    forgotten = _until(lambda: all(p["address"] != address for i in members for p in pool[i].peers()), timeout)
+    after = {i: _refusals(pool, i) for i in members}
+    return {"address": address, "stale_seconds": stale_seconds, "refused_by_all": refused,
+            "member_refusals": {pool[i].identity: {r: after[i][r] - before[i][r] for r in REFUSALS}
+                                for i in members},
+            "member_refusals_while_listed": {pool[i].identity: during[i]["other_pool"] - before[i]["other_pool"]
+                                             for i in members},
+            "link_states_while_listed": states,
+            "other_pool_sidecar_refusals": _refusals(pool, departed),
+            "seconds_from_unlisted_to_forgotten": round(time.monotonic() - t_unlisted, 2) if forgotten else None,
+            "other": other.identity}
+
+
+def resolver_outage(pool: NetnsPool, *, seconds: float, timeout: float = 60.0) -> dict[str, Any]:
+    """Figures of every pod's resolver failing for ``seconds`` (module docstring)."""
+    every = range(len(pool.sidecars))
+    logged = {i: os.path.getsize(pool[i].log_path) for i in every}
+    connected = {i: _connected(pool, i) for i in every}
+    pool.net.break_resolver()
+    t0 = time.monotonic()
+    try:
+        failed = _until(lambda: all(_logged_since(pool, i, logged[i], "resolving peers DNS name") for i in every),
+                        timeout)
+        failed_s = round(time.monotonic() - t0, 2)
+        time.sleep(max(0.0, t0 + seconds - time.monotonic()))
+        during = {i: _connected(pool, i) for i in every}
+        keys = chunk_keys(f"resolver-out-{time.monotonic_ns()}", 4)
+        shared = share_through_pool(pool, keys, pool.chunk_bytes, holder=0, reader=len(pool.sidecars) - 1)
+    finally:
+        pool.net.restore_resolver()
+    return {"seconds": seconds, "every_pod_failed_to_resolve": failed, "seconds_until_all_failed": failed_s,
+            "connected_before": sum(map(len, connected.values())), "connected_during": sum(map(len, during.values())),
+            "links_lost": sum(len(connected[i] - during[i]) for i in every), "shared_during": list(shared)}
+
+
+def _connected(pool: NetnsPool, i: int) -> set[str]:
+    return {p["identity"] for p in pool[i].peers() if p["state"] == "connected"}
+
+
+def _logged_since(pool: NetnsPool, i: int, offset: int, text: str) -> bool:
+    with open(pool[i].log_path, "rb") as fh:
+        fh.seek(offset)
+        return text.encode() in fh.read()

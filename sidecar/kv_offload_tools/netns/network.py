@@ -16,9 +16,16 @@ every pod-to-pod packet is routed there and its policy rules apply:
 
 Each pod resolves the pool's name (``pool_name``, a headless Service's stand-in) through
 its own hosts file, ``/etc/netns/<namespace>/hosts``, which ``ip netns exec`` mounts over
-/etc/hosts for what it runs there: the name maps to every pod's address (all of them,
-as getaddrinfo returns for a headless Service); the file is rewritten in place when a
-pod is added, so running processes see the change.
+/etc/hosts for what it runs there: the name maps to every listed pod's address (all of them,
+as getaddrinfo returns for a headless Service; ``list_pod(pod, False)`` leaves one out, as
+the endpoints of a deleted pod are); the file is rewritten in place on every change, so
+running processes see it. Its ``resolv.conf`` (mounted the same way, written before any
+process starts) names the router as nameserver, where nothing answers, so a name missing
+from the hosts file fails at once; ``break_resolver`` takes the pool name out of every hosts
+file (every lookup of it fails) until ``restore_resolver``. With ``cluster_domain`` the hosts
+files name ``<pool_name>.<cluster_domain>`` and resolv.conf has Kubernetes' search entries
+``<namespace>.svc.<domain> svc.<domain>``, so a ``.svc`` pool name resolves only once the
+domain is taken from them (``peers.cluster_domain``): the search list alone finds nothing.
 
 Names carry the owner's pid: ``kvn-<pid>-<tag>-r`` (router), ``...-p<i>`` (pods).
 ``destroy`` removes all of it (a deleted namespace takes its veth ends along);
@@ -96,9 +103,16 @@ def sweep_stale(prefix: str = NETNS_PREFIX) -> list[str]:
 class PodNetwork:
     """A router namespace and pod namespaces; ``create`` makes them, ``destroy`` removes them."""
 
-    def __init__(self, pool_name: str = "pool.kvo.test", tag: str | None = None) -> None:
+    def __init__(self, pool_name: str = "pool.kvo.test", tag: str | None = None,
+                 cluster_domain: str | None = None) -> None:
         # The name every pod resolves to all pods' addresses.
         self.pool_name = pool_name
+        # The cluster's DNS domain in each pod's resolv.conf (None: no search entries).
+        self.cluster_domain = cluster_domain
+        # Pods left out of the pool name's answer (stopped pods, as endpoints of deleted ones).
+        self.unlisted: set[int] = set()
+        # True while no pod resolves the pool name.
+        self.resolver_broken = False
         # Prefix of this network's namespace names ("kvn-<pid>-<tag>-").
         self.prefix = f"{NETNS_PREFIX}{os.getpid()}-{tag or secrets.token_hex(3)}-"
         self.router = f"{self.prefix}r"
@@ -147,15 +161,43 @@ class PodNetwork:
         self._write_hosts()
         return pod
 
+    @property
+    def resolved_name(self) -> str:
+        """The name the hosts files map: the pool name, qualified with the cluster domain."""
+        return f"{self.pool_name}.{self.cluster_domain}" if self.cluster_domain else self.pool_name
+
     def _write_hosts(self) -> None:
         lines = ["127.0.0.1 localhost", "::1 localhost"]
-        lines += [f"{p.ip} {self.pool_name}" for p in self.pods]
+        if not self.resolver_broken:
+            lines += [f"{p.ip} {self.resolved_name}" for p in self.pods if p.index not in self.unlisted]
         text = "\n".join(lines) + "\n"
+        resolv = [f"nameserver {ROUTER_IP}", "options timeout:1 attempts:1"]
+        if self.cluster_domain:
+            namespace = self.pool_name.split(".")[1] if self.pool_name.count(".") >= 2 else "default"
+            resolv.append(f"search {namespace}.svc.{self.cluster_domain} svc.{self.cluster_domain}")
         for pod in self.pods:
             folder = os.path.join(HOSTS_ROOT, pod.netns)
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "hosts"), "w") as fh:  # in place: mounted files follow
                 fh.write(text)
+            if not os.path.exists(os.path.join(folder, "resolv.conf")):
+                with open(os.path.join(folder, "resolv.conf"), "w") as fh:
+                    fh.write("\n".join(resolv) + "\n")
+
+    def list_pod(self, pod: int | Pod, listed: bool = True) -> None:
+        """Put ``pod`` in the pool name's answer, or (``listed=False``) leave it out."""
+        p = self.pod(pod)
+        (self.unlisted.discard if listed else self.unlisted.add)(p.index)
+        self._write_hosts()
+
+    def break_resolver(self) -> None:
+        """No pod resolves the pool name any more (until ``restore_resolver``)."""
+        self.resolver_broken = True
+        self._write_hosts()
+
+    def restore_resolver(self) -> None:
+        self.resolver_broken = False
+        self._write_hosts()
 
     def pod(self, key: int | str | Pod) -> Pod:
         """A pod by index, namespace name or address (or itself)."""
