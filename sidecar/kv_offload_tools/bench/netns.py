@@ -18,11 +18,28 @@ reads other pods' (``netns_load``). Three scenarios (``netns_scenarios``), in th
    stores, every other pod reads: per reader, the hit share of pod 2's chunks before and
    during, and which peers each sidecar calls connected.
 
+Then, each on a pool of its own (``netns_faults``; ``--scenarios`` picks some):
+
+4. ``capped``: the last pod stores behind a ``--cap-bits`` tbf cap for ``--capped-seconds``
+   while the others read, twice: with ``--prefill-tokens-per-second`` (priced out) and with
+   none (backed off only): per half of the window, requests, p50/p99 and those that waited
+   half the deadline or more; fetch decisions; the largest failure count of a link to it;
+5. ``churn``: ``--churn-pods`` pods stopped and started ``--churn-rounds`` times beside 2 that
+   stay: per round, links left connected to departed pods, seconds until the departed
+   addresses are forgotten and until the pods are back, the survivors' descriptors and RSS;
+6. ``reused``: a departed pod's address taken by a sidecar of another pool while the pool name
+   still lists it for ``--stale-seconds``: refusals per reason on each side, link states, and
+   seconds from its leaving the name's answer until no member has a link to it;
+7. ``resolver``: every pod's resolver fails for ``--resolver-seconds``: links lost and a share
+   between two pods meanwhile; ``domain``: pods whose resolv.conf names ``cluster.example``
+   find each other by a ``.svc`` name.
+
 Figures, not pass/fail: it exits 0 once measured (1 when a chunk came back wrong or the
 load failed). Prints a table, or JSON with ``--json``. Needs root on Linux (network
 namespaces); elsewhere, or on bad input, one line on stderr and exit 2. About
 ``--before-seconds`` * 2 + ``--cut-seconds`` + ``--after-seconds`` + ``--idle-seconds`` +
-``--asym-seconds`` plus start-up (a minute with the defaults).
+``--asym-seconds`` plus start-up (a minute with the defaults), then 2 * ``--capped-seconds``,
+about 20 s per churn round, ``--stale-seconds`` + 15 s and ``--resolver-seconds`` + 15 s.
 """
 
 from __future__ import annotations
@@ -42,7 +59,18 @@ _FLOATS = (
     ("--idle-seconds", 15.0, 1.0, "how long the idle cut waits for the pool to notice"),
     ("--asym-seconds", 10.0, 1.0, "how long the asymmetric partition lasts"),
     ("--fetch-deadline-seconds", 2.0, 0.1, "the sidecars' --fetch-deadline-seconds"),
+    ("--capped-seconds", 12.0, 2.0, "how long the capped holder serves its chunks"),
+    ("--stale-seconds", 5.0, 0.0, "how long the pool name still lists a reused address"),
+    ("--resolver-seconds", 15.0, 0.0, "how long every pod's resolver fails"),
 )
+# (flag, default, lowest, help)
+_INTS = (
+    ("--cap-bits", 256_000, 8_000, "bandwidth cap of the capped holder, bits per second"),
+    ("--prefill-tokens-per-second", 512, 1, "prefill rate the capped run's sidecars are given"),
+    ("--churn-pods", 8, 1, "pods stopped and started beside the 2 that stay"),
+    ("--churn-rounds", 3, 1, "how many times they are stopped and started"),
+)
+SCENARIOS = ("isolate", "capped", "churn", "reused", "resolver", "domain")
 MAX_PODS = 16
 
 
@@ -50,16 +78,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pods", type=int, default=4, help=f"pods in the pool, 3 to {MAX_PODS} (default 4)")
     for flag, default, low, text in _FLOATS:
         parser.add_argument(flag, type=float, default=default, help=f"{text}; at least {low:g} (default {default:g})")
+    for flag, default, low, text in _INTS:
+        parser.add_argument(flag, type=int, default=default, help=f"{text}; at least {low} (default {default})")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated scenarios to run, of {', '.join(SCENARIOS)} (default all; "
+                             "isolate also runs idle and asymmetric on its pool)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
 
 
 def _check(args: argparse.Namespace) -> None:
     if not 3 <= args.pods <= MAX_PODS:
         raise UsageError(f"--pods {args.pods} must be between 3 and {MAX_PODS}")
-    for flag, _default, low, _text in _FLOATS:
+    for flag, _default, low, _text in _FLOATS + _INTS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if not value >= low:
             raise UsageError(f"{flag} {value:g} must be at least {low:g}")
+    if args.churn_pods + 2 > MAX_PODS:
+        raise UsageError(f"--churn-pods {args.churn_pods} must be at most {MAX_PODS - 2}")
+    unknown = sorted(set(args.scenarios.split(",")) - set(SCENARIOS))
+    if unknown or not args.scenarios:
+        raise UsageError(f"--scenarios {args.scenarios!r}: unknown {', '.join(unknown) or 'empty'}; "
+                         f"valid: {', '.join(SCENARIOS)}")
     from kv_offload_tools.netns.ip import unavailable
     reason = unavailable()
     if reason:
@@ -68,12 +107,32 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    chosen = args.scenarios.split(",")
+    figures: dict[str, Any] = {"pods": args.pods, "fetch_deadline_seconds": args.fetch_deadline_seconds}
+    if "isolate" in chosen:
+        _partitions(args, figures, log)
+    from kv_offload_tools.bench.netns_more import run_more
+    run_more(args, chosen, figures, log)
+    if args.json:
+        json.dump(figures, sys.stdout, indent=2)
+        print()
+    else:
+        print(report(figures))
+    wrong = sum(w["wrong"] for kind in ("victims_chunks", "victims_reads", "others")
+                for w in figures.get("isolate", {}).get(kind, {}).values() if "wrong" in w)
+    errors = [e for key in ("isolate", "asymmetric") for e in figures.get(key, {}).get("errors", [])]
+    errors += [e for run in figures.get("capped", {}).values() for e in run["errors"]]
+    return 1 if wrong or errors else 0
+
+
+def _partitions(args: argparse.Namespace, figures: dict[str, Any], log: Any) -> None:
+    """The isolate, idle and asymmetric scenarios, on one pool of ``--pods``."""
     from kv_offload_tools.bench.netns_scenarios import asymmetric, isolate_and_heal, isolate_idle
     from kv_offload_tools.netns.pool import NetnsPool
 
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     victim = args.pods - 1
-    figures: dict[str, Any] = {"pods": args.pods, "fetch_deadline_seconds": args.fetch_deadline_seconds}
     with NetnsPool(args.pods, fetch_deadline_seconds=args.fetch_deadline_seconds) as pool:
         log(f"{args.pods} pods up; isolating {pool[victim].identity} for {args.cut_seconds:g} s")
         figures["isolate"] = isolate_and_heal(pool, victim, before=args.before_seconds,
@@ -85,15 +144,6 @@ def run(args: argparse.Namespace) -> int:
         figures["reconverged_after_idle"] = _reconverged(pool)
         log(f"asymmetric partition for {args.asym_seconds:g} s")
         figures["asymmetric"] = asymmetric(pool, 0, 1, 2, before=args.before_seconds, during=args.asym_seconds)
-    if args.json:
-        json.dump(figures, sys.stdout, indent=2)
-        print()
-    else:
-        print(report(figures))
-    wrong = sum(w["wrong"] for kind in ("victims_chunks", "victims_reads", "others")
-                for w in figures["isolate"][kind].values() if "wrong" in w)
-    errors = figures["isolate"]["errors"] + figures["asymmetric"]["errors"]
-    return 1 if wrong or errors else 0
 
 
 def _reconverged(pool: Any) -> str:
@@ -112,6 +162,15 @@ def _ms(v: Any) -> str:
 
 def report(f: dict[str, Any]) -> str:
     """The figures as text tables."""
+    from kv_offload_tools.bench.netns_more import report_more
+
+    more = report_more(f)
+    if "isolate" not in f:
+        return more
+    return _report_partitions(f) + ("\n\n" + more if more else "")
+
+
+def _report_partitions(f: dict[str, Any]) -> str:
     iso = f["isolate"]
     out = [f"isolate {iso['victim']} of {f['pods']} pods (fetch deadline {f['fetch_deadline_seconds']:g} s)",
            f"{'requests':<16}{'window':<8}{'n':>6}{'hit':>8}{'p50 ms':>10}{'p99 ms':>10}"]

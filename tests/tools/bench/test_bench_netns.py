@@ -17,6 +17,10 @@ CLI = bench("netns")
     (["--cut-seconds", "0"], "--cut-seconds 0 must be at least 1"),
     (["--before-seconds", "1"], "--before-seconds 1 must be at least 2"),
     (["--fetch-deadline-seconds", "nan"], "--fetch-deadline-seconds nan must be at least 0.1"),
-], ids=["too-few-pods", "too-many-pods", "cut", "before", "deadline-nan"])
+    (["--scenarios", "capped,storm"], "--scenarios 'capped,storm': unknown storm; valid: isolate, capped, "
+                                      "churn, reused, resolver, domain"),
+    (["--churn-pods", "15"], "--churn-pods 15 must be at most 14"),
+    (["--cap-bits", "100"], "--cap-bits 100 must be at least 8000"),
+], ids=["too-few-pods", "too-many-pods", "cut", "before", "deadline-nan", "scenario", "churn-pods", "cap"])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
     assert refusal(CLI, *args) == named
