@@ -28,9 +28,11 @@ Every failure or deadline is a miss; a failing peer is reported for back-off
 sidecar's own loop (``loop_stalls``). The engine path's failures of a peer count on until
 it serves an exchange again (``_unserved``; the link's own count restarts at each reconnect),
 so the back-off of a peer that keeps failing requests grows (0.5, 1, 2 s caps) instead of
-starting over at each reconnect; a fetch that ran out of its deadline is observed as a
-transfer at the rate it managed (``PeerSpeeds.observe_cut_short``), so a slow holder is
-priced out (``fetch_cost``) instead of costing each request the whole deadline. An owner that names a holder without
+starting over at each reconnect; a fetch that ran out of its deadline, or whose chunks stopped
+coming after the holder's count was back (the holder answered, then went silent within the
+transfer: a link too slow for one chunk within the answer silence), is observed as a transfer at
+the rate it managed (``PeerSpeeds.observe_cut_short``), so a slow holder is priced out
+(``fetch_cost``) instead of costing each request the deadline or the silence. An owner that names a holder without
 the chunk, and a holder named for a chunk it lacks, each count one false
 claim (``claims.ClaimAudit``, keys ``owner:<id>`` and ``<id>``); distrusted
 ones are not asked. What is done with fetched chunks once loaded is the
@@ -76,7 +78,8 @@ MAX_FETCHED = 65536
 MAX_HOLDERS = 8
 # Prefix of an owner's key in the claim audit.
 OWNER_PREFIX = "owner:"
-# A fetch that failed after this share of its deadline ran out of it (a rate, not an error).
+# A fetch that failed after this share of its deadline ran out of it (a rate, not an error); so
+# did one whose chunks stopped coming after the holder's count (it answered, then was too slow).
 CUT_SHORT_SHARE = 0.9
 
 T = TypeVar("T")
@@ -399,7 +402,7 @@ class PeerReads:
             return 0
         except (TransportError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.warning("peer %s %s failed: %s; a miss", claim.identity, "fetch" if fetch else "lookup", exc)
-            if fetch and loop.time() - started >= CUT_SHORT_SHARE * deadline:
+            if fetch and (counted_at > started or loop.time() - started >= CUT_SHORT_SHARE * deadline):
                 landed = sum(1 for k in keys[:asked] if self._store().contains(k))
                 speeds.observe_cut_short(claim.identity, landed * self._store().slot_bytes,
                                          loop.time() - counted_at, self._store().slot_bytes)
