@@ -78,6 +78,8 @@ MAX_FETCHED = 65536
 MAX_HOLDERS = 8
 # Prefix of an owner's key in the claim audit.
 OWNER_PREFIX = "owner:"
+# Peers whose failures since they last served are remembered (the oldest forgotten first).
+MAX_UNSERVED = 4096
 # A fetch that failed after this share of its deadline ran out of it (a rate, not an error); so
 # did one whose chunks stopped coming after the holder's count (it answered, then was too slow).
 CUT_SHORT_SHARE = 0.9
@@ -456,7 +458,9 @@ class PeerReads:
             log.warning("peer %s is not backed off: this sidecar itself stalled during the exchange; "
                         "its link reconnects now", link.identity)
         elif link.identity is not None:  # the back-off goes on from the failures before the reconnect
-            n = self._unserved[link.identity] = self._unserved.get(link.identity, 0) + 1
+            n = self._unserved[link.identity] = self._unserved.pop(link.identity, 0) + 1
+            if len(self._unserved) > MAX_UNSERVED:
+                del self._unserved[next(iter(self._unserved))]
             link.failures = max(link.failures, n - 1)
         self._peers.report_failure(link, error, peer_at_fault=at_fault)
 

@@ -129,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _partitions(args: argparse.Namespace, figures: dict[str, Any], log: Any) -> None:
     """The isolate, idle and asymmetric scenarios, on one pool of ``--pods``."""
-    from kv_offload_tools.bench.netns_scenarios import asymmetric, isolate_and_heal, isolate_idle
+    from kv_offload_tools.bench.netns_scenarios import (
+        asymmetric,
+        isolate_and_heal,
+        isolate_idle,
+    )
     from kv_offload_tools.netns.pool import NetnsPool
 
     victim = args.pods - 1

@@ -6,7 +6,13 @@ a stranger at a departed member's address raises bounded ``other_pool`` refusals
 
 from __future__ import annotations
 
-from kv_offload_tools.bench.netns_faults import FD_SLACK, RSS_SLACK_BYTES, churn, resolver_outage, reused_address
+from kv_offload_tools.bench.netns_faults import (
+    FD_SLACK,
+    RSS_SLACK_BYTES,
+    churn,
+    resolver_outage,
+    reused_address,
+)
 from kv_offload_tools.chaos.chunks import chunk_keys, share_through_pool
 from kv_offload_tools.netns.ip import NetnsError, in_netns
 from kv_offload_tools.netns.pool import NetnsPool
@@ -41,7 +47,7 @@ def test_a_departed_pods_address_taken_by_another_pool_is_refused_as_other_pool_
     with NetnsPool(3, fetch_deadline_seconds=1.0) as pool:
         figures = reused_address(pool, 2, stale_seconds=4.0)
         assert figures["refused_by_all"], figures
-        for member, refusals in figures["member_refusals"].items():
+        for refusals in figures["member_refusals"].values():
             assert refusals["bad_proof"] == 0, figures  # nothing an alert pages for
             assert 1 <= refusals["other_pool"] <= MAX_REFUSALS_WHILE_LISTED + 2, figures
         assert all(n <= MAX_REFUSALS_WHILE_LISTED for n in figures["member_refusals_while_listed"].values()), figures
