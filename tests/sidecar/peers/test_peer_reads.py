@@ -226,3 +226,22 @@ async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_de
         clock.now += 0.02
         await asker.lookup(other, REQUEST_DEADLINE_SECONDS)
         assert len(asker.store) == 0
+
+def test_a_peers_failures_count_on_across_its_reconnects_so_its_back_off_grows():
+    # The link's own count restarts at each reconnect; the engine path's blame resumes it, so
+    # the back-off (links._back_off adds one to what report_failure saw) grows 1, 2, 3, ...
+    seen: list[int] = []
+    peers = SimpleNamespace(report_failure=lambda link, error, peer_at_fault: seen.append(link.failures))
+    reads = peer_reads.PeerReads(location=None, peers=peers, claims=None, metrics=None, store=lambda: None,
+                                 deadline_seconds=1.0, cost=None, stalls=SimpleNamespace(excuse=lambda t: False))
+    link = SimpleNamespace(identity="slow", failures=0)
+    for _ in range(3):
+        link.failures = 0  # reconnected
+        reads._blame(link, "fetch: missed its deadline", 0.0)
+        link.failures += 1  # what the link's back-off counts
+    assert seen == [0, 1, 2]
+    # A failure this sidecar's own stall excuses counts nothing.
+    reads._stalls = SimpleNamespace(excuse=lambda t: True)
+    link.failures = 0
+    reads._blame(link, "fetch: missed its deadline", 0.0)
+    assert seen[-1] == 0
