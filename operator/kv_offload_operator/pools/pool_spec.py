@@ -250,7 +250,8 @@ def _sidecar_resources(resources: Any, capacity: int, devices: Mapping[str, str]
         if have < need:
             raise ValueError(
                 f"spec.sidecar.resources.{kind}.memory={given!r} is below the store it holds: "
-                f"spec.sidecar.capacityBytes ({format_bytes(capacity)}) + {format_bytes(SIDECAR_MEMORY_OVERHEAD_BYTES)} "
+                f"spec.sidecar.capacityBytes ({format_bytes(capacity)}) + "
+                f"{format_bytes(SIDECAR_MEMORY_OVERHEAD_BYTES)} "
                 f"for the process = {format_bytes(need)}; raise it to at least {format_bytes(need)} or lower "
                 f"spec.sidecar.capacityBytes")
     requests = dict(result.get("requests") or {})
