@@ -37,9 +37,16 @@ every length)::
         --json $OUT/bench-gpu.json --plot $OUT/bench-gpu.png 2>&1 | tee $OUT/bench-gpu.log
 
 (The JSON is written after the prefill and after each pool, so a run cut short keeps what it
-measured;
-``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run; ``--plane tls`` for the
-same hits under mutual TLS 1.3, whose lanes each decrypt on a core of their own.)
+measured; ``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run; ``--plane tls`` for
+the same hits under mutual TLS 1.3, whose lanes each decrypt on a core of their own.) The CPU
+request a GPU pod's sidecar needs, and the tcp/tls comparison, in one device call of an estimated
+5-6 minutes (8B only; each plane's lanes and sidecar CPUs at every length)::
+
+    for plane in tcp tls; do timeout 240 python3 -m kv_offload_operator.cli bench gpu \\
+        --plane $plane --models llama-3.1-8b --lengths 1024,2048,4096,16384 \\
+        --sweep-lengths 1024,2048,4096,16384 --lanes 1,2,4,8 --sidecar-cpus 1,2,4,8 \\
+        --json $OUT/bench-gpu-$plane.json --plot $OUT/bench-gpu-$plane.png 2>&1 \\
+        | tee $OUT/bench-gpu-$plane.log; done
 """
 
 from __future__ import annotations
