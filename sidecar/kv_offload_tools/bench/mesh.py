@@ -9,8 +9,10 @@ static peer, a stand-in engine identity, ``--capacity-mib`` stores) and reads, p
    none has a peer still connecting; deadline ``--join-timeout``) and ``--settle-seconds``
    more: open descriptors (``/proc/PID/fd``, sockets among them), threads and VmRSS /
    RssAnon (``/proc/PID/status``), peers with a connected session and with open data
-   lanes; the seconds until all were ready and until the mesh settled, and the handshakes
-   the join cost (``kv_offload_handshakes_total`` summed; each end counts its own);
+   lanes; the seconds until every stand-in engine stated its identity (through the local
+   socket), all were ready and the mesh settled, and what the join cost: handshakes
+   (``kv_offload_handshakes_total`` summed; each end counts its own), connections and
+   handshakes refused at the door (every peer comes from 127.0.0.1 here) and dial failures;
 2. ``workload``: right after ``--writers`` pods stored ``--chunks`` chunks each and
    ``--readers`` other pods loaded all of them through the pool (every byte checked);
 3. ``after_idle``: ``--idle-seconds`` later, nothing asked.
@@ -79,7 +81,8 @@ def measure(n: int, s: MeshSettings, log: Any) -> dict[str, Any]:
     pool = MassJoin(n, capacity_bytes=int(s.capacity_mib * 2**20), publish_interval_seconds=1.0)
     pool.start(s.join_timeout)  # launches all, waits until ready, then settled
     try:
-        join = {"ready_seconds": pool.ready_at - pool.started_at, "settled_seconds": pool.settled_at - pool.started_at,
+        join = {"identities_stated_seconds": pool.stated_at - pool.started_at,
+                "ready_seconds": pool.ready_at - pool.started_at, "settled_seconds": pool.settled_at - pool.started_at,
                 "handshakes": handshakes(pool)}
         log(f"[mesh x{n}] settled after {join['settled_seconds']:.1f} s "
             f"({join['handshakes']['accepted']:.0f} handshakes counted)")

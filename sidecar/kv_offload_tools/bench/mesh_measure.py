@@ -5,7 +5,12 @@ descriptors, sockets among them, threads, VmRSS, RssAnon), then asks each its co
 (so this bench's own HTTP requests are not among the descriptors counted): peers whose
 session is connected, peers with open data lanes (``/v1/status`` ``data_lanes``), inbound
 sessions, directory members. ``MassJoin`` is a LocalPool whose start is timed: every
-process launched at once, then ready (each stand-in engine has stated its identity), then
+process launched at once, then each stand-in engine states its identity through the
+sidecar's local socket (as vLLM does from inside its pod: on this host every sidecar and
+this bench share 127.0.0.1, so a probe over TCP is one more stranger from the peers'
+address, refused at the door while the peers' handshakes hold that address's 16 unproven
+places, and the sidecars still waiting for it answer those handshakes 503: LocalPool's
+one-at-a-time readiness never got past 19 of 32), then ready (``/readyz``), then
 settled (``settled``: every sidecar's directory counts every member and none has a peer
 still connecting; the state sidecars expose both with a full mesh and with links opened on
 demand). ``share`` is the short workload: writers store chunks, readers load them through
@@ -20,8 +25,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kv_offload_sidecar.engine.client import EngineClient
+from kv_offload_sidecar.sidecar import store_name
+
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
 from kv_offload_tools.local_pool import LocalPool
+from kv_offload_tools.scrape import parse_metrics, value
 from kv_offload_tools.sidecar_process import SidecarProcess
 
 # Seconds between two polls of the pool's state.
@@ -76,14 +85,19 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def handshakes(pool: LocalPool) -> dict[str, float]:
-    """Handshakes the sidecars counted (each end counts one it made or answered), by result,
-    and dial failures their links count (``/v1/peers`` ``failures``), summed over the pool."""
-    accepted = rejected = failures = 0.0
+    """Handshakes the sidecars counted (each end counts one it made or answered), by result;
+    connections and handshakes refused at the door (``too_many_connections``, ``rate_limited``:
+    on this host every peer comes from 127.0.0.1); dial failures their links count
+    (``/v1/peers`` ``failures``); summed over the pool."""
+    out = dict.fromkeys(("accepted", "rejected", "too_many_connections", "rate_limited", "dial_failures"), 0.0)
     for sc in pool.sidecars:
-        accepted += sc.metric("kv_offload_handshakes_total", result="accepted")
-        rejected += sc.metric("kv_offload_handshakes_total", result="rejected")
-        failures += sum(int(p.get("failures", 0)) for p in sc.peers())
-    return {"accepted": accepted, "rejected": rejected, "dial_failures": failures}
+        samples = parse_metrics(sc.metrics_text())
+        for result in ("accepted", "rejected"):
+            out[result] += value(samples, "kv_offload_handshakes_total", result=result)
+        for reason in ("too_many_connections", "rate_limited"):
+            out[reason] += value(samples, "kv_offload_protocol_errors_total", reason=reason)
+        out["dial_failures"] += sum(int(p.get("failures", 0)) for p in sc.peers())
+    return out
 
 
 def unsettled(pool: LocalPool) -> list[str]:
@@ -120,8 +134,10 @@ class MassJoin(LocalPool):
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        # time.monotonic() when start() began, all sidecars were ready, the mesh settled.
+        # time.monotonic() when start() began, every engine had stated its identity, all
+        # sidecars were ready, the mesh settled.
         self.started_at = 0.0
+        self.stated_at = 0.0
         self.ready_at = 0.0
         self.settled_at = 0.0
 
@@ -131,8 +147,32 @@ class MassJoin(LocalPool):
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        super().wait_ready(timeout)
+        deadline = time.monotonic() + timeout
+        waiting = list(self.sidecars)
+        while waiting:
+            for sc in list(waiting):
+                if not sc.alive():
+                    raise RuntimeError(f"{sc.identity} exited with code {sc.proc.returncode}:\n{sc.log_tail()}")  # type: ignore[union-attr]
+                if self._state_identity(sc):
+                    waiting.remove(sc)
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(waiting)} engines could not state their identity in {timeout:g} s, "
+                                   f"e.g. {waiting[0].identity}:\n{waiting[0].log_tail()}")
+            time.sleep(POLL_SECONDS if waiting else 0)
+        self.stated_at = time.monotonic()
+        super().wait_ready(max(1.0, deadline - time.monotonic()))
         self.ready_at = time.monotonic()
+
+    def _state_identity(self, sc: SidecarProcess) -> bool:
+        """Whether a stand-in engine stated its identity through ``sc``'s local socket just now."""
+        path = os.path.join(self.workdir, f"kv-offload-{store_name(sc.identity)}-dp{sc.dp_indices[0]}.sock")
+        if sc.model_identity is None or not os.path.exists(path):
+            return sc.model_identity is None
+        try:
+            EngineClient(path, timeout=5.0, states=sc.model_identity.statement()).close()
+        except (OSError, ValueError):  # not listening yet (SidecarUnavailable is a ConnectionError)
+            return False
+        return True
 
     def wait_connected(self, timeout: float = 60.0) -> None:
         wait_settled(self, max(1.0, timeout - (time.monotonic() - self.started_at)))

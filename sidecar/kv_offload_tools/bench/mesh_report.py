@@ -68,10 +68,13 @@ def format_table(report: dict[str, Any]) -> str:
            f"read them all; idle {s['settle_seconds']:g} s after the join, {s['idle_seconds']:g} s after the workload"]
     for r in report["results"]:
         j, h = r["join"], r["join"]["handshakes"]
-        out += ["", f"{r['pods']} sidecars: ready after {j['ready_seconds']:.1f} s, settled after "
-                f"{j['settled_seconds']:.1f} s; {h['accepted']:.0f} handshakes counted ({h['accepted'] / r['pods']:.1f} "
-                f"per sidecar, each end counts its own), {h['rejected']:.0f} rejected, {h['dial_failures']:.0f} "
-                f"dial failures; {r['lanes_offered']} lanes offered",
+        out += ["", f"{r['pods']} sidecars: identities stated after {j['identities_stated_seconds']:.1f} s, ready "
+                f"after {j['ready_seconds']:.1f} s, settled after {j['settled_seconds']:.1f} s; {r['lanes_offered']} "
+                "lanes offered",
+                f"  join: {h['accepted']:.0f} handshakes counted ({h['accepted'] / r['pods']:.1f} per sidecar, each "
+                f"end counts its own), {h['rejected']:.0f} rejected; refused at the door: "
+                f"{h['too_many_connections']:.0f} connections, {h['rate_limited']:.0f} handshakes; "
+                f"{h['dial_failures']:.0f} dial failures",
                 f"  {'phase':<11}{'fds':>7}{'(min-max)':>11}{'sockets':>9}{'threads':>9}{'RSS MiB':>9}"
                 f"{'anon MiB':>10}{'connected':>11}{'data-linked':>13}{'lanes':>7}"]
         for phase in r["phases"]:
@@ -123,7 +126,7 @@ def write_plot(path: str, report: dict[str, Any]) -> str:
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="lower right")
     axes[0][0].set_title(f"descriptors: {report['descriptors']['order']}")
     axes[0][1].set_title("threads")
     axes[1][0].set_title("memory")
@@ -138,6 +141,8 @@ def write_plot(path: str, report: dict[str, Any]) -> str:
     twin = ax.twinx()
     twin.plot(pods, [r["join"]["settled_seconds"] for r in rows], "r^:", label="seconds until settled")
     twin.set_ylabel("seconds")
+    ax.set_ylim(bottom=0)
+    twin.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     more = twin.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left")
