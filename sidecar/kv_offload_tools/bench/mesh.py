@@ -67,7 +67,13 @@ class MeshSettings:
 
 def measure(n: int, s: MeshSettings, log: Any) -> dict[str, Any]:
     """Every figure of one pod count: a fresh pool, started at once, read three times."""
-    from kv_offload_tools.bench.mesh_measure import MassJoin, handshakes, share, snapshot, summary
+    from kv_offload_tools.bench.mesh_measure import (
+        MassJoin,
+        handshakes,
+        share,
+        snapshot,
+        summary,
+    )
 
     def phase(name: str, pool: MassJoin) -> dict[str, Any]:
         rows = snapshot(pool)

@@ -141,7 +141,7 @@ class MassJoin(LocalPool):
         self.ready_at = 0.0
         self.settled_at = 0.0
 
-    def start(self, timeout: float = 60.0) -> "MassJoin":
+    def start(self, timeout: float = 60.0) -> MassJoin:
         self.started_at = time.monotonic()
         super().start(timeout)
         return self

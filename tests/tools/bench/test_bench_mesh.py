@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from kv_offload_tools.bench.mesh_report import PHASES, descriptor_order
 
 
@@ -18,7 +19,7 @@ def test_tiny_run_reads_every_sidecar_in_every_phase_and_judges_the_target(tmp_p
     plot = tmp_path / "mesh.png"
     out = subprocess.run([_exe(), "bench", "mesh", "--pods", "2,3", "--chunks", "4", "--settle-seconds", "0.5",
                           "--idle-seconds", "1", "--json", "--plot", str(plot)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[mesh x3] after_idle" in out.stderr  # progress while it runs
     report = json.loads(out.stdout)
@@ -62,7 +63,7 @@ def _rows(fds_by_pods: dict[int, float], linked: int = 1) -> list[dict]:
 
 def test_descriptors_that_grow_with_the_pool_miss_the_target():
     verdict = descriptor_order(_rows({8: 58.0, 16: 106.0, 32: 202.0}), max_per_pod=1.0)
-    assert verdict["per_phase"]["joined"]["descriptors_per_extra_pod"] == 6.0
+    assert verdict["per_phase"]["joined"]["descriptors_per_extra_pod"] == pytest.approx(6.0)
     assert (verdict["order"], verdict["meets_target"]) == ("O(pool)", False)
 
 
@@ -77,6 +78,6 @@ def test_one_pod_count_is_not_judged():
 
 
 def test_bad_pod_counts_are_refused_with_one_line():
-    out = subprocess.run([_exe(), "bench", "mesh", "--pods", "8,1"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([_exe(), "bench", "mesh", "--pods", "8,1"], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == "kv-offload bench mesh: --pods '8,1' needs pod counts from 2 to 64"
