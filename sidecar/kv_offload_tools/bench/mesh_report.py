@@ -2,7 +2,8 @@
 
 ``descriptor_order`` fits the mean descriptors per sidecar against pods, phase by phase
 (least squares: the slope is descriptors per extra pod), and fits every sidecar's
-descriptors against its peers with open data lanes (descriptors per link). The target
+descriptors against its peers with open data lanes within each reading of a pool
+(descriptors per data link; measurable once sidecars of one pool differ in data links). The target
 ("descriptors per sidecar O(links), not O(pool)") is met when, in the phases where the
 pool is idle (``joined``: after the mass join settled; ``after_idle``: after the workload
 and an idle period), descriptors grow by at most ``max_per_pod`` per extra pod: a pool
@@ -34,6 +35,21 @@ def fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
     return slope, my - slope * mx
 
 
+def within_pool_slope(groups: Sequence[Sequence[tuple[float, float]]]) -> float | None:
+    """Slope of y against x within groups (each reading of one pool): every group's points
+    taken about its own means, so what all sidecars of a pool share (the sessions to every
+    member) drops out; None when x never varies within a group."""
+    sxy = sxx = 0.0
+    for points in groups:
+        if not points:
+            continue
+        mx = sum(x for x, _ in points) / len(points)
+        my = sum(y for _, y in points) / len(points)
+        sxy += sum((x - mx) * (y - my) for x, y in points)
+        sxx += sum((x - mx) ** 2 for x, _ in points)
+    return sxy / sxx if sxx else None
+
+
 def descriptor_order(rows: Sequence[dict[str, Any]], max_per_pod: float) -> dict[str, Any]:
     """Descriptors per extra pod in every phase, descriptors per link, and the target's verdict."""
     pods = [r["pods"] for r in rows]
@@ -42,9 +58,8 @@ def descriptor_order(rows: Sequence[dict[str, Any]], max_per_pod: float) -> dict
         line = fit(pods, [r["phases"][phase]["summary"]["fds"]["mean"] for r in rows])
         per_phase[phase] = None if line is None else {"descriptors_per_extra_pod": line[0],
                                                       "intercept": line[1]}
-    samples = [(s["data_linked_peers"], s["fds"]) for r in rows for p in PHASES
-               for s in r["phases"][p]["sidecars"]]
-    link_line = fit([x for x, _ in samples], [y for _, y in samples])
+    per_link = within_pool_slope([[(s["data_linked_peers"], s["fds"]) for s in r["phases"][p]["sidecars"]]
+                                  for r in rows for p in PHASES])
     slopes = [per_phase[p]["descriptors_per_extra_pod"] for p in IDLE_PHASES if per_phase[p] is not None]
     if len(slopes) < len(IDLE_PHASES):
         verdict, meets = "unknown: needs two pod counts or more", None
@@ -52,8 +67,7 @@ def descriptor_order(rows: Sequence[dict[str, Any]], max_per_pod: float) -> dict
         meets = max(slopes) <= max_per_pod
         verdict = "O(links)" if meets else "O(pool)"
     return {"per_phase": per_phase, "max_descriptors_per_extra_pod": max_per_pod,
-            "descriptors_per_link": None if link_line is None else link_line[0],
-            "descriptors_without_links": None if link_line is None else link_line[1],
+            "descriptors_per_data_link": per_link,
             "order": verdict, "meets_target": meets}
 
 
@@ -92,9 +106,9 @@ def format_table(report: dict[str, Any]) -> str:
         if line is not None:
             out.append(f"descriptors per sidecar, {phase}: {line['descriptors_per_extra_pod']:+.2f} per extra pod "
                        f"(+ {line['intercept']:.1f})")
-    if o["descriptors_per_link"] is not None:
-        out.append(f"descriptors per peer with open data lanes: {o['descriptors_per_link']:.2f} "
-                   f"(+ {o['descriptors_without_links']:.1f} without any)")
+    per_link = o["descriptors_per_data_link"]
+    out.append("descriptors per peer with open data lanes, within a pool: "
+               + ("not measurable (every sidecar of a pool had as many)" if per_link is None else f"{per_link:.2f}"))
     status = {True: "met", False: "MISSED", None: "not judged"}[o["meets_target"]]
     out.append(f"target: descriptors per sidecar O(links), not O(pool) (idle: at most "
                f"{o['max_descriptors_per_extra_pod']:g} per extra pod): {o['order']}, {status}")

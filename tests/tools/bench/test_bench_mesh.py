@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from kv_offload_tools.bench.mesh_report import PHASES, descriptor_order
+from kv_offload_tools.bench.mesh_report import PHASES, descriptor_order, within_pool_slope
 
 
 def _exe() -> str:
@@ -75,6 +75,12 @@ def test_descriptors_flat_while_idle_meet_the_target():
 def test_one_pod_count_is_not_judged():
     verdict = descriptor_order(_rows({8: 30.0}), max_per_pod=1.0)
     assert verdict["meets_target"] is None and verdict["order"].startswith("unknown")
+
+
+def test_descriptors_per_data_link_come_from_sidecars_of_one_pool_that_differ():
+    # Two pools whose sessions cost different amounts: only the difference within each counts.
+    assert within_pool_slope([[(0, 10), (1, 14), (2, 18)], [(0, 50), (1, 54)]]) == pytest.approx(4.0)
+    assert within_pool_slope([[(3, 10), (3, 12)], [(7, 30)]]) is None
 
 
 def test_bad_pod_counts_are_refused_with_one_line():
