@@ -8,7 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from kv_offload_tools.bench.mesh_report import PHASES, descriptor_order, within_pool_slope
+from kv_offload_tools.bench.mesh_report import (
+    PHASES,
+    descriptor_order,
+    within_pool_slope,
+)
 
 
 def _exe() -> str:
