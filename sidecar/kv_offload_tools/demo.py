@@ -18,7 +18,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,8 +67,11 @@ class DemoReport:
 
 def run_demo(pods: int = 3, requests: int | None = None, transport: str = "tcp",
              seconds: float = 90.0, trace: str | Path = TRACE_SAMPLE,
-             progress=None, intruder: bool = False) -> DemoReport:
+             progress=None, intruder: bool = False,
+             launcher: Callable[[Sequence[str], Mapping[str, str]], list[str]] | None = None) -> DemoReport:
     """Run the demo; ``progress(line)`` receives live status lines.
+
+    ``launcher`` is the pool's (``LocalPool``): how each sidecar process is started.
 
     ``intruder`` adds one more sidecar hashing prefixes with another seed: the
     pods must reject its handshakes (fail closed) and share nothing with it.
@@ -79,7 +82,7 @@ def run_demo(pods: int = 3, requests: int | None = None, transport: str = "tcp",
         trace_ids = trace_ids[:requests]
     start = time.monotonic()
     with LocalPool(pods, transport=transport, config=config, capacity_bytes=64 << 20,
-                   publish_interval_seconds=0.1) as pool:
+                   publish_interval_seconds=0.1, launcher=launcher) as pool:
         if intruder:
             pool.add(SidecarOverride(hash_seed="4242"), wait_connected=False)
             if progress:

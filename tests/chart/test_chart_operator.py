@@ -135,7 +135,8 @@ def test_rbac_grants_exactly_what_the_operator_uses_cluster_wide(render):
 def test_rbac_and_webhook_are_confined_to_the_watched_namespace_when_one_is_set(render):
     objects = render({"operator": {"watchNamespace": "inference"}})
     assert _granted(objects, "Role") == operator_grants(clusterwide=False)
-    assert FULLNAME not in {o["metadata"]["name"] for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")}
+    cluster_wide = ("ClusterRole", "ClusterRoleBinding")
+    assert FULLNAME not in {o["metadata"]["name"] for o in objects if o["kind"] in cluster_wide}
     assert find(objects, "Role", FULLNAME)["metadata"]["namespace"] == "inference"
     binding = find(objects, "RoleBinding", FULLNAME)
     assert binding["metadata"]["namespace"] == "inference"

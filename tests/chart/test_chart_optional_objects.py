@@ -50,11 +50,13 @@ def test_prometheus_rule_has_each_monitors_alerts_only_with_that_monitor(render,
     assert set(groups) == {"kv-offload.sidecars", "kv-offload.operator"}
     alerts = {g: {r["alert"] for r in groups[g]["rules"] if "alert" in r} for g in groups}
     assert alerts["kv-offload.sidecars"] == {
-        "KVOffloadHandshakeRejected", "KVOffloadPeerOutsidePool", "KVOffloadIntegrityFailures", "KVOffloadPoolMixedFingerprints",
-        "KVOffloadPoolMixedModelIdentities", "KVOffloadSidecarDown", "KVOffloadPeerHitRatioDropped", "KVOffloadPeerFetchTimeouts"}
+        "KVOffloadHandshakeRejected", "KVOffloadPeerOutsidePool", "KVOffloadIntegrityFailures",
+        "KVOffloadPoolMixedFingerprints", "KVOffloadPoolMixedModelIdentities", "KVOffloadSidecarDown",
+        "KVOffloadPeerHitRatioDropped", "KVOffloadPeerFetchTimeouts"}
     assert alerts["kv-offload.operator"] == {"KVOffloadWebhookDown", "KVOffloadWebhookNotRedundant",
                                              "KVOffloadWebhookDenials", "KVOffloadWebhookErrors"}
-    for group, job in (("kv-offload.sidecars", f"{FULLNAME}-sidecars"), ("kv-offload.operator", f"{FULLNAME}-operator")):
+    for group, job in (("kv-offload.sidecars", f"{FULLNAME}-sidecars"),
+                       ("kv-offload.operator", f"{FULLNAME}-operator")):
         for rule in groups[group]["rules"]:
             assert f'job="{job}"' in rule["expr"] or rule.get("alert") == "KVOffloadPeerHitRatioDropped", rule
             if "alert" in rule:
@@ -111,7 +113,8 @@ def test_network_policy_opens_sidecar_ports_to_the_same_pools_pods_only_and_metr
     # The default admits every port between the pods of one pool (UCX picks its own ports).
     default = find(render({"networkPolicy": {"enabled": True, "pools": [{"name": "llama"}]}}), "NetworkPolicy")
     assert default["metadata"]["namespace"] == NAMESPACE
-    assert default["spec"]["ingress"][0] == {"from": [{"podSelector": {"matchLabels": {"kv-offload.io/pool": "llama"}}}]}
+    pool_pods = {"podSelector": {"matchLabels": {"kv-offload.io/pool": "llama"}}}
+    assert default["spec"]["ingress"][0] == {"from": [pool_pods]}
     assert "NetworkPolicy" not in kinds(render())
 
 

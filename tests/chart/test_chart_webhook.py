@@ -61,7 +61,8 @@ def test_self_managed_mode_renders_no_key_material_only_the_hook_jobs_that_make_
         assert _args(job)["--secret"] == [SECRET] and _args(job)["--namespace"] == [NAMESPACE]
     # The certificate names every DNS name of the webhook Service; the operator mounts that Secret.
     assert WEBHOOK_DNS in _args(create)["--dns-name"]
-    assert _args(patch)["--webhook-configuration"] == [find(objects, "MutatingWebhookConfiguration")["metadata"]["name"]]
+    webhook = find(objects, "MutatingWebhookConfiguration")
+    assert _args(patch)["--webhook-configuration"] == [webhook["metadata"]["name"]]
     volumes = find(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
     assert next(v for v in volumes if v["name"] == "webhook-tls")["secret"]["secretName"] == SECRET
     # The Jobs' account reaches only that Secret and that configuration (create cannot be limited to a name).

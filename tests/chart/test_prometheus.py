@@ -250,5 +250,6 @@ def test_per_pod_panels_show_each_sidecars_hit_ratio_fingerprint_and_that_all_ar
     assert up == {"up": 3.0, "scraped": 3.0}
 
     (fingerprints,) = panels["fingerprint per pod"]["targets"]
-    rows = {s["metric"]["pod"]: s["metric"]["fingerprint"] for s in prometheus.query(fill_variables(fingerprints["expr"]))}
+    series = prometheus.query(fill_variables(fingerprints["expr"]))
+    rows = {s["metric"]["pod"]: s["metric"]["fingerprint"] for s in series}
     assert rows == {sc.identity: pool.config.fingerprint for sc in pool.sidecars}

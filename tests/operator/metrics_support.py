@@ -48,4 +48,5 @@ async def wait_for_metrics(port: int, probe: Callable[[Samples], bool] = lambda 
     try:
         return await wait_for_async(f"the metrics on port {port} to match", accepted, timeout)
     except AssertionError:
-        raise AssertionError(f"the metrics on port {port} never matched; last scrape: {last[0]}\n{log()[-3000:]}") from None
+        raise AssertionError(f"the metrics on port {port} never matched; last scrape: {last[0]}\n"
+                             f"{log()[-3000:]}") from None

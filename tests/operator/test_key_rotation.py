@@ -22,7 +22,8 @@ def secret_data() -> dict[str, str]:
     return pool_objects.pool_key_secret(pool(), b"o" * 32)["data"]
 
 
-def applied(data: dict[str, str], notes: dict[str, str], plan: rot.RotationPlan) -> tuple[dict[str, str], dict[str, str]]:
+def applied(data: dict[str, str], notes: dict[str, str],
+            plan: rot.RotationPlan) -> tuple[dict[str, str], dict[str, str]]:
     """The Secret's data and annotations after the plan's merge patch."""
     patch: dict[str, Any] = dict(plan.secret_patch or {})
     out_data, out_notes = dict(data), dict(notes)

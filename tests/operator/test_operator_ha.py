@@ -67,8 +67,8 @@ def requests_by(k: kmock.KubernetesEmulator, token: str) -> set[tuple[str, str, 
 
 
 async def wait_leader_gauge(operator: OperatorProcess, wanted: float, timeout: float = 60) -> None:
-    await wait_for_metrics(operator.metrics_port, lambda s: s.get(("kv_offload_operator_leader", frozenset())) == wanted,
-                           timeout, operator.log)
+    leader = ("kv_offload_operator_leader", frozenset())
+    await wait_for_metrics(operator.metrics_port, lambda s: s.get(leader) == wanted, timeout, operator.log)
 
 
 def status_of(k: kmock.KubernetesEmulator, name: str) -> dict[str, Any]:
@@ -104,7 +104,8 @@ async def test_two_replicas_both_admit_pods_only_the_oldest_reconciles_and_the_s
         await wait_for_async("b's paused pool watch", lambda: "Pausing the watch-stream for kvoffloadpools" in b.log())
 
         await create(kmock, POOLS_URL, pool_body("llama"))
-        fingerprint = await wait_for_async("the pool's fingerprint", lambda: status_of(kmock, "llama").get("fingerprint"))
+        fingerprint = await wait_for_async("the pool's fingerprint",
+                                           lambda: status_of(kmock, "llama").get("fingerprint"))
         # The ready-peers follower runs on the leader only (no pods: 0 ready, no sessions).
         await wait_for_async("the leader's ready-peers count", lambda: "peerStates" in status_of(kmock, "llama"))
         for operator in (a, b):

@@ -342,8 +342,8 @@ async def test_ready_peers_counts_the_sidecars_that_report_a_connected_peer_on_t
             new_args = [*LLAMA_ARGS[:4], "32", *LLAMA_ARGS[5:]]  # --block-size 32: another fingerprint
             await merge_patch(kmock, f"{POOLS_URL}/llama",
                               {"metadata": {"generation": 2}, "spec": {"vllmArgs": new_args}})
-            await wait_for_async("no ready peer of the new fingerprint", lambda: status_of(kmock, "llama").get("fingerprint")
-                                 != fp and shows(0, 1, 0))
+            await wait_for_async("no ready peer of the new fingerprint",
+                                 lambda: status_of(kmock, "llama").get("fingerprint") != fp and shows(0, 1, 0))
         finally:
             await asyncio.gather(asyncio.to_thread(sidecars.stop), asyncio.to_thread(foreign.stop))
     # Written on change only: never the same count twice in a row (checks ran every 0.3 s).
@@ -533,8 +533,8 @@ async def test_a_missing_model_config_map_or_keyless_pool_secret_shows_as_waitin
         assert ready["status"] == "False"
         assert "ConfigMap 'not-there' named by spec.modelConfigRef does not exist" in ready["message"]
         keyless = await wait_for_async("the keyless pool's waiting condition",
-                                       lambda: condition(status_of(kmock, "keyless"), "Ready").get("reason") == "Waiting"
-                                       and condition(status_of(kmock, "keyless"), "Ready"))
+                                       lambda: (ready := condition(status_of(kmock, "keyless"), "Ready"))
+                                       .get("reason") == "Waiting" and ready)
         assert "never rotates a pool key silently" in keyless["message"]
         assert obj(kmock, "v1/secrets", "keyless-pool-key")["data"] == {"other": "eA=="}
 
@@ -622,8 +622,9 @@ async def test_rotating_the_pool_key_keeps_the_old_key_as_previous_key_until_the
 
         await merge_patch(kmock, f"{POOLS_URL}/llama",
                           {"metadata": {"annotations": {"kv-offload.io/rotate-pool-key": "2026-03-01"}}})
-        rotating = await wait_for_async("the previous key", lambda: "previous-key" in secret_entries(kmock, "llama-pool-key")
-                                        and secret_entries(kmock, "llama-pool-key"))
+        rotating = await wait_for_async("the previous key",
+                                        lambda: "previous-key" in (entries := secret_entries(kmock, "llama-pool-key"))
+                                        and entries)
         assert rotating["previous-key"] == before["key"] and rotating["key"] != before["key"]
         assert len(rotating["key"]) == 32
         assert (rotating["hash-seed"], rotating["admin-token"]) == (before["hash-seed"], before["admin-token"])

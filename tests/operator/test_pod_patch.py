@@ -344,12 +344,6 @@ def test_a_rate_is_passed_exactly_as_the_shortest_float_text(rate: float, text: 
     assert pods.format_rate(rate) == text and float(text) == rate
 
 
-def test_an_engine_metrics_url_is_passed_only_when_the_pool_sets_one() -> None:
-    assert "--engine-metrics-url" not in _sidecar_flags(inject(pod(vllm())))
-    url = "http://127.0.0.1:8000/metrics"
-    assert _sidecar_flags(inject(pod(vllm()), engineMetricsURL=url))["--engine-metrics-url"] == url
-
-
 def test_the_policy_flags_and_nixl_parse_with_the_sidecars_own_cli() -> None:
     import argparse
 

@@ -20,7 +20,8 @@ def config() -> OffloadingConfig:
     return pool_config(LLAMA_ARGS, llama_config())
 
 
-def test_configmap_holds_the_config_json_that_loads_back_equal_and_is_owned_by_the_pool(config: OffloadingConfig) -> None:
+def test_configmap_holds_the_config_json_that_loads_back_equal_and_is_owned_by_the_pool(
+        config: OffloadingConfig) -> None:
     cm = pool_objects.configmap_for(pool(), config, {"revision": "abc123"})
     assert cm["metadata"]["name"] == "llama-offloading-config"
     assert OffloadingConfig.from_json(cm["data"]["offloading_config.json"]) == config

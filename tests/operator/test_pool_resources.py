@@ -89,7 +89,8 @@ def test_the_data_port_is_the_pools_own_and_may_not_sit_among_its_control_ports(
 
 
 def test_an_explicit_shm_size_limit_must_hold_the_store_and_vllms_primary_tier() -> None:
-    with pytest.raises(ValueError, match=r"spec\.shmSizeLimit='2Gi' \(2Gi\) is smaller than spec\.sidecar\.capacityBytes"):
+    with pytest.raises(ValueError,
+                       match=r"spec\.shmSizeLimit='2Gi' \(2Gi\) is smaller than spec\.sidecar\.capacityBytes"):
         pool_spec.SidecarSpec.from_pool({"spec": {"shmSizeLimit": "2Gi", "sidecar": {"capacityBytes": "4Gi"}}},
                                         default_image="img")
     spec = pool_spec.SidecarSpec.from_pool({"spec": {"shmSizeLimit": "12Gi", "sidecar": {"capacityBytes": "4Gi"}}},
@@ -164,7 +165,8 @@ def test_an_rdma_pod_is_valid_for_kubernetes_with_devices_claims_and_ipc_lock() 
     # A pod that already has the claim keeps one entry; another claim of that name is refused.
     same = pod(vllm())
     same["spec"]["resourceClaims"] = [{"name": "nic", "resourceClaimName": "node-nic"}]
-    again = inject(same, ucxTransports="rdma-rc", rdma={"resourceClaims": [{"name": "nic", "resourceClaimName": "node-nic"}]})
+    again = inject(same, ucxTransports="rdma-rc",
+                   rdma={"resourceClaims": [{"name": "nic", "resourceClaimName": "node-nic"}]})
     assert again["spec"]["resourceClaims"] == [{"name": "nic", "resourceClaimName": "node-nic"}]
     other = pod(vllm())
     other["spec"]["resourceClaims"] = [{"name": "nic", "resourceClaimName": "gpu"}]

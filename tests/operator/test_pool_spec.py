@@ -41,7 +41,8 @@ def test_sidecar_spec_defaults_and_rejects_bad_values_naming_the_field() -> None
 def test_hash_seed_must_be_a_seed_python_accepts(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"spec\.hashSeed=.*decimal integer in \[0, 4294967295\]"):
         pool_spec.SidecarSpec.from_pool(hash_seed_pool(bad), default_image="img:1")
-    assert pool_spec.SidecarSpec.from_pool(hash_seed_pool("4294967295"), default_image="img:1").hash_seed == "4294967295"
+    spec = pool_spec.SidecarSpec.from_pool(hash_seed_pool("4294967295"), default_image="img:1")
+    assert spec.hash_seed == "4294967295"
 
 
 @pytest.mark.parametrize("env, said", [
@@ -95,7 +96,8 @@ def test_tls_needs_a_secret_name_and_the_tcp_transport() -> None:
     assert message.startswith("spec.sidecar.tls.secretName='pool-tls' is set but spec.sidecar.transport is 'ucx'")
     assert "TLS applies to the tcp transport only and UCX traffic is not encrypted" in message
     assert "set spec.sidecar.transport: tcp" in message
-    with pytest.raises(ValueError, match=r"spec\.sidecar\.tls=\{\} names no Secret: set spec\.sidecar\.tls\.secretName"):
+    with pytest.raises(ValueError,
+                       match=r"spec\.sidecar\.tls=\{\} names no Secret: set spec\.sidecar\.tls\.secretName"):
         sidecar_spec(transport="tcp", tls={})
 
 

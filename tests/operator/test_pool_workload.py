@@ -199,7 +199,8 @@ async def test_injected_kv_transfer_config_is_translated_for_a_statefulset_and_a
     assert lws_config == pool_config(["vllm", *leader["spec"]["containers"][0]["args"], *ours], llama_config())
     assert lws_config is not None and lws_config.parallel.tp_size == 2
     extra = lws_config.extra_config
-    assert (extra["spec_name"], extra["cpu_bytes_to_use"], extra["block_size"]) == ("TieringOffloadingSpec", 4 << 30, 32)
+    wanted = ("TieringOffloadingSpec", 4 << 30, 32)
+    assert (extra["spec_name"], extra["cpu_bytes_to_use"], extra["block_size"]) == wanted
     assert [dict(t) for t in extra["secondary_tiers"]] == [
         {"type": "KVOffloadSecondaryTier", "module_path": "kv_offload_sidecar.engine.vllm_tier"}]
     assert configmap_config(kmock, "own") == pool_config(["vllm", *SERVE, "--kv-transfer-config", KTC],

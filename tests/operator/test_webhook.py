@@ -79,7 +79,8 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
         "--peers-dns": "llama-peers.ns1.svc",
         "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
         "--transport": "ucx", "--prefill-tokens-per-second": "0", "--peer-copies": "drop",
-        "--dp-indices": "0", "--shm-dir": "/dev/shm"}
+        "--dp-indices": "0", "--shm-dir": "/dev/shm",
+        "--engine-metrics-url": "http://127.0.0.1:8000/metrics"}  # its vLLM's own (pod_defaults)
     assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-metrics", 5710), ("kvo-data", 5810)]
     # No readinessProbe: the sidecar never takes the vLLM replica out of its Service.
     assert "readinessProbe" not in sidecar

@@ -71,7 +71,8 @@ async def test_an_rdma_pod_on_the_host_network_gets_devices_claims_ipc_lock_host
     assert env["UCX_TLS"] == "rc,sm,self,tcp" and env["UCX_NET_DEVICES"] == "mlx5_0:1"
     resources = sidecar["resources"]
     assert resources["limits"] == {"rdma/ib": "1"}
-    assert resources["requests"] == {"memory": "16640Mi", "cpu": "250m", "rdma/ib": "1"}  # store + 256 MiB
+    # store + 256 MiB; a GPU pod's sidecar asks the CPUs its lanes need (pod_defaults)
+    assert resources["requests"] == {"memory": "16640Mi", "cpu": "4", "rdma/ib": "1"}
     assert resources["claims"] == [{"name": "rdma-nic"}]
     assert result["spec"]["resourceClaims"] == [{"name": "rdma-nic", "resourceClaimTemplateName": "rdma-nic"}]
     assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}

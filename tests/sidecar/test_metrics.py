@@ -116,7 +116,7 @@ def test_counters_move_the_exposed_series(metrics: SidecarMetrics, registry: Col
     metrics.peer_bytes.labels(direction="received").inc(4096)
     metrics.evictions.inc()
     metrics.store_used_bytes.set(8192)
-    series = {(n, tuple(sorted(l.items()))): v for n, l, v in _samples(registry)}
+    series = {(n, tuple(sorted(labels.items()))): v for n, labels, v in _samples(registry)}
     assert series[("kv_offload_peer_bytes_total", (("direction", "received"),))] == 4096
     assert series[("kv_offload_evictions_total", ())] == 1
     assert series[("kv_offload_store_used_bytes", ())] == 8192

@@ -20,8 +20,8 @@ KV_OFFLOAD = str(Path(sys.executable).with_name("kv-offload"))
 
 def ucx_info(*args: str, env: dict[str, str] | None = None) -> tuple[int, Any, str]:
     """Run the real CLI; (exit code, parsed JSON stdout, stderr)."""
-    done = subprocess.run([KV_OFFLOAD, "ucx-info", "--json", *args], check=False, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, **(env or {})))
+    done = subprocess.run([KV_OFFLOAD, "ucx-info", "--json", *args], check=False, capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, **(env or {})))
     return done.returncode, json.loads(done.stdout) if done.stdout else None, done.stderr
 
 

@@ -50,6 +50,10 @@ BENCHES: dict[str, tuple[str, str]] = {
                "hostile clients against a live pool: memory, logs and the honest load"),
     "netns": ("kv_offload_tools.bench.netns",
               "pods in network namespaces: what silent and asymmetric partitions cost today"),
+    "descriptors": ("kv_offload_tools.bench.descriptors",
+                    "the demo's hit ratio with every process holding descriptors past 1,024"),
+    "mesh": ("kv_offload_tools.bench.mesh",
+             "many real sidecars on this host: descriptors, threads, memory and handshakes per sidecar"),
 }
 
 

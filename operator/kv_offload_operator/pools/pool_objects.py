@@ -182,7 +182,8 @@ def pool_conditions(old: Sequence[Mapping[str, Any]] | None, *, invalid_message:
         wanted = {"Ready": ("False", "Waiting", waiting_message),
                   "Invalid": ("Unknown", "Waiting", "Not translated yet.")}
     else:
-        wanted = {"Ready": ("True", "ConfigWritten", "The offloading config, pool Secret and peer Service are in place."),
+        wanted = {"Ready": ("True", "ConfigWritten",
+                            "The offloading config, pool Secret and peer Service are in place."),
                   "Invalid": ("False", "Translated", "The spec translates into an OffloadingConfig.")}
     result: list[dict[str, Any]] = []
     for type_, (status, reason, message) in wanted.items():

@@ -74,6 +74,11 @@ _OPERATOR_SIDECAR_ENV: Mapping[str, str] = {ports.ENV_HOST: "spec.sidecar.basePo
                                             HASH_SEED_ENV: "spec.hashSeed",
                                             CPU_REQUEST_ENV: "spec.sidecar.resources.requests.cpu"}
 DEFAULT_SIDECAR_CPU = "250m"
+# The sidecar's CPU request in a pod whose vLLM container requests a GPU (lanes follow the
+# sidecar's cores, ``cpu_budget``). From bench gpu on an H200 (Llama-3.1-8B, tcp; docs/
+# benchmarks.md "CPUs per GPU pod"): with 1 lane a peer hit loses to recompute (0.64x at 2K
+# tokens, 0.80x at 16K), with 4 it wins (1.47x, 2.06x), the fetcher busy on 3.3-3.6 cores.
+GPU_SIDECAR_CPU = "4"
 # Seconds a rotated-out pool key stays accepted (spec.keyRotationGraceSeconds).
 DEFAULT_KEY_ROTATION_GRACE_SECONDS = 600
 
@@ -128,8 +133,11 @@ class SidecarSpec:
     # "drop" (one copy per chunk in the pool) or "cold" (a copy at the cold end of the store).
     peer_copies: str = DEFAULT_PEER_COPIES
     # vLLM's /metrics URL the sidecar learns the prefill rate from (spec.sidecar.engineMetricsURL),
-    # e.g. "http://127.0.0.1:8000/metrics"; "" = the configured rate only.
+    # e.g. "http://127.0.0.1:8000/metrics"; "" = the vLLM container's own (``pod_defaults``).
     engine_metrics_url: str = ""
+    # spec.sidecar.resources was given: its CPU request stands; False = the operator's
+    # (DEFAULT_SIDECAR_CPU, or GPU_SIDECAR_CPU beside a GPU: ``pod_defaults``).
+    resources_given: bool = False
 
     @property
     def ucx_tls(self) -> str:
@@ -208,7 +216,7 @@ class SidecarSpec:
                    tls_secret=_tls_secret(sc.get("tls"), transport),
                    ucx_transports=ucx_transports, resource_claims=rdma["claims"],
                    ipc_lock=rdma["ipc_lock"], prefill_tokens_per_second=prefill, peer_copies=peer_copies,
-                   engine_metrics_url=metrics_url)
+                   engine_metrics_url=metrics_url, resources_given=bool(sc.get("resources")))
 
     def control_port(self, dp_index: int) -> int:
         """The sidecar's control port of global data-parallel index ``dp_index`` (the sidecar's
@@ -250,7 +258,8 @@ def _sidecar_resources(resources: Any, capacity: int, devices: Mapping[str, str]
         if have < need:
             raise ValueError(
                 f"spec.sidecar.resources.{kind}.memory={given!r} is below the store it holds: "
-                f"spec.sidecar.capacityBytes ({format_bytes(capacity)}) + {format_bytes(SIDECAR_MEMORY_OVERHEAD_BYTES)} "
+                f"spec.sidecar.capacityBytes ({format_bytes(capacity)}) + "
+                f"{format_bytes(SIDECAR_MEMORY_OVERHEAD_BYTES)} "
                 f"for the process = {format_bytes(need)}; raise it to at least {format_bytes(need)} or lower "
                 f"spec.sidecar.capacityBytes")
     requests = dict(result.get("requests") or {})

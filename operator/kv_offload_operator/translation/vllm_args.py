@@ -26,6 +26,9 @@ class VllmArgsError(ValueError):
     """A vLLM argument that cannot be understood; the message names the flag."""
 
 
+# vLLM's API server port where --port is not given (vllm serve's default).
+VLLM_DEFAULT_PORT = 8000
+
 @dataclass(frozen=True)
 class VllmServeArgs:
     """The parts of a ``vllm serve`` invocation that shape the offloaded KV cache."""
@@ -90,6 +93,16 @@ class VllmServeArgs:
     # --hf-overrides as a JSON object (dotted overrides merged in), e.g.
     # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}; None when absent.
     hf_overrides: Mapping[str, Any] | None = None
+    # --host: the address the API server binds; None = all addresses (vLLM's default).
+    host: str | None = None
+    # --port: the API server's port, vLLM's default 8000 (VLLM_DEFAULT_PORT).
+    port: int = VLLM_DEFAULT_PORT
+
+    def metrics_url(self) -> str:
+        """vLLM's /metrics as a container of the same pod reaches it: the API server's
+        ``--host`` (loopback where it binds every address) and ``--port``."""
+        host = self.host if self.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def pod_dp_indices(self) -> tuple[int, ...]:
         """Global data-parallel indices of the engines this pod runs.
@@ -180,6 +193,8 @@ _VALUE_FLAGS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "--code-revision": ("code_revision", _str),
     "--quantization": ("quantization", _str),
     "--hf-overrides": ("hf_overrides", _json_object),
+    "--host": ("host", _str),
+    "--port": ("port", _positive_int),
 }
 # Flags whose JSON object takes ``--flag.key.path value`` overrides.
 _DOTTED_JSON_FLAGS = ("--kv-transfer-config", "--kv-events-config", "--speculative-config",

@@ -22,7 +22,7 @@ from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, identity_diff
 
-from . import pod_host
+from . import pod_defaults, pod_host
 from ..pools import kv_transfer
 from ..pools.pool_objects import (
     ADMIN_TOKEN_KEY,
@@ -402,6 +402,7 @@ def pod_patch(pod: Mapping[str, Any], pool: Mapping[str, Any], *, fingerprint: s
         dp_indices = pod_dp_indices(vllm)
     except ValueError as exc:
         raise ValueError(f"the vLLM arguments of container {vllm.get('name')!r} do not parse: {exc}") from None
+    sidecar = pod_defaults.for_pod(sidecar, vllm, parse_vllm_args(container_argv(vllm)))
     problem = pod_host.host_namespace_problem(pod, effective_ucx_tls(sidecar))
     if problem is not None:
         raise ValueError(problem)

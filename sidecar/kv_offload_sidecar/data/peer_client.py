@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
@@ -72,58 +72,54 @@ class FramedPeerDataClient(PeerDataClient):
         """The connection just ended with ``err`` (called once, before anything in flight is
         failed): stop the transport writing into slots."""
 
+    @contextlib.asynccontextmanager
+    async def _answered(self, asked: int, what: str, late: str) -> AsyncIterator[tuple[int, asyncio.Future[int]]]:
+        """A LOOKUP of ``asked`` keys in flight: its request id and the future its reply answers.
+        A timeout in the block fails the connection with ``late``, an error of sending with
+        ``what`` failed; the request is forgotten and its future's error retrieved at the end."""
+        rid = self._rids(1)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._lookups[rid] = (fut, asked)
+        try:
+            yield rid, fut
+        except TimeoutError:
+            exc = TransportError(late)
+            self._fail(exc)
+            raise exc from None
+        except TransportError:
+            raise
+        except self._send_errors as exc:
+            self._fail(exc)
+            raise TransportError(f"{what} failed: {exc}") from exc
+        finally:
+            self._lookups.pop(rid, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # failed with the connection: retrieved (no "never retrieved" log)
+
     async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
         """Number of leading ``keys`` the peer holds (one LOOKUP round trip)."""
         self._check_open()
         keys = list(keys)
         if not keys:
             return 0
-        rid = self._rids(1)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._lookups[rid] = (fut, len(keys))
-        try:
+        async with self._answered(len(keys), "lookup",
+                                  f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline") as (rid, fut):
             async with asyncio.timeout(timeout):
                 await self._send(proto.encode_lookup(rid, keys))
                 count = self._lookup_reply_now(rid, len(keys), timeout)
                 return count if count is not None else await fut
-        except TimeoutError:
-            exc = TransportError(f"lookup of {len(keys)} keys missed its {timeout:.3g}s deadline")
-            self._fail(exc)
-            raise exc from None
-        except TransportError:
-            raise
-        except self._send_errors as exc:
-            self._fail(exc)
-            raise TransportError(f"lookup failed: {exc}") from exc
-        finally:
-            self._lookups.pop(rid, None)
 
     async def ping(self, silence: float) -> float:
         """One heartbeat: an empty LOOKUP; its round trip in seconds. When nothing at all came
         from the holder for ``silence`` seconds after it left, the connection fails
         (TransportError): a pong late behind chunks still arriving is no failure."""
         self._check_open()
-        rid = self._rids(1)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._lookups[rid] = (fut, 0)
-        sent = time.monotonic()
-        try:
+        async with self._answered(0, "heartbeat",
+                                  f"peer silent: no frame for {silence:.3g}s after a heartbeat") as (rid, fut):
+            sent = time.monotonic()
             await self._send(proto.encode_lookup(rid, []))
             await answer_or_silence(fut, lambda: self.heard_at, silence)
             return time.monotonic() - sent
-        except TimeoutError:
-            exc = TransportError(f"peer silent: no frame for {silence:.3g}s after a heartbeat")
-            self._fail(exc)
-            raise exc from None
-        except TransportError:
-            raise
-        except self._send_errors as exc:
-            self._fail(exc)
-            raise TransportError(f"heartbeat failed: {exc}") from exc
-        finally:
-            self._lookups.pop(rid, None)
-            if fut.done() and not fut.cancelled():
-                fut.exception()  # failed with the connection: retrieved (no "never retrieved" log)
 
     async def fetch(self, keys: Sequence[bytes], store: StoreLike, timeout: float, *,
                     count: asyncio.Future[int] | None = None, first: int = 1) -> int:

@@ -227,7 +227,8 @@ def measure(s: dict[str, Any], progress: Any) -> dict[str, Any]:
 
 def _attacks(ctx: AttackContext, s: dict[str, Any]) -> tuple[bool, int, int]:
     run_siege(ctx, s["connections"], s["hold_seconds"])
-    for attack in (attack_control.public_metrics, attack_control.oversized_http, attack_control.deep_json, attack_control.huge_integers,
+    for attack in (attack_control.public_metrics, attack_control.oversized_http, attack_control.deep_json,
+                   attack_control.huge_integers,
                    attack_control.malformed_step, attack_control.rejected_flood):
         attack(ctx)
     leaked = attack_control.other_wire_version(ctx)

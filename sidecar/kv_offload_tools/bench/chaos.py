@@ -11,7 +11,8 @@ budget. Then the "late writer" row (``chaos.faults.late_writer_row``, ``--late-w
 runs of each case per plane, tcp, tls, ucx and nixl, whatever ``--transport``;
 ``--late-writer-only`` runs it alone): a holder SIGSTOPped mid-chunk and resumed past the
 fetcher's deadline, and the fetcher's loop blocked past it while the holder keeps sending (nixl:
-its READ posted past the deadline); no byte may land in a slot or row after the deadline. Prints one table row per fault class (or JSON with ``--json``),
+its READ posted past the deadline); no byte may land in a slot or row after the deadline. Prints one table row per
+fault class (or JSON with ``--json``),
 writes a PNG (``--plot``), and exits 1 when any invariant broke: a corrupt
 chunk delivered, a chunk lost that should have survived, the store above its
 budget, a fault the pool did not survive, or a byte written after a deadline.

@@ -9,6 +9,9 @@ phase (lookup, fetch, host to device), the speedup, the fetch rate, the break-ev
 rate (KV bytes / recompute time) and the sidecars' CPU-seconds per GB (``gpu_geometry``
 holds the arithmetic). ``--lanes 1,2,4,8`` repeats the hit per lane count (the sidecars'
 ``--data-lanes``): the last count at every length, the others at ``--sweep-lengths`` only.
+``--sidecar-cpus 1,2,4,8`` adds, per count, a pair whose holder and fetcher each run on that
+many CPUs of their half with the lanes their own choice (one per core, as a pod's sidecar given
+that CPU request): the CPU request a GPU pod's sidecar needs, at ``--sweep-lengths``.
 Beside each lane count, raw TCP with as many streams, pinned as the sidecars are
 (``gpu_raw_tcp``; the holder's side on the first half of the CPUs, the fetcher's on the
 second, ``gpu_pinning``), and the issue's GPU targets where the run measured them
@@ -33,9 +36,17 @@ every length)::
     timeout 560 python3 -m kv_offload_operator.cli bench gpu --plane tcp --lanes 1,2,4,8 \\
         --json $OUT/bench-gpu.json --plot $OUT/bench-gpu.png 2>&1 | tee $OUT/bench-gpu.log
 
-(The JSON is written after each model, so a run cut short keeps the models it finished;
-``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run; ``--plane tls`` for the
-same hits under mutual TLS 1.3, whose lanes each decrypt on a core of their own.)
+(The JSON is written after the prefill and after each pool, so a run cut short keeps what it
+measured; ``--models llama-3.1-8b --lengths 2048,16384`` for a shorter run; ``--plane tls`` for
+the same hits under mutual TLS 1.3, whose lanes each decrypt on a core of their own.) The CPU
+request a GPU pod's sidecar needs, and the tcp/tls comparison, in one device call of an estimated
+5-6 minutes (8B only; each plane's lanes and sidecar CPUs at every length)::
+
+    for plane in tcp tls; do timeout 240 python3 -m kv_offload_operator.cli bench gpu \\
+        --plane $plane --models llama-3.1-8b --lengths 1024,2048,4096,16384 \\
+        --sweep-lengths 1024,2048,4096,16384 --lanes 1,2,4,8 --sidecar-cpus 1,2,4,8 \\
+        --json $OUT/bench-gpu-$plane.json --plot $OUT/bench-gpu-$plane.png 2>&1 \\
+        | tee $OUT/bench-gpu-$plane.log; done
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools.bench.gpu_geometry import Geometry, breakeven_gbps, load_model_config, speedup
 from kv_offload_tools.bench.gpu_peer import PeerSettings
+from kv_offload_tools.bench.gpu_pinning import first_cpus, split_cpus
 from kv_offload_tools.progress import timestamped
 
 PLANES = ("tcp", "tls", "ucx", "nixl")
@@ -88,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lanes", default="",
                         help="comma-separated lane counts, each a pair of sidecars started with --data-lanes N "
                              "(default: one pair, the sidecars' own choice)")
+    parser.add_argument("--sidecar-cpus", default="",
+                        help="comma-separated core counts: per count one more pair of sidecars, the holder "
+                             "and the fetcher each on the first that many CPUs of its half, lanes their own "
+                             "choice (one per core), measured at --sweep-lengths (default: none)")
     parser.add_argument("--sweep-lengths", default=",".join(map(str, DEFAULT_SWEEP_LENGTHS)),
                         help="lengths at which the lane counts before the last are measured; those not in "
                              "--lengths are left out, and with none left the shortest and longest length "
@@ -106,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pool's folder under /dev/shm (default %(default)s)")
     parser.add_argument("--json", nargs="?", const=JSON_TO_STDOUT, default="", metavar="PATH",
                         help="print one JSON object instead of the table; with PATH, write it there "
-                             "(after each model) and print the table")
+                             "(after the prefill and each pool) and print the table")
     parser.add_argument("--plot", default="kv-offload-bench-gpu.png",
                         help="PNG written with the results (default %(default)s; '' for none)")
 
@@ -136,6 +152,13 @@ def parse(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     models = [m.strip() for m in str(args.models).split(",") if m.strip()] or list(GPU_MODELS if cuda else CPU_MODELS)
     lengths = sorted(set(_ints("lengths", args.lengths))) or list(GPU_LENGTHS if cuda else CPU_LENGTHS)
     lanes: list[int | None] = list(_ints("lanes", args.lanes)) or [None]
+    halves = split_cpus(os.sched_getaffinity(0))
+    sidecar_cpus = []
+    for count in _ints("sidecar-cpus", args.sidecar_cpus):
+        try:
+            sidecar_cpus.append((count, first_cpus(halves, count)))
+        except ValueError as exc:
+            raise _usage(f"--sidecar-cpus {args.sidecar_cpus!r}: {exc}") from None
     if args.chunk_tokens < 16 or args.chunk_tokens % 16:
         raise _usage(f"--chunk-tokens {args.chunk_tokens} must be a positive multiple of 16 (vLLM's block)")
     if lengths[0] < args.chunk_tokens:
@@ -151,7 +174,7 @@ def parse(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
             configs.append((config, Geometry.of(name, config, args.chunk_tokens)))
         except (ValueError, KeyError) as exc:
             raise _usage(f"--models {m!r}: {exc}") from None
-    return {"configs": configs, "lengths": lengths, "lanes": lanes,
+    return {"configs": configs, "lengths": lengths, "lanes": lanes, "sidecar_cpus": sidecar_cpus,
             "sweep": sweep_lengths(lengths, _ints("sweep-lengths", args.sweep_lengths))}
 
 
@@ -173,7 +196,9 @@ def peer_lengths(geometry: Geometry, lengths: Sequence[int], max_kv_bytes: float
 
 
 def _model_report(config: dict[str, Any], geometry: Geometry, plan: dict[str, Any],
-                  args: argparse.Namespace, dev: str, progress: Callable[[str], None]) -> dict[str, Any]:
+                  args: argparse.Namespace, dev: str, progress: Callable[[str], None],
+                  measured: Callable[[dict[str, Any]], None] = lambda model: None) -> dict[str, Any]:
+    """The model's report; ``measured`` gets the report so far after the prefill and each pool."""
     from kv_offload_tools.bench.gpu_peer import measure_peer_hits
     from kv_offload_tools.bench.gpu_prefill import measure_prefill
 
@@ -183,15 +208,27 @@ def _model_report(config: dict[str, Any], geometry: Geometry, plan: dict[str, An
                                  shutil.disk_usage(args.shm_dir).free)
     settings = PeerSettings(plane=args.plane, repeats=args.repeats, timeout_s=args.timeout_s,
                             shm_dir=args.shm_dir)
-    pools = []
-    for i, lanes in enumerate(plan["lanes"]):
-        last = i == len(plan["lanes"]) - 1
-        chosen = fits if last else [n for n in fits if n in plan["sweep"]]
+    swept = [n for n in fits if n in plan["sweep"]]
+    runs: list[tuple[list[int], int | None, Any, int | None]] = [  # (lengths, lanes, CPUs, sidecar CPUs)
+        (fits if i == len(plan["lanes"]) - 1 else swept, lanes, None, None) for i, lanes in enumerate(plan["lanes"])]
+    runs += [(swept, None, cpus, count) for count, cpus in plan["sidecar_cpus"]]
+    pools: list[dict[str, Any]] = []
+    report = _assembled(geometry, prefill, skipped, pools)
+    measured(report)
+    for chosen, lanes, cpus, count in runs:
         if chosen:
-            pools.append(measure_peer_hits(geometry, chosen, lanes, settings, dev, progress=progress))
+            pools.append({**measure_peer_hits(geometry, chosen, lanes, settings, dev, cpus=cpus, progress=progress),
+                          "sidecar_cpus": count})
+            report = _assembled(geometry, prefill, skipped, pools)
+            measured(report)
+    return report
+
+
+def _assembled(geometry: Geometry, prefill: dict[int, Any], skipped: dict[int, str],
+               pools: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A model's report: per length its recompute and its hits in every pool measured so far."""
     rows = []
-    for n in lengths:
-        p = prefill[n]
+    for n, p in sorted(prefill.items()):
         kv = geometry.kv_bytes(n)
         row: dict[str, Any] = {"tokens": n, "chunks": geometry.chunks(n), "kv_bytes": kv,
                                "recompute_s": p.seconds, "recompute_runs_s": list(p.runs),
@@ -204,7 +241,7 @@ def _model_report(config: dict[str, Any], geometry: Geometry, plan: dict[str, An
         for pool in pools:
             hit = pool["hits"].get(n)
             if hit is not None:
-                row["peer"].append({"lanes": pool["lanes"], **hit,
+                row["peer"].append({"lanes": pool["lanes"], "sidecar_cpus": pool["sidecar_cpus"], **hit,
                                     "speedup": speedup(p.seconds, hit["hit_s"]) if p.seconds else None,
                                     "ratio_to_raw_tcp": hit["fetch_gbps"] / pool["raw_tcp"]["gbps"]})
         rows.append(row)
@@ -219,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus
+    from kv_offload_tools.bench.gpu_pinning import cpu_list
     from kv_offload_tools.bench.gpu_prefill import device
     from kv_offload_tools.bench.gpu_report import plot, table, targets
 
@@ -233,20 +270,32 @@ def run(args: argparse.Namespace) -> int:
         "transformers": transformers.__version__, "plane": args.plane, "cpus": len(os.sched_getaffinity(0)),
         "pinning": {"holder": cpu_list(holder), "fetcher": cpu_list(fetcher)},
         "lengths": plan["lengths"], "sweep_lengths": plan["sweep"],
-        "lanes": ["default" if n is None else n for n in plan["lanes"]], "models": []}
+        "lanes": ["default" if n is None else n for n in plan["lanes"]],
+        "sidecar_cpus": [count for count, _ in plan["sidecar_cpus"]], "models": []}
     progress(f"{report['device']}: models {', '.join(g.name for _, g in plan['configs'])}; lengths "
-             f"{','.join(map(str, plan['lengths']))}; lanes {','.join(map(str, report['lanes']))}; holder on "
+             f"{','.join(map(str, plan['lengths']))}; lanes {','.join(map(str, report['lanes']))}; sidecar CPUs "
+             f"{','.join(map(str, report['sidecar_cpus'])) or 'half each'}; holder on "
              f"CPUs {report['pinning']['holder']}, fetcher on {report['pinning']['fetcher']}")
-    for config, geometry in plan["configs"]:
-        report["models"].append(_model_report(config, geometry, plan, args, dev, progress))
+    done: list[dict[str, Any]] = []
+
+    def save(model: dict[str, Any]) -> None:
+        """The report with the models done and ``model`` as measured so far, in --json's file
+        (a run cut short keeps what it measured) and, once a model is done, the plot."""
+        report["models"] = [*done, model]
         report["elapsed_s"] = round(time.monotonic() - t0, 1)
         report["targets"] = targets(report)
-        if args.plot:
-            plot(report, args.plot)
-            report["plot"] = os.path.abspath(args.plot)
-        if args.json not in ("", JSON_TO_STDOUT):  # after each model: a run cut short keeps what it measured
+        if args.json not in ("", JSON_TO_STDOUT):
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(report, fh, indent=1)
+
+    for config, geometry in plan["configs"]:
+        model = _model_report(config, geometry, plan, args, dev, progress, measured=save)
+        if args.plot:
+            report["plot"] = os.path.abspath(args.plot)
+        save(model)
+        done.append(model)
+        if args.plot:
+            plot(report, args.plot)
     print(json.dumps(report, indent=1) if args.json == JSON_TO_STDOUT else table(report))
     bad = [f"{m['geometry']['name']} {r['tokens']} lanes {p['lanes']}" for m in report["models"]
            for r in m["rows"] for p in r["peer"] if not (p["identical"] and p["all_loaded"])]

@@ -377,11 +377,13 @@ def lanes_in_use(status: Any, peer: str = "holder") -> int | None:
 
 def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | None,
                       settings: PeerSettings, dev: str, *,
+                      cpus: tuple[list[int], list[int]] | None = None,
                       progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """Peer hits of each prompt length with one lane setting: ``{"lanes", "store", "hits": {tokens: ...}}``."""
+    """Peer hits of each prompt length with one lane setting: ``{"lanes", "store", "hits": {tokens: ...}}``;
+    ``cpus``: the (holder's, fetcher's) CPUs, by default each half of this process's."""
     lengths = sorted(lengths)
     chunks = geometry.chunks(lengths[-1])
-    cpus = split_cpus(os.sched_getaffinity(0))
+    cpus = cpus or split_cpus(os.sched_getaffinity(0))
     keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(chunks)]
     host = HostRows(settings.shm_dir, chunks, geometry.row_stride, geometry.chunk_bytes, dev)
     kv = None
@@ -393,7 +395,8 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
         with _pair(geometry, chunks, host, settings, lanes, cpus) as pair:
             landed_s, store_s = _store(pair, keys, geometry, settings.timeout_s)
             host.zero(chunks)
-            progress(f"{geometry.name} lanes {label}: stored {chunks} chunks "
+            progress(f"{geometry.name} lanes {label}, holder on CPUs {cpu_list(cpus[0])}, fetcher on "
+                     f"{cpu_list(cpus[1])}: stored {chunks} chunks "
                      f"({chunks * geometry.chunk_bytes / 2**20:.0f} MiB) in the holder in {landed_s:.3f} s "
                      f"({landed_s / memcpy_s:.2f}x a memcpy of its bytes, {memcpy_s:.3f} s), visible to the "
                      f"fetcher after {store_s:.3f} s")

@@ -1,7 +1,9 @@
 """Where `bench gpu`'s processes run: the holder's side (its sidecar, raw TCP's sender) on the
 first half of this machine's CPUs, the fetcher's side (its sidecar, raw TCP's receiver) on the
 second half (one CPU: both on it), each given its CPUs before it starts, so a sidecar derives
-its lanes from the CPUs it will run on."""
+its lanes from the CPUs it will run on. ``--sidecar-cpus N`` gives each side the first N CPUs of
+its half instead: a pod whose sidecar is given N cores (its CPU budget, ``cpu_budget``, reads
+the affinity as it would a CPU limit), its lanes one per core."""
 
 from __future__ import annotations
 
@@ -15,6 +17,15 @@ def split_cpus(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
     ordered = sorted(cpus)
     half = max(1, len(ordered) // 2)
     return ordered[:half], (ordered[half:] or ordered)
+
+
+def first_cpus(halves: tuple[Sequence[int], Sequence[int]], count: int) -> tuple[list[int], list[int]]:
+    """(holder's, fetcher's) first ``count`` CPUs of each half of ``split_cpus``; a count
+    larger than a half is refused, naming the most that fits."""
+    most = min(len(halves[0]), len(halves[1]))
+    if not 1 <= count <= most:
+        raise ValueError(f"sidecar CPUs {count}: each sidecar has {most} CPUs of its own here (1-{most})")
+    return sorted(halves[0])[:count], sorted(halves[1])[:count]
 
 
 def cpu_list(cpus: Sequence[int]) -> str:

@@ -1,6 +1,6 @@
 """What `bench gpu` prints and draws of its report: a table per model, the issue's targets
 where the run measured them, and a PNG of recompute against the peer hit per prompt length
-(one line per lane count)."""
+(one line per lane count, and per sidecar CPU count of ``--sidecar-cpus``)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ _HEALTHZ_P99_MS = 10.0
 _TARGET_BYTES = 1 << 30
 
 
+def setting(entry: Mapping[str, Any]) -> str:
+    """A pool's or hit's sidecar setting in words: "lanes 8", or "lanes default, 2 CPUs each"."""
+    cpus = entry.get("sidecar_cpus")
+    return f"lanes {entry['lanes']}" + ("" if cpus is None else f", {cpus} CPUs each")
+
+
 def store_ratio(pool: Mapping[str, Any]) -> float:
     """A pool's store: seconds until it landed in the holder over a memcpy of its bytes."""
     return pool["store_landed_s"] / pool["store_memcpy_s"]
@@ -41,14 +47,14 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
             if not pool["store_paced"] and pool["store_bytes"] >= _TARGET_BYTES:
                 value = store_ratio(pool)
                 out.append({"target": f"an unpaced store lands in the holder within {_STORE_MEMCPY:g}x a "
-                                      f"memcpy of its bytes (lanes {pool['lanes']})",
+                                      f"memcpy of its bytes ({setting(pool)})",
                             "tokens": max(r["tokens"] for r in model["rows"]), "value": value,
                             "limit": _STORE_MEMCPY, "met": value <= _STORE_MEMCPY})
         for row in model["rows"]:
             for p in row["peer"]:
                 if row["kv_bytes"] >= _TARGET_BYTES and p.get("healthz_p99_ms") is not None:
                     out.append({"target": f"the fetcher answers /healthz with p99 <= {_HEALTHZ_P99_MS:g} ms "
-                                          f"while {row['kv_bytes'] / 2**30:.2g} GiB arrive (lanes {p['lanes']})",
+                                          f"while {row['kv_bytes'] / 2**30:.2g} GiB arrive ({setting(p)})",
                                 "tokens": row["tokens"], "value": p["healthz_p99_ms"],
                                 "limit": _HEALTHZ_P99_MS, "met": p["healthz_p99_ms"] <= _HEALTHZ_P99_MS})
     if report["cpus"] < _TARGET_CPUS:
@@ -57,13 +63,15 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
         if model["geometry"]["name"] != _TARGET_MODEL:
             continue
         one, many, ratio = _SCALING
-        for row in model["rows"]:
-            by_lanes = {p["lanes"]: p for p in row["peer"]}
+        for row in model["rows"]:  # the lanes' targets: sidecars on half the CPUs each
+            peer = [p for p in row["peer"] if p.get("sidecar_cpus") is None]
+            row = {**row, "peer": peer}
+            by_lanes = {p["lanes"]: p for p in peer}
             if one in by_lanes and many in by_lanes:
                 value = by_lanes[many]["fetch_gbps"] / by_lanes[one]["fetch_gbps"]
                 out.append({"target": f"{many} lanes >= {ratio:g}x the rate of {one} lane",
                             "tokens": row["tokens"], "value": value, "limit": ratio, "met": value >= ratio})
-            if _RAW[0] in by_lanes and row is _longest(model["rows"], _RAW[0]):
+            if _RAW[0] in by_lanes and row["tokens"] == _longest(model["rows"], _RAW[0]):
                 value = by_lanes[_RAW[0]]["ratio_to_raw_tcp"]
                 out.append({"target": f"{_RAW[0]} lanes >= {_RAW[1]:g}x raw TCP with {_RAW[0]} streams",
                             "tokens": row["tokens"], "value": value, "limit": _RAW[1], "met": value >= _RAW[1]})
@@ -75,10 +83,15 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _longest(rows: Sequence[Mapping[str, Any]], lanes: int) -> Mapping[str, Any] | None:
-    """The row of the longest prompt with a hit at ``lanes`` lanes."""
-    measured = [r for r in rows if any(p["lanes"] == lanes for p in r["peer"])]
+def _longest(rows: Sequence[Mapping[str, Any]], lanes: int) -> int | None:
+    """Tokens of the longest prompt with a hit at ``lanes`` lanes (sidecars on half the CPUs)."""
+    measured = [r["tokens"] for r in rows
+                if any(p["lanes"] == lanes and p.get("sidecar_cpus") is None for p in r["peer"])]
     return measured[-1] if measured else None
+
+
+def _lanes_column(p: Mapping[str, Any]) -> str:
+    return str(p["lanes"]) if p.get("sidecar_cpus") is None else f"{p['sidecar_cpus']}cpu"
 
 
 def _ms(seconds: float | None) -> str:
@@ -107,7 +120,7 @@ def table(report: Mapping[str, Any]) -> str:
                 lines.append(f"{head}  {row.get('peer_skipped', '')}")
             for p in row["peer"]:
                 lines.append(
-                    f"{head}  {p['lanes']!s:>7} {_ms(p['hit_s']):>8} {_ms(p['lookup_s']):>7} "
+                    f"{head}  {_lanes_column(p):>7} {_ms(p['hit_s']):>8} {_ms(p['lookup_s']):>7} "
                     f"{_ms(p['fetch_s']):>8} {_ms(p['h2d_s']):>7} {p['fetch_gbps']:>6.2f} "
                     f"{p['ratio_to_raw_tcp']:>5.2f} {_speedup(p['speedup']):>7} "
                     f"{p['holder_cpu_s_per_gb']:>11.2f}/{p['fetcher_cpu_s_per_gb']:<11.2f}"
@@ -116,7 +129,7 @@ def table(report: Mapping[str, Any]) -> str:
         for pool in model["pools"]:
             raw = pool["raw_tcp"]
             used = "" if pool["lanes_in_use"] is None else f" ({pool['lanes_in_use']} in use)"
-            lines.append(f"lanes {pool['lanes']}{used}: stored {pool['store_bytes'] / 2**20:.0f} MiB "
+            lines.append(f"{setting(pool)}{used}: stored {pool['store_bytes'] / 2**20:.0f} MiB "
                          f"{'paced' if pool['store_paced'] else 'unpaced'}, landed in the holder in "
                          f"{pool['store_landed_s'] * 1e3:.0f} ms = {store_ratio(pool):.2f}x a memcpy of its "
                          f"bytes ({pool['store_memcpy_s'] * 1e3:.0f} ms), seen by the fetcher after "
@@ -149,11 +162,11 @@ def plot(report: Mapping[str, Any], path: str) -> None:
     for ax, model in zip(axes[0], models):
         rows = [r for r in model["rows"] if r["recompute_s"] is not None]
         ax.plot([r["tokens"] for r in rows], [r["recompute_s"] for r in rows], "k-o", label="recompute")
-        lanes = sorted({p["lanes"] for r in model["rows"] for p in r["peer"]}, key=str)
-        for label in lanes:
-            points = [(r["tokens"], p["hit_s"]) for r in model["rows"] for p in r["peer"] if p["lanes"] == label]
+        settings = sorted({setting(p) for r in model["rows"] for p in r["peer"]})
+        for label in settings:
+            points = [(r["tokens"], p["hit_s"]) for r in model["rows"] for p in r["peer"] if setting(p) == label]
             ax.plot([t for t, _ in points], [s for _, s in points], "o--",
-                    label=f"peer hit, lanes {label}")
+                    label=f"peer hit, {label}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("prompt tokens")

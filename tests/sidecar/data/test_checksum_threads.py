@@ -10,8 +10,7 @@ import threading
 
 import pytest
 from kv_offload_sidecar.cpu_budget import cpu_budget
-from kv_offload_sidecar.data.checksum_threads import (THREAD_PREFIX, checksum_off_loop, checksum_threads,
-                                                      hashes_off_loop)
+from kv_offload_sidecar.data.checksum_threads import (THREAD_PREFIX, checksum_off_loop, checksum_threads)
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
 from kv_offload_sidecar.settings import MAX_DATA_LANES
 from kv_offload_sidecar.store.checksum import chunk_checksum

@@ -11,6 +11,7 @@ from kv_offload_sidecar.data import connect
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from peer_processes import PeerProcess
 from transport_peers import SESSION_ID, SESSION_KEY, chunk_bytes_in, content_of, key_of
+from waiting import wait_for_async
 
 CHUNK = 256 * 1024
 
@@ -27,7 +28,10 @@ async def test_the_count_arrives_before_the_chunks_and_bounds_what_is_fetched(
                                          on_count=lambda n: seen.append((n, len(store))))
         assert got == 8
         assert seen == [(8, seen[0][1])] and seen[0][1] <= 2  # only the first window came before it
-        assert peer.metrics()["peer_bytes_sent"] == 8 * CHUNK
+        # The holder counts a chunk once its send returned, which may be after it landed here.
+        sent = await wait_for_async("the holder counted its 8 chunks sent",
+                                    lambda: (n := peer.metrics()["peer_bytes_sent"]) >= 8 * CHUNK and n)
+        assert sent == 8 * CHUNK
         assert len(store) == 8 and all(chunk_bytes_in(store, key_of(i)) == content_of(i, CHUNK)
                                        for i in range(8))
         # A holder without the first key: a count of 0, at most the first window asked, no chunk.

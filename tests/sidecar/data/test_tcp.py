@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from raw_wire import authenticated as raw_authenticated
 from raw_wire import dial as raw_connect
 from raw_wire import error_text, read_frame, read_until_closed
-from transport_peers import (SESSION_ID, SESSION_KEY, assert_nothing_partial, assert_still_serves, chunk_bytes_in, content_of,
-                             hold_chunks, key_of, kill_at_first_chunk, session)
+from transport_peers import (SESSION_ID, SESSION_KEY, assert_nothing_partial, assert_still_serves, chunk_bytes_in,
+                             content_of, hold_chunks, key_of, kill_at_first_chunk, session)
 
 CHUNK = 256 * 1024
 
@@ -189,7 +189,8 @@ async def test_chunk_of_another_size_is_refused_and_nothing_stored(
     assert len(store) == 0 and store.used_bytes == 0
 
 
-async def silent_server(reply: Callable[[socket.socket, bytes], None] | None = None) -> tuple[str, asyncio.AbstractServer]:
+async def silent_server(
+        reply: Callable[[socket.socket, bytes], None] | None = None) -> tuple[str, asyncio.AbstractServer]:
     """A real TCP server that authenticates anyone, then answers with ``reply`` (or never)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

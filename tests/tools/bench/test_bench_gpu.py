@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from kv_offload_tools.bench.gpu import peer_lengths, sweep_lengths
+from kv_offload_sidecar.usage import UsageError
+from kv_offload_tools.bench.gpu import add_arguments, parse, peer_lengths, sweep_lengths
 from kv_offload_tools.bench.gpu_geometry import Geometry, breakeven_gbps, load_model_config, speedup
 from kv_offload_tools.bench.gpu_peer import HostRows, lanes_in_use
-from kv_offload_tools.bench.gpu_pinning import cpu_list, split_cpus
+from kv_offload_tools.bench.gpu_pinning import cpu_list, first_cpus, split_cpus
 from kv_offload_tools.bench.gpu_raw_tcp import _shares, raw_tcp
 from kv_offload_tools.bench.gpu_prefill import SLICE_LAYERS, layers_to_time, weight_bytes
 from kv_offload_tools.bench.gpu_report import targets
@@ -98,6 +99,28 @@ def test_holder_and_fetcher_get_half_the_cpus_each():
     assert split_cpus([0, 1]) == ([0], [1])
     assert split_cpus([3]) == ([3], [3])
     assert cpu_list([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+
+
+def test_sidecar_cpus_give_each_sidecar_the_first_cpus_of_its_half_and_no_more_than_the_half():
+    halves = split_cpus(range(16))
+    assert first_cpus(halves, 1) == ([0], [8])
+    assert first_cpus(halves, 4) == ([0, 1, 2, 3], [8, 9, 10, 11])
+    assert first_cpus(halves, 8) == halves
+    with pytest.raises(ValueError, match=r"sidecar CPUs 9: each sidecar has 8 CPUs of its own here \(1-8\)"):
+        first_cpus(halves, 9)
+
+
+def test_sidecar_cpus_beyond_half_this_hosts_cpus_are_refused_naming_the_flag_and_the_most(shm_dir: str):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    most = len(split_cpus(os.sched_getaffinity(0))[1])
+    args = parser.parse_args(["--models", "tiny-llama", "--shm-dir", shm_dir, "--sidecar-cpus", f"1,{most + 1}"])
+    with pytest.raises(UsageError, match=rf"--sidecar-cpus '1,{most + 1}': sidecar CPUs {most + 1}: .*\(1-{most}\)"):
+        parse(args, cuda=False)
+    ok = parse(parser.parse_args(["--models", "tiny-llama", "--shm-dir", shm_dir, "--sidecar-cpus", "1"]), cuda=False)
+    assert [count for count, _ in ok["sidecar_cpus"]] == [1]
 
 
 def test_rows_verification_tells_landed_chunks_from_zeroed_or_corrupted_ones(shm_dir: str):
@@ -204,6 +227,37 @@ def test_the_tls_plane_moves_the_hit_under_mutual_tls_into_the_rows(tmp_path: Pa
     assert hit["identical"] and hit["all_loaded"] and hit["loaded"] == m["rows"][0]["chunks"]
 
 
+def test_sidecar_cpus_add_a_pair_on_that_many_cpus_each_whose_lanes_follow_its_cores(tmp_path: Path, shm_dir: str):
+    config = dict(load_model_config("tiny-llama")[1], num_hidden_layers=2)
+    model = tmp_path / "tiny" / "config.json"
+    model.parent.mkdir()
+    model.write_text(json.dumps(config))
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "kv_offload_operator.cli", "bench", "gpu", "--models", str(model), "--lanes", "2",
+         "--sidecar-cpus", "1", "--lengths", "256,512", "--sweep-lengths", "512", "--chunk-tokens", "64",
+         "--repeats", "1", "--json", str(out), "--plot", str(tmp_path / "gpu.png"), "--shm-dir", shm_dir,
+         "--timeout-s", "30"],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["sidecar_cpus"] == [1]
+    (m,) = report["models"]
+    halves = split_cpus(os.sched_getaffinity(0))
+    lanes_pool, cpus_pool = m["pools"]
+    assert (lanes_pool["lanes"], lanes_pool["sidecar_cpus"]) == (2, None)
+    assert (lanes_pool["holder_cpus"], lanes_pool["fetcher_cpus"]) == (cpu_list(halves[0]), cpu_list(halves[1]))
+    # the added pair: each sidecar on one CPU, its lanes its own choice, one per core
+    assert (cpus_pool["lanes"], cpus_pool["sidecar_cpus"]) == ("default", 1)
+    assert (cpus_pool["holder_cpus"], cpus_pool["fetcher_cpus"]) == (str(halves[0][0]), str(halves[1][0]))
+    assert cpus_pool["lanes_in_use"] == 1 and cpus_pool["raw_tcp"]["streams"] == 1
+    short, long_ = m["rows"]
+    assert [(p["lanes"], p["sidecar_cpus"]) for p in short["peer"]] == [(2, None)]  # not a sweep length
+    assert [(p["lanes"], p["sidecar_cpus"]) for p in long_["peer"]] == [(2, None), ("default", 1)]
+    assert all(p["identical"] and p["all_loaded"] for p in long_["peer"])
+    assert "1cpu" in done.stdout and "lanes default, 1 CPUs each (1 in use)" in done.stdout
+
+
 def _peer(lanes: int, gbps: float, raw_ratio: float, speedup_: float) -> dict:
     return {"lanes": lanes, "fetch_gbps": gbps, "ratio_to_raw_tcp": raw_ratio, "speedup": speedup_}
 
@@ -222,6 +276,10 @@ def test_gpu_targets_are_judged_on_hosts_with_eight_cpus_for_llama_8b():
         ("8 lanes >= 0.8x raw TCP with 8 streams", 16384): (0.7, False),
         ("peer hit >= 2x faster than recompute", 16384): (2.5, True),
     }
+    # a pair on fewer CPUs (--sidecar-cpus) is not judged by the lanes' targets
+    for row in rows:
+        row["peer"].append({**_peer(8, 0.1, 0.01, 0.1), "sidecar_cpus": 1})
+    assert {(t["target"], t["tokens"]): (round(t["value"], 3), t["met"]) for t in targets(report)} == got
     assert targets({**report, "cpus": 2}) == []  # a small host cannot give lanes cores
     assert targets({**report, "models": [{"geometry": {"name": "tiny"}, "rows": rows, "pools": []}]}) == []
 

@@ -3,9 +3,11 @@
 A one-sided READ over CMA is a kernel copy made inside NIXL's post call, which releases
 the GIL; so every agent lives in its own thread (a *lane*) and the asyncio loop only hands
 work to lanes and takes their results (``call_soon_threadsafe``). A sidecar runs one lane
-per core it may use (``configure_nixl_env``), so its cores copy side by side. A lane reads a chunk as one transfer of its ``PIECE_BYTES`` pieces and then hashes the
+per core it may use (``configure_nixl_env``), so its cores copy side by side. A lane reads a chunk as one transfer of
+its ``PIECE_BYTES`` pieces and then hashes the
 slot in one GIL-free call (xxh3): two GIL hand-offs per chunk, whatever its size. Lane 0's
-agent also serves: it registers each peer connection's view of the store (``exports``). An idle lane sleeps in its queue. A new
+agent also serves: it registers each peer connection's view of the store (``exports``). An idle lane sleeps in its
+queue. A new
 endpoint's wire-up needs both agents to progress, so for ``WIREUP_SECONDS`` after a view was
 exported (holder) or a holder's metadata loaded (fetcher) every lane calls NIXL's progress
 (``get_new_notifs``) every ``HOT_PUMP_SECONDS``; otherwise only lane 0 does, every

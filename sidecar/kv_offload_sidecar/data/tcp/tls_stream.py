@@ -10,7 +10,8 @@ straight from the pinned slot; no staging copy either way.
 As on a plain connection, transfers of at least ``OFF_LOOP_BYTES`` (a chunk) run on the
 connection's own thread (``TlsWorker``, a ``stream_worker.StreamWorker``): OpenSSL releases
 the GIL while it decrypts, encrypts and moves bytes, and the chunk's checksum is computed as
-each piece lands (on that thread, or beside it where a second core is usable), so lanes under TLS spread over the cores as plain ones do
+each piece lands (on that thread, or beside it where a second core is usable), so lanes under TLS spread over the cores
+as plain ones do
 and the event loop stays free. Smaller reads and writes (headers, control frames) run on the
 loop, waiting for the socket with ``add_reader``/``add_writer``.
 

@@ -4,7 +4,8 @@ The client posts each chunk's receive on its reserved slot *before* it sends
 the FETCH, so the bytes never wait in UCX's unexpected queue, keeps
 ``UCX_WINDOW`` chunks in flight, and verifies each checksum before the chunk
 becomes visible (a chunk of ``OFF_LOOP_BYTES`` or more on one of the process's checksum
-threads, ``data.checksum_threads``, so the loop keeps progressing UCX meanwhile). With two lanes every ``GET_LANE_EVERY``-th chunk goes over a
+threads, ``data.checksum_threads``, so the loop keeps progressing UCX meanwhile). With two lanes every
+``GET_LANE_EVERY``-th chunk goes over a
 second connection whose copies the fetcher's core makes; a failure of either
 fails both.
 

@@ -2,7 +2,8 @@
 deadline, per data plane, against real holder sidecars (issue 47, item 6).
 
 Per socket plane (tcp, and tls, the tcp transport with the pool's certificates) this process
-is the fetcher: it does the pool handshake with a holder sidecar of a pool of its own (one holder of ``BIG_CHUNK`` chunks, one of ``SMALL_CHUNK`` chunks, each
+is the fetcher: it does the pool handshake with a holder sidecar of a pool of its own (one holder of ``BIG_CHUNK``
+chunks, one of ``SMALL_CHUNK`` chunks, each
 chunk ``chunk_content(key)``), connects to its data port with the plane's client, and runs the
 two cases of ``chaos.late_writer`` ``runs`` times each, on the process's chaos loop
 (``chaos.loop``), which they block on purpose:

@@ -185,7 +185,8 @@ async def _damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResul
         if out.bad == 0 and sc.alive() and out.outcome != "hung":
             result.survived += 1
     return await _summed_up(bench, result, started, f"wire_{mode}: {result.injected} faults, "
-                            f"{result.integrity_rejected} chunks refused by checksum, {result.corrupt_delivered} corrupt")
+                            f"{result.integrity_rejected} chunks refused by checksum, "
+                            f"{result.corrupt_delivered} corrupt")
 
 
 def sigkill_on_wire(bench: ChaosBench, rounds: int) -> FaultResult:

@@ -1,0 +1,30 @@
+"""`kv-offload bench descriptors`: the demo runs side by side without and with every process
+holding descriptors past 1,024, and the second run shares chunks as the first does."""
+
+from __future__ import annotations
+
+import pytest
+from refusal import bench, refusal
+
+from kv_offload_tools.bench.descriptors import compare, format_table
+
+CLI = bench("descriptors")
+
+
+def test_a_pool_past_1024_descriptors_hits_as_one_without() -> None:
+    figures = compare(pods=2, requests=40, descriptors=1100, seconds=60.0)
+    plain, held = figures["runs"]
+    assert (plain["descriptors"], held["descriptors"]) == (0, 1100)
+    assert held["peer_hits"] > 0, "no chunk moved between pods holding 1,100 descriptors"
+    assert held["failed_loads"] == 0 and held["mismatched_bytes"] == 0
+    assert figures["ratio"] == pytest.approx(held["hit_ratio"] / plain["hit_ratio"])
+    assert figures["met"], format_table(figures)
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--pods", "1"], "--pods 1: at least 2, so pods share chunks"),
+    (["--requests", "0"], "--requests 0: at least 1"),
+    (["--descriptors", "0"], "--descriptors 0: at least 1 (1,100 puts sockets past 1,024)"),
+], ids=["pods", "requests", "descriptors"])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
+    assert refusal(CLI, *args) == named
