@@ -132,7 +132,8 @@ def churn(pool: NetnsPool, stay: Sequence[int], rounds: int, *, timeout: float =
                           "rss_mib": {k: round(v[1] / 2**20, 1) for k, v in footprint.items()}})
     first = per_round[0]
     growth = {"fds": max(r["fds"][k] - first["fds"][k] for r in per_round for k in first["fds"]),
-              "rss_mib": max(round(r["rss_mib"][k] - first["rss_mib"][k], 1) for r in per_round for k in first["rss_mib"])}
+              "rss_mib": max(round(r["rss_mib"][k] - first["rss_mib"][k], 1)
+                             for r in per_round for k in first["rss_mib"])}
     return {"stay": [pool[i].identity for i in stay], "movers": len(movers), "rounds": per_round,
             "growth_over_round_1": growth}
 

@@ -172,7 +172,8 @@ def isolate_idle(pool: NetnsPool, victim: int, reader: int, *, seconds: float) -
                 lookup_ms = round(1e3 * (time.monotonic() - t0), 1)
         finally:
             pool.net.heal()
-    return {"seconds": seconds, "known_before_cut": known, "cut_to_all_drop_it": watch.first(t_cut, lambda s: not any(s.values())),
+    return {"seconds": seconds, "known_before_cut": known,
+            "cut_to_all_drop_it": watch.first(t_cut, lambda s: not any(s.values())),
             "still_connected_to_it": still, "lookup_after_ms": lookup_ms, "lookup_hits": hit}
 
 
