@@ -174,17 +174,20 @@ class Attachment:
             if self._closed:
                 return
             self.gone = True
-            unmap = self._copies == 0
+            unmap = self._unmap_now_locked()
         if self._on_gone is not None:
             self._on_gone()
         if unmap:
             self._unmap()
 
+    def _unmap_now_locked(self) -> bool:
+        """Whether the caller unmaps now (no copy runs, not unmapped yet); no copy starts after."""
+        if self._copies or self._unmapped:
+            return False
+        self._unmapped = True
+        return True
+
     def _unmap(self) -> None:
-        with self._lock:
-            if self._unmapped:
-                return
-            self._unmapped = True
         try:
             self.view.close()
         except BufferError:  # a callback still holds a view: the mapping goes with it
@@ -205,7 +208,7 @@ class Attachment:
         finally:
             with self._lock:
                 self._copies -= 1
-                unmap = (self.gone or self._closed) and self._copies == 0
+                unmap = (self.gone or self._closed) and self._unmap_now_locked()
             if unmap:
                 self._unmap()
 
@@ -252,7 +255,7 @@ class Attachment:
         unmap the store, at once or when the running copies end."""
         with self._lock:
             self._closed = True
-            unmap = self._copies == 0
+            unmap = self._unmap_now_locked()
         if self._held is not None:
             self._shutter()  # wakes the watch thread, which sees ``_closed``
             self._held.close()
