@@ -3,7 +3,12 @@ touches a store file through a mapping a copy no longer holds."""
 
 from __future__ import annotations
 
+import mmap
+import os
+
 import pytest
+from kv_offload_sidecar.engine.client import EngineClient, RowRegion
+from kv_offload_sidecar.engine.region_file import find_region_file
 from kv_offload_tools.local_pool import LocalPool
 from sidecar_support import new_keys, read_chunks, write_chunks
 from waiting import wait_for
@@ -74,3 +79,31 @@ def test_a_closed_client_leaves_no_connection_or_mapping_behind(pool):
     data = write_chunks(other, keys)
     assert read_chunks(other, keys) == [data[k] for k in keys]
     other.close()
+
+
+def test_a_client_sharing_its_rows_lets_go_on_the_regions_connection_and_hands_them_over_again(pool):
+    slot, rows = pool.chunk_bytes, 4
+    fd = os.memfd_create("kv-offload-test-rows", os.MFD_CLOEXEC)
+    os.ftruncate(fd, rows * slot)
+    region_map = mmap.mmap(fd, rows * slot)
+    os.close(fd)
+    found, reason = find_region_file(memoryview(region_map))
+    assert found is not None, reason
+    c = EngineClient.connect("127.0.0.1", pool[0].port, region=RowRegion(found, slot, rows, slot))
+    assert c.region_attached, c.region_reason
+    path = c.info()["store"]["path"]
+    pool.restart(0, kill=True)
+    wait_for("the client to let go of the killed sidecar's store", lambda: not mapped(path + " (deleted)")
+             and not c.attached_now)
+    keys = new_keys(2)
+    region_map[:2 * slot] = os.urandom(2 * slot)
+
+    def stored() -> bool:
+        return c.store_rows(keys, [0, 1]) == 2  # a miss until it re-attached
+
+    wait_for("the client to re-attach and hand its rows over again", stored)
+    assert c.region_attached and c.reattaches == 1
+    assert c.load_rows(keys, [2, 3]) == 2
+    assert region_map[2 * slot:4 * slot] == region_map[:2 * slot]
+    c.close()
+    region_map.close()
