@@ -34,6 +34,10 @@ from kv_offload_sidecar.engine.region_file import RegionFile
 from kv_offload_sidecar.engine.store_view import ChunkStoreView
 
 
+# Seconds ``Attachment.close`` waits for its watch thread to end (it ends at once).
+WATCH_JOIN_SECONDS = 2.0
+
+
 class Late(Exception):
     """The sidecar did not answer in time."""
 
@@ -159,8 +163,9 @@ class Attachment:
         if self._held is not None:
             self._held.sock.settimeout(None)
             self._shutter = weakref.finalize(self, _shut, self._held.sock)
-            threading.Thread(target=_watch, args=(self._held.sock, weakref.ref(self)),
-                             name=f"kv-offload store watch {self.instance}", daemon=True).start()
+            self._watcher = threading.Thread(target=_watch, args=(self._held.sock, weakref.ref(self)),
+                                             name=f"kv-offload store watch {self.instance}", daemon=True)
+            self._watcher.start()
 
     @staticmethod
     def _idle_conn(socket_path: str, timeout: float) -> LocalConn | None:
@@ -257,9 +262,11 @@ class Attachment:
             self._closed = True
             unmap = self._unmap_now_locked()
         if self._held is not None:
-            self._shutter()  # wakes the watch thread, which sees ``_closed``
+            self._shutter()  # wakes the watch thread, which sees ``_closed`` and ends
             self._held.close()
             self._region_conn = None
+            if self._watcher is not threading.current_thread():
+                self._watcher.join(WATCH_JOIN_SECONDS)  # a closed client leaves no thread
         if unmap:
             self._unmap()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, RowRegion
@@ -69,11 +70,13 @@ def test_a_copy_running_when_the_sidecar_dies_keeps_the_mapping_until_it_ends(po
     c.close()
 
 
-def test_a_closed_client_leaves_no_connection_or_mapping_behind(pool):
+def test_a_closed_client_leaves_no_thread_or_mapping_behind(pool):
     c = pool.client(0)
-    path = c.info()["store"]["path"]
+    path, watch = c.info()["store"]["path"], f"kv-offload store watch {c.instance}"
+    assert watch in [t.name for t in threading.enumerate()]
     c.close()
     assert not mapped(path)
+    assert watch not in [t.name for t in threading.enumerate()]
     other = pool.client(0)  # the sidecar serves on
     keys = new_keys(1)
     data = write_chunks(other, keys)
