@@ -213,9 +213,8 @@ class EngineClient:
     def _attachment(self) -> Attachment:
         """The current mapping; re-attaches first when the sidecar seems to have restarted."""
         if self._stale and time.monotonic() >= self._next_reattach:
-            with self._lock:
-                self._next_reattach = time.monotonic() + REATTACH_INTERVAL_SECONDS
             with self._lock:  # pooled connections may lead to the sidecar that went
+                self._next_reattach = time.monotonic() + REATTACH_INTERVAL_SECONDS
                 idle, self._idle = self._idle, []
             for conn in idle:
                 conn.close()
