@@ -5,7 +5,8 @@
   ``http_client`` and ``scrape``: their control API and ``/metrics`` as numbers.
 - ``engine_sim`` and ``prefix_hash``: a simulated vLLM engine driving the tier as vLLM does.
 - ``demo`` and ``mooncake_trace`` (the trace sample in ``data/``): ``kv-offload demo``.
-- ``bench/``: ``kv-offload bench transport|replay|chaos``.
+- ``bench/``: ``kv-offload bench transport|replay|chaos|restarts|...``; ``shm_restarts``: a
+  sidecar SIGKILLed under an engine client on a size-bounded tmpfs (``bench restarts``).
 - ``chaos/``: the fault scenarios and fuzz targets behind ``kv-offload bench chaos``.
 - ``vllm_harness/``: real vLLM on a CPU (``kv-offload demo --engine vllm``, tests/vllm).
 """

@@ -54,6 +54,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                     "the demo's hit ratio with every process holding descriptors past 1,024"),
     "mesh": ("kv_offload_tools.bench.mesh",
              "many real sidecars on this host: descriptors, threads, memory and handshakes per sidecar"),
+    "restarts": ("kv_offload_tools.bench.restarts",
+                 "a sidecar SIGKILLed again and again on a /dev/shm that holds one store"),
 }
 
 

@@ -8,6 +8,8 @@ change.
   vLLM's primary CPU tier (``cpu_bytes_to_use`` per engine, a
   ``/dev/shm/vllm_offload_<engine>.mmap`` region), plus head room: the
   emptyDir's ``sizeLimit`` must hold all of it or the kubelet evicts the pod.
+  One store, not two: a restarted sidecar makes its store once vLLM's tier
+  has let go of the dead one's (``kv_offload_sidecar.store.shm_file``).
 - With ``hostNetwork: true`` the sidecar's ports are the node's ports: they
   are declared as ``hostPort`` so the scheduler never puts two pods whose
   ports collide on one node (two pods of one pool, or two pools sharing a

@@ -30,10 +30,10 @@ instead of copying: the sidecar copies, and vLLM's process moves no KV bytes.
 started): the call then returns what was whole by then, and its return means the sidecar
 touches none of its rows any more (a strict store cut short raises ``StoreCut``).
 
-A restarted sidecar (new instance, new store file) is noticed at the first failed call; the
-client re-attaches (and hands the region over again) at its first call at least
-``REATTACH_INTERVAL_SECONDS`` later once the new sidecar answers, logs how long that took
-and keeps it in ``reattach_seconds``; until then stores fail (none is reported done).
+A sidecar that goes away is noticed when the connection held to it ends (its store is unmapped
+then, freeing /dev/shm: ``sidecar_attachment``) or at a failed call; the client re-attaches (region
+too) at a call ``REATTACH_INTERVAL_SECONDS`` or more later once a new sidecar answers, logs how
+long that took (``reattach_seconds``); until then stores fail (none is reported done).
 
 A late answer (past ``timeout``), a failed or unreachable sidecar is a miss
 (``LookupReply(0, 0)`` / 0) and counted in ``timeouts`` / ``errors``; it
@@ -213,21 +213,20 @@ class EngineClient:
     def _attachment(self) -> Attachment:
         """The current mapping; re-attaches first when the sidecar seems to have restarted."""
         if self._stale and time.monotonic() >= self._next_reattach:
-            with self._lock:
+            with self._lock:  # pooled connections may lead to the sidecar that went
                 self._next_reattach = time.monotonic() + REATTACH_INTERVAL_SECONDS
+                idle, self._idle = self._idle, []
+            for conn in idle:
+                conn.close()
             try:
                 info = self._info()
-                if str(info["instance"]) != self._att.instance or self._att.region_lost:
-                    with self._lock:  # pooled connections may lead to the sidecar that went
-                        idle, self._idle = self._idle, []
-                    for conn in idle:
-                        conn.close()
+                if str(info["instance"]) != self._att.instance or self._att.region_lost or self._att.gone:
                     old, self._att = self._att, self._attach(info)
                     self.reattaches += 1
                     old.close()
                     self.reattach_seconds = time.monotonic() - (self._stale_since or time.monotonic())
                     log.info("kv-offload sidecar restarted; re-attached its store %s %.2f s after "
-                             "the first failed call (tried at most every %.1f s, at the next call)",
+                             "it was found gone (tried at most every %.1f s, at the next call)",
                              info["store"]["path"], self.reattach_seconds, REATTACH_INTERVAL_SECONDS)
                 self._stale, self._stale_since = False, None
             except _FAILURES as exc:
@@ -235,7 +234,7 @@ class EngineClient:
         return self._att
 
     def _attach(self, info: Mapping[str, Any]) -> Attachment:
-        return Attachment(info, self.socket_path, self._region, self._timeout)
+        return Attachment(info, self.socket_path, self._region, self._timeout, self._mark_stale)
 
     @contextmanager
     def _connection(self) -> Iterator[LocalConn]:

@@ -6,11 +6,25 @@ what the client holds of one sidecar instance: its mapped store file and, when
 the engine offered its primary rows (``RowRegion``), the region handed over on
 a connection kept open for the attachment's life (the sidecar unmaps it when
 that connection closes). Standard library only.
+
+Letting go of a dead sidecar's store: the attachment keeps one connection open for
+its life (the region's, else an idle one that sends nothing) and a daemon thread
+waits on it. When it ends without the client closing it (the sidecar exited,
+was killed, or dropped it), the attachment is ``gone``: it tells the client
+(``on_gone``: re-attach at the next call) and unmaps the store file as soon as
+no ``each_slot`` copy is running (at once when none is); a copy that starts
+after that raises ``ConnectionError`` (the client's miss) instead of touching
+the file. So a sidecar restarted into a ``/dev/shm`` that holds one store gets
+the dead store's pages back (``store.shm_file``), and the tier never reads or
+writes the new store through the old mapping: the new sidecar's file is another
+inode, and each request names the instance it was mapped for.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +32,10 @@ from typing import Any
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.engine.region_file import RegionFile
 from kv_offload_sidecar.engine.store_view import ChunkStoreView
+
+
+# Seconds ``Attachment.close`` waits for its watch thread to end (it ends at once).
+WATCH_JOIN_SECONDS = 2.0
 
 
 class Late(Exception):
@@ -97,11 +115,31 @@ class LocalConn:
             pass
 
 
+def _shut(sock: socket.socket) -> None:
+    """End ``sock`` for a thread blocked reading it (close alone does not wake it)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _watch(sock: socket.socket, ref: "weakref.ref[Attachment]") -> None:
+    """Wait for the end of the attachment's held connection (the sidecar sends nothing on it)."""
+    try:
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
+    att = ref()
+    if att is not None:
+        att._gone()
+
+
 class Attachment:
     """The mapped store of one sidecar instance, and the engine region handed to it."""
 
     def __init__(self, info: Mapping[str, Any], socket_path: str, region: RowRegion | None,
-                 timeout: float) -> None:
+                 timeout: float, on_gone: Callable[[], None] | None = None) -> None:
         st = info["store"]
         self.instance = str(info["instance"])
         self.view = ChunkStoreView.attach(str(st["path"]), int(st["slot_bytes"]), int(st["num_slots"]),
@@ -113,13 +151,74 @@ class Attachment:
         # Set when the sidecar no longer knows the region (attach again).
         self.region_lost = False
         self._region_conn: LocalConn | None = None
+        # Set when the held connection ended without ``close``: the sidecar went away.
+        self.gone = False
+        self._on_gone = on_gone
+        self._lock = threading.Lock()
+        self._copies = 0  # each_slot calls running (the mapping stays until they end)
+        self._closed = self._unmapped = False
         if region is not None:
             self._attach_region(socket_path, region, timeout)
+        self._held = self._region_conn or self._idle_conn(socket_path, timeout)
+        if self._held is not None:
+            self._held.sock.settimeout(None)
+            self._shutter = weakref.finalize(self, _shut, self._held.sock)
+            self._watcher = threading.Thread(target=_watch, args=(self._held.sock, weakref.ref(self)),
+                                             name=f"kv-offload store watch {self.instance}", daemon=True)
+            self._watcher.start()
+
+    @staticmethod
+    def _idle_conn(socket_path: str, timeout: float) -> LocalConn | None:
+        try:
+            return LocalConn(socket_path, timeout)
+        except OSError:
+            return None  # not watched: the client notices the restart at a call
+
+    def _gone(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self.gone = True
+            unmap = self._unmap_now_locked()
+        if self._on_gone is not None:
+            self._on_gone()
+        if unmap:
+            self._unmap()
+
+    def _unmap_now_locked(self) -> bool:
+        """Whether the caller unmaps now (no copy runs, not unmapped yet); no copy starts after."""
+        if self._copies or self._unmapped:
+            return False
+        self._unmapped = True
+        return True
+
+    def _unmap(self) -> None:
+        try:
+            self.view.close()
+        except BufferError:  # a callback still holds a view: the mapping goes with it
+            pass
 
     def each_slot(self, slots: Sequence[int | None],
                   fn: Callable[[int, memoryview], None]) -> BaseException | None:
         """``fn(i, view of slots[i])`` for each slot (None: skipped) until one raises; returns
-        that error of the engine's own (the caller gives the slots back, then raises it)."""
+        that error of the engine's own (the caller gives the slots back, then raises it);
+        ConnectionError when the store was let go (``gone``, or closed)."""
+        with self._lock:
+            if self._unmapped:
+                raise ConnectionError(f"the store of sidecar {self.instance} was let go "
+                                      "(its sidecar went away)")
+            self._copies += 1
+        try:
+            return self._each_slot(slots, fn)
+        finally:
+            with self._lock:
+                self._copies -= 1
+                unmap = (self.gone or self._closed) and self._unmap_now_locked()
+            if unmap:
+                self._unmap()
+
+    def _each_slot(self, slots: Sequence[int | None],
+                   fn: Callable[[int, memoryview], None]) -> BaseException | None:
         for i, slot in enumerate(slots):
             if slot is None:
                 continue
@@ -157,13 +256,19 @@ class Attachment:
         self._region_conn, self.region_id, self.region_reason = conn, int(reply["region"]), ""
 
     def close(self) -> None:
-        if self._region_conn is not None:
-            self._region_conn.close()  # the sidecar unmaps the region once its jobs end
+        """Drop the held connection (the sidecar unmaps the region once its jobs end) and
+        unmap the store, at once or when the running copies end."""
+        with self._lock:
+            self._closed = True
+            unmap = self._unmap_now_locked()
+        if self._held is not None:
+            self._shutter()  # wakes the watch thread, which sees ``_closed`` and ends
+            self._held.close()
             self._region_conn = None
-        try:
-            self.view.close()
-        except BufferError:  # a callback still holds a view: the mapping goes with it
-            pass
+            if self._watcher is not threading.current_thread():
+                self._watcher.join(WATCH_JOIN_SECONDS)  # a closed client leaves no thread
+        if unmap:
+            self._unmap()
 
 
 __all__ = ["Attachment", "Late", "LocalConn", "RowRegion"]

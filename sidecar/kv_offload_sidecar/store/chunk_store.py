@@ -88,7 +88,8 @@ class ChunkStore:
         """Create, preallocate and map the store file.
 
         ``replace_existing`` unlinks a leftover file of the same name (a
-        restarted sidecar); otherwise an existing file is an error.
+        restarted sidecar) and, where /dev/shm holds one store, waits for its
+        pages (``shm_file``); otherwise an existing file is an error.
         """
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0:
             raise ValueError(
