@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="",
                         help="comma-separated prompt lengths in tokens (default "
                              f"{','.join(map(str, GPU_LENGTHS))} with CUDA, {','.join(map(str, CPU_LENGTHS))} without)")
-    parser.add_argument("--plane", choices=PLANES, default=PeerSettings.plane, help="the sidecars' data plane (default %(default)s)")
+    parser.add_argument("--plane", choices=PLANES, default=PeerSettings.plane,
+                        help="the sidecars' data plane (default %(default)s)")
     parser.add_argument("--lanes", default="",
                         help="comma-separated lane counts, each a pair of sidecars started with --data-lanes N "
                              "(default: one pair, the sidecars' own choice)")

@@ -135,12 +135,12 @@ def measure_prefill(model_config: Mapping[str, Any], lengths: Sequence[int], *, 
                     torch.cuda.empty_cache()
                 continue
             finally:
-                del ids
+                ids = None  # the prompt's memory goes before the next length's
             scaled = tuple(t * scale for t in runs)
             results.append(PrefillResult(n, statistics.median(scaled), layers, scale, scaled))
             progress(f"prefill {n:>6} tokens: {statistics.median(scaled) * 1e3:9.1f} ms")
     finally:
-        del model
+        model = None  # the weights' memory goes before the cache is emptied
         if dev == "cuda":
             torch.cuda.empty_cache()
     return results

@@ -141,7 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-mib", type=float, default=d.capacity_mib,
                         help=f"store of each sidecar, MiB (default {d.capacity_mib:g})")
     parser.add_argument("--settle-seconds", type=float, default=d.settle_seconds,
-                        help=f"idle seconds after the join settled, before the first reading (default {d.settle_seconds:g})")
+                        help=f"idle seconds after the join settled, before the first reading "
+                             f"(default {d.settle_seconds:g})")
     parser.add_argument("--idle-seconds", type=float, default=d.idle_seconds,
                         help=f"idle seconds after the workload, before the last reading (default {d.idle_seconds:g})")
     parser.add_argument("--join-timeout", type=float, default=d.join_timeout,
@@ -159,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"kv-offload bench mesh: --{name} {getattr(args, name)} must be at least 1")
     for name in ("capacity_mib", "join_timeout"):
         if not getattr(args, name) > 0:
-            raise UsageError(f"kv-offload bench mesh: --{name.replace('_', '-')} {getattr(args, name):g} must be positive")
+            raise UsageError(f"kv-offload bench mesh: --{name.replace('_', '-')} {getattr(args, name):g} "
+                             f"must be positive")
     for name in ("settle_seconds", "idle_seconds", "max_descriptors_per_pod"):
         if not getattr(args, name) >= 0:
             raise UsageError(f"kv-offload bench mesh: --{name.replace('_', '-')} {getattr(args, name):g} "

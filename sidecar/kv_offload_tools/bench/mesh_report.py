@@ -98,8 +98,9 @@ def format_table(report: dict[str, Any]) -> str:
                        f"{_mib(m['rss_anon_bytes']['mean']):>10}{m['connected_peers']['mean']:>11.1f}"
                        f"{m['data_linked_peers']['mean']:>13.1f}{m['data_lanes']['mean']:>7.1f}")
         w = r["workload"]
-        out.append(f"  workload: {len(w['writers'])} pods stored {w['stored']}/{w['expected_stored']}, loaded {w['loaded']}/"
-                   f"{w['expected_loaded']} into {len(w['readers'])} pods, {w['wrong']} wrong, {w['seconds']:.1f} s")
+        out.append(f"  workload: {len(w['writers'])} pods stored {w['stored']}/{w['expected_stored']}, "
+                   f"loaded {w['loaded']}/{w['expected_loaded']} into {len(w['readers'])} pods, "
+                   f"{w['wrong']} wrong, {w['seconds']:.1f} s")
     o = report["descriptors"]
     out.append("")
     for phase, line in o["per_phase"].items():

@@ -263,10 +263,10 @@ def _peer(lanes: int, gbps: float, raw_ratio: float, speedup_: float) -> dict:
 
 
 def test_gpu_targets_are_judged_on_hosts_with_eight_cpus_for_llama_8b():
-    rows = [{"tokens": 2048, "kv_bytes": 256 << 20, "recompute_s": 0.062, "peer": [_peer(1, 1.5, 0.8, 0.5), _peer(4, 5.0, 0.9, 1.4),
-                                                            _peer(8, 9.0, 0.85, 2.2)]},
-            {"tokens": 16384, "kv_bytes": 2 << 30, "recompute_s": 0.6, "peer": [_peer(1, 1.8, 0.9, 0.9), _peer(4, 5.0, 0.9, 1.9),
-                                                             _peer(8, 8.0, 0.7, 2.5)]}]
+    rows = [{"tokens": 2048, "kv_bytes": 256 << 20, "recompute_s": 0.062,
+             "peer": [_peer(1, 1.5, 0.8, 0.5), _peer(4, 5.0, 0.9, 1.4), _peer(8, 9.0, 0.85, 2.2)]},
+            {"tokens": 16384, "kv_bytes": 2 << 30, "recompute_s": 0.6,
+             "peer": [_peer(1, 1.8, 0.9, 0.9), _peer(4, 5.0, 0.9, 1.9), _peer(8, 8.0, 0.7, 2.5)]}]
     report = {"cpus": 16, "models": [{"geometry": {"name": "llama-3.1-8b"}, "rows": rows, "pools": []}]}
     got = {(t["target"], t["tokens"]): (round(t["value"], 3), t["met"]) for t in targets(report)}
     assert got == {

@@ -88,6 +88,7 @@ def test_descriptors_per_data_link_come_from_sidecars_of_one_pool_that_differ():
 
 
 def test_bad_pod_counts_are_refused_with_one_line():
-    out = subprocess.run([_exe(), "bench", "mesh", "--pods", "8,1"], capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run([_exe(), "bench", "mesh", "--pods", "8,1"], capture_output=True, text=True, timeout=60,
+                         check=False)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == "kv-offload bench mesh: --pods '8,1' needs pod counts from 2 to 64"

@@ -8,8 +8,8 @@ both owners of a digest when they gain or lose it (``publisher.Publisher``, batc
 per owner every ``publish_interval_seconds``, POST ``/v1/publish``); owners
 keep who holds what for their buckets (``holders.Directory``). A lookup
 asks the primary owner of the first key it does not hold (POST ``/v1/locate``, or no
-message when that is this sidecar; the runner-up when the primary cannot answer) and then one holder it names; the holder's
-exchange says how far it holds, and the read goes on from there with the owner of
+message when that is this sidecar; the runner-up when the primary cannot answer) and then
+one holder it names; the holder's exchange says how far it holds, and the read goes on from there with the owner of
 the next key (``peer_reads.PeerReads``). So:
 
 - memory per sidecar: its own digests plus about ``2 x pool chunks / members``
@@ -263,7 +263,8 @@ class Location:
 
         async def ask() -> tuple[HolderClaim, ...]:
             try:
-                return LocateReply.from_dict(await call(owner, "locate", LocateQuery(digests).to_dict(), timeout)).holders
+                reply = await call(owner, "locate", LocateQuery(digests).to_dict(), timeout)
+                return LocateReply.from_dict(reply).holders
             except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
                 if failed is not None:
                     failed(owner, exc)
