@@ -438,6 +438,7 @@ class Sidecar:
         for link in self.peers.links():
             v = link.view()
             v["member"] = link.member
+            v["wire_version"] = link.session.peer.wire_version if link.session else None  # agreed
             v["entries"] = self.location.directory.entries_of(link.identity) if link.identity else 0
             out.append(v)
         return out
