@@ -39,6 +39,10 @@ def test_the_last_release_and_this_one_share_chunks_both_ways_in_one_pool():
             previous, today = pool[0], pool[1]
             assert previous.status()["wire_version"] == LAST_RELEASE_WIRE
             assert today.status()["wire_version"] == WIRE_VERSION
+            assert (today.status()["wire_min"], today.status()["wire_max"]) == (LAST_RELEASE_WIRE, WIRE_VERSION)
+            # the releases a pool runs, from /metrics: the last release has no build_info series
+            assert today.metric("kv_offload_build_info", wire=WIRE_VERSION) == 1
+            assert previous.metric("kv_offload_build_info") == 0
             for holder, reader in ((0, 1), (1, 0)):
                 keys = new_keys(4)
                 data = write_chunks(pool.client(holder), keys)

@@ -4,24 +4,23 @@ Two HTTP steps on ``POST /v1/handshake`` (the transport lives in control/app.py
 and peers/links.py; this module is pure logic). Nothing about the pool is said
 to anyone who has not proven the pool key first:
 
-1. client -> server ``{"step": "hello", "wire_version", "wire_min", "wire_max", "nonce": N_c,
-   "key_ids": [...]}`` (ids of the keys it holds, current first;
-   ``pool_keys.key_id``; the wire versions it speaks, ``peers/wire_window``). The server answers
-   ``{"wire_version", "wire_min", "wire_max", "nonce": N_s, "key_id"}``: the id of a key both hold (its current one when the client has
-   it). A client holding none of the server's keys is refused (``other_pool``: another pool's
-   sidecar at a departed member's address, a pod a rotation missed, or any stranger), whatever
-   wire version it names: step 1 checks only the syntax of the version, so a stranger of another
-   version gets the very bytes of any stranger, and a key holder of another version learns of
-   the mismatch in step 2, after its proof.
+1. client -> server ``{"step": "hello", "wire_version", "wire_min", "wire_max",
+   "nonce": N_c, "key_ids": [...]}`` (the wire versions it speaks, ``peers/wire_window``; ids
+   of the keys it holds, current first, ``pool_keys.key_id``). The server answers
+   ``{"wire_version", "wire_min", "wire_max", "nonce": N_s, "key_id"}``: the id of a key both
+   hold (its current one when the client has it). A client holding none of the server's keys
+   is refused (``other_pool``: another pool's sidecar at a departed member's address, a pod a
+   rotation missed, or any stranger), whatever wire versions it names: step 1 checks only
+   their syntax, so a stranger of another version gets the very bytes of any stranger, and a
+   key holder of another version learns of the mismatch in step 2, after its proof.
 2. client -> server ``{"step": "proof", "nonce_client", "nonce_server",
    "hello": H_c, "proof": HMAC(K, "client" || T)}`` with ``T`` the transcript
    of both nonces, the key id and ``H_c``. The server checks the proof first (a bad one,
    a key named and not proven, is ``bad_proof`` and learns nothing), then compares ``H_c`` with
-   its own hello and rejects on any difference (wire version: each states the highest one both
-   ranges hold,
-   fingerprint -- an empty or missing one is a difference -- model identity
-   (``engine/model_identity``; none, or unknown weights, equals nothing), hash seed,
-   kv_bytes_per_chunk) with the field diff, which only a key holder sees.
+   its own hello and rejects on any difference (wire version: each hello states the highest
+   one both ranges hold, ``wire_window.agree``; fingerprint -- an empty or missing one is a
+   difference -- model identity (``engine/model_identity``; none, or unknown weights, equals
+   nothing), hash seed, kv_bytes_per_chunk) with the field diff, which only a key holder sees.
    Accepted: ``{"status": "accepted", "hello": H_s, "proof": HMAC(K, "server"
    || T || H_s)}``; the client checks that proof and runs the same comparison.
 
@@ -59,7 +58,6 @@ from kv_offload_sidecar.peers.pool_keys import (  # load_pool_key: imported from
 )
 from kv_offload_sidecar.peers.wire_window import (
     SPOKEN,
-    WIRE_MAJOR,
     WIRE_VERSION,
     WireRange,
     agree,

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kv_offload_sidecar import __version__
 from kv_offload_sidecar.rejections import clip
 
 WIRE_MAJOR = 2
@@ -89,6 +90,13 @@ class WireRange:
 SPOKEN = WireRange(parse_version(WIRE_OLDEST) or (0, 0), (WIRE_MAJOR, WIRE_MINOR))
 
 
+def build_view() -> dict[str, str]:
+    """This release and the wire versions it speaks, as ``/v1/status`` shows them (the
+    ``kv_offload_build_info{version,wire}`` series says the same)."""
+    return {"version": __version__, "wire_version": WIRE_VERSION, "wire_min": WIRE_OLDEST,
+            "wire_max": WIRE_VERSION}
+
+
 def spoken_for(version: str) -> WireRange:
     """The range a side whose hello names ``version`` speaks: this release's for its own
     version, exactly ``version`` for any other (a test's stand-in for another release)."""
@@ -137,5 +145,5 @@ def wire_diff(local_version: str, remote_version: str,
     return None
 
 
-__all__ = ["SPOKEN", "WIRE_MAJOR", "WIRE_MINOR", "WIRE_OLDEST", "WIRE_VERSION", "WireRange", "agree",
+__all__ = ["SPOKEN", "build_view", "WIRE_MAJOR", "WIRE_MINOR", "WIRE_OLDEST", "WIRE_VERSION", "WireRange", "agree",
            "parse_version", "spoken_for", "stated_range", "wire_diff", "wire_major"]
