@@ -7,7 +7,9 @@ here when it bumps the wire version. ``checked_out`` adds a detached worktree of
 ``launcher`` is a ``LocalPool`` launcher that runs the named members from that worktree
 (``python -m kv_offload_operator.cli`` with ``PYTHONPATH`` on its ``sidecar/`` and
 ``operator/``) and every other member from this tree, with the same arguments: a pool of two
-releases, as an operator's rollout makes one.
+releases, as an operator's rollout makes one. ``flags_refused`` parses a sidecar command line
+(this operator's, as its webhook injects it) with that release's parser: a pinned older image
+must accept what a newer operator passes it.
 """
 
 from __future__ import annotations
@@ -70,5 +72,14 @@ def launcher(release_dir: str, members: Collection[str]
     return launch
 
 
-__all__ = ["LAST_RELEASE", "LAST_RELEASE_WIRE", "checked_out", "launcher", "release_command",
-           "repository_root"]
+def flags_refused(release_dir: str, args: Sequence[str]) -> str | None:
+    """The release's parser's complaint about ``args`` (``["sidecar", ...]``); None: accepted."""
+    code = ("import sys\nfrom kv_offload_operator.cli import build_parser\n"
+            "argv = sys.argv[1:]\nbuild_parser(argv).parse_args(argv)\n")
+    out = subprocess.run([*release_command(release_dir)[:-2], "-c", code, *args],
+                         capture_output=True, text=True, timeout=60)
+    return None if out.returncode == 0 else (out.stderr.strip() or f"exit {out.returncode}")
+
+
+__all__ = ["LAST_RELEASE", "LAST_RELEASE_WIRE", "checked_out", "flags_refused", "launcher",
+           "release_command", "repository_root"]

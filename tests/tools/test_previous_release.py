@@ -11,7 +11,9 @@ import os
 from kv_offload_sidecar.engine.client import EngineClient, LookupReply
 from kv_offload_sidecar.peers.wire_window import WIRE_VERSION
 from kv_offload_tools.local_pool import LocalPool, example_config
-from kv_offload_tools.previous_release import LAST_RELEASE_WIRE, checked_out, launcher
+from kv_offload_operator.pools.pool_spec import SidecarSpec
+from kv_offload_operator.webhook import pod_patch
+from kv_offload_tools.previous_release import LAST_RELEASE_WIRE, checked_out, flags_refused, launcher
 
 CHUNK = example_config().kv_bytes_per_chunk
 HANDSHAKES = "kv_offload_handshakes_total"
@@ -57,3 +59,16 @@ def test_the_last_release_and_this_one_share_chunks_both_ways_in_one_pool():
             assert [p.get("wire_version") for p in today.peers()] == [LAST_RELEASE_WIRE]
         assert os.path.isdir(release)
     assert not os.path.exists(release)
+
+
+def test_the_last_releases_sidecar_accepts_every_flag_this_operator_injects():
+    # a pool pinned to the last release's image (spec.sidecar.image) under this operator
+    spec = SidecarSpec(image="kv-offload:previous", resources={}, capacity_bytes=1 << 30, transport="tcp",
+                       base_port=5710, data_port=5810, shm_size_limit=None, tls_secret="pool-tls",
+                       engine_metrics_url="http://127.0.0.1:8000/metrics")
+    container = pod_patch.sidecar_container(pool_name="llama", namespace="ns1", sidecar=spec,
+                                            dp_indices=(0, 1), shm_volume=pod_patch.SHM_VOLUME)
+    assert container["args"][0] == "sidecar" and "--tls-ca-file" in container["args"]
+    with checked_out() as release:
+        assert flags_refused(release, container["args"]) is None
+        assert "--no-such-flag" in flags_refused(release, [*container["args"], "--no-such-flag"])
