@@ -51,8 +51,7 @@ def checked_out(commit: str = LAST_RELEASE, repo: str | None = None) -> Iterator
     finally:
         subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", path],
                        capture_output=True, text=True)
-        shutil.rmtree(parent, ignore_errors=True)
-        subprocess.run(["git", "-C", repo, "worktree", "prune"], capture_output=True, text=True)
+        shutil.rmtree(parent, ignore_errors=True)  # (no prune: other worktrees share the repository)
 
 
 def release_command(release_dir: str) -> list[str]:
