@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from kv_offload_sidecar.engine.client import EngineClient, LookupReply
 from kv_offload_sidecar.peers.wire_window import WIRE_VERSION
 from kv_offload_tools.local_pool import LocalPool, example_config
@@ -35,9 +36,11 @@ def read_chunks(client: EngineClient, keys: list[bytes]) -> list[bytes]:
     return [out[i] for i in range(n)]
 
 
-def test_the_last_release_and_this_one_share_chunks_both_ways_in_one_pool():
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_the_last_release_and_this_one_share_chunks_both_ways_in_one_pool(transport):
     with checked_out() as release:
-        with LocalPool(2, capacity_bytes=64 * CHUNK, launcher=launcher(release, {"sidecar-0"})) as pool:
+        with LocalPool(2, transport=transport, capacity_bytes=64 * CHUNK,
+                       launcher=launcher(release, {"sidecar-0"})) as pool:
             previous, today = pool[0], pool[1]
             assert previous.status()["wire_version"] == LAST_RELEASE_WIRE
             assert today.status()["wire_version"] == WIRE_VERSION
