@@ -8,8 +8,10 @@ label ever carries a key, request id or peer address.
 
 Served with prometheus_client's ``make_aiohttp_handler(registry=...)`` on the control app's ``/metrics``: anyone who
 reaches the control port may read it, so nothing here says what the handshake says only
-to a pool-key holder: config_info carries ``CONFIG_INFO_LABELS`` and no model, dtype or
-wire version (admins read those in ``/v1/status``).
+to a pool-key holder: config_info carries ``CONFIG_INFO_LABELS`` and no model or dtype
+(admins read those in ``/v1/status``). ``build_info{version,wire}`` names the release and its
+wire version (``peers/wire_window``), which its image tag says as well, so that a rollout shows
+which releases run; what a peer agreed with each release is in ``/v1/peers``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kv_offload_sidecar import __version__
 
 NAMESPACE = "kv_offload"
 
@@ -75,6 +79,8 @@ FETCH_DECISIONS = ("fetch", "recompute")
 # and so is the model identity's digest ("" until the engine gave it: the pool's status counts
 # the pods of each identity, e.g. old and new weights during a rolling update).
 CONFIG_INFO_LABELS = ("fingerprint", "transport", "model_identity")
+# Label names of the build_info series: the release (the package version) and its wire version.
+BUILD_INFO_LABELS = ("version", "wire")
 
 # Histogram buckets for one peer fetch (seconds): 0.5 ms .. 10 s, covering a
 # shared-memory hop up to a multi-chunk fetch over a slow link.
@@ -252,6 +258,11 @@ class SidecarMetrics:
             "Identity of the pool configuration this sidecar serves.",
             namespace=ns, registry=registry,
         )
+        self.build_info = Info(
+            "build",
+            "The kv-offload release of this sidecar and the wire version it speaks (its newest).",
+            namespace=ns, registry=registry,
+        )
         self._precreate()
 
     def _precreate(self) -> None:
@@ -283,6 +294,10 @@ class SidecarMetrics:
         """Publish ``kv_offload_config_info{fingerprint,transport,model_identity} 1``."""
         self.config_info.info({"fingerprint": fingerprint, "transport": transport,
                                "model_identity": model_identity})
+
+    def set_build_info(self, *, wire: str) -> None:
+        """Publish ``kv_offload_build_info{version,wire} 1``: this release and its wire version."""
+        self.build_info.info(dict(zip(BUILD_INFO_LABELS, (__version__, wire))))
 
 
 def exported_metric_names(registry: CollectorRegistry) -> set[str]:

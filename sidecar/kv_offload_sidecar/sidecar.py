@@ -36,7 +36,8 @@ from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.claims import ClaimAudit
 from kv_offload_sidecar.peers.discovery import Discovery, format_peer
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute, PrefillModel
-from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeResponder, HelloMessage, Session, make_hello
+from kv_offload_sidecar.peers.handshake import HandshakeResponder, HelloMessage, Session, make_hello
+from kv_offload_sidecar.peers.wire_window import WIRE_VERSION, build_view
 from kv_offload_sidecar.peers.links import PeerManager
 from kv_offload_sidecar.peers.model_gate import ModelGate
 from kv_offload_sidecar.peers.directory.location import Location
@@ -78,6 +79,7 @@ class Sidecar:
         self.metrics = SidecarMetrics(self.registry)
         cfg = settings.config
         self.metrics.set_config_info(fingerprint=cfg.fingerprint, transport=settings.transport)
+        self.metrics.set_build_info(wire=WIRE_VERSION)
         # The model identity its engine gave it: nothing is shared before (peers/model_gate.py).
         self.model = ModelGate(cfg.fingerprint, settings.declared_identity, self.metrics,
                                transport=settings.transport)
@@ -438,6 +440,7 @@ class Sidecar:
         for link in self.peers.links():
             v = link.view()
             v["member"] = link.member
+            v["wire_version"] = link.session.peer.wire_version if link.session else None  # agreed
             v["entries"] = self.location.directory.entries_of(link.identity) if link.identity else 0
             out.append(v)
         return out
@@ -460,7 +463,7 @@ class Sidecar:
             "model_identity": self.model.view(),  # None: no engine stated it yet
             "declared_model_identity": dict(s.declared_identity),
             "kv_bytes_per_chunk": s.kv_bytes_per_chunk,
-            "wire_version": WIRE_VERSION,
+            **build_view(),  # version, wire_version and the range spoken (wire_min, wire_max)
             "transport": s.transport,
             **ucx,
             "control_ports": list(s.control_ports),

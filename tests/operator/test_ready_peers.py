@@ -12,7 +12,9 @@ import pytest
 import yaml
 from kv_offload_operator.pools import ready_peers
 from kv_offload_operator.pools.pool_pod import INJECTED_ANNOTATION, METRICS_PORT_NAME
+from kv_offload_sidecar import __version__
 from kv_offload_sidecar.metrics import PEER_STATES, SidecarMetrics
+from kv_offload_sidecar.peers.wire_window import WIRE_VERSION
 from pool_support import inject, pod, sidecar_spec, vllm
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -67,9 +69,10 @@ def test_a_sidecar_counts_when_it_runs_the_pools_fingerprint_and_reports_a_conne
     assert counted.ready_peers == 3 and counted.unanswered == 2
     assert counted.peer_states == {"connecting": 2, "connected": 4, "backoff": 1, "rejected": 3}
     assert counted.status() == {"readyPeers": 3, "peerStates": counted.peer_states, "unansweredSidecars": 2,
-                                "modelIdentities": []}
+                                "modelIdentities": [], "sidecarVersions": [{"version": "", "wire": "", "pods": 5}]}
     assert ready_peers.count([], fp).status() == {"readyPeers": 0, "peerStates": dict.fromkeys(PEER_STATES, 0),
-                                                  "unansweredSidecars": 0, "modelIdentities": []}
+                                                  "unansweredSidecars": 0, "modelIdentities": [],
+                                                  "sidecarVersions": []}
 
 
 def test_model_identities_are_counted_per_pod_over_the_sidecars_of_the_pools_fingerprint() -> None:
@@ -95,6 +98,24 @@ def test_model_identities_are_counted_per_pod_over_the_sidecars_of_the_pools_fin
     shown = ready_peers.pool_peer_status({"fingerprint": fp, **settled.status()})
     assert settled.shown_in(shown)
     assert not counted.shown_in(shown)
+
+
+def test_the_releases_a_pool_runs_are_counted_per_pod_from_build_info() -> None:
+    metrics = SidecarMetrics(CollectorRegistry())
+    metrics.set_config_info(fingerprint="ab" * 8, transport="tcp")
+    metrics.set_build_info(wire=WIRE_VERSION)
+    today = ready_peers.read_metrics(generate_latest(metrics.registry).decode())
+    assert today.release == (__version__, WIRE_VERSION)
+    previous = ready_peers.read_metrics(exposition())  # the last release shows no build_info
+    assert previous.release is None
+    at = ready_peers.SidecarEndpoint("p", "ab" * 8, "10.0.0.1", 5710)
+    counted = ready_peers.count([(at, today), (at, previous), (at, today)], "ab" * 8)
+    assert counted.status()["sidecarVersions"] == [
+        {"version": __version__, "wire": WIRE_VERSION, "pods": 2}, {"version": "", "wire": "", "pods": 1}]
+    shown = ready_peers.pool_peer_status({"fingerprint": "ab" * 8, **counted.status()})
+    assert counted.shown_in(shown)
+    upgraded = ready_peers.count([(at, today)] * 3, "ab" * 8)
+    assert not upgraded.shown_in(shown)  # the rollout's end is written
 
 
 def test_the_asked_address_is_the_pod_ip_and_the_kvo_metrics_port_the_webhook_gives_the_sidecar() -> None:
@@ -137,4 +158,6 @@ def test_the_crd_keeps_every_status_field_the_count_writes() -> None:
     assert set(written["peerStates"]) == set(status["peerStates"]["properties"]) == set(PEER_STATES)
     identity_item = status["modelIdentities"]["items"]["properties"]
     assert written["modelIdentities"] == [] and set(identity_item) == {"identity", "pods"}
+    version_item = status["sidecarVersions"]["items"]["properties"]
+    assert set(written["sidecarVersions"][0]) == set(version_item) == {"version", "wire", "pods"}
     assert all(status[k]["type"] == "integer" for k in ("readyPeers", "unansweredSidecars"))

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from kv_offload_sidecar import __version__
 from kv_offload_sidecar.control.limits import (
     HANDSHAKE_BURST,
     MAX_UNPROVEN_CONNECTIONS,
@@ -132,11 +133,14 @@ def test_handshake_without_the_pool_key_learns_nothing_whatever_its_wire_version
     assert reply["reason"] == "other_pool" and reply["diff"] == [] and reply["fields"] == []
 
 
-def test_public_metrics_name_no_model_dtype_or_wire_version(pool: LocalPool) -> None:
+def test_public_metrics_name_no_model_or_dtype_only_the_release_and_wire_version(pool: LocalPool) -> None:
     status, _, body = raw(pool[1], "GET", "/metrics", source=FOREIGN_SOURCE)
     info = [line for line in body.decode().splitlines() if line.startswith("kv_offload_config_info{")]
     assert status == 200 and len(info) == 1 and example_config().fingerprint in info[0]
     assert "Qwen" not in info[0] and "dtype" not in info[0] and "wire_version" not in info[0]
+    # the release and its wire version are public, as its image tag is (a rollout shows them)
+    build = [line for line in body.decode().splitlines() if line.startswith("kv_offload_build_info{")]
+    assert build == [f'kv_offload_build_info{{version="{__version__}",wire="{WIRE_VERSION}"}} 1.0']
 
 
 def connect(sc, source: str) -> socket.socket:

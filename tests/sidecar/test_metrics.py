@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from kv_offload_sidecar.metrics import (
+    BUILD_INFO_LABELS,
     CONFIG_INFO_LABELS,
     FETCH_RESULTS,
     HANDSHAKE_REASONS,
@@ -16,6 +17,8 @@ from kv_offload_sidecar.metrics import (
     SidecarMetrics,
     exported_metric_names,
 )
+from kv_offload_sidecar import __version__
+from kv_offload_sidecar.peers.wire_window import WIRE_VERSION
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -99,7 +102,7 @@ def test_label_values_come_only_from_the_fixed_sets_after_use(
     metrics.peer_fetch_duration.observe(0.02)
     metrics.peers.labels(state="connected").set(2)
     metrics.set_config_info(fingerprint="0123456789abcdef", transport="tcp")
-    allowed_free_labels = {"le"} | set(CONFIG_INFO_LABELS)
+    allowed_free_labels = {"le"} | set(CONFIG_INFO_LABELS) | set(BUILD_INFO_LABELS)
     for name, labels, _ in _samples(registry):
         family = name.removesuffix("_total").removesuffix("_created")
         fixed = LABEL_VALUES.get(family, {})
@@ -110,6 +113,8 @@ def test_label_values_come_only_from_the_fixed_sets_after_use(
                 assert label in allowed_free_labels, f"{name} has unexpected label {label!r}"
                 if label in CONFIG_INFO_LABELS:
                     assert name == "kv_offload_config_info"
+                if label in BUILD_INFO_LABELS:
+                    assert name == "kv_offload_build_info"
 
 
 def test_counters_move_the_exposed_series(metrics: SidecarMetrics, registry: CollectorRegistry) -> None:
@@ -147,3 +152,10 @@ def test_reason_labels_match_the_protocol_and_handshake_modules() -> None:
 
     assert set(protocol.PROTOCOL_ERROR_REASONS) == set(PROTOCOL_ERROR_REASONS)
     assert set(handshake.REASONS) == set(HANDSHAKE_REASONS) - {"ok"}
+
+
+def test_build_info_names_the_release_and_its_wire_version(
+        metrics: SidecarMetrics, registry: CollectorRegistry) -> None:
+    metrics.set_build_info(wire=WIRE_VERSION)
+    infos = [(labels, value) for name, labels, value in _samples(registry) if name == "kv_offload_build_info"]
+    assert infos == [({"version": __version__, "wire": WIRE_VERSION}, 1.0)]

@@ -40,6 +40,13 @@ Two identities are a rolling update to other weights (old and new pods each shar
 their own kind, never across); the operator's
 ``kv_offload_operator_pools_with_mixed_model_identities`` counts the pools showing more
 than one non-empty identity.
+
+``status.sidecarVersions``: the releases the same sidecars run (``kv_offload_build_info``'s
+``version`` and ``wire`` labels), as ``[{"version", "wire", "pods"}]``, most pods first. A
+sidecar that shows no build_info (a release before wire 2.2, such as the last one, wire 2.1)
+is counted under version and wire ``""``. Two entries are an upgrade in progress: releases of
+the wire window share chunks (``kv_offload_sidecar.peers.wire_window``); a release outside
+it is refused ``wire_version_mismatch``.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ log = logging.getLogger(__name__)
 PEERS_METRIC = f"{SIDECAR_METRICS_NAMESPACE}_peers"
 # The sidecar's identity series (its labels: fingerprint, transport, model_identity).
 CONFIG_INFO_METRIC = f"{SIDECAR_METRICS_NAMESPACE}_config_info"
+# The sidecar's release series (its labels: version, wire); absent before wire 2.2.
+BUILD_INFO_METRIC = f"{SIDECAR_METRICS_NAMESPACE}_build_info"
 # Seconds one sidecar has to answer /metrics (connect and body).
 SCRAPE_TIMEOUT_SECONDS = 2.0
 # Sidecars asked at once, over all pools.
@@ -106,6 +115,9 @@ class SidecarAnswer:
     # kv_offload_config_info's model_identity label: 16 hex, "" before its engine attached,
     # None when the series has no such label (a sidecar older than model identities).
     model_identity: str | None = None
+    # kv_offload_build_info's (version, wire), e.g. ("0.1.0", "2.2"); None when it shows none
+    # (a release before wire 2.2).
+    release: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,8 @@ class PoolPeerStatus:
     unanswered: int | None
     # status.modelIdentities as (identity, pods) pairs; None when the status has none.
     model_identities: tuple[tuple[str, int], ...] | None = None
+    # status.sidecarVersions as (version, wire, pods); None when the status has none.
+    sidecar_versions: tuple[tuple[str, str, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,11 +143,15 @@ class PeerCount:
     unanswered: int
     # (model identity, pods showing it), most pods first, then by identity.
     model_identities: tuple[tuple[str, int], ...] = ()
+    # (release version, wire version, pods running it), most pods first; "" for a release
+    # that shows no build_info.
+    sidecar_versions: tuple[tuple[str, str, int], ...] = ()
 
     def status(self) -> dict[str, Any]:
         return {"readyPeers": self.ready_peers, "peerStates": dict(self.peer_states),
                 "unansweredSidecars": self.unanswered,
-                "modelIdentities": [{"identity": i, "pods": n} for i, n in self.model_identities]}
+                "modelIdentities": [{"identity": i, "pods": n} for i, n in self.model_identities],
+                "sidecarVersions": [{"version": v, "wire": w, "pods": n} for v, w, n in self.sidecar_versions]}
 
     @property
     def mixed_model_identities(self) -> bool:
@@ -142,8 +160,9 @@ class PeerCount:
 
     def shown_in(self, shown: PoolPeerStatus | None) -> bool:
         return shown is not None and (shown.ready_peers, dict(shown.peer_states or {}), shown.unanswered,
-                                      shown.model_identities) == \
-            (self.ready_peers, self.peer_states, self.unanswered, self.model_identities)
+                                      shown.model_identities, shown.sidecar_versions) == \
+            (self.ready_peers, self.peer_states, self.unanswered, self.model_identities,
+             self.sidecar_versions)
 
 
 def sidecar_is_running(status: Mapping[str, Any] | None, annotations: Mapping[str, str] | None,
@@ -181,12 +200,16 @@ def pool_peer_status(status: Mapping[str, Any] | None) -> PoolPeerStatus:
     status = status or {}
     states = status.get("peerStates")
     identities = status.get("modelIdentities")
+    versions = status.get("sidecarVersions")
     return PoolPeerStatus(fingerprint=status.get("fingerprint"), ready_peers=status.get("readyPeers"),
                           peer_states=dict(states) if isinstance(states, Mapping) else None,
                           unanswered=status.get("unansweredSidecars"),
                           model_identities=tuple((str(e.get("identity", "")), e.get("pods"))
                                                  for e in identities if isinstance(e, Mapping))
-                          if isinstance(identities, list) else None)
+                          if isinstance(identities, list) else None,
+                          sidecar_versions=tuple((str(e.get("version", "")), str(e.get("wire", "")), e.get("pods"))
+                                                 for e in versions if isinstance(e, Mapping))
+                          if isinstance(versions, list) else None)
 
 
 def read_metrics(text: str) -> SidecarAnswer:
@@ -197,11 +220,11 @@ def read_metrics(text: str) -> SidecarAnswer:
     exposition is mostly histograms the operator does not need); ValueError when they
     do not parse.
     """
-    wanted = tuple(f"{prefix}{name}{end}" for name in (PEERS_METRIC, CONFIG_INFO_METRIC)
+    wanted = tuple(f"{prefix}{name}{end}" for name in (PEERS_METRIC, CONFIG_INFO_METRIC, BUILD_INFO_METRIC)
                    for prefix, end in (("", "{"), ("", " "), ("# HELP ", " "), ("# TYPE ", " ")))
     lines = [line for line in text.splitlines() if line.startswith(wanted)]
     states = dict.fromkeys(PEER_STATES, 0)
-    fingerprint = model_identity = None
+    fingerprint = model_identity = release = None
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             if sample.name == PEERS_METRIC:
@@ -211,7 +234,9 @@ def read_metrics(text: str) -> SidecarAnswer:
             elif sample.name == CONFIG_INFO_METRIC and sample.value == 1:
                 fingerprint = sample.labels.get("fingerprint") or None
                 model_identity = sample.labels.get("model_identity")
-    return SidecarAnswer(states, fingerprint, model_identity)
+            elif sample.name == BUILD_INFO_METRIC and sample.value == 1 and sample.labels.get("wire"):
+                release = (sample.labels.get("version", ""), sample.labels.get("wire", ""))
+    return SidecarAnswer(states, fingerprint, model_identity, release)
 
 
 async def ask(session: aiohttp.ClientSession, url: str, timeout: float) -> SidecarAnswer | None:
@@ -234,11 +259,12 @@ def count(answers: Iterable[tuple[SidecarEndpoint, SidecarAnswer | None]], finge
     """A pool's count from its running sidecars' answers (None: did not answer).
 
     Only sidecars that run ``fingerprint`` (their config_info's, else their pod's) count, add
-    their sessions to the states and their model identity to the identities; every one that
-    did not answer is unanswered."""
+    their sessions to the states, their model identity to the identities and their release to
+    the versions; every one that did not answer is unanswered."""
     ready, unanswered = 0, 0
     states = dict.fromkeys(PEER_STATES, 0)
     identities: dict[str, int] = {}
+    releases: dict[tuple[str, str], int] = {}
     for endpoint, answer in answers:
         if answer is None:
             unanswered += 1
@@ -251,8 +277,11 @@ def count(answers: Iterable[tuple[SidecarEndpoint, SidecarAnswer | None]], finge
             states[state] += int(answer.states.get(state, 0))
         if answer.model_identity is not None:
             identities[answer.model_identity] = identities.get(answer.model_identity, 0) + 1
+        release = answer.release or ("", "")
+        releases[release] = releases.get(release, 0) + 1
     ranked = tuple(sorted(identities.items(), key=lambda item: (-item[1], item[0])))
-    return PeerCount(ready, states, unanswered, ranked)
+    versions = tuple((v, w, n) for (v, w), n in sorted(releases.items(), key=lambda item: (-item[1], item[0])))
+    return PeerCount(ready, states, unanswered, ranked, versions)
 
 
 async def check(memo: kopf.Memo, sidecars: kopf.Index, pools: kopf.Index, timeout: float,

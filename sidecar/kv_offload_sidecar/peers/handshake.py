@@ -4,23 +4,23 @@ Two HTTP steps on ``POST /v1/handshake`` (the transport lives in control/app.py
 and peers/links.py; this module is pure logic). Nothing about the pool is said
 to anyone who has not proven the pool key first:
 
-1. client -> server ``{"step": "hello", "wire_version", "nonce": N_c,
-   "key_ids": [...]}`` (ids of the keys it holds, current first;
-   ``pool_keys.key_id``). The server answers ``{"wire_version", "nonce": N_s,
-   "key_id"}``: the id of a key both hold (its current one when the client has
-   it). A client holding none of the server's keys is refused (``other_pool``: another pool's
-   sidecar at a departed member's address, a pod a rotation missed, or any stranger), whatever
-   wire version it names: step 1 checks only the syntax of the version, so a stranger of another
-   version gets the very bytes of any stranger, and a key holder of another version learns of
-   the mismatch in step 2, after its proof.
+1. client -> server ``{"step": "hello", "wire_version", "wire_min", "wire_max",
+   "nonce": N_c, "key_ids": [...]}`` (the wire versions it speaks, ``peers/wire_window``; ids
+   of the keys it holds, current first, ``pool_keys.key_id``). The server answers
+   ``{"wire_version", "wire_min", "wire_max", "nonce": N_s, "key_id"}``: the id of a key both
+   hold (its current one when the client has it). A client holding none of the server's keys
+   is refused (``other_pool``: another pool's sidecar at a departed member's address, a pod a
+   rotation missed, or any stranger), whatever wire versions it names: step 1 checks only
+   their syntax, so a stranger of another version gets the very bytes of any stranger, and a
+   key holder of another version learns of the mismatch in step 2, after its proof.
 2. client -> server ``{"step": "proof", "nonce_client", "nonce_server",
    "hello": H_c, "proof": HMAC(K, "client" || T)}`` with ``T`` the transcript
    of both nonces, the key id and ``H_c``. The server checks the proof first (a bad one,
    a key named and not proven, is ``bad_proof`` and learns nothing), then compares ``H_c`` with
-   its own hello and rejects on any difference (wire major version,
-   fingerprint -- an empty or missing one is a difference -- model identity
-   (``engine/model_identity``; none, or unknown weights, equals nothing), hash seed,
-   kv_bytes_per_chunk) with the field diff, which only a key holder sees.
+   its own hello and rejects on any difference (wire version: each hello states the highest
+   one both ranges hold, ``wire_window.agree``; fingerprint -- an empty or missing one is a
+   difference -- model identity (``engine/model_identity``; none, or unknown weights, equals
+   nothing), hash seed, kv_bytes_per_chunk) with the field diff, which only a key holder sees.
    Accepted: ``{"status": "accepted", "hello": H_s, "proof": HMAC(K, "server"
    || T || H_s)}``; the client checks that proof and runs the same comparison.
 
@@ -49,17 +49,25 @@ from typing import Any
 
 from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.engine.offloading_config import identity_diff
-from kv_offload_sidecar.peers.pool_keys import (
+from kv_offload_sidecar.peers.pool_keys import (  # load_pool_key: imported from here too
     KEY_ID_BYTES,
     MAX_OFFERED_KEYS,
     PoolKeys,
     hkdf,
+    load_pool_key,
 )
+from kv_offload_sidecar.peers.wire_window import (
+    SPOKEN,
+    WIRE_VERSION,
+    WireRange,
+    agree,
+    spoken_for,
+    stated_range,
+    wire_diff,
+)
+from kv_offload_sidecar.peers.wire_window import wire_major as _wire_major
 from kv_offload_sidecar.rejections import clip
 
-WIRE_MAJOR = 2
-WIRE_MINOR = 1  # 2.1: hellos carry the model identity (a 2.0 hello states none: refused)
-WIRE_VERSION = f"{WIRE_MAJOR}.{WIRE_MINOR}"
 NONCE_BYTES = 16
 # Largest data_lanes a hello may state (a sidecar offers at most data.lanes.MAX_DATA_LANES).
 MAX_HELLO_LANES = 64
@@ -90,31 +98,6 @@ class HandshakeError(Exception):
         self.diff = list(diff or [])
 
 
-def load_pool_key(path: str) -> bytes:
-    """Read the pool key file (the Secret's key, mounted as a file).
-
-    Surrounding whitespace is stripped. Raises ``ValueError`` naming the file
-    and what to do when it is missing, unreadable or empty.
-    """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(1 << 20)
-    except FileNotFoundError:
-        raise ValueError(
-            f"pool key file {path!r} does not exist: mount the pool's Secret there "
-            f"or pass --pool-key-file with its path") from None
-    except OSError as exc:
-        raise ValueError(
-            f"pool key file {path!r} is unreadable ({exc.strerror}): "
-            f"make it readable by the sidecar's user") from None
-    key = data.strip()
-    if not key:
-        raise ValueError(
-            f"pool key file {path!r} is empty: it must hold the pool's secret key "
-            f"(the operator writes it into the pool's Secret)")
-    return key
-
-
 def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
@@ -129,7 +112,7 @@ def seal_seed(key: bytes, nonce_client: bytes, nonce_server: bytes, seed: str) -
 class HelloMessage:
     """What a sidecar says about itself, to key holders only (handshake step 2)."""
 
-    # Wire version "major.minor"; majors must be equal.
+    # Wire version "major.minor": on the wire, the one both sides agreed in step 1.
     wire_version: str
     # Pool fingerprint (16 hex); empty means unknown and is always rejected.
     fingerprint: str
@@ -251,29 +234,23 @@ def _shown(value: Any) -> str:
     return clip(repr(value), 64)
 
 
-def _wire_major(version: Any) -> int | None:
-    if not isinstance(version, str):
-        return None
-    parts = version.split(".")
-    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) < 6 for p in parts):
-        return None
-    return int(parts[0])
-
-
-def compare_hello(local: HelloMessage, remote: HelloMessage) -> tuple[str, list[str]] | None:
+def compare_hello(local: HelloMessage, remote: HelloMessage,
+                  ranges: tuple[WireRange, WireRange] | None = None) -> tuple[str, list[str]] | None:
     """Fail-closed comparison of two sealed hellos. None when compatible, else ``(reason, diff_lines)``.
 
     The reason is the first failing check in the order wire version,
     fingerprint, model identity, hash seed, chunk size; the diff lists every
     difference, with an ``identity_diff`` of the run configs when both are known
     and a ``ModelIdentity.diff`` of the model identities (``weights: files:3f2a..
-    != files:9c1d..``).
+    != files:9c1d..``). Wire versions must be equal (each hello states the agreed one), and
+    ``ranges`` (ours, theirs, from step 1) must overlap.
     """
     diff: list[str] = []
     reasons: list[str] = []
-    if _wire_major(local.wire_version) != _wire_major(remote.wire_version):
+    wire = wire_diff(local.wire_version, remote.wire_version, ranges)
+    if wire is not None:
         reasons.append("wire_version_mismatch")
-        diff.append(f"wire_version: {local.wire_version} != {remote.wire_version}")
+        diff.append(wire)
     if not remote.fingerprint or not local.fingerprint or local.fingerprint != remote.fingerprint:
         reasons.append("fingerprint_mismatch")
         diff.append(f"fingerprint: {local.fingerprint or '<empty>'} != {remote.fingerprint or '<empty>'}")
@@ -355,12 +332,14 @@ def _hex_field(body: Mapping[str, Any], name: str, nbytes: int) -> bytes:
         raise HandshakeError("malformed", f"handshake field {name!r} is not hex") from None
 
 
-def _check_wire_syntax(body: Mapping[str, Any]) -> None:
-    """Step 1: ``wire_version`` must read "major.minor"; which major is compared only after the
-    proof (``compare_hello``), so nothing before it depends on this sidecar's version."""
-    version = body.get("wire_version")
-    if _wire_major(version) is None:
-        raise HandshakeError("malformed", f"handshake 'wire_version' {_shown(version)} is not 'major.minor'")
+def _stated(body: Mapping[str, Any]) -> WireRange:
+    """Step 1: the range a side states (``wire_window.stated_range``), checked for syntax only;
+    which versions are compared only after the proof (``compare_hello``), so nothing before it
+    depends on this sidecar's versions."""
+    try:
+        return stated_range(body)
+    except ValueError as exc:
+        raise HandshakeError("malformed", str(exc)) from None
 
 
 def _as_keys(keys: PoolKeys | bytes) -> PoolKeys:
@@ -376,8 +355,8 @@ class HandshakeResponder:
         self._local_hello = local_hello
         self._ttl = ttl_seconds
         self._max = max_pending
-        # nonce_server -> (nonce_client, key id, expiry)
-        self._pending: OrderedDict[bytes, tuple[bytes, bytes, float]] = OrderedDict()
+        # nonce_server -> (nonce_client, key id, expiry, the client's wire range)
+        self._pending: OrderedDict[bytes, tuple[bytes, bytes, float, WireRange]] = OrderedDict()
         # consumed server nonces and seen client nonces -> expiry
         self._used: OrderedDict[bytes, float] = OrderedDict()
 
@@ -397,7 +376,7 @@ class HandshakeResponder:
         self._expire()
         if not isinstance(body, Mapping):
             raise HandshakeError("malformed", "handshake body must be a JSON object")
-        _check_wire_syntax(body)
+        theirs = _stated(body)
         nonce_c = _hex_field(body, "nonce", NONCE_BYTES)
         offered = body.get("key_ids")
         if not isinstance(offered, list) or not 0 < len(offered) <= MAX_OFFERED_KEYS:
@@ -411,8 +390,8 @@ class HandshakeResponder:
             raise HandshakeError("replay", "handshake rejected (replay): client nonce already used")
         self._used[nonce_c] = time.monotonic() + max(self._ttl, 60.0)
         nonce_s = new_nonce()
-        self._pending[nonce_s] = (nonce_c, kid, time.monotonic() + self._ttl)
-        return {"wire_version": WIRE_VERSION, "nonce": nonce_s.hex(), "key_id": kid.hex()}
+        self._pending[nonce_s] = (nonce_c, kid, time.monotonic() + self._ttl, theirs)
+        return {**SPOKEN.step1(), "nonce": nonce_s.hex(), "key_id": kid.hex()}
 
     def proof(self, body: Any) -> tuple[Session, dict[str, Any]]:
         """Step 2: the inbound session and the reply; raises HandshakeError."""
@@ -428,7 +407,7 @@ class HandshakeResponder:
         if entry is None:
             raise HandshakeError("replay", "handshake rejected (replay): unknown, expired or used server nonce")
         self._used[nonce_s] = time.monotonic() + max(self._ttl, 60.0)
-        expected_c, kid, _ = entry
+        expected_c, kid, _, theirs = entry
         if expected_c != nonce_c:
             raise HandshakeError("replay", "handshake rejected (replay): client nonce does not match step 1")
         remote = HelloMessage.from_dict(body.get("hello"))
@@ -437,8 +416,10 @@ class HandshakeResponder:
         if key is None or not _same_text(proof, client_proof(key, t)):
             raise HandshakeError("bad_proof", "handshake rejected (bad_proof): the peer does not hold "
                                  "this pool's key")
-        local = self._local_hello().sealed(key, nonce_c, nonce_s)
-        verdict = compare_hello(local, remote)
+        local = self._local_hello()
+        local = replace(local, wire_version=agree(SPOKEN, theirs) or local.wire_version)
+        local = local.sealed(key, nonce_c, nonce_s)
+        verdict = compare_hello(local, remote, (SPOKEN, theirs))
         if verdict is not None:
             reason, diff = verdict
             raise HandshakeError(reason, f"handshake rejected ({reason}): fields differ: "
@@ -457,22 +438,26 @@ class HandshakeInitiator:
         self.nonce = new_nonce()
         self._state: tuple[bytes, bytes, bytes, bytes] | None = None  # key, kid, nonce_s, transcript
         self._sealed: HelloMessage | None = None
+        self.spoken = spoken_for(local_hello.wire_version)
+        self._ranges: tuple[WireRange, WireRange] | None = None
 
     def step1(self) -> dict[str, Any]:
-        return {"step": "hello", "wire_version": WIRE_VERSION, "nonce": self.nonce.hex(),
+        return {"step": "hello", **self.spoken.step1(), "nonce": self.nonce.hex(),
                 "key_ids": [k.hex() for k in self.keys.offered_ids()]}
 
     def step2(self, reply: Any) -> dict[str, Any]:
         """The proof step for the server's step-1 reply; raises HandshakeError."""
         if not isinstance(reply, Mapping):
             raise HandshakeError("malformed", "handshake reply must be an object with 'nonce' and 'key_id'")
-        _check_wire_syntax(reply)  # another major: the proof goes on, the comparison names it
+        # no version in common: the proof goes on, the comparison names both ranges
+        self._ranges = (self.spoken, _stated(reply))
         nonce_s = _hex_field(reply, "nonce", NONCE_BYTES)
         kid = _hex_field(reply, "key_id", KEY_ID_BYTES)
         key = self.keys.key(kid)
         if key is None:
             raise HandshakeError("bad_proof", "peer chose a key this sidecar does not hold")
-        self._sealed = self.hello.sealed(key, self.nonce, nonce_s)
+        agreed = agree(*self._ranges) or self.hello.wire_version
+        self._sealed = replace(self.hello, wire_version=agreed).sealed(key, self.nonce, nonce_s)
         t = transcript(self.nonce, nonce_s, kid, self._sealed)
         self._state = (key, kid, nonce_s, t)
         return {"step": "proof", "nonce_client": self.nonce.hex(), "nonce_server": nonce_s.hex(),
@@ -489,7 +474,7 @@ class HandshakeInitiator:
         if not _same_text(reply["proof"], server_proof(key, t, remote)):
             raise HandshakeError("bad_proof", f"peer {_shown(remote.identity)} rejected (bad_proof): "
                                  f"it does not hold this pool's key")
-        verdict = compare_hello(self._sealed, remote)
+        verdict = compare_hello(self._sealed, remote, self._ranges)
         if verdict is not None:
             reason, diff = verdict
             raise HandshakeError(reason, f"peer {_shown(remote.identity)} rejected ({reason}): "

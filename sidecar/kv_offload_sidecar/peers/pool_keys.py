@@ -50,6 +50,31 @@ def admin_token(key: bytes) -> str:
     return hmac.new(key, _ADMIN_LABEL, hashlib.sha256).hexdigest()
 
 
+def load_pool_key(path: str) -> bytes:
+    """Read the pool key file (the Secret's key, mounted as a file).
+
+    Surrounding whitespace is stripped. Raises ``ValueError`` naming the file
+    and what to do when it is missing, unreadable or empty.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(1 << 20)
+    except FileNotFoundError:
+        raise ValueError(
+            f"pool key file {path!r} does not exist: mount the pool's Secret there "
+            f"or pass --pool-key-file with its path") from None
+    except OSError as exc:
+        raise ValueError(
+            f"pool key file {path!r} is unreadable ({exc.strerror}): "
+            f"make it readable by the sidecar's user") from None
+    key = data.strip()
+    if not key:
+        raise ValueError(
+            f"pool key file {path!r} is empty: it must hold the pool's secret key "
+            f"(the operator writes it into the pool's Secret)")
+    return key
+
+
 def load_optional_key(path: str) -> bytes:
     """A key or token file's stripped bytes; b"" when no path is given, the file is absent or empty.
 

@@ -13,6 +13,7 @@ from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator,
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
 from kv_offload_sidecar.peers.directory.location_wire import PublishBatch, key_digest, location_auth
 from kv_offload_sidecar.peers.pool_keys import admin_token
+from kv_offload_sidecar.peers.wire_window import WIRE_OLDEST
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.local_pool import example_config
 from kv_offload_tools.scrape import parse_metrics
@@ -178,7 +179,7 @@ async def test_a_key_holder_of_another_wire_version_is_told_after_its_proof(side
     resp = await sidecar_client.post("/v1/handshake", json=initiator.step2(await resp.json()))
     body = await resp.json()
     assert resp.status == 403 and body["reason"] == "wire_version_mismatch"
-    assert body["diff"] == [f"wire_version: {WIRE_VERSION} != 3.0"]
+    assert body["diff"] == [f"wire_version: speaks {WIRE_OLDEST}..{WIRE_VERSION} != 3.0..3.0 (no version in common)"]
     assert await metric(sidecar_client, "kv_offload_handshakes_total", reason="wire_version_mismatch") == 1
 
 

@@ -14,6 +14,7 @@ from kv_offload_sidecar.peers.handshake import (
     load_pool_key,
 )
 from kv_offload_sidecar.peers.pool_keys import PoolKeys, hkdf, key_id
+from kv_offload_sidecar.peers.wire_window import SPOKEN, WIRE_OLDEST
 from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_tools.local_pool import example_config
 from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
@@ -105,7 +106,8 @@ def test_pool_key_and_hash_seed_never_appear_in_messages():
 def test_step1_reply_says_nothing_about_the_pool():
     responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
     reply = responder.hello(HandshakeInitiator(KEY, peer_hello()).step1())
-    assert set(reply) == {"wire_version", "nonce", "key_id"}
+    assert set(reply) == {"wire_version", "wire_min", "wire_max", "nonce", "key_id"}
+    assert (reply["wire_min"], reply["wire_max"]) == (WIRE_OLDEST, WIRE_VERSION)
 
 
 @pytest.mark.parametrize("changes, reason", [
@@ -153,12 +155,62 @@ def test_empty_local_fingerprint_rejects_everyone():
     assert compare_hello(peer_hello(fingerprint=""), peer_hello(fingerprint=""))[0] == "fingerprint_mismatch"
 
 
-def test_wire_major_mismatch_is_rejected_minor_is_not():
+def test_hellos_of_other_wire_versions_differ_minor_included():
     local = peer_hello()
-    other_major = HelloMessage(**{**local.to_dict(), "wire_version": "3.0"})
-    other_minor = HelloMessage(**{**local.to_dict(), "wire_version": "2.7"})
-    assert compare_hello(local, other_major)[0] == "wire_version_mismatch"
-    assert compare_hello(local, other_minor) is None
+    for version in ("3.0", "2.7"):
+        other = HelloMessage(**{**local.to_dict(), "wire_version": version})
+        assert compare_hello(local, other) == ("wire_version_mismatch",
+                                               [f"wire_version: {WIRE_VERSION} != {version}"])
+
+
+def test_two_sidecars_of_this_release_agree_on_its_own_wire_version():
+    _, step2, in_session, out_session = full_handshake(KEY, KEY, peer_hello())
+    assert step2["hello"]["wire_version"] == WIRE_VERSION
+    assert in_session.peer.wire_version == out_session.peer.wire_version == WIRE_VERSION
+
+
+def test_the_previous_release_stating_no_range_is_spoken_to_in_its_version():
+    # the release before the window (wire 2.1) sends only "wire_version" in step 1 and ignores
+    # the range of the reply
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    previous = HandshakeInitiator(KEY, HelloMessage(**{**peer_hello().to_dict(), "wire_version": WIRE_OLDEST}))
+    step1 = previous.step1()
+    del step1["wire_min"], step1["wire_max"]
+    session, accepted = responder.proof(previous.step2(responder.hello(step1)))
+    assert accepted["hello"]["wire_version"] == WIRE_OLDEST == session.peer.wire_version
+    # and as a client: a server stating only its "wire_version" gets a hello of that version
+    initiator = HandshakeInitiator(KEY, peer_hello())
+    reply = {"wire_version": WIRE_OLDEST, "nonce": "11" * 16, "key_id": key_id(KEY).hex()}
+    assert initiator.step2(reply)["hello"]["wire_version"] == WIRE_OLDEST
+
+
+def test_a_release_older_than_the_window_is_refused_naming_both_ranges():
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    older = HandshakeInitiator(KEY, HelloMessage(**{**peer_hello().to_dict(), "wire_version": "2.0"}))
+    exc = rejection(responder, older)
+    assert exc.reason == "wire_version_mismatch"
+    assert exc.diff[0] == f"wire_version: speaks {SPOKEN.text} != 2.0..2.0 (no version in common)"
+
+
+def test_a_range_altered_in_step_1_is_refused_after_the_proof():
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    initiator = HandshakeInitiator(KEY, peer_hello())
+    reply = {**responder.hello(initiator.step1()), "wire_max": WIRE_OLDEST}  # a downgrade in transit
+    with pytest.raises(HandshakeError) as exc:
+        responder.proof(initiator.step2(reply))
+    assert exc.value.reason == "wire_version_mismatch"
+    assert exc.value.diff[0] == (f"wire_version: {WIRE_VERSION} (speaks {SPOKEN.text}) != {WIRE_OLDEST} "
+                                 f"(speaks {SPOKEN.text})")
+
+
+@pytest.mark.parametrize("fields", [{"wire_min": "two"}, {"wire_max": None},
+                                    {"wire_min": "2.3", "wire_max": "2.1"}],
+                         ids=["min-not-a-version", "max-null", "min-above-max"])
+def test_a_malformed_range_in_step_1_is_refused_as_malformed(fields):
+    responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
+    with pytest.raises(HandshakeError) as exc:
+        responder.hello({**HandshakeInitiator(KEY, peer_hello()).step1(), **fields})
+    assert exc.value.reason == "malformed" and "wire_m" in str(exc.value)
 
 
 def test_a_wire_1_step_1_is_malformed_and_names_no_version():
@@ -184,11 +236,11 @@ def test_a_key_holder_of_another_wire_version_learns_the_mismatch_after_its_proo
     responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
     newer = HandshakeInitiator(KEY, HelloMessage(**{**peer_hello().to_dict(), "wire_version": "3.0"}))
     reply = responder.hello({**newer.step1(), "wire_version": "3.0"})
-    assert set(reply) == {"wire_version", "nonce", "key_id"}
+    assert set(reply) == {"wire_version", "wire_min", "wire_max", "nonce", "key_id"}
     with pytest.raises(HandshakeError) as exc:
         responder.proof(newer.step2(reply))
     assert exc.value.reason == "wire_version_mismatch"
-    assert exc.value.diff == [f"wire_version: {WIRE_VERSION} != 3.0"]
+    assert exc.value.diff == [f"wire_version: speaks {SPOKEN.text} != 3.0..3.0 (no version in common)"]
 
 
 def test_a_client_proves_its_key_to_a_server_of_another_wire_version():
@@ -196,7 +248,7 @@ def test_a_client_proves_its_key_to_a_server_of_another_wire_version():
     # server (which checks it first) can name the mismatch to a key holder
     initiator = HandshakeInitiator(KEY, peer_hello())
     responder = HandshakeResponder(KEY, lambda: peer_hello(identity="b"))
-    reply = {**responder.hello(initiator.step1()), "wire_version": "3.0"}
+    reply = {**responder.hello(initiator.step1()), "wire_version": "3.0", "wire_min": "3.0", "wire_max": "3.0"}
     assert initiator.step2(reply)["step"] == "proof"
 
 

@@ -74,7 +74,7 @@ def test_peer_without_the_pool_key_is_rejected_and_gets_no_chunk(chaos_pool: Loc
     # copying a member's key id gets a nonce, but the proof fails, again without a diff
     step1 = {**initiator.step1(), "key_ids": [key_id(chaos_pool.pool_key).hex()]}
     status, reply1 = victim.post("/v1/handshake", step1)
-    assert status == 200 and set(reply1) == {"wire_version", "nonce", "key_id"}
+    assert status == 200 and set(reply1) == {"wire_version", "wire_min", "wire_max", "nonce", "key_id"}
     forged = {"step": "proof", "nonce_client": step1["nonce"], "nonce_server": reply1["nonce"],
               "hello": hello.to_dict(), "proof": "ab" * 32}
     status, reply = victim.post("/v1/handshake", forged)

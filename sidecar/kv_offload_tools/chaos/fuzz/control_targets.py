@@ -169,7 +169,7 @@ def run_handshake_case(ctx: FuzzContext, case: tuple[str, Any]) -> str:
             expected = "accept" if status == 200 else "replay"
         if expected != "accept":
             return _expect_refusal(status, reply, expected, "step 1")
-        if status != 200 or reply.get("key_id") != key_id(ctx.pool.pool_key).hex() or len(reply) != 3:
+        if status != 200 or reply.get("key_id") != key_id(ctx.pool.pool_key).hex() or len(reply) != 5:
             raise FuzzFailure(f"a member's step 1 was not answered with a nonce and the key id: "
                               f"HTTP {status} {reply!r}")
         ctx.seen_nonces[body["nonce"]] = time.monotonic()
