@@ -3,13 +3,17 @@
 Rules (each with its detection time; the TCP ones are in ``keepalive``, the servers' in
 ``data.serving``):
 
-- **Heartbeat.** A connected link pings every data connection of its peer (every lane) each
-  ``HEARTBEAT_SECONDS``: an empty LOOKUP, a frame every plane's server already answers on
-  the authenticated connection (``FramedPeerDataClient.ping``). A ping fails when *nothing*
+- **Heartbeat.** A link with an open data connection (``data_links``: opened on demand,
+  closed after ``data_links.DATA_IDLE_SECONDS`` without an exchange) pings every connection
+  of it (every lane) each ``HEARTBEAT_SECONDS``: an empty LOOKUP, a frame every plane's
+  server already answers on the authenticated connection (``FramedPeerDataClient.ping``). A ping fails when *nothing*
   came from the peer on that connection for ``LOST_AFTER_SECONDS`` after it left (a pong
   queued behind chunks still arriving is no failure), and then the link is lost: it
   leaves the membership and reconnects. A peer cut off silently is declared lost within
   ``HEARTBEAT_SECONDS + LOST_AFTER_SECONDS`` (1.0 s), with or without requests to it.
+  A member with no data connection open is not pinged: a failed data open or location call
+  (a publish to it, a locate) reports it lost (``links.PeerManager.call``), and the serving
+  side's silence rule (``data.serving``) ends what its client left behind.
 - **Answer deadline.** Each pong is a round-trip sample (``RoundTrips``: RFC 6298's smoothed
   round trip and deviation). A request waits for a peer's first answer (an owner's locate, a
   holder's count) only while the peer is heard from: it gives up once nothing came from
@@ -19,7 +23,7 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
   one late answer, decides that the peer is lost. A request that touches a silently cut
   peer before the heartbeat noticed pays about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small
-  round trip; after, none (the peer is no member and no holder).
+  round trip (``OPEN_ROUND_TRIPS`` times that when its data link must open first); after, none (the peer is no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
   ``SidecarSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait
@@ -34,7 +38,7 @@ from typing import Any
 
 from kv_offload_sidecar.data.peer_client import answer_or_silence
 
-__all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "RoundTrips",
+__all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "OPEN_ROUND_TRIPS", "RoundTrips",
            "answer_or_silence", "heartbeat"]
 
 # Seconds between heartbeats of a connected link.
@@ -45,6 +49,9 @@ LOST_AFTER_SECONDS = 0.75
 ANSWER_FLOOR_SECONDS = 0.05
 # How many times the peer's round-trip bound (srtt + 4 rttvar) a request waits through.
 ANSWER_RTT_FACTOR = 2.0
+# How many answer silences a request waits through while the peer's data link opens (the
+# connection, the server's nonce, the proof, then the answer).
+OPEN_ROUND_TRIPS = 4
 # Cap of the back-off delay of a link lost to liveness or unreachable (seconds).
 HEAL_BACKOFF_MAX_SECONDS = 2.0
 
