@@ -90,19 +90,26 @@ def test_peers_stripe_fetches_over_the_fewer_lanes_both_offer_shown_in_status_an
         wait_for("each sidecar's link to the other two to be up", lambda: all(
             sum(p["state"] == "connected" for p in sc.peers()) == 2 for sc in pool.members()))
         assert pool[0].status()["data_lanes_offered"] == 3
-        assert pool[0].status()["data_lanes"] == {pool[1].identity: 3, narrow.identity: 2}
-        assert narrow.status()["data_lanes"] == {pool[0].identity: 2, pool[1].identity: 2}
-        assert {p["identity"]: p["data_lanes"] for p in pool[1].peers()} == \
-            {pool[0].identity: 3, narrow.identity: 2}
-        assert pool[0].metric("kv_offload_peer_data_lanes") == 5
-        a, c = pool.client(0), pool.client(2)
-        keys = new_keys(12)
+        # Members hold no data connection until they read from each other (links on demand).
+        assert pool[0].status()["data_lanes"] == {} and pool[0].metric("kv_offload_peer_data_lanes") == 0
+        a, b, c = pool.client(0), pool.client(1), pool.client(2)
+        keys, more = new_keys(12), new_keys(6)
         data = write_chunks(a, keys)
+        data_more = write_chunks(b, more)
         pool.wait_directory_current()
         assert c.lookup(keys) == LookupReply(local=0, peer=12)
         assert read_chunks(c, keys) == [data[k] for k in keys]
-        a.close()
-        c.close()
+        assert a.lookup(more) == LookupReply(local=0, peer=6)
+        assert read_chunks(a, more) == [data_more[k] for k in more]
+        # Each reader's link to its holder carries the fewer lanes both offer.
+        assert narrow.status()["data_lanes"] == {pool[0].identity: 2}
+        assert pool[0].status()["data_lanes"] == {pool[1].identity: 3}
+        assert {p["identity"]: (p["data_open"], p["data_lanes"]) for p in narrow.peers()} == \
+            {pool[0].identity: (True, 2), pool[1].identity: (False, 0)}
+        assert pool[0].metric("kv_offload_peer_data_lanes") == 3
+        assert pool[0].metric("kv_offload_peer_data_links") == 1
+        for client in (a, b, c):
+            client.close()
 
 
 @pytest.mark.parametrize("override, reason", [

@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ from kv_offload_sidecar.peers.control_client import (  # noqa: F401 (AUTH_HEADER
 )
 from kv_offload_sidecar.peers.data_links import DATA_IDLE_SECONDS, MAX_DATA_LINKS, DataLinks
 from kv_offload_sidecar.peers.directory.location_wire import location_auth
-from kv_offload_sidecar.peers.liveness import HEAL_BACKOFF_MAX_SECONDS, HEARTBEAT_SECONDS, RoundTrips, heartbeat
+from kv_offload_sidecar.peers.liveness import HEARTBEAT_SECONDS, RoundTrips, backoff_cap, backoff_delay, heartbeat
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 from kv_offload_sidecar.waits import set_within
@@ -79,20 +78,6 @@ if TYPE_CHECKING:
     from kv_offload_sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)
-
-
-def backoff_delay(failures: int, initial: float, maximum: float,
-                  draw: Callable[[], float] = random.random) -> float:
-    """Seconds to wait after ``failures`` consecutive failures: full jitter, a uniform draw below
-    ``initial * 2 ** (failures - 1)`` capped at ``maximum``."""
-    return draw() * min(maximum, initial * 2 ** (failures - 1))
-
-
-def backoff_cap(state: str, maximum: float) -> float:
-    """The largest back-off cap of a link in ``state``: ``maximum`` for a rejecting peer (a
-    rollout may fix it), ``HEAL_BACKOFF_MAX_SECONDS`` at most for a lost or unreachable one,
-    so a healed partition is seen within 5 s (``liveness``)."""
-    return maximum if state == "rejected" else min(maximum, HEAL_BACKOFF_MAX_SECONDS)
 
 
 @dataclass

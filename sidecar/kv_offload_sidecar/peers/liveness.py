@@ -33,13 +33,14 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kv_offload_sidecar.data.peer_client import answer_or_silence
 
 __all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "OPEN_ROUND_TRIPS", "RoundTrips",
-           "answer_or_silence", "heartbeat"]
+           "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat"]
 
 # Seconds between heartbeats of a connected link.
 HEARTBEAT_SECONDS = 0.25
@@ -54,6 +55,20 @@ ANSWER_RTT_FACTOR = 2.0
 OPEN_ROUND_TRIPS = 4
 # Cap of the back-off delay of a link lost to liveness or unreachable (seconds).
 HEAL_BACKOFF_MAX_SECONDS = 2.0
+
+
+def backoff_delay(failures: int, initial: float, maximum: float,
+                  draw: Callable[[], float] = random.random) -> float:
+    """Seconds to wait after ``failures`` consecutive failures: full jitter, a uniform draw below
+    ``initial * 2 ** (failures - 1)`` capped at ``maximum``."""
+    return draw() * min(maximum, initial * 2 ** (failures - 1))
+
+
+def backoff_cap(state: str, maximum: float) -> float:
+    """The largest back-off cap of a link in ``state``: ``maximum`` for a rejecting peer (a
+    rollout may fix it), ``HEAL_BACKOFF_MAX_SECONDS`` at most for a lost or unreachable one,
+    so a healed partition is seen within 5 s (``liveness``)."""
+    return maximum if state == "rejected" else min(maximum, HEAL_BACKOFF_MAX_SECONDS)
 
 
 class RoundTrips:
