@@ -354,9 +354,13 @@ def test_a_fetch_that_missed_its_deadline_while_the_fetcher_itself_was_stopped_d
         a, b = pool.client(0), pool.client(1)
         # Keys whose location B keeps itself: B's only message is the exchange with the holder.
         keys = [k for k in new_keys(64) if owner_of(pool, k, asker=1) == pool[1].identity]
-        stalled, later = keys[:4], keys[4:8]
-        write_chunks(a, stalled + later)
+        warm, stalled, later = keys[:2], keys[2:6], keys[6:10]
+        write_chunks(a, warm + stalled + later)
         pool.wait_directory_current()
+        # A first read opens B's data link to the holder (links open on demand): the exchange
+        # below runs on it.
+        assert b.lookup(warm) == LookupReply(0, 2)
+        wait_for("B's fetch to end", lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
         holder, fetcher = pool[0].proc, pool[1].proc
         exchanges = pool[1].metric("kv_offload_lookup_messages_total")
         os.kill(holder.pid, signal.SIGSTOP)  # the exchange waits on the holder...

@@ -73,6 +73,8 @@ class DataLinks:
         self.max_open = max_open
         self._open: OrderedDict[int, PeerLink] = OrderedDict()
         self._closing: set[asyncio.Task[None]] = set()
+        # Data clients replaced by a re-key, closed once their last request is over.
+        self._retiring: set[asyncio.Task[None]] = set()
         # Data connections opened since start (each a connection per lane).
         self.opened = 0
 
@@ -92,6 +94,12 @@ class DataLinks:
         return link.busy == 0 and now - link.used_at >= self.idle_seconds
 
     # ---- the engine path ----------------------------------------------------------
+
+    async def open(self, link: PeerLink, timeout: float) -> Any:
+        """The link's data client, opened now if need be (the engine path holds it through
+        ``acquire`` instead, so that it is not closed under an exchange)."""
+        async with self.acquire(link, timeout) as data:
+            return data
 
     @contextlib.asynccontextmanager
     async def acquire(self, link: PeerLink, deadline: float) -> AsyncIterator[Any]:
@@ -203,8 +211,25 @@ class DataLinks:
                 async with asyncio.timeout(1.0):
                     await data.close()
 
+    def retire(self, data: Any, delay: float) -> None:
+        """Close ``data`` (replaced by a re-key) in ``delay`` seconds, once the requests running
+        on it are over (they have a deadline); at once when the links close."""
+        async def close_later() -> None:
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await data.close()
+
+        task = asyncio.create_task(close_later())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
     async def aclose(self) -> None:
-        for task in list(self._closing):
+        for task in list(self._retiring):
+            task.cancel()
+        for task in list(self._retiring) + list(self._closing):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
@@ -223,7 +248,7 @@ class DataLinks:
         self._update_gauges()
 
     def _touch(self, link: PeerLink) -> None:
-        link.used_at = time.monotonic()
+        link.used_at = link.heard_at = time.monotonic()
         if id(link) in self._open:
             self._open.move_to_end(id(link))
 

@@ -63,8 +63,16 @@ from kv_offload_sidecar.peers.control_client import (  # noqa: F401 (AUTH_HEADER
     post_handshake_step,
 )
 from kv_offload_sidecar.peers.data_links import DATA_IDLE_SECONDS, MAX_DATA_LINKS, DataLinks
-from kv_offload_sidecar.peers.directory.location_wire import location_auth
-from kv_offload_sidecar.peers.liveness import HEARTBEAT_SECONDS, RoundTrips, backoff_cap, backoff_delay, heartbeat
+from kv_offload_sidecar.peers.directory.location_wire import LocateQuery, location_auth
+from kv_offload_sidecar.peers.liveness import (
+    HEARTBEAT_SECONDS,
+    MEMBER_PROBE_SECONDS,
+    PROBE_TIMEOUT_SECONDS,
+    RoundTrips,
+    backoff_cap,
+    backoff_delay,
+    heartbeat,
+)
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 from kv_offload_sidecar.waits import set_within
@@ -78,6 +86,9 @@ if TYPE_CHECKING:
     from kv_offload_sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)
+
+# The location call that probes a member heard nothing from (any key: an owner answers each).
+PROBE_QUERY = LocateQuery((0,)).to_dict()
 
 
 @dataclass
@@ -120,6 +131,8 @@ class PeerLink:
     busy: int = 0
     # monotonic time of the last exchange's start or end.
     used_at: float = 0.0
+    # monotonic time of the last exchange or location call that did not fail (or the handshake).
+    heard_at: float = 0.0
     # Set when the watch has something to do: a data connection opened, a failure, a re-key.
     stir: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -160,8 +173,6 @@ class PeerManager:
         self._location = location
         self._local_hello = local_hello
         self._links: dict[str, PeerLink] = {}
-        # Data clients replaced by a re-key, closed once their last request is over.
-        self._retiring: set[asyncio.Task[None]] = set()
         self._http: aiohttp.ClientSession | None = None
         self._closing = False
 
@@ -176,15 +187,6 @@ class PeerManager:
             if link.identity == identity and link.state == "connected" and link.session is not None:
                 return link
         return None
-
-    async def open_data(self, identity: str, timeout: float) -> Any:
-        """The member's data client, opened now if need be (``data_links``; the engine path
-        holds it through ``data_links.acquire`` instead)."""
-        link = self.connected(identity)
-        if link is None:
-            raise ConnectionError(f"peer {identity} is not connected")
-        async with self.data_links.acquire(link, timeout) as data:
-            return data
 
     def excused(self, started: float) -> bool:
         """A failure of something begun at loop time ``started`` is not the peer's (``loop_stalls``)."""
@@ -255,6 +257,7 @@ class PeerManager:
             raise ConnectionError(f"{op} to {identity} failed: {type(exc).__name__}: {clip(str(exc))}") from exc
         if len(reply) > MAX_LOCATION_REPLY_BYTES:
             raise ValueError(f"{op} reply from {identity} exceeds {MAX_LOCATION_REPLY_BYTES} bytes")
+        link.heard_at = time.monotonic()
         self._metrics.location_messages.labels(kind=op).inc()
         self._metrics.location_bytes.labels(direction="sent").inc(len(raw))
         self._metrics.location_bytes.labels(direction="received").inc(len(reply))
@@ -281,7 +284,7 @@ class PeerManager:
 
     async def close(self) -> None:
         self._closing = True
-        tasks = [link.task for link in self._links.values() if link.task] + list(self._retiring)
+        tasks = [link.task for link in self._links.values() if link.task]
         for link in self._links.values():
             link.wake.set()  # a back-off ends now
         for t in tasks:
@@ -350,6 +353,7 @@ class PeerManager:
                     await self._back_off(link, "backoff")
                     continue
                 link.failures = 0
+                link.heard_at = time.monotonic()
                 link.last_error = ""
                 link.failed.clear()  # a late report about the connection before is not this one's
                 self._set_state(link, "connected")
@@ -430,7 +434,7 @@ class PeerManager:
                      link.address, link.identity, exc)
             return
         if link.data is None and data is not None:  # closed as idle meanwhile
-            self._retire(data, 0.0)
+            self.data_links.retire(data, 0.0)
             data = None
         old, link.session = link.data, session
         if data is not None:
@@ -438,21 +442,7 @@ class PeerManager:
         log.info("peer %s (%s): re-keyed with pool key %s", link.address, remote.identity,
                  session.key_id.hex())
         if old is not None:  # requests still running on it finish first (they have a deadline)
-            self._retire(old, self._settings.fetch_deadline_seconds + 1.0)
-
-    def _retire(self, data: Any, delay: float) -> None:
-        task = asyncio.create_task(self._close_later(data, delay))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-
-    @staticmethod
-    async def _close_later(data: Any, delay: float) -> None:
-        try:
-            await asyncio.sleep(delay)
-        finally:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await data.close()
+            self.data_links.retire(old, self._settings.fetch_deadline_seconds + 1.0)
 
     def keys_changed(self) -> int:
         """This sidecar's keys changed: links not on the current key re-key; returns how many."""
@@ -464,7 +454,6 @@ class PeerManager:
                 link.stir.set()
                 n += 1
         return n
-
 
     async def _post(self, url: str, body: dict[str, Any]) -> Any:
         """One handshake step (``control_client.post_handshake_step``)."""
@@ -481,7 +470,8 @@ class PeerManager:
         """While connected: re-key when asked; end when the engine path reported a failure.
         While a data connection is open: a heartbeat every ``HEARTBEAT_SECONDS`` (``liveness``),
         end when it closed or went silent, close it (the link stays) once idle (``data_links``).
-        With none open, wait for something to do (``PeerLink.stir``)."""
+        With none open, wait for something to do (``PeerLink.stir``), and probe the member with
+        a location call when nothing was heard from it for ``MEMBER_PROBE_SECONDS``."""
         while True:
             link.stir.clear()
             if link.failed.is_set():
@@ -490,7 +480,13 @@ class PeerManager:
                 await self._rekey(link)
             data = link.data
             if data is None:
-                await link.stir.wait()
+                quiet = time.monotonic() - link.heard_at
+                if quiet < MEMBER_PROBE_SECONDS:
+                    await set_within(link.stir, MEMBER_PROBE_SECONDS - quiet)
+                elif link.opening is None and link.identity is not None:
+                    link.heard_at = time.monotonic()  # the next probe comes a period later, whatever this one does
+                    with contextlib.suppress(Exception):  # a failure reports the link (``call``)
+                        await self.call(link.identity, "locate", PROBE_QUERY, PROBE_TIMEOUT_SECONDS)
                 continue
             if data.closed:
                 raise ConnectionError(link.last_error or "data connection closed")

@@ -11,9 +11,13 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   queued behind chunks still arriving is no failure), and then the link is lost: it
   leaves the membership and reconnects. A peer cut off silently is declared lost within
   ``HEARTBEAT_SECONDS + LOST_AFTER_SECONDS`` (1.0 s), with or without requests to it.
-  A member with no data connection open is not pinged: a failed data open or location call
-  (a publish to it, a locate) reports it lost (``links.PeerManager.call``), and the serving
-  side's silence rule (``data.serving``) ends what its client left behind.
+- **Probe.** A member with no data connection open is not pinged. A failed data open or
+  location call (a publish to it, a locate) reports it lost (``links.PeerManager.call``), and
+  one heard nothing from (no exchange, no call answered) for ``MEMBER_PROBE_SECONDS`` is asked
+  one locate (``PROBE_TIMEOUT_SECONDS`` at most): a member gone without a data connection is
+  dropped within ``MEMBER_PROBE_SECONDS + PROBE_TIMEOUT_SECONDS`` (7 s). A busy pool's
+  publishes and reads stand in for most probes; an idle pool of N members costs each sidecar
+  (N - 1) / ``MEMBER_PROBE_SECONDS`` small calls a second (205 at 1,024 pods).
 - **Answer deadline.** Each pong is a round-trip sample (``RoundTrips``: RFC 6298's smoothed
   round trip and deviation). A request waits for a peer's first answer (an owner's locate, a
   holder's count) only while the peer is heard from: it gives up once nothing came from
@@ -39,7 +43,8 @@ from typing import Any
 
 from kv_offload_sidecar.data.peer_client import answer_or_silence
 
-__all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "OPEN_ROUND_TRIPS", "RoundTrips",
+__all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "MEMBER_PROBE_SECONDS",
+           "OPEN_ROUND_TRIPS", "PROBE_TIMEOUT_SECONDS", "RoundTrips",
            "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat"]
 
 # Seconds between heartbeats of a connected link.
@@ -50,6 +55,10 @@ LOST_AFTER_SECONDS = 0.75
 ANSWER_FLOOR_SECONDS = 0.05
 # How many times the peer's round-trip bound (srtt + 4 rttvar) a request waits through.
 ANSWER_RTT_FACTOR = 2.0
+# Seconds without hearing from a member with no data connection before it is probed.
+MEMBER_PROBE_SECONDS = 5.0
+# Seconds a probe of such a member may take before the member is lost.
+PROBE_TIMEOUT_SECONDS = 2.0
 # How many answer silences a request waits through while the peer's data link opens (the
 # connection, the server's nonce, the proof, then the answer).
 OPEN_ROUND_TRIPS = 4

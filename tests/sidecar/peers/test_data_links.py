@@ -119,3 +119,17 @@ async def test_a_member_gone_with_no_data_link_is_dropped_after_a_failed_locatio
         await wait_for_async("the gone member dropped",
                              lambda: asker.location.status()["members"] == 1 and not link.member)
         assert link.state in ("backoff", "connecting") and asker.peers.connected("holder") is None
+
+
+async def test_a_member_gone_with_no_data_link_and_no_messages_is_dropped_by_its_probe(make_settings):
+    (holder,), asker = _pool(make_settings, "holder")
+    async with running(asker):
+        async with running(holder):
+            await settled(holder, asker)
+            link = asker.peers.connected("holder")
+            assert link is not None and link.data is None
+        # Nothing is sent to it: within MEMBER_PROBE_SECONDS of the last word from it, a probe
+        # (one locate) finds it gone.
+        await wait_for_async("the gone member dropped by its probe",
+                             lambda: asker.location.status()["members"] == 1 and not link.member)
+        assert "locate" in link.last_error
