@@ -258,6 +258,9 @@ class PeerManager:
         if len(reply) > MAX_LOCATION_REPLY_BYTES:
             raise ValueError(f"{op} reply from {identity} exceeds {MAX_LOCATION_REPLY_BYTES} bytes")
         link.heard_at = time.monotonic()
+        # A round-trip sample where no heartbeat gives one (``liveness``: the answer silence).
+        if link.data is None:
+            link.round_trips.observe(asyncio.get_running_loop().time() - started)
         self._metrics.location_messages.labels(kind=op).inc()
         self._metrics.location_bytes.labels(direction="sent").inc(len(raw))
         self._metrics.location_bytes.labels(direction="received").inc(len(reply))

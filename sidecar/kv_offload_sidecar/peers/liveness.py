@@ -19,7 +19,8 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   publishes and reads stand in for most probes; an idle pool of N members costs each sidecar
   (N - 1) / ``MEMBER_PROBE_SECONDS`` small calls a second (205 at 1,024 pods).
 - **Answer deadline.** Each pong is a round-trip sample (``RoundTrips``: RFC 6298's smoothed
-  round trip and deviation). A request waits for a peer's first answer (an owner's locate, a
+  round trip and deviation); so is each location call answered while no data connection is
+  open (a probe, a publish, a locate). A request waits for a peer's first answer (an owner's locate, a
   holder's count) only while the peer is heard from: it gives up once nothing came from
   that peer for ``answer_silence()`` = max(``ANSWER_FLOOR_SECONDS``, ``ANSWER_RTT_FACTOR`` x
   (srtt + 4 x rttvar)) since it asked, bounded by the fetch deadline (the whole fetch deadline
