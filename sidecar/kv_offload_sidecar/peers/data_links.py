@@ -116,7 +116,9 @@ class DataLinks:
 
     async def _client(self, link: PeerLink, deadline: float) -> Any:
         data = link.data
-        if data is not None and not data.closed:
+        if data is not None:
+            if data.closed:  # the peer closed it: the link's watch reconnects
+                raise DataLinkUnavailable(f"data link to {link.identity} closed")
             return data
         if link.opening is None:
             if link.session is None:
