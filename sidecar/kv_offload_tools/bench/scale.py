@@ -175,9 +175,9 @@ def measure(pods: int, s: ScaleSettings, overhead: HttpOverhead, handshake: int,
                       "false_positive_ratio": e.false_positive_ratio, "entry_bytes": entry_bytes},
             "bloom": {**asdict(bloom), "bits_per_entry": bits, "hashes": k, "per_filter_rate": rate,
                       "per_filter_rate_measured": alt.bloom_measured_rate(bits, k) if pods <= 256 else None}},
-        # Data links a member needs (peers it exchanged chunks with within an idle window, the
-        # worst member's peak): at most MAX_DATA_LINKS are open whatever this says.
-        "links_per_sidecar": d.data_peers.get("max", 0.0),
+        # Data links a member opens (holders it read from within an idle window, the worst
+        # member's peak): at most MAX_DATA_LINKS are open whatever this says.
+        "links_per_sidecar": d.data_peers_read_from.get("max", 0.0),
         "links": links_view(d, sample),
         "sampled_sidecars": sample.sampled,
         "modelled_sidecars": sample.modelled,
@@ -198,6 +198,8 @@ def links_view(d: LookupFigures, sample: SampleFigures) -> dict[str, Any]:
     (owner questions in the replay; publishes at full size, sampled), the bounds, and the
     connections per second the bounded control client opens for the publishes."""
     return {"data_peers_per_window": d.data_peers, "data_idle_seconds": DATA_IDLE_SECONDS,
+            "holders_read_from_per_window": d.data_peers_read_from,
+            "readers_per_window": d.data_peers_reading,
             "max_data_links": MAX_DATA_LINKS,
             "replay_control_peers_per_window": d.control_peers,
             "publish_peers_per_window": sample.control_peers,

@@ -22,18 +22,25 @@ from collections.abc import Collection, Iterable, Sequence
 
 # One contact: (seconds, member, peer).
 Contact = tuple[float, str, str]
+# Which end of a contact counts it.
+ENDS = ("both", "from", "to")
 
 
 def peers_in_window(contacts: Iterable[Contact], window: float,
-                    only: Collection[str] | None = None) -> dict[str, float]:
+                    only: Collection[str] | None = None, ends: str = "both") -> dict[str, float]:
     """Distinct peers per member within ``window`` seconds: ``max`` (the worst member's peak),
     ``mean`` (the members' peaks averaged) and ``members`` (members with any contact); of the
-    members in ``only`` when given. Each contact counts for both ends."""
+    members in ``only`` when given. A contact counts for both ends (``ends="both"``), or only
+    for the member that made it (``"from"``: the peers it dialled) or that took it (``"to"``)."""
+    if ends not in ENDS:
+        raise ValueError(f"ends={ends!r}; use one of {ENDS}")
     by_member: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for t, a, b in contacts:
         if a != b:
-            by_member[a].append((t, b))
-            by_member[b].append((t, a))
+            if ends != "to":
+                by_member[a].append((t, b))
+            if ends != "from":
+                by_member[b].append((t, a))
     peaks = []
     for member, events in by_member.items():
         if only is not None and member not in only:

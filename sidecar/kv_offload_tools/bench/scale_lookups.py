@@ -88,6 +88,10 @@ class LookupFigures:
     # Distinct peers a member exchanged chunks with within an idle window, and messaged within
     # a keep-alive (directory scheme; ``scale_links.peers_in_window``: max, mean, members).
     data_peers: dict[str, float] = field(default_factory=dict)
+    # The same, counted at the asker only (holders it read from: its own data links, bounded)
+    # and at the holder only (askers reading from it: connections its server holds).
+    data_peers_read_from: dict[str, float] = field(default_factory=dict)
+    data_peers_reading: dict[str, float] = field(default_factory=dict)
     control_peers: dict[str, float] = field(default_factory=dict)
     # Wall-clock seconds of the replay.
     seconds: float = 0.0
@@ -261,6 +265,8 @@ async def _replay(scheme: str, pods: int, requests: Sequence[tuple[float, list[b
         fig.locate_query_bytes = pool.wire.locate_query_bytes
         fig.locate_reply_bytes = pool.wire.locate_reply_bytes
         fig.data_peers = peers_in_window(pool.wire.data_contacts, DATA_IDLE_SECONDS)
+        fig.data_peers_read_from = peers_in_window(pool.wire.data_contacts, DATA_IDLE_SECONDS, ends="from")
+        fig.data_peers_reading = peers_in_window(pool.wire.data_contacts, DATA_IDLE_SECONDS, ends="to")
         fig.control_peers = peers_in_window(pool.wire.control_contacts, CONTROL_KEEPALIVE_SECONDS)
     fig.seconds = time.monotonic() - started
     return fig

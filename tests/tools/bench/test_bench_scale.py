@@ -51,10 +51,11 @@ def test_small_run_reports_every_figure_and_they_move_the_right_way_with_pods(tm
         assert row["sampled_sidecars"] == 2 and row["modelled_sidecars"] == row["pods"] - 2
         # a joiner receives about one store's worth of entries, whatever the pool's size
         assert 0.5 * 2000 < row["join"]["joiner_entries_received"] < 2.0 * 2000
-        # Links per sidecar: the peers a member read from or served within an idle window, at
-        # most the pool; its publishes reach more of the pool than it reads from.
+        # Links per sidecar: the holders a member read from within an idle window (its own data
+        # links), at most the pool; its publishes reach more of the pool than it reads from.
         links = row["links"]
-        assert 1 <= row["links_per_sidecar"] == links["data_peers_per_window"]["max"] <= row["pods"] - 1
+        assert 1 <= row["links_per_sidecar"] == links["holders_read_from_per_window"]["max"] <= row["pods"] - 1
+        assert links["readers_per_window"]["max"] <= links["data_peers_per_window"]["max"] <= row["pods"] - 1
         assert links["max_data_links"] == 64 and links["control_within_bound"]
         assert links["data_peers_per_window"]["mean"] <= links["publish_peers_per_window"]["max"] <= row["pods"] - 1
         assert links["control_connection_opens_per_second"] >= 0

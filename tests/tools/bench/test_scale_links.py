@@ -11,6 +11,9 @@ def test_peers_count_both_ends_within_the_sliding_window_only():
     # a saw b, c and d within 10 s; by 20 s only e is recent.
     assert got["max"] == 3 and got["members"] == 5
     assert peers_in_window(contacts, window=10.0, only=["b"])["max"] == 1
+    # Counted where the contact was made only: a dialled b and d within 10 s (c dialled a).
+    assert peers_in_window(contacts, window=10.0, only=["a"], ends="from")["max"] == 2
+    assert peers_in_window(contacts, window=10.0, only=["a"], ends="to")["max"] == 1
 
 
 def test_a_bounded_pool_opens_again_for_peers_it_had_to_close_and_after_the_keepalive():
