@@ -22,8 +22,9 @@ the same way (the peer may be fixed by a rollout) and shows as state
 inbound sessions live in sessions.py), so each pair handshakes both ways.
 ``call`` sends one location message (``/v1/publish``, ``/v1/locate``) over a
 connected link's session, with the HMAC of its session key, on the bounded HTTP client of
-``control_client`` (its connections close when idle); a call that fails to a member with no open data connection (none heartbeats it) reports
-it lost.
+``control_client`` (its connections close when idle); a call that fails to a member with no
+open data connection (none heartbeats it) reports it lost, and one heard nothing from is
+probed (``liveness``).
 
 Links are keyed by control address; the identity learnt in the handshake
 de-duplicates several DP ports of one peer pod (only one link per identity is
@@ -439,7 +440,8 @@ class PeerManager:
         if link.data is None and data is not None:  # closed as idle meanwhile
             self.data_links.retire(data, 0.0)
             data = None
-        old, link.session = link.data, session
+        old = link.data if data is not None else None  # one opened meanwhile runs on to its key's end
+        link.session = session
         if data is not None:
             link.data = data
         log.info("peer %s (%s): re-keyed with pool key %s", link.address, remote.identity,

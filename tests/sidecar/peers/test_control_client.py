@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 from aiohttp import web
-
 from kv_offload_sidecar.peers.control_client import BoundedConnector, control_client
 
 
