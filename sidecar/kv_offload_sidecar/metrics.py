@@ -168,8 +168,14 @@ class SidecarMetrics:
         )
         self.peer_data_lanes = Gauge(
             "peer_data_lanes",
-            "Lanes to connected peers, all together: the data connections a fetch from one peer "
+            "Lanes of the open data links, all together: the data connections a fetch from one peer "
             "stripes its chunks over (tcp, ucx), or this process's read threads (nixl).",
+            namespace=ns, registry=registry,
+        )
+        self.peer_data_links = Gauge(
+            "peer_data_links",
+            "Peers with an open data connection (opened on demand, closed when idle, at most "
+            "peers.data_links.MAX_DATA_LINKS).",
             namespace=ns, registry=registry,
         )
         self.store_used_bytes = Gauge(

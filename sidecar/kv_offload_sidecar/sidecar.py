@@ -105,10 +105,11 @@ class Sidecar:
             base_port=settings.base_port, dp_size=cfg.parallel.data_parallel_size,
             interval_seconds=settings.dns_interval_seconds,
             own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
-        self.peers = PeerManager(settings, self.metrics, self.discovery, self.location, self.local_hello,
-                                 keys=self.keys, data_options=lambda: self._tls_options("client"))
         # Stalls of this process's own loop (a peer is not blamed for them).
         self.stalls = LoopStalls()
+        self.peers = PeerManager(settings, self.metrics, self.discovery, self.location, self.local_hello,
+                                 keys=self.keys, data_options=lambda: self._tls_options("client"),
+                                 stalls=self.stalls)
         # Rows of vLLM's that load jobs offer to the peer chunks they wait for.
         self.landings = RowLandings(on_landed=self._wake_arrivals)
         self.reads = PeerReads(location=self.location, peers=self.peers, claims=self.claims,
@@ -473,8 +474,10 @@ class Sidecar:
             # Lanes this sidecar offers; each connected peer's count is in /v1/peers.
             "data_lanes_offered": lanes_offered(s.data_lanes),
             "cpu_budget": cpu_budget().view(),  # cores lanes and thread pools follow, and from where
+            # Lanes of each open data link (on demand, closed when idle: ``peers.data_links``).
             "data_lanes": {link.identity: data_lanes_of(link.data) for link in self.peers.links()
-                           if link.state == "connected" and link.identity},
+                           if link.state == "connected" and link.identity and link.data is not None},
+            "data_links": self.peers.data_links.view(),
             "inbound_sessions": len(self._inbound),
             "engine_requests_in_flight": self._inflight,
             "peer_fetches_in_flight": self.reads.fetches_in_flight,

@@ -16,14 +16,14 @@ def test_a_nixl_pool_shares_chunks_byte_identical_over_the_read_lanes_each_sidec
                    fetch_deadline_seconds=5.0, extra_args=("--data-lanes", "3")) as pool:
         chunk = pool.chunk_bytes
         assert all(sc.status()["data_address"].startswith("nixl://") for sc in pool.sidecars)
-        # one-sided reads: a fetcher runs its own read threads, whatever the holder offers
-        wait_for("each sidecar's data connection to the other", lambda: all(
-            sc.status()["data_lanes"] for sc in pool.sidecars))
-        assert [sc.status()["data_lanes"] for sc in pool.sidecars] == [
-            {pool[1].identity: 3}, {pool[0].identity: 3}]
-        assert pool[1].metric("kv_offload_peer_data_lanes") == 3
+        wait_for("each sidecar's link to the other", lambda: all(
+            any(p["state"] == "connected" for p in sc.peers()) for sc in pool.sidecars))
         keys = chunk_keys("nixl-pool", 12)
         assert share_through_pool(pool, keys, chunk, timeout=5.0) == (12, 0)
+        # one-sided reads: the fetcher's data link (opened by its read) runs its own read
+        # threads, whatever the holder offers; the holder opened none
+        assert [sc.status()["data_lanes"] for sc in pool.sidecars] == [{}, {pool[0].identity: 3}]
+        assert pool[1].metric("kv_offload_peer_data_lanes") == 3
         with pool.client(1) as b:
             # Read again: b kept no copy (the pool keeps one, a's), so a's slots are read again.
             assert load_and_verify(b, keys, chunk, timeout=5.0) == (12, 0)

@@ -90,19 +90,26 @@ def test_peers_stripe_fetches_over_the_fewer_lanes_both_offer_shown_in_status_an
         wait_for("each sidecar's link to the other two to be up", lambda: all(
             sum(p["state"] == "connected" for p in sc.peers()) == 2 for sc in pool.members()))
         assert pool[0].status()["data_lanes_offered"] == 3
-        assert pool[0].status()["data_lanes"] == {pool[1].identity: 3, narrow.identity: 2}
-        assert narrow.status()["data_lanes"] == {pool[0].identity: 2, pool[1].identity: 2}
-        assert {p["identity"]: p["data_lanes"] for p in pool[1].peers()} == \
-            {pool[0].identity: 3, narrow.identity: 2}
-        assert pool[0].metric("kv_offload_peer_data_lanes") == 5
-        a, c = pool.client(0), pool.client(2)
-        keys = new_keys(12)
+        # Members hold no data connection until they read from each other (links on demand).
+        assert pool[0].status()["data_lanes"] == {} and pool[0].metric("kv_offload_peer_data_lanes") == 0
+        a, b, c = pool.client(0), pool.client(1), pool.client(2)
+        keys, more = new_keys(12), new_keys(6)
         data = write_chunks(a, keys)
+        data_more = write_chunks(b, more)
         pool.wait_directory_current()
         assert c.lookup(keys) == LookupReply(local=0, peer=12)
         assert read_chunks(c, keys) == [data[k] for k in keys]
-        a.close()
-        c.close()
+        assert a.lookup(more) == LookupReply(local=0, peer=6)
+        assert read_chunks(a, more) == [data_more[k] for k in more]
+        # Each reader's link to its holder carries the fewer lanes both offer.
+        assert narrow.status()["data_lanes"] == {pool[0].identity: 2}
+        assert pool[0].status()["data_lanes"] == {pool[1].identity: 3}
+        assert {p["identity"]: (p["data_open"], p["data_lanes"]) for p in narrow.peers()} == \
+            {pool[0].identity: (True, 2), pool[1].identity: (False, 0)}
+        assert pool[0].metric("kv_offload_peer_data_lanes") == 3
+        assert pool[0].metric("kv_offload_peer_data_links") == 1
+        for client in (a, b, c):
+            client.close()
 
 
 @pytest.mark.parametrize("override, reason", [
@@ -347,9 +354,13 @@ def test_a_fetch_that_missed_its_deadline_while_the_fetcher_itself_was_stopped_d
         a, b = pool.client(0), pool.client(1)
         # Keys whose location B keeps itself: B's only message is the exchange with the holder.
         keys = [k for k in new_keys(64) if owner_of(pool, k, asker=1) == pool[1].identity]
-        stalled, later = keys[:4], keys[4:8]
-        write_chunks(a, stalled + later)
+        warm, stalled, later = keys[:2], keys[2:6], keys[6:10]
+        write_chunks(a, warm + stalled + later)
         pool.wait_directory_current()
+        # A first read opens B's data link to the holder (links open on demand): the exchange
+        # below runs on it.
+        assert b.lookup(warm) == LookupReply(0, 2)
+        wait_for("B's fetch to end", lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
         holder, fetcher = pool[0].proc, pool[1].proc
         exchanges = pool[1].metric("kv_offload_lookup_messages_total")
         os.kill(holder.pid, signal.SIGSTOP)  # the exchange waits on the holder...

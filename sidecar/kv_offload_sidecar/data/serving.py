@@ -93,6 +93,9 @@ class ProvenConnections:
         self.per_session = per_session
         self._by_session: dict[bytes, set[Any]] = {}
 
+    def __len__(self) -> int:
+        return sum(len(held) for held in self._by_session.values())
+
     def admit(self, conn: Any) -> None:
         """Count ``conn`` under its session; ``ProtocolError('too_many_connections')`` past the bound."""
         held = self._by_session.setdefault(bytes(conn.session_id), set())

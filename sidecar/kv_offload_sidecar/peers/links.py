@@ -1,11 +1,14 @@
-"""Outbound peer sessions: handshake, data-plane client, membership, location calls, back-off.
+"""Outbound peer sessions: handshake, membership, data links on demand, location calls, back-off.
 
 For every address discovery offers, one ``PeerLink`` task loops:
-handshake (``POST /v1/handshake``, both steps) -> data-plane connect with
-the session -> the peer is a *member* (``Location.member_joined``: it owns its
-share of the directory) -> watch the connection (no traffic: a closed data
-connection, a failure the engine path reports or a silent heartbeat ends it: the liveness
-rules and their detection times are in ``liveness``) -> on any failure
+handshake (``POST /v1/handshake``, both steps) -> the peer is a *member*
+(``Location.member_joined``: it owns its share of the directory; the session is key
+material, no socket is held) -> watch it: its data connection is opened on demand by the
+engine path and closed when idle (``data_links``: at most ``MAX_DATA_LINKS`` open); while
+one is open it is heartbeaten, and a closed data connection or a silent heartbeat ends the
+link (the liveness rules and their detection times are in ``liveness``); with or without
+one, a failure the engine path reports (an exchange, a data open, a location call) ends it
+-> on any failure
 close, the peer leaves the membership (``member_left``) and the link backs off
 exponentially with full jitter (``backoff_delay``: a uniform draw below a cap that starts at
 ``backoff_initial_seconds`` and doubles up to ``liveness.HEAL_BACKOFF_MAX_SECONDS`` for a lost
@@ -18,7 +21,10 @@ the same way (the peer may be fixed by a rollout) and shows as state
 ``rejected``. The other direction is the peer's own link to us (it dials us;
 inbound sessions live in sessions.py), so each pair handshakes both ways.
 ``call`` sends one location message (``/v1/publish``, ``/v1/locate``) over a
-connected link's session, with the HMAC of its session key.
+connected link's session, with the HMAC of its session key, on the bounded HTTP client of
+``control_client`` (its connections close when idle); a call that fails to a member with no
+open data connection (none heartbeats it) reports it lost, and one heard nothing from is
+probed (``liveness``).
 
 Links are keyed by control address; the identity learnt in the handshake
 de-duplicates several DP ports of one peer pod (only one link per identity is
@@ -32,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,25 +45,42 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from kv_offload_sidecar.data.lanes import data_lanes_of, lane_count, lanes_offered
-from kv_offload_sidecar.keepalive import keep_alive
+from kv_offload_sidecar.data.lanes import data_lanes_of
 from kv_offload_sidecar.metrics import PEER_STATES
 from kv_offload_sidecar.peers.handshake import (
-    MAX_HANDSHAKE_BODY_BYTES,
     REASONS,
     HandshakeError,
     HandshakeInitiator,
     HelloMessage,
     Session,
 )
-from kv_offload_sidecar.peers.directory.location_wire import location_auth
-from kv_offload_sidecar.peers.liveness import HEAL_BACKOFF_MAX_SECONDS, HEARTBEAT_SECONDS, RoundTrips, heartbeat
+from kv_offload_sidecar.peers.control_client import (  # noqa: F401 (AUTH_HEADER, SESSION_HEADER: theirs)
+    AUTH_HEADER,
+    LOCATION_OPS,
+    MAX_LOCATION_REPLY_BYTES,
+    SESSION_HEADER,
+    SKIPPED_REQUEST_HEADERS,
+    control_client,
+    post_handshake_step,
+)
+from kv_offload_sidecar.peers.data_links import DATA_IDLE_SECONDS, MAX_DATA_LINKS, DataLinks
+from kv_offload_sidecar.peers.directory.location_wire import LocateQuery, location_auth
+from kv_offload_sidecar.peers.liveness import (
+    HEARTBEAT_SECONDS,
+    MEMBER_PROBE_SECONDS,
+    PROBE_TIMEOUT_SECONDS,
+    RoundTrips,
+    backoff_cap,
+    backoff_delay,
+    heartbeat,
+)
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
 from kv_offload_sidecar.waits import set_within
 from kv_offload_sidecar.rejections import clip, loads_bounded
 
 if TYPE_CHECKING:
+    from kv_offload_sidecar.loop_stalls import LoopStalls
     from kv_offload_sidecar.metrics import SidecarMetrics
     from kv_offload_sidecar.peers.discovery import Discovery
     from kv_offload_sidecar.peers.directory.location import Location
@@ -66,30 +88,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "X-KV-Offload-Session"
-AUTH_HEADER = "X-KV-Offload-Auth"
-# Largest location reply read from a peer (bytes).
-MAX_LOCATION_REPLY_BYTES = 64 << 10
-# Most field-diff lines of a peer's refusal kept (each clipped to rejections.CLIP_CHARS).
-MAX_REFUSAL_DIFF_LINES = 64
-# Location messages (the path /v1/<op> on the peer's control port).
-LOCATION_OPS = ("publish", "locate")
-# Headers aiohttp would add to every peer request that no peer reads (bytes on every message).
-SKIPPED_REQUEST_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
-
-
-def backoff_delay(failures: int, initial: float, maximum: float,
-                  draw: Callable[[], float] = random.random) -> float:
-    """Seconds to wait after ``failures`` consecutive failures: full jitter, a uniform draw below
-    ``initial * 2 ** (failures - 1)`` capped at ``maximum``."""
-    return draw() * min(maximum, initial * 2 ** (failures - 1))
-
-
-def backoff_cap(state: str, maximum: float) -> float:
-    """The largest back-off cap of a link in ``state``: ``maximum`` for a rejecting peer (a
-    rollout may fix it), ``HEAL_BACKOFF_MAX_SECONDS`` at most for a lost or unreachable one,
-    so a healed partition is seen within 5 s (``liveness``)."""
-    return maximum if state == "rejected" else min(maximum, HEAL_BACKOFF_MAX_SECONDS)
+# The location call that probes a member heard nothing from (any key: an owner answers each).
+PROBE_QUERY = LocateQuery((0,)).to_dict()
 
 
 @dataclass
@@ -104,7 +104,7 @@ class PeerLink:
     identity: str | None = None
     # Established session (outbound) while connected.
     session: Session | None = None
-    # The peer's data-plane client while connected.
+    # The peer's data-plane client while one is open (``data_links``: on demand).
     data: Any = None
     # Consecutive failures (drives back-off).
     failures: int = 0
@@ -126,6 +126,16 @@ class PeerLink:
     retry_now: bool = False
     # The peer's round trips, from the heartbeats (``liveness``).
     round_trips: RoundTrips = field(default_factory=RoundTrips)
+    # The open of the data connection in progress (``data_links``).
+    opening: asyncio.Task[Any] | None = None
+    # Exchanges in flight on the data connection.
+    busy: int = 0
+    # monotonic time of the last exchange's start or end.
+    used_at: float = 0.0
+    # monotonic time of the last exchange or location call that did not fail (or the handshake).
+    heard_at: float = 0.0
+    # Set when the watch has something to do: a data connection opened, a failure, a re-key.
+    stir: asyncio.Event = field(default_factory=asyncio.Event)
 
     def view(self) -> dict[str, Any]:
         return {
@@ -133,6 +143,7 @@ class PeerLink:
             "failures": self.failures, "last_error": self.last_error,
             "data_address": self.session.peer.data_address if self.session else None,
             "key_id": self.session.key_id.hex() if self.session else None,
+            "data_open": self.data is not None and self.state == "connected",
             "data_lanes": data_lanes_of(self.data) if self.state == "connected" else 0,
             "rtt_ms": round(self.round_trips.srtt * 1e3, 3) if self.round_trips.srtt is not None else None,
             "retry_in_seconds": max(0.0, round(self.retry_at - time.monotonic(), 3))
@@ -145,18 +156,24 @@ class PeerManager:
 
     def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, discovery: Discovery,
                  location: Location, local_hello: Callable[[], HelloMessage], *,
-                 keys: PoolKeys, data_options: Callable[[], dict[str, Any]] = dict) -> None:
+                 keys: PoolKeys, data_options: Callable[[], dict[str, Any]] = dict,
+                 stalls: LoopStalls | None = None, idle_seconds: float = DATA_IDLE_SECONDS,
+                 max_data_links: int = MAX_DATA_LINKS) -> None:
         self._settings = settings
         self._keys = keys
-        # The data-plane options of a new connection (the live TLS client context), read at each one.
-        self._data_options: Callable[[], dict[str, Any]] = data_options
+        # This sidecar's own stalls: a failure across one is not the peer's.
+        self._stalls = stalls
         self._metrics = metrics
+        # The data-plane options of a new connection (the live TLS client context), read at each one.
+        self._data_options = data_options
+        # The data connections, opened on demand, closed when idle, bounded.
+        self.data_links = DataLinks(settings, metrics, data_options=lambda: self._data_options(),
+                                    on_failed=self._open_failed, idle_seconds=idle_seconds,
+                                    max_open=max_data_links)
         self._discovery = discovery
         self._location = location
         self._local_hello = local_hello
         self._links: dict[str, PeerLink] = {}
-        # Data clients replaced by a re-key, closed once their last request is over.
-        self._retiring: set[asyncio.Task[None]] = set()
         self._http: aiohttp.ClientSession | None = None
         self._closing = False
 
@@ -166,10 +183,19 @@ class PeerManager:
         return list(self._links.values())
 
     def connected(self, identity: str) -> PeerLink | None:
+        """The member link to ``identity`` (a session; its data connection opens on demand)."""
         for link in self._links.values():
-            if link.identity == identity and link.state == "connected" and link.data is not None:
+            if link.identity == identity and link.state == "connected" and link.session is not None:
                 return link
         return None
+
+    def excused(self, started: float) -> bool:
+        """A failure of something begun at loop time ``started`` is not the peer's (``loop_stalls``)."""
+        return self._stalls is not None and self._stalls.excuse(started)
+
+    def _open_failed(self, link: PeerLink, error: str, started: float) -> None:
+        log.warning("peer %s (%s): %s", link.address, link.identity, error)
+        self.report_failure(link, error, peer_at_fault=not self.excused(started))
 
     def report_failure(self, link: PeerLink, error: str, *, peer_at_fault: bool = True) -> None:
         """The engine path saw an exchange with this peer fail: reset the link and back it off,
@@ -186,6 +212,7 @@ class PeerManager:
         elif peer_at_fault:  # any failure the peer's own backs it off
             link.retry_now = False
         link.failed.set()
+        link.stir.set()
 
     def answer_silence(self, identity: str, cap: float) -> float:
         """Seconds a request waits through without a frame from this peer (``liveness``)."""
@@ -207,6 +234,7 @@ class PeerManager:
         if link is None or link.session is None or self._http is None or op not in LOCATION_OPS:
             raise ConnectionError(f"peer {identity} is not connected")
         session = link.session
+        started = asyncio.get_running_loop().time()
         raw = json.dumps(body, separators=(",", ":")).encode()
         headers = {SESSION_HEADER: session.session_id.hex(), AUTH_HEADER: location_auth(session.session_key, op, raw),
                    "Content-Type": "application/json"}
@@ -215,31 +243,41 @@ class PeerManager:
                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.headers.get(REKEY_HEADER) and session.key_id != self._keys.offered_ids()[0]:
                     link.rekey = True  # the peer moved on to a key we hold too
+                    link.stir.set()
                 reply = await resp.content.read(MAX_LOCATION_REPLY_BYTES + 1)
                 if resp.status != 200:
                     raise ConnectionError(f"{op} to {identity}: HTTP {resp.status}")
         except aiohttp.ClientError as exc:
+            self._call_failed(link, f"{op}: {exc}", started)
             raise ConnectionError(f"{op} to {identity} failed: {exc}") from exc
-        except (OSError, asyncio.TimeoutError):  # our ConnectionError above, a timeout
+        except (OSError, asyncio.TimeoutError) as exc:  # our ConnectionError above, a timeout
+            self._call_failed(link, f"{op}: {type(exc).__name__}: {exc}", started)
             raise
         except Exception as exc:  # aiohttp tripped over what the peer sent: that peer failed
             self._metrics.protocol_errors.labels(reason="malformed").inc()
             raise ConnectionError(f"{op} to {identity} failed: {type(exc).__name__}: {clip(str(exc))}") from exc
         if len(reply) > MAX_LOCATION_REPLY_BYTES:
             raise ValueError(f"{op} reply from {identity} exceeds {MAX_LOCATION_REPLY_BYTES} bytes")
+        link.heard_at = time.monotonic()
+        # A round-trip sample where no heartbeat gives one (``liveness``: the answer silence).
+        if link.data is None:
+            link.round_trips.observe(asyncio.get_running_loop().time() - started)
         self._metrics.location_messages.labels(kind=op).inc()
         self._metrics.location_bytes.labels(direction="sent").inc(len(raw))
         self._metrics.location_bytes.labels(direction="received").inc(len(reply))
         return loads_bounded(reply)
 
+    def _call_failed(self, link: PeerLink, error: str, started: float) -> None:
+        """A location call failed: a member with no open data connection (no heartbeat judges
+        it) is reported lost; one with a data connection is left to its heartbeats."""
+        if link.data is None and link.opening is None and link.state == "connected":
+            self.report_failure(link, error, peer_at_fault=not self.excused(started))
+
     # ---- lifecycle ------------------------------------------------------------
 
     async def run(self) -> None:
         """Follow discovery forever (cleanup_ctx task)."""
-        self._http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self._settings.handshake_timeout_seconds),
-            connector=aiohttp.TCPConnector(limit=0, socket_factory=_keepalive_socket), trust_env=False,
-            skip_auto_headers=SKIPPED_REQUEST_HEADERS)
+        self._http = control_client(self._settings.handshake_timeout_seconds)
         try:
             while True:
                 self._discovery.forget_unreachable(self._links.values())
@@ -250,7 +288,7 @@ class PeerManager:
 
     async def close(self) -> None:
         self._closing = True
-        tasks = [link.task for link in self._links.values() if link.task] + list(self._retiring)
+        tasks = [link.task for link in self._links.values() if link.task]
         for link in self._links.values():
             link.wake.set()  # a back-off ends now
         for t in tasks:
@@ -260,6 +298,7 @@ class PeerManager:
                 await t
         for link in self._links.values():
             await self._teardown(link)
+        await self.data_links.aclose()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -286,8 +325,6 @@ class PeerManager:
                 counts[link.state] += 1
         for state, n in counts.items():
             self._metrics.peers.labels(state=state).set(n)
-        self._metrics.peer_data_lanes.set(sum(data_lanes_of(link.data) for link in self._links.values()
-                                              if link.state == "connected"))
 
     def _set_state(self, link: PeerLink, state: str) -> None:
         link.state = state
@@ -320,6 +357,7 @@ class PeerManager:
                     await self._back_off(link, "backoff")
                     continue
                 link.failures = 0
+                link.heard_at = time.monotonic()
                 link.last_error = ""
                 link.failed.clear()  # a late report about the connection before is not this one's
                 self._set_state(link, "connected")
@@ -359,18 +397,13 @@ class PeerManager:
             self._location.member_left(link.identity)
 
     async def _teardown(self, link: PeerLink) -> None:
-        data, link.data, link.session = link.data, None, None
+        link.session = None
         self._leave(link)
         link.failed.clear()
-        if data is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await data.close()
+        await self.data_links.close_now(link)
 
-    async def _establish(self, link: PeerLink) -> tuple[HelloMessage, Session, Any]:
-        """Handshake with the peer at ``link.address`` and open a data connection."""
-        from kv_offload_sidecar.data import connect as data_connect
-
+    async def _establish(self, link: PeerLink) -> tuple[HelloMessage, Session]:
+        """Handshake with the peer at ``link.address`` (its data connection opens on demand)."""
         s = self._settings
         initiator = HandshakeInitiator(self._keys, self._local_hello())
         url = f"http://{link.address}/v1/handshake"
@@ -387,41 +420,34 @@ class PeerManager:
             link.identity = remote.identity
             raise HandshakeError("alias", f"{remote.identity} already connected via {other.address}")
         self._metrics.handshakes.labels(result="accepted", reason="ok").inc()
-        lanes = lane_count(lanes_offered(s.data_lanes), remote.data_lanes)
-        data = await data_connect(remote.data_address, session.session_id, session.session_key,
-                                  timeout=s.handshake_timeout_seconds, metrics=self._metrics,
-                                  lanes=lanes, **self._data_options())
-        return remote, session, data
+        return remote, session
 
     async def _connect(self, link: PeerLink) -> None:
-        remote, link.session, link.data = await self._establish(link)
+        remote, link.session = await self._establish(link)
         link.identity = remote.identity
 
     async def _rekey(self, link: PeerLink) -> None:
-        """Make before break: a new session with the current key, then the old one closes."""
+        """Make before break: a new session with the current key (and a new data connection
+        where one is open), then the old one closes."""
         link.rekey = False
         try:
-            remote, session, data = await self._establish(link)
+            remote, session = await self._establish(link)
+            data = await self.data_links.connect(session) if link.data is not None else None
         except Exception as exc:
             log.info("peer %s (%s): re-key failed (%s); keeping the current session",
                      link.address, link.identity, exc)
             return
-        old, link.data, link.session = link.data, data, session
+        if link.data is None and data is not None:  # closed as idle meanwhile
+            self.data_links.retire(data, 0.0)
+            data = None
+        old = link.data if data is not None else None  # one opened meanwhile runs on to its key's end
+        link.session = session
+        if data is not None:
+            link.data = data
         log.info("peer %s (%s): re-keyed with pool key %s", link.address, remote.identity,
                  session.key_id.hex())
         if old is not None:  # requests still running on it finish first (they have a deadline)
-            task = asyncio.create_task(self._close_later(old, self._settings.fetch_deadline_seconds + 1.0))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
-
-    @staticmethod
-    async def _close_later(data: Any, delay: float) -> None:
-        try:
-            await asyncio.sleep(delay)
-        finally:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await data.close()
+            self.data_links.retire(old, self._settings.fetch_deadline_seconds + 1.0)
 
     def keys_changed(self) -> int:
         """This sidecar's keys changed: links not on the current key re-key; returns how many."""
@@ -430,31 +456,14 @@ class PeerManager:
         for link in self._links.values():
             if link.session is not None and link.session.key_id != current:
                 link.rekey = True
+                link.stir.set()
                 n += 1
         return n
 
     async def _post(self, url: str, body: dict[str, Any]) -> Any:
-        """One handshake step; its reply (at most MAX_HANDSHAKE_BODY_BYTES, ``loads_bounded``)."""
+        """One handshake step (``control_client.post_handshake_step``)."""
         assert self._http is not None
-        async with self._http.post(url, json=body) as resp:
-            raw = await resp.content.read(MAX_HANDSHAKE_BODY_BYTES + 1)
-            if len(raw) > MAX_HANDSHAKE_BODY_BYTES:
-                raise ConnectionError(f"handshake reply exceeds {MAX_HANDSHAKE_BODY_BYTES} bytes")
-            try:
-                data = loads_bounded(raw)
-            except ValueError:
-                data = None
-            if resp.status == 403 and isinstance(data, dict) and data.get("reason"):
-                diff = data.get("diff")
-                lines = diff[:MAX_REFUSAL_DIFF_LINES] if isinstance(diff, list) else []
-                exc = HandshakeError(clip(data["reason"], 64), f"peer rejected us: {clip(data.get('error'))}",
-                                     [clip(x) for x in lines])
-                self._count_rejection(exc, url)
-                raise exc
-            if resp.status != 200:
-                raise ConnectionError(f"handshake HTTP {resp.status}: "
-                                      f"{clip(data.get('error')) if isinstance(data, dict) else ''}")
-            return data
+        return await post_handshake_step(self._http, url, body, self._count_rejection)
 
     def _count_rejection(self, exc: HandshakeError, where: str) -> None:
         reason = exc.reason if exc.reason in REASONS else "malformed"
@@ -463,27 +472,39 @@ class PeerManager:
                     "".join(f"\n  {line}" for line in exc.diff))
 
     async def _watch(self, link: PeerLink) -> None:
-        """While connected: a heartbeat every ``HEARTBEAT_SECONDS`` (``liveness``), re-key when
-        asked, end when the data connection closed, failed or went silent."""
+        """While connected: re-key when asked; end when the engine path reported a failure.
+        While a data connection is open: a heartbeat every ``HEARTBEAT_SECONDS`` (``liveness``),
+        end when it closed or went silent, close it (the link stays) once idle (``data_links``).
+        With none open, wait for something to do (``PeerLink.stir``), and probe the member with
+        a location call when nothing was heard from it for ``MEMBER_PROBE_SECONDS``."""
         while True:
+            link.stir.clear()
+            if link.failed.is_set():
+                raise ConnectionError(link.last_error or "data plane failed")
             if link.rekey:
                 await self._rekey(link)
-            if link.data is None or link.data.closed:
+            data = link.data
+            if data is None:
+                quiet = time.monotonic() - link.heard_at
+                if quiet < MEMBER_PROBE_SECONDS:
+                    await set_within(link.stir, MEMBER_PROBE_SECONDS - quiet)
+                elif link.opening is None and link.identity is not None:
+                    link.heard_at = time.monotonic()  # the next probe comes a period later, whatever this one does
+                    with contextlib.suppress(Exception):  # a failure reports the link (``call``)
+                        await self.call(link.identity, "locate", PROBE_QUERY, PROBE_TIMEOUT_SECONDS)
+                continue
+            if data.closed:
                 raise ConnectionError(link.last_error or "data connection closed")
+            if self.data_links.is_idle(link):
+                log.info("peer %s (%s): data link idle, closed", link.address, link.identity)
+                self.data_links.close(link)
+                continue
             try:
-                await heartbeat(link.data, link.round_trips)
+                await heartbeat(data, link.round_trips)
             except Exception as exc:
+                if link.data is not data:  # closed here meanwhile (idle, or for another link)
+                    continue
                 link.last_error = link.last_error or f"liveness: {exc}"
                 raise
             if await set_within(link.failed, HEARTBEAT_SECONDS):
                 raise ConnectionError(link.last_error or "data plane failed")
-
-
-def _keepalive_socket(addr_info: Any) -> Any:
-    """A socket of the links' HTTP client, with the kernel's liveness rule (``keepalive``)."""
-    import socket
-
-    family, type_, proto, _, _ = addr_info
-    sock = socket.socket(family=family, type=type_, proto=proto)
-    keep_alive(sock)
-    return sock

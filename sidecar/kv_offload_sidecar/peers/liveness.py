@@ -3,15 +3,24 @@
 Rules (each with its detection time; the TCP ones are in ``keepalive``, the servers' in
 ``data.serving``):
 
-- **Heartbeat.** A connected link pings every data connection of its peer (every lane) each
-  ``HEARTBEAT_SECONDS``: an empty LOOKUP, a frame every plane's server already answers on
-  the authenticated connection (``FramedPeerDataClient.ping``). A ping fails when *nothing*
+- **Heartbeat.** A link with an open data connection (``data_links``: opened on demand,
+  closed after ``data_links.DATA_IDLE_SECONDS`` without an exchange) pings every connection
+  of it (every lane) each ``HEARTBEAT_SECONDS``: an empty LOOKUP, a frame every plane's
+  server already answers on the authenticated connection (``FramedPeerDataClient.ping``). A ping fails when *nothing*
   came from the peer on that connection for ``LOST_AFTER_SECONDS`` after it left (a pong
   queued behind chunks still arriving is no failure), and then the link is lost: it
   leaves the membership and reconnects. A peer cut off silently is declared lost within
   ``HEARTBEAT_SECONDS + LOST_AFTER_SECONDS`` (1.0 s), with or without requests to it.
+- **Probe.** A member with no data connection open is not pinged. A failed data open or
+  location call (a publish to it, a locate) reports it lost (``links.PeerManager.call``), and
+  one heard nothing from (no exchange, no call answered) for ``MEMBER_PROBE_SECONDS`` is asked
+  one locate (``PROBE_TIMEOUT_SECONDS`` at most): a member gone without a data connection is
+  dropped within ``MEMBER_PROBE_SECONDS + PROBE_TIMEOUT_SECONDS`` (7 s). A busy pool's
+  publishes and reads stand in for most probes; an idle pool of N members costs each sidecar
+  (N - 1) / ``MEMBER_PROBE_SECONDS`` small calls a second (205 at 1,024 pods).
 - **Answer deadline.** Each pong is a round-trip sample (``RoundTrips``: RFC 6298's smoothed
-  round trip and deviation). A request waits for a peer's first answer (an owner's locate, a
+  round trip and deviation); so is each location call answered while no data connection is
+  open (a probe, a publish, a locate). A request waits for a peer's first answer (an owner's locate, a
   holder's count) only while the peer is heard from: it gives up once nothing came from
   that peer for ``answer_silence()`` = max(``ANSWER_FLOOR_SECONDS``, ``ANSWER_RTT_FACTOR`` x
   (srtt + 4 x rttvar)) since it asked, bounded by the fetch deadline (the whole fetch deadline
@@ -19,7 +28,7 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
   one late answer, decides that the peer is lost. A request that touches a silently cut
   peer before the heartbeat noticed pays about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small
-  round trip; after, none (the peer is no member and no holder).
+  round trip (``OPEN_ROUND_TRIPS`` times that when its data link must open first); after, none (the peer is no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
   ``SidecarSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait
@@ -29,13 +38,15 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kv_offload_sidecar.data.peer_client import answer_or_silence
 
-__all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "RoundTrips",
-           "answer_or_silence", "heartbeat"]
+__all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "MEMBER_PROBE_SECONDS",
+           "OPEN_ROUND_TRIPS", "PROBE_TIMEOUT_SECONDS", "RoundTrips",
+           "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat"]
 
 # Seconds between heartbeats of a connected link.
 HEARTBEAT_SECONDS = 0.25
@@ -45,8 +56,29 @@ LOST_AFTER_SECONDS = 0.75
 ANSWER_FLOOR_SECONDS = 0.05
 # How many times the peer's round-trip bound (srtt + 4 rttvar) a request waits through.
 ANSWER_RTT_FACTOR = 2.0
+# Seconds without hearing from a member with no data connection before it is probed.
+MEMBER_PROBE_SECONDS = 5.0
+# Seconds a probe of such a member may take before the member is lost.
+PROBE_TIMEOUT_SECONDS = 2.0
+# How many answer silences a request waits through while the peer's data link opens (the
+# connection, the server's nonce, the proof, then the answer).
+OPEN_ROUND_TRIPS = 4
 # Cap of the back-off delay of a link lost to liveness or unreachable (seconds).
 HEAL_BACKOFF_MAX_SECONDS = 2.0
+
+
+def backoff_delay(failures: int, initial: float, maximum: float,
+                  draw: Callable[[], float] = random.random) -> float:
+    """Seconds to wait after ``failures`` consecutive failures: full jitter, a uniform draw below
+    ``initial * 2 ** (failures - 1)`` capped at ``maximum``."""
+    return draw() * min(maximum, initial * 2 ** (failures - 1))
+
+
+def backoff_cap(state: str, maximum: float) -> float:
+    """The largest back-off cap of a link in ``state``: ``maximum`` for a rejecting peer (a
+    rollout may fix it), ``HEAL_BACKOFF_MAX_SECONDS`` at most for a lost or unreachable one,
+    so a healed partition is seen within 5 s (``liveness``)."""
+    return maximum if state == "rejected" else min(maximum, HEAL_BACKOFF_MAX_SECONDS)
 
 
 class RoundTrips:

@@ -20,8 +20,10 @@ run beats the engine recomputing it; when not, the rest is a miss.
 
 A request waits for a peer's first answer (the owner's locate, a holder's count) only while
 that peer is heard from (``liveness``: it gives up after the peer's answer silence, about
-50 ms at a small round trip, and the exchange runs on to the fetch deadline in the
-background); the chunks themselves get the fetch deadline.
+50 ms at a small round trip, ``OPEN_ROUND_TRIPS`` times that while the holder's data link
+opens, and the exchange runs on to the fetch deadline in the background); the chunks
+themselves get the fetch deadline. A holder's data connection is opened by its first
+exchange (``data_links``): a member without one is asked all the same.
 
 Every failure or deadline is a miss; a failing peer is reported for back-off
 (``links.PeerManager.report_failure``), unless the exchange spanned a stall of this
@@ -50,7 +52,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kv_offload_sidecar.peers.liveness import answer_or_silence
+from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, answer_or_silence
 
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
 from kv_offload_sidecar.peers.row_landings import LandingStore, RowLandings
@@ -230,7 +232,7 @@ class PeerReads:
 
     async def _holder(self, keys: list[bytes], deadline: float, *,
                       decide: bool = False) -> tuple[PeerLink, HolderClaim, str] | None:
-        """Ask the owner of ``keys[0]``; the first trusted, connected holder it names (and the owner).
+        """Ask the owner of ``keys[0]``; the first trusted member holder it names (and the owner).
         With ``decide``, None also when fetching the holder's claimed run would be slower than
         the engine recomputing it (``fetch_cost``)."""
         found = await self._candidates(keys, deadline)
@@ -246,7 +248,7 @@ class PeerReads:
 
     async def _candidates(self, keys: list[bytes], deadline: float, *,
                           hint: bool = False) -> tuple[str, list[tuple[PeerLink, HolderClaim]]] | None:
-        """``(owner asked, the trusted, connected holders it names, best first)``; None when the
+        """``(owner asked, the trusted member holders it names, best first)``; None when the
         owner is distrusted or cannot answer (an engine path's failing owner is backed off).
         The question counts in ``lookup_messages``, or with ``hint`` in ``route_hint_messages``."""
         if deadline <= 0:
@@ -280,8 +282,8 @@ class PeerReads:
         for claim in holders:
             if claim.identity in distrusted or claim.identity == self._location.identity:
                 continue
-            link = self._peers.connected(claim.identity)
-            if link is not None and link.data is not None and not link.data.closed:
+            link = self._peers.connected(claim.identity)  # its data link opens on demand
+            if link is not None:
                 out.append((link, claim))
         return owner, out
 
@@ -360,6 +362,7 @@ class PeerReads:
         count); 0 on any failure. Its timing feeds the peer's moving averages
         (``fetch_cost.PeerSpeeds``)."""
         from kv_offload_sidecar.data import ReceiveStopped, TransportError
+        from kv_offload_sidecar.peers.data_links import DataLinkUnavailable
 
         if deadline <= 0:
             return 0
@@ -386,18 +389,25 @@ class PeerReads:
 
         got = 0
         try:
-            if not fetch:
-                coro = link.data.lookup(keys, deadline)
-            elif on_count is not None:
-                # One key ahead of the count: a claim may be stale, and a slot reserved past the
-                # holder's run would evict one of our chunks for nothing.
-                coro = link.data.fetch_counted(keys, self._fetch_store(link.data), deadline,
-                                               first=1, on_count=counted)
-            else:
-                coro = link.data.fetch(keys, self._fetch_store(link.data), deadline)
-            # The transport enforces the deadline; this bound only guards against a hang.
-            async with asyncio.timeout(deadline + 1.0):
-                got = int(await coro)
+            # The data link opens now if need be (``data_links``), within this deadline.
+            async with self._peers.data_links.acquire(link, deadline) as data:
+                opened = loop.time()  # the holder's speeds are timed from here, past the open
+                deadline, started, counted_at = deadline - (opened - started), opened, opened
+                if not fetch:
+                    coro = data.lookup(keys, deadline)
+                elif on_count is not None:
+                    # One key ahead of the count: a claim may be stale, and a slot reserved past the
+                    # holder's run would evict one of our chunks for nothing.
+                    coro = data.fetch_counted(keys, self._fetch_store(data), deadline,
+                                              first=1, on_count=counted)
+                else:
+                    coro = data.fetch(keys, self._fetch_store(data), deadline)
+                # The transport enforces the deadline; this bound only guards against a hang.
+                async with asyncio.timeout(deadline + 1.0):
+                    got = int(await coro)
+        except DataLinkUnavailable as exc:  # its open, if it failed, reported the peer
+            log.info("peer %s: no data link (%s); a miss", claim.identity, exc)
+            return 0
         except ReceiveStopped as exc:  # a load job of ours ended mid-chunk: the link reconnects
             log.info("peer %s fetch stopped: %s", claim.identity, exc)
             self._peers.report_failure(link, str(exc), peer_at_fault=False)
@@ -432,11 +442,16 @@ class PeerReads:
         its own deadline (its failure is blamed there)."""
         fut = work if isinstance(work, asyncio.Future) else self._spawn(work)
         link = self._peers.connected(identity)
-        data = link.data if link is not None else None
         silence = link.round_trips.answer_silence(deadline) if link is not None else deadline
+        if link is not None and link.data is None:  # its data link opens first: a few more round trips
+            silence = min(deadline, OPEN_ROUND_TRIPS * silence)
+
+        def heard() -> float:
+            data = link.data if link is not None else None
+            return data.heard_at if data is not None else 0.0
+
         try:
-            return await answer_or_silence(fut, (lambda: data.heard_at) if data is not None else float,
-                                           silence, deadline)
+            return await answer_or_silence(fut, heard, silence, deadline)
         except TimeoutError:
             if silence < deadline:
                 log.info("peer %s silent for %.0f ms: a miss (its heartbeat decides whether it is lost)",

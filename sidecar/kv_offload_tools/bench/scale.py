@@ -19,7 +19,12 @@ measured on a real aiohttp exchange) in this process:
    ``--changes-per-second`` (changes per request from 1.) and their measured
    sizes. ``scale_alternatives`` costs the exact scheme and per-peer Bloom
    filters from measured entry sizes and rates.
-4. ``scale_reads``: the same read on ``bench replay``'s workloads (its
+4. ``scale_links``: links per sidecar: the peers a member exchanged chunks with within
+   ``DATA_IDLE_SECONDS`` (from 1.'s replay: its data links, target <= ``MAX_DATA_LINKS``),
+   and the peers it exchanged location messages with within ``CONTROL_KEEPALIVE_SECONDS``
+   (owner questions from 1., publishes from 2. at full size) with the connections per
+   second the bounded control client opens for them.
+5. ``scale_reads``: the same read on ``bench replay``'s workloads (its
    conversations; with ``--trace``, a Mooncake trace) at ``--read-replicas``.
 
 A request whose prefix is read from k holders in turn costs at most 2k + 1
@@ -42,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kv_offload_sidecar.peers.control_client import CONTROL_CONNECTIONS, CONTROL_KEEPALIVE_SECONDS
+from kv_offload_sidecar.peers.data_links import DATA_IDLE_SECONDS, MAX_DATA_LINKS
 from kv_offload_sidecar.usage import UsageError
 
 from kv_offload_tools.bench import scale_alternatives as alt
@@ -57,10 +64,10 @@ from kv_offload_tools.workloads import ConversationSpec, conversation
 Progress = Callable[[str], None]
 # The issue's targets at 1,024 pods x 100k chunks x 1k changes/s/pod.
 TARGETS = {"location_bytes_per_sidecar": 64 << 20, "control_bytes_per_second_per_pod": 1_000_000,
-           "false_positive_ratio": 0.01, "hit_ratio_vs_exact": 0.97}
+           "false_positive_ratio": 0.01, "hit_ratio_vs_exact": 0.97, "links_per_sidecar": MAX_DATA_LINKS}
 # Which way each target points: True when the figure must stay at or below it.
 AT_MOST = {"location_bytes_per_sidecar": True, "control_bytes_per_second_per_pod": True,
-           "false_positive_ratio": True, "hit_ratio_vs_exact": False}
+           "false_positive_ratio": True, "hit_ratio_vs_exact": False, "links_per_sidecar": True}
 # The messages' bound, checked per number of holders k: a peer-hit request over k holders.
 MESSAGES_BOUND = "messages_per_peer_hit_request <= 2k + 1 (+ false exchanges) for k holders read"
 
@@ -168,6 +175,10 @@ def measure(pods: int, s: ScaleSettings, overhead: HttpOverhead, handshake: int,
                       "false_positive_ratio": e.false_positive_ratio, "entry_bytes": entry_bytes},
             "bloom": {**asdict(bloom), "bits_per_entry": bits, "hashes": k, "per_filter_rate": rate,
                       "per_filter_rate_measured": alt.bloom_measured_rate(bits, k) if pods <= 256 else None}},
+        # Data links a member opens (holders it read from within an idle window, the worst
+        # member's peak): at most MAX_DATA_LINKS are open whatever this says.
+        "links_per_sidecar": d.data_peers_read_from.get("max", 0.0),
+        "links": links_view(d, sample),
         "sampled_sidecars": sample.sampled,
         "modelled_sidecars": sample.modelled,
         "seconds": time.monotonic() - started,
@@ -180,6 +191,21 @@ def measure(pods: int, s: ScaleSettings, overhead: HttpOverhead, handshake: int,
              f"msgs/peer-hit request, fp {row['false_positive_ratio']:.4f}, hit ratio x{row['hit_ratio_vs_exact']:.3f} "
              f"of exact ({row['seconds']:.0f} s)")
     return row
+
+
+def links_view(d: LookupFigures, sample: SampleFigures) -> dict[str, Any]:
+    """Links per sidecar: data peers per idle window (replay), control peers per keep-alive
+    (owner questions in the replay; publishes at full size, sampled), the bounds, and the
+    connections per second the bounded control client opens for the publishes."""
+    return {"data_peers_per_window": d.data_peers, "data_idle_seconds": DATA_IDLE_SECONDS,
+            "holders_read_from_per_window": d.data_peers_read_from,
+            "readers_per_window": d.data_peers_reading,
+            "max_data_links": MAX_DATA_LINKS,
+            "replay_control_peers_per_window": d.control_peers,
+            "publish_peers_per_window": sample.control_peers,
+            "control_keepalive_seconds": CONTROL_KEEPALIVE_SECONDS, "control_connections": CONTROL_CONNECTIONS,
+            "control_connection_opens_per_second": sample.control_opens_per_second,
+            "control_within_bound": sample.control_peers.get("max", 0.0) <= CONTROL_CONNECTIONS}
 
 
 def within_bound(by_holders: dict[str, dict[str, float]]) -> bool:
@@ -225,7 +251,13 @@ def run_scale(s: ScaleSettings, progress: Progress) -> dict[str, Any]:
             f"as in a {s.chunks_per_pod}-chunk store at the configured changes "
             f"({s.chunks_per_pod / (s.changes_per_second / 2):.0f} s)",
             "owner queries per second = (changes per second / store changes per request) x owner queries per "
-            "request; the alternatives are costed from measured entry sizes and filter rates"],
+            "request; the alternatives are costed from measured entry sizes and filter rates",
+            f"links per sidecar: the distinct peers a member exchanged chunks with (both ways) within "
+            f"{DATA_IDLE_SECONDS:g} s (a data link closes after that idle; at most {MAX_DATA_LINKS} open), "
+            f"in the replay; control peers: distinct peers it exchanged publishes with within the "
+            f"{CONTROL_KEEPALIVE_SECONDS:g} s keep-alive at full size (sampled sidecars), through a client of at "
+            f"most {CONTROL_CONNECTIONS} connections: past that, connections are opened and closed instead "
+            "(opens per second of its own publishes)"],
         "results": rows,
         "reads": reads,
     }

@@ -24,6 +24,10 @@ writes up so that its chunks live that long, as long as a ``chunks_per_pod``
 store lives at ``changes_per_second`` (half of them stores): chains age and
 owners' views go stale as they would at full size.
 
+With the directory, every holder exchange and location message is a contact between two
+members (``scale_links``): the distinct peers each exchanged chunks with within
+``DATA_IDLE_SECONDS`` (its data links) and messaged within ``CONTROL_KEEPALIVE_SECONDS``.
+
 Each request with peer hits is counted by the number of holders read in turn
 that served it (``by_holders``; a holder of two runs of the prefix counts
 twice): how the messages grow with holders per prefix. A read over k holders
@@ -38,8 +42,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kv_offload_sidecar.peers.control_client import CONTROL_KEEPALIVE_SECONDS
+from kv_offload_sidecar.peers.data_links import DATA_IDLE_SECONDS
 from kv_offload_sidecar.peers.peer_reads import MAX_HOLDERS
 
+from kv_offload_tools.bench.scale_links import peers_in_window
 from kv_offload_tools.bench.scale_pool import DirectoryPool, ModelStore, Served
 
 Progress = Callable[[str], None]
@@ -78,6 +85,14 @@ class LookupFigures:
     request_changes: int = 0
     # Requests with peer hits by holders read: {holders: [requests, messages, false exchanges]}.
     by_holders: dict[int, list[int]] = field(default_factory=dict)
+    # Distinct peers a member exchanged chunks with within an idle window, and messaged within
+    # a keep-alive (directory scheme; ``scale_links.peers_in_window``: max, mean, members).
+    data_peers: dict[str, float] = field(default_factory=dict)
+    # The same, counted at the asker only (holders it read from: its own data links, bounded)
+    # and at the holder only (askers reading from it: connections its server holds).
+    data_peers_read_from: dict[str, float] = field(default_factory=dict)
+    data_peers_reading: dict[str, float] = field(default_factory=dict)
+    control_peers: dict[str, float] = field(default_factory=dict)
     # Wall-clock seconds of the replay.
     seconds: float = 0.0
 
@@ -249,5 +264,9 @@ async def _replay(scheme: str, pods: int, requests: Sequence[tuple[float, list[b
     if isinstance(pool, DirectoryPool):
         fig.locate_query_bytes = pool.wire.locate_query_bytes
         fig.locate_reply_bytes = pool.wire.locate_reply_bytes
+        fig.data_peers = peers_in_window(pool.wire.data_contacts, DATA_IDLE_SECONDS)
+        fig.data_peers_read_from = peers_in_window(pool.wire.data_contacts, DATA_IDLE_SECONDS, ends="from")
+        fig.data_peers_reading = peers_in_window(pool.wire.data_contacts, DATA_IDLE_SECONDS, ends="to")
+        fig.control_peers = peers_in_window(pool.wire.control_contacts, CONTROL_KEEPALIVE_SECONDS)
     fig.seconds = time.monotonic() - started
     return fig

@@ -26,11 +26,12 @@ All members share one owner table (they all see the same members).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +130,12 @@ class Wire:
     # JSON body bytes of the owner questions and their replies.
     locate_query_bytes: int = 0
     locate_reply_bytes: int = 0
+    # The member serving the request, and the replay's clock (seconds) at its start.
+    asker: str = ""
+    now: float = 0.0
+    # Every holder exchange and every location message: (seconds, from, to) (``scale_links``).
+    data_contacts: list[tuple[float, str, str]] = field(default_factory=list)
+    control_contacts: list[tuple[float, str, str]] = field(default_factory=list)
 
     def reset(self) -> None:
         """A new request: its own counts (the byte totals run on)."""
@@ -153,6 +160,7 @@ class HolderData:
 
     def _count(self, keys: Sequence[bytes]) -> int:
         self.wire.holder_exchanges += 1
+        self.wire.data_contacts.append((self.wire.now, self.wire.asker, self.identity))
         n = self.store.prefix(keys)
         self.wire.false_exchanges += n == 0
         return n
@@ -176,11 +184,21 @@ class HolderData:
         return self._send(keys[:n], store)
 
 
+class OpenLinks:
+    """``PeerManager.data_links`` as ``PeerReads`` sees it: every holder's data open at once
+    (the links a member would hold are counted from ``Wire.data_contacts``)."""
+
+    @contextlib.asynccontextmanager
+    async def acquire(self, link: PeerLink, deadline: float) -> AsyncIterator[Any]:
+        yield link.data
+
+
 class Peers:
     """``PeerManager`` as ``PeerReads`` sees it: every member connected."""
 
     def __init__(self) -> None:
         self.links: dict[str, PeerLink] = {}
+        self.data_links = OpenLinks()
 
     def connected(self, identity: str) -> PeerLink | None:
         return self.links.get(identity)
@@ -239,6 +257,7 @@ class DirectoryPool:
     def __init__(self, pods: int, capacity: int, clock: Callable[[], float]) -> None:
         self.names = [f"pod-{i}" for i in range(pods)]
         self.wire = Wire()
+        self.clock = clock
         table = OwnerTable(self.names[0])
         for n in self.names[1:]:
             table.add(n)
@@ -256,6 +275,7 @@ class DirectoryPool:
         async def call(peer: str, op: str, body: dict[str, Any], timeout: float) -> Any:
             owner = self.by_name[peer].location
             wire = json.loads(json.dumps(body, separators=(",", ":")))
+            self.wire.control_contacts.append((self.clock(), sender, peer))
             if op == "publish":
                 return owner.on_publish(sender, wire)
             reply = owner.on_locate(sender, wire)
@@ -277,6 +297,7 @@ class DirectoryPool:
         m = self.members[i]
         w = self.wire
         w.reset()
+        w.asker, w.now = m.name, self.clock()
         before, changes = m.messages(), m.store.changes
         local = m.store.lookup_prefix(keys)  # Sidecar.lookup
         m.location.hint_chain(keys, held=local > 0)

@@ -38,6 +38,17 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append("  messages per peer-hit request by holders read in turn (share of those requests):")
     for r in report["results"]:
         lines.append(f"    {r['pods']:>5} pods: " + _holders(r["by_holders"]))
+    lines.append("  links per sidecar (data: holders read from / readers served, per idle window; control: "
+                 "peers publishing or published to, per keep-alive; worst member, mean):")
+    for r in report["results"]:
+        k = r["links"]
+        out, into = k["holders_read_from_per_window"], k["readers_per_window"]
+        lines.append(f"    {r['pods']:>5} pods: data out {out.get('max', 0):.0f} (mean {out.get('mean', 0):.1f}; "
+                     f"at most {k['max_data_links']} open), in {into.get('max', 0):.0f} "
+                     f"(mean {into.get('mean', 0):.1f}), "
+                     f"control {k['publish_peers_per_window'].get('max', 0):.0f} "
+                     f"({'within' if k['control_within_bound'] else 'past'} the {k['control_connections']} "
+                     f"connections: {k['control_connection_opens_per_second']:.1f} opens/s)")
     if report.get("reads"):
         lines.append("  the read on bench replay's workloads (round-robin):")
         for r in report["reads"]:

@@ -35,6 +35,9 @@ from kv_offload_sidecar.peers.directory.location_wire import PublishBatch, Publi
 from kv_offload_sidecar.peers.directory.ownership import BUCKET_BITS, OwnerTable
 from kv_offload_sidecar.peers.directory.publisher import Publisher
 
+from kv_offload_sidecar.peers.control_client import CONTROL_CONNECTIONS, CONTROL_KEEPALIVE_SECONDS
+
+from kv_offload_tools.bench.scale_links import connection_opens, peers_in_window
 from kv_offload_tools.bench.scale_measure import HttpOverhead, deep_size
 
 Progress = Callable[[str], None]
@@ -98,6 +101,11 @@ class SampleFigures:
     publish_bytes_in_per_second: float
     publish_messages_out_per_second: float
     publish_messages_in_per_second: float
+    # Distinct peers a sampled sidecar exchanged publishes with (sent or received) within
+    # control_client.CONTROL_KEEPALIVE_SECONDS (``scale_links.peers_in_window``), and the
+    # connections per second its own publishes open through the bounded control client.
+    control_peers: dict[str, float] = field(default_factory=dict)
+    control_opens_per_second: float = 0.0
     # What a fresh pod joining costs (see _join), and a member leaving (see _leave).
     join: dict[str, float] = field(default_factory=dict)
     leave: dict[str, float] = field(default_factory=dict)
@@ -142,6 +150,9 @@ class _Model:
         self.buckets = np.flatnonzero(mask).astype(np.uint64)
         self.fraction = len(self.buckets) / (1 << BUCKET_BITS)
         self.directories = {s: Directory() for s in self.sampled}
+        # The model's clock (seconds), and the publishes to or from a sampled sidecar: (t, from, to).
+        self.now = 0.0
+        self.contacts: list[tuple[float, str, str]] = []
         self.traffic = {s: Traffic() for s in self.sampled}
         view = SampledView(self.table, self.sampled)
         self.pods = [_Pod(n, self.table, self.names) if n in self.directories else _Pod(n, view, self.sampled)
@@ -183,6 +194,8 @@ class _Model:
                     pod.publisher.needs_reset(owner)
                 if owner == pod.name:
                     continue
+                if count and (pod.name in self.directories or owner in self.directories):
+                    self.contacts.append((self.now, pod.name, owner))
                 sent.out_messages += 1
                 sent.out_bytes += len(body) + self.overhead.request
                 sent.in_bytes += len(json.dumps(reply.to_dict())) + self.overhead.response
@@ -224,6 +237,7 @@ def sample_pool(pods: int, chunks: int, changes_per_second: float, refreshes_per
         model.publish(pod, count=False)
     steps = max(1, int(round(seconds / interval)))
     for i in range(steps):
+        model.now = (i + 1) * interval
         model.step(changes_per_second, refreshes_per_second, interval)
         say(f"[scale x{pods}] interval {i + 1}/{steps}")
     span = steps * interval
@@ -241,6 +255,11 @@ def sample_pool(pods: int, chunks: int, changes_per_second: float, refreshes_per
         publish_bytes_out_per_second=t.out_bytes / span, publish_bytes_in_per_second=t.in_bytes / span,
         publish_messages_out_per_second=t.out_messages / span,
         publish_messages_in_per_second=t.in_messages / span)
+    figures.control_peers = peers_in_window(model.contacts, CONTROL_KEEPALIVE_SECONDS, only=model.sampled)
+    # Steady state: the opens of the first interval (the client filling up) are not counted.
+    figures.control_opens_per_second = max(connection_opens(
+        [(at, b) for at, a, b in model.contacts if a == s], CONTROL_CONNECTIONS, CONTROL_KEEPALIVE_SECONDS,
+        warm_until=interval) for s in model.sampled) / max(span - interval, interval)
     figures.join = _join(model, handshake_bytes)
     figures.leave = _leave(model)
     figures.seconds = time.monotonic() - started

@@ -110,7 +110,7 @@ async def test_a_load_that_has_every_chunk_before_its_exchange_ends_still_drops_
     holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):
         keys = await _held(holder, asker, "lingering", 4)
-        data = asker.peers.connected("holder").data
+        data = await asker.peers.data_links.open(asker.peers.connected("holder"), REQUEST_DEADLINE_SECONDS)
         fetch = data.fetch
 
         async def fetch_then_linger(*args, **kwargs):

@@ -18,7 +18,8 @@ from kv_offload_tools.bench.scale_sample import SampledView
 
 FIELDS = ("pods", "location_bytes_per_sidecar", "control_bytes_per_second_per_pod",
           "messages_per_peer_hit_request", "false_positive_ratio", "hit_ratio_vs_exact",
-          "messages_per_lookup", "by_holders", "join", "leave", "alternatives", "meets_targets")
+          "messages_per_lookup", "by_holders", "join", "leave", "alternatives", "meets_targets",
+          "links_per_sidecar", "links")
 
 
 def _weighted(by_holders: dict) -> float:
@@ -50,6 +51,14 @@ def test_small_run_reports_every_figure_and_they_move_the_right_way_with_pods(tm
         assert row["sampled_sidecars"] == 2 and row["modelled_sidecars"] == row["pods"] - 2
         # a joiner receives about one store's worth of entries, whatever the pool's size
         assert 0.5 * 2000 < row["join"]["joiner_entries_received"] < 2.0 * 2000
+        # Links per sidecar: the holders a member read from within an idle window (its own data
+        # links), at most the pool; its publishes reach more of the pool than it reads from.
+        links = row["links"]
+        assert 1 <= row["links_per_sidecar"] == links["holders_read_from_per_window"]["max"] <= row["pods"] - 1
+        assert links["readers_per_window"]["max"] <= links["data_peers_per_window"]["max"] <= row["pods"] - 1
+        assert links["max_data_links"] == 64 and links["control_within_bound"]
+        assert links["data_peers_per_window"]["mean"] <= links["publish_peers_per_window"]["max"] <= row["pods"] - 1
+        assert links["control_connection_opens_per_second"] >= 0
     assert (small["pods"], large["pods"]) == (8, 32)
     # Per-sidecar memory stays put as the pool quadruples; the exact sets grow with the peers.
     assert large["location_bytes_per_sidecar"] < 1.5 * small["location_bytes_per_sidecar"]

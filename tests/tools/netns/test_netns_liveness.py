@@ -1,5 +1,6 @@
 """Liveness across a silent partition (``peers.liveness``), with real sidecars in pod namespaces:
-an idle pod cut off is dropped within the heartbeat's stated time with no request, a request
+an idle pod cut off is dropped with no request, within the heartbeat's stated time by a pod
+whose data link to it is open and within the probe's by one that holds none, a request
 that touches a cut pod waits only about the answer floor, a heal is seen within 5 s, and no
 half-open connection is left on either side."""
 
@@ -7,7 +8,12 @@ from __future__ import annotations
 
 import time
 
-from kv_offload_sidecar.peers.liveness import HEARTBEAT_SECONDS, LOST_AFTER_SECONDS
+from kv_offload_sidecar.peers.liveness import (
+    HEARTBEAT_SECONDS,
+    LOST_AFTER_SECONDS,
+    MEMBER_PROBE_SECONDS,
+    PROBE_TIMEOUT_SECONDS,
+)
 from kv_offload_tools.chaos.chunks import chunk_keys, store_chunks
 from kv_offload_tools.netns.pool import NetnsPool
 from kv_offload_tools.netns.probes import half_open
@@ -25,26 +31,42 @@ def _connected(pool: NetnsPool, viewer: int, other: int) -> bool:
     return any(p["identity"] == identity and p["state"] == "connected" for p in pool[viewer].peers())
 
 
+def _data_open(pool: NetnsPool, viewer: int, other: int) -> bool:
+    identity = pool[other].identity
+    return any(p["identity"] == identity and p["data_open"] for p in pool[viewer].peers())
+
+
 def _cut(pool: NetnsPool, pod: int) -> None:
     for other in range(pool.n):
         if other != pod:
             pool.net.partition(pod, other, one_way=False)
 
 
-def test_an_idle_pod_cut_off_silently_is_dropped_within_a_second_and_back_within_five_after_the_heal(
+def test_an_idle_pod_cut_off_silently_is_dropped_by_heartbeat_or_probe_and_back_within_five_after_the_heal(
         fresh_netns_pool: NetnsPool):
+    # pod-0 read from pod-2 (its data link is open and heartbeaten); pod-1 never did (pod-2 is a
+    # member it holds no data connection to: only its probe watches it).
     pool = fresh_netns_pool
+    keys = chunk_keys("idle-cut", 2)
+    with pool.client(2) as writer:
+        assert store_chunks(writer, keys, pool.chunk_bytes) == len(keys)
+    pool.wait_directory_current()
     for viewer in (0, 1):
         assert wait_for("everyone connected to pod-2", lambda v=viewer: _connected(pool, v, 2))
+    with pool.client(0) as reader:
+        assert reader.lookup(keys, timeout=1.0).peer == len(keys)
+    assert _data_open(pool, 0, 2) and not _data_open(pool, 1, 2)
+    limits = {0: DETECTION_SECONDS + POLL_SLACK_SECONDS,
+              1: MEMBER_PROBE_SECONDS + PROBE_TIMEOUT_SECONDS + POLL_SLACK_SECONDS}
     try:
         _cut(pool, 2)
         cut_at = time.monotonic()
         lost = {}
-        while len(lost) < 2 and time.monotonic() - cut_at < DETECTION_SECONDS + POLL_SLACK_SECONDS + 1.0:
+        while len(lost) < 2 and time.monotonic() - cut_at < limits[1] + 1.0:
             for viewer in (0, 1):
                 if viewer not in lost and not _connected(pool, viewer, 2):
                     lost[viewer] = time.monotonic() - cut_at
-        assert len(lost) == 2 and max(lost.values()) <= DETECTION_SECONDS + POLL_SLACK_SECONDS, lost
+        assert len(lost) == 2 and all(lost[v] <= limits[v] for v in lost), lost
     finally:
         pool.net.heal()
     healed_at = time.monotonic()

@@ -164,6 +164,11 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         self._rejections = rejections if rejections is not None else RejectionLog(log)
         self.address = ""
 
+    @property
+    def authenticated_connections(self) -> int:
+        """Authenticated data connections open now, all sessions together."""
+        return len(self._proven)
+
     async def start(self) -> str:
         """Bind and listen; returns ``tcp://host:port`` (``tls://`` with TLS), the port actually bound."""
         infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM,
