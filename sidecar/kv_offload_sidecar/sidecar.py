@@ -30,7 +30,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kv_offload_sidecar.cpu_budget import cpu_budget
-from kv_offload_sidecar.data.lanes import data_lanes_of, lanes_offered
+from kv_offload_sidecar.data.lanes import lanes_offered
 from kv_offload_sidecar.loop_stalls import LoopStalls
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.claims import ClaimAudit
@@ -474,10 +474,7 @@ class Sidecar:
             # Lanes this sidecar offers; each connected peer's count is in /v1/peers.
             "data_lanes_offered": lanes_offered(s.data_lanes),
             "cpu_budget": cpu_budget().view(),  # cores lanes and thread pools follow, and from where
-            # Lanes of each open data link (on demand, closed when idle: ``peers.data_links``).
-            "data_lanes": {link.identity: data_lanes_of(link.data) for link in self.peers.links()
-                           if link.state == "connected" and link.identity and link.data is not None},
-            "data_links": self.peers.data_links.view(),
+            **self.peers.data_view(),  # data_lanes of each open data link, data_links: their bound
             "inbound_sessions": len(self._inbound),
             "engine_requests_in_flight": self._inflight,
             "peer_fetches_in_flight": self.reads.fetches_in_flight,

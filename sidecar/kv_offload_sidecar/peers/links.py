@@ -197,6 +197,13 @@ class PeerManager:
         log.warning("peer %s (%s): %s", link.address, link.identity, error)
         self.report_failure(link, error, peer_at_fault=not self.excused(started))
 
+    def data_view(self) -> dict[str, Any]:
+        """For /v1/status: the lanes of each open data link (opened on demand, closed when idle:
+        ``data_links``) and the links' counts and bound."""
+        return {"data_lanes": {link.identity: data_lanes_of(link.data) for link in self._links.values()
+                               if link.state == "connected" and link.identity and link.data is not None},
+                "data_links": self.data_links.view()}
+
     def report_failure(self, link: PeerLink, error: str, *, peer_at_fault: bool = True) -> None:
         """The engine path saw an exchange with this peer fail: reset the link and back it off,
         or, when not ``peer_at_fault``, reconnect at once (also cutting short a back-off the

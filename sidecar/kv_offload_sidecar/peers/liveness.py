@@ -28,7 +28,8 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
   one late answer, decides that the peer is lost. A request that touches a silently cut
   peer before the heartbeat noticed pays about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small
-  round trip (``OPEN_ROUND_TRIPS`` times that when its data link must open first); after, none (the peer is no member and no holder).
+  round trip (``OPEN_ROUND_TRIPS`` times that when its data link must open first); after,
+  none (the peer is no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
   ``SidecarSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait

@@ -52,9 +52,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, answer_or_silence
-
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
+from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, answer_or_silence
 from kv_offload_sidecar.peers.row_landings import LandingStore, RowLandings
 from kv_offload_sidecar.peers.directory.location_wire import HolderClaim
 
@@ -445,11 +444,8 @@ class PeerReads:
         silence = link.round_trips.answer_silence(deadline) if link is not None else deadline
         if link is not None and link.data is None:  # its data link opens first: a few more round trips
             silence = min(deadline, OPEN_ROUND_TRIPS * silence)
-
-        def heard() -> float:
-            data = link.data if link is not None else None
-            return data.heard_at if data is not None else 0.0
-
+        # The last frame heard on the peer's data link (0.0 while none is open).
+        heard = (lambda: link.data.heard_at if link.data is not None else 0.0) if link is not None else float
         try:
             return await answer_or_silence(fut, heard, silence, deadline)
         except TimeoutError:

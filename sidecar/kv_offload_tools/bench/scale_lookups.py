@@ -200,7 +200,8 @@ class ExactPool:
         store.drop(fetched)
         store.put(keys[loaded:])
         return Served(local=local, peer=loaded - local, messages=messages, owner_questions=0,
-                      holder_exchanges=exchanges, false_exchanges=false, holders=holders, changes=store.changes - changes)
+                      holder_exchanges=exchanges, false_exchanges=false, holders=holders,
+                      changes=store.changes - changes)
 
     def _choose(self, i: int, rest: list[bytes]) -> int | None:
         best, best_n = None, 0
