@@ -67,12 +67,12 @@ from kv_offload_sidecar.peers.data_links import DATA_IDLE_SECONDS, MAX_DATA_LINK
 from kv_offload_sidecar.peers.directory.location_wire import LocateQuery, location_auth
 from kv_offload_sidecar.peers.liveness import (
     HEARTBEAT_SECONDS,
-    MEMBER_PROBE_SECONDS,
     PROBE_TIMEOUT_SECONDS,
     RoundTrips,
     backoff_cap,
     backoff_delay,
     heartbeat,
+    probe_period,
 )
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.sessions import REKEY_HEADER
@@ -483,7 +483,7 @@ class PeerManager:
         While a data connection is open: a heartbeat every ``HEARTBEAT_SECONDS`` (``liveness``),
         end when it closed or went silent, close it (the link stays) once idle (``data_links``).
         With none open, wait for something to do (``PeerLink.stir``), and probe the member with
-        a location call when nothing was heard from it for ``MEMBER_PROBE_SECONDS``."""
+        a location call when nothing was heard from it for ``liveness.probe_period``."""
         while True:
             link.stir.clear()
             if link.failed.is_set():
@@ -492,9 +492,9 @@ class PeerManager:
                 await self._rekey(link)
             data = link.data
             if data is None:
-                quiet = time.monotonic() - link.heard_at
-                if quiet < MEMBER_PROBE_SECONDS:
-                    await set_within(link.stir, MEMBER_PROBE_SECONDS - quiet)
+                quiet, period = time.monotonic() - link.heard_at, probe_period(len(self._links) - 1)
+                if quiet < period:
+                    await set_within(link.stir, period - quiet)
                 elif link.opening is None and link.identity is not None:
                     link.heard_at = time.monotonic()  # the next probe comes a period later, whatever this one does
                     with contextlib.suppress(Exception):  # a failure reports the link (``call``)

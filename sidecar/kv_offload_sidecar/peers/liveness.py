@@ -15,9 +15,12 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   location call (a publish to it, a locate) reports it lost (``links.PeerManager.call``), and
   one heard nothing from (no exchange, no call answered) for ``MEMBER_PROBE_SECONDS`` is asked
   one locate (``PROBE_TIMEOUT_SECONDS`` at most): a member gone without a data connection is
-  dropped within ``MEMBER_PROBE_SECONDS + PROBE_TIMEOUT_SECONDS`` (7 s). A busy pool's
-  publishes and reads stand in for most probes; an idle pool of N members costs each sidecar
-  (N - 1) / ``MEMBER_PROBE_SECONDS`` small calls a second (205 at 1,024 pods).
+  dropped within ``probe_period`` + ``PROBE_TIMEOUT_SECONDS``: 7 s up to 21 peers, then
+  growing with the pool (10 s at 32, 258 s at 1,024), since a sidecar sends at most
+  ``MEMBER_PROBES_PER_SECOND`` probes (4) a second: an idle sidecar's calls, and the control
+  connections they hold (each closes ``CONTROL_KEEPALIVE_SECONDS`` after its call), do not grow
+  with the pool. A busy pool's publishes and reads stand in for most probes, and a member
+  asked for anything is dropped at its first failed call.
 - **Answer deadline.** Each pong is a round-trip sample (``RoundTrips``: RFC 6298's smoothed
   round trip and deviation); so is each location call answered while no data connection is
   open (a probe, a publish, a locate). A request waits for a peer's first answer (an owner's locate, a
@@ -46,6 +49,7 @@ from typing import Any
 from kv_offload_sidecar.data.peer_client import answer_or_silence
 
 __all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "MEMBER_PROBE_SECONDS",
+           "MEMBER_PROBES_PER_SECOND", "probe_period",
            "OPEN_ROUND_TRIPS", "PROBE_TIMEOUT_SECONDS", "RoundTrips",
            "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat"]
 
@@ -59,6 +63,8 @@ ANSWER_FLOOR_SECONDS = 0.05
 ANSWER_RTT_FACTOR = 2.0
 # Seconds without hearing from a member with no data connection before it is probed.
 MEMBER_PROBE_SECONDS = 5.0
+# Most probes a sidecar sends a second, whatever the pool's size (``probe_period``).
+MEMBER_PROBES_PER_SECOND = 4.0
 # Seconds a probe of such a member may take before the member is lost.
 PROBE_TIMEOUT_SECONDS = 2.0
 # How many answer silences a request waits through while the peer's data link opens (the
@@ -66,6 +72,12 @@ PROBE_TIMEOUT_SECONDS = 2.0
 OPEN_ROUND_TRIPS = 4
 # Cap of the back-off delay of a link lost to liveness or unreachable (seconds).
 HEAL_BACKOFF_MAX_SECONDS = 2.0
+
+
+def probe_period(others: int) -> float:
+    """Seconds between two probes of one quiet member beside ``others`` peers: at least
+    ``MEMBER_PROBE_SECONDS``, stretched so all probes stay within ``MEMBER_PROBES_PER_SECOND``."""
+    return max(MEMBER_PROBE_SECONDS, others / MEMBER_PROBES_PER_SECOND)
 
 
 def backoff_delay(failures: int, initial: float, maximum: float,

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import random
 
-from kv_offload_sidecar.peers.liveness import ANSWER_FLOOR_SECONDS, HEAL_BACKOFF_MAX_SECONDS, RoundTrips
+from kv_offload_sidecar.peers.liveness import (
+    ANSWER_FLOOR_SECONDS,
+    HEAL_BACKOFF_MAX_SECONDS,
+    MEMBER_PROBE_SECONDS,
+    MEMBER_PROBES_PER_SECOND,
+    RoundTrips,
+    probe_period,
+)
 from kv_offload_sidecar.peers.links import backoff_cap, backoff_delay
 
 
@@ -42,3 +49,10 @@ def test_the_answer_silence_follows_the_measured_round_trips_between_the_floor_a
     for _ in range(5):
         rtt.observe(3.0)
     assert rtt.answer_silence(2.0) == 2.0  # never past the deadline
+
+
+def test_quiet_members_are_probed_within_a_rate_that_does_not_grow_with_the_pool():
+    assert probe_period(3) == MEMBER_PROBE_SECONDS  # a small pool: each quiet member every 5 s
+    for others in (1, 3, 20, 21, 31, 255, 1023):
+        assert others / probe_period(others) <= MEMBER_PROBES_PER_SECOND
+    assert probe_period(1023) == 1023 / MEMBER_PROBES_PER_SECOND  # a gone idle member: minutes at 1,024 pods
