@@ -232,8 +232,10 @@ class PeerManager:
         if link is not None and link.state in ("backoff", "rejected"):
             link.wake.set()
 
-    async def call(self, identity: str, op: str, body: dict[str, Any], timeout: float) -> Any:
-        """One location message to a connected peer; its JSON reply. ConnectionError, asyncio.TimeoutError
+    async def call(self, identity: str, op: str, body: dict[str, Any], timeout: float, *,
+                   close: bool = False) -> Any:
+        """One location message to a connected peer; its JSON reply (with ``close``, a probe's, on a
+        connection closed after it: a probe keeps none warm). ConnectionError, asyncio.TimeoutError
         or ValueError (a reply too large or not JSON) when it cannot be had (the caller decides
         whether the peer failed); any other error of aiohttp's is counted as ``malformed`` and
         raised as ConnectionError, so no answer of a peer escapes as a traceback."""
@@ -244,7 +246,7 @@ class PeerManager:
         started = asyncio.get_running_loop().time()
         raw = json.dumps(body, separators=(",", ":")).encode()
         headers = {SESSION_HEADER: session.session_id.hex(), AUTH_HEADER: location_auth(session.session_key, op, raw),
-                   "Content-Type": "application/json"}
+                   "Content-Type": "application/json", **({"Connection": "close"} if close else {})}
         try:
             async with self._http.post(f"http://{link.address}/v1/{op}", data=raw, headers=headers,
                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -498,7 +500,7 @@ class PeerManager:
                 elif link.opening is None and link.identity is not None:
                     link.heard_at = time.monotonic()  # the next probe comes a period later, whatever this one does
                     with contextlib.suppress(Exception):  # a failure reports the link (``call``)
-                        await self.call(link.identity, "locate", PROBE_QUERY, PROBE_TIMEOUT_SECONDS)
+                        await self.call(link.identity, "locate", PROBE_QUERY, PROBE_TIMEOUT_SECONDS, close=True)
                 continue
             if data.closed:
                 raise ConnectionError(link.last_error or "data connection closed")
