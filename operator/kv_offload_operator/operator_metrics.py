@@ -14,6 +14,8 @@ a pool, pod or namespace name. ``serve_metrics`` runs ``/metrics`` on
 - ``admissions_total{result,reason}``: the webhook's answers.
 - ``webhook_errors_total{reason}``: admissions the webhook could not decide:
   ``api_error`` (the pool could not be read: denied as ``pool_unreadable``),
+  ``api_timeout`` (the API server did not answer the admission's reads within
+  ``admission.READS_TIMEOUT_SECONDS``: denied as ``pool_unreadable``, retried),
   ``internal_error`` (an unexpected exception: denied as ``operator_error``).
 - ``pools{condition}``: pools by condition, as their status shows them
   (reported by the replica that reconciles; 0 on the others).
@@ -52,7 +54,7 @@ DENIED_REASONS = (
     "operator_error",
 )
 # reason label of webhook_errors.
-WEBHOOK_ERROR_REASONS = ("api_error", "internal_error")
+WEBHOOK_ERROR_REASONS = ("api_error", "api_timeout", "internal_error")
 # condition label of pools: Ready, Invalid, Waiting (Ready=False, retried), Pending (never reconciled).
 POOL_CONDITIONS = ("Ready", "Invalid", "Waiting", "Pending")
 
