@@ -390,13 +390,13 @@ async def test_a_rolling_update_to_other_weights_shows_each_model_identity_with_
             midway = [{"identity": old, "pods": 3}, {"identity": "", "pods": 1}, {"identity": new, "pods": 1}]
             await wait_for_async("both identities with their pods", lambda: identities() == midway)
             mixed = "kv_offload_operator_pools_with_mixed_model_identities"
-            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 1, log=operator.log)
+            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 1)
 
             for name in ("old-0", "old-1", "old-2"):  # the rollout replaces the old pods
                 assert (await kmock.delete(f"{pods_url}/{name}")).status == 200
             done = [{"identity": "", "pods": 1}, {"identity": new, "pods": 1}]
             await wait_for_async("the new identity alone", lambda: identities() == done)
-            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 0, log=operator.log)
+            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 0)
         finally:
             for runner in runners:
                 await runner.cleanup()
@@ -658,3 +658,35 @@ async def test_rotating_the_pool_key_keeps_the_old_key_as_previous_key_until_the
         assert "Pool ns1/llama: pool key rotated for '2026-03-01'" in log
         assert "Pool ns1/llama: the previous pool key expired and was removed." in log
         assert base64.b64encode(before["key"]).decode() not in log  # no key ever reaches the log
+
+
+def events_about(k: kmock.KubernetesEmulator, name: str) -> list[dict[str, Any]]:
+    """The Events the operator posted about the pool ``name``."""
+    events = [json.loads(json.dumps(dict(o.raw))) for (res, _, _), o in list(k.objects.items())
+              if res == kmock.resource("v1/events") and not o.deleted]
+    return [e for e in events if (e.get("involvedObject") or {}).get("name") == name]
+
+
+async def test_an_upgrade_that_retranslates_an_unchanged_spec_says_so_in_a_condition_and_an_event(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        fingerprint = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+    st = status_of(kmock, "llama")
+    assert st["translatedBy"].startswith("kv-offload ")
+    assert condition(st, "FingerprintChangedByUpgrade") == {}  # a first translation is no change
+    # What an older operator whose translation differed left behind, for the same spec generation.
+    await merge_patch(kmock, f"{POOLS_URL}/llama/status",
+                      {"status": {"fingerprint": "00000000000000aa", "translatedBy": "kv-offload 0.0.9"}})
+
+    async with OperatorProcess(tmp_path, str(kmock.url)):  # the upgraded operator resumes
+        changed = await wait_for_async("the upgrade condition", lambda: condition(
+            status_of(kmock, "llama"), "FingerprintChangedByUpgrade"))
+        posted = await wait_for_async("the upgrade event", lambda: [
+            e for e in events_about(kmock, "llama") if e.get("reason") == "FingerprintChangedByUpgrade"])
+    assert changed["status"] == "True"
+    for text in ("00000000000000aa", "kv-offload 0.0.9", fingerprint, st["translatedBy"], "generation 1"):
+        assert text in changed["message"], text
+    assert posted[0]["type"] == "Warning" and posted[0]["message"] == changed["message"]
+    assert status_of(kmock, "llama")["fingerprint"] == fingerprint
