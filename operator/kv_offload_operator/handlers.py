@@ -6,7 +6,8 @@ path ``/inject_sidecar``), and each hands its work to the module named for it:
 ``startup`` (settings, webhook server, API client, followers), ``ready_peers``
 (the pod and pool indexes its follower reads),
 ``reconcile`` (a pool's ConfigMap, Secret, Service and status),
-``model_config_follower``, ``pool_key`` (key rotation) and ``webhook.admission``
+``model_config_follower``, ``pool_key`` (key rotation), ``drift`` (hand edits of a
+pool's ConfigMap) and ``webhook.admission``
 (admission of a pod).
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import kopf
 
 from . import startup
-from .pools import model_config_follower, pool_key, ready_peers
+from .pools import drift, model_config_follower, pool_key, ready_peers
 from .pools.pool_spec import GROUP, PLURAL, POOL_LABEL, VERSION
 from .pools.reconcile import reconcile
 from .webhook import admission
@@ -82,8 +83,17 @@ async def track_key_rotations(event: kopf.RawEvent, namespace: str, name: str, a
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def track_pool_conditions(event: kopf.RawEvent, namespace: str, name: str, status: kopf.Status,
                                 memo: kopf.Memo, **_: Any) -> None:
-    """Count pools by the condition their status shows (the ``kv_offload_operator_pools`` gauge)."""
+    """Count pools by the condition their status shows (the ``kv_offload_operator_pools`` gauge);
+    a deleted pool's ConfigMap is no longer kept (``drift``)."""
     memo.metrics.track_pool(namespace, name, status, deleted=event.get("type") == "DELETED")
+    if event.get("type") == "DELETED":
+        drift.forget_pool(memo, namespace, name)
+
+
+@kopf.on.event("configmaps", labels=drift.MANAGED_BY)
+async def revert_configmap_drift(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Revert a hand edit of a pool's ConfigMap within seconds of it (``drift``)."""
+    await drift.check_configmap(memo, event.get("type"), body)
 
 
 @kopf.on.mutate("pods", labels={POOL_LABEL: kopf.PRESENT}, operations={"CREATE"})

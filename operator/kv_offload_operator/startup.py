@@ -4,7 +4,7 @@
 the startup handler through ``memo.options``; ``configure`` applies all of kopf's
 settings in one place (peering: standalone, or one of several replicas,
 ``leadership``), fills the memo the other handlers use (``api``,
-``metrics``, ``leading``, ``model_config_refs``, ``key_rotations``,
+``metrics``, ``leading``, ``written_configmaps``, ``model_config_refs``, ``key_rotations``,
 ``pool_key_locks``), serves ``/metrics`` and starts the model-config,
 key-rotation, ready-peers (given kopf's live pod and pool indexes) and
 leadership followers; ``shut_down`` undoes it.
@@ -61,6 +61,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     if options.peering_name is not None:
         await leadership.ensure_peering(memo.api, options.peering_name, options.namespaces, options.clusterwide)
         memo.leadership_follower = asyncio.create_task(leadership.follow(memo), name="leadership-follower")
+    memo.written_configmaps = {}
     memo.model_config_refs = {}
     memo.key_rotations = {}
     memo.pool_key_locks = {}

@@ -690,3 +690,33 @@ async def test_an_upgrade_that_retranslates_an_unchanged_spec_says_so_in_a_condi
         assert text in changed["message"], text
     assert posted[0]["type"] == "Warning" and posted[0]["message"] == changed["message"]
     assert status_of(kmock, "llama")["fingerprint"] == fingerprint
+
+
+async def test_a_hand_edited_or_deleted_pool_configmap_is_reverted_within_seconds_counted_and_reported(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    cm_url = f"/api/v1/namespaces/{NAMESPACE}/configmaps/llama-offloading-config"
+    async with OperatorProcess(tmp_path, str(kmock.url)) as operator:
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        written = await wait_for_async("the pool ConfigMap", lambda: (
+            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data"))
+        # A hand edit: the config changed and a key added.
+        await merge_patch(kmock, cm_url, {"data": {"offloading_config.json": "{}", "extra": "x"}})
+        await wait_for_async("the edit reverted", lambda: (
+            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data") == written)
+        # Counted once, or twice when the pool's first reconciliations raced the edit and left a part of it.
+        edited = await wait_for_metrics(operator.metrics_port, lambda s: value(
+            s, "kv_offload_operator_drift_reverted_total", kind="ConfigMap") >= 1, log=operator.log)
+        reverts = value(edited, "kv_offload_operator_drift_reverted_total", kind="ConfigMap")
+        # A hand delete while the pool exists.
+        resp = await kmock.delete(cm_url)
+        assert resp.status == 200, await resp.text()
+        await wait_for_async("the ConfigMap created again", lambda: (
+            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data") == written)
+        samples = await wait_for_metrics(operator.metrics_port, lambda s: value(
+            s, "kv_offload_operator_drift_reverted_total", kind="ConfigMap") == reverts + 1, log=operator.log)
+        assert value(samples, "kv_offload_operator_reconciles_total", result="error") == 0
+        reverted = await wait_for_async("the revert events", lambda: [
+            e for e in events_about(kmock, "llama") if e.get("reason") == "ConfigMapReverted"] or None)
+    assert "edit the KVOffloadPool's spec instead" in reverted[0]["message"]
+    assert reverted[0]["type"] == "Warning"

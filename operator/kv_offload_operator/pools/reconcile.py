@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 from kubernetes_asyncio import client as k8s
 
-from . import pool_key
+from . import drift, pool_key
 from . import pool_objects as objects
 from . import translation_change
 from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
@@ -113,7 +113,9 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
             pass
 
     core = k8s.CoreV1Api(api)
-    await _ensure_configmap(core, objects.configmap_for(pool, config, declared))
+    configmap = objects.configmap_for(pool, config, declared)
+    drift.remember(memo, configmap)  # before the write: its own watch event is no drift
+    await _ensure_configmap(core, configmap)
     try:
         await pool_key.ensure(memo, pool)
     except kopf.TemporaryError as exc:
@@ -144,9 +146,10 @@ async def _ensure_configmap(core: k8s.CoreV1Api, cm: Mapping[str, Any]) -> None:
     if current is None:
         await create_unless_exists(core.create_namespaced_config_map, meta["namespace"], cm)
     elif (current.data or {}) != cm["data"]:
+        added = {key: None for key in current.data or {} if key not in cm["data"]}  # None: merge-patch removes
         await core.patch_namespaced_config_map(
             meta["name"], meta["namespace"],
-            {"data": cm["data"], "metadata": {"ownerReferences": meta["ownerReferences"]}},
+            {"data": {**added, **cm["data"]}, "metadata": {"ownerReferences": meta["ownerReferences"]}},
             _content_type=MERGE_PATCH)
 
 
