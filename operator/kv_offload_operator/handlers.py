@@ -55,6 +55,13 @@ def pool_peer_status(namespace: str, name: str, status: kopf.Status, **_: Any) -
     return {(namespace, name): ready_peers.pool_peer_status(status)}
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+def pool_bodies(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    """Each pool as last watched, by (namespace, pool name): what the webhook reads instead of
+    the API on the replica that reconciles (``admission``)."""
+    return {(namespace, name): admission.watched_pool(body)}
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -98,9 +105,11 @@ async def revert_configmap_drift(event: kopf.RawEvent, body: kopf.Body, memo: ko
 
 @kopf.on.mutate("pods", labels={POOL_LABEL: kopf.PRESENT}, operations={"CREATE"})
 async def inject_sidecar(body: kopf.Body, labels: Mapping[str, str], namespace: str | None,
-                         patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+                         patch: kopf.Patch, memo: kopf.Memo, pool_bodies: kopf.Index, **_: Any) -> None:
     """Wire a labelled pod into its pool; deny it when the pool is missing or Invalid."""
     pod = json.loads(json.dumps(dict(body)))
-    ops = await admission.answer(pod, labels[POOL_LABEL], namespace or "default", memo)
+    namespace = namespace or "default"
+    watched = next(iter(pool_bodies.get((namespace, labels[POOL_LABEL]), ())), None)
+    ops = await admission.answer(pod, labels[POOL_LABEL], namespace, memo, watched)
     if ops:
         patch.fns.append(lambda raw: apply_patch(raw, ops))

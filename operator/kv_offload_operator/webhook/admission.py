@@ -8,8 +8,11 @@ be found). The patch itself is built by ``pod_patch``. Every refusal is a
 ``Denial`` naming its reason (``operator_metrics.DENIED_REASONS``) for the
 admissions metric.
 
-The admission's API reads (the pool, its modelConfigRef ConfigMap, its
-targetRef workload) share one budget, ``READS_TIMEOUT_SECONDS``, well below
+On the replica that reconciles, a pod the pool as last watched admits
+(kopf's watch-fed index ``handlers.pool_bodies``, ``watched_pool``) needs no
+read of the pool; a refusal is decided on the pool as read, and the other
+replicas (whose watches are paused) always read it. The admission's API reads (the
+pool there, its modelConfigRef ConfigMap, its targetRef workload) share one budget, ``READS_TIMEOUT_SECONDS``, well below
 the webhook's ``timeoutSeconds``: a slow API server gets the pod a denial
 (503, ``pool_unreadable``, counted as webhook error ``api_timeout``) that its
 ReplicaSet retries, never a webhook call the API server gives up on and
@@ -19,6 +22,7 @@ answers by ``failurePolicy``.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,11 +55,18 @@ class Denial(kopf.AdmissionError):
         self.error = error
 
 
-async def answer(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo) -> list[dict[str, Any]]:
+def watched_pool(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the webhook keeps of a watched pool (the ``pool_bodies`` index value): a plain copy."""
+    return {key: json.loads(json.dumps(body.get(key) or {})) for key in ("apiVersion", "kind", "metadata",
+                                                                         "spec", "status")}
+
+
+async def answer(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo,
+                 watched: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """``admit``, with its answer counted in ``memo.metrics`` (admissions, webhook errors)."""
     metrics = memo.metrics
     try:
-        ops = await admit(pod, pool_name, namespace, memo)
+        ops = await admit(pod, pool_name, namespace, memo, watched)
     except Denial as denial:
         metrics.denied(denial.reason)
         if denial.error is not None:
@@ -69,15 +80,22 @@ async def answer(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: k
     return ops
 
 
-async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo) -> list[dict[str, Any]]:
+async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo,
+                watched: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """RFC 6902 operations wiring ``pod`` into the pool ``pool_name`` ([] when already injected);
-    ``kopf.AdmissionError`` when the pod must be denied."""
+    ``kopf.AdmissionError`` when the pod must be denied. ``watched``: the pool as this replica's
+    watch last saw it (used while it leads: its watches run), else None."""
     if patches.is_injected(pod):
         return []
     where = f"KVOffloadPool {pool_name!r} in namespace {namespace!r}"
     try:
         async with asyncio.timeout(READS_TIMEOUT_SECONDS):
-            return await _admit(pod, pool_name, namespace, memo, where)
+            if watched is not None and memo.leading:
+                try:
+                    return await _admit(pod, dict(watched), namespace, memo, where)
+                except Denial:
+                    pass  # the watch may lag the API by a moment: a refusal is decided on the pool as read
+            return await _admit(pod, await _read_pool(memo, pool_name, namespace, where), namespace, memo, where)
     except TimeoutError:
         raise Denial(
             "pool_unreadable", f"The Kubernetes API server did not answer the kv-offload operator's reads of "
@@ -85,10 +103,9 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
             code=503, error="api_timeout") from None
 
 
-async def _admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo,
-                 where: str) -> list[dict[str, Any]]:
+async def _read_pool(memo: kopf.Memo, pool_name: str, namespace: str, where: str) -> dict[str, Any]:
     try:
-        pool = await get_pool(memo.api, namespace, pool_name)
+        return await get_pool(memo.api, namespace, pool_name)
     except ApiException as exc:
         if exc.status == 404:
             raise Denial(
@@ -97,6 +114,10 @@ async def _admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: k
         raise Denial(
             "pool_unreadable", f"The kv-offload operator could not read {where} (HTTP {exc.status} {exc.reason}); "
             f"check the operator's RBAC and namespaces.", code=500, error="api_error") from None
+
+
+async def _admit(pod: Mapping[str, Any], pool: dict[str, Any], namespace: str, memo: kopf.Memo,
+                 where: str) -> list[dict[str, Any]]:
     problem = invalid_message(pool)
     if problem is not None:
         raise Denial(
