@@ -18,7 +18,7 @@ a pool, pod or namespace name. ``serve_metrics`` runs ``/metrics`` on
   ``admission.READS_TIMEOUT_SECONDS``: denied as ``pool_unreadable``, retried),
   ``internal_error`` (an unexpected exception: denied as ``operator_error``).
 - ``drift_reverted_total{kind}``: hand edits of an operator-owned object
-  reverted within seconds (``pools.drift``: a pool's ConfigMap edited or deleted).
+  reverted within seconds (``pools.drift``: a pool's ConfigMap or Secret edited or deleted).
 - ``pools{condition}``: pools by condition, as their status shows them
   (reported by the replica that reconciles; 0 on the others).
 - ``leader``: 1 on the replica that runs the reconciler, 0 on the others.
@@ -58,7 +58,7 @@ DENIED_REASONS = (
 # reason label of webhook_errors.
 WEBHOOK_ERROR_REASONS = ("api_error", "api_timeout", "internal_error")
 # kind label of drift_reverted: the operator-owned objects whose hand edits are reverted.
-DRIFT_KINDS = ("ConfigMap",)
+DRIFT_KINDS = ("ConfigMap", "Secret")
 # condition label of pools: Ready, Invalid, Waiting (Ready=False, retried), Pending (never reconciled).
 POOL_CONDITIONS = ("Ready", "Invalid", "Waiting", "Pending")
 

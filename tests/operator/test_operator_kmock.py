@@ -720,3 +720,30 @@ async def test_a_hand_edited_or_deleted_pool_configmap_is_reverted_within_second
             e for e in events_about(kmock, "llama") if e.get("reason") == "ConfigMapReverted"] or None)
     assert "edit the KVOffloadPool's spec instead" in reverted[0]["message"]
     assert reverted[0]["type"] == "Warning"
+
+
+async def test_a_hand_edited_or_deleted_pool_secret_is_read_back_and_reverted_with_the_same_values(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    secret_url = f"/api/v1/namespaces/{NAMESPACE}/secrets/llama-pool-key"
+    async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--drift-check-seconds", "0.3"]) as operator:
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        written = await wait_for_async("the pool Secret", lambda: (
+            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data"))
+        # A hand edit: another key, and an entry added.
+        other = base64.b64encode(b"x" * 32).decode()
+        await merge_patch(kmock, secret_url, {"data": {"key": other, "extra": other}})
+        await wait_for_async("the edit reverted", lambda: (
+            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data") == written)
+        edited = await wait_for_metrics(operator.metrics_port, lambda s: value(
+            s, "kv_offload_operator_drift_reverted_total", kind="Secret") >= 1, log=operator.log)
+        reverts = value(edited, "kv_offload_operator_drift_reverted_total", kind="Secret")
+        # A hand delete while the pool exists: created again with the same key, seed and token.
+        resp = await kmock.delete(secret_url)
+        assert resp.status == 200, await resp.text()
+        await wait_for_async("the Secret created again", lambda: (
+            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data") == written)
+        await wait_for_metrics(operator.metrics_port, lambda s: value(
+            s, "kv_offload_operator_drift_reverted_total", kind="Secret") == reverts + 1, log=operator.log)
+    secret = obj(kmock, "v1/secrets", "llama-pool-key")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"

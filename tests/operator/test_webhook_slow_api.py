@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 WEBHOOK_TIMEOUT_SECONDS = 10  # the chart's webhook.timeoutSeconds (tests/chart holds the budget below it)
 
 
-async def test_a_pool_read_the_api_server_does_not_answer_denies_the_pod_before_the_webhook_times_out_and_a_watched_pool_needs_none(
+async def test_an_unanswered_pool_read_denies_before_the_webhook_times_out_and_a_watched_pool_needs_no_read(
         tmp_path: Path) -> None:
     answered = asyncio.Event()  # released when the test ends: the API server never answers before
 
@@ -37,7 +37,7 @@ async def test_a_pool_read_the_api_server_does_not_answer_denies_the_pod_before_
             denied = await cluster.webhook.admit(vllm_pod("slow"))
             assert denied["allowed"] is False
             assert denied["status"]["code"] == 503
-            assert f"did not answer the kv-offload operator's reads of KVOffloadPool 'slow'" in \
+            assert "did not answer the kv-offload operator's reads of KVOffloadPool 'slow'" in \
                 denied["status"]["message"]
             assert f"within {READS_TIMEOUT_SECONDS:g} s" in denied["status"]["message"]
             # The pool the operator reconciles is known from its watch: its pods need no read.

@@ -11,9 +11,10 @@ admissions metric.
 On the replica that reconciles, a pod the pool as last watched admits
 (kopf's watch-fed index ``handlers.pool_bodies``, ``watched_pool``) needs no
 read of the pool; a refusal is decided on the pool as read, and the other
-replicas (whose watches are paused) always read it. The admission's API reads (the
-pool there, its modelConfigRef ConfigMap, its targetRef workload) share one budget, ``READS_TIMEOUT_SECONDS``, well below
-the webhook's ``timeoutSeconds``: a slow API server gets the pod a denial
+replicas (whose watches are paused) always read it. The admission's API
+reads (the pool there, its modelConfigRef ConfigMap, its targetRef workload)
+share one budget, ``READS_TIMEOUT_SECONDS``, well below the webhook's
+``timeoutSeconds``: a slow API server gets the pod a denial
 (503, ``pool_unreadable``, counted as webhook error ``api_timeout``) that its
 ReplicaSet retries, never a webhook call the API server gives up on and
 answers by ``failurePolicy``.
