@@ -7,7 +7,7 @@ path ``/inject_sidecar``), and each hands its work to the module named for it:
 (the pod and pool indexes its follower reads),
 ``reconcile`` (a pool's ConfigMap, Secret, Service and status),
 ``model_config_follower``, ``pool_key`` (key rotation), ``drift`` (hand edits of a
-pool's ConfigMap) and ``webhook.admission``
+pool's ConfigMap; its Secret is ``pool_key``'s) and ``webhook.admission``
 (admission of a pod).
 """
 

@@ -23,7 +23,7 @@ from . import leadership
 from .kube_api import api_client
 from .operator_metrics import OperatorMetrics, serve_metrics
 from .options import OperatorOptions
-from .pools import model_config_follower, pool_key, ready_peers
+from .pools import drift, model_config_follower, pool_key, ready_peers
 from .pools.pool_spec import GROUP
 from .webhook.tls_server import webhook_server
 
@@ -49,6 +49,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
         settings.peering.lifetime = options.peering_lifetime_seconds
         settings.peering.stealth = True  # no log line per keep-alive
     settings.scanning.disabled = True
+    # The drift watch sees only the ConfigMaps the operator labels, filtered by the API server.
+    settings.watching.label_selectors["configmaps"] = ",".join(f"{k}={v}" for k, v in drift.MANAGED_BY.items())
     settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
     settings.admission.server, memo.self_signed_dir = webhook_server(
         addr=options.webhook_addr, port=options.webhook_port, host=options.webhook_host,

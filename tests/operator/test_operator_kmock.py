@@ -720,6 +720,10 @@ async def test_a_hand_edited_or_deleted_pool_configmap_is_reverted_within_second
             e for e in events_about(kmock, "llama") if e.get("reason") == "ConfigMapReverted"] or None)
     assert "edit the KVOffloadPool's spec instead" in reverted[0]["message"]
     assert reverted[0]["type"] == "Warning"
+    # The watch asks the API server for the operator's own ConfigMaps only.
+    watches = [r for r in requests_to(kmock, "GET") if r.url.path.endswith("/configmaps") and r.params.get("watch")]
+    assert watches and all(r.params.get("labelSelector") == "app.kubernetes.io/managed-by=kv-offload"
+                           for r in watches)
 
 
 async def test_a_hand_edited_or_deleted_pool_secret_is_read_back_and_reverted_with_the_same_values(
