@@ -188,7 +188,8 @@ FOLDERS = {
     "operator/kv_offload_operator/cli": {"operator", "translate", "fingerprint", "diff", "webhook_cert", "__main__"},
     "operator/kv_offload_operator/pools": {
         "reconcile", "pool_spec", "pool_source", "kv_transfer", "pool_objects", "pool_key",
-        "key_rotation", "model_config", "model_config_follower", "ready_peers", "pool_pod", "pool_api"},
+        "key_rotation", "model_config", "model_config_follower", "ready_peers", "pool_pod", "pool_api",
+        "translation_change", "drift"},
     "operator/kv_offload_operator/webhook": {"admission", "pod_patch", "pod_host", "pod_defaults", "tls_server",
                                              "certificate"},
     "operator/kv_offload_operator/translation": {"vllm_args", "kv_cache_geometry", "translate",

@@ -6,7 +6,8 @@ path ``/inject_sidecar``), and each hands its work to the module named for it:
 ``startup`` (settings, webhook server, API client, followers), ``ready_peers``
 (the pod and pool indexes its follower reads),
 ``reconcile`` (a pool's ConfigMap, Secret, Service and status),
-``model_config_follower``, ``pool_key`` (key rotation) and ``webhook.admission``
+``model_config_follower``, ``pool_key`` (key rotation), ``drift`` (hand edits of a
+pool's ConfigMap; its Secret is ``pool_key``'s) and ``webhook.admission``
 (admission of a pod).
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import kopf
 
 from . import startup
-from .pools import model_config_follower, pool_key, ready_peers
+from .pools import drift, model_config_follower, pool_key, ready_peers
 from .pools.pool_spec import GROUP, PLURAL, POOL_LABEL, VERSION
 from .pools.reconcile import reconcile
 from .webhook import admission
@@ -54,6 +55,13 @@ def pool_peer_status(namespace: str, name: str, status: kopf.Status, **_: Any) -
     return {(namespace, name): ready_peers.pool_peer_status(status)}
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+def pool_bodies(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    """Each pool as last watched, by (namespace, pool name): what the webhook reads instead of
+    the API on the replica that reconciles (``admission``)."""
+    return {(namespace, name): admission.watched_pool(body)}
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -82,15 +90,26 @@ async def track_key_rotations(event: kopf.RawEvent, namespace: str, name: str, a
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def track_pool_conditions(event: kopf.RawEvent, namespace: str, name: str, status: kopf.Status,
                                 memo: kopf.Memo, **_: Any) -> None:
-    """Count pools by the condition their status shows (the ``kv_offload_operator_pools`` gauge)."""
+    """Count pools by the condition their status shows (the ``kv_offload_operator_pools`` gauge);
+    a deleted pool's ConfigMap is no longer kept (``drift``)."""
     memo.metrics.track_pool(namespace, name, status, deleted=event.get("type") == "DELETED")
+    if event.get("type") == "DELETED":
+        drift.forget_pool(memo, namespace, name)
+
+
+@kopf.on.event("configmaps", labels=drift.MANAGED_BY)
+async def revert_configmap_drift(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Revert a hand edit of a pool's ConfigMap within seconds of it (``drift``)."""
+    await drift.check_configmap(memo, event.get("type"), body)
 
 
 @kopf.on.mutate("pods", labels={POOL_LABEL: kopf.PRESENT}, operations={"CREATE"})
 async def inject_sidecar(body: kopf.Body, labels: Mapping[str, str], namespace: str | None,
-                         patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+                         patch: kopf.Patch, memo: kopf.Memo, pool_bodies: kopf.Index, **_: Any) -> None:
     """Wire a labelled pod into its pool; deny it when the pool is missing or Invalid."""
     pod = json.loads(json.dumps(dict(body)))
-    ops = await admission.answer(pod, labels[POOL_LABEL], namespace or "default", memo)
+    namespace = namespace or "default"
+    watched = next(iter(pool_bodies.get((namespace, labels[POOL_LABEL]), ())), None)
+    ops = await admission.answer(pod, labels[POOL_LABEL], namespace, memo, watched)
     if ops:
         patch.fns.append(lambda raw: apply_patch(raw, ops))

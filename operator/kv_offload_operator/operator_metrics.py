@@ -14,7 +14,11 @@ a pool, pod or namespace name. ``serve_metrics`` runs ``/metrics`` on
 - ``admissions_total{result,reason}``: the webhook's answers.
 - ``webhook_errors_total{reason}``: admissions the webhook could not decide:
   ``api_error`` (the pool could not be read: denied as ``pool_unreadable``),
+  ``api_timeout`` (the API server did not answer the admission's reads within
+  ``admission.READS_TIMEOUT_SECONDS``: denied as ``pool_unreadable``, retried),
   ``internal_error`` (an unexpected exception: denied as ``operator_error``).
+- ``drift_reverted_total{kind}``: hand edits of an operator-owned object
+  reverted within seconds (``pools.drift``: a pool's ConfigMap or Secret edited or deleted).
 - ``pools{condition}``: pools by condition, as their status shows them
   (reported by the replica that reconciles; 0 on the others).
 - ``leader``: 1 on the replica that runs the reconciler, 0 on the others.
@@ -52,7 +56,9 @@ DENIED_REASONS = (
     "operator_error",
 )
 # reason label of webhook_errors.
-WEBHOOK_ERROR_REASONS = ("api_error", "internal_error")
+WEBHOOK_ERROR_REASONS = ("api_error", "api_timeout", "internal_error")
+# kind label of drift_reverted: the operator-owned objects whose hand edits are reverted.
+DRIFT_KINDS = ("ConfigMap", "Secret")
 # condition label of pools: Ready, Invalid, Waiting (Ready=False, retried), Pending (never reconciled).
 POOL_CONDITIONS = ("Ready", "Invalid", "Waiting", "Pending")
 
@@ -101,6 +107,9 @@ class OperatorMetrics:
         self.webhook_errors = Counter(
             "webhook_errors", "Admissions the webhook could not decide (API errors, unexpected exceptions).",
             ["reason"], namespace=ns, registry=registry)
+        self.drift_reverted = Counter(
+            "drift_reverted", "Hand edits of operator-owned objects reverted to the pool's translation.",
+            ["kind"], namespace=ns, registry=registry)
         self.leader = Gauge("leader", "1 on the replica that runs the reconciler, 0 on the others.",
                             namespace=ns, registry=registry)
         self.pools_with_mixed_model_identities = Gauge(
@@ -119,6 +128,8 @@ class OperatorMetrics:
             self.admissions.labels(result="denied", reason=reason)
         for reason in WEBHOOK_ERROR_REASONS:
             self.webhook_errors.labels(reason=reason)
+        for kind in DRIFT_KINDS:
+            self.drift_reverted.labels(kind=kind)
 
     def allowed(self, reason: str) -> None:
         self.admissions.labels(result="allowed", reason=_known(reason, ALLOWED_REASONS)).inc()

@@ -46,6 +46,9 @@ class OperatorOptions:
     key_rotation_check_seconds: float = setting(10.0, "seconds between checks of pools that ask for a pool key "
                                                 "rotation (annotation kv-offload.io/rotate-pool-key) or roll "
                                                 "one out", metavar="S")
+    drift_check_seconds: float = setting(
+        10.0, "seconds between read-backs of each pool Secret (never watched): a hand edit is reverted "
+        "(a pool's ConfigMap is watched and reverted at once)", metavar="S")
     ready_peers_check_seconds: float = setting(
         15.0, "seconds between reads of every running pool sidecar's /metrics (its kvo-metrics port; by the "
         "replica that reconciles): status.readyPeers counts the sidecars that run the pool's fingerprint and "

@@ -18,7 +18,8 @@ from .pools.pool_spec import GROUP, PLURAL
 OPERATOR_RBAC: Mapping[tuple[str, str], tuple[str, ...]] = {
     (GROUP, PLURAL): ("get", "list", "watch", "patch"),
     (GROUP, f"{PLURAL}/status"): ("patch",),
-    ("", "configmaps"): ("get", "create", "patch"),
+    # list and watch: the drift watch of the pools' own ConfigMaps (label-selected, ``pools.drift``).
+    ("", "configmaps"): ("get", "list", "watch", "create", "patch"),
     # The pool Secret: completed and rotated by merge patches, never replaced or deleted.
     ("", "secrets"): ("get", "create", "patch"),
     ("", "services"): ("get", "create", "patch"),

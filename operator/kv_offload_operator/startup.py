@@ -4,9 +4,9 @@
 the startup handler through ``memo.options``; ``configure`` applies all of kopf's
 settings in one place (peering: standalone, or one of several replicas,
 ``leadership``), fills the memo the other handlers use (``api``,
-``metrics``, ``leading``, ``model_config_refs``, ``key_rotations``,
-``pool_key_locks``), serves ``/metrics`` and starts the model-config,
-key-rotation, ready-peers (given kopf's live pod and pool indexes) and
+``metrics``, ``leading``, ``written_configmaps``, ``written_secrets``, ``model_config_refs``,
+``key_rotations``, ``pool_key_locks``), serves ``/metrics`` and starts the model-config,
+key-rotation, Secret drift (``pool_key.follow_drift``), ready-peers (given kopf's live pod and pool indexes) and
 leadership followers; ``shut_down`` undoes it.
 """
 
@@ -23,7 +23,7 @@ from . import leadership
 from .kube_api import api_client
 from .operator_metrics import OperatorMetrics, serve_metrics
 from .options import OperatorOptions
-from .pools import model_config_follower, pool_key, ready_peers
+from .pools import drift, model_config_follower, pool_key, ready_peers
 from .pools.pool_spec import GROUP
 from .webhook.tls_server import webhook_server
 
@@ -49,6 +49,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
         settings.peering.lifetime = options.peering_lifetime_seconds
         settings.peering.stealth = True  # no log line per keep-alive
     settings.scanning.disabled = True
+    # The drift watch sees only the ConfigMaps the operator labels, filtered by the API server.
+    settings.watching.label_selectors["configmaps"] = ",".join(f"{k}={v}" for k, v in drift.MANAGED_BY.items())
     settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
     settings.admission.server, memo.self_signed_dir = webhook_server(
         addr=options.webhook_addr, port=options.webhook_port, host=options.webhook_host,
@@ -61,20 +63,23 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     if options.peering_name is not None:
         await leadership.ensure_peering(memo.api, options.peering_name, options.namespaces, options.clusterwide)
         memo.leadership_follower = asyncio.create_task(leadership.follow(memo), name="leadership-follower")
+    memo.written_configmaps = {}
+    memo.written_secrets = {}
     memo.model_config_refs = {}
     memo.key_rotations = {}
     memo.pool_key_locks = {}
     memo.model_config_follower = asyncio.create_task(model_config_follower.follow(memo),
                                                      name="model-config-follower")
     memo.key_rotation_follower = asyncio.create_task(pool_key.follow(memo), name="key-rotation-follower")
+    memo.secret_drift_follower = asyncio.create_task(pool_key.follow_drift(memo), name="secret-drift-follower")
     memo.ready_peers_follower = asyncio.create_task(ready_peers.follow(memo, pool_sidecars, pools),
                                                     name="ready-peers-follower")
 
 
 async def shut_down(memo: kopf.Memo) -> None:
     """Stop the followers and the metrics server, close the API client, delete a self-signed dev pair."""
-    for task_name in ("model_config_follower", "key_rotation_follower", "ready_peers_follower",
-                      "leadership_follower"):
+    for task_name in ("model_config_follower", "key_rotation_follower", "secret_drift_follower",
+                      "ready_peers_follower", "leadership_follower"):
         follower = getattr(memo, task_name, None)
         if follower is not None:
             follower.cancel()

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from chart_support import CHART, FULLNAME, NAMESPACE, WEBHOOK_DNS, find, kinds
+from kv_offload_operator.webhook.admission import READS_TIMEOUT_SECONDS
 
 
 def test_webhook_sends_only_pool_pods_and_fails_closed(render):
@@ -28,6 +29,11 @@ def test_webhook_sends_only_pool_pods_and_fails_closed(render):
     assert port["targetPort"] == "webhook"
     pod_labels = find(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_the_webhooks_api_reads_give_up_well_before_the_api_server_gives_up_on_the_webhook(render):
+    (hook,) = find(render(), "MutatingWebhookConfiguration")["webhooks"]
+    assert hook["timeoutSeconds"] >= 2 * READS_TIMEOUT_SECONDS
 
 
 SECRET = f"{FULLNAME}-webhook-tls"

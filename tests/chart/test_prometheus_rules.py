@@ -134,7 +134,8 @@ CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, list[dict[str, str]
 # The alert whose expected annotations are spelled out (the others compare labels only).
 WITH_ANNOTATIONS = {"KVOffloadWebhookErrors": {
     "summary": "The kv-offload webhook could not decide on pods (api_error).",
-    "description": "api_error: the operator could not read the pool (RBAC, API server); internal_error: an "
+    "description": "api_error: the operator could not read the pool (RBAC, API server); api_timeout: the API "
+                   "server answered the admission's reads too slowly (the pods are retried); internal_error: an "
                    "exception, in the operator's log. Those pods were refused."}}
 
 

@@ -390,13 +390,13 @@ async def test_a_rolling_update_to_other_weights_shows_each_model_identity_with_
             midway = [{"identity": old, "pods": 3}, {"identity": "", "pods": 1}, {"identity": new, "pods": 1}]
             await wait_for_async("both identities with their pods", lambda: identities() == midway)
             mixed = "kv_offload_operator_pools_with_mixed_model_identities"
-            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 1, log=operator.log)
+            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 1)
 
             for name in ("old-0", "old-1", "old-2"):  # the rollout replaces the old pods
                 assert (await kmock.delete(f"{pods_url}/{name}")).status == 200
             done = [{"identity": "", "pods": 1}, {"identity": new, "pods": 1}]
             await wait_for_async("the new identity alone", lambda: identities() == done)
-            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 0, log=operator.log)
+            await wait_for_metrics(operator.metrics_port, lambda m: value(m, mixed) == 0)
         finally:
             for runner in runners:
                 await runner.cleanup()
@@ -658,3 +658,96 @@ async def test_rotating_the_pool_key_keeps_the_old_key_as_previous_key_until_the
         assert "Pool ns1/llama: pool key rotated for '2026-03-01'" in log
         assert "Pool ns1/llama: the previous pool key expired and was removed." in log
         assert base64.b64encode(before["key"]).decode() not in log  # no key ever reaches the log
+
+
+def events_about(k: kmock.KubernetesEmulator, name: str) -> list[dict[str, Any]]:
+    """The Events the operator posted about the pool ``name``."""
+    events = [json.loads(json.dumps(dict(o.raw))) for (res, _, _), o in list(k.objects.items())
+              if res == kmock.resource("v1/events") and not o.deleted]
+    return [e for e in events if (e.get("involvedObject") or {}).get("name") == name]
+
+
+async def test_an_upgrade_that_retranslates_an_unchanged_spec_says_so_in_a_condition_and_an_event(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        fingerprint = await wait_for_async("the pool status", lambda: status_of(kmock, "llama").get("fingerprint"))
+    st = status_of(kmock, "llama")
+    assert st["translatedBy"].startswith("kv-offload ")
+    assert condition(st, "FingerprintChangedByUpgrade") == {}  # a first translation is no change
+    # What an older operator whose translation differed left behind, for the same spec generation.
+    await merge_patch(kmock, f"{POOLS_URL}/llama/status",
+                      {"status": {"fingerprint": "00000000000000aa", "translatedBy": "kv-offload 0.0.9"}})
+
+    async with OperatorProcess(tmp_path, str(kmock.url)):  # the upgraded operator resumes
+        changed = await wait_for_async("the upgrade condition", lambda: condition(
+            status_of(kmock, "llama"), "FingerprintChangedByUpgrade"))
+        posted = await wait_for_async("the upgrade event", lambda: [
+            e for e in events_about(kmock, "llama") if e.get("reason") == "FingerprintChangedByUpgrade"])
+    assert changed["status"] == "True"
+    for text in ("00000000000000aa", "kv-offload 0.0.9", fingerprint, st["translatedBy"], "generation 1"):
+        assert text in changed["message"], text
+    assert posted[0]["type"] == "Warning" and posted[0]["message"] == changed["message"]
+    assert status_of(kmock, "llama")["fingerprint"] == fingerprint
+
+
+async def test_a_hand_edited_or_deleted_pool_configmap_is_reverted_within_seconds_counted_and_reported(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    cm_url = f"/api/v1/namespaces/{NAMESPACE}/configmaps/llama-offloading-config"
+    async with OperatorProcess(tmp_path, str(kmock.url)) as operator:
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        written = await wait_for_async("the pool ConfigMap", lambda: (
+            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data"))
+        # A hand edit: the config changed and a key added.
+        await merge_patch(kmock, cm_url, {"data": {"offloading_config.json": "{}", "extra": "x"}})
+        await wait_for_async("the edit reverted", lambda: (
+            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data") == written)
+        # Counted once, or twice when the pool's first reconciliations raced the edit and left a part of it.
+        edited = await wait_for_metrics(operator.metrics_port, lambda s: value(
+            s, "kv_offload_operator_drift_reverted_total", kind="ConfigMap") >= 1, log=operator.log)
+        reverts = value(edited, "kv_offload_operator_drift_reverted_total", kind="ConfigMap")
+        # A hand delete while the pool exists.
+        resp = await kmock.delete(cm_url)
+        assert resp.status == 200, await resp.text()
+        await wait_for_async("the ConfigMap created again", lambda: (
+            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data") == written)
+        samples = await wait_for_metrics(operator.metrics_port, lambda s: value(
+            s, "kv_offload_operator_drift_reverted_total", kind="ConfigMap") == reverts + 1, log=operator.log)
+        assert value(samples, "kv_offload_operator_reconciles_total", result="error") == 0
+        reverted = await wait_for_async("the revert events", lambda: [
+            e for e in events_about(kmock, "llama") if e.get("reason") == "ConfigMapReverted"] or None)
+    assert "edit the KVOffloadPool's spec instead" in reverted[0]["message"]
+    assert reverted[0]["type"] == "Warning"
+    # The watch asks the API server for the operator's own ConfigMaps only.
+    watches = [r for r in requests_to(kmock, "GET") if r.url.path.endswith("/configmaps") and r.params.get("watch")]
+    assert watches and all(r.params.get("labelSelector") == "app.kubernetes.io/managed-by=kv-offload"
+                           for r in watches)
+
+
+async def test_a_hand_edited_or_deleted_pool_secret_is_read_back_and_reverted_with_the_same_values(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    secret_url = f"/api/v1/namespaces/{NAMESPACE}/secrets/llama-pool-key"
+    async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--drift-check-seconds", "0.3"]) as operator:
+        await create(kmock, POOLS_URL, pool_body("llama"))
+        written = await wait_for_async("the pool Secret", lambda: (
+            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data"))
+        # A hand edit: another key, and an entry added.
+        other = base64.b64encode(b"x" * 32).decode()
+        await merge_patch(kmock, secret_url, {"data": {"key": other, "extra": other}})
+        await wait_for_async("the edit reverted", lambda: (
+            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data") == written)
+        edited = await wait_for_metrics(operator.metrics_port, lambda s: value(
+            s, "kv_offload_operator_drift_reverted_total", kind="Secret") >= 1, log=operator.log)
+        reverts = value(edited, "kv_offload_operator_drift_reverted_total", kind="Secret")
+        # A hand delete while the pool exists: created again with the same key, seed and token.
+        resp = await kmock.delete(secret_url)
+        assert resp.status == 200, await resp.text()
+        await wait_for_async("the Secret created again", lambda: (
+            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data") == written)
+        await wait_for_metrics(operator.metrics_port, lambda s: value(
+            s, "kv_offload_operator_drift_reverted_total", kind="Secret") == reverts + 1, log=operator.log)
+    secret = obj(kmock, "v1/secrets", "llama-pool-key")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"

@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 from operator_harness import KTC, LLAMA_ARGS, POOLS, POOLS_URL, merge_patch, obj, pool_body
 from operator_process import SIDECAR_IMAGE
+from waiting import wait_for_async
 from webhook_support import Cluster, serving_cluster, vllm_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
@@ -203,9 +204,14 @@ async def test_a_pool_whose_status_still_declares_another_identity_asks_pods_to_
         cluster: Cluster) -> None:
     url = f"{POOLS_URL}/revised"
     shown = obj(cluster.api, POOLS, "revised")["status"]["declaredModelIdentity"]
+
+    async def refused(pod: dict[str, Any]) -> dict[str, Any] | None:
+        answer = await cluster.webhook.admit(pod)
+        return None if answer["allowed"] else answer
+
     await merge_patch(cluster.api, url, {"status": {"declaredModelIdentity": '{"revision":"old"}'}})
-    try:
-        response = await cluster.webhook.admit(revised_pod("abc123"))
+    try:  # until the operator's watch shows the patched status (it may admit from the pool as last watched)
+        response = await wait_for_async("the webhook seeing the patched status", lambda: refused(revised_pod("abc123")))
     finally:
         await merge_patch(cluster.api, url, {"status": {"declaredModelIdentity": shown}})
     assert response["allowed"] is False

@@ -86,10 +86,12 @@ class Webhook:
         self.port = port
         self.url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
         self.ssl = ssl.create_default_context(cafile=str(ca))
+        # How long a post may take: the API server's own deadline on the webhook call, when a test sets it.
+        self.client_timeout = aiohttp.ClientTimeout()
 
     async def admit(self, pod: dict[str, Any]) -> dict[str, Any]:
         request = review(pod)
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(timeout=self.client_timeout) as session:
             async with session.post(self.url, json=request, ssl=self.ssl) as resp:
                 assert resp.status == 200, await resp.text()
                 answer = await resp.json()

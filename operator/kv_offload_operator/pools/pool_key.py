@@ -11,6 +11,12 @@ them every ``--key-rotation-check-seconds`` and writes the Secret and
 pool. Every Secret write of a pool happens under one lock per pool, and a
 patch carries the ``resourceVersion`` it was planned from, so two writers
 never build on the same old key.
+
+Each Secret this replica writes, or first finds complete, is recorded
+(``memo.written_secrets``); ``follow_drift`` (a startup task) reads each back
+every ``--drift-check-seconds`` on the leading replica and reverts a hand edit
+(an edited, added or removed key; a Secret deleted while its pool exists is
+created again with the same values), reported by ``drift.report``.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 import kopf
 from kubernetes_asyncio import client as k8s
 
-from . import key_rotation, pool_api
+from . import drift, key_rotation, pool_api
 from . import pool_objects as objects
 from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .pool_api import patch_pool_status
@@ -39,7 +45,17 @@ def _lock(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Lock:
     return locks.setdefault((namespace, name), asyncio.Lock())
 
 
-async def _patch_secret(core: k8s.CoreV1Api, current: Any, patch: Mapping[str, Any]) -> None:
+def _remember(memo: kopf.Memo, pool: Mapping[str, Any], data: Mapping[str, Any],
+              annotations: Mapping[str, str] | None) -> None:
+    """Record the pool Secret's data as this replica wrote or found it complete (``follow_drift``)."""
+    meta = pool["metadata"]
+    memo.written_secrets[(meta["namespace"], meta["name"])] = {
+        "owner": objects.owner_reference(pool), "data": {k: v for k, v in data.items() if v is not None},
+        "annotations": {k: v for k, v in (annotations or {}).items() if v is not None}}
+
+
+async def _patch_secret(memo: kopf.Memo, core: k8s.CoreV1Api, current: Any, patch: Mapping[str, Any],
+                        pool: Mapping[str, Any]) -> None:
     """Merge ``patch`` into the Secret read as ``current``; 409 when it changed since (real clusters)."""
     body = {"data": dict(patch.get("data") or {}),
             "metadata": dict(patch.get("metadata") or {})}
@@ -47,6 +63,8 @@ async def _patch_secret(core: k8s.CoreV1Api, current: Any, patch: Mapping[str, A
         body["metadata"]["resourceVersion"] = current.metadata.resource_version
     await core.patch_namespaced_secret(current.metadata.name, current.metadata.namespace, body,
                                        _content_type=MERGE_PATCH)
+    _remember(memo, pool, {**(current.data or {}), **body["data"]},
+              {**(current.metadata.annotations or {}), **(body["metadata"].get("annotations") or {})})
 
 
 async def ensure(memo: kopf.Memo, pool: Mapping[str, Any]) -> None:
@@ -61,6 +79,9 @@ async def ensure(memo: kopf.Memo, pool: Mapping[str, Any]) -> None:
             notes = {key_rotation.ROTATED_FOR_ANNOTATION: requested} if requested is not None else None
             secret = objects.pool_key_secret(pool, secrets.token_bytes(objects.POOL_KEY_BYTES), annotations=notes)
             await create_unless_exists(core.create_namespaced_secret, namespace, secret)
+            made = await read_or_none(core.read_namespaced_secret, name, namespace)  # ours, or one made meanwhile
+            if made is not None:
+                _remember(memo, pool, made.data or {}, made.metadata.annotations)
             return
         if not (current.data or {}).get(objects.POOL_KEY_KEY):
             raise kopf.TemporaryError(f"Secret {name!r} exists without key {objects.POOL_KEY_KEY!r}; the operator "
@@ -68,8 +89,10 @@ async def ensure(memo: kopf.Memo, pool: Mapping[str, Any]) -> None:
                                       delay=60)
         missing = objects.missing_secret_data(current.data)
         if missing:
-            await _patch_secret(core, current, {"data": missing})
+            await _patch_secret(memo, core, current, {"data": missing}, pool)
             log.info(f"Secret {namespace}/{name}: added {', '.join(sorted(missing))}.")
+        elif (namespace, pool["metadata"]["name"]) not in memo.written_secrets:  # an edit since is drift
+            _remember(memo, pool, current.data or {}, current.metadata.annotations)
 
 
 def track(memo: kopf.Memo, event_type: str | None, namespace: str, name: str,
@@ -98,7 +121,7 @@ async def step(memo: kopf.Memo, namespace: str, name: str, pool: dict[str, Any])
             requested=key_rotation.requested_rotation((pool.get("metadata") or {}).get("annotations")),
             now=now, grace_seconds=grace, current_status=shown)
         if step_plan.secret_patch is not None:
-            await _patch_secret(core, secret, step_plan.secret_patch)
+            await _patch_secret(memo, core, secret, step_plan.secret_patch, pool)
             _log_step(namespace, name, step_plan)
     if step_plan.status is not None and _shown(step_plan.status) != _shown(shown):
         await patch_pool_status(api, namespace, name, {"keyRotation": dict(step_plan.status)})
@@ -107,6 +130,50 @@ async def step(memo: kopf.Memo, namespace: str, name: str, pool: dict[str, Any])
 # Steps every tracked pool's rotation each ``key_rotation_check_seconds``, until cancelled.
 FOLLOWER = pool_api.PoolFollower("key_rotations", "key_rotation_check_seconds", step, "the key rotation step")
 follow = FOLLOWER.follow
+
+
+async def follow_drift(memo: kopf.Memo) -> None:
+    """Every ``--drift-check-seconds``, on the leading replica, revert hand edits of the recorded
+    pool Secrets; one pool's failure is logged and the others go on. Runs until cancelled."""
+    while True:
+        await asyncio.sleep(memo.options.drift_check_seconds)
+        if not memo.leading:
+            continue
+        for namespace, name in list(memo.written_secrets):
+            try:
+                await _revert_drift(memo, namespace, name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one pool's API trouble must not stop the others
+                log.exception(f"Pool {namespace}/{name}: reading its Secret back failed; retrying")
+
+
+async def _revert_drift(memo: kopf.Memo, namespace: str, pool_name: str) -> None:
+    core = k8s.CoreV1Api(memo.api)
+    name = objects.secret_name(pool_name)
+    async with _lock(memo, namespace, pool_name):
+        wanted = memo.written_secrets.get((namespace, pool_name))
+        if wanted is None:
+            return
+        current = await read_or_none(core.read_namespaced_secret, name, namespace)
+        if current is None:
+            if not await drift.pool_alive(memo, namespace, pool_name):
+                drift.forget_pool(memo, namespace, pool_name)
+                return
+            pool = {"metadata": {"name": pool_name, "namespace": namespace, "uid": wanted["owner"]["uid"]}}
+            secret = objects.pool_key_secret(pool, b"\0" * objects.POOL_KEY_BYTES, annotations=wanted["annotations"])
+            secret["data"] = dict(wanted["data"])  # the recorded values, the placeholder key replaced
+            await create_unless_exists(core.create_namespaced_secret, namespace, secret)
+            what = "was deleted; created again with the same values"
+        else:
+            changed = drift.changed_keys(current.data or {}, wanted["data"])
+            if not changed:
+                return
+            pool = {"metadata": {"name": pool_name, "namespace": namespace, "uid": wanted["owner"]["uid"]}}
+            await _patch_secret(memo, core, current, {"data": {k: wanted["data"].get(k) for k in changed}}, pool)
+            what = f"was edited by hand (keys {', '.join(changed)}); reverted"
+    drift.report(memo, "Secret", f"{namespace}/{name}", what, wanted["owner"], namespace, f"to the operator's: "
+                 f"rotate the pool key with the pool annotation {key_rotation.ROTATE_ANNOTATION} instead")
 
 
 def _shown(status: Mapping[str, Any] | None) -> dict[str, Any]:

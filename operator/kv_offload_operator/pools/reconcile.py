@@ -9,6 +9,9 @@ follow the pool's DP size. The status (fingerprint, namespace digest,
 the declared model identity, ConfigMap name, conditions; ``readyPeers`` 0 until the ready-peers follower
 counts) goes to ``patch.status`` also when the reconciliation fails, so a
 pool that can never work shows ``Invalid`` with the translator's message.
+``status.translatedBy`` names the operator that translated it; an unchanged
+spec that now translates to another fingerprint is announced (a Warning Event
+and a condition) before the new ConfigMap is written (``translation_change``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from typing import Any
 import kopf
 from kubernetes_asyncio import client as k8s
 
-from . import pool_key
+from . import drift, pool_key
 from . import pool_objects as objects
+from . import translation_change
 from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .model_config import model_config
 from .pool_source import source_release, vllm_source
@@ -35,6 +39,8 @@ from .pool_spec import (
 )
 from ..translation.declared_identity import declared_identity, status_text
 from ..translation.translate import TranslationError, pool_config
+
+log = logging.getLogger(__name__)
 
 
 async def reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: Mapping[str, Any],
@@ -97,8 +103,19 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
         waiting(exc)
         raise
 
+    digests = {key: patch.status.get(key) for key in ("modelConfigDigest", "workloadDigest")}
+    changed = translation_change.fingerprint_change(status, generation, config.fingerprint, digests)
+    if changed is not None:  # said before the ConfigMap the restarted sidecars read changes
+        log.warning(f"Pool {namespace}/{name}: {changed}")
+        try:
+            kopf.warn(pool, reason=translation_change.CONDITION, message=changed)
+        except LookupError:  # outside kopf's tasks (no event poster): the log line and the condition say it
+            pass
+
     core = k8s.CoreV1Api(api)
-    await _ensure_configmap(core, objects.configmap_for(pool, config, declared))
+    configmap = objects.configmap_for(pool, config, declared)
+    drift.remember(memo, configmap)  # before the write: its own watch event is no drift
+    await _ensure_configmap(core, configmap)
     try:
         await pool_key.ensure(memo, pool)
     except kopf.TemporaryError as exc:
@@ -114,8 +131,10 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
     patch.status["vllmVersion"] = f"{release.version} (from {release_source})"
     patch.status["configMap"] = objects.configmap_name(name)
     patch.status["observedGeneration"] = generation
+    patch.status["translatedBy"] = translation_change.TRANSLATED_BY
     patch.status["conditions"] = objects.pool_conditions(
-        status.get("conditions"), invalid_message=None, generation=generation, now=now)
+        status.get("conditions"), invalid_message=None, generation=generation, now=now
+    ) + translation_change.change_conditions(status.get("conditions"), changed, generation, now)
     logger.info(f"Pool {namespace}/{name}: fingerprint {config.fingerprint}, "
                 f"ConfigMap {objects.configmap_name(name)} written "
                 f"(vLLM {release.version}'s rules, from {release_source}).")
@@ -127,9 +146,10 @@ async def _ensure_configmap(core: k8s.CoreV1Api, cm: Mapping[str, Any]) -> None:
     if current is None:
         await create_unless_exists(core.create_namespaced_config_map, meta["namespace"], cm)
     elif (current.data or {}) != cm["data"]:
+        added = {key: None for key in current.data or {} if key not in cm["data"]}  # None: merge-patch removes
         await core.patch_namespaced_config_map(
             meta["name"], meta["namespace"],
-            {"data": cm["data"], "metadata": {"ownerReferences": meta["ownerReferences"]}},
+            {"data": {**added, **cm["data"]}, "metadata": {"ownerReferences": meta["ownerReferences"]}},
             _content_type=MERGE_PATCH)
 
 

@@ -7,10 +7,23 @@ fingerprint, it sets another ``PYTHONHASHSEED``, its vLLM container cannot
 be found). The patch itself is built by ``pod_patch``. Every refusal is a
 ``Denial`` naming its reason (``operator_metrics.DENIED_REASONS``) for the
 admissions metric.
+
+On the replica that reconciles, a pod the pool as last watched admits
+(kopf's watch-fed index ``handlers.pool_bodies``, ``watched_pool``) needs no
+read of the pool; a refusal is decided on the pool as read, and the other
+replicas (whose watches are paused) always read it. The admission's API
+reads (the pool there, its modelConfigRef ConfigMap, its targetRef workload)
+share one budget, ``READS_TIMEOUT_SECONDS``, well below the webhook's
+``timeoutSeconds``: a slow API server gets the pod a denial
+(503, ``pool_unreadable``, counted as webhook error ``api_timeout``) that its
+ReplicaSet retries, never a webhook call the API server gives up on and
+answers by ``failurePolicy``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,23 +41,37 @@ from ..translation.declared_identity import declared_identity, status_text
 from ..translation.translate import pool_config
 
 
-class Denial(kopf.AdmissionError):
-    """A refused pod: kopf answers ``message`` with ``code``; ``reason`` labels the metric."""
+# Seconds all API reads of one admission may take together: well below the webhook's timeoutSeconds
+# (the chart's webhook.timeoutSeconds, 10 by default; tests/chart hold it to at least twice this).
+READS_TIMEOUT_SECONDS = 4.0
 
-    def __init__(self, reason: str, message: str, *, code: int) -> None:
+
+class Denial(kopf.AdmissionError):
+    """A refused pod: kopf answers ``message`` with ``code``; ``reason`` labels the metric,
+    ``error`` (when the webhook could not decide) the webhook-errors metric."""
+
+    def __init__(self, reason: str, message: str, *, code: int, error: str | None = None) -> None:
         super().__init__(message, code=code)
         self.reason = reason
+        self.error = error
 
 
-async def answer(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo) -> list[dict[str, Any]]:
+def watched_pool(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the webhook keeps of a watched pool (the ``pool_bodies`` index value): a plain copy."""
+    return {key: json.loads(json.dumps(body.get(key) or {})) for key in ("apiVersion", "kind", "metadata",
+                                                                         "spec", "status")}
+
+
+async def answer(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo,
+                 watched: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """``admit``, with its answer counted in ``memo.metrics`` (admissions, webhook errors)."""
     metrics = memo.metrics
     try:
-        ops = await admit(pod, pool_name, namespace, memo)
+        ops = await admit(pod, pool_name, namespace, memo, watched)
     except Denial as denial:
         metrics.denied(denial.reason)
-        if denial.reason == "pool_unreadable":
-            metrics.webhook_error("api_error")
+        if denial.error is not None:
+            metrics.webhook_error(denial.error)
         raise
     except Exception:
         metrics.denied("operator_error")
@@ -54,14 +81,32 @@ async def answer(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: k
     return ops
 
 
-async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo) -> list[dict[str, Any]]:
+async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: kopf.Memo,
+                watched: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """RFC 6902 operations wiring ``pod`` into the pool ``pool_name`` ([] when already injected);
-    ``kopf.AdmissionError`` when the pod must be denied."""
+    ``kopf.AdmissionError`` when the pod must be denied. ``watched``: the pool as this replica's
+    watch last saw it (used while it leads: its watches run), else None."""
     if patches.is_injected(pod):
         return []
     where = f"KVOffloadPool {pool_name!r} in namespace {namespace!r}"
     try:
-        pool = await get_pool(memo.api, namespace, pool_name)
+        async with asyncio.timeout(READS_TIMEOUT_SECONDS):
+            if watched is not None and memo.leading:
+                try:
+                    return await _admit(pod, dict(watched), namespace, memo, where)
+                except Denial:
+                    pass  # the watch may lag the API by a moment: a refusal is decided on the pool as read
+            return await _admit(pod, await _read_pool(memo, pool_name, namespace, where), namespace, memo, where)
+    except TimeoutError:
+        raise Denial(
+            "pool_unreadable", f"The Kubernetes API server did not answer the kv-offload operator's reads of "
+            f"{where} within {READS_TIMEOUT_SECONDS:g} s; the pod's creation is retried.",
+            code=503, error="api_timeout") from None
+
+
+async def _read_pool(memo: kopf.Memo, pool_name: str, namespace: str, where: str) -> dict[str, Any]:
+    try:
+        return await get_pool(memo.api, namespace, pool_name)
     except ApiException as exc:
         if exc.status == 404:
             raise Denial(
@@ -69,7 +114,11 @@ async def admit(pod: Mapping[str, Any], pool_name: str, namespace: str, memo: ko
                 f"or fix the pod's label {POOL_LABEL}.", code=400) from None
         raise Denial(
             "pool_unreadable", f"The kv-offload operator could not read {where} (HTTP {exc.status} {exc.reason}); "
-            f"check the operator's RBAC and namespaces.", code=500) from None
+            f"check the operator's RBAC and namespaces.", code=500, error="api_error") from None
+
+
+async def _admit(pod: Mapping[str, Any], pool: dict[str, Any], namespace: str, memo: kopf.Memo,
+                 where: str) -> list[dict[str, Any]]:
     problem = invalid_message(pool)
     if problem is not None:
         raise Denial(

@@ -150,9 +150,10 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
     It has no readinessProbe: a native sidecar's readiness counts toward the
     pod's Ready condition, and without a probe the kubelet counts it ready
     from its startupProbe's success for as long as it runs, so nothing the
-    sidecar reports ever takes the vLLM replica out of its Service (only a
-    sidecar restart does, for the seconds until the new process answers; the
-    tier serves misses meanwhile). ``pod``: ports become host ports on the
+    sidecar reports ever takes the vLLM replica out of its Service. A sidecar
+    restart takes the pod out of its Service's ready endpoints until the new
+    sidecar answers its startup probe (seconds); vLLM keeps running and the
+    tier serves misses meanwhile. ``pod``: ports become host ports on the
     host network (``pod_host.host_ports``). ``--prefill-tokens-per-second`` and
     ``--peer-copies`` are always given, defaults included, so the pod spec
     states the fetch-or-recompute rate and sharing policy its sidecar runs.
