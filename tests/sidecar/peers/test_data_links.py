@@ -7,18 +7,11 @@ from __future__ import annotations
 from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.chaos.chunks import chunk_keys
-from sidecar_support import identified, settled
+from sidecar_support import identified, settled, store_zeros
 from waiting import wait_for_async
 
 # Fetch deadline of these tests: an anti-hang bound (a busy machine may answer late).
 REQUEST_DEADLINE_SECONDS = 30.0
-
-
-def _store(sidecar: Sidecar, keys: list[bytes]) -> None:
-    for r in sidecar.reserve(keys):
-        assert r is not None
-        r.view[:] = bytes(len(r.view))
-        r.commit()
 
 
 def _pool(make_settings, *holders: str) -> tuple[list[Sidecar], Sidecar]:
@@ -49,7 +42,7 @@ async def test_a_member_has_no_data_connection_until_its_first_exchange_which_st
     (holder,), asker = _pool(make_settings, "holder")
     async with running(holder), running(asker):
         keys = chunk_keys("on-demand", 4)
-        _store(holder, keys)
+        store_zeros(holder, keys)
         await settled(holder, asker)
         link = asker.peers.connected("holder")
         assert link is not None and link.member and link.data is None
@@ -67,7 +60,7 @@ async def test_an_idle_data_link_closes_on_both_ends_and_the_peer_stays_a_member
     asker.peers.data_links.idle_seconds = 0.5
     async with running(holder), running(asker):
         keys = chunk_keys("idle", 3)
-        _store(holder, keys)
+        store_zeros(holder, keys)
         await settled(holder, asker)
         await _read(asker, keys)
         link = asker.peers.connected("holder")
@@ -78,7 +71,7 @@ async def test_an_idle_data_link_closes_on_both_ends_and_the_peer_stays_a_member
         await wait_for_async("the holder's side of it closed",
                              lambda: holder.data_server.authenticated_connections == 0)
         again = chunk_keys("idle-again", 2)
-        _store(holder, again)
+        store_zeros(holder, again)
         await settled(holder, asker)
         await _read(asker, again)  # opened again on demand
         assert asker.peers.data_links.opened == 2
@@ -89,8 +82,8 @@ async def test_past_the_bound_a_new_data_link_closes_the_least_recently_used_idl
     asker.peers.data_links.max_open = 1
     async with running(a), running(b), running(asker):
         at_a, at_b = chunk_keys("at-a", 3), chunk_keys("at-b", 3)
-        _store(a, at_a)
-        _store(b, at_b)
+        store_zeros(a, at_a)
+        store_zeros(b, at_b)
         await settled(a, b, asker)
         link_a, link_b = asker.peers.connected("a"), asker.peers.connected("b")
         await _read(asker, at_a)

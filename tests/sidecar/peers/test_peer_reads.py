@@ -10,19 +10,12 @@ from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers import peer_reads
 from kv_offload_sidecar.sidecar import UNLOADED_AFTER_DEADLINES, Sidecar
 from kv_offload_tools.chaos.chunks import chunk_keys
-from sidecar_support import Clock, identified, settled
+from sidecar_support import Clock, identified, settled, store_zeros
 from waiting import wait_for_async
 
 # Fetch deadline of the tests that must not see a give-up: an anti-hang bound (a busy
 # machine may take longer than a real deadline to answer, and the test would fail on time).
 REQUEST_DEADLINE_SECONDS = 30.0
-
-
-def _store(sidecar: Sidecar, keys: list[bytes]) -> None:
-    for r in sidecar.reserve(keys):
-        assert r is not None
-        r.view[:] = bytes(len(r.view))
-        r.commit()
 
 
 def _holder_and_asker(make_settings, **asker: object) -> tuple[Sidecar, Sidecar]:
@@ -36,7 +29,7 @@ def _holder_and_asker(make_settings, **asker: object) -> tuple[Sidecar, Sidecar]
 async def _held(holder: Sidecar, asker: Sidecar, tag: str, n: int) -> list[bytes]:
     """``n`` chunk keys stored at ``holder``, once the directory says so to ``asker``."""
     keys = chunk_keys(tag, n)
-    _store(holder, keys)
+    store_zeros(holder, keys)
     await settled(holder, asker)
     return keys
 
@@ -54,8 +47,8 @@ async def test_a_lookup_fetches_its_hits_and_with_cold_copies_the_load_demotes_t
     holder, asker = _holder_and_asker(make_settings, peer_copies="cold")
     async with running(holder), running(asker):
         keys, mine = chunk_keys("chain", 6), chunk_keys("own", 4)
-        _store(holder, keys)
-        _store(asker, mine)
+        store_zeros(holder, keys)
+        store_zeros(asker, mine)
         await settled(holder, asker)
         # The admin lookup only counts: nothing moves.
         assert await asker.lookup(keys, 1.0, fetch=False) == (0, 6)
@@ -130,8 +123,8 @@ async def test_by_default_the_asker_keeps_no_copy_once_loaded_and_the_holder_kee
     holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):
         keys, older = chunk_keys("chain", 6), chunk_keys("older", 3)
-        _store(holder, keys)
-        _store(holder, older)  # stored after keys: keys are colder at the holder
+        store_zeros(holder, keys)
+        store_zeros(holder, older)  # stored after keys: keys are colder at the holder
         await settled(holder, asker)
         assert await asker.lookup(keys, 1.0) == (0, 6)
         pins = await asker.load(keys, 1.0)
@@ -152,9 +145,9 @@ async def test_a_prefix_split_over_two_holders_is_fetched_from_both(make_setting
     a, b, asker = _two_holders_and_an_asker(make_settings)
     async with running(a), running(b), running(asker):
         keys = chunk_keys("conversation", 7)
-        _store(a, keys[:3])  # turn 1 ran on a
-        _store(b, keys[3:5])  # turn 2 on b, which dropped the copies of turn 1 it had loaded
-        _store(asker, keys[5:6])  # and one chunk the asker computed itself
+        store_zeros(a, keys[:3])  # turn 1 ran on a
+        store_zeros(b, keys[3:5])  # turn 2 on b, which dropped the copies of turn 1 it had loaded
+        store_zeros(asker, keys[5:6])  # and one chunk the asker computed itself
         await settled(a, b, asker)
         before = asker.metrics.lookup_messages._value.get()
         assert await asker.lookup(keys, 1.0) == (0, 6)
@@ -173,7 +166,7 @@ async def test_a_run_slower_to_fetch_than_to_recompute_is_a_miss(make_settings):
     holder, asker = _holder_and_asker(make_settings, prefill_tokens_per_second=1e12)
     async with running(holder), running(asker):
         first, second = chunk_keys("first", 4), chunk_keys("second", 4)
-        _store(holder, first + second)
+        store_zeros(holder, first + second)
         await settled(holder, asker)
         decisions = asker.metrics.fetch_decisions
         # The holder is not measured yet: its run is fetched, and measures it.
@@ -195,9 +188,9 @@ async def test_a_route_hint_ranks_the_pods_by_the_prefix_each_holds_and_moves_no
     a, b, asker = _two_holders_and_an_asker(make_settings)
     async with running(a), running(b), running(asker):
         keys = chunk_keys("session", 6)
-        _store(a, keys[:5])
-        _store(b, keys[:2])
-        _store(asker, keys[:1])
+        store_zeros(a, keys[:5])
+        store_zeros(b, keys[:2])
+        store_zeros(asker, keys[:1])
         await settled(a, b, asker)
         order = list(a.store._visible)
         hint = await asker.route_hint(keys, 1.0)
@@ -216,7 +209,7 @@ async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_de
     let_go_after = UNLOADED_AFTER_DEADLINES * REQUEST_DEADLINE_SECONDS
     async with running(holder), running(asker):
         keys, other = chunk_keys("aborted", 3), chunk_keys("other", 1)
-        _store(holder, keys)
+        store_zeros(holder, keys)
         await settled(holder, asker)
         assert await asker.lookup(keys, REQUEST_DEADLINE_SECONDS) == (0, 3)  # the engine never loads it
         await wait_for_async("the fetched chunks in the asker's store", lambda: len(asker.store) == 3)
