@@ -40,6 +40,11 @@ class TransportError(Exception):
     """A lookup or fetch failed or missed its deadline; the client is closed."""
 
 
+class PeerBusy(TransportError):
+    """The holder refused a new data connection for its bounds (``too_many_connections``): it
+    is serving as many as it may, not failing; ask again later."""
+
+
 class IntegrityError(TransportError):
     """A received chunk did not match its checksum; it was not stored."""
 

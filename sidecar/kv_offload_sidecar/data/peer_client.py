@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import PeerDataClient, StoreLike, TransportError
+from kv_offload_sidecar.data.base import PeerBusy, PeerDataClient, StoreLike, TransportError
 from kv_offload_sidecar.data.fetch import PendingChunk, lookup_then_fetch, run_fetch
 
 if TYPE_CHECKING:
@@ -195,7 +195,9 @@ async def answer_or_silence(fut: asyncio.Future[Any], heard: Callable[[], float]
 def raise_if_refused(header: proto.Header, payload: bytes | bytearray | memoryview | None) -> None:
     """TransportError when the holder's frame is an ERROR (it refused) or a CLOSE."""
     if header.type is proto.MessageType.ERROR:
-        raise TransportError(f"peer refused: {proto.decode_error(payload or b'')}")
+        text = proto.decode_error(payload or b"")
+        busy = text.startswith("too_many_connections")
+        raise (PeerBusy if busy else TransportError)(f"peer refused: {text}")
     if header.type is proto.MessageType.CLOSE:
         raise TransportError("peer closed the data connection")
 

@@ -7,6 +7,12 @@ authenticated connections (``ProvenConnections``):
   re-keys): the lanes this sidecar offers plus ``SESSION_CONNECTION_MARGIN``
   (``DEFAULT_CONNECTIONS_PER_SESSION``: the most any client may ask); one more is refused at
   its proof with ``ERROR too_many_connections`` and counted;
+- at most ``MAX_SERVED_SESSIONS`` sessions with connections at once (the readers this sidecar
+  serves, as many as a reader keeps data links to holders): a connection of one more session
+  is refused the same way; the reader takes it as a busy holder (``base.PeerBusy``: a miss,
+  the holder not blamed), and what it then computes itself it holds and publishes, so a chunk
+  more pods want than its holder serves gains holders. Readers close idle links (10 s), which
+  frees their places;
 - every ``SWEEP_SECONDS`` a server ends (counted and logged like a refusal) the connections
   whose session ended, i.e. its pool key was retired and the grace passed
   (``peers.sessions.RETIRE_GRACE_SECONDS``): within the grace plus ``SWEEP_SECONDS``; reason
@@ -43,6 +49,8 @@ SILENT_CLOSE_SECONDS = 5.0
 SWEEP_SECONDS = 0.5
 # Authenticated connections a session may hold beyond the lanes offered (a reconnect overlapping).
 SESSION_CONNECTION_MARGIN = 2
+# Sessions that may hold authenticated connections at once (readers served together).
+MAX_SERVED_SESSIONS = 64
 # Authenticated connections per session unless the server is told its offer of lanes.
 DEFAULT_CONNECTIONS_PER_SESSION = MAX_DATA_LANES + SESSION_CONNECTION_MARGIN
 
@@ -86,18 +94,25 @@ class ProvenConnections:
     sessions and silence (see the module). A connection is any object with ``session_id``
     and ``heard`` (the monotonic time it last received a frame)."""
 
-    def __init__(self, authorize: Authorize, per_session: int = DEFAULT_CONNECTIONS_PER_SESSION) -> None:
-        if per_session < 1:
-            raise ValueError(f"connections_per_session={per_session}; use at least 1")
+    def __init__(self, authorize: Authorize, per_session: int = DEFAULT_CONNECTIONS_PER_SESSION,
+                 max_sessions: int = MAX_SERVED_SESSIONS) -> None:
+        if per_session < 1 or max_sessions < 1:
+            raise ValueError(f"connections_per_session={per_session}, max_sessions={max_sessions}; "
+                             "use at least 1 each")
         self._authorize = authorize
         self.per_session = per_session
+        self.max_sessions = max_sessions
         self._by_session: dict[bytes, set[Any]] = {}
 
     def __len__(self) -> int:
         return sum(len(held) for held in self._by_session.values())
 
     def admit(self, conn: Any) -> None:
-        """Count ``conn`` under its session; ``ProtocolError('too_many_connections')`` past the bound."""
+        """Count ``conn`` under its session; ``ProtocolError('too_many_connections')`` past a bound."""
+        if bytes(conn.session_id) not in self._by_session and len(self._by_session) >= self.max_sessions:
+            raise proto.ProtocolError(
+                "too_many_connections", f"this holder serves {len(self._by_session)} peers' data connections, "
+                f"the most it serves at once (MAX_SERVED_SESSIONS); ask again once one closed")
         held = self._by_session.setdefault(bytes(conn.session_id), set())
         if len(held) >= self.per_session:
             raise proto.ProtocolError(

@@ -7,7 +7,8 @@ no socket is held. ``DataLinks.acquire`` opens the data connection with its lane
 while it opens share that one open, each waiting no longer than its own deadline. The open
 itself is bounded by ``SidecarSettings.handshake_timeout_seconds``; one that fails reports
 the peer (``PeerManager.report_failure``: it leaves the membership and backs off) unless
-this sidecar's own loop stalled meanwhile (``loop_stalls``).
+this sidecar's own loop stalled meanwhile (``loop_stalls``) or the holder refused it as busy
+(``PeerBusy``: it serves ``data.serving.MAX_SERVED_SESSIONS`` readers already; a miss).
 
 - **Idle.** A data connection with no exchange for ``idle_seconds`` (``DATA_IDLE_SECONDS``,
   40 heartbeat periods: a peer read from every few seconds keeps its link, one read from
@@ -32,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from kv_offload_sidecar.data.base import PeerBusy
 from kv_offload_sidecar.data.lanes import data_lanes_of, lane_count, lanes_offered
 from kv_offload_sidecar.peers.liveness import HEARTBEAT_SECONDS
 
@@ -154,7 +156,7 @@ class DataLinks:
             if link.opening is asyncio.current_task():
                 link.opening = None
                 self._forget(link)
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and not isinstance(exc, PeerBusy):  # busy: a miss, no blame
                 self._on_failed(link, f"data connect: {type(exc).__name__}: {exc}", started)
             raise
         link.opening = None

@@ -12,10 +12,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 from kv_offload_sidecar.data import TransportError, connect, make_server
 from kv_offload_sidecar.data import serving
+from kv_offload_sidecar.data.base import PeerBusy
+from kv_offload_sidecar.data.protocol import ProtocolError
 from kv_offload_sidecar.data.serving import DEFAULT_CONNECTIONS_PER_SESSION
 from kv_offload_sidecar.keepalive import USER_TIMEOUT_SECONDS
 from kv_offload_sidecar.peers.liveness import LOST_AFTER_SECONDS
@@ -42,7 +45,8 @@ async def test_a_session_holds_at_most_its_bound_of_connections_and_one_more_is_
     clients = [await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
                for _ in range(DEFAULT_CONNECTIONS_PER_SESSION)]
     try:
-        with pytest.raises(TransportError, match="too_many_connections.*connections_per_session=10"):
+        # Refused as a busy holder (PeerBusy): its reader takes it as a miss, not a failure.
+        with pytest.raises(PeerBusy, match="too_many_connections.*connections_per_session=10"):
             await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
         assert peer.metrics()["protocol_errors"]["too_many_connections"] == 1
         await clients.pop().close()  # a place is free again
@@ -117,3 +121,23 @@ async def test_both_ends_of_a_data_connection_carry_keepalive_and_a_user_timeout
         wait_for("the server's end on a keepalive timer", lambda: "timer:(keepalive" in subprocess.run(
             ["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
             capture_output=True, text=True, check=True).stdout)
+
+
+def test_a_holder_serves_at_most_its_bound_of_sessions_and_a_closed_one_frees_a_place() -> None:
+    class Conn(SimpleNamespace):
+        __hash__ = object.__hash__
+
+    def conn(session: bytes) -> Conn:
+        return Conn(session_id=session, heard=time.monotonic())
+
+    proven = serving.ProvenConnections(lambda session_id: True, per_session=4, max_sessions=2)
+    a, b = conn(b"a" * 16), conn(b"b" * 16)
+    proven.admit(a)
+    proven.admit(b)
+    proven.admit(conn(b"a" * 16))  # another lane of a session served already
+    third = conn(b"c" * 16)
+    with pytest.raises(ProtocolError, match="too_many_connections: this holder serves 2 peers"):
+        proven.admit(third)
+    proven.leave(b)  # the reader closed its idle link
+    proven.admit(third)
+    assert serving.MAX_SERVED_SESSIONS == 64 and len(proven) == 3

@@ -126,3 +126,19 @@ async def test_a_member_gone_with_no_data_link_and_no_messages_is_dropped_by_its
         await wait_for_async("the gone member dropped by its probe",
                              lambda: asker.location.status()["members"] == 1 and not link.member)
         assert "locate" in link.last_error
+
+
+async def test_a_holder_serving_its_most_readers_is_a_miss_for_one_more_not_a_lost_peer(make_settings):
+    (holder, reader), asker = _pool(make_settings, "holder", "reader")
+    async with running(holder), running(reader), running(asker):
+        holder.data_server._proven.max_sessions = 1  # serves one reader at a time (64 by default)
+        keys = chunk_keys("busy-holder", 3)
+        store_zeros(holder, keys)
+        await settled(holder, reader, asker)
+        await _read(reader, keys)  # the reader's data link holds the holder's one place
+        assert await asker.lookup(keys, REQUEST_DEADLINE_SECONDS) == (0, 0)  # refused as busy: a miss
+        link = asker.peers.connected("holder")
+        assert link is not None and link.member and link.failures == 0 and link.data is None
+        reader.peers.data_links.close(reader.peers.connected("holder"))  # the reader's link went idle
+        await wait_for_async("the holder's place freed", lambda: holder.data_server.authenticated_connections == 0)
+        await _read(asker, keys)
