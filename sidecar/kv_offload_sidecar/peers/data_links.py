@@ -170,6 +170,14 @@ class DataLinks:
         log.info("peer %s (%s): data link open (%d lanes)", link.address, link.identity, data_lanes_of(data))
         return data
 
+    def check_dialable(self, address: str) -> None:
+        """TransportError (or ValueError) unless this sidecar can dial the peer's data address:
+        its TLS setting and the address's scheme agree. A peer it cannot dial is no member (it
+        would own buckets and name holders that nobody here can read)."""
+        from kv_offload_sidecar.data.address import check_tls_policy, parse_address
+
+        check_tls_policy(address, parse_address(address)[0], self._data_options().get("ssl"))
+
     async def connect(self, session: Session) -> Any:
         """A new data client for ``session`` (the lanes both offer), bounded by the handshake timeout."""
         from kv_offload_sidecar.data import connect as data_connect

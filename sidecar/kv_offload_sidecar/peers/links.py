@@ -428,6 +428,7 @@ class PeerManager:
         if other is not None and other is not link:
             link.identity = remote.identity
             raise HandshakeError("alias", f"{remote.identity} already connected via {other.address}")
+        self.data_links.check_dialable(remote.data_address)  # a TLS pod and a plain one: no members
         self._metrics.handshakes.labels(result="accepted", reason="ok").inc()
         return remote, session
 
