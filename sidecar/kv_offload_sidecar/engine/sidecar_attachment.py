@@ -202,7 +202,10 @@ class Attachment:
                   fn: Callable[[int, memoryview], None]) -> BaseException | None:
         """``fn(i, view of slots[i])`` for each slot (None: skipped) until one raises; returns
         that error of the engine's own (the caller gives the slots back, then raises it);
-        ConnectionError when the store was let go (``gone``, or closed)."""
+        ConnectionError when the store was let go (``gone``, or closed) and a slot is to be read
+        (an answer of no slots, a load the sidecar answered empty while it stopped, reads none)."""
+        if not any(slot is not None for slot in slots):
+            return None
         with self._lock:
             if self._unmapped:
                 raise ConnectionError(f"the store of sidecar {self.instance} was let go "
