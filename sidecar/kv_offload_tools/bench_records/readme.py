@@ -1,0 +1,143 @@
+"""The README's results table, every figure in it read from a bench's newest record.
+
+Each row names the bench, the table and the cells it quotes (``ROWS``); a record whose
+table lacks a row or column a README row quotes is an error naming both, so a bench
+whose output changes shape fails ``--check`` instead of leaving a stale row.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]
+
+
+def _plain(cell: str) -> str:
+    return cell.replace("**", "").strip()
+
+
+def cell(record: Record, table: int, match: dict[str, str], column: str) -> str:
+    """The cell in ``column`` of the row of table ``table`` (from 1) whose cells equal ``match``
+    (bold marks ignored)."""
+    t = record["tables"][table - 1]
+    cols = [_plain(c) for c in t["columns"]]
+    where = f"{record['bench']} record {record['date']}, table {table} ({t.get('title', '')})"
+    for name in [*match, column]:
+        if name not in cols:
+            raise KeyError(f"{where}: no column {name!r}; columns: {cols}")
+    for row in t["rows"]:
+        if all(_plain(row[cols.index(k)]) == v for k, v in match.items()):
+            return _plain(row[cols.index(column)])
+    raise KeyError(f"{where}: no row with {match}")
+
+
+def _seconds(text: str) -> float:
+    m = re.match(r"([\d.]+) s$", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a time in seconds ('0.354 s')")
+    return float(m.group(1))
+
+
+def _span(values: list[float], digits: int) -> str:
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f} s"
+
+
+def _ttft(r: Record) -> str:
+    planes = [row[0] for row in r["tables"][2]["rows"]]
+    at = {col: [_seconds(cell(r, 3, {"plane": p, "prefix (KV)": "512 MiB"}, col)) for p in dict.fromkeys(planes)]
+          for col in ("recompute", "peer hit", "own-sidecar hit")}
+    return (f"recompute {_span(at['recompute'], 1)}; **peer hit {_span(at['peer hit'], 2)}**; "
+            f"own-sidecar hit {_span(at['own-sidecar hit'], 2)}")
+
+
+def _hit_ratio(r: Record) -> str:
+    def at(table: int, col: str) -> str:
+        return cell(r, table, {"replicas": "8"}, col)
+    local = f"{at(1, 'local only').split()[0]} / {at(2, 'local only').split()[0]}"
+    return (f"**{at(1, 'P2P / pooled')}x** on conversations, **{at(2, 'P2P / pooled')}x** on the "
+            f"Mooncake trace; local-only caches {local}")
+
+
+def _routing(r: Record) -> str:
+    def at(routing: str, col: str) -> str:
+        return cell(r, 3, {"routing": routing}, col)
+    return (f"a hit moves **{at('prefix-hint', 'bytes moved per hit')}** between pods against "
+            f"{at('round-robin', 'bytes moved per hit')} round-robin, at hit ratio "
+            f"{at('prefix-hint', 'kv-offload P2P')} against {at('round-robin', 'kv-offload P2P')}")
+
+
+def _scale(r: Record) -> str:
+    def at(pods: str, col: str) -> str:
+        return cell(r, 1, {"pods": pods}, col)
+    return (f"location memory per sidecar **{at('1,024', 'location memory / sidecar')}** at 1,024 pods "
+            f"({at('16', 'location memory / sidecar')} at 16); control traffic "
+            f"{at('1,024', 'control traffic / pod (in + out)')} per pod")
+
+
+def _gpu(r: Record) -> str:
+    def at(col: str) -> str:
+        return cell(r, 1, {"Llama-3.1-8B": "16K (2 GiB)"}, col)
+    hit = at("8 lanes")
+    return (f"recompute {at('recompute')}; **peer hit {hit.split(' (')[0]} ({at('speedup (8 lanes)')} faster, "
+            f"{hit.split(' (')[1].rstrip(')')})** into vLLM-shaped GPU KV cache")
+
+
+def _transport(r: Record) -> str:
+    def at(method: str) -> str:
+        return cell(r, 1, {"chunk": "16 MiB", "method": method}, "x raw TCP")
+    return (f"TCP **{at('kv-offload TCP')}x** raw TCP, UCX shared memory "
+            f"**{at('kv-offload UCX sm (default, one lane)')}x** (two lanes {at('kv-offload UCX sm, two lanes')}x)")
+
+
+# (bench, what was measured, the figures from its newest record, where the method is explained)
+ROWS: tuple[tuple[str, str, Callable[[Record], str], str], ...] = (
+    ("vllm", "TTFT of a 512 MiB prefix (vLLM CPU build, one core)", _ttft,
+     "docs/benchmarks.md#time-to-first-token-inside-vllm"),
+    ("replay", "Pool hit ratio vs. one LRU cache of the same total size (8 replicas, round-robin)", _hit_ratio,
+     "docs/benchmarks.md#hit-ratio-where-it-matters-one-copy-per-chunk-fetch-or-recompute-routing-hints"),
+    ("replay", "Routing hints (`/v1/route`), 8 replicas, conversations", _routing,
+     "docs/benchmarks.md#hit-ratio-where-it-matters-one-copy-per-chunk-fetch-or-recompute-routing-hints"),
+    ("scale", "Chunk directory at 1,024 pods x 100k chunks", _scale,
+     "docs/benchmarks.md#a-pool-of-1000-pods-where-is-what-that-stays-small"),
+    ("gpu", "Peer hit on an **H200**, Llama-3.1-8B, 16K tokens (2 GiB of KV, tcp over loopback, 8 lanes)", _gpu,
+     "docs/benchmarks.md#a-peer-hit-on-a-gpu-kv-offload-bench-gpu"),
+    ("transport", "Transfer rate, 16 MiB chunks, checksums verified, holder and fetcher on a core each",
+     _transport, "docs/benchmarks.md#performance"),
+)
+# Rows not from a bench record: (what, measured, link text, link).
+STATIC_ROWS = (
+    ("Fault injection (kills, flips, truncations, floods) and 10,000 fuzzed messages",
+     "**0 corrupt chunks delivered, 0 lost, 0 crashes**", "Reliability", "docs/reliability.md"),
+)
+
+
+def results_md(newest: dict[str, Record], directory: Path, page: Path) -> str:
+    """The results table: one row per ``ROWS`` entry from ``newest`` (bench -> its newest
+    record), then ``STATIC_ROWS``; links relative to ``page``."""
+    def rel(target: str) -> str:
+        path, _, anchor = target.partition("#")
+        out = os.path.relpath(_repo(directory) / path, page.parent)
+        return out + (f"#{anchor}" if anchor else "")
+
+    lines = ["| what | measured | run, method |", "|---|---|---|"]
+    for bench, what, figures, method in ROWS:
+        if bench not in newest:
+            raise KeyError(f"README row {what!r} quotes bench {bench!r}, which has no record in {directory}")
+        r = newest[bench]
+        text = figures(r)
+        if r.get("notes", {}).get("readme"):
+            text += f" ({r['notes']['readme']})"
+        record_page = os.path.relpath(Path(directory) / Path(r["path"]).with_suffix(".md"), page.parent)
+        lines.append(f"| {what} | {text} | [{r['date']}]({record_page}), [method]({rel(method)}) |")
+    for what, measured, name, link in STATIC_ROWS:
+        lines.append(f"| {what} | {measured} | [{name}]({rel(link)}) |")
+    return "\n".join(lines)
+
+
+def _repo(directory: Path) -> Path:
+    """The repository root of a records directory (``<repo>/docs/benchmarks``)."""
+    return Path(directory).resolve().parents[1]
