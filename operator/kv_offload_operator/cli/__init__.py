@@ -59,6 +59,8 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+# What stores a bench's run as a dated record (``kv-offload bench NAME --record DIR``).
+RECORDER = "kv_offload_tools.bench_records.recorder"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,11 +69,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_lazy(sub: argparse._SubParsersAction, name: str, module: str, help_: str,
-              wanted: str | None) -> None:
+              wanted: str | None) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_, description=help_)
     p.set_defaults(_module=module)
     if wanted == name:  # only the chosen command imports its module
         importlib.import_module(module).add_arguments(p)
+    return p
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
@@ -84,7 +87,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=_Parser)
     wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
     for name, (module, help_) in BENCHES.items():
-        _add_lazy(bench_sub, name, module, help_, wanted_bench)
+        p = _add_lazy(bench_sub, name, module, help_, wanted_bench)
+        if wanted_bench == name:  # every bench can store its run as a dated record
+            importlib.import_module(RECORDER).add_record_flag(p)
     return parser
 
 
@@ -97,7 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if module is None:
             parser.print_help(sys.stderr)
             return 2
-        return int(importlib.import_module(module).run(args) or 0)
+        run = importlib.import_module(module).run
+        if getattr(args, "record", ""):
+            return importlib.import_module(RECORDER).recorded(args, argv, run)
+        return int(run(args) or 0)
     except UsageError as exc:
         print(" ".join(str(exc).split()), file=sys.stderr)
         return 2

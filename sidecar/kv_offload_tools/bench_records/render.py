@@ -64,6 +64,9 @@ def record_page(record: dict[str, Any]) -> str:
              table_md({"columns": ["", ""], "rows": rows}), ""]
     for i, table in enumerate(record.get("tables", []), 1):
         lines += [f"## {table.get('title') or f'Table {i}'}", "", table_md(table), ""]
+    if not record.get("tables") and record.get("report") is not None:
+        lines += ["No table renderer for this bench yet (`bench_records/tables.py`): its figures "
+                  "are the `report` in the JSON beside this page.", ""]
     if record.get("output"):
         lines += ["## Output", "", "```text", record["output"].rstrip("\n"), "```", ""]
     for where, note in sorted(record.get("notes", {}).items()):

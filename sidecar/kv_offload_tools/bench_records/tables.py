@@ -1,0 +1,62 @@
+"""A bench's JSON report as the tables its record shows, for the benches that have a renderer.
+
+``tables(bench, report)`` returns ``[]`` for a bench without one: its record keeps the
+report and its page says where the figures are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Table = dict[str, Any]
+
+# bench transport's method names as its figures table has always named them.
+TRANSPORT_LABELS = {
+    "raw_tcp": "raw TCP", "memcpy": "memcpy (one core)", "tcp": "kv-offload TCP",
+    "tcp+tls": "kv-offload TCP under TLS", "tcp_2lanes": "kv-offload TCP, 2 lanes",
+    "tcp_4lanes": "kv-offload TCP, 4 lanes", "tls_2lanes": "kv-offload TCP under TLS, 2 lanes",
+    "ucx_sm": "kv-offload UCX sm (default, one lane)", "ucx_sm_2lanes": "kv-offload UCX sm, two lanes",
+    "ucx_sm_limit": "bare ucxx, two lanes, verified (limit)",
+    "ucx_sm_tagsend": "bare ucxx tag send/recv, one lane, unverified", "ucx_tcp": "kv-offload UCX tcp",
+    "aiohttp_get": "aiohttp, one GET per chunk", "nixl": "kv-offload NIXL, verified",
+    "nixl_unverified": "kv-offload NIXL, unverified", "nixl_bare": "bare NIXL READ, one agent",
+}
+# Rows shown inside another row's label instead: raw TCP with N streams, beside N lanes.
+_STREAMS_IN_LABEL = {"tcp_2lanes": ("raw_tcp_2streams", 2), "tcp_4lanes": ("raw_tcp_4streams", 4)}
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KiB"
+
+
+def transport(report: dict[str, Any]) -> list[Table]:
+    """GB/s, ratio to raw TCP and CPU per GB of each method and chunk size."""
+    results = report.get("results", [])
+    gbps = {(r["method"], r["chunk_bytes"]): r["gbps_median"] for r in results}
+    hidden = {twin for twin, _ in _STREAMS_IN_LABEL.values()}
+    rows = []
+    for r in results:
+        method, size = r["method"], r["chunk_bytes"]
+        if method in hidden:
+            continue
+        label = TRANSPORT_LABELS.get(method, method)
+        twin, streams = _STREAMS_IN_LABEL.get(method, ("", 0))
+        if (twin, size) in gbps:
+            label += f" (raw TCP, {streams} streams: {gbps[(twin, size)]:.2f})"
+        holder = "-" if method == "memcpy" else f"{r['holder_cpu_seconds_per_gb']:.2f}"
+        rows.append([_size(size), label, f"{r['gbps_median']:.2f}", f"{r['ratio_to_raw_tcp']:.2f}",
+                     f"{holder} / {r['fetcher_cpu_seconds_per_gb']:.2f}"])
+    return [{"title": "Performance", "columns": ["chunk", "method", "GB/s (median)", "x raw TCP",
+                                                 "CPU-s/GB holder / fetcher"],
+             "align": ["---"] * 5, "rows": rows}]
+
+
+# bench -> its report's tables.
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[Table]]] = {"transport": transport}
+
+
+def tables(bench: str, report: dict[str, Any] | None) -> list[Table]:
+    """The tables of ``bench``'s report; ``[]`` without a report or a renderer."""
+    renderer = RENDERERS.get(bench)
+    return renderer(report) if renderer and isinstance(report, dict) else []

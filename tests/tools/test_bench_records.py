@@ -1,0 +1,160 @@
+"""Bench records: the README's results, the benchmarks page's tables and each record's page
+equal what the dated JSON records render; a bench run with --record writes one."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kv_offload_operator import cli
+from kv_offload_tools import bench_records as records
+from kv_offload_tools.bench_records.readme import results_md
+from kv_offload_tools.bench_records.render import expected, render_blocks
+from kv_offload_tools.bench_records.tables import transport
+
+REPO = records.REPO
+# Tables on docs/benchmarks.md that hold no measured figures (settings, not results).
+NOT_FIGURES = ("| where the peers are |",)
+
+
+def test_the_readme_the_benchmarks_page_and_every_record_page_equal_what_the_records_render():
+    stale = [str(path.relative_to(REPO)) for path, text in expected().items()
+             if not path.exists() or path.read_text() != text]
+    assert stale == [], ("these differ from what docs/benchmarks/*/*.json render; run "
+                         "`python -m kv_offload_tools.bench_records --write` (after editing the JSON, "
+                         "not the rendered text)")
+
+
+def test_every_figure_table_of_the_benchmarks_page_is_rendered_from_a_record():
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    outside = re.sub(r"<!-- bench:[^>]*-->\n.*?<!-- /bench -->", "", text, flags=re.S)
+    lines = outside.splitlines()
+    headers = [ln for ln, below in zip(lines, lines[1:])
+               if re.match(r"^\|[-:|]+\|$", below) and not ln.startswith(NOT_FIGURES)]
+    assert headers == [], "a table typed by hand: make it a record's table and a bench block"
+
+
+def test_the_readme_results_are_a_rendered_block():
+    readme = (REPO / "README.md").read_text()
+    assert re.search(r"<!-- bench:results -->\n\| what \|.*\n<!-- /bench -->", readme, re.S)
+
+
+def test_every_imported_record_says_where_its_figures_were_typed_and_is_dated_by_a_commit():
+    for bench in records.benches():
+        for path in records.record_paths(records.RECORDS_DIR, bench):
+            r = records.load(path)
+            assert r["bench"] == bench and path.name.startswith(r["date"])
+            if r["imported"]:
+                assert r["imported"].startswith("docs/benchmarks.md at ") and re.fullmatch(r"[0-9a-f]{40}",
+                                                                                            r["commit"])
+
+
+def _transport_report(tcp: float, ucx: float, ucx2: float) -> dict:
+    def row(method: str, size: int, ratio: float) -> dict:
+        return {"method": method, "chunk_bytes": size, "gbps_median": 2.0 * ratio, "ratio_to_raw_tcp": ratio,
+                "holder_cpu_seconds_per_gb": 0.2, "fetcher_cpu_seconds_per_gb": 0.1}
+    return {"results": [row("raw_tcp", 16 << 20, 1.0), row("raw_tcp_2streams", 16 << 20, 1.5),
+                        row("tcp", 16 << 20, tcp), row("tcp_2lanes", 16 << 20, 1.3),
+                        row("ucx_sm", 16 << 20, ucx), row("ucx_sm_2lanes", 16 << 20, ucx2)]}
+
+
+def _copy_of_the_records(tmp_path: Path) -> Path:
+    directory = tmp_path / "docs" / "benchmarks"
+    shutil.copytree(records.RECORDS_DIR, directory)
+    return directory
+
+
+def test_a_newer_transport_record_is_what_the_readme_transfer_row_quotes(tmp_path):
+    directory = _copy_of_the_records(tmp_path)
+    records.write(directory, {"bench": "transport", "date": "2099-01-02", "commit": "", "host": {"cores": 2},
+                              "command": "kv-offload bench transport", "imported": "",
+                              "tables": transport(_transport_report(1.25, 2.5, 3.75)), "notes": {}})
+    page = tmp_path / "README.md"
+    table = results_md(records.latest(directory), directory, page)
+    assert "TCP **1.25x** raw TCP, UCX shared memory **2.50x** (two lanes 3.75x)" in table
+    assert "[2099-01-02](docs/benchmarks/transport/2099-01-02.md)" in table
+
+
+def test_a_record_without_a_row_the_readme_quotes_is_an_error_naming_the_row(tmp_path):
+    directory = _copy_of_the_records(tmp_path)
+    report = _transport_report(1.0, 2.0, 3.0)
+    report["results"] = [r for r in report["results"] if r["method"] != "ucx_sm"]
+    records.write(directory, {"bench": "transport", "date": "2099-01-02", "commit": "", "host": {},
+                              "command": "", "imported": "", "tables": transport(report), "notes": {}})
+    with pytest.raises(KeyError, match=r"transport record 2099-01-02, table 1.*'kv-offload UCX sm \(default"):
+        results_md(records.latest(directory), directory, tmp_path / "README.md")
+
+
+def test_rendering_a_rendered_page_changes_nothing_and_a_block_names_an_unknown_bench(tmp_path):
+    page = REPO / "docs" / "benchmarks.md"
+    assert render_blocks(page.read_text(), records.RECORDS_DIR, page) == page.read_text()
+    with pytest.raises(KeyError, match="bench:nosuch names no bench"):
+        render_blocks("<!-- bench:nosuch table:1 -->\n<!-- /bench -->", records.RECORDS_DIR, page)
+
+
+def test_the_transport_table_shows_lanes_beside_raw_tcp_with_as_many_streams():
+    rows = transport(_transport_report(1.0, 2.0, 3.0))[0]["rows"]
+    assert ["16 MiB", "kv-offload TCP, 2 lanes (raw TCP, 2 streams: 3.00)", "2.60", "1.30", "0.20 / 0.10"] in rows
+    assert not any("raw_tcp_2streams" in r[1] for r in rows)
+
+
+@pytest.fixture
+def fake_benches(tmp_path, monkeypatch):
+    """Two benches the dispatcher knows: one with --json, one that prints text only."""
+    (tmp_path / "fake_json_bench.py").write_text(textwrap.dedent("""
+        import json
+        def add_arguments(p):
+            p.add_argument("--json", action="store_true")
+            p.add_argument("--size", type=int, default=1)
+        def run(args):
+            print(json.dumps({"size": args.size}) if args.json else f"size {args.size}")
+            return 1
+    """))
+    (tmp_path / "fake_text_bench.py").write_text(textwrap.dedent("""
+        def add_arguments(p):
+            pass
+        def run(args):
+            print("figures: 42")
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.BENCHES, "fakejson", ("fake_json_bench", "a bench with --json"))
+    monkeypatch.setitem(cli.BENCHES, "faketext", ("fake_text_bench", "a bench without"))
+    yield tmp_path
+    for name in ("fake_json_bench", "fake_text_bench"):
+        sys.modules.pop(name, None)
+
+
+def test_a_bench_run_with_record_writes_the_days_json_and_page_and_keeps_its_exit_code(fake_benches, capsys):
+    out = fake_benches / "records"
+    assert cli.main(["bench", "fakejson", "--size", "7", "--record", str(out)]) == 1
+    assert json.loads(capsys.readouterr().out) == {"size": 7}  # still printed
+    today = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    r = json.loads((out / "fakejson" / f"{today}.json").read_text())
+    assert (r["bench"], r["date"], r["report"], r["exit_code"], r["imported"]) == ("fakejson", today, {"size": 7},
+                                                                                   1, "")
+    assert r["command"] == f"kv-offload bench fakejson --size 7 --record {out}"
+    assert r["host"]["cores"] >= 1 and "cpu_model" in r["host"] and r["commit"]
+    assert "| measured | " + today + " |" in (out / "fakejson" / f"{today}.md").read_text()
+    assert cli.main(["bench", "fakejson", "--record", str(out)]) == 1
+    assert [p.name for p in records.record_paths(out, "fakejson")] == [f"{today}.json", f"{today}-2.json"]
+
+
+def test_a_bench_without_json_is_recorded_with_what_it_printed(fake_benches):
+    out = fake_benches / "records"
+    assert cli.main(["bench", "faketext", "--record", str(out)]) == 0
+    (path,) = records.record_paths(out, "faketext")
+    assert records.load(path)["output"] == "figures: 42\n"
+    assert "figures: 42" in path.with_suffix(".md").read_text()
+
+
+def test_a_bench_run_without_record_writes_nothing(fake_benches, capsys):
+    assert cli.main(["bench", "faketext"]) == 0
+    assert capsys.readouterr().out == "figures: 42\n"
+    assert not (fake_benches / "records").exists()
