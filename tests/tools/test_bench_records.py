@@ -92,6 +92,14 @@ def test_a_record_without_a_row_the_readme_quotes_is_an_error_naming_the_row(tmp
         results_md(records.latest(directory), directory, tmp_path / "README.md")
 
 
+def test_a_newer_record_without_tables_is_an_error_asking_for_a_renderer(tmp_path):
+    directory = _copy_of_the_records(tmp_path)
+    records.write(directory, {"bench": "gpu", "date": "2099-01-02", "commit": "", "host": {}, "command": "",
+                              "imported": "", "tables": [], "report": {}, "notes": {}})
+    with pytest.raises(KeyError, match="gpu record 2099-01-02 has 0 tables.*renderer"):
+        results_md(records.latest(directory), directory, tmp_path / "README.md")
+
+
 def test_rendering_a_rendered_page_changes_nothing_and_a_block_names_an_unknown_bench(tmp_path):
     page = REPO / "docs" / "benchmarks.md"
     assert render_blocks(page.read_text(), records.RECORDS_DIR, page) == page.read_text()

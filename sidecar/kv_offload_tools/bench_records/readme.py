@@ -20,10 +20,18 @@ def _plain(cell: str) -> str:
     return cell.replace("**", "").strip()
 
 
+def _table(record: Record, table: int) -> dict[str, Any]:
+    tables = record.get("tables", [])
+    if not 1 <= table <= len(tables):
+        raise KeyError(f"{record['bench']} record {record['date']} has {len(tables)} tables, the README quotes "
+                       f"table {table}: give the bench a renderer in bench_records/tables.py")
+    return tables[table - 1]
+
+
 def cell(record: Record, table: int, match: dict[str, str], column: str) -> str:
     """The cell in ``column`` of the row of table ``table`` (from 1) whose cells equal ``match``
     (bold marks ignored)."""
-    t = record["tables"][table - 1]
+    t = _table(record, table)
     cols = [_plain(c) for c in t["columns"]]
     where = f"{record['bench']} record {record['date']}, table {table} ({t.get('title', '')})"
     for name in [*match, column]:
@@ -47,7 +55,7 @@ def _span(values: list[float], digits: int) -> str:
 
 
 def _ttft(r: Record) -> str:
-    planes = [row[0] for row in r["tables"][2]["rows"]]
+    planes = [row[0] for row in _table(r, 3)["rows"]]
     at = {col: [_seconds(cell(r, 3, {"plane": p, "prefix (KV)": "512 MiB"}, col)) for p in dict.fromkeys(planes)]
           for col in ("recompute", "peer hit", "own-sidecar hit")}
     return (f"recompute {_span(at['recompute'], 1)}; **peer hit {_span(at['peer hit'], 2)}**; "
