@@ -17,7 +17,7 @@ from kv_offload_operator import cli
 from kv_offload_tools import bench_records as records
 from kv_offload_tools.bench_records.readme import results_md
 from kv_offload_tools.bench_records.render import expected, render_blocks
-from kv_offload_tools.bench_records.tables import transport
+from kv_offload_tools.bench_records.tables import gpu, transport
 
 REPO = records.REPO
 # Tables on docs/benchmarks.md that hold no measured figures (settings, not results).
@@ -111,6 +111,23 @@ def test_the_transport_table_shows_lanes_beside_raw_tcp_with_as_many_streams():
     rows = transport(_transport_report(1.0, 2.0, 3.0))[0]["rows"]
     assert ["16 MiB", "kv-offload TCP, 2 lanes (raw TCP, 2 streams: 3.00)", "2.60", "1.30", "0.20 / 0.10"] in rows
     assert not any("raw_tcp_2streams" in r[1] for r in rows)
+
+
+def test_a_newer_gpu_record_is_what_the_readme_h200_row_quotes(tmp_path):
+    def peer(lanes: int, hit_s: float, gbps: float, speedup: float) -> dict:
+        return {"lanes": lanes, "hit_s": hit_s, "fetch_gbps": gbps, "speedup": speedup}
+    report = {"models": [{"geometry": {"name": "llama-3.1-8b"}, "rows": [
+        {"tokens": 2048, "kv_bytes": 256 << 20, "recompute_s": 0.061, "peer": [peer(8, 0.032, 11.1, 1.9)]},
+        {"tokens": 16384, "kv_bytes": 2 << 30, "recompute_s": 1.5,
+         "peer": [peer(1, 0.7, 3.1, 0.8), peer(8, 0.25, 15.25, 6.0)]}]}]}
+    (table,) = gpu(report)
+    assert table["columns"] == ["Llama-3.1-8B", "recompute", "peer hit, 1 lane", "8 lanes", "speedup (8 lanes)"]
+    assert table["rows"][0] == ["2K (256 MiB)", "61 ms", "", "32 ms (11.1 GB/s)", "1.90x"]
+    directory = _copy_of_the_records(tmp_path)
+    records.write(directory, {"bench": "gpu", "date": "2099-01-02", "commit": "", "host": {}, "command": "",
+                              "imported": "", "tables": [table], "notes": {}})
+    readme = results_md(records.latest(directory), directory, tmp_path / "README.md")
+    assert "recompute 1.50 s; **peer hit 250 ms (6.00x faster, 15.2 GB/s)**" in readme
 
 
 @pytest.fixture

@@ -52,8 +52,48 @@ def transport(report: dict[str, Any]) -> list[Table]:
              "align": ["---"] * 5, "rows": rows}]
 
 
+# bench gpu's model names as the docs spell them.
+GPU_MODEL_NAMES = {"llama-3.1-8b": "Llama-3.1-8B"}
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _tokens(row: dict[str, Any]) -> str:
+    tokens, kv = row["tokens"], row["kv_bytes"]
+    size = f"{kv / 2**30:g} GiB" if kv >= 1 << 30 else f"{kv / 2**20:g} MiB"
+    return f"{tokens // 1024}K ({size})" if tokens % 1024 == 0 else f"{tokens} ({size})"
+
+
+def gpu(report: dict[str, Any]) -> list[Table]:
+    """Per model: recompute against the peer hit with each lane count, per prompt length."""
+    out = []
+    for model in report.get("models", []):
+        name = GPU_MODEL_NAMES.get(model["geometry"]["name"], model["geometry"]["name"])
+        lanes = sorted({p["lanes"] for r in model["rows"] for p in r["peer"] if p.get("sidecar_cpus") is None})
+        if not lanes:
+            continue
+        most = lanes[-1]
+        columns = [name, "recompute", *(f"peer hit, {n} lane{'s' * (n > 1)}" if i == 0 else f"{n} lanes"
+                                        for i, n in enumerate(lanes)), f"speedup ({most} lanes)"]
+        rows = []
+        for r in model["rows"]:
+            by_lanes = {p["lanes"]: p for p in r["peer"] if p.get("sidecar_cpus") is None}
+            hits = [f"{_time(by_lanes[n]['hit_s'])} ({by_lanes[n]['fetch_gbps']:.1f} GB/s)" if n in by_lanes
+                    else "" for n in lanes]
+            speedup = by_lanes.get(most, {}).get("speedup")
+            rows.append([_tokens(r), _time(r.get("recompute_s")), *hits,
+                         "" if speedup is None else f"{speedup:.2f}x"])
+        out.append({"title": f"A peer hit on a GPU: {name}", "columns": columns, "align": ["---"] * len(columns),
+                    "rows": rows})
+    return out
+
+
 # bench -> its report's tables.
-RENDERERS: dict[str, Callable[[dict[str, Any]], list[Table]]] = {"transport": transport}
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[Table]]] = {"transport": transport, "gpu": gpu}
 
 
 def tables(bench: str, report: dict[str, Any] | None) -> list[Table]:
