@@ -325,7 +325,8 @@ def write(out: Path | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kv_offload_tools.reference_docs", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kv_offload_tools.reference_docs",
+                                     description=(__doc__ or "").split("\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="rewrite docs/reference/ from the code")
     mode.add_argument("--check", action="store_true", help="exit 1 naming each page that differs")
