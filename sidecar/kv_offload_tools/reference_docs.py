@@ -310,18 +310,25 @@ PAGES: dict[str, Callable[[], str]] = {
 }
 
 
-def stale(out: Path | None = None) -> list[str]:
-    """The pages under ``out`` (docs/reference/) that differ from what the code gives, missing ones included."""
+def render() -> dict[str, str]:
+    """Every page's name under docs/reference/ and the text the code gives it."""
+    return {name: page() for name, page in PAGES.items()}
+
+
+def stale(out: Path | None = None, rendered: Mapping[str, str] | None = None) -> list[str]:
+    """The pages under ``out`` (docs/reference/) that differ from ``rendered`` (what the code
+    gives), missing ones included."""
     out = out or OUT
-    return [name for name, page in PAGES.items()
-            if not (out / name).is_file() or (out / name).read_text() != page()]
+    rendered = rendered or render()
+    return [name for name, text in rendered.items()
+            if not (out / name).is_file() or (out / name).read_text() != text]
 
 
-def write(out: Path | None = None) -> None:
+def write(out: Path | None = None, rendered: Mapping[str, str] | None = None) -> None:
     out = out or OUT
     out.mkdir(parents=True, exist_ok=True)
-    for name, page in PAGES.items():
-        (out / name).write_text(page())
+    for name, text in (rendered or render()).items():
+        (out / name).write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
