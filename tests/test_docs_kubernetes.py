@@ -1,4 +1,4 @@
-"""docs/kubernetes.md is a walk a user can type: the chart renders with exactly its values
+"""docs/tutorials/cluster.md is the one install walk: a walk a user can type: the chart renders with exactly its values
 file and `helm install` line (the image it built and pushed, the monitoring it turns on),
 and its pool and Deployment pass the CRD's schema and the operator's own parsing."""
 
@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "kubernetes.md"
+DOC = REPO / "docs" / "tutorials" / "cluster.md"
 CHART = REPO / "charts" / "kv-offload"
 LLAMA_CONFIG = REPO / "tests" / "operator" / "fixtures" / "llama-3.1-8b.json"
 
@@ -94,6 +94,7 @@ def test_the_walk_turns_on_scraping_alerts_and_the_hit_rate_dashboard(rendered):
 
 
 def test_the_walks_pool_and_deployment_pass_the_crd_and_the_operator(tmp_path):
+    from kv_offload_operator.pools import kv_transfer
     from kv_offload_operator.pools.pool_source import template_source, workload_ref
     from kv_offload_operator.pools.pool_spec import SidecarSpec
     from kv_offload_operator.translation.translate import translate
@@ -110,7 +111,10 @@ def test_the_walks_pool_and_deployment_pass_the_crd_and_the_operator(tmp_path):
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert labels["kv-offload.io/pool"] == pool["metadata"]["name"]
     source = template_source(kind, name, deployment)
-    config = translate(list(source.argv), json.loads(LLAMA_CONFIG.read_text()), env=source.env)
+    # the pool asks for the --kv-transfer-config: translated as the operator does (pool_source.vllm_source)
+    argv = kv_transfer.effective_argv(source.argv, kv_transfer.injected_connector(pool["spec"]), source.where)
+    assert kv_transfer.FLAG in argv and kv_transfer.FLAG not in source.argv
+    config = translate(argv, json.loads(LLAMA_CONFIG.read_text()), env=source.env)
     assert re.fullmatch(r"[0-9a-f]{16}", config.fingerprint)
     # the label patch for an existing Deployment puts the same label on the pod template
     patch = json.loads(command("kubectl -n inference patch deployment")[-1])

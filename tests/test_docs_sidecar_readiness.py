@@ -1,6 +1,6 @@
 """One answer to what a sidecar restart does to its pod's readiness: the sentence the webhook's
 ``sidecar_container`` docstring states (the injected container has no readinessProbe) is the one
-docs/operations.md and the chart README carry, word for word."""
+docs/how-to/operate.md and the chart README carry, word for word."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from kv_offload_operator.webhook.pod_patch import sidecar_container
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = (REPO / "docs" / "operations.md", REPO / "charts" / "kv-offload" / "README.md")
+DOCS = (REPO / "docs" / "how-to" / "operate.md", REPO / "charts" / "kv-offload" / "README.md")
 
 
 def flat(text: str) -> str:

@@ -44,7 +44,7 @@ from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
 
 # Where the record lives, from the repository root.
 RECORD_PATH = os.path.join("tests", "tools", "wire_golden_frames.json")
-# The command that re-records it (docs/operations.md, "Upgrades").
+# The command that re-records it (docs/how-to/upgrade.md, "Upgrades").
 RECORD_COMMAND = "PYTHONPATH=sidecar:operator .venv/bin/python -m kv_offload_tools.wire_golden --write"
 
 _KEY = b"golden-pool-key-0123456789abcdef"

@@ -171,5 +171,8 @@ def test_readme_pool_example_is_valid_against_the_chart_crd():
     assert set(pool["spec"]["sidecar"]) <= set(declared["sidecar"]["properties"])
     # The operator translates the example (with a Llama-3.1-8B config.json from its test fixtures).
     model_config = json.loads((REPO / "tests" / "operator" / "fixtures" / "llama-3.1-8b.json").read_text())
-    config = translate(pool["spec"]["vllmArgs"], model_config)
+    from kv_offload_operator.pools import kv_transfer
+    argv = kv_transfer.effective_argv(pool["spec"]["vllmArgs"], kv_transfer.injected_connector(pool["spec"]),
+                                      "spec.vllmArgs")
+    config = translate(argv, model_config)
     assert config.model.name == "meta-llama/Llama-3.1-8B-Instruct" and len(config.fingerprint) == 16

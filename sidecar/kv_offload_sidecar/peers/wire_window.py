@@ -19,7 +19,7 @@ Versions:
 
 A change of any frame (data protocol, handshake, directory messages, the local channel) bumps
 ``WIRE_MINOR`` and re-records the golden frames (``tests/tools/wire_golden_frames.json``; the
-command is in docs/operations.md, "Upgrades"); a test fails on a changed frame under an
+command is in docs/how-to/upgrade.md, "Upgrades"); a test fails on a changed frame under an
 unchanged version. A release that bumps the minor sets
 ``WIRE_OLDEST`` to the version of the release before it.
 """
