@@ -3,7 +3,7 @@
 # Build: ./dev image (daemonless, smoke-tested), or docker build -t kv-offload:0.1.0 .
 # (the chart's default image is kv-offload:<appVersion>). The tools
 # (sidecar/kv_offload_tools: demo, simulated engine, benches) and their extra
-# (torch, matplotlib, hypothesis) are not in the image. docs/image.md: what is in it.
+# (torch, matplotlib, hypothesis) are not in the image. docs/how-to/build-the-image.md: what is in it.
 
 # The Python base of every stage. Any Debian bookworm image with python3 (3.11) and
 # python3-venv serves: ./dev image makes one with mmdebstrap when no registry answers.

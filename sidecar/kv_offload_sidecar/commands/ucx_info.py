@@ -164,7 +164,7 @@ def rdma_not_compiled_in(tls: str) -> str | None:
     return (f"UCX_TLS={tls!r} asks for {', '.join(missing)}, which the UCX this sidecar runs "
             f"({os.path.dirname(libucs) or 'unknown'}) was built without (transports: "
             f"{', '.join(compiled_transports(modules))}): build the image with a UCX source "
-            f"(UCX_TARBALL, see docs/image.md) for RDMA, or pick transports it has with --ucx-tls "
+            f"(UCX_TARBALL, see docs/how-to/rdma.md) for RDMA, or pick transports it has with --ucx-tls "
             f"(e.g. tcp,sm,self)")
 
 

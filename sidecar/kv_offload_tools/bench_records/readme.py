@@ -119,7 +119,7 @@ ROWS: tuple[tuple[str, str, Callable[[Record], str], str], ...] = (
 # Rows not from a bench record: (what, measured, link text, link).
 STATIC_ROWS = (
     ("Fault injection (kills, flips, truncations, floods) and 10,000 fuzzed messages",
-     "**0 corrupt chunks delivered, 0 lost, 0 crashes**", "Reliability", "docs/reliability.md"),
+     "**0 corrupt chunks delivered, 0 lost, 0 crashes**", "Reliability", "docs/explanation/reliability.md"),
 )
 
 
