@@ -2,6 +2,8 @@
 
 The recorded commit (``previous_release.LAST_RELEASE``) runs from a temporary git worktree,
 removed afterwards; each sidecar has its stand-in engine (``pool.client``, this tree's client).
+That release's sidecar also runs on what this operator writes and injects for a pool (its
+ConfigMap, the sidecar container's flags and env): a pinned older image works.
 """
 
 from __future__ import annotations
