@@ -112,9 +112,10 @@ def load(path: str, *, saved: str | None) -> PoolConfig:
                             path, ", ".join(loaded.unknown))
             return loaded
     kept = _last_good(saved, problem)
-    log.warning("config rejected: %s; keeping the last good config of this pod (fingerprint %s, "
-                "saved in %s) until the file loads again (the operator reverts hand edits of the "
-                "pool's ConfigMap; edit the pool's spec instead)", problem, kept.config.fingerprint, saved)
+    log.warning("config rejected: %s; running the last good config of this pod instead (fingerprint "
+                "%s, saved in %s); a restart runs the file once it loads (the operator reverts hand "
+                "edits of the pool's ConfigMap; edit the pool's spec instead)", problem,
+                kept.config.fingerprint, saved)
     return PoolConfig(kept.config, kept.declared, rejected=problem, unknown=kept.unknown)
 
 
