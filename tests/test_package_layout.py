@@ -189,7 +189,7 @@ FOLDERS = {
     "operator/kv_offload_operator/pools": {
         "reconcile", "pool_spec", "pool_source", "kv_transfer", "pool_objects", "pool_key",
         "key_rotation", "model_config", "model_config_follower", "ready_peers", "pool_pod", "pool_api",
-        "translation_change", "drift"},
+        "translation_change", "drift", "sidecar_image"},
     "operator/kv_offload_operator/webhook": {"admission", "pod_patch", "pod_host", "pod_defaults", "tls_server",
                                              "certificate"},
     "operator/kv_offload_operator/translation": {"vllm_args", "kv_cache_geometry", "translate",

@@ -7,7 +7,8 @@ way of running a sidecar (``kv-offload sidecar``, a local pool, an in-process te
 the limits on strangers of ``control/limits.py``. Leaving it stops accepting on the
 control ports, gives in-flight engine work ``shutdown_grace_seconds`` on the local
 channels, and stops the sidecar (which unlinks its shared-memory store). ``serve`` runs
-that until ``stop`` is set. Nothing else starts or stops these parts.
+that until ``stop`` is set, keeping the pod's last good config meanwhile
+(``last_good_config``). Nothing else starts or stops these parts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from kv_offload_sidecar.control.app import ControlPorts
 from kv_offload_sidecar.control.local_channel import LocalChannelServer
+from kv_offload_sidecar.last_good_config import forget, keep, last_good_path
 from kv_offload_sidecar.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,14 @@ async def running(sidecar: Sidecar, *, control_ports: bool = True) -> AsyncItera
 
 
 async def serve(sidecar: Sidecar, stop: asyncio.Event) -> None:
-    """Run the sidecar until ``stop`` is set, then shut it down."""
+    """Run the sidecar until ``stop`` is set, then shut it down. While it serves, the config it
+    runs is its pod's last good one (``last_good_config.keep``: a killed sidecar's restart
+    falls back on it), forgotten at a clean stop; ``kv_offload_config_rejected`` says whether
+    it runs the file or, the file refused, the saved one."""
+    s = sidecar.settings
+    sidecar.metrics.config_rejected.set(1 if s.config_rejected else 0)
+    saved = last_good_path(s.shm_dir, s.identity)
     async with running(sidecar):
+        keep(saved, s.config, s.declared_identity)
         await stop.wait()
+    forget(saved)

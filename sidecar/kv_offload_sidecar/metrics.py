@@ -259,6 +259,12 @@ class SidecarMetrics:
             "Changes of the pool keys picked up from the mounted Secret (rotations).",
             namespace=ns, registry=registry,
         )
+        self.config_rejected = Gauge(
+            "config_rejected",
+            "1 while this sidecar runs its pod's last good pool config because the config file "
+            "did not load when it started (the reason is in /v1/status), else 0.",
+            namespace=ns, registry=registry,
+        )
         self.config_info = Info(
             "config",
             "Identity of the pool configuration this sidecar serves.",

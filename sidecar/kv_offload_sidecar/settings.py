@@ -144,6 +144,9 @@ class SidecarSettings:
                                  "--tls-key-file and --tls-ca-file; '': plain TCP)", metavar="PEM")
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file", metavar="PEM")
     tls_ca_file: str = setting("", "PEM CA bundle that signs every pool member's certificate", metavar="PEM")
+    # Why the --config file was refused at this start ("" = it was used): the sidecar then runs
+    # the last good config this pod saved (last_good_config.py) and says so in /v1/status.
+    config_rejected: str = ""
 
     def __post_init__(self) -> None:
         if not self.pool_key:

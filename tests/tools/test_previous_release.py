@@ -2,19 +2,43 @@
 
 The recorded commit (``previous_release.LAST_RELEASE``) runs from a temporary git worktree,
 removed afterwards; each sidecar has its stand-in engine (``pool.client``, this tree's client).
+That release's sidecar also runs on what this operator writes and injects for a pool (its
+ConfigMap, the sidecar container's flags and env): a pinned older image works.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
+import shutil
+from pathlib import Path
 
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, LookupReply
 from kv_offload_sidecar.peers.wire_window import WIRE_VERSION
-from kv_offload_tools.local_pool import LocalPool, example_config
+from kv_offload_tools.local_pool import LocalPool, example_config, free_port_block, make_workdir
+from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_operator.pools import pool_objects
 from kv_offload_operator.pools.pool_spec import SidecarSpec
+from kv_offload_operator.translation.declared_identity import declared_identity
+from kv_offload_operator.translation.translate import pool_config
 from kv_offload_operator.webhook import pod_patch
-from kv_offload_tools.previous_release import LAST_RELEASE_WIRE, checked_out, flags_refused, launcher
+from kv_offload_tools.previous_release import (
+    LAST_RELEASE_WIRE,
+    checked_out,
+    flags_refused,
+    launcher,
+    release_command,
+)
+
+# A pool as the operator tests make one: Llama-3.1-8B served with the offloading connector.
+OPERATOR_FIXTURES = Path(__file__).parents[1] / "operator" / "fixtures_operator"
+KTC = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}})
+VLLM_ARGS = ["serve", "meta-llama/Llama-3.1-8B", "--block-size", "16", "--kv-transfer-config", KTC]
+POOL = {"apiVersion": "kv-offload.io/v1alpha1", "kind": "KVOffloadPool",
+        "metadata": {"name": "llama", "namespace": "ns1", "uid": "uid-llama"}, "spec": {"vllmArgs": VLLM_ARGS}}
 
 CHUNK = example_config().kv_bytes_per_chunk
 HANDSHAKES = "kv_offload_handshakes_total"
@@ -75,3 +99,47 @@ def test_the_last_releases_sidecar_accepts_every_flag_this_operator_injects():
     with checked_out() as release:
         assert flags_refused(release, container["args"]) is None
         assert "--no-such-flag" in flags_refused(release, [*container["args"], "--no-such-flag"])
+
+
+def test_the_last_releases_sidecar_serves_on_this_operators_configmap_flags_and_env():
+    # what this operator writes for a pool (its ConfigMap) and injects into its pods (the sidecar
+    # container), run by the last release's sidecar with the pod's mounts as local files
+    model = json.loads((OPERATOR_FIXTURES / "llama-3.1-8b-config.json").read_text())
+    config = pool_config(VLLM_ARGS, model)
+    configmap = pool_objects.configmap_for(POOL, config, declared_identity(VLLM_ARGS, model))
+    spec = SidecarSpec(image="kv-offload:0.1.0", resources={}, capacity_bytes=2 * config.kv_bytes_per_chunk,
+                       transport="tcp", base_port=free_port_block(1), data_port=free_port_block(1),
+                       shm_size_limit=None, tls_secret=None, engine_metrics_url="", hash_seed="4321")
+    pod = pod_patch.pod_patch(
+        {"metadata": {"name": "p", "namespace": "ns1"}, "spec": {"containers": [
+            {"name": "vllm", "image": "vllm/vllm-openai:v0.34.0", "command": ["vllm"], "args": VLLM_ARGS}]}},
+        POOL, fingerprint=config.fingerprint, sidecar=spec)
+    [container] = [op["value"] for op in pod if op["path"] == "/spec/initContainers"][0][1:]
+    workdir = make_workdir("kvo-release-")
+    files = {pod_patch.CONFIG_PATH: configmap["data"][pool_objects.CONFIG_KEY],
+             pod_patch.POOL_KEY_PATH: secrets.token_hex(32), pod_patch.ADMIN_TOKEN_PATH: "admin-token"}
+    paths = {pod_patch.SHM_DIR: workdir, pod_patch.PREVIOUS_KEY_PATH: os.path.join(workdir, "previous-key")}
+    for mounted, text in files.items():
+        paths[mounted] = os.path.join(workdir, os.path.basename(mounted))
+        with open(paths[mounted], "w") as fh:
+            fh.write(text)
+    args = [paths.get(a, a) for a in container["args"]]
+    values = {"VLLM_P2P_SIDE_CHANNEL_HOST": "127.0.0.1", "KV_OFFLOAD_CPU_REQUEST_MILLICORES": "250"}
+    env = {**os.environ, **{e["name"]: e.get("value", values.get(e["name"])) for e in container["env"]}}
+    assert None not in env.values() and env["PYTHONHASHSEED"] == "4321"
+    try:
+        with checked_out() as release:
+            sc = SidecarProcess(0, "previous", spec.base_port, (0,), "tcp",
+                                [*release_command(release), *args, "--parent-pid", str(os.getpid())], env,
+                                os.path.join(workdir, "sidecar.log"), False, admin_token="admin-token",
+                                model_identity=None)
+            sc.start()
+            try:
+                status = sc.status()
+                assert (status["wire_version"], status["fingerprint"]) == (LAST_RELEASE_WIRE, config.fingerprint)
+                assert status["store"]["slot_bytes"] == config.kv_bytes_per_chunk
+                assert status["dp_indices"] == [0]
+            finally:
+                assert sc.terminate() == 0, sc.log_tail()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

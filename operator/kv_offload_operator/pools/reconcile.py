@@ -11,7 +11,9 @@ counts) goes to ``patch.status`` also when the reconciliation fails, so a
 pool that can never work shows ``Invalid`` with the translator's message.
 ``status.translatedBy`` names the operator that translated it; an unchanged
 spec that now translates to another fingerprint is announced (a Warning Event
-and a condition) before the new ConfigMap is written (``translation_change``).
+and a condition) before the new ConfigMap is written (``translation_change``). A
+pinned ``spec.sidecar.image`` outside the releases this operator drives makes the
+pool Invalid (``sidecar_image``; its ``SidecarImage`` condition says which).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kubernetes_asyncio import client as k8s
 
 from . import drift, pool_key
 from . import pool_objects as objects
-from . import translation_change
+from . import sidecar_image, translation_change
 from ..kube_api import MERGE_PATCH, create_unless_exists, read_or_none
 from .model_config import model_config
 from .pool_source import source_release, vllm_source
@@ -73,10 +75,13 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     pool = json.loads(json.dumps(dict(body)))
 
+    image = sidecar_image.check(pool["spec"])
+    image_condition = sidecar_image.image_conditions(status.get("conditions"), image, generation, now)
+
     def waiting(exc: kopf.TemporaryError) -> None:
         patch.status["conditions"] = objects.pool_conditions(
             status.get("conditions"), invalid_message=None, waiting_message=str(exc),
-            generation=generation, now=now)
+            generation=generation, now=now) + image_condition
 
     try:
         model = await model_config(api, namespace, pool["spec"], patch)
@@ -86,6 +91,9 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
                              vllm_version=release.version, accelerators=source.accelerators)
         declared = declared_identity(list(source.argv), model)
         sidecar = SidecarSpec.with_operator_defaults(pool, memo.options)
+        if image.refused:  # its pods are denied with this sentence, not started to crash-loop
+            _warn(pool, sidecar_image.REFUSED_EVENT, image.message)
+            raise PoolSpecError(image.message)
         seed_problem = pool_hash_seed_problem(config, sidecar.hash_seed)
         if seed_problem is not None:
             raise PoolSpecError(seed_problem)
@@ -96,7 +104,7 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
             memo.metrics.translation_errors.inc()
         message = str(exc)
         patch.status["conditions"] = objects.pool_conditions(
-            status.get("conditions"), invalid_message=message, generation=generation, now=now)
+            status.get("conditions"), invalid_message=message, generation=generation, now=now) + image_condition
         patch.status["observedGeneration"] = generation
         raise kopf.PermanentError(message) from None
     except kopf.TemporaryError as exc:  # e.g. the modelConfigRef ConfigMap does not exist yet
@@ -107,10 +115,7 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
     changed = translation_change.fingerprint_change(status, generation, config.fingerprint, digests)
     if changed is not None:  # said before the ConfigMap the restarted sidecars read changes
         log.warning(f"Pool {namespace}/{name}: {changed}")
-        try:
-            kopf.warn(pool, reason=translation_change.CONDITION, message=changed)
-        except LookupError:  # outside kopf's tasks (no event poster): the log line and the condition say it
-            pass
+        _warn(pool, translation_change.CONDITION, changed)
 
     core = k8s.CoreV1Api(api)
     configmap = objects.configmap_for(pool, config, declared)
@@ -134,7 +139,7 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
     patch.status["translatedBy"] = translation_change.TRANSLATED_BY
     patch.status["conditions"] = objects.pool_conditions(
         status.get("conditions"), invalid_message=None, generation=generation, now=now
-    ) + translation_change.change_conditions(status.get("conditions"), changed, generation, now)
+    ) + translation_change.change_conditions(status.get("conditions"), changed, generation, now) + image_condition
     logger.info(f"Pool {namespace}/{name}: fingerprint {config.fingerprint}, "
                 f"ConfigMap {objects.configmap_name(name)} written "
                 f"(vLLM {release.version}'s rules, from {release_source}).")
@@ -167,3 +172,12 @@ async def _ensure_service(core: k8s.CoreV1Api, svc: Mapping[str, Any]) -> None:
         await core.patch_namespaced_service(
             meta["name"], meta["namespace"],
             {"spec": {"selector": want["selector"], "ports": want["ports"]}}, _content_type=MERGE_PATCH)
+
+
+def _warn(pool: Mapping[str, Any], reason: str, message: str) -> None:
+    """A Warning Event on the pool (outside kopf's tasks, with no event poster: none; the
+    caller's log line and condition say it)."""
+    try:
+        kopf.warn(pool, reason=reason, message=message)
+    except LookupError:
+        pass

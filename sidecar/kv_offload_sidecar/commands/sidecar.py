@@ -4,7 +4,9 @@ Its flags are ``SidecarSettings``'s (name, default and help declared once, on
 the field; ``setting_flags``) plus four of the process: ``--ucx-tls``,
 ``--ucx-lanes``, ``--parent-pid`` and ``--log-level``.
 
-Bad flags, config or key file: one line on stderr, exit 2. SIGTERM/SIGINT:
+Bad flags, config or key file: one line on stderr, exit 2; a config file that does not load
+at a restart of a pod whose sidecar once started runs that start's config instead, and says
+so (``last_good_config``). SIGTERM/SIGINT:
 stop accepting, let in-flight work finish within ``--shutdown-grace-seconds``,
 unlink the shared-memory store, exit 0. With ``--parent-pid P`` (or
 ``KV_OFFLOAD_PARENT_PID``) the sidecar shuts down the same way once process P
@@ -27,14 +29,13 @@ from collections.abc import Callable
 
 from kv_offload_sidecar.bulk_copies import prepare_for_bulk_copies
 from kv_offload_sidecar.engine import ports
-from kv_offload_sidecar.engine.model_identity import declared_in_file
-from kv_offload_sidecar.engine.offloading_config import load_config_file
 from kv_offload_sidecar.extras import require
+from kv_offload_sidecar import last_good_config
 from kv_offload_sidecar.peers.discovery import parse_peer_list
 from kv_offload_sidecar.peers.handshake import load_pool_key
 from kv_offload_sidecar.peers.pool_keys import load_optional_key
 from kv_offload_sidecar.setting_flags import add_flags, flag_fields, flag_values
-from kv_offload_sidecar.settings import SidecarSettings, effective_hash_seed
+from kv_offload_sidecar.settings import SidecarSettings, default_identity, effective_hash_seed
 from kv_offload_sidecar.commands.ucx_info import rdma_not_compiled_in
 from kv_offload_sidecar.usage import UsageError
 
@@ -76,8 +77,6 @@ _SETTING_FLAGS = tuple(f.name for f, _ in flag_fields(SidecarSettings)
 def build_settings(args: argparse.Namespace) -> SidecarSettings:
     """Flags + environment + config -> settings; ValueError is one line for the user."""
     values = flag_values(args, SidecarSettings)
-    config = values["config"] = load_config_file(args.config)
-    values["declared_identity"] = declared_in_file(args.config)
     values["pool_key"] = load_pool_key(args.pool_key_file)
     values["previous_pool_key"] = load_optional_key(args.previous_pool_key_file)
     values["admin_token"] = load_optional_key(args.admin_token_file)
@@ -89,6 +88,12 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
             values["dp_indices"] = tuple(int(x) for x in args.dp_indices.split(",") if x.strip())
         except ValueError:
             raise ValueError(f"--dp-indices {args.dp_indices!r} must be comma-separated integers") from None
+    identity = args.identity or default_identity(values["base_port"])
+    saved = last_good_config.last_good_path(args.shm_dir, identity) if os.path.isdir(args.shm_dir) else None
+    pool = last_good_config.load(args.config, saved=saved)
+    config = values["config"] = pool.config
+    values["declared_identity"] = pool.declared
+    values["config_rejected"] = pool.rejected
     if args.static_peers is not None:
         values["static_peers"] = parse_peer_list(args.static_peers)
     if args.hash_seed is not None and args.hash_seed == "":

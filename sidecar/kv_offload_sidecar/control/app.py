@@ -74,6 +74,7 @@ from kv_offload_sidecar.control.location_routes import add_location_routes
 from kv_offload_sidecar.data.before_auth import TrustedSources, freeze_long_lived, thaw_long_lived
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
+from kv_offload_sidecar.last_good_config import config_view
 from kv_offload_sidecar.peers.handshake import (
     MAX_HANDSHAKE_BODY_BYTES,
     REASONS,
@@ -323,7 +324,8 @@ async def handle_peers(request: web.Request) -> web.StreamResponse:
 @admin_only
 async def handle_status(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
-    return web.json_response(sidecar.status())
+    # where the running config came from: the file, or the last good one (last_good_config)
+    return web.json_response({**sidecar.status(), "config": config_view(sidecar.settings.config_rejected)})
 
 
 @pod_local
