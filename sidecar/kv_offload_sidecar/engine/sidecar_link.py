@@ -52,11 +52,10 @@ def detached_reason(exc: BaseException, environ: Mapping[str, str] | None = None
     env = os.environ if environ is None else environ
     if ports.ENV_PORT not in env:  # the webhook sets it on every vLLM container it injects
         return DETACHED_NOT_INJECTED
-    # EngineClient.connect wraps the socket error of a port it cannot reach (``raise ...
-    # from None`` keeps it as __context__); an answer that is no sidecar's has none.
-    if isinstance(exc.__context__, OSError) or (
-            isinstance(exc, OSError) and exc.__context__ is None
-            and not isinstance(exc, ConnectionError)):
+    # EngineClient.connect wraps the socket error of a control port it cannot reach
+    # (``raise ... from None`` keeps it as __context__); an answer that is no sidecar's,
+    # or a local channel that fails after one, has none.
+    if isinstance(exc.__context__, OSError):
         return DETACHED_NO_SIDECAR  # nothing listens, or it does not answer
     return DETACHED_SIDECAR_ERROR
 
