@@ -16,6 +16,11 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 import pytest_asyncio
+from kv_offload_sidecar.engine.sidecar_link import (
+    DETACHED_NO_SIDECAR,
+    DETACHED_NOT_INJECTED,
+    detached_reason,
+)
 from operator_harness import KTC, LLAMA_ARGS, NAMESPACE, POOLS, POOLS_URL, merge_patch, obj, pool_body
 from operator_process import SIDECAR_IMAGE
 from waiting import wait_for_async
@@ -344,3 +349,30 @@ async def test_a_sidecar_that_never_answers_does_not_keep_vllm_from_starting(clu
     assert sidecar["restartPolicy"] == "Always" and "startupProbe" not in sidecar
     # The liveness probe waits out the store's pre-fault (a minute plus a second per GiB).
     assert sidecar["livenessProbe"]["initialDelaySeconds"] == 60 + 8
+
+
+async def test_a_pod_created_through_an_escape_hatch_names_the_tier_and_its_tier_runs_not_injected(
+        cluster: Cluster) -> None:
+    """The chart README's escape hatches: the label dropped (the webhook leaves the pod alone) or
+    the webhook down under ``failurePolicy: Ignore`` (the API server creates the pod as sent).
+    Either way vLLM's command line still names the tier and its environment has none of what
+    the webhook injects: the tier reads that as ``not_injected`` and runs detached (the real
+    engine doing so: tests/vllm/test_real_vllm_engines.py); an injected pod's tier never does."""
+    ktc = json.loads(KTC)
+    ktc["kv_connector_extra_config"].update(spec_name="TieringOffloadingSpec", secondary_tiers=[
+        {"type": "KVOffloadSecondaryTier", "module_path": "kv_offload_sidecar.engine.vllm_tier"}])
+    script = ("vllm serve meta-llama/Llama-3.1-8B --port 8000 --block-size 16 "
+              f"--gpu-memory-utilization 0.9 --kv-transfer-config '{json.dumps(ktc)}'")
+    unlabelled = vllm_pod(None, script=script)
+    assert "patch" not in await cluster.webhook.admit(unlabelled)
+    as_sent = vllm_pod("llama", script=script)  # what failurePolicy Ignore creates, webhook down
+    injected = patched(as_sent, await cluster.webhook.admit(as_sent))
+    gone = ConnectionRefusedError("nothing listens")
+    for pod, reason in ((unlabelled, DETACHED_NOT_INJECTED), (as_sent, DETACHED_NOT_INJECTED),
+                        (injected, DETACHED_NO_SIDECAR)):
+        vllm = container(pod, "vllm")
+        assert "kv_offload_sidecar.engine.vllm_tier" in " ".join(vllm["args"])
+        env = {e["name"]: e.get("value", "(from the API)") for e in vllm.get("env", [])}
+        failure = OSError("cannot reach the kv-offload sidecar")
+        failure.__context__ = gone  # as EngineClient.connect reports it (raise ... from None)
+        assert detached_reason(failure, environ=env) == reason
