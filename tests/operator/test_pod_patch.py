@@ -86,7 +86,7 @@ def test_dp_ranks_come_from_the_pods_own_args() -> None:
     out = inject(pod(vllm(args)), basePort=7000)
     sidecar = out["spec"]["initContainers"][1]
     assert [p["containerPort"] for p in sidecar["ports"]] == [7005, 5810]
-    assert sidecar["startupProbe"]["httpGet"]["port"] == sidecar["livenessProbe"]["httpGet"]["port"] == 7005
+    assert sidecar["livenessProbe"]["httpGet"]["port"] == 7005
     env = {e["name"]: e.get("value") for e in out["spec"]["containers"][0]["env"]}
     assert env["VLLM_P2P_SIDE_CHANNEL_PORT"] == "7000"  # base; the tier adds its DP index
 
@@ -187,7 +187,7 @@ def test_spec_sidecar_env_may_not_set_the_cpu_request_the_webhook_passes() -> No
 
 def test_without_spec_hash_seed_the_seed_comes_from_the_pool_secret_and_is_nowhere_in_the_pod_spec() -> None:
     out = inject_into(hash_seed_pool(), pod(vllm()))
-    ref = {"secretKeyRef": {"name": "llama-pool-key", "key": "hash-seed"}}
+    ref = {"secretKeyRef": {"name": "llama-pool-key", "key": "hash-seed", "optional": True}}
     assert env_of(out["spec"]["containers"][0])["PYTHONHASHSEED"] == ref
     assert env_of(out["spec"]["initContainers"][1])["PYTHONHASHSEED"] == ref
     assert "--hash-seed" not in out["spec"]["initContainers"][1]["args"]
@@ -258,7 +258,7 @@ def test_the_first_control_port_is_kvo_metrics_whatever_the_dp_start_rank(dp_ind
     ports = [(p["name"], p["containerPort"]) for p in container["ports"]]
     assert ports == [("kvo-metrics", 5710 + dp_indices[0])] + \
         [(f"kvo-ctrl-{i}", 5710 + i) for i in dp_indices[1:]] + [("kvo-data", 5810)]
-    assert container["startupProbe"]["httpGet"]["port"] == 5710 + dp_indices[0]
+    assert container["livenessProbe"]["httpGet"]["port"] == 5710 + dp_indices[0]
 
 
 @pytest.mark.timeout(120)
@@ -282,7 +282,7 @@ def test_the_sidecar_reads_key_previous_key_and_admin_token_from_the_whole_pool_
     # The whole Secret, no items and no subPath: the kubelet updates every file in place, and
     # previous-key is a file only while the Secret holds it (an absent entry breaks nothing).
     assert volumes["kv-offload-pool-key"] == {"name": "kv-offload-pool-key",
-                                              "secret": {"secretName": "llama-pool-key"}}
+                                              "secret": {"secretName": "llama-pool-key", "optional": True}}
     mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "kv-offload-pool-key")
     assert mount == {"name": "kv-offload-pool-key", "mountPath": "/etc/kv-offload-pool-key", "readOnly": True}
     assert all("subPath" not in m for c in out["spec"]["initContainers"] + out["spec"]["containers"]
@@ -302,7 +302,7 @@ def test_a_tls_pool_mounts_its_certificate_secret_read_only_and_passes_the_tls_f
         "/etc/kv-offload-tls/tls.crt", "/etc/kv-offload-tls/tls.key", "/etc/kv-offload-tls/ca.crt")
     assert flags["--transport"] == "tcp"
     volumes = {v["name"]: v for v in out["spec"]["volumes"]}
-    assert volumes["kv-offload-tls"]["secret"] == {"secretName": "llama-tls"}
+    assert volumes["kv-offload-tls"]["secret"] == {"secretName": "llama-tls", "optional": True}
     mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
     assert mounts["kv-offload-tls"] == {"name": "kv-offload-tls", "mountPath": "/etc/kv-offload-tls",
                                         "readOnly": True}

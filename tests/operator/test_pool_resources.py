@@ -112,13 +112,14 @@ def test_primary_tier_bytes_come_from_the_vllm_command_line() -> None:
     assert pod_host.primary_tier_bytes(["vllm", "serve", "m"]) == 0
 
 
-def test_the_sidecar_has_startup_and_liveness_probes_and_no_readiness_probe() -> None:
+def test_the_sidecar_has_only_a_liveness_probe_so_it_never_holds_vllm_back() -> None:
     sidecar = inject(pod(vllm()), capacityBytes="16Gi")["spec"]["initContainers"][1]
-    assert "readinessProbe" not in sidecar
-    startup, liveness = sidecar["startupProbe"], sidecar["livenessProbe"]
-    assert startup["httpGet"] == liveness["httpGet"] == {"path": "/healthz", "port": 5710}
-    # vLLM waits for the sidecar: a minute plus a second per GiB of store it pre-faults first.
-    assert (startup["periodSeconds"], startup["failureThreshold"]) == (1, 60 + 16)
+    # No readiness probe (never out of the Service), no startup probe (vLLM never waits for it).
+    assert "readinessProbe" not in sidecar and "startupProbe" not in sidecar
+    liveness = sidecar["livenessProbe"]
+    assert liveness["httpGet"] == {"path": "/healthz", "port": 5710}
+    # Counted once the store is pre-faulted: a minute plus a second per GiB of store.
+    assert liveness["initialDelaySeconds"] == 60 + 16
     assert liveness["periodSeconds"] * liveness["failureThreshold"] == 60  # a minute before a restart
 
 

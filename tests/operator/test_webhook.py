@@ -16,10 +16,15 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 import pytest_asyncio
-from operator_harness import KTC, LLAMA_ARGS, POOLS, POOLS_URL, merge_patch, obj, pool_body
+from kv_offload_sidecar.engine.sidecar_link import (
+    DETACHED_NO_SIDECAR,
+    DETACHED_NOT_INJECTED,
+    detached_reason,
+)
+from operator_harness import KTC, LLAMA_ARGS, NAMESPACE, POOLS, POOLS_URL, merge_patch, obj, pool_body
 from operator_process import SIDECAR_IMAGE
 from waiting import wait_for_async
-from webhook_support import Cluster, serving_cluster, vllm_pod
+from webhook_support import SIDECAR_NAME, Cluster, serving_cluster, vllm_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 DP_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16",
@@ -52,7 +57,8 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
              pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS), seeded,
              pool_body("tls", sidecar={"transport": "tcp", "tls": {"secretName": "tls-pool-cert"}}),
              pool_body("tls-ucx", sidecar={"tls": {"secretName": "tls-pool-cert"}}),
-             pool_body("revised", vllm_args=[*LLAMA_ARGS, "--revision", "abc123"]))
+             pool_body("revised", vllm_args=[*LLAMA_ARGS, "--revision", "abc123"]),
+             pool_body("doomed", sidecar={"transport": "tcp", "tls": {"secretName": "tls-pool-cert"}}))
     async with serving_cluster(tmp_path_factory.mktemp("webhook"), pools, status_field="conditions") as c:
         yield c
 
@@ -85,8 +91,7 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
     assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-metrics", 5710), ("kvo-data", 5810)]
     # No readinessProbe: the sidecar never takes the vLLM replica out of its Service.
     assert "readinessProbe" not in sidecar
-    assert sidecar["startupProbe"]["httpGet"] == sidecar["livenessProbe"]["httpGet"] == \
-        {"path": "/healthz", "port": 5710}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 5710}
 
     volumes = {v["name"]: v for v in result["spec"]["volumes"]}
     # /dev/shm holds the 8 GiB store, vLLM's 10 GiB primary tier (cpu_bytes_to_use) and 1 GiB head room.
@@ -94,7 +99,8 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
     assert sidecar["resources"]["requests"]["memory"] == "8448Mi"  # the store + 256 MiB
     sources = volumes["kv-offload-config"]["projected"]["sources"]
     assert [s["configMap"]["name"] for s in sources] == ["llama-offloading-config"]
-    assert volumes["kv-offload-pool-key"]["secret"] == {"secretName": "llama-pool-key"}  # whole, no items
+    # Whole, no items; optional: a deleted pool blocks no container restart.
+    assert volumes["kv-offload-pool-key"]["secret"] == {"secretName": "llama-pool-key", "optional": True}
     assert mounts_of(sidecar)["/etc/kv-offload-pool-key"] == "kv-offload-pool-key"
 
     vllm = container(result, "vllm")
@@ -106,7 +112,7 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
     # One pool-wide prefix-hash seed on vLLM and on the sidecar that states it to peers: the
     # pool's secret seed (no spec.hashSeed), which the kubelet reads from the pool Secret.
     sidecar_env = {e["name"]: e for e in sidecar["env"]}
-    seed_ref = {"secretKeyRef": {"name": "llama-pool-key", "key": "hash-seed"}}
+    seed_ref = {"secretKeyRef": {"name": "llama-pool-key", "key": "hash-seed", "optional": True}}
     assert env["PYTHONHASHSEED"] == sidecar_env["PYTHONHASHSEED"] == {"name": "PYTHONHASHSEED",
                                                                      "valueFrom": seed_ref}
     secret = obj(cluster.api, "v1/secrets", "llama-pool-key")
@@ -264,7 +270,109 @@ async def test_a_tls_pod_gets_the_certificate_secret_mounted_and_the_tls_flags(c
     assert (flags["--tls-cert-file"], flags["--tls-key-file"], flags["--tls-ca-file"]) == (
         "/etc/kv-offload-tls/tls.crt", "/etc/kv-offload-tls/tls.key", "/etc/kv-offload-tls/ca.crt")
     volumes = {v["name"]: v for v in result["spec"]["volumes"]}
-    assert volumes["kv-offload-tls"]["secret"] == {"secretName": "tls-pool-cert"}
+    assert volumes["kv-offload-tls"]["secret"] == {"secretName": "tls-pool-cert", "optional": True}
     assert mounts_of(sidecar)["/etc/kv-offload-tls"] == "kv-offload-tls"
 
 
+
+
+def container_blockers(pod: dict[str, Any], present: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The (kind, name) of every absent ConfigMap or Secret that keeps the kubelet from
+    (re)starting one of ``pod``'s containers: a volume, projected source, env valueFrom or
+    envFrom naming it without ``optional: true`` (ContainerCreating, CreateContainerConfigError)."""
+    refs: list[tuple[str, str, bool]] = []
+    for vol in pod["spec"].get("volumes", []):
+        sources = [vol] + list((vol.get("projected") or {}).get("sources", []))
+        for src in sources:
+            if "configMap" in src:
+                refs.append(("ConfigMap", src["configMap"]["name"], bool(src["configMap"].get("optional"))))
+            if "secret" in src:
+                ref = src["secret"]
+                refs.append(("Secret", ref.get("secretName") or ref.get("name"), bool(ref.get("optional"))))
+    for c in pod["spec"].get("containers", []) + pod["spec"].get("initContainers", []):
+        for e in c.get("env", []):
+            for key, kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap")):
+                ref = (e.get("valueFrom") or {}).get(key)
+                if ref:
+                    refs.append((kind, ref["name"], bool(ref.get("optional"))))
+        for e in c.get("envFrom", []):
+            for key, kind in (("secretRef", "Secret"), ("configMapRef", "ConfigMap")):
+                if key in e:
+                    refs.append((kind, e[key]["name"], bool(e[key].get("optional"))))
+    return {(kind, name) for kind, name, optional in refs if not optional and (kind, name) not in present}
+
+
+def present_objects(cluster: Cluster) -> set[tuple[str, str]]:
+    return {(o.raw.get("kind"), o.raw["metadata"]["name"]) for o in cluster.api.objects.values()
+            if not o.deleted and o.raw.get("kind") in ("ConfigMap", "Secret")}
+
+
+def owned_by(cluster: Cluster, pool: str) -> list[tuple[str, str]]:
+    return [(o.raw["kind"], o.raw["metadata"]["name"]) for o in cluster.api.objects.values()
+            if not o.deleted and o.raw.get("kind") in ("ConfigMap", "Secret")
+            and any(r.get("name") == pool for r in o.raw["metadata"].get("ownerReferences", []))]
+
+
+async def test_deleting_a_pool_leaves_its_running_pods_able_to_restart_every_container(
+        cluster: Cluster) -> None:
+    pod = vllm_pod("doomed")
+    result = patched(pod, await cluster.webhook.admit(pod))
+    owned = owned_by(cluster, "doomed")
+    assert {kind for kind, _ in owned} == {"ConfigMap", "Secret"}
+    user_secret = {("Secret", "hf-token")}  # the pod's own, never created in this cluster
+    # While the pool lives, nothing of kv-offload's blocks a container; the TLS Secret is the user's.
+    assert container_blockers(result, present_objects(cluster) | {("Secret", "tls-pool-cert")}) == user_secret
+    resp = await cluster.api.delete(f"{POOLS_URL}/doomed")
+    assert resp.status == 200, await resp.text()
+    await wait_for_async("the pool gone", lambda: obj(cluster.api, POOLS, "doomed") is None)
+    for kind, name in owned:  # the garbage collection the emulator does not run
+        plural = {"ConfigMap": "configmaps", "Secret": "secrets"}[kind]
+        resp = await cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}/{plural}/{name}")
+        assert resp.status == 200, await resp.text()
+    # Pool, ConfigMap, Secret and even the TLS Secret gone: every container still (re)starts.
+    assert not set(owned) & present_objects(cluster)
+    assert container_blockers(result, present_objects(cluster)) == user_secret
+    # Before this change the seed's secretKeyRef and the config / key volumes blocked them.
+    assert container_blockers(strip_optional(result), present_objects(cluster)) > user_secret
+
+
+def strip_optional(pod: dict[str, Any]) -> dict[str, Any]:
+    text = json.dumps(pod).replace(', "optional": true', "").replace('"optional": true, ', "")
+    return json.loads(text)
+
+
+async def test_a_sidecar_that_never_answers_does_not_keep_vllm_from_starting(cluster: Cluster) -> None:
+    pod = vllm_pod()
+    result = patched(pod, await cluster.webhook.admit(pod))
+    sidecar = container(result, SIDECAR_NAME, init=True)
+    # The kubelet starts the next container once a native sidecar without a startupProbe runs.
+    assert sidecar["restartPolicy"] == "Always" and "startupProbe" not in sidecar
+    # The liveness probe waits out the store's pre-fault (a minute plus a second per GiB).
+    assert sidecar["livenessProbe"]["initialDelaySeconds"] == 60 + 8
+
+
+async def test_a_pod_created_through_an_escape_hatch_names_the_tier_and_its_tier_runs_not_injected(
+        cluster: Cluster) -> None:
+    """The chart README's escape hatches: the label dropped (the webhook leaves the pod alone) or
+    the webhook down under ``failurePolicy: Ignore`` (the API server creates the pod as sent).
+    Either way vLLM's command line still names the tier and its environment has none of what
+    the webhook injects: the tier reads that as ``not_injected`` and runs detached (the real
+    engine doing so: tests/vllm/test_real_vllm_engines.py); an injected pod's tier never does."""
+    ktc = json.loads(KTC)
+    ktc["kv_connector_extra_config"].update(spec_name="TieringOffloadingSpec", secondary_tiers=[
+        {"type": "KVOffloadSecondaryTier", "module_path": "kv_offload_sidecar.engine.vllm_tier"}])
+    script = ("vllm serve meta-llama/Llama-3.1-8B --port 8000 --block-size 16 "
+              f"--gpu-memory-utilization 0.9 --kv-transfer-config '{json.dumps(ktc)}'")
+    unlabelled = vllm_pod(None, script=script)
+    assert "patch" not in await cluster.webhook.admit(unlabelled)
+    as_sent = vllm_pod("llama", script=script)  # what failurePolicy Ignore creates, webhook down
+    injected = patched(as_sent, await cluster.webhook.admit(as_sent))
+    gone = ConnectionRefusedError("nothing listens")
+    for pod, reason in ((unlabelled, DETACHED_NOT_INJECTED), (as_sent, DETACHED_NOT_INJECTED),
+                        (injected, DETACHED_NO_SIDECAR)):
+        vllm = container(pod, "vllm")
+        assert "kv_offload_sidecar.engine.vllm_tier" in " ".join(vllm["args"])
+        env = {e["name"]: e.get("value", "(from the API)") for e in vllm.get("env", [])}
+        failure = OSError("cannot reach the kv-offload sidecar")
+        failure.__context__ = gone  # as EngineClient.connect reports it (raise ... from None)
+        assert detached_reason(failure, environ=env) == reason

@@ -15,6 +15,7 @@ current, a rate learnt), never on time; their timeouts only guard against hangs.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -24,6 +25,7 @@ from kv_offload_sidecar.peers.prefill_rate import SECONDS_SUM, TOKENS_SUM
 from kv_offload_tools.local_pool import LocalPool, SidecarOverride, free_port_block
 from kv_offload_tools.vllm_harness.deployment import TIER_TYPE, VllmDeployment
 from kv_offload_tools.vllm_harness.driver_client import (
+    EngineDriverProcess,
     close_all,
     metric_value,
     start_all,
@@ -403,3 +405,33 @@ def test_an_engine_with_other_weights_at_the_same_path_shares_no_byte_with_the_p
     log = open(sidecar_e.log_path).read()
     assert f"weights: {mine['weights']} != {theirs['weights']}" in log \
         or f"weights: {theirs['weights']} != {mine['weights']}" in log
+
+
+def test_an_engine_naming_the_tier_with_no_sidecar_and_no_injection_serves_every_request(
+        deployment):
+    """vLLM never depends on kv-offload (issue 49): the tier named on the command line and
+    importable (baked into the image), but nothing the webhook injects (no side-channel
+    variables, no PYTHONHASHSEED from the pool Secret) and no sidecar anywhere: vLLM starts,
+    serves every request by recomputing, logs one warning and reports why in its metrics."""
+    env = {k: v for k, v in deployment.engine_env("127.0.0.1", 1).items()
+           if k not in ("VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", "PYTHONHASHSEED")}
+    nobody = free_port_block(1)  # the tier's own port key: never a sidecar of another test
+    engine = EngineDriverProcess(
+        str(deployment.model_dir), python=deployment.python,
+        kv_transfer_config=deployment.kv_transfer_config(f"alone-{os.getpid()}", {"port": nobody}),
+        block_size=deployment.block_size, env=env,
+        stderr_path=str(deployment.workdir / "alone.log"), ready_timeout_s=300.0)
+    try:
+        prompts = [SHARED, PARTIAL, AFTER_KILL]
+        for out in engine.generate(prompts, max_tokens=MAX_TOKENS):
+            assert len(out["token_ids"]) == MAX_TOKENS
+        m = samples(engine)
+        assert value(m, "vllm:kv_offload_tier_detached", reason="not_injected") == 1
+        assert value(m, "vllm:kv_offload_tier_detached", reason="no_sidecar") == 0
+        for result in ("local_hit", "peer_hit"):
+            assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result=result) == 0
+    finally:
+        engine.close()
+    log = (deployment.workdir / "alone.log").read_text().splitlines()
+    warnings = [line for line in log if "kv-offload" in line and ("WARNING" in line or "ERROR" in line)]
+    assert len(warnings) == 1 and "running detached (not_injected)" in warnings[0], warnings

@@ -10,6 +10,14 @@ another model identity (``translation.declared_identity``).
 The pool Secret is mounted whole, without ``subPath``, so a rotated key
 reaches the running sidecar (the kubelet updates the files in place) and
 ``previous-key`` appears and goes with the Secret entry.
+
+vLLM never depends on kv-offload to start (issue 49): every reference to
+the pool's ConfigMap and Secrets (the config and Secret volumes, the TLS
+Secret, the ``PYTHONHASHSEED`` secretKeyRef) is ``optional``, so a pool that
+was deleted (its objects garbage-collected) leaves its pods able to restart
+their containers; and the sidecar has no startupProbe, so the kubelet starts
+vLLM as soon as the sidecar's process runs, whether or not it ever answers
+(vLLM's tier runs detached until it does: ``engine.sidecar_link``).
 """
 
 from __future__ import annotations
@@ -74,9 +82,9 @@ TIER_VOLUME = "kv-offload-lib"
 # (spec.sidecar.ucxTransports: tcp-sm) or the pool's ucxTransports preset.
 UCX_SIDECAR_ENV: Mapping[str, str] = {
     "UCX_TLS": "tcp,sm,self", "UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
-# Startup probe: vLLM starts once the sidecar answers; the store is pre-faulted
-# first, so the allowance grows with it (1 s per GiB on top of a minute).
-STARTUP_BASE_FAILURES = 60
+# Seconds after the sidecar starts before its liveness probe counts: it pre-faults
+# its store first, so the allowance grows with it (1 s per GiB on top of a minute).
+LIVENESS_GRACE_SECONDS = 60
 # Both injected containers run as the image's non-root user, PSA "restricted"-compatible.
 CONTAINER_SECURITY: Mapping[str, Any] = {
     "runAsNonRoot": True, "allowPrivilegeEscalation": False,
@@ -149,11 +157,13 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
     Its DP ranks are this pod's (``--dp-indices``), not the pool ConfigMap's.
     It has no readinessProbe: a native sidecar's readiness counts toward the
     pod's Ready condition, and without a probe the kubelet counts it ready
-    from its startupProbe's success for as long as it runs, so nothing the
-    sidecar reports ever takes the vLLM replica out of its Service. A sidecar
-    restart takes the pod out of its Service's ready endpoints until the new
-    sidecar answers its startup probe (seconds); vLLM keeps running and the
-    tier serves misses meanwhile. ``pod``: ports become host ports on the
+    for as long as its process runs, so nothing the sidecar reports ever
+    takes the vLLM replica out of its Service. A sidecar restart takes the pod
+    out of its Service's ready endpoints only while the sidecar container is
+    not running (between its exit and its restart, back-off included); vLLM
+    keeps running and the tier serves misses meanwhile. It has no startupProbe
+    either, so a sidecar that cannot start (or answer) never keeps vLLM from
+    starting: the kubelet starts vLLM once the sidecar's process runs. ``pod``: ports become host ports on the
     host network (``pod_host.host_ports``). ``--prefill-tokens-per-second`` and
     ``--peer-copies`` are always given, defaults included, so the pod spec
     states the fetch-or-recompute rate and sharing policy its sidecar runs.
@@ -197,10 +207,11 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
         "restartPolicy": "Always",
         "env": sidecar_env(sidecar, pool_name=pool_name),
         "ports": pod_host.host_ports(pod, ports) if pod is not None else ports,
-        # vLLM starts only once the sidecar answers (native sidecar semantics).
-        "startupProbe": probe("/healthz", 1, 2, STARTUP_BASE_FAILURES + -(-sidecar.capacity_bytes // (1 << 30))),
-        # A minute without an answer before a restart: a restart empties the store.
-        "livenessProbe": probe("/healthz", 10, 5, 6),
+        # No startupProbe: the kubelet would start vLLM only once the sidecar answers.
+        # A minute without an answer before a restart (a restart empties the store),
+        # counted once the store is pre-faulted.
+        "livenessProbe": {**probe("/healthz", 10, 5, 6), "initialDelaySeconds":
+                          LIVENESS_GRACE_SECONDS + -(-sidecar.capacity_bytes // (1 << 30))},
         "resources": resources,
         "securityContext": security,
         "volumeMounts": mounts,
@@ -259,7 +270,8 @@ def hash_seed_env(sidecar: SidecarSpec, pool_name: str) -> dict[str, Any]:
     if sidecar.hash_seed is not None:
         return {"name": HASH_SEED_ENV, "value": sidecar.hash_seed}
     return {"name": HASH_SEED_ENV,
-            "valueFrom": {"secretKeyRef": {"name": secret_name(pool_name), "key": HASH_SEED_KEY}}}
+            "valueFrom": {"secretKeyRef": {"name": secret_name(pool_name), "key": HASH_SEED_KEY,
+                                           "optional": True}}}
 
 
 def side_channel_env(base_port: int) -> list[dict[str, Any]]:
@@ -280,13 +292,13 @@ def pod_volumes(pool_name: str, sidecar: SidecarSpec, *, with_shm: bool,
     """
     vols: list[dict[str, Any]] = [
         {"name": CONFIG_VOLUME, "projected": {"sources": [
-            {"configMap": {"name": configmap_name(pool_name),
+            {"configMap": {"name": configmap_name(pool_name), "optional": True,
                            "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}}]}},
-        {"name": POOL_SECRET_VOLUME, "secret": {"secretName": secret_name(pool_name)}},
+        {"name": POOL_SECRET_VOLUME, "secret": {"secretName": secret_name(pool_name), "optional": True}},
         {"name": TIER_VOLUME, "emptyDir": {}},
     ]
     if sidecar.tls_secret is not None:
-        vols.append({"name": TLS_VOLUME, "secret": {"secretName": sidecar.tls_secret}})
+        vols.append({"name": TLS_VOLUME, "secret": {"secretName": sidecar.tls_secret, "optional": True}})
     if with_shm:
         size = shm_bytes if shm_bytes is not None else pod_host.shm_size_limit(sidecar, 0, 1)
         vols.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(size)}})

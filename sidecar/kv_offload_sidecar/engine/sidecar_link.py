@@ -6,6 +6,14 @@ config vLLM handed the tier and the seed vLLM resolved, and states the engine's
 model identity, which the sidecar compares (and refuses); on any difference it
 logs one error line naming the fields, hands out no client (every lookup is a
 miss, nothing is stored) and checks again every ``RECHECK_SECONDS``.
+
+Never needed to start or serve: while no sidecar answers (none injected, not
+started yet, crashed, its ConfigMap or Secret gone) the link is *detached*: it
+hands out no client, so every lookup is an immediate miss and every store is
+skipped (vLLM recomputes), logs one warning naming the reason (``DETACHED_*``)
+and what to do, tries again every ``RECONNECT_SECONDS``, and logs one info line
+when a sidecar attaches. The reason is ``detached`` (None while attached), and
+``vllm:kv_offload_tier_detached{reason}`` in vLLM's metrics (``tier_stats``).
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kv_offload_sidecar.engine import ports
@@ -29,6 +37,27 @@ logger = tier_logger(__name__)
 RECHECK_SECONDS = 2.0
 # Seconds between attempts to reach a sidecar that is away.
 RECONNECT_SECONDS = 1.0
+# Why a tier runs detached: vLLM's environment names no sidecar (the pod was not injected:
+# no kv-offload label, webhook down with failurePolicy Ignore), or nothing answers at the
+# address it names (sidecar not started, crashed, its ConfigMap or Secret gone), or what
+# answers is not a kv-offload sidecar / fails the attachment.
+DETACHED_NOT_INJECTED = "not_injected"
+DETACHED_NO_SIDECAR = "no_sidecar"
+DETACHED_SIDECAR_ERROR = "sidecar_error"
+DETACHED_REASONS = (DETACHED_NOT_INJECTED, DETACHED_NO_SIDECAR, DETACHED_SIDECAR_ERROR)
+
+
+def detached_reason(exc: BaseException, environ: Mapping[str, str] | None = None) -> str:
+    """The ``DETACHED_*`` reason a failed attachment (``exc``) stands for."""
+    env = os.environ if environ is None else environ
+    if ports.ENV_PORT not in env:  # the webhook sets it on every vLLM container it injects
+        return DETACHED_NOT_INJECTED
+    # EngineClient.connect wraps the socket error of a control port it cannot reach
+    # (``raise ... from None`` keeps it as __context__); an answer that is no sidecar's,
+    # or a local channel that fails after one, has none.
+    if isinstance(exc.__context__, OSError):
+        return DETACHED_NO_SIDECAR  # nothing listens, or it does not answer
+    return DETACHED_SIDECAR_ERROR
 
 
 def sidecar_address(offloading_spec: Any, host: str | None = None,
@@ -60,8 +89,12 @@ class SidecarLink:
     def __init__(self, address: tuple[str, int], engine: OffloadingConfig, chunk_bytes: int,
                  timeout: float, on_refused: Callable[[str | None], None],
                  client: Any = None, region: Any = None,
-                 model_identity: ModelIdentity | None = None) -> None:
+                 model_identity: ModelIdentity | None = None,
+                 on_detached: Callable[[str | None], None] | None = None) -> None:
         self.address = address
+        # Why no sidecar is attached (a ``DETACHED_*`` reason), or None once one is.
+        self.detached: str | None = None
+        self._on_detached = on_detached or (lambda reason: None)
         # This engine's model identity (``vllm_identity``: read from the VllmConfig building the
         # tier, unless given), stated to every sidecar attached.
         self.model_identity = model_identity or this_engine_identity(engine)
@@ -109,7 +142,8 @@ class SidecarLink:
 
     def _connect_locked(self) -> None:
         """A new EngineClient of the sidecar (handing it the region), not checked yet; on
-        failure the next attempt waits ``RECONNECT_SECONDS``. Called with the lock held."""
+        failure the link is detached and the next attempt waits ``RECONNECT_SECONDS``.
+        Called with the lock held."""
         from kv_offload_sidecar.engine.client import EngineClient
 
         try:
@@ -117,13 +151,32 @@ class SidecarLink:
                                                 region=self._region,
                                                 states=self.model_identity.statement(
                                                     self._engine.fingerprint))
-        except Exception:
+        except Exception as exc:
             self._next_connect = time.monotonic() + RECONNECT_SECONDS
-            raise
+            self._detach(detached_reason(exc), exc)
+            return
         self._checked_instance = None
+        if self.detached is not None:
+            logger.info("kv-offload tier: sidecar at %s:%d reached; no longer detached (%s)",
+                        self.address[0], self.address[1], self.detached)
+            self.detached = None
+            self._on_detached(None)
+
+    def _detach(self, reason: str, exc: BaseException) -> None:
+        """Run without a sidecar; one warning per reason (the first, or a new one)."""
+        if reason == self.detached:
+            return
+        self.detached = reason
+        self._on_detached(reason)
+        logger.warning(
+            "kv-offload tier: running detached (%s): no kv-offload sidecar at %s:%d (%s); vLLM "
+            "serves every request by recomputing, and this tier attaches when a sidecar "
+            "answers (metric vllm:kv_offload_tier_detached{reason=%r} is 1 meanwhile)",
+            reason, self.address[0], self.address[1], exc, reason)
 
     def connected(self) -> Any:
-        """The EngineClient of a sidecar that matches this engine, or None while it is refused.
+        """The EngineClient of a sidecar that matches this engine, or None while it is refused
+        or detached (no sidecar answers).
 
         Connects at most once per second while the sidecar is away, and checks
         every sidecar it attaches to; a refused one is dropped and checked
@@ -133,10 +186,10 @@ class SidecarLink:
             for _ in range(2):  # a second time after finding the sidecar restarted
                 if self._client is None:
                     if time.monotonic() < self._next_connect:
-                        if self.refused is not None:
-                            return None
-                        raise ConnectionError("kv-offload sidecar not reachable yet")
+                        return None  # refused, or detached: tried again at next_check
                     self._connect_locked()
+                    if self._client is None:
+                        return None
                 if self._verify(self._client):
                     return self._client
                 if self.refused is not None:

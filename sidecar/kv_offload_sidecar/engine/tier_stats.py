@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kv_offload_sidecar.engine.sidecar_link import DETACHED_REASONS
 from kv_offload_sidecar.engine.vllm_contract import (
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
@@ -22,6 +23,7 @@ METRIC_LOOKUP_ARRIVALS = "vllm:kv_offload_sidecar_lookup_arrivals"
 METRIC_LOOKUP_STEPS_AFTER_ARRIVAL = "vllm:kv_offload_sidecar_lookup_steps_after_arrival"
 METRIC_LOOKUP_LATE_ARRIVALS = "vllm:kv_offload_sidecar_lookup_late_arrivals"
 METRIC_TIER_CPU_SECONDS = "vllm:kv_offload_tier_cpu_seconds"
+METRIC_DETACHED = "vllm:kv_offload_tier_detached"
 # Scheduler steps after the sidecar's answer within which vLLM is to see the HIT (issue 24).
 HIT_STEPS_TARGET = 2
 
@@ -72,6 +74,8 @@ class TierStats:
     cpu_seconds: float = 0.0
     # Why the tier refuses its sidecar (the differing fields), or None while they match.
     refused: str | None = None
+    # Why the tier runs without a sidecar (``sidecar_link.DETACHED_*``), or None while attached.
+    detached: str | None = None
 
 
 
@@ -86,6 +90,12 @@ def metric_definitions() -> dict[str, Any]:
         METRIC_REFUSED: OffloadingGaugeMetadata(
             documentation="1 while the tier refuses its kv-offload sidecar because its "
                           "fingerprint, chunk size or hash seed differs from this engine's."),
+        METRIC_DETACHED: OffloadingGaugeMetadata(
+            documentation="1 while the tier runs without a kv-offload sidecar, by reason "
+                          "(not_injected: vLLM's environment names none; no_sidecar: nothing "
+                          "answers; sidecar_error: the attachment fails); vLLM then recomputes "
+                          "every offloaded chunk. 0 once a sidecar is attached.",
+            labelnames=("reason",)),
         METRIC_LOOKUP_WAITS: OffloadingCounterMetadata(
             documentation="Requests that waited (vLLM saw RETRY) for the sidecar's first lookup "
                           "answer.", labelnames=()),
@@ -143,4 +153,6 @@ class StatsReporter:
                 out.increase_counter(name, delta, ())
                 self._reported[name] = total
         out.set_gauge(METRIC_REFUSED, int(stats.refused is not None))
+        for reason in DETACHED_REASONS:
+            out.set_gauge(METRIC_DETACHED, int(stats.detached == reason), (reason,))
         return out

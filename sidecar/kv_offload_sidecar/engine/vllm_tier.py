@@ -34,9 +34,10 @@ request's ``req_context``. An engine whose workers span nodes cannot use the tie
 sees only its own node's slots of each chunk): vLLM 0.34 refuses to start one, and
 kv-offload's operator refuses such a pool whatever the release.
 
-Fail closed: at each (re)connection the tier compares the sidecar's fingerprint, chunk size and
-hash seed with vLLM's config and states the model identity (``vllm_identity``); on any difference
-it logs one error line naming the fields, answers MISS and stores nothing until one matches.
+Never needed: with no sidecar the tier runs detached (``sidecar_link``): misses, one warning.
+Fail closed: at each (re)connection the tier compares the sidecar's fingerprint, chunk size, hash
+seed and model identity (``vllm_identity``) with vLLM's; on any difference it logs one error
+line naming the fields, answers MISS and stores nothing until one matches.
 
 Threading: every SecondaryTierManager method runs under vLLM's manager lock and returns
 at once. Lookups are batched per scheduler step (flushed in ``on_schedule_end``): vLLM's
@@ -48,8 +49,7 @@ come back through queues. A peer hit is answered once the holder's count is back
 keep coming; the load waits for them), with ``known_at`` (CLOCK_MONOTONIC): the steps from
 there to vLLM's HIT are counted (``tier_stats``). The CPU of the tier's own code in vLLM's
 process (its threads, and vLLM's thread inside the entry points, by ``time.thread_time()``)
-is ``vllm:kv_offload_tier_cpu_seconds``.
-Imports: the standard library, numpy, and this package's tier modules.
+is ``vllm:kv_offload_tier_cpu_seconds``. Imports: the standard library, numpy, the tier modules.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         self._region, self._region_reason = self._shared_region()
         self._link = SidecarLink(sidecar_address(offloading_spec, host, port), engine_config(
             offloading_spec), self._chunk_bytes, self._load_timeout, self._set_refused, client,
-            self._region, model_identity)
+            self._region, model_identity, on_detached=self._set_detached)
         self.address = self._link.address
         self._reporter = StatsReporter()
 
@@ -212,8 +212,8 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         now = time.monotonic()
         if state is None:
             state = self._keys[key] = KeyState(submitted=now)
-            if self.stats.refused is not None:
-                state.result = False  # a refused sidecar's answers are not used
+            if self.stats.refused is not None or self.stats.detached is not None:
+                state.result = False  # no sidecar, or a refused one: a miss at once
                 if now >= self._link.next_check:  # the lookup thread checks it again (and counts)
                     self._batch.setdefault(req_context.req_id, []).append(key)
                 else:
@@ -455,11 +455,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         # Attach now, off vLLM's threads, so the first request's lookup does not pay for the
         # connection and the region hand-off (an absent sidecar is tried again later).
         mark = time.thread_time()
-        try:
-            self._link.attach_early()
-        except Exception as exc:
-            logger.info("kv-offload tier: sidecar at %s:%d not attached yet (%s); "
-                        "trying again at the first lookup", *self._link.address, exc)
+        self._link.attach_early()  # none there: detached (one warning), tried again later
         while True:
             item = self._lookup_q.get()
             if item is _STOP:
@@ -482,7 +478,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
         else:
             try:
                 client = self._link.connected()
-                if client is None:  # refused: every key is a miss
+                if client is None:  # refused or detached: every key is a miss
                     with self._stats_lock:
                         self.stats.misses += len(keys)
                 else:
@@ -515,6 +511,10 @@ class KVOffloadSecondaryTier(SecondaryTierManager):
     def _set_refused(self, refused: str | None) -> None:
         with self._stats_lock:
             self.stats.refused = refused
+
+    def _set_detached(self, reason: str | None) -> None:
+        with self._stats_lock:
+            self.stats.detached = reason  # vllm:kv_offload_tier_detached{reason}
 
 
 __all__ = ["KVOffloadSecondaryTier"]
