@@ -4,16 +4,24 @@ byte, though the chunks landed in the rows one of them offered."""
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, RowRegion
 from kv_offload_sidecar.engine.region_file import find_region_file
+from kv_offload_sidecar.engine.store_view import slot_stride_for
+from kv_offload_sidecar.metrics import SidecarMetrics
+from kv_offload_sidecar.peers.row_landings import RowLandings
+from kv_offload_sidecar.peers.shared_loads import SharedLoads
+from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_tools.local_pool import LocalPool, example_config
-from waiting import wait_for
+from prometheus_client import CollectorRegistry
+from waiting import wait_for, wait_for_async
 
 CHUNK = 1 << 20  # large enough that both loads ask while the chunks are still on the wire
 N = 16
@@ -94,3 +102,127 @@ def test_two_loads_of_the_same_keys_share_one_fetch_and_both_get_their_rows(pair
         holder.close()
         for c in ranks:
             c.close()
+
+
+# ---- SharedLoads on one loop, with a stand-in for the peer reads ----------------------------
+
+SMALL = 4096
+
+
+class Reads:
+    """PeerReads as SharedLoads sees it: each fetch waits until the test ends it (``ends``)."""
+
+    def __init__(self) -> None:
+        self.started: list[list[bytes]] = []
+        self.ends: list[asyncio.Event] = []
+        self.cancelled = 0
+        self.fetched: set[bytes] = set()
+
+    async def load(self, keys: Sequence[bytes], local: int, timeout: float) -> None:
+        self.started.append(list(keys[local:]))
+        self.ends.append(end := asyncio.Event())
+        try:
+            await end.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    def take_fetched(self, keys: Sequence[bytes]) -> list[bytes]:
+        out = [k for k in keys if k in self.fetched]
+        self.fetched.difference_update(out)
+        return out
+
+    def take_unloaded(self, older_than: float) -> list[bytes]:
+        return []
+
+
+class Loads:
+    def __init__(self, shm_dir: str) -> None:
+        self.metrics = SidecarMetrics(CollectorRegistry())
+        self.store = ChunkStore(SMALL, 8 * slot_stride_for(SMALL), directory=shm_dir,
+                                name=f"shared-loads-{os.getpid()}", metrics=self.metrics,
+                                on_change=lambda key, present: self.wake())
+        self.reads = Reads()
+        self.arrived = asyncio.Event()
+        self.let_go: list[bytes] = []
+        self.loads = SharedLoads(store=lambda: self.store, reads=self.reads,
+                                 landings=RowLandings(on_landed=self.wake), metrics=self.metrics,
+                                 arrivals=lambda: self.arrived,
+                                 let_go=lambda _store, keys: self.let_go.extend(keys),
+                                 unloaded_after=lambda: 60.0)
+
+    def wake(self) -> None:
+        arrived, self.arrived = self.arrived, asyncio.Event()
+        arrived.set()
+
+    def land(self, key: bytes) -> None:
+        res = self.store.begin_write(key)
+        assert res is not None
+        res.view[:] = os.urandom(SMALL)
+        assert res.commit()
+        self.reads.fetched.add(key)
+
+    def load(self, keys: list[bytes]) -> asyncio.Task[int]:
+        pins: list = []
+        task = asyncio.ensure_future(self.loads.load_each(keys, 10.0, pins.append))
+        task.add_done_callback(lambda _t: [p.release() for p in pins if p is not None])
+        return task
+
+    @property
+    def joined(self) -> float:
+        return self.metrics.fetches_joined._value.get()
+
+
+@pytest.fixture
+def loads(shm_dir: str):
+    out = Loads(shm_dir)
+    yield out
+    out.store.close()
+
+
+def _small_keys(n: int) -> list[bytes]:
+    return [os.urandom(32) + b"\0\0\0\0" for _ in range(n)]
+
+
+async def test_a_load_joins_the_fetch_another_load_runs_and_it_outlives_the_one_that_started_it(
+        loads: Loads) -> None:
+    keys = _small_keys(2)
+    first = loads.load(keys)
+    await wait_for_async("the first load's fetch", lambda: loads.reads.started)
+    second = loads.load(keys)
+    await wait_for_async("the second load joined it", lambda: loads.joined == 1)
+    first.cancel()  # its job ended: the fetch goes on for the second
+    await asyncio.gather(first, return_exceptions=True)
+    assert loads.reads.cancelled == 0 and loads.loads.in_flight == 1
+    for key in keys:
+        loads.land(key)
+    assert await second == 2
+    # The last load waiting on it left: the fetch is cancelled, and one fetch was started in all.
+    assert loads.reads.cancelled == 1 and len(loads.reads.started) == 1 and loads.loads.in_flight == 0
+
+
+async def test_a_fetched_copy_another_load_waits_for_is_let_go_only_once_both_loaded(
+        loads: Loads) -> None:
+    keys = _small_keys(2)
+    first, second = loads.load(keys), loads.load(keys)
+    await wait_for_async("both loads waiting on one fetch", lambda: loads.joined == 1)
+    loads.land(keys[0])
+    loads.land(keys[1])
+    assert await asyncio.gather(first, second) == [2, 2]
+    assert sorted(loads.let_go) == sorted(keys)  # each once, by whichever load ended last
+
+
+async def test_a_load_left_short_by_the_fetch_it_joined_fetches_the_rest_itself(loads: Loads) -> None:
+    keys = _small_keys(3)
+    first = loads.load(keys[:1])
+    await wait_for_async("the first load's fetch", lambda: loads.reads.started)
+    second = loads.load(keys)
+    await wait_for_async("the second load joined it", lambda: loads.joined == 1)
+    loads.land(keys[0])
+    assert await first == 1
+    loads.reads.ends[0].set()  # the joined fetch ends, having brought the first key only
+    await wait_for_async("the second load's own fetch", lambda: len(loads.reads.started) == 2)
+    assert loads.reads.started[1] == keys[1:]
+    loads.land(keys[1])
+    loads.land(keys[2])
+    assert await second == 3
