@@ -9,8 +9,9 @@ Contract:
 - One fetch per key: a load whose first missing key a fetch of another load covers joins
   that fetch (``kv_offload_fetches_joined_total``) instead of asking the holder again. A
   fetch runs while any load waits on it (the one that started it may end first); it is
-  cancelled when the last leaves. A load still short once the fetch it joined ended fetches
-  the rest itself, once.
+  cancelled when the last leaves. A load still short once a fetch shared by several loads
+  ended (another job's end may have cut it: a row withdrawn mid-chunk ends the connection)
+  fetches the rest itself, once (joining another load's retry, if one runs).
 - Every job gets its rows: a chunk that lands in one job's offered row while another load
   waits for the key without a row of its own is committed to the store too, and a load that
   comes once the chunk is in another job's row copies it from there (``row_landings``).
@@ -47,6 +48,8 @@ class _Fetch:
         self.task = task
         # Loads waiting on it.
         self.loads = 1
+        # Another load joined it (its end may have been another job's: a row withdrawn mid-chunk).
+        self.shared = False
 
 
 class SharedLoads:
@@ -93,7 +96,7 @@ class SharedLoads:
             self._wait(waited)
             self._landings.wait(bare)
             fetch = self._join(keys, n, timeout)
-            again = fetch.loads > 1  # joined: a fetch of its own should the joined one end short
+            again = True  # a fetch of its own should a shared one end short
             try:
                 while n < len(keys):
                     arrived = self._arrivals()
@@ -105,11 +108,11 @@ class SharedLoads:
                         take(pin)
                         n += 1
                     elif fetch.task.done():
-                        if not again:
+                        if not (again and fetch.shared):
                             break
                         again = False
                         await self._leave(fetch)
-                        fetch = self._join(keys, n, timeout, join=False)
+                        fetch = self._join(keys, n, timeout)
                     else:
                         waiter = asyncio.ensure_future(arrived.wait())
                         try:
@@ -129,11 +132,12 @@ class SharedLoads:
         self._let_go(store, [k for k in fetched if k not in self._waiting])
         return n
 
-    def _join(self, keys: Sequence[bytes], n: int, timeout: float, *, join: bool = True) -> _Fetch:
+    def _join(self, keys: Sequence[bytes], n: int, timeout: float) -> _Fetch:
         """The fetch in flight covering ``keys[n]`` (joined), else one started for ``keys[n:]``."""
-        found = self._fetches.get(keys[n]) if join else None
+        found = self._fetches.get(keys[n])
         if found is not None and not found.task.done():
             found.loads += 1
+            found.shared = True
             self._metrics.fetches_joined.inc()
             return found
         fetch = _Fetch(list(keys[n:]), asyncio.ensure_future(self._reads.load(keys, n, timeout)))

@@ -226,3 +226,19 @@ async def test_a_load_left_short_by_the_fetch_it_joined_fetches_the_rest_itself(
     loads.land(keys[1])
     loads.land(keys[2])
     assert await second == 3
+
+
+async def test_loads_whose_shared_fetch_was_cut_short_fetch_the_rest_once_together(loads: Loads) -> None:
+    keys = _small_keys(2)
+    first = loads.load(keys)
+    await wait_for_async("the first load's fetch", lambda: loads.reads.started)
+    second = loads.load(keys)
+    await wait_for_async("the second load joined it", lambda: loads.joined == 1)
+    loads.reads.ends[0].set()  # cut short (a job's row withdrawn mid-chunk ends the connection)
+    await wait_for_async("one fetch of the rest, joined", lambda: loads.joined == 2)
+    assert len(loads.reads.started) == 2 and loads.reads.started[1] == keys
+    for key in keys:
+        loads.land(key)
+    assert await asyncio.gather(first, second) == [2, 2]
+    loads.reads.ends[1].set()
+    assert loads.reads.cancelled == 1  # the retry, left by both once they had their keys
