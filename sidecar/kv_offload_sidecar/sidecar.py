@@ -314,8 +314,8 @@ class Sidecar:
                 self.location.hint_chain(keys, held=local > 0)
             self._release_copies(store, self.reads.take_unloaded(
                 UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
-            if local < len(keys):
-                peer = await self.reads.lookup(keys, local, timeout, fetch=fetch)
+            if local < len(keys):  # after a lookup of the same keys in flight (``shared_loads``)
+                local, peer = await self.loads.lookup(keys, local, timeout, fetch=fetch)
             m = self.metrics.chunk_lookups
             m.labels(result="local_hit").inc(local)
             m.labels(result="peer_hit").inc(peer)

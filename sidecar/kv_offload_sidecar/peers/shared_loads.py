@@ -12,6 +12,10 @@ Contract:
   cancelled when the last leaves. A load still short once a fetch shared by several loads
   ended (another job's end may have cut it: a row withdrawn mid-chunk ends the connection)
   fetches the rest itself, once (joining another load's retry, if one runs).
+- One fetch for concurrent lookups too: an engine lookup whose first missing key another
+  engine lookup is asking about waits for that one's answer (which started the fetch), then
+  asks again (``PeerReads.lookup`` answers from the fetch in flight, the store from what
+  landed), so two ranks' lookups of one prompt start one fetch.
 - Every job gets its rows: a chunk that lands in one job's offered row while another load
   waits for the key without a row of its own is committed to the store too, and a load that
   comes once the chunk is in another job's row copies it from there (``row_landings``).
@@ -75,11 +79,38 @@ class SharedLoads:
         self._waiting: dict[bytes, int] = {}
         # Fetched chunks a load that ended left for the loads still waiting for them.
         self._held: set[bytes] = set()
+        # First missing key -> the engine lookup asking about it (done once it answered).
+        self._lookups: dict[bytes, asyncio.Future[None]] = {}
 
     @property
     def in_flight(self) -> int:
         """Fetches loads started that have not ended."""
         return len({id(f) for f in self._fetches.values()})
+
+    async def lookup(self, keys: Sequence[bytes], local: int, timeout: float, *,
+                     fetch: bool) -> tuple[int, int]:
+        """``(local, peer)`` hit prefixes of ``keys``, the first ``local`` held here: the peer
+        lookup (``PeerReads.lookup``), after the engine lookup of the same first missing key
+        in flight, if any (then with the local prefix counted again)."""
+        if not fetch:
+            return local, await self._reads.lookup(keys, local, timeout, fetch=False)
+        loop = asyncio.get_running_loop()
+        key, end = keys[local], loop.time() + timeout
+        ahead = self._lookups.get(key)
+        if ahead is not None:
+            await asyncio.wait({ahead}, timeout=timeout)
+            local = self._store().lookup_prefix(keys)
+            if local >= len(keys):
+                return local, 0
+            return local, await self._reads.lookup(keys, local, max(0.0, end - loop.time()), fetch=True)
+        mine: asyncio.Future[None] = loop.create_future()
+        self._lookups[key] = mine
+        try:
+            return local, await self._reads.lookup(keys, local, timeout, fetch=True)
+        finally:
+            if self._lookups.get(key) is mine:
+                del self._lookups[key]
+            mine.set_result(None)
 
     async def load_each(self, keys: Sequence[bytes], timeout: float,
                         take: Callable[[PinnedChunk | None], None],

@@ -67,7 +67,8 @@ def _client(pool, i, region):
     return c
 
 
-def test_two_loads_of_the_same_keys_share_one_fetch_and_both_get_their_rows(pair):
+@pytest.mark.parametrize("looked_up", [False, True], ids=["loads", "lookups-then-loads"])
+def test_two_loads_of_the_same_keys_share_one_fetch_and_both_get_their_rows(pair, looked_up):
     holder_region, regions = Region("holder"), [Region("rank-0"), Region("rank-1")]
     holder = _client(pair, 0, holder_region)
     ranks = [_client(pair, 1, r) for r in regions]
@@ -82,6 +83,9 @@ def test_two_loads_of_the_same_keys_share_one_fetch_and_both_get_their_rows(pair
 
         def load(i: int) -> None:
             start.wait()
+            if looked_up:  # as vLLM does: the lookups start the fetch, the loads wait for it
+                hit = ranks[i].lookup(keys, timeout=20.0)
+                assert hit.local + hit.peer == N
             loaded[i] = ranks[i].load_rows(keys, list(range(N)), timeout=20.0)
 
         threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
@@ -89,13 +93,15 @@ def test_two_loads_of_the_same_keys_share_one_fetch_and_both_get_their_rows(pair
             t.start()
         for t in threads:
             t.join()
-        assert loaded == [N, N]
+        assert loaded == [N, N], pair[1].log_tail(30)
         for region in regions:
             assert [region.chunk(r) for r in range(N)] == data
             assert (region.rows[:, CHUNK:] == 0xEE).all()  # nothing past a row's chunk
-        # One transfer: the holder sent each chunk once, and the second load joined the first's.
+        # One transfer: the holder sent each chunk once (the second lookup joins the first's
+        # fetch; without lookups, the second load joins the first's).
         assert pair[0].metric("kv_offload_peer_bytes_total", direction="sent") - sent == N * CHUNK
-        assert pair[1].metric("kv_offload_fetches_joined_total") - joined == 1
+        if not looked_up:
+            assert pair[1].metric("kv_offload_fetches_joined_total") - joined == 1
         # The copies the second load needed are let go once both loaded (the holder keeps them).
         wait_for("the fetched copies let go", lambda: pair[1].held(keys)[0] == 0)
     finally:
