@@ -133,6 +133,12 @@ class Reads:
             self.cancelled += 1
             raise
 
+    async def lookup(self, keys: Sequence[bytes], local: int, timeout: float, *, fetch: bool) -> int:
+        self.started.append(list(keys[local:]))
+        self.ends.append(end := asyncio.Event())
+        await end.wait()
+        return len(keys) - local
+
     def take_fetched(self, keys: Sequence[bytes]) -> list[bytes]:
         out = [k for k in keys if k in self.fetched]
         self.fetched.difference_update(out)
@@ -248,3 +254,20 @@ async def test_loads_whose_shared_fetch_was_cut_short_fetch_the_rest_once_togeth
     assert await asyncio.gather(first, second) == [2, 2]
     loads.reads.ends[1].set()
     assert loads.reads.cancelled == 1  # the retry, left by both once they had their keys
+
+
+async def test_a_lookup_of_keys_another_lookup_asks_about_waits_for_its_answer_and_counts_again(
+        loads: Loads) -> None:
+    keys = _small_keys(2)
+    first = asyncio.ensure_future(loads.loads.lookup(keys, 0, 10.0, fetch=True))
+    await wait_for_async("the first lookup asking", lambda: loads.reads.started)
+    others = [asyncio.ensure_future(loads.loads.lookup(keys, 0, 10.0, fetch=True)) for _ in range(2)]
+    loads.land(keys[0])  # the first one's fetch brought the first key meanwhile
+    loads.reads.ends[0].set()
+    assert await first == (0, 2)
+    await wait_for_async("the others asking", lambda: len(loads.reads.started) == 3)
+    # They asked only once it had answered: from the local prefix counted then.
+    assert loads.reads.started[1:] == [keys[1:], keys[1:]]
+    for end in loads.reads.ends[1:]:
+        end.set()
+    assert await asyncio.gather(*others) == [(1, 1), (1, 1)]
