@@ -117,7 +117,8 @@ class SharedLoads:
                         rows: Sequence[Landing | None] = ()) -> int:
         """See ``Sidecar.load_each``."""
         store = self._store()
-        n = 0
+        loop = asyncio.get_running_loop()
+        end, n = loop.time() + timeout, 0
         while n < len(keys) and (pin := take_pin(store, keys[n], _row(rows, n))) is not None:
             take(pin)
             n += 1
@@ -143,7 +144,7 @@ class SharedLoads:
                             break
                         again = False
                         await self._leave(fetch)
-                        fetch = self._join(keys, n, timeout)
+                        fetch = self._join(keys, n, max(0.0, end - loop.time()))  # within its own time
                     else:
                         waiter = asyncio.ensure_future(arrived.wait())
                         try:
