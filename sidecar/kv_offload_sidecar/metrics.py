@@ -145,6 +145,12 @@ class SidecarMetrics:
             "offered them): neither stored here nor copied by this sidecar.",
             namespace=ns, registry=registry,
         )
+        self.fetches_joined = Counter(
+            "fetches_joined",
+            "Loads that joined a peer fetch another load of this pod (another engine or rank) "
+            "had in flight for the same keys, instead of fetching them a second time.",
+            namespace=ns, registry=registry,
+        )
         self.peer_fetches = Counter(
             "peer_fetches",
             "Fetches of chunks from peers, by outcome.",

@@ -44,6 +44,7 @@ from kv_offload_sidecar.peers.directory.location import Location
 from kv_offload_sidecar.peers.peer_reads import PeerReads
 from kv_offload_sidecar.peers.pool_keys import PoolKeys
 from kv_offload_sidecar.peers.row_landings import Landing, RowLandings
+from kv_offload_sidecar.peers.shared_loads import SharedLoads
 from kv_offload_sidecar.peers.prefill_rate import PrefillRateLearner
 from kv_offload_sidecar.peers.reachability import unreachable
 from kv_offload_sidecar.peers.sessions import InboundSessions
@@ -119,6 +120,11 @@ class Sidecar:
                                    settings.prefill_tokens_per_second, cfg.tokens_per_chunk,
                                    settings.kv_bytes_per_chunk)),
                                stalls=self.stalls, landings=self.landings)
+        # Loads in flight by key: one fetch per pod for a key, every job gets its rows.
+        self.loads = SharedLoads(store=self._require_store, reads=self.reads, landings=self.landings,
+                                 metrics=self.metrics, arrivals=lambda: self._arrived,
+                                 let_go=self._release_copies, unloaded_after=lambda: (
+                                     UNLOADED_AFTER_DEADLINES * settings.fetch_deadline_seconds))
         # Learns the engine's prefill rate from its /metrics (--engine-metrics-url), if given.
         self.prefill_learner: PrefillRateLearner | None = None
         self.name = store_name(settings.identity)
@@ -308,8 +314,8 @@ class Sidecar:
                 self.location.hint_chain(keys, held=local > 0)
             self._release_copies(store, self.reads.take_unloaded(
                 UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
-            if local < len(keys):
-                peer = await self.reads.lookup(keys, local, timeout, fetch=fetch)
+            if local < len(keys):  # after a lookup of the same keys in flight (``shared_loads``)
+                local, peer = await self.loads.lookup(keys, local, timeout, fetch=fetch)
             m = self.metrics.chunk_lookups
             m.labels(result="local_hit").inc(local)
             m.labels(result="peer_hit").inc(peer)
@@ -341,55 +347,11 @@ class Sidecar:
         cannot evict them; fetched ones as they land), so the caller can copy a chunk while
         the next is still on the wire. ``rows``: the rows the caller offered per key
         (``row_landings``); a chunk that landed in its row is handed over as None, and a
-        pin is never taken for a row a transport is receiving into. Returns how many keys
-        it handed over; the caller releases the pins."""
+        pin is never taken for a row a transport is receiving into. Loads of the same keys
+        share one fetch (``peers.shared_loads``). Returns how many keys it handed over; the
+        caller releases the pins."""
         with self._engine_op():
-            store = self._require_store()
-            n = 0
-            while n < len(keys) and (pin := self._take_pin(store, keys[n], _row(rows, n))) is not None:
-                take(pin)
-                n += 1
-            if n < len(keys):
-                fetch = asyncio.create_task(self.reads.load(keys, n, timeout))
-                try:
-                    while n < len(keys):
-                        arrived = self._arrived
-                        row = _row(rows, n)
-                        pin = self._take_pin(store, keys[n], row)
-                        if pin is not None or (row is not None and row.landed):
-                            take(pin)
-                            n += 1
-                        elif fetch.done():
-                            break
-                        else:
-                            waiter = asyncio.ensure_future(arrived.wait())
-                            try:
-                                await asyncio.wait({fetch, waiter},
-                                                   return_when=asyncio.FIRST_COMPLETED)
-                            finally:
-                                waiter.cancel()
-                finally:
-                    if not fetch.done():
-                        fetch.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, Exception):
-                            await fetch
-            # The pool keeps fetched chunks at their holders: once loaded, this store drops
-            # them (or, with --peer-copies cold, keeps them at its cold end); so too those
-            # a lookup fetched and no load took in time.
-            self._release_copies(store, self.reads.take_fetched(keys) + self.reads.take_unloaded(
-                UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
-            return n
-
-    @staticmethod
-    def _take_pin(store: ChunkStore, key: bytes, row: Landing | None) -> PinnedChunk | None:
-        """A pin of ``key`` when its offered row (if any) is still open (which it withdraws):
-        a row a transport took gets the chunk from it, never from a copy beside it."""
-        if row is not None and not row.open:
-            return None
-        pin = store.pin(key)
-        if pin is not None and row is not None:
-            row.withdraw()
-        return pin
+            return await self.loads.load_each(keys, timeout, take, rows)
 
     async def load(self, keys: Sequence[bytes], timeout: float) -> list[PinnedChunk]:
         """Make the leading ``keys`` local (fetching from a peer) and pin them: ``load_each``
@@ -514,7 +476,3 @@ class Sidecar:
                       "slot_stride": store.slot_stride, "num_slots": store.num_slots},
         }
 
-
-def _row(rows: Sequence[Landing | None], n: int) -> Landing | None:
-    """The row offered for the ``n``-th key, if any."""
-    return rows[n] if n < len(rows) else None

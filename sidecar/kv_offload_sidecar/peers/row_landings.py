@@ -17,7 +17,12 @@ Contract:
   prefix ends before it, vLLM recomputes it) and counts as an integrity failure.
 - The store does not get a chunk that landed in a row: the pool keeps it at its holder,
   as ``--peer-copies drop`` would have dropped it after the load anyway (under ``cold`` no
-  row is offered, so fetched chunks stay).
+  row is offered, so fetched chunks stay). Unless another load of this pod waits for the
+  key without a row of its own (``RowLandings.wait``: two ranks loading one system prompt,
+  one fetch shared, ``shared_loads``): the chunk is then copied from the row into its slot
+  too and committed there, verified over the slot's bytes; and a load that comes once the
+  chunk is in another job's row copies it from there into the store (``RowLandings.share``)
+  while that job still holds the row (all on the event loop).
 - Only the rows a job names are written, and only while the job runs: its offers are
   withdrawn when it ends (answered, past its deadline or cancelled); an offer taken and
   still receiving is stopped then (``Landing.withdraw`` revokes the transfer's write gate,
@@ -71,6 +76,8 @@ class Landing:
         self.deadline = deadline
         # Where the offer stands.
         self.state = LandingState.OFFERED
+        # The verified checksum of the chunk in the row, once landed.
+        self.checksum: int | None = None
         self._on_end = on_end
         self._stop: Callable[[], None] | None = None
         self._gate: WriteGate | None = None
@@ -130,6 +137,8 @@ class RowLandings:
         # Called whenever a chunk landed in its row, verified (wakes the job waiting for it).
         self._on_landed = on_landed
         self._offers: dict[bytes, Landing] = {}
+        # Key -> loads waiting for it without a row of their own offered for it.
+        self._waiting: dict[bytes, int] = {}
 
     def offer(self, key: bytes, view: memoryview, deadline: float = math.inf) -> Landing | None:
         """Offer ``view`` (a row's chunk bytes) for ``key``'s chunk until ``deadline`` (the job's,
@@ -147,6 +156,37 @@ class RowLandings:
 
     def __len__(self) -> int:
         return len(self._offers)
+
+    def wait(self, keys: Sequence[bytes]) -> None:
+        """A load waits for ``keys`` without rows of its own for them: a chunk that lands in
+        another job's row is committed to the store as well (until ``unwait``)."""
+        for key in keys:
+            self._waiting[key] = self._waiting.get(key, 0) + 1
+
+    def unwait(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            n = self._waiting.get(key, 0) - 1
+            if n > 0:
+                self._waiting[key] = n
+            else:
+                self._waiting.pop(key, None)
+
+    def wanted(self, key: bytes) -> bool:
+        """A load without a row of its own waits for ``key``."""
+        return key in self._waiting
+
+    def share(self, key: bytes, store: ChunkStore) -> bool:
+        """Copy ``key``'s chunk from the row it landed in (another job's, still running) into
+        ``store``, verified over the slot against the row's checksum; False when no row holds
+        it landed or no slot is free."""
+        landing = self._offers.get(key)
+        if landing is None or not landing.landed or landing.checksum is None:
+            return False
+        slot = store.begin_write(key)
+        if slot is None:
+            return False
+        slot.view[:] = landing.view
+        return slot.commit(landing.checksum)
 
     def _ended(self, landing: Landing) -> None:
         if landing.state is LandingState.LANDED:
@@ -195,22 +235,30 @@ class LandingReservation:
 
     def commit(self, expected_checksum: int | None = None, *,
                computed_checksum: int | None = None) -> bool:
-        """The slot's commit; for a chunk in a row: verify it there and free the slot."""
+        """The slot's commit; for a chunk in a row: verify it there and free the slot (or, when
+        another load waits for the key without a row, copy it into the slot and commit that)."""
         row = self._row
         if row is None:
             ok = self._slot.commit(expected_checksum, computed_checksum=computed_checksum)
             self.refused = getattr(self._slot, "refused", None)
             return ok
-        self._slot.abort()
         if row.state is not LandingState.RECEIVING:
+            self._slot.abort()
             self.refused = "its row's load job had already ended"
             return False  # the job ended meanwhile: nothing trustworthy landed
         checksum = chunk_checksum(row.view) if computed_checksum is None else computed_checksum
         ok = expected_checksum is None or checksum == expected_checksum
+        if ok and self._landings.wanted(self.key):
+            self._slot.view[:] = row.view  # hashed again over the slot by its commit
+            self._slot.commit(checksum)
+        else:
+            self._slot.abort()
         if not ok:
             self._store.count_integrity_failure()
-        elif self._metrics is not None:
-            self._metrics.peer_chunks_into_rows.inc()
+        else:
+            row.checksum = checksum
+            if self._metrics is not None:
+                self._metrics.peer_chunks_into_rows.inc()
         row.finish(ok)
         return ok
 

@@ -93,3 +93,51 @@ def test_a_key_without_an_open_offer_lands_in_its_slot(store: ChunkStore) -> Non
     view[:] = data
     assert res.commit(chunk_checksum(data)) is True
     assert store.contains(_key(2))
+
+
+def test_a_chunk_in_a_row_another_load_waits_for_without_a_row_is_stored_too(store: ChunkStore) -> None:
+    landings = RowLandings(on_landed=lambda: None)
+    row = memoryview(bytearray(CHUNK))
+    offer = landings.offer(_key(1), row)
+    landings.wait([_key(1)])  # a second load, whose offer of the key was refused
+    res = LandingStore(store, landings).begin_write(_key(1))
+    assert res is not None and offer is not None
+    data = os.urandom(CHUNK)
+    res.receive_view(lambda: None)[:] = data
+    assert res.commit(chunk_checksum(data)) is True
+    assert offer.landed and bytes(row) == data
+    pin = store.pin(_key(1))
+    assert pin is not None and bytes(pin.view) == data  # the waiting load's copy, verified
+    pin.release()
+    landings.unwait([_key(1)])
+    assert not landings.wanted(_key(1))
+
+
+def test_a_corrupt_chunk_in_a_row_is_not_stored_for_a_waiting_load(store: ChunkStore) -> None:
+    landings = RowLandings(on_landed=lambda: None)
+    offer = landings.offer(_key(1), memoryview(bytearray(CHUNK)))
+    landings.wait([_key(1)])
+    res = LandingStore(store, landings).begin_write(_key(1))
+    assert res is not None and offer is not None
+    res.receive_view(lambda: None)[:] = os.urandom(CHUNK)
+    assert res.commit(chunk_checksum(b"\0" * CHUNK)) is False
+    assert offer.state is LandingState.FAILED and not store.contains(_key(1)) and store.used_bytes == 0
+
+
+def test_a_chunk_landed_in_a_running_jobs_row_is_shared_into_the_store_until_the_job_ends(
+        store: ChunkStore) -> None:
+    landings = RowLandings(on_landed=lambda: None)
+    offer = landings.offer(_key(1), memoryview(bytearray(CHUNK)))
+    assert offer is not None and not landings.share(_key(1), store)  # nothing landed yet
+    res = LandingStore(store, landings).begin_write(_key(1))
+    assert res is not None
+    data = os.urandom(CHUNK)
+    res.receive_view(lambda: None)[:] = data
+    assert res.commit(chunk_checksum(data)) and not store.contains(_key(1))
+    assert landings.share(_key(1), store)
+    pin = store.pin(_key(1))
+    assert pin is not None and bytes(pin.view) == data
+    pin.release()
+    store.drop_when_released([_key(1)])
+    landings.release([offer])  # the job gave its row back: nothing is read from it any more
+    assert not landings.share(_key(1), store) and not store.contains(_key(1))
