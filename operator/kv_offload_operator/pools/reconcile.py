@@ -34,6 +34,7 @@ from .pool_source import source_release, vllm_source
 from .pool_spec import (
     PoolSpecError,
     SidecarSpec,
+    deprecation_conditions,
     key_rotation_grace_seconds,
     pool_hash_seed_problem,
 )
@@ -134,7 +135,8 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
     patch.status["translatedBy"] = translation_change.TRANSLATED_BY
     patch.status["conditions"] = objects.pool_conditions(
         status.get("conditions"), invalid_message=None, generation=generation, now=now
-    ) + translation_change.change_conditions(status.get("conditions"), changed, generation, now)
+    ) + translation_change.change_conditions(status.get("conditions"), changed, generation, now) \
+        + deprecation_conditions(sidecar, status.get("conditions"), generation, now)
     logger.info(f"Pool {namespace}/{name}: fingerprint {config.fingerprint}, "
                 f"ConfigMap {objects.configmap_name(name)} written "
                 f"(vLLM {release.version}'s rules, from {release_source}).")

@@ -154,8 +154,8 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
     restart takes the pod out of its Service's ready endpoints until the new
     sidecar answers its startup probe (seconds); vLLM keeps running and the
     tier serves misses meanwhile. ``pod``: ports become host ports on the
-    host network (``pod_host.host_ports``). ``--prefill-tokens-per-second`` and
-    ``--peer-copies`` are always given, defaults included, so the pod spec
+    host network (``pod_host.host_ports``). ``--prefill-tokens-per-second``,
+    ``--peer-copies`` and ``--lanes`` are always given, defaults included, so the pod spec
     states the fetch-or-recompute rate and sharing policy its sidecar runs.
     """
     first = sidecar.control_port(dp_indices[0])
@@ -164,6 +164,7 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
             "--peers-dns", peers_dns(pool_name, namespace),
             "--base-port", str(sidecar.base_port), "--data-port", str(sidecar.data_port),
             "--capacity-bytes", str(sidecar.capacity_bytes), "--transport", sidecar.transport,
+            "--lanes", str(sidecar.lanes),
             "--prefill-tokens-per-second", format_rate(sidecar.prefill_tokens_per_second),
             "--peer-copies", sidecar.peer_copies,
             "--dp-indices", ",".join(str(i) for i in dp_indices), "--shm-dir", SHM_DIR]
