@@ -31,8 +31,8 @@ class OperatorOptions:
     """Command-line settings handed to the startup handler through ``memo.options``."""
 
     sidecar_image: str = setting(DEFAULT_SIDECAR_IMAGE, "sidecar image for pools without spec.sidecar.image",
-                                 default_text="$KV_OFFLOAD_SIDECAR_IMAGE, else none: each pool names spec.sidecar.image "
-                                              "(the chart passes its own image)")
+                                 default_text="$KV_OFFLOAD_SIDECAR_IMAGE, else none: each pool names "
+                                              "spec.sidecar.image (the chart passes its own image)")
     webhook_addr: str = setting("0.0.0.0", "webhook listening address (0.0.0.0: all interfaces)")
     webhook_port: int = setting(9443, "webhook HTTPS port")
     webhook_host: str | None = setting(None, "host name of the webhook (the self-signed certificate's name, "

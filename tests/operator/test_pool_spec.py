@@ -286,7 +286,8 @@ def test_crd_schema_admits_nixl_and_the_policy_knobs_and_refuses_bad_values(crd:
     # No default in the CRD: unset means the operator's (the chart's sidecar.prefillTokensPerSecond / peerCopies).
     assert "default" not in sidecar["properties"]["prefillTokensPerSecond"]
     assert "default" not in sidecar["properties"]["peerCopies"]
-    for fields in ({"transport": "nixl"}, {"dataPlane": {"transport": "nixl", "lanes": 8}}, {"prefillTokensPerSecond": 0}, {"prefillTokensPerSecond": 12500.5},
+    for fields in ({"transport": "nixl"}, {"dataPlane": {"transport": "nixl", "lanes": 8}},
+                   {"prefillTokensPerSecond": 0}, {"prefillTokensPerSecond": 12500.5},
                    {"peerCopies": "cold", "prefillTokensPerSecond": 8000}):
         jsonschema.validate(pool_body("llama", sidecar=fields), schema)
     for fields, said in (({"prefillTokensPerSecond": -1}, "-1"), ({"prefillTokensPerSecond": "12500"}, "12500"),

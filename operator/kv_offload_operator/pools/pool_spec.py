@@ -431,8 +431,9 @@ def _tls_secret(tls: Any, transport: str) -> str | None:
         raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.dataPlane.transport "
                          f"is {transport!r}: TLS applies to the tcp transport only; the nixl transport sends its "
                          f"requests over tcp but moves chunks with NIXL reads over UCX, which are not "
-                         f"encrypted (the sidecar refuses TLS with nixl); set spec.sidecar.dataPlane.transport: tcp, or "
-                         f"remove spec.sidecar.tls and keep nixl traffic inside the pool with the NetworkPolicy")
+                         f"encrypted (the sidecar refuses TLS with nixl); set spec.sidecar.dataPlane.transport: "
+                         f"tcp, or remove spec.sidecar.tls and keep nixl traffic inside the pool with the "
+                         f"NetworkPolicy")
     if transport != "tcp":
         raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.dataPlane.transport "
                          f"is {transport!r}: TLS applies to the tcp transport only and UCX traffic is not "
