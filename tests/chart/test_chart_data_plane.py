@@ -40,7 +40,7 @@ def test_by_default_the_chart_leaves_the_data_plane_to_each_pod_and_its_lanes_to
     assert (args.sidecar_transport, args.sidecar_lanes) == ("", pool_spec.DEFAULT_LANES)
     spec = _pool_spec(args, {})
     assert (spec.transport_given, spec.lanes) == (False, 0)  # the webhook picks tcp beside a GPU
-    assert (_flags(spec)["--transport"], _flags(spec)["--lanes"]) == (pool_spec.DEFAULT_TRANSPORT, "0")
+    assert (_flags(spec)["--transport"], _flags(spec).get("--lanes")) == (pool_spec.DEFAULT_TRANSPORT, None)
 
 
 def test_the_charts_data_plane_is_the_default_of_pools_that_set_none(render) -> None:

@@ -54,8 +54,8 @@ def test_a_pools_own_sidecar_resources_stand_beside_a_gpu() -> None:
 def test_a_gpu_pods_sidecar_runs_the_plane_measured_on_a_gpu_with_a_lane_per_core() -> None:
     side = sidecar_of(inject(pod(gpu_vllm())))
     assert flag(side, "--transport") == pool_spec.GPU_TRANSPORT == "tcp"
-    # Lanes stay the sidecar's own count, one per core of its CPU budget: GPU_SIDECAR_CPU cores.
-    assert flag(side, "--lanes") == str(pool_spec.DEFAULT_LANES) == "0"
+    # Lanes stay the sidecar's own count (no --lanes), one per core of its CPU budget: GPU_SIDECAR_CPU.
+    assert flag(side, "--lanes") is None and pool_spec.DEFAULT_LANES == 0
     assert side["resources"]["requests"]["cpu"] == pool_spec.GPU_SIDECAR_CPU
     assert flag(sidecar_of(inject(pod(vllm()))), "--transport") == pool_spec.DEFAULT_TRANSPORT
 
@@ -63,9 +63,10 @@ def test_a_gpu_pods_sidecar_runs_the_plane_measured_on_a_gpu_with_a_lane_per_cor
 @pytest.mark.parametrize("sidecar, transport, lanes", [
     ({"dataPlane": {"transport": "ucx", "lanes": 2}}, "ucx", "2"),
     ({"dataPlane": {"lanes": 8}}, "tcp", "8"),  # lanes alone: the transport is still the GPU's
-    ({"transport": "nixl"}, "nixl", "0"),  # the deprecated field still names the pool's choice
-    ({"tls": {"secretName": "pool-tls"}}, "tcp", "0"),
+    ({"transport": "nixl"}, "nixl", None),  # the deprecated field still names the pool's choice
+    ({"tls": {"secretName": "pool-tls"}}, "tcp", None),
 ], ids=["data-plane", "lanes-only", "deprecated-transport", "tls"])
-def test_a_pools_data_plane_wins_over_the_gpu_default(sidecar: dict[str, Any], transport: str, lanes: str) -> None:
+def test_a_pools_data_plane_wins_over_the_gpu_default(sidecar: dict[str, Any], transport: str,
+                                                      lanes: str | None) -> None:
     side = sidecar_of(inject(pod(gpu_vllm()), **sidecar))
     assert (flag(side, "--transport"), flag(side, "--lanes")) == (transport, lanes)

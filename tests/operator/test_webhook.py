@@ -80,7 +80,7 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
         "--peers-dns": "llama-peers.ns1.svc",
         "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
         # A GPU pod of a pool that names no data plane: tcp, the plane measured on a GPU, a lane per core.
-        "--transport": "tcp", "--lanes": "0", "--prefill-tokens-per-second": "0", "--peer-copies": "drop",
+        "--transport": "tcp", "--prefill-tokens-per-second": "0", "--peer-copies": "drop",
         "--dp-indices": "0", "--shm-dir": "/dev/shm",
         "--engine-metrics-url": "http://127.0.0.1:8000/metrics"}  # its vLLM's own (pod_defaults)
     assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-metrics", 5710), ("kvo-data", 5810)]

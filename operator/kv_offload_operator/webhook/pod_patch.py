@@ -42,7 +42,7 @@ from ..pools.pool_pod import (  # the names injection marks a pod with, and its 
     container_argv,
     find_vllm_container,
 )
-from ..pools.pool_spec import HASH_SEED_ENV, SidecarSpec
+from ..pools.pool_spec import DEFAULT_LANES, HASH_SEED_ENV, SidecarSpec
 from ..quantity import format_bytes
 from ..translation.declared_identity import declared_diff, declared_identity
 from ..translation.translate import translate
@@ -154,8 +154,8 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
     restart takes the pod out of its Service's ready endpoints until the new
     sidecar answers its startup probe (seconds); vLLM keeps running and the
     tier serves misses meanwhile. ``pod``: ports become host ports on the
-    host network (``pod_host.host_ports``). ``--prefill-tokens-per-second``,
-    ``--peer-copies`` and ``--lanes`` are always given, defaults included, so the pod spec
+    host network (``pod_host.host_ports``). ``--prefill-tokens-per-second`` and
+    ``--peer-copies`` are always given, defaults included, so the pod spec
     states the fetch-or-recompute rate and sharing policy its sidecar runs.
     """
     first = sidecar.control_port(dp_indices[0])
@@ -164,7 +164,6 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
             "--peers-dns", peers_dns(pool_name, namespace),
             "--base-port", str(sidecar.base_port), "--data-port", str(sidecar.data_port),
             "--capacity-bytes", str(sidecar.capacity_bytes), "--transport", sidecar.transport,
-            "--lanes", str(sidecar.lanes),
             "--prefill-tokens-per-second", format_rate(sidecar.prefill_tokens_per_second),
             "--peer-copies", sidecar.peer_copies,
             "--dp-indices", ",".join(str(i) for i in dp_indices), "--shm-dir", SHM_DIR]
@@ -172,6 +171,8 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
               {"name": POOL_SECRET_VOLUME, "mountPath": POOL_SECRET_DIR, "readOnly": True}]
     if sidecar.engine_metrics_url:
         args += ["--engine-metrics-url", sidecar.engine_metrics_url]
+    if sidecar.lanes != DEFAULT_LANES:  # unset stays off the line: a sidecar of the last release knows no --lanes
+        args += ["--lanes", str(sidecar.lanes)]
     if sidecar.tls_secret is not None:
         args += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key",
                  "--tls-ca-file", f"{TLS_DIR}/ca.crt"]
