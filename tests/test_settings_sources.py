@@ -147,8 +147,7 @@ def test_the_table_lists_every_pool_spec_field_once():
 
 def test_the_crds_defaults_are_the_operators_constants_and_the_tables():
     fields, rows = crd_fields(crd_spec()), table("crd")
-    declared = {"spec.sidecar.transport": pool_spec.DEFAULT_TRANSPORT,
-                "spec.sidecar.ucxTransports": pool_spec.DEFAULT_UCX_TRANSPORTS,
+    declared = {"spec.sidecar.ucxTransports": pool_spec.DEFAULT_UCX_TRANSPORTS,
                 "spec.sidecar.rdma.ipcLock": False,
                 "spec.keyRotationGraceSeconds": pool_spec.DEFAULT_KEY_ROTATION_GRACE_SECONDS,
                 "spec.modelConfigRef.key": model_config.DEFAULT_KEY}

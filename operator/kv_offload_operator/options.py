@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_offload_sidecar.setting_flags import setting
-from kv_offload_sidecar.settings import PEER_COPIES
+from kv_offload_sidecar.settings import PEER_COPIES, TRANSPORTS
 
 from .pools.pool_spec import (
     DEFAULT_BASE_PORT,
     DEFAULT_DATA_PORT,
+    DEFAULT_LANES,
     DEFAULT_PEER_COPIES,
     DEFAULT_PREFILL_TOKENS_PER_SECOND,
     DEFAULT_SIDECAR_IMAGE,
@@ -30,7 +31,8 @@ class OperatorOptions:
     """Command-line settings handed to the startup handler through ``memo.options``."""
 
     sidecar_image: str = setting(DEFAULT_SIDECAR_IMAGE, "sidecar image for pools without spec.sidecar.image",
-                                 default_text=f"$KV_OFFLOAD_SIDECAR_IMAGE, else {DEFAULT_SIDECAR_IMAGE}")
+                                 default_text="$KV_OFFLOAD_SIDECAR_IMAGE, else none: each pool names "
+                                              "spec.sidecar.image (the chart passes its own image)")
     webhook_addr: str = setting("0.0.0.0", "webhook listening address (0.0.0.0: all interfaces)")
     webhook_port: int = setting(9443, "webhook HTTPS port")
     webhook_host: str | None = setting(None, "host name of the webhook (the self-signed certificate's name, "
@@ -68,6 +70,13 @@ class OperatorOptions:
                                      metavar="P")
     sidecar_data_port: int = setting(DEFAULT_DATA_PORT, "tcp data-plane port for pools without "
                                      "spec.sidecar.dataPort (the chart's sidecar.dataPort)", metavar="P")
+    sidecar_transport: str = setting(
+        "", "data plane of pools without spec.sidecar.dataPlane.transport (the chart's "
+        "sidecar.dataPlane.transport; '': per pod, tcp beside a GPU, the plane measured there, else ucx)",
+        choices=("", *TRANSPORTS))
+    sidecar_lanes: int = setting(
+        DEFAULT_LANES, "parallel streams one fetch stripes over, for pools without spec.sidecar.dataPlane.lanes "
+        "(the chart's sidecar.dataPlane.lanes; 0: one per core of the sidecar's CPU budget)", metavar="N")
     sidecar_prefill_tokens_per_second: float = setting(
         DEFAULT_PREFILL_TOKENS_PER_SECOND, "the engines' prefill rate for pools without "
         "spec.sidecar.prefillTokensPerSecond: a peer's run slower to fetch than to recompute at this rate is "

@@ -19,6 +19,8 @@ NIXL_PACKAGE = "nixl-cu12==1.5.1"
 # The tools' extra (kv_offload_tools itself is in a checkout only, never in the image).
 TOOLS = ("tools", "pip install 'kv-offload[tools]' from a checkout")
 _OPERATOR = ("operator", "pip install 'kv-offload[operator]'")
+# The demo's extra (torch for the simulated engines' KV; the tools' extra includes it).
+DEMO = ("demo", "pip install 'kv-offload[demo]' from a checkout")
 # Optional top-level module -> (the extra that brings it, the command that installs it).
 EXTRAS: dict[str, tuple[str, str]] = {
     "ucxx": ("ucx", "pip install 'kv-offload[ucx]'"),
@@ -26,7 +28,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "nixl_cu12": ("nixl", f"pip install --no-deps {NIXL_PACKAGE}"),
     "kopf": _OPERATOR,
     "kubernetes_asyncio": _OPERATOR,
-    "torch": TOOLS,
+    "torch": DEMO,
     "matplotlib": TOOLS,
     "hypothesis": TOOLS,
 }

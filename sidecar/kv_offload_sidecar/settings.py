@@ -20,7 +20,7 @@ from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.setting_flags import setting
 
-# Most connections one fetch stripes over (``data.lanes``): past 8 streams loopback TCP on a
+# Most streams one fetch stripes over (``lanes``, ``data.lanes``): past 8 streams loopback TCP on a
 # 16-core host (10.8 GB/s) already passes a GPU's break-even several times, and each lane
 # holds a thread and socket buffers on both ends.
 MAX_DATA_LANES = 8
@@ -136,10 +136,11 @@ class SidecarSettings:
                                       "e.g. http://127.0.0.1:8000/metrics ('': the configured rate only)",
                                       metavar="URL")
     engine_metrics_interval_seconds: float = setting(15.0, "seconds between scrapes of --engine-metrics-url")
-    data_lanes: int = setting(0, "connections a fetch from one peer stripes its chunks over, each moving "
-                              "bytes on its own thread; the fewer of both sidecars' offers is used (nixl: "
-                              "this sidecar's read threads) (0: one per core this process may use, at "
-                              f"most {MAX_DATA_LANES})", metavar="N")
+    lanes: int = setting(0, "parallel streams a fetch from one peer stripes its chunks over, each moving "
+                         "bytes on a core of its own; the fewer of both sidecars' offers is used. Per plane: "
+                         "tcp connections (TLS too), nixl read threads (a NIXL agent each), ucx 1 or 2 "
+                         "connections (2: the fetcher copies too) (0: one per core this process may use, at "
+                         f"most {MAX_DATA_LANES}; ucx: 1)", metavar="N")
     tls_cert_file: str = setting("", "PEM certificate of this sidecar: TLS on the tcp data plane (with "
                                  "--tls-key-file and --tls-ca-file; '': plain TCP)", metavar="PEM")
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file", metavar="PEM")
@@ -187,8 +188,8 @@ class SidecarSettings:
         if self.engine_metrics_interval_seconds <= 0:
             raise ValueError(f"engine_metrics_interval_seconds must be positive, "
                              f"got {self.engine_metrics_interval_seconds}")
-        if not 0 <= self.data_lanes <= MAX_DATA_LANES:
-            raise ValueError(f"data_lanes {self.data_lanes} must be 0 (one per usable core) "
+        if isinstance(self.lanes, bool) or not 0 <= self.lanes <= MAX_DATA_LANES:
+            raise ValueError(f"lanes {self.lanes!r} must be 0 (one per usable core) "
                              f"or 1-{MAX_DATA_LANES}")
         if self.key_reload_seconds <= 0:
             raise ValueError(f"key_reload_seconds must be positive, got {self.key_reload_seconds}")

@@ -159,7 +159,7 @@ class Sidecar:
                           kv_bytes_per_chunk=s.kv_bytes_per_chunk, identity=s.identity,
                           control_address=self.control_address, data_address=self.data_address,
                           transport=s.transport, run_config=s.config.run_config(),
-                          data_lanes=lanes_offered(s.data_lanes), model_identity=self.model.identity)
+                          data_lanes=lanes_offered(s.lanes), model_identity=self.model.identity)
 
     def accept_session(self, session: Session) -> None:
         """A peer proved the pool key: authorise its data connections, dial it back."""
@@ -434,7 +434,7 @@ class Sidecar:
             "data_address": self.data_address,
             "peers": states,
             # Lanes this sidecar offers; each connected peer's count is in /v1/peers.
-            "data_lanes_offered": lanes_offered(s.data_lanes),
+            "data_lanes_offered": lanes_offered(s.lanes),
             "cpu_budget": cpu_budget().view(),  # cores lanes and thread pools follow, and from where
             **self.peers.data_view(),  # data_lanes of each open data link, data_links: their bound
             "inbound_sessions": len(self._inbound),

@@ -99,6 +99,7 @@ def test_operator_command_line_matches_the_values(render):
         "--peering-lifetime-seconds=30", "--sidecar-image=reg.example/kvo:9.9",
         "--sidecar-base-port=5710", "--sidecar-data-port=5810",
         "--sidecar-prefill-tokens-per-second=0", "--sidecar-peer-copies=drop",
+        "--sidecar-transport=", "--sidecar-lanes=0",
     ]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert mounts["/etc/kv-offload/webhook-tls"] == "webhook-tls" and mounts["/tmp"] == "tmp"

@@ -486,6 +486,22 @@ async def test_a_pool_whose_hash_seed_cannot_work_is_invalid_saying_what_to_chan
             assert obj(kmock, "v1/configmaps", f"{name}-offloading-config") is None
 
 
+async def test_a_pool_on_the_deprecated_transport_field_works_and_says_so_in_a_condition(
+        kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    emulate_cluster(kmock)
+    async with OperatorProcess(tmp_path, str(kmock.url)):
+        await create(kmock, POOLS_URL, pool_body("old", sidecar={"transport": "tcp"}))
+        await create(kmock, POOLS_URL, pool_body("new", sidecar={"dataPlane": {"transport": "tcp", "lanes": 4}}))
+        for name in ("old", "new"):
+            await wait_for_async(f"{name} to be Ready",
+                                 lambda n=name: condition(status_of(kmock, n), "Ready").get("status") == "True")
+        deprecated = condition(status_of(kmock, "old"), "Deprecated")
+        assert (deprecated["status"], deprecated["reason"]) == ("True", "DeprecatedField")
+        assert deprecated["message"].startswith("spec.sidecar.transport is deprecated: move it to "
+                                                "spec.sidecar.dataPlane.transport")
+        assert condition(status_of(kmock, "new"), "Deprecated") == {}
+
+
 def test_operator_cli_refuses_bad_flags_and_missing_credentials_with_one_line(tmp_path: Path) -> None:
     def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run([KV_OFFLOAD, "operator", *args],

@@ -49,3 +49,24 @@ def test_a_gpu_pods_sidecar_requests_the_cpus_its_lanes_need() -> None:
 def test_a_pools_own_sidecar_resources_stand_beside_a_gpu() -> None:
     out = inject(pod(gpu_vllm()), resources={"requests": {"cpu": "1500m"}})
     assert sidecar_of(out)["resources"]["requests"]["cpu"] == "1500m"
+
+
+def test_a_gpu_pods_sidecar_runs_the_plane_measured_on_a_gpu_with_a_lane_per_core() -> None:
+    side = sidecar_of(inject(pod(gpu_vllm())))
+    assert flag(side, "--transport") == pool_spec.GPU_TRANSPORT == "tcp"
+    # Lanes stay the sidecar's own count (no --lanes), one per core of its CPU budget: GPU_SIDECAR_CPU.
+    assert flag(side, "--lanes") is None and pool_spec.DEFAULT_LANES == 0
+    assert side["resources"]["requests"]["cpu"] == pool_spec.GPU_SIDECAR_CPU
+    assert flag(sidecar_of(inject(pod(vllm()))), "--transport") == pool_spec.DEFAULT_TRANSPORT
+
+
+@pytest.mark.parametrize("sidecar, transport, lanes", [
+    ({"dataPlane": {"transport": "ucx", "lanes": 2}}, "ucx", "2"),
+    ({"dataPlane": {"lanes": 8}}, "tcp", "8"),  # lanes alone: the transport is still the GPU's
+    ({"transport": "nixl"}, "nixl", None),  # the deprecated field still names the pool's choice
+    ({"tls": {"secretName": "pool-tls"}}, "tcp", None),
+], ids=["data-plane", "lanes-only", "deprecated-transport", "tls"])
+def test_a_pools_data_plane_wins_over_the_gpu_default(sidecar: dict[str, Any], transport: str,
+                                                      lanes: str | None) -> None:
+    side = sidecar_of(inject(pod(gpu_vllm()), **sidecar))
+    assert (flag(side, "--transport"), flag(side, "--lanes")) == (transport, lanes)

@@ -135,7 +135,8 @@ def test_ucx_transport_presets_set_ucx_tls_and_an_own_ucx_tls_wins(preset: str, 
 
 
 @pytest.mark.parametrize("spec, said", [
-    ({"transport": "tcp", "rdma": {}}, r"spec\.sidecar\.rdma is set but spec\.sidecar\.transport is 'tcp'"),
+    ({"dataPlane": {"transport": "tcp"}, "rdma": {}},
+     r"spec\.sidecar\.rdma is set but spec\.sidecar\.dataPlane\.transport is 'tcp'"),
     ({"rdma": {}}, r"spec\.sidecar\.rdma is set but spec\.sidecar\.ucxTransports is 'tcp-sm'.*rdma-rc"),
     ({"ucxTransports": "rdma-rc", "rdma": {"resources": {"ib": 1}}},
      r"spec\.sidecar\.rdma\.resources names 'ib': give a device-plugin resource with its domain"),

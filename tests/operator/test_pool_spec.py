@@ -13,6 +13,7 @@ import pytest
 import yaml
 from kv_offload_operator.pools import pool_objects, pool_spec
 from kv_offload_operator.translation.translate import translate
+from kv_offload_sidecar.settings import MAX_DATA_LANES
 from operator_harness import KTC, LLAMA_ARGS, llama_config, pool_body
 from pool_support import K8S, hash_seed_pool, pool, sidecar_spec
 
@@ -87,18 +88,22 @@ def test_without_spec_hash_seed_the_pool_uses_its_secret_seed_which_the_sidecar_
     assert effective_hash_seed(config, {"PYTHONHASHSEED": "3141592653"}) == "3141592653"
 
 
-def test_tls_needs_a_secret_name_and_the_tcp_transport() -> None:
-    assert sidecar_spec(transport="tcp", tls={"secretName": "pool-tls"}).tls_secret == "pool-tls"
-    assert sidecar_spec(transport="tcp").tls_secret is None
+def test_tls_needs_a_secret_name_and_the_tcp_transport_which_it_picks_when_none_is_named() -> None:
+    tcp = {"transport": "tcp"}
+    assert sidecar_spec(dataPlane=tcp, tls={"secretName": "pool-tls"}).tls_secret == "pool-tls"
+    assert sidecar_spec(dataPlane=tcp).tls_secret is None
+    alone = sidecar_spec(tls={"secretName": "pool-tls"})
+    assert (alone.transport, alone.transport_given, alone.tls_secret) == ("tcp", True, "pool-tls")
     with pytest.raises(ValueError) as info:
-        sidecar_spec(tls={"secretName": "pool-tls"})  # transport defaults to ucx
+        sidecar_spec(dataPlane={"transport": "ucx"}, tls={"secretName": "pool-tls"})
     message = str(info.value)
-    assert message.startswith("spec.sidecar.tls.secretName='pool-tls' is set but spec.sidecar.transport is 'ucx'")
+    assert message.startswith("spec.sidecar.tls.secretName='pool-tls' is set but "
+                              "spec.sidecar.dataPlane.transport is 'ucx'")
     assert "TLS applies to the tcp transport only and UCX traffic is not encrypted" in message
-    assert "set spec.sidecar.transport: tcp" in message
+    assert "set spec.sidecar.dataPlane.transport: tcp" in message
     with pytest.raises(ValueError,
                        match=r"spec\.sidecar\.tls=\{\} names no Secret: set spec\.sidecar\.tls\.secretName"):
-        sidecar_spec(transport="tcp", tls={})
+        sidecar_spec(dataPlane=tcp, tls={})
 
 
 def test_prefill_rate_and_peer_copies_default_to_the_operators_and_a_pool_sets_its_own() -> None:
@@ -153,15 +158,74 @@ def test_the_operators_policy_defaults_are_the_sidecars_own() -> None:
 
 
 def test_the_nixl_transport_is_accepted_but_not_with_tls_nor_rdma() -> None:
-    assert sidecar_spec(transport="nixl").transport == "nixl"
+    nixl = {"transport": "nixl"}
+    assert sidecar_spec(dataPlane=nixl).transport == "nixl"
     with pytest.raises(ValueError) as info:
-        sidecar_spec(transport="nixl", tls={"secretName": "pool-tls"})
+        sidecar_spec(dataPlane=nixl, tls={"secretName": "pool-tls"})
     message = str(info.value)
-    assert message.startswith("spec.sidecar.tls.secretName='pool-tls' is set but spec.sidecar.transport is 'nixl'")
-    assert "TLS applies to the tcp transport only" in message and "set spec.sidecar.transport: tcp" in message
+    assert message.startswith("spec.sidecar.tls.secretName='pool-tls' is set but "
+                              "spec.sidecar.dataPlane.transport is 'nixl'")
+    assert "TLS applies to the tcp transport only" in message
+    assert "set spec.sidecar.dataPlane.transport: tcp" in message
     assert "NIXL reads over UCX, which are not encrypted" in message
-    with pytest.raises(ValueError, match=r"spec\.sidecar\.rdma is set but spec\.sidecar\.transport is 'nixl'"):
-        sidecar_spec(transport="nixl", ucxTransports="rdma-rc", rdma={"resources": {"rdma/ib": 1}})
+    with pytest.raises(ValueError, match=r"spec\.sidecar\.rdma is set but spec\.sidecar\.dataPlane\.transport "
+                                         r"is 'nixl'"):
+        sidecar_spec(dataPlane=nixl, ucxTransports="rdma-rc", rdma={"resources": {"rdma/ib": 1}})
+
+
+def test_data_plane_is_one_setting_of_transport_and_lanes_defaulted_per_pod_unless_named() -> None:
+    unset = sidecar_spec()
+    assert (unset.transport, unset.lanes, unset.transport_given, unset.deprecations) == \
+        (pool_spec.DEFAULT_TRANSPORT, pool_spec.DEFAULT_LANES, False, ())
+    named = sidecar_spec(dataPlane={"transport": "tcp", "lanes": 4})
+    assert (named.transport, named.lanes, named.transport_given) == ("tcp", 4, True)
+    only_lanes = sidecar_spec(dataPlane={"lanes": 2})
+    assert (only_lanes.lanes, only_lanes.transport_given) == (2, False)  # the transport stays the pod's
+    rdma = sidecar_spec(ucxTransports="rdma-rc", rdma={"resources": {"rdma/ib": 1}})
+    assert (rdma.transport, rdma.transport_given) == ("ucx", True)  # RDMA needs ucx, whatever the pod
+    for bad, said in (({"transport": "rdma"}, r"spec\.sidecar\.dataPlane\.transport='rdma': use one of"),
+                      ({"lanes": 9}, r"spec\.sidecar\.dataPlane\.lanes=9: use 0 .* or 1-8"),
+                      ({"lanes": -1}, r"spec\.sidecar\.dataPlane\.lanes=-1"),
+                      ({"lanes": True}, r"spec\.sidecar\.dataPlane\.lanes=True"),
+                      ("tcp", r"spec\.sidecar\.dataPlane='tcp' must be an object")):
+        with pytest.raises(ValueError, match=said):
+            sidecar_spec(dataPlane=bad)
+
+
+def test_the_operators_data_plane_defaults_apply_to_pools_that_name_none() -> None:
+    body = pool()
+    s = pool_spec.SidecarSpec.from_pool(body, default_image="i", default_transport="nixl", default_lanes=3)
+    assert (s.transport, s.lanes, s.transport_given) == ("nixl", 3, True)
+    body["spec"]["sidecar"] = {"dataPlane": {"transport": "tcp", "lanes": 1}}
+    s = pool_spec.SidecarSpec.from_pool(body, default_image="i", default_transport="nixl", default_lanes=3)
+    assert (s.transport, s.lanes) == ("tcp", 1)
+
+
+def test_the_old_transport_field_is_still_read_with_a_deprecated_condition() -> None:
+    old = sidecar_spec(transport="tcp")
+    assert (old.transport, old.transport_given) == ("tcp", True)
+    (message,) = old.deprecations
+    assert message.startswith("spec.sidecar.transport is deprecated: move it to spec.sidecar.dataPlane.transport")
+    (cond,) = pool_spec.deprecation_conditions(old, None, 3, "2026-01-01T00:00:00Z")
+    assert (cond["type"], cond["status"], cond["reason"], cond["observedGeneration"]) == \
+        ("Deprecated", "True", "DeprecatedField", 3)
+    assert cond["message"] == message
+    later = pool_spec.deprecation_conditions(old, [cond], 4, "2026-02-01T00:00:00Z")
+    assert later[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"  # the same message: no transition
+    assert pool_spec.deprecation_conditions(sidecar_spec(dataPlane={"transport": "tcp"}), [cond], 5, "t") == []
+    assert sidecar_spec(transport="tcp", dataPlane={"transport": "tcp", "lanes": 2}).lanes == 2
+    with pytest.raises(ValueError, match=r"spec\.sidecar\.transport='ucx' \(deprecated\) and "
+                                         r"spec\.sidecar\.dataPlane\.transport='tcp' disagree"):
+        sidecar_spec(transport="ucx", dataPlane={"transport": "tcp"})
+
+
+def test_an_operator_without_a_sidecar_image_refuses_pools_that_name_none_saying_how() -> None:
+    assert pool_spec.DEFAULT_SIDECAR_IMAGE == ""  # no public registry holds the image
+    with pytest.raises(ValueError) as info:
+        pool_spec.SidecarSpec.from_pool(pool(), default_image=pool_spec.DEFAULT_SIDECAR_IMAGE)
+    message = str(info.value)
+    assert "set spec.sidecar.image" in message and "--sidecar-image" in message and "the chart" in message
+    assert sidecar_spec(image="registry.example/kv-offload:1").image == "registry.example/kv-offload:1"
 
 
 @pytest.mark.parametrize("bad", [0, -5, "600", 1.5, True])
@@ -212,21 +276,30 @@ def test_crd_schema_admits_nixl_and_the_policy_knobs_and_refuses_bad_values(crd:
     sidecar = schema["properties"]["spec"]["properties"]["sidecar"]
     # Every transport the sidecar (and so pool_spec) accepts, and nothing else.
     assert sorted(sidecar["properties"]["transport"]["enum"]) == sorted(pool_spec.TRANSPORTS)
+    plane = sidecar["properties"]["dataPlane"]["properties"]
+    assert sorted(plane["transport"]["enum"]) == sorted(pool_spec.TRANSPORTS)
+    assert (plane["lanes"]["minimum"], plane["lanes"]["maximum"]) == (0, MAX_DATA_LANES)
+    # No defaults: unset is the operator's, else the pod's (tcp beside a GPU), written in pool_spec once.
+    assert "default" not in sidecar["properties"]["transport"] and "default" not in plane["transport"]
+    assert "default" not in plane["lanes"]
     assert sidecar["properties"]["peerCopies"]["enum"] == list(pool_spec.PEER_COPIES)
     # No default in the CRD: unset means the operator's (the chart's sidecar.prefillTokensPerSecond / peerCopies).
     assert "default" not in sidecar["properties"]["prefillTokensPerSecond"]
     assert "default" not in sidecar["properties"]["peerCopies"]
-    for fields in ({"transport": "nixl"}, {"prefillTokensPerSecond": 0}, {"prefillTokensPerSecond": 12500.5},
+    for fields in ({"transport": "nixl"}, {"dataPlane": {"transport": "nixl", "lanes": 8}},
+                   {"prefillTokensPerSecond": 0}, {"prefillTokensPerSecond": 12500.5},
                    {"peerCopies": "cold", "prefillTokensPerSecond": 8000}):
         jsonschema.validate(pool_body("llama", sidecar=fields), schema)
     for fields, said in (({"prefillTokensPerSecond": -1}, "-1"), ({"prefillTokensPerSecond": "12500"}, "12500"),
-                         ({"peerCopies": "keep"}, "keep"), ({"transport": "rdma"}, "rdma")):
+                         ({"peerCopies": "keep"}, "keep"), ({"transport": "rdma"}, "rdma"),
+                         ({"dataPlane": {"transport": "rdma"}}, "rdma"), ({"dataPlane": {"lanes": 9}}, "9")):
         with pytest.raises(jsonschema.ValidationError, match=said):
             jsonschema.validate(pool_body("llama", sidecar=fields), schema)
     # TLS only with tcp, so nixl with TLS too is refused by the API server (CEL, which jsonschema does not run).
-    (rule,) = sidecar["x-kubernetes-validations"]
-    assert "self.transport == 'tcp'" in rule["rule"]
+    rule, agree = sidecar["x-kubernetes-validations"]
+    assert "self.dataPlane.transport == 'tcp'" in rule["rule"] and "self.transport == 'tcp'" in rule["rule"]
     assert "nixl" in " ".join(rule["message"].split())
+    assert agree["rule"].endswith("self.dataPlane.transport == self.transport")
 
 
 def test_crd_schema_leaves_hash_seed_unset_by_default_and_accepts_sidecar_env(crd: dict[str, Any]) -> None:
@@ -259,7 +332,7 @@ def test_crd_schema_admits_tls_and_the_rotation_grace_and_refuses_a_short_grace(
     spec_props = schema["properties"]["spec"]["properties"]
     grace = spec_props["keyRotationGraceSeconds"]
     assert (grace["default"], grace["minimum"]) == (pool_spec.DEFAULT_KEY_ROTATION_GRACE_SECONDS, 60)
-    good = pool_body("llama", sidecar={"transport": "tcp", "tls": {"secretName": "llama-tls"}})
+    good = pool_body("llama", sidecar={"dataPlane": {"transport": "tcp"}, "tls": {"secretName": "llama-tls"}})
     good["spec"]["keyRotationGraceSeconds"] = 120
     jsonschema.validate(good, schema)
     for bad_grace in (59, "600"):
@@ -273,8 +346,10 @@ def test_crd_schema_admits_tls_and_the_rotation_grace_and_refuses_a_short_grace(
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     # The API server refuses TLS with UCX itself (a CEL rule jsonschema does not run).
-    (rule,) = spec_props["sidecar"]["x-kubernetes-validations"]
-    assert rule["rule"] == "!has(self.tls) || (has(self.transport) && self.transport == 'tcp')"
+    rule, _ = spec_props["sidecar"]["x-kubernetes-validations"]
+    assert rule["rule"] == ("!has(self.tls) || ((!has(self.transport) || self.transport == 'tcp') && "
+                            "(!has(self.dataPlane) || !has(self.dataPlane.transport) || "
+                            "self.dataPlane.transport == 'tcp'))")
     assert "tcp transport only and UCX traffic is not encrypted" in " ".join(rule["message"].split())
 
 

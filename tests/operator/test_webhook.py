@@ -56,9 +56,9 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
     pools = (pool_body("llama", sidecar={"capacityBytes": 8 << 30}),
              pool_body("dp", vllm_args=DP_ARGS), pool_body("broken", vllm_args=BAD_ARGS), seeded,
              pool_body("tls", sidecar={"transport": "tcp", "tls": {"secretName": "tls-pool-cert"}}),
-             pool_body("tls-ucx", sidecar={"tls": {"secretName": "tls-pool-cert"}}),
+             pool_body("tls-ucx", sidecar={"dataPlane": {"transport": "ucx"}, "tls": {"secretName": "tls-pool-cert"}}),
              pool_body("revised", vllm_args=[*LLAMA_ARGS, "--revision", "abc123"]),
-             pool_body("doomed", sidecar={"transport": "tcp", "tls": {"secretName": "tls-pool-cert"}}))
+             pool_body("doomed", sidecar={"dataPlane": {"transport": "tcp"}, "tls": {"secretName": "tls-pool-cert"}}))
     async with serving_cluster(tmp_path_factory.mktemp("webhook"), pools, status_field="conditions") as c:
         yield c
 
@@ -85,7 +85,8 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
         "--admin-token-file": "/etc/kv-offload-pool-key/admin-token",
         "--peers-dns": "llama-peers.ns1.svc",
         "--base-port": "5710", "--data-port": "5810", "--capacity-bytes": str(8 << 30),
-        "--transport": "ucx", "--prefill-tokens-per-second": "0", "--peer-copies": "drop",
+        # A GPU pod of a pool that names no data plane: tcp, the plane measured on a GPU, a lane per core.
+        "--transport": "tcp", "--prefill-tokens-per-second": "0", "--peer-copies": "drop",
         "--dp-indices": "0", "--shm-dir": "/dev/shm",
         "--engine-metrics-url": "http://127.0.0.1:8000/metrics"}  # its vLLM's own (pod_defaults)
     assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [("kvo-metrics", 5710), ("kvo-data", 5810)]
@@ -117,7 +118,7 @@ async def test_a_vllm_pod_gets_a_schema_valid_native_sidecar_and_a_second_admiss
                                                                      "valueFrom": seed_ref}
     secret = obj(cluster.api, "v1/secrets", "llama-pool-key")
     assert base64.b64decode(secret["data"]["hash-seed"]).isdigit()
-    assert sidecar_env["UCX_TLS"]["value"] == "tcp,sm,self"
+    assert "UCX_TLS" not in sidecar_env  # tcp beside the GPU: no UCX to configure
     # Its CPU request (the downward API), the CPU budget of its threads where no limit is set.
     assert sidecar_env["KV_OFFLOAD_CPU_REQUEST_MILLICORES"]["valueFrom"] == {"resourceFieldRef": {
         "containerName": "kv-offload-sidecar", "resource": "requests.cpu", "divisor": "1m"}}

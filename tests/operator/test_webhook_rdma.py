@@ -45,7 +45,8 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
             "metadata": {"name": "llama-3-1-8b-config", "namespace": NAMESPACE},
             "data": {"config.json": json.dumps(llama_config())}})
 
-    pools = (example()[0], pool_body("plain"), pool_body("tcp", sidecar={"transport": "tcp", "dataPort": 7000}))
+    pools = (example()[0], pool_body("plain", sidecar={"dataPlane": {"transport": "ucx"}}),
+             pool_body("tcp", sidecar={"dataPlane": {"transport": "tcp"}, "dataPort": 7000}))
     async with serving_cluster(tmp_path_factory.mktemp("webhook-rdma"), pools, seed=model_config_map) as c:
         yield c
 

@@ -79,7 +79,7 @@ def test_ucx_info_without_the_ucx_extra_is_one_line_naming_it():
 def test_a_tool_without_its_extra_is_one_line_naming_it():
     done = run(base_install_cli("demo"))
     assert done.returncode == 2, done.stderr
-    assert "(the 'tools' extra): pip install 'kv-offload[tools]' from a checkout" in done.stderr
+    assert "(the 'demo' extra): pip install 'kv-offload[demo]' from a checkout" in done.stderr
 
 
 def test_the_translation_commands_run_on_the_base_install(tmp_path):

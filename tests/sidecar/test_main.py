@@ -60,6 +60,42 @@ def test_every_flag_shows_its_settings_default_in_its_help():
     assert "dns_interval_seconds" not in helps  # a constant: nobody passed --dns-interval-seconds
 
 
+def test_lanes_is_one_count_of_streams_that_each_plane_maps(files, monkeypatch):
+    from kv_offload_sidecar.commands.sidecar import ucx_lanes
+    from kv_offload_sidecar.data.lanes import lanes_offered
+
+    monkeypatch.delenv("KV_OFFLOAD_UCX_LANES", raising=False)
+    for lanes, ucx in ((0, 1), (1, 1), (2, 2), (4, 2), (8, 2)):
+        args = parse(["--config", files[0], "--pool-key-file", files[1], "--lanes", str(lanes)])
+        s = build_settings(args)
+        assert s.lanes == lanes and ucx_lanes(args, s.lanes) == ucx  # ucx runs 1 or 2 connections
+        if lanes:
+            assert lanes_offered(s.lanes) == lanes  # tcp connections, nixl read threads
+    with pytest.raises(ValueError, match="lanes 9 must be 0"):
+        build_settings(parse(["--config", files[0], "--pool-key-file", files[1], "--lanes", "9"]))
+
+
+def test_data_lanes_is_a_deprecated_alias_of_lanes_that_warns(files, caplog):
+    with caplog.at_level("WARNING"):
+        s = build_settings(parse(["--config", files[0], "--pool-key-file", files[1], "--data-lanes", "3"]))
+    assert s.lanes == 3
+    assert "--data-lanes is deprecated: use --lanes 3" in caplog.text
+    with pytest.raises(ValueError, match="--data-lanes 3 and --lanes 2 disagree"):
+        build_settings(parse(["--config", files[0], "--pool-key-file", files[1],
+                              "--data-lanes", "3", "--lanes", "2"]))
+
+
+def test_ucx_lanes_is_deprecated_and_still_wins_over_the_mapping_with_a_warning(files, caplog, monkeypatch):
+    from kv_offload_sidecar.commands.sidecar import ucx_lanes
+
+    monkeypatch.delenv("KV_OFFLOAD_UCX_LANES", raising=False)
+    with caplog.at_level("WARNING"):
+        assert ucx_lanes(parse(["--config", files[0], "--pool-key-file", files[1], "--ucx-lanes", "2"]), 0) == 2
+    assert "--ucx-lanes is deprecated: use --lanes 2" in caplog.text
+    monkeypatch.setenv("KV_OFFLOAD_UCX_LANES", "1")
+    assert ucx_lanes(parse(["--config", files[0], "--pool-key-file", files[1]]), 8) == 1
+
+
 def test_flags_win_over_env_and_dp_index_defaults_to_the_config(files, monkeypatch):
     monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_PORT", "6000")
     s = build_settings(parse(["--config", files[0], "--pool-key-file", files[1], "--base-port", "7000",

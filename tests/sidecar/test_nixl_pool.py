@@ -13,7 +13,7 @@ CHUNK_SLOTS = 64
 
 def test_a_nixl_pool_shares_chunks_byte_identical_over_the_read_lanes_each_sidecar_offers():
     with LocalPool(2, transport="nixl", capacity_bytes=CHUNK_SLOTS * 16384 * 16,
-                   fetch_deadline_seconds=5.0, extra_args=("--data-lanes", "3")) as pool:
+                   fetch_deadline_seconds=5.0, extra_args=("--lanes", "3")) as pool:
         chunk = pool.chunk_bytes
         assert all(sc.status()["data_address"].startswith("nixl://") for sc in pool.sidecars)
         wait_for("each sidecar's link to the other", lambda: all(

@@ -52,7 +52,7 @@ def pool():
 @pytest.mark.parametrize("transport, lanes", [("tcp", None), ("ucx", 1), ("ucx", 2)],
                          ids=["tcp", "ucx", "ucx-2-lanes"])
 def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lanes):
-    extra = () if lanes is None else ("--ucx-lanes", str(lanes))
+    extra = () if lanes is None else ("--lanes", str(lanes))
     with LocalPool(3, transport=transport, capacity_bytes=256 * CHUNK, extra_args=extra) as pool:
         a, c = pool.client(0), pool.client(2)
         keys = new_keys(8)
@@ -85,8 +85,8 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lane
 
 
 def test_peers_stripe_fetches_over_the_fewer_lanes_both_offer_shown_in_status_and_metrics():
-    with LocalPool(2, transport="tcp", capacity_bytes=64 * CHUNK, extra_args=("--data-lanes", "3")) as pool:
-        narrow = pool.add(SidecarOverride(extra_args=("--data-lanes", "2"), joins=True))
+    with LocalPool(2, transport="tcp", capacity_bytes=64 * CHUNK, extra_args=("--lanes", "3")) as pool:
+        narrow = pool.add(SidecarOverride(extra_args=("--lanes", "2"), joins=True))
         wait_for("each sidecar's link to the other two to be up", lambda: all(
             sum(p["state"] == "connected" for p in sc.peers()) == 2 for sc in pool.members()))
         assert pool[0].status()["data_lanes_offered"] == 3

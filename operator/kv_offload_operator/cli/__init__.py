@@ -16,7 +16,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kv_offload_sidecar.extras import EXTRAS, TOOLS, missing
+from kv_offload_sidecar.extras import DEMO, EXTRAS, TOOLS, missing
 from kv_offload_sidecar.usage import UsageError
 
 # command -> (module, one-line help)
@@ -111,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ModuleNotFoundError as exc:  # a part whose extra is not installed
         top = (exc.name or "").split(".")[0]
-        part = TOOLS if top == "kv_offload_tools" else EXTRAS.get(top)
+        tools = DEMO if argv[:1] == ["demo"] else TOOLS  # the demo needs only its own extra
+        part = tools if top == "kv_offload_tools" else EXTRAS.get(top)
         if part is None:
             raise
         command = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])

@@ -22,6 +22,8 @@ from kv_offload_sidecar.setting_flags import add_flags, flag_fields, flag_values
 from kv_offload_sidecar.usage import UsageError
 
 from ..options import OperatorOptions
+from kv_offload_sidecar.settings import MAX_DATA_LANES
+
 from ..pools.pool_spec import DEFAULT_SIDECAR_IMAGE
 
 # Environment variable naming the sidecar image when --sidecar-image is not given.
@@ -105,6 +107,8 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         return f"--sidecar-data-port {args.sidecar_data_port} is not a port; use 1..65535"
     if args.sidecar_data_port == args.sidecar_base_port:
         return f"--sidecar-data-port and --sidecar-base-port must differ (both {args.sidecar_data_port})"
+    if not 0 <= args.sidecar_lanes <= MAX_DATA_LANES:
+        return f"--sidecar-lanes {args.sidecar_lanes} must be 0 (one per core) or 1-{MAX_DATA_LANES}"
     rate = args.sidecar_prefill_tokens_per_second
     if not (math.isfinite(rate) and rate >= 0):
         return (f"--sidecar-prefill-tokens-per-second {rate} must be a number >= 0 (the engines' prompt tokens "

@@ -13,13 +13,21 @@ Kubernetes quantities (``quantity.parse_bytes``). The sidecar's memory
 request covers its store: the store fills ``capacityBytes`` of /dev/shm at
 start and those pages are charged to the sidecar container.
 ``key_rotation_grace_seconds`` reads ``spec.keyRotationGraceSeconds`` the same way.
+
+The data plane is one setting, ``spec.sidecar.dataPlane``: ``transport`` (a ``TRANSPORTS``
+value) and ``lanes`` (the parallel streams one fetch stripes over, the sidecar's ``--lanes``,
+which each plane maps: tcp connections, nixl read threads, ucx 1 or 2 connections; 0: one per
+core of the sidecar's CPU budget). Unset, the transport is tcp with ``spec.sidecar.tls``, ucx
+with ``spec.sidecar.rdma``, else the webhook picks per pod (``pod_defaults``): the measured
+``GPU_TRANSPORT`` beside a GPU, else ``DEFAULT_TRANSPORT``. The older ``spec.sidecar.transport``
+is still read, with a ``Deprecated`` condition (``deprecation_conditions``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +35,13 @@ from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV
 from kv_offload_sidecar.engine import ports
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.setting_flags import field_default
-from kv_offload_sidecar.settings import DEFAULT_DATA_PORT, PEER_COPIES, TRANSPORTS, SidecarSettings
+from kv_offload_sidecar.settings import (
+    DEFAULT_DATA_PORT,
+    MAX_DATA_LANES,
+    PEER_COPIES,
+    TRANSPORTS,
+    SidecarSettings,
+)
 
 from ..quantity import format_bytes, parse_bytes, positive_bytes
 
@@ -41,13 +55,24 @@ POOL_LABEL = "kv-offload.io/pool"
 # (DEFAULT_DATA_PORT, TRANSPORTS and PEER_COPIES too, imported above).
 DEFAULT_BASE_PORT = field_default(SidecarSettings, "base_port")
 DEFAULT_TRANSPORT = field_default(SidecarSettings, "transport")
+# 0: one lane per core of the sidecar's CPU budget (``cpu_budget``), at most MAX_DATA_LANES.
+DEFAULT_LANES = field_default(SidecarSettings, "lanes")
+# The transport of a pod whose vLLM container requests a GPU, where the pool names none: the
+# only plane measured on a GPU (``bench gpu`` on an H200, Llama-3.1-8B, docs/how-to/size-a-gpu-pool.md:
+# 16K tokens recomputed in 594 ms, fetched over tcp with 8 lanes in 204 ms); ucx was never
+# measured there. Its lanes stay DEFAULT_LANES: one per core of GPU_SIDECAR_CPU.
+GPU_TRANSPORT = "tcp"
+# The condition type (and reason) of a pool that still uses a deprecated field.
+DEPRECATED_CONDITION = "Deprecated"
 # 0.0 = always fetch from peers.
 DEFAULT_PREFILL_TOKENS_PER_SECOND = field_default(SidecarSettings, "prefill_tokens_per_second")
 # "drop": drop a peer's chunk once the engine loaded it.
 DEFAULT_PEER_COPIES = field_default(SidecarSettings, "peer_copies")
 # The image a pool runs when neither spec.sidecar.image nor the operator's --sidecar-image
-# (nor $KV_OFFLOAD_SIDECAR_IMAGE) names one.
-DEFAULT_SIDECAR_IMAGE = "ghcr.io/kv-offload/kv-offload:0.1.0"
+# (nor $KV_OFFLOAD_SIDECAR_IMAGE) names one: none. No public registry holds the image; the
+# chart passes its own image (image.repository:tag) as --sidecar-image, and a pool of an
+# operator started without one is refused with a message saying so.
+DEFAULT_SIDECAR_IMAGE = ""
 # Unlike a bare sidecar's 1 GiB (a developer's host), a pool's store is sized for a GPU node.
 DEFAULT_CAPACITY_BYTES = 4 << 30
 # Head room of the default /dev/shm limit above the chunk store and vLLM's
@@ -98,8 +123,8 @@ class SidecarSpec:
     resources: Mapping[str, Any]
     # Host-memory chunk store size per pod in bytes (> 0).
     capacity_bytes: int
-    # Data plane between peers: "ucx", "tcp" or "nixl" (one-sided NIXL reads; requests
-    # on a tcp connection to data_port).
+    # Data plane between peers (spec.sidecar.dataPlane.transport): "ucx", "tcp" or "nixl"
+    # (one-sided NIXL reads; requests on a tcp connection to data_port).
     transport: str
     # Control port of global DP rank 0; rank i uses base_port + i.
     base_port: int
@@ -138,6 +163,14 @@ class SidecarSpec:
     # spec.sidecar.resources was given: its CPU request stands; False = the operator's
     # (DEFAULT_SIDECAR_CPU, or GPU_SIDECAR_CPU beside a GPU: ``pod_defaults``).
     resources_given: bool = False
+    # Parallel streams one fetch stripes over (spec.sidecar.dataPlane.lanes, the sidecar's
+    # --lanes), e.g. 4; 0 = one per core of the sidecar's CPU budget.
+    lanes: int = DEFAULT_LANES
+    # The pool chose the transport (dataPlane.transport, the deprecated spec.sidecar.transport,
+    # or tls/rdma, which need tcp/ucx); False = the pod's (GPU_TRANSPORT beside a GPU).
+    transport_given: bool = False
+    # One message per deprecated field the pool uses, e.g. "spec.sidecar.transport is deprecated: ...".
+    deprecations: tuple[str, ...] = ()
 
     @property
     def ucx_tls(self) -> str:
@@ -152,28 +185,30 @@ class SidecarSpec:
                              default_base_port=options.sidecar_base_port,
                              default_data_port=options.sidecar_data_port,
                              default_prefill_tokens_per_second=options.sidecar_prefill_tokens_per_second,
-                             default_peer_copies=options.sidecar_peer_copies)
+                             default_peer_copies=options.sidecar_peer_copies,
+                             default_transport=options.sidecar_transport,
+                             default_lanes=options.sidecar_lanes)
 
     @classmethod
     def from_pool(cls, pool: Mapping[str, Any], *, default_image: str, default_base_port: int = DEFAULT_BASE_PORT,
                   default_data_port: int = DEFAULT_DATA_PORT,
                   default_prefill_tokens_per_second: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
-                  default_peer_copies: str = DEFAULT_PEER_COPIES) -> SidecarSpec:
+                  default_peer_copies: str = DEFAULT_PEER_COPIES, default_transport: str = "",
+                  default_lanes: int = DEFAULT_LANES) -> SidecarSpec:
         """Read a pool body's spec; ValueError names the field, the value and what to change.
 
         ``default_*``: what a pool that sets no image, basePort, dataPort,
-        prefillTokensPerSecond or peerCopies gets (the operator's --sidecar-* flags;
-        the chart's sidecar.* values)."""
+        prefillTokensPerSecond, peerCopies or dataPlane gets (the operator's --sidecar-*
+        flags; the chart's sidecar.* values; ``default_transport`` "": the pod's)."""
         spec = pool.get("spec") or {}
         sc = spec.get("sidecar") or {}
         image = sc.get("image") or default_image
         if not image:
-            raise ValueError("spec.sidecar.image is empty and the operator has no --sidecar-image; "
-                             "set spec.sidecar.image")
+            raise ValueError("spec.sidecar.image is empty and the operator has no --sidecar-image "
+                             "(nor $KV_OFFLOAD_SIDECAR_IMAGE): set spec.sidecar.image, or install the "
+                             "operator with the chart, which passes its own image as --sidecar-image")
         capacity = positive_bytes(sc.get("capacityBytes", DEFAULT_CAPACITY_BYTES), "spec.sidecar.capacityBytes")
-        transport = sc.get("transport", DEFAULT_TRANSPORT)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"spec.sidecar.transport={transport!r}: use one of {list(TRANSPORTS)}")
+        transport, lanes, transport_given, deprecations = _data_plane(sc, default_transport, default_lanes)
         base_port = sc.get("basePort", default_base_port)
         if not isinstance(base_port, int) or isinstance(base_port, bool) or not 1 <= base_port <= 65000:
             raise ValueError(f"spec.sidecar.basePort={base_port!r}: use a port in [1, 65000]")
@@ -216,7 +251,8 @@ class SidecarSpec:
                    tls_secret=_tls_secret(sc.get("tls"), transport),
                    ucx_transports=ucx_transports, resource_claims=rdma["claims"],
                    ipc_lock=rdma["ipc_lock"], prefill_tokens_per_second=prefill, peer_copies=peer_copies,
-                   engine_metrics_url=metrics_url, resources_given=bool(sc.get("resources")))
+                   engine_metrics_url=metrics_url, resources_given=bool(sc.get("resources")),
+                   lanes=lanes, transport_given=transport_given, deprecations=deprecations)
 
     def control_port(self, dp_index: int) -> int:
         """The sidecar's control port of global data-parallel index ``dp_index`` (the sidecar's
@@ -277,6 +313,56 @@ def _sidecar_resources(resources: Any, capacity: int, devices: Mapping[str, str]
     return result
 
 
+def _data_plane(sc: Mapping[str, Any], default_transport: str = "",
+                default_lanes: int = DEFAULT_LANES) -> tuple[str, int, bool, tuple[str, ...]]:
+    """spec.sidecar.dataPlane (and the deprecated spec.sidecar.transport): the transport, the
+    lanes, whether the pool (or the operator's --sidecar-transport) chose the transport, and the
+    deprecation messages."""
+    plane = sc.get("dataPlane")
+    if plane is None:
+        plane = {}
+    if not isinstance(plane, Mapping):
+        raise ValueError(f"spec.sidecar.dataPlane={plane!r} must be an object (transport, lanes)")
+    old, new = sc.get("transport"), plane.get("transport")
+    deprecations: tuple[str, ...] = ()
+    if old is not None:
+        if new is not None and new != old:
+            raise ValueError(f"spec.sidecar.transport={old!r} (deprecated) and spec.sidecar.dataPlane.transport="
+                             f"{new!r} disagree: remove spec.sidecar.transport and keep dataPlane.transport")
+        deprecations = (f"spec.sidecar.transport is deprecated: move it to spec.sidecar.dataPlane.transport "
+                        f"({old!r}); it is still read",)
+    transport = new if new is not None else old
+    given = transport is not None
+    if transport is None:  # what tls and rdma need, the operator's default, else the pod's (pod_defaults)
+        needed = "tcp" if sc.get("tls") is not None else "ucx" if sc.get("rdma") is not None else None
+        transport = needed or default_transport or DEFAULT_TRANSPORT
+        given = bool(needed or default_transport)
+    field = "spec.sidecar.dataPlane.transport" if new is not None or old is None else "spec.sidecar.transport"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{field}={transport!r}: use one of {list(TRANSPORTS)}")
+    lanes = plane.get("lanes", default_lanes)
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 0 <= lanes <= MAX_DATA_LANES:
+        raise ValueError(f"spec.sidecar.dataPlane.lanes={lanes!r}: use 0 (one per core of the sidecar's CPU "
+                         f"budget) or 1-{MAX_DATA_LANES}, the parallel streams one fetch stripes over")
+    return transport, lanes, given, deprecations
+
+
+def deprecation_conditions(sidecar: SidecarSpec, old: Sequence[Mapping[str, Any]] | None,
+                           generation: int | None, now: str) -> list[dict[str, Any]]:
+    """The pool's ``Deprecated`` condition: True naming each deprecated field it uses, absent
+    when it uses none. ``lastTransitionTime`` moves only when the message changes."""
+    if not sidecar.deprecations:
+        return []
+    message = "; ".join(sidecar.deprecations)
+    before = next((c for c in old or [] if c.get("type") == DEPRECATED_CONDITION), {})
+    since = before.get("lastTransitionTime") if before.get("message") == message else None
+    cond: dict[str, Any] = {"type": DEPRECATED_CONDITION, "status": "True", "reason": "DeprecatedField",
+                            "message": message, "lastTransitionTime": since or now}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return [cond]
+
+
 def _rdma(rdma: Any, transport: str, ucx_transports: str) -> dict[str, Any]:
     """spec.sidecar.rdma: device-plugin resources, DRA claims and IPC_LOCK, checked."""
     if rdma is None:
@@ -284,8 +370,9 @@ def _rdma(rdma: Any, transport: str, ucx_transports: str) -> dict[str, Any]:
     if not isinstance(rdma, Mapping):
         raise ValueError(f"spec.sidecar.rdma={rdma!r} must be an object (resources, resourceClaims, ipcLock)")
     if transport != "ucx":
-        raise ValueError(f"spec.sidecar.rdma is set but spec.sidecar.transport is {transport!r}: RDMA needs "
-                         f"the ucx transport; set spec.sidecar.transport: ucx or remove spec.sidecar.rdma")
+        raise ValueError(f"spec.sidecar.rdma is set but spec.sidecar.dataPlane.transport is {transport!r}: RDMA "
+                         f"needs the ucx transport; set spec.sidecar.dataPlane.transport: ucx or remove "
+                         f"spec.sidecar.rdma")
     if not ucx_transports.startswith("rdma-"):
         raise ValueError(f"spec.sidecar.rdma is set but spec.sidecar.ucxTransports is {ucx_transports!r}, which "
                          f"lists no RDMA transport: set spec.sidecar.ucxTransports: rdma-rc (or rdma-dc on "
@@ -341,15 +428,16 @@ def _tls_secret(tls: Any, transport: str) -> str | None:
                          f"with tls.crt, tls.key and ca.crt (a cert-manager Certificate's Secret), or remove "
                          f"spec.sidecar.tls")
     if transport == "nixl":
-        raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.transport is "
-                         f"{transport!r}: TLS applies to the tcp transport only; the nixl transport sends its "
+        raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.dataPlane.transport "
+                         f"is {transport!r}: TLS applies to the tcp transport only; the nixl transport sends its "
                          f"requests over tcp but moves chunks with NIXL reads over UCX, which are not "
-                         f"encrypted (the sidecar refuses TLS with nixl); set spec.sidecar.transport: tcp, or "
-                         f"remove spec.sidecar.tls and keep nixl traffic inside the pool with the NetworkPolicy")
+                         f"encrypted (the sidecar refuses TLS with nixl); set spec.sidecar.dataPlane.transport: "
+                         f"tcp, or remove spec.sidecar.tls and keep nixl traffic inside the pool with the "
+                         f"NetworkPolicy")
     if transport != "tcp":
-        raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.transport is "
-                         f"{transport!r}: TLS applies to the tcp transport only and UCX traffic is not "
-                         f"encrypted; set spec.sidecar.transport: tcp, or remove spec.sidecar.tls and keep "
+        raise ValueError(f"spec.sidecar.tls.secretName={name!r} is set but spec.sidecar.dataPlane.transport "
+                         f"is {transport!r}: TLS applies to the tcp transport only and UCX traffic is not "
+                         f"encrypted; set spec.sidecar.dataPlane.transport: tcp, or remove spec.sidecar.tls and keep "
                          f"UCX traffic inside the pool with the NetworkPolicy")
     return name
 

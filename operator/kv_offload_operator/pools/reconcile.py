@@ -36,6 +36,7 @@ from .pool_source import source_release, vllm_source
 from .pool_spec import (
     PoolSpecError,
     SidecarSpec,
+    deprecation_conditions,
     key_rotation_grace_seconds,
     pool_hash_seed_problem,
 )
@@ -139,7 +140,8 @@ async def _reconcile(body: Mapping[str, Any], meta: Mapping[str, Any], status: M
     patch.status["translatedBy"] = translation_change.TRANSLATED_BY
     patch.status["conditions"] = objects.pool_conditions(
         status.get("conditions"), invalid_message=None, generation=generation, now=now
-    ) + translation_change.change_conditions(status.get("conditions"), changed, generation, now) + image_condition
+    ) + translation_change.change_conditions(status.get("conditions"), changed, generation, now) \
+        + deprecation_conditions(sidecar, status.get("conditions"), generation, now) + image_condition
     logger.info(f"Pool {namespace}/{name}: fingerprint {config.fingerprint}, "
                 f"ConfigMap {objects.configmap_name(name)} written "
                 f"(vLLM {release.version}'s rules, from {release_source}).")

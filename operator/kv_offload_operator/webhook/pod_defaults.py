@@ -13,6 +13,11 @@ Pure (no kopf, no I/O); ``pod_patch`` applies the result.
   sidecar requests ``GPU_SIDECAR_CPU`` instead of ``DEFAULT_SIDECAR_CPU``: its lanes follow its
   cores (``cpu_budget``), and with one lane a peer hit loses to recompute on a GPU. GPUs
   given through DRA claims are not seen: set ``spec.sidecar.resources`` there.
+- The data plane beside a GPU: where the pool chose no transport (``spec.sidecar.dataPlane``,
+  ``transport_given``) and the vLLM container requests a GPU, the sidecar runs
+  ``GPU_TRANSPORT`` (tcp), the only plane measured on a GPU, with the pool's lanes (unset: one
+  per core of its CPU budget, so ``GPU_SIDECAR_CPU`` lanes). A pool mixing GPU and CPU-only
+  pods sets ``dataPlane.transport``: its sidecars must share one plane.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..pools.pool_spec import GPU_SIDECAR_CPU, SidecarSpec
+from ..pools.pool_spec import GPU_SIDECAR_CPU, GPU_TRANSPORT, SidecarSpec
 from ..translation.vllm_args import VllmServeArgs
 
 
@@ -42,7 +47,10 @@ def for_pod(sidecar: SidecarSpec, vllm: Mapping[str, Any], args: VllmServeArgs) 
     changes: dict[str, Any] = {}
     if not sidecar.engine_metrics_url:
         changes["engine_metrics_url"] = args.metrics_url()
-    if not sidecar.resources_given and requests_gpu(vllm):
+    gpu = requests_gpu(vllm)
+    if not sidecar.transport_given and gpu:
+        changes["transport"] = GPU_TRANSPORT
+    if not sidecar.resources_given and gpu:
         resources = copy.deepcopy(dict(sidecar.resources))
         resources["requests"] = {**(resources.get("requests") or {}), "cpu": GPU_SIDECAR_CPU}
         changes["resources"] = resources

@@ -50,7 +50,7 @@ from ..pools.pool_pod import (  # the names injection marks a pod with, and its 
     container_argv,
     find_vllm_container,
 )
-from ..pools.pool_spec import HASH_SEED_ENV, SidecarSpec
+from ..pools.pool_spec import DEFAULT_LANES, HASH_SEED_ENV, SidecarSpec
 from ..quantity import format_bytes
 from ..translation.declared_identity import declared_diff, declared_identity
 from ..translation.translate import translate
@@ -181,6 +181,8 @@ def sidecar_container(*, pool_name: str, namespace: str, sidecar: SidecarSpec,
               {"name": POOL_SECRET_VOLUME, "mountPath": POOL_SECRET_DIR, "readOnly": True}]
     if sidecar.engine_metrics_url:
         args += ["--engine-metrics-url", sidecar.engine_metrics_url]
+    if sidecar.lanes != DEFAULT_LANES:  # unset stays off the line: a sidecar of the last release knows no --lanes
+        args += ["--lanes", str(sidecar.lanes)]
     if sidecar.tls_secret is not None:
         args += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key",
                  "--tls-ca-file", f"{TLS_DIR}/ca.crt"]

@@ -1,8 +1,11 @@
 """`kv-offload sidecar`: run the per-pod sidecar until SIGTERM.
 
 Its flags are ``SidecarSettings``'s (name, default and help declared once, on
-the field; ``setting_flags``) plus four of the process: ``--ucx-tls``,
-``--ucx-lanes``, ``--parent-pid`` and ``--log-level``.
+the field; ``setting_flags``) plus three of the process: ``--ucx-tls``,
+``--parent-pid`` and ``--log-level``. Two deprecated aliases of ``--lanes`` (one meaning of
+"lanes" on every plane: the streams a fetch stripes over) still work, each with a warning:
+``--data-lanes N`` is ``--lanes N``; ``--ucx-lanes N`` (or ``$KV_OFFLOAD_UCX_LANES``) sets
+the ucx plane's connections, which ``--lanes`` maps itself (``data.lanes.ucx_lanes``).
 
 Bad flags, config or key file: one line on stderr, exit 2; a config file that does not load
 at a restart of a pod whose sidecar once started runs that start's config instead, and says
@@ -43,7 +46,7 @@ log = logging.getLogger("kv_offload_sidecar")
 
 # Environment variable naming the process whose death stops the sidecar (tests, benches).
 PARENT_PID_ENV = "KV_OFFLOAD_PARENT_PID"
-# Environment variable with the UCX lane count when --ucx-lanes is not given.
+# Deprecated: environment variable with the UCX lane count (use --lanes).
 UCX_LANES_ENV = "KV_OFFLOAD_UCX_LANES"
 # Seconds between checks that the --parent-pid process still lives.
 PARENT_POLL_SECONDS = 0.5
@@ -58,11 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-tls", default=None, metavar="TLS",
                    help="UCX transports with --transport ucx (e.g. sm,tcp,self) or nixl (e.g. rc,cma,tcp,self) "
                         "(default $UCX_TLS, else the ucx transport's default)")
+    p.add_argument("--data-lanes", default=None, metavar="N", type=int, dest="data_lanes_alias",
+                   help="deprecated alias of --lanes (default --lanes)")
     p.add_argument("--ucx-lanes", default=None, metavar="N",
-                   help="UCX connections per peer with --transport ucx: 1 (the holder copies each "
-                        "chunk) or 2 (the fetcher copies every third, faster between same-host "
-                        f"peers; a holder killed mid-transfer can then abort this sidecar too) "
-                        f"(default ${UCX_LANES_ENV}, else 1)")
+                   help="deprecated: UCX connections per peer with --transport ucx, 1 or 2; use --lanes, "
+                        f"which ucx maps to 1 or 2 (default ${UCX_LANES_ENV}, else from --lanes)")
     p.add_argument("--parent-pid", default=None, metavar="PID",
                    help="shut down gracefully once this process is gone; 0: never "
                         f"(default ${PARENT_PID_ENV}, else 0)")
@@ -77,6 +80,13 @@ _SETTING_FLAGS = tuple(f.name for f, _ in flag_fields(SidecarSettings)
 def build_settings(args: argparse.Namespace) -> SidecarSettings:
     """Flags + environment + config -> settings; ValueError is one line for the user."""
     values = flag_values(args, SidecarSettings)
+    if getattr(args, "data_lanes_alias", None) is not None:
+        if args.lanes not in (0, args.data_lanes_alias):
+            raise ValueError(f"--data-lanes {args.data_lanes_alias} and --lanes {args.lanes} disagree: "
+                             f"--data-lanes is a deprecated alias of --lanes, give --lanes alone")
+        log.warning("--data-lanes is deprecated: use --lanes %d (the same streams on every plane)",
+                    args.data_lanes_alias)
+        values["lanes"] = args.data_lanes_alias
     values["pool_key"] = load_pool_key(args.pool_key_file)
     values["previous_pool_key"] = load_optional_key(args.previous_pool_key_file)
     values["admin_token"] = load_optional_key(args.admin_token_file)
@@ -128,13 +138,21 @@ def ucx_tls(args: argparse.Namespace) -> str:
     return tls
 
 
-def ucx_lanes(args: argparse.Namespace) -> int:
-    """--ucx-lanes, else $KV_OFFLOAD_UCX_LANES, else 1; ValueError naming the choices."""
-    raw = args.ucx_lanes if args.ucx_lanes is not None else os.environ.get(UCX_LANES_ENV) or "1"
+def ucx_lanes(args: argparse.Namespace, lanes: int = 0) -> int:
+    """The ucx plane's connections per peer: ``lanes`` (``--lanes``) mapped by
+    ``data.lanes.ucx_lanes``, unless the deprecated --ucx-lanes (else $KV_OFFLOAD_UCX_LANES)
+    names 1 or 2, which wins with a warning; ValueError naming the choices."""
+    from kv_offload_sidecar.data.lanes import ucx_lanes as mapped
+
+    raw = args.ucx_lanes if args.ucx_lanes is not None else os.environ.get(UCX_LANES_ENV)
+    if raw is None or raw == "":
+        return mapped(lanes)
     name = "--ucx-lanes" if args.ucx_lanes is not None else UCX_LANES_ENV
     if raw.strip() not in ("1", "2"):
         raise ValueError(f"{name} {raw!r} is not a lane count; use 1 (the holder copies every "
                          "chunk) or 2 (the fetcher copies every third chunk too)")
+    log.warning("%s is deprecated: use --lanes %s (ucx runs 1 connection for --lanes 0 or 1, 2 above)",
+                name, raw.strip())
     return int(raw)
 
 
@@ -232,13 +250,13 @@ def run(args: argparse.Namespace) -> int:
         if settings.transport == "ucx":
             require("--transport ucx", "ucxx")
             tls = ucx_tls(args)
-            configure_ucx(tls, ucx_lanes(args))
+            configure_ucx(tls, ucx_lanes(args, settings.lanes))
             if (problem := rdma_not_compiled_in(tls)) is not None:
                 raise ValueError(problem)
         elif settings.transport == "nixl":
             from kv_offload_sidecar.data.lanes import lanes_offered
             from kv_offload_sidecar.data.nixl.runtime import configure_nixl_env
-            configure_nixl_env(args.ucx_tls, lanes=lanes_offered(settings.data_lanes))
+            configure_nixl_env(args.ucx_tls, lanes=lanes_offered(settings.lanes))
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"kv-offload sidecar: {exc}") from None
     if parent and os.getppid() != parent and not process_alive(parent):

@@ -6,8 +6,14 @@ GPU host), below the 3-10 GB/s a peer hit must deliver to beat a GPU's recompute
 connection moves its chunks on a thread of its own (``tcp.stream_worker``), on both ends,
 so ``n`` connections use up to ``n`` cores on each side.
 
+"Lanes" means one thing on every plane: the parallel streams one fetch stripes over, the
+sidecar's ``--lanes`` (the pool's ``spec.sidecar.dataPlane.lanes``). Each plane maps it:
+tcp (and TLS) opens that many connections (this module); nixl runs that many read threads,
+each with a NIXL agent (``nixl.runtime``); ucx opens ``ucx_lanes`` connections, 1 or 2 (its
+second is a ``get_zcopy`` lane, ``ucx.runtime``).
+
 How many: ``lane_count`` of the two sidecars' offers, each the cores its process may use
-(its CPU budget, ``cpu_budget``) or its ``--data-lanes``, capped
+(its CPU budget, ``cpu_budget``) or its ``--lanes``, capped
 at ``MAX_DATA_LANES``. The handshake's hello carries the offer (``data_lanes``); a peer
 that does not state one gets one lane. The count is shown per peer in ``/v1/peers`` and in
 all as ``kv_offload_peer_data_lanes``.
@@ -38,9 +44,16 @@ CHUNKS_PER_LANE = 2
 
 
 def lanes_offered(setting: int) -> int:
-    """What this sidecar offers its peers: ``--data-lanes`` when set (> 0), else one lane per
+    """What this sidecar offers its peers: ``--lanes`` when set (> 0), else one lane per
     core of the CPU budget, at most ``MAX_DATA_LANES`` either way."""
     return max(1, min(MAX_DATA_LANES, setting if setting > 0 else cpu_budget().cpus))
+
+
+def ucx_lanes(setting: int) -> int:
+    """The ucx plane's connections per peer for ``--lanes`` ``setting``: 1 for 0 (unset) or 1,
+    else 2, the most it runs. Unset stays at 1 on ucx: with a second lane the fetcher copies
+    too, and a holder killed mid-transfer can then abort the fetching process."""
+    return 1 if setting <= 1 else 2
 
 
 def lane_count(own: int, peer: int | None) -> int:

@@ -183,7 +183,7 @@ class DataLinks:
         from kv_offload_sidecar.data import connect as data_connect
 
         s = self._settings
-        lanes = lane_count(lanes_offered(s.data_lanes), session.peer.data_lanes)
+        lanes = lane_count(lanes_offered(s.lanes), session.peer.data_lanes)
         data = await data_connect(session.peer.data_address, session.session_id, session.session_key,
                                   timeout=s.handshake_timeout_seconds, metrics=self._metrics,
                                   lanes=lanes, **self._data_options())

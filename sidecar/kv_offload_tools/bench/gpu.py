@@ -8,7 +8,7 @@ copied into a device KV cache (``gpu_peer``). Reported per length: recompute, th
 phase (lookup, fetch, host to device), the speedup, the fetch rate, the break-even link
 rate (KV bytes / recompute time) and the sidecars' CPU-seconds per GB (``gpu_geometry``
 holds the arithmetic). ``--lanes 1,2,4,8`` repeats the hit per lane count (the sidecars'
-``--data-lanes``): the last count at every length, the others at ``--sweep-lengths`` only.
+``--lanes``): the last count at every length, the others at ``--sweep-lengths`` only.
 ``--sidecar-cpus 1,2,4,8`` adds, per count, a pair whose holder and fetcher each run on that
 many CPUs of their half with the lanes their own choice (one per core, as a pod's sidecar given
 that CPU request): the CPU request a GPU pod's sidecar needs, at ``--sweep-lengths``.
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plane", choices=PLANES, default=PeerSettings.plane,
                         help="the sidecars' data plane (default %(default)s)")
     parser.add_argument("--lanes", default="",
-                        help="comma-separated lane counts, each a pair of sidecars started with --data-lanes N "
+                        help="comma-separated lane counts, each a pair of sidecars started with --lanes N "
                              "(default: one pair, the sidecars' own choice)")
     parser.add_argument("--sidecar-cpus", default="",
                         help="comma-separated core counts: per count one more pair of sidecars, the holder "

@@ -3,7 +3,7 @@
 Two ``kv-offload sidecar`` processes on 127.0.0.1 (``LocalPool``) run the model's
 pool config on the chosen data plane: the holder and the fetcher, each started on half
 of this machine's CPUs (the holder on the first half, the fetcher on the second; one CPU:
-both on it), so a data plane's lanes have cores to use; ``--data-lanes N`` is passed when
+both on it), so a data plane's lanes have cores to use; ``--lanes N`` is passed when
 a lane count is asked for, else the sidecars choose. The bench process is the pods'
 vLLM: one ``/dev/shm`` file mapped shared, laid out as vLLM's primary CPU tier (one row
 per chunk, ``worker_kv_bytes_per_block x blocks_per_chunk`` bytes at a page-aligned stride)
@@ -258,7 +258,7 @@ class _Pair:
 def _pair(geometry: Geometry, chunks: int, host: HostRows, settings: PeerSettings,
           lanes: int | None, cpus: tuple[list[int], list[int]]) -> Iterator[_Pair]:
     capacity = (chunks + 2) * geometry.row_stride
-    extra = ("--data-lanes", str(lanes)) if lanes is not None else ()
+    extra = ("--lanes", str(lanes)) if lanes is not None else ()
     transport = settings.plane
     certs = tempfile.TemporaryDirectory(prefix="kv-offload-bench-gpu-tls-")
     if settings.plane == "tls":

@@ -20,7 +20,7 @@ CPU-seconds its process has used (all threads). The methods:
   ``tls_2lanes``: under TLS with 2 lanes.
 - ``ucx_sm`` / ``ucx_tcp``: the sidecar's UCX transport with ``UCX_TLS=sm,self`` / ``tcp,self``
   (one lane: the holder copies every chunk, the default).
-- ``ucx_sm_2lanes``: the UCX transport over ``sm`` with two lanes (``--ucx-lanes 2``: every
+- ``ucx_sm_2lanes``: the UCX transport over ``sm`` with two lanes (``--lanes 2``: every
   third chunk is copied by the fetcher, so both processes' cores copy).
 - ``ucx_sm_limit``: bare ucxx between busy-polling processes, two lanes, every chunk
   hashed on arrival (``ucx_limit.py``): what any ucxx data plane that verifies its

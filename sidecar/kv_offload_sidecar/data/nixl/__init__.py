@@ -17,7 +17,7 @@ the session key (``frames``, ``exports``). The view is revoked (deregistered, un
 when the connection ends or its session is no longer authorised. A FETCH is answered with
 CHUNK_AT (key, checksum, slot) per chunk, the chunk pinned under a lease until the fetcher
 RELEASEs it; the fetcher's lanes (``runtime``: one thread and one NIXL agent each, as many
-as the sidecar offers, ``--data-lanes``: one per core of its ``cpu_budget``, so its cores copy and hash
+as the sidecar offers, ``--lanes``: one per core of its ``cpu_budget``, so its cores copy and hash
 side by side) READ it as one transfer and hash the slot in one GIL-free call; the chunk becomes
 visible only when the checksum matches the holder's. A chunk that changed after its lease
 ran out fails that check and is never stored or handed to vLLM.

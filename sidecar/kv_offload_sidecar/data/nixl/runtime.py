@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # with --no-deps: its declared torch and numpy requirements serve GPU paths only).
 NIXL_MODULE = "nixl_cu12"
 # Lane threads (agents) of a process that did not configure them (tests, benches); a
-# sidecar runs its ``--data-lanes`` offer (``data.lanes.lanes_offered``: one per core of its ``cpu_budget``,
+# sidecar runs its ``--lanes`` offer (``data.lanes.lanes_offered``: one per core of its ``cpu_budget``,
 # at most 8), so a fetcher's reads and checksums spread over the cores it is given.
 DEFAULT_LANES = 2
 # Bytes of one descriptor of a chunk's READ (a chunk is read as one transfer of its pieces).
