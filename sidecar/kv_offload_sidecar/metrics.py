@@ -130,6 +130,12 @@ class SidecarMetrics:
             "Duration of one fetch of chunks from a peer, request to last verified byte.",
             unit="seconds", namespace=ns, registry=registry, buckets=FETCH_DURATION_BUCKETS,
         )
+        self.peer_fetch_first_chunk = Histogram(
+            "peer_fetch_first_chunk",
+            "Seconds from a fetch's first request to its first chunk landed and verified: the "
+            "fixed cost of a peer hit before its bytes move (the request goes out with the lookup).",
+            unit="seconds", namespace=ns, registry=registry, buckets=FETCH_DURATION_BUCKETS,
+        )
         self.engine_transfer = Histogram(
             "engine_transfer",
             "Seconds of each phase of the engine's store and load jobs on this sidecar: "

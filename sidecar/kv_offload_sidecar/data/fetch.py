@@ -115,6 +115,7 @@ async def run_fetch(
     stop_at = len(plan.keys)
     result = "ok"
     landed: list[int] = []  # indices whose future completed, in completion order
+    first_landed = True  # no chunk of this fetch committed yet
     wake = asyncio.Event()
 
     def on_done(i: int) -> Callable[[asyncio.Future[bool]], None]:
@@ -179,6 +180,9 @@ async def run_fetch(
                     plan.results[i] = ok
                     if not ok:
                         stop_at = min(stop_at, i + 1)
+                    elif first_landed and metrics is not None:  # the fixed cost before bytes move
+                        first_landed = False
+                        metrics.peer_fetch_first_chunk.observe(time.monotonic() - started)
     except TimeoutError:
         result = "timeout"
         exc: BaseException = TransportError(

@@ -47,8 +47,9 @@ DEFAULT_SEND_TIMEOUT = 30.0
 SILENT_CLOSE_SECONDS = 5.0
 # Seconds between a server's sweeps of its authenticated connections.
 SWEEP_SECONDS = 0.5
-# Authenticated connections a session may hold beyond the lanes offered (a reconnect overlapping).
-SESSION_CONNECTION_MARGIN = 2
+# Authenticated connections a session may hold beyond the lanes offered: the fetcher's control
+# connection (``data.lanes``) and a reconnect overlapping.
+SESSION_CONNECTION_MARGIN = 3
 # Sessions that may hold authenticated connections at once (readers served together).
 MAX_SERVED_SESSIONS = 64
 # Authenticated connections per session unless the server is told its offer of lanes.

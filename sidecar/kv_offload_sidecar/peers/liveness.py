@@ -118,8 +118,8 @@ class RoundTrips:
 
 
 def lanes_of(client: Any) -> Sequence[Any]:
-    """The connections behind a data client (its lanes, or itself)."""
-    return getattr(client, "_lanes", None) or [client]
+    """The connections behind a data client (its control connection and lanes, or itself)."""
+    return getattr(client, "connections", None) or [client]
 
 
 async def heartbeat(client: Any, round_trips: RoundTrips) -> None:

@@ -5,9 +5,9 @@ peers hold it (``Location.locate``: one message, none when this sidecar owns
 it), then exchange with one holder (a trusted, connected one, best first):
 
 - ``lookup(fetch=True)`` (the engine's lookup): one exchange that asks the
-  holder's hit prefix and fetches it (``fetch_counted``); the lookup answers
-  as soon as the count is back, the chunks keep arriving in the background
-  and ``load`` waits for them. Two messages per holder.
+  holder's hit prefix and fetches its claimed run (``fetch_counted``, in the same flight: the
+  chunks move one round trip after the ask); the lookup answers as soon as the count is back,
+  the chunks keep arriving in the background and ``load`` waits for them.
 - ``lookup(fetch=False)`` (the admin lookup, probes): the counts only.
 - ``load`` without a lookup in flight: locate, then fetch.
 
@@ -394,11 +394,10 @@ class PeerReads:
                 deadline, started, counted_at = deadline - (opened - started), opened, opened
                 if not fetch:
                     coro = data.lookup(keys, deadline)
-                elif on_count is not None:
-                    # One key ahead of the count: a claim may be stale, and a slot reserved past the
-                    # holder's run would evict one of our chunks for nothing.
+                elif on_count is not None:  # the claimed run (up to the fetch's window) goes out with
+                    # the LOOKUP: bytes move after one round trip; a stale claim costs a window's slots.
                     coro = data.fetch_counted(keys, self._fetch_store(data), deadline,
-                                              first=1, on_count=counted)
+                                              first=max(1, claim.run), on_count=counted)
                 else:
                     coro = data.fetch(keys, self._fetch_store(data), deadline)
                 # The transport enforces the deadline; this bound only guards against a hang.

@@ -5,7 +5,8 @@ config.json; random weights) and prompt length it measures the recompute (prefil
 device, ``gpu_prefill``) and the peer hit as a pod does it, with real holder and fetcher
 sidecars on the chosen plane landing the prompt's chunks in vLLM-shaped rows and the rows
 copied into a device KV cache (``gpu_peer``). Reported per length: recompute, the hit by
-phase (lookup, fetch, host to device), the speedup, the fetch rate, the break-even link
+phase (lookup, fetch, host to device), its fixed cost before bytes move (the first chunk's
+time from its request, sent with the lookup, to verified), the speedup, the fetch rate, the break-even link
 rate (KV bytes / recompute time) and the sidecars' CPU-seconds per GB (``gpu_geometry``
 holds the arithmetic). ``--lanes 1,2,4,8`` repeats the hit per lane count (the sidecars'
 ``--lanes``): the last count at every length, the others at ``--sweep-lengths`` only.

@@ -17,7 +17,10 @@ chunk, their XXH3 digests kept) and stored into the holder with ``store_rows``, 
 cascades them (``store_s``: until the fetcher's admin lookup sees them all at its peer);
 the rows are zeroed. Then per prompt length (its leading chunks), ``repeats`` times:
 ``lookup`` on the fetcher (which starts the peer fetch), ``load_rows`` into the rows, and
-the rows copied to the device cache (synchronized): the three phases of a hit. The landed
+the rows copied to the device cache (synchronized): the three phases of a hit; and its fixed
+cost before bytes move, ``first_chunk_s``: the fetcher's time from its first chunk request (sent
+with the lookup's LOOKUP) to that chunk verified (``kv_offload_peer_fetch_first_chunk_seconds``,
+scraped before and after). The landed
 rows must hold the holder's bytes (digests compared; on the first run the device copy of
 the first chunk is compared with its row too), and are zeroed again before the next run.
 The sidecars' CPU-seconds (``/proc/<pid>/stat``) are read before the lookup and after
@@ -330,6 +333,7 @@ def _hit(pair: _Pair, keys: Sequence[bytes], host: HostRows, kv: DeviceKV, diges
     """One peer hit of ``keys`` (rows 0..): its phases, CPU and whether the bytes landed."""
     n = len(keys)
     pids = {role: pair.pool[role].proc.pid for role in ("holder", "fetcher")}  # type: ignore[union-attr]
+    first0 = _first_chunk_samples(pair)
     cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
     with HealthPolls(pair.pool["fetcher"].port) as polls:
         t0 = time.perf_counter()
@@ -338,13 +342,18 @@ def _hit(pair: _Pair, keys: Sequence[bytes], host: HostRows, kv: DeviceKV, diges
         loaded = pair.fetcher.load_rows(keys, list(range(n)), timeout=settings.timeout_s)
         t2 = time.perf_counter()
     cpu1 = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    first1 = _first_chunk_samples(pair)
     kv.copy_in(host, loaded)
     t3 = time.perf_counter()
     identical = loaded == n and host.matches(digests[:n])
     if identical and check_device:
         identical = kv.holds_row(host, 0) and kv.holds_row(host, n - 1)
     gb = n * kv.g.chunk_bytes / 1e9
+    fetches = first1[1] - first0[1]
     out = {"lookup_s": t1 - t0, "fetch_s": t2 - t1, "h2d_s": t3 - t2, "hit_s": t3 - t0,
+           # the fetcher's time from its first chunk request (sent with the lookup) to that chunk
+           # verified, the hit's fixed cost before bytes move (mean over its fetches; None: none)
+           "first_chunk_s": (first1[0] - first0[0]) / fetches if fetches > 0 else None,
            "found_local": reply.local, "found_peer": reply.peer, "loaded": loaded,
            "identical": identical,
            "holder_cpu_s_per_gb": (cpu1["holder"] - cpu0["holder"]) / gb,
@@ -352,6 +361,13 @@ def _hit(pair: _Pair, keys: Sequence[bytes], host: HostRows, kv: DeviceKV, diges
            "healthz_polls": len(polls.seconds), "healthz_p99_ms": polls.p99_ms()}
     host.zero(n)
     return out
+
+
+def _first_chunk_samples(pair: _Pair) -> tuple[float, float]:
+    """The fetcher's ``kv_offload_peer_fetch_first_chunk_seconds`` (sum, count) now."""
+    fetcher = pair.pool["fetcher"]
+    return (fetcher.metric("kv_offload_peer_fetch_first_chunk_seconds_sum"),
+            fetcher.metric("kv_offload_peer_fetch_first_chunk_seconds_count"))
 
 
 def _median_run(runs: list[dict[str, Any]], kv_bytes: int) -> dict[str, Any]:
@@ -411,8 +427,9 @@ def measure_peer_hits(geometry: Geometry, lengths: Sequence[int], lanes: int | N
                     runs.append({**run, "chunks": n})
                 hit = _median_run(runs, n * geometry.chunk_bytes)
                 hits[tokens] = hit
+                first = "-" if hit["first_chunk_s"] is None else f"{hit['first_chunk_s'] * 1e3:.1f}"
                 progress(f"{geometry.name} lanes {label} {tokens:>6} tokens: hit {hit['hit_s'] * 1e3:8.1f} ms "
-                         f"(lookup {hit['lookup_s'] * 1e3:.1f}, fetch {hit['fetch_s'] * 1e3:.1f}, "
+                         f"(lookup {hit['lookup_s'] * 1e3:.1f}, first chunk {first}, fetch {hit['fetch_s'] * 1e3:.1f}, "
                          f"h2d {hit['h2d_s'] * 1e3:.1f}) {hit['fetch_gbps']:.2f} GB/s, CPU s/GB holder "
                          f"{hit['holder_cpu_s_per_gb']:.2f} fetcher {hit['fetcher_cpu_s_per_gb']:.2f}"
                          f"{'' if hit['identical'] else '  BYTES DIFFER'}"

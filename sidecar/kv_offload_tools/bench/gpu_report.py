@@ -111,7 +111,7 @@ def table(report: Mapping[str, Any]) -> str:
                      f"{model['prefill_layers_timed']} of {g['layers']} layers"
                      + (f" x{model['layer_scale']:g}" if model["layer_scale"] != 1 else ""))
         lines.append(f"{'tokens':>7} {'KV MiB':>8} {'recompute ms':>12} {'break-even':>10}  {'lanes':>7} "
-                     f"{'hit ms':>8} {'lookup':>7} {'fetch':>8} {'h2d':>7} {'GB/s':>6} {'x raw':>5} {'speedup':>7} "
+                     f"{'hit ms':>8} {'lookup':>7} {'1st chunk':>9} {'fetch':>8} {'h2d':>7} {'GB/s':>6} {'x raw':>5} {'speedup':>7} "
                      f"{'CPU s/GB holder/fetcher':>23}")
         for row in model["rows"]:
             head = (f"{row['tokens']:>7} {row['kv_bytes'] / 2**20:>8.1f} {_ms(row['recompute_s']):>12} "
@@ -121,6 +121,7 @@ def table(report: Mapping[str, Any]) -> str:
             for p in row["peer"]:
                 lines.append(
                     f"{head}  {_lanes_column(p):>7} {_ms(p['hit_s']):>8} {_ms(p['lookup_s']):>7} "
+                    f"{_ms(p.get('first_chunk_s')):>9} "
                     f"{_ms(p['fetch_s']):>8} {_ms(p['h2d_s']):>7} {p['fetch_gbps']:>6.2f} "
                     f"{p['ratio_to_raw_tcp']:>5.2f} {_speedup(p['speedup']):>7} "
                     f"{p['holder_cpu_s_per_gb']:>11.2f}/{p['fetcher_cpu_s_per_gb']:<11.2f}"

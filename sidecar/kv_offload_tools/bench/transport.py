@@ -7,10 +7,12 @@ chunk) moves the same chunks between two separate processes, pull model (request
 interleaved rounds so each ratio compares numbers taken moments apart. Holders (servers)
 run on the first half of the CPUs and fetchers (clients) on the rest, as two pods' sidecars
 would; each side's CPU-seconds per GB is reported apart (raw TCP's: its sender's and its
-receiver's), and the TCP transport with 2 and 4 lanes (and 2 under TLS) beside raw TCP with as
-many streams. Plus the
+receiver's), and the TCP transport with 2, 4 and 8 lanes (and 2 under TLS) beside raw TCP with as
+many streams, with the fetcher's CPU-seconds per GB at 1, 2, 4 and 8 lanes against raw TCP's
+receiver with as many streams (``lanes_cpu``). Plus the
 round trip of a 32-key peer lookup on the transports' persistent connection
-against a raw 64-byte TCP round trip. Prints a table (median GB/s, min-max, ratio
+against a raw 64-byte TCP round trip taken alternately from the same process, and (the TCP
+transport) the same lookup while that client's fetches stream. Prints a table (median GB/s, min-max, ratio
 to raw TCP in the same round, CPU-seconds per GB of both processes), the targets,
 the ceilings and what TLS costs against plain TCP (``transport_report.py``),
 writes a PNG plot; ``--json`` prints one JSON object instead of the table
@@ -49,6 +51,7 @@ from kv_offload_tools.bench.transport_methods import (
 from kv_offload_tools.bench.transport_report import (
     ceilings,
     fmt_size,
+    lanes_cpu,
     lanes_scaling,
     percentiles,
     plot,
@@ -310,6 +313,7 @@ def _run_rounds(args: argparse.Namespace, sizes: list[int], methods: list[str],
     report["tls"] = tls_overhead(report)
     report["verification"] = verification_cost(report)
     report["lanes"] = lanes_scaling(report)
+    report["lanes_cpu"] = lanes_cpu(report)
     return report
 
 
@@ -341,11 +345,13 @@ def _measure_lookups(args: argparse.Namespace, clients: dict[str, _Worker],
     transports = [m for m in LOOKUP_METHODS if m in methods]
     lookups: dict[str, list[float]] = {m: [] for m in transports}
     raws: dict[str, list[float]] = {m: [] for m in transports}
+    loaded: dict[str, list[float]] = {m: [] for m in transports}
     for r in range(max(args.rounds, 1)):
         for m in transports:
             out = clients[m].ask({"cmd": "rtt", "seconds": min(args.seconds, 1.0)})
             lookups[m].extend(out["us"])
             raws[m].extend(out["raw_us"])
+            loaded[m].extend(out.get("loaded_us", []))
         _progress(f"lookup round {r + 1}: " + ", ".join(
             f"{m} p50 {statistics.median(lookups[m]):.0f} us (raw {statistics.median(raws[m]):.0f} us)"
             for m in transports))
@@ -360,6 +366,8 @@ def _measure_lookups(args: argparse.Namespace, clients: dict[str, _Worker],
         p = percentiles(lookups[m])
         p.update(raw_rtt_p50_us_alongside=percentiles(raws[m])["p50_us"],
                  ratio_to_raw_rtt=p["p50_us"] / pooled["p50_us"])
+        if loaded[m]:  # while the same client's fetches stream
+            p["while_fetching"] = percentiles(loaded[m])
         by[m] = p
     main = "tcp" if "tcp" in by else transports[0]  # the transport every deployment has
     return {"keys": LOOKUP_KEYS, "transport": main, **by[main], "raw_rtt_p50_us": pooled["p50_us"],

@@ -6,15 +6,18 @@ they talk JSON lines over stdin/stdout. A server holds two sets of chunks
 and prints its address; a client connects, warms up, prints ``ready`` and
 then answers ``{"cmd": "fetch", "seconds"}`` with GB/s, the bytes moved, its
 CPU-seconds and whether the last set arrived byte-identical, and ``{"cmd": "rtt"}``
-with lookup and raw round trips. Every worker answers ``{"cmd": "cpu"}`` with the
+with lookup and raw round trips (the sidecar's TCP transport also with lookups while its
+fetches stream: ``loaded_us``). Every worker answers ``{"cmd": "cpu"}`` with the
 CPU-seconds its process has used (all threads). The methods:
 
 - ``raw_tcp``: the limit: blocking ``sendall`` / ``recv_into`` a preallocated buffer;
-  ``raw_tcp_2streams`` / ``raw_tcp_4streams``: the same over 2 / 4 connections at once (a
+  ``raw_tcp_2streams`` / ``raw_tcp_4streams`` / ``raw_tcp_8streams``: the same over 2 / 4 / 8
+  connections at once (a
   fetch's chunks split between them, each received on its own thread).
 - ``memcpy``: one core copying (``numpy.copyto``), in one process.
 - ``tcp``: the sidecar's TCP transport, a peer fetch into store slots, checksums verified.
-- ``tcp_2lanes`` / ``tcp_4lanes``: the TCP transport with 2 / 4 lanes (``data.lanes``).
+- ``tcp_2lanes`` / ``tcp_4lanes`` / ``tcp_8lanes``: the TCP transport with 2 / 4 / 8 lanes
+  (``data.lanes``).
 - ``tcp+tls``: the same over mutual TLS 1.3 (``--tls-dir`` holds a throw-away pool CA,
   ``server.crt``/``.key`` and ``client.crt``/``.key``; ``kv_offload_tools.certs``);
   ``tls_2lanes``: under TLS with 2 lanes.
@@ -49,17 +52,21 @@ from kv_offload_tools.http_client import serve_on_loopback
 
 # Methods measured, in the order of the table.
 METHODS = ("raw_tcp", "memcpy", "tcp", "tcp+tls", "raw_tcp_2streams", "tcp_2lanes", "tls_2lanes", "raw_tcp_4streams",
-           "tcp_4lanes", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
+           "tcp_4lanes", "raw_tcp_8streams", "tcp_8lanes", "ucx_sm", "ucx_sm_2lanes", "ucx_sm_limit", "ucx_sm_tagsend",
            "ucx_tcp", "aiohttp_get", *NIXL_METHODS)
 # Raw TCP methods: method -> streams (a fetch's chunks split over that many connections, each
 # received on a thread of its own).
-RAW_STREAMS = {"raw_tcp": 1, "raw_tcp_2streams": 2, "raw_tcp_4streams": 4}
+RAW_STREAMS = {"raw_tcp": 1, "raw_tcp_2streams": 2, "raw_tcp_4streams": 4, "raw_tcp_8streams": 8}
 # The sidecar's TCP transport with lanes (``data.lanes``): method -> lanes.
-TCP_LANES = {"tcp_2lanes": 2, "tcp_4lanes": 4, "tls_2lanes": 2}
+TCP_LANES = {"tcp_2lanes": 2, "tcp_4lanes": 4, "tcp_8lanes": 8, "tls_2lanes": 2}
 # Each laned row against raw TCP with as many streams, in the same round.
-LANES_TWIN = {"tcp_2lanes": "raw_tcp_2streams", "tcp_4lanes": "raw_tcp_4streams", "tls_2lanes": "raw_tcp_2streams"}
+LANES_TWIN = {"tcp_2lanes": "raw_tcp_2streams", "tcp_4lanes": "raw_tcp_4streams", "tcp_8lanes": "raw_tcp_8streams",
+              "tls_2lanes": "raw_tcp_2streams"}
 # Each laned row's one-lane form (the scaling the lanes bring).
-ONE_LANE = {"tcp_2lanes": "tcp", "tcp_4lanes": "tcp", "tls_2lanes": "tcp+tls"}
+ONE_LANE = {"tcp_2lanes": "tcp", "tcp_4lanes": "tcp", "tcp_8lanes": "tcp", "tls_2lanes": "tcp+tls"}
+# The TCP transport at 1, 2, 4 and 8 lanes, each beside raw TCP with as many streams (CPU per GB).
+LANE_LADDER = ((1, "tcp", "raw_tcp"), (2, "tcp_2lanes", "raw_tcp_2streams"), (4, "tcp_4lanes", "raw_tcp_4streams"),
+               (8, "tcp_8lanes", "raw_tcp_8streams"))
 # Methods under TLS (their workers load the throw-away pool's certificates).
 TLS_METHODS = ("tcp+tls", "tls_2lanes")
 # Keys per lookup request.
@@ -331,6 +338,9 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
                if method in UCX_TLS else {})
         _emit({"ready": True, "ucx": ucx})
         async for cmd in _acommands():
+            keep_alive = getattr(fetcher, "keep_alive", None)
+            if keep_alive is not None and cmd["cmd"] in ("fetch", "rtt"):
+                await keep_alive()
             if cmd["cmd"] == "fetch":
                 moved, t0, cpu0 = 0, time.perf_counter(), time.process_time()
                 while True:  # alternate sets: the store holds one, so every chunk is absent
@@ -344,7 +354,9 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
                 _emit({"gbps": moved / elapsed / 1e9, "bytes": moved, "cpu_seconds": cpu, "identical": ok})
             elif cmd["cmd"] == "rtt":
                 lookup_us, raw_us = await fetcher.round_trips(cmd["seconds"])
-                _emit({"us": lookup_us, "raw_us": raw_us})
+                loaded = getattr(fetcher, "loaded_round_trips", None)
+                _emit({"us": lookup_us, "raw_us": raw_us,
+                       "loaded_us": await loaded(cmd["seconds"]) if loaded is not None else []})
     except Exception as exc:
         _emit({"error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -530,6 +542,42 @@ class _TransportFetcher(_StoreFetcher):
             lookups.append((time.perf_counter() - t0) * 1e6)
             raws.append(_echo_once(self.raw))
         return lookups, raws
+
+    async def keep_alive(self) -> None:
+        """A heartbeat on each of the client's connections, as a sidecar's links send them (a
+        holder closes a connection silent for ``serving.SILENT_CLOSE_SECONDS``; the other
+        methods' turns in a round can take that long)."""
+        from kv_offload_sidecar.peers.liveness import lanes_of
+
+        for connection in lanes_of(self.client):
+            await connection.ping(5.0)
+
+    async def loaded_round_trips(self, seconds: float) -> list[float]:
+        """32-key lookups while this client's fetches stream (alternate sets, back to back): a
+        lookup waits behind no chunk bytes when it has a connection of its own."""
+        keys = self.keys[:LOOKUP_KEYS]
+        stop = asyncio.Event()
+
+        async def stream() -> None:
+            s = 0
+            while not stop.is_set():
+                s ^= 1
+                await self.fetch_set(s)
+
+        streaming = asyncio.create_task(stream())
+        lookups: list[float] = []
+        try:
+            await asyncio.sleep(0.05)  # the first fetch under way
+            t_end = time.perf_counter() + seconds
+            while time.perf_counter() < t_end or len(lookups) < 20:
+                t0 = time.perf_counter()
+                await self.client.lookup(keys, timeout=10)
+                lookups.append((time.perf_counter() - t0) * 1e6)
+                await asyncio.sleep(0.001)  # the fetch's turn on this loop
+        finally:
+            stop.set()
+            await streaming
+        return lookups
 
     async def close(self) -> None:
         if self.client is not None:

@@ -20,8 +20,9 @@ from kv_offload_sidecar.data import serving
 from kv_offload_sidecar.data.base import PeerBusy
 from kv_offload_sidecar.data.protocol import ProtocolError
 from kv_offload_sidecar.data.serving import DEFAULT_CONNECTIONS_PER_SESSION
+from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient
 from kv_offload_sidecar.keepalive import USER_TIMEOUT_SECONDS
-from kv_offload_sidecar.peers.liveness import LOST_AFTER_SECONDS
+from kv_offload_sidecar.peers.liveness import LOST_AFTER_SECONDS, lanes_of
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from peer_processes import PeerProcess
 from transport_peers import SESSION_ID, SESSION_KEY, session
@@ -36,18 +37,19 @@ async def test_a_retired_key_ends_the_open_data_connections_of_its_sessions(
         peer.ask("end_sessions")  # what InboundSessions.get answers once a retired key's grace ran out
         await wait_for_async("the ended session's connection closed", lambda: client.closed,
                              timeout=serving.SWEEP_SECONDS + 3.0)
-    assert peer.metrics()["protocol_errors"]["unauthenticated"] == 1
+    # Each of its connections (the control connection and the lane).
+    assert peer.metrics()["protocol_errors"]["unauthenticated"] == len(lanes_of(client)) == 2
 
 
 async def test_a_session_holds_at_most_its_bound_of_connections_and_one_more_is_refused_and_counted(
         start_peer: Callable[..., PeerProcess]) -> None:
     peer = start_peer("tcp", chunks=2)
-    clients = [await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
+    clients = [await TcpPeerDataClient.connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
                for _ in range(DEFAULT_CONNECTIONS_PER_SESSION)]
     try:
         # Refused as a busy holder (PeerBusy): its reader takes it as a miss, not a failure.
-        with pytest.raises(PeerBusy, match="too_many_connections.*connections_per_session=10"):
-            await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
+        with pytest.raises(PeerBusy, match="too_many_connections.*connections_per_session=11"):
+            await TcpPeerDataClient.connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5)
         assert peer.metrics()["protocol_errors"]["too_many_connections"] == 1
         await clients.pop().close()  # a place is free again
         await wait_for_async("a new connection of the session admitted", lambda: _connects(peer))
@@ -61,7 +63,7 @@ _opened: list = []
 
 async def _connects(peer: PeerProcess) -> bool:
     try:
-        _opened.append(await connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5))
+        _opened.append(await TcpPeerDataClient.connect(peer.address, SESSION_ID, SESSION_KEY, timeout=5))
     except TransportError:
         return False
     await _opened.pop().close()
@@ -75,8 +77,8 @@ async def test_a_connection_that_receives_nothing_is_closed_and_one_that_is_ping
     server = make_server("tcp", store, {SESSION_ID: SESSION_KEY}.get, None, chunk_bytes=4096)
     address = await server.start()
     try:
-        idle = await connect(address, SESSION_ID, SESSION_KEY, timeout=5)
-        pinged = await connect(address, SESSION_ID, SESSION_KEY, timeout=5)
+        idle = await TcpPeerDataClient.connect(address, SESSION_ID, SESSION_KEY, timeout=5)
+        pinged = await TcpPeerDataClient.connect(address, SESSION_ID, SESSION_KEY, timeout=5)
         started = time.monotonic()
         while not idle.closed:
             assert time.monotonic() - started < 0.6 + serving.SWEEP_SECONDS + 2.0, "the idle one stayed open"
@@ -112,9 +114,10 @@ async def test_both_ends_of_a_data_connection_carry_keepalive_and_a_user_timeout
         start_peer: Callable[..., PeerProcess]) -> None:
     peer = start_peer("tcp", chunks=2)
     async with session(peer.address) as client:
-        sock = client._stream.sock
-        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_SECONDS * 1000
+        for connection in lanes_of(client):  # the control connection and the lane
+            sock = connection._stream.sock
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_SECONDS * 1000
         # The server's end (another process): ss shows its keepalive timer once its last
         # frame was acknowledged (a retransmission timer until then).
         port = peer.address.rsplit(":", 1)[1]

@@ -43,8 +43,9 @@ async def test_a_fetch_stripes_its_chunks_over_every_lane_and_lands_them_byte_id
         assert await client.lookup(keys, timeout=5) == 16
         assert await client.fetch(keys, store, timeout=20) == 16
         # Chunk i went on lane i % 3: each lane asked for its share (request ids from 1).
-        # The first lane also carried the lookup.
-        assert [lane._next_rid - 1 for lane in client._lanes] == [6 + 1, 5, 5]
+        assert [lane._next_rid - 1 for lane in client._lanes] == [6, 5, 5]
+        # The lookup went on the control connection, which carries no chunk.
+        assert client._control not in client._lanes and client._control._next_rid - 1 == 1
     for i, key in enumerate(keys):
         assert chunk_bytes_in(store, key) == content_of(i, BIG)
     assert store.used_bytes == 16 * store.slot_stride  # nothing left reserved
@@ -52,10 +53,36 @@ async def test_a_fetch_stripes_its_chunks_over_every_lane_and_lands_them_byte_id
     assert peer.metrics()["peer_bytes_sent"] == 16 * BIG
 
 
-async def test_one_lane_is_a_plain_connection(start_peer: Callable[..., PeerProcess]) -> None:
+async def test_one_lane_still_has_its_own_control_connection(start_peer: Callable[..., PeerProcess]) -> None:
     peer = start_peer("tcp", chunks=2, chunk_bytes=BIG)
     async with session(peer.address, lanes=1) as client:
-        assert not isinstance(client, LanedPeerDataClient) and data_lanes_of(client) == 1
+        assert isinstance(client, LanedPeerDataClient) and data_lanes_of(client) == 1
+        assert len(client.connections) == 2 and client._control is client.connections[0]
+
+
+async def test_each_fetch_starts_on_the_lane_after_the_last_ones_stripe_so_small_fetches_use_every_lane(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
+    peer = start_peer("tcp", chunks=4, chunk_bytes=4096)
+    store = make_store(slots=8, chunk_bytes=4096)
+    async with session(peer.address, lanes=4) as client:
+        for i in range(4):  # four one-chunk fetches: one on each lane
+            assert await client.fetch([key_of(i)], store, timeout=20) == 1
+        assert [lane._next_rid - 1 for lane in client._lanes] == [1, 1, 1, 1]
+
+
+async def test_lookups_and_heartbeats_never_share_a_connection_with_chunk_bytes(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
+    peer = start_peer("tcp", chunks=8, chunk_bytes=BIG)
+    store = make_store(slots=10, chunk_bytes=BIG)
+    keys = [key_of(i) for i in range(8)]
+    async with session(peer.address, lanes=2) as client:
+        got = await client.fetch_counted(keys, store, timeout=20, first=8, on_count=lambda n: None)
+        assert got == 8
+        await client.ping(5.0)
+        control = client._control
+        assert control._next_rid - 1 == 2  # the lookup and the heartbeat
+        assert sum(lane._next_rid - 1 for lane in client._lanes) == 8  # every chunk on a lane
+        assert peer.metrics()["peer_bytes_sent"] == 8 * BIG
 
 
 async def test_a_corrupt_chunk_on_any_lane_fails_the_fetch_and_is_not_stored(

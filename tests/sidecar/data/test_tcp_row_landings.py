@@ -12,6 +12,7 @@ import pytest
 from kv_offload_sidecar.data import IntegrityError, ReceiveStopped, connect
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
+from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.row_landings import LandingState, LandingStore, RowLandings
 from kv_offload_sidecar.store.checksum import chunk_checksum
@@ -112,7 +113,7 @@ async def test_a_withdrawn_row_is_not_written_after_its_job_ended(
     offer = landings.offer(key_of(0), row)
     assert offer is not None
     try:
-        client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5)
+        client = await TcpPeerDataClient.connect(address, SESSION_ID, SESSION_KEY, timeout=5)
         fetch = asyncio.create_task(client.fetch([key_of(0)], LandingStore(store, landings), timeout=30))
         async with asyncio.timeout(30):  # a safety net: the wait is on the row's bytes
             while bytes(row[:chunk // 2]) != content_of(0, chunk)[:chunk // 2]:  # first half landed

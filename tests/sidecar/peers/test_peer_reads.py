@@ -84,6 +84,27 @@ async def test_a_lookups_fetch_is_timed_from_the_lookup_to_its_last_chunk_landed
         assert {s.name: s.value for s in landed._samples()}["_count"] == 1
 
 
+async def test_a_lookup_asks_the_holders_claimed_run_with_its_lookup_not_one_chunk_first(make_settings):
+    holder, asker = _holder_and_asker(make_settings)
+    async with running(holder), running(asker):
+        keys = await _held(holder, asker, "claimed", 6)
+        data = await asker.peers.data_links.open(asker.peers.connected("holder"), REQUEST_DEADLINE_SECONDS)
+        fetch_counted, asked = data.fetch_counted, []
+
+        async def recorded(*args, **kwargs):
+            asked.append(kwargs["first"])
+            return await fetch_counted(*args, **kwargs)
+
+        data.fetch_counted = recorded
+        assert await asker.lookup(keys, REQUEST_DEADLINE_SECONDS) == (0, 6)
+        pins = await asker.load(keys, REQUEST_DEADLINE_SECONDS)
+        assert [p.key for p in pins] == keys
+        for p in pins:
+            p.release()
+        # The whole claimed run went out with the LOOKUP (the fetch's window bounds it).
+        assert asked == [6]
+
+
 async def test_a_holder_named_for_a_chunk_it_lost_is_one_false_claim_and_a_miss(make_settings):
     holder, asker = _holder_and_asker(make_settings)
     async with running(holder), running(asker):

@@ -182,6 +182,8 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
         assert hit["identical"] and hit["all_loaded"]
         assert hit["hit_s"] == pytest.approx(hit["lookup_s"] + hit["fetch_s"] + hit["h2d_s"])
         assert min(hit["lookup_s"], hit["fetch_s"], hit["h2d_s"]) > 0 and len(hit["hit_runs_s"]) == 2
+        # the fixed cost before bytes move: the first chunk, requested with the lookup, verified
+        assert 0 < hit["first_chunk_s"] < hit["hit_s"]
         assert hit["speedup"] == pytest.approx(row["recompute_s"] / hit["hit_s"])
         assert hit["fetch_gbps"] > 0 and hit["hit_gbps"] > 0
         assert hit["holder_cpu_s_per_gb"] >= 0 and hit["fetcher_cpu_s_per_gb"] >= 0

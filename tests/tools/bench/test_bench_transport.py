@@ -46,10 +46,15 @@ def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, s
     assert pins["holder"] and pins["fetcher"] and not set(pins["holder"]) & set(pins["fetcher"])
     # lanes against raw TCP with as many streams, in the same rounds
     assert {(ln["method"], ln["compared_to"]) for ln in report["lanes"]} == {
-        ("tcp_2lanes", "raw_tcp_2streams"), ("tcp_4lanes", "raw_tcp_4streams"), ("tls_2lanes", "raw_tcp_2streams")}
+        ("tcp_2lanes", "raw_tcp_2streams"), ("tcp_4lanes", "raw_tcp_4streams"), ("tcp_8lanes", "raw_tcp_8streams"),
+        ("tls_2lanes", "raw_tcp_2streams")}
     assert {(ln["method"], ln["one_lane"]) for ln in report["lanes"]} == {
-        ("tcp_2lanes", "tcp"), ("tcp_4lanes", "tcp"), ("tls_2lanes", "tcp+tls")}
+        ("tcp_2lanes", "tcp"), ("tcp_4lanes", "tcp"), ("tcp_8lanes", "tcp"), ("tls_2lanes", "tcp+tls")}
     assert all(ln["ratio_to_streams"] > 0 and ln["ratio_to_one_lane"] > 0 for ln in report["lanes"])
+    # the fetcher's CPU per GB at 1, 2, 4 and 8 lanes beside raw TCP's receiver with as many streams
+    assert [(c["lanes"], c["compared_to"]) for c in report["lanes_cpu"]] == [
+        (1, "raw_tcp"), (2, "raw_tcp_2streams"), (4, "raw_tcp_4streams"), (8, "raw_tcp_8streams")]
+    assert all(c["fetcher_cpu_seconds_per_gb"] > 0 and c["ratio"] > 0 for c in report["lanes_cpu"])
 
     tls = results["tcp+tls"]
     assert tls["compared_to"] == "tcp" and tls["ratio_to_twin"] > 0 and tls["cpu_ratio_to_twin"] > 0
@@ -59,6 +64,9 @@ def test_tiny_run_reports_every_method_moving_identical_chunks(tmp_path: Path, s
     assert lookup["p50_us"] > 0 and lookup["p99_us"] >= lookup["p50_us"]
     assert lookup["ratio_to_raw_rtt"] > 0 and lookup["keys"] == 32
     assert set(lookup["by_transport"]) == {"tcp", "tcp+tls", "ucx_sm", "ucx_tcp", "nixl"}
+    # the TCP transport's lookups also while its own fetches stream
+    loaded = lookup["by_transport"]["tcp"]["while_fetching"]
+    assert loaded["p50_us"] > 0 and loaded["p99_us"] >= loaded["p50_us"]
     assert all("met" in t for t in report["targets"])
     (ceiling,) = report["ceilings"]
     assert ceiling["chunk_bytes"] == 65536
