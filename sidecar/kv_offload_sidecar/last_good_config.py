@@ -8,10 +8,13 @@ container that restarts in those seconds would read it. So a bad edit never
 takes a running pod's sidecar (and with it vLLM) down:
 
 - A sidecar that serves writes the config it runs to ``last_good_path``
-  (``keep``): ``<shm-dir>/kv-offload-<identity>.last-good-config.json``, and removes it
-  when it stops cleanly (``forget``, as it unlinks its store). ``--shm-dir`` is the
-  pod's ``/dev/shm``, an emptyDir that lives as long as the pod, so a sidecar that was
-  killed, ran out of memory or crashed finds it when its container restarts.
+  (``keep``): ``<shm-dir>/kv-offload-<identity>.last-good-config.json``. ``--shm-dir`` is
+  the pod's ``/dev/shm``, an emptyDir that lives as long as the pod, so a sidecar that
+  was killed, ran out of memory, crashed or was restarted by its liveness probe
+  (SIGTERM) finds it when its container restarts. In a pod (``KUBERNETES_SERVICE_HOST``
+  set, as the kubelet sets it in every container) a clean stop keeps it: the pod's
+  ``/dev/shm`` goes with the pod. Elsewhere (a developer's host, whose ``/dev/shm``
+  outlives every run) a clean stop removes it (``forget``, as it unlinks its store).
 - A start whose file does not load runs the saved config instead and says so:
   one warning line naming the file, the problem (``load_config_file``'s message:
   the key, the value and what it must be) and the fingerprint it keeps,
@@ -25,7 +28,6 @@ one once the sidecar serves. Keys of the file this release does not know (a newe
 are ignored with one warning naming them (``unknown_keys``), so an older
 pinned sidecar image runs a newer operator's config as far as it understands
 it; a key that changes the fingerprint still fails the stated-fingerprint check.
-A sidecar stopped with SIGTERM (a liveness-probe restart too) leaves nothing to fall back on.
 """
 
 from __future__ import annotations
@@ -156,11 +158,18 @@ def keep(path: str, config: OffloadingConfig, declared: Mapping[str, str]) -> No
                     "file will not start", path, exc.strerror)
 
 
-def forget(path: str) -> None:
-    """Remove the saved config (a clean stop: nothing restarts this sidecar in its pod)."""
+# Set by the kubelet in every container: the sidecar runs in a pod, whose /dev/shm dies with it.
+IN_POD_ENV = "KUBERNETES_SERVICE_HOST"
+
+
+def forget(path: str, environ: Mapping[str, str] = os.environ) -> None:
+    """At a clean stop: outside a pod, remove the saved config; in a pod, keep it for the
+    container's restart (a liveness probe's SIGTERM is a clean stop too)."""
+    if environ.get(IN_POD_ENV):
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
 
-__all__ = ["LAST_GOOD_SUFFIX", "PoolConfig", "config_view", "forget", "keep", "last_good_path", "load",
+__all__ = ["IN_POD_ENV", "LAST_GOOD_SUFFIX", "PoolConfig", "config_view", "forget", "keep", "last_good_path", "load",
            "unknown_keys"]

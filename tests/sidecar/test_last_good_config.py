@@ -8,6 +8,7 @@ import os
 
 import pytest
 from kv_offload_sidecar import last_good_config
+from kv_offload_sidecar.last_good_config import IN_POD_ENV
 from kv_offload_sidecar.engine.client import LookupReply
 from kv_offload_tools.local_pool import LocalPool, example_config
 
@@ -113,3 +114,24 @@ def test_a_killed_sidecar_restarted_on_a_bad_config_serves_on_its_last_good_one_
         with pytest.raises(RuntimeError, match="exited with code 2"):
             sc.start()
         assert "tokens_per_hash" in sc.log_tail(5)
+        # in a pod a clean stop (a liveness probe's SIGTERM) keeps it: the restart falls back
+        write(config, good)
+        sc.env[IN_POD_ENV] = "10.96.0.1"
+        sc.start()
+        assert sc.status()["config"]["source"] == "file"
+        assert sc.terminate() == 0
+        write(config, hand_edit(good))
+        sc.start()
+        assert sc.status()["config"]["source"] == "last_good" and sc.metric(REJECTED) == 1
+        assert sc.terminate() == 0
+        del sc.env[IN_POD_ENV]  # the pool's clean stop, off a pod, leaves no file behind
+        sc.start()
+
+
+def test_a_clean_stop_keeps_the_saved_config_in_a_pod_and_removes_it_elsewhere(tmp_path):
+    saved = tmp_path / "saved.json"
+    saved.write_text("{}")
+    last_good_config.forget(str(saved), {IN_POD_ENV: "10.96.0.1"})
+    assert saved.exists()
+    last_good_config.forget(str(saved), {})
+    assert not saved.exists()
