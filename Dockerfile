@@ -2,7 +2,7 @@
 # and `kv-offload sidecar` (per-pod chunk store and UCX/TCP/NIXL data plane).
 # Build: ./dev image (daemonless, smoke-tested), or docker build -t kv-offload:0.1.0 .
 # (the chart's default image is kv-offload:<appVersion>). The tools
-# (sidecar/kv_offload_tools: demo, simulated engine, benches) and their extra
+# (sidecar/kv_offload_tools: demo, benches; sidecar/kv_offload_testing: local pool, simulated engine) and their extra
 # (torch, matplotlib, hypothesis) are not in the image. docs/how-to/build-the-image.md: what is in it.
 
 # The Python base of every stage. Any Debian bookworm image with python3 (3.11) and
@@ -70,7 +70,8 @@ RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
     && /opt/kv-offload/bin/pip install --no-cache-dir "/src[ucx,operator]" "libucx-cu12==${UCX_VERSION}" \
     && /opt/kv-offload/bin/python -c "import kv_offload_sidecar, kv_offload_operator, ucxx, kopf" \
-    && ! /opt/kv-offload/bin/python -c "import kv_offload_tools" 2>/dev/null
+    && ! /opt/kv-offload/bin/python -c "import kv_offload_tools" 2>/dev/null \
+    && ! /opt/kv-offload/bin/python -c "import kv_offload_testing" 2>/dev/null
 # NVIDIA NIXL for --transport nixl (one-sided reads), pinned and installed without its
 # dependencies as ./dev does: its declared requirements serve GPU paths only. Its kernels
 # for GPU expert parallelism and its C headers are never imported here. Its bundled UCX's

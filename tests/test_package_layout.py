@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SIDECAR = REPO / "sidecar" / "kv_offload_sidecar"
 ENGINE = SIDECAR / "engine"
-OURS = ("kv_offload_sidecar", "kv_offload_operator", "kv_offload_tools")
+OURS = ("kv_offload_sidecar", "kv_offload_operator", "kv_offload_tools", "kv_offload_testing")
 # Runtime files are kept small enough to read in one sitting.
 MAX_RUNTIME_LINES = 520
 
@@ -77,17 +77,25 @@ def test_the_sidecar_never_imports_or_spawns_the_operator_or_the_tools():
     bad = []
     for path in SIDECAR.rglob("*.py"):
         for name, _ in imports(path):
-            if name.split(".")[0] in ("kv_offload_operator", "kv_offload_tools", "kopf"):
+            if name.split(".")[0] in ("kv_offload_operator", "kv_offload_tools", "kv_offload_testing", "kopf"):
                 bad.append(f"{path.relative_to(REPO)} imports {name}")
         for text in module_strings(path):
-            if "kv_offload_operator" in text or "kv_offload_tools" in text:
+            if any(p in text for p in ("kv_offload_operator", "kv_offload_tools", "kv_offload_testing")):
                 bad.append(f"{path.relative_to(REPO)} names {text!r}")
     assert bad == []
 
 
 def test_the_operator_never_imports_the_tools():
     bad = [f"{p.relative_to(REPO)} imports {name}" for p in (REPO / "operator").rglob("*.py")
-           for name, _ in imports(p) if name.startswith("kv_offload_tools")]
+           for name, _ in imports(p) if name.startswith(("kv_offload_tools", "kv_offload_testing"))]
+    assert bad == []
+
+
+def test_the_test_harness_never_imports_the_tools():
+    # kv_offload_testing (local pools, sidecar processes, simulated engines) is what the tests,
+    # the demo and the benches share: it sits under the tools, never on them.
+    bad = [f"{p.relative_to(REPO)} imports {name}" for p in (REPO / "sidecar" / "kv_offload_testing").rglob("*.py")
+           for name, _ in imports(p) if name.startswith(("kv_offload_tools", "kv_offload_operator"))]
     assert bad == []
 
 

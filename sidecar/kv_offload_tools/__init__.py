@@ -1,11 +1,10 @@
 """Tools that never run in a pod (``pip install 'kv-offload[tools]'``; ``./dev`` installs them).
 
-- ``local_pool`` (``LocalPool``) and ``sidecar_process`` (``SidecarProcess``): real
-  ``kv-offload sidecar`` processes on this host, for tests, the demo, the benches and chaos;
-  ``http_client`` and ``scrape``: their control API and ``/metrics`` as numbers.
-- ``engine_sim`` and ``prefix_hash``: a simulated vLLM engine driving the tier as vLLM does.
+- The shared harness (local pools, sidecar processes, simulated engines) is
+  ``kv_offload_testing``, beside this package: the tests import it without the tools.
 - ``demo`` and ``mooncake_trace`` (the trace sample in ``data/``): ``kv-offload demo``.
-- ``bench/``: ``kv-offload bench transport|replay|chaos|restarts|...``; ``shm_restarts``: a
+- ``bench/``: ``kv-offload bench transport|replay|chaos|restarts|...``, a folder per bench with
+  several modules (``bench/scale/``: ``cli`` is what the command runs); ``shm_restarts``: a
   sidecar SIGKILLed under an engine client on a size-bounded tmpfs (``bench restarts``).
 - ``chaos/``: the fault scenarios and fuzz targets behind ``kv-offload bench chaos``.
 - ``vllm_harness/``: real vLLM on a CPU (``kv-offload demo --engine vllm``, tests/vllm).

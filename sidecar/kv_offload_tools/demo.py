@@ -25,9 +25,9 @@ from pathlib import Path
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, TRANSPORTS
 from kv_offload_sidecar.usage import UsageError
 
-from kv_offload_tools import scrape
-from kv_offload_tools.engine_sim import RequestResult, SimulatedEngine, trace_tokens
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
+from kv_offload_testing import scrape
+from kv_offload_testing.engine_sim import RequestResult, SimulatedEngine, trace_tokens
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride, example_config
 from kv_offload_tools.mooncake_trace import TRACE_SAMPLE, load_trace
 from kv_offload_tools.pod_table import PodCounts, format_table
 from kv_offload_tools.progress import to_stderr

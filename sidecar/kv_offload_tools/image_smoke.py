@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kv_offload_tools.chaos.chunks import chunk_keys, share_through_pool
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 
 PLANES = ("tcp", "ucx", "nixl")
 # Chunks each round shares from the first sidecar to the second.

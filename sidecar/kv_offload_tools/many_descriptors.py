@@ -14,7 +14,7 @@ import resource
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from kv_offload_tools.local_pool import sidecar_command
+from kv_offload_testing.local_pool import sidecar_command
 
 # Descriptors a process of the tests holds: past FD_SETSIZE (1,024), as in the trial.
 PAST_FD_SETSIZE = 1100

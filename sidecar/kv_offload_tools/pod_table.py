@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from kv_offload_tools import scrape
+from kv_offload_testing import scrape
 
 
 @dataclass

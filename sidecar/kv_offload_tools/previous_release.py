@@ -22,7 +22,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
-from kv_offload_tools.local_pool import sidecar_command
+from kv_offload_testing.local_pool import sidecar_command
 
 # The last release: wire 2.1 (speaks exactly 2.1, states no range in its handshake).
 LAST_RELEASE = "d0dde592645119d2cef7f160a595539e62e8c7f4"

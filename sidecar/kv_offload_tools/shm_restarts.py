@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from kv_offload_sidecar.engine.client import EngineClient
 
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
-from kv_offload_tools.local_pool import LocalPool
-from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_testing.local_pool import LocalPool
+from kv_offload_testing.sidecar_process import SidecarProcess
 
 # Seconds between two engine steps while the sidecar comes back.
 STEP_SECONDS = 0.05

@@ -40,7 +40,7 @@ from kv_offload_sidecar.peers.directory import location_wire as lw
 from kv_offload_sidecar.peers.wire_window import WIRE_VERSION
 from kv_offload_sidecar.store.checksum import chunk_checksum
 
-from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
+from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 
 # Where the record lives, from the repository root.
 RECORD_PATH = os.path.join("tests", "tools", "wire_golden_frames.json")
@@ -174,7 +174,7 @@ def channel_shapes() -> dict[str, dict[str, Any]]:
     from kv_offload_sidecar.engine.client import EngineClient, RowRegion
     from kv_offload_sidecar.engine.region_file import find_region_file
 
-    from kv_offload_tools.local_pool import LocalPool
+    from kv_offload_testing.local_pool import LocalPool
 
     slot, rows = 16384, 4
     fd = os.memfd_create("kv-offload-golden-rows", os.MFD_CLOEXEC)

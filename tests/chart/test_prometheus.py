@@ -39,8 +39,8 @@ from dashboard_support import (
     load_dashboard,
     panels_in_reading_order,
 )
-from kv_offload_tools.local_pool import LocalPool
-from kv_offload_tools.scrape import parse_metrics
+from kv_offload_testing.local_pool import LocalPool
+from kv_offload_testing.scrape import parse_metrics
 from waiting import wait_for
 
 LOOKUPS = "kv_offload_chunk_lookups_total"

@@ -75,7 +75,7 @@ def injected_env(spec: pool_spec.SidecarSpec) -> dict[str, str]:
 def assert_ucx_sidecars_share_chunks(env: dict[str, str]) -> None:
     """Two real ucx sidecar processes with ``env``: chunks stored on one load, byte for byte, on the other."""
     from kv_offload_tools.chaos.chunks import chunk_keys, share_through_pool
-    from kv_offload_tools.local_pool import LocalPool, example_config
+    from kv_offload_testing.local_pool import LocalPool, example_config
 
     chunk = example_config().kv_bytes_per_chunk
     with LocalPool(2, transport="ucx", capacity_bytes=64 * chunk, env=env) as pool:

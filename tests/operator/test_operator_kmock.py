@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.metrics import SidecarMetrics
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride
 from operator_harness import (
     KTC,
     LLAMA_ARGS,

@@ -220,7 +220,7 @@ def test_real_ucx_sidecars_with_the_rdma_preset_refuse_a_ucx_built_without_rdma_
     the sidecar exits 2 with one line naming the missing transport and how to build the image
     with RDMA, rather than running without the RDMA the pool asked for. (With rc compiled in
     and no RDMA device on the node, UCX leaves rc out and uses the rest; no such UCX is here.)"""
-    from kv_offload_tools.local_pool import LocalPool, example_config
+    from kv_offload_testing.local_pool import LocalPool, example_config
 
     spec = sidecar_spec(ucxTransports="rdma-rc", rdma={"resources": {"rdma/ib": 1}})
     injected = injected_env(spec)

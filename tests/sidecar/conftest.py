@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 from kv_offload_sidecar.settings import SidecarSettings
-from kv_offload_tools.local_pool import example_config, free_port_block
+from kv_offload_testing.local_pool import example_config, free_port_block
 
 POOL_KEY = b"test-pool-key"
 

@@ -13,8 +13,8 @@ from kv_offload_sidecar.engine.client import EngineClient
 from kv_offload_sidecar.peers.handshake import HelloMessage, make_hello
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 from kv_offload_sidecar.sidecar import Sidecar
-from kv_offload_tools.local_pool import example_config
-from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
+from kv_offload_testing.local_pool import example_config
+from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 from waiting import wait_for_async
 
 # ------------------------------------------------------------------ chunks through an engine client

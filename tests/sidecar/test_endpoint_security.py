@@ -33,7 +33,7 @@ from kv_offload_sidecar.peers.handshake import WIRE_VERSION, HandshakeInitiator
 from kv_offload_sidecar.peers.links import AUTH_HEADER, SESSION_HEADER
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_tools.chaos.chunks import chunk_keys, store_chunks
-from kv_offload_tools.local_pool import LocalPool, example_config
+from kv_offload_testing.local_pool import LocalPool, example_config
 from waiting import wait_for
 
 CHUNK = 16 * 1024

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from kv_offload_sidecar.extras import EXTRAS, NIXL_PACKAGE, missing, require
-from kv_offload_tools.local_pool import example_config, free_port_block
+from kv_offload_testing.local_pool import example_config, free_port_block
 from test_main import wait_ready
 
 # What a base install lacks (and the tools' own modules, which the image lacks too).

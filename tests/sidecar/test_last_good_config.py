@@ -10,7 +10,7 @@ import pytest
 from kv_offload_sidecar import last_good_config
 from kv_offload_sidecar.last_good_config import IN_POD_ENV
 from kv_offload_sidecar.engine.client import LookupReply
-from kv_offload_tools.local_pool import LocalPool, example_config
+from kv_offload_testing.local_pool import LocalPool, example_config
 
 CHUNK = example_config().kv_bytes_per_chunk
 REJECTED = "kv_offload_config_rejected"

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 from kv_offload_sidecar.commands.sidecar import add_arguments, build_settings
 from kv_offload_sidecar.settings import SidecarSettings
-from kv_offload_tools.http_client import http_json
-from kv_offload_tools.local_pool import (
+from kv_offload_testing.http_client import http_json
+from kv_offload_testing.local_pool import (
     LocalPool,
     example_config,
     free_port_block,

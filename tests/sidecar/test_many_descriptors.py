@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 
 from kv_offload_sidecar.engine.client import LookupReply
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 from kv_offload_tools.many_descriptors import PAST_FD_SETSIZE, holding, launcher, open_descriptors
 from sidecar_support import new_keys, read_chunks, write_chunks
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from kv_offload_sidecar.engine.client import EngineClient, LookupReply
 from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.peers.handshake import HandshakeInitiator
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride
-from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride
+from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 from sidecar_support import new_keys, read_chunks, write_chunks
 from waiting import wait_for
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, share_through_pool
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 from waiting import wait_for
 
 CHUNK_SLOTS = 64

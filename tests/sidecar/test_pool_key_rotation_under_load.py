@@ -15,8 +15,8 @@ import time
 
 from kv_offload_sidecar.peers.pool_keys import admin_token, key_id
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
-from kv_offload_tools.http_client import http_json
-from kv_offload_tools.local_pool import DEFAULT_POOL_KEY, LocalPool
+from kv_offload_testing.http_client import http_json
+from kv_offload_testing.local_pool import DEFAULT_POOL_KEY, LocalPool
 from waiting import SAFETY_SECONDS, wait_for
 
 CHUNK = 16 * 1024

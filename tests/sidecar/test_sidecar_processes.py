@@ -25,8 +25,8 @@ from kv_offload_sidecar.peers.handshake import (
 )
 from kv_offload_sidecar.peers.directory.location_wire import key_digest
 from kv_offload_sidecar.peers.directory.ownership import OwnerTable
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride, example_config
-from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride, example_config
+from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 from sidecar_support import new_keys, read_chunks, write_chunks
 from waiting import SAFETY_SECONDS, wait_for
 

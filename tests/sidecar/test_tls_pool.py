@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kv_offload_tools.certs import pool_certificates
+from kv_offload_testing.certs import pool_certificates
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, share_through_pool
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride
 
 
 def test_a_tls_pool_shares_chunks_and_a_plain_pod_gets_none(tmp_path):

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, LookupReply
 from kv_offload_sidecar.peers.wire_window import WIRE_VERSION
-from kv_offload_tools.local_pool import LocalPool, example_config, free_port_block, make_workdir
-from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_testing.local_pool import LocalPool, example_config, free_port_block, make_workdir
+from kv_offload_testing.sidecar_process import SidecarProcess
 from kv_offload_operator.pools import pool_objects
 from kv_offload_operator.pools.pool_spec import SidecarSpec
 from kv_offload_operator.translation.declared_identity import declared_identity

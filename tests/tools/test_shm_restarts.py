@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 from kv_offload_tools.shm_restarts import bounded_tmpfs, kill_and_recover, tmpfs_unavailable
 from waiting import wait_for
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kv_offload_tools.bench.replay import route
+from kv_offload_tools.bench.replay.cli import route
 from kv_offload_tools.mooncake_trace import load_requests, write_requests
 from kv_offload_tools.workloads import ConversationSpec, conversation
 

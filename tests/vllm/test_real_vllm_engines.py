@@ -22,7 +22,7 @@ import time
 
 import pytest
 from kv_offload_sidecar.peers.prefill_rate import SECONDS_SUM, TOKENS_SUM
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride, free_port_block
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride, free_port_block
 from kv_offload_tools.vllm_harness.deployment import TIER_TYPE, VllmDeployment
 from kv_offload_tools.vllm_harness.driver_client import (
     EngineDriverProcess,

@@ -51,7 +51,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from kv_offload_tools.local_pool import LocalPool
+    from kv_offload_testing.local_pool import LocalPool
     from kv_offload_tools.shm_restarts import bounded_tmpfs, kill_and_recover
 
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print

@@ -14,7 +14,7 @@ import numpy as np
 from kv_offload_sidecar.engine.client import EngineClient
 
 if TYPE_CHECKING:
-    from kv_offload_tools.local_pool import LocalPool
+    from kv_offload_testing.local_pool import LocalPool
 
 
 def chunk_content(key: bytes, nbytes: int) -> bytes:

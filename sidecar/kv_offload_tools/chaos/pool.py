@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
 
-from kv_offload_tools.local_pool import LocalPool, example_config
+from kv_offload_testing.local_pool import LocalPool, example_config
 
 # Hash seed written into the chaos pool's config (no dependence on PYTHONHASHSEED).
 CHAOS_HASH_SEED = "kv-offload-chaos"

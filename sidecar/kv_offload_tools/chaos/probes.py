@@ -24,7 +24,7 @@ from kv_offload_sidecar.peers.handshake import (
     Session,
 )
 
-from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_testing.sidecar_process import SidecarProcess
 
 
 @dataclass(frozen=True)

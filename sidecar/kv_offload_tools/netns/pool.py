@@ -36,11 +36,11 @@ from typing import Any
 
 from kv_offload_sidecar.engine.client import EngineClient
 
-from kv_offload_tools.http_client import http_text
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride, sidecar_command
+from kv_offload_testing.http_client import http_text
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride, sidecar_command
 from kv_offload_tools.netns.ip import inside
 from kv_offload_tools.netns.network import Pod, PodNetwork
-from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_testing.sidecar_process import SidecarProcess
 
 # Control port of every pod's sidecar (the sidecar's default, as in a real pool).
 DEFAULT_BASE_PORT = 5710

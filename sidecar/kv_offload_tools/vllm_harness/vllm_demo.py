@@ -22,9 +22,9 @@ from typing import Any
 
 from kv_offload_sidecar.engine.model_identity import ModelIdentity
 
-from kv_offload_tools import scrape
-from kv_offload_tools.engine_sim import trace_tokens
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride
+from kv_offload_testing import scrape
+from kv_offload_testing.engine_sim import trace_tokens
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride
 from kv_offload_tools.pod_table import PodCounts, format_table
 
 from .deployment import VllmDeployment

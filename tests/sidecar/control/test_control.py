@@ -15,8 +15,8 @@ from kv_offload_sidecar.peers.directory.location_wire import PublishBatch, key_d
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.peers.wire_window import WIRE_OLDEST
 from kv_offload_sidecar.sidecar import Sidecar
-from kv_offload_tools.local_pool import example_config
-from kv_offload_tools.scrape import parse_metrics
+from kv_offload_testing.local_pool import example_config
+from kv_offload_testing.scrape import parse_metrics
 from sidecar_support import identified, peer_hello
 
 # The key of the make_settings fixture (tests/sidecar/conftest.py).

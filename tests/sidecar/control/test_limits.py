@@ -21,7 +21,7 @@ from kv_offload_sidecar.lifecycle import running
 from kv_offload_sidecar.peers.handshake import MAX_HANDSHAKE_BODY_BYTES, HandshakeInitiator
 from kv_offload_sidecar.peers.pool_keys import admin_token
 from kv_offload_sidecar.sidecar import Sidecar
-from kv_offload_tools.local_pool import example_config
+from kv_offload_testing.local_pool import example_config
 from sidecar_support import identified, peer_hello
 from waiting import wait_for_async
 

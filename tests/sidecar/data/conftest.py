@@ -38,7 +38,7 @@ def make_store(shm_dir: str) -> Iterator[Callable[..., ChunkStore]]:
 def start_peer(shm_dir: str) -> Iterator[Callable[..., PeerProcess]]:
     """Start a chunk server process: ``start_peer(kind="tcp", tls=None, chunks=16, chunk_bytes=..., corrupt="",
     auth_timeout=5.0, certs=None, log_file="")`` (auth_timeout also bounds a frame stalled mid-payload
-    and a TLS handshake; ``certs``, a ``kv_offload_tools.certs.CertFiles``, serves TCP under TLS;
+    and a TLS handshake; ``certs``, a ``kv_offload_testing.certs.CertFiles``, serves TCP under TLS;
     ``log_file`` receives its log from INFO up; ``tls``: ``UCX_TLS`` of a ucx server, default
     "sm,self", or of a nixl server's UCX, default the suite's)."""
     started: list[PeerProcess] = []

@@ -23,7 +23,7 @@ from kv_offload_sidecar.data import connect
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES
 from kv_offload_sidecar.data.tls import client_context
 from kv_offload_sidecar.store.chunk_store import ChunkStore
-from kv_offload_tools.certs import CertFiles, pool_certificates
+from kv_offload_testing.certs import CertFiles, pool_certificates
 from kv_offload_tools.chaos.late_writer import (
     BIG_CHUNK,
     SMALL_CHUNK,

@@ -21,7 +21,7 @@ from kv_offload_sidecar.data.before_auth import (
     MAX_UNPROVEN_PER_SOURCE,
 )
 from kv_offload_sidecar.store.chunk_store import ChunkStore
-from kv_offload_tools.certs import pool_certificates
+from kv_offload_testing.certs import pool_certificates
 from peer_processes import PeerProcess
 from raw_wire import authenticated, error_text, read_until_closed, recv_exact
 from raw_wire import dial as stranger

@@ -21,7 +21,7 @@ from kv_offload_sidecar.data.tls import client_context, memory_handshake, server
 from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.store.chunk_store import ChunkStore
-from kv_offload_tools.certs import CertFiles, pool_certificates
+from kv_offload_testing.certs import CertFiles, pool_certificates
 from peer_processes import PeerProcess
 from prometheus_client import CollectorRegistry
 from transport_peers import (SESSION_ID, SESSION_KEY, assert_still_serves, chunk_bytes_in, content_of,

@@ -18,7 +18,7 @@ from kv_offload_sidecar.engine.client import (
     LookupReply,
     SidecarUnavailable,
 )
-from kv_offload_tools.local_pool import LocalPool, free_port_block
+from kv_offload_testing.local_pool import LocalPool, free_port_block
 from sidecar_support import new_keys, read_chunks, write_chunks
 from waiting import wait_for
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, RowRegion, StoreCut
 from kv_offload_sidecar.engine.region_file import find_region_file
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride
 from waiting import wait_for
 
 SLOT = 16384

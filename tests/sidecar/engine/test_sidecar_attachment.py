@@ -10,7 +10,7 @@ import threading
 import pytest
 from kv_offload_sidecar.engine.client import EngineClient, RowRegion
 from kv_offload_sidecar.engine.region_file import find_region_file
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 from sidecar_support import new_keys, read_chunks, write_chunks
 from waiting import wait_for
 

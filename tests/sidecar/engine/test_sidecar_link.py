@@ -21,8 +21,8 @@ from kv_offload_sidecar.engine.sidecar_link import (
     DETACHED_SIDECAR_ERROR,
 )
 from kv_offload_sidecar.engine.tier_stats import METRIC_DETACHED, StatsReporter, TierStats
-from kv_offload_tools.engine_sim import SimulatedEngine, trace_tokens
-from kv_offload_tools.local_pool import LocalPool, example_config, free_port_block
+from kv_offload_testing.engine_sim import SimulatedEngine, trace_tokens
+from kv_offload_testing.local_pool import LocalPool, example_config, free_port_block
 from waiting import wait_for
 
 CONFIG = example_config()

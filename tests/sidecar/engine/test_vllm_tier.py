@@ -21,9 +21,9 @@ from kv_offload_sidecar.engine.vllm_contract import (
 )
 from kv_offload_sidecar.engine.vllm_tier import KVOffloadSecondaryTier
 from kv_offload_sidecar.commands.install_tier import tier_files
-from kv_offload_tools.engine_sim import SimulatedEngine, SimulatedSpec, trace_tokens
-from kv_offload_tools.local_pool import LocalPool, example_config
-from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
+from kv_offload_testing.engine_sim import SimulatedEngine, SimulatedSpec, trace_tokens
+from kv_offload_testing.local_pool import LocalPool, example_config
+from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 from waiting import wait_for
 
 CONFIG = example_config()

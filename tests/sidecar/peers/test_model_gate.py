@@ -8,7 +8,7 @@ from kv_offload_sidecar.engine.model_identity import ModelIdentity
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.model_gate import ModelGate
 from prometheus_client import CollectorRegistry
-from kv_offload_tools.sidecar_process import STAND_IN_IDENTITY
+from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 
 FINGERPRINT = "0123456789abcdef"
 OTHER = ModelIdentity(**{**STAND_IN_IDENTITY.to_dict(), "weights": "files:9c1d000000000000"})

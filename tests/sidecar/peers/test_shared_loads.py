@@ -19,7 +19,7 @@ from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.row_landings import RowLandings
 from kv_offload_sidecar.peers.shared_loads import SharedLoads
 from kv_offload_sidecar.store.chunk_store import ChunkStore
-from kv_offload_tools.local_pool import LocalPool, example_config
+from kv_offload_testing.local_pool import LocalPool, example_config
 from prometheus_client import CollectorRegistry
 from waiting import wait_for, wait_for_async
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from kv_offload_tools.chaos.pool import chaos_pool as make_chaos_pool
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from kv_offload_sidecar.peers.handshake import (
 from kv_offload_sidecar.peers.pool_keys import key_id
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
 from kv_offload_tools.chaos.probes import RawDataConnection, probe_handshake
-from kv_offload_tools.local_pool import LocalPool, SidecarOverride, sidecar_command
+from kv_offload_testing.local_pool import LocalPool, SidecarOverride, sidecar_command
 from waiting import wait_for
 
 CHUNK = 16 * 1024

@@ -20,7 +20,7 @@ from kv_offload_tools.chaos.chunks import (
 from kv_offload_tools.chaos.fault_proxy import FaultPlan, FaultProxy
 from kv_offload_tools.chaos.pool import chaos_pool as make_chaos_pool
 from kv_offload_tools.chaos.probes import RawDataConnection, probe_handshake
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 from waiting import wait_for, wait_for_async
 
 CHUNK = 16 * 1024

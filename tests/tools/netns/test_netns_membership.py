@@ -6,7 +6,7 @@ a stranger at a departed member's address raises bounded ``other_pool`` refusals
 
 from __future__ import annotations
 
-from kv_offload_tools.bench.netns_faults import (
+from kv_offload_tools.bench.netns.faults import (
     FD_SLACK,
     RSS_SLACK_BYTES,
     churn,

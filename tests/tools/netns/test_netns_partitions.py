@@ -3,7 +3,7 @@ from one member's control port still finds what a third pod holds."""
 
 from __future__ import annotations
 
-from kv_offload_tools.bench.netns_scenarios import asymmetric, isolate_and_heal
+from kv_offload_tools.bench.netns.scenarios import asymmetric, isolate_and_heal
 from kv_offload_tools.netns.pool import NetnsPool
 
 

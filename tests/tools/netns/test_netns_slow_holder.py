@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kv_offload_tools.bench.netns_faults import capped_holder
+from kv_offload_tools.bench.netns.faults import capped_holder
 from kv_offload_tools.netns.pool import NetnsPool
 
 # 64 tokens a chunk, 4 a batch: recomputing a batch takes 0.5 s, fetching it over the veth ms.

@@ -50,7 +50,7 @@ from kv_offload_tools.chaos.late_writer import (
 )
 from kv_offload_tools.chaos.pool import chaos_pool
 from kv_offload_tools.chaos.probes import probe_handshake
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 
 # The planes the row runs on.
 LATE_WRITER_PLANES = ("tcp", "tls", "ucx", "nixl")
@@ -237,7 +237,7 @@ def _certificates(plane: str) -> Iterator[Any]:
         return
     import tempfile
 
-    from kv_offload_tools.certs import pool_certificates
+    from kv_offload_testing.certs import pool_certificates
 
     with tempfile.TemporaryDirectory(prefix="kvo-late-writer-") as directory:
         yield pool_certificates(directory, ["holder", "fetcher"])

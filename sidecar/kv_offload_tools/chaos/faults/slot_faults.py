@@ -34,7 +34,7 @@ from kv_offload_tools.chaos.faults.bench import (
     ChaosBench,
     FaultResult,
 )
-from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_testing.sidecar_process import SidecarProcess
 
 # Bytes of a slot compared to find which chunk it holds (then the whole slot is compared).
 PREFIX_BYTES = 64

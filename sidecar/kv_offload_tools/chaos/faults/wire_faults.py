@@ -35,7 +35,7 @@ from kv_offload_tools.chaos.faults.bench import (
     FaultResult,
 )
 from kv_offload_tools.chaos.probes import probe_handshake
-from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_testing.sidecar_process import SidecarProcess
 
 
 def damaged_wire(bench: ChaosBench, mode: str, rounds: int) -> FaultResult:

@@ -18,8 +18,8 @@ from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.engine.channel_protocol import MAX_TIMEOUT_SECONDS
 from kv_offload_sidecar.peers.handshake import Session
 
-from kv_offload_tools.local_pool import LocalPool
-from kv_offload_tools.sidecar_process import SidecarProcess
+from kv_offload_testing.local_pool import LocalPool
+from kv_offload_testing.sidecar_process import SidecarProcess
 
 # Prefix of the keys the fuzzed sidecar holds; fuzz-made keys never start with it.
 HELD_PREFIX = b"\xaa\xaa\xaa\xaa"

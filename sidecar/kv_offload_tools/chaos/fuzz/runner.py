@@ -45,7 +45,7 @@ from kv_offload_tools.chaos.fuzz.directory_targets import (
 )
 from kv_offload_tools.chaos.fuzz.local_targets import local_cases, run_local_case
 from kv_offload_tools.chaos.probes import probe_handshake
-from kv_offload_tools.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool
 
 # Bytes of one chunk in the fuzz pool (small: fuzzing moves many).
 FUZZ_CHUNK_BYTES = 4096

@@ -1,0 +1,1 @@
+"""`kv-offload bench attack`: hostile clients against a live pool (``cli``)."""

@@ -1,0 +1,1 @@
+"""`kv-offload bench gpu`: recompute on the GPU against a peer hit (``cli``)."""

@@ -1,0 +1,1 @@
+"""`kv-offload bench mesh`: many real sidecars on this host (``cli``)."""

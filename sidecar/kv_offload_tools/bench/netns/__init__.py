@@ -1,0 +1,1 @@
+"""`kv-offload bench netns`: pods in network namespaces under partitions (``cli``)."""

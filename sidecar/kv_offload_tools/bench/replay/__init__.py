@@ -1,0 +1,1 @@
+"""`kv-offload bench replay`: hit ratios replaying a trace (``cli``)."""

@@ -1,0 +1,1 @@
+"""`kv-offload bench scale`: where-is-what as the pool grows (``cli``)."""

@@ -1,0 +1,1 @@
+"""`kv-offload bench transport`: data-plane throughput against raw sockets (``cli``)."""
