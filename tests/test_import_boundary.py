@@ -63,7 +63,7 @@ def test_importing_the_sidecar_package_loads_no_operator_kopf_or_vllm():
 
 def test_every_sidecar_module_imports_without_operator_kopf_or_vllm():
     modules = sidecar_modules()
-    assert "kv_offload_sidecar.engine.offloading_config" in modules
+    assert "kv_offload_sidecar.engine.contract.offloading_config" in modules
     result = import_in_fresh_interpreter(modules)
     # A module failing to import for its own reasons is its owner's test to catch;
     # here only what got loaded matters.
@@ -72,7 +72,7 @@ def test_every_sidecar_module_imports_without_operator_kopf_or_vllm():
 
 def test_config_boundary_modules_are_standard_library_only():
     result = import_in_fresh_interpreter(
-        ["kv_offload_sidecar.engine.offloading_config", "kv_offload_operator.translation.vllm_args",
+        ["kv_offload_sidecar.engine.contract.offloading_config", "kv_offload_operator.translation.vllm_args",
          "kv_offload_operator.translation.translate"])
     assert not result.failed
     third_party = sorted({m.split(".")[0] for m in result.new}

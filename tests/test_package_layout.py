@@ -113,6 +113,22 @@ def test_what_runs_inside_vllm_imports_only_the_standard_library_numpy_and_itsel
     assert bad == []
 
 
+def test_the_operator_imports_of_the_engine_only_its_contract():
+    # engine/ runs inside vLLM; what the operator writes and the tier reads (config structs,
+    # model identity, ports) is engine/contract/, so a change to the tier never reaches the operator.
+    bad = [f"{p.relative_to(REPO)} imports {name}" for p in (REPO / "operator").rglob("*.py")
+           for name, _ in imports(p) if name.startswith("kv_offload_sidecar.engine")
+           and not name.startswith("kv_offload_sidecar.engine.contract")]
+    assert bad == []
+
+
+def test_the_contract_imports_only_the_standard_library_and_itself():
+    bad = [f"{p.relative_to(REPO)} imports {name}" for p in (ENGINE / "contract").rglob("*.py")
+           for name, _ in imports(p) if name.split(".")[0] not in sys.stdlib_module_names
+           and not name.startswith("kv_offload_sidecar.engine.contract")]
+    assert bad == []
+
+
 def cycles_in(graph: dict[str, set[str]]) -> list[str]:
     """Each cycle of ``graph`` (module -> modules it needs) found by a depth-first walk."""
     cycles = []
@@ -206,6 +222,9 @@ FOLDERS = {
     # endpoints are the control port's, control/location_routes.py, like the handshake's).
     "sidecar/kv_offload_sidecar/peers/directory": {
         "location", "ownership", "publisher", "holders", "location_wire"},
+    # What the operator shares with the tier inside vLLM: the config file's structs, the
+    # model identity, the ports (the operator imports nothing else of engine/).
+    "sidecar/kv_offload_sidecar/engine/contract": {"offloading_config", "model_identity", "ports"},
     # The sidecar package's subcommands, named after them.
     "sidecar/kv_offload_sidecar/commands": {"sidecar", "install_tier", "ucx_info", "admin_token"},
 }

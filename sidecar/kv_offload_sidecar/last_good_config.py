@@ -41,8 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kv_offload_sidecar.engine.model_identity import parse_declared
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.model_identity import parse_declared
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 
 log = logging.getLogger("kv_offload_sidecar")
 
@@ -60,7 +60,7 @@ class PoolConfig:
 
     # The offloading config the sidecar runs.
     config: OffloadingConfig
-    # Its declared model identity (the file's "model_identity", engine/model_identity.DECLARED_FIELDS).
+    # Its declared model identity (the file's "model_identity", engine/contract/model_identity.DECLARED_FIELDS).
     declared: Mapping[str, str] = field(default_factory=dict)
     # Why the --config file was refused at this start ("" = it was used): the sidecar
     # runs the last good config this pod saved.

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kv_offload_sidecar.engine import ports
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract import ports
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from kv_offload_sidecar.setting_flags import setting
 
 # Most streams one fetch stripes over (``lanes``, ``data.lanes``): past 8 streams loopback TCP on a
@@ -81,7 +81,7 @@ class SidecarSettings:
     config: OffloadingConfig = setting(
         help="offloading_config.json of the pool (the operator's ConfigMap)", metavar="FILE", required=True)
     # The model identity fields the pool's ConfigMap declares (its "model_identity": the
-    # vllm serve line's part, engine/model_identity.DECLARED_FIELDS), read from the config file.
+    # vllm serve line's part, engine/contract/model_identity.DECLARED_FIELDS), read from the config file.
     declared_identity: Mapping[str, str] = field(default_factory=dict)
     # Shared pool secret proving membership (read from pool_key_file); never sent, never logged.
     pool_key: bytes = field(default=b"", repr=False)
@@ -207,7 +207,7 @@ class SidecarSettings:
         return self.config.kv_bytes_per_chunk
 
     def control_port(self, dp_index: int) -> int:
-        """The control port of a global DP index (``engine.ports.control_port``)."""
+        """The control port of a global DP index (``engine.contract.ports.control_port``)."""
         return ports.control_port(self.base_port, dp_index)
 
     @property

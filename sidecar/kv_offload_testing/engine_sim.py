@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from kv_offload_sidecar.engine.sidecar_match import chunk_bytes_of
 from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.engine.vllm_contract import (

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_offload_sidecar.engine.client import EngineClient
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
-from kv_offload_sidecar.engine.offloading_config import (
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.offloading_config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,

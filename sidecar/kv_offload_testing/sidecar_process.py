@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_offload_sidecar.engine.client import EngineClient
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
 
 from kv_offload_testing.http_client import http_json, http_text
 from kv_offload_testing.scrape import Samples, parse_metrics, value

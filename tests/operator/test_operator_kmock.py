@@ -18,7 +18,7 @@ import aiohttp
 import kmock
 import pytest
 from aiohttp import web
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_testing.local_pool import LocalPool, SidecarOverride
 from operator_harness import (

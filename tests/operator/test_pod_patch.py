@@ -14,7 +14,7 @@ from kv_offload_operator.webhook import pod_patch as pods
 from kv_offload_operator.pools import pool_objects, pool_pod, pool_spec
 from kv_offload_operator.translation.translate import pool_config
 from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV, read_cpu_budget
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config
 from pool_support import (
     K8S,

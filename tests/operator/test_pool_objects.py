@@ -9,8 +9,8 @@ import kubernetes_validate
 import pytest
 from kv_offload_operator.pools import pool_objects
 from kv_offload_operator.translation.translate import pool_config
-from kv_offload_sidecar.engine.model_identity import parse_declared
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.model_identity import parse_declared
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from operator_harness import KTC, LLAMA_ARGS, llama_config
 from pool_support import K8S, pool, sidecar_spec
 

@@ -11,7 +11,7 @@ import kmock
 import pytest
 from kv_offload_operator.pools.kv_transfer import InjectedConnector
 from kv_offload_operator.translation.translate import pool_config
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from operator_harness import (
     KTC,
     NAMESPACE,

@@ -11,7 +11,7 @@ import os
 
 from kv_offload_sidecar.engine.client import EngineClient
 from kv_offload_sidecar.peers.handshake import HelloMessage, make_hello
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_testing.local_pool import example_config
 from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY

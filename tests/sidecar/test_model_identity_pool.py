@@ -11,7 +11,7 @@ tests/vllm/test_real_vllm_engines.py.
 from __future__ import annotations
 
 from kv_offload_sidecar.engine.client import EngineClient, LookupReply
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
 from kv_offload_sidecar.peers.handshake import HandshakeInitiator
 from kv_offload_testing.local_pool import LocalPool, SidecarOverride
 from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY

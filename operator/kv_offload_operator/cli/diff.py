@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kv_offload_operator.translation.declared_identity import declared_diff, declared_digest
-    from kv_offload_sidecar.engine.model_identity import declared_in_file
-    from kv_offload_sidecar.engine.offloading_config import (
+    from kv_offload_sidecar.engine.contract.model_identity import declared_in_file
+    from kv_offload_sidecar.engine.contract.offloading_config import (
         identity_diff,
         load_config_file,
     )

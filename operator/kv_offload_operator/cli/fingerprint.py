@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kv_offload_operator.translation.declared_identity import declared_digest, describe
-    from kv_offload_sidecar.engine.model_identity import declared_in_file
-    from kv_offload_sidecar.engine.offloading_config import load_config_file
+    from kv_offload_sidecar.engine.contract.model_identity import declared_in_file
+    from kv_offload_sidecar.engine.contract.offloading_config import load_config_file
 
     try:
         config = load_config_file(args.config)

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 
 from ..translation.declared_identity import config_json
 from .pool_spec import GROUP, KIND, MAX_HASH_SEED, POOL_LABEL, VERSION, SidecarSpec

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV
-from kv_offload_sidecar.engine import ports
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract import ports
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from kv_offload_sidecar.setting_flags import field_default
 from kv_offload_sidecar.settings import (
     DEFAULT_DATA_PORT,
@@ -256,7 +256,7 @@ class SidecarSpec:
 
     def control_port(self, dp_index: int) -> int:
         """The sidecar's control port of global data-parallel index ``dp_index`` (the sidecar's
-        own rule, ``engine.ports.control_port``); ValueError naming spec.sidecar.basePort."""
+        own rule, ``engine.contract.ports.control_port``); ValueError naming spec.sidecar.basePort."""
         try:
             return ports.control_port(self.base_port, dp_index)
         except ValueError:

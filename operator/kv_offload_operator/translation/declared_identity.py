@@ -36,14 +36,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kv_offload_sidecar.engine.model_identity import (
+from kv_offload_sidecar.engine.contract.model_identity import (
     DECLARED_FIELDS,
     DIGEST_HEX_LEN,
     canonical_json,
     overrides_text,
     parse_declared,
 )
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 
 from .kv_cache_geometry import GeometryError, resolve_model_dtype
 from .translate import TranslationError

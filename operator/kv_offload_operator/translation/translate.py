@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kv_offload_sidecar.engine.offloading_config import (
+from kv_offload_sidecar.engine.contract.offloading_config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,

@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_offload_sidecar.cpu_budget import CPU_REQUEST_ENV
-from kv_offload_sidecar.engine import ports
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, identity_diff
+from kv_offload_sidecar.engine.contract import ports
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig, identity_diff
 
 from . import pod_defaults, pod_host
 from ..pools import kv_transfer

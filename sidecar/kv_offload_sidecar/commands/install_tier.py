@@ -26,10 +26,10 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 def tier_files(src: Path | None = None) -> list[Path]:
     """The files the tier needs inside vLLM, relative to the package: its root ``__init__``
-    and the ``engine`` subpackage."""
+    and the ``engine`` subpackage, its subpackages (``engine/contract``) included."""
     src = src or PACKAGE_DIR
     return [Path("__init__.py"),
-            *sorted(p.relative_to(src) for p in (src / ENGINE).glob("*.py"))]
+            *sorted(p.relative_to(src) for p in (src / ENGINE).rglob("*.py"))]
 
 
 def install(dest: Path) -> Path:

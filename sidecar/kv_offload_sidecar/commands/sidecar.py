@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable
 
 from kv_offload_sidecar.bulk_copies import prepare_for_bulk_copies
-from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.contract import ports
 from kv_offload_sidecar.extras import require
 from kv_offload_sidecar import last_good_config
 from kv_offload_sidecar.peers.discovery import parse_peer_list

@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kv_offload_sidecar.engine import channel_protocol as cp
-from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.contract import ports
 from kv_offload_sidecar.engine.pending_lookup import MISS, LookupReply, PendingLookup
 from kv_offload_sidecar.engine.sidecar_attachment import Attachment, Late, LocalConn, RowRegion
 

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kv_offload_sidecar.engine import ports
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract import ports
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from kv_offload_sidecar.engine.sidecar_match import mismatches, refusal_message
 from kv_offload_sidecar.engine.vllm_identity import this_engine_identity
 from kv_offload_sidecar.engine.vllm_contract import tier_logger, vllm_hash_seed

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kv_offload_sidecar.engine.offloading_config import (
+from kv_offload_sidecar.engine.contract.offloading_config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,

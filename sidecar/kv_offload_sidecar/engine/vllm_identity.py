@@ -29,8 +29,8 @@ import inspect
 import time
 from typing import Any
 
-from kv_offload_sidecar.engine.model_identity import ModelIdentity, canonical_json, overrides_text
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig, canonical_format_id
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity, canonical_json, overrides_text
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig, canonical_format_id
 from kv_offload_sidecar.engine.vllm_contract import (
     current_vllm_config,
     tier_logger,

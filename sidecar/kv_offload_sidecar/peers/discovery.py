@@ -29,7 +29,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from kv_offload_sidecar.engine.ports import DEFAULT_BASE_PORT
+from kv_offload_sidecar.engine.contract.ports import DEFAULT_BASE_PORT
 from kv_offload_sidecar.peers.cluster_domain import qualify
 from kv_offload_sidecar.settings import SidecarSettings
 from kv_offload_sidecar.waits import set_within

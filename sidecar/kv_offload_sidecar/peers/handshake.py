@@ -19,7 +19,7 @@ to anyone who has not proven the pool key first:
    a key named and not proven, is ``bad_proof`` and learns nothing), then compares ``H_c`` with
    its own hello and rejects on any difference (wire version: each hello states the highest
    one both ranges hold, ``wire_window.agree``; fingerprint -- an empty or missing one is a
-   difference -- model identity (``engine/model_identity``; none, or unknown weights, equals
+   difference -- model identity (``engine/contract/model_identity``; none, or unknown weights, equals
    nothing), hash seed, kv_bytes_per_chunk) with the field diff, which only a key holder sees.
    Accepted: ``{"status": "accepted", "hello": H_s, "proof": HMAC(K, "server"
    || T || H_s)}``; the client checks that proof and runs the same comparison.
@@ -47,8 +47,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
-from kv_offload_sidecar.engine.offloading_config import identity_diff
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.offloading_config import identity_diff
 from kv_offload_sidecar.peers.pool_keys import (  # load_pool_key: imported from here too
     KEY_ID_BYTES,
     MAX_OFFERED_KEYS,

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kv_offload_sidecar.engine.model_identity import ModelIdentity, declared_mismatches
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity, declared_mismatches
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics

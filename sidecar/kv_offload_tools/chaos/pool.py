@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 
 from kv_offload_testing.local_pool import LocalPool, example_config
 

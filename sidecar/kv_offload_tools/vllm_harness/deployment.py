@@ -26,7 +26,7 @@ from typing import Any
 
 from kv_offload_operator.translation.declared_identity import declared_identity
 from kv_offload_operator.translation.translate import pool_config
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 from kv_offload_sidecar.commands.install_tier import install
 
 from .driver_client import EngineDriverProcess

@@ -87,7 +87,7 @@ def _tier_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
     ModelIdentity the tier states (the tier takes it as a constructor argument)."""
     out = dict(entry)
     if isinstance(out.get("model_identity"), Mapping):
-        from kv_offload_sidecar.engine.model_identity import ModelIdentity
+        from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
         out["model_identity"] = ModelIdentity.from_dict(out["model_identity"])
     return out
 

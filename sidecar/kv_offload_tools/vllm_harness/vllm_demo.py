@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
 
 from kv_offload_testing import scrape
 from kv_offload_testing.engine_sim import trace_tokens

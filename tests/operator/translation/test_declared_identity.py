@@ -16,14 +16,14 @@ from kv_offload_operator.translation.declared_identity import (
 )
 from kv_offload_operator.translation.translate import TranslationError, pool_config
 from kv_offload_operator.translation.vllm_args import parse_vllm_args
-from kv_offload_sidecar.engine.model_identity import (
+from kv_offload_sidecar.engine.contract.model_identity import (
     DECLARED_FIELDS,
     ModelIdentity,
     declared_in_file,
     declared_mismatches,
     overrides_text,
 )
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 LLAMA = json.loads((FIXTURES / "llama-3.1-8b.json").read_text())

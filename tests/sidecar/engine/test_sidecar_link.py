@@ -12,7 +12,7 @@ import socketserver
 import threading
 
 import pytest
-from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.contract import ports
 from kv_offload_sidecar.engine import tier_stats
 from kv_offload_sidecar.engine.sidecar_link import (
     DETACHED_REASONS,

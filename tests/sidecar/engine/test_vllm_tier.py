@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -368,15 +369,15 @@ def test_sidecar_address_adds_the_global_dp_index_and_prefers_tier_keys():
 
 def test_tier_module_imports_only_what_install_tier_ships():
     code = ("import sys, json, kv_offload_sidecar.engine.vllm_tier; "
-            "print(json.dumps(sorted(sys.modules)))")
+            "print(json.dumps({m: getattr(sys.modules[m], '__file__', None) for m in sorted(sys.modules)}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     mods = json.loads(out.stdout)
-    # Modules of ours that got imported, as files (a package is its __init__.py).
-    ours = {m.replace(".", "/").removeprefix("kv_offload_sidecar/") + ".py"
-            for m in mods if m.startswith("kv_offload_sidecar.")}
-    ours = {"engine/__init__.py" if f == "engine.py" else f for f in ours}
-    shipped = {str(p) for p in tier_files()}
+    # Modules of ours that got imported, as files relative to the package (a package is its __init__.py).
+    package = Path(mods["kv_offload_sidecar"]).parent
+    ours = {Path(f).relative_to(package).as_posix() for m, f in mods.items() if m.startswith("kv_offload_sidecar.")}
+    assert "engine/contract/ports.py" in ours  # the contract is shipped too, from its subfolder
+    shipped = {p.as_posix() for p in tier_files()}
     assert ours <= shipped, sorted(ours - shipped)
     for heavy in ("torch", "aiohttp", "prometheus_client", "kopf", "kv_offload_operator",
                   "xxhash", "kv_offload_tools"):

@@ -15,7 +15,7 @@ from kv_offload_sidecar.peers.handshake import (
 )
 from kv_offload_sidecar.peers.pool_keys import PoolKeys, hkdf, key_id
 from kv_offload_sidecar.peers.wire_window import SPOKEN, WIRE_OLDEST
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
 from kv_offload_testing.local_pool import example_config
 from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 from sidecar_support import peer_hello

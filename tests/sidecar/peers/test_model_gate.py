@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.model_gate import ModelGate
 from prometheus_client import CollectorRegistry

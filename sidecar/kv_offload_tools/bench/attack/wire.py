@@ -25,7 +25,7 @@ import os
 import time
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.engine.model_identity import ModelIdentity
+from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
 from kv_offload_sidecar.engine import channel_protocol as cp
 from kv_offload_sidecar.peers.handshake import HandshakeError
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from kv_offload_sidecar.engine.offloading_config import OffloadingConfig
+from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
 
 # Short name -> config file shipped in kv_offload_tools/data.
 SHIPPED_MODELS: dict[str, str] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kv_offload_sidecar.engine.model_identity import (
+from kv_offload_sidecar.engine.contract.model_identity import (
     DECLARED_FIELDS,
     MAX_FIELD_CHARS,
     ModelIdentity,

@@ -1,7 +1,7 @@
 """The DP port rule and vLLM's side-channel variables, as every component reads them."""
 
 import pytest
-from kv_offload_sidecar.engine import ports
+from kv_offload_sidecar.engine.contract import ports
 
 
 def test_the_control_port_of_a_dp_rank_is_the_base_plus_its_global_index():

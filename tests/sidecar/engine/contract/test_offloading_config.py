@@ -7,7 +7,7 @@ import hashlib
 import json
 
 import pytest
-from kv_offload_sidecar.engine.offloading_config import (
+from kv_offload_sidecar.engine.contract.offloading_config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
