@@ -5,7 +5,9 @@ pool's ``OffloadingConfig``; the rest of the sidecar only reads it. A field
 made with ``setting(default, help)`` is a ``kv-offload sidecar`` flag whose
 default and help are written only there (``setting_flags``); the operator's
 pool defaults read them too (``pool_spec``). Values no user or test sets are
-class constants, not fields.
+class constants, not fields. ``GROUPS`` sorts the flags by what a user tunes together
+(pool, network, store, data_plane, peers, recompute, security, process): the groups of
+``kv-offload sidecar --help`` and of docs/reference/settings.md; the struct itself stays flat.
 """
 
 from __future__ import annotations
@@ -35,6 +37,41 @@ TRANSPORTS = ("ucx", "tcp", "nixl")
 # What a sidecar keeps of a chunk fetched from a peer once the engine loaded it:
 # "drop" (nothing: the pool keeps one copy, at its holder) or "cold" (a copy, evicted first).
 PEER_COPIES = ("drop", "cold")
+
+
+@dataclass(frozen=True)
+class SettingGroup:
+    """Flags a user tunes together (as kopf groups ``OperatorSettings``): one argparse group
+    of ``kv-offload sidecar --help`` and one table of docs/reference/settings.md."""
+
+    # The group's name, e.g. "data_plane" (the heading in --help and in the reference page).
+    name: str
+    # One line: what the group decides.
+    about: str
+    # The SidecarSettings fields that are its flags, in --help's order.
+    fields: tuple[str, ...]
+
+
+# Every flag of SidecarSettings in exactly one group (a test holds it so), in --help's order;
+# the command's own flags (--ucx-tls, --parent-pid, --log-level) join data_plane and process.
+GROUPS = (
+    SettingGroup("pool", "what every sidecar of the pool shares: the operator's config file and the hash seed",
+                 ("config", "hash_seed")),
+    SettingGroup("network", "where this sidecar listens and who it is among its peers",
+                 ("host", "base_port", "dp_indices", "data_port", "identity")),
+    SettingGroup("store", "the host-memory chunk store: its budget, its file, what it keeps of fetched chunks",
+                 ("capacity_bytes", "shm_dir", "peer_copies")),
+    SettingGroup("data_plane", "how chunks move between sidecars: the transport and the streams a fetch "
+                 "stripes over", ("transport", "lanes")),
+    SettingGroup("peers", "how peers are found, how fresh their view of our chunks is, how long a fetch may take",
+                 ("static_peers", "peers_dns", "publish_interval_seconds", "fetch_deadline_seconds")),
+    SettingGroup("recompute", "fetch or recompute: the engine's prefill rate a peer's run must beat",
+                 ("prefill_tokens_per_second", "engine_metrics_url", "engine_metrics_interval_seconds")),
+    SettingGroup("security", "pool membership, admin access and TLS on the tcp data plane",
+                 ("pool_key_file", "previous_pool_key_file", "admin_token_file", "key_reload_seconds",
+                  "tls_cert_file", "tls_key_file", "tls_ca_file")),
+    SettingGroup("process", "the process's own life", ("shutdown_grace_seconds",)),
+)
 
 
 def effective_hash_seed(config: OffloadingConfig, environ: Mapping[str, str] | None = None, *,

@@ -66,9 +66,10 @@ def _subparser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _flag_rows(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, str]]:
-    """(flags, default, help) of each option and positional of ``parser``, in its order."""
-    for action in parser._actions:
+def _flag_rows(parser: argparse.ArgumentParser,
+               actions: list[argparse.Action] | None = None) -> Iterator[tuple[str, str, str]]:
+    """(flags, default, help) of each option and positional of ``parser`` (or of ``actions``), in its order."""
+    for action in parser._actions if actions is None else actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
             continue
         if action.dest.startswith("_"):
@@ -98,8 +99,15 @@ def _show(value: Any) -> str:
     return '""' if value == "" else str(value)
 
 
-def _flag_table(parser: argparse.ArgumentParser) -> str:
-    rows = list(_flag_rows(parser))
+def _groups(parser: argparse.ArgumentParser) -> list[tuple[str, str, list[argparse.Action]]]:
+    """(title, description, actions) of each argument group of ``parser`` beyond argparse's own
+    two (``kv-offload sidecar``'s, from ``settings.GROUPS``); [] when it has none."""
+    return [(g.title or "", g.description or "", g._group_actions) for g in parser._action_groups[2:]
+            if g._group_actions]
+
+
+def _flag_table(parser: argparse.ArgumentParser, actions: list[argparse.Action] | None = None) -> str:
+    rows = list(_flag_rows(parser, actions))
     if not rows:
         return "No flags.\n"
     lines = ["| flag | default | what it does |", "|---|---|---|"]
@@ -123,7 +131,15 @@ def settings_page() -> str:
            "operator's from its values ([chart-values.md](chart-values.md)). Who sets each knob "
            "and why: [sidecar/docs/settings.md](../../sidecar/docs/settings.md).\n\n"]
     for name, title in (("sidecar", "`kv-offload sidecar`"), ("operator", "`kv-offload operator`")):
-        out.append(f"## {title}\n\n{_flag_table(_subparser([name]))}\n")
+        parser = _subparser([name])
+        groups = _groups(parser)
+        if not groups:
+            out.append(f"## {title}\n\n{_flag_table(parser)}\n")
+            continue
+        out.append(f"## {title}\n\nIts flags by group, as `{title.strip('`')} --help` shows them "
+                   "(`settings.GROUPS`).\n\n")
+        out += [f"### {group}\n\n{_cell(about[:1].upper() + about[1:])}.\n\n{_flag_table(parser, actions)}\n"
+                for group, about, actions in groups]
     return "".join(out).rstrip() + "\n"
 
 

@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 from kv_offload_sidecar.commands.sidecar import add_arguments, build_settings
-from kv_offload_sidecar.settings import SidecarSettings
+from kv_offload_sidecar.setting_flags import flag_fields
+from kv_offload_sidecar.settings import GROUPS, SidecarSettings
 from kv_offload_testing.http_client import http_json
 from kv_offload_testing.local_pool import (
     LocalPool,
@@ -58,6 +59,21 @@ def test_every_flag_shows_its_settings_default_in_its_help():
     assert "(default 5810)" in helps["data_port"] and "(default ucx)" in helps["transport"]
     assert "(default drop)" in helps["peer_copies"] and "(default 1073741824)" in helps["capacity_bytes"]
     assert "dns_interval_seconds" not in helps  # a constant: nobody passed --dns-interval-seconds
+
+
+def test_every_settings_flag_is_in_one_group_and_help_shows_it_there():
+    grouped = [name for g in GROUPS for name in g.fields]
+    assert sorted(grouped) == sorted(f.name for f, _ in flag_fields(SidecarSettings))  # each once
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    shown = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    for g in GROUPS:
+        assert set(g.fields) <= shown[g.name], g.name
+    assert {"ucx_tls", "data_lanes_alias", "ucx_lanes"} <= shown["data_plane"]
+    assert {"parent_pid", "log_level"} <= shown["process"]
+    help_text = parser.format_help()
+    data_plane = help_text[help_text.index("\ndata_plane:"):help_text.index("\npeers:")]
+    assert "--transport" in data_plane and "--lanes" in data_plane and "--peers-dns" not in data_plane
 
 
 def test_lanes_is_one_count_of_streams_that_each_plane_maps(files, monkeypatch):

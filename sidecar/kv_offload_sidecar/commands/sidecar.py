@@ -37,8 +37,8 @@ from kv_offload_sidecar import last_good_config
 from kv_offload_sidecar.peers.discovery import parse_peer_list
 from kv_offload_sidecar.peers.handshake import load_pool_key
 from kv_offload_sidecar.peers.pool_keys import load_optional_key
-from kv_offload_sidecar.setting_flags import add_flags, flag_fields, flag_values
-from kv_offload_sidecar.settings import SidecarSettings, default_identity, effective_hash_seed
+from kv_offload_sidecar.setting_flags import add_flags, flag_values
+from kv_offload_sidecar.settings import GROUPS, SidecarSettings, default_identity, effective_hash_seed
 from kv_offload_sidecar.commands.ucx_info import rdma_not_compiled_in
 from kv_offload_sidecar.usage import UsageError
 
@@ -53,11 +53,14 @@ PARENT_POLL_SECONDS = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The settings' flags (defaults and help from ``SidecarSettings``), then the process's own."""
-    add_flags(parser, SidecarSettings, names=_SETTING_FLAGS)
-    peers = parser.add_mutually_exclusive_group()
-    add_flags(peers, SidecarSettings, names=("static_peers", "peers_dns"))
-    p = parser
+    """The settings' flags (defaults and help from ``SidecarSettings``) in their groups
+    (``settings.GROUPS``), the process's own among them."""
+    groups = {g.name: parser.add_argument_group(g.name, g.about) for g in GROUPS}
+    for g in GROUPS:
+        add_flags(groups[g.name], SidecarSettings, names=[n for n in g.fields if n not in _PEER_SOURCES])
+        if set(_PEER_SOURCES) <= set(g.fields):  # the two peer sources exclude each other
+            add_flags(groups[g.name].add_mutually_exclusive_group(), SidecarSettings, names=_PEER_SOURCES)
+    p = groups["data_plane"]
     p.add_argument("--ucx-tls", default=None, metavar="TLS",
                    help="UCX transports with --transport ucx (e.g. sm,tcp,self) or nixl (e.g. rc,cma,tcp,self) "
                         "(default $UCX_TLS, else the ucx transport's default)")
@@ -66,15 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-lanes", default=None, metavar="N",
                    help="deprecated: UCX connections per peer with --transport ucx, 1 or 2; use --lanes, "
                         f"which ucx maps to 1 or 2 (default ${UCX_LANES_ENV}, else from --lanes)")
+    p = groups["process"]
     p.add_argument("--parent-pid", default=None, metavar="PID",
                    help="shut down gracefully once this process is gone; 0: never "
                         f"(default ${PARENT_PID_ENV}, else 0)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
-# Every flag of SidecarSettings but the two peer sources, which exclude each other.
-_SETTING_FLAGS = tuple(f.name for f, _ in flag_fields(SidecarSettings)
-                       if f.name not in ("static_peers", "peers_dns"))
+# The two peer sources, which exclude each other.
+_PEER_SOURCES = ("static_peers", "peers_dns")
 
 
 def build_settings(args: argparse.Namespace) -> SidecarSettings:
