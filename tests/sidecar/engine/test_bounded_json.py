@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import timeit
 
 import pytest
 from kv_offload_sidecar.engine.bounded_json import MAX_JSON_DEPTH, loads_bounded
@@ -47,9 +46,20 @@ def test_bad_utf8_and_bad_json_are_value_errors_naming_where():
         loads_bounded(b'{"step": ')
 
 
-def test_a_frame_of_many_integers_costs_about_what_the_interpreters_parser_does():
+def test_a_frame_of_many_integers_runs_no_python_code_per_number():
     # Measured: 65,536 row indices took ten times json.loads' time through per-number hooks.
+    # Counted, not timed: the frame's numbers are parsed by the interpreter's C scanner.
     frame = json.dumps({"op": "load", "rows": list(range(65536))})
-    bounded = min(timeit.repeat(lambda: loads_bounded(frame), number=3, repeat=5))
-    plain = min(timeit.repeat(lambda: json.loads(frame), number=3, repeat=5))
-    assert bounded < 3 * plain, (bounded, plain)
+    calls = 0
+
+    def count(frame_, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        value = loads_bounded(frame)
+    finally:
+        sys.setprofile(None)
+    assert value["rows"][-1] == 65535
+    assert calls < 50, calls
