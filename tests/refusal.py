@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+import pytest
 
 
 def bench(name: str) -> list[str]:
@@ -21,3 +23,12 @@ def refusal(cli: list[str], *args: str, env: Mapping[str, str] | None = None) ->
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     return lines[0]
+
+
+def refuses_each(cli: list[str], cases: Mapping[str, tuple[list[str], str]]) -> Callable[..., None]:
+    """A test, parametrized by ``cases`` (id -> (args, the line it must say)), that ``cli args``
+    is refused with exactly that line; a test module binds it to its test's name."""
+    @pytest.mark.parametrize(("args", "named"), list(cases.values()), ids=list(cases))
+    def test(args: list[str], named: str) -> None:
+        assert refusal(cli, *args) == named
+    return test

@@ -17,6 +17,7 @@ which releases run; what a peer agreed with each release is in ``/v1/peers``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -105,8 +106,85 @@ LABEL_VALUES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
 }
 
 
+# Options of the metrics in ``METRICS`` (passed on to prometheus_client).
+_BYTES: Mapping[str, Any] = {"unit": "bytes"}
+_SECONDS: Mapping[str, Any] = {"unit": "seconds", "buckets": FETCH_DURATION_BUCKETS}
+
+# Every metric of the sidecar, in registration order: (type, name, label names, options, help).
+# ``SidecarMetrics`` holds each as the attribute ``name`` (``name_info`` for an Info).
+METRICS: tuple[tuple[type, str, tuple[str, ...], Mapping[str, Any], str], ...] = (
+    (Counter, "chunk_lookups", ("result",), {},
+     "Chunks looked up for the engine, by where they were found."),
+    (Counter, "peer_bytes", ("direction",), _BYTES,
+     "Chunk payload bytes exchanged with peer sidecars."),
+    (Histogram, "peer_fetch_duration", (), _SECONDS,
+     "Duration of one fetch of chunks from a peer, request to last verified byte."),
+    (Histogram, "peer_fetch_first_chunk", (), _SECONDS,
+     "Seconds from a fetch's first request to its first chunk landed and verified: the "
+     "fixed cost of a peer hit before its bytes move (the request goes out with the lookup)."),
+    (Histogram, "engine_transfer", ("op", "phase"), _SECONDS,
+     "Seconds of each phase of the engine's store and load jobs on this sidecar: "
+     "fetch (waiting for peer chunks), copy (bytes between vLLM's rows and the store), "
+     "checksum (hashing stored chunks); lookup_to_landed: a peer fetch a lookup started, "
+     "from that lookup to its last chunk landed and verified."),
+    (Counter, "peer_chunks_into_rows", (), {},
+     "Chunks fetched from peers that landed straight in vLLM's rows, verified (a load job "
+     "offered them): neither stored here nor copied by this sidecar."),
+    (Counter, "fetches_joined", (), {},
+     "Loads that joined a peer fetch another load of this pod (another engine or rank) "
+     "had in flight for the same keys, instead of fetching them a second time."),
+    (Counter, "peer_fetches", ("result",), {}, "Fetches of chunks from peers, by outcome."),
+    (Counter, "handshakes", ("result", "reason"), {},
+     "Peer handshakes answered or made, by result and rejection reason."),
+    (Gauge, "peers", ("state",), {}, "Known peer sidecars, by session state."),
+    (Gauge, "peers_unreachable", (), {},
+     "Peers that reached this sidecar (an inbound session) but that it cannot dial back "
+     "(its link failed and has not connected since): this side of an asymmetric partition."),
+    (Gauge, "peer_data_lanes", (), {},
+     "Lanes of the open data links, all together: the data connections a fetch from one peer "
+     "stripes its chunks over (tcp, ucx), or this process's read threads (nixl)."),
+    (Gauge, "peer_data_links", (), {},
+     "Peers with an open data connection (opened on demand, closed when idle, at most "
+     "peers.data_links.MAX_DATA_LINKS)."),
+    (Gauge, "store_used_bytes", (), {},
+     "Bytes of the chunk store's slots in use (visible chunks and writes in progress)."),
+    (Gauge, "store_capacity_bytes", (), {}, "Bytes of chunk store slots preallocated in shared memory."),
+    (Gauge, "store_chunks", (), {}, "Chunks visible in the chunk store."),
+    (Counter, "evictions", (), {}, "Chunks evicted from the chunk store to make room."),
+    (Counter, "integrity_failures", (), {}, "Chunks dropped because their checksum did not match."),
+    (Counter, "protocol_errors", ("reason",), {},
+     "Malformed or refused frames and bodies from peers or clients, by reason."),
+    (Gauge, "control_connections", ("state",), {},
+     "Open connections to the control ports: unproven (held to the limits on strangers) or not."),
+    (Counter, "lookup_messages", (), {},
+     "Messages sent to peers to answer engine lookups and loads (owner queries and holder exchanges)."),
+    (Counter, "engine_refusals", (), {},
+     "Engine attachments refused because their model identity contradicts the pool's "
+     "ConfigMap or the identity this sidecar adopted (peers/model_gate.py)."),
+    (Counter, "peer_false_claims", (), {},
+     "Chunks an owner or holder claimed that the holder's answer did not back (a liar is then left alone)."),
+    (Counter, "location_messages", ("kind",), {},
+     "Directory messages sent to peers (publishes to owners, owner queries), by kind."),
+    (Counter, "location_bytes", ("direction",), _BYTES,
+     "Body bytes of directory messages and their replies, both roles, by direction."),
+    (Gauge, "location_entries", (), {},
+     "(chunk, holder) entries this sidecar keeps for the directory buckets it owns."),
+    (Counter, "fetch_decisions", ("decision",), {},
+     "Holder runs the engine path decided to fetch, or to leave to the engine's prefill (slower to fetch)."),
+    (Counter, "route_hint_messages", ("kind",), {},
+     "Messages sent to peers to answer routing hints (POST /v1/route), by kind."),
+    (Counter, "key_reloads", (), {}, "Changes of the pool keys picked up from the mounted Secret (rotations)."),
+    (Gauge, "config_rejected", (), {},
+     "1 while this sidecar runs its pod's last good pool config because the config file "
+     "did not load when it started (the reason is in /v1/status), else 0."),
+    (Info, "config", (), {}, "Identity of the pool configuration this sidecar serves."),
+    (Info, "build", (), {},
+     "The kv-offload release of this sidecar and the wire version it speaks (its newest)."),
+)
+
+
 class SidecarMetrics:
-    """Every metric of one sidecar process, registered on ``registry``.
+    """Every metric of one sidecar process (``METRICS``), registered on ``registry``.
 
     Create one per registry (a fresh ``CollectorRegistry()`` per test); a second
     instance on the same registry raises ``ValueError`` (duplicated timeseries).
@@ -114,205 +192,23 @@ class SidecarMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        ns = NAMESPACE
-        self.chunk_lookups = Counter(
-            "chunk_lookups",
-            "Chunks looked up for the engine, by where they were found.",
-            ["result"], namespace=ns, registry=registry,
-        )
-        self.peer_bytes = Counter(
-            "peer_bytes",
-            "Chunk payload bytes exchanged with peer sidecars.",
-            ["direction"], unit="bytes", namespace=ns, registry=registry,
-        )
-        self.peer_fetch_duration = Histogram(
-            "peer_fetch_duration",
-            "Duration of one fetch of chunks from a peer, request to last verified byte.",
-            unit="seconds", namespace=ns, registry=registry, buckets=FETCH_DURATION_BUCKETS,
-        )
-        self.peer_fetch_first_chunk = Histogram(
-            "peer_fetch_first_chunk",
-            "Seconds from a fetch's first request to its first chunk landed and verified: the "
-            "fixed cost of a peer hit before its bytes move (the request goes out with the lookup).",
-            unit="seconds", namespace=ns, registry=registry, buckets=FETCH_DURATION_BUCKETS,
-        )
-        self.engine_transfer = Histogram(
-            "engine_transfer",
-            "Seconds of each phase of the engine's store and load jobs on this sidecar: "
-            "fetch (waiting for peer chunks), copy (bytes between vLLM's rows and the store), "
-            "checksum (hashing stored chunks); lookup_to_landed: a peer fetch a lookup started, "
-            "from that lookup to its last chunk landed and verified.",
-            ["op", "phase"], unit="seconds", namespace=ns, registry=registry,
-            buckets=FETCH_DURATION_BUCKETS,
-        )
-        self.peer_chunks_into_rows = Counter(
-            "peer_chunks_into_rows",
-            "Chunks fetched from peers that landed straight in vLLM's rows, verified (a load job "
-            "offered them): neither stored here nor copied by this sidecar.",
-            namespace=ns, registry=registry,
-        )
-        self.fetches_joined = Counter(
-            "fetches_joined",
-            "Loads that joined a peer fetch another load of this pod (another engine or rank) "
-            "had in flight for the same keys, instead of fetching them a second time.",
-            namespace=ns, registry=registry,
-        )
-        self.peer_fetches = Counter(
-            "peer_fetches",
-            "Fetches of chunks from peers, by outcome.",
-            ["result"], namespace=ns, registry=registry,
-        )
-        self.handshakes = Counter(
-            "handshakes",
-            "Peer handshakes answered or made, by result and rejection reason.",
-            ["result", "reason"], namespace=ns, registry=registry,
-        )
-        self.peers = Gauge(
-            "peers",
-            "Known peer sidecars, by session state.",
-            ["state"], namespace=ns, registry=registry,
-        )
-        self.peers_unreachable = Gauge(
-            "peers_unreachable",
-            "Peers that reached this sidecar (an inbound session) but that it cannot dial back "
-            "(its link failed and has not connected since): this side of an asymmetric partition.",
-            namespace=ns, registry=registry,
-        )
-        self.peer_data_lanes = Gauge(
-            "peer_data_lanes",
-            "Lanes of the open data links, all together: the data connections a fetch from one peer "
-            "stripes its chunks over (tcp, ucx), or this process's read threads (nixl).",
-            namespace=ns, registry=registry,
-        )
-        self.peer_data_links = Gauge(
-            "peer_data_links",
-            "Peers with an open data connection (opened on demand, closed when idle, at most "
-            "peers.data_links.MAX_DATA_LINKS).",
-            namespace=ns, registry=registry,
-        )
-        self.store_used_bytes = Gauge(
-            "store_used_bytes",
-            "Bytes of the chunk store's slots in use (visible chunks and writes in progress).",
-            namespace=ns, registry=registry,
-        )
-        self.store_capacity_bytes = Gauge(
-            "store_capacity_bytes",
-            "Bytes of chunk store slots preallocated in shared memory.",
-            namespace=ns, registry=registry,
-        )
-        self.store_chunks = Gauge(
-            "store_chunks",
-            "Chunks visible in the chunk store.",
-            namespace=ns, registry=registry,
-        )
-        self.evictions = Counter(
-            "evictions",
-            "Chunks evicted from the chunk store to make room.",
-            namespace=ns, registry=registry,
-        )
-        self.integrity_failures = Counter(
-            "integrity_failures",
-            "Chunks dropped because their checksum did not match.",
-            namespace=ns, registry=registry,
-        )
-        self.protocol_errors = Counter(
-            "protocol_errors",
-            "Malformed or refused frames and bodies from peers or clients, by reason.",
-            ["reason"], namespace=ns, registry=registry,
-        )
-        self.control_connections = Gauge(
-            "control_connections",
-            "Open connections to the control ports: unproven (held to the limits on strangers) or not.",
-            ["state"], namespace=ns, registry=registry,
-        )
-        self.lookup_messages = Counter(
-            "lookup_messages",
-            "Messages sent to peers to answer engine lookups and loads (owner queries and holder exchanges).",
-            namespace=ns, registry=registry,
-        )
-        self.engine_refusals = Counter(
-            "engine_refusals",
-            "Engine attachments refused because their model identity contradicts the pool's "
-            "ConfigMap or the identity this sidecar adopted (peers/model_gate.py).",
-            namespace=ns, registry=registry,
-        )
-        self.peer_false_claims = Counter(
-            "peer_false_claims",
-            "Chunks an owner or holder claimed that the holder's answer did not back (a liar is then left alone).",
-            namespace=ns, registry=registry,
-        )
-        self.location_messages = Counter(
-            "location_messages",
-            "Directory messages sent to peers (publishes to owners, owner queries), by kind.",
-            ["kind"], namespace=ns, registry=registry,
-        )
-        self.location_bytes = Counter(
-            "location_bytes",
-            "Body bytes of directory messages and their replies, both roles, by direction.",
-            ["direction"], unit="bytes", namespace=ns, registry=registry,
-        )
-        self.location_entries = Gauge(
-            "location_entries",
-            "(chunk, holder) entries this sidecar keeps for the directory buckets it owns.",
-            namespace=ns, registry=registry,
-        )
-        self.fetch_decisions = Counter(
-            "fetch_decisions",
-            "Holder runs the engine path decided to fetch, or to leave to the engine's prefill (slower to fetch).",
-            ["decision"], namespace=ns, registry=registry,
-        )
-        self.route_hint_messages = Counter(
-            "route_hint_messages",
-            "Messages sent to peers to answer routing hints (POST /v1/route), by kind.",
-            ["kind"], namespace=ns, registry=registry,
-        )
-        self.key_reloads = Counter(
-            "key_reloads",
-            "Changes of the pool keys picked up from the mounted Secret (rotations).",
-            namespace=ns, registry=registry,
-        )
-        self.config_rejected = Gauge(
-            "config_rejected",
-            "1 while this sidecar runs its pod's last good pool config because the config file "
-            "did not load when it started (the reason is in /v1/status), else 0.",
-            namespace=ns, registry=registry,
-        )
-        self.config_info = Info(
-            "config",
-            "Identity of the pool configuration this sidecar serves.",
-            namespace=ns, registry=registry,
-        )
-        self.build_info = Info(
-            "build",
-            "The kv-offload release of this sidecar and the wire version it speaks (its newest).",
-            namespace=ns, registry=registry,
-        )
+        for kind, name, labels, options, help_ in METRICS:
+            metric = kind(name, help_, labels, namespace=NAMESPACE, registry=registry, **options)
+            setattr(self, f"{name}_info" if kind is Info else name, metric)
         self._precreate()
 
     def _precreate(self) -> None:
-        for result in LOOKUP_RESULTS:
-            self.chunk_lookups.labels(result=result)
-        for direction in PEER_BYTES_DIRECTIONS:
-            self.peer_bytes.labels(direction=direction)
-        for result in FETCH_RESULTS:
-            self.peer_fetches.labels(result=result)
+        """Every allowed series of ``LABEL_VALUES`` at zero; a handshake's reason goes with its
+        result ("ok" when accepted, any other when rejected)."""
+        for family, allowed in LABEL_VALUES.items():
+            metric = getattr(self, family.removeprefix(f"{NAMESPACE}_"))
+            if len(allowed) == 1:
+                ((label, values),) = allowed.items()
+                for value in values:
+                    metric.labels(**{label: value})
         self.handshakes.labels(result="accepted", reason="ok")
         for reason in HANDSHAKE_REASONS[1:]:
             self.handshakes.labels(result="rejected", reason=reason)
-        for state in PEER_STATES:
-            self.peers.labels(state=state)
-        for reason in PROTOCOL_ERROR_REASONS:
-            self.protocol_errors.labels(reason=reason)
-        for state in CONTROL_CONNECTION_STATES:
-            self.control_connections.labels(state=state)
-        for kind in LOCATION_KINDS:
-            self.location_messages.labels(kind=kind)
-        for decision in FETCH_DECISIONS:
-            self.fetch_decisions.labels(decision=decision)
-        for kind in ROUTE_HINT_KINDS:
-            self.route_hint_messages.labels(kind=kind)
-        for direction in LOCATION_BYTES_DIRECTIONS:
-            self.location_bytes.labels(direction=direction)
 
     def set_config_info(self, *, fingerprint: str, transport: str, model_identity: str = "") -> None:
         """Publish ``kv_offload_config_info{fingerprint,transport,model_identity} 1``."""

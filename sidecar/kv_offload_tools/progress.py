@@ -17,3 +17,8 @@ def timestamped(command: str, quiet: bool = False) -> Callable[[str], None]:
     if quiet:
         return lambda line: None
     return lambda line: to_stderr(f"[{command} {time.strftime('%H:%M:%S')}] {line}")
+
+
+def rows_to(json_out: bool) -> Callable[[str], None]:
+    """Where a command prints its rows: stdout, or stderr when stdout carries its JSON (``--json``)."""
+    return to_stderr if json_out else print

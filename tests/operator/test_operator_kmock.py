@@ -708,29 +708,45 @@ async def test_an_upgrade_that_retranslates_an_unchanged_spec_says_so_in_a_condi
     assert status_of(kmock, "llama")["fingerprint"] == fingerprint
 
 
+# The pool's own objects a hand may edit or delete: kind -> (API resource, name, plural).
+_DRIFTING = {"ConfigMap": ("v1/configmaps", "llama-offloading-config", "configmaps"),
+             "Secret": ("v1/secrets", "llama-pool-key", "secrets")}
+
+
+async def _edited_then_deleted(kmock: kmock.KubernetesEmulator, operator: OperatorProcess, kind: str,
+                               edit: dict[str, Any]) -> dict:
+    """Once the pool's ``kind`` is written: merge ``edit`` into it by hand and wait for it reverted,
+    then delete it and wait for it created again with the same data, each counted in
+    drift_reverted_total{kind}; the operator's metric samples after the second count."""
+    resource, name, plural = _DRIFTING[kind]
+    url = f"/api/v1/namespaces/{NAMESPACE}/{plural}/{name}"
+
+    def data() -> Any:
+        return (obj(kmock, resource, name) or {}).get("data")
+
+    def reverted(samples: Any) -> float:
+        return value(samples, "kv_offload_operator_drift_reverted_total", kind=kind)
+
+    written = await wait_for_async(f"the pool {kind}", data)
+    await merge_patch(kmock, url, edit)
+    await wait_for_async("the edit reverted", lambda: data() == written)
+    # Counted once, or twice when the pool's first reconciliations raced the edit and left a part of it.
+    reverts = reverted(await wait_for_metrics(operator.metrics_port, lambda s: reverted(s) >= 1, log=operator.log))
+    # A hand delete while the pool exists: created again with the same data (a Secret's key, seed and token).
+    resp = await kmock.delete(url)
+    assert resp.status == 200, await resp.text()
+    await wait_for_async(f"the {kind} created again", lambda: data() == written)
+    return await wait_for_metrics(operator.metrics_port, lambda s: reverted(s) == reverts + 1, log=operator.log)
+
+
 async def test_a_hand_edited_or_deleted_pool_configmap_is_reverted_within_seconds_counted_and_reported(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
     emulate_cluster(kmock)
-    cm_url = f"/api/v1/namespaces/{NAMESPACE}/configmaps/llama-offloading-config"
     async with OperatorProcess(tmp_path, str(kmock.url)) as operator:
         await create(kmock, POOLS_URL, pool_body("llama"))
-        written = await wait_for_async("the pool ConfigMap", lambda: (
-            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data"))
         # A hand edit: the config changed and a key added.
-        await merge_patch(kmock, cm_url, {"data": {"offloading_config.json": "{}", "extra": "x"}})
-        await wait_for_async("the edit reverted", lambda: (
-            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data") == written)
-        # Counted once, or twice when the pool's first reconciliations raced the edit and left a part of it.
-        edited = await wait_for_metrics(operator.metrics_port, lambda s: value(
-            s, "kv_offload_operator_drift_reverted_total", kind="ConfigMap") >= 1, log=operator.log)
-        reverts = value(edited, "kv_offload_operator_drift_reverted_total", kind="ConfigMap")
-        # A hand delete while the pool exists.
-        resp = await kmock.delete(cm_url)
-        assert resp.status == 200, await resp.text()
-        await wait_for_async("the ConfigMap created again", lambda: (
-            obj(kmock, "v1/configmaps", "llama-offloading-config") or {}).get("data") == written)
-        samples = await wait_for_metrics(operator.metrics_port, lambda s: value(
-            s, "kv_offload_operator_drift_reverted_total", kind="ConfigMap") == reverts + 1, log=operator.log)
+        samples = await _edited_then_deleted(kmock, operator, "ConfigMap",
+                                             {"data": {"offloading_config.json": "{}", "extra": "x"}})
         assert value(samples, "kv_offload_operator_reconciles_total", result="error") == 0
         reverted = await wait_for_async("the revert events", lambda: [
             e for e in events_about(kmock, "llama") if e.get("reason") == "ConfigMapReverted"] or None)
@@ -745,25 +761,10 @@ async def test_a_hand_edited_or_deleted_pool_configmap_is_reverted_within_second
 async def test_a_hand_edited_or_deleted_pool_secret_is_read_back_and_reverted_with_the_same_values(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
     emulate_cluster(kmock)
-    secret_url = f"/api/v1/namespaces/{NAMESPACE}/secrets/llama-pool-key"
     async with OperatorProcess(tmp_path, str(kmock.url), extra_args=["--drift-check-seconds", "0.3"]) as operator:
         await create(kmock, POOLS_URL, pool_body("llama"))
-        written = await wait_for_async("the pool Secret", lambda: (
-            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data"))
         # A hand edit: another key, and an entry added.
         other = base64.b64encode(b"x" * 32).decode()
-        await merge_patch(kmock, secret_url, {"data": {"key": other, "extra": other}})
-        await wait_for_async("the edit reverted", lambda: (
-            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data") == written)
-        edited = await wait_for_metrics(operator.metrics_port, lambda s: value(
-            s, "kv_offload_operator_drift_reverted_total", kind="Secret") >= 1, log=operator.log)
-        reverts = value(edited, "kv_offload_operator_drift_reverted_total", kind="Secret")
-        # A hand delete while the pool exists: created again with the same key, seed and token.
-        resp = await kmock.delete(secret_url)
-        assert resp.status == 200, await resp.text()
-        await wait_for_async("the Secret created again", lambda: (
-            obj(kmock, "v1/secrets", "llama-pool-key") or {}).get("data") == written)
-        await wait_for_metrics(operator.metrics_port, lambda s: value(
-            s, "kv_offload_operator_drift_reverted_total", kind="Secret") == reverts + 1, log=operator.log)
+        await _edited_then_deleted(kmock, operator, "Secret", {"data": {"key": other, "extra": other}})
     secret = obj(kmock, "v1/secrets", "llama-pool-key")
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"

@@ -2,7 +2,7 @@
 
 import re
 
-from kv_offload_tools.progress import timestamped, to_stderr
+from kv_offload_tools.progress import rows_to, timestamped, to_stderr
 
 
 def test_to_stderr_leaves_stdout_to_the_report(capsys) -> None:
@@ -21,3 +21,9 @@ def test_timestamped_names_the_command_and_the_time(capsys) -> None:
 def test_timestamped_quiet_prints_nothing(capsys) -> None:
     timestamped("attack", quiet=True)("starting 3 tcp sidecars")
     assert capsys.readouterr() == ("", "")
+
+
+def test_rows_go_to_stdout_unless_stdout_carries_the_json(capsys) -> None:
+    rows_to(False)("round 1")
+    rows_to(True)("round 2")
+    assert capsys.readouterr() == ("round 1\n", "round 2\n")

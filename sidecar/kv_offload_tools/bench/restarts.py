@@ -22,8 +22,11 @@ from typing import Any
 
 from kv_offload_sidecar.usage import UsageError
 
+from kv_offload_tools.bench.number_flags import NumberFlag, add_number_flags, check_number_flags
+from kv_offload_tools.progress import rows_to
+
 # (flag, default, lowest, help)
-_NUMBERS: tuple[tuple[str, float, float, str], ...] = (
+_NUMBERS: tuple[NumberFlag, ...] = (
     ("--rounds", 20, 1, "SIGKILLs of the sidecar"),
     ("--capacity-mib", 64, 1, "the sidecar's store (--capacity-bytes) in MiB"),
     ("--head-room-mib", 2, 1, "the tmpfs beyond the store in MiB (config, sockets, log)"),
@@ -32,17 +35,12 @@ _NUMBERS: tuple[tuple[str, float, float, str], ...] = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, default, low, text in _NUMBERS:
-        parser.add_argument(flag, type=type(default), default=default,
-                            help=f"{text}; at least {low:g} (default {default:g})")
+    add_number_flags(parser, _NUMBERS)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag, _default, low, _text in _NUMBERS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if not value >= low:
-            raise UsageError(f"{flag} {value:g} must be at least {low:g}")
+    check_number_flags(args, _NUMBERS)
     from kv_offload_tools.shm_restarts import tmpfs_unavailable
     reason = tmpfs_unavailable()
     if reason:
@@ -54,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from kv_offload_testing.local_pool import LocalPool
     from kv_offload_tools.shm_restarts import bounded_tmpfs, kill_and_recover
 
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    log = rows_to(args.json)
     # The client's one line per miss while the sidecar is away: the rows count them.
     logging.getLogger("kv_offload_sidecar.engine.client").setLevel(logging.ERROR)
     capacity, head_room = args.capacity_mib << 20, args.head_room_mib << 20

@@ -70,17 +70,20 @@ def _hit_ratio(r: Record) -> str:
             f"Mooncake trace; local-only caches {local}")
 
 
+def _by(r: Record, table: int, key: str) -> Callable[[str, str], str]:
+    """``at(value, column)``: the cell in ``column`` of table ``table``'s row whose ``key`` is ``value``."""
+    return lambda value, column: cell(r, table, {key: value}, column)
+
+
 def _routing(r: Record) -> str:
-    def at(routing: str, col: str) -> str:
-        return cell(r, 3, {"routing": routing}, col)
+    at = _by(r, 3, "routing")
     return (f"a hit moves **{at('prefix-hint', 'bytes moved per hit')}** between pods against "
             f"{at('round-robin', 'bytes moved per hit')} round-robin, at hit ratio "
             f"{at('prefix-hint', 'kv-offload P2P')} against {at('round-robin', 'kv-offload P2P')}")
 
 
 def _scale(r: Record) -> str:
-    def at(pods: str, col: str) -> str:
-        return cell(r, 1, {"pods": pods}, col)
+    at = _by(r, 1, "pods")
     return (f"location memory per sidecar **{at('1,024', 'location memory / sidecar')}** at 1,024 pods "
             f"({at('16', 'location memory / sidecar')} at 16); control traffic "
             f"{at('1,024', 'control traffic / pod (in + out)')} per pod")

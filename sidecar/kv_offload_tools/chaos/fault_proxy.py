@@ -53,12 +53,9 @@ class FaultPlan:
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
             raise ValueError(f"fault mode {self.mode!r} is unknown; use one of {list(FAULT_MODES)}")
-        if self.after_bytes < 0:
-            raise ValueError(f"after_bytes={self.after_bytes} must be >= 0")
-        if self.flip_every < 1:
-            raise ValueError(f"flip_every={self.flip_every} must be >= 1")
-        if self.delay_seconds < 0:
-            raise ValueError(f"delay_seconds={self.delay_seconds} must be >= 0")
+        for name, low in (("after_bytes", 0), ("flip_every", 1), ("delay_seconds", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {low}")
 
 
 class FaultProxy:

@@ -139,24 +139,16 @@ class VllmDeployment:
                      llm_kwargs: Mapping[str, Any] | None = None) -> EngineDriverProcess:
         """One engine (its own process) whose tier talks to the sidecar at ``sidecar_port``;
         ``llm_kwargs``: more ``vllm.LLM`` arguments (e.g. ``max_model_len``)."""
-        return EngineDriverProcess(
-            str(model_dir or self.model_dir), python=self.python,
-            kv_transfer_config=self.kv_transfer_config(f"{name}-{os.getpid()}", tier_keys),
-            block_size=self.block_size,
-            env=self.engine_env(sidecar_host, sidecar_port, extra_env),
-            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s,
-            llm_kwargs=llm_kwargs)
+        return self._driver(name, self.kv_transfer_config(f"{name}-{os.getpid()}", tier_keys),
+                            self.engine_env(sidecar_host, sidecar_port, extra_env), ready_timeout_s,
+                            llm_kwargs, model_dir)
 
     def start_baseline(self, name: str = "baseline",
                        ready_timeout_s: float = 300.0, *,
                        extra_env: Mapping[str, str] | None = None,
                        llm_kwargs: Mapping[str, Any] | None = None) -> EngineDriverProcess:
         """An engine without any KV offloading: the outputs every offloading run must equal."""
-        return EngineDriverProcess(
-            str(self.model_dir), python=self.python, kv_transfer_config=None,
-            block_size=self.block_size, env=self.engine_env("127.0.0.1", 1, extra_env),
-            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s,
-            llm_kwargs=llm_kwargs)
+        return self._driver(name, None, self.engine_env("127.0.0.1", 1, extra_env), ready_timeout_s, llm_kwargs)
 
     def start_cpu_tier_only(self, name: str = "cpu-tier-only",
                             ready_timeout_s: float = 300.0, *,
@@ -164,12 +156,17 @@ class VllmDeployment:
                             llm_kwargs: Mapping[str, Any] | None = None) -> EngineDriverProcess:
         """An engine with vLLM's own offloading and no kv-offload tier: the same connector,
         spec and primary CPU tier as ``start_engine``'s, no secondary tier."""
+        return self._driver(name, self.kv_transfer_config(f"{name}-{os.getpid()}", with_tier=False),
+                            self.engine_env("127.0.0.1", 1, extra_env), ready_timeout_s, llm_kwargs)
+
+    def _driver(self, name: str, kv_transfer_config: dict[str, Any] | None, env: dict[str, str],
+                ready_timeout_s: float, llm_kwargs: Mapping[str, Any] | None,
+                model_dir: str | Path | None = None) -> EngineDriverProcess:
+        """An engine process of this deployment's model (or ``model_dir``), logging to ``<name>.log``."""
         return EngineDriverProcess(
-            str(self.model_dir), python=self.python,
-            kv_transfer_config=self.kv_transfer_config(f"{name}-{os.getpid()}", with_tier=False),
-            block_size=self.block_size, env=self.engine_env("127.0.0.1", 1, extra_env),
-            stderr_path=str(self.workdir / f"{name}.log"), ready_timeout_s=ready_timeout_s,
-            llm_kwargs=llm_kwargs)
+            str(model_dir or self.model_dir), python=self.python, kv_transfer_config=kv_transfer_config,
+            block_size=self.block_size, env=env, stderr_path=str(self.workdir / f"{name}.log"),
+            ready_timeout_s=ready_timeout_s, llm_kwargs=llm_kwargs)
 
     def copy_model(self, name: str) -> Path:
         """The same weights under another path: vLLM's model name, hence the fingerprint,

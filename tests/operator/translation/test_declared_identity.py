@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from kv_offload_operator.translation.declared_identity import (
@@ -24,9 +23,8 @@ from kv_offload_sidecar.engine.contract.model_identity import (
     overrides_text,
 )
 from kv_offload_sidecar.engine.contract.offloading_config import OffloadingConfig
+from translation_support import LLAMA
 
-FIXTURES = Path(__file__).parents[1] / "fixtures"
-LLAMA = json.loads((FIXTURES / "llama-3.1-8b.json").read_text())
 QWEN = "vllm serve Qwen/Qwen3-8B --kv-offloading-size 8"
 ROPE = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
 

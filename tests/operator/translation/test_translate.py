@@ -13,24 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import functools
 
 import pytest
 from kv_offload_operator.translation import translate as translation
 from kv_offload_operator.translation.translate import TranslationError
+from translation_support import DEEPSEEK, GEMMA2, GPT_OSS, LLAMA, MAMBA, MISTRAL
 
 translate = functools.partial(translation.translate, vllm_version="0.33")
 pool_config = functools.partial(translation.pool_config, vllm_version="0.33")
-
-FIXTURES = Path(__file__).parents[1] / "fixtures"
-LLAMA = json.loads((FIXTURES / "llama-3.1-8b.json").read_text())
-DEEPSEEK = json.loads((FIXTURES / "deepseek-v2-lite.json").read_text())
-GPT_OSS = json.loads((FIXTURES / "gpt-oss-20b.json").read_text())
-GEMMA2 = json.loads((FIXTURES / "gemma-2-9b.json").read_text())
-MISTRAL = json.loads((FIXTURES / "mistral-7b-v0.1.json").read_text())
-MAMBA = json.loads((FIXTURES / "mamba-130m.json").read_text())
 
 LLAMA_NAME = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -11,7 +11,6 @@ runs each release's own build_offloading_config over the same deployments.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from kv_offload_operator.translation.translate import TranslationError, pool_config, translate
@@ -22,10 +21,8 @@ from kv_offload_operator.translation.vllm_releases import (
     release,
     release_of_image,
 )
+from translation_support import LLAMA
 
-FIXTURES = Path(__file__).parents[1] / "fixtures"
-LLAMA = json.loads((FIXTURES / "llama-3.1-8b.json").read_text())
-DEEPSEEK = json.loads((FIXTURES / "deepseek-v2-lite.json").read_text())
 NAME = "meta-llama/Llama-3.1-8B-Instruct"
 V1_MESSAGE = ("VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been "
               "removed. Unset this variable.")

@@ -1,6 +1,7 @@
 """The sidecar copies between vLLM's primary rows and its store: the region handed over as a
 descriptor, rows bounded, deadlines kept, the mapping gone with the engine's connection."""
 
+import functools
 import json
 import mmap
 import os
@@ -8,11 +9,11 @@ import socket
 import struct
 import time
 
-import numpy as np
 import pytest
-from kv_offload_sidecar.engine.client import EngineClient, RowRegion, StoreCut
+from kv_offload_sidecar.engine.client import EngineClient, StoreCut
 from kv_offload_sidecar.engine.region_file import find_region_file
 from kv_offload_testing.local_pool import LocalPool, SidecarOverride
+from primary_rows import PrimaryRows
 from waiting import wait_for
 
 SLOT = 16384
@@ -26,27 +27,8 @@ def pool():
         yield p
 
 
-class Region:
-    """A memfd-backed primary region, as vLLM's SharedOffloadRegion maps /dev/shm."""
-
-    def __init__(self, name: str = "rows") -> None:
-        fd = os.memfd_create(f"kv-offload-test-{name}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, ROWS * STRIDE)
-        self.map = mmap.mmap(fd, ROWS * STRIDE)
-        os.close(fd)
-        self.rows = np.frombuffer(self.map, dtype=np.uint8).reshape(ROWS, STRIDE)
-        self.rows[:] = 0xEE  # guard bytes everywhere
-        found, reason = find_region_file(memoryview(self.map))
-        assert found is not None, reason
-        self.spec = RowRegion(found, STRIDE, ROWS, SLOT)
-
-    def fill(self, row: int) -> bytes:
-        data = os.urandom(SLOT)
-        self.rows[row, :SLOT] = np.frombuffer(data, dtype=np.uint8)
-        return data
-
-    def chunk(self, row: int) -> bytes:
-        return self.rows[row, :SLOT].tobytes()
+# A primary region of ROWS rows of STRIDE bytes, SLOT-byte chunks.
+Region = functools.partial(PrimaryRows, rows=ROWS, stride=STRIDE, chunk_bytes=SLOT)
 
 
 def _keys(n):

@@ -4,7 +4,11 @@ and a member with none that fails a location call is dropped."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from kv_offload_sidecar.lifecycle import running
+from kv_offload_sidecar.peers.links import PeerLink
 from kv_offload_sidecar.sidecar import Sidecar
 from kv_offload_tools.chaos.chunks import chunk_keys
 from sidecar_support import identified, settled, store_zeros
@@ -94,13 +98,20 @@ async def test_past_the_bound_a_new_data_link_closes_the_least_recently_used_idl
         await wait_for_async("a's side of the closed link closed", lambda: a.data_server.authenticated_connections == 0)
 
 
-async def test_a_member_gone_with_no_data_link_is_dropped_after_a_failed_location_call(make_settings):
+@asynccontextmanager
+async def _holder_gone(make_settings) -> AsyncIterator[tuple[Sidecar, PeerLink]]:
+    """An asker and its link to the member "holder": connected with no data link, then the holder stopped."""
     (holder,), asker = _pool(make_settings, "holder")
     async with running(asker):
         async with running(holder):
             await settled(holder, asker)
             link = asker.peers.connected("holder")
             assert link is not None and link.data is None
+        yield asker, link
+
+
+async def test_a_member_gone_with_no_data_link_is_dropped_after_a_failed_location_call(make_settings):
+    async with _holder_gone(make_settings) as (asker, link):
         # The holder is gone; no heartbeat watches it (no data link), so nothing noticed yet.
         assert asker.location.status()["members"] == 2
         try:
@@ -115,12 +126,7 @@ async def test_a_member_gone_with_no_data_link_is_dropped_after_a_failed_locatio
 
 
 async def test_a_member_gone_with_no_data_link_and_no_messages_is_dropped_by_its_probe(make_settings):
-    (holder,), asker = _pool(make_settings, "holder")
-    async with running(asker):
-        async with running(holder):
-            await settled(holder, asker)
-            link = asker.peers.connected("holder")
-            assert link is not None and link.data is None
+    async with _holder_gone(make_settings) as (asker, link):
         # Nothing is sent to it: within MEMBER_PROBE_SECONDS of the last word from it, a probe
         # (one locate) finds it gone.
         await wait_for_async("the gone member dropped by its probe",

@@ -396,11 +396,17 @@ async def test_a_member_that_cannot_reach_another_still_finds_what_a_third_one_h
         assert all(h and h[0].identity == "c" for h in found), reader
 
 
-async def test_a_locate_the_primary_owner_cannot_answer_goes_to_the_runner_up():
+async def _c_holds(tag: str) -> tuple[Net, list[bytes]]:
+    """Three nodes, settled after "c" stored 60 keys of ``tag``."""
     net = Net(["a", "b", "c"])
-    held = keys("fallback", 60)
+    held = keys(tag, 60)
     net.store("c", held)
     await net.settle()
+    return net, held
+
+
+async def test_a_locate_the_primary_owner_cannot_answer_goes_to_the_runner_up():
+    net, held = await _c_holds("fallback")
     a = net.nodes["a"]
     reach = a._call
 
@@ -419,10 +425,7 @@ async def test_a_locate_the_primary_owner_cannot_answer_goes_to_the_runner_up():
 
 
 async def test_a_primary_owner_that_hangs_is_hedged_by_the_runner_up_before_the_deadline():
-    net = Net(["a", "b", "c"])
-    held = keys("hedge", 60)
-    net.store("c", held)
-    await net.settle()
+    net, held = await _c_holds("hedge")
     a = net.nodes["a"]
     reach, silence = a._call, asyncio.Event()
 

@@ -5,15 +5,14 @@ byte, though the chunks landed in the rows one of them offered."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import mmap
 import os
 import threading
 from collections.abc import Sequence
 
-import numpy as np
 import pytest
-from kv_offload_sidecar.engine.client import EngineClient, RowRegion
-from kv_offload_sidecar.engine.region_file import find_region_file
+from kv_offload_sidecar.engine.client import EngineClient
 from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.row_landings import RowLandings
@@ -21,6 +20,7 @@ from kv_offload_sidecar.peers.shared_loads import SharedLoads
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from kv_offload_testing.local_pool import LocalPool, example_config
 from prometheus_client import CollectorRegistry
+from primary_rows import PrimaryRows
 from waiting import wait_for, wait_for_async
 
 CHUNK = 1 << 20  # large enough that both loads ask while the chunks are still on the wire
@@ -28,27 +28,8 @@ N = 16
 STRIDE = CHUNK + mmap.PAGESIZE
 
 
-class Region:
-    """A memfd-backed primary region of N rows, as vLLM's SharedOffloadRegion maps /dev/shm."""
-
-    def __init__(self, name: str) -> None:
-        fd = os.memfd_create(f"kv-offload-test-{name}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, N * STRIDE)
-        self.map = mmap.mmap(fd, N * STRIDE)
-        os.close(fd)
-        self.rows = np.frombuffer(self.map, dtype=np.uint8).reshape(N, STRIDE)
-        self.rows[:] = 0xEE
-        found, reason = find_region_file(memoryview(self.map))
-        assert found is not None, reason
-        self.spec = RowRegion(found, STRIDE, N, CHUNK)
-
-    def fill(self, row: int) -> bytes:
-        data = os.urandom(CHUNK)
-        self.rows[row, :CHUNK] = np.frombuffer(data, dtype=np.uint8)
-        return data
-
-    def chunk(self, row: int) -> bytes:
-        return self.rows[row, :CHUNK].tobytes()
+# A primary region of N rows of STRIDE bytes, CHUNK-byte chunks.
+Region = functools.partial(PrimaryRows, rows=N, stride=STRIDE, chunk_bytes=CHUNK)
 
 
 @pytest.fixture(scope="module")

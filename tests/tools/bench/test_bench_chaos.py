@@ -13,27 +13,23 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-from refusal import bench, refusal
+from refusal import bench, refusal, refuses_each
 
 CLI = bench("chaos")
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (["--kills", "0"], "--kills 0 must be at least 1"),
-    (["--fuzz", "--fuzz-cases", "5"], "--fuzz-cases 5 must be at least 6"),
-    (["--seconds", "0"], "--seconds 0.0 must be positive"),
-    (["--chunk-bytes", "5000"], "--chunk-bytes 5000 must be a positive multiple of 4096"),
-    (["--slot-rounds", "0"], "--slot-rounds 0 must be at least 1"),
-    (["--fuzz", "--transport", "nixl"],
-     "--fuzz runs against a tcp sidecar; --transport nixl applies to the fault run"),
-    (["--late-writer-runs", "-1"], "--late-writer-runs -1 must be at least 0"),
-    (["--late-writer-only", "--late-writer-runs", "0"],
-     "--late-writer-only needs --late-writer-runs of at least 1 and no --fuzz"),
-], ids=["kills", "fuzz-cases", "seconds", "chunk-bytes", "slot-rounds", "fuzz-nixl", "late-writer-runs",
-        "late-writer-only"])
-def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
-    assert refusal(CLI, *args) == named
+test_bad_input_is_one_line_and_exit_2 = refuses_each(CLI, {
+    "kills": (["--kills", "0"], "--kills 0 must be at least 1"),
+    "fuzz-cases": (["--fuzz", "--fuzz-cases", "5"], "--fuzz-cases 5 must be at least 6"),
+    "seconds": (["--seconds", "0"], "--seconds 0.0 must be positive"),
+    "chunk-bytes": (["--chunk-bytes", "5000"], "--chunk-bytes 5000 must be a positive multiple of 4096"),
+    "slot-rounds": (["--slot-rounds", "0"], "--slot-rounds 0 must be at least 1"),
+    "fuzz-nixl": (["--fuzz", "--transport", "nixl"],
+                  "--fuzz runs against a tcp sidecar; --transport nixl applies to the fault run"),
+    "late-writer-runs": (["--late-writer-runs", "-1"], "--late-writer-runs -1 must be at least 0"),
+    "late-writer-only": (["--late-writer-only", "--late-writer-runs", "0"],
+                         "--late-writer-only needs --late-writer-runs of at least 1 and no --fuzz"),
+})
 
 
 def test_a_nixl_run_without_an_importable_nixl_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ holding descriptors past 1,024, and the second run shares chunks as the first do
 from __future__ import annotations
 
 import pytest
-from refusal import bench, refusal
+from refusal import bench, refuses_each
 
 from kv_offload_tools.bench.descriptors import compare, format_table
 
@@ -23,10 +23,8 @@ def test_a_pool_past_1024_descriptors_shares_chunks_and_fails_no_load() -> None:
     assert figures["ratio"] == pytest.approx(held["hit_ratio"] / plain["hit_ratio"])
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (["--pods", "1"], "--pods 1: at least 2, so pods share chunks"),
-    (["--requests", "0"], "--requests 0: at least 1"),
-    (["--descriptors", "0"], "--descriptors 0: at least 1 (1,100 puts sockets past 1,024)"),
-], ids=["pods", "requests", "descriptors"])
-def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
-    assert refusal(CLI, *args) == named
+test_bad_input_is_one_line_and_exit_2 = refuses_each(CLI, {
+    "pods": (["--pods", "1"], "--pods 1: at least 2, so pods share chunks"),
+    "requests": (["--requests", "0"], "--requests 0: at least 1"),
+    "descriptors": (["--descriptors", "0"], "--descriptors 0: at least 1 (1,100 puts sockets past 1,024)"),
+})

@@ -8,18 +8,16 @@ import subprocess
 
 import pytest
 from kv_offload_tools.shm_restarts import tmpfs_unavailable
-from refusal import bench, refusal
+from refusal import bench, refuses_each
 
 CLI = bench("restarts")
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (["--rounds", "0"], "--rounds 0 must be at least 1"),
-    (["--capacity-mib", "0"], "--capacity-mib 0 must be at least 1"),
-    (["--hit-within-seconds", "nan"], "--hit-within-seconds nan must be at least 0.1"),
-], ids=["rounds", "capacity", "target-nan"])
-def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
-    assert refusal(CLI, *args) == named
+test_bad_input_is_one_line_and_exit_2 = refuses_each(CLI, {
+    "rounds": (["--rounds", "0"], "--rounds 0 must be at least 1"),
+    "capacity": (["--capacity-mib", "0"], "--capacity-mib 0 must be at least 1"),
+    "target-nan": (["--hit-within-seconds", "nan"], "--hit-within-seconds nan must be at least 0.1"),
+})
 
 
 def test_two_sigkills_on_a_bounded_shm_come_back_with_no_engine_error() -> None:

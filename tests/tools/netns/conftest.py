@@ -43,14 +43,18 @@ def clean_net(net: PodNetwork) -> Iterator[PodNetwork]:
             net.uncap(pod)
 
 
-@pytest.fixture(scope="module")
-def netns_pool(netns_permitted: None) -> Iterator[NetnsPool]:
-    """Three pods, one sidecar each (tcp, 16 KiB chunks), peers found by the pool name."""
+def _three_pods() -> Iterator[NetnsPool]:
     pool = NetnsPool(3, fetch_deadline_seconds=1.0).start()
     try:
         yield pool
     finally:
         pool.stop()
+
+
+@pytest.fixture(scope="module")
+def netns_pool(netns_permitted: None) -> Iterator[NetnsPool]:
+    """Three pods, one sidecar each (tcp, 16 KiB chunks), peers found by the pool name."""
+    yield from _three_pods()
 
 
 @pytest.fixture
@@ -58,8 +62,4 @@ def fresh_netns_pool(netns_permitted: None) -> Iterator[NetnsPool]:
     """``netns_pool`` made for one test: a test that cuts a pod leaves the next a pool that
     has not been cut (the directory's reconvergence after a heal under a loaded host is
     issue 48's open part; these tests are about liveness)."""
-    pool = NetnsPool(3, fetch_deadline_seconds=1.0).start()
-    try:
-        yield pool
-    finally:
-        pool.stop()
+    yield from _three_pods()

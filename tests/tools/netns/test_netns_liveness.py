@@ -42,17 +42,23 @@ def _cut(pool: NetnsPool, pod: int) -> None:
             pool.net.partition(pod, other, one_way=False)
 
 
-def test_an_idle_pod_cut_off_silently_is_dropped_by_heartbeat_or_probe_and_back_within_five_after_the_heal(
-        fresh_netns_pool: NetnsPool):
-    # pod-0 read from pod-2 (its data link is open and heartbeaten); pod-1 never did (pod-2 is a
-    # member it holds no data connection to: only its probe watches it).
-    pool = fresh_netns_pool
-    keys = chunk_keys("idle-cut", 2)
+def _stored_on_pod_2_and_connected(pool: NetnsPool, tag: str, count: int) -> list[bytes]:
+    """``count`` chunks stored on pod-2, the directory current and pods 0 and 1 connected to it."""
+    keys = chunk_keys(tag, count)
     with pool.client(2) as writer:
         assert store_chunks(writer, keys, pool.chunk_bytes) == len(keys)
     pool.wait_directory_current()
     for viewer in (0, 1):
         assert wait_for("everyone connected to pod-2", lambda v=viewer: _connected(pool, v, 2))
+    return keys
+
+
+def test_an_idle_pod_cut_off_silently_is_dropped_by_heartbeat_or_probe_and_back_within_five_after_the_heal(
+        fresh_netns_pool: NetnsPool):
+    # pod-0 read from pod-2 (its data link is open and heartbeaten); pod-1 never did (pod-2 is a
+    # member it holds no data connection to: only its probe watches it).
+    pool = fresh_netns_pool
+    keys = _stored_on_pod_2_and_connected(pool, "idle-cut", 2)
     with pool.client(0) as reader:
         assert reader.lookup(keys, timeout=1.0).peer == len(keys)
     assert _data_open(pool, 0, 2) and not _data_open(pool, 1, 2)
@@ -81,12 +87,7 @@ def test_an_idle_pod_cut_off_silently_is_dropped_by_heartbeat_or_probe_and_back_
 def test_a_lookup_that_touches_a_pod_just_cut_off_misses_after_the_answer_floor_not_the_deadline(
         fresh_netns_pool: NetnsPool):
     pool = fresh_netns_pool
-    keys = chunk_keys("cut-holder", 4)
-    with pool.client(2) as writer:
-        assert store_chunks(writer, keys, pool.chunk_bytes) == len(keys)
-    pool.wait_directory_current()
-    for viewer in (0, 1):
-        assert wait_for("everyone connected to pod-2", lambda v=viewer: _connected(pool, v, 2))
+    keys = _stored_on_pod_2_and_connected(pool, "cut-holder", 4)
     with pool.client(0) as reader:
         assert reader.lookup(keys, timeout=1.0).peer == len(keys)  # held by pod-2, seen from pod-0
         more = chunk_keys("cut-holder-2", 4)

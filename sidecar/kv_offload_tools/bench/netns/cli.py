@@ -51,6 +51,9 @@ from typing import Any
 
 from kv_offload_sidecar.usage import UsageError
 
+from kv_offload_tools.bench.number_flags import add_number_flags, check_number_flags
+from kv_offload_tools.progress import rows_to
+
 # (flag, default, lowest, help)
 _FLOATS = (
     ("--before-seconds", 5.0, 2.0, "load before each cut (the reference window)"),
@@ -76,10 +79,7 @@ MAX_PODS = 16
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pods", type=int, default=4, help=f"pods in the pool, 3 to {MAX_PODS} (default 4)")
-    for flag, default, low, text in _FLOATS:
-        parser.add_argument(flag, type=float, default=default, help=f"{text}; at least {low:g} (default {default:g})")
-    for flag, default, low, text in _INTS:
-        parser.add_argument(flag, type=int, default=default, help=f"{text}; at least {low} (default {default})")
+    add_number_flags(parser, _FLOATS + _INTS)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated scenarios to run, of {', '.join(SCENARIOS)} (default all; "
                              "isolate also runs idle and asymmetric on its pool)")
@@ -89,10 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     if not 3 <= args.pods <= MAX_PODS:
         raise UsageError(f"--pods {args.pods} must be between 3 and {MAX_PODS}")
-    for flag, _default, low, _text in _FLOATS + _INTS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if not value >= low:
-            raise UsageError(f"{flag} {value:g} must be at least {low:g}")
+    check_number_flags(args, _FLOATS + _INTS)
     if args.churn_pods + 2 > MAX_PODS:
         raise UsageError(f"--churn-pods {args.churn_pods} must be at most {MAX_PODS - 2}")
     unknown = sorted(set(args.scenarios.split(",")) - set(SCENARIOS))
@@ -108,7 +105,7 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check(args)
 
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    log = rows_to(args.json)
     chosen = args.scenarios.split(",")
     figures: dict[str, Any] = {"pods": args.pods, "fetch_deadline_seconds": args.fetch_deadline_seconds}
     if "isolate" in chosen:

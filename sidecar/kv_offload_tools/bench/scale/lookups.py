@@ -41,6 +41,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_offload_sidecar.peers.control_client import CONTROL_KEEPALIVE_SECONDS
 from kv_offload_sidecar.peers.data_links import DATA_IDLE_SECONDS
@@ -52,6 +53,14 @@ from kv_offload_tools.bench.scale.pool import DirectoryPool, ModelStore, Served
 Progress = Callable[[str], None]
 SCHEMES = ("directory", "exact")
 ROUTINGS = ("random", "round-robin")
+
+
+def _per(numerator: str, denominator: str) -> property:
+    """A read-only figure: field ``numerator`` over field ``denominator`` (0.0 while that is 0)."""
+    def ratio(self: Any) -> float:
+        whole = getattr(self, denominator)
+        return getattr(self, numerator) / whole if whole else 0.0
+    return property(ratio)
 
 
 @dataclass
@@ -96,31 +105,14 @@ class LookupFigures:
     # Wall-clock seconds of the replay.
     seconds: float = 0.0
 
-    @property
-    def hit_ratio(self) -> float:
-        return self.hits / self.chunks if self.chunks else 0.0
-
-    @property
-    def messages_per_lookup(self) -> float:
-        return self.messages / self.requests if self.requests else 0.0
-
-    @property
-    def messages_per_peer_hit_request(self) -> float:
-        """Messages of the requests with peer hits, per such request."""
-        return self.peer_hit_request_messages / self.peer_hit_requests if self.peer_hit_requests else 0.0
-
-    @property
-    def all_messages_per_peer_hit_request(self) -> float:
-        """Every message, per request with peer hits (``bench replay``'s figure)."""
-        return self.messages / self.peer_hit_requests if self.peer_hit_requests else 0.0
-
-    @property
-    def false_positive_ratio(self) -> float:
-        return self.false_positive_exchanges / self.holder_exchanges if self.holder_exchanges else 0.0
-
-    @property
-    def changes_per_request(self) -> float:
-        return self.request_changes / self.requests if self.requests else 0.0
+    hit_ratio = _per("hits", "chunks")
+    messages_per_lookup = _per("messages", "requests")
+    # Messages of the requests with peer hits, per such request.
+    messages_per_peer_hit_request = _per("peer_hit_request_messages", "peer_hit_requests")
+    # Every message, per request with peer hits (``bench replay``'s figure).
+    all_messages_per_peer_hit_request = _per("messages", "peer_hit_requests")
+    false_positive_ratio = _per("false_positive_exchanges", "holder_exchanges")
+    changes_per_request = _per("request_changes", "requests")
 
     def holders_view(self) -> dict[str, dict[str, float]]:
         """Per number of holders read: share of the peer-hit requests, messages and false

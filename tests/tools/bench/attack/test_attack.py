@@ -16,20 +16,17 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-from refusal import bench, refusal
+from refusal import bench, refuses_each
 
 CLI = bench("attack")
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (["--connections", "5000"], "--connections 5000 must be in 5..1000"),
-    (["--hold-seconds", "0"], "--hold-seconds 0 must be in (0, 600] seconds"),
-    (["--sources", "0"], "--sources 0 must be in 1..200"),
-    (["--members", "1"], "--members 1 must be in 2..8 (one stores, another loads)"),
-], ids=["connections", "hold-seconds", "sources", "members"])
-def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
-    assert refusal(CLI, *args) == named
+test_bad_input_is_one_line_and_exit_2 = refuses_each(CLI, {
+    "connections": (["--connections", "5000"], "--connections 5000 must be in 5..1000"),
+    "hold-seconds": (["--hold-seconds", "0"], "--hold-seconds 0 must be in (0, 600] seconds"),
+    "sources": (["--sources", "0"], "--sources 0 must be in 1..200"),
+    "members": (["--members", "1"], "--members 1 must be in 2..8 (one stores, another loads)"),
+})
 
 
 def test_a_short_attack_leaves_the_pool_whole_and_the_honest_load_hitting(tmp_path: Path) -> None:

@@ -147,19 +147,29 @@ def _blocked_modules(path: Path) -> str:
     return str(path)
 
 
-def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase(tmp_path: Path, shm_dir: str):
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A two-layer tiny Llama's config.json, written under ``tmp_path``."""
     config = dict(load_model_config("tiny-llama")[1], num_hidden_layers=2)
-    model = tmp_path / "tiny" / "config.json"
-    model.parent.mkdir()
-    model.write_text(json.dumps(config))
+    path = tmp_path / "tiny" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _bench_gpu(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``kv-offload bench gpu ARGS`` in a child process, its output captured."""
+    return subprocess.run([sys.executable, "-m", "kv_offload_operator.cli", "bench", "gpu", *args],
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase(
+        tmp_path: Path, shm_dir: str, model: Path):
     plot, out = tmp_path / "gpu.png", tmp_path / "gpu.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([_blocked_modules(tmp_path / "absent"), *sys.path])
-    done = subprocess.run(
-        [sys.executable, "-m", "kv_offload_operator.cli", "bench", "gpu", "--models", str(model),
-         "--lengths", "256,512", "--chunk-tokens", "64", "--repeats", "2", "--json", str(out), "--plot", str(plot),
-         "--shm-dir", shm_dir, "--timeout-s", "30"],
-        capture_output=True, text=True, timeout=240, env=env)
+    done = _bench_gpu("--models", str(model), "--lengths", "256,512", "--chunk-tokens", "64", "--repeats", "2",
+                      "--json", str(out), "--plot", str(plot), "--shm-dir", shm_dir, "--timeout-s", "30", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "tiny: 2 KiB of KV per token" in done.stdout  # the table, with the JSON in its file
@@ -209,17 +219,12 @@ def test_cpu_run_fetches_the_holders_bytes_into_the_rows_and_reports_every_phase
     assert "[bench gpu" in done.stderr
 
 
-def test_the_tls_plane_moves_the_hit_under_mutual_tls_into_the_rows(tmp_path: Path, shm_dir: str):
-    config = dict(load_model_config("tiny-llama")[1], num_hidden_layers=2)
-    model = tmp_path / "tiny" / "config.json"
-    model.parent.mkdir()
-    model.write_text(json.dumps(config))
+def test_the_tls_plane_moves_the_hit_under_mutual_tls_into_the_rows(
+        tmp_path: Path, shm_dir: str, model: Path):
     out = tmp_path / "gpu.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "kv_offload_operator.cli", "bench", "gpu", "--models", str(model), "--plane", "tls",
-         "--lengths", "256", "--chunk-tokens", "64", "--repeats", "1", "--json", str(out),
-         "--plot", str(tmp_path / "gpu.png"), "--shm-dir", shm_dir, "--timeout-s", "30"],
-        capture_output=True, text=True, timeout=240)
+    done = _bench_gpu("--models", str(model), "--plane", "tls", "--lengths", "256", "--chunk-tokens", "64",
+                      "--repeats", "1", "--json", str(out), "--plot", str(tmp_path / "gpu.png"),
+                      "--shm-dir", shm_dir, "--timeout-s", "30")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     (m,) = report["models"]
@@ -229,18 +234,12 @@ def test_the_tls_plane_moves_the_hit_under_mutual_tls_into_the_rows(tmp_path: Pa
     assert hit["identical"] and hit["all_loaded"] and hit["loaded"] == m["rows"][0]["chunks"]
 
 
-def test_sidecar_cpus_add_a_pair_on_that_many_cpus_each_whose_lanes_follow_its_cores(tmp_path: Path, shm_dir: str):
-    config = dict(load_model_config("tiny-llama")[1], num_hidden_layers=2)
-    model = tmp_path / "tiny" / "config.json"
-    model.parent.mkdir()
-    model.write_text(json.dumps(config))
+def test_sidecar_cpus_add_a_pair_on_that_many_cpus_each_whose_lanes_follow_its_cores(
+        tmp_path: Path, shm_dir: str, model: Path):
     out = tmp_path / "gpu.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "kv_offload_operator.cli", "bench", "gpu", "--models", str(model), "--lanes", "2",
-         "--sidecar-cpus", "1", "--lengths", "256,512", "--sweep-lengths", "512", "--chunk-tokens", "64",
-         "--repeats", "1", "--json", str(out), "--plot", str(tmp_path / "gpu.png"), "--shm-dir", shm_dir,
-         "--timeout-s", "30"],
-        capture_output=True, text=True, timeout=240)
+    done = _bench_gpu("--models", str(model), "--lanes", "2", "--sidecar-cpus", "1", "--lengths", "256,512",
+                      "--sweep-lengths", "512", "--chunk-tokens", "64", "--repeats", "1", "--json", str(out),
+                      "--plot", str(tmp_path / "gpu.png"), "--shm-dir", shm_dir, "--timeout-s", "30")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["sidecar_cpus"] == [1]

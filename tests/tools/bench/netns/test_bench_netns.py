@@ -5,22 +5,19 @@ its parts are tested where they live (tests/tools/netns)."""
 
 from __future__ import annotations
 
-import pytest
-from refusal import bench, refusal
+from refusal import bench, refuses_each
 
 CLI = bench("netns")
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (["--pods", "2"], "--pods 2 must be between 3 and 16"),
-    (["--pods", "17"], "--pods 17 must be between 3 and 16"),
-    (["--cut-seconds", "0"], "--cut-seconds 0 must be at least 1"),
-    (["--before-seconds", "1"], "--before-seconds 1 must be at least 2"),
-    (["--fetch-deadline-seconds", "nan"], "--fetch-deadline-seconds nan must be at least 0.1"),
-    (["--scenarios", "capped,storm"], "--scenarios 'capped,storm': unknown storm; valid: isolate, capped, "
-                                      "churn, reused, resolver, domain"),
-    (["--churn-pods", "15"], "--churn-pods 15 must be at most 14"),
-    (["--cap-bits", "100"], "--cap-bits 100 must be at least 8000"),
-], ids=["too-few-pods", "too-many-pods", "cut", "before", "deadline-nan", "scenario", "churn-pods", "cap"])
-def test_bad_input_is_one_line_and_exit_2(args: list[str], named: str) -> None:
-    assert refusal(CLI, *args) == named
+test_bad_input_is_one_line_and_exit_2 = refuses_each(CLI, {
+    "too-few-pods": (["--pods", "2"], "--pods 2 must be between 3 and 16"),
+    "too-many-pods": (["--pods", "17"], "--pods 17 must be between 3 and 16"),
+    "cut": (["--cut-seconds", "0"], "--cut-seconds 0 must be at least 1"),
+    "before": (["--before-seconds", "1"], "--before-seconds 1 must be at least 2"),
+    "deadline-nan": (["--fetch-deadline-seconds", "nan"], "--fetch-deadline-seconds nan must be at least 0.1"),
+    "scenario": (["--scenarios", "capped,storm"],
+                 "--scenarios 'capped,storm': unknown storm; valid: isolate, capped, churn, reused, resolver, domain"),
+    "churn-pods": (["--churn-pods", "15"], "--churn-pods 15 must be at most 14"),
+    "cap": (["--cap-bits", "100"], "--cap-bits 100 must be at least 8000"),
+})
