@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,6 @@ from typing import Protocol
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker, drop_sent, send_some
 from kv_offload_sidecar.data.write_gates import WriteGate
-from kv_offload_sidecar.engine.readiness import readable
 from kv_offload_sidecar.keepalive import keep_alive
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
@@ -131,9 +131,11 @@ def send_now(sock: socket.socket, frame: list) -> list:
 def poll_readable(sock: socket.socket, seconds: float) -> None:
     """Spin briefly until ``sock`` has data: a reply due in microseconds is then read
     without the process going to sleep in epoll and paying the wake-up."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        if readable(sock):
+        if poller.poll(0):
             return
 
 
@@ -167,9 +169,21 @@ async def read_frame(stream: DataStream, header_buf: bytearray, chunk_bytes: int
     if header.type is proto.MessageType.CHUNK:
         return header, None
     payload = bytearray(header.length)
+    got = 0
+    sock = stream.sock
+    if sock is not None:  # plain: a payload mostly comes whole with its header
+        try:
+            got = sock.recv_into(payload)
+            if got == 0 and header.length:
+                raise ConnectionError(f"connection closed after 0 of {header.length} bytes")
+        except (BlockingIOError, InterruptedError):
+            pass
+        if got == header.length:
+            return header, payload  # no timer armed and cancelled, no loop turn
     try:
         async with asyncio.timeout(payload_timeout):
-            await stream.recv_into(payload)
+            with memoryview(payload) as mv, mv[got:] as rest:
+                await stream.recv_into(rest)
     except TimeoutError:
         raise proto.ProtocolError("malformed", f"{header.type.name} frame stalled: its "
                                   f"{header.length}-byte payload did not arrive within "
