@@ -59,6 +59,23 @@ async def test_lookup_returns_the_leading_hit_prefix(start_peer: Callable[..., P
         assert many == list(range(1, 9))  # concurrent lookups on one connection
 
 
+async def test_large_chunks_back_to_back_land_whole_and_a_miss_behind_them_ends_the_prefix(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
+    # Chunks of 1 MiB or more arrive on the connection's thread, which reads the frame after
+    # each while more are due (a CHUNK's header and prefix, or here the CHUNK_MISSING).
+    big = 2 << 20
+    peer = start_peer("tcp", chunks=6, chunk_bytes=big)
+    store = make_store(slots=8, chunk_bytes=big)
+    keys = [key_of(i) for i in range(6)]
+    async with session(peer.address) as client:
+        assert await client.fetch(keys + [key_of(999), key_of(0)], store, timeout=20) == 6
+        assert await client.lookup(keys, timeout=5) == 6  # the connection still reads its replies
+        assert await client.fetch([key_of(999)], store, timeout=5) == 0
+    for i, key in enumerate(keys):
+        assert chunk_bytes_in(store, key) == content_of(i, big)
+    assert_nothing_partial(store, big)
+
+
 async def test_fetch_stops_at_a_key_the_peer_does_not_hold(
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     peer = start_peer("tcp", chunks=4, chunk_bytes=CHUNK)

@@ -207,10 +207,13 @@ class DataStream(Protocol):
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
-                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
+                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None,
+                        then: Callable[[StreamWorker], object] | None = None) -> object:
         """Fill ``view`` completely, ``on_piece`` called with each piece as it lands (see
         ``recv_exactly``); ConnectionError on EOF. ``gate``: every receive into ``view``, on
-        the loop or on the connection's thread, is made under it (``write_gates``)."""
+        the loop or on the connection's thread, is made under it (``write_gates``). ``then``:
+        when ``view`` was filled on the connection's thread, called there right after with
+        its worker (to read what follows without a loop turn); returns its result, else None."""
 
     async def send(self, buffers: Sequence) -> None:
         """Send ``buffers`` in order; once it returns, they may be reused or released."""
@@ -246,15 +249,17 @@ class SocketStream:
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
-                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
-        """``on_piece``, ``piece_bytes``, ``gate``: see ``recv_exactly``."""
+                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None,
+                        then: Callable[[StreamWorker], object] | None = None) -> object:
+        """``on_piece``, ``piece_bytes``, ``gate``: see ``recv_exactly``; ``then``: see ``DataStream``."""
         if len(view) >= OFF_LOOP_BYTES:
+            worker = self._worker
             with memoryview(view) as mv:
-                await self._worker.run(lambda: self._worker.receive(
-                    mv, piece_bytes if on_piece is not None else len(mv), batch_bytes, on_piece, gate))
-            return
+                return await worker.run(lambda: worker.receive_then(
+                    mv, piece_bytes if on_piece is not None else len(mv), batch_bytes, on_piece, gate, then))
         await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes,
                            on_piece=on_piece, piece_bytes=piece_bytes, gate=gate)
+        return None
 
     async def send(self, buffers: Sequence) -> None:
         if sum(len(b) for b in buffers) >= OFF_LOOP_BYTES:

@@ -195,6 +195,13 @@ class StreamWorker:
         if not all(fut.result() for fut in handed):
             raise StreamStopped("the connection was stopped while a piece was being hashed")
 
+    def receive_then(self, view: memoryview, piece_bytes: int, batch_bytes: int,
+                     on_piece: Callable[[memoryview], object] | None, gate: WriteGate | None,
+                     then: Callable[[StreamWorker], object] | None) -> object:
+        """(On the thread.) ``receive``, then ``then(self)`` when given: its result."""
+        self.receive(view, piece_bytes, batch_bytes, on_piece, gate)
+        return None if then is None else then(self)
+
     def _hand_over(self, on_piece: Callable[[memoryview], object],
                    piece: memoryview) -> concurrent.futures.Future[bool]:
         """Queue ``on_piece(piece)`` on the hashing thread (pieces run in the order given)."""
