@@ -30,6 +30,8 @@ Contract:
   being hashed, if any (``_hash_lock``), and no piece is hashed after it; a receive returns
   only once every piece it handed over is hashed, and raises ``StreamStopped`` when one was
   skipped (its digest would be wrong, not the bytes).
+- ``run``'s result reaches the loop through the loop's ``LoopWakes``: transfers that finish
+  on any connection's thread before the loop runs share one wake-up of it.
 - The socket calls themselves are ``recv_some`` and ``send_views``: a plain socket's here, a
   TLS socket's in ``tls_stream.TlsWorker`` (whose loop-side calls take the same ``lock``, as
   an OpenSSL connection must not be used by two threads at once).
