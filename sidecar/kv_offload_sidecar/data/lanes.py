@@ -160,8 +160,11 @@ class LanedPeerDataClient(FramedPeerDataClient):
         stripes: list[list[tuple[int, PendingChunk]]] = [[] for _ in range(n)]
         for index, pending in batch:
             stripes[(start + index) % n].append((index, pending))
-        await asyncio.gather(*(lane._request_chunks(stripe)
-                               for lane, stripe in zip(self._lanes, stripes, strict=True) if stripe))
+        sends = [lane._request_chunks(stripe) for lane, stripe in zip(self._lanes, stripes, strict=True) if stripe]
+        if len(sends) == 1:  # the usual batch (one chunk landed, one asked for): no task made
+            await sends[0]
+        else:
+            await asyncio.gather(*sends)
 
     def _fail(self, exc: BaseException) -> None:
         """End every connection (each stops its thread's writes first, see ``tcp.client``)."""

@@ -1,5 +1,6 @@
 """A connection's thread hashes each received piece beside its receive where a second core
-is usable, in order, and never after ``stop()`` returned (``data.tcp.stream_worker``)."""
+is usable, in order, and never after ``stop()`` returned; transfers that finish on the threads
+before the loop runs share one wake-up of it (``data.tcp.stream_worker``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import threading
 
 import pytest
-from kv_offload_sidecar.data.tcp.stream_worker import StreamStopped, StreamWorker
+from kv_offload_sidecar.data.tcp.stream_worker import LoopWakes, StreamStopped, StreamWorker
 from kv_offload_sidecar.store.checksum import chunk_checksum, chunk_hasher
 
 PIECE = 256 << 10
@@ -146,3 +147,36 @@ async def test_the_pieces_a_receive_hands_over_digest_to_the_whole_chunk() -> No
         sender.join(60)
         a.close()
         b.close()
+
+
+async def test_transfers_finished_before_the_loop_runs_share_one_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = asyncio.get_running_loop()
+    woken: list[object] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(callback, *args):  # type: ignore[no-untyped-def]
+        woken.append(callback)
+        return real(callback, *args)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    wakes = LoopWakes(loop)
+    done = [loop.create_future() for _ in range(3)]
+    failed, cancelled = loop.create_future(), loop.create_future()
+    cancelled.cancel()  # its task gave up: skipped
+
+    def finish() -> None:
+        for i, fut in enumerate(done):
+            wakes.post(fut, i, None)
+        wakes.post(failed, None, ConnectionError("gone"))
+        wakes.post(cancelled, 9, None)
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    thread.join()  # all of them finished while the loop did not run
+    assert await asyncio.gather(*done) == [0, 1, 2]
+    with pytest.raises(ConnectionError, match="gone"):
+        await failed
+    assert len(woken) == 1
+    wakes.post(done[0], 0, None)  # a finished future is left alone, the next batch wakes again
+    await asyncio.sleep(0)
+    assert len(woken) == 2

@@ -59,6 +59,23 @@ async def test_lookup_returns_the_leading_hit_prefix(start_peer: Callable[..., P
         assert many == list(range(1, 9))  # concurrent lookups on one connection
 
 
+async def test_large_chunks_back_to_back_land_whole_and_a_miss_behind_them_ends_the_prefix(
+        start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
+    # Chunks of 1 MiB or more arrive on the connection's thread, which reads the frame after
+    # each while more are due (a CHUNK's header and prefix, or here the CHUNK_MISSING).
+    big = 2 << 20
+    peer = start_peer("tcp", chunks=6, chunk_bytes=big)
+    store = make_store(slots=8, chunk_bytes=big)
+    keys = [key_of(i) for i in range(6)]
+    async with session(peer.address) as client:
+        assert await client.fetch(keys + [key_of(999), key_of(0)], store, timeout=20) == 6
+        assert await client.lookup(keys, timeout=5) == 6  # the connection still reads its replies
+        assert await client.fetch([key_of(999)], store, timeout=5) == 0
+    for i, key in enumerate(keys):
+        assert chunk_bytes_in(store, key) == content_of(i, big)
+    assert_nothing_partial(store, big)
+
+
 async def test_fetch_stops_at_a_key_the_peer_does_not_hold(
         start_peer: Callable[..., PeerProcess], make_store: Callable[..., ChunkStore]) -> None:
     peer = start_peer("tcp", chunks=4, chunk_bytes=CHUNK)
@@ -222,6 +239,57 @@ async def test_fetch_past_its_deadline_becomes_an_error_and_frees_its_slots(
             await client.lookup([key_of(0)], timeout=1)
     finally:
         server.close()
+
+
+async def test_a_lookup_answered_after_its_spin_or_in_pieces_is_answered_by_the_reader() -> None:
+    # The holder runs on this test's loop: its reply can only come once the lookup stopped
+    # spinning for it (the reader task answers it then), and here in two pieces.
+    def counted(header: proto.Header) -> list[bytes]:
+        reply = proto.join(proto.encode_lookup_reply(header.request_id, 1))
+        return [reply[:5], reply[5:]]
+
+    address, server = await split_reply_server(counted)
+    try:
+        client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5)
+        assert await client.lookup([key_of(0), key_of(1)], timeout=5) == 1
+        await client.close()
+    finally:
+        server.close()
+
+
+async def test_a_lookup_never_answered_fails_at_its_deadline() -> None:
+    address, server = await silent_server()
+    try:
+        client = await connect(address, SESSION_ID, SESSION_KEY, timeout=5)
+        with pytest.raises(TransportError, match="deadline"):
+            await client.lookup([key_of(0)], timeout=0.3)
+        with pytest.raises(TransportError):
+            await client.lookup([key_of(0)], timeout=1)  # the connection ended with it
+    finally:
+        server.close()
+
+
+async def split_reply_server(
+        reply: Callable[[proto.Header], list[bytes]]) -> tuple[str, asyncio.AbstractServer]:
+    """A real TCP server that authenticates anyone, then answers its first frame with the
+    pieces ``reply`` gives, each written once the one before it was sent."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(proto.join(proto.encode_auth_challenge(bytes(16))))
+        await reader.readexactly(proto.HEADER_BYTES + 2 + len(SESSION_ID) + 32)
+        writer.write(proto.join(proto.encode_auth_ok()))
+        head = await reader.readexactly(proto.HEADER_BYTES)
+        header = proto.decode_header(head)
+        await reader.readexactly(header.length)
+        for piece in reply(header):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0)  # a loop turn between the pieces
+        await reader.read()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return f"tcp://127.0.0.1:{port}", server
 
 
 async def test_unrequested_chunk_from_a_server_is_refused(make_store: Callable[..., ChunkStore]) -> None:

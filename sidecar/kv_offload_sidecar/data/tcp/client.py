@@ -13,6 +13,7 @@ import logging
 import socket
 import ssl as ssl_module
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.data import protocol as proto
@@ -34,6 +35,7 @@ from kv_offload_sidecar.data.tcp.sockets import (
     split_host_port,
     tune_socket,
 )
+from kv_offload_sidecar.data.tcp.stream_worker import StreamWorker
 from kv_offload_sidecar.data.tcp.tls_stream import open_tls
 from kv_offload_sidecar.rejections import clip
 from kv_offload_sidecar.store.checksum import chunk_hasher
@@ -173,6 +175,53 @@ class TcpPeerDataClient(FramedPeerDataClient):
         poll_readable(sock, min(LOOKUP_SPIN_SECONDS, timeout))
         return self._take_lookup_reply(sock, rid, asked)
 
+    async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
+        """The framed client's lookup; with nothing else in flight on a plain connection, its
+        LOOKUP is written straight to the socket and its reply taken straight off it (no
+        future, timer, lock or reader task on the way: about half of an idle lookup's time
+        went there), else, or when either is not whole at once, the framed path."""
+        sock = self._stream.sock  # None under TLS
+        if (sock is None or self._lookups or self._chunks or self._send_lock.locked() or not keys
+                or self._error is not None):
+            return await super().lookup(keys, timeout)
+        rid = self._rids(1)
+        asked = len(keys)
+        try:
+            frame = proto.join(proto.encode_lookup(rid, keys))
+            sent = sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except self._send_errors as exc:
+            self._fail(exc)
+            raise TransportError(f"lookup failed: {exc}") from exc
+        if sent == len(frame):
+            poll_readable(sock, min(LOOKUP_SPIN_SECONDS, timeout))
+            count = self._take_lookup_reply(sock, rid, asked)
+            if count is not None:
+                return count
+        # Not answered at once: the reader task answers it. Registered before any await, so
+        # a reply the reader takes meanwhile finds its future.
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._lookups[rid] = (fut, asked)
+        try:
+            async with asyncio.timeout(timeout):
+                if sent < len(frame):
+                    await self._send([frame[sent:]])
+                return await fut
+        except TimeoutError:
+            exc = TransportError(f"lookup of {asked} keys missed its {timeout:.3g}s deadline")
+            self._fail(exc)
+            raise exc from None
+        except TransportError:
+            raise
+        except self._send_errors as exc:
+            self._fail(exc)
+            raise TransportError(f"lookup failed: {exc}") from exc
+        finally:
+            self._lookups.pop(rid, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+
     def _take_lookup_reply(self, sock: socket.socket, rid: int, asked: int) -> int | None:
         """With nothing else in flight, take this lookup's reply straight off the socket
         when it is already there whole (peeked first: anything else, or a partial frame,
@@ -220,14 +269,20 @@ class TcpPeerDataClient(FramedPeerDataClient):
         stream = self._stream
         header_buf = bytearray(proto.HEADER_BYTES)
         prefix_buf = bytearray(2 + proto.MAX_KEY_BYTES + 8)
+        # The next frame's header (and a CHUNK's prefix size) when the connection's thread
+        # read them right after the chunk before (``_read_ahead``).
+        ahead: tuple[proto.Header, int] | None = None
         try:
             while True:
-                await stream.recv_into(header_buf)
-                self.heard_at = time.monotonic()
-                header = proto.decode_header(header_buf)
+                if ahead is None:
+                    await stream.recv_into(header_buf)
+                    self.heard_at = time.monotonic()
+                    header, prefix_size = proto.decode_header(header_buf), 0
+                else:
+                    (header, prefix_size), ahead = ahead, None
                 mtype = header.type
                 if mtype is proto.MessageType.CHUNK:
-                    await self._read_chunk(header, prefix_buf)
+                    ahead = await self._read_chunk(header, prefix_buf, prefix_size, header_buf)
                     continue
                 payload = bytearray(header.length)
                 await stream.recv_into(payload)
@@ -255,13 +310,17 @@ class TcpPeerDataClient(FramedPeerDataClient):
         finally:
             stream.close()
 
-    async def _read_chunk(self, header: proto.Header, prefix_buf: bytearray) -> None:
+    async def _read_chunk(self, header: proto.Header, prefix_buf: bytearray, prefix_size: int,
+                          header_buf: bytearray) -> tuple[proto.Header, int] | None:
+        """One CHUNK's prefix (unless read ahead: ``prefix_size``) and payload, committed; the
+        next frame's header when the connection's thread read it right after (``_read_ahead``)."""
         stream = self._stream
         with memoryview(prefix_buf) as pv:
-            await stream.recv_into(pv[:2])
-            size = proto.chunk_prefix_bytes_needed(pv[:2])
-            await stream.recv_into(pv[2:size])
-            prefix = proto.decode_chunk_prefix(pv[:size])
+            if not prefix_size:
+                await stream.recv_into(pv[:2])
+                prefix_size = proto.chunk_prefix_bytes_needed(pv[:2])
+                await stream.recv_into(pv[2:prefix_size])
+            prefix = proto.decode_chunk_prefix(pv[:prefix_size])
         p = self._chunks.get(header.request_id)
         if p is None or p.key != prefix.key:
             raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
@@ -280,8 +339,41 @@ class TcpPeerDataClient(FramedPeerDataClient):
             hasher.update(piece)
             self.heard_at = time.monotonic()  # bytes still coming: the holder is alive
 
-        await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES, on_piece=on_piece,
-                               piece_bytes=RECV_PIECE_BYTES, gate=p.gate)
+        def read_ahead(worker: StreamWorker) -> object:
+            return self._read_ahead(worker, header_buf, prefix_buf)
+
+        ahead = await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES, on_piece=on_piece,
+                                       piece_bytes=RECV_PIECE_BYTES, gate=p.gate, then=read_ahead)
         computed = hasher.intdigest()
         del self._chunks[header.request_id]
         commit_received(p, prefix.checksum, self._metrics, computed)
+        if isinstance(ahead, BaseException):
+            raise ahead  # the chunk before it is in: the connection ends after it
+        return ahead  # type: ignore[return-value]
+
+    def _read_ahead(self, worker: StreamWorker, header_buf: bytearray,
+                    prefix_buf: bytearray) -> tuple[proto.Header, int] | BaseException | None:
+        """(On the connection's thread, right after a chunk's payload.) While more chunks are
+        due on this connection, the next frame's header, and a CHUNK's prefix, read here: the
+        loop then makes none of those small receives (each a GIL hand-over that convoys with
+        the lanes' threads, and an epoll registration when the frame is not there yet). The
+        reader task awaits this thread meanwhile, so nothing else reads the socket; a stop
+        (``_fail``) wakes it. Returns (header, prefix bytes; 0 for a frame that is no CHUNK),
+        None when nothing more is due, or the error (raised on the loop once the chunk
+        before it is committed)."""
+        if len(self._chunks) < 2:  # only the one just received (dict length: atomic)
+            return None
+        try:
+            with memoryview(header_buf) as hv:
+                worker.receive(hv, len(hv), 0, None)
+            self.heard_at = time.monotonic()
+            header = proto.decode_header(header_buf)
+            if header.type is not proto.MessageType.CHUNK:
+                return header, 0
+            with memoryview(prefix_buf) as pv:
+                worker.receive(pv[:2], 2, 0, None)
+                size = proto.chunk_prefix_bytes_needed(pv[:2])
+                worker.receive(pv[2:size], size - 2, 0, None)
+            return header, size
+        except Exception as exc:  # noqa: BLE001 (handed to the loop, which ends the connection)
+            return exc

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,6 @@ from typing import Protocol
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, StreamWorker, drop_sent, send_some
 from kv_offload_sidecar.data.write_gates import WriteGate
-from kv_offload_sidecar.engine.readiness import readable
 from kv_offload_sidecar.keepalive import keep_alive
 from kv_offload_sidecar.store.checksum import CACHED_PIECE_BYTES
 
@@ -131,9 +131,11 @@ def send_now(sock: socket.socket, frame: list) -> list:
 def poll_readable(sock: socket.socket, seconds: float) -> None:
     """Spin briefly until ``sock`` has data: a reply due in microseconds is then read
     without the process going to sleep in epoll and paying the wake-up."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        if readable(sock):
+        if poller.poll(0):
             return
 
 
@@ -167,9 +169,21 @@ async def read_frame(stream: DataStream, header_buf: bytearray, chunk_bytes: int
     if header.type is proto.MessageType.CHUNK:
         return header, None
     payload = bytearray(header.length)
+    got = 0
+    sock = stream.sock
+    if sock is not None:  # plain: a payload mostly comes whole with its header
+        try:
+            got = sock.recv_into(payload)
+            if got == 0 and header.length:
+                raise ConnectionError(f"connection closed after 0 of {header.length} bytes")
+        except (BlockingIOError, InterruptedError):
+            pass
+        if got == header.length:
+            return header, payload  # no timer armed and cancelled, no loop turn
     try:
         async with asyncio.timeout(payload_timeout):
-            await stream.recv_into(payload)
+            with memoryview(payload) as mv, mv[got:] as rest:
+                await stream.recv_into(rest)
     except TimeoutError:
         raise proto.ProtocolError("malformed", f"{header.type.name} frame stalled: its "
                                   f"{header.length}-byte payload did not arrive within "
@@ -193,10 +207,13 @@ class DataStream(Protocol):
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
-                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
+                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None,
+                        then: Callable[[StreamWorker], object] | None = None) -> object:
         """Fill ``view`` completely, ``on_piece`` called with each piece as it lands (see
         ``recv_exactly``); ConnectionError on EOF. ``gate``: every receive into ``view``, on
-        the loop or on the connection's thread, is made under it (``write_gates``)."""
+        the loop or on the connection's thread, is made under it (``write_gates``). ``then``:
+        when ``view`` was filled on the connection's thread, called there right after with
+        its worker (to read what follows without a loop turn); returns its result, else None."""
 
     async def send(self, buffers: Sequence) -> None:
         """Send ``buffers`` in order; once it returns, they may be reused or released."""
@@ -232,15 +249,17 @@ class SocketStream:
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
-                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
-        """``on_piece``, ``piece_bytes``, ``gate``: see ``recv_exactly``."""
+                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None,
+                        then: Callable[[StreamWorker], object] | None = None) -> object:
+        """``on_piece``, ``piece_bytes``, ``gate``: see ``recv_exactly``; ``then``: see ``DataStream``."""
         if len(view) >= OFF_LOOP_BYTES:
+            worker = self._worker
             with memoryview(view) as mv:
-                await self._worker.run(lambda: self._worker.receive(
-                    mv, piece_bytes if on_piece is not None else len(mv), batch_bytes, on_piece, gate))
-            return
+                return await worker.run(lambda: worker.receive_then(
+                    mv, piece_bytes if on_piece is not None else len(mv), batch_bytes, on_piece, gate, then))
         await recv_exactly(self._loop, self._sock, view, batch_bytes=batch_bytes,
                            on_piece=on_piece, piece_bytes=piece_bytes, gate=gate)
+        return None
 
     async def send(self, buffers: Sequence) -> None:
         if sum(len(b) for b in buffers) >= OFF_LOOP_BYTES:

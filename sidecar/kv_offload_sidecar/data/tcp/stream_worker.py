@@ -30,6 +30,8 @@ Contract:
   being hashed, if any (``_hash_lock``), and no piece is hashed after it; a receive returns
   only once every piece it handed over is hashed, and raises ``StreamStopped`` when one was
   skipped (its digest would be wrong, not the bytes).
+- ``run``'s result reaches the loop through the loop's ``LoopWakes``: transfers that finish
+  on any connection's thread before the loop runs share one wake-up of it.
 - The socket calls themselves are ``recv_some`` and ``send_views``: a plain socket's here, a
   TLS socket's in ``tls_stream.TlsWorker`` (whose loop-side calls take the same ``lock``, as
   an OpenSSL connection must not be used by two threads at once).
@@ -43,6 +45,7 @@ import contextlib
 import select
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,6 +91,53 @@ def drop_sent(views: list[memoryview], sent: int) -> None:
             sent = 0
 
 
+class LoopWakes:
+    """Transfers finished on the connections' threads, handed to one event loop in batches: the
+    first of a batch wakes the loop (``call_soon_threadsafe``), those that finish before it ran
+    join that wake. With lanes on few cores a loop woken once per chunk of each lane spent its
+    turns on the wake-ups (a write and a read of its self-pipe and an epoll return each)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        # (future, result, error) finished and not yet handed to the loop.
+        self._done: list[tuple[asyncio.Future[object], object, BaseException | None]] = []
+
+    def post(self, fut: asyncio.Future[object], result: object, error: BaseException | None) -> None:
+        """(Any thread.) ``fut`` gets ``result`` (or ``error``) on the loop, soon."""
+        with self._lock:
+            first = not self._done
+            self._done.append((fut, result, error))
+        if first:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                self._loop.call_soon_threadsafe(self._hand_over)
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            done, self._done = self._done, []
+        for fut, result, error in done:
+            if fut.done():  # its task was cancelled meanwhile
+                continue
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
+
+_wakes_lock = threading.Lock()
+# Event loop -> its LoopWakes.
+_wakes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWakes] = weakref.WeakKeyDictionary()
+
+
+def loop_wakes(loop: asyncio.AbstractEventLoop) -> LoopWakes:
+    """The ``LoopWakes`` of ``loop`` (made at first use)."""
+    with _wakes_lock:
+        wakes = _wakes.get(loop)
+        if wakes is None:
+            wakes = _wakes[loop] = LoopWakes(loop)
+        return wakes
+
+
 class StreamStopped(ReceiveStopped):
     """The connection's thread was stopped while a transfer was under way."""
 
@@ -117,7 +167,19 @@ class StreamWorker:
             raise StreamStopped("the connection was stopped")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, work)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[object] = loop.create_future()
+        wakes = loop_wakes(loop)
+
+        def job() -> None:
+            try:
+                result = work()
+            except BaseException as exc:  # noqa: BLE001 (handed to the awaiting task)
+                wakes.post(fut, None, exc)
+            else:
+                wakes.post(fut, result, None)
+
+        self._executor.submit(job)
         try:
             return await fut
         except BaseException:
@@ -194,6 +256,13 @@ class StreamWorker:
             concurrent.futures.wait(handed)  # no piece of ``view`` is hashed after this
         if not all(fut.result() for fut in handed):
             raise StreamStopped("the connection was stopped while a piece was being hashed")
+
+    def receive_then(self, view: memoryview, piece_bytes: int, batch_bytes: int,
+                     on_piece: Callable[[memoryview], object] | None, gate: WriteGate | None,
+                     then: Callable[[StreamWorker], object] | None) -> object:
+        """(On the thread.) ``receive``, then ``then(self)`` when given: its result."""
+        self.receive(view, piece_bytes, batch_bytes, on_piece, gate)
+        return None if then is None else then(self)
 
     def _hand_over(self, on_piece: Callable[[memoryview], object],
                    piece: memoryview) -> concurrent.futures.Future[bool]:

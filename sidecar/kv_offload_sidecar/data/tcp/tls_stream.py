@@ -168,17 +168,19 @@ class TlsStream:
 
     async def recv_into(self, view: memoryview | bytearray, *, batch_bytes: int = 0,
                         on_piece: Callable[[memoryview], object] | None = None,
-                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None) -> None:
+                        piece_bytes: int = CACHED_PIECE_BYTES, gate: WriteGate | None = None,
+                        then: Callable[[StreamWorker], object] | None = None) -> object:
         """Fill ``view`` completely; ConnectionError when the connection ends first.
         ``on_piece``: called with each piece as it lands (``sockets.recv_exactly``);
         ``batch_bytes`` is a plain-socket knob (TLS records already batch). ``gate``: each
-        decrypting read into ``view`` is made under it (``write_gates``)."""
+        decrypting read into ``view`` is made under it (``write_gates``). ``then``: see
+        ``sockets.DataStream``."""
         with memoryview(view) as mv:
             n = len(mv)
             if n >= OFF_LOOP_BYTES:
-                await self._worker.run(lambda: self._worker.receive(
-                    mv, piece_bytes if on_piece is not None else n, 0, on_piece, gate))
-                return
+                worker = self._worker
+                return await worker.run(lambda: worker.receive_then(
+                    mv, piece_bytes if on_piece is not None else n, 0, on_piece, gate, then))
             got = 0
             while got < n:
                 with mv[got:] as rest:
@@ -190,6 +192,7 @@ class TlsStream:
                     with mv[got:got + k] as piece:
                         on_piece(piece)
                 got += k
+        return None
 
     async def send(self, buffers: Sequence) -> None:
         buffers = _joined(buffers)
