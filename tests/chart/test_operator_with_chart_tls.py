@@ -32,7 +32,7 @@ from operator_process import KV_OFFLOAD, OperatorProcess
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_for_async
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 WEBHOOK_DNS = f"{FULLNAME}.{NAMESPACE}.svc"
 POD_NAMESPACE = "inference"

@@ -30,7 +30,7 @@ SECRET = f"{FULLNAME}-webhook-tls"
 SECRETS_URL = f"/api/v1/namespaces/{NAMESPACE}/secrets"
 WEBHOOKS_URL = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 KV_OFFLOAD = str(Path(sys.executable).with_name("kv-offload"))
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture

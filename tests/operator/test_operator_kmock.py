@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 from waiting import wait_for_async
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(autouse=True)
@@ -736,7 +736,9 @@ async def _edited_then_deleted(kmock: kmock.KubernetesEmulator, operator: Operat
     resp = await kmock.delete(url)
     assert resp.status == 200, await resp.text()
     await wait_for_async(f"the {kind} created again", lambda: data() == written)
-    return await wait_for_metrics(operator.metrics_port, lambda s: reverted(s) == reverts + 1, log=operator.log)
+    # At least once more: a revert of the edit that raced the first reconciliations may be counted
+    # late, so an exact count could be stepped over between two scrapes and never seen.
+    return await wait_for_metrics(operator.metrics_port, lambda s: reverted(s) >= reverts + 1, log=operator.log)
 
 
 async def test_a_hand_edited_or_deleted_pool_configmap_is_reverted_within_seconds_counted_and_reported(

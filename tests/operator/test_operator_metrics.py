@@ -23,7 +23,7 @@ from operator_process import OperatorProcess
 from waiting import wait_for_async
 from webhook_support import Webhook, vllm_pod
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("cluster_within_rbac")]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("cluster_within_rbac")]
 
 BAD_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]  # no offloading connector
 ADMISSIONS = "kv_offload_operator_admissions_total"

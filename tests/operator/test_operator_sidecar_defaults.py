@@ -18,7 +18,7 @@ import pytest
 from operator_harness import KV_OFFLOAD, POOLS, POOLS_URL, create, obj, pool_body, wait_for
 from webhook_support import SIDECAR_NAME, Webhook, admitted, serving_cluster, sidecar_flags, vllm_pod
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 
 def _invalid_message(k: kmock.KubernetesEmulator, name: str) -> str | None:

@@ -261,7 +261,7 @@ def test_the_first_control_port_is_kvo_metrics_whatever_the_dp_start_rank(dp_ind
     assert container["livenessProbe"]["httpGet"]["port"] == 5710 + dp_indices[0]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_real_ucx_sidecars_run_with_the_injected_env_and_share_chunks() -> None:
     """The env sidecar_env builds (UCX_TLS=tcp,sm,self, the pool's PYTHONHASHSEED) in real processes."""
     spec = pool_spec.SidecarSpec.from_pool(hash_seed_pool("4321"), default_image="img:1")

@@ -213,7 +213,7 @@ def test_printer_columns_show_ready_and_reason_from_the_ready_condition() -> Non
     assert (evaluate(columns["Ready"]), evaluate(columns["Reason"])) == ("False", "Waiting")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_real_ucx_sidecars_with_the_rdma_preset_refuse_a_ucx_built_without_rdma_saying_what_to_change() -> None:
     """The env an rdma-rc pool injects (UCX_TLS=rc,sm,self,tcp), in a real sidecar process whose
     UCX (the ucxx wheel's, as in an image built without a UCX source) has no rc compiled in:

@@ -26,7 +26,7 @@ from operator_harness import (
 from operator_process import OperatorProcess
 from waiting import wait_for_async
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("cluster_within_rbac")]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("cluster_within_rbac")]
 APPS = f"/apis/apps/v1/namespaces/{NAMESPACE}"
 LWS = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NAMESPACE}/leaderworkersets"
 SERVE = ["serve", "meta-llama/Llama-3.1-8B", "--port", "8000", "--block-size", "16"]

@@ -84,7 +84,7 @@ def events_about(k: kmock.KubernetesEmulator, name: str) -> list[dict[str, Any]]
             and not o.deleted and (dict(o.raw).get("involvedObject") or {}).get("name") == name]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 async def test_a_pool_pinning_an_older_sidecar_release_is_invalid_with_a_condition_and_an_event(
         kmock: kmock.KubernetesEmulator, tmp_path: Path) -> None:
     emulate_cluster(kmock)

@@ -19,7 +19,7 @@ from operator_process import OperatorProcess, make_tls
 from waiting import wait_for_async
 from webhook_support import Webhook, vllm_pod
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 
 async def test_without_a_cert_dir_the_webhook_serves_https_with_a_self_signed_certificate(

@@ -26,7 +26,7 @@ from operator_process import SIDECAR_IMAGE
 from waiting import wait_for_async
 from webhook_support import SIDECAR_NAME, Cluster, serving_cluster, vllm_pod
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 DP_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16",
            "--data-parallel-size", "4", "--kv-transfer-config", KTC]
 BAD_ARGS = ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--block-size", "16"]  # no offloading

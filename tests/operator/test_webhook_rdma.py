@@ -19,7 +19,7 @@ import yaml
 from operator_harness import NAMESPACE, create, llama_config, obj, pool_body
 from webhook_support import Cluster, admitted, serving_cluster, vllm_pod
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 EXAMPLE = Path(__file__).parents[2] / "charts" / "kv-offload" / "examples" / "manifests" / "pool-rdma.yaml"
 
 

@@ -14,7 +14,7 @@ from metrics_support import value, wait_for_metrics
 from operator_harness import NAMESPACE, pool_body
 from webhook_support import serving_cluster, vllm_pod
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 WEBHOOK_TIMEOUT_SECONDS = 10  # the chart's webhook.timeoutSeconds (tests/chart holds the budget below it)
 
 

@@ -16,7 +16,7 @@ from kv_offload_operator.pools.kv_transfer import InjectedConnector
 from operator_harness import KTC, NAMESPACE, POOLS, create, obj, pool_body
 from webhook_support import Cluster, admitted, serving_cluster, vllm_pod
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 SCRIPT = "vllm serve meta-llama/Llama-3.1-8B --port 8000 --block-size 16"
 
 
