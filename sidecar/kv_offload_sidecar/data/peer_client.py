@@ -73,11 +73,13 @@ class FramedPeerDataClient(PeerDataClient):
         failed): stop the transport writing into slots."""
 
     @contextlib.asynccontextmanager
-    async def _answered(self, asked: int, what: str, late: str) -> AsyncIterator[tuple[int, asyncio.Future[int]]]:
-        """A LOOKUP of ``asked`` keys in flight: its request id and the future its reply answers.
-        A timeout in the block fails the connection with ``late``, an error of sending with
-        ``what`` failed; the request is forgotten and its future's error retrieved at the end."""
-        rid = self._rids(1)
+    async def _answered(self, asked: int, what: str, late: str,
+                        rid: int | None = None) -> AsyncIterator[tuple[int, asyncio.Future[int]]]:
+        """A LOOKUP of ``asked`` keys in flight: its request id (``rid``, else a new one) and the
+        future its reply answers. A timeout in the block fails the connection with ``late``, an
+        error of sending with ``what`` failed; the request is forgotten and its future's error
+        retrieved at the end."""
+        rid = self._rids(1) if rid is None else rid
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._lookups[rid] = (fut, asked)
         try:

@@ -209,21 +209,7 @@ async def test_chunk_of_another_size_is_refused_and_nothing_stored(
 async def silent_server(
         reply: Callable[[socket.socket, bytes], None] | None = None) -> tuple[str, asyncio.AbstractServer]:
     """A real TCP server that authenticates anyone, then answers with ``reply`` (or never)."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(proto.join(proto.encode_auth_challenge(bytes(16))))
-        await reader.readexactly(proto.HEADER_BYTES + 2 + len(SESSION_ID) + 32)
-        writer.write(proto.join(proto.encode_auth_ok()))
-        head = await reader.readexactly(proto.HEADER_BYTES)
-        header = proto.decode_header(head)
-        await reader.readexactly(header.length)
-        if reply is not None:
-            writer.write(reply(header))  # type: ignore[arg-type]
-        await reader.read()  # then silent until the client hangs up
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    return f"tcp://127.0.0.1:{port}", server
+    return await split_reply_server(lambda header: [] if reply is None else [reply(header)])  # type: ignore[arg-type]
 
 
 async def test_fetch_past_its_deadline_becomes_an_error_and_frees_its_slots(

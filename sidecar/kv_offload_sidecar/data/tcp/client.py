@@ -201,26 +201,12 @@ class TcpPeerDataClient(FramedPeerDataClient):
                 return count
         # Not answered at once: the reader task answers it. Registered before any await, so
         # a reply the reader takes meanwhile finds its future.
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._lookups[rid] = (fut, asked)
-        try:
+        async with self._answered(asked, "lookup", f"lookup of {asked} keys missed its {timeout:.3g}s deadline",
+                                  rid) as (_, fut):
             async with asyncio.timeout(timeout):
                 if sent < len(frame):
                     await self._send([frame[sent:]])
                 return await fut
-        except TimeoutError:
-            exc = TransportError(f"lookup of {asked} keys missed its {timeout:.3g}s deadline")
-            self._fail(exc)
-            raise exc from None
-        except TransportError:
-            raise
-        except self._send_errors as exc:
-            self._fail(exc)
-            raise TransportError(f"lookup failed: {exc}") from exc
-        finally:
-            self._lookups.pop(rid, None)
-            if fut.done() and not fut.cancelled():
-                fut.exception()
 
     def _take_lookup_reply(self, sock: socket.socket, rid: int, asked: int) -> int | None:
         """With nothing else in flight, take this lookup's reply straight off the socket
