@@ -11,6 +11,7 @@ from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chu
 from kv_offload_testing.local_pool import LocalPool
 from kv_offload_tools.shm_restarts import bounded_tmpfs, kill_and_recover, tmpfs_unavailable
 from waiting import wait_for
+from host_rights import require
 
 CAPACITY = 16 << 20
 # Config, keys, sockets and the sidecar's log beside the store: far less than a second store.
@@ -19,10 +20,8 @@ HEAD_ROOM = 2 << 20
 
 @pytest.fixture
 def pool() -> Iterator[LocalPool]:
-    """One sidecar whose store fills a bounded tmpfs (skipped, saying why, where none can be mounted)."""
-    reason = tmpfs_unavailable()
-    if reason:
-        pytest.skip(reason)
+    """One sidecar whose store fills a bounded tmpfs (failing, saying why, where none can be mounted)."""
+    require(tmpfs_unavailable())
     with bounded_tmpfs(CAPACITY + HEAD_ROOM) as shm, \
             LocalPool(1, capacity_bytes=CAPACITY, workdir=shm) as pool:
         yield pool

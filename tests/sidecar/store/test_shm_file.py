@@ -13,6 +13,7 @@ from kv_offload_sidecar.store import shm_file
 from kv_offload_sidecar.store.shm_file import create_mapping
 from kv_offload_tools.shm_restarts import bounded_tmpfs, tmpfs_unavailable
 from waiting import wait_for
+from host_rights import require
 
 STORE = 8 << 20
 
@@ -20,9 +21,7 @@ STORE = 8 << 20
 @pytest.fixture
 def one_store_volume():
     """A tmpfs that holds one store and 1 MiB more."""
-    reason = tmpfs_unavailable()
-    if reason:
-        pytest.skip(reason)
+    require(tmpfs_unavailable())
     with bounded_tmpfs(STORE + (1 << 20)) as path:
         yield path
 

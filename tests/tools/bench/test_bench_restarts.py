@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
 from kv_offload_tools.shm_restarts import tmpfs_unavailable
 from refusal import bench, refuses_each
+from host_rights import require
 
 CLI = bench("restarts")
 
@@ -21,9 +21,7 @@ test_bad_input_is_one_line_and_exit_2 = refuses_each(CLI, {
 
 
 def test_two_sigkills_on_a_bounded_shm_come_back_with_no_engine_error() -> None:
-    reason = tmpfs_unavailable()
-    if reason:
-        pytest.skip(reason)
+    require(tmpfs_unavailable())
     # How fast is the bench's to say, not the suite's: the target here only keeps the exit 0.
     done = subprocess.run([*CLI, "--rounds", "2", "--capacity-mib", "8", "--hit-within-seconds",
                            "1000", "--json"],

@@ -1,7 +1,7 @@
 """Fixtures of the network-namespace tests: a bare PodNetwork and a NetnsPool of three pods.
 
-Both skip, saying why, where this process may not make network namespaces (not root,
-not Linux, a container without CAP_SYS_ADMIN). Teardown removes every namespace the
+Both fail, saying why and what to change (``host_rights.require``), where this process may
+not make network namespaces (not root, not Linux, a container without CAP_SYS_ADMIN). Teardown removes every namespace the
 fixture made (``PodNetwork.destroy`` fails the test when one is left).
 """
 
@@ -13,13 +13,12 @@ import pytest
 from kv_offload_tools.netns.ip import unavailable
 from kv_offload_tools.netns.network import PodNetwork
 from kv_offload_tools.netns.pool import NetnsPool
+from host_rights import require
 
 
 @pytest.fixture(scope="session")
 def netns_permitted() -> None:
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
+    require(unavailable())
 
 
 @pytest.fixture(scope="module")
