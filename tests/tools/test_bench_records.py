@@ -15,6 +15,7 @@ import pytest
 
 from kv_offload_operator import cli
 from kv_offload_tools import bench_records as records
+from kv_offload_tools.bench_records.prose import NOT_MEASUREMENTS, figures_in, loose_figures
 from kv_offload_tools.bench_records.readme import results_md
 from kv_offload_tools.bench_records.render import expected, render_blocks
 from kv_offload_tools.bench_records.tables import gpu, transport
@@ -52,8 +53,31 @@ def test_every_imported_record_says_where_its_figures_were_typed_and_is_dated_by
             r = records.load(path)
             assert r["bench"] == bench and path.name.startswith(r["date"])
             if r["imported"]:
-                assert r["imported"].startswith("docs/benchmarks.md at ") and re.fullmatch(r"[0-9a-f]{40}",
-                                                                                            r["commit"])
+                assert re.match(r"(docs/benchmarks\.md|README\.md) at ", r["imported"])
+                assert re.fullmatch(r"[0-9a-f]{40}", r["commit"])
+            for key in r.get("figures", {}):
+                if r["imported"] or key in r.get("figures_imported", {}):
+                    assert re.fullmatch(r"\S+\.md at [0-9a-f]{12} \(\d{4}-\d{2}-\d{2}\)",
+                                        r.get("figures_imported", {}).get(key, "")), (path, key)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md"])
+def test_every_figure_in_the_readme_and_the_benchmarks_page_comes_from_a_record(page):
+    allowed = {text for text, _ in NOT_MEASUREMENTS}
+    loose = [f"{page}:{line}: {figure}" for line, figure in loose_figures((REPO / page).read_text())
+             if figure not in allowed]
+    assert loose == [], ("figures typed by hand: put each into its bench's record (`figures`) and the "
+                         "prose between `<!-- figure:BENCH.KEY -->` markers (CONTRIBUTING.md, Figures), or, "
+                         "if it is not a measurement, into prose.NOT_MEASUREMENTS saying why")
+
+
+def test_what_counts_as_a_figure_is_a_number_with_a_unit_outside_code_links_and_markers():
+    text = ("TCP 1.17x raw TCP, 0.98-1.00x, +68.8 ms, 2.64 GB/s, 39.0 MiB, 45 %, 3 GB; not 4 pods, vLLM 0.33, "
+            "`--sizes-mib 512 MiB`, [a](b.md#at-2-s), <!-- figure:x.y -->5 ms<!-- /figure -->\n"
+            "```\n9 ms\n```\n")
+    assert [f for _, f in loose_figures(text)] == ["1.17x", "0.98-1.00x", "+68.8 ms", "2.64 GB/s", "39.0 MiB",
+                                                   "45 %", "3 GB"]
+    assert figures_in("a 1.5x b <!-- figure:x.y -->5 ms<!-- /figure --> c 2 s") == ["1.5x", "2 s"]
 
 
 def _transport_report(tcp: float, ucx: float, ucx2: float) -> dict:
@@ -183,3 +207,41 @@ def test_a_bench_run_without_record_writes_nothing(fake_benches, capsys):
     assert cli.main(["bench", "faketext"]) == 0
     assert capsys.readouterr().out == "figures: 42\n"
     assert not (fake_benches / "records").exists()
+
+
+def _record_with_figures(directory: Path, date: str, figures: dict) -> None:
+    records.write(directory, {"bench": "replay", "date": date, "commit": "", "host": {}, "command": "",
+                              "imported": "", "tables": [], "notes": {}, "figures": figures})
+
+
+def test_a_figure_marker_is_filled_from_the_newest_record_and_a_pinned_one_from_its_run(tmp_path):
+    directory = _copy_of_the_records(tmp_path)
+    _record_with_figures(directory, "2099-01-02", {"hit_ratio_vs_one_lru": "0.50-0.60x"})
+    page = tmp_path / "README.md"
+    text = ("ratio <!-- figure:replay.hit_ratio_vs_one_lru -->0.98-1.00x<!-- /figure -->, then "
+            "<!-- figure:replay@2026-12-01.hit_ratio_vs_one_lru -->9x<!-- /figure -->")
+    assert render_blocks(text, directory, page) == (
+        "ratio <!-- figure:replay.hit_ratio_vs_one_lru -->0.50-0.60x<!-- /figure -->, then "
+        "<!-- figure:replay@2026-12-01.hit_ratio_vs_one_lru -->0.98-1.00x<!-- /figure -->")
+
+
+def test_a_newest_record_without_a_quoted_figure_fails_naming_the_key(tmp_path):
+    directory = _copy_of_the_records(tmp_path)
+    _record_with_figures(directory, "2099-01-02", {})
+    with pytest.raises(KeyError, match=r"replay/2099-01-02.json has no text figure 'hit_ratio_vs_one_lru'"):
+        render_blocks("<!-- figure:replay.hit_ratio_vs_one_lru -->0.98x<!-- /figure -->", directory,
+                      tmp_path / "README.md")
+
+
+def test_a_passage_takes_its_figures_in_order_and_a_figure_added_by_hand_is_an_error(tmp_path):
+    directory = _copy_of_the_records(tmp_path)
+    _record_with_figures(directory, "2099-01-02", {"run": ["1.10x", "20 ms"]})
+    page = tmp_path / "docs" / "benchmarks.md"
+    passage = "<!-- figures:replay@2099-01-02.run -->\nwas 9.99x in `5 ms` and 7 ms ([x](y.md#2-s))\n<!-- /figures -->"
+    assert render_blocks(passage, directory, page) == passage.replace("9.99x", "1.10x").replace("7 ms", "20 ms")
+    with pytest.raises(ValueError, match=r"the passage has 3 figures and the record 2"):
+        render_blocks(passage.replace(")\n", ") and 3 s\n"), directory, page)
+
+
+def test_the_pages_under_docs_with_markers_are_rendered_too():
+    assert REPO / "docs" / "how-to" / "size-a-gpu-pool.md" in expected()

@@ -17,12 +17,17 @@ A record is one bench run, stored as ``docs/benchmarks/<bench>/<YYYY-MM-DD>.json
   strings, as the page prints them).
 - ``notes``: free text keyed by where it is shown (``readme``: appended to the
   README's row).
+- ``figures``: figures quoted in prose, by key: a string (a ``figure:`` marker's text) or a
+  list of strings (a ``figures:`` passage's numbers in order); ``prose.py``.
+- ``figures_imported``: for a figure typed into a page before a record held it, where it
+  was typed (``README.md at <commit> (<date>)``, from ``git blame``).
 - ``report``: what the bench printed as JSON (absent for imported records), or
   ``output``: what it printed as text.
 
 ``kv-offload bench NAME ... --record DIR`` writes one (``recorder.py``);
 ``python -m kv_offload_tools.bench_records --write`` re-renders the pages, the
-index and the README's results from the records (``render.py``, ``readme.py``), and
+index, the README's results and every figure marker in the docs from the records
+(``render.py``, ``readme.py``, ``prose.py``), and
 ``--check`` exits 1 naming every file that differs from what its records render.
 """
 

@@ -2,12 +2,16 @@
 
 A page holds rendered blocks between markers, everything else in it is written by hand:
 
-- ``<!-- bench:NAME table:N -->`` ... ``<!-- /bench -->``: table N (from 1) of NAME's newest record;
+- ``<!-- bench:NAME table:N -->`` ... ``<!-- /bench -->``: table N (from 1) of NAME's newest record
+  (``bench:NAME@DATE table:N``: of that run's record, for a table the prose says one run made);
 - ``<!-- bench:index -->`` ... ``<!-- /bench -->``: one row per bench, its newest record and every run;
 - ``<!-- bench:results -->`` ... ``<!-- /bench -->``: the README's results table (``readme.py``).
 
+- ``<!-- figure:... -->`` and ``<!-- figures:... -->``: figures quoted in prose (``prose.py``).
+
 ``render_blocks`` replaces what is between each pair and leaves the markers, so rendering a
-rendered page changes nothing.
+rendered page changes nothing. ``expected`` renders README.md, docs/benchmarks.md and every
+other page under docs/ that holds a marker.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from typing import Any
 
 from kv_offload_tools import bench_records as records
 
-_BLOCK = re.compile(r"(<!-- bench:(?P<what>[a-z0-9_-]+)(?: table:(?P<table>\d+))? -->\n)(?P<body>.*?)(<!-- /bench -->)",
-                    re.S)
+_BLOCK = re.compile(r"(<!-- bench:(?P<what>[a-z0-9_-]+(?:@[\d-]+)?)(?: table:(?P<table>\d+))? -->\n)(?P<body>.*?)"
+                    r"(<!-- /bench -->)", re.S)
 
 
 def table_md(table: dict[str, Any]) -> str:
@@ -69,6 +73,14 @@ def record_page(record: dict[str, Any]) -> str:
                   "are the `report` in the JSON beside this page.", ""]
     if record.get("output"):
         lines += ["## Output", "", "```text", record["output"].rstrip("\n"), "```", ""]
+    if record.get("figures"):
+        lines += ["## Figures quoted in prose", ""]
+        for key, value in record["figures"].items():
+            shown = "; ".join(value) if isinstance(value, list) else value
+            lines.append(f"- `{key}`: {shown}")
+            if record.get("figures_imported", {}).get(key):
+                lines.append(f"  (typed into {record['figures_imported'][key]} before records held it)")
+        lines.append("")
     for where, note in sorted(record.get("notes", {}).items()):
         lines += [f"Note ({where}): {note}", ""]
     return "\n".join(lines)
@@ -90,6 +102,7 @@ def index_md(directory: Path, page: Path) -> str:
 
 def render_blocks(text: str, directory: Path, page: Path) -> str:
     """``text`` with every marked block rendered from the records in ``directory``."""
+    from kv_offload_tools.bench_records.prose import record_for, render_figures
     from kv_offload_tools.bench_records.readme import results_md
 
     newest = records.latest(directory)
@@ -100,17 +113,19 @@ def render_blocks(text: str, directory: Path, page: Path) -> str:
             return index_md(directory, page)
         if what == "results":
             return results_md(newest, directory, page)
-        if what not in newest:
+        if what.partition("@")[0] not in newest:
             raise KeyError(f"{page.name}: block bench:{what} names no bench with a record in {directory}; "
                            f"benches: {sorted(newest)}")
-        tables = newest[what].get("tables", [])
+        record = record_for(what, directory, newest, f"{page.name}: block bench:{what}")
+        tables = record.get("tables", [])
         n = int(table or 1)
         if not 1 <= n <= len(tables):
-            raise KeyError(f"{page.name}: block bench:{what} table:{n}: the newest record "
-                           f"({newest[what]['path']}) has {len(tables)} tables")
+            raise KeyError(f"{page.name}: block bench:{what} table:{n}: the record "
+                           f"({record['path']}) has {len(tables)} tables")
         return table_md(tables[n - 1])
 
-    return _BLOCK.sub(lambda m: m.group(1) + body(m) + "\n" + m.group(5), text)
+    text = _BLOCK.sub(lambda m: m.group(1) + body(m) + "\n" + m.group(5), text)
+    return render_figures(text, directory, newest, page.name)
 
 
 def expected(directory: Path = records.RECORDS_DIR, repo: Path = records.REPO) -> dict[Path, str]:
@@ -120,6 +135,9 @@ def expected(directory: Path = records.RECORDS_DIR, repo: Path = records.REPO) -
     for bench in records.benches(directory):
         for path in records.record_paths(directory, bench):
             out[path.with_suffix(".md")] = record_page(records.load(path))
-    for page in (repo / "docs" / "benchmarks.md", repo / "README.md"):
+    pages = [repo / "docs" / "benchmarks.md", repo / "README.md"]
+    pages += [p for p in sorted((repo / "docs").rglob("*.md")) if p not in pages and Path(directory) not in p.parents
+              and re.search(r"<!-- (?:bench|figures?):", p.read_text())]
+    for page in pages:
         out[page] = render_blocks(page.read_text(), directory, page)
     return out
