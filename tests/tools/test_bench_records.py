@@ -17,7 +17,9 @@ from kv_offload_operator import cli
 from kv_offload_tools import bench_records as records
 from kv_offload_tools.bench_records.prose import NOT_MEASUREMENTS, figures_in, loose_figures
 from kv_offload_tools.bench_records.readme import results_md
+from kv_offload_tools.bench_records import shape
 from kv_offload_tools.bench_records.render import expected, render_blocks
+from kv_offload_tools.bench_records.shape import Column, Figures, Table, convert, key, markdown_tables
 from kv_offload_tools.bench_records.tables import gpu, transport
 
 REPO = records.REPO
@@ -55,10 +57,10 @@ def test_every_imported_record_says_where_its_figures_were_typed_and_is_dated_by
             if r["imported"]:
                 assert re.match(r"(docs/benchmarks\.md|README\.md) at ", r["imported"])
                 assert re.fullmatch(r"[0-9a-f]{40}", r["commit"])
-            for key in r.get("figures", {}):
-                if r["imported"] or key in r.get("figures_imported", {}):
+            for name in r.get("figures", {}):
+                if r["imported"] or name in r.get("figures_imported", {}):
                     assert re.fullmatch(r"\S+\.md at [0-9a-f]{12} \(\d{4}-\d{2}-\d{2}\)",
-                                        r.get("figures_imported", {}).get(key, "")), (path, key)
+                                        r.get("figures_imported", {}).get(name, "")), (path, name)
 
 
 @pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md"])
@@ -120,7 +122,7 @@ def test_a_newer_record_without_tables_is_an_error_asking_for_a_renderer(tmp_pat
     directory = _copy_of_the_records(tmp_path)
     records.write(directory, {"bench": "gpu", "date": "2099-01-02", "commit": "", "host": {}, "command": "",
                               "imported": "", "tables": [], "report": {}, "notes": {}})
-    with pytest.raises(KeyError, match="gpu record 2099-01-02 has 0 tables.*renderer"):
+    with pytest.raises(KeyError, match="gpu record 2099-01-02 has 0 tables.*record.py"):
         results_md(records.latest(directory), directory, tmp_path / "README.md")
 
 
@@ -166,6 +168,16 @@ def fake_benches(tmp_path, monkeypatch):
             print(json.dumps({"size": args.size}) if args.json else f"size {args.size}")
             return 1
     """))
+    (tmp_path / "fake_path_bench.py").write_text(textwrap.dedent("""
+        import json
+        def add_arguments(p):
+            p.add_argument("--json", default="", metavar="PATH")
+        def run(args):
+            print("a table")
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"rows": 3}, fh)
+    """))
     (tmp_path / "fake_text_bench.py").write_text(textwrap.dedent("""
         def add_arguments(p):
             pass
@@ -175,8 +187,9 @@ def fake_benches(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(cli.BENCHES, "fakejson", ("fake_json_bench", "a bench with --json"))
     monkeypatch.setitem(cli.BENCHES, "faketext", ("fake_text_bench", "a bench without"))
+    monkeypatch.setitem(cli.BENCHES, "fakepath", ("fake_path_bench", "a bench with --json PATH"))
     yield tmp_path
-    for name in ("fake_json_bench", "fake_text_bench"):
+    for name in ("fake_json_bench", "fake_text_bench", "fake_path_bench"):
         sys.modules.pop(name, None)
 
 
@@ -245,3 +258,74 @@ def test_a_passage_takes_its_figures_in_order_and_a_figure_added_by_hand_is_an_e
 
 def test_the_pages_under_docs_with_markers_are_rendered_too():
     assert REPO / "docs" / "how-to" / "size-a-gpu-pool.md" in expected()
+
+
+def test_a_bench_names_its_columns_once_and_convert_builds_the_records_tables_and_figures(monkeypatch):
+    named = Figures(tables=(Table("Rates", lambda r: r["rows"], (Column("size", key("size", fmt="{} MiB")),
+                                                                  Column("rate", key("gbps", fmt="{:.2f} GB/s")))),),
+                    figures={"best": lambda r: f"{max(x['gbps'] for x in r['rows']):.1f} GB/s"})
+    monkeypatch.setattr(shape, "spec", lambda bench: named)
+    report = {"rows": [{"size": 2, "gbps": 1.234}, {"size": 16, "gbps": 2.5}]}
+    assert convert("fake", report) == {
+        "tables": [{"title": "Rates", "columns": ["size", "rate"], "align": ["---", "---"],
+                    "rows": [["2 MiB", "1.23 GB/s"], ["16 MiB", "2.50 GB/s"]]}],
+        "figures": {"best": "2.5 GB/s"}}
+    with pytest.raises(KeyError, match=r"bench fake: table 'Rates', column 'rate', row 2: the report has no 'gbps'"):
+        convert("fake", {"rows": [{"size": 2, "gbps": 1.0}, {"size": 16}]})
+    assert convert("fake", None) == {"tables": [], "figures": {}}
+
+
+def test_every_bench_that_publishes_figures_names_them_in_its_record_module():
+    for bench in ("transport", "gpu", "vllm", "replay", "scale", "mesh"):
+        assert isinstance(shape.spec(bench), Figures), bench
+    assert shape.spec("chaos") is None
+
+
+def test_a_bench_that_prints_markdown_tables_gets_them_as_its_records_tables():
+    text = ("bench x\n| plane | TTFT |\n|---|---|\n| tcp | 0.354 s |\n| ucx | 0.305 s |\n\n"
+            "| a |\n|---|\n| 1 |\n[target] ok")
+    first, second = markdown_tables(text, "TTFT")
+    assert first == {"title": "TTFT: table 1", "columns": ["plane", "TTFT"], "align": ["---", "---"],
+                     "rows": [["tcp", "0.354 s"], ["ucx", "0.305 s"]]}
+    assert second["rows"] == [["1"]]
+
+
+def test_the_readme_ttft_row_finds_its_table_by_columns_in_a_run_of_bench_vllm(tmp_path):
+    directory = _copy_of_the_records(tmp_path)
+    imported = records.load(directory / "vllm" / "2026-12-05.json")
+    ttft = next(t for t in imported["tables"] if "prefix (KV)" in t["columns"])
+    records.write(directory, {"bench": "vllm", "date": "2099-01-02", "commit": "", "host": {}, "command": "",
+                              "imported": "", "tables": [ttft], "notes": {},
+                              "figures": _vllm_figures({"targets": [{"met": True}, {"met": False}]})})
+    table = results_md(records.latest(directory), directory, tmp_path / "README.md")
+    assert "recompute 3.5-3.7 s; **peer hit 0.30-0.35 s**" in table
+
+
+def _vllm_figures(report: dict) -> dict:
+    figures = shape.spec("vllm").figures
+    return {name: f(report) for name, f in figures.items()}
+
+
+def test_bench_vllm_names_how_many_targets_were_met():
+    assert _vllm_figures({"targets": [{"met": True}, {"met": False}, {"met": True}]}) == {
+        "targets_met": "2 of 3 targets met"}
+
+
+def test_a_bench_whose_json_flag_takes_a_path_is_recorded_with_its_report(fake_benches, capsys):
+    out = fake_benches / "records"
+    assert cli.main(["bench", "fakepath", "--record", str(out)]) == 0
+    (path,) = records.record_paths(out, "fakepath")
+    assert records.load(path)["report"] == {"rows": 3}
+    assert capsys.readouterr().out == "a table\n"
+
+
+def test_a_report_its_bench_cannot_convert_is_still_recorded_with_why(fake_benches, monkeypatch):
+    def broken(bench, report):
+        raise KeyError("bench fakejson: table 'T', column 'c', row 1: the report has no 'x'")
+    monkeypatch.setattr("kv_offload_tools.bench_records.recorder.convert", broken)
+    out = fake_benches / "records"
+    assert cli.main(["bench", "fakejson", "--record", str(out)]) == 1
+    (path,) = records.record_paths(out, "fakejson")
+    r = records.load(path)
+    assert r["report"] == {"size": 1} and r["tables"] == []
+    assert r["notes"]["record"] == "no tables: bench fakejson: table 'T', column 'c', row 1: the report has no 'x'"

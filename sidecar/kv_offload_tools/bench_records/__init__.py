@@ -24,7 +24,8 @@ A record is one bench run, stored as ``docs/benchmarks/<bench>/<YYYY-MM-DD>.json
 - ``report``: what the bench printed as JSON (absent for imported records), or
   ``output``: what it printed as text.
 
-``kv-offload bench NAME ... --record DIR`` writes one (``recorder.py``);
+``kv-offload bench NAME ... --record DIR`` writes one (``recorder.py``), its tables and named
+figures converted from the report as the bench's ``record.py`` names them (``shape.py``);
 ``python -m kv_offload_tools.bench_records --write`` re-renders the pages, the
 index, the README's results and every figure marker in the docs from the records
 (``render.py``, ``readme.py``, ``prose.py``), and

@@ -24,7 +24,7 @@ def _table(record: Record, table: int) -> dict[str, Any]:
     tables = record.get("tables", [])
     if not 1 <= table <= len(tables):
         raise KeyError(f"{record['bench']} record {record['date']} has {len(tables)} tables, the README quotes "
-                       f"table {table}: give the bench a renderer in bench_records/tables.py")
+                       f"table {table}: name the bench's tables in its record.py (bench_records/shape.py)")
     return tables[table - 1]
 
 
@@ -54,9 +54,19 @@ def _span(values: list[float], digits: int) -> str:
     return f"{min(values):.{digits}f}-{max(values):.{digits}f} s"
 
 
+def _with(record: Record, *columns: str) -> int:
+    """The number (from 1) of the record's first table with all of ``columns`` (bold marks ignored)."""
+    for n, t in enumerate(record.get("tables", []), 1):
+        if set(columns) <= {_plain(c) for c in t["columns"]}:
+            return n
+    raise KeyError(f"{record['bench']} record {record['date']}: no table has the columns {list(columns)} the "
+                   "README quotes; name the bench's tables in its record.py (bench_records/shape.py)")
+
+
 def _ttft(r: Record) -> str:
-    planes = [row[0] for row in _table(r, 3)["rows"]]
-    at = {col: [_seconds(cell(r, 3, {"plane": p, "prefix (KV)": "512 MiB"}, col)) for p in dict.fromkeys(planes)]
+    n = _with(r, "plane", "prefix (KV)", "recompute", "peer hit", "own-sidecar hit")
+    planes = [row[0] for row in _table(r, n)["rows"]]
+    at = {col: [_seconds(cell(r, n, {"plane": p, "prefix (KV)": "512 MiB"}, col)) for p in dict.fromkeys(planes)]
           for col in ("recompute", "peer hit", "own-sidecar hit")}
     return (f"recompute {_span(at['recompute'], 1)}; **peer hit {_span(at['peer hit'], 2)}**; "
             f"own-sidecar hit {_span(at['own-sidecar hit'], 2)}")

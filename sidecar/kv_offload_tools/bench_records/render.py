@@ -69,8 +69,8 @@ def record_page(record: dict[str, Any]) -> str:
     for i, table in enumerate(record.get("tables", []), 1):
         lines += [f"## {table.get('title') or f'Table {i}'}", "", table_md(table), ""]
     if not record.get("tables") and record.get("report") is not None:
-        lines += ["No table renderer for this bench yet (`bench_records/tables.py`): its figures "
-                  "are the `report` in the JSON beside this page.", ""]
+        lines += ["This bench names no tables yet (its `record.py`, `bench_records/shape.py`): its "
+                  "figures are the `report` in the JSON beside this page.", ""]
     if record.get("output"):
         lines += ["## Output", "", "```text", record["output"].rstrip("\n"), "```", ""]
     if record.get("figures"):

@@ -1,12 +1,10 @@
-"""A bench's JSON report as the tables its record shows, for the benches that have a renderer.
-
-``tables(bench, report)`` returns ``[]`` for a bench without one: its record keeps the
-report and its page says where the figures are.
+"""Tables that take more than a column per report key: bench transport's (a method's label
+holds raw TCP's rate with as many streams) and bench gpu's (a column per lane count run).
+Their benches name them in their ``record.py`` (``shape.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 Table = dict[str, Any]
@@ -90,13 +88,3 @@ def gpu(report: dict[str, Any]) -> list[Table]:
         out.append({"title": f"A peer hit on a GPU: {name}", "columns": columns, "align": ["---"] * len(columns),
                     "rows": rows})
     return out
-
-
-# bench -> its report's tables.
-RENDERERS: dict[str, Callable[[dict[str, Any]], list[Table]]] = {"transport": transport, "gpu": gpu}
-
-
-def tables(bench: str, report: dict[str, Any] | None) -> list[Table]:
-    """The tables of ``bench``'s report; ``[]`` without a report or a renderer."""
-    renderer = RENDERERS.get(bench)
-    return renderer(report) if renderer and isinstance(report, dict) else []

@@ -22,11 +22,16 @@ def _exe() -> str:
 def test_tiny_run_reads_every_sidecar_in_every_phase_and_judges_the_target(tmp_path):
     plot = tmp_path / "mesh.png"
     out = subprocess.run([_exe(), "bench", "mesh", "--pods", "2,3", "--chunks", "4", "--settle-seconds", "0.5",
-                          "--idle-seconds", "1", "--json", "--plot", str(plot)],
+                          "--idle-seconds", "1", "--json", "--plot", str(plot),
+                          "--record", str(tmp_path / "records")],
                          capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[mesh x3] after_idle" in out.stderr  # progress while it runs
     report = json.loads(out.stdout)
+    (path,) = (tmp_path / "records" / "mesh").glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["report"] == report and record["notes"] == {}
+    assert [row[0] for row in record["tables"][0]["rows"]] == ["2", "3"]
     assert [r["pods"] for r in report["results"]] == [2, 3]
     for row in report["results"]:
         n = row["pods"]

@@ -23,9 +23,14 @@ def test_replay_json_reports_consistent_hit_ratios_from_real_sidecars(tmp_path):
     plot = tmp_path / "replay.png"
     out = _cli("--trace", str(TRACE_SAMPLE), "--replicas", "3", "--capacity-chunks", "400",
                "--chunk-bytes", "4096", "--routing", "round-robin", "--limit", "150",
-               "--plot", str(plot), "--json")
+               "--plot", str(plot), "--json", "--record", str(tmp_path / "records"))
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
+    (path,) = (tmp_path / "records" / "replay").glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["report"] == report and record["notes"] == {}
+    assert record["tables"][1]["rows"][0][:3] == [report["workload"], "3", "round-robin"]
+    assert record["figures"]["hit_ratio_vs_one_lru"].endswith("x")
     for name in FIELDS:
         assert isinstance(report[name], (int, float)), name
     assert report["requests"] == 150 and report["mismatched_chunks"] == 0

@@ -32,11 +32,17 @@ def test_small_run_reports_every_figure_and_they_move_the_right_way_with_pods(tm
     exe = os.path.join(os.path.dirname(sys.executable), "kv-offload")
     out = subprocess.run([exe, "bench", "scale", "--pods", "8,32", "--chunks-per-pod", "2000",
                           "--changes-per-second", "100", "--seconds", "3", "--read-replicas", "4",
-                          "--read-sessions", "40", "--json", "--plot", str(plot)],
+                          "--read-sessions", "40", "--json", "--plot", str(plot),
+                          "--record", str(tmp_path / "records")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[scale x32]" in out.stderr  # progress while it runs
     report = json.loads(out.stdout)
+    (path,) = (tmp_path / "records" / "scale").glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["report"] == report and record["notes"] == {}
+    assert [row[0] for row in record["tables"][0]["rows"]] == ["8", "32"]
+    assert record["figures"]["location_memory_largest_pool"] == record["tables"][0]["rows"][1][1]
     small, large = report["results"]
     for row in (small, large):
         for name in FIELDS:
