@@ -276,7 +276,7 @@ def test_a_bench_names_its_columns_once_and_convert_builds_the_records_tables_an
 
 
 def test_every_bench_that_publishes_figures_names_them_in_its_record_module():
-    for bench in ("transport", "gpu", "vllm", "replay", "scale", "mesh"):
+    for bench in ("transport", "gpu", "vllm", "replay", "scale", "mesh", "netns"):
         assert isinstance(shape.spec(bench), Figures), bench
     assert shape.spec("chaos") is None
 
@@ -329,3 +329,17 @@ def test_a_report_its_bench_cannot_convert_is_still_recorded_with_why(fake_bench
     r = records.load(path)
     assert r["report"] == {"size": 1} and r["tables"] == []
     assert r["notes"]["record"] == "no tables: bench fakejson: table 'T', column 'c', row 1: the report has no 'x'"
+
+
+def test_bench_netns_shows_the_capped_holders_halves_and_each_churn_round():
+    half = {"requests": 55, "hit_ratio": 1.0, "p50_ms": 3.7, "p99_ms": 476.7, "stalled": 0}
+    report = {"capped": {"priced": {"first_half": half, "second_half": {**half, "p99_ms": None},
+                                    "decisions": {"fetch": 8, "recompute": 86}, "max_link_failures": 7}},
+              "churn": {"rounds": [{"round": 1, "departed_links_left": 0, "seconds_until_links_live": 4.02,
+                                    "seconds_until_departed_forgotten": None, "seconds_until_rejoined": 5.49,
+                                    "shared": [4, 4], "fds": {"a": 16, "b": 16}, "rss_mib": {"a": 103.1, "b": 103.0}}]}}
+    capped, churn = convert("netns", report)["tables"]
+    assert capped["rows"] == [["priced", "first", "55", "3.7", "476.7", "0", "8 / 86", "7"],
+                              ["priced", "second", "55", "3.7", "-", "0", "", ""]]
+    assert churn["rows"] == [["1", "0", "4.02 s", "-", "5.49 s", "4/4", "16, 16", "103.1, 103.0"]]
+    assert convert("netns", {"pods": 4})["tables"][0]["rows"] == []

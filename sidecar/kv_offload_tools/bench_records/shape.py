@@ -34,6 +34,7 @@ FOLDERS = {
     "replay": "replay",
     "scale": "scale",
     "mesh": "mesh",
+    "netns": "netns",
 }
 
 
