@@ -276,9 +276,9 @@ def test_a_bench_names_its_columns_once_and_convert_builds_the_records_tables_an
 
 
 def test_every_bench_that_publishes_figures_names_them_in_its_record_module():
-    for bench in ("transport", "gpu", "vllm", "replay", "scale", "mesh", "netns"):
+    for bench in ("transport", "gpu", "vllm", "replay", "scale", "mesh", "netns", "chaos"):
         assert isinstance(shape.spec(bench), Figures), bench
-    assert shape.spec("chaos") is None
+    assert shape.spec("descriptors") is None
 
 
 def test_a_bench_that_prints_markdown_tables_gets_them_as_its_records_tables():
@@ -342,4 +342,20 @@ def test_bench_netns_shows_the_capped_holders_halves_and_each_churn_round():
     assert capped["rows"] == [["priced", "first", "55", "3.7", "476.7", "0", "8 / 86", "7"],
                               ["priced", "second", "55", "3.7", "-", "0", "", ""]]
     assert churn["rows"] == [["1", "0", "4.02 s", "-", "5.49 s", "4/4", "16, 16", "103.1, 103.0"]]
-    assert convert("netns", {"pods": 4})["tables"][0]["rows"] == []
+    assert convert("netns", {"pods": 4})["tables"] == []  # scenarios not run: no table
+
+
+def test_bench_chaos_shows_a_fault_run_or_a_fuzz_run_and_names_its_invariants():
+    fault = {"fault": "write_flood_10x", "injected": 40, "in_flight": 0, "survived": 40, "loads": 40,
+             "loads_missed": 0, "corrupt_delivered": 0, "lost": 0, "integrity_rejected": 0,
+             "worst_give_up_seconds": 0.0, "store_peak_bytes": 8 << 20, "store_budget_bytes": 8 << 20}
+    faults = convert("chaos", {"faults": [fault], "late_writer": []})
+    assert faults["tables"][0]["rows"] == [["write_flood_10x", "40", "0", "40", "40", "0", "0", "0", "0", "0.000",
+                                            "8.00 / 8.00 MiB"]]
+    assert faults["figures"] == {"invariants": "0 corrupt chunks delivered, 0 lost"}
+    target = {"target": "lookup", "cases": 1700, "answers": 307, "errors": 1393, "incomplete": 0, "failures": 0}
+    fuzz = convert("chaos", {"targets": [target, {**target, "target": "local"}], "cases": 3400, "failures": 0,
+                             "crashes": 0})
+    (table,) = fuzz["tables"]
+    assert table["rows"][-1] == ["**total**", "3400", "614", "2786", "0", "0"]
+    assert fuzz["figures"] == {"fuzz": "3,400 cases: 0 failures, 0 crashes"}

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kv_offload_tools.bench_records.prose import record_for
+
 Record = dict[str, Any]
 
 
@@ -114,7 +116,16 @@ def _transport(r: Record) -> str:
             f"**{at('kv-offload UCX sm (default, one lane)')}x** (two lanes {at('kv-offload UCX sm, two lanes')}x)")
 
 
-# (bench, what was measured, the figures from its newest record, where the method is explained)
+def _chaos(r: Record) -> str:
+    figures = r.get("figures", {})
+    if "invariants" not in figures or "fuzz" not in figures:
+        raise KeyError(f"chaos record {r['date']}: the README's reliability row quotes its figures 'invariants' "
+                       f"and 'fuzz'; it has {sorted(figures)}")
+    return f"**{figures['invariants']}**; fuzzing {figures['fuzz']}"
+
+
+# (bench, what was measured, the figures from its record, where the method is explained); the
+# bench's newest record, or with @DATE that run's (a row that needs two kinds of run at once)
 ROWS: tuple[tuple[str, str, Callable[[Record], str], str], ...] = (
     ("vllm", "TTFT of a 512 MiB prefix (vLLM CPU build, one core)", _ttft,
      "docs/benchmarks.md#time-to-first-token-inside-vllm"),
@@ -128,17 +139,12 @@ ROWS: tuple[tuple[str, str, Callable[[Record], str], str], ...] = (
      "docs/benchmarks.md#a-peer-hit-on-a-gpu-kv-offload-bench-gpu"),
     ("transport", "Transfer rate, 16 MiB chunks, checksums verified, holder and fetcher on a core each",
      _transport, "docs/benchmarks.md#performance"),
+    ("chaos@2026-11-29", "Fault injection (kills, flips, truncations, floods) and fuzzed messages", _chaos,
+     "docs/explanation/reliability.md"),
 )
-# Rows not from a bench record: (what, measured, link text, link).
-STATIC_ROWS = (
-    ("Fault injection (kills, flips, truncations, floods) and 10,000 fuzzed messages",
-     "**0 corrupt chunks delivered, 0 lost, 0 crashes**", "Reliability", "docs/explanation/reliability.md"),
-)
-
-
 def results_md(newest: dict[str, Record], directory: Path, page: Path) -> str:
     """The results table: one row per ``ROWS`` entry from ``newest`` (bench -> its newest
-    record), then ``STATIC_ROWS``; links relative to ``page``."""
+    record) or the run it names; links relative to ``page``."""
     def rel(target: str) -> str:
         path, _, anchor = target.partition("#")
         out = os.path.relpath(_repo(directory) / path, page.parent)
@@ -146,16 +152,14 @@ def results_md(newest: dict[str, Record], directory: Path, page: Path) -> str:
 
     lines = ["| what | measured | run, method |", "|---|---|---|"]
     for bench, what, figures, method in ROWS:
-        if bench not in newest:
+        if bench.partition("@")[0] not in newest:
             raise KeyError(f"README row {what!r} quotes bench {bench!r}, which has no record in {directory}")
-        r = newest[bench]
+        r = record_for(bench, directory, newest, f"README row {what!r}")
         text = figures(r)
         if r.get("notes", {}).get("readme"):
             text += f" ({r['notes']['readme']})"
         record_page = os.path.relpath(Path(directory) / Path(r["path"]).with_suffix(".md"), page.parent)
         lines.append(f"| {what} | {text} | [{r['date']}]({record_page}), [method]({rel(method)}) |")
-    for what, measured, name, link in STATIC_ROWS:
-        lines.append(f"| {what} | {measured} | [{name}]({rel(link)}) |")
     return "\n".join(lines)
 
 

@@ -1,13 +1,16 @@
 """A bench's report as a record's tables and named figures, written once for every bench.
 
-A bench names what its record shows in ``kv_offload_tools/bench/<folder>/record.py``: one
+A bench names what its record shows in ``kv_offload_tools/bench/<folder>/record.py`` (a bench
+of one module: ``bench/<name>_record.py``; ``RECORD_MODULES``): one
 ``FIGURES = Figures(...)`` of
 
 - ``tables``: each a ``Table`` (a title, the report's rows it shows, and per column a header
   and the cell of one row), or a function from the report to ready tables (for a bench that
   already prints markdown: ``markdown_tables``);
 - ``figures``: name -> a function from the report to the text a prose marker quotes
-  (``<!-- figure:BENCH.NAME -->``, ``prose.py``).
+  (``<!-- figure:BENCH.NAME -->``, ``prose.py``), or None where this run did not measure it.
+
+A table without rows (a scenario this run left out) is left out of the record.
 
 ``convert(bench, report)`` is what ``kv-offload bench NAME --record DIR`` stores (the record's
 ``tables`` and ``figures``); a bench without a ``record.py`` gets neither, its record keeps
@@ -26,15 +29,17 @@ from typing import Any
 Report = Mapping[str, Any]
 TableDict = dict[str, Any]
 
-# bench name -> the folder under kv_offload_tools/bench/ whose record.py names its figures.
-FOLDERS = {
-    "transport": "transport",
-    "gpu": "gpu",
-    "vllm": "vllm_ttft",
-    "replay": "replay",
-    "scale": "scale",
-    "mesh": "mesh",
-    "netns": "netns",
+# bench name -> the module under kv_offload_tools/bench/ that names its figures: its folder's
+# record.py, or <bench>_record.py beside a bench of one module.
+RECORD_MODULES = {
+    "transport": "transport.record",
+    "gpu": "gpu.record",
+    "vllm": "vllm_ttft.record",
+    "replay": "replay.record",
+    "scale": "scale.record",
+    "mesh": "mesh.record",
+    "netns": "netns.record",
+    "chaos": "chaos_record",
 }
 
 
@@ -60,8 +65,8 @@ class Table:
 class Figures:
     # The record's tables, in order: a Table, or a function from the report to ready tables.
     tables: tuple[Table | Callable[[Report], list[TableDict]], ...] = ()
-    # Named figures for prose markers: name -> the text from the report.
-    figures: Mapping[str, Callable[[Report], str]] = field(default_factory=dict)
+    # Named figures for prose markers: name -> the text from the report (None: not measured).
+    figures: Mapping[str, Callable[[Report], str | None]] = field(default_factory=dict)
 
 
 def key(*path: str | int, fmt: str = "{}") -> Callable[[Any], str]:
@@ -104,10 +109,10 @@ def markdown_tables(text: str, title: str = "") -> list[TableDict]:
 
 def spec(bench: str) -> Figures | None:
     """What ``bench`` names for its record, or None for a bench without a ``record.py``."""
-    folder = FOLDERS.get(bench)
-    if folder is None:
+    module = RECORD_MODULES.get(bench)
+    if module is None:
         return None
-    return importlib.import_module(f"kv_offload_tools.bench.{folder}.record").FIGURES
+    return importlib.import_module(f"kv_offload_tools.bench.{module}").FIGURES
 
 
 def _table(bench: str, t: Table, report: Report) -> TableDict:
@@ -136,7 +141,9 @@ def convert(bench: str, report: Report | None) -> dict[str, Any]:
     named = {}
     for name, figure in figures.figures.items():
         try:
-            named[name] = figure(report)
+            value = figure(report)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise KeyError(f"bench {bench}: figure {name!r}: the report has no {exc}") from exc
-    return {"tables": tables, "figures": named}
+        if value is not None:
+            named[name] = value
+    return {"tables": [t for t in tables if t["rows"]], "figures": named}
