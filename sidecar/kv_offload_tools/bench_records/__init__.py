@@ -14,7 +14,8 @@ A record is one bench run, stored as ``docs/benchmarks/<bench>/<YYYY-MM-DD>.json
 - ``imported``: ``""`` for a recorded run; for figures typed into the docs before
   records existed, where they were taken from (``docs/benchmarks.md at <commit>``).
 - ``tables``: the figures, each ``{"title", "columns", "align", "rows"}`` (cells are
-  strings, as the page prints them).
+  strings, as the page prints them; ``imported``: where a table added to an imported record
+  was typed, ``<page> at <commit> (<date>)``).
 - ``notes``: free text keyed by where it is shown (``readme``: appended to the
   README's row).
 - ``figures``: figures quoted in prose, by key: a string (a ``figure:`` marker's text) or a

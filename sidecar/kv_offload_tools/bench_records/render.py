@@ -67,7 +67,10 @@ def record_page(record: dict[str, Any]) -> str:
              "methods and what the figures mean: [docs/benchmarks.md](../../benchmarks.md).", "",
              table_md({"columns": ["", ""], "rows": rows}), ""]
     for i, table in enumerate(record.get("tables", []), 1):
-        lines += [f"## {table.get('title') or f'Table {i}'}", "", table_md(table), ""]
+        lines += [f"## {table.get('title') or f'Table {i}'}", ""]
+        if table.get("imported"):
+            lines += [f"Typed into {table['imported']} before records held it.", ""]
+        lines += [table_md(table), ""]
     if not record.get("tables") and record.get("report") is not None:
         lines += ["This bench names no tables yet (its `record.py`, `bench_records/shape.py`): its "
                   "figures are the `report` in the JSON beside this page.", ""]
