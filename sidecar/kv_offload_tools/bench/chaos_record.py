@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kv_offload_tools.bench_records.shape import Column, Figures, Table, key
+from kv_offload_tools.bench_records.shape import Column, Figures, Table, key, keyed
 
 
 def _store(r: dict[str, Any]) -> str:
@@ -43,15 +43,17 @@ FIGURES = Figures(
             "Faults injected",
             lambda report: report.get("faults", []),
             (
-                Column("fault", key("fault")),
-                Column("injected", key("injected")),
-                Column("in flight", key("in_flight")),
-                Column("survived", key("survived")),
-                Column("loads", key("loads")),
-                Column("loads turned into misses", key("loads_missed")),
-                Column("corrupt chunks delivered", key("corrupt_delivered")),
-                Column("chunks lost", key("lost")),
-                Column("chunks refused by checksum", key("integrity_rejected")),
+                *keyed(
+                    ("fault", "fault"),
+                    ("injected", "injected"),
+                    ("in flight", "in_flight"),
+                    ("survived", "survived"),
+                    ("loads", "loads"),
+                    ("loads turned into misses", "loads_missed"),
+                    ("corrupt chunks delivered", "corrupt_delivered"),
+                    ("chunks lost", "lost"),
+                    ("chunks refused by checksum", "integrity_rejected"),
+                ),
                 Column("worst give-up (s)", key("worst_give_up_seconds", fmt="{:.3f}")),
                 Column("store peak / budget", _store),
             ),
@@ -59,13 +61,13 @@ FIGURES = Figures(
         Table(
             "Fuzzed messages",
             _messages,
-            (
-                Column("message", key("target")),
-                Column("cases", key("cases")),
-                Column("correct answers", key("answers")),
-                Column("clear errors", key("errors")),
-                Column("incomplete input", key("incomplete")),
-                Column("failures", key("failures")),
+            keyed(
+                ("message", "target"),
+                ("cases", "cases"),
+                ("correct answers", "answers"),
+                ("clear errors", "errors"),
+                ("incomplete input", "incomplete"),
+                ("failures", "failures"),
             ),
         ),
     ),

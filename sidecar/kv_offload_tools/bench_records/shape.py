@@ -81,6 +81,11 @@ def key(*path: str | int, fmt: str = "{}") -> Callable[[Any], str]:
     return cell
 
 
+def keyed(*pairs: tuple[str, str]) -> tuple[Column, ...]:
+    """Columns that print a row's value as it is: ``(header, the row's key)`` each."""
+    return tuple(Column(header, key(name)) for header, name in pairs)
+
+
 def markdown_tables(text: str, title: str = "") -> list[TableDict]:
     """The markdown tables in ``text`` (a bench's printed output), titled ``title`` and a number."""
     out: list[TableDict] = []

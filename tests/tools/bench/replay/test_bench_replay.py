@@ -29,7 +29,8 @@ def test_replay_json_reports_consistent_hit_ratios_from_real_sidecars(tmp_path):
     (path,) = (tmp_path / "records" / "replay").glob("*.json")
     record = json.loads(path.read_text())
     assert record["report"] == report and record["notes"] == {}
-    assert record["tables"][1]["rows"][0][:3] == [report["workload"], "3", "round-robin"]
+    (run,) = [t for t in record["tables"] if t["title"] == "The run"]
+    assert run["rows"][0][:3] == [report["workload"], "3", "round-robin"]
     assert record["figures"]["hit_ratio_vs_one_lru"].endswith("x")
     for name in FIELDS:
         assert isinstance(report[name], (int, float)), name
