@@ -1,8 +1,8 @@
 """Fixtures of the network-namespace tests: a bare PodNetwork and a NetnsPool of three pods.
 
 Both fail, saying why and what to change (``host_rights.require``), where this process may
-not make network namespaces (not root, not Linux, a container without CAP_SYS_ADMIN). Teardown removes every namespace the
-fixture made (``PodNetwork.destroy`` fails the test when one is left).
+not make network namespaces (not root, not Linux, a container without CAP_SYS_ADMIN).
+Teardown removes every namespace the fixture made (``PodNetwork.destroy`` fails the test when one is left).
 """
 
 from __future__ import annotations
