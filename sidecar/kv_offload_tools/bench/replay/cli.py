@@ -96,7 +96,7 @@ class ReplaySettings:
 class RunResult:
     """One real replay over N sidecars."""
 
-    hit_chunks: int = 0
+    # Chunks asked; of those, loaded from the replica's own sidecar and loaded from a peer.
     total_chunks: int = 0
     local_hits: int = 0
     peer_hits: int = 0
@@ -116,6 +116,10 @@ class RunResult:
     hinted: int = 0
     # Messages between sidecars to answer routing hints (owner questions and holder counts).
     hint_messages: float = 0.0
+
+    @property
+    def hit_chunks(self) -> int:
+        return self.local_hits + self.peer_hits
 
     @property
     def hit_ratio(self) -> float:
@@ -357,11 +361,11 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
             result.routes.append(pod)
             out = serve_request(clients[pod], req, size, settings.timeout_seconds)
             loaded = out.loaded
-            result.outcomes.append((min(out.local, loaded), loaded - min(out.local, loaded), len(req)))
+            local = min(out.local, loaded)
+            result.outcomes.append((local, loaded - local, len(req)))
             result.mismatched_chunks += out.mismatched
-            result.hit_chunks += loaded
-            result.local_hits += min(out.local, loaded)
-            result.peer_hits += loaded - min(out.local, loaded)
+            result.local_hits += local
+            result.peer_hits += loaded - local
             result.peer_hit_requests += loaded > out.local
             result.total_chunks += len(req)
             now = time.monotonic()
