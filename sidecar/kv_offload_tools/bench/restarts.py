@@ -20,8 +20,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from kv_offload_sidecar.usage import UsageError
-
+from kv_offload_tools.bench import require_host
 from kv_offload_tools.bench.number_flags import NumberFlag, add_number_flags, check_number_flags
 from kv_offload_tools.progress import rows_to
 
@@ -42,9 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     check_number_flags(args, _NUMBERS)
     from kv_offload_tools.shm_restarts import tmpfs_unavailable
-    reason = tmpfs_unavailable()
-    if reason:
-        raise UsageError(f"kv-offload bench restarts: {reason}")
+    require_host("restarts", tmpfs_unavailable())
 
 
 def run(args: argparse.Namespace) -> int:

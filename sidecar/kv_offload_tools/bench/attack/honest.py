@@ -25,6 +25,7 @@ from typing import Any
 
 from kv_offload_sidecar.engine.client import EngineClient
 
+from kv_offload_tools.bench.quantile import quantile
 from kv_offload_tools.chaos.chunks import chunk_keys, load_and_verify, store_chunks
 
 # Seconds an engine load may take (the sidecars' fetch deadline is shorter).
@@ -44,13 +45,6 @@ class Round:
     wrong: int
     lookup_seconds: float
     load_seconds: float
-
-
-def quantile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class HonestLoad:
@@ -113,13 +107,14 @@ class HonestLoad:
         asked = sum(r.asked for r in rounds)
         loads = [r.load_seconds for r in rounds]
         lookups = [r.lookup_seconds for r in rounds]
+        ms = lambda values, q: round(1e3 * (quantile(values, q) or 0.0), 2)  # noqa: E731
         return {
             "rounds": len(rounds), "asked": asked, "loaded": sum(r.loaded for r in rounds),
             "wrong": sum(r.wrong for r in rounds),
             "hit_ratio": round(sum(r.loaded for r in rounds) / asked, 4) if asked else None,
-            "load_p50_ms": round(1e3 * quantile(loads, 0.5), 2),
-            "load_p99_ms": round(1e3 * quantile(loads, 0.99), 2),
-            "lookup_p99_ms": round(1e3 * quantile(lookups, 0.99), 2),
+            "load_p50_ms": ms(loads, 0.5),
+            "load_p99_ms": ms(loads, 0.99),
+            "lookup_p99_ms": ms(lookups, 0.99),
         }
 
 

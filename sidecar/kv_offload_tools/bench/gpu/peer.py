@@ -58,6 +58,7 @@ from kv_offload_tools.bench.attack.pool import cpu_seconds
 from kv_offload_tools.bench.gpu.geometry import Geometry
 from kv_offload_tools.bench.gpu.pinning import cpu_list, split_cpus, started_on
 from kv_offload_tools.bench.gpu.raw_tcp import raw_tcp
+from kv_offload_tools.bench.quantile import quantile
 from kv_offload_testing.certs import pool_certificates
 from kv_offload_testing.local_pool import LocalPool
 
@@ -108,10 +109,8 @@ class HealthPolls:
             conn.close()
 
     def p99_ms(self) -> float | None:
-        if not self.seconds:
-            return None
-        ordered = sorted(self.seconds)
-        return 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        p99 = quantile(self.seconds, 0.99)
+        return None if p99 is None else 1e3 * p99
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from typing import Any
 
 from kv_offload_sidecar.usage import UsageError
 
+from kv_offload_tools.bench import require_host
 from kv_offload_tools.bench.number_flags import add_number_flags, check_number_flags
 from kv_offload_tools.progress import rows_to
 
@@ -97,9 +98,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--scenarios {args.scenarios!r}: unknown {', '.join(unknown) or 'empty'}; "
                          f"valid: {', '.join(SCENARIOS)}")
     from kv_offload_tools.netns.ip import unavailable
-    reason = unavailable()
-    if reason:
-        raise UsageError(f"kv-offload bench netns: {reason}")
+    require_host("netns", unavailable())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv_offload_sidecar.engine.client import EngineClient
 
@@ -43,24 +43,32 @@ class Request:
     seconds: float
 
 
+@dataclass(eq=False)
 class PoolLoad:
     """Storer threads of ``holders`` and reader threads of ``readers`` (pod indices); ``start``/``stop``."""
 
-    def __init__(self, pool: NetnsPool, holders: Sequence[int], readers: Sequence[int], *, tag: str,
-                 chunks_per_batch: int = 4, round_seconds: float = 0.1, lag_seconds: float = 1.0,
-                 lookup_timeout: float = 3.0) -> None:
-        self.pool = pool
-        self.holders = tuple(holders)
-        self.readers = tuple(readers)
-        self.tag = tag
-        self.chunks_per_batch = chunks_per_batch
-        self.round_seconds = round_seconds
-        self.lag_seconds = lag_seconds
-        self.lookup_timeout = lookup_timeout
-        self.requests: list[Request] = []
-        # Batches a holder could not store whole (its own sidecar refused).
-        self.not_stored = 0
-        self.errors: list[str] = []
+    pool: NetnsPool
+    # Pods whose storer threads store batches, and pods whose reader threads read them.
+    holders: Sequence[int]
+    readers: Sequence[int]
+    # Prefix of the chunk keys (each load stores chunks of its own).
+    tag: str
+    # New chunks of one batch, and seconds between a holder's batches.
+    chunks_per_batch: int = 4
+    round_seconds: float = 0.1
+    # Seconds a batch waits before it is read (time for the chunk directory to learn it).
+    lag_seconds: float = 1.0
+    # Deadline of one lookup (seconds).
+    lookup_timeout: float = 3.0
+    # Every lookup + load the readers made.
+    requests: list[Request] = field(default_factory=list, init=False)
+    # Batches a holder could not store whole (its own sidecar refused).
+    not_stored: int = field(default=0, init=False)
+    # What ended a storer or reader thread early ("pod N: exception").
+    errors: list[str] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.holders, self.readers = tuple(self.holders), tuple(self.readers)
         self._inbox: dict[int, collections.deque[tuple[float, int, list[bytes]]]] = {
             r: collections.deque() for r in self.readers}
         self._lock = threading.Lock()

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kv_offload_tools.bench.netns.load import PoolLoad, Request
+from kv_offload_tools.bench.quantile import quantile
 from kv_offload_tools.chaos.chunks import chunk_keys, store_chunks
 from kv_offload_tools.netns.pool import NetnsPool
 from kv_offload_tools.netns.probes import half_open
@@ -39,13 +40,6 @@ from kv_offload_tools.netns.probes import half_open
 STALL_FRACTION = 0.5
 # Seconds between two polls of the sidecars' /v1/peers.
 POLL_SECONDS = 0.1
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def summary(requests: Sequence[Request]) -> dict[str, Any]:

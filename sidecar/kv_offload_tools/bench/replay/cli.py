@@ -96,7 +96,7 @@ class ReplaySettings:
 class RunResult:
     """One real replay over N sidecars."""
 
-    hit_chunks: int = 0
+    # Chunks asked; of those, loaded from the replica's own sidecar and loaded from a peer.
     total_chunks: int = 0
     local_hits: int = 0
     peer_hits: int = 0
@@ -116,6 +116,10 @@ class RunResult:
     hinted: int = 0
     # Messages between sidecars to answer routing hints (owner questions and holder counts).
     hint_messages: float = 0.0
+
+    @property
+    def hit_chunks(self) -> int:
+        return self.local_hits + self.peer_hits
 
     @property
     def hit_ratio(self) -> float:
@@ -357,11 +361,11 @@ def replay_real(settings: ReplaySettings, keys: Sequence[Sequence[bytes]], route
             result.routes.append(pod)
             out = serve_request(clients[pod], req, size, settings.timeout_seconds)
             loaded = out.loaded
-            result.outcomes.append((min(out.local, loaded), loaded - min(out.local, loaded), len(req)))
+            local = min(out.local, loaded)
+            result.outcomes.append((local, loaded - local, len(req)))
             result.mismatched_chunks += out.mismatched
-            result.hit_chunks += loaded
-            result.local_hits += min(out.local, loaded)
-            result.peer_hits += loaded - min(out.local, loaded)
+            result.local_hits += local
+            result.peer_hits += loaded - local
             result.peer_hit_requests += loaded > out.local
             result.total_chunks += len(req)
             now = time.monotonic()
@@ -619,19 +623,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-copies", choices=PEER_COPIES, default="drop",
                         help="the sidecars' sharing policy: drop a fetched chunk once loaded (default) "
                              "or keep it at the cold end")
-    parser.add_argument("--prefill-tokens-per-second", type=float, default=10_000.0,
-                        help="prefill model: the engine's prompt tokens per second (default 10000)")
-    parser.add_argument("--tokens-per-chunk", type=int, default=512,
-                        help="prefill model: tokens of one replayed chunk (default 512, a Mooncake block)")
-    parser.add_argument("--kv-bytes-per-token", type=int, default=131_072,
-                        help="prefill model: KV bytes per token (default 131072: Llama-3-8B in bf16)")
-    parser.add_argument("--links", default="1.25,25",
-                        help="prefill model: link bandwidths in GB/s (default 1.25,25)")
-    parser.add_argument("--link-latency-ms", type=float, default=0.5,
-                        help="prefill model: round trip of one holder exchange (default 0.5)")
-    parser.add_argument("--publish-interval-seconds", type=float, default=0.05,
-                        help="sidecars' directory publish interval (default 0.05)")
-
+    # The prefill model's flags and the publish interval take their defaults from the settings.
+    model = PrefillSettings()
+    parser.add_argument("--prefill-tokens-per-second", type=float, default=model.tokens_per_second,
+                        help="prefill model: the engine's prompt tokens per second "
+                             f"(default {model.tokens_per_second:g})")
+    parser.add_argument("--tokens-per-chunk", type=int, default=model.tokens_per_chunk,
+                        help=f"prefill model: tokens of one replayed chunk (default {model.tokens_per_chunk}, "
+                             "a Mooncake block)")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=model.kv_bytes_per_token,
+                        help=f"prefill model: KV bytes per token (default {model.kv_bytes_per_token}: "
+                             "Llama-3-8B in bf16)")
+    gbps = ",".join(f"{b / 1e9:g}" for b in model.links)
+    parser.add_argument("--links", default=gbps, help=f"prefill model: link bandwidths in GB/s (default {gbps})")
+    parser.add_argument("--link-latency-ms", type=float, default=model.latency_seconds * 1000,
+                        help="prefill model: round trip of one holder exchange "
+                             f"(default {model.latency_seconds * 1000:g})")
+    interval = ReplaySettings.publish_interval_seconds
+    parser.add_argument("--publish-interval-seconds", type=float, default=interval,
+                        help=f"sidecars' directory publish interval (default {interval:g})")
 
 def run(args: argparse.Namespace) -> int:
     if args.compare:

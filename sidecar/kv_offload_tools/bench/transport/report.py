@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from kv_offload_tools.bench.quantile import quantile
 from kv_offload_tools.bench.transport.methods import LANE_LADDER, LOOKUP_KEYS, METHODS, ONE_LANE
 
 # Targets: (description, method, chunk sizes, baseline, minimum ratio of their GB/s).
@@ -41,9 +42,7 @@ CEILING_METHODS = ("memcpy", "ucx_sm_limit", "ucx_sm_tagsend", "nixl_bare")
 
 def percentiles(values: list[float]) -> dict[str, float]:
     """p50 and p99 (microseconds) of round-trip samples."""
-    values = sorted(values)
-    return {"p50_us": values[len(values) // 2],
-            "p99_us": values[min(len(values) - 1, int(len(values) * 0.99))], "samples": len(values)}
+    return {"p50_us": quantile(values, 0.5), "p99_us": quantile(values, 0.99), "samples": len(values)}
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -38,16 +38,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kv_offload_tools.chaos import late_writer as late_cases
 from kv_offload_tools.chaos import loop
 from kv_offload_tools.chaos.chunks import chunk_content, chunk_keys, store_chunks
-from kv_offload_tools.chaos.late_writer import (
-    BIG_CHUNK,
-    SMALL_CHUNK,
-    SMALL_CHUNKS,
-    ended_as_expected,
-    holder_stopped_past_deadline,
-    loop_blocked_past_deadline,
-)
+from kv_offload_tools.chaos.late_writer import BIG_CHUNK, SMALL_CHUNK, SMALL_CHUNKS
 from kv_offload_tools.chaos.pool import chaos_pool
 from kv_offload_tools.chaos.probes import probe_handshake
 from kv_offload_testing.local_pool import LocalPool
@@ -152,11 +146,11 @@ def _plane(plane: str, runs: int, progress: Progress) -> LateWriterResult:
         try:
             for r in range(runs):
                 big_store.drop_when_released(big_store.keys())
-                stopped = loop.run(holder_stopped_past_deadline(big.connect, big_store, big.keys, big_bytes.__getitem__,
-                                                                big.pid, ROW_SECONDS))
+                stopped = loop.run(late_cases.holder_stopped_past_deadline(
+                    big.connect, big_store, big.keys, big_bytes.__getitem__, big.pid, ROW_SECONDS))
                 small_store.drop_when_released(small_store.keys())
-                blocked = loop.run(loop_blocked_past_deadline(small.connect, small_store, small.keys,
-                                                              small_bytes.__getitem__, ROW_SECONDS))
+                blocked = loop.run(late_cases.loop_blocked_past_deadline(
+                    small.connect, small_store, small.keys, small_bytes.__getitem__, ROW_SECONDS))
                 result.holder_stopped_in_flight += stopped.stopped_mid_chunk
                 result.loop_blocked_in_flight += blocked.late_rows > 0
                 result.bytes_after_deadline += stopped.bytes_after_deadline + blocked.bytes_after_deadline
@@ -165,7 +159,7 @@ def _plane(plane: str, runs: int, progress: Progress) -> LateWriterResult:
                 result.chunks_stored += stopped.refetched + blocked.stored
                 result.chunks_verified += stopped.verified + blocked.verified
                 for case, outcome in (("holder_stopped", stopped.outcome), ("loop_blocked", blocked.outcome)):
-                    if not ended_as_expected(outcome):
+                    if not late_cases.ended_as_expected(outcome):
                         result.unexpected_endings += 1
                         result.notes.append(f"run {r} {case}: the fetch ended with {outcome!r}")
                 if (r + 1) % 10 == 0 or r + 1 == runs:
