@@ -215,7 +215,7 @@ async def _serve(settings: SidecarSettings, parent: int = 0) -> None:
     def on_signal() -> None:
         if not stop.is_set():
             stop.set()
-            _start_shutdown_watchdog(settings.shutdown_grace_seconds)
+            _start_shutdown_watchdog(settings.process.shutdown_grace_seconds)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
@@ -250,16 +250,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = build_settings(args)
         parent = parent_pid(args)
-        if settings.transport == "ucx":
+        if settings.data_plane.transport == "ucx":
             require("--transport ucx", "ucxx")
             tls = ucx_tls(args)
-            configure_ucx(tls, ucx_lanes(args, settings.lanes))
+            configure_ucx(tls, ucx_lanes(args, settings.data_plane.lanes))
             if (problem := rdma_not_compiled_in(tls)) is not None:
                 raise ValueError(problem)
-        elif settings.transport == "nixl":
+        elif settings.data_plane.transport == "nixl":
             from kv_offload_sidecar.data.lanes import lanes_offered
             from kv_offload_sidecar.data.nixl.runtime import configure_nixl_env
-            configure_nixl_env(args.ucx_tls, lanes=lanes_offered(settings.lanes))
+            configure_nixl_env(args.ucx_tls, lanes=lanes_offered(settings.data_plane.lanes))
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"kv-offload sidecar: {exc}") from None
     if parent and os.getppid() != parent and not process_alive(parent):
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kv-offload sidecar: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
-        if settings.transport == "ucx" and type(exc).__module__.startswith("ucxx"):
+        if settings.data_plane.transport == "ucx" and type(exc).__module__.startswith("ucxx"):
             # e.g. UCXXNoDeviceError: none of the transports in UCX_TLS is usable here.
             print(f"kv-offload sidecar: UCX could not start with UCX_TLS={os.environ.get('UCX_TLS')!r}: "
                   f"{type(exc).__name__}: {exc}; pick usable transports with --ucx-tls "
