@@ -54,7 +54,7 @@ PARENT_POLL_SECONDS = 0.5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The settings' flags (defaults and help from ``SidecarSettings``) in their groups
-    (``settings.GROUPS``), the process's own among them."""
+    (``settings.GROUPS``: one per group field of ``SidecarSettings``), the process's own among them."""
     groups = {g.name: parser.add_argument_group(g.name, g.about) for g in GROUPS}
     for g in GROUPS:
         add_flags(groups[g.name], SidecarSettings, names=[n for n in g.fields if n not in _PEER_SOURCES])
@@ -115,7 +115,7 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
     if not os.path.isdir(args.shm_dir):
         raise ValueError(f"--shm-dir {args.shm_dir!r} is not a directory: mount the pod's /dev/shm "
                          f"(or a memory-backed emptyDir) there or pass another directory")
-    return SidecarSettings(**values)
+    return SidecarSettings.of(**values)
 
 
 def parent_pid(args: argparse.Namespace) -> int:
