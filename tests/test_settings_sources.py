@@ -130,7 +130,7 @@ def test_each_settings_flag_takes_its_default_from_its_field_alone(cls, add_argu
 
 
 def test_the_pools_defaults_for_the_sidecar_are_a_bare_sidecars_and_the_operators():
-    sidecar = {f.name: f.default for f in dataclasses.fields(SidecarSettings)}
+    sidecar = {f.name: f.default for f, _ in flag_fields(SidecarSettings)}
     operator = {f.name: f.default for f in dataclasses.fields(OperatorOptions)}
     for name, pool_default in (("base_port", pool_spec.DEFAULT_BASE_PORT), ("data_port", pool_spec.DEFAULT_DATA_PORT),
                                ("prefill_tokens_per_second", pool_spec.DEFAULT_PREFILL_TOKENS_PER_SECOND),

@@ -35,7 +35,7 @@ async def running(sidecar: Sidecar, *, control_ports: bool = True) -> AsyncItera
     ports: ControlPorts | None = None
     await sidecar.start()
     try:
-        for idx in s.dp_indices:
+        for idx in s.network.dp_indices:
             channel = LocalChannelServer(sidecar, idx)
             await channel.start()
             channels.append(channel)
@@ -45,12 +45,12 @@ async def running(sidecar: Sidecar, *, control_ports: bool = True) -> AsyncItera
         yield sidecar
     finally:
         if sidecar.ready:
-            log.info("sidecar %s shutting down", s.identity)
+            log.info("sidecar %s shutting down", s.network.identity)
         sidecar.ready = False
         if ports is not None:
             await ports.stop()
         for channel in reversed(channels):
-            await channel.stop(s.shutdown_grace_seconds)
+            await channel.stop(s.process.shutdown_grace_seconds)
         await sidecar.stop()
 
 
@@ -60,9 +60,9 @@ async def serve(sidecar: Sidecar, stop: asyncio.Event) -> None:
     falls back on it), forgotten at a clean stop; ``kv_offload_config_rejected`` says whether
     it runs the file or, the file refused, the saved one."""
     s = sidecar.settings
-    sidecar.metrics.config_rejected.set(1 if s.config_rejected else 0)
-    saved = last_good_path(s.shm_dir, s.identity)
+    sidecar.metrics.config_rejected.set(1 if s.pool.config_rejected else 0)
+    saved = last_good_path(s.store.shm_dir, s.network.identity)
     async with running(sidecar):
-        keep(saved, s.config, s.declared_identity)
+        keep(saved, s.pool.config, s.pool.declared_identity)
         await stop.wait()
     forget(saved)

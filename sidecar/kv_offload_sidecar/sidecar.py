@@ -78,34 +78,36 @@ class Sidecar:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = SidecarMetrics(self.registry)
-        cfg = settings.config
-        self.metrics.set_config_info(fingerprint=cfg.fingerprint, transport=settings.transport)
+        cfg = settings.pool.config
+        self.metrics.set_config_info(fingerprint=cfg.fingerprint, transport=settings.data_plane.transport)
         self.metrics.set_build_info(wire=WIRE_VERSION)
         # The model identity its engine gave it: nothing is shared before (peers/model_gate.py).
-        self.model = ModelGate(cfg.fingerprint, settings.declared_identity, self.metrics,
-                               transport=settings.transport)
+        self.model = ModelGate(cfg.fingerprint, settings.pool.declared_identity, self.metrics,
+                               transport=settings.data_plane.transport)
         # Refused input of both ports (control and data) is noted here: one budget of lines.
         self.rejections = RejectionLog(log, interval=REJECTION_LOG_SECONDS, max_pairs=REJECTION_LOG_PAIRS)
-        self.location = Location(settings.identity, interval_seconds=settings.publish_interval_seconds,
-                                 deadline_seconds=settings.fetch_deadline_seconds,
+        self.location = Location(settings.network.identity, interval_seconds=settings.peers.publish_interval_seconds,
+                                 deadline_seconds=settings.peers.fetch_deadline_seconds,
                                  call=self._location_call, metrics=self.metrics)
         self.claims = ClaimAudit(on_false_claims=self.metrics.peer_false_claims.inc)
         # The live TLS contexts of the TCP data plane (renewed from their files), or None.
         self.tls = None
-        if settings.tls_enabled:
+        if settings.security.tls_enabled:
             from kv_offload_sidecar.data.tls import TlsContexts
-            self.tls = TlsContexts(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)
-        self.keys = PoolKeys(settings.pool_key, settings.previous_pool_key, settings.admin_token,
-                             current_file=settings.pool_key_file,
-                             previous_file=settings.previous_pool_key_file,
-                             admin_file=settings.admin_token_file)
+            self.tls = TlsContexts(settings.security.tls_cert_file, settings.security.tls_key_file,
+                                   settings.security.tls_ca_file)
+        self.keys = PoolKeys(settings.security.pool_key, settings.security.previous_pool_key,
+                             settings.security.admin_token,
+                             current_file=settings.security.pool_key_file,
+                             previous_file=settings.security.previous_pool_key_file,
+                             admin_file=settings.security.admin_token_file)
         self.responder = HandshakeResponder(self.keys, self.local_hello,
-                                            ttl_seconds=max(10.0, 2 * settings.handshake_timeout_seconds))
+                                            ttl_seconds=max(10.0, 2 * settings.peers.handshake_timeout_seconds))
         self.discovery = Discovery(
-            static_peers=settings.static_peers, dns_name=settings.peers_dns,
-            base_port=settings.base_port, dp_size=cfg.parallel.data_parallel_size,
-            interval_seconds=settings.dns_interval_seconds,
-            own_addresses=[format_peer(settings.host, p) for p in settings.control_ports])
+            static_peers=settings.peers.static_peers, dns_name=settings.peers.peers_dns,
+            base_port=settings.network.base_port, dp_size=cfg.parallel.data_parallel_size,
+            interval_seconds=settings.peers.dns_interval_seconds,
+            own_addresses=[format_peer(settings.network.host, p) for p in settings.network.control_ports])
         # Stalls of this process's own loop (a peer is not blamed for them).
         self.stalls = LoopStalls()
         self.peers = PeerManager(settings, self.metrics, self.discovery, self.location, self.local_hello,
@@ -115,19 +117,19 @@ class Sidecar:
         self.landings = RowLandings(on_landed=self._wake_arrivals)
         self.reads = PeerReads(location=self.location, peers=self.peers, claims=self.claims,
                                metrics=self.metrics, store=self._require_store,
-                               deadline_seconds=settings.fetch_deadline_seconds,
+                               deadline_seconds=settings.peers.fetch_deadline_seconds,
                                cost=FetchOrRecompute(PrefillModel(
-                                   settings.prefill_tokens_per_second, cfg.tokens_per_chunk,
-                                   settings.kv_bytes_per_chunk)),
+                                   settings.recompute.prefill_tokens_per_second, cfg.tokens_per_chunk,
+                                   settings.pool.kv_bytes_per_chunk)),
                                stalls=self.stalls, landings=self.landings)
         # Loads in flight by key: one fetch per pod for a key, every job gets its rows.
         self.loads = SharedLoads(store=self._require_store, reads=self.reads, landings=self.landings,
                                  metrics=self.metrics, arrivals=lambda: self._arrived,
                                  let_go=self._release_copies, unloaded_after=lambda: (
-                                     UNLOADED_AFTER_DEADLINES * settings.fetch_deadline_seconds))
+                                     UNLOADED_AFTER_DEADLINES * settings.peers.fetch_deadline_seconds))
         # Learns the engine's prefill rate from its /metrics (--engine-metrics-url), if given.
         self.prefill_learner: PrefillRateLearner | None = None
-        self.name = store_name(settings.identity)
+        self.name = store_name(settings.network.identity)
         # Random per process: names this sidecar's store mapping to the engine clients.
         self.instance = secrets.token_hex(8)
         self.store: ChunkStore | None = None
@@ -150,23 +152,23 @@ class Sidecar:
     @property
     def control_address(self) -> str:
         s = self.settings
-        return format_peer(s.host, s.control_port(s.dp_indices[0]))
+        return format_peer(s.network.host, s.network.control_port(s.network.dp_indices[0]))
 
     def local_hello(self) -> HelloMessage:
         """A fresh hello (new nonce) describing this sidecar."""
         s = self.settings
-        return make_hello(fingerprint=s.config.fingerprint, hash_seed=s.hash_seed,
-                          kv_bytes_per_chunk=s.kv_bytes_per_chunk, identity=s.identity,
+        return make_hello(fingerprint=s.pool.config.fingerprint, hash_seed=s.pool.hash_seed,
+                          kv_bytes_per_chunk=s.pool.kv_bytes_per_chunk, identity=s.network.identity,
                           control_address=self.control_address, data_address=self.data_address,
-                          transport=s.transport, run_config=s.config.run_config(),
-                          data_lanes=lanes_offered(s.lanes), model_identity=self.model.identity)
+                          transport=s.data_plane.transport, run_config=s.pool.config.run_config(),
+                          data_lanes=lanes_offered(s.data_plane.lanes), model_identity=self.model.identity)
 
     def accept_session(self, session: Session) -> None:
         """A peer proved the pool key: authorise its data connections, dial it back."""
         self._inbound.add(session)
         self.metrics.handshakes.labels(result="accepted", reason="ok").inc()
         log.info("accepted peer %s (%s)", session.peer.identity, session.peer.control_address)
-        if session.peer.identity != self.settings.identity:
+        if session.peer.identity != self.settings.network.identity:
             self.discovery.add_dynamic(session.peer.control_address)
             self.peers.wake(session.peer.control_address)
 
@@ -198,14 +200,14 @@ class Sidecar:
             return
         try:
             if self.tls.reload():
-                log.info("data-plane TLS certificate renewed from %s", self.settings.tls_cert_file)
+                log.info("data-plane TLS certificate renewed from %s", self.settings.security.tls_cert_file)
         except ValueError as exc:
             log.warning("keeping the TLS certificate in use: the changed files do not load: %s", exc)
 
     async def _reload_keys(self) -> None:
         """Follow the key files (a rotated Secret); retire sessions of keys that are gone."""
         while True:
-            await asyncio.sleep(self.settings.key_reload_seconds)
+            await asyncio.sleep(self.settings.security.key_reload_seconds)
             self._reload_tls()
             before = self.keys.offered_ids()
             gone = self.keys.reload()
@@ -224,14 +226,14 @@ class Sidecar:
         from kv_offload_sidecar.data import make_server
 
         s = self.settings
-        self.store = ChunkStore(s.kv_bytes_per_chunk, s.capacity_bytes, directory=s.shm_dir,
+        self.store = ChunkStore(s.pool.kv_bytes_per_chunk, s.store.capacity_bytes, directory=s.store.shm_dir,
                                 name=self.name, metrics=self.metrics,
                                 on_change=self._store_changed, replace_existing=True)
         self._loop = asyncio.get_running_loop()
         try:
-            self.data_server = make_server(s.transport, self.store, self.authorize, self.metrics,
-                                           host=s.host, port=s.data_port,
-                                           chunk_bytes=s.kv_bytes_per_chunk, rejections=self.rejections,
+            self.data_server = make_server(s.data_plane.transport, self.store, self.authorize, self.metrics,
+                                           host=s.network.host, port=s.network.data_port,
+                                           chunk_bytes=s.pool.kv_bytes_per_chunk, rejections=self.rejections,
                                            **self._tls_options("server"))
             self.data_address = await self.data_server.start()
         except BaseException:
@@ -243,23 +245,23 @@ class Sidecar:
                        asyncio.create_task(self.location.run(), name="location"),
                        asyncio.create_task(self._reload_keys(), name="pool keys"),
                        asyncio.create_task(self.stalls.run(), name="loop stalls")]
-        if self.settings.engine_metrics_url:
+        if self.settings.recompute.engine_metrics_url:
             self.prefill_learner = PrefillRateLearner(
-                self.settings.engine_metrics_url, self.settings.engine_metrics_interval_seconds,
+                self.settings.recompute.engine_metrics_url, self.settings.recompute.engine_metrics_interval_seconds,
                 self.reads.cost.learn_rate)
             self._tasks.append(asyncio.create_task(self.prefill_learner.run(), name="prefill rate"))
         self.ready = True
-        if s.hash_seed == DEFAULT_HASH_SEED:
+        if s.pool.hash_seed == DEFAULT_HASH_SEED:
             log.warning("the prefix-hash seed is the public default %r: anyone who knows a prompt can "
                         "compute its chunk keys; give the pool a secret seed (the operator generates one "
                         "unless spec.hashSeed is set)", DEFAULT_HASH_SEED)
         log.info("sidecar %s ready: control %s, data %s, store %s (%d slots of %d bytes), %d cpus "
-                 "from %s", s.identity, ",".join(map(str, s.control_ports)), self.data_address,
+                 "from %s", s.network.identity, ",".join(map(str, s.network.control_ports)), self.data_address,
                  self.store.path, self.store.num_slots, self.store.slot_bytes, *cpu_budget().said)
 
     async def stop(self) -> None:
         """Graceful stop: in-flight engine work gets the grace bound, then close all."""
-        grace = self.settings.shutdown_grace_seconds
+        grace = self.settings.process.shutdown_grace_seconds
         self.ready = False
         await self.wait_idle(grace)
         for t in self._tasks:
@@ -276,7 +278,7 @@ class Sidecar:
         if self.store is not None:
             self.store.close(unlink=True)
             self.store = None
-        log.info("sidecar %s stopped", self.settings.identity)
+        log.info("sidecar %s stopped", self.settings.network.identity)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait (at most ``timeout``) until no engine lookup/load is in flight."""
@@ -313,7 +315,7 @@ class Sidecar:
             if keys:
                 self.location.hint_chain(keys, held=local > 0)
             self._release_copies(store, self.reads.take_unloaded(
-                UNLOADED_AFTER_DEADLINES * self.settings.fetch_deadline_seconds))
+                UNLOADED_AFTER_DEADLINES * self.settings.peers.fetch_deadline_seconds))
             if local < len(keys):  # after a lookup of the same keys in flight (``shared_loads``)
                 local, peer = await self.loads.lookup(keys, local, timeout, fetch=fetch)
             m = self.metrics.chunk_lookups
@@ -372,7 +374,7 @@ class Sidecar:
         return pins
 
     def _release_copies(self, store: ChunkStore, keys: list[bytes]) -> None:
-        if self.settings.peer_copies == "drop":
+        if self.settings.store.peer_copies == "drop":
             store.drop_when_released(keys)
         else:
             store.demote(keys)
@@ -384,7 +386,7 @@ class Sidecar:
         local = self._require_store().lookup_prefix(keys, touch=False)
         out = []
         if local:
-            out.append({"pod": self.settings.identity, "address": self.control_address, "chunks": local})
+            out.append({"pod": self.settings.network.identity, "address": self.control_address, "chunks": local})
         for link, n in await self.reads.prefix_holders(keys, timeout):
             out.append({"pod": link.identity, "address": link.address, "chunks": n})
         out.sort(key=lambda h: -h["chunks"])
@@ -412,29 +414,29 @@ class Sidecar:
         s = self.settings
         store = self.store
         ucx: dict[str, int] = {}
-        if s.transport == "ucx":
+        if s.data_plane.transport == "ucx":
             from kv_offload_sidecar.data.ucx.runtime import configured_lanes
             ucx["ucx_lanes"] = configured_lanes()
         states: dict[str, int] = {}
         for link in self.peers.links():
             states[link.state] = states.get(link.state, 0) + 1
         return {
-            "identity": s.identity,
+            "identity": s.network.identity,
             "ready": self.ready,
-            "fingerprint": s.config.fingerprint,
-            "model": s.config.model.name,
+            "fingerprint": s.pool.config.fingerprint,
+            "model": s.pool.config.model.name,
             "model_identity": self.model.view(),  # None: no engine stated it yet
-            "declared_model_identity": dict(s.declared_identity),
-            "kv_bytes_per_chunk": s.kv_bytes_per_chunk,
+            "declared_model_identity": dict(s.pool.declared_identity),
+            "kv_bytes_per_chunk": s.pool.kv_bytes_per_chunk,
             **build_view(),  # version, wire_version and the range spoken (wire_min, wire_max)
-            "transport": s.transport,
+            "transport": s.data_plane.transport,
             **ucx,
-            "control_ports": list(s.control_ports),
-            "dp_indices": list(s.dp_indices),
+            "control_ports": list(s.network.control_ports),
+            "dp_indices": list(s.network.dp_indices),
             "data_address": self.data_address,
             "peers": states,
             # Lanes this sidecar offers; each connected peer's count is in /v1/peers.
-            "data_lanes_offered": lanes_offered(s.lanes),
+            "data_lanes_offered": lanes_offered(s.data_plane.lanes),
             "cpu_budget": cpu_budget().view(),  # cores lanes and thread pools follow, and from where
             **self.peers.data_view(),  # data_lanes of each open data link, data_links: their bound
             "inbound_sessions": len(self._inbound),
@@ -448,12 +450,12 @@ class Sidecar:
             "location": self.location.status(),
             "fetch_or_recompute": {
                 "prefill_tokens_per_second": self.reads.cost.model.prefill_tokens_per_second,
-                "learnt_from": s.engine_metrics_url if self.reads.cost.learnt else "",
+                "learnt_from": s.recompute.engine_metrics_url if self.reads.cost.learnt else "",
                 "peers": self.reads.cost.speeds.view()},
         }
 
     def local_socket_path(self, dp_index: int) -> str:
-        return f"{self.settings.shm_dir.rstrip('/')}/kv-offload-{self.name}-dp{dp_index}.sock"
+        return f"{self.settings.store.shm_dir.rstrip('/')}/kv-offload-{self.name}-dp{dp_index}.sock"
 
     def local_info(self, dp_index: int, model_identity: Any = None,
                    fingerprint: Any = None) -> dict[str, Any]:
@@ -463,13 +465,13 @@ class Sidecar:
         return {
             "socket": self.local_socket_path(dp_index),
             "dp_index": dp_index,
-            "identity": self.settings.identity,
+            "identity": self.settings.network.identity,
             "instance": self.instance,
-            "fingerprint": self.settings.config.fingerprint,
+            "fingerprint": self.settings.pool.config.fingerprint,
             # The identity fields behind the fingerprint, so an engine can name what differs.
-            "run_config": self.settings.config.run_config(),
-            "kv_bytes_per_chunk": self.settings.config.kv_bytes_per_chunk,
-            "hash_seed": self.settings.hash_seed,
+            "run_config": self.settings.pool.config.run_config(),
+            "kv_bytes_per_chunk": self.settings.pool.config.kv_bytes_per_chunk,
+            "hash_seed": self.settings.pool.hash_seed,
             "model_identity": None if self.model.identity is None else self.model.identity.digest,
             "model_identity_refused": refused,  # why the engine that asked is refused, or ""
             "store": {"path": store.path, "slot_bytes": store.slot_bytes,

@@ -137,7 +137,8 @@ def settings_page() -> str:
             out.append(f"## {title}\n\n{_flag_table(parser)}\n")
             continue
         out.append(f"## {title}\n\nIts flags by group, as `{title.strip('`')} --help` shows them "
-                   "(`settings.GROUPS`).\n\n")
+                   "(`settings.GROUPS`: one per group field of `SidecarSettings`, so `--capacity-bytes` is "
+                   "`settings.store.capacity_bytes`).\n\n")
         out += [f"### {group}\n\n{_cell(about[:1].upper() + about[1:])}.\n\n{_flag_table(parser, actions)}\n"
                 for group, about, actions in groups]
     return "".join(out).rstrip() + "\n"

@@ -142,15 +142,15 @@ def test_an_unknown_peer_copies_policy_is_refused_naming_the_field_and_the_choic
 def test_the_operators_policy_defaults_are_the_sidecars_own() -> None:
     """A pool that sets nothing and an operator started without the flags run the sidecar's defaults."""
     import argparse
-    import dataclasses
 
     from kv_offload_sidecar.commands import sidecar as sidecar_main
+    from kv_offload_sidecar.setting_flags import flag_fields
     from kv_offload_sidecar.settings import PEER_COPIES, SidecarSettings
 
     parser = argparse.ArgumentParser()
     sidecar_main.add_arguments(parser)
     flags = parser.parse_args(["--config", "c", "--pool-key-file", "k"])
-    fields = {f.name: f.default for f in dataclasses.fields(SidecarSettings)}
+    fields = {f.name: f.default for f, _ in flag_fields(SidecarSettings)}
     assert pool_spec.DEFAULT_PREFILL_TOKENS_PER_SECOND == flags.prefill_tokens_per_second \
         == fields["prefill_tokens_per_second"] == 0.0
     assert pool_spec.DEFAULT_PEER_COPIES == flags.peer_copies == fields["peer_copies"] == "drop"

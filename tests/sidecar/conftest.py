@@ -13,7 +13,8 @@ POOL_KEY = b"test-pool-key"
 
 @pytest.fixture
 def make_settings(shm_dir: str) -> Callable[..., SidecarSettings]:
-    """SidecarSettings for an in-process sidecar on 127.0.0.1 (tcp data plane, free ports)."""
+    """SidecarSettings for an in-process sidecar on 127.0.0.1 (tcp data plane, free ports);
+    ``changes`` name settings flat (``identity=...``), ``SidecarSettings.of`` finds their groups."""
 
     def build(**changes: object) -> SidecarSettings:
         fields: dict[str, object] = dict(
@@ -22,7 +23,7 @@ def make_settings(shm_dir: str) -> Callable[..., SidecarSettings]:
             transport="tcp", shm_dir=shm_dir, identity="test-sidecar",
             publish_interval_seconds=0.1, fetch_deadline_seconds=1.0, shutdown_grace_seconds=0.5)
         fields.update(changes)
-        return SidecarSettings(**fields)  # type: ignore[arg-type]
+        return SidecarSettings.of(**fields)  # one keyword per setting, whatever its group
 
     return build
 

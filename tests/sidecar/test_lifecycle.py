@@ -32,7 +32,7 @@ async def http(port: int, request: bytes, source: str = "127.0.0.2") -> bytes:
 
 async def test_running_serves_every_control_port_behind_the_connection_guard(make_settings):
     sidecar = Sidecar(make_settings())
-    port = sidecar.settings.control_port(0)
+    port = sidecar.settings.network.control_port(0)
     async with running(sidecar):
         reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
         await wait_for_async("the guard to count the stranger", lambda: unproven(sidecar) == 1)
@@ -51,7 +51,7 @@ async def test_both_ports_note_their_refusals_in_the_sidecars_one_rejection_log(
     async with running(sidecar):
         body = json.dumps({"step": "hello", "wire_version": "1.0", "nonce": "00" * 16,
                            "key_ids": ["00" * 8]}).encode()
-        answer = await http(sidecar.settings.control_port(0),
+        answer = await http(sidecar.settings.network.control_port(0),
                             b"POST /v1/handshake HTTP/1.1\r\nHost: sidecar\r\nConnection: close\r\n"
                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         assert answer.startswith(b"HTTP/1.1 403") and b"other_pool" in answer, answer

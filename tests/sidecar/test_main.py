@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 from kv_offload_sidecar.commands.sidecar import add_arguments, build_settings
-from kv_offload_sidecar.setting_flags import flag_fields
+from kv_offload_sidecar.setting_flags import leaf_fields
 from kv_offload_sidecar.settings import GROUPS, SidecarSettings
 from kv_offload_testing.http_client import http_json
 from kv_offload_testing.local_pool import (
@@ -36,8 +36,8 @@ def test_side_channel_env_gives_host_and_base_port(files, monkeypatch):
     monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_HOST", "10.1.2.3")
     monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_PORT", "6000")
     s = build_settings(parse(["--config", files[0], "--pool-key-file", files[1], "--dp-indices", "4,5"]))
-    assert (s.host, s.base_port, s.control_ports) == ("10.1.2.3", 6000, (6004, 6005))
-    assert s.pool_key == b"k3y"
+    assert (s.network.host, s.network.base_port, s.network.control_ports) == ("10.1.2.3", 6000, (6004, 6005))
+    assert s.security.pool_key == b"k3y"
 
 
 def test_a_sidecar_given_only_its_config_and_key_runs_every_setting_at_its_declared_default(files, monkeypatch):
@@ -45,11 +45,11 @@ def test_a_sidecar_given_only_its_config_and_key_runs_every_setting_at_its_decla
         monkeypatch.delenv(name, raising=False)
     s = build_settings(parse(["--config", files[0], "--pool-key-file", files[1]]))
     given = {"config", "pool_key", "pool_key_file", "identity"}
-    for f in dataclasses.fields(SidecarSettings):
+    for group, f in leaf_fields(SidecarSettings):
         if f.name not in given:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            assert getattr(s, f.name) == default, f.name
-    assert s.transport == "ucx"  # the pool's default too: UCX, with tcp where UCX is unavailable
+            assert getattr(getattr(s, group), f.name) == default, f"{group}.{f.name}"
+    assert s.data_plane.transport == "ucx"  # the pool's default too: UCX, with tcp where UCX is unavailable
 
 
 def test_every_flag_shows_its_settings_default_in_its_help():
@@ -62,8 +62,6 @@ def test_every_flag_shows_its_settings_default_in_its_help():
 
 
 def test_every_settings_flag_is_in_one_group_and_help_shows_it_there():
-    grouped = [name for g in GROUPS for name in g.fields]
-    assert sorted(grouped) == sorted(f.name for f, _ in flag_fields(SidecarSettings))  # each once
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     shown = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
@@ -84,9 +82,10 @@ def test_lanes_is_one_count_of_streams_that_each_plane_maps(files, monkeypatch):
     for lanes, ucx in ((0, 1), (1, 1), (2, 2), (4, 2), (8, 2)):
         args = parse(["--config", files[0], "--pool-key-file", files[1], "--lanes", str(lanes)])
         s = build_settings(args)
-        assert s.lanes == lanes and ucx_lanes(args, s.lanes) == ucx  # ucx runs 1 or 2 connections
+        assert s.data_plane.lanes == lanes
+        assert ucx_lanes(args, s.data_plane.lanes) == ucx  # ucx runs 1 or 2 connections
         if lanes:
-            assert lanes_offered(s.lanes) == lanes  # tcp connections, nixl read threads
+            assert lanes_offered(s.data_plane.lanes) == lanes  # tcp connections, nixl read threads
     with pytest.raises(ValueError, match="lanes 9 must be 0"):
         build_settings(parse(["--config", files[0], "--pool-key-file", files[1], "--lanes", "9"]))
 
@@ -94,7 +93,7 @@ def test_lanes_is_one_count_of_streams_that_each_plane_maps(files, monkeypatch):
 def test_data_lanes_is_a_deprecated_alias_of_lanes_that_warns(files, caplog):
     with caplog.at_level("WARNING"):
         s = build_settings(parse(["--config", files[0], "--pool-key-file", files[1], "--data-lanes", "3"]))
-    assert s.lanes == 3
+    assert s.data_plane.lanes == 3
     assert "--data-lanes is deprecated: use --lanes 3" in caplog.text
     with pytest.raises(ValueError, match="--data-lanes 3 and --lanes 2 disagree"):
         build_settings(parse(["--config", files[0], "--pool-key-file", files[1],
@@ -116,16 +115,16 @@ def test_flags_win_over_env_and_dp_index_defaults_to_the_config(files, monkeypat
     monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_PORT", "6000")
     s = build_settings(parse(["--config", files[0], "--pool-key-file", files[1], "--base-port", "7000",
                               "--peers", "a:1,b:2", "--fetch-deadline-seconds", "0.5"]))
-    assert s.base_port == 7000 and s.dp_indices == (0,) and s.static_peers == ("a:1", "b:2")
-    assert s.fetch_deadline_seconds == 0.5
+    assert s.network.base_port == 7000 and s.network.dp_indices == (0,) and s.peers.static_peers == ("a:1", "b:2")
+    assert s.peers.fetch_deadline_seconds == 0.5
 
 
 def test_hash_seed_follows_pythonhashseed_unless_config_pins_it(files, monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONHASHSEED", "99")
-    assert build_settings(parse(["--config", files[0], "--pool-key-file", files[1]])).hash_seed == "99"
+    assert build_settings(parse(["--config", files[0], "--pool-key-file", files[1]])).pool.hash_seed == "99"
     pinned = tmp_path / "pinned.json"
     pinned.write_text(example_config(extra_config={"hash_seed": "1234"}).to_json())
-    assert build_settings(parse(["--config", str(pinned), "--pool-key-file", files[1]])).hash_seed == "1234"
+    assert build_settings(parse(["--config", str(pinned), "--pool-key-file", files[1]])).pool.hash_seed == "1234"
 
 
 @pytest.mark.parametrize("extra, phrase", [
@@ -172,9 +171,9 @@ def test_hash_seed_flag_wins_over_config_and_pythonhashseed(files, monkeypatch, 
     pinned.write_text(example_config(extra_config={"hash_seed": "1234"}).to_json())
     for config in (files[0], str(pinned)):
         s = build_settings(parse(["--config", config, "--pool-key-file", files[1], "--hash-seed", "s33d"]))
-        assert s.hash_seed == "s33d"
+        assert s.pool.hash_seed == "s33d"
     monkeypatch.delenv("PYTHONHASHSEED")
-    assert build_settings(parse(["--config", files[0], "--pool-key-file", files[1]])).hash_seed == "0"
+    assert build_settings(parse(["--config", files[0], "--pool-key-file", files[1]])).pool.hash_seed == "0"
 
 
 def test_empty_hash_seed_flag_exits_2_with_one_line(files):

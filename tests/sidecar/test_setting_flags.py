@@ -6,7 +6,15 @@ import argparse
 from dataclasses import dataclass
 
 import pytest
-from kv_offload_sidecar.setting_flags import add_flags, field_default, flag_values, setting
+from kv_offload_sidecar.setting_flags import (
+    add_flags,
+    field_default,
+    flag_values,
+    group,
+    grouped,
+    setting,
+    setting_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -55,3 +63,34 @@ def test_field_default_names_a_field_without_one():
     assert field_default(Example, "ratio") == 0.5
     with pytest.raises(KeyError, match="Example.path has no default"):
         field_default(Example, "path")
+
+
+@dataclass(frozen=True)
+class Wire:
+    speed: int = setting(1, "a speed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grouped:
+    example: Example = group(Example, "what the example decides", required=True)
+    wire: Wire = group(Wire, "how fast")
+
+
+def test_a_groups_fields_are_flags_of_the_outer_class_and_its_groups_list_them():
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(p, Grouped)
+    args = p.parse_args(["--path", "f", "--speed", "3"])
+    assert flag_values(args, Grouped) == {"path": "f", "ratio": 0.5, "mode": "drop", "everywhere": False, "speed": 3}
+    assert [(g.name, g.about, g.fields) for g in setting_groups(Grouped)] == [
+        ("example", "what the example decides", ("path", "port", "ratio", "mode", "everywhere")),
+        ("wire", "how fast", ("speed",))]
+    assert field_default(Grouped, "speed") == 1
+
+
+def test_grouped_gives_each_keyword_to_its_group_and_defaults_the_groups_not_named():
+    built = grouped(Grouped, {"path": "f", "internal": 4})
+    assert built == Grouped(example=Example(path="f", internal=4), wire=Wire())
+    with pytest.raises(TypeError, match="Grouped has no setting nope"):
+        grouped(Grouped, {"path": "f", "nope": 1})
+    with pytest.raises(TypeError):  # a required group needs its own required fields
+        grouped(Grouped, {"speed": 2})

@@ -54,7 +54,7 @@ PARENT_POLL_SECONDS = 0.5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The settings' flags (defaults and help from ``SidecarSettings``) in their groups
-    (``settings.GROUPS``), the process's own among them."""
+    (``settings.GROUPS``: one per group field of ``SidecarSettings``), the process's own among them."""
     groups = {g.name: parser.add_argument_group(g.name, g.about) for g in GROUPS}
     for g in GROUPS:
         add_flags(groups[g.name], SidecarSettings, names=[n for n in g.fields if n not in _PEER_SOURCES])
@@ -115,7 +115,7 @@ def build_settings(args: argparse.Namespace) -> SidecarSettings:
     if not os.path.isdir(args.shm_dir):
         raise ValueError(f"--shm-dir {args.shm_dir!r} is not a directory: mount the pod's /dev/shm "
                          f"(or a memory-backed emptyDir) there or pass another directory")
-    return SidecarSettings(**values)
+    return SidecarSettings.of(**values)
 
 
 def parent_pid(args: argparse.Namespace) -> int:
@@ -215,7 +215,7 @@ async def _serve(settings: SidecarSettings, parent: int = 0) -> None:
     def on_signal() -> None:
         if not stop.is_set():
             stop.set()
-            _start_shutdown_watchdog(settings.shutdown_grace_seconds)
+            _start_shutdown_watchdog(settings.process.shutdown_grace_seconds)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
@@ -250,16 +250,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = build_settings(args)
         parent = parent_pid(args)
-        if settings.transport == "ucx":
+        if settings.data_plane.transport == "ucx":
             require("--transport ucx", "ucxx")
             tls = ucx_tls(args)
-            configure_ucx(tls, ucx_lanes(args, settings.lanes))
+            configure_ucx(tls, ucx_lanes(args, settings.data_plane.lanes))
             if (problem := rdma_not_compiled_in(tls)) is not None:
                 raise ValueError(problem)
-        elif settings.transport == "nixl":
+        elif settings.data_plane.transport == "nixl":
             from kv_offload_sidecar.data.lanes import lanes_offered
             from kv_offload_sidecar.data.nixl.runtime import configure_nixl_env
-            configure_nixl_env(args.ucx_tls, lanes=lanes_offered(settings.lanes))
+            configure_nixl_env(args.ucx_tls, lanes=lanes_offered(settings.data_plane.lanes))
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"kv-offload sidecar: {exc}") from None
     if parent and os.getppid() != parent and not process_alive(parent):
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kv-offload sidecar: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
-        if settings.transport == "ucx" and type(exc).__module__.startswith("ucxx"):
+        if settings.data_plane.transport == "ucx" and type(exc).__module__.startswith("ucxx"):
             # e.g. UCXXNoDeviceError: none of the transports in UCX_TLS is usable here.
             print(f"kv-offload sidecar: UCX could not start with UCX_TLS={os.environ.get('UCX_TLS')!r}: "
                   f"{type(exc).__name__}: {exc}; pick usable transports with --ucx-tls "

@@ -2,7 +2,7 @@
 
 Endpoints (JSON unless noted; every error is ``{"error": "...", ...}`` with a
 4xx status, never a 500 for bad input; bodies are capped at
-``settings.max_body_bytes``, handshake bodies at ``MAX_HANDSHAKE_BODY_BYTES``, and
+``settings.network.max_body_bytes``, handshake bodies at ``MAX_HANDSHAKE_BODY_BYTES``, and
 must arrive within ``request_limits.BODY_SECONDS``; JSON is parsed with
 ``rejections.loads_bounded``; what a caller may cost before it proves anything is
 ``limits.py``'s, and every refusal is counted in ``protocol_errors{reason}`` and noted
@@ -173,10 +173,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 async def read_json(request: web.Request, limit: int | None = None) -> Any:
     """The request body as JSON (``loads_bounded``), at most ``limit`` bytes (default
-    ``settings.max_body_bytes``); BodyError (408, 413) or HTTPBadRequest with a JSON message."""
+    ``settings.network.max_body_bytes``); BodyError (408, 413) or HTTPBadRequest with a JSON message."""
     sidecar = request.app[SIDECAR_KEY]
     try:
-        raw = await read_body(request, sidecar.settings.max_body_bytes if limit is None else limit)
+        raw = await read_body(request, sidecar.settings.network.max_body_bytes if limit is None else limit)
     except BodyError:
         raise
     except Exception as exc:  # truncated upload, reset connection
@@ -296,7 +296,7 @@ def keys_handler(answer: Callable[[Sidecar, list[bytes], float], Awaitable[dict[
         if not isinstance(body, dict):
             raise _bad("body must be an object {\"keys\": [hex, ...]}")
         keys = parse_keys(body.get("keys"), sidecar)
-        timeout = parse_timeout(body.get("timeout"), sidecar.settings.fetch_deadline_seconds)
+        timeout = parse_timeout(body.get("timeout"), sidecar.settings.peers.fetch_deadline_seconds)
         return web.json_response(await answer(sidecar, keys, timeout))
 
     return handle
@@ -325,7 +325,7 @@ async def handle_peers(request: web.Request) -> web.StreamResponse:
 async def handle_status(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR_KEY]
     # where the running config came from: the file, or the last good one (last_good_config)
-    return web.json_response({**sidecar.status(), "config": config_view(sidecar.settings.config_rejected)})
+    return web.json_response({**sidecar.status(), "config": config_view(sidecar.settings.pool.config_rejected)})
 
 
 @pod_local
@@ -350,7 +350,7 @@ def create_app(sidecar: Sidecar, dp_index: int, *, guard: ConnectionGuard | None
     themselves; without one (an app served by a test client) only the per-request limits hold.
     """
     middlewares = [error_middleware] if guard is None else [guard_middleware(guard), error_middleware]
-    app = web.Application(client_max_size=sidecar.settings.max_body_bytes, middlewares=middlewares,
+    app = web.Application(client_max_size=sidecar.settings.network.max_body_bytes, middlewares=middlewares,
                           handler_args=handler_args(sidecar.metrics, sidecar.rejections))
     app[SIDECAR_KEY] = sidecar
     app[DP_INDEX_KEY] = dp_index
@@ -390,12 +390,12 @@ class ControlPorts:
     async def start(self) -> None:
         """Listen on every control port (OSError when one is taken; those started stay up)."""
         s = self._sidecar.settings
-        for idx in s.dp_indices:
+        for idx in s.network.dp_indices:
             runner = web.AppRunner(create_app(self._sidecar, idx, guard=self.guard), handle_signals=False,
-                                   access_log=None, shutdown_timeout=s.shutdown_grace_seconds)
+                                   access_log=None, shutdown_timeout=s.process.shutdown_grace_seconds)
             await runner.setup()
             self._runners.append(runner)
-            await GuardedSite(runner, s.host, s.control_port(idx), self.guard).start()
+            await GuardedSite(runner, s.network.host, s.network.control_port(idx), self.guard).start()
         self._flusher = asyncio.create_task(self._flush_rejections(), name="rejection log")
         freeze_long_lived()  # the last part of the sidecar is up
 

@@ -142,7 +142,7 @@ class _Connection:
                                stale=True)
         if op == "lookup":
             keys = keys_of(req)
-            local, peer = await sidecar.lookup(keys, timeout_of(req, sidecar.settings.fetch_deadline_seconds))
+            local, peer = await sidecar.lookup(keys, timeout_of(req, sidecar.settings.peers.fetch_deadline_seconds))
             return {"ok": True, "local": local, "peer": peer, "known_at": time.monotonic()}
         if op == "reserve":
             group = sidecar.reserve(keys_of(req))
@@ -170,7 +170,7 @@ class _Connection:
             return {"ok": True, "committed": committed}
         if op == "load":
             keys = keys_of(req)
-            timeout = timeout_of(req, sidecar.settings.fetch_deadline_seconds)
+            timeout = timeout_of(req, sidecar.settings.peers.fetch_deadline_seconds)
             pins: list[PinnedChunk] = []
             try:
                 with self.server.jobs.running(job_of(req), JobDeadline(time.monotonic() + timeout)) as stop:
@@ -215,7 +215,7 @@ class _Connection:
                                   num_rows=req.get("num_rows"), chunk_bytes=req.get("chunk_bytes"))
         except RegionError as exc:
             raise ChannelError(str(exc), fatal=True, reason="bad_size") from None
-        slot_bytes = self.sidecar.settings.kv_bytes_per_chunk  # the store's slot size
+        slot_bytes = self.sidecar.settings.pool.kv_bytes_per_chunk  # the store's slot size
         if region.chunk_bytes > slot_bytes:
             region.close()
             raise ChannelError(f"region chunks of {region.chunk_bytes} bytes do not fit this "
@@ -316,7 +316,7 @@ class _Connection:
         after it, even while the loop is late): only when fetched chunks are dropped after the
         load anyway (``--peer-copies drop``) and a row holds exactly a slot's bytes."""
         sidecar, store = self.sidecar, self.sidecar.store
-        if sidecar.settings.peer_copies != "drop" or store is None or region.chunk_bytes != store.slot_bytes:
+        if sidecar.settings.store.peer_copies != "drop" or store is None or region.chunk_bytes != store.slot_bytes:
             return []
         return [None if store.contains(key) else sidecar.landings.offer(key, memoryview(region.row(row)), deadline)
                 for key, row in zip(keys, rows)]

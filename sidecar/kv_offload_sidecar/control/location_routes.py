@@ -7,7 +7,7 @@ answer only a peer with an inbound session: header ``X-KV-Offload-Session``
 401 before the body is read; a body whose HMAC does not verify gets the same
 401. The holder of a publish is the session's peer, never a name in the body,
 so a member can only speak for itself. A malformed body is a 400 naming the
-problem; a body over ``settings.max_body_bytes`` is a 413 and one not whole
+problem; a body over ``settings.network.max_body_bytes`` is a 413 and one not whole
 within ``request_limits.BODY_SECONDS`` a 408 (``request_limits.read_body``; both close the
 connection); JSON is parsed with ``loads_bounded``. Replies to a session on a key this sidecar no longer uses carry
 ``X-KV-Offload-Rekey: 1`` (the peer re-keys, make before break).
@@ -70,7 +70,7 @@ def location_handler(op: str, answer: Callable[[Sidecar, str, Any], dict[str, An
         if session is None:
             return _refuse(sidecar, request, "unauthenticated", "no session", 401, UNAUTHENTICATED)
         try:
-            raw = await read_body(request, sidecar.settings.max_body_bytes)
+            raw = await read_body(request, sidecar.settings.network.max_body_bytes)
         except BodyError as exc:
             resp = _refuse(sidecar, request, exc.reason, str(exc), exc.status, str(exc))
             resp.force_close()

@@ -5,7 +5,7 @@ A handshake makes a peer a member (``links.PeerManager``): its session is key ma
 no socket is held. ``DataLinks.acquire`` opens the data connection with its lanes
 (``data.connect``) the first time an exchange with that peer needs it; requests that arrive
 while it opens share that one open, each waiting no longer than its own deadline. The open
-itself is bounded by ``SidecarSettings.handshake_timeout_seconds``; one that fails reports
+itself is bounded by ``PeerSettings.handshake_timeout_seconds``; one that fails reports
 the peer (``PeerManager.report_failure``: it leaves the membership and backs off) unless
 this sidecar's own loop stalled meanwhile (``loop_stalls``) or the holder refused it as busy
 (``PeerBusy``: it serves ``data.serving.MAX_SERVED_SESSIONS`` readers already; a miss).
@@ -183,9 +183,9 @@ class DataLinks:
         from kv_offload_sidecar.data import connect as data_connect
 
         s = self._settings
-        lanes = lane_count(lanes_offered(s.lanes), session.peer.data_lanes)
+        lanes = lane_count(lanes_offered(s.data_plane.lanes), session.peer.data_lanes)
         data = await data_connect(session.peer.data_address, session.session_id, session.session_key,
-                                  timeout=s.handshake_timeout_seconds, metrics=self._metrics,
+                                  timeout=s.peers.handshake_timeout_seconds, metrics=self._metrics,
                                   lanes=lanes, **self._data_options())
         self.opened += 1
         return data

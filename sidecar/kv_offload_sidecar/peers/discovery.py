@@ -31,7 +31,7 @@ from typing import Any
 
 from kv_offload_sidecar.engine.contract.ports import DEFAULT_BASE_PORT
 from kv_offload_sidecar.peers.cluster_domain import qualify
-from kv_offload_sidecar.settings import SidecarSettings
+from kv_offload_sidecar.settings import PeerSettings
 from kv_offload_sidecar.waits import set_within
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class Discovery:
 
     def __init__(self, *, static_peers: Iterable[str] = (), dns_name: str = "",
                  base_port: int = DEFAULT_BASE_PORT, dp_size: int = 1,
-                 interval_seconds: float = SidecarSettings.dns_interval_seconds,
+                 interval_seconds: float = PeerSettings.dns_interval_seconds,
                  own_addresses: Iterable[str] = (), resolver: Resolver | None = None) -> None:
         self._static = set(parse_peer_list(list(static_peers)))
         self._dns_name = qualify(dns_name)

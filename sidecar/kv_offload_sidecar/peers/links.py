@@ -286,7 +286,7 @@ class PeerManager:
 
     async def run(self) -> None:
         """Follow discovery forever (cleanup_ctx task)."""
-        self._http = control_client(self._settings.handshake_timeout_seconds)
+        self._http = control_client(self._settings.peers.handshake_timeout_seconds)
         try:
             while True:
                 self._discovery.forget_unreachable(self._links.values())
@@ -354,7 +354,7 @@ class PeerManager:
                         return
                     if exc.reason == "alias":
                         self._set_state(link, "alias")
-                        await asyncio.sleep(s.dns_interval_seconds)
+                        await asyncio.sleep(s.peers.dns_interval_seconds)
                         continue
                     link.last_error = str(exc)
                     await self._back_off(link, "rejected")
@@ -388,7 +388,7 @@ class PeerManager:
         if link.retry_now:  # not the peer's failure: no wait, nothing counted
             link.retry_now = False
             return
-        s = self._settings
+        s = self._settings.peers
         link.failures += 1
         delay = backoff_delay(link.failures, s.backoff_initial_seconds, backoff_cap(state, s.backoff_max_seconds))
         link.retry_at = time.monotonic() + delay
@@ -422,7 +422,7 @@ class PeerManager:
         except HandshakeError as exc:
             self._count_rejection(exc, link.address)
             raise
-        if remote.identity == s.identity:
+        if remote.identity == s.network.identity:
             raise HandshakeError("self", "this address is ourselves")
         other = self.connected(remote.identity)
         if other is not None and other is not link:
@@ -457,7 +457,7 @@ class PeerManager:
         log.info("peer %s (%s): re-keyed with pool key %s", link.address, remote.identity,
                  session.key_id.hex())
         if old is not None:  # requests still running on it finish first (they have a deadline)
-            self.data_links.retire(old, self._settings.fetch_deadline_seconds + 1.0)
+            self.data_links.retire(old, self._settings.peers.fetch_deadline_seconds + 1.0)
 
     def keys_changed(self) -> int:
         """This sidecar's keys changed: links not on the current key re-key; returns how many."""

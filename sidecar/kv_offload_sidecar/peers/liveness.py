@@ -35,7 +35,7 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   none (the peer is no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
-  ``SidecarSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait
+  ``PeerSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait
   (``PeerManager.wake``), so a healed peer is connected again within 5 s.
 """
 

@@ -215,7 +215,7 @@ async def test_bad_bodies_get_clear_json_errors_and_service_continues(sidecar_cl
 
 
 async def test_oversized_body_is_413_with_json_error(sidecar_client):
-    limit = sidecar_client.sidecar.settings.max_body_bytes
+    limit = sidecar_client.sidecar.settings.network.max_body_bytes
     resp = await sidecar_client.post("/v1/handshake", data=b"x" * (limit + 1))
     assert resp.status == 413
     assert "exceeds" in (await resp.json())["error"]
@@ -247,7 +247,7 @@ async def test_a_route_hint_names_this_pod_with_its_local_prefix(sidecar_client)
     resp = await sidecar_client.post("/v1/route", json={"keys": [k.hex() for k in keys]}, headers=ADMIN)
     assert resp.status == 200
     assert await resp.json() == {"asked": 3, "pods": [
-        {"pod": sidecar.settings.identity, "address": sidecar.control_address, "chunks": 2}]}
+        {"pod": sidecar.settings.network.identity, "address": sidecar.control_address, "chunks": 2}]}
     resp = await sidecar_client.post("/v1/route", json={"keys": [keys[2].hex()]}, headers=ADMIN)
     assert (await resp.json())["pods"] == []
 

@@ -38,7 +38,7 @@ async def ports(make_settings):
         control = ControlPorts(sidecar)
         await control.start()
         control.sidecar = sidecar
-        control.port = sidecar.settings.control_port(0)
+        control.port = sidecar.settings.network.control_port(0)
         try:
             yield control
         finally:

@@ -58,7 +58,7 @@ async def test_a_lying_member_costs_the_pool_only_misses_and_few_messages(make_s
     monkeypatch.setattr(kv_offload_sidecar.sidecar, "ClaimAudit", functools.partial(ClaimAudit, clock=Clock()))
     liar_settings = make_settings(identity="liar")
     victim_settings = make_settings(identity="victim", fetch_deadline_seconds=REQUEST_DEADLINE_SECONDS,
-                                    static_peers=(f"127.0.0.1:{liar_settings.base_port}",))
+                                    static_peers=(f"127.0.0.1:{liar_settings.network.base_port}",))
     liar, victim = identified(Sidecar(liar_settings)), identified(Sidecar(victim_settings))
     async with running(liar), running(victim):
         keys = chunk_keys("claimed", 400)

@@ -23,8 +23,8 @@ def _pool(make_settings, *holders: str) -> tuple[list[Sidecar], Sidecar]:
     settings: list = []
     for name in holders:
         settings.append(make_settings(identity=name, static_peers=tuple(
-            f"127.0.0.1:{s.base_port}" for s in settings)))
-    peers = tuple(f"127.0.0.1:{s.base_port}" for s in settings)
+            f"127.0.0.1:{s.network.base_port}" for s in settings)))
+    peers = tuple(f"127.0.0.1:{s.network.base_port}" for s in settings)
     return [identified(Sidecar(s)) for s in settings], identified(Sidecar(
         make_settings(identity="asker", static_peers=peers)))
 

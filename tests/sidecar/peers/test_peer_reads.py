@@ -21,7 +21,7 @@ REQUEST_DEADLINE_SECONDS = 30.0
 def _holder_and_asker(make_settings, **asker: object) -> tuple[Sidecar, Sidecar]:
     """Sidecar "holder" and sidecar "asker" (linked to it, with ``asker``'s settings)."""
     holder_settings = make_settings(identity="holder")
-    peers = (f"127.0.0.1:{holder_settings.base_port}",)
+    peers = (f"127.0.0.1:{holder_settings.network.base_port}",)
     return identified(Sidecar(holder_settings)), identified(Sidecar(
         make_settings(identity="asker", static_peers=peers, **asker)))
 
@@ -37,8 +37,8 @@ async def _held(holder: Sidecar, asker: Sidecar, tag: str, n: int) -> list[bytes
 def _two_holders_and_an_asker(make_settings) -> tuple[Sidecar, Sidecar, Sidecar]:
     """Sidecars "a" and "b" (linked) and "asker" (linked to both)."""
     a_settings = make_settings(identity="a")
-    b_settings = make_settings(identity="b", static_peers=(f"127.0.0.1:{a_settings.base_port}",))
-    peers = (f"127.0.0.1:{a_settings.base_port}", f"127.0.0.1:{b_settings.base_port}")
+    b_settings = make_settings(identity="b", static_peers=(f"127.0.0.1:{a_settings.network.base_port}",))
+    peers = (f"127.0.0.1:{a_settings.network.base_port}", f"127.0.0.1:{b_settings.network.base_port}")
     return identified(Sidecar(a_settings)), identified(Sidecar(b_settings)), identified(Sidecar(
         make_settings(identity="asker", static_peers=peers)))
 
