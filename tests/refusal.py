@@ -1,4 +1,4 @@
-"""A bench command refusing its input: exit 2, nothing on stdout, one line on stderr."""
+"""A command refusing its input: exit 2, nothing on stdout, one line on stderr."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from kv_offload_testing.local_pool import (
     free_port_block,
     sidecar_command,
 )
+from refusal import refusal
 from waiting import wait_for
 
 
@@ -30,6 +31,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run_cli(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*sidecar_command(), "sidecar", *argv], capture_output=True, text=True,
                           timeout=60, env={**os.environ, **(env or {})})
+
+
+def refused(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """The one stderr line of ``kv-offload sidecar argv``, once it exited 2 with nothing on stdout."""
+    return refusal([*sidecar_command(), "sidecar"], *argv, env={**os.environ, **(env or {})})
 
 
 def test_side_channel_env_gives_host_and_base_port(files, monkeypatch):
@@ -136,19 +142,14 @@ def test_hash_seed_follows_pythonhashseed_unless_config_pins_it(files, monkeypat
 ])
 def test_bad_input_exits_2_with_one_line(files, extra, phrase):
     argv = ["--config", files[0], "--pool-key-file", files[1], *extra]
-    proc = run_cli(argv)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert any(phrase in line for line in lines), proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("kv-offload sidecar:")
+    line = refused(argv)
+    assert line.startswith("kv-offload sidecar:") and phrase in line, line
 
 
 def test_bad_config_file_exits_2(tmp_path, files):
     bad = tmp_path / "bad.json"
     bad.write_text("{")
-    proc = run_cli(["--config", str(bad), "--pool-key-file", files[1]])
-    assert proc.returncode == 2 and "not valid JSON" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert "not valid JSON" in refused(["--config", str(bad), "--pool-key-file", files[1]])
 
 
 def test_sigterm_exits_0_and_unlinks_shared_memory():
@@ -177,10 +178,8 @@ def test_hash_seed_flag_wins_over_config_and_pythonhashseed(files, monkeypatch, 
 
 
 def test_empty_hash_seed_flag_exits_2_with_one_line(files):
-    proc = run_cli(["--config", files[0], "--pool-key-file", files[1], "--hash-seed", ""])
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [
-        "kv-offload sidecar: --hash-seed is empty: give the pool's seed (e.g. 0) or leave the flag out"]
+    assert refused(["--config", files[0], "--pool-key-file", files[1], "--hash-seed", ""]) == (
+        "kv-offload sidecar: --hash-seed is empty: give the pool's seed (e.g. 0) or leave the flag out")
 
 
 @pytest.mark.parametrize("flag, env", [(["--ucx-tls", "bogus_tl"], "tcp,self"), ([], "bogus_tl")],
@@ -201,9 +200,7 @@ def test_rdma_asked_of_a_ucx_built_without_it_stops_the_ucx_sidecar_with_one_lin
     silently over tcp on it."""
     argv = ["--config", files[0], "--pool-key-file", files[1], "--transport", "ucx", "--host", "127.0.0.1",
             "--base-port", str(free_port_block(1)), "--data-port", "0", "--ucx-tls", "rc,sm,self,tcp"]
-    proc = run_cli(argv)
-    assert proc.returncode == 2 and proc.stdout == ""
-    (line,) = proc.stderr.strip().splitlines()
+    line = refused(argv)
     assert line.startswith("kv-offload sidecar: UCX_TLS='rc,sm,self,tcp' asks for rc, which the UCX")
     assert "UCX_TARBALL" in line and "--ucx-tls" in line
 
@@ -214,11 +211,9 @@ def test_rdma_asked_of_a_ucx_built_without_it_stops_the_ucx_sidecar_with_one_lin
 def test_bad_ucx_lane_count_exits_2_with_one_line_naming_the_choices(files, flag, env, named):
     argv = ["--config", files[0], "--pool-key-file", files[1], "--transport", "ucx", "--host", "127.0.0.1",
             "--base-port", str(free_port_block(1)), "--data-port", "0", *flag]
-    proc = run_cli(argv, env=env)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [
+    assert refused(argv, env=env) == (
         f"kv-offload sidecar: {named} is not a lane count; use 1 (the holder copies every chunk) "
-        "or 2 (the fetcher copies every third chunk too)"]
+        "or 2 (the fetcher copies every third chunk too)")
 
 
 def test_ucx_tls_flag_wins_over_env():

@@ -3,7 +3,8 @@
 The sidecar's ``ChunkStore`` keeps its slots in one shared-memory file; the
 tier inside vLLM maps the same file and copies chunk bytes straight into or
 out of slots that the sidecar reserved or pinned for it over the local channel.
-The slot geometry (``slot_stride_for``) is defined here, once, for both sides.
+The slot geometry (``slot_stride_for``) and the unmapping (``unmap``) are defined
+here, once, for both sides.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ def slot_stride_for(slot_bytes: int) -> int:
     """Bytes between slot starts: ``slot_bytes`` rounded up to the page size."""
     page = mmap.PAGESIZE
     return -(-slot_bytes // page) * page
+
+
+def unmap(mm: mmap.mmap, mv: memoryview, name: str) -> None:
+    """Release ``mv`` (the view of ``mm``) and close ``mm``; while views of it are still
+    exported the mapping stays, and goes when the last of them is freed."""
+    mv.release()
+    try:
+        mm.close()
+    except BufferError:
+        log.debug("%s: views still exported; unmapped when they are freed", name)
 
 
 class ChunkStoreView:
@@ -82,11 +93,7 @@ class ChunkStoreView:
 
     def close(self) -> None:
         """Unmap (the file belongs to the sidecar and is left in place)."""
-        self._mv.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            log.debug("chunk store view %s: views still exported", self.path)
+        unmap(self._mm, self._mv, f"chunk store view {self.path}")
 
     def __enter__(self) -> ChunkStoreView:
         return self

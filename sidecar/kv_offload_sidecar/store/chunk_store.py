@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES, check_key, checked_keys
-from kv_offload_sidecar.engine.store_view import slot_stride_for
+from kv_offload_sidecar.engine.store_view import slot_stride_for, unmap
 from kv_offload_sidecar.store.handles import PinnedChunk, WriteReservation
 from kv_offload_sidecar.store.shm_file import (
     create_mapping,
@@ -450,11 +450,7 @@ class ChunkStore:
             self._unlinker()
         else:
             self._unlinker.detach()
-        self._mv.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            log.debug("chunk store %s: views still exported; unmapped when they are freed", self._path)
+        unmap(self._mm, self._mv, f"chunk store {self._path}")
 
     def __enter__(self) -> ChunkStore:
         return self

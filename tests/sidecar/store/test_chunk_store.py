@@ -707,6 +707,16 @@ def test_close_without_unlink_leaves_the_file_for_attached_clients(shm_dir: str)
         slot.release()
 
 
+def test_engine_view_closed_while_a_slot_view_is_held_keeps_that_view_readable(shm_dir: str) -> None:
+    with make_store(shm_dir, 1) as store:
+        assert write(store, 1)
+        view = ChunkStoreView.attach(store.path, SLOT_BYTES, 1)
+        held = view.slot_view(0)
+        view.close()  # the mapping goes with the held view, not before
+        assert bytes(held) == payload(1)
+        held.release()
+
+
 def test_commit_after_the_caller_released_the_view_frees_the_slot(shm_dir: str) -> None:
     with make_store(shm_dir, 1) as store:
         res = store.begin_write(key(1))

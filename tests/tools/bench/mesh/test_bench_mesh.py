@@ -2,35 +2,21 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 from kv_offload_tools.bench.mesh.report import (
     PHASES,
     descriptor_order,
     within_pool_slope,
 )
-
-
-def _exe() -> str:
-    return os.path.join(os.path.dirname(sys.executable), "kv-offload")
+from recorded_run import recorded_run
+from refusal import bench, refusal
 
 
 def test_tiny_run_reads_every_sidecar_in_every_phase_and_judges_the_target(tmp_path):
     plot = tmp_path / "mesh.png"
-    out = subprocess.run([_exe(), "bench", "mesh", "--pods", "2,3", "--chunks", "4", "--settle-seconds", "0.5",
-                          "--idle-seconds", "1", "--json", "--plot", str(plot),
-                          "--record", str(tmp_path / "records")],
-                         capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "[mesh x3] after_idle" in out.stderr  # progress while it runs
-    report = json.loads(out.stdout)
-    (path,) = (tmp_path / "records" / "mesh").glob("*.json")
-    record = json.loads(path.read_text())
-    assert record["report"] == report and record["notes"] == {}
+    report, record, stderr = recorded_run("mesh", ["--pods", "2,3", "--chunks", "4", "--settle-seconds", "0.5",
+                                                   "--idle-seconds", "1", "--plot", str(plot)], tmp_path)
+    assert "[mesh x3] after_idle" in stderr  # progress while it runs
     assert [row[0] for row in record["tables"][0]["rows"]] == ["2", "3"]
     assert [r["pods"] for r in report["results"]] == [2, 3]
     for row in report["results"]:
@@ -93,7 +79,5 @@ def test_descriptors_per_data_link_come_from_sidecars_of_one_pool_that_differ():
 
 
 def test_bad_pod_counts_are_refused_with_one_line():
-    out = subprocess.run([_exe(), "bench", "mesh", "--pods", "8,1"], capture_output=True, text=True, timeout=60,
-                         check=False)
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip() == "kv-offload bench mesh: --pods '8,1' needs pod counts from 2 to 64"
+    assert refusal(bench("mesh"), "--pods", "8,1") == (
+        "kv-offload bench mesh: --pods '8,1' needs pod counts from 2 to 64")

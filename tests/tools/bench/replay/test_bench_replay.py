@@ -8,6 +8,7 @@ import sys
 
 from kv_offload_tools.bench.replay import cli as replay
 from kv_offload_tools.mooncake_trace import TRACE_SAMPLE, load_trace
+from recorded_run import recorded_run
 
 FIELDS = ("p2p_hit_ratio", "local_only_hit_ratio", "pooled_lru_hit_ratio", "ideal_hit_ratio",
           "lookup_messages_per_request", "bytes_moved")
@@ -21,14 +22,9 @@ def _cli(*args, timeout=200):
 
 def test_replay_json_reports_consistent_hit_ratios_from_real_sidecars(tmp_path):
     plot = tmp_path / "replay.png"
-    out = _cli("--trace", str(TRACE_SAMPLE), "--replicas", "3", "--capacity-chunks", "400",
-               "--chunk-bytes", "4096", "--routing", "round-robin", "--limit", "150",
-               "--plot", str(plot), "--json", "--record", str(tmp_path / "records"))
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    (path,) = (tmp_path / "records" / "replay").glob("*.json")
-    record = json.loads(path.read_text())
-    assert record["report"] == report and record["notes"] == {}
+    args = ["--trace", str(TRACE_SAMPLE), "--replicas", "3", "--capacity-chunks", "400",
+            "--chunk-bytes", "4096", "--routing", "round-robin", "--limit", "150", "--plot", str(plot)]
+    report, record, stderr = recorded_run("replay", args, tmp_path, timeout=200)
     (run,) = [t for t in record["tables"] if t["title"] == "The run"]
     assert run["rows"][0][:3] == [report["workload"], "3", "round-robin"]
     assert record["figures"]["hit_ratio_vs_one_lru"].endswith("x")
@@ -51,7 +47,7 @@ def test_replay_json_reports_consistent_hit_ratios_from_real_sidecars(tmp_path):
     assert 1.0 <= report["holder_exchanges_per_peer_hit_request"] < 1.5
     assert 0 < report["owner_queries_per_request"] <= 1.0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[replay p2p x3] 150/150 requests" in out.stderr
+    assert "[replay p2p x3] 150/150 requests" in stderr
 
 
 def test_simulated_lru_bounds_are_ordered():

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 import tracemalloc
 
 from kv_offload_sidecar.peers.directory.holders import Directory
@@ -15,6 +11,8 @@ from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_sidecar.peers.directory.publisher import Publisher
 from kv_offload_tools.bench.scale.measure import deep_size, http_overhead
 from kv_offload_tools.bench.scale.sample import SampledView
+from recorded_run import recorded_run
+from refusal import bench, refusal
 
 FIELDS = ("pods", "location_bytes_per_sidecar", "control_bytes_per_second_per_pod",
           "messages_per_peer_hit_request", "false_positive_ratio", "hit_ratio_vs_exact",
@@ -29,18 +27,11 @@ def _weighted(by_holders: dict) -> float:
 
 def test_small_run_reports_every_figure_and_they_move_the_right_way_with_pods(tmp_path):
     plot = tmp_path / "scale.png"
-    exe = os.path.join(os.path.dirname(sys.executable), "kv-offload")
-    out = subprocess.run([exe, "bench", "scale", "--pods", "8,32", "--chunks-per-pod", "2000",
-                          "--changes-per-second", "100", "--seconds", "3", "--read-replicas", "4",
-                          "--read-sessions", "40", "--json", "--plot", str(plot),
-                          "--record", str(tmp_path / "records")],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "[scale x32]" in out.stderr  # progress while it runs
-    report = json.loads(out.stdout)
-    (path,) = (tmp_path / "records" / "scale").glob("*.json")
-    record = json.loads(path.read_text())
-    assert record["report"] == report and record["notes"] == {}
+    report, record, stderr = recorded_run("scale", ["--pods", "8,32", "--chunks-per-pod", "2000",
+                                                    "--changes-per-second", "100", "--seconds", "3",
+                                                    "--read-replicas", "4", "--read-sessions", "40",
+                                                    "--plot", str(plot)], tmp_path)
+    assert "[scale x32]" in stderr  # progress while it runs
     assert [row[0] for row in record["tables"][0]["rows"]] == ["8", "32"]
     assert record["figures"]["location_memory_largest_pool"] == record["tables"][0]["rows"][1][1]
     small, large = report["results"]
@@ -90,10 +81,7 @@ def test_small_run_reports_every_figure_and_they_move_the_right_way_with_pods(tm
 
 
 def test_bad_pod_counts_are_refused_with_one_line():
-    exe = os.path.join(os.path.dirname(sys.executable), "kv-offload")
-    out = subprocess.run([exe, "bench", "scale", "--pods", "8,x"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and out.stdout == ""
-    assert "--pods '8,x' must be comma-separated integers" in out.stderr.strip()
+    assert "--pods '8,x' must be comma-separated integers" in refusal(bench("scale"), "--pods", "8,x")
 
 
 def test_deep_size_counts_what_tracemalloc_sees_of_a_publisher_and_a_directory():
