@@ -10,16 +10,16 @@ install test (``tests/chart``) import it from here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import ipaddress
 import json
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+from kv_offload_testing.local_pool import free_port_block
 
 # The namespace of the emulated cluster's objects, which the operator watches by default.
 NAMESPACE = "ns1"
@@ -29,14 +29,12 @@ KV_OFFLOAD = str(Path(sys.executable).with_name("kv-offload"))
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports: every socket stays bound until all are picked (one
-    socket at a time, the kernel may hand out the port it just freed again: the operator
-    once got the same port for --webhook-port and --health-port and refused to start)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
+    """``count`` distinct ports free on every address just now, below Linux's ephemeral range
+    (``free_port_block``): a port picked by binding port 0 comes from that range, where another
+    process's outgoing connection can take it before the operator binds it (its health server
+    once died on "address already in use" while other tests ran beside it). The operator binds
+    its health port on 0.0.0.0, so each is checked there."""
+    return [free_port_block(1, host="0.0.0.0") for _ in range(count)]
 
 
 def write_kubeconfig(path: Path, server: str, token: str = "test-token") -> Path:

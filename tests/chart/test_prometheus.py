@@ -21,7 +21,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -39,7 +38,7 @@ from dashboard_support import (
     load_dashboard,
     panels_in_reading_order,
 )
-from kv_offload_testing.local_pool import LocalPool
+from kv_offload_testing.local_pool import LocalPool, free_port_block
 from kv_offload_testing.scrape import parse_metrics
 from waiting import wait_for
 
@@ -68,9 +67,7 @@ class Prometheus:
             }],
         }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port_block(1)
         self.log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [tool_path("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
