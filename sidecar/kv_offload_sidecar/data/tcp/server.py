@@ -44,6 +44,7 @@ from kv_offload_sidecar.data.serving import (
     make_nonce,
     wait_until_idle,
 )
+from kv_offload_sidecar.data.tcp.lookup_thread import Frame, LookupThread
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
     DataStream,
@@ -312,9 +313,14 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
             busy = state.busy
             writer = asyncio.create_task(self._write_loop(stream, id(conn), queue, busy),
                                          name="tcp-data-writer")
+            # Plain: LOOKUPs answered on the connection's thread until its first other frame.
+            first = None if stream.sock is None else await self._lookups_on_thread(stream.sock, state)
             while True:
-                header, payload = await read_frame(stream, header_buf, self._chunk_bytes,
-                                                   payload_timeout=self._auth_timeout)
+                if first is None:
+                    header, payload = await read_frame(stream, header_buf, self._chunk_bytes,
+                                                       payload_timeout=self._auth_timeout)
+                else:
+                    (header, payload), first = first, None
                 state.last = state.heard = time.monotonic()
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP and payload is not None:
@@ -382,6 +388,18 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
                 stream.close()
             if state.extra is not None:
                 await self._on_closed(state)
+
+    async def _lookups_on_thread(self, sock: socket.socket, state: _ConnState) -> Frame:
+        """Answer the connection's LOOKUPs on a thread (``lookup_thread``) until its first
+        other frame, which is returned."""
+
+        def heard() -> None:
+            state.last = state.heard = time.monotonic()
+
+        lookup = LookupThread(sock, lambda keys: self._store.lookup_prefix(keys, touch=False), heard,
+                              chunk_bytes=self._chunk_bytes, payload_timeout=self._auth_timeout,
+                              send_timeout=self._send_timeout)
+        return await lookup.run()
 
     # ---- what a transport built on this server (data.nixl) adds -------------------------
 
