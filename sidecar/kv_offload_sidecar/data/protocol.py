@@ -45,6 +45,7 @@ raise ``ProtocolError(reason, message)`` with ``reason`` one of
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ HEADER = struct.Struct("!2sBBIQ")
 HEADER_BYTES = HEADER.size
 # Most keys in one LOOKUP or FETCH.
 MAX_KEYS = 65536
+# Most keys of a key list decoded by one precompiled struct (one per count and key size, the
+# last 64 kept); longer lists are sliced key by key.
+STRUCT_KEYS_MAX = 256
 # Largest payload of any frame other than CHUNK (bytes).
 MAX_CONTROL_PAYLOAD = 1 << 20
 # Bytes of the server's authentication nonce.
@@ -262,6 +266,12 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _keys_struct(count: int, size: int) -> struct.Struct:
+    """The layout of ``count`` keys of ``size`` bytes each (their u16 lengths skipped)."""
+    return struct.Struct(f"!{f'{_U16.size}x{size}s' * count}")
+
+
 def decode_keys(payload: bytes | bytearray | memoryview) -> list[bytes]:
     """Unpack a key list; the payload must be consumed exactly."""
     mv = memoryview(payload)
@@ -277,6 +287,8 @@ def decode_keys(payload: bytes | bytearray | memoryview) -> list[bytes]:
         if 1 <= size <= MAX_KEY_BYTES and len(mv) == pos + count * stride:
             body = bytes(mv[pos:])
             if body[0::stride] == body[0:1] * count and body[1::stride] == body[1:2] * count:
+                if count <= STRUCT_KEYS_MAX:  # one C call, no slice per key
+                    return list(_keys_struct(count, size).unpack(body))
                 return [body[j + _U16.size:j + stride] for j in range(0, count * stride, stride)]
     keys: list[bytes] = []
     for i in range(count):

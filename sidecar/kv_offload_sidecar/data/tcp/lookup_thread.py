@@ -35,12 +35,19 @@ import contextlib
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.tcp.stream_worker import loop_wakes
+
+_LOOKUP = int(proto.MessageType.LOOKUP)
+_LOOKUP_REPLY = int(proto.MessageType.LOOKUP_REPLY)
+# A LOOKUP_REPLY whole (``proto.encode_lookup_reply``'s bytes): its header and its u32 count.
+_REPLY = struct.Struct(proto.HEADER.format + "I")
+_REPLY_LENGTH = _REPLY.size - proto.HEADER_BYTES
 
 # A frame as ``sockets.read_frame`` returns it: its header and payload (None for a CHUNK).
 Frame = tuple[proto.Header, "bytearray | None"]
@@ -115,19 +122,26 @@ class LookupThread:
         poller.register(sock.fileno(), select.POLLIN)
         poller.register(self._wake, select.POLLIN)
         header_buf = bytearray(proto.HEADER_BYTES)
+        usual = (proto.MAGIC, proto.WIRE_MAJOR, _LOOKUP)  # a LOOKUP's header starts so
         while True:
+            poller.poll(-1)  # the next request, not yet sent as a rule: no receive tried before it
             self._fill(poller, header_buf, None)
-            header = proto.decode_header(header_buf, self._chunk_bytes, max_payload=self._max_payload)
-            if header.type is proto.MessageType.CHUNK:  # no client sends one: the loop refuses it
-                return header, None
-            payload = bytearray(header.length)
-            if header.length:
-                self._fill(poller, payload, header)
-            self._heard()
-            if header.type is not proto.MessageType.LOOKUP:
+            magic, major, mtype, rid, length = proto.HEADER.unpack(header_buf)
+            if (magic, major, mtype) != usual or length > self._max_payload:
+                header = proto.decode_header(header_buf, self._chunk_bytes, max_payload=self._max_payload)
+                if header.type is proto.MessageType.CHUNK:  # no client sends one: the loop refuses it
+                    return header, None
+                payload = bytearray(header.length)
+                if header.length:
+                    self._fill(poller, payload, header)
+                self._heard()
                 return header, payload
+            payload = bytearray(length)
+            if length:
+                self._fill(poller, payload, proto.Header(proto.MessageType.LOOKUP, rid, length))
+            self._heard()
             count = self._lookup(proto.decode_keys(payload))
-            self._send(proto.join(proto.encode_lookup_reply(header.request_id, count)))
+            self._send(_REPLY.pack(proto.MAGIC, proto.WIRE_MAJOR, _LOOKUP_REPLY, rid, _REPLY_LENGTH, count))
             self.answered += 1
 
     def _fill(self, poller: select.poll, buf: bytearray, header: proto.Header | None) -> None:
