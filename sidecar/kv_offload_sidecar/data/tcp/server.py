@@ -13,6 +13,11 @@ the proof within ``auth_timeout`` together, and frames of at most
 ``serving.ProvenConnections``: at most ``connections_per_session`` per session, ended when their
 session ends (a retired key) or after ``SILENT_CLOSE_SECONDS`` without a frame; every socket
 carries the kernel's keepalive and ``TCP_USER_TIMEOUT`` (``keepalive``).
+
+After AUTH_OK a plain connection's LOOKUPs are answered on a thread of its own, without the
+event loop, until its first other frame (``lookup_thread``): a fetcher's control connection
+stays there, a lane moves to the loop's reader and writer at its first FETCH. The store's
+``lookup_prefix`` must therefore be thread-safe (``ChunkStore``'s is).
 """
 
 from __future__ import annotations
