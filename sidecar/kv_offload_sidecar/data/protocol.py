@@ -62,8 +62,7 @@ HEADER = struct.Struct("!2sBBIQ")
 HEADER_BYTES = HEADER.size
 # Most keys in one LOOKUP or FETCH.
 MAX_KEYS = 65536
-# Most keys of a key list decoded by one precompiled struct (one per count and key size, the
-# last 64 kept); longer lists are sliced key by key.
+# Most keys a key list decoded by one precompiled struct (64 kept, by count and key size) holds.
 STRUCT_KEYS_MAX = 256
 # Largest payload of any frame other than CHUNK (bytes).
 MAX_CONTROL_PAYLOAD = 1 << 20
@@ -114,7 +113,6 @@ class MessageType(enum.IntEnum):
 
 
 _TYPES = frozenset(int(t) for t in MessageType)
-_LOOKUP = int(MessageType.LOOKUP)
 
 
 class ProtocolError(Exception):
@@ -373,8 +371,8 @@ def lookup_frame(request_id: int, keys: Sequence[bytes]) -> bytes:
             except TypeError:
                 body = b""  # not bytes-like: encode_keys names it
             if len(body) == length - _U32.size - _U16.size:  # every key held len() bytes
-                return b"".join((HEADER.pack(MAGIC, WIRE_MAJOR, _LOOKUP, request_id % REQUEST_ID_MOD, length),
-                                 _U32.pack(n), prefix, body))
+                head = HEADER.pack(MAGIC, WIRE_MAJOR, MessageType.LOOKUP, request_id % REQUEST_ID_MOD, length)
+                return b"".join((head, _U32.pack(n), prefix, body))
     return join(encode_lookup(request_id, keys))
 
 
