@@ -1,7 +1,7 @@
 """A holder's lookup-only connection answered on a thread of its own (``data.tcp.lookup_thread``):
 LOOKUPs answered while the event loop is blocked, the first FETCH handing the connection to the
-loop's reader (a LOOKUP sent right before it answered first), and a stopping server ending the
-connection with its goodbye and the thread with it."""
+loop's reader (a LOOKUP sent right before it answered first), a stopping server ending the
+connection with its goodbye and the thread with it, and the loop answering when no thread starts."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import asyncio
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
 import pytest
 from kv_offload_sidecar.data import make_server
 from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.tcp import lookup_thread
 from kv_offload_sidecar.data.tcp.server import TcpDataPlaneServer
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from raw_wire import authenticated, read_frame, read_until_closed
@@ -102,3 +104,20 @@ async def test_a_stopping_server_says_goodbye_on_a_lookup_connection_and_its_thr
     header = proto.decode_header(rest[:proto.HEADER_BYTES])
     assert header.type is proto.MessageType.CLOSE and len(rest) == proto.HEADER_BYTES
     await wait_for_async("no lookup thread left", lambda: _lookup_threads() == 0)
+
+
+async def test_a_holder_that_cannot_start_a_thread_answers_the_lookups_on_its_loop(
+        holder: tuple[TcpDataPlaneServer, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    class NoThread(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(lookup_thread, "threading", SimpleNamespace(Thread=NoThread, Lock=threading.Lock))
+    _, address = holder
+
+    def ask() -> tuple[int, int]:
+        with authenticated(address) as sock:
+            return _ask(sock, 5, [key_of(i) for i in range(4)])
+
+    assert await asyncio.to_thread(ask) == (5, 4)
+    assert _lookup_threads() == 0

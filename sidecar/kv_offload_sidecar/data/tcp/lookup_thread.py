@@ -31,7 +31,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import select
 import socket
@@ -77,8 +76,9 @@ class LookupThread:
         # LOOKUPs answered on the thread (for tests and the curious).
         self.answered = 0
 
-    async def run(self) -> Frame:
-        """Serve on the thread; the first frame that is no LOOKUP. Raises what the thread hit."""
+    async def run(self) -> Frame | None:
+        """Serve on the thread; the first frame that is no LOOKUP (None when no thread could be
+        started: the loop's reader serves the connection then). Raises what the thread hit."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Frame] = loop.create_future()
         wakes = loop_wakes(loop)
@@ -97,11 +97,11 @@ class LookupThread:
 
         try:
             threading.Thread(target=body, name="kv-offload-tcp-lookups", daemon=True).start()
-        except BaseException:
+        except RuntimeError:  # out of threads: the loop answers this connection's lookups
             with self._lock:
                 os.close(self._wake)
                 self._wake = -1
-            raise
+            return None
         try:
             return await fut
         finally:
@@ -133,20 +133,21 @@ class LookupThread:
                     return header, None
                 payload = bytearray(header.length)
                 if header.length:
-                    self._fill(poller, payload, header)
+                    self._fill(poller, payload, header.type.name)
                 self._heard()
                 return header, payload
             payload = bytearray(length)
             if length:
-                self._fill(poller, payload, proto.Header(proto.MessageType.LOOKUP, rid, length))
+                self._fill(poller, payload, "LOOKUP")
             self._heard()
             count = self._lookup(proto.decode_keys(payload))
             self._send(_REPLY.pack(proto.MAGIC, proto.WIRE_MAJOR, _LOOKUP_REPLY, rid, _REPLY_LENGTH, count))
             self.answered += 1
 
-    def _fill(self, poller: select.poll, buf: bytearray, header: proto.Header | None) -> None:
-        """Fill ``buf`` from the socket; a payload (``header`` given) within ``payload_timeout``."""
-        deadline = None if header is None else time.monotonic() + self._payload_timeout
+    def _fill(self, poller: select.poll, buf: bytearray, payload_of: str | None) -> None:
+        """Fill ``buf`` from the socket; a payload (of a frame of type ``payload_of``) within
+        ``payload_timeout``."""
+        deadline = None if payload_of is None else time.monotonic() + self._payload_timeout
         got, n = 0, len(buf)
         with memoryview(buf) as mv:
             while got < n:
@@ -163,11 +164,11 @@ class LookupThread:
                     got += k
                     continue
                 wait = -1
-                if deadline is not None and header is not None:
+                if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise proto.ProtocolError(
-                            "malformed", f"{header.type.name} frame stalled: its {header.length}-byte "
+                            "malformed", f"{payload_of} frame stalled: its {n}-byte "
                             f"payload did not arrive within {self._payload_timeout:.3g}s")
                     wait = max(1, int(left * 1000))
                 poller.poll(wait)
@@ -194,8 +195,7 @@ class LookupThread:
             if poller is None:
                 poller = select.poll()
                 poller.register(self._sock.fileno(), select.POLLOUT)
-                with contextlib.suppress(OSError):
-                    poller.register(self._wake, select.POLLIN)
+                poller.register(self._wake, select.POLLIN)
             poller.poll(max(1, int(left * 1000)))
 
 

@@ -394,9 +394,9 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
             if state.extra is not None:
                 await self._on_closed(state)
 
-    async def _lookups_on_thread(self, sock: socket.socket, state: _ConnState) -> Frame:
+    async def _lookups_on_thread(self, sock: socket.socket, state: _ConnState) -> Frame | None:
         """Answer the connection's LOOKUPs on a thread (``lookup_thread``) until its first
-        other frame, which is returned."""
+        other frame, which is returned (None: no thread, the loop serves them all)."""
 
         def heard() -> None:
             state.last = state.heard = time.monotonic()
