@@ -82,7 +82,8 @@ class PinLike(Protocol):
 
 
 class StoreLike(Protocol):
-    """``chunk_store.ChunkStore`` as the transports use it."""
+    """``chunk_store.ChunkStore`` as the transports use it. ``lookup_prefix`` must be
+    thread-safe: the TCP holder calls it on a connection's lookup thread (``tcp.lookup_thread``)."""
 
     @property
     def slot_bytes(self) -> int: ...

@@ -45,6 +45,7 @@ raise ``ProtocolError(reason, message)`` with ``reason`` one of
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ HEADER = struct.Struct("!2sBBIQ")
 HEADER_BYTES = HEADER.size
 # Most keys in one LOOKUP or FETCH.
 MAX_KEYS = 65536
+# Most keys a key list decoded by one precompiled struct (64 kept, by count and key size) holds.
+STRUCT_KEYS_MAX = 256
 # Largest payload of any frame other than CHUNK (bytes).
 MAX_CONTROL_PAYLOAD = 1 << 20
 # Bytes of the server's authentication nonce.
@@ -261,6 +264,12 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _keys_struct(count: int, size: int) -> struct.Struct:
+    """The layout of ``count`` keys of ``size`` bytes each (their u16 lengths skipped)."""
+    return struct.Struct(f"!{f'{_U16.size}x{size}s' * count}")
+
+
 def decode_keys(payload: bytes | bytearray | memoryview) -> list[bytes]:
     """Unpack a key list; the payload must be consumed exactly."""
     mv = memoryview(payload)
@@ -276,6 +285,8 @@ def decode_keys(payload: bytes | bytearray | memoryview) -> list[bytes]:
         if 1 <= size <= MAX_KEY_BYTES and len(mv) == pos + count * stride:
             body = bytes(mv[pos:])
             if body[0::stride] == body[0:1] * count and body[1::stride] == body[1:2] * count:
+                if count <= STRUCT_KEYS_MAX:  # one C call, no slice per key
+                    return list(_keys_struct(count, size).unpack(body))
                 return [body[j + _U16.size:j + stride] for j in range(0, count * stride, stride)]
     keys: list[bytes] = []
     for i in range(count):
@@ -344,6 +355,25 @@ def encode_ucx_attach(connection_id: int, session_id: bytes, mac: bytes, worker_
 def encode_lookup(request_id: int, keys: Sequence[bytes]) -> list:
     """Ask how many leading keys the server holds."""
     return _frame(MessageType.LOOKUP, request_id, [encode_keys(keys)])
+
+
+def lookup_frame(request_id: int, keys: Sequence[bytes]) -> bytes:
+    """A whole LOOKUP frame in one buffer, the bytes ``join(encode_lookup(...))`` makes: built
+    in a few C calls when every key is ``bytes`` of one allowed size (a lookup's usual keys)."""
+    n = len(keys)
+    if n and len(set(map(len, keys))) == 1 and type(keys[0]) is bytes:
+        size = len(keys[0])
+        length = _U32.size + n * (_U16.size + size)
+        if 0 < size <= MAX_KEY_BYTES and n <= MAX_KEYS and length <= MAX_CONTROL_PAYLOAD:
+            prefix = _U16.pack(size)
+            try:
+                body = prefix.join(keys)  # another bytes-like key is packed as its bytes, as below
+            except TypeError:
+                body = b""  # not bytes-like: encode_keys names it
+            if len(body) == length - _U32.size - _U16.size:  # every key held len() bytes
+                head = HEADER.pack(MAGIC, WIRE_MAJOR, MessageType.LOOKUP, request_id % REQUEST_ID_MOD, length)
+                return b"".join((head, _U32.pack(n), prefix, body))
+    return join(encode_lookup(request_id, keys))
 
 
 def encode_lookup_reply(request_id: int, count: int) -> list:

@@ -415,6 +415,8 @@ class ChunkStore:
         self._dropped.append((kind, key, slot))
 
     def _reclaim_dropped_locked(self) -> None:
+        if not self._dropped:  # the usual case: nothing to reclaim, the gauges are current
+            return
         while self._dropped:
             kind, key, slot = self._dropped.popleft()
             if kind == "write" and self._writing.get(key) == slot:

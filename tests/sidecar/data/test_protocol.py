@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.engine.keys import MAX_KEY_BYTES
 from kv_offload_sidecar.metrics import PROTOCOL_ERROR_REASONS
 
 CHUNK = 4096
@@ -38,6 +39,29 @@ def test_key_lists_round_trip(keys: list[bytes], rid: int) -> None:
     header, payload = _split(_join(proto.encode_lookup(rid, keys)))
     assert header.type is proto.MessageType.LOOKUP and header.request_id == rid
     assert proto.decode_keys(payload) == keys
+
+
+@given(st.lists(st.binary(min_size=1, max_size=40), max_size=40), st.integers(0, 2**32 - 1))
+def test_a_lookup_frame_in_one_buffer_is_the_bytes_of_the_joined_encoder(keys: list[bytes], rid: int) -> None:
+    assert proto.lookup_frame(rid, keys) == _join(proto.encode_lookup(rid, keys))
+
+
+@pytest.mark.parametrize("count", [1, 32, proto.STRUCT_KEYS_MAX, proto.STRUCT_KEYS_MAX + 1, 3000])
+def test_key_lists_of_one_key_size_round_trip_through_one_struct_or_key_by_key(count: int) -> None:
+    keys = [i.to_bytes(36, "big") for i in range(count)]
+    assert proto.decode_keys(bytearray(proto.encode_keys(keys))) == keys
+    assert proto.lookup_frame(5, keys) == _join(proto.encode_lookup(5, keys))
+
+
+def test_a_lookup_frame_refuses_what_the_encoder_refuses() -> None:
+    for keys, reason in (([b""] * 3, "bad_key"), ([b"k"] * (proto.MAX_KEYS + 1), "oversize"),
+                         ([b"k" * (MAX_KEY_BYTES + 1)], "bad_key")):
+        with pytest.raises(proto.ProtocolError) as err:
+            proto.lookup_frame(1, keys)
+        assert err.value.reason == reason
+    with pytest.raises(proto.ProtocolError) as err:
+        proto.lookup_frame(1, [b"ab", "cd"])  # type: ignore[list-item]
+    assert err.value.reason == "bad_key"
 
 
 def test_chunk_frame_passes_the_slot_view_through_uncopied() -> None:

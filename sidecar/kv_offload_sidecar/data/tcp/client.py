@@ -12,6 +12,7 @@ import asyncio
 import logging
 import socket
 import ssl as ssl_module
+import struct
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from kv_offload_sidecar.data.tcp.sockets import (
     SocketStream,
     poll_readable,
     read_frame,
+    readable_poller,
     split_host_port,
     tune_socket,
 )
@@ -41,6 +43,7 @@ from kv_offload_sidecar.rejections import clip
 from kv_offload_sidecar.store.checksum import chunk_hasher
 
 if TYPE_CHECKING:
+    import select
     from ssl import SSLContext
 
     from kv_offload_sidecar.metrics import SidecarMetrics
@@ -62,6 +65,10 @@ RECV_PIECE_BYTES = 4 << 20
 # Seconds a lookup with nothing else in flight polls for its reply before sleeping.
 LOOKUP_SPIN_SECONDS = 200e-6
 
+# A LOOKUP_REPLY frame whole: its header and its u32 count.
+_REPLY = struct.Struct(proto.HEADER.format + "I")
+_LOOKUP_REPLY = int(proto.MessageType.LOOKUP_REPLY)
+
 
 class TcpPeerDataClient(FramedPeerDataClient):
     """An authenticated TCP connection to one peer's data plane."""
@@ -74,6 +81,8 @@ class TcpPeerDataClient(FramedPeerDataClient):
         self._stream = stream
         self._chunks: dict[int, PendingChunk] = {}
         self._send_lock = asyncio.Lock()
+        # The socket's poller of the lookup's spin (``_spin``; made at the first).
+        self._poller: select.poll | None = None
 
     @classmethod
     async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
@@ -172,8 +181,14 @@ class TcpPeerDataClient(FramedPeerDataClient):
         sock = self._stream.sock  # None under TLS: the socket holds ciphertext
         if sock is None or len(self._lookups) != 1 or self._chunks:
             return None
-        poll_readable(sock, min(LOOKUP_SPIN_SECONDS, timeout))
+        self._spin(min(LOOKUP_SPIN_SECONDS, timeout))
         return self._take_lookup_reply(sock, rid, asked)
+
+    def _spin(self, seconds: float) -> None:
+        """``poll_readable`` with this connection's poller (made at the first lookup)."""
+        if self._poller is None:
+            self._poller = readable_poller(self._stream.sock)  # type: ignore[arg-type]
+        poll_readable(self._poller, seconds)
 
     async def lookup(self, keys: Sequence[bytes], timeout: float) -> int:
         """The framed client's lookup; with nothing else in flight on a plain connection, its
@@ -187,7 +202,7 @@ class TcpPeerDataClient(FramedPeerDataClient):
         rid = self._rids(1)
         asked = len(keys)
         try:
-            frame = proto.join(proto.encode_lookup(rid, keys))
+            frame = proto.lookup_frame(rid, keys)
             sent = sock.send(frame)
         except (BlockingIOError, InterruptedError):
             sent = 0
@@ -195,7 +210,7 @@ class TcpPeerDataClient(FramedPeerDataClient):
             self._fail(exc)
             raise TransportError(f"lookup failed: {exc}") from exc
         if sent == len(frame):
-            poll_readable(sock, min(LOOKUP_SPIN_SECONDS, timeout))
+            self._spin(min(LOOKUP_SPIN_SECONDS, timeout))
             count = self._take_lookup_reply(sock, rid, asked)
             if count is not None:
                 return count
@@ -212,22 +227,19 @@ class TcpPeerDataClient(FramedPeerDataClient):
         """With nothing else in flight, take this lookup's reply straight off the socket
         when it is already there whole (peeked first: anything else, or a partial frame,
         is left to the reader task). Saves the reader task's hops on the hot path."""
-        n = proto.HEADER_BYTES + 4
         try:
-            head = sock.recv(n, socket.MSG_PEEK)
+            head = sock.recv(_REPLY.size, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
             return None
-        if len(head) < n:
+        if len(head) < _REPLY.size:
             return None
-        try:
-            header = proto.decode_header(head[:proto.HEADER_BYTES])
-        except proto.ProtocolError:
-            return None  # the reader task reports it
-        if (header.type is not proto.MessageType.LOOKUP_REPLY or header.request_id != rid
-                or header.length != 4):
-            return None
-        data = sock.recv(n)  # the n bytes peeked above; nobody else reads meanwhile
-        return proto.decode_lookup_reply(data[proto.HEADER_BYTES:], asked)
+        magic, major, mtype, got_rid, length, count = _REPLY.unpack(head)
+        if (magic, major, mtype, got_rid, length) != (proto.MAGIC, proto.WIRE_MAJOR, _LOOKUP_REPLY, rid, 4):
+            return None  # another frame, or a broken one: the reader task takes (or reports) it
+        sock.recv(_REPLY.size)  # the bytes peeked above; nobody else reads meanwhile
+        if count > asked:
+            raise proto.ProtocolError("malformed", f"LOOKUP_REPLY claims {count} hits for {asked} keys")
+        return count
 
     async def _request_chunks(self, batch: list[tuple[int, PendingChunk]]) -> None:
         self._check_open()

@@ -13,6 +13,11 @@ the proof within ``auth_timeout`` together, and frames of at most
 ``serving.ProvenConnections``: at most ``connections_per_session`` per session, ended when their
 session ends (a retired key) or after ``SILENT_CLOSE_SECONDS`` without a frame; every socket
 carries the kernel's keepalive and ``TCP_USER_TIMEOUT`` (``keepalive``).
+
+After AUTH_OK a plain connection's LOOKUPs are answered on a thread of its own, without the
+event loop, until its first other frame (``lookup_thread``): a fetcher's control connection
+stays there, a lane moves to the loop's reader and writer at its first FETCH. The store's
+``lookup_prefix`` must therefore be thread-safe (``ChunkStore``'s is).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from kv_offload_sidecar.data.serving import (
     make_nonce,
     wait_until_idle,
 )
+from kv_offload_sidecar.data.tcp.lookup_thread import Frame, LookupThread
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
     DataStream,
@@ -312,9 +318,14 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
             busy = state.busy
             writer = asyncio.create_task(self._write_loop(stream, id(conn), queue, busy),
                                          name="tcp-data-writer")
+            # Plain: LOOKUPs answered on the connection's thread until its first other frame.
+            first = None if stream.sock is None else await self._lookups_on_thread(stream.sock, state)
             while True:
-                header, payload = await read_frame(stream, header_buf, self._chunk_bytes,
-                                                   payload_timeout=self._auth_timeout)
+                if first is None:
+                    header, payload = await read_frame(stream, header_buf, self._chunk_bytes,
+                                                       payload_timeout=self._auth_timeout)
+                else:
+                    (header, payload), first = first, None
                 state.last = state.heard = time.monotonic()
                 mtype = header.type
                 if mtype is proto.MessageType.LOOKUP and payload is not None:
@@ -382,6 +393,18 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
                 stream.close()
             if state.extra is not None:
                 await self._on_closed(state)
+
+    async def _lookups_on_thread(self, sock: socket.socket, state: _ConnState) -> Frame | None:
+        """Answer the connection's LOOKUPs on a thread (``lookup_thread``) until its first
+        other frame, which is returned (None: no thread, the loop serves them all)."""
+
+        def heard() -> None:
+            state.last = state.heard = time.monotonic()
+
+        lookup = LookupThread(sock, lambda keys: self._store.lookup_prefix(keys, touch=False), heard,
+                              chunk_bytes=self._chunk_bytes, payload_timeout=self._auth_timeout,
+                              send_timeout=self._send_timeout)
+        return await lookup.run()
 
     # ---- what a transport built on this server (data.nixl) adds -------------------------
 

@@ -128,11 +128,19 @@ def send_now(sock: socket.socket, frame: list) -> list:
     return [data[sent:]] if sent < len(data) else []
 
 
-def poll_readable(sock: socket.socket, seconds: float) -> None:
-    """Spin briefly until ``sock`` has data: a reply due in microseconds is then read
-    without the process going to sleep in epoll and paying the wake-up."""
+def readable_poller(sock: socket.socket) -> select.poll:
+    """A poller of ``sock``'s readiness to read (made once per connection, for ``poll_readable``)."""
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP)
+    return poller
+
+
+def poll_readable(poller: select.poll, seconds: float) -> None:
+    """Spin briefly until the socket of ``poller`` (``readable_poller``) has data: a reply due
+    in microseconds is then read without the process going to sleep in epoll and paying the
+    wake-up."""
+    if poller.poll(0):
+        return
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         if poller.poll(0):
