@@ -319,20 +319,47 @@ def test_a_sidecar_killed_while_its_engine_serves_leaves_the_engine_serving(
     assert "Traceback" not in open(deployment.workdir / "b.log").read().split("Tokenizer not")[-1]
 
 
+def start_alone(deployment) -> EngineDriverProcess:
+    """An engine naming the tier with nothing the webhook injects (no side-channel variables,
+    no PYTHONHASHSEED from the pool Secret) and no sidecar anywhere."""
+    env = {k: v for k, v in deployment.engine_env("127.0.0.1", 1).items()
+           if k not in ("VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", "PYTHONHASHSEED")}
+    nobody = free_port_block(1)  # the tier's own port key: never a sidecar of another test
+    return EngineDriverProcess(
+        str(deployment.model_dir), python=deployment.python,
+        kv_transfer_config=deployment.kv_transfer_config(f"alone-{os.getpid()}", {"port": nobody}),
+        block_size=deployment.block_size, env=env,
+        stderr_path=str(deployment.workdir / "alone.log"), ready_timeout_s=300.0)
+
+
 @pytest.fixture(scope="module")
-def mismatched(deployment, pool, engines):
+def side_by_side(deployment, pool, engines):
     """Engine C: the same weights under another path (another fingerprint), with its own
-    sidecar C in another pool; engine D: A's model wired to sidecar C (config differs)."""
+    sidecar C in another pool; engine D: A's model wired to sidecar C (config differs); the
+    engine without a sidecar (``start_alone``). Started together: their start-ups overlap."""
     other_model = deployment.copy_model("tiny-llama-copy")
     sidecar_c = pool.add(SidecarOverride(config=deployment.config_for(other_model)),
                          wait_connected=False)
     started = start_all([
         lambda: deployment.start_engine("c", sidecar_c.port, model_dir=other_model),
-        lambda: deployment.start_engine("d", sidecar_c.port)])
+        lambda: deployment.start_engine("d", sidecar_c.port),
+        lambda: start_alone(deployment)])
     try:
-        yield sidecar_c, started[0], started[1]
+        yield sidecar_c, *started
     finally:
         close_all(started)
+
+
+@pytest.fixture(scope="module")
+def mismatched(side_by_side):
+    """Sidecar C, engine C and engine D of ``side_by_side``."""
+    sidecar_c, c, d, _ = side_by_side
+    return sidecar_c, c, d
+
+
+@pytest.fixture(scope="module")
+def alone(side_by_side) -> EngineDriverProcess:
+    return side_by_side[3]
 
 
 def test_a_pool_whose_fingerprint_differs_gets_no_chunk_from_the_pool(pool, engines, mismatched):
@@ -367,6 +394,29 @@ def test_an_engine_whose_config_differs_from_its_sidecar_serves_misses_and_says_
         in refusals[0]
     assert "ERROR" in refusals[0]
 
+
+
+def test_an_engine_naming_the_tier_with_no_sidecar_and_no_injection_serves_every_request(
+        deployment, alone):
+    """vLLM never depends on kv-offload (issue 49): the tier named on the command line and
+    importable (baked into the image), but nothing the webhook injects (no side-channel
+    variables, no PYTHONHASHSEED from the pool Secret) and no sidecar anywhere: vLLM starts,
+    serves every request by recomputing, logs one warning and reports why in its metrics."""
+    engine = alone
+    try:
+        prompts = [SHARED, PARTIAL, AFTER_KILL]
+        for out in engine.generate(prompts, max_tokens=MAX_TOKENS):
+            assert len(out["token_ids"]) == MAX_TOKENS
+        m = samples(engine)
+        assert value(m, "vllm:kv_offload_tier_detached", reason="not_injected") == 1
+        assert value(m, "vllm:kv_offload_tier_detached", reason="no_sidecar") == 0
+        for result in ("local_hit", "peer_hit"):
+            assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result=result) == 0
+    finally:
+        engine.close()
+    log = (deployment.workdir / "alone.log").read_text().splitlines()
+    warnings = [line for line in log if "kv-offload" in line and ("WARNING" in line or "ERROR" in line)]
+    assert len(warnings) == 1 and "running detached (not_injected)" in warnings[0], warnings
 
 
 @pytest.fixture(scope="module")
@@ -405,33 +455,3 @@ def test_an_engine_with_other_weights_at_the_same_path_shares_no_byte_with_the_p
     log = open(sidecar_e.log_path).read()
     assert f"weights: {mine['weights']} != {theirs['weights']}" in log \
         or f"weights: {theirs['weights']} != {mine['weights']}" in log
-
-
-def test_an_engine_naming_the_tier_with_no_sidecar_and_no_injection_serves_every_request(
-        deployment):
-    """vLLM never depends on kv-offload (issue 49): the tier named on the command line and
-    importable (baked into the image), but nothing the webhook injects (no side-channel
-    variables, no PYTHONHASHSEED from the pool Secret) and no sidecar anywhere: vLLM starts,
-    serves every request by recomputing, logs one warning and reports why in its metrics."""
-    env = {k: v for k, v in deployment.engine_env("127.0.0.1", 1).items()
-           if k not in ("VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", "PYTHONHASHSEED")}
-    nobody = free_port_block(1)  # the tier's own port key: never a sidecar of another test
-    engine = EngineDriverProcess(
-        str(deployment.model_dir), python=deployment.python,
-        kv_transfer_config=deployment.kv_transfer_config(f"alone-{os.getpid()}", {"port": nobody}),
-        block_size=deployment.block_size, env=env,
-        stderr_path=str(deployment.workdir / "alone.log"), ready_timeout_s=300.0)
-    try:
-        prompts = [SHARED, PARTIAL, AFTER_KILL]
-        for out in engine.generate(prompts, max_tokens=MAX_TOKENS):
-            assert len(out["token_ids"]) == MAX_TOKENS
-        m = samples(engine)
-        assert value(m, "vllm:kv_offload_tier_detached", reason="not_injected") == 1
-        assert value(m, "vllm:kv_offload_tier_detached", reason="no_sidecar") == 0
-        for result in ("local_hit", "peer_hit"):
-            assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result=result) == 0
-    finally:
-        engine.close()
-    log = (deployment.workdir / "alone.log").read_text().splitlines()
-    warnings = [line for line in log if "kv-offload" in line and ("WARNING" in line or "ERROR" in line)]
-    assert len(warnings) == 1 and "running detached (not_injected)" in warnings[0], warnings
