@@ -115,7 +115,16 @@ def attach(engine, pool, index: int, seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def engines(deployment, pool):
+def to_close(pool):
+    """The engines the module's fixtures started, closed side by side once its last test ran
+    (each takes seconds to shut down), before the pool's sidecars stop."""
+    started: list[EngineDriverProcess] = []
+    yield started
+    close_all(started)
+
+
+@pytest.fixture(scope="module")
+def engines(deployment, pool, to_close):
     """Engine A beside sidecar 0, engine B beside sidecar 1, and a baseline without offloading,
     started side by side; the baseline's greedy outputs for every prompt are kept. A's and
     B's tiers are attached to their sidecars before any test relies on them."""
@@ -126,18 +135,16 @@ def engines(deployment, pool):
                              "b", pool[1].port, tier_keys=tier_keys,
                              extra_env={METRICS_PORT_ENV: str(ENGINE_B_METRICS_PORT)}),
                          deployment.start_baseline])
-    try:
-        a, b, baseline = started
-        expected = {k: out["token_ids"]
-                    for k, out in zip(PROMPTS, baseline.generate(list(PROMPTS.values()),
-                                                                 max_tokens=MAX_TOKENS))}
-        baseline.close()
-        attach(a, pool, 0, seed=900)
-        attach(b, pool, 1, seed=901)
-        pool.wait_connected(WAIT_S)  # A's and B's identities are equal: their sidecars share
-        yield a, b, expected
-    finally:
-        close_all(started)
+    to_close.extend(started)
+    a, b, baseline = started
+    expected = {k: out["token_ids"]
+                for k, out in zip(PROMPTS, baseline.generate(list(PROMPTS.values()),
+                                                             max_tokens=MAX_TOKENS))}
+    baseline.close()
+    attach(a, pool, 0, seed=900)
+    attach(b, pool, 1, seed=901)
+    pool.wait_connected(WAIT_S)  # A's and B's identities are equal: their sidecars share
+    return a, b, expected
 
 
 def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars(
@@ -333,7 +340,7 @@ def start_alone(deployment) -> EngineDriverProcess:
 
 
 @pytest.fixture(scope="module")
-def side_by_side(deployment, pool, engines):
+def side_by_side(deployment, pool, engines, to_close):
     """Engine C: the same weights under another path (another fingerprint), with its own
     sidecar C in another pool; engine D: A's model wired to sidecar C (config differs); the
     engine without a sidecar (``start_alone``). Started together: their start-ups overlap."""
@@ -344,10 +351,8 @@ def side_by_side(deployment, pool, engines):
         lambda: deployment.start_engine("c", sidecar_c.port, model_dir=other_model),
         lambda: deployment.start_engine("d", sidecar_c.port),
         lambda: start_alone(deployment)])
-    try:
-        yield sidecar_c, *started
-    finally:
-        close_all(started)
+    to_close.extend(started)
+    return sidecar_c, *started
 
 
 @pytest.fixture(scope="module")
@@ -420,16 +425,14 @@ def test_an_engine_naming_the_tier_with_no_sidecar_and_no_injection_serves_every
 
 
 @pytest.fixture(scope="module")
-def retrained(deployment, pool, engines):
+def retrained(deployment, pool, engines, to_close):
     """Engine E: A's command line, path and config.json, with other weights (a rollout rewrote
     them in place), beside its own sidecar E, which joins the pool's mesh."""
     with deployment.other_weights_in_place(seed=1):
         sidecar_e = pool.add(wait_connected=False)
         (e,) = start_all([lambda: deployment.start_engine("e", sidecar_e.port)])
-    try:
-        yield sidecar_e, e
-    finally:
-        close_all([e])
+    to_close.append(e)
+    return sidecar_e, e
 
 
 def test_an_engine_with_other_weights_at_the_same_path_shares_no_byte_with_the_pool(
