@@ -115,7 +115,16 @@ def attach(engine, pool, index: int, seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def engines(deployment, pool):
+def to_close(pool):
+    """The engines the module's fixtures started, closed side by side once its last test ran
+    (each takes seconds to shut down), before the pool's sidecars stop."""
+    started: list[EngineDriverProcess] = []
+    yield started
+    close_all(started)
+
+
+@pytest.fixture(scope="module")
+def engines(deployment, pool, to_close):
     """Engine A beside sidecar 0, engine B beside sidecar 1, and a baseline without offloading,
     started side by side; the baseline's greedy outputs for every prompt are kept. A's and
     B's tiers are attached to their sidecars before any test relies on them."""
@@ -126,18 +135,16 @@ def engines(deployment, pool):
                              "b", pool[1].port, tier_keys=tier_keys,
                              extra_env={METRICS_PORT_ENV: str(ENGINE_B_METRICS_PORT)}),
                          deployment.start_baseline])
-    try:
-        a, b, baseline = started
-        expected = {k: out["token_ids"]
-                    for k, out in zip(PROMPTS, baseline.generate(list(PROMPTS.values()),
-                                                                 max_tokens=MAX_TOKENS))}
-        baseline.close()
-        attach(a, pool, 0, seed=900)
-        attach(b, pool, 1, seed=901)
-        pool.wait_connected(WAIT_S)  # A's and B's identities are equal: their sidecars share
-        yield a, b, expected
-    finally:
-        close_all(started)
+    to_close.extend(started)
+    a, b, baseline = started
+    expected = {k: out["token_ids"]
+                for k, out in zip(PROMPTS, baseline.generate(list(PROMPTS.values()),
+                                                             max_tokens=MAX_TOKENS))}
+    baseline.close()
+    attach(a, pool, 0, seed=900)
+    attach(b, pool, 1, seed=901)
+    pool.wait_connected(WAIT_S)  # A's and B's identities are equal: their sidecars share
+    return a, b, expected
 
 
 def test_engine_b_in_a_fresh_process_loads_engine_as_prefix_through_two_sidecars(
@@ -319,20 +326,45 @@ def test_a_sidecar_killed_while_its_engine_serves_leaves_the_engine_serving(
     assert "Traceback" not in open(deployment.workdir / "b.log").read().split("Tokenizer not")[-1]
 
 
+def start_alone(deployment) -> EngineDriverProcess:
+    """An engine naming the tier with nothing the webhook injects (no side-channel variables,
+    no PYTHONHASHSEED from the pool Secret) and no sidecar anywhere."""
+    env = {k: v for k, v in deployment.engine_env("127.0.0.1", 1).items()
+           if k not in ("VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", "PYTHONHASHSEED")}
+    nobody = free_port_block(1)  # the tier's own port key: never a sidecar of another test
+    return EngineDriverProcess(
+        str(deployment.model_dir), python=deployment.python,
+        kv_transfer_config=deployment.kv_transfer_config(f"alone-{os.getpid()}", {"port": nobody}),
+        block_size=deployment.block_size, env=env,
+        stderr_path=str(deployment.workdir / "alone.log"), ready_timeout_s=300.0)
+
+
 @pytest.fixture(scope="module")
-def mismatched(deployment, pool, engines):
+def side_by_side(deployment, pool, engines, to_close):
     """Engine C: the same weights under another path (another fingerprint), with its own
-    sidecar C in another pool; engine D: A's model wired to sidecar C (config differs)."""
+    sidecar C in another pool; engine D: A's model wired to sidecar C (config differs); the
+    engine without a sidecar (``start_alone``). Started together: their start-ups overlap."""
     other_model = deployment.copy_model("tiny-llama-copy")
     sidecar_c = pool.add(SidecarOverride(config=deployment.config_for(other_model)),
                          wait_connected=False)
     started = start_all([
         lambda: deployment.start_engine("c", sidecar_c.port, model_dir=other_model),
-        lambda: deployment.start_engine("d", sidecar_c.port)])
-    try:
-        yield sidecar_c, started[0], started[1]
-    finally:
-        close_all(started)
+        lambda: deployment.start_engine("d", sidecar_c.port),
+        lambda: start_alone(deployment)])
+    to_close.extend(started)
+    return sidecar_c, *started
+
+
+@pytest.fixture(scope="module")
+def mismatched(side_by_side):
+    """Sidecar C, engine C and engine D of ``side_by_side``."""
+    sidecar_c, c, d, _ = side_by_side
+    return sidecar_c, c, d
+
+
+@pytest.fixture(scope="module")
+def alone(side_by_side) -> EngineDriverProcess:
+    return side_by_side[3]
 
 
 def test_a_pool_whose_fingerprint_differs_gets_no_chunk_from_the_pool(pool, engines, mismatched):
@@ -369,17 +401,38 @@ def test_an_engine_whose_config_differs_from_its_sidecar_serves_misses_and_says_
 
 
 
+def test_an_engine_naming_the_tier_with_no_sidecar_and_no_injection_serves_every_request(
+        deployment, alone):
+    """vLLM never depends on kv-offload (issue 49): the tier named on the command line and
+    importable (baked into the image), but nothing the webhook injects (no side-channel
+    variables, no PYTHONHASHSEED from the pool Secret) and no sidecar anywhere: vLLM starts,
+    serves every request by recomputing, logs one warning and reports why in its metrics."""
+    engine = alone
+    try:
+        prompts = [SHARED, PARTIAL, AFTER_KILL]
+        for out in engine.generate(prompts, max_tokens=MAX_TOKENS):
+            assert len(out["token_ids"]) == MAX_TOKENS
+        m = samples(engine)
+        assert value(m, "vllm:kv_offload_tier_detached", reason="not_injected") == 1
+        assert value(m, "vllm:kv_offload_tier_detached", reason="no_sidecar") == 0
+        for result in ("local_hit", "peer_hit"):
+            assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result=result) == 0
+    finally:
+        engine.close()
+    log = (deployment.workdir / "alone.log").read_text().splitlines()
+    warnings = [line for line in log if "kv-offload" in line and ("WARNING" in line or "ERROR" in line)]
+    assert len(warnings) == 1 and "running detached (not_injected)" in warnings[0], warnings
+
+
 @pytest.fixture(scope="module")
-def retrained(deployment, pool, engines):
+def retrained(deployment, pool, engines, to_close):
     """Engine E: A's command line, path and config.json, with other weights (a rollout rewrote
     them in place), beside its own sidecar E, which joins the pool's mesh."""
     with deployment.other_weights_in_place(seed=1):
         sidecar_e = pool.add(wait_connected=False)
         (e,) = start_all([lambda: deployment.start_engine("e", sidecar_e.port)])
-    try:
-        yield sidecar_e, e
-    finally:
-        close_all([e])
+    to_close.append(e)
+    return sidecar_e, e
 
 
 def test_an_engine_with_other_weights_at_the_same_path_shares_no_byte_with_the_pool(
@@ -405,33 +458,3 @@ def test_an_engine_with_other_weights_at_the_same_path_shares_no_byte_with_the_p
     log = open(sidecar_e.log_path).read()
     assert f"weights: {mine['weights']} != {theirs['weights']}" in log \
         or f"weights: {theirs['weights']} != {mine['weights']}" in log
-
-
-def test_an_engine_naming_the_tier_with_no_sidecar_and_no_injection_serves_every_request(
-        deployment):
-    """vLLM never depends on kv-offload (issue 49): the tier named on the command line and
-    importable (baked into the image), but nothing the webhook injects (no side-channel
-    variables, no PYTHONHASHSEED from the pool Secret) and no sidecar anywhere: vLLM starts,
-    serves every request by recomputing, logs one warning and reports why in its metrics."""
-    env = {k: v for k, v in deployment.engine_env("127.0.0.1", 1).items()
-           if k not in ("VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", "PYTHONHASHSEED")}
-    nobody = free_port_block(1)  # the tier's own port key: never a sidecar of another test
-    engine = EngineDriverProcess(
-        str(deployment.model_dir), python=deployment.python,
-        kv_transfer_config=deployment.kv_transfer_config(f"alone-{os.getpid()}", {"port": nobody}),
-        block_size=deployment.block_size, env=env,
-        stderr_path=str(deployment.workdir / "alone.log"), ready_timeout_s=300.0)
-    try:
-        prompts = [SHARED, PARTIAL, AFTER_KILL]
-        for out in engine.generate(prompts, max_tokens=MAX_TOKENS):
-            assert len(out["token_ids"]) == MAX_TOKENS
-        m = samples(engine)
-        assert value(m, "vllm:kv_offload_tier_detached", reason="not_injected") == 1
-        assert value(m, "vllm:kv_offload_tier_detached", reason="no_sidecar") == 0
-        for result in ("local_hit", "peer_hit"):
-            assert value(m, "vllm:kv_offload_sidecar_chunk_lookups_total", result=result) == 0
-    finally:
-        engine.close()
-    log = (deployment.workdir / "alone.log").read_text().splitlines()
-    warnings = [line for line in log if "kv-offload" in line and ("WARNING" in line or "ERROR" in line)]
-    assert len(warnings) == 1 and "running detached (not_injected)" in warnings[0], warnings
