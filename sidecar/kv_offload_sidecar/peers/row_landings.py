@@ -90,8 +90,8 @@ class Landing:
         self.state = LandingState.OFFERED
         # The verified checksum of the chunk in the row, once landed.
         self.checksum: int | None = None
-        # Called (on any thread) right before a commit marks the chunk landed: a test drives a
-        # withdrawal into that window with it.
+        # Called (on the committing thread) once the chunk in the row is verified, right before
+        # its commit reads the row or marks it landed: a test drives a withdrawal in there.
         self.before_landing: Callable[[], None] | None = None
         self._on_end = on_end
         self._stop: Callable[[], None] | None = None
@@ -132,8 +132,6 @@ class Landing:
         """(Any thread.) The transport is done with the row: the chunk is whole and verified
         (``ok``, with its ``checksum``), or not. False when the job withdrew the row first
         (nothing changes then)."""
-        if ok and self.before_landing is not None:
-            self.before_landing()
         with self._lock:
             if self.state is not LandingState.RECEIVING:
                 return False
@@ -302,6 +300,8 @@ class LandingReservation:
             return self._refuse()  # the job ended meanwhile: nothing trustworthy landed
         checksum = chunk_checksum(row.view) if computed_checksum is None else computed_checksum
         ok = expected_checksum is None or checksum == expected_checksum
+        if row.before_landing is not None:
+            row.before_landing()
         if ok and self._landings.wanted(self.key) and row.copy_while_receiving(self._slot.view):
             self._slot.commit(checksum)  # hashed again over the slot
         else:

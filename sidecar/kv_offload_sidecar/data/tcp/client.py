@@ -1,6 +1,14 @@
 """The TCP data-plane client: lookups and windowed fetches to one peer, chunk bytes
 received straight into reserved store slots and committed only once their checksum matches.
 
+Contract: a chunk received on the connection's own thread (``stream_worker``) is committed
+there, and the chunks behind it on the connection are read, received and committed there too
+while more are due, so the lanes of a striped fetch never queue on the event loop for their
+per-chunk steps; the loop resolves each chunk's future (in batches, ``LoopWakes``) and sends
+the requests. A commit holds the worker's lock and none starts once the worker is stopped: when
+``_fail`` returns, no commit is under way, none comes, and what is not committed may be
+aborted. Rows are taken and finished there under each ``Landing``'s lock (``row_landings``).
+
 A ``tls://`` address takes an ``ssl`` client context (mutual TLS, then the same session
 HMAC inside); a pod with a context refuses ``tcp://`` peers, so a TLS pool never sends KV
 in the clear.
