@@ -89,17 +89,22 @@ def _processes() -> dict[int, tuple[int, str]]:
     return out
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """CPU seconds of process ``root`` and every process under it (those alive now)."""
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process under it (those alive now)."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in _processes().items():
         children.setdefault(ppid, []).append(pid)
-    total, stack = 0.0, [root]
+    out, stack = [], [root]
     while stack:
         pid = stack.pop()
-        total += cpu_seconds(pid) or 0.0
+        out.append(pid)
         stack.extend(children.get(pid, []))
-    return total
+    return out
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of process ``root`` and every process under it (those alive now)."""
+    return sum(cpu_seconds(pid) or 0.0 for pid in process_tree(root))
 
 
 def descendant(root: int, comm_prefix: str) -> int | None:
