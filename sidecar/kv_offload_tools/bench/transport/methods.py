@@ -337,30 +337,53 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
         ucx = ({k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
                if method in UCX_TLS else {})
         _emit({"ready": True, "ucx": ucx})
+        # A command runs alone; between commands (the other methods' turns, many seconds
+        # in a full run) heartbeats keep the client's connections, as a sidecar's links do.
+        turn = asyncio.Lock()
+        pinger = asyncio.create_task(_heartbeats(fetcher, turn))
         async for cmd in _acommands():
-            keep_alive = getattr(fetcher, "keep_alive", None)
-            if keep_alive is not None and cmd["cmd"] in ("fetch", "rtt"):
-                await keep_alive()
-            if cmd["cmd"] == "fetch":
-                moved, t0, cpu0 = 0, time.perf_counter(), time.process_time()
-                while True:  # alternate sets: the store holds one, so every chunk is absent
-                    s ^= 1
-                    await fetcher.fetch_set(s)
-                    moved += n * size
-                    if time.perf_counter() - t0 >= cmd["seconds"]:
-                        break
-                elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-                ok = fetcher.digests(s) == expected[s * n:(s + 1) * n]
-                _emit({"gbps": moved / elapsed / 1e9, "bytes": moved, "cpu_seconds": cpu, "identical": ok})
-            elif cmd["cmd"] == "rtt":
-                lookup_us, raw_us = await fetcher.round_trips(cmd["seconds"])
-                loaded = getattr(fetcher, "loaded_round_trips", None)
-                _emit({"us": lookup_us, "raw_us": raw_us,
-                       "loaded_us": await loaded(cmd["seconds"]) if loaded is not None else []})
+            async with turn:
+                s = await _serve_command(cmd, fetcher, n, size, expected, s)
+        pinger.cancel()
     except Exception as exc:
         _emit({"error": f"{type(exc).__name__}: {exc}"})
     finally:
         await fetcher.close()
+
+
+async def _heartbeats(fetcher: Any, turn: asyncio.Lock) -> None:
+    """A heartbeat on each of ``fetcher``'s connections every ``HEARTBEAT_SECONDS`` while no
+    command runs: a holder closes a connection silent for ``serving.SILENT_CLOSE_SECONDS``."""
+    from kv_offload_sidecar.peers.liveness import HEARTBEAT_SECONDS
+
+    keep_alive = getattr(fetcher, "keep_alive", None)
+    while keep_alive is not None:
+        await asyncio.sleep(HEARTBEAT_SECONDS)
+        async with turn:
+            await keep_alive()
+
+
+async def _serve_command(cmd: dict[str, Any], fetcher: Any, n: int, size: int, expected: list[int],
+                         s: int) -> int:
+    """One command of the orchestrator's, its answer emitted; ``s``: the set the store holds
+    (fetched last), returned as it is after the command."""
+    if cmd["cmd"] == "fetch":
+        moved, t0, cpu0 = 0, time.perf_counter(), time.process_time()
+        while True:  # alternate sets: the store holds one, so every chunk is absent
+            s ^= 1
+            await fetcher.fetch_set(s)
+            moved += n * size
+            if time.perf_counter() - t0 >= cmd["seconds"]:
+                break
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        ok = fetcher.digests(s) == expected[s * n:(s + 1) * n]
+        _emit({"gbps": moved / elapsed / 1e9, "bytes": moved, "cpu_seconds": cpu, "identical": ok})
+    elif cmd["cmd"] == "rtt":
+        lookup_us, raw_us = await fetcher.round_trips(cmd["seconds"])
+        loaded = getattr(fetcher, "loaded_round_trips", None)
+        _emit({"us": lookup_us, "raw_us": raw_us,
+               "loaded_us": await loaded(cmd["seconds"]) if loaded is not None else []})
+    return s
 
 
 async def _make_fetcher(method: str, args: argparse.Namespace, size: int, n: int,
