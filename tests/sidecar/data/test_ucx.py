@@ -63,6 +63,8 @@ def test_two_lanes_split_a_fetch_one_chunk_in_three_to_the_fetcher_copied_lane(
     holder_copied, fetcher_copied = out["lane_chunks"]
     # 16 chunks + the missing key's request: every third goes to the fetcher-copied lane.
     assert (holder_copied, fetcher_copied) == (12, 5)
+    # Both connections get the links' heartbeat: a holder closes one silent for 5 s.
+    assert out["heartbeats_answered"] == 2
     assert out["visible_intact"] and out["slots_in_use"] == 16
     assert peer.metrics()["peer_bytes_sent"] == 16 * CHUNK
 
@@ -73,6 +75,7 @@ def test_one_lane_sends_every_chunk_over_the_holder_copied_lane(
     out = run_ucx_client(peer, "fetch", tls="sm,self", shm_dir=shm_dir, chunks=16, chunk_bytes=CHUNK)
     assert out["fetched"] == 16 and out["identical"]
     assert out["lane_chunks"] == [17, 0]
+    assert out["heartbeats_answered"] == 1
 
 
 @pytest.mark.parametrize("corrupt", ["1", "2"])  # chunk 2 travels the fetcher-copied lane

@@ -107,6 +107,13 @@ class UcxPeerDataClient(FramedPeerDataClient):
         """Connections to the peer: this one, and its partner when it has one."""
         return 1 if self._partner is None else 2
 
+    @property
+    def connections(self) -> list[UcxPeerDataClient]:
+        """Every connection to the peer, each of which gets the links' heartbeat
+        (``peers.liveness.lanes_of``): a holder closes a connection that received nothing for
+        ``serving.SILENT_CLOSE_SECONDS``, the partner included."""
+        return [self] if self._partner is None else [self, self._partner]
+
     @classmethod
     async def connect(cls, address: str, session_id: bytes, session_key: bytes, *,
                       timeout: float, metrics: SidecarMetrics | None = None,
