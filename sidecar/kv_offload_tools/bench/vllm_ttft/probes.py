@@ -89,22 +89,17 @@ def _processes() -> dict[int, tuple[int, str]]:
     return out
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process under it (those alive now)."""
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of process ``root`` and every process under it (those alive now)."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in _processes().items():
         children.setdefault(ppid, []).append(pid)
-    out, stack = [], [root]
+    total, stack = 0.0, [root]
     while stack:
         pid = stack.pop()
-        out.append(pid)
+        total += cpu_seconds(pid) or 0.0
         stack.extend(children.get(pid, []))
-    return out
-
-
-def tree_cpu_seconds(root: int) -> float:
-    """CPU seconds of process ``root`` and every process under it (those alive now)."""
-    return sum(cpu_seconds(pid) or 0.0 for pid in process_tree(root))
+    return total
 
 
 def descendant(root: int, comm_prefix: str) -> int | None:

@@ -31,7 +31,6 @@ from kv_offload_tools.bench.vllm_ttft.plan import (
     prompt,
     prompt_key,
 )
-from kv_offload_tools.bench.vllm_ttft.probes import process_tree
 from kv_offload_tools.bench.vllm_ttft.refs import memcpy_seconds, raw_tcp_seconds
 from kv_offload_testing.local_pool import LocalPool
 from kv_offload_tools.vllm_harness.deployment import CPU_SPEC, TIER_TYPE, VllmDeployment
@@ -144,20 +143,6 @@ def on_cores(cores: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def pin_tree(pid: int, cores: set[int] | None) -> None:
-    """Every thread of ``pid`` and of the processes below it on ``cores`` from now on (threads
-    they start later inherit it). Engines start unpinned, so that their imports (about 25 s
-    of CPU each here) spread over every core while the sidecars beside them are still idle,
-    and are pinned once ready, before anything is measured."""
-    if not cores:
-        return
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                    os.sched_setaffinity(int(tid), cores)
-
-
 def pinned(cores: set[int] | None, start: Callable[[], T]) -> Callable[[], T]:
     """``start`` run on ``cores`` (for start_all's threads)."""
     def run() -> T:
@@ -262,9 +247,7 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
             if plan.itl_size_mib:
                 starters.append(lambda: deployment.start_cpu_tier_only(extra_env=env,
                                                                        llm_kwargs=llm_kwargs))
-        engines = start_all(starters)
-        for engine in engines:
-            pin_tree(engine.pid, engine_cores)
+        engines = start_all([pinned(engine_cores, start) for start in starters])
         bench: PlaneBench | None = None
         try:
             pool.wait_connected(120)  # the sidecars share once their engines attached
@@ -295,11 +278,6 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
                         itl, report["store_references"].get(which))
                 report["inter_token"].append(itl)
             report["planes"][plane] = {"pids": bench.pids, "busy_neighbour": bench.busy_neighbour,
-                                       # The cores each EngineCore may run on (``pin_tree``).
-                                       "engine_affinity": {
-                                           role: sorted(os.sched_getaffinity(pid))
-                                           for role, pid in bench.pids.items()
-                                           if role.startswith("engine")},
                                        "seconds": round(time.monotonic() - t_plane, 1)}
         finally:
             if bench is not None:

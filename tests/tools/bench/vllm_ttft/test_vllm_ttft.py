@@ -210,12 +210,6 @@ def test_the_store_window_is_held_to_the_same_window_on_engines_without_the_tier
             itl["store"]["p99_ms"] / (itl["quiet"]["p99_ms"] * ref["prefill_over_quiet"]))
 
 
-def test_engines_started_unpinned_run_on_the_compute_cores_once_ready(report) -> None:
-    cores = report["cores"]["engines"] if report["cores"] else sorted(os.sched_getaffinity(0))
-    for plane, facts in report["planes"].items():
-        assert facts["engine_affinity"] == {"engine_a": cores, "engine_b": cores}, plane
-
-
 def test_engines_get_the_compute_cores_and_sidecars_the_others() -> None:
     from kv_offload_tools.bench.vllm_ttft.run import split_cores
 
