@@ -289,20 +289,29 @@ def commit_received(p: PendingChunk, checksum: int, metrics: SidecarMetrics | No
                     computed: int | None = None) -> None:
     """Verify and publish a fully received chunk, resolving its future (``computed``: the
     checksum the transport already took over the slot's bytes, see ``commit``)."""
-    ok = p.reservation.commit(checksum, computed_checksum=computed)
+    error = commit_outcome(p, checksum, metrics, computed)
     if p.done.done():  # the fetch gave up meanwhile; the chunk is whole and verified anyway
         return
+    if error is None:
+        p.done.set_result(True)
+    else:
+        p.done.set_exception(error)
+
+
+def commit_outcome(p: PendingChunk, checksum: int, metrics: SidecarMetrics | None,
+                   computed: int | None = None) -> BaseException | None:
+    """(Any thread: the reservation's commit and the metrics are thread-safe.) Verify and
+    publish a fully received chunk: None when committed, else the error its future gets
+    (``commit_received`` resolves it; a transport committing on its own thread hands it to the
+    loop)."""
+    ok = p.reservation.commit(checksum, computed_checksum=computed)
     if ok:
         p.committed = True
         if metrics is not None:
             metrics.peer_bytes.labels(direction="received").inc(p.nbytes)
-        p.done.set_result(True)
-        return
+        return None
     local = commit_failure(p.reservation)
     if local is None:
-        p.done.set_exception(IntegrityError(
-            f"chunk {p.key.hex()} failed its checksum; not stored (peer sent corrupt data)"))
-    else:
-        p.done.set_exception(CommitRefused(
-            f"chunk {p.key.hex()} arrived whole but was not stored: {local} (this side's doing, "
-            "not the peer's)"))
+        return IntegrityError(f"chunk {p.key.hex()} failed its checksum; not stored (peer sent corrupt data)")
+    return CommitRefused(f"chunk {p.key.hex()} arrived whole but was not stored: {local} (this side's doing, "
+                         "not the peer's)")

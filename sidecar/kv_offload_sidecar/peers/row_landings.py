@@ -35,12 +35,24 @@ Contract:
   sidecar's loop is too late to withdraw the offer.
 - One offer per key at a time; the slot reserved for the chunk stays reserved until the
   chunk is verified (the fetch window's back-pressure is unchanged) and is then freed.
+- Threads: a transport may take a row, verify and commit its chunk on its connection's own
+  thread (TCP lanes do, so the lanes' per-chunk steps do not queue on the event loop); offers
+  are made and withdrawn on the loop. Each ``Landing``'s state changes under its own lock, so a
+  withdrawal and a commit exclude each other: whichever comes first decides. A chunk is
+  marked landed only while its row is still offered (a commit that lost the race is refused:
+  ``CommitRefused``, the row is not counted), the copy into a waiting load's slot reads the
+  row only while it is, and a withdrawal stops the transfer after the lock is left (its stop
+  waits for the thread, never the other way round). ``RowLandings``' own bookkeeping (the
+  landed wake-up, the offers by key) stays on the loop: a thread's finish is handed to it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -78,9 +90,18 @@ class Landing:
         self.state = LandingState.OFFERED
         # The verified checksum of the chunk in the row, once landed.
         self.checksum: int | None = None
+        # Called (on the committing thread) once the chunk in the row is verified, right before
+        # its commit reads the row or marks it landed: a test drives a withdrawal in there.
+        self.before_landing: Callable[[], None] | None = None
         self._on_end = on_end
         self._stop: Callable[[], None] | None = None
         self._gate: WriteGate | None = None
+        # Held around every change of ``state`` (a transport's thread and the loop).
+        self._lock = threading.Lock()
+        try:  # where ``on_end`` runs when a transport's thread finishes the row
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     def take(self, stop: Callable[[], None], gate: WriteGate | None = None) -> memoryview | None:
         """The row to receive into, or None when the offer is not open or its job's deadline
@@ -88,37 +109,69 @@ class Landing:
         every write into the row); ``gate``: the transfer's write gate, which every write into
         the row must hold (``write_gates``): brought forward to the job's deadline here, and
         revoked when the job ends."""
-        if self.state is not LandingState.OFFERED:
-            return None
-        if gate is not None:
-            if not gate.open(self.deadline):
-                return None  # the slot, then: no row is taken that could not be written in time
-            gate.tighten(self.deadline)
-        self.state, self._stop, self._gate = LandingState.RECEIVING, stop, gate
-        return self.view
+        with self._lock:
+            if self.state is not LandingState.OFFERED:
+                return None
+            if gate is not None:
+                if not gate.open(self.deadline):
+                    return None  # the slot, then: no row is taken that could not be written in time
+                gate.tighten(self.deadline)
+            self.state, self._stop, self._gate = LandingState.RECEIVING, stop, gate
+            return self.view
 
-    def finish(self, ok: bool) -> None:
-        """The transport is done with the row: the chunk is whole and verified (``ok``), or not."""
-        if self.state is LandingState.RECEIVING:
+    def copy_while_receiving(self, target: memoryview) -> bool:
+        """(Any thread.) Copy the row into ``target`` unless its job ended (the row is read
+        only while it is still offered); True when copied."""
+        with self._lock:
+            if self.state is not LandingState.RECEIVING:
+                return False
+            target[:] = self.view
+            return True
+
+    def finish(self, ok: bool, checksum: int | None = None) -> bool:
+        """(Any thread.) The transport is done with the row: the chunk is whole and verified
+        (``ok``, with its ``checksum``), or not. False when the job withdrew the row first
+        (nothing changes then)."""
+        with self._lock:
+            if self.state is not LandingState.RECEIVING:
+                return False
+            if ok:
+                self.checksum = checksum
             self.state = LandingState.LANDED if ok else LandingState.FAILED
             self._stop = None
-            self._on_end(self)
+        self._ended()
+        return True
 
     def withdraw(self) -> None:
-        """The job ends (or took the chunk from the store): no transport may start on the row,
-        and one still receiving is stopped now."""
-        stop, gate = self._stop, self._gate
-        if self.state is LandingState.OFFERED:
-            self.state = LandingState.WITHDRAWN
+        """(On the loop.) The job ends (or took the chunk from the store): no transport may
+        start on the row, and one still receiving is stopped now."""
+        with self._lock:
+            stop, gate, state = self._stop, self._gate, self.state
+            if state is LandingState.OFFERED:
+                self.state = LandingState.WITHDRAWN
+            elif state is LandingState.RECEIVING:
+                self.state = LandingState.FAILED
+                self._stop = self._gate = None
+            else:
+                return
+        if state is LandingState.RECEIVING and gate is not None:
+            gate.revoke()  # no write into the row is under way now, and none starts
+        self._on_end(self)
+        if state is LandingState.RECEIVING and stop is not None:
+            stop()
+
+    def _ended(self) -> None:
+        """``on_end``, on the loop: now when called there, else handed to it."""
+        loop = self._loop
+        try:
+            here = loop is None or asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
             self._on_end(self)
-        elif self.state is LandingState.RECEIVING:
-            self.state = LandingState.FAILED
-            self._stop = self._gate = None
-            if gate is not None:
-                gate.revoke()  # no write into the row is under way now, and none starts
-            self._on_end(self)
-            if stop is not None:
-                stop()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for the row
+            loop.call_soon_threadsafe(self._on_end, self)  # type: ignore[union-attr]
 
     @property
     def open(self) -> bool:
@@ -131,7 +184,8 @@ class Landing:
 
 
 class RowLandings:
-    """The rows offered now, by key (one sidecar; used on its event loop only)."""
+    """The rows offered now, by key (one sidecar; used on its event loop, but for a transport
+    thread's ``landing`` and ``wanted``, dictionary reads)."""
 
     def __init__(self, on_landed: Callable[[], None]) -> None:
         # Called whenever a chunk landed in its row, verified (wakes the job waiting for it).
@@ -243,24 +297,29 @@ class LandingReservation:
             self.refused = getattr(self._slot, "refused", None)
             return ok
         if row.state is not LandingState.RECEIVING:
-            self._slot.abort()
-            self.refused = "its row's load job had already ended"
-            return False  # the job ended meanwhile: nothing trustworthy landed
+            return self._refuse()  # the job ended meanwhile: nothing trustworthy landed
         checksum = chunk_checksum(row.view) if computed_checksum is None else computed_checksum
         ok = expected_checksum is None or checksum == expected_checksum
-        if ok and self._landings.wanted(self.key):
-            self._slot.view[:] = row.view  # hashed again over the slot by its commit
-            self._slot.commit(checksum)
+        if row.before_landing is not None:
+            row.before_landing()
+        if ok and self._landings.wanted(self.key) and row.copy_while_receiving(self._slot.view):
+            self._slot.commit(checksum)  # hashed again over the slot
         else:
             self._slot.abort()
         if not ok:
             self._store.count_integrity_failure()
-        else:
-            row.checksum = checksum
-            if self._metrics is not None:
-                self._metrics.peer_chunks_into_rows.inc()
-        row.finish(ok)
-        return ok
+            row.finish(False)
+            return False
+        if not row.finish(True, checksum):  # withdrawn since: the job does not get it
+            return self._refuse()
+        if self._metrics is not None:
+            self._metrics.peer_chunks_into_rows.inc()
+        return True
+
+    def _refuse(self) -> bool:
+        self._slot.abort()
+        self.refused = "its row's load job had already ended"
+        return False
 
     def abort(self) -> None:
         self._slot.abort()

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
+from kv_offload_sidecar.data.write_gates import LateWrite, WriteGate
 from kv_offload_sidecar.engine.store_view import slot_stride_for
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.row_landings import LandingState, LandingStore, RowLandings
 from kv_offload_sidecar.store.checksum import chunk_checksum
 from kv_offload_sidecar.store.chunk_store import ChunkStore
 from prometheus_client import CollectorRegistry
+from waiting import SAFETY_SECONDS
 
 CHUNK = 4096
 
@@ -141,3 +144,70 @@ def test_a_chunk_landed_in_a_running_jobs_row_is_shared_into_the_store_until_the
     store.drop_when_released([_key(1)])
     landings.release([offer])  # the job gave its row back: nothing is read from it any more
     assert not landings.share(_key(1), store) and not store.contains(_key(1))
+
+
+def _commit_paused_at_the_row(res, offer, data: bytes):  # noqa: ANN001, ANN202 (test helper)
+    """Start ``res``'s commit on a thread of its own (as a TCP lane's thread commits) and hold
+    it where it is about to read its row or mark it landed (``Landing.before_landing``);
+    returns (resume, result: the commit's outcome once joined)."""
+    at_row, resume = threading.Event(), threading.Event()
+
+    def pause() -> None:
+        at_row.set()
+        assert resume.wait(SAFETY_SECONDS)
+
+    offer.before_landing = pause
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(
+        res.commit(chunk_checksum(data), computed_checksum=chunk_checksum(data))))
+    thread.start()
+    assert at_row.wait(SAFETY_SECONDS)  # the chunk is verified; the commit is about to use the row
+
+    def finish() -> bool:
+        resume.set()
+        thread.join(SAFETY_SECONDS)
+        assert not thread.is_alive()
+        return result[0]
+    return finish
+
+
+@pytest.mark.parametrize("waiting_load", [False, True])
+def test_a_withdrawal_racing_a_lane_threads_commit_leaves_nothing_landed_in_the_given_back_row(
+        store: ChunkStore, waiting_load: bool) -> None:
+    landings = RowLandings(on_landed=lambda: None)
+    row = memoryview(bytearray(CHUNK))
+    offer = landings.offer(_key(1), row)
+    if waiting_load:  # a second load without a row: the commit would copy the row into a slot
+        landings.wait([_key(1)])
+    fetching = LandingStore(store, landings)
+    res = fetching.begin_write(_key(1))
+    assert res is not None and offer is not None
+    gate, stops = WriteGate(), []
+    data = os.urandom(CHUNK)
+    view = res.receive_view(lambda: stops.append("stopped"), gate)
+    with gate.writing(CHUNK):
+        view[:] = data
+    finish = _commit_paused_at_the_row(res, offer, data)
+    landings.release([offer])  # the job ends and gives its rows back while the commit is paused
+    assert stops == ["stopped"] and offer.state is LandingState.FAILED
+    with pytest.raises(LateWrite):  # no write into the given-back row starts after the withdrawal
+        with gate.writing(CHUNK):
+            row[:] = b"\0" * CHUNK
+    assert finish() is False and res.refused == "its row's load job had already ended"
+    assert offer.state is LandingState.FAILED and not offer.landed and not fetching.contains(_key(1))
+    assert not store.contains(_key(1)) and store.used_bytes == 0  # not copied from the given-back row
+    assert bytes(row) == data
+
+
+def test_a_lane_threads_commit_that_lands_first_makes_the_withdrawal_stop_nothing(store: ChunkStore) -> None:
+    landings = RowLandings(on_landed=lambda: None)
+    offer = landings.offer(_key(1), memoryview(bytearray(CHUNK)))
+    res = LandingStore(store, landings).begin_write(_key(1))
+    assert res is not None and offer is not None
+    stops: list[str] = []
+    data = os.urandom(CHUNK)
+    res.receive_view(lambda: stops.append("stopped"))[:] = data
+    finish = _commit_paused_at_the_row(res, offer, data)
+    assert finish() is True and offer.landed and offer.checksum == chunk_checksum(data)
+    landings.release([offer])  # landed before the job ended: nothing to stop
+    assert stops == [] and offer.state is LandingState.LANDED and len(landings) == 0

@@ -1,6 +1,14 @@
 """The TCP data-plane client: lookups and windowed fetches to one peer, chunk bytes
 received straight into reserved store slots and committed only once their checksum matches.
 
+Contract: a chunk received on the connection's own thread (``stream_worker``) is committed
+there, and the chunks behind it on the connection are read, received and committed there too
+while more are due, so the lanes of a striped fetch never queue on the event loop for their
+per-chunk steps; the loop resolves each chunk's future (in batches, ``LoopWakes``) and sends
+the requests. A commit holds the worker's lock and none starts once the worker is stopped: when
+``_fail`` returns, no commit is under way, none comes, and what is not committed may be
+aborted. Rows are taken and finished there under each ``Landing``'s lock (``row_landings``).
+
 A ``tls://`` address takes an ``ssl`` client context (mutual TLS, then the same session
 HMAC inside); a pod with a context refuses ``tcp://`` peers, so a TLS pool never sends KV
 in the clear.
@@ -14,13 +22,19 @@ import socket
 import ssl as ssl_module
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.address import check_tls_policy, parse_address
 from kv_offload_sidecar.data.base import ReceiveStopped, TransportError, auth_proof, count_protocol_error
-from kv_offload_sidecar.data.fetch import DEFAULT_WINDOW, PendingChunk, answer_lookup, commit_received
+from kv_offload_sidecar.data.fetch import (
+    DEFAULT_WINDOW,
+    PendingChunk,
+    answer_lookup,
+    commit_outcome,
+    commit_received,
+)
 from kv_offload_sidecar.data.peer_client import (
     FramedPeerDataClient,
     challenge_nonce,
@@ -37,7 +51,7 @@ from kv_offload_sidecar.data.tcp.sockets import (
     split_host_port,
     tune_socket,
 )
-from kv_offload_sidecar.data.tcp.stream_worker import StreamWorker
+from kv_offload_sidecar.data.tcp.stream_worker import OFF_LOOP_BYTES, LoopWakes, StreamStopped, StreamWorker, loop_wakes
 from kv_offload_sidecar.data.tcp.tls_stream import open_tls
 from kv_offload_sidecar.rejections import clip
 from kv_offload_sidecar.store.checksum import chunk_hasher
@@ -45,6 +59,8 @@ from kv_offload_sidecar.store.checksum import chunk_hasher
 if TYPE_CHECKING:
     import select
     from ssl import SSLContext
+
+    import xxhash
 
     from kv_offload_sidecar.metrics import SidecarMetrics
 
@@ -61,6 +77,9 @@ RECV_BATCH_BYTES = 2 << 20
 # sender and receiver on one core, measured side by side).
 RECV_PIECE_BYTES = 4 << 20
 
+
+# What ``_land_on_thread`` returns when it committed every chunk due and read nothing after.
+LANDED_ON_THREAD = object()
 
 # Seconds a lookup with nothing else in flight polls for its reply before sleeping.
 LOOKUP_SPIN_SECONDS = 200e-6
@@ -311,7 +330,10 @@ class TcpPeerDataClient(FramedPeerDataClient):
     async def _read_chunk(self, header: proto.Header, prefix_buf: bytearray, prefix_size: int,
                           header_buf: bytearray) -> tuple[proto.Header, int] | None:
         """One CHUNK's prefix (unless read ahead: ``prefix_size``) and payload, committed; the
-        next frame's header when the connection's thread read it right after (``_read_ahead``)."""
+        next frame's header when the connection's thread read it right after (``_read_ahead``).
+        A chunk received on the connection's thread is committed there, and the chunks right
+        behind it received and committed there too (``_land_on_thread``): the loop only
+        resolves their futures."""
         stream = self._stream
         with memoryview(prefix_buf) as pv:
             if not prefix_size:
@@ -319,11 +341,7 @@ class TcpPeerDataClient(FramedPeerDataClient):
                 prefix_size = proto.chunk_prefix_bytes_needed(pv[:2])
                 await stream.recv_into(pv[2:prefix_size])
             prefix = proto.decode_chunk_prefix(pv[:prefix_size])
-        p = self._chunks.get(header.request_id)
-        if p is None or p.key != prefix.key:
-            raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
-                                      f"under request id {header.request_id}")
-        proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
+        p = self._requested(header, prefix)
         view = p.reservation.receive_view(self._stop_receiving, p.gate)
         # Each piece hashed as it lands, from the cache (for a chunk: on the connection's
         # thread, or on its hashing thread while the next piece arrives where a second core
@@ -332,34 +350,88 @@ class TcpPeerDataClient(FramedPeerDataClient):
         # Every receive into the slot or row holds the chunk's gate: none starts past the
         # fetch's (or the row's job's) deadline, even while this loop is late (``write_gates``).
         hasher = chunk_hasher()
+        wakes = loop_wakes(asyncio.get_running_loop())
+
+        def land(worker: StreamWorker) -> object:
+            return self._land_on_thread(worker, wakes, header.request_id, p, prefix.checksum, hasher,
+                                        header_buf, prefix_buf)
+
+        ahead = await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES, on_piece=self._on_piece(hasher),
+                                       piece_bytes=RECV_PIECE_BYTES, gate=p.gate, then=land)
+        if ahead is None:  # received on the loop (a small chunk): committed here
+            del self._chunks[header.request_id]
+            commit_received(p, prefix.checksum, self._metrics, hasher.intdigest())
+            return None
+        if ahead is LANDED_ON_THREAD:
+            return None
+        if isinstance(ahead, BaseException):
+            raise ahead  # the chunks before it are in: the connection ends after them
+        return ahead  # type: ignore[return-value]
+
+    def _requested(self, header: proto.Header, prefix: proto.ChunkPrefix) -> PendingChunk:
+        """The pending chunk a CHUNK frame answers (ProtocolError when it was not asked for)."""
+        p = self._chunks.get(header.request_id)
+        if p is None or p.key != prefix.key:
+            raise proto.ProtocolError("bad_key", f"CHUNK {prefix.key.hex()} was not requested "
+                                      f"under request id {header.request_id}")
+        proto.check_chunk_payload(header.length, prefix.size, p.nbytes)
+        return p
+
+    def _on_piece(self, hasher: xxhash.xxh3_64) -> Callable[[memoryview], None]:
+        update = hasher.update
 
         def on_piece(piece: memoryview) -> None:
-            hasher.update(piece)
+            update(piece)
             self.heard_at = time.monotonic()  # bytes still coming: the holder is alive
+        return on_piece
 
-        def read_ahead(worker: StreamWorker) -> object:
-            return self._read_ahead(worker, header_buf, prefix_buf)
-
-        ahead = await stream.recv_into(view, batch_bytes=RECV_BATCH_BYTES, on_piece=on_piece,
-                                       piece_bytes=RECV_PIECE_BYTES, gate=p.gate, then=read_ahead)
-        computed = hasher.intdigest()
-        del self._chunks[header.request_id]
-        commit_received(p, prefix.checksum, self._metrics, computed)
-        if isinstance(ahead, BaseException):
-            raise ahead  # the chunk before it is in: the connection ends after it
-        return ahead  # type: ignore[return-value]
+    def _land_on_thread(self, worker: StreamWorker, wakes: LoopWakes, rid: int, p: PendingChunk,
+                        checksum: int, hasher: xxhash.xxh3_64, header_buf: bytearray,
+                        prefix_buf: bytearray) -> object:
+        """(On the connection's thread, right after a chunk's payload.) Commit it here, then,
+        while more chunks are due on this connection, read the next frame and, for a CHUNK,
+        receive and commit it here too, and so on: each chunk's future gets its outcome
+        through the loop's ``LoopWakes`` (one wake-up for all that finish before the loop
+        runs). Every commit holds the worker's ``lock`` and none starts once it is stopped, so
+        when ``_fail`` (``stream.abort``) returns, no commit is under way and none comes: the
+        fetch may abort what is left. Returns what the loop goes on with: the next frame's
+        header and prefix size (a frame that is no CHUNK, or a chunk small enough for the loop),
+        ``LANDED_ON_THREAD`` when nothing more is due, or the error that ends the connection."""
+        try:
+            while True:
+                with worker.lock:
+                    if worker.stopped:
+                        raise StreamStopped("the connection was stopped before its chunk's commit")
+                    if self._chunks.get(rid) is p:
+                        del self._chunks[rid]
+                    error = commit_outcome(p, checksum, self._metrics, hasher.intdigest())
+                wakes.post(p.done, True, error)  # type: ignore[arg-type]
+                ahead = self._read_ahead(worker, header_buf, prefix_buf)
+                if ahead is None:
+                    return LANDED_ON_THREAD
+                if isinstance(ahead, BaseException) or ahead[0].type is not proto.MessageType.CHUNK:
+                    return ahead
+                header, size = ahead
+                prefix = proto.decode_chunk_prefix(memoryview(prefix_buf)[:size])
+                p = self._requested(header, prefix)
+                if p.nbytes < OFF_LOOP_BYTES:
+                    return ahead  # the loop receives it
+                rid, checksum, hasher = header.request_id, prefix.checksum, chunk_hasher()
+                view = p.reservation.receive_view(self._stop_receiving, p.gate)
+                worker.receive(view, RECV_PIECE_BYTES, RECV_BATCH_BYTES, self._on_piece(hasher), p.gate)
+        except Exception as exc:  # noqa: BLE001 (handed to the loop, which ends the connection)
+            return exc
 
     def _read_ahead(self, worker: StreamWorker, header_buf: bytearray,
                     prefix_buf: bytearray) -> tuple[proto.Header, int] | BaseException | None:
-        """(On the connection's thread, right after a chunk's payload.) While more chunks are
+        """(On the connection's thread, right after a chunk's commit.) While more chunks are
         due on this connection, the next frame's header, and a CHUNK's prefix, read here: the
         loop then makes none of those small receives (each a GIL hand-over that convoys with
         the lanes' threads, and an epoll registration when the frame is not there yet). The
         reader task awaits this thread meanwhile, so nothing else reads the socket; a stop
         (``_fail``) wakes it. Returns (header, prefix bytes; 0 for a frame that is no CHUNK),
-        None when nothing more is due, or the error (raised on the loop once the chunk
-        before it is committed)."""
-        if len(self._chunks) < 2:  # only the one just received (dict length: atomic)
+        None when nothing more is due, or the error (raised on the loop)."""
+        if not self._chunks:  # every chunk requested is in (dict length: atomic)
             return None
         try:
             with memoryview(header_buf) as hv:
