@@ -18,6 +18,7 @@ from typing import Any
 
 import kmock
 import pytest
+from frozen import freeze
 from kv_offload_operator.rbac import operator_rbac
 from metrics_support import value, wait_for_metrics
 from operator_harness import LLAMA_ARGS, NAMESPACE, PEERINGS, POOLS, POOLS_URL, create, emulate_cluster
@@ -222,7 +223,7 @@ async def test_the_followers_run_where_kopf_lets_its_handlers_run_across_a_leade
         # The ready-peers follower counted the pool on a alone (b's, paused, wrote nothing).
         await wait_for_async("a's ready-peers count", lambda: "peerStates" in status_of(kmock, "llama"))
         assert follower_writers(kmock, 0, "peerStates") == {"replica-a"}
-        a.proc.send_signal(signal.SIGSTOP)
+        freeze(a.proc.pid)
         await wait_for_async("kopf resuming b", lambda: kopf_runs(b), timeout=LIFETIME * 6)
         await wait_leader_gauge(b, 1, timeout=LIFETIME * 2)
         assert await edit_model_and_see_who_follows(24) == {"replica-b"}

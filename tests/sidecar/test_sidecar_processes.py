@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from frozen import freeze
 from kv_offload_sidecar.engine.client import LookupReply
 from kv_offload_sidecar.peers.handshake import (
     HandshakeInitiator,
@@ -295,7 +296,7 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
         pool.wait_directory_current()
         assert pool[2].hits(keys_a) == 32  # the admin lookup: nothing moves yet
         victim = pool[0].proc
-        os.kill(victim.pid, signal.SIGSTOP)  # the fetch request will be in flight when it dies
+        freeze(victim.pid)  # the fetch request will be in flight when it dies
         result: list[int] = []
         t = threading.Thread(target=lambda: result.append(c.load(keys_a, lambda i, v: None, timeout=3.0)))
         t.start()
@@ -330,7 +331,7 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
         wait_for("B's fetch to land", lambda: pool[1].status()["store"]["chunks"] == 4)
         wait_for("B's fetch to end", lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
         holder = pool[0].proc
-        os.kill(holder.pid, signal.SIGSTOP)  # the holder never answers the next one
+        freeze(holder.pid)  # the holder never answers the next one
         try:
             result: list[LookupReply] = []
             t = threading.Thread(target=lambda: result.append(b.lookup(stalled, timeout=5.0)))
@@ -363,14 +364,14 @@ def test_a_fetch_that_missed_its_deadline_while_the_fetcher_itself_was_stopped_d
         wait_for("B's fetch to end", lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
         holder, fetcher = pool[0].proc, pool[1].proc
         exchanges = pool[1].metric("kv_offload_lookup_messages_total")
-        os.kill(holder.pid, signal.SIGSTOP)  # the exchange waits on the holder...
+        freeze(holder.pid)  # the exchange waits on the holder...
         try:
             result: list[LookupReply] = []
             t = threading.Thread(target=lambda: result.append(b.lookup(stalled, timeout=3 * deadline)))
             t.start()
             wait_for("B's exchange with the stopped holder to begin",
                      lambda: pool[1].metric("kv_offload_lookup_messages_total") == exchanges + 1)
-            os.kill(fetcher.pid, signal.SIGSTOP)  # ...and its deadline passes while B itself is stopped
+            freeze(fetcher.pid)  # ...and its deadline passes while B itself is stopped
             time.sleep(deadline + 0.5)
             os.kill(fetcher.pid, signal.SIGCONT)
             t.join(SAFETY_SECONDS)
@@ -425,7 +426,7 @@ def test_sigterm_lets_an_in_flight_load_finish_then_exits_cleanly():
         write_chunks(a, keys)
         pool.wait_directory_current()
         holder = pool[0].proc
-        os.kill(holder.pid, signal.SIGSTOP)  # B's fetch will wait for its deadline
+        freeze(holder.pid)  # B's fetch will wait for its deadline
         result: list[int] = []
         t = threading.Thread(target=lambda: result.append(b.load(keys, lambda i, v: None, timeout=5.0)))
         t.start()

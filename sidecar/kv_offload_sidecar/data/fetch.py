@@ -101,8 +101,8 @@ async def run_fetch(
     Keys already visible are not requested. Stops requesting at the first key
     that is missing at the peer, or that cannot get a slot even with nothing in
     flight. With ``count`` (the answer of a LOOKUP sent just before), requests at most
-    ``first`` keys until it arrives and none past it after. Returns the leading keys
-    visible at the end. On any failure or deadline
+    ``first`` keys until it arrives and none past it after. Returns the number of leading
+    keys this fetch landed or found visible. On any failure or deadline
     calls ``fail(exc)`` (the transport closes the connection, so nothing writes
     into the slots any more) and aborts every open reservation; a cancel once every
     chunk asked for is in (a load that holds them all) leaves the connection open.
@@ -209,11 +209,10 @@ async def run_fetch(
         if isinstance(err, (TransportError, asyncio.CancelledError)):
             raise
         raise TransportError(f"fetch failed: {err}") from err
+    # Counted as they came, not as the store holds them now: a lane's thread commits a chunk
+    # (visible at once) before this task hears of it, so a load may have taken the fetch's
+    # last chunks and let go of them (``shared_loads``) by now; they were fetched all the same.
     n = plan.prefix()
-    for i, key in enumerate(plan.keys[:n]):  # a store smaller than the fetch may have evicted some
-        if not store.contains(key):
-            n = i
-            break
     wanted = len(plan.keys)  # all of them; with a count, as many as the holder said it holds
     if count is not None and count.done() and not count.cancelled() and count.exception() is None:
         wanted = min(wanted, count.result())

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
+from frozen import freeze
 from kv_offload_sidecar.data import TransportError, make_server
 from kv_offload_sidecar.data import serving
 from kv_offload_sidecar.data.base import PeerBusy
@@ -97,7 +98,7 @@ async def test_a_heartbeat_fails_once_the_holder_is_silent_for_the_lost_after_ti
     peer = start_peer("tcp", chunks=2)
     async with session(peer.address) as client:
         assert await client.ping(LOST_AFTER_SECONDS) < LOST_AFTER_SECONDS
-        os.kill(peer.pid, signal.SIGSTOP)  # alive, connected, silent
+        freeze(peer.pid)  # alive, connected, silent
         try:
             started = time.monotonic()
             with pytest.raises(TransportError, match="silent"):

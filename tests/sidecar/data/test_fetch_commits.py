@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 from kv_offload_sidecar.data.base import CommitRefused, IntegrityError, ReceiveStopped
-from kv_offload_sidecar.data.fetch import PendingChunk, commit_received
+from kv_offload_sidecar.data.fetch import PendingChunk, commit_outcome, commit_received, run_fetch
 from kv_offload_sidecar.metrics import SidecarMetrics
 from kv_offload_sidecar.peers.row_landings import LandingStore, RowLandings
 from kv_offload_sidecar.store.checksum import chunk_checksum
@@ -81,3 +81,27 @@ async def test_a_chunk_whose_rows_job_ended_before_its_commit_is_not_blamed_on_t
     assert isinstance(_failure(p), CommitRefused)
     assert metrics.integrity_failures._value.get() == 0
     assert store.used_bytes == 0
+
+
+async def test_a_fetch_counts_the_chunks_it_landed_though_a_load_let_go_of_them_before_it_heard(
+        make_store: Callable[..., ChunkStore]) -> None:
+    """A lane's thread commits a chunk (visible at once) and only then tells the fetch's task.
+    In between, a load may take the chunks and let go of them (the pool keeps fetched chunks at
+    their holders): the fetch still counts them, since ``peer_reads`` credits the holder's
+    claim, times the transfer and starts the next holder's run by that count."""
+    store = make_store(chunk_bytes=CHUNK)
+    keys = [bytes([i]) * 36 for i in range(3)]
+    loop = asyncio.get_running_loop()
+
+    async def land_on_a_thread(batch: list[tuple[int, PendingChunk]]) -> None:
+        for _, p in batch:
+            data = bytes([len(p.key)]) * CHUNK
+            p.reservation.receive_view(lambda: None)[:] = data
+            assert commit_outcome(p, chunk_checksum(data), None) is None  # visible now
+            store.drop_when_released([p.key])  # a load took it and let go of it
+            loop.call_soon(p.done.set_result, True)  # the thread tells the loop afterwards
+
+    got = await run_fetch(keys, store, 5.0, window=4, send_requests=land_on_a_thread,
+                          fail=lambda exc: None, metrics=None)
+    assert got == len(keys)
+    assert not any(store.contains(k) for k in keys)

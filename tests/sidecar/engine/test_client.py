@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from frozen import freeze
 from kv_offload_sidecar.engine.client import (
     EngineClient,
     LookupReply,
@@ -153,7 +154,7 @@ def test_unreachable_sidecar_is_a_clear_error():
 def stopped(pool):
     """The sidecar process frozen (SIGSTOP) for the block: it reads and answers nothing."""
     pid = pool[0].proc.pid
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         yield
     finally:

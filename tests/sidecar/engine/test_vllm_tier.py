@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from frozen import freeze
 from kv_offload_sidecar.engine.sidecar_link import sidecar_address
 from kv_offload_sidecar.engine.tier_stats import HIT_STEPS_TARGET
 from kv_offload_sidecar.engine.vllm_contract import (
@@ -84,7 +85,7 @@ def test_lookup_the_sidecar_cannot_answer_in_time_becomes_a_miss(pool):
     try:
         assert engine.run_request(tokens).stored_chunks == 2  # connected, chunks stored
         keys = engine.hasher.chunk_keys(tokens)
-        pool[0].proc.send_signal(signal.SIGSTOP)
+        freeze(pool[0].proc.pid)
         try:
             ctx = ReqContext(req_id="frozen")
             tier.on_new_request(ctx)
@@ -255,7 +256,7 @@ def test_drain_jobs_returns_only_when_every_job_has_finished_or_failed(pool):
         assert engine.run_request(tokens).stored_chunks == 1  # connected
         key = engine.hasher.chunk_keys(tokens)[0]
         ctx = ReqContext(req_id="drain")
-        pool[1].proc.send_signal(signal.SIGSTOP)
+        freeze(pool[1].proc.pid)
         try:
             for job_id in range(20, 25):
                 tier.submit_load(TransferJob(job_id=job_id, keys=[key], chunk_ids=np.array([1]),
@@ -411,7 +412,7 @@ def test_a_peer_hit_answered_while_vllm_retries_is_hit_at_its_next_lookup_and_co
                                     (HIT_STEPS_TARGET + 1, "late")):
             ctx = ReqContext(req_id=req_id)
             tier.on_new_request(ctx)
-            pool[1].proc.send_signal(signal.SIGSTOP)
+            freeze(pool[1].proc.pid)
             try:
                 for _ in range(3):  # vLLM retries every step while its sidecar works
                     assert [tier.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 3
@@ -469,7 +470,7 @@ def test_drain_jobs_cancels_a_load_stalled_on_a_peer_instead_of_waiting_out_its_
     tier = b.tier
     try:
         keys, ctx = _held_by_a_patient_peer(pool, a, b, 111)
-        pool[0].proc.send_signal(signal.SIGSTOP)  # the holder stalls: the fetch hangs
+        freeze(pool[0].proc.pid)  # the holder stalls: the fetch hangs
         try:
             tier.submit_load(TransferJob(job_id=31, keys=keys, chunk_ids=np.array([2, 3]),
                                          is_promotion=True, req_context=ctx))
@@ -502,7 +503,7 @@ def test_a_load_from_a_stalled_peer_ends_as_a_miss_and_a_store_beside_it_lands(p
         keys, ctx = _held_by_a_patient_peer(pool, a, b, 121)
         new_keys = b.hasher.chunk_keys(trace_tokens([124, 125], b.layout.tokens_per_chunk))
         results = {}
-        pool[0].proc.send_signal(signal.SIGSTOP)  # the holder stalls
+        freeze(pool[0].proc.pid)  # the holder stalls
         try:
             tier.submit_load(TransferJob(job_id=41, keys=keys, chunk_ids=np.array([2, 3]),
                                          is_promotion=True, req_context=ctx))
