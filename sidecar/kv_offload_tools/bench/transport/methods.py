@@ -341,10 +341,14 @@ async def _client(args: argparse.Namespace, size: int, n: int) -> None:
         # in a full run) heartbeats keep the client's connections, as a sidecar's links do.
         turn = asyncio.Lock()
         pinger = asyncio.create_task(_heartbeats(fetcher, turn))
-        async for cmd in _acommands():
-            async with turn:
-                s = await _serve_command(cmd, fetcher, n, size, expected, s)
-        pinger.cancel()
+        try:
+            async for cmd in _acommands():
+                if pinger.done():  # a connection went silent between commands: the worker ends
+                    pinger.result()  # with that error, which the orchestrator reports
+                async with turn:
+                    s = await _serve_command(cmd, fetcher, n, size, expected, s)
+        finally:
+            pinger.cancel()
     except Exception as exc:
         _emit({"error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -570,10 +574,9 @@ class _TransportFetcher(_StoreFetcher):
         """A heartbeat on each of the client's connections, as a sidecar's links send them (a
         holder closes a connection silent for ``serving.SILENT_CLOSE_SECONDS``; the other
         methods' turns in a round can take that long)."""
-        from kv_offload_sidecar.peers.liveness import lanes_of
+        from kv_offload_sidecar.peers.liveness import RoundTrips, heartbeat
 
-        for connection in lanes_of(self.client):
-            await connection.ping(5.0)
+        await heartbeat(self.client, RoundTrips())
 
     async def loaded_round_trips(self, seconds: float) -> list[float]:
         """32-key lookups while this client's fetches stream (alternate sets, back to back): a
