@@ -33,7 +33,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Coroutine, Iterator, Mapping, Sized
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sized
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
@@ -89,6 +89,16 @@ async def wait_until_idle(tasks: Sized, connections: Mapping[Any, Any], grace_se
         if all(c.idle(now) for c in connections.values()):
             return
         await asyncio.sleep(0.05)
+
+
+async def end_tasks(tasks: Iterable[asyncio.Task[None]]) -> None:
+    """A stopping server's end: cancel each of ``tasks`` (the connections still served, as
+    they are now) and wait until all have ended."""
+    still = list(tasks)
+    for task in still:
+        task.cancel()
+    if still:
+        await asyncio.wait(still)
 
 
 def describe(exc: BaseException) -> str:

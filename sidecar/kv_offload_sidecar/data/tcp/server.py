@@ -38,6 +38,7 @@ from kv_offload_sidecar.data.serving import (
     SessionServer,
     check_auth,
     describe,
+    end_tasks,
     make_nonce,
     wait_until_idle,
 )
@@ -201,11 +202,7 @@ class TcpDataPlaneServer(SessionServer):
         # a brief drain of what the client still sends, then close (no reset).
         for st in self._states.values():
             st.closing = True
-        still = list(self._conns)
-        for t in still:
-            t.cancel()
-        if still:
-            await asyncio.wait(still)
+        await end_tasks(self._conns)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -38,6 +38,7 @@ from kv_offload_sidecar.data.serving import (
     SessionServer,
     check_auth,
     describe,
+    end_tasks,
     make_nonce,
     wait_until_idle,
 )
@@ -131,11 +132,7 @@ class UcxDataPlaneServer(SessionServer):
         ``IDLE_CLOSE_SECONDS`` or ``grace_seconds`` pass, then abort them."""
         await self._stop_loops()
         await wait_until_idle(self._conns, self._connections, grace_seconds)
-        still = list(self._conns.values())
-        for t in still:
-            t.cancel()
-        if still:
-            await asyncio.wait(still)
+        await end_tasks(self._conns.values())
         unregister_server(self)
 
     async def _accept_loop(self, rt: UcxRuntime) -> None:
