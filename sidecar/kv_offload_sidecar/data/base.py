@@ -105,6 +105,14 @@ def auth_proof(session_key: bytes, nonce: bytes) -> bytes:
     return hmac.new(session_key, nonce, hashlib.sha256).digest()
 
 
+def check_loop(bound: asyncio.AbstractEventLoop, transport: str) -> None:
+    """Raise unless the running loop is ``bound``: the one a process-wide runtime of
+    ``transport`` was made on (the first asyncio loop that used it)."""
+    if asyncio.get_running_loop() is not bound:
+        raise RuntimeError(f"the {transport} transport is bound to the first asyncio loop that used it; "
+                           "run one event loop per process")
+
+
 def count_protocol_error(metrics: SidecarMetrics | None, reason: str) -> None:
     """Count one refused frame by reason."""
     if metrics is not None:

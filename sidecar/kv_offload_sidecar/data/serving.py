@@ -1,7 +1,8 @@
 """What the planes' servers share: the session check that opens every connection (the
 nonce sent, the client's proof checked with ``base.auth_proof``), the deadline of a chunk's
-send, a stopping server's grace, unexpected errors told in one line, and the rules of the
-authenticated connections (``ProvenConnections``):
+send, a stopping server's grace, unexpected errors told in one line, what every server keeps
+around its connections (``SessionServer``: its loops, its limits, its refusals), and the rules
+of the authenticated connections (``ProvenConnections``):
 
 - at most ``per_session`` of them per session (a peer's link holds one session, two while it
   re-keys): the lanes this sidecar offers plus ``SESSION_CONNECTION_MARGIN``
@@ -27,17 +28,22 @@ authenticated connections (``ProvenConnections``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
 import time
-from collections.abc import Iterator, Mapping, Sized
-from typing import Any
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import Authorize, auth_proof
-from kv_offload_sidecar.rejections import clip
+from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, StoreLike, auth_proof
+from kv_offload_sidecar.data.before_auth import CountsStrangers, StrangerLimit, refuse
+from kv_offload_sidecar.rejections import RejectionLog, clip
 from kv_offload_sidecar.settings import MAX_DATA_LANES
+
+if TYPE_CHECKING:
+    from kv_offload_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,16 @@ async def wait_until_idle(tasks: Sized, connections: Mapping[Any, Any], grace_se
         if all(c.idle(now) for c in connections.values()):
             return
         await asyncio.sleep(0.05)
+
+
+async def end_tasks(tasks: Iterable[asyncio.Task[None]]) -> None:
+    """A stopping server's end: cancel each of ``tasks`` (the connections still served, as
+    they are now) and wait until all have ended."""
+    still = list(tasks)
+    for task in still:
+        task.cancel()
+    if still:
+        await asyncio.wait(still)
 
 
 def describe(exc: BaseException) -> str:
@@ -143,3 +159,67 @@ class ProvenConnections:
                 elif now - conn.heard >= SILENT_CLOSE_SECONDS:
                     yield conn, "timeout", (f"nothing received for {SILENT_CLOSE_SECONDS:.3g}s, "
                                             "not even a heartbeat")
+
+
+class SessionServer(CountsStrangers, DataPlaneServer):
+    """What a plane's server keeps around its connections: the task accepting them and the
+    one sweeping the proven ones (``_start_loops``, ``_stop_loops``), the bound on strangers
+    (``_limit``) and on proven connections (``_proven``), and its refusals, counted and
+    logged (``_refuse``). A plane says how a proven connection is ended (``_end_proven``) and
+    how a source appears in log lines (``_log_source``)."""
+
+    def __init__(self, store: StoreLike, authorize: Authorize, metrics: SidecarMetrics | None, *,
+                 chunk_bytes: int, auth_timeout: float, send_timeout: float,
+                 rejections: RejectionLog | None, connections_per_session: int,
+                 logger: logging.Logger) -> None:
+        super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
+                         auth_timeout=auth_timeout, send_timeout=send_timeout)
+        # Authenticated connections by session: bounded, swept for ended sessions and silence.
+        self._proven = ProvenConnections(authorize, connections_per_session)
+        self._accept_task: asyncio.Task[None] | None = None
+        self._sweeper_task: asyncio.Task[None] | None = None
+        # Connections not yet authenticated, per source and in all (bounded).
+        self._limit = StrangerLimit()
+        # Refusals' log lines: one per source and reason per interval, with a count (the
+        # sidecar's own when it passes one, so its ports share one budget of lines).
+        self._rejections = rejections if rejections is not None else RejectionLog(logger)
+        self.address = ""
+
+    def _log_source(self, source: str) -> str:
+        """How ``source`` appears in rejection lines."""
+        return source
+
+    def _end_proven(self, conn: Any) -> None:
+        """End ``conn``, a proven connection the sweep ended (already counted and left)."""
+        raise NotImplementedError
+
+    def _refuse(self, source: str, reason: str, detail: object) -> None:
+        """Count one refusal of a connection from ``source`` and note it in the log."""
+        refuse(self._metrics, self._rejections, self._log_source(source), reason, detail)
+
+    def _start_loops(self, accept: Coroutine[Any, Any, None], plane: str) -> None:
+        """Start ``accept`` and the sweep of the proven connections (tasks named after ``plane``)."""
+        self._accept_task = asyncio.create_task(accept, name=f"{plane}-data-accept")
+        self._sweeper_task = asyncio.create_task(self._sweep_proven(), name=f"{plane}-data-sweep")
+
+    async def _stop_loops(self) -> None:
+        """Stop accepting and sweeping."""
+        for task in (self._accept_task, self._sweeper_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    async def _sweep_proven(self) -> None:
+        """End the proven connections whose session ended or that went silent."""
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            for conn, reason, message in list(self._proven.to_end(time.monotonic())):
+                self._refuse(conn.source, reason, message)
+                self._proven.leave(conn)
+                self._end_proven(conn)
+
+    def _evict(self, task: asyncio.Task[None], source: str, why: str) -> None:
+        """A newcomer takes this unproven connection's place: counted, and its task ends it."""
+        self._refuse(source, "too_many_connections", why)
+        task.cancel()

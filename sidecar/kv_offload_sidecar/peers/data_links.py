@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data.base import PeerBusy
@@ -49,6 +49,15 @@ log = logging.getLogger(__name__)
 MAX_DATA_LINKS = 64
 # Seconds without an exchange after which a peer's data connection is closed.
 DATA_IDLE_SECONDS = 40 * HEARTBEAT_SECONDS
+# Seconds a data connection's close may take before it is left to itself.
+DATA_CLOSE_SECONDS = 1.0
+
+
+async def close_quietly(data: Any) -> None:
+    """Close a data connection, waiting ``DATA_CLOSE_SECONDS`` at most; its errors are dropped."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(DATA_CLOSE_SECONDS):
+            await data.close()
 
 
 class DataLinkUnavailable(ConnectionError):
@@ -219,9 +228,7 @@ class DataLinks:
         data = link.data
         self.close(link)
         if data is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await data.close()
+            await close_quietly(data)
 
     def retire(self, data: Any, delay: float) -> None:
         """Close ``data`` (replaced by a re-key) in ``delay`` seconds, once the requests running
@@ -230,13 +237,9 @@ class DataLinks:
             try:
                 await asyncio.sleep(delay)
             finally:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(1.0):
-                        await data.close()
+                await close_quietly(data)
 
-        task = asyncio.create_task(close_later())
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._spawn(close_later(), self._retiring)
 
     async def aclose(self) -> None:
         for task in list(self._retiring):
@@ -246,14 +249,14 @@ class DataLinks:
                 await task
 
     def _close_soon(self, data: Any) -> None:
-        async def close() -> None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await data.close()
+        self._spawn(close_quietly(data), self._closing)
 
-        task = asyncio.create_task(close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+    @staticmethod
+    def _spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+        """Run ``coro`` as a task held in ``tasks`` until it ends."""
+        task = asyncio.create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     def _forget(self, link: PeerLink) -> None:
         self._open.pop(id(link), None)

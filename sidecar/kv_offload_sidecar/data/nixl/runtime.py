@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kv_offload_sidecar.data.base import check_loop
 from kv_offload_sidecar.extras import NIXL_PACKAGE, require
 
 log = logging.getLogger(__name__)
@@ -369,9 +370,7 @@ class NixlRuntime:
                 _state["runtime"] = None
                 rt.close()
                 raise
-        elif rt.loop is not loop:
-            raise RuntimeError("the NIXL transport is bound to the first asyncio loop that used it; "
-                               "run one event loop per process")
+        check_loop(rt.loop, "NIXL")
         return rt
 
     @property

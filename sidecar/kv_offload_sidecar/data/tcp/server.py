@@ -30,22 +30,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, StoreLike
-from kv_offload_sidecar.data.before_auth import (
-    DEFAULT_AUTH_TIMEOUT,
-    CountsStrangers,
-    Place,
-    StrangerLimit,
-    refuse,
-    spread,
-)
+from kv_offload_sidecar.data.base import Authorize, StoreLike
+from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, Place, spread
 from kv_offload_sidecar.data.serving import (
     DEFAULT_CONNECTIONS_PER_SESSION,
     DEFAULT_SEND_TIMEOUT,
-    SWEEP_SECONDS,
-    ProvenConnections,
+    SessionServer,
     check_auth,
     describe,
+    end_tasks,
     make_nonce,
     wait_until_idle,
 )
@@ -97,11 +90,6 @@ TLS_TIMEOUT_MARGIN = 1.0
 ACCEPT_RETRY_SECONDS = 0.05
 
 
-def log_source(source: str) -> str:
-    """How a source address appears in rejection lines (which port it came to, too)."""
-    return f"{source} (data port)"
-
-
 class _ConnState:
     """What stop() needs to know about one server connection."""
 
@@ -129,7 +117,7 @@ class _ConnState:
         return self.queue.empty() and not self.busy[0] and now - self.last >= IDLE_CLOSE_SECONDS
 
 
-class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
+class TcpDataPlaneServer(SessionServer):
     """Serves chunks from ``store`` to authenticated peers over TCP (TLS with ``ssl``)."""
 
     def __init__(
@@ -150,25 +138,16 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         connections_per_session: int = DEFAULT_CONNECTIONS_PER_SESSION,
     ) -> None:
         super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
-                         auth_timeout=auth_timeout, send_timeout=send_timeout)
-        # Authenticated connections by session: bounded, swept for ended sessions and silence.
-        self._proven = ProvenConnections(authorize, connections_per_session)
-        self._sweeper_task: asyncio.Task[None] | None = None
+                         auth_timeout=auth_timeout, send_timeout=send_timeout, rejections=rejections,
+                         connections_per_session=connections_per_session, logger=log)
         self._host = host
         self._port = port
         self._advertise_host = advertise_host
         self._buffer_bytes = socket_buffer_bytes
         self._ssl = ssl
         self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._states: dict[int, _ConnState] = {}
-        # Connections not yet authenticated, per source address and in all (bounded).
-        self._limit = StrangerLimit()
-        # Refusals' log lines: one per source and reason per interval, with a count (the
-        # sidecar's own when it passes one, so both ports share one budget of lines).
-        self._rejections = rejections if rejections is not None else RejectionLog(log)
-        self.address = ""
 
     @property
     def authenticated_connections(self) -> int:
@@ -197,20 +176,17 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
             host = socket.gethostname()
         scheme = "tls" if self._ssl is not None else "tcp"
         self.address = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
-        self._accept_task = asyncio.create_task(self._accept_loop(), name="tcp-data-accept")
-        self._sweeper_task = asyncio.create_task(self._sweep_proven(), name="tcp-data-sweep")
+        self._start_loops(self._accept_loop(), "tcp")
         return self.address
 
-    async def _sweep_proven(self) -> None:
-        """End the authenticated connections whose session ended or that went silent."""
-        while True:
-            await asyncio.sleep(SWEEP_SECONDS)
-            for state, reason, message in list(self._proven.to_end(time.monotonic())):
-                refuse(self._metrics, self._rejections, log_source(state.source), reason, message)
-                self._proven.leave(state)
-                state.closing = True  # a goodbye: CLOSE unless a chunk is half sent
-                if state.task is not None:
-                    state.task.cancel()
+    def _log_source(self, source: str) -> str:
+        """How a source address appears in rejection lines (which port it came to, too)."""
+        return f"{source} (data port)"
+
+    def _end_proven(self, conn: _ConnState) -> None:
+        conn.closing = True  # a goodbye: CLOSE unless a chunk is half sent
+        if conn.task is not None:
+            conn.task.cancel()
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
         """Stop accepting at once; keep serving open connections (a fetch in flight keeps
@@ -218,11 +194,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         ``grace_seconds`` pass, then close them cleanly: a CLOSE frame (when no chunk
         is half sent), ``shutdown(SHUT_WR)``, up to ``GOODBYE_DRAIN_SECONDS`` reading
         until the client closes too, then ``close``."""
-        for task in (self._accept_task, self._sweeper_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self._stop_loops()
         if self._listener is not None:
             self._listener.close()
         await wait_until_idle(self._conns, self._states, grace_seconds)
@@ -230,11 +202,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         # a brief drain of what the client still sends, then close (no reset).
         for st in self._states.values():
             st.closing = True
-        still = list(self._conns)
-        for t in still:
-            t.cancel()
-        if still:
-            await asyncio.wait(still)
+        await end_tasks(self._conns)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -262,15 +230,10 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
             task.add_done_callback(self._conns.discard)
             place.evict = lambda why, task=task, source=source: self._evict(task, source, why)
 
-    def _evict(self, task: asyncio.Task[None], source: str, why: str) -> None:
-        """A newcomer takes this unproven connection's place: counted, and its task ends it."""
-        refuse(self._metrics, self._rejections, log_source(source), "too_many_connections", why)
-        task.cancel()
-
     def _refuse_at_accept(self, conn: socket.socket, source: str, why: str) -> None:
         """Over an unauthenticated-connection limit: counted, an ERROR frame when plain (one
         non-blocking send into an empty socket buffer), closed; nothing else is kept."""
-        refuse(self._metrics, self._rejections, log_source(source), "too_many_connections", why)
+        self._refuse(source, "too_many_connections", why)
         with contextlib.suppress(OSError):
             if self._ssl is None:
                 conn.setblocking(False)
@@ -346,7 +309,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
             if writer is not None and not writer.done():
                 await queue.join()
         except proto.ProtocolError as exc:
-            refuse(self._metrics, self._rejections, log_source(source), exc.reason, exc.message)
+            self._refuse(source, exc.reason, exc.message)
             if writer is not None:
                 writer.cancel()
                 with contextlib.suppress(BaseException):
@@ -357,8 +320,7 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
                         await stream.send(proto.encode_error(0, exc.reason, exc.message))
         except TimeoutError:
             if admitted:  # the deadline of the steps before AUTH_OK
-                refuse(self._metrics, self._rejections, log_source(source), "timeout",
-                       f"no session proved within {self._auth_timeout:.3g}s (at the {step})")
+                self._refuse(source, "timeout", f"no session proved within {self._auth_timeout:.3g}s (at the {step})")
             else:
                 log.debug("TCP data plane: connection ended: a step missed its time limit")
         except asyncio.CancelledError:
@@ -366,13 +328,13 @@ class TcpDataPlaneServer(CountsStrangers, DataPlaneServer):
         except (ConnectionError, OSError) as exc:  # ssl.SSLError is an OSError
             if admitted and self._ssl is not None and stream is None:
                 # A TLS handshake that failed: a client without a certificate of the pool's CA?
-                refuse(self._metrics, self._rejections, log_source(source), "unauthenticated",
-                       "TLS handshake failed (a client without a certificate of the pool's CA?): "
-                       f"{str(exc) or type(exc).__name__}")
+                self._refuse(source, "unauthenticated",
+                             "TLS handshake failed (a client without a certificate of the pool's CA?): "
+                             f"{str(exc) or type(exc).__name__}")
             else:
                 log.debug("TCP data plane: connection ended: %s", exc)
         except Exception as exc:  # a bug reached by some input: counted and summarised, no traceback
-            refuse(self._metrics, self._rejections, log_source(source), "malformed", f"unexpected {describe(exc)}")
+            self._refuse(source, "malformed", f"unexpected {describe(exc)}")
             log.debug("TCP data plane: unexpected error", exc_info=True)
         finally:
             if admitted:

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
+from kv_offload_sidecar.data.base import check_loop
 
 if TYPE_CHECKING:
     pass
@@ -153,13 +154,10 @@ class UcxRuntime:
     @classmethod
     def get(cls) -> UcxRuntime:
         """The process's runtime, created on the running loop at first use."""
-        loop = asyncio.get_running_loop()
         rt = _state["runtime"]
         if rt is None:
-            rt = _state["runtime"] = cls(loop)
-        elif rt.loop is not loop:
-            raise RuntimeError("the UCX transport is bound to the first asyncio loop that used it; "
-                               "run one event loop per process")
+            rt = _state["runtime"] = cls(asyncio.get_running_loop())
+        check_loop(rt.loop, "UCX")
         return rt
 
     @classmethod

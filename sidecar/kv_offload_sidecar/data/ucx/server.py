@@ -30,21 +30,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
-from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, StoreLike, TransportError
-from kv_offload_sidecar.data.before_auth import (
-    DEFAULT_AUTH_TIMEOUT,
-    CountsStrangers,
-    Place,
-    StrangerLimit,
-    refuse,
-)
+from kv_offload_sidecar.data.base import Authorize, StoreLike, TransportError
+from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, Place
 from kv_offload_sidecar.data.serving import (
     DEFAULT_CONNECTIONS_PER_SESSION,
     DEFAULT_SEND_TIMEOUT,
-    SWEEP_SECONDS,
-    ProvenConnections,
+    SessionServer,
     check_auth,
     describe,
+    end_tasks,
     make_nonce,
     wait_until_idle,
 )
@@ -94,7 +88,7 @@ def session_source(session_id: bytes) -> str:
     return "session " + session_id.hex()[:16]
 
 
-class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
+class UcxDataPlaneServer(SessionServer):
     """Serves chunks from ``store`` over UCX tag messages (one per process)."""
 
     def __init__(
@@ -112,55 +106,33 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
         connections_per_session: int = DEFAULT_CONNECTIONS_PER_SESSION,
     ) -> None:
         del host, port  # UCX endpoints come from worker addresses, not a port
+        # Strangers (``_limit``) are the connections attached but not yet through the nonce
+        # challenge, per session and in all.
         super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
-                         auth_timeout=auth_timeout, send_timeout=send_timeout)
-        self._accept_task: asyncio.Task[None] | None = None
-        # Authenticated connections by session: bounded, swept for ended sessions and silence.
-        self._proven = ProvenConnections(authorize, connections_per_session)
-        self._sweeper_task: asyncio.Task[None] | None = None
+                         auth_timeout=auth_timeout, send_timeout=send_timeout, rejections=rejections,
+                         connections_per_session=connections_per_session, logger=log)
         self._conns: dict[int, asyncio.Task[None]] = {}
         self._connections: dict[int, _ServerConnection] = {}
-        # Connections attached but not yet through the nonce challenge, per session and in all.
-        self._limit = StrangerLimit()
-        # Refusals' log lines: one per source and reason per interval, with a count (the
-        # sidecar's own when it passes one).
-        self._rejections = rejections if rejections is not None else RejectionLog(log)
-        self.address = ""
 
     async def start(self) -> str:
         """Initialise UCX and return ``ucx://<base64 worker address>``."""
         rt = UcxRuntime.get()
         register_server(self)
         self.address = encode_address(rt.address)
-        self._accept_task = asyncio.create_task(self._accept_loop(rt), name="ucx-data-accept")
-        self._sweeper_task = asyncio.create_task(self._sweep_proven(), name="ucx-data-sweep")
+        self._start_loops(self._accept_loop(rt), "ucx")
         return self.address
 
-    async def _sweep_proven(self) -> None:
-        """End the proven connections whose session ended or that went silent."""
-        while True:
-            await asyncio.sleep(SWEEP_SECONDS)
-            for conn, reason, message in list(self._proven.to_end(time.monotonic())):
-                refuse(self._metrics, self._rejections, conn.source, reason, message)
-                self._proven.leave(conn)
-                task = self._conns.get(conn.cid)
-                if task is not None:
-                    task.cancel()
+    def _end_proven(self, conn: _ServerConnection) -> None:
+        task = self._conns.get(conn.cid)
+        if task is not None:
+            task.cancel()
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
         """Stop accepting at once; keep serving open connections until each has been idle
         ``IDLE_CLOSE_SECONDS`` or ``grace_seconds`` pass, then abort them."""
-        for task in (self._accept_task, self._sweeper_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        await self._stop_loops()
         await wait_until_idle(self._conns, self._connections, grace_seconds)
-        still = list(self._conns.values())
-        for t in still:
-            t.cancel()
-        if still:
-            await asyncio.wait(still)
+        await end_tasks(self._conns.values())
         unregister_server(self)
 
     async def _accept_loop(self, rt: UcxRuntime) -> None:
@@ -186,13 +158,12 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
                 if isinstance(place, str):
                     raise proto.ProtocolError("too_many_connections", place)
             except proto.ProtocolError as exc:
-                refuse(self._metrics, self._rejections, source, exc.reason, exc.message)
+                self._refuse(source, exc.reason, exc.message)
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a broken authorize callback or UCX error must not stop the server
-                refuse(self._metrics, self._rejections, source, "unauthenticated",
-                       f"attach check failed: {describe(exc)}")
+                self._refuse(source, "unauthenticated", f"attach check failed: {describe(exc)}")
                 await asyncio.sleep(0)
                 continue
             cid = attach.connection_id
@@ -201,19 +172,13 @@ class UcxDataPlaneServer(CountsStrangers, DataPlaneServer):
             task.add_done_callback(lambda _t, cid=cid: self._conns.pop(cid, None))
             place.evict = lambda why, task=task, source=source: self._evict(task, source, why)
 
-    def _evict(self, task: asyncio.Task[None], source: str, why: str) -> None:
-        """A newcomer takes this unproven connection's place: counted, and its task ends it."""
-        refuse(self._metrics, self._rejections, source, "too_many_connections", why)
-        task.cancel()
-
     async def _serve(self, rt: UcxRuntime, attach: proto.UcxAttach, place: Place) -> None:
         source = place.source
         try:
             try:
                 ep = rt.endpoint(attach.worker_address)
             except Exception as exc:  # an unusable address: nothing to answer on
-                refuse(self._metrics, self._rejections, source, "malformed",
-                       f"cannot reach an attaching client: {describe(exc)}")
+                self._refuse(source, "malformed", f"cannot reach an attaching client: {describe(exc)}")
                 return
             conn = _ServerConnection(self, rt, ep, attach.connection_id, place)
             self._connections[attach.connection_id] = conn
@@ -300,13 +265,12 @@ class _ServerConnection:
                     raise proto.ProtocolError("malformed", f"a client may not send {mtype.name}")
             await self.drained.wait()
         except proto.ProtocolError as exc:
-            refuse(srv._metrics, srv._rejections, self.source, exc.reason, exc.message)
+            srv._refuse(self.source, exc.reason, exc.message)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
                     await rt.send(self.ep, join_parts(proto.encode_error(0, exc.reason, exc.message)), self.s2c)
         except TimeoutError:
-            refuse(srv._metrics, srv._rejections, self.source, "timeout",
-                   f"no AUTH_RESPONSE within {srv._auth_timeout:.3g}s")
+            srv._refuse(self.source, "timeout", f"no AUTH_RESPONSE within {srv._auth_timeout:.3g}s")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
