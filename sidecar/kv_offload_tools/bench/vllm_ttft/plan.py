@@ -82,7 +82,11 @@ class Plan:
 
     @property
     def max_model_len(self) -> int:
-        return max(self.largest_prompt_tokens + 1, DECODE_PROMPT_TOKENS + self.max_decode_tokens)
+        """The largest prompt, or the decoding request when the inter-token run is made (its KV
+        cache, ``kv_cache_bytes``, holds no decoding request otherwise: vLLM refuses to start an
+        engine whose cache cannot hold one request of ``max_model_len``)."""
+        decoding = DECODE_PROMPT_TOKENS + self.max_decode_tokens if self.itl_size_mib else 0
+        return max(self.largest_prompt_tokens + 1, decoding)
 
     @property
     def kv_cache_bytes(self) -> int:
