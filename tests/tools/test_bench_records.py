@@ -88,6 +88,12 @@ def test_what_counts_as_a_figure_is_a_number_with_a_unit_outside_code_links_and_
     assert figures_in("a 1.5x b <!-- figure:x.y -->5 ms<!-- /figure --> c 2 s") == ["1.5x", "2 s"]
 
 
+def test_a_passage_holding_a_single_figure_is_skipped_to_its_own_end():
+    text = ("<!-- figures:x@2026-01-01.y -->\nA 1.5x B <!-- figure:x.z -->5 ms<!-- /figure --> C 2 s\n"
+            "<!-- /figures -->\nloose 3 ms\n")
+    assert [f for _, f in loose_figures(text)] == ["3 ms"]
+
+
 def _transport_report(tcp: float, ucx: float, ucx2: float) -> dict:
     def row(method: str, size: int, ratio: float) -> dict:
         return {"method": method, "chunk_bytes": size, "gbps_median": 2.0 * ratio, "ratio_to_raw_tcp": ratio,
@@ -304,7 +310,7 @@ def test_the_readme_ttft_row_finds_its_table_by_columns_in_a_run_of_bench_vllm(t
                               "imported": "", "tables": [ttft], "notes": {},
                               "figures": _vllm_figures({"targets": [{"met": True}, {"met": False}]})})
     table = results_md(records.latest(directory), directory, tmp_path / "README.md")
-    assert "recompute 3.5-3.7 s; **peer hit 0.30-0.35 s**" in table
+    assert "recompute 3.5-3.7 s; **peer hit 0.30-0.35 s**; own-sidecar hit 0.19-0.23 s; 1 of 2 targets met |" in table
 
 
 def _vllm_figures(report: dict) -> dict:

@@ -33,8 +33,9 @@ _NUMBER = r"[+-]?\d[\d,]*(?:\.\d+)?"
 FIGURE = re.compile(rf"(?<![\w.+/-]){_NUMBER}(?:-{_NUMBER})?\s?(?:{_UNITS})(?![\w/])")
 # Text whose numbers are not prose: fenced and inline code, link targets, rendered blocks
 # and markers (the figure markers' contents are filled, not read).
-_SKIP = re.compile(
-    r"<!-- bench:.*?<!-- /bench -->|<!-- figures?:.*?<!-- /figures? -->|```.*?```|`[^`\n]*`"
+_SKIP = re.compile(  # a passage may hold single figures: each marker closes with its own kind
+    r"<!-- bench:.*?<!-- /bench -->|<!-- figure:.*?<!-- /figure -->|<!-- figures:.*?<!-- /figures -->"
+    r"|```.*?```|`[^`\n]*`"
     r"|<!--.*?-->|\]\([^)\s]*\)",
     re.S,
 )

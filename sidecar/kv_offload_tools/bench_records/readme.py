@@ -53,7 +53,9 @@ def _seconds(text: str) -> float:
 
 
 def _span(values: list[float], digits: int) -> str:
-    return f"{min(values):.{digits}f}-{max(values):.{digits}f} s"
+    """``values`` as "low-high s", or one value when they round alike."""
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return f"{low} s" if low == high else f"{low}-{high} s"
 
 
 def _with(record: Record, *columns: str) -> int:
@@ -70,8 +72,9 @@ def _ttft(r: Record) -> str:
     planes = [row[0] for row in _table(r, n)["rows"]]
     at = {col: [_seconds(cell(r, n, {"plane": p, "prefix (KV)": "512 MiB"}, col)) for p in dict.fromkeys(planes)]
           for col in ("recompute", "peer hit", "own-sidecar hit")}
+    met = r.get("figures", {}).get("targets_met")  # recorded runs say it; imported ones in a note
     return (f"recompute {_span(at['recompute'], 1)}; **peer hit {_span(at['peer hit'], 2)}**; "
-            f"own-sidecar hit {_span(at['own-sidecar hit'], 2)}")
+            f"own-sidecar hit {_span(at['own-sidecar hit'], 2)}" + (f"; {met}" if met else ""))
 
 
 def _hit_ratio(r: Record) -> str:
