@@ -213,7 +213,7 @@ async def ucx_client(args: argparse.Namespace) -> dict[str, Any]:
         # A heartbeat on every connection the links' liveness pings (the partner lane too).
         pongs = [await c.ping(5.0) for c in lanes_of(client)]
         return {"lane_chunks": list(client.lane_chunks), "chunk_replies": list(client.chunk_replies),
-                "heartbeats_answered": sum(p >= 0 for p in pongs)}
+                "heartbeats_answered": len(pongs)}
 
     async def before_auth(args: argparse.Namespace, keys: list[bytes], store: Any) -> dict[str, Any]:
         return await _before_auth(args)

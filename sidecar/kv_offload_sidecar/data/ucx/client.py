@@ -105,7 +105,7 @@ class UcxPeerDataClient(FramedPeerDataClient):
     @property
     def lanes(self) -> int:
         """Connections to the peer: this one, and its partner when it has one."""
-        return 1 if self._partner is None else 2
+        return len(self.connections)
 
     @property
     def connections(self) -> list[UcxPeerDataClient]:
