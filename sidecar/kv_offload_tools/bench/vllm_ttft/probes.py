@@ -8,6 +8,7 @@ sidecar or the tier does not expose is reported missing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,17 +90,42 @@ def _processes() -> dict[int, tuple[int, str]]:
     return out
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """CPU seconds of process ``root`` and every process under it (those alive now)."""
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process under it (those alive now)."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in _processes().items():
         children.setdefault(ppid, []).append(pid)
-    total, stack = 0.0, [root]
+    out, stack = [], [root]
     while stack:
         pid = stack.pop()
-        total += cpu_seconds(pid) or 0.0
+        out.append(pid)
         stack.extend(children.get(pid, []))
-    return total
+    return out
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of process ``root`` and every process under it (those alive now)."""
+    return sum(cpu_seconds(pid) or 0.0 for pid in process_tree(root))
+
+
+def tree_threads(root: int) -> list[int]:
+    """Every thread of process ``root`` and of the processes under it (those alive now)."""
+    out = []
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            out += [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    return out
+
+
+def thread_cores(root: int) -> dict[str, int]:
+    """How many threads of ``root``'s process tree may run on each set of cores, by the
+    set ("0", "1", "0,1")."""
+    out: dict[str, int] = {}
+    for tid in tree_threads(root):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            cores = ",".join(map(str, sorted(os.sched_getaffinity(tid))))
+            out[cores] = out.get(cores, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def descendant(root: int, comm_prefix: str) -> int | None:

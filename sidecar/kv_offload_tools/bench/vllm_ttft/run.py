@@ -1,9 +1,10 @@
 """The run of `bench vllm`: references, the baseline engine, then per data plane a pool of two
 sidecars and engines A and B (``measure``), returning the JSON report.
 
-Engines start side by side (``start_all``); the baseline and the store window's reference
-engine with vLLM's CPU tier alone (``no_offload``) run first, one at a time, or
-beside the first plane's idle engines when every KV cache is small, and are closed before
+A plane's engines start side by side (``start_all``) on every core and are pinned to the
+compute cores once ready (``pin_tree``: as if started there); the baseline and the store
+window's reference engine with vLLM's CPU tier alone (``no_offload``) run first, one at a
+time and started on the compute cores, or beside the first plane's idle engines when every KV cache is small, and are closed before
 the planes' engines write any offloaded bytes. Each row's memcpy and raw-TCP references are
 measured again just before the row (``reference``): a target is a ratio to them.
 """
@@ -31,6 +32,7 @@ from kv_offload_tools.bench.vllm_ttft.plan import (
     prompt,
     prompt_key,
 )
+from kv_offload_tools.bench.vllm_ttft.probes import thread_cores, tree_threads
 from kv_offload_tools.bench.vllm_ttft.refs import memcpy_seconds, raw_tcp_seconds
 from kv_offload_testing.local_pool import LocalPool
 from kv_offload_tools.vllm_harness.deployment import CPU_SPEC, TIER_TYPE, VllmDeployment
@@ -143,6 +145,22 @@ def on_cores(cores: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def pin_tree(pid: int, cores: set[int] | None, started_on: set[int]) -> None:
+    """Every thread of ``pid``'s process tree still on ``started_on`` (the cores it was
+    started on) on ``cores`` from now on; threads they start later inherit it. A thread that
+    chose its cores keeps them: vLLM's compute threads (VLLM_CPU_OMP_THREADS_BIND) and the
+    CPU harness's copy threads (off the compute cores), so the engines end up as engines
+    started on ``cores`` would. Engines start on every core, so that their imports (about
+    20 s of CPU each here) spread over the cores while the sidecars beside them are still
+    idle, and are pinned once ready, before anything is measured."""
+    if not cores:
+        return
+    for tid in tree_threads(pid):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if os.sched_getaffinity(tid) == started_on:
+                os.sched_setaffinity(tid, cores)
+
+
 def pinned(cores: set[int] | None, start: Callable[[], T]) -> Callable[[], T]:
     """``start`` run on ``cores`` (for start_all's threads)."""
     def run() -> T:
@@ -247,7 +265,10 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
             if plan.itl_size_mib:
                 starters.append(lambda: deployment.start_cpu_tier_only(extra_env=env,
                                                                        llm_kwargs=llm_kwargs))
-        engines = start_all([pinned(engine_cores, start) for start in starters])
+        started_on = os.sched_getaffinity(0)
+        engines = start_all(starters)
+        for engine in engines:
+            pin_tree(engine.pid, engine_cores, started_on)
         bench: PlaneBench | None = None
         try:
             pool.wait_connected(120)  # the sidecars share once their engines attached
@@ -278,6 +299,10 @@ def _run_plane(plan: Plan, plane: str, deployment: VllmDeployment, env: dict[str
                         itl, report["store_references"].get(which))
                 report["inter_token"].append(itl)
             report["planes"][plane] = {"pids": bench.pids, "busy_neighbour": bench.busy_neighbour,
+                                       # How many threads of A's and B's trees may run on
+                                       # each set of cores (``pin_tree``).
+                                       "engine_threads": {"a": thread_cores(a.pid),
+                                                          "b": thread_cores(b.pid)},
                                        "seconds": round(time.monotonic() - t_plane, 1)}
         finally:
             if bench is not None:

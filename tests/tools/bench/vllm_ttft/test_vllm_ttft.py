@@ -218,3 +218,16 @@ def test_engines_get_the_compute_cores_and_sidecars_the_others() -> None:
     assert split_cores(f"{usable[0]}-{usable[-1]}") is None  # nothing left for the sidecars
     if len(usable) > 1:
         assert split_cores(str(usable[0])) == ({usable[0]}, set(usable[1:]))
+
+
+def test_engines_started_on_every_core_run_on_the_compute_cores_but_their_copy_threads(
+        report) -> None:
+    cores = report["cores"]
+    assert cores, "the quick run splits the host's cores between engines and sidecars"
+    engines, sidecars = (",".join(map(str, cores[k])) for k in ("engines", "sidecars"))
+    for plane, facts in report["planes"].items():
+        for role, census in facts["engine_threads"].items():
+            # The CPU harness's two copy threads (store, load) run off the compute cores, as
+            # in an engine started pinned; no thread is left on every core.
+            assert set(census) == {engines, sidecars} and census[sidecars] == 2, (plane, role,
+                                                                                   census)
