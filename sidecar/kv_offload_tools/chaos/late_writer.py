@@ -61,8 +61,9 @@ Expected = Callable[[bytes], bytes]
 class HolderStoppedRun:
     """What ``holder_stopped_past_deadline`` saw."""
 
-    # The SIGSTOP landed while the chunk was partly in its row, being received (else the
-    # case did not happen: the first bytes came after the deadline, or the chunk was whole).
+    # The SIGSTOP landed while the chunk was partly in its row, being received, and the rest
+    # was still unsent at the deadline (else the case did not happen: the first bytes came
+    # after the deadline, or the chunk was whole by then).
     stopped_mid_chunk: bool = False
     # Bytes that changed after the deadline: sentinel bytes overwritten plus the gates' count.
     bytes_after_deadline: int = 0
@@ -197,6 +198,11 @@ async def holder_stopped_past_deadline(connect: Connect, store: Any, keys: Seque
         if out.stopped_mid_chunk:
             # From here on the loop is blocked (as by CPU throttling or a pause) until the end.
             _block_past(deadline)
+            # The holder may have sent the chunk's last byte before the SIGSTOP landed (the
+            # socket buffers held the rest): then it landed whole before the deadline, and
+            # no byte is left to refuse (nor to wait for below): the case did not happen.
+            out.stopped_mid_chunk = row[-WATCHED_BYTES:] == bytes([GUARD]) * WATCHED_BYTES
+        if out.stopped_mid_chunk:
             row[:] = bytes([SENTINEL]) * nbytes
             os.kill(holder_pid, signal.SIGCONT)
             # The connection's thread refuses the rest or writes it into the row (a bug).

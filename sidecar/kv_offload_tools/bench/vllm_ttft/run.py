@@ -4,9 +4,10 @@ sidecars and engines A and B (``measure``), returning the JSON report.
 A plane's engines start side by side (``start_all``) on every core and are pinned to the
 compute cores once ready (``pin_tree``: as if started there); the baseline and the store
 window's reference engine with vLLM's CPU tier alone (``no_offload``) run first, one at a
-time and started on the compute cores, or beside the first plane's idle engines when every KV cache is small, and are closed before
-the planes' engines write any offloaded bytes. Each row's memcpy and raw-TCP references are
-measured again just before the row (``reference``): a target is a ratio to them.
+time and started on the compute cores, or beside the first plane's idle engines when every
+KV cache is small, and are closed before the planes' engines write any offloaded bytes. Each
+row's memcpy and raw-TCP references are measured again just before the row (``reference``):
+a target is a ratio to them.
 """
 
 from __future__ import annotations
