@@ -179,7 +179,10 @@ async def holder_stopped_mid_write(connect: Connect, store: Any, keys: Sequence[
         await _wait("the fetch gave up", lambda: client.closed or fetch.done())
         give_up.set()
         stopper.join()
-        if stopped.is_set() and watched.first:
+        # The holder may have written the chunk's last byte before the SIGSTOP landed: then
+        # the fetch returned it, visible in the slot, and the case did not happen.
+        landed = fetch.done() and not fetch.cancelled() and fetch.exception() is None
+        if stopped.is_set() and watched.first and not landed:
             raw = _slot(store, watched.first[0].slot)
             out.in_flight = raw[-WATCHED_BYTES:] == bytes(WATCHED_BYTES)  # partly written
             out.held_by_failure = _reserved(store)

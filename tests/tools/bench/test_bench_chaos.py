@@ -84,7 +84,9 @@ def test_the_late_writer_row_writes_no_byte_after_a_deadline_and_its_gates_refus
         assert r["holder_stopped_in_flight"] >= 1, r  # a SIGSTOP landed mid-chunk
         # Each resumed holder's bytes were refused by the gate.
         assert r["refused_holder_stopped"] >= r["holder_stopped_in_flight"], r
-    # ucx: the stopped holder's slot stayed held until its write was over.
-    assert planes["ucx"]["slots_held"] == planes["ucx"]["holder_stopped_in_flight"] >= 1, planes["ucx"]
+    # ucx: the stopped holder's slot stayed held until its write was over (a run in flight
+    # whose slot was free is an unexpected ending; a holder stopped after its last byte but
+    # before its completion holds one too).
+    assert planes["ucx"]["slots_held"] >= planes["ucx"]["holder_stopped_in_flight"] >= 1, planes["ucx"]
     # nixl: every READ posted past the deadline was refused by the lane's gate check.
     assert planes["nixl"]["refused_loop_blocked"] == planes["nixl"]["loop_blocked_in_flight"] == 2, planes["nixl"]

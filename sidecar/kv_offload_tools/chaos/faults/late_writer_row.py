@@ -75,7 +75,8 @@ class LateWriterResult:
     loop_blocked_in_flight: int = 0
     # The cases run ("holder_stopped", "loop_blocked"; ucx runs the first, nixl the second).
     cases: tuple[str, ...] = ("holder_stopped", "loop_blocked")
-    # ucx, nixl: slots still held once the fetch had given up while a write could go on.
+    # ucx, nixl: slots still held once the fetch had given up while a write could go on (each
+    # run in flight, and a run whose holder wrote the last byte but not yet its completion).
     slots_held: int = 0
     # Bytes written into a row or slot after its deadline (must be 0).
     bytes_after_deadline: int = 0
@@ -203,7 +204,14 @@ def _slot_plane(plane: str, runs: int, progress: Progress) -> LateWriterResult:
         result.bytes_after_deadline += run["bytes_after_deadline"]
         result.chunks_stored += run["refetched"]
         result.chunks_verified += run["verified"]
-        if "deadline" not in (run["error"] or "") or run["held_at_end"] or run["refetch_error"]:
+        # A fetch ends at its deadline, or returns the chunk when the holder's SIGSTOP came
+        # after its last byte (the case did not happen: not in flight).
+        ended = "deadline" in (run["error"] or "") or not (run["in_flight"] or run["error"])
+        if case == "holder_stopped" and run["in_flight"] and not run["held_by_failure"]:
+            result.unexpected_endings += 1
+            result.notes.append(f"run {i // len(cases)} {case}: the slot was free while the stopped "
+                                f"holder's write could go on")
+        if not ended or run["held_at_end"] or run["refetch_error"]:
             result.unexpected_endings += 1
             result.notes.append(f"run {i // len(cases)} {case}: the fetch ended with {run['error']!r}, "
                                 f"{run['held_at_end']} slots held after, refetch: {run['refetch_error']!r}")
