@@ -33,8 +33,8 @@ def test_demo_with_real_vllm_engines_shares_a_prefix_between_pods_and_rejects_th
     assert requests == 4 and differing == 0
     # Trace request 4 (pod-1) shares five chunks with request 1 (pod-0): vLLM loads them from
     # the peer and counts them as p2p tokens; the tier's chunk hits and the sidecars' agree.
-    assert p2p == 5 * 64 and cached >= p2p
-    assert tier_hits == peer_hits == 5
+    assert p2p == 5 * 64 and cached >= p2p, out.stdout
+    assert tier_hits == peer_hits == 5, out.stdout
     assert rejections >= 2  # each pod rejected the intruder with another hash seed
     assert "outputs differing from an engine without offloading: 0" in out.stdout
 
