@@ -73,6 +73,9 @@ LOCATION_BYTES_DIRECTIONS = ("sent", "received")
 ROUTE_HINT_KINDS = ("locate", "count")
 # decision label of fetch_decisions: fetch a holder's run, or leave it to the engine to recompute.
 FETCH_DECISIONS = ("fetch", "recompute")
+# reason label of peer_answers_given_up: nothing heard from the peer for its answer silence
+# (``peers/liveness``), or the request's own deadline passed while the peer was still heard.
+ANSWER_GIVE_UP_REASONS = ("silence", "deadline")
 # Label names of the config_info series (one series per process). Not the model or dtype (they
 # tell a stranger what the pool serves) nor the wire version (which software answers): the
 # handshake says those only after the proof. The fingerprint is shown (the operator's READY
@@ -103,6 +106,7 @@ LABEL_VALUES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     f"{NAMESPACE}_location_bytes": {"direction": LOCATION_BYTES_DIRECTIONS},
     f"{NAMESPACE}_fetch_decisions": {"decision": FETCH_DECISIONS},
     f"{NAMESPACE}_route_hint_messages": {"kind": ROUTE_HINT_KINDS},
+    f"{NAMESPACE}_peer_answers_given_up": {"reason": ANSWER_GIVE_UP_REASONS},
 }
 
 
@@ -171,6 +175,10 @@ METRICS: tuple[tuple[type, str, tuple[str, ...], Mapping[str, Any], str], ...] =
      "(chunk, holder) entries this sidecar keeps for the directory buckets it owns."),
     (Counter, "fetch_decisions", ("decision",), {},
      "Holder runs the engine path decided to fetch, or to leave to the engine's prefill (slower to fetch)."),
+    (Counter, "peer_answers_given_up", ("reason",), {},
+     "Requests that stopped waiting for a peer's first answer (an owner's locate, a holder's "
+     "count) and became misses, by reason; the exchange itself runs on to the fetch deadline. "
+     "Bytes received for chunks counted as misses point here: a loaded or throttled peer."),
     (Counter, "route_hint_messages", ("kind",), {},
      "Messages sent to peers to answer routing hints (POST /v1/route), by kind."),
     (Counter, "key_reloads", (), {}, "Changes of the pool keys picked up from the mounted Secret (rotations)."),

@@ -228,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{report.requests} requests in {report.seconds:.1f} s; hit ratio "
           f"{total.hit_ratio:.3f}, of which peer hits {total.peer_hits}; "
           f"mismatched bytes {total.mismatched_bytes}")
+    if total.given_up_note():
+        print(total.given_up_note())
     if total.mismatched_bytes:
         print("kv-offload demo: FAILED: loaded chunks differ from the KV the engines compute",
               file=sys.stderr)
@@ -240,6 +242,7 @@ def _run_vllm(args: argparse.Namespace) -> int:
     try:
         from kv_offload_tools.vllm_harness.deployment import VllmUnavailable
         from kv_offload_tools.vllm_harness.vllm_demo import (
+            VllmPodReport,
             format_vllm_report,
             run_vllm_demo,
         )
@@ -265,6 +268,11 @@ def _run_vllm(args: argparse.Namespace) -> int:
     print(f"\n{sum(r.requests for r in reports)} requests; vLLM reported {cached} of {tokens} "
           f"prompt tokens cached, {p2p} of them from peers; outputs differing from an engine "
           f"without offloading: {bad}")
+    total = VllmPodReport("total", "")
+    for r in reports:
+        total.add(r)
+    if total.given_up_note():
+        print(total.given_up_note())
     if bad:
         print("kv-offload demo: FAILED: an engine's output differs from one without offloading",
               file=sys.stderr)

@@ -26,12 +26,23 @@ class PodCounts:
     bytes_moved: int = 0
     # Handshakes the sidecar rejected (the intruder's, which hashes with another seed).
     handshake_rejections: int = 0
+    # Lookups that stopped waiting for a peer's answer and counted as misses (a loaded host).
+    answers_given_up: int = 0
 
     def read_sidecar(self, samples: Mapping) -> None:
         """Bytes moved and handshakes rejected, from the sidecar's scraped metrics."""
         self.bytes_moved = int(scrape.value(samples, "kv_offload_peer_bytes_total", direction="received"))
         self.handshake_rejections = int(scrape.value(samples, "kv_offload_handshakes_total",
                                                      result="rejected"))
+        self.answers_given_up = int(sum(scrape.value(samples, "kv_offload_peer_answers_given_up_total",
+                                                     reason=r) for r in ("silence", "deadline")))
+
+    def given_up_note(self) -> str:
+        """A line saying why peer hits may be missing, when lookups gave up on a peer ("" if none)."""
+        if not self.answers_given_up:
+            return ""
+        return (f"{self.answers_given_up} lookups stopped waiting for a slow peer's answer and "
+                "counted as misses (kv_offload_peer_answers_given_up_total): this host is loaded")
 
     def add(self, other: PodCounts) -> None:
         """Add ``other``'s counts to these, for the total row: every field after the name and URL

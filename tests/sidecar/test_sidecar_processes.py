@@ -331,6 +331,12 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
         wait_for("B's fetch to land", lambda: pool[1].status()["store"]["chunks"] == 4)
         wait_for("B's fetch to end", lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
         holder = pool[0].proc
+
+        def given_up() -> dict[str, float]:
+            return {r: pool[1].metric("kv_offload_peer_answers_given_up_total", reason=r)
+                    for r in ("silence", "deadline")}
+
+        before = given_up()
         freeze(holder.pid)  # the holder never answers the next one
         try:
             result: list[LookupReply] = []
@@ -339,7 +345,12 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
             wait_for("B's lookup to fetch from the stopped holder",
                      lambda: pool[1].status()["peer_fetches_in_flight"] == 1)
             t.join(SAFETY_SECONDS)
-            assert result == [LookupReply(0, 0)]  # past the fetch deadline: a miss
+            assert result == [LookupReply(0, 0)]  # the holder silent: a miss
+            # The lookup gave up on the holder's count, once (silent for its answer silence, or
+            # at the deadline where that silence grew as long), and says so in the metrics.
+            after = given_up()
+            print(f"\n[given up] {after} (before {before})")
+            assert sum(after.values()) - sum(before.values()) == 1
             wait_for("the stalled fetch to end at its deadline",
                      lambda: pool[1].status()["peer_fetches_in_flight"] == 0)
         finally:

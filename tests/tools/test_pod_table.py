@@ -28,7 +28,18 @@ def test_read_sidecar_takes_bytes_received_and_rejected_handshakes() -> None:
                ("kv_offload_handshakes_total", frozenset({("result", "rejected")})): 3.0}
     pod = PodCounts("pod-0", "")
     pod.read_sidecar(samples)
-    assert (pod.bytes_moved, pod.handshake_rejections) == (4096, 3)
+    assert (pod.bytes_moved, pod.handshake_rejections, pod.answers_given_up) == (4096, 3, 0)
+    assert pod.given_up_note() == ""
+
+
+def test_lookups_given_up_on_a_slow_peer_add_up_over_reasons_and_say_why_hits_may_be_missing() -> None:
+    name = "kv_offload_peer_answers_given_up_total"
+    samples = {(name, frozenset({("reason", "silence")})): 2.0,
+               (name, frozenset({("reason", "deadline")})): 1.0}
+    pod = PodCounts("pod-1", "")
+    pod.read_sidecar(samples)
+    assert pod.answers_given_up == 3
+    assert pod.given_up_note().startswith("3 lookups stopped waiting for a slow peer's answer")
 
 
 def test_table_pads_columns_and_rules_off_the_header_and_the_total() -> None:

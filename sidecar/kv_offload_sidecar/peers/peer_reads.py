@@ -434,23 +434,24 @@ class PeerReads:
         return got
 
     async def _answer(self, work: Awaitable[T], identity: str, deadline: float, default: T) -> T:
-        """``work``'s result, waited for while the peer ``identity`` is heard from on its data
-        connection (``liveness.answer_or_silence``, with the peer's answer silence), ``deadline``
-        seconds at most; else ``default`` (a miss), and ``work`` runs on in the background to
-        its own deadline (its failure is blamed there)."""
+        """``work``'s result, waited for while the peer ``identity`` is heard from (``heard``: its
+        data link's last frame; ``liveness.answer_or_silence``), ``deadline`` seconds at most; else
+        ``default``, a miss counted in ``peer_answers_given_up``, while ``work`` runs on to its own
+        deadline in the background (its failure is blamed there)."""
         fut = work if isinstance(work, asyncio.Future) else self._spawn(work)
         link = self._peers.connected(identity)
         silence = link.round_trips.answer_silence(deadline) if link is not None else deadline
         if link is not None and link.data is None:  # its data link opens first: a few more round trips
             silence = min(deadline, OPEN_ROUND_TRIPS * silence)
-        # The last frame heard on the peer's data link (0.0 while none is open).
         heard = (lambda: link.data.heard_at if link.data is not None else 0.0) if link is not None else float
+        asked = time.monotonic()
         try:
             return await answer_or_silence(fut, heard, silence, deadline)
         except TimeoutError:
-            if silence < deadline:
-                log.info("peer %s silent for %.0f ms: a miss (its heartbeat decides whether it is lost)",
-                         identity, silence * 1e3)
+            silent = time.monotonic() - asked < deadline  # else its deadline passed, peer heard or not
+            self._metrics.peer_answers_given_up.labels(reason="silence" if silent else "deadline").inc()
+            if silent:  # its heartbeat decides whether it is lost
+                log.info("peer %s silent for %.0f ms: a miss", identity, silence * 1e3)
             return default
 
     def _fetch_store(self, client: PeerDataClient) -> ChunkStore | LandingStore:
