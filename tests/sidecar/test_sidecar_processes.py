@@ -359,6 +359,42 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
         b.close()
 
 
+# How long the holder is stopped while the asker opens its first data link to it: well past
+# OPEN_ROUND_TRIPS answer silences at a loopback round trip (4 x 50 ms), well within the deadlines.
+SLOW_OPEN_SECONDS = 1.0
+
+
+def test_a_holder_slow_to_let_the_first_data_link_open_still_answers_the_lookup_with_a_hit():
+    # A loaded host: the holder cannot run while B opens its first data link to it. The open's
+    # own bound (the handshake timeout) judges the holder then, not the answer silence, so
+    # B's lookup waits for the count and hits instead of giving up after 4 silences.
+    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as pool:
+        a, b = pool.client(0), pool.client(1)
+        # Keys whose location B keeps itself: locating them does not ask the stopped holder.
+        keys = [k for k in new_keys(64) if owner_of(pool, k, asker=1) == pool[1].identity][:4]
+        write_chunks(a, keys)
+        pool.wait_directory_current()
+        assert not any(p["data_open"] for p in pool[1].peers())  # the first exchange opens it
+        given_up = pool[1].metric("kv_offload_peer_answers_given_up_total", reason="silence")
+        holder = pool[0].proc
+        freeze(holder.pid)
+        try:
+            result: list[LookupReply] = []
+            t = threading.Thread(target=lambda: result.append(b.lookup(keys, timeout=5.0)))
+            t.start()
+            wait_for("B's lookup to fetch from the stopped holder",
+                     lambda: pool[1].status()["peer_fetches_in_flight"] == 1)
+            time.sleep(SLOW_OPEN_SECONDS)
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        t.join(SAFETY_SECONDS)
+        assert result == [LookupReply(0, 4)]
+        assert pool[1].metric("kv_offload_peer_answers_given_up_total", reason="silence") == given_up
+        assert any(p["data_open"] for p in pool[1].peers())
+        a.close()
+        b.close()
+
+
 def test_a_fetch_that_missed_its_deadline_while_the_fetcher_itself_was_stopped_does_not_back_the_holder_off():
     # Seconds B's exchange may take: far longer than the probe that sees it begin and the stop after.
     deadline = 3.0

@@ -29,10 +29,15 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   (srtt + 4 x rttvar)) since it asked, bounded by the fetch deadline (the whole fetch deadline
   before the first sample). Giving up is a miss, not a failure: the exchange itself runs on
   to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
-  one late answer, decides that the peer is lost. A request that touches a silently cut
-  peer before the heartbeat noticed pays about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small
-  round trip (``OPEN_ROUND_TRIPS`` times that when its data link must open first); after,
-  none (the peer is no member and no holder).
+  one late answer, decides that the peer is lost. While the peer's data link opens, the open's
+  own bound judges the peer instead (``last_heard``: the handshake timeout, and a failed open
+  reports it), then ``OPEN_ROUND_TRIPS`` answer silences for the answer: an open takes a few
+  round trips, each slower on a loaded host than a warm link's one, and a pod's first exchange
+  with a holder is the one that brings its first peer hit (a real-vLLM demo under a busy core
+  missed it in 4 runs of 5 when the open counted as silence). A request that touches a silently
+  cut peer before the heartbeat noticed pays about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small
+  round trip, or its own deadline when its data link must open first (until that open fails);
+  after, none (the peer is no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
   ``PeerSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +57,7 @@ from kv_offload_sidecar.data.peer_client import answer_or_silence
 __all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "MEMBER_PROBE_SECONDS",
            "MEMBER_PROBES_PER_SECOND", "probe_period",
            "OPEN_ROUND_TRIPS", "PROBE_TIMEOUT_SECONDS", "RoundTrips",
-           "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat"]
+           "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat", "last_heard"]
 
 # Seconds between heartbeats of a connected link.
 HEARTBEAT_SECONDS = 0.25
@@ -92,6 +98,15 @@ def backoff_cap(state: str, maximum: float) -> float:
     rollout may fix it), ``HEAL_BACKOFF_MAX_SECONDS`` at most for a lost or unreachable one,
     so a healed partition is seen within 5 s (``liveness``)."""
     return maximum if state == "rejected" else min(maximum, HEAL_BACKOFF_MAX_SECONDS)
+
+
+def last_heard(link: Any) -> float:
+    """When the peer of ``link`` (a ``links.PeerLink``) was last heard on its data link, for
+    ``answer_or_silence``: now while that link opens (the open's own bound judges it), 0.0
+    while it has none."""
+    if link.data is not None:
+        return link.data.heard_at
+    return time.monotonic() if link.opening is not None else 0.0
 
 
 class RoundTrips:

@@ -20,8 +20,8 @@ run beats the engine recomputing it; when not, the rest is a miss.
 
 A request waits for a peer's first answer (the owner's locate, a holder's count) only while
 that peer is heard from (``liveness``: it gives up after the peer's answer silence, about
-50 ms at a small round trip, ``OPEN_ROUND_TRIPS`` times that while the holder's data link
-opens, and the exchange runs on to the fetch deadline in the background); the chunks
+50 ms at a small round trip; while the holder's data link opens, the open's own bound, then
+``OPEN_ROUND_TRIPS`` silences; the exchange runs on to the fetch deadline in the background); the chunks
 themselves get the fetch deadline. A holder's data connection is opened by its first
 exchange (``data_links``): a member without one is asked all the same.
 
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
-from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, answer_or_silence
+from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, answer_or_silence, last_heard
 from kv_offload_sidecar.peers.row_landings import LandingStore, RowLandings
 from kv_offload_sidecar.peers.directory.location_wire import HolderClaim
 
@@ -443,7 +443,7 @@ class PeerReads:
         silence = link.round_trips.answer_silence(deadline) if link is not None else deadline
         if link is not None and link.data is None:  # its data link opens first: a few more round trips
             silence = min(deadline, OPEN_ROUND_TRIPS * silence)
-        heard = (lambda: link.data.heard_at if link.data is not None else 0.0) if link is not None else float
+        heard = (lambda: last_heard(link)) if link is not None else float
         asked = time.monotonic()
         try:
             return await answer_or_silence(fut, heard, silence, deadline)
