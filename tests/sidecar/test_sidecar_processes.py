@@ -318,6 +318,17 @@ def test_peer_killed_mid_fetch_is_a_miss_and_nothing_partial_is_stored():
             cl.close()
 
 
+def _lookup_fetching_from_the_stopped_holder(pool: LocalPool, client, keys: list[bytes]
+                                             ) -> tuple[threading.Thread, list[LookupReply]]:
+    """Sidecar 1's lookup of ``keys`` on a thread, returned once its fetch is in flight."""
+    result: list[LookupReply] = []
+    t = threading.Thread(target=lambda: result.append(client.lookup(keys, timeout=5.0)))
+    t.start()
+    wait_for("B's lookup to fetch from the stopped holder",
+             lambda: pool[1].status()["peer_fetches_in_flight"] == 1)
+    return t, result
+
+
 def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
     # The stalled fetch shows for its whole deadline: seconds, against 50 ms between probes.
     with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as pool:
@@ -339,11 +350,7 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
         before = given_up()
         freeze(holder.pid)  # the holder never answers the next one
         try:
-            result: list[LookupReply] = []
-            t = threading.Thread(target=lambda: result.append(b.lookup(stalled, timeout=5.0)))
-            t.start()
-            wait_for("B's lookup to fetch from the stopped holder",
-                     lambda: pool[1].status()["peer_fetches_in_flight"] == 1)
+            t, result = _lookup_fetching_from_the_stopped_holder(pool, b, stalled)
             t.join(SAFETY_SECONDS)
             assert result == [LookupReply(0, 0)]  # the holder silent: a miss
             # The lookup gave up on the holder's count, once (silent for its answer silence, or
@@ -379,11 +386,7 @@ def test_a_holder_slow_to_let_the_first_data_link_open_still_answers_the_lookup_
         holder = pool[0].proc
         freeze(holder.pid)
         try:
-            result: list[LookupReply] = []
-            t = threading.Thread(target=lambda: result.append(b.lookup(keys, timeout=5.0)))
-            t.start()
-            wait_for("B's lookup to fetch from the stopped holder",
-                     lambda: pool[1].status()["peer_fetches_in_flight"] == 1)
+            t, result = _lookup_fetching_from_the_stopped_holder(pool, b, keys)
             time.sleep(SLOW_OPEN_SECONDS)
         finally:
             os.kill(holder.pid, signal.SIGCONT)
