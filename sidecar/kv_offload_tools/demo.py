@@ -29,7 +29,7 @@ from kv_offload_testing import scrape
 from kv_offload_testing.engine_sim import RequestResult, SimulatedEngine, trace_tokens
 from kv_offload_testing.local_pool import LocalPool, SidecarOverride, example_config
 from kv_offload_tools.mooncake_trace import TRACE_SAMPLE, load_trace
-from kv_offload_tools.pod_table import PodCounts, format_table
+from kv_offload_tools.pod_table import PodCounts, format_table, total_of
 from kv_offload_tools.progress import to_stderr
 
 
@@ -59,10 +59,7 @@ class DemoReport:
 
     @property
     def total(self) -> PodReport:
-        t = PodReport("total", "")
-        for p in self.pods:
-            t.add(p)
-        return t
+        return total_of(self.pods, PodReport)
 
 
 def run_demo(pods: int = 3, requests: int | None = None, transport: str = "tcp",
@@ -261,19 +258,13 @@ def _run_vllm(args: argparse.Namespace) -> int:
     except VllmUnavailable as exc:
         raise UsageError(f"kv-offload demo: {exc}") from None
     print(format_vllm_report(reports))
-    cached = sum(r.cached_tokens for r in reports)
-    tokens = sum(r.prompt_tokens for r in reports)
-    p2p = sum(r.p2p_tokens for r in reports)
-    bad = sum(r.differing_outputs for r in reports)
-    print(f"\n{sum(r.requests for r in reports)} requests; vLLM reported {cached} of {tokens} "
-          f"prompt tokens cached, {p2p} of them from peers; outputs differing from an engine "
-          f"without offloading: {bad}")
-    total = VllmPodReport("total", "")
-    for r in reports:
-        total.add(r)
+    total = total_of(reports, VllmPodReport)
+    print(f"\n{total.requests} requests; vLLM reported {total.cached_tokens} of "
+          f"{total.prompt_tokens} prompt tokens cached, {total.p2p_tokens} of them from peers; "
+          f"outputs differing from an engine without offloading: {total.differing_outputs}")
     if total.given_up_note():
         print(total.given_up_note())
-    if bad:
+    if total.differing_outputs:
         print("kv-offload demo: FAILED: an engine's output differs from one without offloading",
               file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
 from kv_offload_testing import scrape
 
@@ -49,6 +50,17 @@ class PodCounts:
         (numbers add up, lists of seconds join)."""
         for f in fields(self)[2:]:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+Counts = TypeVar("Counts", bound=PodCounts)
+
+
+def total_of(pods: Sequence[Counts], kind: type[Counts]) -> Counts:
+    """The "total" row of ``pods``: a ``kind`` with every pod's counts added."""
+    total = kind("total", "")
+    for pod in pods:
+        total.add(pod)
+    return total
 
 
 def format_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

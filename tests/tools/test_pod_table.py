@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from kv_offload_tools.pod_table import PodCounts, format_table
+from kv_offload_tools.pod_table import PodCounts, format_table, total_of
 
 
 @dataclass
@@ -11,11 +11,12 @@ class _Report(PodCounts):
     seconds: list[float] = field(default_factory=list)
 
 
-def test_add_sums_every_count_and_joins_the_seconds_but_keeps_the_total_name() -> None:
-    total = _Report("total", "")
-    for i in range(2):
-        total.add(_Report(f"pod-{i}", f"http://pod-{i}/metrics", requests=3, local_hits=i, peer_hits=2,
-                          misses=1, bytes_moved=10, handshake_rejections=1, lookups=5, seconds=[i]))
+def test_the_total_sums_every_count_and_joins_the_seconds_under_the_total_name() -> None:
+    pods = [_Report(f"pod-{i}", f"http://pod-{i}/metrics", requests=3, local_hits=i, peer_hits=2,
+                    misses=1, bytes_moved=10, handshake_rejections=1, lookups=5, seconds=[i])
+            for i in range(2)]
+    total = total_of(pods, _Report)
+    assert type(total) is _Report
     assert (total.name, total.metrics_url) == ("total", "")
     assert (total.requests, total.local_hits, total.peer_hits, total.misses) == (6, 1, 4, 2)
     assert (total.bytes_moved, total.handshake_rejections, total.lookups) == (20, 2, 10)

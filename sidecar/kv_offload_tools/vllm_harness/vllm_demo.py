@@ -25,7 +25,7 @@ from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
 from kv_offload_testing import scrape
 from kv_offload_testing.engine_sim import trace_tokens
 from kv_offload_testing.local_pool import LocalPool, SidecarOverride
-from kv_offload_tools.pod_table import PodCounts, format_table
+from kv_offload_tools.pod_table import PodCounts, format_table, total_of
 
 from .deployment import VllmDeployment
 from .driver_client import EngineDriverProcess, close_all, metric_value, start_all
@@ -175,9 +175,7 @@ def format_vllm_report(reports: list[VllmPodReport]) -> str:
     head = ("pod", "requests", "prompt tokens", "vLLM cached", "of which p2p", "tier chunk hits",
             "sidecar local hits", "peer hits", "misses", "bytes moved", "rejections",
             "outputs differing", "metrics")
-    total = VllmPodReport("total", "")
-    for r in reports:
-        total.add(r)
+    total = total_of(reports, VllmPodReport)
     rows = [(r.name, str(r.requests), str(r.prompt_tokens), str(r.cached_tokens),
              str(r.p2p_tokens), str(r.tier_chunk_hits), str(r.local_hits), str(r.peer_hits),
              str(r.misses), f"{r.bytes_moved / 2**20:.1f} MiB", str(r.handshake_rejections),
