@@ -171,11 +171,20 @@ class FramedPeerDataClient(PeerDataClient):
             reader.cancel()
 
 
+class AnswerGivenUp(TimeoutError):
+    """``answer_or_silence`` stopped waiting; ``reason`` is "silence" (nothing heard from the peer
+    for the silence) or "deadline" (the wait's bound passed, the peer heard or not)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"no answer: {reason}")
+        self.reason = reason
+
+
 async def answer_or_silence(fut: asyncio.Future[Any], heard: Callable[[], float], silence: float,
                             within: float = float("inf")) -> Any:
-    """``fut``'s result, waited for while the peer is heard from: TimeoutError once nothing
-    came from it (``heard()``, the monotonic time of its last frame) for ``silence`` seconds
-    since this call or its last frame, or after ``within`` seconds at most. ``fut`` is not
+    """``fut``'s result, waited for while the peer is heard from: AnswerGivenUp (a TimeoutError)
+    once nothing came from it (``heard()``, the monotonic time of its last frame) for ``silence``
+    seconds since this call or its last frame, or after ``within`` seconds at most. ``fut`` is not
     cancelled. Before giving up the loop takes a turn, so a frame that arrived while this
     loop was busy is read first."""
     since = time.monotonic()
@@ -188,7 +197,7 @@ async def answer_or_silence(fut: asyncio.Future[Any], heard: Callable[[], float]
             await asyncio.sleep(0)
             now = time.monotonic()
             if not fut.done() and min(max(since, heard()) + silence, limit) <= now:
-                raise TimeoutError
+                raise AnswerGivenUp("deadline" if now >= limit else "silence")
         if fut.done():
             return fut.result()
         await asyncio.wait({fut}, timeout=max(0.0, end - now))

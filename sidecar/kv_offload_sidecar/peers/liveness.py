@@ -52,9 +52,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kv_offload_sidecar.data.peer_client import answer_or_silence
+from kv_offload_sidecar.data.peer_client import AnswerGivenUp, answer_or_silence
 
-__all__ = ["ANSWER_FLOOR_SECONDS", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "MEMBER_PROBE_SECONDS",
+__all__ = ["ANSWER_FLOOR_SECONDS", "AnswerGivenUp", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "MEMBER_PROBE_SECONDS",
            "MEMBER_PROBES_PER_SECOND", "probe_period",
            "OPEN_ROUND_TRIPS", "PROBE_TIMEOUT_SECONDS", "RoundTrips",
            "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat", "last_heard"]

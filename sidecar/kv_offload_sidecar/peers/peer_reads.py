@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
-from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, answer_or_silence, last_heard
+from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, AnswerGivenUp, answer_or_silence, last_heard
 from kv_offload_sidecar.peers.row_landings import LandingStore, RowLandings
 from kv_offload_sidecar.peers.directory.location_wire import HolderClaim
 
@@ -444,13 +444,11 @@ class PeerReads:
         if link is not None and link.data is None:  # its data link opens first: a few more round trips
             silence = min(deadline, OPEN_ROUND_TRIPS * silence)
         heard = (lambda: last_heard(link)) if link is not None else float
-        asked = time.monotonic()
         try:
             return await answer_or_silence(fut, heard, silence, deadline)
-        except TimeoutError:
-            silent = time.monotonic() - asked < deadline  # else its deadline passed, peer heard or not
-            self._metrics.peer_answers_given_up.labels(reason="silence" if silent else "deadline").inc()
-            if silent:  # its heartbeat decides whether it is lost
+        except AnswerGivenUp as gave_up:
+            self._metrics.peer_answers_given_up.labels(reason=gave_up.reason).inc()
+            if gave_up.reason == "silence":  # its heartbeat decides whether it is lost
                 log.info("peer %s silent for %.0f ms: a miss", identity, silence * 1e3)
             return default
 

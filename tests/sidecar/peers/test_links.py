@@ -3,14 +3,20 @@ all re-handshake a restarted peer at the same instants."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+
+import pytest
 
 from kv_offload_sidecar.peers.liveness import (
     ANSWER_FLOOR_SECONDS,
     HEAL_BACKOFF_MAX_SECONDS,
     MEMBER_PROBE_SECONDS,
     MEMBER_PROBES_PER_SECOND,
+    AnswerGivenUp,
     RoundTrips,
+    answer_or_silence,
     probe_period,
 )
 from kv_offload_sidecar.peers.links import backoff_cap, backoff_delay
@@ -49,6 +55,17 @@ def test_the_answer_silence_follows_the_measured_round_trips_between_the_floor_a
     for _ in range(5):
         rtt.observe(3.0)
     assert rtt.answer_silence(2.0) == 2.0  # never past the deadline
+
+
+def test_an_unanswered_wait_says_whether_the_peer_fell_silent_or_its_deadline_passed():
+    async def wait(heard, within: float) -> str:
+        never = asyncio.get_running_loop().create_future()
+        with pytest.raises(AnswerGivenUp) as gave_up:
+            await answer_or_silence(never, heard, silence=0.05, within=within)
+        return gave_up.value.reason
+
+    assert asyncio.run(wait(float, within=10.0)) == "silence"  # nothing heard since the call
+    assert asyncio.run(wait(time.monotonic, within=0.2)) == "deadline"  # heard all along
 
 
 def test_quiet_members_are_probed_within_a_rate_that_does_not_grow_with_the_pool():
