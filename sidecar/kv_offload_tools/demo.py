@@ -225,13 +225,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{report.requests} requests in {report.seconds:.1f} s; hit ratio "
           f"{total.hit_ratio:.3f}, of which peer hits {total.peer_hits}; "
           f"mismatched bytes {total.mismatched_bytes}")
-    if total.given_up_note():
-        print(total.given_up_note())
-    if total.mismatched_bytes:
-        print("kv-offload demo: FAILED: loaded chunks differ from the KV the engines compute",
-              file=sys.stderr)
-        return 1
-    return 0
+    return _verdict(total, "loaded chunks differ from the KV the engines compute"
+                    if total.mismatched_bytes else "")
 
 
 def _run_vllm(args: argparse.Namespace) -> int:
@@ -262,10 +257,16 @@ def _run_vllm(args: argparse.Namespace) -> int:
     print(f"\n{total.requests} requests; vLLM reported {total.cached_tokens} of "
           f"{total.prompt_tokens} prompt tokens cached, {total.p2p_tokens} of them from peers; "
           f"outputs differing from an engine without offloading: {total.differing_outputs}")
+    return _verdict(total, "an engine's output differs from one without offloading"
+                    if total.differing_outputs else "")
+
+
+def _verdict(total: PodCounts, failure: str) -> int:
+    """The demo's exit code: 1 with ``failure`` said on stderr, else 0; first the note on lookups
+    that gave up on a slow peer, if any did."""
     if total.given_up_note():
         print(total.given_up_note())
-    if total.differing_outputs:
-        print("kv-offload demo: FAILED: an engine's output differs from one without offloading",
-              file=sys.stderr)
+    if failure:
+        print(f"kv-offload demo: FAILED: {failure}", file=sys.stderr)
         return 1
     return 0
