@@ -4,6 +4,7 @@ Each plane's modules (and ``ucxx``, ``nixl_cu12``) are imported only when it is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data.address import check_tls_policy, parse_address
@@ -59,12 +60,17 @@ async def connect(
     metrics: SidecarMetrics | None = None,
     ssl: SSLContext | None = None,
     lanes: int = 1,
+    reached: Callable[[], None] | None = None,
     **options: Any,
 ) -> PeerDataClient:
     """Open an authenticated data connection to the peer at ``address``.
 
     ``lanes``: connections a fetch stripes its chunks over (``data.lanes``), on tcp and
     tls; UCX and NIXL move a fetch over one endpoint (their own progress threads and lanes).
+
+    ``reached``: called once the open has reached the holder's host: on tcp, tls and nixl when
+    the TCP connection is made (before TLS and the proof, which need the holder's process);
+    on UCX, whose endpoint makes no connection to wait for, at the start.
 
     ``ssl`` (``tls.client_context``): this pod requires TLS; only a ``tls://`` peer is
     accepted then, and only without it a ``tcp://`` or ``ucx://`` one. Raises
@@ -78,14 +84,17 @@ async def connect(
         from kv_offload_sidecar.data.tcp.client import TcpPeerDataClient
 
         return await open_lanes(lanes, lambda: TcpPeerDataClient.connect(
-            address, session_id, session_key, timeout=timeout, metrics=metrics, ssl=ssl, **options))
+            address, session_id, session_key, timeout=timeout, metrics=metrics, ssl=ssl,
+            reached=reached, **options))
     check_tls_policy(address, scheme, ssl)
     if scheme == "nixl":
         from kv_offload_sidecar.data.nixl.client import NixlPeerDataClient
 
         return await NixlPeerDataClient.connect(address, session_id, session_key, timeout=timeout,
-                                                metrics=metrics, **options)
+                                                metrics=metrics, reached=reached, **options)
     from kv_offload_sidecar.data.ucx.client import UcxPeerDataClient
 
+    if reached is not None:
+        reached()
     return await UcxPeerDataClient.connect(address, session_id, session_key,
                                            timeout=timeout, metrics=metrics, **options)

@@ -159,8 +159,15 @@ class DataLinks:
 
     async def _open_link(self, link: PeerLink, session: Session) -> Any:
         started = asyncio.get_running_loop().time()
+        link.open_reached = False
+        me = asyncio.current_task()
+
+        def reached() -> None:  # this open (not a later one) got through to the holder's host
+            if link.opening is me:
+                link.open_reached = True
+
         try:
-            data = await self.connect(session)
+            data = await self.connect(session, reached)
         except BaseException as exc:
             if link.opening is asyncio.current_task():
                 link.opening = None
@@ -187,15 +194,16 @@ class DataLinks:
 
         check_tls_policy(address, parse_address(address)[0], self._data_options().get("ssl"))
 
-    async def connect(self, session: Session) -> Any:
-        """A new data client for ``session`` (the lanes both offer), bounded by the handshake timeout."""
+    async def connect(self, session: Session, reached: Callable[[], None] | None = None) -> Any:
+        """A new data client for ``session`` (the lanes both offer), bounded by the handshake
+        timeout; ``reached()`` once it got through to the holder's host (``data.connect``)."""
         from kv_offload_sidecar.data import connect as data_connect
 
         s = self._settings
         lanes = lane_count(lanes_offered(s.data_plane.lanes), session.peer.data_lanes)
         data = await data_connect(session.peer.data_address, session.session_id, session.session_key,
                                   timeout=s.peers.handshake_timeout_seconds, metrics=self._metrics,
-                                  lanes=lanes, **self._data_options())
+                                  lanes=lanes, reached=reached, **self._data_options())
         self.opened += 1
         return data
 

@@ -1,25 +1,23 @@
 """Outbound peer sessions: handshake, membership, data links on demand, location calls, back-off.
 
-For every address discovery offers, one ``PeerLink`` task loops:
-handshake (``POST /v1/handshake``, both steps) -> the peer is a *member*
-(``Location.member_joined``: it owns its share of the directory; the session is key
-material, no socket is held) -> watch it: its data connection is opened on demand by the
-engine path and closed when idle (``data_links``: at most ``MAX_DATA_LINKS`` open); while
-one is open it is heartbeaten, and a closed data connection or a silent heartbeat ends the
-link (the liveness rules and their detection times are in ``liveness``); with or without
-one, a failure the engine path reports (an exchange, a data open, a location call) ends it
--> on any failure
-close, the peer leaves the membership (``member_left``) and the link backs off
-exponentially with full jitter (``backoff_delay``: a uniform draw below a cap that starts at
-``backoff_initial_seconds`` and doubles up to ``liveness.HEAL_BACKOFF_MAX_SECONDS`` for a lost
-or unreachable peer, ``backoff_max_seconds`` for a rejecting one, so the pool's pods do not
-all re-handshake a restarted peer at the same instants; a handshake from that peer cuts the
-wait short, ``wake``), except after a failure the engine path
-reports as not the peer's (this sidecar itself stalled, ``loop_stalls``): that link
-reconnects at once and its failure is not counted; a rejected handshake backs off
-the same way (the peer may be fixed by a rollout) and shows as state
-``rejected``. The other direction is the peer's own link to us (it dials us;
-inbound sessions live in sessions.py), so each pair handshakes both ways.
+For every address discovery offers, one ``PeerLink`` task loops: handshake
+(``POST /v1/handshake``, both steps) -> the peer is a *member* (``Location.member_joined``: it
+owns its share of the directory; the session is key material, no socket is held) -> watch it:
+its data connection is opened on demand by the engine path and closed when idle
+(``data_links``: at most ``MAX_DATA_LINKS`` open); while one is open it is heartbeaten, and a
+closed data connection or a silent heartbeat ends the link (the liveness rules and their
+detection times are in ``liveness``); with or without one, a failure the engine path reports
+(an exchange, a data open, a location call) ends it -> on any failure close, the peer leaves
+the membership (``member_left``) and the link backs off exponentially with full jitter
+(``backoff_delay``: a uniform draw below a cap that starts at ``backoff_initial_seconds`` and
+doubles up to ``liveness.HEAL_BACKOFF_MAX_SECONDS`` for a lost or unreachable peer,
+``backoff_max_seconds`` for a rejecting one, so the pool's pods do not all re-handshake a
+restarted peer at the same instants; a handshake from that peer cuts the wait short, ``wake``),
+except after a failure the engine path reports as not the peer's (this sidecar itself stalled,
+``loop_stalls``): that link reconnects at once and its failure is not counted; a rejected
+handshake backs off the same way (the peer may be fixed by a rollout) and shows as state
+``rejected``. The other direction is the peer's own link to us (it dials us; inbound sessions
+live in sessions.py), so each pair handshakes both ways.
 ``call`` sends one location message (``/v1/publish``, ``/v1/locate``) over a
 connected link's session, with the HMAC of its session key, on the bounded HTTP client of
 ``control_client`` (its connections close when idle); a call that fails to a member with no
@@ -126,8 +124,10 @@ class PeerLink:
     retry_now: bool = False
     # The peer's round trips, from the heartbeats (``liveness``).
     round_trips: RoundTrips = field(default_factory=RoundTrips)
-    # The open of the data connection in progress (``data_links``).
+    # The open of the data connection in progress (``data_links``), and whether it reached the
+    # holder's host (``data.connect``'s ``reached``; ``liveness.last_heard``).
     opening: asyncio.Task[Any] | None = None
+    open_reached: bool = False
     # Exchanges in flight on the data connection.
     busy: int = 0
     # monotonic time of the last exchange's start or end.

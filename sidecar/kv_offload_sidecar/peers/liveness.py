@@ -29,14 +29,16 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   (srtt + 4 x rttvar)) since it asked, bounded by the fetch deadline (the whole fetch deadline
   before the first sample). Giving up is a miss, not a failure: the exchange itself runs on
   to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
-  one late answer, decides that the peer is lost. While the peer's data link opens, the open's
-  own bound judges the peer instead (``last_heard``: the handshake timeout, and a failed open
-  reports it), then ``OPEN_ROUND_TRIPS`` answer silences for the answer: an open takes a few
-  round trips, each slower on a loaded host than a warm link's one, and a pod's first exchange
-  with a holder is the one that brings its first peer hit (a real-vLLM demo under a busy core
-  missed it in 4 runs of 5 when the open counted as silence). A request that touches a silently
-  cut peer before the heartbeat noticed pays about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small
-  round trip, or its own deadline when its data link must open first (until that open fails);
+  one late answer, decides that the peer is lost. While the peer's data link opens, a request
+  waits ``OPEN_ROUND_TRIPS`` answer silences, and once the open reached the holder's host (its
+  TCP connection made, ``data.connect``'s ``reached``; on UCX from the start) the open's own
+  bound judges the peer instead (``last_heard``: the handshake timeout, and a failed open
+  reports it): the proof's round trips need the holder's process, slower on a loaded host than
+  a warm link's one, and a pod's first exchange with a holder is the one that brings its first
+  peer hit (a real-vLLM demo under a busy core missed it in 4 runs of 5 when the open counted
+  as silence). A request that touches a silently cut peer before the heartbeat noticed pays
+  about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small round trip, ``OPEN_ROUND_TRIPS`` times that
+  when its data link must open first (over UCX, its own deadline until that open fails);
   after, none (the peer is no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
@@ -102,11 +104,13 @@ def backoff_cap(state: str, maximum: float) -> float:
 
 def last_heard(link: Any) -> float:
     """When the peer of ``link`` (a ``links.PeerLink``) was last heard on its data link, for
-    ``answer_or_silence``: now while that link opens (the open's own bound judges it), 0.0
-    while it has none."""
+    ``answer_or_silence``: now while that link opens past the point where it reached the
+    holder's host (its TCP connection made: the holder's process may be slow, and the open's
+    own bound judges it), 0.0 before that (a host cut off never gets there) and while it has
+    none."""
     if link.data is not None:
         return link.data.heard_at
-    return time.monotonic() if link.opening is not None else 0.0
+    return time.monotonic() if link.opening is not None and link.open_reached else 0.0
 
 
 class RoundTrips:

@@ -20,8 +20,9 @@ run beats the engine recomputing it; when not, the rest is a miss.
 
 A request waits for a peer's first answer (the owner's locate, a holder's count) only while
 that peer is heard from (``liveness``: it gives up after the peer's answer silence, about
-50 ms at a small round trip; while the holder's data link opens, the open's own bound, then
-``OPEN_ROUND_TRIPS`` silences; the exchange runs on to the fetch deadline in the background); the chunks
+50 ms at a small round trip; while the holder's data link opens, ``OPEN_ROUND_TRIPS`` of them,
+and the open's own bound once it reached the holder's host; the exchange runs on to the fetch
+deadline in the background); the chunks
 themselves get the fetch deadline. A holder's data connection is opened by its first
 exchange (``data_links``): a member without one is asked all the same.
 

@@ -99,6 +99,25 @@ async def test_keys_already_in_the_store_are_not_fetched_again(
         assert peer.metrics()["peer_bytes_sent"] - sent == CHUNK
 
 
+async def test_the_open_says_it_reached_the_holder_once_its_tcp_connection_is_made_before_the_proof(
+        start_peer: Callable[..., PeerProcess]) -> None:
+    # A holder whose process answers nothing (it accepts, the kernel does that, and stays
+    # silent) is reached all the same; the open then fails at its deadline.
+    silent = socket.create_server(("127.0.0.1", 0))
+    reached: list[str] = []
+    try:
+        with pytest.raises(TransportError, match="deadline"):
+            await connect(f"tcp://127.0.0.1:{silent.getsockname()[1]}", SESSION_ID, SESSION_KEY,
+                          timeout=0.3, reached=lambda: reached.append("silent"))
+    finally:
+        silent.close()
+    assert reached == ["silent"]
+    peer = start_peer("tcp", chunks=1, chunk_bytes=CHUNK)
+    async with session(peer.address, lanes=2, reached=lambda: reached.append("laned")) as client:
+        assert await client.lookup([key_of(0)], timeout=5) == 1
+    assert reached == ["silent", "laned", "laned", "laned"]  # the control connection and 2 lanes
+
+
 async def test_wrong_session_key_is_refused_before_any_chunk_byte(
         start_peer: Callable[..., PeerProcess]) -> None:
     peer = start_peer("tcp", chunks=4, chunk_bytes=CHUNK)

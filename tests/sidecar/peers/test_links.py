@@ -17,9 +17,10 @@ from kv_offload_sidecar.peers.liveness import (
     AnswerGivenUp,
     RoundTrips,
     answer_or_silence,
+    last_heard,
     probe_period,
 )
-from kv_offload_sidecar.peers.links import backoff_cap, backoff_delay
+from kv_offload_sidecar.peers.links import PeerLink, backoff_cap, backoff_delay
 
 
 def test_the_delay_is_drawn_between_zero_and_the_doubling_cap():
@@ -66,6 +67,22 @@ def test_an_unanswered_wait_says_whether_the_peer_fell_silent_or_its_deadline_pa
 
     assert asyncio.run(wait(float, within=10.0)) == "silence"  # nothing heard since the call
     assert asyncio.run(wait(time.monotonic, within=0.2)) == "deadline"  # heard all along
+
+
+def test_an_opening_data_link_counts_as_hearing_the_peer_only_once_it_reached_the_holders_host():
+    async def heard() -> list[float]:
+        link = PeerLink("10.0.0.2:5710")
+        seen = [last_heard(link)]  # no data link, none opening
+        link.opening = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
+        seen.append(last_heard(link))  # opening, its TCP connection not made (a host cut off)
+        link.open_reached = True
+        before = time.monotonic()
+        seen.append(last_heard(link) - before)  # reached: the open's own bound judges the peer
+        return seen
+
+    never, not_reached, reached = asyncio.run(heard())
+    assert never == 0.0 and not_reached == 0.0
+    assert reached >= 0.0
 
 
 def test_quiet_members_are_probed_within_a_rate_that_does_not_grow_with_the_pool():

@@ -1,19 +1,27 @@
 """Liveness across a silent partition (``peers.liveness``), with real sidecars in pod namespaces:
 an idle pod cut off is dropped with no request, within the heartbeat's stated time by a pod
 whose data link to it is open and within the probe's by one that holds none, a request
-that touches a cut pod waits only about the answer floor, a heal is seen within 5 s, and no
+that touches a cut pod waits only about the answer floor (a few of them when it must open a
+data link to it), a heal is seen within 5 s, and no
 half-open connection is left on either side."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+from kv_offload_sidecar.engine.client import EngineClient
+from kv_offload_sidecar.engine.pending_lookup import LookupReply
+from kv_offload_sidecar.metrics import ANSWER_GIVE_UP_REASONS
+from kv_offload_sidecar.peers.directory.location_wire import key_digest
+from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_sidecar.peers.liveness import (
     HEARTBEAT_SECONDS,
     LOST_AFTER_SECONDS,
     MEMBER_PROBE_SECONDS,
     PROBE_TIMEOUT_SECONDS,
 )
+from kv_offload_testing import scrape
 from kv_offload_tools.chaos.chunks import chunk_keys, store_chunks
 from kv_offload_tools.netns.pool import NetnsPool
 from kv_offload_tools.netns.probes import half_open
@@ -40,6 +48,41 @@ def _cut(pool: NetnsPool, pod: int) -> None:
     for other in range(pool.n):
         if other != pod:
             pool.net.partition(pod, other, one_way=False)
+
+
+def _peer_view(pool: NetnsPool, viewer: int, other: int) -> dict:
+    identity = pool[other].identity
+    return next(p for p in pool[viewer].peers() if p["identity"] == identity)
+
+
+def _lookup_with_pod_2_cut(pool: NetnsPool, reader: EngineClient, viewer: int, keys: list[bytes],
+                           timeout: float) -> tuple[LookupReply, float, bool]:
+    """``reader``'s (pod ``viewer``'s) lookup of ``keys`` just after pod-2 was cut off, the
+    seconds it took, and whether the viewer still counted pod-2 connected after it; healed after."""
+    try:
+        _cut(pool, 2)
+        started = time.monotonic()
+        hits = reader.lookup(keys, timeout=timeout)
+        took = time.monotonic() - started
+        return hits, took, _connected(pool, viewer, 2)
+    finally:
+        pool.net.heal()
+
+
+def _given_up(pool: NetnsPool, viewer: int) -> dict[str, int]:
+    """The viewer's lookups that stopped waiting for a peer's answer, by reason."""
+    samples = scrape.parse_metrics(pool[viewer].metrics_text())
+    return {reason: int(scrape.value(samples, "kv_offload_peer_answers_given_up_total", reason=reason))
+            for reason in ANSWER_GIVE_UP_REASONS}
+
+
+def _tag_owned(pool: NetnsPool, owned: Callable[[list[str]], bool]) -> str:
+    """A chunk_keys tag whose first key's owners (whom a lookup of them asks) satisfy ``owned``."""
+    table = OwnerTable(pool[0].identity)
+    for i in range(1, pool.n):
+        table.add(pool[i].identity)
+    return next(tag for tag in (f"owned-{n}" for n in range(10_000))
+                if owned(table.owners_of(key_digest(chunk_keys(tag, 1)[0]))))
 
 
 def _stored_on_pod_2_and_connected(pool: NetnsPool, tag: str, count: int) -> list[bytes]:
@@ -94,17 +137,38 @@ def test_a_lookup_that_touches_a_pod_just_cut_off_misses_after_the_answer_floor_
         with pool.client(2) as writer:
             assert store_chunks(writer, more, pool.chunk_bytes) == len(more)
         pool.wait_directory_current()
-        try:
-            _cut(pool, 2)
-            started = time.monotonic()
-            hits = reader.lookup(more, timeout=1.0)
-            took = time.monotonic() - started
-            before_the_heartbeat = _connected(pool, 0, 2)
-        finally:
-            pool.net.heal()
+        hits, took, before_the_heartbeat = _lookup_with_pod_2_cut(pool, reader, 0, more, 1.0)
     assert hits.hits == 0
     # The fetch deadline is 1.0 s here; the answer wait follows pod-2's round trips (a 50 ms floor).
     assert took < 0.3, f"the lookup waited {took * 1e3:.0f} ms"
     assert before_the_heartbeat, "the heartbeat noticed first: this run proves nothing"
     for viewer in (0, 1):
         wait_for("pod-2 back", lambda v=viewer: _connected(pool, v, 2), timeout=HEAL_SECONDS + 1.0)
+
+
+def test_a_lookup_that_must_open_a_data_link_to_a_pod_just_cut_off_misses_after_the_open_floor_not_the_deadline(
+        fresh_netns_pool: NetnsPool):
+    # pod-1 never exchanged data with pod-2, so the lookup opens that data link, and the cut
+    # drops its TCP connection attempt: the open never reaches pod-2's host, and the request
+    # waits only a few answer silences (pod-2's round trips, sampled from location calls)
+    # instead of its deadline or the open's 5 s handshake bound.
+    pool = fresh_netns_pool
+    pod_2 = pool[2].identity
+    held = chunk_keys(_tag_owned(pool, lambda owners: pod_2 not in owners), 4)
+    with pool.client(2) as writer:
+        assert store_chunks(writer, held, pool.chunk_bytes) == len(held)
+    pool.wait_directory_current()
+    asked_of_pod_2 = _tag_owned(pool, lambda owners: owners[0] == pod_2)
+    with pool.client(1) as reader:
+        for _ in range(5):  # nobody holds it: each lookup is one location call to pod-2
+            assert reader.lookup(chunk_keys(asked_of_pod_2, 1), timeout=3.0).hits == 0
+        assert wait_for("pod-1 measured pod-2's round trip",
+                        lambda: _peer_view(pool, 1, 2)["rtt_ms"] is not None)
+        assert not _data_open(pool, 1, 2)
+        hits, took, before_the_probe = _lookup_with_pod_2_cut(pool, reader, 1, held, 3.0)
+    assert hits.hits == 0
+    # Given up on pod-2's silence, not at the fetch deadline (1.0 s here) as when the whole
+    # open counted as hearing from it.
+    assert _given_up(pool, 1) == {"silence": 1, "deadline": 0}
+    assert took < 0.8, f"the lookup waited {took * 1e3:.0f} ms"
+    assert before_the_probe, "the probe noticed first: this run proves nothing"

@@ -108,9 +108,11 @@ class TcpPeerDataClient(FramedPeerDataClient):
                       timeout: float, metrics: SidecarMetrics | None = None,
                       window: int = DEFAULT_WINDOW,
                       socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
-                      ssl: SSLContext | None = None) -> TcpPeerDataClient:
+                      ssl: SSLContext | None = None,
+                      reached: Callable[[], None] | None = None) -> TcpPeerDataClient:
         """Connect to ``tcp://host:port`` (``tls://`` with ``ssl``) and authenticate;
-        TransportError on failure, and when the address and ``ssl`` disagree."""
+        TransportError on failure, and when the address and ``ssl`` disagree. ``reached()``
+        is called once the TCP connection is made, before TLS and the proof."""
         scheme, rest = parse_address(address)
         check_tls_policy(address, scheme, ssl)
         host, port = split_host_port(rest)
@@ -125,6 +127,8 @@ class TcpPeerDataClient(FramedPeerDataClient):
                 try:
                     tune_socket(sock, socket_buffer_bytes)
                     await loop.sock_connect(sock, sockaddr)
+                    if reached is not None:
+                        reached()
                     if ssl is None:
                         stream = SocketStream(sock)
                     else:
