@@ -61,6 +61,7 @@ import pytest
 from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS, ROW_COPY_GRACE_SECONDS
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED
 from kv_offload_testing.local_pool import LocalPool, example_config
+from frozen import freeze
 from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 from waiting import wait_for
 
@@ -494,7 +495,7 @@ def test_e_reset_cache_while_promotion_stalled(env: Env):
     # promotion's load alone: a fetch frozen mid-way would end past its deadline when the
     # sidecar resumes, and B's sidecar would back the holder off (a MISS until it reconnects).
     wait_fetched(env, keys)
-    os.kill(sc.proc.pid, signal.SIGSTOP)
+    freeze(sc.proc.pid)
     try:
         step = env.b.end_step()  # submits the promotion: its load now waits on a frozen sidecar
         wait_for("B's tier to start the promotion's load (on its stopped sidecar)",
@@ -538,7 +539,7 @@ def test_e_a_load_the_tier_gives_up_on_holds_its_rows_until_no_byte_can_land(env
     wait_for("B's sidecar to hold the chunks its lookup fetched, with no fetch in flight",
              lambda: sc.held([bytes.fromhex(k) for k in keys])[0] == N_KEYS
              and sc.status()["peer_fetches_in_flight"] == 0)
-    os.kill(sc.proc.pid, signal.SIGSTOP)
+    freeze(sc.proc.pid)
     try:
         env.b.end_step()  # submits the promotion: its load waits on the stopped sidecar
         wait_for("B's tier to start the promotion's load", lambda: transfers(env.b)["started"] == 1)
