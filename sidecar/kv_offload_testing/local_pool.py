@@ -48,6 +48,8 @@ from kv_offload_sidecar.engine.contract.offloading_config import (
     OffloadingParallelConfig,
 )
 from kv_offload_sidecar.commands.sidecar import process_alive
+from kv_offload_sidecar.peers.directory.location_wire import key_digest
+from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_sidecar.peers.handshake import HelloMessage, make_hello
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED, effective_hash_seed
 
@@ -435,6 +437,14 @@ class LocalPool:
     def members(self) -> list[SidecarProcess]:
         """Running sidecars of the full mesh (the ones that should connect to each other)."""
         return [s for s in self.sidecars if s.expect_connect and s.alive()]
+
+    def owners_of(self, key: bytes) -> list[str]:
+        """The identities that keep ``key``'s location, best first (whom a lookup asks), as
+        every member computes them while all the members see each other."""
+        table = OwnerTable(self.members()[0].identity)
+        for sc in self.members()[1:]:
+            table.add(sc.identity)
+        return table.owners_of(key_digest(key))
 
     def wait_connected(self, timeout: float = 60.0) -> None:
         """Until every member has a connected session with every other member."""

@@ -24,8 +24,6 @@ from kv_offload_sidecar.peers.handshake import (
     make_hello,
     transcript,
 )
-from kv_offload_sidecar.peers.directory.location_wire import key_digest
-from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_testing.local_pool import LocalPool, SidecarOverride, example_config
 from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 from sidecar_support import new_keys, read_chunks, write_chunks
@@ -33,14 +31,6 @@ from waiting import SAFETY_SECONDS, wait_for
 
 CHUNK = example_config().kv_bytes_per_chunk
 HANDSHAKES = "kv_offload_handshakes_total"
-
-
-def owner_of(pool: LocalPool, key: bytes, asker: int) -> str:
-    """The member that keeps ``key``'s location, as sidecar ``asker`` sees the pool."""
-    table = OwnerTable(pool[asker].identity)
-    for sc in pool.members():
-        table.add(sc.identity)
-    return table.owner_of(key_digest(key))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +56,7 @@ def test_chunks_stored_through_a_are_fetched_by_c_byte_identical(transport, lane
         # to the key's directory owner (none when that is C itself) and one exchange with the
         # holder, whatever the number of peers.
         assert pool[2].metric("kv_offload_store_chunks") == 0
-        owner_is_remote = owner_of(pool, keys[0], asker=2) != pool[2].identity
+        owner_is_remote = pool.owners_of(keys[0])[0] != pool[2].identity
         assert pool[2].metric("kv_offload_lookup_messages_total") - messages_before == 1 + owner_is_remote
         assert pool[2].metric("kv_offload_peer_bytes_total", direction="received") == 8 * CHUNK
         # The holder counts a chunk when its send completes, which it may learn just after the
@@ -335,7 +325,7 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
         a, b = pool.client(0), pool.client(1)
         # Keys whose location B keeps itself: locating them does not ask the stopped holder.
         landed, stalled = new_keys(4), [k for k in new_keys(64)
-                                        if owner_of(pool, k, asker=1) == pool[1].identity][:4]
+                                        if pool.owners_of(k)[0] == pool[1].identity][:4]
         write_chunks(a, landed + stalled)
         pool.wait_directory_current()
         assert b.lookup(landed) == LookupReply(0, 4)  # the count; the chunks follow
@@ -378,7 +368,7 @@ def test_a_holder_slow_to_let_the_first_data_link_open_still_answers_the_lookup_
     with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as pool:
         a, b = pool.client(0), pool.client(1)
         # Keys whose location B keeps itself: locating them does not ask the stopped holder.
-        keys = [k for k in new_keys(64) if owner_of(pool, k, asker=1) == pool[1].identity][:4]
+        keys = [k for k in new_keys(64) if pool.owners_of(k)[0] == pool[1].identity][:4]
         write_chunks(a, keys)
         pool.wait_directory_current()
         assert not any(p["data_open"] for p in pool[1].peers())  # the first exchange opens it
@@ -404,7 +394,7 @@ def test_a_fetch_that_missed_its_deadline_while_the_fetcher_itself_was_stopped_d
     with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=deadline) as pool:
         a, b = pool.client(0), pool.client(1)
         # Keys whose location B keeps itself: B's only message is the exchange with the holder.
-        keys = [k for k in new_keys(64) if owner_of(pool, k, asker=1) == pool[1].identity]
+        keys = [k for k in new_keys(64) if pool.owners_of(k)[0] == pool[1].identity]
         warm, stalled, later = keys[:2], keys[2:6], keys[6:10]
         write_chunks(a, warm + stalled + later)
         pool.wait_directory_current()

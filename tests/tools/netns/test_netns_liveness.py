@@ -13,8 +13,6 @@ from collections.abc import Callable
 from kv_offload_sidecar.engine.client import EngineClient
 from kv_offload_sidecar.engine.pending_lookup import LookupReply
 from kv_offload_sidecar.metrics import ANSWER_GIVE_UP_REASONS
-from kv_offload_sidecar.peers.directory.location_wire import key_digest
-from kv_offload_sidecar.peers.directory.ownership import OwnerTable
 from kv_offload_sidecar.peers.liveness import (
     HEARTBEAT_SECONDS,
     LOST_AFTER_SECONDS,
@@ -78,11 +76,8 @@ def _given_up(pool: NetnsPool, viewer: int) -> dict[str, int]:
 
 def _tag_owned(pool: NetnsPool, owned: Callable[[list[str]], bool]) -> str:
     """A chunk_keys tag whose first key's owners (whom a lookup of them asks) satisfy ``owned``."""
-    table = OwnerTable(pool[0].identity)
-    for i in range(1, pool.n):
-        table.add(pool[i].identity)
     return next(tag for tag in (f"owned-{n}" for n in range(10_000))
-                if owned(table.owners_of(key_digest(chunk_keys(tag, 1)[0]))))
+                if owned(pool.owners_of(chunk_keys(tag, 1)[0])))
 
 
 def _stored_on_pod_2_and_connected(pool: NetnsPool, tag: str, count: int) -> list[bytes]:
