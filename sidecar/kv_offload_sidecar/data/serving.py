@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import Authorize, DataPlaneServer, StoreLike, auth_proof
-from kv_offload_sidecar.data.before_auth import CountsStrangers, StrangerLimit, refuse
+from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, CountsStrangers, StrangerLimit, refuse
 from kv_offload_sidecar.rejections import RejectionLog, clip
 from kv_offload_sidecar.settings import MAX_DATA_LANES
 
@@ -169,9 +169,9 @@ class SessionServer(CountsStrangers, DataPlaneServer):
     how a source appears in log lines (``_log_source``)."""
 
     def __init__(self, store: StoreLike, authorize: Authorize, metrics: SidecarMetrics | None, *,
-                 chunk_bytes: int, auth_timeout: float, send_timeout: float,
-                 rejections: RejectionLog | None, connections_per_session: int,
-                 logger: logging.Logger) -> None:
+                 chunk_bytes: int, logger: logging.Logger, auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
+                 send_timeout: float = DEFAULT_SEND_TIMEOUT, rejections: RejectionLog | None = None,
+                 connections_per_session: int = DEFAULT_CONNECTIONS_PER_SESSION) -> None:
         super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
                          auth_timeout=auth_timeout, send_timeout=send_timeout)
         # Authenticated connections by session: bounded, swept for ended sessions and silence.

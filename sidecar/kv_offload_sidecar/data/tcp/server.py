@@ -31,17 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import Authorize, StoreLike
-from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, Place, spread
-from kv_offload_sidecar.data.serving import (
-    DEFAULT_CONNECTIONS_PER_SESSION,
-    DEFAULT_SEND_TIMEOUT,
-    SessionServer,
-    check_auth,
-    describe,
-    end_tasks,
-    make_nonce,
-    wait_until_idle,
-)
+from kv_offload_sidecar.data.before_auth import Place, spread
+from kv_offload_sidecar.data.serving import SessionServer, check_auth, describe, end_tasks, make_nonce, wait_until_idle
 from kv_offload_sidecar.data.tcp.lookup_thread import Frame, LookupThread
 from kv_offload_sidecar.data.tcp.sockets import (
     SOCKET_BUFFER_BYTES,
@@ -51,7 +42,6 @@ from kv_offload_sidecar.data.tcp.sockets import (
     tune_socket,
 )
 from kv_offload_sidecar.data.tcp.tls_stream import open_tls
-from kv_offload_sidecar.rejections import RejectionLog
 
 if TYPE_CHECKING:
     from ssl import SSLContext
@@ -120,26 +110,12 @@ class _ConnState:
 class TcpDataPlaneServer(SessionServer):
     """Serves chunks from ``store`` to authenticated peers over TCP (TLS with ``ssl``)."""
 
-    def __init__(
-        self,
-        store: StoreLike,
-        authorize: Authorize,
-        metrics: SidecarMetrics | None,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        chunk_bytes: int,
-        advertise_host: str | None = None,
-        auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
-        send_timeout: float = DEFAULT_SEND_TIMEOUT,
-        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
-        ssl: SSLContext | None = None,
-        rejections: RejectionLog | None = None,
-        connections_per_session: int = DEFAULT_CONNECTIONS_PER_SESSION,
-    ) -> None:
-        super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
-                         auth_timeout=auth_timeout, send_timeout=send_timeout, rejections=rejections,
-                         connections_per_session=connections_per_session, logger=log)
+    def __init__(self, store: StoreLike, authorize: Authorize, metrics: SidecarMetrics | None, *,
+                 host: str = "127.0.0.1", port: int = 0, chunk_bytes: int, advertise_host: str | None = None,
+                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, ssl: SSLContext | None = None,
+                 **session: Any) -> None:
+        """``session``: ``SessionServer``'s bounds (timeouts, connections per session, rejections)."""
+        super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes, logger=log, **session)
         self._host = host
         self._port = port
         self._advertise_host = advertise_host

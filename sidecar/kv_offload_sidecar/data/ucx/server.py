@@ -31,17 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from kv_offload_sidecar.data import protocol as proto
 from kv_offload_sidecar.data.base import Authorize, StoreLike, TransportError
-from kv_offload_sidecar.data.before_auth import DEFAULT_AUTH_TIMEOUT, Place
-from kv_offload_sidecar.data.serving import (
-    DEFAULT_CONNECTIONS_PER_SESSION,
-    DEFAULT_SEND_TIMEOUT,
-    SessionServer,
-    check_auth,
-    describe,
-    end_tasks,
-    make_nonce,
-    wait_until_idle,
-)
+from kv_offload_sidecar.data.before_auth import Place
+from kv_offload_sidecar.data.serving import SessionServer, check_auth, describe, end_tasks, make_nonce, wait_until_idle
 from kv_offload_sidecar.data.ucx.frames import (
     ATTACH_BUFFER_BYTES,
     ATTACH_TAG,
@@ -62,7 +53,6 @@ from kv_offload_sidecar.data.ucx.runtime import (
     register_server,
     unregister_server,
 )
-from kv_offload_sidecar.rejections import RejectionLog
 
 if TYPE_CHECKING:
     from kv_offload_sidecar.metrics import SidecarMetrics
@@ -91,26 +81,13 @@ def session_source(session_id: bytes) -> str:
 class UcxDataPlaneServer(SessionServer):
     """Serves chunks from ``store`` over UCX tag messages (one per process)."""
 
-    def __init__(
-        self,
-        store: StoreLike,
-        authorize: Authorize,
-        metrics: SidecarMetrics | None,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        chunk_bytes: int,
-        auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
-        send_timeout: float = DEFAULT_SEND_TIMEOUT,
-        rejections: RejectionLog | None = None,
-        connections_per_session: int = DEFAULT_CONNECTIONS_PER_SESSION,
-    ) -> None:
+    def __init__(self, store: StoreLike, authorize: Authorize, metrics: SidecarMetrics | None, *,
+                 host: str = "127.0.0.1", port: int = 0, chunk_bytes: int, **session: Any) -> None:
+        """``session``: ``SessionServer``'s bounds (timeouts, connections per session, rejections)."""
         del host, port  # UCX endpoints come from worker addresses, not a port
         # Strangers (``_limit``) are the connections attached but not yet through the nonce
         # challenge, per session and in all.
-        super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes,
-                         auth_timeout=auth_timeout, send_timeout=send_timeout, rejections=rejections,
-                         connections_per_session=connections_per_session, logger=log)
+        super().__init__(store, authorize, metrics, chunk_bytes=chunk_bytes, logger=log, **session)
         self._conns: dict[int, asyncio.Task[None]] = {}
         self._connections: dict[int, _ServerConnection] = {}
 
