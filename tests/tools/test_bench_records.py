@@ -349,12 +349,45 @@ def test_bench_netns_shows_the_capped_holders_halves_and_each_churn_round():
                                     "decisions": {"fetch": 8, "recompute": 86}, "max_link_failures": 7}},
               "churn": {"rounds": [{"round": 1, "departed_links_left": 0, "seconds_until_links_live": 4.02,
                                     "seconds_until_departed_forgotten": None, "seconds_until_rejoined": 5.49,
-                                    "shared": [4, 4], "fds": {"a": 16, "b": 16}, "rss_mib": {"a": 103.1, "b": 103.0}}]}}
+                                    "shared": [4, 0], "fds": {"a": 16, "b": 16}, "rss_mib": {"a": 103.1, "b": 103.0}}]}}
     capped, churn = convert("netns", report)["tables"]
     assert capped["rows"] == [["priced", "first", "55", "3.7", "476.7", "0", "8 / 86", "7"],
                               ["priced", "second", "55", "3.7", "-", "0", "", ""]]
-    assert churn["rows"] == [["1", "0", "4.02 s", "-", "5.49 s", "4/4", "16, 16", "103.1, 103.0"]]
+    assert churn["rows"] == [["1", "0", "4.02 s", "-", "5.49 s", "4 read, 0 wrong", "16, 16", "103.1, 103.0"]]
     assert convert("netns", {"pods": 4})["tables"] == []  # scenarios not run: no table
+
+
+def test_bench_netns_shows_the_isolated_pods_requests_what_the_pool_noticed_and_each_asymmetric_reader():
+    def window(requests, ratio, p50, p99):
+        return {"requests": requests, "hit_ratio": ratio, "wrong": 0, "p50_ms": p50, "p99_ms": p99}
+    kind = {"before": window(40, 1.0, 3.9, 9.7), "during": window(100, 0.0, 1.4, 104.6),
+            "after": window(101, 0.901, 4.1, 12.3), "added": {"p50_ms": -2.5, "p99_ms": 94.9}}
+    report = {
+        "isolate": {"victim": "pod-3", "victims_chunks": kind, "victims_reads": kind, "others": kind,
+                    "timeline_s": {"cut_to_all_drop_it": 0.98, "stalled_requests": 0,
+                                   "heal_to_all_connected": 1.3, "heal_to_first_whole_hit": None},
+                    "half_open": {"end_of_cut": 3, "reconnected": 0, "end": 0}},
+        "reconverged": "yes", "reconverged_after_idle": "no entries for pod-3",
+        "idle": {"seconds": 15.0, "cut_to_all_drop_it": 0.95, "lookup_after_ms": 0.5},
+        "asymmetric": {"readers": {"pod-0": {"before": window(13, 1.0, 3.9, 12.6),
+                                             "during": window(33, 0.67, 4, 61.2)}},
+                       "members_seen": {"pod-0": 3}, "unreachable_peers": {"pod-0": 1.0},
+                       "connected_views": {"pod-0": ["pod-2", "pod-3"]}},
+    }
+    shown = convert("netns", report)
+    requests, noticed, readers = shown["tables"]
+    assert requests["rows"][:4] == [["for pod-3's chunks", "before", "40", "1.00", "3.9", "9.7"],
+                                    ["for pod-3's chunks", "during", "100", "0.00", "1.4", "104.6"],
+                                    ["for pod-3's chunks", "after", "101", "0.90", "4.1", "12.3"],
+                                    ["for pod-3's chunks", "added", "", "", "-2.5", "+94.9"]]
+    assert [r[0] for r in requests["rows"][4::4]] == ["pod-3's own reads", "everyone else's"]
+    assert dict(noticed["rows"])["heal -> everyone connected / first whole hit (target <= 5 s)"] == "1.30 s / -"
+    assert dict(noticed["rows"])["chunk directory current again after the heal / after the idle cut"] == (
+        "yes / no entries for pod-3")
+    assert readers["rows"] == [["pod-0", "1.00", "0.67", "61.2", "3", "1", "pod-2, pod-3"]]
+    assert shown["figures"] == {"added_p99_ms": "+94.9 ms", "stalled_requests": "0", "cut_to_all_drop_it": "0.98 s",
+                                "idle_noticed": "0.95 s", "idle_lookup_ms": "0.5 ms", "heal_to_all_connected": "1.30 s"}
+    assert convert("netns", {"pods": 4})["figures"] == {}  # isolate not run: not measured
 
 
 def test_bench_chaos_shows_a_fault_run_or_a_fuzz_run_and_names_its_invariants():
