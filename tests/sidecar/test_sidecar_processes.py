@@ -361,11 +361,14 @@ def test_a_lookups_fetch_shows_in_flight_until_its_exchange_ends():
 SLOW_OPEN_SECONDS = 1.0
 
 
-def test_a_holder_slow_to_let_the_first_data_link_open_still_answers_the_lookup_with_a_hit():
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_a_holder_slow_to_let_the_first_data_link_open_still_answers_the_lookup_with_a_hit(transport: str):
     # A loaded host: the holder cannot run while B opens its first data link to it. The open's
     # own bound (the handshake timeout) judges the holder then, not the answer silence, so
-    # B's lookup waits for the count and hits instead of giving up after 4 silences.
-    with LocalPool(2, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as pool:
+    # B's lookup waits for the count and hits instead of giving up after 4 silences. Its
+    # kernel still accepts connections: tcp's own, and the one a UCX open dials to its
+    # control port to learn that it reached the host.
+    with LocalPool(2, transport=transport, capacity_bytes=256 * CHUNK, fetch_deadline_seconds=3.0) as pool:
         a, b = pool.client(0), pool.client(1)
         # Keys whose location B keeps itself: locating them does not ask the stopped holder.
         keys = [k for k in new_keys(64) if pool.owners_of(k)[0] == pool[1].identity][:4]

@@ -4,6 +4,7 @@ Each plane's modules (and ``ucxx``, ``nixl_cu12``) are imported only when it is 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ async def connect(
     ssl: SSLContext | None = None,
     lanes: int = 1,
     reached: Callable[[], None] | None = None,
+    reach: str | None = None,
     **options: Any,
 ) -> PeerDataClient:
     """Open an authenticated data connection to the peer at ``address``.
@@ -69,8 +71,11 @@ async def connect(
     tls; UCX and NIXL move a fetch over one endpoint (their own progress threads and lanes).
 
     ``reached``: called once the open has reached the holder's host: on tcp, tls and nixl when
-    the TCP connection is made (before TLS and the proof, which need the holder's process);
-    on UCX, whose endpoint makes no connection to wait for, at the start.
+    the TCP connection is made (before TLS and the proof, which need the holder's process).
+    A UCX endpoint makes no connection to wait for: there ``reach``, another ``host:port`` of
+    the holder's (its control port, whose kernel accepts while the process is slow), is
+    dialled beside the open, and ``reached`` called once that TCP connection is made or
+    refused (the host answered); without ``reach``, at the start.
 
     ``ssl`` (``tls.client_context``): this pod requires TLS; only a ``tls://`` peer is
     accepted then, and only without it a ``tcp://`` or ``ucx://`` one. Raises
@@ -94,7 +99,31 @@ async def connect(
                                                 metrics=metrics, reached=reached, **options)
     from kv_offload_sidecar.data.ucx.client import UcxPeerDataClient
 
-    if reached is not None:
+    probe = None
+    if reached is not None and reach is None:
         reached()
-    return await UcxPeerDataClient.connect(address, session_id, session_key,
-                                           timeout=timeout, metrics=metrics, **options)
+    elif reached is not None:
+        probe = asyncio.create_task(dial_to_reach(reach, reached, timeout), name=f"reach {reach}")
+    try:
+        return await UcxPeerDataClient.connect(address, session_id, session_key,
+                                               timeout=timeout, metrics=metrics, **options)
+    finally:
+        if probe is not None:
+            probe.cancel()
+
+
+async def dial_to_reach(address: str, reached: Callable[[], None], timeout: float) -> None:
+    """``reached()`` once a TCP connection to ``address`` is made or refused within
+    ``timeout`` (the host answered either way); nothing is sent on it."""
+    from kv_offload_sidecar.data.tcp.sockets import split_host_port
+
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(*split_host_port(address))
+    except ConnectionRefusedError:
+        reached()
+        return
+    except (OSError, TimeoutError, ValueError):
+        return  # unreachable, no answer or no host:port: the open's own bound decides
+    reached()
+    writer.close()

@@ -203,7 +203,8 @@ class DataLinks:
         lanes = lane_count(lanes_offered(s.data_plane.lanes), session.peer.data_lanes)
         data = await data_connect(session.peer.data_address, session.session_id, session.session_key,
                                   timeout=s.peers.handshake_timeout_seconds, metrics=self._metrics,
-                                  lanes=lanes, reached=reached, **self._data_options())
+                                  lanes=lanes, reached=reached, reach=session.peer.control_address,
+                                  **self._data_options())
         self.opened += 1
         return data
 

@@ -31,15 +31,15 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
   one late answer, decides that the peer is lost. While the peer's data link opens, a request
   waits ``OPEN_ROUND_TRIPS`` answer silences, and once the open reached the holder's host (its
-  TCP connection made, ``data.connect``'s ``reached``; on UCX from the start) the open's own
+  TCP connection made, ``data.connect``'s ``reached``; on UCX, whose endpoint makes none, the
+  one it dials beside to the holder's control port) the open's own
   bound judges the peer instead (``last_heard``: the handshake timeout, and a failed open
   reports it): the proof's round trips need the holder's process, slower on a loaded host than
   a warm link's one, and a pod's first exchange with a holder is the one that brings its first
   peer hit (a real-vLLM demo under a busy core missed it in 4 runs of 5 when the open counted
   as silence). A request that touches a silently cut peer before the heartbeat noticed pays
   about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small round trip, ``OPEN_ROUND_TRIPS`` times that
-  when its data link must open first (over UCX, its own deadline until that open fails);
-  after, none (the peer is no member and no holder).
+  when its data link must open first; after, none (the peer is no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
   ``PeerSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait

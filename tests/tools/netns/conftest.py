@@ -42,8 +42,8 @@ def clean_net(net: PodNetwork) -> Iterator[PodNetwork]:
             net.uncap(pod)
 
 
-def _three_pods() -> Iterator[NetnsPool]:
-    pool = NetnsPool(3, fetch_deadline_seconds=1.0).start()
+def _three_pods(transport: str = "tcp") -> Iterator[NetnsPool]:
+    pool = NetnsPool(3, fetch_deadline_seconds=1.0, transport=transport).start()
     try:
         yield pool
     finally:
@@ -62,3 +62,10 @@ def fresh_netns_pool(netns_permitted: None) -> Iterator[NetnsPool]:
     has not been cut (the directory's reconvergence after a heal under a loaded host is
     issue 48's open part; these tests are about liveness)."""
     yield from _three_pods()
+
+
+@pytest.fixture(params=["tcp", "ucx"])
+def fresh_netns_pool_each_plane(request: pytest.FixtureRequest, netns_permitted: None) -> Iterator[NetnsPool]:
+    """``fresh_netns_pool`` once with each data plane whose open tells differently whether it
+    reached the holder's host: tcp by its own connection, ucx by dialling the control port."""
+    yield from _three_pods(request.param)

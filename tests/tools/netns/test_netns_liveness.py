@@ -142,12 +142,13 @@ def test_a_lookup_that_touches_a_pod_just_cut_off_misses_after_the_answer_floor_
 
 
 def test_a_lookup_that_must_open_a_data_link_to_a_pod_just_cut_off_misses_after_the_open_floor_not_the_deadline(
-        fresh_netns_pool: NetnsPool):
+        fresh_netns_pool_each_plane: NetnsPool):
     # pod-1 never exchanged data with pod-2, so the lookup opens that data link, and the cut
-    # drops its TCP connection attempt: the open never reaches pod-2's host, and the request
-    # waits only a few answer silences (pod-2's round trips, sampled from location calls)
-    # instead of its deadline or the open's 5 s handshake bound.
-    pool = fresh_netns_pool
+    # drops its TCP connection attempt (tcp: the data connection; ucx: the one to pod-2's
+    # control port dialled beside the endpoint): the open never reaches pod-2's host, and the
+    # request waits only a few answer silences (pod-2's round trips, sampled from location
+    # calls) instead of its deadline or the open's 5 s handshake bound.
+    pool = fresh_netns_pool_each_plane
     pod_2 = pool[2].identity
     held = chunk_keys(_tag_owned(pool, lambda owners: pod_2 not in owners), 4)
     with pool.client(2) as writer:
