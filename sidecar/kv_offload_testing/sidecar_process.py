@@ -20,6 +20,7 @@ from typing import Any
 from kv_offload_sidecar.engine.client import EngineClient
 from kv_offload_sidecar.engine.contract.model_identity import ModelIdentity
 
+from kv_offload_testing.frozen import freeze
 from kv_offload_testing.http_client import http_json, http_text
 from kv_offload_testing.scrape import Samples, parse_metrics, value
 
@@ -106,6 +107,11 @@ class SidecarProcess:
         """Send ``sig`` (SIGSTOP, SIGCONT, a SIGKILL left unreaped, ...) if it runs."""
         if self.proc is not None:
             self.proc.send_signal(sig)
+
+    def freeze(self) -> None:
+        """SIGSTOP, returning once every thread has stopped (``frozen.freeze``), if it runs."""
+        if self.proc is not None:
+            freeze(self.proc.pid)
 
     def kill(self) -> None:
         """SIGKILL, no cleanup (a crash), and reap."""

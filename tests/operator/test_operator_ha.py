@@ -18,7 +18,7 @@ from typing import Any
 
 import kmock
 import pytest
-from frozen import freeze
+from kv_offload_testing.frozen import freeze
 from kv_offload_operator.rbac import operator_rbac
 from metrics_support import value, wait_for_metrics
 from operator_harness import LLAMA_ARGS, NAMESPACE, PEERINGS, POOLS, POOLS_URL, create, emulate_cluster

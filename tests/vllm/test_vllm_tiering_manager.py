@@ -61,7 +61,7 @@ import pytest
 from kv_offload_sidecar.engine.client import REPLY_GRACE_SECONDS, ROW_COPY_GRACE_SECONDS
 from kv_offload_sidecar.settings import DEFAULT_HASH_SEED
 from kv_offload_testing.local_pool import LocalPool, example_config
-from frozen import freeze
+from kv_offload_testing.frozen import freeze
 from kv_offload_testing.sidecar_process import STAND_IN_IDENTITY
 from waiting import wait_for
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
-from frozen import freeze
+from kv_offload_testing.frozen import freeze
 from kv_offload_sidecar.data import TransportError, make_server
 from kv_offload_sidecar.data import serving
 from kv_offload_sidecar.data.base import PeerBusy

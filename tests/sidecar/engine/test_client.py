@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from frozen import freeze
+from kv_offload_testing.frozen import freeze
 from kv_offload_sidecar.engine.client import (
     EngineClient,
     LookupReply,

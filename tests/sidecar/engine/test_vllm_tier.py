@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from frozen import freeze
+from kv_offload_testing.frozen import freeze
 from kv_offload_sidecar.engine.sidecar_link import sidecar_address
 from kv_offload_sidecar.engine.tier_stats import HIT_STEPS_TARGET
 from kv_offload_sidecar.engine.vllm_contract import (

@@ -96,7 +96,7 @@ def sigstop_past_deadline(bench: ChaosBench, rounds: int) -> FaultResult:
     hub = bench.engines["hub"]
     for r, name, keys in bench.staged_rounds(rounds, result):
         sc = bench.pool[name]
-        sc.send(signal.SIGSTOP)
+        sc.freeze()  # every thread stopped: none answers the load below
         result.injected += 1
         result.in_flight += 1
         late, failed = hub.timeouts, hub.errors
