@@ -357,6 +357,24 @@ def test_bench_netns_shows_the_capped_holders_halves_and_each_churn_round():
     assert convert("netns", {"pods": 4})["tables"] == []  # scenarios not run: no table
 
 
+def test_bench_netns_says_what_the_reused_resolver_and_domain_scenarios_showed_one_row_each():
+    report = {"reused": {"member_refusals": {"pod-0": {"bad_proof": 0.0, "other_pool": 4.0}},
+                         "other": "other-2-3", "other_pool_sidecar_refusals": {"bad_proof": 1.0, "other_pool": 7.0},
+                         "seconds_from_unlisted_to_forgotten": 4.216},
+              "resolver": {"seconds": 15.0, "seconds_until_all_failed": 9.93, "connected_before": 6,
+                           "connected_during": 5, "shared_during": [4, 0]},
+              "domain": {"name": "kvo.ns.svc", "resolved": "kvo.ns.svc.cluster.example", "shared": [3, 1]}}
+    (others,) = convert("netns", report)["tables"]
+    assert [row[1] for row in others["rows"]] == [
+        "refusals pod-0 other_pool 4, bad_proof 0; other-2-3 other_pool 7, bad_proof 1; no member links to it "
+        "4.22 s after the name stopped listing it",
+        "all failed within 9.93 s; connected links 6 before, 5 during; a share meanwhile 4 read, 0 wrong",
+        "resolved as kvo.ns.svc.cluster.example; a share 3 read, 1 wrong"]
+    assert convert("netns", {"domain": report["domain"]})["tables"][0]["rows"] == [
+        ["domain: pods of another cluster domain, found by kvo.ns.svc",
+         "resolved as kvo.ns.svc.cluster.example; a share 3 read, 1 wrong"]]
+
+
 def test_bench_netns_shows_the_isolated_pods_requests_what_the_pool_noticed_and_each_asymmetric_reader():
     def window(requests, ratio, p50, p99):
         return {"requests": requests, "hit_ratio": ratio, "wrong": 0, "p50_ms": p50, "p99_ms": p99}

@@ -1,7 +1,8 @@
 """What a ``bench netns --record`` run's record shows: the requests around a pod cut off and
 healed (``isolate``), what the pool noticed and when (with the idle cut), each reader of the
-asymmetric partition, requests for a holder behind a capped link (per half of the window), and
-each churn round; named figures for the prose that quotes them."""
+asymmetric partition, requests for a holder behind a capped link (per half of the window),
+each churn round, and what the reused, resolver and domain scenarios showed; named figures for
+the prose that quotes them."""
 
 from __future__ import annotations
 
@@ -91,6 +92,34 @@ def _readers(report: dict[str, Any]) -> list[dict[str, Any]]:
              "connected": ", ".join(asym["connected_views"][pod])} for pod, s in asym["readers"].items()]
 
 
+def _shared(pair: list[int]) -> str:
+    return "{} read, {} wrong".format(*pair)
+
+
+def _others(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per scenario of reused, resolver and domain that ran: what it showed."""
+    rows = []
+    if "reused" in report:
+        r = report["reused"]
+        refusals = {**r["member_refusals"], r["other"]: r["other_pool_sidecar_refusals"]}
+        counts = "; ".join(f"{pod} other_pool {c['other_pool']:g}, bad_proof {c['bad_proof']:g}"
+                           for pod, c in refusals.items())
+        forgotten = _v(r["seconds_from_unlisted_to_forgotten"], "{:.2f} s")
+        rows.append(("reused: a departed pod's address taken by another pool",
+                     f"refusals {counts}; no member links to it {forgotten} after the name stopped listing it"))
+    if "resolver" in report:
+        r = report["resolver"]
+        rows.append((f"resolver: every pod's resolver down for {r['seconds']:g} s",
+                     f"all failed within {_v(r['seconds_until_all_failed'], '{:.2f} s')}; connected links "
+                     f"{r['connected_before']} before, {r['connected_during']} during; a share meanwhile "
+                     f"{_shared(r['shared_during'])}"))
+    if "domain" in report:
+        r = report["domain"]
+        rows.append((f"domain: pods of another cluster domain, found by {r['name']}",
+                     f"resolved as {r['resolved']}; a share {_shared(r['shared'])}"))
+    return rows
+
+
 def _isolate_figure(path: tuple[str, ...], fmt: str) -> Any:
     """A named figure of the isolate scenario (None when the run left it out)."""
 
@@ -167,10 +196,15 @@ FIGURES = Figures(
                     lambda r: _v(r["seconds_until_departed_forgotten"], "{:.2f} s"),
                 ),
                 Column("rejoined after", lambda r: _v(r["seconds_until_rejoined"], "{:.2f} s")),
-                Column("share through a restarted pod", lambda r: "{} read, {} wrong".format(*r["shared"])),
+                Column("share through a restarted pod", lambda r: _shared(r["shared"])),
                 Column("survivors' fds", lambda r: ", ".join(str(v) for v in r["fds"].values())),
                 Column("survivors' RSS MiB", lambda r: ", ".join(str(v) for v in r["rss_mib"].values())),
             ),
+        ),
+        Table(
+            "An address reused, the resolver down, another cluster domain",
+            _others,
+            (Column("scenario", key(0)), Column("this run", key(1))),
         ),
     ),
     figures={
