@@ -100,10 +100,11 @@ async def connect(
     from kv_offload_sidecar.data.ucx.client import UcxPeerDataClient
 
     probe = None
-    if reached is not None and reach is None:
-        reached()
-    elif reached is not None:
-        probe = asyncio.create_task(dial_to_reach(reach, reached, timeout), name=f"reach {reach}")
+    if reached is not None:
+        if reach is None:
+            reached()
+        else:
+            probe = asyncio.create_task(dial_to_reach(reach, reached, timeout), name=f"reach {reach}")
     try:
         return await UcxPeerDataClient.connect(address, session_id, session_key,
                                                timeout=timeout, metrics=metrics, **options)

@@ -120,8 +120,8 @@ def _others(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _isolate_figure(path: tuple[str, ...], fmt: str) -> Any:
-    """A named figure of the isolate scenario (None when the run left it out)."""
+def _figure(path: tuple[str, ...], fmt: str) -> Any:
+    """A named figure at ``path`` in the report (None when the run left its scenario out)."""
 
     def figure(report: dict[str, Any]) -> str | None:
         value: Any = report
@@ -208,11 +208,11 @@ FIGURES = Figures(
         ),
     ),
     figures={
-        "added_p99_ms": _isolate_figure(("isolate", "victims_chunks", "added", "p99_ms"), "{:+g} ms"),
-        "stalled_requests": _isolate_figure(("isolate", "timeline_s", "stalled_requests"), "{}"),
-        "cut_to_all_drop_it": _isolate_figure(("isolate", "timeline_s", "cut_to_all_drop_it"), "{:.2f} s"),
-        "idle_noticed": _isolate_figure(("idle", "cut_to_all_drop_it"), "{:.2f} s"),
-        "idle_lookup_ms": _isolate_figure(("idle", "lookup_after_ms"), "{:g} ms"),
-        "heal_to_all_connected": _isolate_figure(("isolate", "timeline_s", "heal_to_all_connected"), "{:.2f} s"),
+        "added_p99_ms": _figure(("isolate", "victims_chunks", "added", "p99_ms"), "{:+g} ms"),
+        "stalled_requests": _figure(("isolate", "timeline_s", "stalled_requests"), "{}"),
+        "cut_to_all_drop_it": _figure(("isolate", "timeline_s", "cut_to_all_drop_it"), "{:.2f} s"),
+        "idle_noticed": _figure(("idle", "cut_to_all_drop_it"), "{:.2f} s"),
+        "idle_lookup_ms": _figure(("idle", "lookup_after_ms"), "{:g} ms"),
+        "heal_to_all_connected": _figure(("isolate", "timeline_s", "heal_to_all_connected"), "{:.2f} s"),
     },
 )
