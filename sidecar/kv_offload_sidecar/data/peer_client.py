@@ -181,14 +181,16 @@ class AnswerGivenUp(TimeoutError):
 
 
 async def answer_or_silence(fut: asyncio.Future[Any], heard: Callable[[], float], silence: float,
-                            within: float = float("inf")) -> Any:
+                            within: float = float("inf"), since: float | None = None) -> Any:
     """``fut``'s result, waited for while the peer is heard from: AnswerGivenUp (a TimeoutError)
     once nothing came from it (``heard()``, the monotonic time of its last frame) for ``silence``
-    seconds since this call or its last frame, or after ``within`` seconds at most. ``fut`` is not
+    seconds since this call (or ``since``, when the peer was asked earlier and has not been
+    heard from since) or its last frame, or after ``within`` seconds at most. ``fut`` is not
     cancelled. Before giving up the loop takes a turn, so a frame that arrived while this
     loop was busy is read first."""
-    since = time.monotonic()
-    limit = since + within
+    now = time.monotonic()
+    limit = now + within
+    since = now if since is None else min(since, now)
     while True:
         now = time.monotonic()
         end = min(max(since, heard()) + silence, limit)

@@ -29,7 +29,11 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   (srtt + 4 x rttvar)) since it asked, bounded by the fetch deadline (the whole fetch deadline
   before the first sample). Giving up is a miss, not a failure: the exchange itself runs on
   to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
-  one late answer, decides that the peer is lost. While the peer's data link opens, a request
+  one late answer, decides that the peer is lost. A request waits one silence per peer, not one
+  per question: a holder that is also the chunks' primary owner, and left the request's owner
+  question unanswered (the runner-up named it), is judged from that question (``since``); beside
+  the question goes a ping (``pong``) when nothing is in flight on that owner's data link, so a
+  slow owner's pong shows it alive. While the peer's data link opens, a request
   waits ``OPEN_ROUND_TRIPS`` answer silences, and once the open reached the holder's host (its
   TCP connection made, ``data.connect``'s ``reached``; on UCX, whose endpoint makes none, the
   one it dials beside to the holder's control port) the open's own
@@ -38,8 +42,9 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   a warm link's one, and a pod's first exchange with a holder is the one that brings its first
   peer hit (a real-vLLM demo under a busy core missed it in 4 runs of 5 when the open counted
   as silence). A request that touches a silently cut peer before the heartbeat noticed pays
-  about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small round trip, ``OPEN_ROUND_TRIPS`` times that
-  when its data link must open first; after, none (the peer is no member and no holder).
+  about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small round trip, as owner and holder at once too,
+  ``OPEN_ROUND_TRIPS`` times that when its data link must open first; after, none (the peer is
+  no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
   ``PeerSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait
@@ -49,6 +54,7 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -59,7 +65,7 @@ from kv_offload_sidecar.data.peer_client import AnswerGivenUp, answer_or_silence
 __all__ = ["ANSWER_FLOOR_SECONDS", "AnswerGivenUp", "HEARTBEAT_SECONDS", "LOST_AFTER_SECONDS", "MEMBER_PROBE_SECONDS",
            "MEMBER_PROBES_PER_SECOND", "probe_period",
            "OPEN_ROUND_TRIPS", "PROBE_TIMEOUT_SECONDS", "RoundTrips",
-           "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat", "last_heard"]
+           "answer_or_silence", "backoff_cap", "backoff_delay", "heartbeat", "last_heard", "pong"]
 
 # Seconds between heartbeats of a connected link.
 HEARTBEAT_SECONDS = 0.25
@@ -139,6 +145,15 @@ class RoundTrips:
 def lanes_of(client: Any) -> Sequence[Any]:
     """The connections behind a data client (its control connection and lanes, or itself)."""
     return getattr(client, "connections", None) or [client]
+
+
+async def pong(client: Any, round_trips: RoundTrips) -> None:
+    """One ping on a peer's data client beside a question to the peer (``peer_reads``: an owner's
+    locate), so an alive peer is heard from after the question even when its answer is slow; the
+    pong a round-trip sample. A silent one fails the connection as a heartbeat's does (the
+    link's watch then finds it closed)."""
+    with contextlib.suppress(Exception):
+        round_trips.observe(await client.ping(LOST_AFTER_SECONDS))
 
 
 async def heartbeat(client: Any, round_trips: RoundTrips) -> None:

@@ -21,8 +21,9 @@ run beats the engine recomputing it; when not, the rest is a miss.
 A request waits for a peer's first answer (the owner's locate, a holder's count) only while
 that peer is heard from (``liveness``: it gives up after the peer's answer silence, about
 50 ms at a small round trip; while the holder's data link opens, ``OPEN_ROUND_TRIPS`` of them,
-and the open's own bound once it reached the holder's host; the exchange runs on to the fetch
-deadline in the background); the chunks
+and the open's own bound once it reached the holder's host; one silence per peer a request, so a
+holder that left the request's owner question unanswered is judged from that question; the exchange
+runs on to the fetch deadline in the background); the chunks
 themselves get the fetch deadline. A holder's data connection is opened by its first
 exchange (``data_links``): a member without one is asked all the same.
 
@@ -48,13 +49,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kv_offload_sidecar.peers.fetch_cost import FetchOrRecompute
-from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, AnswerGivenUp, answer_or_silence, last_heard
+from kv_offload_sidecar.peers.fetched_copies import FetchedCopies
+from kv_offload_sidecar.peers.liveness import OPEN_ROUND_TRIPS, AnswerGivenUp, answer_or_silence, last_heard, pong
 from kv_offload_sidecar.peers.row_landings import LandingStore, RowLandings
 from kv_offload_sidecar.peers.directory.location_wire import HolderClaim
 
@@ -73,8 +74,6 @@ log = logging.getLogger(__name__)
 MAX_PEER_KEYS = 65536
 # Fetches started by lookups and not finished yet (past this, a lookup only counts).
 MAX_PREFETCHES = 1024
-# Fetched chunks remembered until their load drops or demotes them (oldest forgotten first).
-MAX_FETCHED = 65536
 # Holders one request's prefix is read from in turn (a conversation whose turns were stored
 # on different pods); each costs at most an owner query and a holder exchange.
 MAX_HOLDERS = 8
@@ -99,8 +98,9 @@ class _Prefetch:
     count: asyncio.Future[int]
     # The exchange itself (resolves to the chunks fetched).
     task: asyncio.Task[int] | None = None
-    # The holder asked.
+    # The holder asked, and when it was first asked as the chunks' owner and left that unanswered.
     holder: str = ""
+    silent_since: float | None = None
 
 
 class PeerReads:
@@ -122,8 +122,10 @@ class PeerReads:
         # Rows of vLLM's that load jobs offer to the chunks they wait for (fetches may land there).
         self._landings = landings
         self._inflight: dict[bytes, _Prefetch] = {}
-        # Fetched chunks not loaded yet -> when they were asked (oldest first).
-        self._fetched: OrderedDict[bytes, float] = OrderedDict()
+        # Fetched chunks not loaded yet.
+        self._fetched = FetchedCopies()
+        # Owners a ping beside a question is in flight to (``liveness.pong``).
+        self._pinging: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         # Peer identity -> exchanges failed (its fault) since it last served one.
         self._unserved: dict[str, int] = {}
@@ -148,10 +150,12 @@ class PeerReads:
         rest = list(keys[local:local + MAX_PEER_KEYS])
         if not fetch or len(self._inflight) >= MAX_PREFETCHES:
             return await self._count_runs(rest, deadline)
+        asked = time.monotonic()
         holder = await self._holder(rest, deadline, decide=True)
         if holder is None:
             return 0
-        prefetch = _Prefetch(rest, asyncio.get_running_loop().create_future(), holder=holder[1].identity)
+        prefetch = _Prefetch(rest, asyncio.get_running_loop().create_future(), holder=holder[1].identity,
+                             silent_since=self._silent_since(rest, holder, asked))
         self._inflight[rest[0]] = prefetch
         prefetch.task = self._spawn(self._prefetch(prefetch, holder, asked_at))
         return await self._count_of(prefetch, rest, deadline)
@@ -203,23 +207,12 @@ class PeerReads:
 
     def take_fetched(self, keys: Sequence[bytes]) -> list[bytes]:
         """Which of ``keys`` came from peers (the caller drops or demotes them once loaded)."""
-        out = [k for k in keys if k in self._fetched]
-        for k in out:
-            del self._fetched[k]
-        return out
+        return self._fetched.take(keys)
 
     def take_unloaded(self, older_than: float) -> list[bytes]:
         """Fetched chunks no load took within ``older_than`` seconds (a lookup whose request the
         engine never loaded: preempted, aborted); the caller drops or demotes them too."""
-        limit = time.monotonic() - older_than
-        out = []
-        while self._fetched:
-            key, asked = next(iter(self._fetched.items()))
-            if asked > limit:
-                break
-            del self._fetched[key]
-            out.append(key)
-        return out
+        return self._fetched.take_older_than(older_than)
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -245,6 +238,13 @@ class PeerReads:
             if not worth:
                 return None
         return link, claim, owner
+
+    def _silent_since(self, keys: list[bytes], holder: tuple[PeerLink, HolderClaim, str],
+                      asked: float) -> float | None:
+        """``asked`` when the holder is the chunks' primary owner and the runner-up answered for it
+        (it was silent or failed): its silence counts from that question, not again from its own
+        (one answer silence per peer a request; the nudged heartbeat's pong shows it alive)."""
+        return asked if holder[1].identity == self._location.owner_of(keys[0]) != holder[2] else None
 
     async def _candidates(self, keys: list[bytes], deadline: float, *,
                           hint: bool = False) -> tuple[str, list[tuple[PeerLink, HolderClaim]]] | None:
@@ -273,6 +273,10 @@ class PeerReads:
         # The runner-up is asked once the primary has been silent for its answer silence.
         primary = self._peers.connected(owner)
         hedge = primary.round_trips.answer_silence(deadline) if primary is not None else None
+        if primary is not None and primary.data is not None and not primary.busy and owner not in self._pinging:
+            self._pinging.add(owner)  # its pong shows a slow owner alive (``_silent_since``)
+            ping = self._spawn(pong(primary.data, primary.round_trips))
+            ping.add_done_callback(lambda _, asked=owner: self._pinging.discard(asked))
         try:
             owner, holders = await self._location.locate(keys, deadline, failed, hedge_after=hedge)
         except (ConnectionError, asyncio.TimeoutError, OSError, ValueError) as exc:
@@ -333,11 +337,13 @@ class PeerReads:
         loop = asyncio.get_running_loop()
         end, total = loop.time() + deadline, 0
         for _ in range(MAX_HOLDERS):
+            asked = time.monotonic()
             holder = await self._holder(keys, end - loop.time())
             if holder is None:
                 break
             n = await self._answer(self._exchange(*holder, keys, end - loop.time(), fetch=False),
-                                   holder[1].identity, end - loop.time(), 0)
+                                   holder[1].identity, end - loop.time(), 0,
+                                   since=self._silent_since(keys, holder, asked))
             rest = self._after_run(keys, n)
             total += len(keys) - len(rest)
             if n == 0 or not rest:
@@ -372,7 +378,7 @@ class PeerReads:
             self._metrics.lookup_messages.inc()
         if fetch:  # marked before they land: a load may pin them before this returns
             self._location.mark_copies(keys)
-            self._remember(keys)
+            self._fetched.remember(keys)
         loop = asyncio.get_running_loop()
         started = counted_at = loop.time()
         speeds = self.cost.speeds
@@ -382,7 +388,7 @@ class PeerReads:
             nonlocal counted_at, asked
             counted_at, asked = loop.time(), n
             if fetch:
-                self._forget(keys[n:])  # not coming from this holder
+                self._fetched.forget(keys[n:])  # not coming from this holder
             speeds.observe_latency(claim.identity, counted_at - started)
             if on_count is not None:
                 on_count(n)
@@ -434,11 +440,12 @@ class PeerReads:
             self._claims.record(OWNER_PREFIX + owner, 1, backed)
         return got
 
-    async def _answer(self, work: Awaitable[T], identity: str, deadline: float, default: T) -> T:
+    async def _answer(self, work: Awaitable[T], identity: str, deadline: float, default: T, *,
+                      since: float | None = None) -> T:
         """``work``'s result, waited for while the peer ``identity`` is heard from (``heard``: its
-        data link's last frame; ``liveness.answer_or_silence``), ``deadline`` seconds at most; else
-        ``default``, a miss counted in ``peer_answers_given_up``, while ``work`` runs on to its own
-        deadline in the background (its failure is blamed there)."""
+        data link's last frame; ``liveness.answer_or_silence``, from ``since`` with one open),
+        ``deadline`` seconds at most; else ``default``, a miss counted in ``peer_answers_given_up``,
+        while ``work`` runs on to its own deadline in the background (its failure is blamed there)."""
         fut = work if isinstance(work, asyncio.Future) else self._spawn(work)
         link = self._peers.connected(identity)
         silence = link.round_trips.answer_silence(deadline) if link is not None else deadline
@@ -446,7 +453,8 @@ class PeerReads:
             silence = min(deadline, OPEN_ROUND_TRIPS * silence)
         heard = (lambda: last_heard(link)) if link is not None else float
         try:
-            return await answer_or_silence(fut, heard, silence, deadline)
+            return await answer_or_silence(fut, heard, silence, deadline,
+                                           since if link is not None and link.data is not None else None)
         except AnswerGivenUp as gave_up:
             self._metrics.peer_answers_given_up.labels(reason=gave_up.reason).inc()
             if gave_up.reason == "silence":  # its heartbeat decides whether it is lost
@@ -477,25 +485,13 @@ class PeerReads:
     async def _count_of(self, prefetch: _Prefetch, keys: Sequence[bytes], deadline: float) -> int:
         """The prefetch's count, as far as it covers ``keys``; 0 past ``deadline`` or once the
         holder was silent for its answer silence."""
-        n = await self._answer(prefetch.count, prefetch.holder, deadline, 0)
+        n = await self._answer(prefetch.count, prefetch.holder, deadline, 0, since=prefetch.silent_since)
         same = 0
         for a, b in zip(prefetch.keys[:n], keys):
             if a != b:
                 break
             same += 1
         return same
-
-    def _remember(self, keys: list[bytes]) -> None:
-        now = time.monotonic()
-        for k in keys:
-            self._fetched[k] = now
-            self._fetched.move_to_end(k)
-        while len(self._fetched) > MAX_FETCHED:
-            self._fetched.popitem(last=False)
-
-    def _forget(self, keys: list[bytes]) -> None:
-        for k in keys:
-            self._fetched.pop(k, None)
 
     def _forget_unlanded(self, keys: list[bytes]) -> None:
         """Forget the ``keys`` an exchange did not bring, keeping those that landed: a load
@@ -505,7 +501,7 @@ class PeerReads:
             store = self._store()
         except RuntimeError:  # stopping: nothing is loaded any more
             store = None
-        self._forget([k for k in keys if store is None or not store.contains(k)])
+        self._fetched.forget(k for k in keys if store is None or not store.contains(k))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

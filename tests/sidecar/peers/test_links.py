@@ -9,15 +9,18 @@ import time
 
 import pytest
 
+from kv_offload_sidecar.data.base import TransportError
 from kv_offload_sidecar.peers.liveness import (
     ANSWER_FLOOR_SECONDS,
     HEAL_BACKOFF_MAX_SECONDS,
+    LOST_AFTER_SECONDS,
     MEMBER_PROBE_SECONDS,
     MEMBER_PROBES_PER_SECOND,
     AnswerGivenUp,
     RoundTrips,
     answer_or_silence,
     last_heard,
+    pong,
     probe_period,
 )
 from kv_offload_sidecar.peers.links import PeerLink, backoff_cap, backoff_delay
@@ -67,6 +70,41 @@ def test_an_unanswered_wait_says_whether_the_peer_fell_silent_or_its_deadline_pa
 
     assert asyncio.run(wait(float, within=10.0)) == "silence"  # nothing heard since the call
     assert asyncio.run(wait(time.monotonic, within=0.2)) == "deadline"  # heard all along
+
+
+def test_a_peer_asked_earlier_and_not_heard_from_since_gets_no_fresh_silence_and_one_heard_waits_on():
+    # A request that already asked the peer (its owner question) counts the silence from there.
+    async def waited(heard_ago: float) -> tuple[str, float]:
+        fut = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.2, fut.set_result, "answer")
+        now = time.monotonic()
+        try:
+            got = await answer_or_silence(fut, lambda: now - heard_ago, silence=5.0, since=now - 6.0)
+        except AnswerGivenUp as gave_up:
+            got = gave_up.reason
+        return got, time.monotonic() - now
+
+    silent, took = asyncio.run(waited(heard_ago=7.0))  # nothing since it was asked 6 s ago
+    assert silent == "silence" and took < 5.0  # not a fresh 5 s silence from this call
+    assert asyncio.run(waited(heard_ago=0.0))[0] == "answer"  # heard since: waits for the answer
+
+
+def test_a_ping_beside_a_question_is_a_round_trip_sample_and_a_silent_one_raises_nothing():
+    class Client:
+        def __init__(self, answer: float | Exception) -> None:
+            self.answer, self.silence = answer, None
+
+        async def ping(self, silence: float) -> float:
+            self.silence = silence
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    answered, silent, rtt = Client(0.004), Client(TransportError("peer silent")), RoundTrips()
+    asyncio.run(pong(answered, rtt))
+    assert rtt.srtt == 0.004 and answered.silence == LOST_AFTER_SECONDS  # a heartbeat's bound
+    asyncio.run(pong(silent, rtt))  # the connection failed: the link's watch finds it closed
+    assert rtt.srtt == 0.004
 
 
 def test_an_opening_data_link_counts_as_hearing_the_peer_only_once_it_reached_the_holders_host():

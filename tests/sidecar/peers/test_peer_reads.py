@@ -7,7 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 from kv_offload_sidecar.lifecycle import running
-from kv_offload_sidecar.peers import peer_reads
+from kv_offload_sidecar.peers import fetched_copies, peer_reads
 from kv_offload_sidecar.sidecar import UNLOADED_AFTER_DEADLINES, Sidecar
 from kv_offload_tools.chaos.chunks import chunk_keys
 from sidecar_support import Clock, identified, settled, store_zeros
@@ -225,7 +225,7 @@ async def test_chunks_a_lookup_fetched_and_no_load_took_are_let_go_after_four_de
     # The age of a fetched chunk is read on a clock the test moves (the fetch itself runs on
     # the event loop's own time, with a deadline that only bounds a hang).
     clock = Clock()
-    monkeypatch.setattr(peer_reads, "time", SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr(fetched_copies, "time", SimpleNamespace(monotonic=clock))
     holder, asker = _holder_and_asker(make_settings, fetch_deadline_seconds=REQUEST_DEADLINE_SECONDS)
     let_go_after = UNLOADED_AFTER_DEADLINES * REQUEST_DEADLINE_SECONDS
     async with running(holder), running(asker):
@@ -259,3 +259,18 @@ def test_a_peers_failures_count_on_across_its_reconnects_so_its_back_off_grows()
     link.failures = 0
     reads._blame(link, "fetch: missed its deadline", 0.0)
     assert seen[-1] == 0
+
+
+def test_a_holder_that_left_the_requests_owner_question_unanswered_is_judged_from_that_question():
+    # One answer silence per peer a request: a holder that is also the chunks' primary owner,
+    # for which the runner-up answered, has been silent since the owner question.
+    reads = peer_reads.PeerReads(location=SimpleNamespace(owner_of=lambda key: "x"), peers=None, claims=None,
+                                 metrics=None, store=lambda: None, deadline_seconds=1.0, cost=None, stalls=None)
+    keys = chunk_keys("owned-by-x", 2)
+
+    def since(holder: str, answered_by: str) -> float | None:
+        return reads._silent_since(keys, (None, SimpleNamespace(identity=holder), answered_by), asked=12.5)
+
+    assert since("x", answered_by="y") == 12.5  # x was asked first and did not answer
+    assert since("x", answered_by="x") is None  # x answered as owner: a fresh question
+    assert since("z", answered_by="y") is None  # another holder: never asked before

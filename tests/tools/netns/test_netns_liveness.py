@@ -124,16 +124,19 @@ def test_an_idle_pod_cut_off_silently_is_dropped_by_heartbeat_or_probe_and_back_
 
 def test_a_lookup_that_touches_a_pod_just_cut_off_misses_after_the_answer_floor_not_the_deadline(
         fresh_netns_pool: NetnsPool):
+    # pod-2 holds the chunks and is their primary owner: the lookup's owner question goes
+    # unanswered, the runner-up names pod-2, and pod-2 is judged from that first question.
     pool = fresh_netns_pool
     keys = _stored_on_pod_2_and_connected(pool, "cut-holder", 4)
     with pool.client(0) as reader:
         assert reader.lookup(keys, timeout=1.0).peer == len(keys)  # held by pod-2, seen from pod-0
-        more = chunk_keys("cut-holder-2", 4)
+        more = chunk_keys(_tag_owned(pool, lambda owners: owners[0] == pool[2].identity), 4)
         with pool.client(2) as writer:
             assert store_chunks(writer, more, pool.chunk_bytes) == len(more)
         pool.wait_directory_current()
         hits, took, before_the_heartbeat = _lookup_with_pod_2_cut(pool, reader, 0, more, 1.0)
     assert hits.hits == 0
+    assert _given_up(pool, 0) == {"silence": 1, "deadline": 0}
     # The fetch deadline is 1.0 s here; the answer wait follows pod-2's round trips (a 50 ms floor).
     assert took < 0.3, f"the lookup waited {took * 1e3:.0f} ms"
     assert before_the_heartbeat, "the heartbeat noticed first: this run proves nothing"
