@@ -243,7 +243,8 @@ class PeerReads:
                       asked: float) -> float | None:
         """``asked`` when the holder is the chunks' primary owner and the runner-up answered for it
         (it was silent or failed): its silence counts from that question, not again from its own
-        (one answer silence per peer a request; the nudged heartbeat's pong shows it alive)."""
+        (one answer silence per peer a request; the ping beside that question, ``liveness.pong``,
+        shows a slow but live owner alive)."""
         return asked if holder[1].identity == self._location.owner_of(keys[0]) != holder[2] else None
 
     async def _candidates(self, keys: list[bytes], deadline: float, *,
