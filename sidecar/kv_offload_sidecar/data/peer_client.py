@@ -184,25 +184,29 @@ async def answer_or_silence(fut: asyncio.Future[Any], heard: Callable[[], float]
                             within: float = float("inf"), since: float | None = None) -> Any:
     """``fut``'s result, waited for while the peer is heard from: AnswerGivenUp (a TimeoutError)
     once nothing came from it (``heard()``, the monotonic time of its last frame) for ``silence``
-    seconds since this call (or ``since``, when the peer was asked earlier and has not been
-    heard from since) or its last frame, or after ``within`` seconds at most. ``fut`` is not
-    cancelled. Before giving up the loop takes a turn, so a frame that arrived while this
-    loop was busy is read first."""
-    now = time.monotonic()
-    limit = now + within
-    since = now if since is None else min(since, now)
+    seconds since this call or its last frame, or after ``within`` seconds at most; from
+    ``since`` instead (an earlier question to the peer) while nothing came from it after that.
+    ``fut`` is not cancelled. Before giving up the loop takes a turn, so a frame that arrived
+    while this loop was busy is read first."""
+    asked = time.monotonic()
+    limit = asked + within
+    since = asked if since is None else min(since, asked)
+
+    def end() -> float:
+        last = heard()
+        return min(max(asked if last >= since else since, last) + silence, limit)
+
     while True:
         now = time.monotonic()
-        end = min(max(since, heard()) + silence, limit)
-        if end <= now:
+        if end() <= now:
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             now = time.monotonic()
-            if not fut.done() and min(max(since, heard()) + silence, limit) <= now:
+            if not fut.done() and end() <= now:
                 raise AnswerGivenUp("deadline" if now >= limit else "silence")
         if fut.done():
             return fut.result()
-        await asyncio.wait({fut}, timeout=max(0.0, end - now))
+        await asyncio.wait({fut}, timeout=max(0.0, end() - now))
 
 
 def raise_if_refused(header: proto.Header, payload: bytes | bytearray | memoryview | None) -> None:

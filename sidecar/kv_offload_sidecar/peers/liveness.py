@@ -22,29 +22,30 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   with the pool. A busy pool's publishes and reads stand in for most probes, and a member
   asked for anything is dropped at its first failed call.
 - **Answer deadline.** Each pong is a round-trip sample (``RoundTrips``: RFC 6298's smoothed
-  round trip and deviation); so is each location call answered while no data connection is
-  open (a probe, a publish, a locate). A request waits for a peer's first answer (an owner's locate, a
-  holder's count) only while the peer is heard from: it gives up once nothing came from
-  that peer for ``answer_silence()`` = max(``ANSWER_FLOOR_SECONDS``, ``ANSWER_RTT_FACTOR`` x
-  (srtt + 4 x rttvar)) since it asked, bounded by the fetch deadline (the whole fetch deadline
-  before the first sample). Giving up is a miss, not a failure: the exchange itself runs on
-  to the fetch deadline in the background (bulk bytes may take long), and the heartbeat, not
-  one late answer, decides that the peer is lost. A request waits one silence per peer, not one
-  per question: a holder that is also the chunks' primary owner, and left the request's owner
-  question unanswered (the runner-up named it), is judged from that question (``since``); beside
-  the question goes a ping (``pong``) when nothing is in flight on that owner's data link, so a
-  slow owner's pong shows it alive. While the peer's data link opens, a request
-  waits ``OPEN_ROUND_TRIPS`` answer silences, and once the open reached the holder's host (its
-  TCP connection made, ``data.connect``'s ``reached``; on UCX, whose endpoint makes none, the
-  one it dials beside to the holder's control port) the open's own
-  bound judges the peer instead (``last_heard``: the handshake timeout, and a failed open
-  reports it): the proof's round trips need the holder's process, slower on a loaded host than
-  a warm link's one, and a pod's first exchange with a holder is the one that brings its first
-  peer hit (a real-vLLM demo under a busy core missed it in 4 runs of 5 when the open counted
-  as silence). A request that touches a silently cut peer before the heartbeat noticed pays
-  about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small round trip, as owner and holder at once too,
-  ``OPEN_ROUND_TRIPS`` times that when its data link must open first; after, none (the peer is
-  no member and no holder).
+  round trip and deviation); so is each location call answered while no data connection is open
+  (a probe, a publish, a locate). A request waits for a peer's first answer (an owner's locate,
+  a holder's count) only while the peer is heard from: it gives up once nothing came from that
+  peer for ``answer_silence()`` = max(``ANSWER_FLOOR_SECONDS``, ``ANSWER_RTT_FACTOR`` x (srtt +
+  4 x rttvar)) since it asked, bounded by the fetch deadline (the whole fetch deadline before
+  the first sample). Giving up is a miss, not a failure: the exchange itself runs on to the
+  fetch deadline in the background (bulk bytes may take long), and the heartbeat, not one late
+  answer, decides that the peer is lost. A request waits one silence per peer, not one per
+  question: a holder that is also the chunks' primary owner, and left the request's owner
+  question unanswered (the runner-up named it), is judged from that question while nothing came
+  from it after (``since``); beside the question goes a ping (``pong``) when nothing is in
+  flight on that owner's data link, so an owner alive but slow to answer (or whose control port
+  drops the question) shows it by its pong and its count gets a silence of its own. While the
+  peer's data link opens, a request waits ``OPEN_ROUND_TRIPS`` answer silences, and once the
+  open reached the holder's host (its TCP connection made, ``data.connect``'s ``reached``; on
+  UCX, whose endpoint makes none, the one it dials beside to the holder's control port) the
+  open's own bound judges the peer instead (``last_heard``: the handshake timeout, and a failed
+  open reports it): the proof's round trips need the holder's process, slower on a loaded host
+  than a warm link's one, and a pod's first exchange with a holder is the one that brings its
+  first peer hit (a real-vLLM demo under a busy core missed it in 4 runs of 5 when the open
+  counted as silence). A request that touches a silently cut peer before the heartbeat noticed
+  pays about ``ANSWER_FLOOR_SECONDS`` (50 ms) at a small round trip, as owner and holder at once
+  too, ``OPEN_ROUND_TRIPS`` times that when its data link must open first; after, none (the peer
+  is no member and no holder).
 - **Heal.** A link lost to liveness or unreachable backs off below at most
   ``HEAL_BACKOFF_MAX_SECONDS`` (full jitter; rejections keep
   ``PeerSettings.backoff_max_seconds``), and the peer's handshake to us ends our wait

@@ -242,9 +242,8 @@ class PeerReads:
     def _silent_since(self, keys: list[bytes], holder: tuple[PeerLink, HolderClaim, str],
                       asked: float) -> float | None:
         """``asked`` when the holder is the chunks' primary owner and the runner-up answered for it
-        (it was silent or failed): its silence counts from that question, not again from its own
-        (one answer silence per peer a request; the ping beside that question, ``liveness.pong``,
-        shows a slow but live owner alive)."""
+        (it was silent or failed): unless heard from after that question (the pong of the ping
+        beside it, ``liveness.pong``), its silence counts from there, not again from its own."""
         return asked if holder[1].identity == self._location.owner_of(keys[0]) != holder[2] else None
 
     async def _candidates(self, keys: list[bytes], deadline: float, *,

@@ -87,6 +87,9 @@ def test_a_peer_asked_earlier_and_not_heard_from_since_gets_no_fresh_silence_and
     silent, took = asyncio.run(waited(heard_ago=7.0))  # nothing since it was asked 6 s ago
     assert silent == "silence" and took < 5.0  # not a fresh 5 s silence from this call
     assert asyncio.run(waited(heard_ago=0.0))[0] == "answer"  # heard since: waits for the answer
+    # Heard after the earlier question (its ping's pong), if longer ago than a silence: alive,
+    # so this question gets its own silence.
+    assert asyncio.run(waited(heard_ago=5.5))[0] == "answer"
 
 
 def test_a_ping_beside_a_question_is_a_round_trip_sample_and_a_silent_one_raises_nothing():

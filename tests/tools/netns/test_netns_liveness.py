@@ -2,11 +2,13 @@
 an idle pod cut off is dropped with no request, within the heartbeat's stated time by a pod
 whose data link to it is open and within the probe's by one that holds none, a request
 that touches a cut pod waits only about the answer floor (a few of them when it must open a
-data link to it), a heal is seen within 5 s, and no
-half-open connection is left on either side."""
+data link to it; once, when the pod is both the chunks' owner and their holder), an owner whose
+control port drops the question but whose data link answers keeps its hits, a heal is seen
+within 5 s, and no half-open connection is left on either side."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -171,3 +173,32 @@ def test_a_lookup_that_must_open_a_data_link_to_a_pod_just_cut_off_misses_after_
     assert _given_up(pool, 1) == {"silence": 1, "deadline": 0}
     assert took < 0.8, f"the lookup waited {took * 1e3:.0f} ms"
     assert before_the_probe, "the probe noticed first: this run proves nothing"
+
+
+
+def test_an_owner_whose_control_port_drops_the_question_but_whose_data_link_answers_keeps_its_hits(
+        fresh_netns_pool: NetnsPool):
+    # pod-2 holds the chunks and is their primary owner; pod-0's packets to pod-2's control port
+    # are dropped, so each owner question goes unanswered, while their data link works. The ping
+    # beside the question shows pod-2 alive: the runner-up names it and the lookup hits, where a
+    # holder judged from the unanswered question alone would be given up at once.
+    pool = fresh_netns_pool
+    pod_2 = pool[2].identity
+    tags = (f"asked-of-pod-2-{n}" for n in range(10_000))
+    sets = [chunk_keys(t, 2) for t in itertools.islice(
+        (t for t in tags if pool.owners_of(chunk_keys(t, 1)[0])[0] == pod_2), 3)]
+    keys = _stored_on_pod_2_and_connected(pool, "data-link-opener", 2)
+    with pool.client(2) as writer:
+        for held in sets:
+            assert store_chunks(writer, held, pool.chunk_bytes) == len(held)
+    pool.wait_directory_current()
+    with pool.client(0) as reader:
+        assert reader.lookup(keys, timeout=1.0).peer == len(keys)
+        assert _data_open(pool, 0, 2)
+        try:
+            pool.net.partition(0, 2, port=pool.base_port)
+            peer_hits = [reader.lookup(held, timeout=3.0).peer for held in sets]
+        finally:
+            pool.net.heal()
+    assert peer_hits == [2, 2, 2], peer_hits
+    assert _given_up(pool, 0) == {"silence": 0, "deadline": 0}
