@@ -273,7 +273,7 @@ class PeerReads:
         # The runner-up is asked once the primary has been silent for its answer silence.
         primary = self._peers.connected(owner)
         hedge = primary.round_trips.answer_silence(deadline) if primary is not None else None
-        if primary is not None and primary.data is not None and not primary.busy and owner not in self._pinging:
+        if primary is not None and primary.data is not None and owner not in self._pinging:
             self._pinging.add(owner)  # its pong shows a slow owner alive (``_silent_since``)
             ping = self._spawn(pong(primary.data, primary.round_trips))
             ping.add_done_callback(lambda _, asked=owner: self._pinging.discard(asked))

@@ -200,5 +200,5 @@ def test_an_owner_whose_control_port_drops_the_question_but_whose_data_link_answ
             peer_hits = [reader.lookup(held, timeout=3.0).peer for held in sets]
         finally:
             pool.net.heal()
-    assert peer_hits == [2, 2, 2], peer_hits
+    assert peer_hits == [2, 2, 2], (peer_hits, _given_up(pool, 0), _peer_view(pool, 0, 2))
     assert _given_up(pool, 0) == {"silence": 0, "deadline": 0}
