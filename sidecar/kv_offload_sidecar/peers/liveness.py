@@ -32,8 +32,8 @@ Rules (each with its detection time; the TCP ones are in ``keepalive``, the serv
   answer, decides that the peer is lost. A request waits one silence per peer, not one per
   question: a holder that is also the chunks' primary owner, and left the request's owner
   question unanswered (the runner-up named it), is judged from that question while nothing came
-  from it after (``since``); beside the question goes a ping (``pong``) when nothing is in
-  flight on that owner's data link, so an owner alive but slow to answer (or whose control port
+  from it after (``since``); beside the question goes a ping (``pong``) on that owner's open
+  data link, one in flight per owner, so an owner alive but slow to answer (or whose control port
   drops the question) shows it by its pong and its count gets a silence of its own. While the
   peer's data link opens, a request waits ``OPEN_ROUND_TRIPS`` answer silences, and once the
   open reached the holder's host (its TCP connection made, ``data.connect``'s ``reached``; on
